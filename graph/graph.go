@@ -1,0 +1,121 @@
+package graph
+
+import (
+	"strings"
+
+	"gorgonia.org/tensor"
+)
+
+// Type is what shape inference knows about a node's value. Shape is the
+// full-batch shape. When BatchAxis ≥ 0, Shape[BatchAxis] = Batch·PerSample,
+// where Batch is the graph's batch size N: running a chunk of b samples
+// gives the same shape with that axis equal to b·PerSample.
+type Type struct {
+	Shape     []int
+	DType     DType
+	BatchAxis int // −1 when the value has no batch axis
+	PerSample int // size of the batch axis per sample (1 unless a reshape folded axes into it)
+}
+
+// Numel is the number of elements at the full batch.
+func (t Type) Numel() int { return Numel(t.Shape) }
+
+// Bytes is the size of the value at the full batch.
+func (t Type) Bytes() int64 { return int64(t.Numel()) * int64(t.DType.Size()) }
+
+// Batched reports whether the value has a batch axis.
+func (t Type) Batched() bool { return t.BatchAxis >= 0 }
+
+// AtBatch returns the shape the value has when b samples run at once.
+func (t Type) AtBatch(b int) []int {
+	s := append([]int(nil), t.Shape...)
+	if t.BatchAxis >= 0 {
+		s[t.BatchAxis] = b * t.PerSample
+	}
+	return s
+}
+
+// Numel multiplies out a shape; a scalar ([]) has one element.
+func Numel(shape []int) int {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	return n
+}
+
+// Node is one operation in the graph.
+type Node struct {
+	ID     int
+	Op     Op
+	Inputs []int // ids of earlier nodes
+	Attrs  Attrs
+	Type   Type
+	Name   string        // parameter name for sources; empty otherwise
+	Scope  string        // dotted module path active when the node was made ("layers.3")
+	Site   string        // caller's file:line
+	Value  tensor.Tensor // data of a source node; nil for shape-only graphs
+}
+
+// Graph is an append-only list of nodes in topological order.
+type Graph struct {
+	nodes []Node
+	batch int // N, the full batch size; 0 until a batched input is added
+	scope []string
+}
+
+// New returns an empty graph.
+func New() *Graph { return &Graph{} }
+
+// Len is the number of nodes.
+func (g *Graph) Len() int { return len(g.nodes) }
+
+// Node returns node id. The pointer stays valid until the next Append.
+func (g *Graph) Node(id int) *Node { return &g.nodes[id] }
+
+// Nodes returns the nodes in id order; callers must not modify them.
+func (g *Graph) Nodes() []Node { return g.nodes }
+
+// Batch is the full batch size N (0 when the graph has no batched input).
+func (g *Graph) Batch() int { return g.batch }
+
+// SetBatch records N. The first batched input fixes it; later inputs must agree.
+func (g *Graph) SetBatch(n int) error {
+	if g.batch != 0 && g.batch != n {
+		return Errorf(ErrShape, "batch size %d differs from the graph's batch size %d", n, g.batch)
+	}
+	g.batch = n
+	return nil
+}
+
+// Append adds n, whose Type the caller has already inferred, and returns its
+// id. Inputs must name existing nodes; that is what keeps ids topological.
+func (g *Graph) Append(n Node) (int, error) {
+	if err := n.Op.CheckArity(len(n.Inputs)); err != nil && n.Op.Category() != CatSource {
+		return -1, err
+	}
+	for _, in := range n.Inputs {
+		if in < 0 || in >= len(g.nodes) {
+			return -1, Errorf(ErrArity, "%s: input id %d does not name an earlier node", n.Op, in)
+		}
+	}
+	n.ID = len(g.nodes)
+	if n.Scope == "" {
+		n.Scope = g.Scope()
+	}
+	g.nodes = append(g.nodes, n)
+	return n.ID, nil
+}
+
+// PushScope enters a module scope; nodes appended until PopScope carry it.
+func (g *Graph) PushScope(name string) { g.scope = append(g.scope, name) }
+
+// PopScope leaves the innermost module scope.
+func (g *Graph) PopScope() {
+	if len(g.scope) > 0 {
+		g.scope = g.scope[:len(g.scope)-1]
+	}
+}
+
+// Scope is the current dotted module path.
+func (g *Graph) Scope() string { return strings.Join(g.scope, ".") }

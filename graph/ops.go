@@ -1,0 +1,246 @@
+package graph
+
+import "fmt"
+
+// Op identifies an operation. Its properties live in the op table below.
+type Op uint16
+
+// Category groups ops that share shape and chunking behaviour.
+type Category uint8
+
+const (
+	CatSource      Category = iota // Input, Param, Const: no inputs
+	CatUnary                       // elementwise, one input, same shape
+	CatScalar                      // elementwise with a scalar attribute
+	CatBinary                      // elementwise, two inputs, NumPy broadcasting
+	CatContraction                 // matmul, linear
+	CatReduce                      // sum, mean, max over axes
+	CatNormalize                   // softmax, log_softmax, layer_norm
+	CatMovement                    // reshape, permute, slice, concat
+	CatIndex                       // embedding
+	CatConv                        // conv2d and pooling
+	CatLoss                        // cross_entropy, mse
+)
+
+var categoryNames = [...]string{"source", "unary", "scalar", "binary", "contraction",
+	"reduce", "normalize", "movement", "index", "conv", "loss"}
+
+func (c Category) String() string {
+	if int(c) < len(categoryNames) {
+		return categoryNames[c]
+	}
+	return fmt.Sprintf("Category(%d)", uint8(c))
+}
+
+// Variadic marks an op that takes any number (≥ MinArity) of inputs.
+const Variadic = -1
+
+const (
+	OpInvalid Op = iota
+	// sources
+	OpInput // batched user input (lazy.Wrap)
+	OpParam // trainable parameter
+	OpConst // constant tensor
+	// unary
+	OpNeg
+	OpExp
+	OpLog
+	OpSqrt
+	OpAbs
+	OpTanh
+	OpSigmoid
+	OpRelu
+	OpGelu // Attrs.Approx: tanh approximation instead of erf
+	// scalar forms: x ∘ Attrs.Scalar
+	OpAddScalar     // x + s
+	OpSubScalar     // x − s
+	OpRSubScalar    // s − x
+	OpMulScalar     // x · s
+	OpDivScalar     // x / s
+	OpRDivScalar    // s / x
+	OpPowScalar     // x ^ s
+	OpMaximumScalar // max(x, s)
+	// binary with broadcasting
+	OpAdd
+	OpSub
+	OpMul
+	OpDiv
+	OpPow
+	OpMaximum
+	// contraction
+	OpMatMul // 2-D or batched, broadcasting batch dims
+	OpLinear // x·Wᵀ (+ b): inputs x, W[, b]
+	// reduce
+	OpSum  // Attrs.Axes, Attrs.KeepDim
+	OpMean // as OpSum, scaled by Attrs.Scalar = 1/count fixed at build time (full N)
+	OpMax
+	// normalize
+	OpSoftmax    // Attrs.Axis
+	OpLogSoftmax // Attrs.Axis
+	OpLayerNorm  // inputs x[, weight[, bias]]; Attrs.NormDims trailing dims, Attrs.Eps
+	// movement
+	OpReshape // Attrs.Shape (full-batch sizes, no −1 left)
+	OpPermute // Attrs.Perm
+	OpSlice   // Attrs.Axis, Attrs.Start, Attrs.End, Attrs.Step
+	OpConcat  // Attrs.Axis, variadic
+	// index
+	OpEmbedding // inputs indices (int64), weight [V, D]
+	// conv
+	OpConv2d    // inputs x[N,C,H,W], w[O,C/g,kh,kw][, b[O]]; Stride, Padding, Dilation, Groups
+	OpMaxPool2d // Kernel, Stride, Padding, Dilation
+	OpAvgPool2d // Kernel, Stride, Padding (zero padding counted in the divisor)
+	// loss
+	OpCrossEntropy // inputs logits [N, C], labels int64 [N]; Reduction
+	OpMSE          // inputs pred, target (same shape); Reduction
+
+	numOps
+)
+
+// OpInfo is one row of the op table.
+type OpInfo struct {
+	Name     string
+	Category Category
+	MinArity int
+	Arity    int      // exact arity, or Variadic
+	MaxArity int      // for optional trailing inputs (linear bias); 0 means = Arity
+	Attrs    []string // attributes the op reads, for documentation and printing
+}
+
+var opTable = [numOps]OpInfo{
+	OpInvalid: {Name: "invalid"},
+
+	OpInput: {Name: "input", Category: CatSource},
+	OpParam: {Name: "param", Category: CatSource},
+	OpConst: {Name: "const", Category: CatSource},
+
+	OpNeg:     {Name: "neg", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpExp:     {Name: "exp", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpLog:     {Name: "log", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpSqrt:    {Name: "sqrt", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpAbs:     {Name: "abs", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpTanh:    {Name: "tanh", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpSigmoid: {Name: "sigmoid", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpRelu:    {Name: "relu", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpGelu:    {Name: "gelu", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"approx"}},
+
+	OpAddScalar:     {Name: "add_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpSubScalar:     {Name: "sub_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpRSubScalar:    {Name: "rsub_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpMulScalar:     {Name: "mul_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpDivScalar:     {Name: "div_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpRDivScalar:    {Name: "rdiv_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpPowScalar:     {Name: "pow_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpMaximumScalar: {Name: "maximum_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+
+	OpAdd:     {Name: "add", Category: CatBinary, MinArity: 2, Arity: 2},
+	OpSub:     {Name: "sub", Category: CatBinary, MinArity: 2, Arity: 2},
+	OpMul:     {Name: "mul", Category: CatBinary, MinArity: 2, Arity: 2},
+	OpDiv:     {Name: "div", Category: CatBinary, MinArity: 2, Arity: 2},
+	OpPow:     {Name: "pow", Category: CatBinary, MinArity: 2, Arity: 2},
+	OpMaximum: {Name: "maximum", Category: CatBinary, MinArity: 2, Arity: 2},
+
+	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2},
+	OpLinear: {Name: "linear", Category: CatContraction, MinArity: 2, Arity: 2, MaxArity: 3},
+
+	OpSum:  {Name: "sum", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim"}},
+	OpMean: {Name: "mean", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim", "scalar"}},
+	OpMax:  {Name: "max", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim"}},
+
+	OpSoftmax:    {Name: "softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"}},
+	OpLogSoftmax: {Name: "log_softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"}},
+	OpLayerNorm:  {Name: "layer_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 3, Attrs: []string{"normdims", "eps"}},
+
+	OpReshape: {Name: "reshape", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"shape"}},
+	OpPermute: {Name: "permute", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"perm"}},
+	OpSlice:   {Name: "slice", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"axis", "start", "end", "step"}},
+	OpConcat:  {Name: "concat", Category: CatMovement, MinArity: 1, Arity: Variadic, Attrs: []string{"axis"}},
+
+	OpEmbedding: {Name: "embedding", Category: CatIndex, MinArity: 2, Arity: 2},
+
+	OpConv2d:    {Name: "conv2d", Category: CatConv, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"stride", "padding", "dilation", "groups"}},
+	OpMaxPool2d: {Name: "max_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "dilation"}},
+	OpAvgPool2d: {Name: "avg_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding"}},
+
+	OpCrossEntropy: {Name: "cross_entropy", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
+	OpMSE:          {Name: "mse", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
+}
+
+// Info returns op's table row.
+func (op Op) Info() OpInfo {
+	if op >= numOps {
+		return OpInfo{Name: fmt.Sprintf("Op(%d)", uint16(op))}
+	}
+	return opTable[op]
+}
+
+func (op Op) String() string { return op.Info().Name }
+
+// Category is shorthand for op.Info().Category.
+func (op Op) Category() Category { return op.Info().Category }
+
+// NumOps is the number of declared ops, for tests that range over the table.
+const NumOps = int(numOps)
+
+// CheckArity reports whether n inputs suit op.
+func (op Op) CheckArity(n int) error {
+	in := op.Info()
+	maxA := in.MaxArity
+	if maxA == 0 {
+		maxA = in.Arity
+	}
+	switch {
+	case in.Arity == Variadic && n >= in.MinArity:
+		return nil
+	case in.Arity != Variadic && n >= in.MinArity && n <= maxA:
+		return nil
+	}
+	return Errorf(ErrArity, "%s takes %s inputs, got %d", in.Name, arityText(in), n)
+}
+
+func arityText(in OpInfo) string {
+	switch {
+	case in.Arity == Variadic:
+		return fmt.Sprintf("at least %d", in.MinArity)
+	case in.MaxArity > in.Arity:
+		return fmt.Sprintf("%d to %d", in.MinArity, in.MaxArity)
+	}
+	return fmt.Sprint(in.Arity)
+}
+
+// Reduction selects how a loss combines per-sample values.
+type Reduction uint8
+
+const (
+	ReduceMean Reduction = iota
+	ReduceSum
+)
+
+func (r Reduction) String() string {
+	if r == ReduceSum {
+		return "sum"
+	}
+	return "mean"
+}
+
+// Attrs is the union of all op attributes; each op reads the fields its
+// table row names and ignores the rest.
+type Attrs struct {
+	Scalar    float64 // scalar operand; for mean and losses with mean, 1/count
+	Approx    bool    // gelu: tanh approximation
+	Axes      []int   // reduce axes, normalised to non-negative and sorted
+	KeepDim   bool
+	Axis      int   // softmax, slice, concat
+	Start     int   // slice
+	End       int   // slice (exclusive)
+	Step      int   // slice (≥ 1)
+	Shape     []int // reshape target
+	Perm      []int // permute
+	NormDims  int   // layer_norm: number of trailing dims normalised
+	Eps       float64
+	Kernel    [2]int // pooling
+	Stride    [2]int
+	Padding   [2]int
+	Dilation  [2]int
+	Groups    int
+	Reduction Reduction
+}

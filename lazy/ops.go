@@ -1,0 +1,194 @@
+package lazy
+
+import "github.com/batchfit/batchfit/graph"
+
+// Unary elementwise ops.
+
+func (t *Tensor) Neg() *Tensor     { return apply(graph.OpNeg, graph.Attrs{}, t) }
+func (t *Tensor) Exp() *Tensor     { return apply(graph.OpExp, graph.Attrs{}, t) }
+func (t *Tensor) Log() *Tensor     { return apply(graph.OpLog, graph.Attrs{}, t) }
+func (t *Tensor) Sqrt() *Tensor    { return apply(graph.OpSqrt, graph.Attrs{}, t) }
+func (t *Tensor) Abs() *Tensor     { return apply(graph.OpAbs, graph.Attrs{}, t) }
+func (t *Tensor) Tanh() *Tensor    { return apply(graph.OpTanh, graph.Attrs{}, t) }
+func (t *Tensor) Sigmoid() *Tensor { return apply(graph.OpSigmoid, graph.Attrs{}, t) }
+func (t *Tensor) Relu() *Tensor    { return apply(graph.OpRelu, graph.Attrs{}, t) }
+
+// Gelu is x·Φ(x) with the exact normal CDF.
+func (t *Tensor) Gelu() *Tensor { return apply(graph.OpGelu, graph.Attrs{}, t) }
+
+// GeluTanh is GELU's tanh approximation (GPT-2's "gelu_new").
+func (t *Tensor) GeluTanh() *Tensor { return apply(graph.OpGelu, graph.Attrs{Approx: true}, t) }
+
+// Binary elementwise ops with NumPy broadcasting.
+
+func (t *Tensor) Add(u *Tensor) *Tensor     { return apply(graph.OpAdd, graph.Attrs{}, t, u) }
+func (t *Tensor) Sub(u *Tensor) *Tensor     { return apply(graph.OpSub, graph.Attrs{}, t, u) }
+func (t *Tensor) Mul(u *Tensor) *Tensor     { return apply(graph.OpMul, graph.Attrs{}, t, u) }
+func (t *Tensor) Div(u *Tensor) *Tensor     { return apply(graph.OpDiv, graph.Attrs{}, t, u) }
+func (t *Tensor) Pow(u *Tensor) *Tensor     { return apply(graph.OpPow, graph.Attrs{}, t, u) }
+func (t *Tensor) Maximum(u *Tensor) *Tensor { return apply(graph.OpMaximum, graph.Attrs{}, t, u) }
+
+// Scalar forms.
+
+func (t *Tensor) AddScalar(s float64) *Tensor  { return scalar(graph.OpAddScalar, t, s) }
+func (t *Tensor) SubScalar(s float64) *Tensor  { return scalar(graph.OpSubScalar, t, s) }
+func (t *Tensor) RSubScalar(s float64) *Tensor { return scalar(graph.OpRSubScalar, t, s) } // s − t
+func (t *Tensor) MulScalar(s float64) *Tensor  { return scalar(graph.OpMulScalar, t, s) }
+func (t *Tensor) DivScalar(s float64) *Tensor  { return scalar(graph.OpDivScalar, t, s) }
+func (t *Tensor) RDivScalar(s float64) *Tensor { return scalar(graph.OpRDivScalar, t, s) } // s / t
+func (t *Tensor) PowScalar(s float64) *Tensor  { return scalar(graph.OpPowScalar, t, s) }
+func (t *Tensor) MaximumScalar(s float64) *Tensor {
+	return scalar(graph.OpMaximumScalar, t, s)
+}
+
+func scalar(op graph.Op, t *Tensor, s float64) *Tensor {
+	return apply(op, graph.Attrs{Scalar: s}, t)
+}
+
+// MatMul is the matrix product over the last two axes, broadcasting leading axes.
+func (t *Tensor) MatMul(u *Tensor) *Tensor { return apply(graph.OpMatMul, graph.Attrs{}, t, u) }
+
+// Linear is t·wᵀ + b with w of shape [out, in]; b may be nil.
+func (t *Tensor) Linear(w, b *Tensor) *Tensor {
+	if b == nil {
+		return apply(graph.OpLinear, graph.Attrs{}, t, w)
+	}
+	return apply(graph.OpLinear, graph.Attrs{}, t, w, b)
+}
+
+// Reductions. With no axes they reduce every axis.
+
+func (t *Tensor) Sum(axes ...int) *Tensor  { return reduce(graph.OpSum, t, axes, false) }
+func (t *Tensor) Mean(axes ...int) *Tensor { return reduce(graph.OpMean, t, axes, false) }
+func (t *Tensor) Max(axes ...int) *Tensor  { return reduce(graph.OpMax, t, axes, false) }
+
+// SumKeepDim, MeanKeepDim and MaxKeepDim keep reduced axes with size 1.
+func (t *Tensor) SumKeepDim(axes ...int) *Tensor  { return reduce(graph.OpSum, t, axes, true) }
+func (t *Tensor) MeanKeepDim(axes ...int) *Tensor { return reduce(graph.OpMean, t, axes, true) }
+func (t *Tensor) MaxKeepDim(axes ...int) *Tensor  { return reduce(graph.OpMax, t, axes, true) }
+
+func reduce(op graph.Op, t *Tensor, axes []int, keep bool) *Tensor {
+	return apply(op, graph.Attrs{Axes: append([]int(nil), axes...), KeepDim: keep}, t)
+}
+
+// Softmax and LogSoftmax along axis.
+
+func (t *Tensor) Softmax(axis int) *Tensor { return apply(graph.OpSoftmax, graph.Attrs{Axis: axis}, t) }
+func (t *Tensor) LogSoftmax(axis int) *Tensor {
+	return apply(graph.OpLogSoftmax, graph.Attrs{Axis: axis}, t)
+}
+
+// LayerNorm normalises over the trailing normDims axes, then scales by
+// weight and shifts by bias (each optional: pass nil).
+func (t *Tensor) LayerNorm(weight, bias *Tensor, normDims int, eps float64) *Tensor {
+	attrs := graph.Attrs{NormDims: normDims, Eps: eps}
+	switch {
+	case weight == nil && bias == nil:
+		return apply(graph.OpLayerNorm, attrs, t)
+	case bias == nil:
+		return apply(graph.OpLayerNorm, attrs, t, weight)
+	case weight == nil:
+		return errTensor("layer_norm", site(), graph.Errorf(graph.ErrArity, "bias without weight"), t.Shape())
+	}
+	return apply(graph.OpLayerNorm, attrs, t, weight, bias)
+}
+
+// Movement ops.
+
+// Reshape to shape; one entry may be −1.
+func (t *Tensor) Reshape(shape ...int) *Tensor {
+	return apply(graph.OpReshape, graph.Attrs{Shape: append([]int(nil), shape...)}, t)
+}
+
+// Permute reorders axes: output axis i is input axis perm[i].
+func (t *Tensor) Permute(perm ...int) *Tensor {
+	return apply(graph.OpPermute, graph.Attrs{Perm: append([]int(nil), perm...)}, t)
+}
+
+// Transpose swaps axes a and b (negative values count from the end).
+func (t *Tensor) Transpose(a, b int) *Tensor {
+	r := len(t.Shape())
+	if t.Err() != nil {
+		return apply(graph.OpPermute, graph.Attrs{}, t)
+	}
+	perm := make([]int, r)
+	for i := range perm {
+		perm[i] = i
+	}
+	na, nb := a, b
+	if na < 0 {
+		na += r
+	}
+	if nb < 0 {
+		nb += r
+	}
+	if na < 0 || na >= r || nb < 0 || nb >= r {
+		return errTensor("transpose", site(), graph.Errorf(graph.ErrAttr, "axes %d, %d out of range for rank %d", a, b, r), t.Shape())
+	}
+	perm[na], perm[nb] = perm[nb], perm[na]
+	return apply(graph.OpPermute, graph.Attrs{Perm: perm}, t)
+}
+
+// Slice keeps indices [start, end) of axis.
+func (t *Tensor) Slice(axis, start, end int) *Tensor { return t.SliceStep(axis, start, end, 1) }
+
+// SliceStep keeps indices start, start+step, … below end of axis.
+func (t *Tensor) SliceStep(axis, start, end, step int) *Tensor {
+	if step < 1 {
+		return errTensor("slice", site(), graph.Errorf(graph.ErrAttr, "step %d must be ≥ 1", step), t.Shape())
+	}
+	return apply(graph.OpSlice, graph.Attrs{Axis: axis, Start: start, End: end, Step: step}, t)
+}
+
+// Concat joins ts along axis.
+func Concat(axis int, ts ...*Tensor) *Tensor {
+	if len(ts) == 0 {
+		return errTensor("concat", site(), graph.Errorf(graph.ErrArity, "concat of no tensors"))
+	}
+	return apply(graph.OpConcat, graph.Attrs{Axis: axis}, ts...)
+}
+
+// Embedding looks up rows of weight [num, dim] at int64 indices t.
+func (t *Tensor) Embedding(weight *Tensor) *Tensor {
+	return apply(graph.OpEmbedding, graph.Attrs{}, t, weight)
+}
+
+// ConvOptions configures Conv2d. Zero Stride/Dilation/Groups mean 1.
+type ConvOptions struct {
+	Stride, Padding, Dilation [2]int
+	Groups                    int
+}
+
+// Conv2d convolves NCHW t with weight [out, in/groups, kh, kw]; bias may be nil.
+func (t *Tensor) Conv2d(weight, bias *Tensor, o ConvOptions) *Tensor {
+	attrs := graph.Attrs{Stride: o.Stride, Padding: o.Padding, Dilation: o.Dilation, Groups: o.Groups}
+	if bias == nil {
+		return apply(graph.OpConv2d, attrs, t, weight)
+	}
+	return apply(graph.OpConv2d, attrs, t, weight, bias)
+}
+
+// PoolOptions configures pooling. A zero Stride means the kernel size.
+type PoolOptions struct {
+	Kernel, Stride, Padding, Dilation [2]int
+}
+
+// MaxPool2d takes the max over windows of an NCHW tensor.
+func (t *Tensor) MaxPool2d(o PoolOptions) *Tensor {
+	return apply(graph.OpMaxPool2d, graph.Attrs{Kernel: o.Kernel, Stride: o.Stride, Padding: o.Padding, Dilation: o.Dilation}, t)
+}
+
+// AvgPool2d averages windows of an NCHW tensor (zero padding counts).
+func (t *Tensor) AvgPool2d(o PoolOptions) *Tensor {
+	return apply(graph.OpAvgPool2d, graph.Attrs{Kernel: o.Kernel, Stride: o.Stride, Padding: o.Padding, Dilation: o.Dilation}, t)
+}
+
+// CrossEntropy of logits t [N, C] against int64 class labels [N].
+func (t *Tensor) CrossEntropy(labels *Tensor, r graph.Reduction) *Tensor {
+	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r}, t, labels)
+}
+
+// MSE is the mean (or sum) of squared differences between t and target.
+func (t *Tensor) MSE(target *Tensor, r graph.Reduction) *Tensor {
+	return apply(graph.OpMSE, graph.Attrs{Reduction: r}, t, target)
+}

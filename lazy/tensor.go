@@ -1,0 +1,313 @@
+package lazy
+
+import (
+	"fmt"
+	"runtime"
+	"slices"
+	"strings"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// Graph is a computation graph under construction.
+type Graph struct {
+	ir     *graph.Graph
+	leaves map[*leaf]int // params and consts adopted by this graph
+}
+
+// NewGraph returns an empty graph.
+func NewGraph() *Graph { return &Graph{ir: graph.New(), leaves: map[*leaf]int{}} }
+
+// IR is the underlying graph, for executors and analyses.
+func (g *Graph) IR() *graph.Graph { return g.ir }
+
+// PushScope enters a module scope (nn modules name their nodes with it).
+func (g *Graph) PushScope(name string) { g.ir.PushScope(name) }
+
+// PopScope leaves the innermost module scope.
+func (g *Graph) PopScope() { g.ir.PopScope() }
+
+// leaf is a parameter or constant not tied to any graph.
+type leaf struct {
+	op    graph.Op
+	name  string
+	typ   graph.Type
+	value tensor.Tensor // nil for shape-only leaves
+}
+
+// Tensor is a lazy value: a node of a graph, a free leaf, or an error.
+type Tensor struct {
+	g    *Graph
+	id   int
+	leaf *leaf
+	err  error
+}
+
+// Err returns the first error met while building this tensor, or nil.
+func (t *Tensor) Err() error {
+	if t == nil {
+		return &graph.OpError{Op: "tensor", Err: graph.Errorf(graph.ErrNilTensor, "nil *lazy.Tensor")}
+	}
+	return t.err
+}
+
+func (t *Tensor) typ() graph.Type {
+	switch {
+	case t == nil || t.err != nil:
+		return graph.Type{BatchAxis: -1}
+	case t.leaf != nil:
+		return t.leaf.typ
+	}
+	return t.g.ir.Node(t.id).Type
+}
+
+// Shape is the tensor's full-batch shape (nil after an error).
+func (t *Tensor) Shape() []int { return slices.Clone(t.typ().Shape) }
+
+// DType is the element type.
+func (t *Tensor) DType() graph.DType { return t.typ().DType }
+
+// BatchAxis is the axis carrying the batch, or −1.
+func (t *Tensor) BatchAxis() int { return t.typ().BatchAxis }
+
+// Type is everything shape inference knows about the tensor.
+func (t *Tensor) Type() graph.Type { return t.typ() }
+
+// Graph is the graph the tensor belongs to (nil for free leaves and errors).
+func (t *Tensor) Graph() *Graph {
+	if t == nil {
+		return nil
+	}
+	return t.g
+}
+
+// ID is the tensor's node id in its graph (−1 for free leaves and errors).
+func (t *Tensor) ID() int {
+	if t == nil || t.g == nil {
+		return -1
+	}
+	return t.id
+}
+
+// Name is the parameter name of a Param, or "".
+func (t *Tensor) Name() string {
+	if t != nil && t.leaf != nil {
+		return t.leaf.name
+	}
+	if t != nil && t.g != nil {
+		return t.g.ir.Node(t.id).Name
+	}
+	return ""
+}
+
+// Value is the data of a source tensor (Wrap, Param, Const), or nil.
+func (t *Tensor) Value() tensor.Tensor {
+	switch {
+	case t == nil:
+		return nil
+	case t.leaf != nil:
+		return t.leaf.value
+	case t.g != nil:
+		return t.g.ir.Node(t.id).Value
+	}
+	return nil
+}
+
+func (t *Tensor) String() string {
+	if t.Err() != nil {
+		return "lazy.Tensor(error: " + t.Err().Error() + ")"
+	}
+	ty := t.typ()
+	return fmt.Sprintf("lazy.Tensor(%s%v, batch axis %d)", ty.DType, ty.Shape, ty.BatchAxis)
+}
+
+func errTensor(op string, site string, err error, shapes ...[]int) *Tensor {
+	return &Tensor{id: -1, err: &graph.OpError{Op: op, Shapes: shapes, Site: site, Err: err}}
+}
+
+// site returns the file:line of the first caller outside batchfit's
+// graph-building packages, so errors point at user code.
+func site() string {
+	var pcs [16]uintptr
+	n := runtime.Callers(2, pcs[:])
+	frames := runtime.CallersFrames(pcs[:n])
+	for {
+		f, more := frames.Next()
+		if !internalFrame(f) {
+			return shortFile(f.File) + fmt.Sprintf(":%d", f.Line)
+		}
+		if !more {
+			return shortFile(f.File) + fmt.Sprintf(":%d", f.Line)
+		}
+	}
+}
+
+// internalPackages build graphs on the user's behalf; their frames are skipped.
+var internalPackages = []string{"github.com/batchfit/batchfit/lazy.", "github.com/batchfit/batchfit/nn."}
+
+func internalFrame(f runtime.Frame) bool {
+	if strings.HasSuffix(f.File, "_test.go") {
+		return false
+	}
+	for _, p := range internalPackages {
+		if strings.HasPrefix(f.Function, p) {
+			return true
+		}
+	}
+	return false
+}
+
+func shortFile(file string) string {
+	if i := strings.LastIndex(file, "/"); i >= 0 {
+		if j := strings.LastIndex(file[:i], "/"); j >= 0 {
+			return file[j+1:]
+		}
+	}
+	return file
+}
+
+// dtypeOf maps a gorgonia dtype to batchfit's.
+func dtypeOf(t tensor.Tensor) (graph.DType, error) {
+	switch t.Dtype() {
+	case tensor.Float32:
+		return graph.Float32, nil
+	case tensor.Int64:
+		return graph.Int64, nil
+	}
+	return graph.InvalidDType, graph.Errorf(graph.ErrDType, "unsupported dtype %v (want float32 or int64)", t.Dtype())
+}
+
+func shapeOf(t tensor.Tensor) []int {
+	s := t.Shape()
+	if s.IsScalar() {
+		return []int{}
+	}
+	return slices.Clone([]int(s))
+}
+
+// Wrap makes a new graph whose input is t, with axis batchDim as the batch.
+func Wrap(t tensor.Tensor, batchDim int) *Tensor { return NewGraph().wrap(site(), t, batchDim) }
+
+// Wrap adds t to g as a batched input with axis batchDim as the batch.
+func (g *Graph) Wrap(t tensor.Tensor, batchDim int) *Tensor { return g.wrap(site(), t, batchDim) }
+
+func (g *Graph) wrap(at string, t tensor.Tensor, batchDim int) *Tensor {
+	if t == nil {
+		return errTensor("wrap", at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
+	}
+	dt, err := dtypeOf(t)
+	if err != nil {
+		return errTensor("wrap", at, err, shapeOf(t))
+	}
+	return g.source(at, graph.Node{Op: graph.OpInput, Value: t,
+		Type: graph.Type{Shape: shapeOf(t), DType: dt, BatchAxis: batchDim}})
+}
+
+// Placeholder makes a new graph whose input has the given shape and no data,
+// for dry runs that only need shapes and bytes.
+func Placeholder(shape []int, dt graph.DType, batchDim int) *Tensor {
+	return NewGraph().Placeholder(shape, dt, batchDim)
+}
+
+// Placeholder adds a shape-only batched input to g.
+func (g *Graph) Placeholder(shape []int, dt graph.DType, batchDim int) *Tensor {
+	return g.source(site(), graph.Node{Op: graph.OpInput,
+		Type: graph.Type{Shape: slices.Clone(shape), DType: dt, BatchAxis: batchDim}})
+}
+
+func (g *Graph) source(at string, n graph.Node) *Tensor {
+	if g == nil {
+		return errTensor(n.Op.String(), at, graph.Errorf(graph.ErrNilTensor, "nil *lazy.Graph"), n.Type.Shape)
+	}
+	n.Site = at
+	id, err := shapeinfer.AppendSource(g.ir, n)
+	if err != nil {
+		return errTensor(n.Op.String(), at, err, n.Type.Shape)
+	}
+	return &Tensor{g: g, id: id}
+}
+
+// Param wraps t as a trainable parameter named name ("layers.0.weight").
+// It belongs to no graph until an op uses it.
+func Param(t tensor.Tensor, name string) *Tensor { return newLeaf(site(), graph.OpParam, t, name) }
+
+// Const wraps t as a constant.
+func Const(t tensor.Tensor) *Tensor { return newLeaf(site(), graph.OpConst, t, "") }
+
+// ParamSpec is a shape-only parameter, for dry runs of large models.
+func ParamSpec(shape []int, dt graph.DType, name string) *Tensor {
+	return &Tensor{id: -1, leaf: &leaf{op: graph.OpParam, name: name,
+		typ: graph.Type{Shape: slices.Clone(shape), DType: dt, BatchAxis: -1, PerSample: 1}}}
+}
+
+func newLeaf(at string, op graph.Op, t tensor.Tensor, name string) *Tensor {
+	if t == nil {
+		return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
+	}
+	dt, err := dtypeOf(t)
+	if err != nil {
+		return errTensor(op.String(), at, err, shapeOf(t))
+	}
+	return &Tensor{id: -1, leaf: &leaf{op: op, name: name, value: t,
+		typ: graph.Type{Shape: shapeOf(t), DType: dt, BatchAxis: -1, PerSample: 1}}}
+}
+
+// bind returns t's node id in g, adopting a free leaf on first use.
+func (g *Graph) bind(t *Tensor) (int, error) {
+	if t.leaf == nil {
+		return t.id, nil
+	}
+	if id, ok := g.leaves[t.leaf]; ok {
+		return id, nil
+	}
+	id, err := shapeinfer.AppendSource(g.ir, graph.Node{Op: t.leaf.op, Name: t.leaf.name,
+		Value: t.leaf.value, Type: t.leaf.typ})
+	if err != nil {
+		return -1, err
+	}
+	g.leaves[t.leaf] = id
+	return id, nil
+}
+
+// apply appends op over inputs, returning an error tensor on any failure.
+func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
+	at := site()
+	shapes := make([][]int, len(inputs))
+	var g *Graph
+	for i, in := range inputs {
+		if in == nil {
+			return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor, "input %d is nil", i), shapes[:i]...)
+		}
+		if in.err != nil {
+			return &Tensor{id: -1, err: in.err} // sticky: the first error wins
+		}
+		shapes[i] = in.Shape()
+		switch {
+		case in.g == nil:
+		case g == nil:
+			g = in.g
+		case g != in.g:
+			return errTensor(op.String(), at, graph.Errorf(graph.ErrMixedGraphs,
+				"input %d belongs to another graph", i), shapes[:i+1]...)
+		}
+	}
+	if g == nil {
+		g = NewGraph()
+	}
+	ids := make([]int, len(inputs))
+	for i, in := range inputs {
+		id, err := g.bind(in)
+		if err != nil {
+			return errTensor(op.String(), at, err, shapes...)
+		}
+		ids[i] = id
+	}
+	id, err := shapeinfer.Append(g.ir, graph.Node{Op: op, Inputs: ids, Attrs: attrs, Site: at})
+	if err != nil {
+		return errTensor(op.String(), at, err, shapes...)
+	}
+	return &Tensor{g: g, id: id}
+}
