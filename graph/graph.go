@@ -91,7 +91,7 @@ func (g *Graph) SetBatch(n int) error {
 // Append adds n, whose Type the caller has already inferred, and returns its
 // id. Inputs must name existing nodes; that is what keeps ids topological.
 func (g *Graph) Append(n Node) (int, error) {
-	if err := n.Op.CheckArity(len(n.Inputs)); err != nil && n.Op.Category() != CatSource {
+	if err := n.Op.CheckArity(len(n.Inputs)); err != nil && !n.Op.Category().Leaf() {
 		return -1, err
 	}
 	for _, in := range n.Inputs {

@@ -20,10 +20,12 @@ const (
 	CatIndex                       // embedding
 	CatConv                        // conv2d and pooling
 	CatLoss                        // cross_entropy, mse
+	CatGenerate                    // fill: no inputs, type from Attrs.Target
+	CatGrad                        // vector-Jacobian products appended by autodiff
 )
 
 var categoryNames = [...]string{"source", "unary", "scalar", "binary", "contraction",
-	"reduce", "normalize", "movement", "index", "conv", "loss"}
+	"reduce", "normalize", "movement", "index", "conv", "loss", "generate", "grad"}
 
 func (c Category) String() string {
 	if int(c) < len(categoryNames) {
@@ -31,6 +33,9 @@ func (c Category) String() string {
 	}
 	return fmt.Sprintf("Category(%d)", uint8(c))
 }
+
+// Leaf reports whether ops of the category take no inputs.
+func (c Category) Leaf() bool { return c == CatSource || c == CatGenerate }
 
 // Variadic marks an op that takes any number (≥ MinArity) of inputs.
 const Variadic = -1
@@ -68,7 +73,7 @@ const (
 	OpPow
 	OpMaximum
 	// contraction
-	OpMatMul // 2-D or batched, broadcasting batch dims
+	OpMatMul // 2-D or batched, broadcasting batch dims; TransA/TransB transpose the last two axes
 	OpLinear // x·Wᵀ (+ b): inputs x, W[, b]
 	// reduce
 	OpSum  // Attrs.Axes, Attrs.KeepDim
@@ -92,6 +97,33 @@ const (
 	// loss
 	OpCrossEntropy // inputs logits [N, C], labels int64 [N]; Reduction
 	OpMSE          // inputs pred, target (same shape); Reduction
+
+	// generate
+	OpFill // Attrs.Target filled with Attrs.Scalar (gradient seeds, zero gradients)
+	// elementwise helpers used by gradients
+	OpSign // sign(x) ∈ {−1, 0, 1}
+	// vector-Jacobian products. The first input is always the upstream
+	// gradient g. Ops whose output shape cannot be derived from their inputs
+	// take it from Attrs.Target (shape, dtype and batch axis of the value the
+	// gradient is for).
+	OpReluGrad          // g, y: g where y > 0 (y is relu's output, as PyTorch saves)
+	OpGeluGrad          // g, x; Approx
+	OpMaximumGrad       // g, a, b; Axis 0 → gradient for a, 1 → for b; ties split evenly
+	OpMaximumScalarGrad // g, x; Scalar; ties get half
+	OpExpand            // g broadcast to Attrs.Target (backward of reductions)
+	OpMaxGrad           // g, x, y; Axes, KeepDim: g shared evenly among tied maxima
+	OpSoftmaxGrad       // g, y; Axis: y·(g − Σ g·y)
+	OpLogSoftmaxGrad    // g, y; Axis: g − exp(y)·Σ g
+	OpLayerNormGradX    // g, x[, w]; NormDims, Eps
+	OpLayerNormGradW    // g, x; NormDims, Eps: Σ over leading axes of g·x̂
+	OpSliceGrad         // g; Axis, Start, End, Step, Target: g scattered into zeros
+	OpEmbeddingGrad     // g, indices; Target [V, D]: rows scatter-added
+	OpConv2dGradInput   // g, w; conv attrs, Target = input type
+	OpConv2dGradWeight  // g, x; conv attrs, Target = weight type
+	OpMaxPool2dGrad     // g, x; pool attrs: g routed to the first maximum of each window
+	OpAvgPool2dGrad     // g; pool attrs, Target = input type
+	OpCrossEntropyGrad  // g, logits, labels; Scalar: g·Scalar·(softmax − onehot)
+	OpMSEGrad           // g, pred, target; Scalar: g·Scalar·2·(pred − target)
 
 	numOps
 )
@@ -139,7 +171,7 @@ var opTable = [numOps]OpInfo{
 	OpPow:     {Name: "pow", Category: CatBinary, MinArity: 2, Arity: 2},
 	OpMaximum: {Name: "maximum", Category: CatBinary, MinArity: 2, Arity: 2},
 
-	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2},
+	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2, Attrs: []string{"trans_a", "trans_b"}},
 	OpLinear: {Name: "linear", Category: CatContraction, MinArity: 2, Arity: 2, MaxArity: 3},
 
 	OpSum:  {Name: "sum", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim"}},
@@ -163,6 +195,28 @@ var opTable = [numOps]OpInfo{
 
 	OpCrossEntropy: {Name: "cross_entropy", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
 	OpMSE:          {Name: "mse", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
+
+	OpFill: {Name: "fill", Category: CatGenerate, Attrs: []string{"target", "scalar"}},
+	OpSign: {Name: "sign", Category: CatUnary, MinArity: 1, Arity: 1},
+
+	OpReluGrad:          {Name: "relu_grad", Category: CatGrad, MinArity: 2, Arity: 2},
+	OpGeluGrad:          {Name: "gelu_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"approx"}},
+	OpMaximumGrad:       {Name: "maximum_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"axis"}},
+	OpMaximumScalarGrad: {Name: "maximum_scalar_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"scalar"}},
+	OpExpand:            {Name: "expand", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"target"}},
+	OpMaxGrad:           {Name: "max_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"axes", "keepdim"}},
+	OpSoftmaxGrad:       {Name: "softmax_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"axis"}},
+	OpLogSoftmaxGrad:    {Name: "log_softmax_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"axis"}},
+	OpLayerNormGradX:    {Name: "layer_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"normdims", "eps"}},
+	OpLayerNormGradW:    {Name: "layer_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"normdims", "eps"}},
+	OpSliceGrad:         {Name: "slice_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"axis", "start", "end", "step", "target"}},
+	OpEmbeddingGrad:     {Name: "embedding_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"target"}},
+	OpConv2dGradInput:   {Name: "conv2d_grad_input", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}},
+	OpConv2dGradWeight:  {Name: "conv2d_grad_weight", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}},
+	OpMaxPool2dGrad:     {Name: "max_pool2d_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"kernel", "stride", "padding", "dilation"}},
+	OpAvgPool2dGrad:     {Name: "avg_pool2d_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "target"}},
+	OpCrossEntropyGrad:  {Name: "cross_entropy_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"scalar"}},
+	OpMSEGrad:           {Name: "mse_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"scalar"}},
 }
 
 // Info returns op's table row.
@@ -243,4 +297,7 @@ type Attrs struct {
 	Dilation  [2]int
 	Groups    int
 	Reduction Reduction
+	TransA    bool // matmul: use the transpose of the last two axes of input 0
+	TransB    bool // matmul: … of input 1
+	Target    Type // output type of generators and gradients that restore a shape
 }

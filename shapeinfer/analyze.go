@@ -126,7 +126,7 @@ func (r *Result) fail(nd *graph.Node, reason string, args ...any) {
 // graph cannot be chunked.
 func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 	id, t := nd.ID, nd.Type
-	if nd.Op.Category() == graph.CatSource {
+	if nd.Op.Category().Leaf() {
 		if t.BatchAxis >= 0 {
 			r.Class[id] = PerSample
 		}
@@ -144,15 +144,15 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 		}
 	}
 	switch {
-	case !anyBatched:
-		r.Class[id] = Constant
-		return
-	case t.BatchAxis >= 0:
+	case t.BatchAxis >= 0: // includes gradients expanded from a constant seed
 		r.Class[id] = PerSample
 		if anyCross {
 			r.fail(nd, "a cross-batch value flows back into per-sample work")
 		}
 		r.checkPerSample(nodes, nd)
+		return
+	case !anyBatched:
+		r.Class[id] = Constant
 		return
 	}
 	r.Class[id] = CrossBatch
@@ -201,6 +201,9 @@ func (r *Result) consume(nd *graph.Node) Combine {
 	case graph.OpCrossEntropy, graph.OpMSE:
 		// Per-sample losses summed, times 1/count fixed at the full batch.
 		return CombineSum
+	case graph.OpLayerNormGradW, graph.OpEmbeddingGrad, graph.OpConv2dGradWeight:
+		// Parameter gradients: sums over samples.
+		return CombineSum
 	case graph.OpMatMul:
 		if r.bothBatchedOnContraction(nd) {
 			return CombineSum
@@ -248,7 +251,7 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 			return CombineSum
 		}
 		return CombineMax
-	case graph.OpNeg, graph.OpMulScalar, graph.OpDivScalar, graph.OpSum, graph.OpMean:
+	case graph.OpNeg, graph.OpMulScalar, graph.OpDivScalar, graph.OpSum, graph.OpMean, graph.OpExpand, graph.OpSliceGrad:
 		if allSum {
 			return CombineSum
 		}

@@ -15,6 +15,9 @@ import (
 // The switch is exhaustive: an op without a rule is an error, so a new op
 // cannot slip through unhandled.
 func Rule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (graph.Type, error) {
+	if op == graph.OpFill {
+		return fill(attrs)
+	}
 	if op.Category() == graph.CatSource {
 		return graph.Type{}, graph.Errorf(graph.ErrArity, "%s is a source; sources are typed by their data", op)
 	}
@@ -29,10 +32,19 @@ func Rule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (graph.Ty
 		return in[0], nil
 	case graph.CatBinary:
 		return binary(op, in[0], in[1])
+	case graph.CatGrad:
+		return gradRule(op, attrs, in, batch)
 	}
 	switch op {
 	case graph.OpMatMul:
-		return matmul(in[0], in[1])
+		a, b := in[0], in[1]
+		if attrs.TransA {
+			a = transposeLast2(a)
+		}
+		if attrs.TransB {
+			b = transposeLast2(b)
+		}
+		return matmul(a, b)
 	case graph.OpLinear:
 		return linear(in)
 	case graph.OpSum, graph.OpMean, graph.OpMax:
@@ -203,6 +215,23 @@ func matmul(a, b graph.Type) (graph.Type, error) {
 		t.BatchAxis, t.PerSample = lb, per
 	}
 	return t, nil
+}
+
+// transposeLast2 is t with its last two axes swapped (ranks < 2 unchanged).
+func transposeLast2(t graph.Type) graph.Type {
+	r := len(t.Shape)
+	if r < 2 {
+		return t
+	}
+	t.Shape = slices.Clone(t.Shape)
+	t.Shape[r-2], t.Shape[r-1] = t.Shape[r-1], t.Shape[r-2]
+	switch t.BatchAxis {
+	case r - 2:
+		t.BatchAxis = r - 1
+	case r - 1:
+		t.BatchAxis = r - 2
+	}
+	return t
 }
 
 func linear(in []graph.Type) (graph.Type, error) {
