@@ -90,6 +90,11 @@ func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed fun
 	}
 	res := make([]*tensor.Dense, len(outputs))
 	for i, o := range outputs {
+		// gorgonia.org/tensor builds a Dense with a size-0 axis but panics
+		// on Data(), so such an output is refused rather than handed out.
+		if graph.Numel(vals[o].shape) == 0 {
+			return nil, graph.Errorf(graph.ErrShape, "output node %d has size-0 shape %v, which gorgonia.org/tensor cannot hold", o, vals[o].shape)
+		}
 		res[i] = toDense(vals[o])
 	}
 	return res, nil
