@@ -121,11 +121,11 @@ func geluTanh(v float64) float64 {
 // rows of a contiguous operand against one repeated row, and so on; only the
 // outer odometer is general.
 func binaryKernel(op graph.Op, x, y, out *buf) error {
-	sx, err := broadcastStrides(x.shape, out.shape)
+	sx, err := operandStrides(x.shape, out.shape)
 	if err != nil {
 		return err
 	}
-	sy, err := broadcastStrides(y.shape, out.shape)
+	sy, err := operandStrides(y.shape, out.shape)
 	if err != nil {
 		return err
 	}

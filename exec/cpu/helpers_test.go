@@ -127,15 +127,15 @@ func requireClose(t *testing.T, want arr, got *tensor.Dense) {
 	}
 }
 
-// unravel writes the multi-index of flat position i of shape into idx.
-func unravel(i int, shape, idx []int) {
+// unflatten writes the multi-index of flat position i of shape into idx.
+func unflatten(i int, shape, idx []int) {
 	for k := len(shape) - 1; k >= 0; k-- {
 		idx[k] = i % shape[k]
 		i /= shape[k]
 	}
 }
 
-func ravel(idx, shape []int) int {
+func flatten(idx, shape []int) int {
 	i := 0
 	for k, d := range shape {
 		i = i*d + idx[k]
@@ -175,12 +175,12 @@ func refBroadcast(a, b arr, f func(x, y float64) float64) arr {
 				j[k] = idx[k+r-len(s)]
 			}
 		}
-		return ravel(j, s)
+		return flatten(j, s)
 	}
 	out := arr{shape: shape, v: make([]float64, numel(shape))}
 	idx := make([]int, r)
 	for i := range out.v {
-		unravel(i, shape, idx)
+		unflatten(i, shape, idx)
 		out.v[i] = f(a.v[pick(a.shape, idx)], b.v[pick(b.shape, idx)])
 	}
 	return out
@@ -209,11 +209,11 @@ func refReduce(x arr, axes []int, keep bool, init float64, f func(acc, v float64
 	}
 	idx := make([]int, len(x.shape))
 	for i, v := range x.v {
-		unravel(i, x.shape, idx)
+		unflatten(i, x.shape, idx)
 		for _, ax := range axes {
 			idx[ax] = 0
 		}
-		o := ravel(idx, kshape)
+		o := flatten(idx, kshape)
 		out.v[o] = f(out.v[o], v)
 	}
 	return out

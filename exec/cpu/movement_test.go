@@ -23,9 +23,9 @@ func refMove(outShape []int, inShapes [][]int, src sourceIndex) (which, flat []i
 	which, flat = make([]int, n), make([]int, n)
 	idx := make([]int, len(outShape))
 	for i := range n {
-		unravel(i, outShape, idx)
+		unflatten(i, outShape, idx)
 		k, at := src(idx)
-		which[i], flat[i] = k, ravel(at, inShapes[k])
+		which[i], flat[i] = k, flatten(at, inShapes[k])
 	}
 	return which, flat
 }

@@ -15,12 +15,12 @@ func refSoftmax(x arr, axis int, log bool) arr {
 	idx := make([]int, len(x.shape))
 	line := make([]float64, x.shape[axis])
 	for i := range x.v {
-		unravel(i, x.shape, idx)
+		unflatten(i, x.shape, idx)
 		own := idx[axis]
 		m := math.Inf(-1)
 		for k := range line {
 			idx[axis] = k
-			line[k] = x.v[ravel(idx, x.shape)]
+			line[k] = x.v[flatten(idx, x.shape)]
 			m = math.Max(m, line[k])
 		}
 		var s float64

@@ -101,10 +101,10 @@ func contiguousStrides(shape []int) []int {
 	return s
 }
 
-// broadcastStrides returns the strides that read a value of shape from
+// operandStrides returns the strides that read a value of shape from
 // positions of the broadcast shape out: leading axes it lacks and its size-1
 // axes get stride 0. It fails when shape does not broadcast to out.
-func broadcastStrides(shape, out []int) ([]int, error) {
+func operandStrides(shape, out []int) ([]int, error) {
 	if len(shape) > len(out) {
 		return nil, graph.Errorf(graph.ErrShape, "operand %v has higher rank than the result %v", shape, out)
 	}
