@@ -41,28 +41,35 @@ func softmaxKernel(log bool, axis int, x, out *buf) error {
 				m[j] = max(m[j], float64(v))
 			}
 		}
-		for k := 0; k < block; k += inner {
-			for j, v := range src[k : k+inner] {
-				s[j] += math.Exp(float64(v) - m[j])
-			}
-		}
-		for j := range m {
-			if log {
-				m[j] += math.Log(s[j]) // m becomes log-sum-exp
-			} else {
-				s[j] = 1 / s[j]
-			}
-		}
+		// Softmax keeps exp(x − max) in dst for the final scaling, so exp
+		// runs once per element.
 		for k := 0; k < block; k += inner {
 			d := dst[k : k+inner]
-			if log {
+			for j, v := range src[k : k+inner] {
+				e := math.Exp(float64(v) - m[j])
+				s[j] += e
+				d[j] = float32(e)
+			}
+		}
+		if log {
+			for j := range m {
+				m[j] += math.Log(s[j]) // m becomes log-sum-exp
+			}
+			for k := 0; k < block; k += inner {
+				d := dst[k : k+inner]
 				for j, v := range src[k : k+inner] {
 					d[j] = float32(float64(v) - m[j])
 				}
-				continue
 			}
-			for j, v := range src[k : k+inner] {
-				d[j] = float32(math.Exp(float64(v)-m[j]) * s[j])
+			continue
+		}
+		for j := range s {
+			s[j] = 1 / s[j]
+		}
+		for k := 0; k < block; k += inner {
+			d := dst[k : k+inner]
+			for j, v := range d {
+				d[j] = float32(float64(v) * s[j])
 			}
 		}
 	}
