@@ -50,6 +50,16 @@ func TestErrors(t *testing.T) {
 		x := input([]int{2, 3}, uniform(newRNG(702), 6, -1, 1))
 		runErr(t, x.Slice(1, 1, 1), graph.ErrShape)
 	})
+	t.Run("chunk too small for a slice along the batch axis", func(t *testing.T) {
+		// Such a graph is not chunkable; running it in chunks anyway must
+		// fail cleanly.
+		d := uniform(newRNG(706), 12, -1, 1)
+		y := input([]int{4, 3}, d).Slice(0, 1, 4)
+		require.NoError(t, y.Err())
+		feed := func(int) tensor.Tensor { return dense([]int{2, 3}, d[:6]) }
+		_, err := cpu.New().RunBatch(context.Background(), y.Graph().IR(), 2, feed, y.ID())
+		require.ErrorIs(t, err, graph.ErrAttr)
+	})
 	t.Run("feed of the wrong shape", func(t *testing.T) {
 		x := input([]int{4, 3}, uniform(newRNG(703), 12, -1, 1))
 		y := x.Relu()
