@@ -161,6 +161,13 @@ func binary(op graph.Op, a, b graph.Type) (graph.Type, error) {
 	if err != nil {
 		return graph.Type{}, err
 	}
+	// A batch of one broadcast along a longer axis of the other operand no
+	// longer counts samples there: the output has no batch axis.
+	for _, t := range []graph.Type{a, b} {
+		if t.BatchAxis >= 0 && t.Shape[t.BatchAxis] != s[ax] {
+			ax, per = -1, 1
+		}
+	}
 	return graph.Type{Shape: s, DType: a.DType, BatchAxis: ax, PerSample: per}, nil
 }
 

@@ -1,0 +1,245 @@
+package cpu
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// unaryKernel applies a one-input elementwise op (CatUnary) or an op with a
+// scalar operand (CatScalar, a.Scalar). Values are computed in float64 and
+// rounded once to float32.
+func unaryKernel(op graph.Op, a *graph.Attrs, x, out *buf) error {
+	if len(x.f) != len(out.f) {
+		return graph.Errorf(graph.ErrShape, "%s: input %v, output %v", op, x.shape, out.shape)
+	}
+	src, dst, s := x.f[:len(out.f)], out.f, a.Scalar
+	// Cheap ops get their own loops; the rest pay one indirect call per
+	// element, small next to the math call itself.
+	switch op {
+	case graph.OpNeg:
+		for i, v := range src {
+			dst[i] = -v
+		}
+	case graph.OpAbs:
+		for i, v := range src {
+			dst[i] = float32(math.Abs(float64(v)))
+		}
+	case graph.OpRelu:
+		for i, v := range src {
+			if v < 0 { // NaN passes through, as in PyTorch
+				v = 0
+			}
+			dst[i] = v
+		}
+	case graph.OpAddScalar:
+		for i, v := range src {
+			dst[i] = float32(float64(v) + s)
+		}
+	case graph.OpSubScalar:
+		for i, v := range src {
+			dst[i] = float32(float64(v) - s)
+		}
+	case graph.OpRSubScalar:
+		for i, v := range src {
+			dst[i] = float32(s - float64(v))
+		}
+	case graph.OpMulScalar:
+		for i, v := range src {
+			dst[i] = float32(float64(v) * s)
+		}
+	case graph.OpDivScalar:
+		for i, v := range src {
+			dst[i] = float32(float64(v) / s)
+		}
+	case graph.OpRDivScalar:
+		for i, v := range src {
+			dst[i] = float32(s / float64(v))
+		}
+	case graph.OpMaximumScalar:
+		for i, v := range src {
+			dst[i] = float32(max(float64(v), s)) // builtin max propagates NaN
+		}
+	default:
+		f := unaryFunc(op, a)
+		if f == nil {
+			return graph.Errorf(graph.ErrAttr, "%s is not an elementwise unary op", op)
+		}
+		for i, v := range src {
+			dst[i] = float32(f(float64(v)))
+		}
+	}
+	return nil
+}
+
+// unaryFunc returns the float64 function computing op, or nil.
+func unaryFunc(op graph.Op, a *graph.Attrs) func(float64) float64 {
+	switch op {
+	case graph.OpExp:
+		return math.Exp
+	case graph.OpLog:
+		return math.Log
+	case graph.OpSqrt:
+		return math.Sqrt
+	case graph.OpTanh:
+		return math.Tanh
+	case graph.OpSigmoid:
+		return sigmoid
+	case graph.OpGelu:
+		if a.Approx {
+			return geluTanh
+		}
+		return gelu
+	case graph.OpPowScalar:
+		s := a.Scalar
+		return func(v float64) float64 { return math.Pow(v, s) }
+	}
+	return nil
+}
+
+// sigmoid never evaluates exp of a large positive number, so it cannot
+// overflow to Inf/Inf.
+func sigmoid(v float64) float64 {
+	if v >= 0 {
+		return 1 / (1 + math.Exp(-v))
+	}
+	e := math.Exp(v)
+	return e / (1 + e)
+}
+
+func gelu(v float64) float64 { return 0.5 * v * (1 + math.Erf(v/math.Sqrt2)) }
+
+// geluTanh is the tanh approximation used by GPT-2 ("gelu_new").
+func geluTanh(v float64) float64 {
+	const c = 0.7978845608028654 // √(2/π)
+	return 0.5 * v * (1 + math.Tanh(c*(v+0.044715*v*v*v)))
+}
+
+// binaryKernel applies a two-input elementwise op with NumPy broadcasting;
+// out.shape is the broadcast shape. After newWalk drops size-1 axes and merges
+// contiguous ones, same-shape operands are one row, a broadcast row vector is
+// rows of a contiguous operand against one repeated row, and so on; only the
+// outer odometer is general.
+func binaryKernel(op graph.Op, x, y, out *buf) error {
+	sx, err := operandStrides(x.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	sy, err := operandStrides(y.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	if binaryFunc(op) == nil {
+		return graph.Errorf(graph.ErrAttr, "%s is not a binary elementwise op", op)
+	}
+	w := newWalk(out.shape, sx, sy, contiguousStrides(out.shape))
+	w.rows(func(offs []int, n int, inner []int) {
+		dst := out.f[offs[2] : offs[2]+n]
+		a := x.f[offs[0]:]
+		b := y.f[offs[1]:]
+		binaryRow(op, dst, a, inner[0], b, inner[1])
+	})
+	return nil
+}
+
+// binaryRow computes dst[i] = a[i·sa] ∘ b[i·sb]. Along a merged row each
+// operand's stride is 1 or 0 (broadcast), and not both 0 unless len(dst) is 1.
+func binaryRow(op graph.Op, dst, a []float32, sa int, b []float32, sb int) {
+	n := len(dst)
+	switch {
+	case sa != 0 && sb != 0:
+		a, b = a[:n], b[:n]
+		switch op {
+		case graph.OpAdd:
+			for i := range dst {
+				dst[i] = a[i] + b[i]
+			}
+		case graph.OpSub:
+			for i := range dst {
+				dst[i] = a[i] - b[i]
+			}
+		case graph.OpMul:
+			for i := range dst {
+				dst[i] = a[i] * b[i]
+			}
+		case graph.OpDiv:
+			for i := range dst {
+				dst[i] = a[i] / b[i]
+			}
+		default:
+			f := binaryFunc(op)
+			for i := range dst {
+				dst[i] = f(a[i], b[i])
+			}
+		}
+	case sa == 0:
+		s, b := a[0], b[:n] // sb is 0 too only when n is 1
+		switch op {
+		case graph.OpAdd:
+			for i := range dst {
+				dst[i] = s + b[i]
+			}
+		case graph.OpSub:
+			for i := range dst {
+				dst[i] = s - b[i]
+			}
+		case graph.OpMul:
+			for i := range dst {
+				dst[i] = s * b[i]
+			}
+		case graph.OpDiv:
+			for i := range dst {
+				dst[i] = s / b[i]
+			}
+		default:
+			f := binaryFunc(op)
+			for i := range dst {
+				dst[i] = f(s, b[i])
+			}
+		}
+	default: // sb == 0
+		s, a := b[0], a[:n]
+		switch op {
+		case graph.OpAdd:
+			for i := range dst {
+				dst[i] = a[i] + s
+			}
+		case graph.OpSub:
+			for i := range dst {
+				dst[i] = a[i] - s
+			}
+		case graph.OpMul:
+			for i := range dst {
+				dst[i] = a[i] * s
+			}
+		case graph.OpDiv:
+			for i := range dst {
+				dst[i] = a[i] / s
+			}
+		default:
+			f := binaryFunc(op)
+			for i := range dst {
+				dst[i] = f(a[i], s)
+			}
+		}
+	}
+}
+
+// binaryFunc returns the scalar form of op, or nil.
+func binaryFunc(op graph.Op) func(a, b float32) float32 {
+	switch op {
+	case graph.OpAdd:
+		return func(a, b float32) float32 { return a + b }
+	case graph.OpSub:
+		return func(a, b float32) float32 { return a - b }
+	case graph.OpMul:
+		return func(a, b float32) float32 { return a * b }
+	case graph.OpDiv:
+		return func(a, b float32) float32 { return a / b }
+	case graph.OpPow:
+		return func(a, b float32) float32 { return float32(math.Pow(float64(a), float64(b))) }
+	case graph.OpMaximum:
+		return func(a, b float32) float32 { return max(a, b) } // builtin max propagates NaN
+	}
+	return nil
+}

@@ -1,0 +1,51 @@
+package cpu
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// crossEntropyKernel sums −log_softmax(logits)[n, labels[n]] over the rows
+// and multiplies by a.Scalar: 1/N of the full batch for a mean (fixed when the
+// graph was built, so chunk results add up), 1 for a sum.
+func crossEntropyKernel(a *graph.Attrs, logits, labels, out *buf) error {
+	if len(logits.shape) != 2 || labels.i == nil || len(labels.i) != logits.shape[0] || len(out.f) != 1 {
+		return graph.Errorf(graph.ErrShape, "cross_entropy needs logits [N, C], int64 labels [N] and a scalar output, got %v, %v, %v", logits.shape, labels.shape, out.shape)
+	}
+	c := logits.shape[1]
+	var total float64
+	for n, label := range labels.i {
+		if label < 0 || label >= int64(c) {
+			return graph.Errorf(graph.ErrAttr, "cross_entropy label %d (row %d) out of range for %d classes", label, n, c)
+		}
+		row := logits.f[n*c : (n+1)*c]
+		m := math.Inf(-1)
+		for _, v := range row {
+			m = max(m, float64(v))
+		}
+		var s float64
+		for _, v := range row {
+			s += math.Exp(float64(v) - m)
+		}
+		total += m + math.Log(s) - float64(row[label])
+	}
+	out.f[0] = float32(total * a.Scalar)
+	return nil
+}
+
+// mseKernel sums squared differences and multiplies by a.Scalar (1/count
+// fixed at build time for a mean, 1 for a sum).
+func mseKernel(a *graph.Attrs, pred, target, out *buf) error {
+	if len(pred.f) != len(target.f) || len(out.f) != 1 {
+		return graph.Errorf(graph.ErrShape, "mse of %v and %v into %v", pred.shape, target.shape, out.shape)
+	}
+	t := target.f[:len(pred.f)]
+	var total float64
+	for i, p := range pred.f {
+		d := float64(p) - float64(t[i])
+		total += d * d
+	}
+	out.f[0] = float32(total * a.Scalar)
+	return nil
+}

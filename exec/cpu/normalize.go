@@ -1,0 +1,154 @@
+package cpu
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// softmaxKernel computes softmax (or log_softmax when log is set) along axis,
+// subtracting each line's max first so exp never overflows.
+func softmaxKernel(log bool, axis int, x, out *buf) error {
+	if axis < 0 || axis >= len(x.shape) {
+		return graph.Errorf(graph.ErrAttr, "softmax axis %d out of range for rank %d", axis, len(x.shape))
+	}
+	if len(x.f) != len(out.f) {
+		return graph.Errorf(graph.ErrShape, "softmax: input %v, output %v", x.shape, out.shape)
+	}
+	n := x.shape[axis]
+	inner := graph.Numel(x.shape[axis+1:])
+	if n == 0 || inner == 0 {
+		return nil
+	}
+	if inner == 1 {
+		for start := 0; start < len(x.f); start += n {
+			softmaxRow(log, x.f[start:start+n], out.f[start:start+n])
+		}
+		return nil
+	}
+	// The axis is strided: handle a whole [n, inner] block at a time, walking
+	// it row by row with one running max and sum per inner position.
+	m := make([]float64, inner)
+	s := make([]float64, inner)
+	block := n * inner
+	for start := 0; start < len(x.f); start += block {
+		src, dst := x.f[start:start+block], out.f[start:start+block]
+		for j := range m {
+			m[j], s[j] = math.Inf(-1), 0
+		}
+		for k := 0; k < block; k += inner {
+			for j, v := range src[k : k+inner] {
+				m[j] = max(m[j], float64(v))
+			}
+		}
+		// Softmax keeps exp(x − max) in dst for the final scaling, so exp
+		// runs once per element.
+		for k := 0; k < block; k += inner {
+			d := dst[k : k+inner]
+			for j, v := range src[k : k+inner] {
+				e := math.Exp(float64(v) - m[j])
+				s[j] += e
+				d[j] = float32(e)
+			}
+		}
+		if log {
+			for j := range m {
+				m[j] += math.Log(s[j]) // m becomes log-sum-exp
+			}
+			for k := 0; k < block; k += inner {
+				d := dst[k : k+inner]
+				for j, v := range src[k : k+inner] {
+					d[j] = float32(float64(v) - m[j])
+				}
+			}
+			continue
+		}
+		for j := range s {
+			s[j] = 1 / s[j]
+		}
+		for k := 0; k < block; k += inner {
+			d := dst[k : k+inner]
+			for j, v := range d {
+				d[j] = float32(float64(v) * s[j])
+			}
+		}
+	}
+	return nil
+}
+
+// softmaxRow handles one contiguous line.
+func softmaxRow(log bool, src, dst []float32) {
+	dst = dst[:len(src)]
+	m := math.Inf(-1)
+	for _, v := range src {
+		m = max(m, float64(v))
+	}
+	var s float64
+	if log {
+		for _, v := range src {
+			s += math.Exp(float64(v) - m)
+		}
+		lse := m + math.Log(s)
+		for i, v := range src {
+			dst[i] = float32(float64(v) - lse)
+		}
+		return
+	}
+	for i, v := range src {
+		e := math.Exp(float64(v) - m)
+		s += e
+		dst[i] = float32(e)
+	}
+	inv := 1 / s
+	for i, v := range dst {
+		dst[i] = float32(float64(v) * inv)
+	}
+}
+
+// layerNormKernel normalises each group of the trailing a.NormDims axes to
+// zero mean and unit variance (biased variance, as PyTorch), then applies the
+// optional weight and bias, which have the shape of those axes.
+func layerNormKernel(a *graph.Attrs, x, w, b *buf, out *buf) error {
+	k := a.NormDims
+	if k < 1 || k > len(x.shape) {
+		return graph.Errorf(graph.ErrAttr, "layer_norm over %d trailing dims of a rank-%d input", k, len(x.shape))
+	}
+	if len(x.f) != len(out.f) {
+		return graph.Errorf(graph.ErrShape, "layer_norm: input %v, output %v", x.shape, out.shape)
+	}
+	inner := graph.Numel(x.shape[len(x.shape)-k:])
+	for _, p := range []*buf{w, b} {
+		if p != nil && len(p.f) != inner {
+			return graph.Errorf(graph.ErrShape, "layer_norm parameter %v does not match normalised dims %v", p.shape, x.shape[len(x.shape)-k:])
+		}
+	}
+	if inner == 0 {
+		return nil
+	}
+	for start := 0; start < len(x.f); start += inner {
+		src, dst := x.f[start:start+inner], out.f[start:start+inner]
+		var sum float64
+		for _, v := range src {
+			sum += float64(v)
+		}
+		mean := sum / float64(inner)
+		// Two passes: the variance of centred values does not cancel.
+		var sq float64
+		for _, v := range src {
+			d := float64(v) - mean
+			sq += d * d
+		}
+		rstd := 1 / math.Sqrt(sq/float64(inner)+a.Eps)
+		for i, v := range src {
+			y := (float64(v) - mean) * rstd
+			if w != nil {
+				y *= float64(w.f[i])
+			}
+			if b != nil {
+				y += float64(b.f[i])
+			}
+			dst[i] = float32(y)
+		}
+	}
+	return nil
+}
