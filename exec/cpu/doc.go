@@ -1,0 +1,12 @@
+// Package cpu is batchfit's reference executor: it evaluates every op of the
+// graph on the CPU in float32 (int64 for indices) with gonum's BLAS for
+// matrix products and convolutions (as GEMM over unfolded patches).
+//
+// It is the oracle the CUDA executor is checked against, so kernels favour
+// plain, obviously correct loops with float64 accumulation in reductions;
+// only matmul, linear and conv go through BLAS.
+//
+// Every kernel writes into an output buffer allocated before it runs, sized
+// from the node's type at the running batch size, and buffers are dropped
+// after their last consumer, mirroring the program the planner replays.
+package cpu

@@ -1,0 +1,210 @@
+package cpu
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/exec"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// buf is a dense row-major value: f for floating-point dtypes, i for int64.
+type buf struct {
+	shape []int
+	f     []float32
+	i     []int64
+}
+
+func newBuf(t graph.Type, shape []int) *buf {
+	b := &buf{shape: shape}
+	if t.DType == graph.Int64 {
+		b.i = make([]int64, graph.Numel(shape))
+	} else {
+		b.f = make([]float32, graph.Numel(shape))
+	}
+	return b
+}
+
+// Executor evaluates graphs on the CPU. The zero value is ready to use.
+type Executor struct{}
+
+// New returns a CPU executor.
+func New() *Executor { return &Executor{} }
+
+var _ exec.Executor = (*Executor)(nil)
+
+// Run evaluates g over its full batch.
+func (e *Executor) Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*tensor.Dense, error) {
+	return e.RunBatch(ctx, g, g.Batch(), nil, outputs...)
+}
+
+// RunBatch evaluates g for b samples. feed, when non-nil, supplies the data
+// of input node id (a chunk of the batch); otherwise each source's own value
+// is used.
+func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
+	info, err := shapeinfer.Analyze(g, outputs...)
+	if err != nil {
+		return nil, err
+	}
+	vals := make([]*buf, g.Len())
+	nodes := g.Nodes()
+	for id := range nodes {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		nd := &nodes[id]
+		if info.LastUse[id] < 0 {
+			continue // dead: nothing reads it
+		}
+		shape := nd.Type.AtBatch(b)
+		if nd.Op.Category() == graph.CatSource {
+			src := nd.Value
+			if feed != nil && nd.Op == graph.OpInput {
+				src = feed(id)
+			}
+			v, err := fromTensor(nd, src, shape)
+			if err != nil {
+				return nil, err
+			}
+			vals[id] = v
+			continue
+		}
+		ins := make([]*buf, len(nd.Inputs))
+		for i, in := range nd.Inputs {
+			ins[i] = vals[in]
+		}
+		out := newBuf(nd.Type, shape)
+		if err := eval(nd, ins, out); err != nil {
+			return nil, &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(ins), Site: nd.Site, Err: err}
+		}
+		vals[id] = out
+		for _, in := range nd.Inputs {
+			if info.LastUse[in] == id {
+				vals[in] = nil // last consumer ran: release it
+			}
+		}
+	}
+	res := make([]*tensor.Dense, len(outputs))
+	for i, o := range outputs {
+		res[i] = toDense(vals[o])
+	}
+	return res, nil
+}
+
+func shapesOf(bs []*buf) [][]int {
+	s := make([][]int, len(bs))
+	for i, b := range bs {
+		if b != nil {
+			s[i] = b.shape
+		}
+	}
+	return s
+}
+
+// fromTensor copies a source's data, checking it against the node's type.
+func fromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*buf, error) {
+	what := fmt.Sprintf("%s %q (node %d)", nd.Op, nd.Name, nd.ID)
+	if t == nil {
+		return nil, graph.Errorf(graph.ErrNoData, "%s has no data (shape-only graph)", what)
+	}
+	got := []int(t.Shape())
+	if t.Shape().IsScalar() {
+		got = []int{}
+	}
+	if !slices.Equal(got, shape) {
+		return nil, graph.Errorf(graph.ErrShape, "%s: data shape %v, want %v", what, got, shape)
+	}
+	b := &buf{shape: shape}
+	switch data := t.Data().(type) {
+	case []float32:
+		if nd.Type.DType != graph.Float32 {
+			return nil, graph.Errorf(graph.ErrDType, "%s: float32 data for a %s node", what, nd.Type.DType)
+		}
+		b.f = contiguous(t, data).([]float32)
+	case []int64:
+		if nd.Type.DType != graph.Int64 {
+			return nil, graph.Errorf(graph.ErrDType, "%s: int64 data for a %s node", what, nd.Type.DType)
+		}
+		b.i = contiguous(t, data).([]int64)
+	case float32:
+		b.f = []float32{data}
+	case int64:
+		b.i = []int64{data}
+	default:
+		return nil, graph.Errorf(graph.ErrDType, "%s: unsupported data %T", what, data)
+	}
+	return b, nil
+}
+
+// contiguous returns row-major data of t; views are materialised.
+func contiguous(t tensor.Tensor, data any) any {
+	if d, ok := t.(*tensor.Dense); ok && d.IsMaterializable() {
+		if m, ok := d.Materialize().(*tensor.Dense); ok {
+			return m.Data()
+		}
+	}
+	return data
+}
+
+func toDense(b *buf) *tensor.Dense {
+	if b.f == nil {
+		return tensor.New(tensor.WithShape(b.shape...), tensor.WithBacking(b.i))
+	}
+	return tensor.New(tensor.WithShape(b.shape...), tensor.WithBacking(b.f))
+}
+
+// eval dispatches one node to its kernel. The switch names every op; its
+// default is an error so a new op cannot run unimplemented.
+func eval(nd *graph.Node, in []*buf, out *buf) error {
+	a := &nd.Attrs
+	switch nd.Op.Category() {
+	case graph.CatUnary, graph.CatScalar:
+		return unaryKernel(nd.Op, a, in[0], out)
+	case graph.CatBinary:
+		return binaryKernel(nd.Op, in[0], in[1], out)
+	}
+	switch nd.Op {
+	case graph.OpMatMul:
+		return matmulKernel(in[0], in[1], out)
+	case graph.OpLinear:
+		return linearKernel(in[0], in[1], optional(in, 2), out)
+	case graph.OpSum, graph.OpMean, graph.OpMax:
+		return reduceKernel(nd.Op, a, in[0], out)
+	case graph.OpSoftmax, graph.OpLogSoftmax:
+		return softmaxKernel(nd.Op == graph.OpLogSoftmax, a.Axis, in[0], out)
+	case graph.OpLayerNorm:
+		return layerNormKernel(a, in[0], optional(in, 1), optional(in, 2), out)
+	case graph.OpReshape:
+		return reshapeKernel(in[0], out)
+	case graph.OpPermute:
+		return permuteKernel(a.Perm, in[0], out)
+	case graph.OpSlice:
+		return sliceKernel(a, in[0], out)
+	case graph.OpConcat:
+		return concatKernel(a.Axis, in, out)
+	case graph.OpEmbedding:
+		return embeddingKernel(in[0], in[1], out)
+	case graph.OpConv2d:
+		return conv2dKernel(a, in[0], in[1], optional(in, 2), out)
+	case graph.OpMaxPool2d:
+		return maxPool2dKernel(a, in[0], out)
+	case graph.OpAvgPool2d:
+		return avgPool2dKernel(a, in[0], out)
+	case graph.OpCrossEntropy:
+		return crossEntropyKernel(a, in[0], in[1], out)
+	case graph.OpMSE:
+		return mseKernel(a, in[0], in[1], out)
+	}
+	return graph.Errorf(graph.ErrAttr, "cpu executor has no kernel for op %s", nd.Op)
+}
+
+func optional(in []*buf, i int) *buf {
+	if i < len(in) {
+		return in[i]
+	}
+	return nil
+}
