@@ -1,0 +1,177 @@
+package cpu
+
+import (
+	"slices"
+
+	"gonum.org/v1/gonum/blas"
+	"gonum.org/v1/gonum/blas/blas32"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// gemm computes c = op(a)·op(b) + beta·c for row-major operands, where op(a)
+// is m×k and op(b) is k×n, ld* being the row strides as stored. It handles
+// the empty cases itself because gonum's BLAS panics on them.
+func gemm(tA, tB blas.Transpose, m, n, k int, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	if m == 0 || n == 0 {
+		return
+	}
+	if k == 0 {
+		if beta != 1 {
+			for i := range m {
+				row := c[i*ldc : i*ldc+n]
+				for j := range row {
+					row[j] *= beta
+				}
+			}
+		}
+		return
+	}
+	ar, ac := m, k
+	if tA != blas.NoTrans {
+		ar, ac = k, m
+	}
+	br, bc := k, n
+	if tB != blas.NoTrans {
+		br, bc = n, k
+	}
+	blas32.Gemm(tA, tB, 1,
+		blas32.General{Rows: ar, Cols: ac, Stride: lda, Data: a},
+		blas32.General{Rows: br, Cols: bc, Stride: ldb, Data: b},
+		beta,
+		blas32.General{Rows: m, Cols: n, Stride: ldc, Data: c})
+}
+
+// checkLen guards a kernel against a missing buffer, an int64 one, or one
+// whose data does not match its shape, so a BLAS call never panics.
+func checkLen(what string, b *buf) error {
+	switch {
+	case b == nil:
+		return graph.Errorf(graph.ErrArity, "%s is missing", what)
+	case b.i != nil:
+		return graph.Errorf(graph.ErrDType, "%s holds int64 data, want float", what)
+	case len(b.f) != graph.Numel(b.shape):
+		return graph.Errorf(graph.ErrShape, "%s has %d values for shape %v", what, len(b.f), b.shape)
+	}
+	return nil
+}
+
+// matmulKernel multiplies the last two axes of x [..., m, k] and y [..., k, n]
+// into out [..., m, n], broadcasting the leading axes. Each matrix is a
+// contiguous slice of its operand, so broadcasting needs offsets only, never
+// copies.
+func matmulKernel(x, y, out *buf) error {
+	for _, c := range []struct {
+		what string
+		b    *buf
+	}{{"matmul x", x}, {"matmul y", y}, {"matmul out", out}} {
+		if err := checkLen(c.what, c.b); err != nil {
+			return err
+		}
+	}
+	rx, ry, ro := len(x.shape), len(y.shape), len(out.shape)
+	if rx < 2 || ry < 2 || ro < 2 {
+		return graph.Errorf(graph.ErrShape, "matmul needs rank ≥ 2 operands, got %v and %v", x.shape, y.shape)
+	}
+	m, k := x.shape[rx-2], x.shape[rx-1]
+	k2, n := y.shape[ry-2], y.shape[ry-1]
+	if k != k2 || out.shape[ro-2] != m || out.shape[ro-1] != n {
+		return graph.Errorf(graph.ErrShape, "matmul of %v and %v cannot give %v", x.shape, y.shape, out.shape)
+	}
+	lead := out.shape[:ro-2]
+	xs, err := broadcastStrides(x.shape[:rx-2], lead, m*k)
+	if err != nil {
+		return err
+	}
+	ys, err := broadcastStrides(y.shape[:ry-2], lead, k*n)
+	if err != nil {
+		return err
+	}
+	batches := graph.Numel(lead)
+	if batches == 0 {
+		return nil
+	}
+	if graph.Numel(y.shape[:ry-2]) == 1 {
+		// y is one matrix: stack x's matrices into one tall [batches·m, k].
+		gemm(blas.NoTrans, blas.NoTrans, batches*m, n, k, x.f, max(k, 1), y.f, max(n, 1), 0, out.f, max(n, 1))
+		return nil
+	}
+	idx := make([]int, len(lead))
+	for bi := range batches {
+		xo, yo := 0, 0
+		for d, i := range idx {
+			xo += i * xs[d]
+			yo += i * ys[d]
+		}
+		gemm(blas.NoTrans, blas.NoTrans, m, n, k,
+			x.f[xo:xo+m*k], max(k, 1), y.f[yo:yo+k*n], max(n, 1), 0, out.f[bi*m*n:(bi+1)*m*n], max(n, 1))
+		for d := len(idx) - 1; d >= 0; d-- { // odometer over the leading axes
+			if idx[d]++; idx[d] < lead[d] {
+				break
+			}
+			idx[d] = 0
+		}
+	}
+	return nil
+}
+
+// broadcastStrides gives, for each axis of lead, the element stride of an
+// operand whose leading shape is s (right-aligned to lead) and whose inner
+// block holds inner elements; broadcast axes get stride 0.
+func broadcastStrides(s, lead []int, inner int) ([]int, error) {
+	if len(s) > len(lead) {
+		return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
+	}
+	st := make([]int, len(lead))
+	acc := inner
+	off := len(lead) - len(s)
+	for d := len(s) - 1; d >= 0; d-- {
+		switch s[d] {
+		case lead[d+off]:
+			st[d+off] = acc
+		case 1:
+		default:
+			return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
+		}
+		acc *= s[d]
+	}
+	return st, nil
+}
+
+// linearKernel computes out = x·wᵀ + b with x [..., in], w [out, in] and an
+// optional b [out]: one GEMM over x flattened to [rows, in].
+func linearKernel(x, w, b *buf, out *buf) error {
+	if err := checkLen("linear x", x); err != nil {
+		return err
+	}
+	if err := checkLen("linear weight", w); err != nil {
+		return err
+	}
+	if err := checkLen("linear out", out); err != nil {
+		return err
+	}
+	if len(x.shape) < 1 || len(w.shape) != 2 || len(out.shape) != len(x.shape) {
+		return graph.Errorf(graph.ErrShape, "linear of %v with weight %v cannot give %v", x.shape, w.shape, out.shape)
+	}
+	nOut, nIn := w.shape[0], w.shape[1]
+	r := len(x.shape)
+	if x.shape[r-1] != nIn || out.shape[r-1] != nOut || !slices.Equal(x.shape[:r-1], out.shape[:r-1]) {
+		return graph.Errorf(graph.ErrShape, "linear of %v with weight %v cannot give %v", x.shape, w.shape, out.shape)
+	}
+	rows := graph.Numel(x.shape[:r-1])
+	var beta float32
+	if b != nil {
+		if err := checkLen("linear bias", b); err != nil {
+			return err
+		}
+		if !slices.Equal(b.shape, []int{nOut}) {
+			return graph.Errorf(graph.ErrShape, "linear bias %v, want [%d]", b.shape, nOut)
+		}
+		for i := range rows {
+			copy(out.f[i*nOut:(i+1)*nOut], b.f)
+		}
+		beta = 1
+	}
+	gemm(blas.NoTrans, blas.Trans, rows, nOut, nIn, x.f, max(nIn, 1), w.f, max(nIn, 1), beta, out.f, max(nOut, 1))
+	return nil
+}
