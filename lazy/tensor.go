@@ -1,6 +1,7 @@
 package lazy
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"slices"
@@ -122,6 +123,18 @@ func (t *Tensor) String() string {
 	}
 	ty := t.typ()
 	return fmt.Sprintf("lazy.Tensor(%s%v, batch axis %d)", ty.DType, ty.Shape, ty.BatchAxis)
+}
+
+// ErrorTensor returns a tensor holding err, so packages that build on lazy
+// (package nn) reject bad input the way ops do: with a sticky error, never a
+// panic. An err that already carries a *graph.OpError is kept as it is; any
+// other is wrapped in one naming op, shapes and the caller's file:line.
+func ErrorTensor(op string, err error, shapes ...[]int) *Tensor {
+	var oe *graph.OpError
+	if errors.As(err, &oe) {
+		return &Tensor{id: -1, err: err}
+	}
+	return errTensor(op, site(), err, shapes...)
 }
 
 func errTensor(op string, site string, err error, shapes ...[]int) *Tensor {

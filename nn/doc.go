@@ -1,0 +1,27 @@
+// Package nn builds models from modules whose parameters have stable dotted
+// names, on top of package lazy.
+//
+//	opt := nn.Seed(1)                                  // or nn.Options{ShapeOnly: true}
+//	mlp := nn.MLP(opt, []int{784, 512, 512, 10}, nn.ReLU{})
+//	logits := mlp.Forward(lazy.Wrap(images, 0))
+//	for _, p := range mlp.Params() { fmt.Println(p.Name()) } // 0.weight 0.bias 2.weight …
+//
+// Rules:
+//   - A Module turns one lazy tensor into another and lists its parameters,
+//     its own first, then its children's, in a stable order. Names are
+//     PyTorch's state_dict keys: a container prefixes each child's names with
+//     the child's name when the child is added ("layers.3.bias"), so build
+//     bottom-up and give each module one parent.
+//   - Containers run a child under the child's name as graph scope, so every
+//     node (parameters included) records its module path in graph.Node.Scope.
+//   - Initial values are drawn from Options.Rand in construction order: one
+//     seed gives bit-identical parameters. Defaults follow PyTorch (Linear and
+//     Conv2d: uniform in ±1/√fan_in; Embedding: N(0, 1); LayerNorm: ones and
+//     zeros). Options.ShapeOnly makes shape-only parameters (lazy.ParamSpec)
+//     for dry runs of models too big to allocate.
+//   - Bad sizes or options never panic: the module keeps a typed error
+//     (wrapping graph's sentinels) that Check reports and Forward returns as
+//     the output tensor's sticky error.
+//   - Dropout is evaluation-mode only (the identity) until the dropout op
+//     lands; training mode arrives with it.
+package nn

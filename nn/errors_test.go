@@ -1,0 +1,90 @@
+package nn_test
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+)
+
+func TestConstructionErrors(t *testing.T) {
+	opt := nn.Seed(1)
+	cases := []struct {
+		name string
+		m    nn.Module
+		want error
+	}{
+		{"linear zero in", nn.NewLinear(opt, 0, 4, true), graph.ErrShape},
+		{"linear negative out", nn.NewLinear(opt, 4, -1, false), graph.ErrShape},
+		{"no rand", nn.NewLinear(nn.Options{}, 4, 4, true), graph.ErrAttr},
+		{"embedding zero dim", nn.NewEmbedding(opt, 10, 0), graph.ErrShape},
+		{"conv groups", nn.NewConv2d(opt, 6, 4, [2]int{3, 3}, true, lazy.ConvOptions{Groups: 4}), graph.ErrAttr},
+		{"conv zero kernel", nn.NewConv2d(opt, 3, 4, [2]int{0, 3}, true, lazy.ConvOptions{}), graph.ErrShape},
+		{"layernorm eps", nn.NewLayerNorm(opt, []int{4}, 0), graph.ErrAttr},
+		{"layernorm no shape", nn.NewLayerNorm(opt, nil, 1e-5), graph.ErrShape},
+		{"dropout p", nn.NewDropout(1.5), graph.ErrAttr},
+		{"mlp one size", nn.MLP(opt, []int{4}, nn.ReLU{}), graph.ErrShape},
+		{"mlp nil activation", nn.MLP(opt, []int{4, 4}, nil), graph.ErrNilTensor},
+		{"nil child", nn.NewSequential(nn.ReLU{}, nil), graph.ErrNilTensor},
+		{"duplicate child", nn.NewSequentialNamed(nn.Child{Name: "a", Module: nn.ReLU{}}, nn.Child{Name: "a", Module: nn.ReLU{}}), graph.ErrAttr},
+		{"dotted child", nn.NewSequentialNamed(nn.Child{Name: "a.b", Module: nn.ReLU{}}), graph.ErrAttr},
+		{"nested bad child", nn.NewSequential(nn.NewSequential(nn.NewDropout(-1))), graph.ErrAttr},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := nn.Check(c.m)
+			require.Error(t, err)
+			assert.ErrorIs(t, err, c.want)
+
+			y := c.m.Forward(lazy.Placeholder([]int{2, 4}, graph.Float32, 0))
+			assert.ErrorIs(t, y.Err(), c.want, "Forward returns the construction error")
+			var oe *graph.OpError
+			require.ErrorAs(t, y.Err(), &oe)
+		})
+	}
+	assert.ErrorIs(t, nn.Check(nil), graph.ErrNilTensor)
+}
+
+func TestForwardErrors(t *testing.T) {
+	opt := nn.Seed(1)
+	m := nn.MLP(opt, []int{4, 8, 3}, nn.ReLU{})
+	y := m.Forward(lazy.Placeholder([]int{2, 5}, graph.Float32, 0))
+	assert.ErrorIs(t, y.Err(), graph.ErrShape, "input width 5 into Linear(4, 8)")
+	var oe *graph.OpError
+	require.ErrorAs(t, y.Err(), &oe)
+	assert.Equal(t, "linear", oe.Op)
+	assert.True(t, strings.HasSuffix(strings.Split(oe.Site, ":")[0], "_test.go"),
+		"the error points at the caller, not into nn: %s", oe.Site)
+
+	// An errored input keeps its own error through every module.
+	bad := lazy.Placeholder([]int{2, 4}, graph.Float32, 0).Reshape(3, -1)
+	require.Error(t, bad.Err())
+	for _, mod := range []nn.Module{m, nn.NewDropout(0.2), nn.NewDropout(2), nn.Flatten{}, nn.NewConv2d(opt, 3, 4, [2]int{1, 1}, true, lazy.ConvOptions{Groups: 2})} {
+		assert.Same(t, bad.Err(), mod.Forward(bad).Err())
+	}
+	assert.ErrorIs(t, nn.Flatten{}.Forward(lazy.Param(nil, "x")).Err(), graph.ErrNilTensor)
+	scalar := lazy.Const(tensor.New(tensor.FromScalar(float32(2))))
+	assert.ErrorIs(t, nn.Flatten{}.Forward(scalar).Err(), graph.ErrShape)
+
+	b := newBlock(opt, 4)
+	z := b.Call("nope", lazy.Placeholder([]int{2, 4}, graph.Float32, 0))
+	assert.ErrorIs(t, z.Err(), graph.ErrAttr)
+	assert.Nil(t, b.Get("nope"))
+}
+
+func TestErrorTensorKeepsOpError(t *testing.T) {
+	inner := lazy.ErrorTensor("inner", graph.Errorf(graph.ErrShape, "bad"))
+	var oe *graph.OpError
+	require.ErrorAs(t, inner.Err(), &oe)
+	assert.Equal(t, "inner", oe.Op)
+	outer := lazy.ErrorTensor("outer", inner.Err())
+	assert.Same(t, inner.Err(), outer.Err(), "an OpError is not wrapped twice")
+	assert.True(t, errors.Is(outer.Err(), graph.ErrShape))
+}

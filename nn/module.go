@@ -1,0 +1,166 @@
+package nn
+
+import (
+	"math/rand/v2"
+	"slices"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+)
+
+// Module is a layer or a container of layers.
+type Module interface {
+	// Forward applies the module to x. Errors, x's included, come back as
+	// the result's sticky error.
+	Forward(x *lazy.Tensor) *lazy.Tensor
+	// Params lists the module's parameters, its own first, then its
+	// children's in child order, each once.
+	Params() []*Param
+}
+
+// Param is a named parameter of a module. Its name is the dotted path from
+// the outermost container it has been added to ("layers.3.weight"), and the
+// lazy tensor carries the same name into every graph that uses it.
+type Param struct {
+	name string
+	t    *lazy.Tensor
+}
+
+// NewParam wraps float32 data t as a parameter named name, for modules
+// written outside this package.
+func NewParam(name string, t tensor.Tensor) *Param {
+	return &Param{name: name, t: lazy.Param(t, name)}
+}
+
+// Name is the parameter's dotted path.
+func (p *Param) Name() string { return p.name }
+
+// Tensor is the parameter as a lazy tensor, to use in Forward.
+func (p *Param) Tensor() *lazy.Tensor { return p.t }
+
+// Shape is the parameter's shape.
+func (p *Param) Shape() []int { return p.t.Shape() }
+
+// Value is the parameter's data, or nil in shape-only mode.
+func (p *Param) Value() tensor.Tensor { return p.t.Value() }
+
+// Err is the error met while making the parameter, or nil.
+func (p *Param) Err() error { return p.t.Err() }
+
+// prefix puts parent before the name. The lazy leaf is remade under the new
+// name, so prefixing must happen before the parameter is used in a graph,
+// which building bottom-up guarantees.
+func (p *Param) prefix(parent string) {
+	p.name = parent + "." + p.name
+	switch {
+	case p.t.Err() != nil:
+	case p.t.Value() == nil:
+		p.t = lazy.ParamSpec(p.t.Shape(), p.t.DType(), p.name)
+	default:
+		p.t = lazy.Param(p.t.Value(), p.name)
+	}
+}
+
+// Options says how constructors make parameters. Rand draws initial values
+// in construction order; with ShapeOnly set, parameters have shapes but no
+// data and Rand is not used.
+type Options struct {
+	Rand      *rand.Rand
+	ShapeOnly bool
+}
+
+// Seed returns Options drawing from a PCG source seeded with seed.
+func Seed(seed uint64) Options {
+	return Options{Rand: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))}
+}
+
+// Uniform makes a float32 parameter drawn uniformly from [−bound, bound).
+func (o Options) Uniform(name string, shape []int, bound float64) *Param {
+	return o.make(name, shape, true, func(r *rand.Rand) float32 {
+		return float32((2*r.Float64() - 1) * bound)
+	})
+}
+
+// Normal makes a float32 parameter drawn from N(mean, std²).
+func (o Options) Normal(name string, shape []int, mean, std float64) *Param {
+	return o.make(name, shape, true, func(r *rand.Rand) float32 {
+		return float32(mean + std*r.NormFloat64())
+	})
+}
+
+// Full makes a float32 parameter with every element v; it needs no Rand.
+func (o Options) Full(name string, shape []int, v float32) *Param {
+	return o.make(name, shape, false, func(*rand.Rand) float32 { return v })
+}
+
+func (o Options) make(name string, shape []int, random bool, draw func(*rand.Rand) float32) *Param {
+	for _, d := range shape {
+		if d < 1 {
+			return &Param{name: name, t: lazy.ErrorTensor("nn.param "+name,
+				graph.Errorf(graph.ErrShape, "parameter %s: dimensions must be positive, got %v", name, shape), shape)}
+		}
+	}
+	if o.ShapeOnly {
+		return &Param{name: name, t: lazy.ParamSpec(shape, graph.Float32, name)}
+	}
+	if random && o.Rand == nil {
+		return &Param{name: name, t: lazy.ErrorTensor("nn.param "+name,
+			graph.Errorf(graph.ErrAttr, "parameter %s: nn.Options has no Rand (set Rand, or ShapeOnly for a dry run)", name), shape)}
+	}
+	data := make([]float32, graph.Numel(shape))
+	for i := range data {
+		data[i] = draw(o.Rand)
+	}
+	t := tensor.New(tensor.WithShape(slices.Clone(shape)...), tensor.WithBacking(data))
+	return NewParam(name, t)
+}
+
+// Check reports the first construction error of m or its children: a bad
+// size, option or child. Forward returns the same error in its result.
+func Check(m Module) error {
+	if m == nil {
+		return graph.Errorf(graph.ErrNilTensor, "nil nn.Module")
+	}
+	if e, ok := m.(interface{ Err() error }); ok {
+		if err := e.Err(); err != nil {
+			return err
+		}
+	}
+	for _, p := range m.Params() {
+		if err := p.Err(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// NumParams counts the elements of m's parameters.
+func NumParams(m Module) int {
+	n := 0
+	for _, p := range m.Params() {
+		n += graph.Numel(p.Shape())
+	}
+	return n
+}
+
+// fail returns x when it already carries an error (the first error wins),
+// else a tensor holding err.
+func fail(op string, err error, x *lazy.Tensor) *lazy.Tensor {
+	if x != nil && x.Err() != nil {
+		return x
+	}
+	return lazy.ErrorTensor(op, err, x.Shape())
+}
+
+// call runs m on x with name pushed as the graph's module scope.
+func call(name string, m Module, x *lazy.Tensor) *lazy.Tensor {
+	g := x.Graph()
+	if g == nil { // an error (it just propagates) or a free leaf (no scope yet)
+		return m.Forward(x)
+	}
+	g.PushScope(name)
+	defer g.PopScope()
+	return m.Forward(x)
+}
