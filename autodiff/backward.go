@@ -22,10 +22,12 @@ func Backward(g *graph.Graph, loss int, wrt []int) ([]int, error) {
 	n := loss + 1
 	need := make([]bool, n) // need[id]: id depends on some node of wrt
 	for _, w := range wrt {
-		if w < 0 || w >= n {
-			return nil, graph.Errorf(graph.ErrArity, "backward: parameter id %d is not an ancestor candidate of loss %d", w, loss)
+		if w < 0 || w >= g.Len() {
+			return nil, graph.Errorf(graph.ErrArity, "backward: parameter id %d does not name a node", w)
 		}
-		need[w] = g.Node(w).Type.DType.IsFloat()
+		if w < n { // a node made after the loss cannot be its ancestor
+			need[w] = g.Node(w).Type.DType.IsFloat()
+		}
 	}
 	for id := range n {
 		for _, in := range g.Node(id).Inputs {
@@ -51,7 +53,10 @@ func Backward(g *graph.Graph, loss int, wrt []int) ([]int, error) {
 	}
 	out := make([]int, len(wrt))
 	for i, w := range wrt {
-		out[i] = b.grad[w]
+		out[i] = -1
+		if w < n {
+			out[i] = b.grad[w]
+		}
 		if out[i] < 0 {
 			b.fwd = g.Node(w)
 			out[i] = b.emit(graph.OpFill, graph.Attrs{Target: g.Node(w).Type})
