@@ -93,8 +93,21 @@ func unaryFunc(op graph.Op, a *graph.Attrs) func(float64) float64 {
 	case graph.OpPowScalar:
 		s := a.Scalar
 		return func(v float64) float64 { return math.Pow(v, s) }
+	case graph.OpSign:
+		return sign
 	}
 	return nil
+}
+
+// sign is −1, 0 or 1 (NaN stays NaN), as torch.sign.
+func sign(v float64) float64 {
+	switch {
+	case v > 0:
+		return 1
+	case v < 0:
+		return -1
+	}
+	return v
 }
 
 // sigmoid never evaluates exp of a large positive number, so it cannot

@@ -50,6 +50,16 @@ func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed fun
 	if err != nil {
 		return nil, err
 	}
+	return e.RunAnalyzed(ctx, g, info, b, feed, outputs...)
+}
+
+// RunAnalyzed is RunBatch with the graph's analysis already made (callers
+// cache it by graph signature). info must be Analyze(g, outputs...).
+func (e *Executor) RunAnalyzed(ctx context.Context, g *graph.Graph, info *shapeinfer.Result, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
+	if len(info.LastUse) != g.Len() || !slices.Equal(info.Outputs, outputs) {
+		return nil, graph.Errorf(graph.ErrArity, "analysis of %d nodes with outputs %v does not match a graph of %d nodes with outputs %v",
+			len(info.LastUse), info.Outputs, g.Len(), outputs)
+	}
 	vals := make([]*buf, g.Len())
 	nodes := g.Nodes()
 	for id := range nodes {
@@ -171,10 +181,12 @@ func eval(nd *graph.Node, in []*buf, out *buf) error {
 		return unaryKernel(nd.Op, a, in[0], out)
 	case graph.CatBinary:
 		return binaryKernel(nd.Op, in[0], in[1], out)
+	case graph.CatGrad:
+		return gradKernel(nd, in, out)
 	}
 	switch nd.Op {
 	case graph.OpMatMul:
-		return matmulKernel(in[0], in[1], out)
+		return matmulKernel(a.TransA, a.TransB, in[0], in[1], out)
 	case graph.OpLinear:
 		return linearKernel(in[0], in[1], optional(in, 2), out)
 	case graph.OpSum, graph.OpMean, graph.OpMax:
@@ -203,6 +215,11 @@ func eval(nd *graph.Node, in []*buf, out *buf) error {
 		return crossEntropyKernel(a, in[0], in[1], out)
 	case graph.OpMSE:
 		return mseKernel(a, in[0], in[1], out)
+	case graph.OpFill:
+		for i := range out.f {
+			out.f[i] = float32(a.Scalar)
+		}
+		return nil
 	}
 	return graph.Errorf(graph.ErrAttr, "cpu executor has no kernel for op %s", nd.Op)
 }

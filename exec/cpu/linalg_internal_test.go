@@ -30,12 +30,12 @@ func TestLinalgKernelsRejectBadBuffers(t *testing.T) {
 		err  error
 		run  func() error
 	}{
-		{"matmul inner mismatch", graph.ErrShape, func() error { return matmulKernel(fbuf(2, 3), fbuf(4, 5), fbuf(2, 5)) }},
-		{"matmul rank 1", graph.ErrShape, func() error { return matmulKernel(fbuf(3), fbuf(3, 5), fbuf(5)) }},
-		{"matmul leading axes", graph.ErrShape, func() error { return matmulKernel(fbuf(2, 2, 3), fbuf(3, 3, 4), fbuf(3, 2, 4)) }},
-		{"matmul wrong out", graph.ErrShape, func() error { return matmulKernel(fbuf(2, 3), fbuf(3, 4), fbuf(2, 5)) }},
-		{"matmul short data", graph.ErrShape, func() error { return matmulKernel(short, fbuf(3, 4), fbuf(2, 4)) }},
-		{"matmul int64 operand", graph.ErrDType, func() error { return matmulKernel(ints, fbuf(3, 4), fbuf(2, 4)) }},
+		{"matmul inner mismatch", graph.ErrShape, func() error { return matmulKernel(false, false, fbuf(2, 3), fbuf(4, 5), fbuf(2, 5)) }},
+		{"matmul rank 1", graph.ErrShape, func() error { return matmulKernel(false, false, fbuf(3), fbuf(3, 5), fbuf(5)) }},
+		{"matmul leading axes", graph.ErrShape, func() error { return matmulKernel(false, false, fbuf(2, 2, 3), fbuf(3, 3, 4), fbuf(3, 2, 4)) }},
+		{"matmul wrong out", graph.ErrShape, func() error { return matmulKernel(false, false, fbuf(2, 3), fbuf(3, 4), fbuf(2, 5)) }},
+		{"matmul short data", graph.ErrShape, func() error { return matmulKernel(false, false, short, fbuf(3, 4), fbuf(2, 4)) }},
+		{"matmul int64 operand", graph.ErrDType, func() error { return matmulKernel(false, false, ints, fbuf(3, 4), fbuf(2, 4)) }},
 		{"linear features", graph.ErrShape, func() error { return linearKernel(fbuf(2, 3), fbuf(4, 5), nil, fbuf(2, 4)) }},
 		{"linear bias", graph.ErrShape, func() error { return linearKernel(fbuf(2, 3), fbuf(4, 3), fbuf(3), fbuf(2, 4)) }},
 		{"linear missing weight", graph.ErrArity, func() error { return linearKernel(fbuf(2, 3), nil, nil, fbuf(2, 4)) }},
@@ -63,9 +63,9 @@ func TestLinalgKernelsRejectBadBuffers(t *testing.T) {
 // Empty extents (k = 0, no rows) must not reach BLAS, which panics on them.
 func TestGemmEmptyExtents(t *testing.T) {
 	out := fbuf(2, 3)
-	assert.NoError(t, matmulKernel(fbuf(2, 0), fbuf(0, 3), out))
+	assert.NoError(t, matmulKernel(false, false, fbuf(2, 0), fbuf(0, 3), out))
 	assert.Equal(t, make([]float32, 6), out.f, "a product over an empty inner axis is zero")
-	assert.NoError(t, matmulKernel(fbuf(0, 2, 4), fbuf(4, 3), fbuf(0, 2, 3)))
+	assert.NoError(t, matmulKernel(false, false, fbuf(0, 2, 4), fbuf(4, 3), fbuf(0, 2, 3)))
 	lin := fbuf(2, 3)
 	assert.NoError(t, linearKernel(fbuf(2, 0), fbuf(3, 0), &buf{shape: []int{3}, f: []float32{1, 2, 3}}, lin))
 	assert.Equal(t, []float32{1, 2, 3, 1, 2, 3}, lin.f, "only the bias remains")

@@ -56,11 +56,12 @@ func checkLen(what string, b *buf) error {
 	return nil
 }
 
-// matmulKernel multiplies the last two axes of x [..., m, k] and y [..., k, n]
-// into out [..., m, n], broadcasting the leading axes. Each matrix is a
-// contiguous slice of its operand, so broadcasting needs offsets only, never
-// copies.
-func matmulKernel(x, y, out *buf) error {
+// matmulKernel multiplies the last two axes of op(x) [..., m, k] and op(y)
+// [..., k, n] into out [..., m, n], broadcasting the leading axes; op
+// transposes the last two axes when ta (tb) is set, which BLAS does for free
+// from the stored layout. Each matrix is a contiguous slice of its operand,
+// so broadcasting needs offsets only, never copies.
+func matmulKernel(ta, tb bool, x, y, out *buf) error {
 	for _, c := range []struct {
 		what string
 		b    *buf
@@ -73,8 +74,22 @@ func matmulKernel(x, y, out *buf) error {
 	if rx < 2 || ry < 2 || ro < 2 {
 		return graph.Errorf(graph.ErrShape, "matmul needs rank ≥ 2 operands, got %v and %v", x.shape, y.shape)
 	}
-	m, k := x.shape[rx-2], x.shape[rx-1]
-	k2, n := y.shape[ry-2], y.shape[ry-1]
+	lda, ldb := x.shape[rx-1], y.shape[ry-1] // row strides as stored
+	m, k := x.shape[rx-2], lda
+	if ta {
+		m, k = k, m
+	}
+	k2, n := y.shape[ry-2], ldb
+	if tb {
+		k2, n = n, k2
+	}
+	opA, opB := blas.NoTrans, blas.NoTrans
+	if ta {
+		opA = blas.Trans
+	}
+	if tb {
+		opB = blas.Trans
+	}
 	if k != k2 || out.shape[ro-2] != m || out.shape[ro-1] != n {
 		return graph.Errorf(graph.ErrShape, "matmul of %v and %v cannot give %v", x.shape, y.shape, out.shape)
 	}
@@ -91,9 +106,9 @@ func matmulKernel(x, y, out *buf) error {
 	if batches == 0 {
 		return nil
 	}
-	if graph.Numel(y.shape[:ry-2]) == 1 {
+	if graph.Numel(y.shape[:ry-2]) == 1 && !ta {
 		// y is one matrix: stack x's matrices into one tall [batches·m, k].
-		gemm(blas.NoTrans, blas.NoTrans, batches*m, n, k, x.f, max(k, 1), y.f, max(n, 1), 0, out.f, max(n, 1))
+		gemm(opA, opB, batches*m, n, k, x.f, max(lda, 1), y.f, max(ldb, 1), 0, out.f, max(n, 1))
 		return nil
 	}
 	idx := make([]int, len(lead))
@@ -103,8 +118,8 @@ func matmulKernel(x, y, out *buf) error {
 			xo += i * xs[d]
 			yo += i * ys[d]
 		}
-		gemm(blas.NoTrans, blas.NoTrans, m, n, k,
-			x.f[xo:xo+m*k], max(k, 1), y.f[yo:yo+k*n], max(n, 1), 0, out.f[bi*m*n:(bi+1)*m*n], max(n, 1))
+		gemm(opA, opB, m, n, k,
+			x.f[xo:xo+m*k], max(lda, 1), y.f[yo:yo+k*n], max(ldb, 1), 0, out.f[bi*m*n:(bi+1)*m*n], max(n, 1))
 		for d := len(idx) - 1; d >= 0; d-- { // odometer over the leading axes
 			if idx[d]++; idx[d] < lead[d] {
 				break

@@ -1,0 +1,16 @@
+// Package batchfit is the front door: a Session that runs training steps and
+// evaluations of graphs built with package lazy.
+//
+//	sess := batchfit.NewSession(batchfit.Options{})
+//	for step := range steps {
+//		x := lazy.Wrap(images, 0)
+//		loss := model.Forward(x).CrossEntropy(x.Graph().Wrap(labels, 0), graph.ReduceMean)
+//		l, err := sess.Step(ctx, loss, model.Parameters(), opt)
+//		…
+//	}
+//
+// The graph is rebuilt every step, as in eager frameworks, but everything
+// derivable from its signature (shapes, liveness, byte counts) is computed
+// once and cached. Parameters persist in the executor across steps, and the
+// optimizer's state with them.
+package batchfit
