@@ -164,3 +164,14 @@ func call(name string, m Module, x *lazy.Tensor) *lazy.Tensor {
 	defer g.PopScope()
 	return m.Forward(x)
 }
+
+// ParamTensors lists m's parameters as lazy tensors, in Params order, for
+// gradients and training steps.
+func ParamTensors(m Module) []*lazy.Tensor {
+	ps := m.Params()
+	ts := make([]*lazy.Tensor, len(ps))
+	for i, p := range ps {
+		ts[i] = p.Tensor()
+	}
+	return ts
+}

@@ -1,12 +1,13 @@
 // Command mlp builds a FashionMNIST-shaped classifier (784 → 512 → 512 → 10
 // with ReLU) over generated data, prints what shape inference knows about
-// every node, and evaluates logits and mean cross-entropy on the CPU.
+// every node of one training step, evaluates logits and mean cross-entropy,
+// then trains with Adam and prints the loss going down.
 //
 // The data are Gaussian blobs, one per class, standing in for normalised
 // 28×28 images so the example needs no download. With random initial
 // weights the loss is close to ln 10 ≈ 2.303.
 //
-//	go run ./examples/mlp -batch 64 -seed 1
+//	go run ./examples/mlp -batch 64 -steps 200 -seed 1
 package main
 
 import (
@@ -20,22 +21,27 @@ import (
 
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 const (
 	features = 28 * 28
 	classes  = 10
+	meanStd  = 0.1 // spread of the class means
 )
 
 type options struct {
 	batch int    // samples in the batch
 	seed  uint64 // seeds both the data and the initial weights
 	rows  int    // rows of logits to print
+	steps int    // training steps
+	lr    float64
 }
 
 func main() {
@@ -43,6 +49,8 @@ func main() {
 	flag.IntVar(&o.batch, "batch", 64, "batch size")
 	flag.Uint64Var(&o.seed, "seed", 1, "seed for data and initial weights")
 	flag.IntVar(&o.rows, "rows", 4, "rows of logits to print")
+	flag.IntVar(&o.steps, "steps", 200, "training steps")
+	flag.Float64Var(&o.lr, "lr", 1e-3, "Adam learning rate")
 	flag.Parse()
 	if err := run(os.Stdout, o); err != nil {
 		fmt.Fprintln(os.Stderr, "mlp:", err)
@@ -78,16 +86,60 @@ func run(w io.Writer, o options) error {
 	if err != nil {
 		return err
 	}
-	return printResults(w, out[0], out[1], o.rows)
+	if err := printResults(w, out[0], out[1], o.rows); err != nil {
+		return err
+	}
+	if o.steps == 0 {
+		return nil
+	}
+	_, err = train(w, o, model)
+	return err
+}
+
+// train runs o.steps Adam steps over fresh batches from the same blobs,
+// rebuilding the graph every step as a training loop does; the session
+// reuses its analysis because the graph's signature does not change.
+// It returns the loss of every step.
+func train(w io.Writer, o options, model nn.Module) ([]float32, error) {
+	sess := batchfit.NewSession(batchfit.Options{})
+	opt := optim.NewAdam(o.lr)
+	fmt.Fprintf(w, "\ntraining on %s, Adam lr %g\n", sess.Device(), o.lr)
+	ctx := context.Background()
+	losses := make([]float32, 0, o.steps)
+	for step := range o.steps {
+		images, labels := blobsFrom(o.seed, uint64(step+1), o.batch)
+		x := lazy.Wrap(images, 0)
+		loss := model.Forward(x).CrossEntropy(x.Graph().Wrap(labels, 0), graph.ReduceMean)
+		l, err := sess.Step(ctx, loss, nn.ParamTensors(model), opt)
+		if err != nil {
+			return losses, fmt.Errorf("step %d: %w", step, err)
+		}
+		losses = append(losses, l)
+		if step == 0 || (step+1)%max(o.steps/10, 1) == 0 {
+			fmt.Fprintf(w, "step %4d  loss %.6f\n", step+1, l)
+		}
+	}
+	return losses, nil
 }
 
 // blobs draws batch samples from ten Gaussian blobs: class c has a mean
-// drawn from N(0, 1) per feature and unit noise around it.
+// drawn from N(0, meanStd²) per feature and unit noise around it. With
+// meanStd = 0.1 the classes overlap enough that learning takes many steps.
 func blobs(seed uint64, batch int) (images, labels *tensor.Dense) {
-	r := rand.New(rand.NewPCG(seed, 0xda7a))
+	return blobsFrom(seed, 0, batch)
+}
+
+// blobsFrom draws batch samples of the blobs fixed by seed, using stream to
+// pick which samples: each training step draws a fresh batch.
+func blobsFrom(seed, stream uint64, batch int) (images, labels *tensor.Dense) {
+	mr := rand.New(rand.NewPCG(seed, 0xda7a))
 	means := make([]float64, classes*features)
 	for i := range means {
-		means[i] = r.NormFloat64()
+		means[i] = meanStd * mr.NormFloat64()
+	}
+	r := mr
+	if stream > 0 {
+		r = rand.New(rand.NewPCG(seed^stream*0x9e3779b97f4a7c15, 0x5a3b1e))
 	}
 	x := make([]float32, batch*features)
 	y := make([]int64, batch)

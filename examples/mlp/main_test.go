@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"io"
 	"math"
 	"regexp"
 	"strconv"
@@ -10,6 +11,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/nn"
 )
 
 // TestRun runs the example end to end on the CPU executor. With random
@@ -20,7 +23,7 @@ import (
 func TestRun(t *testing.T) {
 	for _, batch := range []int{1, 64} {
 		var out bytes.Buffer
-		require.NoError(t, run(&out, options{batch: batch, seed: 3, rows: 2}))
+		require.NoError(t, run(&out, options{batch: batch, seed: 3, rows: 2, steps: 0}))
 		text := out.String()
 
 		assert.Regexp(t, `(?m)^id\s+op\s+name\s+module\s+shape\s+batch axis\s+class\s+bytes\s+last use`, text)
@@ -46,4 +49,21 @@ func TestRun(t *testing.T) {
 
 func TestRunRejectsEmptyBatch(t *testing.T) {
 	assert.Error(t, run(&bytes.Buffer{}, options{batch: 0, seed: 1}))
+}
+
+// TestTrainingHalvesLoss trains briefly on the blobs: the mean loss of the
+// last five steps must fall below half the first step's loss (≈ ln 10).
+// Averaging five steps keeps one noisy batch from deciding the test.
+func TestTrainingHalvesLoss(t *testing.T) {
+	o := options{batch: 32, seed: 5, steps: 60, lr: 1e-3}
+	model := nn.MLP(nn.Seed(o.seed), []int{features, 512, 512, classes}, nn.ReLU{})
+	losses, err := train(io.Discard, o, model)
+	require.NoError(t, err)
+	require.Len(t, losses, o.steps)
+	var last float32
+	for _, l := range losses[len(losses)-5:] {
+		last += l / 5
+	}
+	t.Logf("first loss %.4f, mean of last five %.4f", losses[0], last)
+	assert.Less(t, last, losses[0]/2)
 }
