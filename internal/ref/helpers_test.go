@@ -127,3 +127,6 @@ func paramID(t *testing.T, g *graph.Graph, name string) int {
 }
 
 var ln = math.Log
+
+// newRand is a fixed-seed source for tests that need a few random values.
+func newRand() *rand.Rand { return rand.New(rand.NewPCG(42, 43)) }
