@@ -62,6 +62,11 @@ func TestEvalErrors(t *testing.T) {
 	require.ErrorAs(t, err, &oe)
 	require.Equal(t, "param", oe.Op)
 
+	// Data of the wrong kind for its node.
+	d.g.Node(idx).Value = tf([]int{2}, 0, 1)
+	_, err = Eval(d.g, map[int]Value{w: Zeros(3, 2)}, emb)
+	require.ErrorIs(t, err, graph.ErrDType)
+
 	_, err = Eval(nil, nil)
 	require.ErrorIs(t, err, graph.ErrNilTensor)
 

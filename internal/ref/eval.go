@@ -4,6 +4,8 @@ import (
 	"math"
 	"slices"
 
+	"gorgonia.org/tensor"
+
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
@@ -69,6 +71,9 @@ func evalNode(nd *graph.Node, g *graph.Graph, override map[int]Value, vals []Val
 		}
 		if nd.Value == nil {
 			return Value{}, opError(nd, nil, graph.Errorf(graph.ErrNoData, "%s node %d (%q) has no data and no override", nd.Op, nd.ID, nd.Name))
+		}
+		if (nd.Value.Dtype() == tensor.Int64) != (nd.Type.DType == graph.Int64) {
+			return Value{}, opError(nd, nil, graph.Errorf(graph.ErrDType, "%s node %d is %s but holds %v data", nd.Op, nd.ID, nd.Type.DType, nd.Value.Dtype()))
 		}
 		v, err := FromTensor(nd.Value)
 		if err != nil {
