@@ -1,0 +1,142 @@
+package ref
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+func unary(op graph.Op, approx bool, x float64) float64 {
+	switch op {
+	case graph.OpNeg:
+		return -x
+	case graph.OpExp:
+		return math.Exp(x)
+	case graph.OpLog:
+		return math.Log(x)
+	case graph.OpSqrt:
+		return math.Sqrt(x)
+	case graph.OpAbs:
+		return math.Abs(x)
+	case graph.OpTanh:
+		return math.Tanh(x)
+	case graph.OpSigmoid:
+		return 1 / (1 + math.Exp(-x))
+	case graph.OpRelu:
+		if x > 0 {
+			return x
+		}
+		return 0
+	case graph.OpGelu:
+		return gelu(x, approx)
+	case graph.OpSign:
+		switch {
+		case x > 0:
+			return 1
+		case x < 0:
+			return -1
+		}
+		return x // ±0 and NaN keep themselves
+	}
+	return math.NaN()
+}
+
+// sqrt2OverPi is √(2/π), the scale of GELU's tanh form.
+var sqrt2OverPi = math.Sqrt(2 / math.Pi)
+
+// gelu is x·Φ(x) with Φ(x) = ½(1 + erf(x/√2)), or the tanh form
+// ½x(1 + tanh(√(2/π)(x + 0.044715x³))).
+func gelu(x float64, approx bool) float64 {
+	if approx {
+		return 0.5 * x * (1 + math.Tanh(sqrt2OverPi*(x+0.044715*x*x*x)))
+	}
+	return x * 0.5 * (1 + math.Erf(x/math.Sqrt2))
+}
+
+// geluDeriv is d gelu / dx: Φ(x) + x·φ(x) exactly, or the derivative of
+// the tanh form, ½(1+t) + ½x(1−t²)·√(2/π)(1 + 3·0.044715x²).
+func geluDeriv(x float64, approx bool) float64 {
+	if approx {
+		t := math.Tanh(sqrt2OverPi * (x + 0.044715*x*x*x))
+		return 0.5*(1+t) + 0.5*x*(1-t*t)*sqrt2OverPi*(1+3*0.044715*x*x)
+	}
+	cdf := 0.5 * (1 + math.Erf(x/math.Sqrt2))
+	pdf := math.Exp(-x*x/2) / math.Sqrt(2*math.Pi)
+	return cdf + x*pdf
+}
+
+func withScalar(op graph.Op, x, s float64) float64 {
+	switch op {
+	case graph.OpAddScalar:
+		return x + s
+	case graph.OpSubScalar:
+		return x - s
+	case graph.OpRSubScalar:
+		return s - x
+	case graph.OpMulScalar:
+		return x * s
+	case graph.OpDivScalar:
+		return x / s
+	case graph.OpRDivScalar:
+		return s / x
+	case graph.OpPowScalar:
+		return math.Pow(x, s)
+	case graph.OpMaximumScalar:
+		return math.Max(x, s)
+	}
+	return math.NaN()
+}
+
+func binaryOp(op graph.Op, x, y float64) float64 {
+	switch op {
+	case graph.OpAdd:
+		return x + y
+	case graph.OpSub:
+		return x - y
+	case graph.OpMul:
+		return x * y
+	case graph.OpDiv:
+		return x / y
+	case graph.OpPow:
+		return math.Pow(x, y)
+	case graph.OpMaximum:
+		return math.Max(x, y)
+	}
+	return math.NaN()
+}
+
+// binary fills out (already of the broadcast shape) with f of the
+// broadcast elements of x and y.
+func binary(out, x, y Value, f func(x, y float64) float64) {
+	idx := make([]int, len(out.Shape))
+	for i := range out.Data {
+		unravel(i, out.Shape, idx)
+		out.Data[i] = f(x.Data[broadcastPos(idx, x.Shape)], y.Data[broadcastPos(idx, y.Shape)])
+	}
+}
+
+// tieShare is the share of the gradient of max(x, s) that x receives:
+// all when x wins, half on a tie, none when it loses.
+func tieShare(x, s float64) float64 {
+	switch {
+	case x > s:
+		return 1
+	case x == s:
+		return 0.5
+	}
+	return 0
+}
+
+// maximumGrad is the gradient of maximum(a, b) for operand 0 (a) or 1 (b),
+// at the broadcast shape; autodiff sums it back to the operand's shape.
+func maximumGrad(out, g, a, b Value, operand int) {
+	idx := make([]int, len(out.Shape))
+	for i := range out.Data {
+		unravel(i, out.Shape, idx)
+		av, bv := a.Data[broadcastPos(idx, a.Shape)], b.Data[broadcastPos(idx, b.Shape)]
+		if operand == 1 {
+			av, bv = bv, av
+		}
+		out.Data[i] = g.Data[i] * tieShare(av, bv)
+	}
+}

@@ -1,0 +1,70 @@
+package ref
+
+import "math"
+
+// crossEntropy is Scalar·Σ_rows −log_softmax(logits)[row, label].
+func crossEntropy(out, logits, labels Value, scale float64) error {
+	n, c := logits.Shape[0], logits.Shape[1]
+	total := 0.0
+	for r := range n {
+		k, err := index(labels.Data[r], c, "cross_entropy label")
+		if err != nil {
+			return err
+		}
+		row := logits.Data[r*c : (r+1)*c]
+		total += logSumExp(row) - row[k]
+	}
+	out.Data[0] = scale * total
+	return nil
+}
+
+// crossEntropyGrad is g·Scalar·(softmax(logits) − onehot(labels)).
+func crossEntropyGrad(out, g, logits, labels Value, scale float64) error {
+	n, c := logits.Shape[0], logits.Shape[1]
+	for r := range n {
+		k, err := index(labels.Data[r], c, "cross_entropy label")
+		if err != nil {
+			return err
+		}
+		row := logits.Data[r*c : (r+1)*c]
+		lse := logSumExp(row)
+		for j := range c {
+			p := math.Exp(row[j] - lse)
+			if j == k {
+				p--
+			}
+			out.Data[r*c+j] = g.Data[0] * scale * p
+		}
+	}
+	return nil
+}
+
+// logSumExp is log Σ exp(x), shifted by max(x) for stability.
+func logSumExp(x []float64) float64 {
+	m := math.Inf(-1)
+	for _, v := range x {
+		m = math.Max(m, v)
+	}
+	s := 0.0
+	for _, v := range x {
+		s += math.Exp(v - m)
+	}
+	return m + math.Log(s)
+}
+
+// mse is Scalar·Σ(p − t)².
+func mse(out, p, t Value, scale float64) {
+	s := 0.0
+	for i := range p.Data {
+		d := p.Data[i] - t.Data[i]
+		s += d * d
+	}
+	out.Data[0] = scale * s
+}
+
+// mseGrad is g·Scalar·2(p − t).
+func mseGrad(out, g, p, t Value, scale float64) {
+	for i := range p.Data {
+		out.Data[i] = g.Data[0] * scale * 2 * (p.Data[i] - t.Data[i])
+	}
+}
