@@ -119,3 +119,13 @@ func (g *Graph) PopScope() {
 
 // Scope is the current dotted module path.
 func (g *Graph) Scope() string { return strings.Join(g.scope, ".") }
+
+// NodeNamed returns the id of the first node named name, or −1.
+func (g *Graph) NodeNamed(name string) int {
+	for i := range g.nodes {
+		if g.nodes[i].Name == name {
+			return i
+		}
+	}
+	return -1
+}

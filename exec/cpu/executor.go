@@ -42,9 +42,10 @@ func (e *Executor) Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*
 	return e.RunBatch(ctx, g, g.Batch(), nil, outputs...)
 }
 
-// RunBatch evaluates g for b samples. feed, when non-nil, supplies the data
-// of input node id (a chunk of the batch); otherwise each source's own value
-// is used.
+// RunBatch evaluates g for b samples. feed, when non-nil, may supply the
+// data of any source node id (a chunk of the batch for an input, values for
+// a shape-only parameter); where it returns nil the source's own value is
+// used.
 func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
 	info, err := shapeinfer.Analyze(g, outputs...)
 	if err != nil {
@@ -73,8 +74,10 @@ func (e *Executor) RunAnalyzed(ctx context.Context, g *graph.Graph, info *shapei
 		shape := nd.Type.AtBatch(b)
 		if nd.Op.Category() == graph.CatSource {
 			src := nd.Value
-			if feed != nil && nd.Op == graph.OpInput {
-				src = feed(id)
+			if feed != nil {
+				if t := feed(id); t != nil {
+					src = t
+				}
 			}
 			v, err := fromTensor(nd, src, shape)
 			if err != nil {

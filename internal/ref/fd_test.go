@@ -12,7 +12,6 @@ import (
 	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 // Finite-difference checks: gradients that autodiff appends, evaluated by
@@ -98,130 +97,16 @@ func TestMLPFiniteDifferences(t *testing.T) {
 	fdCheck(t, ir, loss.ID(), params, ids, map[int]Value{})
 }
 
-// gradCase builds out = f(p) where p[0] is a data-less batched input (axis
-// 0) and p[1:] are ParamSpec parameters; the checked loss is Σ out·r with r
-// a fixed random weight, so every output element counts with its own
-// coefficient. Chains start from p[0]: an op on free leaves alone would
-// start a graph of its own.
-type gradCase struct {
-	name     string
-	shapes   [][]int
-	positive bool // draw inputs from [0.5, 2) instead of [−1, 1)
-	build    func(p []*lazy.Tensor) *lazy.Tensor
-}
-
-func c3(x float32) *lazy.Tensor { return lazy.Const(tf([]int{3}, x, 2*x, -x)) }
-
-var gradCases = []gradCase{
-	{name: "neg", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Neg() }},
-	{name: "exp", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Exp() }},
-	{name: "log", shapes: [][]int{{2, 3}}, positive: true, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Log() }},
-	{name: "sqrt", shapes: [][]int{{2, 3}}, positive: true, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Sqrt() }},
-	{name: "abs", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Abs() }},
-	{name: "tanh", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Tanh() }},
-	{name: "sigmoid", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Sigmoid() }},
-	{name: "relu", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Relu() }},
-	{name: "gelu", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).Gelu() }},
-	{name: "gelu_tanh", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).GeluTanh() }},
-	{name: "scalar_ops", shapes: [][]int{{2, 3}}, positive: true, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		x := p[0]
-		return x.AddScalar(1).SubScalar(0.5).RSubScalar(3).MulScalar(1.5).DivScalar(2).RDivScalar(2).Add(x.PowScalar(2.5))
-	}},
-	{name: "maximum_scalar", shapes: [][]int{{3, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MaximumScalar(0.1) }},
-	{name: "add_sub_broadcast", shapes: [][]int{{2, 3}, {3}, {2, 1}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].Add(p[1]).Sub(p[2])
-	}},
-	{name: "mul_div_broadcast", shapes: [][]int{{2, 3}, {3}, {2, 1}}, positive: true, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].Mul(p[1]).Div(p[2])
-	}},
-	{name: "pow", shapes: [][]int{{2, 3}, {1, 3}}, positive: true, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Pow(p[1]) }},
-	{name: "maximum", shapes: [][]int{{2, 3}, {3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Maximum(p[1]) }},
-	{name: "matmul_batched", shapes: [][]int{{2, 3, 4}, {4, 2}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MatMul(p[1]) }},
-	{name: "matmul_broadcast", shapes: [][]int{{2, 1, 3, 4}, {3, 4, 2}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MatMul(p[1]) }},
-	{name: "linear_rank3", shapes: [][]int{{2, 3, 4}, {5, 4}, {5}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]) }},
-	{name: "linear_rank1", shapes: [][]int{{4}, {3, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], nil) }},
-	{name: "sum_mean", shapes: [][]int{{2, 3, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].Sum(1).Add(p[0].Mean(1)).Add(p[0].MeanKeepDim(0, 1).Reshape(4)).Add(p[0].SumKeepDim(1).Reshape(2, 4))
-	}},
-	{name: "max", shapes: [][]int{{3, 4, 2}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Max(1).Add(p[0].MaxKeepDim(0, 1).Reshape(2)) }},
-	{name: "softmax", shapes: [][]int{{2, 4, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Softmax(1) }},
-	{name: "log_softmax", shapes: [][]int{{3, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].LogSoftmax(0) }},
-	{name: "layer_norm", shapes: [][]int{{2, 3, 4}, {3, 4}, {3, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].LayerNorm(p[1], p[2], 2, 1e-5)
-	}},
-	{name: "layer_norm_plain", shapes: [][]int{{3, 5}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].LayerNorm(nil, nil, 1, 1e-5) }},
-	{name: "reshape_permute", shapes: [][]int{{2, 3, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].Reshape(6, 4).Permute(1, 0).Reshape(2, 2, 6).Permute(2, 0, 1)
-	}},
-	{name: "slice_concat", shapes: [][]int{{4, 5}, {4, 2}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return lazy.Concat(1, p[0].SliceStep(1, 1, 5, 2), p[1], p[0].Slice(1, 0, 1)).Slice(0, 1, 3)
-	}},
-	{name: "embedding", shapes: [][]int{{5, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return lazy.Const(ti([]int{2, 3}, 4, 0, 4, 1, 1, 3)).Embedding(p[0])
-	}},
-	{name: "conv2d", shapes: [][]int{{2, 4, 6, 5}, {6, 2, 3, 2}, {6}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Stride: [2]int{2, 1}, Padding: [2]int{1, 1}, Dilation: [2]int{1, 2}, Groups: 2})
-	}},
-	{name: "max_pool2d", shapes: [][]int{{2, 2, 5, 5}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{3, 2}, Stride: [2]int{2, 1}, Padding: [2]int{1, 1}})
-	}},
-	{name: "avg_pool2d", shapes: [][]int{{2, 2, 5, 4}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].AvgPool2d(lazy.PoolOptions{Kernel: [2]int{2, 3}, Stride: [2]int{1, 2}, Padding: [2]int{1, 1}})
-	}},
-	{name: "cross_entropy", shapes: [][]int{{4, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		y := lazy.Const(ti([]int{4}, 2, 0, 1, 2))
-		return p[0].CrossEntropy(y, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceSum))
-	}},
-	{name: "mse", shapes: [][]int{{3, 2}, {3, 2}}, build: func(p []*lazy.Tensor) *lazy.Tensor {
-		return p[0].MSE(p[1], graph.ReduceMean).Add(p[0].Tanh().MSE(p[1], graph.ReduceSum))
-	}},
-	{name: "mixed_const", shapes: [][]int{{2, 3}}, build: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Mul(c3(0.5)).Add(c3(1)) }},
-}
-
-// buildCase builds c's graph, appends loss = Σ out·r and its backward pass,
-// and returns the graph, the loss, the sources, their gradients and values.
-func buildCase(t *testing.T, c gradCase, rng *rand.Rand) (g *graph.Graph, loss int, params, grads []int, vals map[int]Value) {
-	t.Helper()
-	ps := make([]*lazy.Tensor, len(c.shapes))
-	ps[0] = lazy.Placeholder(c.shapes[0], graph.Float32, 0)
-	for i, s := range c.shapes[1:] {
-		ps[i+1] = lazy.ParamSpec(s, graph.Float32, fmt.Sprintf("p%d", i+1))
-	}
-	out := c.build(ps)
-	require.NoError(t, out.Err())
-	g = out.Graph().IR()
-	vals = map[int]Value{}
-	params = make([]int, len(ps))
-	lo, hi := -1.0, 1.0
-	if c.positive {
-		lo, hi = 0.5, 2
-	}
-	for i, s := range c.shapes {
-		if i == 0 {
-			params[i] = ps[0].ID()
-		} else {
-			params[i] = paramID(t, g, fmt.Sprintf("p%d", i))
-		}
-		vals[params[i]] = randValue(rng, lo, hi, s...)
-	}
-	r, err := shapeinfer.AppendSource(g, graph.Node{Op: graph.OpConst, Type: graph.Type{Shape: out.Shape(), DType: graph.Float32}})
-	require.NoError(t, err)
-	vals[r] = randValue(rng, -1, 1, out.Shape()...)
-	prod, err := shapeinfer.Append(g, graph.Node{Op: graph.OpMul, Inputs: []int{out.ID(), r}})
-	require.NoError(t, err)
-	loss, err = shapeinfer.Append(g, graph.Node{Op: graph.OpSum, Inputs: []int{prod}})
-	require.NoError(t, err)
-	grads, err = autodiff.Backward(g, loss, params)
-	require.NoError(t, err)
-	return g, loss, params, grads, vals
-}
-
 func TestOpsFiniteDifferences(t *testing.T) {
 	rng := rand.New(rand.NewPCG(13, 14))
-	for _, c := range gradCases {
-		t.Run(c.name, func(t *testing.T) {
-			g, loss, params, grads, vals := buildCase(t, c, rng)
-			fdCheck(t, g, loss, params, grads, vals)
+	for _, c := range Cases {
+		if c.Ties {
+			continue // not differentiable at ties
+		}
+		t.Run(c.Name, func(t *testing.T) {
+			b, err := c.Build(rng)
+			require.NoError(t, err)
+			fdCheck(t, b.Graph, b.Loss, b.Params, b.Grads, b.Vals)
 		})
 	}
 }
@@ -256,9 +141,10 @@ func TestMatMulTransposeFiniteDifferences(t *testing.T) {
 func TestFiniteDifferencesCoverEveryOp(t *testing.T) {
 	rng := rand.New(rand.NewPCG(17, 18))
 	seen := make([]bool, graph.NumOps)
-	for _, c := range gradCases {
-		g, _, _, _, _ := buildCase(t, c, rng)
-		for _, n := range g.Nodes() {
+	for _, c := range Cases {
+		b, err := c.Build(rng)
+		require.NoError(t, err)
+		for _, n := range b.Graph.Nodes() {
 			seen[n.Op] = true
 			if n.Op == graph.OpMatMul && (n.Attrs.TransA || n.Attrs.TransB) {
 				seen[0] = true // stands for "a transposed matmul ran"

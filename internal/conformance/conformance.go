@@ -1,0 +1,72 @@
+// Package conformance is the suite every executor passes: each case of
+// ref.Cases (every forward op, and through its backward pass every gradient
+// op) runs on the executor and is compared, output by output, with the
+// float64 reference interpreter. The CPU executor runs it in CI; the CUDA
+// executor runs the same suite on the GPU machine.
+package conformance
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/ref"
+)
+
+// Runner evaluates outputs of g on an executor. feeds holds the data of every
+// data-less source (inputs and parameters); int64 sources hold integral
+// values. It returns the outputs as float64 values.
+type Runner func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error)
+
+// Tolerance bounds |got − want| by ATol + RTol·|want| per element.
+type Tolerance struct{ RTol, ATol float64 }
+
+// RunAll runs every case on run and compares its output, loss and every
+// gradient with ref.Eval.
+func RunAll(t *testing.T, run Runner, tol Tolerance) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(2026, 11))
+	for _, c := range ref.Cases {
+		t.Run(c.Name, func(t *testing.T) {
+			b, err := c.Build(rng)
+			if err != nil {
+				t.Fatalf("build: %v", err)
+			}
+			outs := append([]int{b.Out, b.Loss}, b.Grads...)
+			want, err := ref.Eval(b.Graph, b.Vals, outs...)
+			if err != nil {
+				t.Fatalf("reference: %v", err)
+			}
+			got, err := run(b.Graph, b.Vals, outs...)
+			if err != nil {
+				t.Fatalf("executor: %v", err)
+			}
+			for k := range outs {
+				what := "output"
+				switch {
+				case k == 1:
+					what = "loss"
+				case k > 1:
+					what = fmt.Sprintf("gradient of p%d", k-2)
+				}
+				if err := compare(want[k], got[k], tol); err != nil {
+					t.Errorf("%s (node %d, %s): %v", what, outs[k], b.Graph.Node(outs[k]).Op, err)
+				}
+			}
+		})
+	}
+}
+
+func compare(want, got ref.Value, tol Tolerance) error {
+	if fmt.Sprint(want.Shape) != fmt.Sprint(got.Shape) {
+		return fmt.Errorf("shape %v, want %v", got.Shape, want.Shape)
+	}
+	for i, w := range want.Data {
+		if d := math.Abs(got.Data[i] - w); !(d <= tol.ATol+tol.RTol*math.Abs(w)) {
+			return fmt.Errorf("element %d: got %.8g, want %.8g (diff %.3g > %.3g + %.3g·|want|)", i, got.Data[i], w, d, tol.ATol, tol.RTol)
+		}
+	}
+	return nil
+}

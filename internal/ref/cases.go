@@ -1,0 +1,191 @@
+package ref
+
+import (
+	"fmt"
+	"math/rand/v2"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// Case is one small graph over every op family, used twice: by this
+// package's finite-difference checks of autodiff, and by the executor
+// conformance suite (internal/conformance), which runs each case forward and
+// backward on an executor and compares with Eval.
+//
+// out = Fn(p) where p[0] is a data-less batched input (axis 0) and p[1:] are
+// shape-only parameters; the loss is Σ out·r with r a fixed random weight,
+// so every output element counts with its own coefficient. Chains start from
+// p[0] so that every node lands in p[0]'s graph.
+type Case struct {
+	Name     string
+	Shapes   [][]int
+	Positive bool // draw inputs from [0.5, 2) instead of [−1, 1)
+	// Ties draws inputs from {−1, −½, 0, ½, 1} so maxima tie and relu
+	// meets 0; such cases are not differentiable there, so only the
+	// conformance suite runs them.
+	Ties bool
+	Fn   func(p []*lazy.Tensor) *lazy.Tensor
+}
+
+// Built is a case's graph with its loss and backward pass appended.
+type Built struct {
+	Graph  *graph.Graph
+	Out    int           // Fn's result
+	Loss   int           // Σ out·r
+	Params []int         // p's node ids, in p's order
+	Grads  []int         // d loss / d p, in p's order
+	Vals   map[int]Value // data for every data-less source (p and r)
+}
+
+func f32(shape []int, data ...float32) *tensor.Dense {
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(data))
+}
+
+func i64(shape []int, data ...int64) *tensor.Dense {
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(data))
+}
+
+func c3(x float32) *lazy.Tensor { return lazy.Const(f32([]int{3}, x, 2*x, -x)) }
+
+// Cases cover every forward op; their backward passes cover every gradient op.
+var Cases = []Case{
+	{Name: "neg", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Neg() }},
+	{Name: "exp", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Exp() }},
+	{Name: "log", Shapes: [][]int{{2, 3}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Log() }},
+	{Name: "sqrt", Shapes: [][]int{{2, 3}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Sqrt() }},
+	{Name: "abs", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Abs() }},
+	{Name: "tanh", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Tanh() }},
+	{Name: "sigmoid", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Sigmoid() }},
+	{Name: "relu", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Relu() }},
+	{Name: "gelu", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).Gelu() }},
+	{Name: "gelu_tanh", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).GeluTanh() }},
+	{Name: "scalar_ops", Shapes: [][]int{{2, 3}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		x := p[0]
+		return x.AddScalar(1).SubScalar(0.5).RSubScalar(3).MulScalar(1.5).DivScalar(2).RDivScalar(2).Add(x.PowScalar(2.5))
+	}},
+	{Name: "maximum_scalar", Shapes: [][]int{{3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MaximumScalar(0.1) }},
+	{Name: "add_sub_broadcast", Shapes: [][]int{{2, 3}, {3}, {2, 1}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Add(p[1]).Sub(p[2])
+	}},
+	{Name: "mul_div_broadcast", Shapes: [][]int{{2, 3}, {3}, {2, 1}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Mul(p[1]).Div(p[2])
+	}},
+	{Name: "pow", Shapes: [][]int{{2, 3}, {1, 3}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Pow(p[1]) }},
+	{Name: "maximum", Shapes: [][]int{{2, 3}, {3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Maximum(p[1]) }},
+	{Name: "matmul_batched", Shapes: [][]int{{2, 3, 4}, {4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MatMul(p[1]) }},
+	{Name: "matmul_broadcast", Shapes: [][]int{{2, 1, 3, 4}, {3, 4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MatMul(p[1]) }},
+	{Name: "linear_rank3", Shapes: [][]int{{2, 3, 4}, {5, 4}, {5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]) }},
+	{Name: "linear_rank1", Shapes: [][]int{{4}, {3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], nil) }},
+	{Name: "sum_mean", Shapes: [][]int{{2, 3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Sum(1).Add(p[0].Mean(1)).Add(p[0].MeanKeepDim(0, 1).Reshape(4)).Add(p[0].SumKeepDim(1).Reshape(2, 4))
+	}},
+	{Name: "max", Shapes: [][]int{{3, 4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Max(1).Add(p[0].MaxKeepDim(0, 1).Reshape(2)) }},
+	{Name: "softmax", Shapes: [][]int{{2, 4, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Softmax(1) }},
+	{Name: "log_softmax", Shapes: [][]int{{3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].LogSoftmax(0) }},
+	{Name: "layer_norm", Shapes: [][]int{{2, 3, 4}, {3, 4}, {3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].LayerNorm(p[1], p[2], 2, 1e-5)
+	}},
+	{Name: "layer_norm_plain", Shapes: [][]int{{3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].LayerNorm(nil, nil, 1, 1e-5) }},
+	{Name: "reshape_permute", Shapes: [][]int{{2, 3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Reshape(6, 4).Permute(1, 0).Reshape(2, 2, 6).Permute(2, 0, 1)
+	}},
+	{Name: "slice_concat", Shapes: [][]int{{4, 5}, {4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return lazy.Concat(1, p[0].SliceStep(1, 1, 5, 2), p[1], p[0].Slice(1, 0, 1)).Slice(0, 1, 3)
+	}},
+	{Name: "embedding", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return lazy.Const(i64([]int{2, 3}, 4, 0, 4, 1, 1, 3)).Embedding(p[0])
+	}},
+	{Name: "conv2d", Shapes: [][]int{{2, 4, 6, 5}, {6, 2, 3, 2}, {6}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Stride: [2]int{2, 1}, Padding: [2]int{1, 1}, Dilation: [2]int{1, 2}, Groups: 2})
+	}},
+	{Name: "max_pool2d", Shapes: [][]int{{2, 2, 5, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{3, 2}, Stride: [2]int{2, 1}, Padding: [2]int{1, 1}})
+	}},
+	{Name: "avg_pool2d", Shapes: [][]int{{2, 2, 5, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].AvgPool2d(lazy.PoolOptions{Kernel: [2]int{2, 3}, Stride: [2]int{1, 2}, Padding: [2]int{1, 1}})
+	}},
+	{Name: "cross_entropy", Shapes: [][]int{{4, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{4}, 2, 0, 1, 2))
+		return p[0].CrossEntropy(y, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceSum))
+	}},
+	{Name: "mse", Shapes: [][]int{{3, 2}, {3, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].MSE(p[1], graph.ReduceMean).Add(p[0].Tanh().MSE(p[1], graph.ReduceSum))
+	}},
+	{Name: "mixed_const", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Mul(c3(0.5)).Add(c3(1)) }},
+	{Name: "ties_max_pool", Shapes: [][]int{{2, 2, 4, 4}}, Ties: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{2, 2}, Stride: [2]int{1, 1}})
+	}},
+	{Name: "ties_max_maximum_relu", Shapes: [][]int{{4, 6}, {6}}, Ties: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].MaxKeepDim(1).Add(p[0].Maximum(p[1])).Add(p[0].Relu()).Add(p[0].MaximumScalar(0.5))
+	}},
+}
+
+// uniform draws a value with entries uniform in [lo, hi).
+func uniform(rng *rand.Rand, lo, hi float64, shape ...int) Value {
+	v := Zeros(shape...)
+	for i := range v.Data {
+		v.Data[i] = lo + (hi-lo)*rng.Float64()
+	}
+	return v
+}
+
+// Build makes the case's graph, appends loss = Σ out·r and its backward
+// pass, and draws values for the data-less sources from rng.
+func (c Case) Build(rng *rand.Rand) (*Built, error) {
+	ps := make([]*lazy.Tensor, len(c.Shapes))
+	ps[0] = lazy.Placeholder(c.Shapes[0], graph.Float32, 0)
+	for i, s := range c.Shapes[1:] {
+		ps[i+1] = lazy.ParamSpec(s, graph.Float32, fmt.Sprintf("p%d", i+1))
+	}
+	out := c.Fn(ps)
+	if err := out.Err(); err != nil {
+		return nil, err
+	}
+	b := &Built{Graph: out.Graph().IR(), Out: out.ID(), Vals: map[int]Value{}}
+	g := b.Graph
+	lo, hi := -1.0, 1.0
+	if c.Positive {
+		lo, hi = 0.5, 2
+	}
+	b.Params = make([]int, len(ps))
+	draw := func(s []int) Value { return uniform(rng, lo, hi, s...) }
+	if c.Ties {
+		draw = func(s []int) Value {
+			v := Zeros(s...)
+			for i := range v.Data {
+				v.Data[i] = float64(rng.IntN(5)-2) / 2
+			}
+			return v
+		}
+	}
+	for i, s := range c.Shapes {
+		id := ps[0].ID()
+		if i > 0 {
+			id = g.NodeNamed(fmt.Sprintf("p%d", i))
+		}
+		if id < 0 {
+			return nil, graph.Errorf(graph.ErrArity, "case %s: parameter p%d is not in the graph", c.Name, i)
+		}
+		b.Params[i] = id
+		b.Vals[id] = draw(s)
+	}
+	r, err := shapeinfer.AppendSource(g, graph.Node{Op: graph.OpConst, Type: graph.Type{Shape: out.Shape(), DType: graph.Float32}})
+	if err != nil {
+		return nil, err
+	}
+	b.Vals[r] = uniform(rng, -1, 1, out.Shape()...)
+	prod, err := shapeinfer.Append(g, graph.Node{Op: graph.OpMul, Inputs: []int{out.ID(), r}})
+	if err != nil {
+		return nil, err
+	}
+	if b.Loss, err = shapeinfer.Append(g, graph.Node{Op: graph.OpSum, Inputs: []int{prod}}); err != nil {
+		return nil, err
+	}
+	b.Grads, err = autodiff.Backward(g, b.Loss, b.Params)
+	return b, err
+}
