@@ -102,6 +102,9 @@ const (
 	OpFill // Attrs.Target filled with Attrs.Scalar (gradient seeds, zero gradients)
 	// elementwise helpers used by gradients
 	OpSign // sign(x) ∈ {−1, 0, 1}
+	// OpCausalMask sets x[..., i, j] to Attrs.Scalar where j > i + (S − T)
+	// for x [..., T, S]: −inf before attention's softmax, 0 in its gradient.
+	OpCausalMask
 	// vector-Jacobian products. The first input is always the upstream
 	// gradient g. Ops whose output shape cannot be derived from their inputs
 	// take it from Attrs.Target (shape, dtype and batch axis of the value the
@@ -197,7 +200,8 @@ var opTable = [numOps]OpInfo{
 	OpMSE:          {Name: "mse", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
 
 	OpFill: {Name: "fill", Category: CatGenerate, Attrs: []string{"target", "scalar"}},
-	OpSign: {Name: "sign", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpSign:       {Name: "sign", Category: CatUnary, MinArity: 1, Arity: 1},
+	OpCausalMask: {Name: "causal_mask", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
 
 	OpReluGrad:          {Name: "relu_grad", Category: CatGrad, MinArity: 2, Arity: 2},
 	OpGeluGrad:          {Name: "gelu_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"approx"}},

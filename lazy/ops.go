@@ -1,6 +1,10 @@
 package lazy
 
-import "github.com/batchfit/batchfit/graph"
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
 
 // Unary elementwise ops.
 
@@ -15,6 +19,12 @@ func (t *Tensor) Relu() *Tensor    { return apply(graph.OpRelu, graph.Attrs{}, t
 
 // Gelu is x·Φ(x) with the exact normal CDF.
 func (t *Tensor) Gelu() *Tensor { return apply(graph.OpGelu, graph.Attrs{}, t) }
+
+// CausalMask sets t[..., i, j] to −inf where j > i + (S − T), for attention
+// scores t [..., T, S]: position i sees only keys up to its own.
+func (t *Tensor) CausalMask() *Tensor {
+	return apply(graph.OpCausalMask, graph.Attrs{Scalar: math.Inf(-1)}, t)
+}
 
 // GeluTanh is GELU's tanh approximation (GPT-2's "gelu_new").
 func (t *Tensor) GeluTanh() *Tensor { return apply(graph.OpGelu, graph.Attrs{Approx: true}, t) }
@@ -191,4 +201,11 @@ func (t *Tensor) CrossEntropy(labels *Tensor, r graph.Reduction) *Tensor {
 // MSE is the mean (or sum) of squared differences between t and target.
 func (t *Tensor) MSE(target *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpMSE, graph.Attrs{Reduction: r}, t, target)
+}
+
+// MatMulT is MatMul with the last two axes of t (transA) and/or u (transB)
+// transposed, without making transposed copies: attention's q·kᵀ is
+// q.MatMulT(k, false, true).
+func (t *Tensor) MatMulT(u *Tensor, transA, transB bool) *Tensor {
+	return apply(graph.OpMatMul, graph.Attrs{TransA: transA, TransB: transB}, t, u)
 }

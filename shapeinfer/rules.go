@@ -29,6 +29,9 @@ func Rule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (graph.Ty
 		if err := needFloat(op, in[0]); err != nil {
 			return graph.Type{}, err
 		}
+		if op == graph.OpCausalMask && len(in[0].Shape) < 2 {
+			return graph.Type{}, graph.Errorf(graph.ErrShape, "causal_mask needs rank ≥ 2 [..., T, S], got %v", in[0].Shape)
+		}
 		return in[0], nil
 	case graph.CatBinary:
 		return binary(op, in[0], in[1])

@@ -256,3 +256,24 @@ func binaryFunc(op graph.Op) func(a, b float32) float32 {
 	}
 	return nil
 }
+
+// causalMaskKernel copies x [..., T, S] and sets entries above the shifted
+// diagonal (j > i + S − T) to fill.
+func causalMaskKernel(fill float64, x, out *buf) error {
+	r := len(x.shape)
+	if r < 2 || len(x.f) != len(out.f) {
+		return graph.Errorf(graph.ErrShape, "causal_mask of %v into %v", x.shape, out.shape)
+	}
+	t, s := x.shape[r-2], x.shape[r-1]
+	copy(out.f, x.f)
+	f := float32(fill)
+	for m := 0; m < len(out.f); m += t * s {
+		for i := range t {
+			row := out.f[m+i*s : m+(i+1)*s]
+			for j := max(i+s-t+1, 0); j < s; j++ {
+				row[j] = f
+			}
+		}
+	}
+	return nil
+}

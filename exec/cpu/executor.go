@@ -179,6 +179,9 @@ func toDense(b *buf) *tensor.Dense {
 // default is an error so a new op cannot run unimplemented.
 func eval(nd *graph.Node, in []*buf, out *buf) error {
 	a := &nd.Attrs
+	if nd.Op == graph.OpCausalMask {
+		return causalMaskKernel(a.Scalar, in[0], out)
+	}
 	switch nd.Op.Category() {
 	case graph.CatUnary, graph.CatScalar:
 		return unaryKernel(nd.Op, a, in[0], out)

@@ -117,6 +117,10 @@ var Cases = []Case{
 		return p[0].MSE(p[1], graph.ReduceMean).Add(p[0].Tanh().MSE(p[1], graph.ReduceSum))
 	}},
 	{Name: "mixed_const", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Mul(c3(0.5)).Add(c3(1)) }},
+	{Name: "causal_attention", Shapes: [][]int{{2, 2, 3, 4}, {2, 2, 5, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		// scores [2, 2, 3, 5]: 3 queries over 5 keys, the last query sees all.
+		return p[0].MatMulT(p[1], false, true).MulScalar(0.5).CausalMask().Softmax(-1)
+	}},
 	{Name: "ties_max_pool", Shapes: [][]int{{2, 2, 4, 4}}, Ties: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{2, 2}, Stride: [2]int{1, 1}})
 	}},

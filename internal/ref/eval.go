@@ -154,6 +154,17 @@ func apply(nd *graph.Node, a *graph.Attrs, in []Value) (Value, error) {
 		for i, x := range in[0].Data {
 			out.Data[i] = unary(op, a.Approx, x)
 		}
+	case graph.OpCausalMask:
+		// Element k of x [..., T, S] sits at row i = (k/S) mod T, column j = k mod S.
+		sh := in[0].Shape
+		t, s := sh[len(sh)-2], sh[len(sh)-1]
+		for k, x := range in[0].Data {
+			i, j := (k/s)%t, k%s
+			out.Data[k] = x
+			if j > i+s-t {
+				out.Data[k] = a.Scalar
+			}
+		}
 	case graph.OpAddScalar, graph.OpSubScalar, graph.OpRSubScalar, graph.OpMulScalar,
 		graph.OpDivScalar, graph.OpRDivScalar, graph.OpPowScalar, graph.OpMaximumScalar:
 		for i, x := range in[0].Data {
