@@ -97,8 +97,10 @@ func (t *Tensor) LayerNorm(weight, bias *Tensor, normDims int, eps float64) *Ten
 		return apply(graph.OpLayerNorm, attrs, t)
 	case bias == nil:
 		return apply(graph.OpLayerNorm, attrs, t, weight)
-	case weight == nil:
+	case weight == nil && t.Err() == nil:
 		return errTensor("layer_norm", site(), graph.Errorf(graph.ErrArity, "bias without weight"), t.Shape())
+	case weight == nil:
+		return apply(graph.OpLayerNorm, attrs, t) // returns t's sticky error
 	}
 	return apply(graph.OpLayerNorm, attrs, t, weight, bias)
 }
@@ -144,7 +146,7 @@ func (t *Tensor) Slice(axis, start, end int) *Tensor { return t.SliceStep(axis, 
 
 // SliceStep keeps indices start, start+step, … below end of axis.
 func (t *Tensor) SliceStep(axis, start, end, step int) *Tensor {
-	if step < 1 {
+	if step < 1 && t.Err() == nil { // an earlier error sticks: apply returns it
 		return errTensor("slice", site(), graph.Errorf(graph.ErrAttr, "step %d must be ≥ 1", step), t.Shape())
 	}
 	return apply(graph.OpSlice, graph.Attrs{Axis: axis, Start: start, End: end, Step: step}, t)

@@ -3,6 +3,7 @@ package lazy
 import (
 	"errors"
 	"fmt"
+	"reflect"
 	"runtime"
 	"slices"
 	"strings"
@@ -57,13 +58,17 @@ func (t *Tensor) Err() error {
 
 func (t *Tensor) typ() graph.Type {
 	switch {
-	case t == nil || t.err != nil:
+	case t == nil || t.err != nil || t.zero():
 		return graph.Type{BatchAxis: -1}
 	case t.leaf != nil:
 		return t.leaf.typ
 	}
 	return t.g.ir.Node(t.id).Type
 }
+
+// zero reports a Tensor not made by this package (a zero value): no graph,
+// no leaf, no error.
+func (t *Tensor) zero() bool { return t.g == nil && t.leaf == nil && t.err == nil }
 
 // Shape is the tensor's full-batch shape (nil after an error).
 func (t *Tensor) Shape() []int { return slices.Clone(t.typ().Shape) }
@@ -182,15 +187,30 @@ func shortFile(file string) string {
 	return file
 }
 
+// nilTensor reports a nil interface or a typed nil pointer (a nil
+// *tensor.Dense), whose methods would panic.
+func nilTensor(t tensor.Tensor) bool {
+	if t == nil {
+		return true
+	}
+	v := reflect.ValueOf(t)
+	return v.Kind() == reflect.Pointer && v.IsNil()
+}
+
 // dtypeOf maps a gorgonia dtype to batchfit's.
 func dtypeOf(t tensor.Tensor) (graph.DType, error) {
-	switch t.Dtype() {
+	dt := t.Dtype()
+	switch dt {
 	case tensor.Float32:
 		return graph.Float32, nil
 	case tensor.Int64:
 		return graph.Int64, nil
 	}
-	return graph.InvalidDType, graph.Errorf(graph.ErrDType, "unsupported dtype %v (want float32 or int64)", t.Dtype())
+	name := "none" // a zero tensor.Dense has no dtype, and formatting it panics
+	if dt.Type != nil {
+		name = dt.String()
+	}
+	return graph.InvalidDType, graph.Errorf(graph.ErrDType, "unsupported dtype %s (want float32 or int64)", name)
 }
 
 func shapeOf(t tensor.Tensor) []int {
@@ -208,7 +228,7 @@ func Wrap(t tensor.Tensor, batchDim int) *Tensor { return NewGraph().wrap(site()
 func (g *Graph) Wrap(t tensor.Tensor, batchDim int) *Tensor { return g.wrap(site(), t, batchDim) }
 
 func (g *Graph) wrap(at string, t tensor.Tensor, batchDim int) *Tensor {
-	if t == nil {
+	if nilTensor(t) {
 		return errTensor("wrap", at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
 	}
 	dt, err := dtypeOf(t)
@@ -257,7 +277,7 @@ func ParamSpec(shape []int, dt graph.DType, name string) *Tensor {
 }
 
 func newLeaf(at string, op graph.Op, t tensor.Tensor, name string) *Tensor {
-	if t == nil {
+	if nilTensor(t) {
 		return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
 	}
 	dt, err := dtypeOf(t)
@@ -296,6 +316,10 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 		}
 		if in.err != nil {
 			return &Tensor{id: -1, err: in.err} // sticky: the first error wins
+		}
+		if in.zero() {
+			return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor,
+				"input %d is a zero lazy.Tensor, not made by Wrap, Param or an op", i), shapes[:i]...)
 		}
 		shapes[i] = in.Shape()
 		switch {
