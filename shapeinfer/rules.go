@@ -16,6 +16,9 @@ import (
 // cannot slip through unhandled.
 func Rule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (graph.Type, error) {
 	if op == graph.OpFill {
+		if err := op.CheckArity(len(in)); err != nil {
+			return graph.Type{}, err
+		}
 		return fill(attrs)
 	}
 	if op.Category() == graph.CatSource {
@@ -223,6 +226,13 @@ func matmul(a, b graph.Type) (graph.Type, error) {
 		t.BatchAxis, t.PerSample = la, per
 	case lb >= 0:
 		t.BatchAxis, t.PerSample = lb, per
+	}
+	// A batch of one broadcast along a longer leading axis of the other
+	// operand no longer counts samples there.
+	for _, x := range []graph.Type{a, b} {
+		if t.BatchAxis >= 0 && x.BatchAxis >= 0 && x.Shape[x.BatchAxis] != out[t.BatchAxis] {
+			t.BatchAxis, t.PerSample = -1, 1
+		}
 	}
 	return t, nil
 }
@@ -461,8 +471,11 @@ func concat(attrs *graph.Attrs, in []graph.Type) (graph.Type, error) {
 	t := graph.Type{Shape: slices.Clone(first.Shape), DType: first.DType, BatchAxis: -1, PerSample: 1}
 	t.Shape[ax] = 0
 	for i, x := range in {
-		if len(x.Shape) != len(first.Shape) || x.DType != first.DType {
-			return graph.Type{}, graph.Errorf(graph.ErrShape, "concat input %d is %s%v, input 0 is %s%v", i, x.DType, x.Shape, first.DType, first.Shape)
+		if len(x.Shape) != len(first.Shape) {
+			return graph.Type{}, graph.Errorf(graph.ErrShape, "concat input %d is %v, input 0 is %v", i, x.Shape, first.Shape)
+		}
+		if x.DType != first.DType {
+			return graph.Type{}, graph.Errorf(graph.ErrDType, "concat input %d is %s, input 0 is %s", i, x.DType, first.DType)
 		}
 		for j, d := range x.Shape {
 			if j != ax && d != first.Shape[j] {
@@ -516,12 +529,18 @@ func normWindow(attrs *graph.Attrs) error {
 }
 
 func windowOut(op graph.Op, attrs *graph.Attrs, h, w, kh, kw int) (int, int, error) {
+	if kh < 1 || kw < 1 {
+		return 0, 0, graph.Errorf(graph.ErrShape, "%s kernel %dx%d is empty", op, kh, kw)
+	}
+	// Compare extents directly: ConvOut's division truncates toward zero, so
+	// a kernel wider than the input by less than the stride would give 1.
+	ph, pw := h+2*attrs.Padding[0], w+2*attrs.Padding[1]
+	if attrs.Dilation[0]*(kh-1)+1 > ph || attrs.Dilation[1]*(kw-1)+1 > pw {
+		return 0, 0, graph.Errorf(graph.ErrShape, "%s kernel %dx%d (dilation %v) is larger than the padded input %dx%d",
+			op, kh, kw, attrs.Dilation, ph, pw)
+	}
 	ho := ConvOut(h, kh, attrs.Stride[0], attrs.Padding[0], attrs.Dilation[0])
 	wo := ConvOut(w, kw, attrs.Stride[1], attrs.Padding[1], attrs.Dilation[1])
-	if ho < 1 || wo < 1 {
-		return 0, 0, graph.Errorf(graph.ErrShape, "%s kernel %dx%d (dilation %v) is larger than the padded input %dx%d",
-			op, kh, kw, attrs.Dilation, h+2*attrs.Padding[0], w+2*attrs.Padding[1])
-	}
 	return ho, wo, nil
 }
 
