@@ -334,6 +334,9 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 	if g == nil {
 		g = NewGraph()
 	}
+	if err := g.precheck(op, attrs, inputs); err != nil {
+		return errTensor(op.String(), at, err, shapes...)
+	}
 	ids := make([]int, len(inputs))
 	for i, in := range inputs {
 		id, err := g.bind(in)
@@ -347,4 +350,27 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 		return errTensor(op.String(), at, err, shapes...)
 	}
 	return &Tensor{g: g, id: id}
+}
+
+// precheck runs op's shape rule before apply adopts leaves new to g, so a
+// rejected op leaves no orphan parameter or constant node behind. Graphs
+// that reuse adopted leaves skip it.
+func (g *Graph) precheck(op graph.Op, attrs graph.Attrs, inputs []*Tensor) error {
+	fresh := false
+	for _, in := range inputs {
+		if in.leaf != nil {
+			if _, ok := g.leaves[in.leaf]; !ok {
+				fresh = true
+			}
+		}
+	}
+	if !fresh {
+		return nil
+	}
+	types := make([]graph.Type, len(inputs))
+	for i, in := range inputs {
+		types[i] = in.typ()
+	}
+	_, err := shapeinfer.Rule(op, &attrs, types, g.ir.Batch())
+	return err
 }
