@@ -159,7 +159,7 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 	if anyCross {
 		r.Combine[id] = r.propagate(nd, allCrossSum, allCrossMax)
 	} else {
-		r.Combine[id] = r.consume(nd)
+		r.Combine[id] = r.consume(nodes, nd)
 	}
 }
 
@@ -167,11 +167,27 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
 	g := nd.Type.BatchAxis
 	a := nd.Attrs
+	rank := len(nd.Type.Shape)
 	switch nd.Op {
-	case graph.OpAdd, graph.OpSub, graph.OpMul, graph.OpDiv, graph.OpPow, graph.OpMaximum:
+	case graph.OpAdd, graph.OpSub, graph.OpMul, graph.OpDiv, graph.OpPow, graph.OpMaximum, graph.OpConcat:
 		for _, in := range nd.Inputs {
-			t := nodes[in].Type
-			if k := len(nd.Type.Shape) - 1 - g; t.BatchAxis < 0 && dimFromRight(t.Shape, k) != 1 {
+			if t := nodes[in].Type; spans(t, rank, g) {
+				r.fail(nd, "operand %v without a batch axis spans the batch axis", t.Shape)
+			}
+		}
+	case graph.OpMatMul:
+		x, y := nodes[nd.Inputs[0]].Type, nodes[nd.Inputs[1]].Type
+		if a.TransA {
+			x = transposeLast2(x)
+		}
+		if a.TransB {
+			y = transposeLast2(y)
+		}
+		if x.BatchAxis == len(x.Shape)-1 || y.BatchAxis == len(y.Shape)-2 {
+			r.fail(nd, "contracts one operand's batch axis while the output keeps the other's")
+		}
+		for _, t := range []graph.Type{x, y} {
+			if g < rank-2 && spans(t, rank, g) {
 				r.fail(nd, "operand %v without a batch axis spans the batch axis", t.Shape)
 			}
 		}
@@ -188,19 +204,46 @@ func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
 			r.fail(nd, "batch axis %d is not the N axis of NCHW", g)
 		}
 	}
+	switch nd.Op {
+	case graph.OpLinear, graph.OpConv2d, graph.OpLayerNorm, graph.OpEmbedding:
+		// Weights are shared by every sample; a batched one mixes them.
+		for _, in := range nd.Inputs[1:] {
+			if r.Class[in] == PerSample {
+				r.fail(nd, "weight %v has a batch axis", nodes[in].Type.Shape)
+			}
+		}
+	}
+}
+
+// spans reports an operand without a batch axis whose extent along output
+// axis g (of an output of the given rank) is not 1: each chunk would need a
+// slice of it, which executors do not take.
+func spans(t graph.Type, rank, g int) bool {
+	return t.BatchAxis < 0 && dimFromRight(t.Shape, rank-1-g) != 1
 }
 
 // consume decides how a cross-batch value computed directly from per-sample
 // values combines across chunks.
-func (r *Result) consume(nd *graph.Node) Combine {
+func (r *Result) consume(nodes []graph.Node, nd *graph.Node) Combine {
 	switch nd.Op {
 	case graph.OpSum, graph.OpMean:
 		return CombineSum
 	case graph.OpMax:
 		return CombineMax
-	case graph.OpCrossEntropy, graph.OpMSE:
-		// Per-sample losses summed, times 1/count fixed at the full batch.
-		return CombineSum
+	case graph.OpCrossEntropy:
+		// Per-sample losses summed, times 1/count fixed at the full batch,
+		// when every row of logits and labels is one sample's.
+		logits, labels := nodes[nd.Inputs[0]].Type, nodes[nd.Inputs[1]].Type
+		if logits.BatchAxis == 0 && labels.BatchAxis == 0 {
+			return CombineSum
+		}
+		r.fail(nd, "logits (batch axis %d) and labels (batch axis %d) must both carry the batch on axis 0", logits.BatchAxis, labels.BatchAxis)
+	case graph.OpMSE:
+		pred, target := nodes[nd.Inputs[0]].Type, nodes[nd.Inputs[1]].Type
+		if pred.BatchAxis == target.BatchAxis {
+			return CombineSum
+		}
+		r.fail(nd, "an operand without a batch axis spans the batch axis")
 	case graph.OpLayerNormGradW, graph.OpEmbeddingGrad, graph.OpConv2dGradWeight:
 		// Parameter gradients: sums over samples.
 		return CombineSum
