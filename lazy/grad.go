@@ -1,6 +1,8 @@
 package lazy
 
 import (
+	"errors"
+
 	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -29,6 +31,10 @@ func Grad(loss *Tensor, params ...*Tensor) []*Tensor {
 		if err := p.Err(); err != nil {
 			return fail(err)
 		}
+		if p.zero() {
+			return fail(&graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape()},
+				Err: graph.Errorf(graph.ErrNilTensor, "parameter %d is a zero lazy.Tensor", i)})
+		}
 		if p.g != nil && p.g != g {
 			return fail(&graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape(), p.Shape()},
 				Err: graph.Errorf(graph.ErrMixedGraphs, "parameter %d belongs to another graph", i)})
@@ -41,6 +47,9 @@ func Grad(loss *Tensor, params ...*Tensor) []*Tensor {
 	}
 	ids, err := autodiff.Backward(g.ir, loss.id, wrt)
 	if err != nil {
+		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) { // every error of the API is an *OpError
+			err = &graph.OpError{Op: "grad", Site: at, Err: err}
+		}
 		return fail(err)
 	}
 	for i, id := range ids {
