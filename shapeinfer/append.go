@@ -1,6 +1,10 @@
 package shapeinfer
 
-import "github.com/batchfit/batchfit/graph"
+import (
+	"math/bits"
+
+	"github.com/batchfit/batchfit/graph"
+)
 
 // Append infers n's type from its inputs, normalises its attributes and
 // appends it to g. It is the one way non-source nodes enter a graph, so a
@@ -17,6 +21,9 @@ func Append(g *graph.Graph, n graph.Node) (int, error) {
 	if err != nil {
 		return -1, err
 	}
+	if err := CheckSize(t); err != nil {
+		return -1, err
+	}
 	n.Type = t
 	return g.Append(n)
 }
@@ -31,10 +38,8 @@ func AppendSource(g *graph.Graph, n graph.Node) (int, error) {
 	if !t.DType.IsFloat() && t.DType != graph.Int64 {
 		return -1, graph.Errorf(graph.ErrDType, "unsupported dtype %s", t.DType)
 	}
-	for _, d := range t.Shape {
-		if d < 0 {
-			return -1, graph.Errorf(graph.ErrShape, "negative dimension in %v", t.Shape)
-		}
+	if err := CheckSize(t); err != nil {
+		return -1, err
 	}
 	if n.Op != graph.OpInput {
 		t.BatchAxis, t.PerSample = -1, 1
@@ -52,4 +57,34 @@ func AppendSource(g *graph.Graph, n graph.Node) (int, error) {
 	}
 	n.Type = t
 	return g.Append(n)
+}
+
+// MaxBytes bounds the size of one value. Byte counts are int64; the bound
+// leaves room to add up many values (a planner's totals) without overflow,
+// and is far beyond any device.
+const MaxBytes = 1 << 56
+
+// CheckSize rejects negative dimensions and values larger than MaxBytes,
+// computing the size without the silent wrap-around of graph.Numel (a
+// reshape of an empty tensor to [2⁴⁰, 1, 2⁴⁰] would otherwise count 0
+// elements). Zero dimensions are left out of the product, so reducing them
+// away can never produce an oversized value.
+func CheckSize(t graph.Type) error {
+	n := uint64(max(t.DType.Size(), 1))
+	for _, d := range t.Shape {
+		if d < 0 {
+			return graph.Errorf(graph.ErrShape, "negative dimension in %v", t.Shape)
+		}
+	}
+	for _, d := range t.Shape {
+		if d == 0 {
+			continue
+		}
+		hi, lo := bits.Mul64(n, uint64(d))
+		if hi != 0 || lo > MaxBytes {
+			return graph.Errorf(graph.ErrShape, "%s%v is larger than %d bytes", t.DType, t.Shape, uint64(MaxBytes))
+		}
+		n = lo
+	}
+	return nil
 }
