@@ -61,6 +61,10 @@ func misuses() []misuse {
 		{"Wrap batchDim out of range", func() *lazy.Tensor { return lazy.Wrap(dense(2, 3), 5) }, "input", sh(d(2, 3)), graph.ErrAttr},
 		{"empty batch axis", func() *lazy.Tensor { return lazy.Placeholder([]int{0, 3}, f32, 0) }, "input", sh(d(0, 3)), graph.ErrShape},
 		{"reshape size mismatch", func() *lazy.Tensor { return x().Reshape(5, 3) }, "reshape", sh(d(4, 3)), graph.ErrShape},
+		{"reshape of an empty tensor to an overflowing shape", func() *lazy.Tensor {
+			return lazy.Placeholder([]int{4, 0}, f32, 0).Reshape(1<<40, 0, 1<<40)
+		}, "reshape", sh(d(4, 0)), graph.ErrShape},
+		{"placeholder too large", func() *lazy.Tensor { return lazy.Placeholder([]int{4, 1 << 40, 1 << 40}, f32, 0) }, "input", sh(d(4, 1<<40, 1<<40)), graph.ErrShape},
 		{"reshape with two -1", func() *lazy.Tensor { return x().Reshape(-1, -1) }, "reshape", sh(d(4, 3)), graph.ErrAttr},
 		{"float indices to embedding", func() *lazy.Tensor { return x().Embedding(p(10, 8)) }, "embedding", sh(d(4, 3), d(10, 8)), graph.ErrDType},
 		{"int64 input to exp", func() *lazy.Tensor { return lazy.Placeholder([]int{4}, i64, 0).Exp() }, "exp", sh(d(4)), graph.ErrDType},
@@ -121,6 +125,8 @@ func misuses() []misuse {
 		{"reduce with an axis repeated after normalising", func() *lazy.Tensor { return x().MeanKeepDim(1, -1) }, "mean", sh(d(4, 3)), graph.ErrAttr},
 		{"reduce axis out of range", func() *lazy.Tensor { return x().Max(2) }, "max", sh(d(4, 3)), graph.ErrAttr},
 		{"grad of a free parameter", func() *lazy.Tensor { return lazy.Grad(p(), p(3))[0] }, "grad", nil, graph.ErrArity},
+		{"grad with a zero lazy.Tensor parameter", func() *lazy.Tensor { return lazy.Grad(x().Sum(), &lazy.Tensor{})[0] }, "grad", sh(d()), graph.ErrNilTensor},
+		{"grad of a non-scalar loss", func() *lazy.Tensor { return lazy.Grad(x().Relu(), p(3))[0] }, "backward", sh(d(4, 3)), graph.ErrShape},
 		{"sticky: reshape error survives later ops", func() *lazy.Tensor {
 			t := x()
 			return t.Reshape(7).Relu().Add(t).Sum(0).Transpose(0, 5)
@@ -220,4 +226,18 @@ func norm(s [][]int) [][]int {
 		return nil
 	}
 	return s
+}
+
+// A parameter the loss does not use gets a zero gradient, even when the
+// graph first meets it in Grad (after the loss node).
+func TestGradOfUnusedParam(t *testing.T) {
+	w := p(5, 3)
+	loss := x().Linear(p(2, 3), nil).Sum()
+	grads := lazy.Grad(loss, w)
+	require.Len(t, grads, 1)
+	require.NoError(t, grads[0].Err())
+	assert.Equal(t, []int{5, 3}, grads[0].Shape())
+	nd := loss.Graph().IR().Node(grads[0].ID())
+	assert.Equal(t, graph.OpFill, nd.Op)
+	assert.Zero(t, nd.Attrs.Scalar)
 }
