@@ -1,0 +1,153 @@
+package graph_test
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// The op table is data; these checks keep every row well formed.
+func TestOpTable(t *testing.T) {
+	names := map[string]graph.Op{}
+	for op := graph.Op(1); int(op) < graph.NumOps; op++ {
+		info := op.Info()
+		require.NotEmpty(t, info.Name, "op %d has no name", op)
+		if prev, dup := names[info.Name]; dup {
+			t.Errorf("ops %d and %d are both named %q", prev, op, info.Name)
+		}
+		names[info.Name] = op
+		assert.Equal(t, info.Name, op.String())
+		assert.NotContains(t, info.Category.String(), "Category(", "op %s", op)
+		if info.Category.Leaf() {
+			assert.Zero(t, info.MinArity, "leaf op %s", op)
+			assert.NoError(t, op.CheckArity(0), "leaf op %s", op)
+			continue
+		}
+		assert.Positive(t, info.MinArity, "op %s takes no inputs but is not a leaf", op)
+		if info.Arity != graph.Variadic {
+			assert.Equal(t, info.MinArity, info.Arity, "op %s: MinArity and Arity differ; optional inputs go in MaxArity", op)
+			assert.True(t, info.MaxArity == 0 || info.MaxArity > info.Arity, "op %s: MaxArity %d", op, info.MaxArity)
+		}
+	}
+	assert.Equal(t, "invalid", graph.OpInvalid.String())
+	assert.Equal(t, "Op(65535)", graph.Op(65535).String())
+}
+
+func TestCheckArity(t *testing.T) {
+	for _, c := range []struct {
+		op     graph.Op
+		ok, no []int
+	}{
+		{graph.OpRelu, []int{1}, []int{0, 2}},
+		{graph.OpAdd, []int{2}, []int{1, 3}},
+		{graph.OpLinear, []int{2, 3}, []int{1, 4}},
+		{graph.OpLayerNorm, []int{1, 2, 3}, []int{0, 4}},
+		{graph.OpConv2d, []int{2, 3}, []int{1, 4}},
+		{graph.OpConcat, []int{1, 2, 17}, []int{0}},
+	} {
+		for _, n := range c.ok {
+			assert.NoError(t, c.op.CheckArity(n), "%s with %d inputs", c.op, n)
+		}
+		for _, n := range c.no {
+			assert.ErrorIs(t, c.op.CheckArity(n), graph.ErrArity, "%s with %d inputs", c.op, n)
+		}
+	}
+}
+
+func TestDType(t *testing.T) {
+	for _, c := range []struct {
+		d     graph.DType
+		size  int
+		float bool
+	}{
+		{graph.Float32, 4, true}, {graph.Int64, 8, false}, {graph.Float16, 2, true}, {graph.BFloat16, 2, true},
+		{graph.InvalidDType, 0, false}, {graph.DType(200), 0, false},
+	} {
+		assert.Equal(t, c.size, c.d.Size(), "%v", c.d)
+		assert.Equal(t, c.float, c.d.IsFloat(), "%v", c.d)
+	}
+	for _, d := range []graph.DType{graph.Float32, graph.Int64, graph.Float16, graph.BFloat16} {
+		got, err := graph.ParseDType(d.String())
+		require.NoError(t, err)
+		assert.Equal(t, d, got)
+	}
+	for _, name := range []string{"", "invalid", "float64", "DType(0)"} {
+		_, err := graph.ParseDType(name)
+		assert.ErrorIs(t, err, graph.ErrDType, "%q", name)
+	}
+}
+
+func TestType(t *testing.T) {
+	// [N·T, C] with N = 4, T = 2, C = 3, batch axis 0.
+	ty := graph.Type{Shape: []int{8, 3}, DType: graph.Float32, BatchAxis: 0, PerSample: 2}
+	assert.Equal(t, 24, ty.Numel())
+	assert.Equal(t, int64(96), ty.Bytes())
+	assert.True(t, ty.Batched())
+	assert.Equal(t, []int{6, 3}, ty.AtBatch(3)) // 3 samples · 2 rows
+	assert.Equal(t, []int{8, 3}, ty.Shape, "AtBatch must not modify the type")
+
+	u := graph.Type{Shape: []int{5}, DType: graph.Int64, BatchAxis: -1, PerSample: 1}
+	assert.Equal(t, []int{5}, u.AtBatch(3))
+	assert.False(t, u.Batched())
+
+	assert.Equal(t, 1, graph.Numel([]int{}))
+	assert.Equal(t, 1, graph.Numel(nil))
+	assert.Equal(t, 0, graph.Numel([]int{3, 0, 2}))
+	assert.Equal(t, "[]", graph.FormatShape([]int{}))
+	assert.Equal(t, "[2 3]", graph.FormatShape([]int{2, 3}))
+}
+
+func TestGraphAppend(t *testing.T) {
+	g := graph.New()
+	f := graph.Type{Shape: []int{2}, DType: graph.Float32, BatchAxis: -1, PerSample: 1}
+	a, err := g.Append(graph.Node{Op: graph.OpParam, Type: f})
+	require.NoError(t, err)
+	g.PushScope("layers")
+	g.PushScope("0")
+	b, err := g.Append(graph.Node{Op: graph.OpRelu, Inputs: []int{a}, Type: f})
+	require.NoError(t, err)
+	g.PopScope()
+	g.PopScope()
+	g.PopScope() // one too many is harmless
+	assert.Equal(t, []int{0, 1}, []int{a, b})
+	assert.Equal(t, "layers.0", g.Node(b).Scope)
+	assert.Equal(t, "", g.Node(a).Scope)
+	assert.Equal(t, 2, g.Len())
+	assert.Len(t, g.Nodes(), 2)
+
+	for _, n := range []graph.Node{
+		{Op: graph.OpRelu, Inputs: []int{2}},     // not an earlier node
+		{Op: graph.OpRelu, Inputs: []int{-1}},    // not a node
+		{Op: graph.OpRelu, Inputs: []int{0, 1}},  // wrong arity
+		{Op: graph.OpAdd, Inputs: []int{0}},      // wrong arity
+		{Op: graph.OpConcat, Inputs: []int(nil)}, // no inputs
+	} {
+		_, err := g.Append(n)
+		assert.ErrorIs(t, err, graph.ErrArity, "%s %v", n.Op, n.Inputs)
+	}
+	assert.Equal(t, 2, g.Len())
+}
+
+func TestSetBatch(t *testing.T) {
+	g := graph.New()
+	assert.Zero(t, g.Batch())
+	require.NoError(t, g.SetBatch(16))
+	require.NoError(t, g.SetBatch(16))
+	assert.ErrorIs(t, g.SetBatch(8), graph.ErrShape)
+	assert.Equal(t, 16, g.Batch())
+}
+
+func TestOpError(t *testing.T) {
+	err := error(&graph.OpError{Op: "matmul", Shapes: [][]int{{2, 3}, {4, 5}}, Site: "model.go:12",
+		Err: graph.Errorf(graph.ErrShape, "inner dimensions differ")})
+	var oe *graph.OpError
+	require.True(t, errors.As(err, &oe))
+	assert.Equal(t, "matmul", oe.Op)
+	assert.True(t, errors.Is(err, graph.ErrShape))
+	assert.False(t, errors.Is(err, graph.ErrDType))
+	assert.NotEmpty(t, err.Error())
+}
