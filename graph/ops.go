@@ -199,7 +199,7 @@ var opTable = [numOps]OpInfo{
 	OpCrossEntropy: {Name: "cross_entropy", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
 	OpMSE:          {Name: "mse", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
 
-	OpFill: {Name: "fill", Category: CatGenerate, Attrs: []string{"target", "scalar"}},
+	OpFill:       {Name: "fill", Category: CatGenerate, Attrs: []string{"target", "scalar"}},
 	OpSign:       {Name: "sign", Category: CatUnary, MinArity: 1, Arity: 1},
 	OpCausalMask: {Name: "causal_mask", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
 
