@@ -279,6 +279,7 @@ var fuzzOps = []fuzzOp{
 	{"relu", func(_ *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.Relu()) }},
 	{"gelu", func(_ *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.Gelu()) }},
 	{"gelu_tanh", func(_ *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.GeluTanh()) }},
+	{"causal_mask", func(_ *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.CausalMask()) }},
 	{"add", func(fz *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.Add(fz.like(x, f32, fz.bcast))) }},
 	{"sub", func(fz *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.Sub(fz.like(x, f32, fz.bcast))) }},
 	{"mul", func(fz *fuzzer, x *lazy.Tensor) []*lazy.Tensor { return one(x.Mul(fz.like(x, f32, fz.bcast))) }},
@@ -300,6 +301,19 @@ var fuzzOps = []fuzzOp{
 			}
 			return []int{last(s), 1 + fz.n(4)}
 		})))
+	}},
+	{"matmul_t", func(fz *fuzzer, x *lazy.Tensor) []*lazy.Tensor {
+		ta, tb := fz.n(2) == 0, fz.n(2) == 0
+		return one(x.MatMulT(fz.like(x, f32, func(s []int) []int {
+			k := last(s)
+			if ta && len(s) >= 2 {
+				k = s[len(s)-2]
+			}
+			if tb {
+				return []int{1 + fz.n(4), k}
+			}
+			return []int{k, 1 + fz.n(4)}
+		}), ta, tb))
 	}},
 	{"linear", func(fz *fuzzer, x *lazy.Tensor) []*lazy.Tensor {
 		n := 1 + fz.n(4)

@@ -52,6 +52,8 @@ func misuses() []misuse {
 	}
 	return []misuse{
 		{"matmul inner dims", func() *lazy.Tensor { return x().MatMul(p(4, 5)) }, "matmul", sh(d(4, 3), d(4, 5)), graph.ErrShape},
+		{"matmul with TransB, inner dims", func() *lazy.Tensor { return x().MatMulT(p(3, 5), false, true) }, "matmul", sh(d(4, 3), d(3, 5)), graph.ErrShape},
+		{"causal_mask of a vector", func() *lazy.Tensor { return lazy.Placeholder([]int{4}, f32, 0).CausalMask() }, "causal_mask", sh(d(4)), graph.ErrShape},
 		{"matmul of int64", func() *lazy.Tensor { return pi(2, 3).MatMul(pi(3, 2)) }, "matmul", sh(d(2, 3), d(3, 2)), graph.ErrDType},
 		{"failed broadcast", func() *lazy.Tensor { return x().Add(p(2, 3)) }, "add", sh(d(4, 3), d(2, 3)), graph.ErrShape},
 		{"failed broadcast with size 0", func() *lazy.Tensor { return p(0, 3).Mul(p(2, 3)) }, "mul", sh(d(0, 3), d(2, 3)), graph.ErrShape},

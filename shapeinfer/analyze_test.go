@@ -104,6 +104,15 @@ func TestMatMulContractingBatchOfBothIsChunkable(t *testing.T) {
 	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
 	assert.Equal(t, shapeinfer.CrossBatch, res.Class[xty.ID()])
 	assert.Equal(t, shapeinfer.CombineSum, res.Combine[xty.ID()])
+
+	// The same product through the transpose flag, without a permute node.
+	g = lazy.NewGraph()
+	x = g.Placeholder([]int{16, 8}, f32, 0)
+	xty = x.MatMulT(g.Placeholder([]int{16, 5}, f32, 0), true, false)
+	require.Equal(t, []int{8, 5}, xty.Shape())
+	res = analyze(t, xty)
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	assert.Equal(t, shapeinfer.CombineSum, res.Combine[xty.ID()])
 }
 
 func TestMaxOverBatchCombinesByMax(t *testing.T) {
@@ -175,6 +184,13 @@ func TestSampleMixingOpsAreNotChunkable(t *testing.T) {
 			a := g.Placeholder([]int{3, 16}, f32, 1)     // batch on the contracted axis
 			b := g.Placeholder([]int{16, 16, 2}, f32, 0) // batch on a leading axis
 			m := a.MatMul(b)
+			return m, m
+		}},
+		{"matmul with TransA contracting one operand's batch, keeping the other's", func() (*lazy.Tensor, *lazy.Tensor) {
+			g := lazy.NewGraph()
+			a := g.Placeholder([]int{16, 3}, f32, 0)     // transposed: batch on the contracted axis
+			b := g.Placeholder([]int{16, 16, 2}, f32, 0) // batch on a leading axis
+			m := a.MatMulT(b, true, false)
 			return m, m
 		}},
 		{"linear with a batched weight", func() (*lazy.Tensor, *lazy.Tensor) {

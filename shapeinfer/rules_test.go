@@ -88,6 +88,8 @@ func validCases() []ruleCase {
 			ruleCase{name: "scalar", op: op, in: ts(f()), want: f()},
 			ruleCase{name: "folded batch", op: op, in: ts(fp(1, 2, 3, 8)), want: fp(1, 2, 3, 8)})
 	}
+	add(ruleCase{name: "attention scores", op: graph.OpCausalMask, attrs: graph.Attrs{Scalar: math.Inf(-1)}, in: ts(fb(0, 4, 2, 3, 3)), want: fb(0, 4, 2, 3, 3)},
+		ruleCase{name: "rectangular", op: graph.OpCausalMask, in: ts(f(3, 5)), want: f(3, 5)})
 	for _, op := range []graph.Op{graph.OpAddScalar, graph.OpSubScalar, graph.OpRSubScalar, graph.OpMulScalar,
 		graph.OpDivScalar, graph.OpRDivScalar, graph.OpPowScalar, graph.OpMaximumScalar} {
 		add(ruleCase{name: "batched", op: op, attrs: graph.Attrs{Scalar: 2.5}, in: ts(fb(1, 2, 4)), want: fb(1, 2, 4)},
@@ -123,6 +125,10 @@ func validCases() []ruleCase {
 		ruleCase{name: "batched columns of the right operand", op: graph.OpMatMul, in: ts(f(2, 3), fb(1, 3, 4)), want: fb(1, 2, 4)},
 		ruleCase{name: "broadcast leading axes", op: graph.OpMatMul, in: ts(f(2, 1, 2, 3), f(5, 3, 4)), want: f(2, 5, 2, 4)},
 		ruleCase{name: "contracts the batch of both (xᵀ·y)", op: graph.OpMatMul, in: ts(fb(1, 3, 4), fb(0, 4, 5)), want: f(3, 5)},
+		ruleCase{name: "TransA", op: graph.OpMatMul, attrs: graph.Attrs{TransA: true}, in: ts(f(3, 2), f(3, 5)), want: f(2, 5)},
+		ruleCase{name: "TransB (q·kᵀ)", op: graph.OpMatMul, attrs: graph.Attrs{TransB: true}, in: ts(fb(0, 4, 2, 3), fb(0, 4, 5, 3)), want: fb(0, 4, 2, 5)},
+		ruleCase{name: "TransA contracts the batch of both", op: graph.OpMatMul, attrs: graph.Attrs{TransA: true}, in: ts(fb(0, 4, 3), fb(0, 4, 5)), want: f(3, 5)},
+		ruleCase{name: "TransA moves the batch to the columns", op: graph.OpMatMul, attrs: graph.Attrs{TransA: true, TransB: true}, in: ts(f(3, 2), fb(0, 4, 3)), want: fb(1, 2, 4)},
 		ruleCase{name: "N=1 batched leading axis broadcast away", op: graph.OpMatMul, batch: 1, in: ts(fp(0, 1, 1, 2, 3), f(5, 3, 4)), want: f(5, 2, 4)},
 
 		ruleCase{name: "no bias", op: graph.OpLinear, in: ts(fb(0, 4, 3), f(5, 3)), want: fb(0, 4, 5)},
@@ -345,6 +351,10 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "leading dims", op: graph.OpMatMul, in: ts(f(2, 2, 3), f(3, 3, 5)), want: graph.ErrShape},
 		rejectCase{name: "batch axes land apart", op: graph.OpMatMul, in: ts(fb(0, 4, 3), fb(1, 3, 4)), want: graph.ErrShape},
 		rejectCase{name: "int64", op: graph.OpMatMul, in: ts(i(2, 3), i(3, 5)), want: graph.ErrDType},
+		rejectCase{name: "inner dims with TransA", op: graph.OpMatMul, attrs: graph.Attrs{TransA: true}, in: ts(f(2, 3), f(3, 5)), want: graph.ErrShape},
+		rejectCase{name: "batch axes land apart with TransB", op: graph.OpMatMul, attrs: graph.Attrs{TransB: true}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: graph.ErrShape},
+		rejectCase{name: "rank 1", op: graph.OpCausalMask, in: ts(f(3)), want: graph.ErrShape},
+		rejectCase{name: "int64", op: graph.OpCausalMask, in: ts(i(3, 3)), want: graph.ErrDType},
 		rejectCase{name: "three inputs", op: graph.OpMatMul, in: ts(f(2, 3), f(3, 5), f(5)), want: graph.ErrArity},
 
 		rejectCase{name: "weight rank 1", op: graph.OpLinear, in: ts(fb(0, 4, 3), f(3)), want: graph.ErrShape},
