@@ -16,12 +16,17 @@ import (
 
 // Graph is a computation graph under construction.
 type Graph struct {
-	ir     *graph.Graph
-	leaves map[*leaf]int // params and consts adopted by this graph
+	ir       *graph.Graph
+	leaves   map[*leaf]int // params and consts adopted by this graph
+	leafAt   map[int]*leaf // the inverse of leaves
+	inputs   int           // batched inputs (Wrap, Placeholder)
+	imported map[*Graph][]int
 }
 
 // NewGraph returns an empty graph.
-func NewGraph() *Graph { return &Graph{ir: graph.New(), leaves: map[*leaf]int{}} }
+func NewGraph() *Graph {
+	return &Graph{ir: graph.New(), leaves: map[*leaf]int{}, leafAt: map[int]*leaf{}, imported: map[*Graph][]int{}}
+}
 
 // IR is the underlying graph, for executors and analyses.
 func (g *Graph) IR() *graph.Graph { return g.ir }
@@ -260,6 +265,9 @@ func (g *Graph) source(at string, n graph.Node) *Tensor {
 	if err != nil {
 		return errTensor(n.Op.String(), at, err, n.Type.Shape)
 	}
+	if n.Op == graph.OpInput {
+		g.inputs++
+	}
 	return &Tensor{g: g, id: id}
 }
 
@@ -302,7 +310,48 @@ func (g *Graph) bind(t *Tensor) (int, error) {
 		return -1, err
 	}
 	g.leaves[t.leaf] = id
+	g.leafAt[id] = t.leaf
 	return id, nil
+}
+
+// importNode copies node id of src, a graph without batched inputs (only
+// parameters, constants and ops on them), into g with everything it needs,
+// and returns its id in g. Each node is copied once per pair of graphs.
+func (g *Graph) importNode(src *Graph, id int) (int, error) {
+	idmap := g.imported[src]
+	for len(idmap) < src.ir.Len() {
+		idmap = append(idmap, -1)
+	}
+	g.imported[src] = idmap
+	need := make([]bool, id+1)
+	need[id] = true
+	for i := id; i >= 0; i-- { // mark id's ancestors
+		if need[i] && idmap[i] < 0 {
+			for _, in := range src.ir.Node(i).Inputs {
+				need[in] = true
+			}
+		}
+	}
+	for i := range need {
+		if !need[i] || idmap[i] >= 0 {
+			continue
+		}
+		n := *src.ir.Node(i)
+		var err error
+		if l, ok := src.leafAt[i]; ok {
+			idmap[i], err = g.bind(&Tensor{id: -1, leaf: l})
+		} else {
+			n.Inputs = append([]int(nil), n.Inputs...)
+			for k, in := range n.Inputs {
+				n.Inputs[k] = idmap[in]
+			}
+			idmap[i], err = shapeinfer.Append(g.ir, n)
+		}
+		if err != nil {
+			return -1, err
+		}
+	}
+	return idmap[id], nil
 }
 
 // apply appends op over inputs, returning an error tensor on any failure.
@@ -322,13 +371,19 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 				"input %d is a zero lazy.Tensor, not made by Wrap, Param or an op", i), shapes[:i]...)
 		}
 		shapes[i] = in.Shape()
-		switch {
-		case in.g == nil:
-		case g == nil:
+	}
+	// The result joins the graph holding batched inputs (else the first
+	// graph met); values computed from parameters and constants alone are
+	// imported into it. Two graphs with batched inputs cannot meet.
+	for _, in := range inputs {
+		if in.g != nil && (g == nil || g.inputs == 0 && in.g.inputs > 0) {
 			g = in.g
-		case g != in.g:
+		}
+	}
+	for i, in := range inputs {
+		if in.g != nil && in.g != g && in.g.inputs > 0 {
 			return errTensor(op.String(), at, graph.Errorf(graph.ErrMixedGraphs,
-				"input %d belongs to another graph", i), shapes[:i+1]...)
+				"input %d belongs to another graph", i), shapes...)
 		}
 	}
 	if g == nil {
@@ -339,7 +394,11 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 	}
 	ids := make([]int, len(inputs))
 	for i, in := range inputs {
-		id, err := g.bind(in)
+		bind := g.bind
+		if in.g != nil && in.g != g {
+			bind = func(t *Tensor) (int, error) { return g.importNode(t.g, t.id) }
+		}
+		id, err := bind(in)
 		if err != nil {
 			return errTensor(op.String(), at, err, shapes...)
 		}
@@ -363,6 +422,7 @@ func (g *Graph) precheck(op graph.Op, attrs graph.Attrs, inputs []*Tensor) error
 				fresh = true
 			}
 		}
+		fresh = fresh || in.g != nil && in.g != g // would be imported
 	}
 	if !fresh {
 		return nil
