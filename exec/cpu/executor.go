@@ -4,11 +4,14 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -29,11 +32,42 @@ func newBuf(t graph.Type, shape []int) *buf {
 	return b
 }
 
-// Executor evaluates graphs on the CPU. The zero value is ready to use.
-type Executor struct{}
+// Executor evaluates graphs on the CPU. Every buffer it uses is accounted
+// in a caching allocator (on a simulated device by default), so measured
+// peaks can be compared with the planner's predictions.
+type Executor struct {
+	mu           sync.Mutex
+	a            *alloc.Allocator
+	resident     map[residentKey]*alloc.Block
+	residentVals map[*alloc.Block]*buf
+}
 
-// New returns a CPU executor.
-func New() *Executor { return &Executor{} }
+// Unlimited is the capacity of the default accounting device: 1 EiB.
+const Unlimited = 1 << 60
+
+// New returns a CPU executor accounting on an unlimited simulated device.
+func New() *Executor {
+	return NewOn(alloc.New(alloc.NewSimBackend(Unlimited), alloc.Options{}))
+}
+
+// NewOn returns a CPU executor accounting its buffers in a.
+func NewOn(a *alloc.Allocator) *Executor {
+	return &Executor{a: a, resident: map[residentKey]*alloc.Block{}, residentVals: map[*alloc.Block]*buf{}}
+}
+
+func (e *Executor) allocator() *alloc.Allocator {
+	if e.a == nil { // the zero Executor
+		*e = *New()
+	}
+	return e.a
+}
+
+// Allocator is the allocator the executor accounts in.
+func (e *Executor) Allocator() *alloc.Allocator {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.allocator()
+}
 
 var _ exec.Executor = (*Executor)(nil)
 
@@ -43,8 +77,8 @@ func (e *Executor) Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*
 }
 
 // RunBatch evaluates g for b samples. feed, when non-nil, may supply the
-// data of any source node id (a chunk of the batch for an input, values for
-// a shape-only parameter); where it returns nil the source's own value is
+// data of any source node id (b samples for an input, values for a
+// shape-only parameter); where it returns nil the source's own value is
 // used.
 func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
 	info, err := shapeinfer.Analyze(g, outputs...)
@@ -61,56 +95,20 @@ func (e *Executor) RunAnalyzed(ctx context.Context, g *graph.Graph, info *shapei
 		return nil, graph.Errorf(graph.ErrArity, "analysis of %d nodes with outputs %v does not match a graph of %d nodes with outputs %v",
 			len(info.LastUse), info.Outputs, g.Len(), outputs)
 	}
-	vals := make([]*buf, g.Len())
-	nodes := g.Nodes()
-	for id := range nodes {
-		if err := ctx.Err(); err != nil {
-			return nil, err
-		}
-		nd := &nodes[id]
-		if info.LastUse[id] < 0 {
-			continue // dead: nothing reads it
-		}
-		shape := nd.Type.AtBatch(b)
-		if nd.Op.Category() == graph.CatSource {
-			src := nd.Value
-			if feed != nil {
-				if t := feed(id); t != nil {
-					src = t
-				}
-			}
-			v, err := fromTensor(nd, src, shape)
-			if err != nil {
-				return nil, err
-			}
-			vals[id] = v
-			continue
-		}
-		ins := make([]*buf, len(nd.Inputs))
-		for i, in := range nd.Inputs {
-			ins[i] = vals[in]
-		}
-		out := newBuf(nd.Type, shape)
-		if err := eval(nd, ins, out); err != nil {
-			return nil, &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(ins), Site: nd.Site, Err: err}
-		}
-		vals[id] = out
-		for _, in := range nd.Inputs {
-			if info.LastUse[in] == id {
-				vals[in] = nil // last consumer ran: release it
-			}
-		}
+	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Workspace: Workspace})
+	if err != nil {
+		return nil, err
 	}
-	res := make([]*tensor.Dense, len(outputs))
-	for i, o := range outputs {
-		// gorgonia.org/tensor builds a Dense with a size-0 axis but panics
-		// on Data(), so such an output is refused rather than handed out.
-		if graph.Numel(vals[o].shape) == 0 {
-			return nil, graph.Errorf(graph.ErrShape, "output node %d has size-0 shape %v, which gorgonia.org/tensor cannot hold", o, vals[o].shape)
-		}
-		res[i] = toDense(vals[o])
+	n := g.Batch()
+	if n == 0 { // no batched input: one run of the constants
+		n, b = 1, 1
 	}
-	return res, nil
+	p.Batch = n
+	res, err := e.Execute(ctx, p, []planner.Chunk{{Size: b}}, ExecOptions{Feed: feed})
+	if err != nil {
+		return nil, err
+	}
+	return res.Outputs, nil
 }
 
 func shapesOf(bs []*buf) [][]int {
@@ -133,7 +131,9 @@ func fromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*buf, error) {
 	if t.Shape().IsScalar() {
 		got = []int{}
 	}
-	if !slices.Equal(got, shape) {
+	if shape == nil { // any shape: the caller checks
+		shape = got
+	} else if !slices.Equal(got, shape) {
 		return nil, graph.Errorf(graph.ErrShape, "%s: data shape %v, want %v", what, got, shape)
 	}
 	b := &buf{shape: shape}

@@ -1,0 +1,22 @@
+// Package planner turns a graph into the program the executor follows and
+// picks the largest batch chunk whose replay of that program fits a memory
+// budget.
+//
+// The invariant (DESIGN.md): prediction and execution share one schedule
+// and one allocator. Compile lists the steps (allocate a node's output and
+// workspace, run it, free the workspace and every buffer whose last consumer
+// it was); Replay walks them through an alloc.Allocator. Plan calls Replay on
+// a simulated device, executors call the very same Replay with hooks that
+// run kernels, so the planned peak reserved bytes are the executor's,
+// rounding, segment sizes and splits included.
+//
+// Memory outside the chunk loop is persistent: parameters and constants,
+// optimizer state (StateSlots parameter-sized tensors per trained
+// parameter, present from the first step), and, when a batch runs in more
+// than one chunk, one gradient accumulator per kept output. Persistent
+// buffers are allocated first, in a fixed order, before any chunk runs.
+//
+// Plan bisects the chunk size with full replays, starting from the affine
+// model bytes(B) = fixed + perSample·B, and returns balanced chunks: a
+// batch of 100 with room for 30 runs as 25, 25, 25, 25.
+package planner

@@ -1,0 +1,294 @@
+package planner
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/batchfit/batchfit/alloc"
+)
+
+// Errors.
+var (
+	ErrDoesNotFit = errors.New("does not fit the memory budget")
+	ErrBudget     = errors.New("invalid memory budget")
+	ErrNoBatch    = errors.New("graph has no batch to plan")
+)
+
+// BufferUse names one buffer and its size at some chunk size, for errors
+// and reports.
+type BufferUse struct {
+	Tag   alloc.Tag
+	Kind  BufferKind
+	Bytes int64
+}
+
+// DoesNotFitError says how much memory the smallest possible run needs and
+// which buffers are largest. When the graph is not chunkable it also wraps
+// the reason (errors.Is(err, graph.ErrNotChunkable)).
+type DoesNotFitError struct {
+	Chunk     int   // the smallest chunk tried: 1, or the whole batch
+	Needed    int64 // peak reserved bytes of that run
+	Whole     int64 // peak reserved bytes of the whole batch in one chunk
+	Available int64 // the budget after headroom
+	Fixed     int64 // persistent bytes: parameters, optimizer state, accumulators
+	Largest   []BufferUse
+	Reason    error // why smaller chunks were not tried, if they were not
+	batch     int
+}
+
+func (e *DoesNotFitError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%v: %s available; the whole batch in one chunk needs %s", ErrDoesNotFit,
+		alloc.FormatBytes(e.Available), alloc.FormatBytes(e.Whole))
+	if e.Chunk != e.batch {
+		fmt.Fprintf(&b, ", chunks of %d need %s (gradient accumulators included)", e.Chunk, alloc.FormatBytes(e.Needed))
+	}
+	fmt.Fprintf(&b, "; %s of it is persistent (parameters, optimizer state)", alloc.FormatBytes(e.Fixed))
+	if e.Fixed > e.Available {
+		b.WriteString(", more than the budget by itself")
+	}
+	if e.Reason != nil {
+		fmt.Fprintf(&b, "; the whole batch must run at once: %v", e.Reason)
+	}
+	if len(e.Largest) > 0 {
+		b.WriteString("; largest buffers:")
+		for _, l := range e.Largest {
+			fmt.Fprintf(&b, " %s %s (%s),", l.Tag, l.Kind, alloc.FormatBytes(l.Bytes))
+		}
+	}
+	return strings.TrimSuffix(b.String(), ",")
+}
+
+func (e *DoesNotFitError) Unwrap() []error {
+	if e.Reason != nil {
+		return []error{ErrDoesNotFit, e.Reason}
+	}
+	return []error{ErrDoesNotFit}
+}
+
+// Options configures Plan.
+type Options struct {
+	// Budget is the memory the run may reserve: device free memory plus
+	// what the allocator already holds cached.
+	Budget int64
+	// Headroom is kept back from Budget (for memory outside batchfit's
+	// allocator); DefaultHeadroom when zero and not NoHeadroom.
+	Headroom   int64
+	NoHeadroom bool
+	// Timeline records the allocator state after every step of the chosen
+	// plan's replay.
+	Timeline bool
+}
+
+// DefaultHeadroom is kept back from the budget unless told otherwise: every
+// byte batchfit uses goes through its allocator, so only memory allocated
+// behind its back (other processes, libraries' private buffers) needs it.
+const DefaultHeadroom = 0
+
+// Plan is the planner's answer.
+type Plan struct {
+	Batch         int     // N
+	Chunk         int     // samples per chunk (the largest chunk of Chunks)
+	Chunks        []Chunk // balanced
+	PeakReserved  int64   // predicted peak reserved bytes of the whole step
+	PeakAllocated int64
+	// Fixed and PerSample fit a chunked run's peak reserved bytes as
+	// Fixed + PerSample·chunk (from replays at chunk sizes N/4 and N/2; zero
+	// for batches below 3). Fixed includes the persistent buffers.
+	Fixed, PerSample int64
+	Persistent       int64 // bytes of parameters, optimizer state and accumulators
+	Budget           int64 // as given
+	Headroom         int64
+	Replays          int // simulated replays it took
+	Timeline         []Point
+}
+
+// Available is the budget after headroom.
+func (p *Plan) Available() int64 { return p.Budget - p.Headroom }
+
+// simulate replays chunks on a fresh simulated device of the given
+// capacity; ok is false when it ran out of memory.
+func simulate(p *Program, chunks []Chunk, capacity int64, record bool) (u Usage, ok bool, err error) {
+	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
+	u, err = Replay(p, chunks, a, nil, record)
+	if errors.Is(err, alloc.ErrOutOfMemory) {
+		return u, false, nil
+	}
+	return u, err == nil, err
+}
+
+// unlimited is a capacity no plan reaches: 1 EiB.
+const unlimited = 1 << 60
+
+// Make picks the largest chunk whose replay of p keeps the peak reserved
+// within the budget and returns the plan.
+func Make(p *Program, o Options) (*Plan, error) {
+	head := o.Headroom
+	if head == 0 && !o.NoHeadroom {
+		head = DefaultHeadroom
+	}
+	if o.Budget < 0 || head < 0 || head > o.Budget {
+		return nil, fmt.Errorf("%w: budget %d bytes with headroom %d", ErrBudget, o.Budget, head)
+	}
+	n := p.Batch
+	if n <= 0 {
+		return nil, fmt.Errorf("%w: the graph has no batched input", ErrNoBatch)
+	}
+	avail := o.Budget - head
+	pl := &Plan{Batch: n, Budget: o.Budget, Headroom: head}
+	for _, bi := range p.Persistent {
+		pl.Persistent += p.Buffers[bi].Bytes(0)
+	}
+	fits := func(b int) (Usage, bool, error) {
+		pl.Replays++
+		return simulate(p, ChunksOf(n, b), avail, false)
+	}
+	// One chunk needs no gradient accumulators, so it can fit where a
+	// chunked run of the same batch does not: try it first.
+	var chosen int
+	if _, ok, err := fits(n); err != nil {
+		return nil, err
+	} else if ok {
+		chosen = n
+	} else if p.Info.NotChunkable != nil {
+		return nil, p.doesNotFit(n, avail, p.Info.NotChunkable)
+	}
+	// The affine fit of a chunked run's peak, from unconstrained replays at
+	// two chunk sizes that both need several chunks.
+	if n >= 3 {
+		c1 := max(1, n/4)
+		c2 := max(c1+1, n/2)
+		u1, _, err := simulate(p, ChunksOf(n, c1), unlimited, false)
+		if err != nil {
+			return nil, err
+		}
+		u2, _, err := simulate(p, ChunksOf(n, c2), unlimited, false)
+		if err != nil {
+			return nil, err
+		}
+		pl.Replays += 2
+		pl.PerSample = max((u2.PeakReserved-u1.PeakReserved)/int64(c2-c1), 0)
+		pl.Fixed = u1.PeakReserved - pl.PerSample*int64(c1)
+	}
+	if chosen == 0 {
+		if _, ok, err := fits(1); err != nil {
+			return nil, err
+		} else if !ok {
+			return nil, p.doesNotFit(1, avail, nil)
+		}
+		lo, hi := 1, n        // lo fits, hi does not
+		if pl.PerSample > 0 { // first guess from the affine fit
+			if g := int((avail - pl.Fixed) / pl.PerSample); g > lo && g < hi {
+				if _, ok, err := fits(g); err != nil {
+					return nil, err
+				} else if ok {
+					lo = g
+				} else {
+					hi = g
+				}
+			}
+		}
+		for hi-lo > 1 { // then bisection with full replays
+			mid := lo + (hi-lo)/2
+			if _, ok, err := fits(mid); err != nil {
+				return nil, err
+			} else if ok {
+				lo = mid
+			} else {
+				hi = mid
+			}
+		}
+		chosen = lo
+	}
+	pl.Chunks = ChunksOf(n, chosen)
+	pl.Chunk = pl.Chunks[0].Size
+	u, ok, err := simulate(p, pl.Chunks, avail, o.Timeline)
+	pl.Replays++
+	if err != nil {
+		return nil, err
+	}
+	if !ok { // cannot happen: chosen was checked with the same chunks
+		return nil, p.doesNotFit(pl.Chunk, avail, nil)
+	}
+	pl.PeakReserved, pl.PeakAllocated, pl.Timeline = u.PeakReserved, u.PeakAllocated, u.Timeline
+	return pl, nil
+}
+
+// doesNotFit measures what a run at chunk size b needs and lists the
+// largest buffers.
+func (p *Program) doesNotFit(b int, avail int64, reason error) error {
+	u, _, _ := simulate(p, ChunksOf(p.Batch, b), unlimited, false)
+	w, _, _ := simulate(p, ChunksOf(p.Batch, p.Batch), unlimited, false)
+	e := &DoesNotFitError{Chunk: b, Needed: u.PeakReserved, Whole: w.PeakReserved, Available: avail, batch: p.Batch}
+	if reason != nil {
+		e.Reason = reason
+	}
+	uses := make([]BufferUse, 0, len(p.Buffers))
+	for _, bi := range p.Persistent {
+		e.Fixed += p.Buffers[bi].Bytes(0)
+	}
+	for _, buf := range p.Buffers {
+		uses = append(uses, BufferUse{Tag: buf.Tag, Kind: buf.Kind, Bytes: buf.Bytes(b)})
+	}
+	sort.SliceStable(uses, func(i, j int) bool { return uses[i].Bytes > uses[j].Bytes })
+	e.Largest = uses[:min(5, len(uses))]
+	return e
+}
+
+// Cache keeps plans by program signature and options, so a steady training
+// loop plans once.
+type Cache struct {
+	mu    sync.Mutex
+	plans map[cacheKey]*Plan
+	hits  int
+}
+
+type cacheKey struct {
+	sig              uint64
+	kept, trained    string
+	budget, headroom int64
+	noHeadroom       bool
+}
+
+// Signature identifies what a program's memory depends on.
+func (p *Program) Signature() uint64 {
+	h := p.Graph.Signature()
+	for _, b := range p.Buffers { // persistent kinds and workspace sizes
+		h = h*1099511628211 ^ uint64(b.Kind)<<56 ^ uint64(b.Fixed) ^ uint64(b.PerSample)<<17
+	}
+	return h
+}
+
+// Plan returns the cached plan for p and o, making it on a miss.
+func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
+	key := cacheKey{sig: p.Signature(), kept: fmt.Sprint(p.Kept), trained: fmt.Sprint(len(p.Persistent)),
+		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom}
+	c.mu.Lock()
+	if pl, ok := c.plans[key]; ok {
+		c.hits++
+		c.mu.Unlock()
+		return pl, nil
+	}
+	c.mu.Unlock()
+	pl, err := Make(p, o)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.plans == nil {
+		c.plans = map[cacheKey]*Plan{}
+	}
+	c.plans[key] = pl
+	return pl, nil
+}
+
+// Hits counts plans served from the cache.
+func (c *Cache) Hits() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.hits
+}

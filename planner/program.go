@@ -1,0 +1,192 @@
+package planner
+
+import (
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// StepKind is what a program step does.
+type StepKind uint8
+
+const (
+	StepAlloc StepKind = iota // allocate a buffer
+	StepRun                   // run a node
+	StepFree                  // free a buffer
+)
+
+func (k StepKind) String() string { return [...]string{"alloc", "run", "free"}[k] }
+
+// Step is one entry of a program. Buf indexes Program.Buffers.
+type Step struct {
+	Kind StepKind
+	Node int
+	Buf  int // −1 for StepRun
+}
+
+// BufferKind says what a buffer holds.
+type BufferKind uint8
+
+const (
+	BufOutput      BufferKind = iota // a node's value for one chunk
+	BufWorkspace                     // scratch memory of a node's kernel
+	BufParam                         // a parameter or constant, persistent
+	BufState                         // optimizer state of a parameter, persistent
+	BufAccumulator                   // sum of a kept output over chunks, persistent
+)
+
+func (k BufferKind) String() string {
+	return [...]string{"output", "workspace", "param", "state", "accumulator"}[k]
+}
+
+// Buffer is one allocation of the program; its size at chunk size b is
+// Fixed + PerSample·b.
+type Buffer struct {
+	Kind      BufferKind
+	Node      int // the node it belongs to
+	Slot      int // which optimizer state tensor, for BufState
+	Fixed     int64
+	PerSample int64
+	Tag       alloc.Tag
+}
+
+// Bytes is the buffer's size when b samples run at once.
+func (b Buffer) Bytes(chunk int) int64 { return b.Fixed + b.PerSample*int64(chunk) }
+
+// Program is the compiled schedule of one graph.
+type Program struct {
+	Graph   *graph.Graph
+	Info    *shapeinfer.Result
+	Batch   int      // N
+	Buffers []Buffer // persistent buffers first
+	// Persistent lists, in allocation order, the buffers allocated once
+	// before any chunk: parameters and constants, then optimizer state,
+	// then accumulators (the last only when a batch runs in several chunks).
+	Persistent   []int
+	Accumulators []int // subset of Persistent, one per kept output, in Outputs order of Kept
+	Steps        []Step
+	Outputs      []int // graph outputs, in the order the caller asked
+	Kept         []int // outputs that stay on the device (parameter gradients)
+	OutputBuf    []int // buffer of each node's output, −1 if none
+}
+
+// WorkspaceFunc declares the scratch bytes a node's kernel needs when b
+// samples run at once. Executors declare theirs; the planner allocates them
+// around the run step so they are counted like any buffer.
+type WorkspaceFunc func(g *graph.Graph, nd *graph.Node, b int) int64
+
+// CompileOptions configures Compile.
+type CompileOptions struct {
+	// Kept are outputs that stay on the device across chunks and are summed
+	// there (parameter gradients); other outputs are read back per chunk.
+	Kept []int
+	// Trained are the parameter nodes the optimizer updates; each gets
+	// StateSlots state buffers of its size.
+	Trained    []int
+	StateSlots int
+	Workspace  WorkspaceFunc
+}
+
+// Compile makes the program of g for outputs. info must be
+// shapeinfer.Analyze(g, outputs...).
+func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOptions) (*Program, error) {
+	n := g.Len()
+	p := &Program{Graph: g, Info: info, Batch: g.Batch(), Outputs: append([]int(nil), outputs...),
+		Kept: append([]int(nil), o.Kept...), OutputBuf: make([]int, n)}
+	for i := range p.OutputBuf {
+		p.OutputBuf[i] = -1
+	}
+	nodes := g.Nodes()
+	tag := func(nd *graph.Node) alloc.Tag {
+		return alloc.Tag{Node: nd.ID, Op: nd.Op.String(), Scope: scopeOrName(nd)}
+	}
+	add := func(b Buffer) int {
+		p.Buffers = append(p.Buffers, b)
+		return len(p.Buffers) - 1
+	}
+	// Persistent: parameters and constants that the program reads.
+	for id := range nodes {
+		nd := &nodes[id]
+		if (nd.Op == graph.OpParam || nd.Op == graph.OpConst) && info.LastUse[id] >= 0 {
+			b := add(Buffer{Kind: BufParam, Node: id, Fixed: info.Fixed[id], Tag: tag(nd)})
+			p.OutputBuf[id] = b
+			p.Persistent = append(p.Persistent, b)
+		}
+	}
+	for _, id := range o.Trained {
+		if id < 0 || id >= n || nodes[id].Op != graph.OpParam {
+			return nil, graph.Errorf(graph.ErrArity, "planner: trained node %d is not a parameter", id)
+		}
+		for slot := range o.StateSlots {
+			t := tag(&nodes[id])
+			t.Op = "optimizer_state"
+			p.Persistent = append(p.Persistent, add(Buffer{Kind: BufState, Node: id, Slot: slot, Fixed: nodes[id].Type.Bytes(), Tag: t}))
+		}
+	}
+	for _, id := range o.Kept {
+		if id < 0 || id >= n || info.Class[id] == shapeinfer.PerSample {
+			return nil, graph.Errorf(graph.ErrArity, "planner: kept output %d must be a node without a batch axis", id)
+		}
+		t := tag(&nodes[id])
+		t.Op = "grad_accumulator"
+		b := add(Buffer{Kind: BufAccumulator, Node: id, Fixed: info.Fixed[id], Tag: t})
+		p.Accumulators = append(p.Accumulators, b)
+	}
+	// The chunk program, in node order.
+	isOutput := make([]bool, n)
+	for _, o := range outputs {
+		isOutput[o] = true
+	}
+	for id := range nodes {
+		nd := &nodes[id]
+		if info.LastUse[id] < 0 || p.OutputBuf[id] >= 0 {
+			continue // unused, or persistent
+		}
+		out := add(Buffer{Kind: BufOutput, Node: id, Fixed: info.Fixed[id], PerSample: info.PerSample[id], Tag: tag(nd)})
+		p.OutputBuf[id] = out
+		p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: out})
+		ws := -1
+		if o.Workspace != nil && nd.Op.Category() != graph.CatSource {
+			fixed := o.Workspace(g, nd, 0)
+			per := o.Workspace(g, nd, 1) - fixed
+			if fixed > 0 || per > 0 {
+				t := tag(nd)
+				t.Op += ".workspace"
+				ws = add(Buffer{Kind: BufWorkspace, Node: id, Fixed: fixed, PerSample: per, Tag: t})
+				p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: ws})
+			}
+		}
+		p.Steps = append(p.Steps, Step{Kind: StepRun, Node: id, Buf: -1})
+		if ws >= 0 {
+			p.Steps = append(p.Steps, Step{Kind: StepFree, Node: id, Buf: ws})
+		}
+		for _, in := range uniqueInputs(nd) {
+			if info.LastUse[in] == id && p.Buffers[p.OutputBuf[in]].Kind == BufOutput {
+				p.Steps = append(p.Steps, Step{Kind: StepFree, Node: in, Buf: p.OutputBuf[in]})
+			}
+		}
+	}
+	return p, nil
+}
+
+func scopeOrName(nd *graph.Node) string {
+	if nd.Name != "" {
+		return nd.Name
+	}
+	return nd.Scope
+}
+
+// uniqueInputs lists nd's inputs once each (x·x frees x once).
+func uniqueInputs(nd *graph.Node) []int {
+	var u []int
+	for _, in := range nd.Inputs {
+		dup := false
+		for _, v := range u {
+			dup = dup || v == in
+		}
+		if !dup {
+			u = append(u, in)
+		}
+	}
+	return u
+}
