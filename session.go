@@ -161,6 +161,12 @@ func paramData(p *lazy.Tensor) ([]float32, error) {
 		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
 			Err: graph.Errorf(graph.ErrDType, "parameter %q is %v, want float32", p.Name(), d.Dtype())}
 	}
+	// The optimizer writes the backing slice in order, so it must be the
+	// row-major layout the gradient has: a transposed or strided view is not.
+	if d.RequiresIterator() {
+		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
+			Err: graph.Errorf(graph.ErrAttr, "parameter %q is a transposed or strided view; materialize it before training", p.Name())}
+	}
 	// Float32s is the backing slice, a scalar's included (Data would
 	// return a bare float32 for shape []).
 	return d.Float32s(), nil
