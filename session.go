@@ -125,7 +125,9 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		if err != nil {
 			return 0, err
 		}
-		upd[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data, Grad: vals[i+1].Data().([]float32)}
+		// A float32 parameter's gradient is float32 of the same shape;
+		// Float32s also covers shape [], where Data is a bare float32.
+		upd[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data, Grad: vals[i+1].Float32s()}
 	}
 	if err := opt.Step(upd); err != nil {
 		return 0, err
@@ -155,10 +157,17 @@ func paramData(p *lazy.Tensor) ([]float32, error) {
 		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
 			Err: graph.Errorf(graph.ErrNoData, "parameter %q has no data (shape-only)", p.Name())}
 	}
-	data, ok := d.Data().([]float32)
-	if !ok {
+	if d.Dtype() != tensor.Float32 {
 		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
 			Err: graph.Errorf(graph.ErrDType, "parameter %q is %v, want float32", p.Name(), d.Dtype())}
 	}
-	return data, nil
+	// The optimizer writes the backing slice in order, so it must be the
+	// row-major layout the gradient has: a transposed or strided view is not.
+	if d.RequiresIterator() {
+		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
+			Err: graph.Errorf(graph.ErrAttr, "parameter %q is a transposed or strided view; materialize it before training", p.Name())}
+	}
+	// Float32s is the backing slice, a scalar's included (Data would
+	// return a bare float32 for shape []).
+	return d.Float32s(), nil
 }

@@ -1,0 +1,65 @@
+package models_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// gpt2TrainingGraph builds one shape-only GPT-2 small training step: the
+// forward pass over tokens [8, 1024], the mean next-token loss, the backward
+// pass over every parameter, and the analysis of loss and gradients.
+func gpt2TrainingGraph(tb testing.TB) (*lazy.Tensor, []*lazy.Tensor, *shapeinfer.Result) {
+	model := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
+	tokens := lazy.Placeholder([]int{8, 1024}, graph.Int64, 0)
+	targets := tokens.Graph().Placeholder([]int{8, 1024}, graph.Int64, 0)
+	loss := models.Loss(model.Forward(tokens), targets)
+	grads := lazy.Grad(loss, nn.ParamTensors(model)...)
+	outs := []int{loss.ID()}
+	for _, gr := range grads {
+		if err := gr.Err(); err != nil {
+			tb.Fatal(err)
+		}
+		outs = append(outs, gr.ID())
+	}
+	res, err := shapeinfer.Analyze(loss.Graph().IR(), outs...)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return loss, grads, res
+}
+
+func TestGPT2SmallTrainingGraphIsShapeOnlyAndChunkable(t *testing.T) {
+	loss, grads, res := gpt2TrainingGraph(t)
+	g := loss.Graph().IR()
+	sources := 0
+	for _, n := range g.Nodes() {
+		if n.Op.Category() == graph.CatSource {
+			sources++
+			require.Nil(t, n.Value, "source node %d (%s %q) holds data", n.ID, n.Op, n.Name)
+		}
+	}
+	// 2 inputs, and 148 parameters: wpe, wte, ln_f (2) and 12 blocks of 12.
+	require.Equal(t, 2+148, sources)
+	require.Len(t, grads, 148)
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	require.Equal(t, 8, res.Batch)
+}
+
+// BenchmarkGPT2SmallTrainingGraph times building and analysing one GPT-2
+// small training step, shapes only.
+func BenchmarkGPT2SmallTrainingGraph(b *testing.B) {
+	nodes := 0
+	for b.Loop() {
+		loss, _, _ := gpt2TrainingGraph(b)
+		nodes = loss.Graph().IR().Len()
+	}
+	b.ReportMetric(float64(nodes), "nodes")
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(nodes), "ns/node")
+}
