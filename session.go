@@ -7,34 +7,56 @@ import (
 
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// Options configures a Session. The zero value runs on the CPU.
-type Options struct{}
-
-// Session runs steps of lazy graphs and caches per-signature analyses.
-type Session struct {
-	opts Options
-	cpu  *cpu.Executor
-
-	mu       sync.Mutex
-	analyses map[analysisKey]*shapeinfer.Result
-	hits     int
+// Options configures a Session.
+type Options struct {
+	// Budget is the device memory a step may reserve, in bytes; 0 means no
+	// limit (the whole batch runs at once). With a budget the batch runs in
+	// the balanced chunks the planner picks, with results identical to the
+	// whole batch, and the CPU executor accounts on a simulated device of
+	// exactly that capacity.
+	Budget int64
+	// Headroom is kept back from Budget (planner.DefaultHeadroom if 0).
+	Headroom int64
 }
 
-type analysisKey struct {
-	sig     uint64
-	outputs string
+// Session runs steps of lazy graphs. Everything derivable from a graph's
+// signature (its analysis, its program and its plan) is computed once.
+type Session struct {
+	opts  Options
+	cpu   *cpu.Executor
+	plans planner.Cache
+
+	mu       sync.Mutex
+	programs map[programKey]*planner.Program
+	hits     int
+	last     *planner.Plan
+	usage    planner.Usage
+}
+
+type programKey struct {
+	sig           uint64
+	outputs, kept string
+	trained       string
+	slots         int
 }
 
 // NewSession returns a session with the given options.
 func NewSession(opts Options) *Session {
-	return &Session{opts: opts, cpu: cpu.New(), analyses: map[analysisKey]*shapeinfer.Result{}}
+	capacity := int64(cpu.Unlimited)
+	if opts.Budget > 0 {
+		capacity = opts.Budget
+	}
+	return &Session{opts: opts, programs: map[programKey]*planner.Program{},
+		cpu: cpu.NewOn(alloc.New(alloc.NewSimBackend(capacity), alloc.Options{}))}
 }
 
 // Device names the executor the session runs on and why.
@@ -42,29 +64,73 @@ func (s *Session) Device() string {
 	return "cpu: reference executor (gorgonia tensors + gonum BLAS)"
 }
 
-// CacheHits counts steps that reused a cached analysis.
+// CacheHits counts runs that reused a compiled program.
 func (s *Session) CacheHits() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.hits
 }
 
-// analysis returns the cached analysis of g for outputs, computing it once
-// per graph signature.
-func (s *Session) analysis(g *graph.Graph, outputs []int) (*shapeinfer.Result, error) {
-	key := analysisKey{sig: g.Signature(), outputs: fmt.Sprint(outputs)}
+// LastPlan is the plan of the latest Step or Eval.
+func (s *Session) LastPlan() *planner.Plan {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if r, ok := s.analyses[key]; ok {
+	return s.last
+}
+
+// LastUsage is the allocator's measured peak during the latest Step or Eval.
+func (s *Session) LastUsage() planner.Usage {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.usage
+}
+
+// Allocator is the allocator the session's executor accounts in: its
+// Stats are the familiar memory_stats.
+func (s *Session) Allocator() *alloc.Allocator { return s.cpu.Allocator() }
+
+// program returns the compiled program of g for outputs, computing the
+// analysis and schedule once per graph signature.
+func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int) (*planner.Program, error) {
+	key := programKey{sig: g.Signature(), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
+		trained: fmt.Sprint(trained), slots: slots}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p, ok := s.programs[key]; ok {
 		s.hits++
-		return r, nil
+		return p.Rebind(g), nil
 	}
-	r, err := shapeinfer.Analyze(g, outputs...)
+	info, err := shapeinfer.Analyze(g, outputs...)
 	if err != nil {
 		return nil, err
 	}
-	s.analyses[key] = r
-	return r, nil
+	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
+		StateSlots: slots, Workspace: cpu.Workspace})
+	if err != nil {
+		return nil, err
+	}
+	s.programs[key] = p
+	return p, nil
+}
+
+// run plans p within the budget and executes it.
+func (s *Session) run(ctx context.Context, p *planner.Program, update func([][]float32) error) ([]*tensor.Dense, error) {
+	budget := s.opts.Budget
+	if budget == 0 {
+		budget = cpu.Unlimited
+	}
+	pl, err := s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom})
+	if err != nil {
+		return nil, err
+	}
+	res, err := s.cpu.Execute(ctx, p, pl.Chunks, cpu.ExecOptions{Resident: true, Update: update})
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.last, s.usage = pl, res.Usage
+	s.mu.Unlock()
+	return res.Outputs, nil
 }
 
 // sameGraph returns the graph shared by ts, or a typed error.
@@ -100,36 +166,56 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	for i, t := range outputs {
 		ids[i] = t.ID()
 	}
-	info, err := s.analysis(g.IR(), ids)
+	p, err := s.program(g.IR(), ids, nil, nil, 0)
 	if err != nil {
 		return nil, err
 	}
-	return s.cpu.RunAnalyzed(ctx, g.IR(), info, g.IR().Batch(), nil, ids...)
+	return s.run(ctx, p, nil)
 }
 
 // Step runs one training step: forward and backward of the scalar loss,
-// then one optimizer update of params. It returns the loss.
+// then one optimizer update of params. It returns the loss. With a budget
+// the batch runs in chunks whose gradients add up to the whole batch's.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
 	if err := loss.Err(); err != nil {
 		return 0, err
 	}
+	if opt == nil {
+		return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
+	}
 	grads := lazy.Grad(loss, params...)
 	outs := append([]*lazy.Tensor{loss}, grads...)
-	vals, err := s.Eval(ctx, outs...)
+	g, err := sameGraph("step", outs)
 	if err != nil {
 		return 0, err
 	}
-	upd := make([]optim.Param, len(params))
+	data := make([][]float32, len(params))
 	for i, p := range params {
-		data, err := paramData(p)
-		if err != nil {
+		if data[i], err = paramData(p); err != nil {
 			return 0, err
 		}
-		// A float32 parameter's gradient is float32 of the same shape;
-		// Float32s also covers shape [], where Data is a bare float32.
-		upd[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data, Grad: vals[i+1].Float32s()}
 	}
-	if err := opt.Step(upd); err != nil {
+	ids := make([]int, len(outs))
+	for i, t := range outs {
+		ids[i] = t.ID()
+	}
+	trained := make([]int, len(params))
+	for i, p := range params {
+		trained[i] = g.NodeOf(p)
+	}
+	prog, err := s.program(g.IR(), ids, ids[1:], trained, opt.StateSlots())
+	if err != nil {
+		return 0, err
+	}
+	update := func(kept [][]float32) error {
+		upd := make([]optim.Param, len(params))
+		for i, p := range params {
+			upd[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data[i], Grad: kept[i]}
+		}
+		return opt.Step(upd)
+	}
+	vals, err := s.run(ctx, prog, update)
+	if err != nil {
 		return 0, err
 	}
 	return scalarOf(vals[0])

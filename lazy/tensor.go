@@ -434,3 +434,19 @@ func (g *Graph) precheck(op graph.Op, attrs graph.Attrs, inputs []*Tensor) error
 	_, err := shapeinfer.Rule(op, &attrs, types, g.ir.Batch())
 	return err
 }
+
+// NodeOf returns t's node id in g: its own id when t was made in g, the
+// adopted node when t is a Param or Const that g uses, −1 otherwise.
+func (g *Graph) NodeOf(t *Tensor) int {
+	switch {
+	case g == nil || t == nil || t.err != nil:
+		return -1
+	case t.g == g:
+		return t.id
+	case t.leaf != nil:
+		if id, ok := g.leaves[t.leaf]; ok {
+			return id
+		}
+	}
+	return -1
+}

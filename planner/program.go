@@ -190,3 +190,12 @@ func uniqueInputs(nd *graph.Node) []int {
 	}
 	return u
 }
+
+// Rebind returns p for g, a graph with p's signature built anew (a training
+// loop rebuilds its graph every step): the schedule carries over, the node
+// data comes from g.
+func (p *Program) Rebind(g *graph.Graph) *Program {
+	q := *p
+	q.Graph = g
+	return &q
+}
