@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -364,5 +365,20 @@ func TestGPTCausal(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestErrorSite checks that errors raised inside the model zoo name the
+// caller's line, not a line of package models.
+func TestErrorSite(t *testing.T) {
+	logits := lazy.Placeholder([]int{2, 3, 5}, graph.Float32, 0)
+	targets := logits.Graph().Placeholder([]int{2, 4}, graph.Int64, 0)
+	for name, err := range map[string]error{
+		"loss":    models.Loss(logits, targets).Err(),
+		"forward": models.NewGPT(nn.Options{ShapeOnly: true}, tiny()).Forward(lazy.Placeholder([]int{2, 9}, graph.Int64, 0)).Err(),
+	} {
+		var oe *graph.OpError
+		require.ErrorAs(t, err, &oe, name)
+		assert.True(t, strings.HasPrefix(oe.Site, "models/gpt_test.go:"), "%s: OpError.Site = %q", name, oe.Site)
 	}
 }
