@@ -169,7 +169,8 @@ func site() string {
 }
 
 // internalPackages build graphs on the user's behalf; their frames are skipped.
-var internalPackages = []string{"github.com/batchfit/batchfit/lazy.", "github.com/batchfit/batchfit/nn."}
+var internalPackages = []string{"github.com/batchfit/batchfit/lazy.", "github.com/batchfit/batchfit/nn.",
+	"github.com/batchfit/batchfit/models."}
 
 func internalFrame(f runtime.Frame) bool {
 	if strings.HasSuffix(f.File, "_test.go") {

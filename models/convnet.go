@@ -1,6 +1,8 @@
 package models
 
 import (
+	"slices"
+
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
@@ -26,9 +28,10 @@ func NewConvNet(opt nn.Options, cfg ConvNetConfig) *nn.Sequential {
 	for range cfg.Widths {
 		size /= 2
 	}
-	if cfg.Channels < 1 || cfg.Classes < 1 || len(cfg.Widths) == 0 || size < 1 || size<<len(cfg.Widths) != cfg.Size {
+	if cfg.Channels < 1 || cfg.Classes < 1 || len(cfg.Widths) == 0 || size < 1 || size<<len(cfg.Widths) != cfg.Size ||
+		slices.ContainsFunc(cfg.Widths, func(w int) bool { return w < 1 }) {
 		return nn.NewSequentialNamed(nn.Child{Name: "invalid", Module: invalid{graph.Errorf(graph.ErrAttr,
-			"ConvNet config %+v: Size must be a positive multiple of 2^%d", cfg, len(cfg.Widths))}})
+			"ConvNet config %+v: sizes must be positive, with Size a multiple of 2^%d", cfg, len(cfg.Widths))}})
 	}
 	var mods []nn.Module
 	in := cfg.Channels
