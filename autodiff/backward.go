@@ -178,6 +178,8 @@ func (b *builder) vjp(g int, need []bool) {
 		b.accumulate(x, b.emit(graph.OpReluGrad, graph.Attrs{}, g, y))
 	case graph.OpGelu:
 		b.accumulate(x, b.emit(graph.OpGeluGrad, graph.Attrs{Approx: a.Approx}, g, x))
+	case graph.OpDropout: // the same mask and scale, redrawn from its key
+		b.accumulate(x, b.emit(graph.OpDropout, a, g))
 	case graph.OpCausalMask: // masked positions pass no gradient
 		b.accumulate(x, b.emit(graph.OpCausalMask, graph.Attrs{Scalar: 0}, g))
 	case graph.OpSign:

@@ -105,6 +105,11 @@ const (
 	// OpCausalMask sets x[..., i, j] to Attrs.Scalar where j > i + (S − T)
 	// for x [..., T, S]: −inf before attention's softmax, 0 in its gradient.
 	OpCausalMask
+	// OpDropout zeroes elements with probability Attrs.Scalar and scales
+	// the rest by 1/(1−p); the mask comes from DropoutKeep keyed by
+	// (Attrs.Seed, Attrs.Counter, global batch row, element), so chunked
+	// runs draw the whole batch's mask. Its gradient is the same op on g.
+	OpDropout
 	// vector-Jacobian products. The first input is always the upstream
 	// gradient g. Ops whose output shape cannot be derived from their inputs
 	// take it from Attrs.Target (shape, dtype and batch axis of the value the
@@ -202,6 +207,7 @@ var opTable = [numOps]OpInfo{
 	OpFill:       {Name: "fill", Category: CatGenerate, Attrs: []string{"target", "scalar"}},
 	OpSign:       {Name: "sign", Category: CatUnary, MinArity: 1, Arity: 1},
 	OpCausalMask: {Name: "causal_mask", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
+	OpDropout:    {Name: "dropout", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar", "seed", "counter"}},
 
 	OpReluGrad:          {Name: "relu_grad", Category: CatGrad, MinArity: 2, Arity: 2},
 	OpGeluGrad:          {Name: "gelu_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"approx"}},
@@ -304,4 +310,8 @@ type Attrs struct {
 	TransA    bool // matmul: use the transpose of the last two axes of input 0
 	TransB    bool // matmul: … of input 1
 	Target    Type // output type of generators and gradients that restore a shape
+	// Seed and Counter key dropout's mask (Counter is usually the training
+	// step). They change no shape or byte count, so graph signatures leave
+	// them out and a step with a new counter reuses the cached plan.
+	Seed, Counter uint64
 }

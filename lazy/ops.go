@@ -26,6 +26,14 @@ func (t *Tensor) CausalMask() *Tensor {
 	return apply(graph.OpCausalMask, graph.Attrs{Scalar: math.Inf(-1)}, t)
 }
 
+// Dropout zeroes each element with probability p and scales the others by
+// 1/(1−p). The mask is a pure function of (seed, step, sample, element), so
+// chunked runs and gradients see the same mask; pass a new step each
+// training step.
+func (t *Tensor) Dropout(p float64, seed, step uint64) *Tensor {
+	return apply(graph.OpDropout, graph.Attrs{Scalar: p, Seed: seed, Counter: step}, t)
+}
+
 // GeluTanh is GELU's tanh approximation (GPT-2's "gelu_new").
 func (t *Tensor) GeluTanh() *Tensor { return apply(graph.OpGelu, graph.Attrs{Approx: true}, t) }
 

@@ -152,25 +152,38 @@ func (GELU) Params() []*Param { return nil }
 // evaluation mode exists for now, where it is the identity; training mode
 // arrives with the dropout op.
 type Dropout struct {
-	P   float64
-	err error
+	P float64
+	// Training turns dropout on; off (the default) it is the identity, as
+	// in evaluation mode.
+	Training bool
+	// Seed keys the masks. Each Forward in training mode uses the next
+	// step of the module's counter, so every training step draws a fresh
+	// mask while the chunks of one step share it.
+	Seed uint64
+	step uint64
+	err  error
 }
 
-// NewDropout checks 0 ≤ p ≤ 1.
+// NewDropout checks 0 ≤ p < 1; the module starts in evaluation mode.
 func NewDropout(p float64) *Dropout {
 	d := &Dropout{P: p}
-	if !(p >= 0 && p <= 1) {
-		d.err = graph.Errorf(graph.ErrAttr, "Dropout probability %g is outside [0, 1]", p)
+	if !(p >= 0 && p < 1) {
+		d.err = graph.Errorf(graph.ErrAttr, "Dropout probability %g is outside [0, 1)", p)
 	}
 	return d
 }
 
-// Forward returns x unchanged (evaluation mode).
+// Forward zeroes elements with probability P in training mode and returns
+// x unchanged otherwise.
 func (d *Dropout) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if d.err != nil {
 		return fail("nn.Dropout", d.err, x)
 	}
-	return x
+	if !d.Training || d.P == 0 {
+		return x
+	}
+	d.step++
+	return x.Dropout(d.P, d.Seed, d.step)
 }
 
 func (d *Dropout) Params() []*Param { return nil }

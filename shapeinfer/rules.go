@@ -32,6 +32,9 @@ func Rule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (graph.Ty
 		if err := needFloat(op, in[0]); err != nil {
 			return graph.Type{}, err
 		}
+		if op == graph.OpDropout && !(attrs.Scalar >= 0 && attrs.Scalar < 1) {
+			return graph.Type{}, graph.Errorf(graph.ErrAttr, "dropout probability %g must lie in [0, 1)", attrs.Scalar)
+		}
 		if op == graph.OpCausalMask && len(in[0].Shape) < 2 {
 			return graph.Type{}, graph.Errorf(graph.ErrShape, "causal_mask needs rank ≥ 2 [..., T, S], got %v", in[0].Shape)
 		}

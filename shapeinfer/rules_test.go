@@ -90,6 +90,8 @@ func validCases() []ruleCase {
 	}
 	add(ruleCase{name: "attention scores", op: graph.OpCausalMask, attrs: graph.Attrs{Scalar: math.Inf(-1)}, in: ts(fb(0, 4, 2, 3, 3)), want: fb(0, 4, 2, 3, 3)},
 		ruleCase{name: "rectangular", op: graph.OpCausalMask, in: ts(f(3, 5)), want: f(3, 5)})
+	add(ruleCase{name: "batched", op: graph.OpDropout, attrs: graph.Attrs{Scalar: 0.1, Seed: 3, Counter: 9}, in: ts(fb(0, 4, 7)), want: fb(0, 4, 7)},
+		ruleCase{name: "p = 0", op: graph.OpDropout, in: ts(f(2)), want: f(2)})
 	for _, op := range []graph.Op{graph.OpAddScalar, graph.OpSubScalar, graph.OpRSubScalar, graph.OpMulScalar,
 		graph.OpDivScalar, graph.OpRDivScalar, graph.OpPowScalar, graph.OpMaximumScalar} {
 		add(ruleCase{name: "batched", op: op, attrs: graph.Attrs{Scalar: 2.5}, in: ts(fb(1, 2, 4)), want: fb(1, 2, 4)},
@@ -355,6 +357,10 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "batch axes land apart with TransB", op: graph.OpMatMul, attrs: graph.Attrs{TransB: true}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: graph.ErrShape},
 		rejectCase{name: "rank 1", op: graph.OpCausalMask, in: ts(f(3)), want: graph.ErrShape},
 		rejectCase{name: "int64", op: graph.OpCausalMask, in: ts(i(3, 3)), want: graph.ErrDType},
+		rejectCase{name: "p = 1", op: graph.OpDropout, attrs: graph.Attrs{Scalar: 1}, in: ts(f(3)), want: graph.ErrAttr},
+		rejectCase{name: "negative p", op: graph.OpDropout, attrs: graph.Attrs{Scalar: -0.1}, in: ts(f(3)), want: graph.ErrAttr},
+		rejectCase{name: "NaN p", op: graph.OpDropout, attrs: graph.Attrs{Scalar: math.NaN()}, in: ts(f(3)), want: graph.ErrAttr},
+		rejectCase{name: "int64", op: graph.OpDropout, in: ts(i(3)), want: graph.ErrDType},
 		rejectCase{name: "three inputs", op: graph.OpMatMul, in: ts(f(2, 3), f(3, 5), f(5)), want: graph.ErrArity},
 
 		rejectCase{name: "weight rank 1", op: graph.OpLinear, in: ts(fb(0, 4, 3), f(3)), want: graph.ErrShape},

@@ -277,3 +277,35 @@ func causalMaskKernel(fill float64, x, out *buf) error {
 	}
 	return nil
 }
+
+// dropoutKernel applies dropout to x, a chunk whose first batch row is
+// chunkStart·PerSample of the whole batch: each element is keyed by its
+// global row along the batch axis and its index within the row, so the
+// mask does not depend on how the batch was chunked.
+func dropoutKernel(a *graph.Attrs, t graph.Type, chunkStart int, x, out *buf) error {
+	if len(x.f) != len(out.f) {
+		return graph.Errorf(graph.ErrShape, "dropout of %v into %v", x.shape, out.shape)
+	}
+	p := a.Scalar
+	scale := float32(1 / (1 - p))
+	ax := t.BatchAxis
+	outer, rows, inner := 1, 1, graph.Numel(x.shape)
+	rowOff := 0
+	if ax >= 0 {
+		outer, rows, inner = graph.Numel(x.shape[:ax]), x.shape[ax], graph.Numel(x.shape[ax+1:])
+		rowOff = chunkStart * t.PerSample
+	}
+	for o := range outer {
+		for r := range rows {
+			base := (o*rows + r) * inner
+			for k := range inner {
+				i := base + k
+				out.f[i] = 0
+				if graph.DropoutKeep(a.Seed, a.Counter, int64(rowOff+r), int64(o*inner+k), p) {
+					out.f[i] = x.f[i] * scale
+				}
+			}
+		}
+	}
+	return nil
+}

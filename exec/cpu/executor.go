@@ -177,8 +177,11 @@ func toDense(b *buf) *tensor.Dense {
 
 // eval dispatches one node to its kernel. The switch names every op; its
 // default is an error so a new op cannot run unimplemented.
-func eval(nd *graph.Node, in []*buf, out *buf) error {
+func eval(nd *graph.Node, in []*buf, out *buf, chunkStart int) error {
 	a := &nd.Attrs
+	if nd.Op == graph.OpDropout {
+		return dropoutKernel(a, nd.Type, chunkStart, in[0], out)
+	}
 	if nd.Op == graph.OpCausalMask {
 		return causalMaskKernel(a.Scalar, in[0], out)
 	}

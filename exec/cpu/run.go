@@ -160,7 +160,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		in[i] = r.vals[b]
 	}
 	v := newBuf(nd.Type, shape)
-	if err := eval(nd, in, v); err != nil {
+	if err := eval(nd, in, v, c.Start); err != nil {
 		return &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(in), Site: nd.Site, Err: err}
 	}
 	r.vals[out] = v

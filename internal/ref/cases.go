@@ -121,6 +121,9 @@ var Cases = []Case{
 		// scores [2, 2, 3, 5]: 3 queries over 5 keys, the last query sees all.
 		return p[0].MatMulT(p[1], false, true).MulScalar(0.5).CausalMask().Softmax(-1)
 	}},
+	{Name: "dropout", Shapes: [][]int{{4, 3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Dropout(0.4, 7, 3).Tanh().Dropout(0.25, 7, 4)
+	}},
 	{Name: "ties_max_pool", Shapes: [][]int{{2, 2, 4, 4}}, Ties: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{2, 2}, Stride: [2]int{1, 1}})
 	}},

@@ -154,6 +154,23 @@ func apply(nd *graph.Node, a *graph.Attrs, in []Value) (Value, error) {
 		for i, x := range in[0].Data {
 			out.Data[i] = unary(op, a.Approx, x)
 		}
+	case graph.OpDropout:
+		// Element k sits at batch row r = (k/inner) mod rows of outer block
+		// o = k/(rows·inner); its key within the row is o·inner + k mod inner.
+		sh, ax := in[0].Shape, nd.Type.BatchAxis
+		rows, inner := 1, len(in[0].Data)
+		if ax >= 0 {
+			rows, inner = sh[ax], 1
+			for _, d := range sh[ax+1:] {
+				inner *= d
+			}
+		}
+		for k, x := range in[0].Data {
+			o, r := k/(rows*inner), (k/inner)%rows
+			if graph.DropoutKeep(a.Seed, a.Counter, int64(r), int64(o*inner+k%inner), a.Scalar) {
+				out.Data[k] = x / (1 - a.Scalar)
+			}
+		}
 	case graph.OpCausalMask:
 		// Element k of x [..., T, S] sits at row i = (k/S) mod T, column j = k mod S.
 		sh := in[0].Shape
