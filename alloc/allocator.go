@@ -3,6 +3,7 @@ package alloc
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 )
@@ -16,6 +17,11 @@ const (
 	MinLargeAlloc = 10 << 20 // requests from here on get segments of their own size
 	RoundLarge    = 2 << 20  // … rounded up to this
 )
+
+// maxRequest is the largest size whose rounded and segment sizes fit in an
+// int64. No device holds more; Malloc treats a larger request as one the
+// device refuses.
+const maxRequest = math.MaxInt64 &^ (RoundLarge - 1)
 
 // Errors.
 var (
@@ -80,7 +86,8 @@ func (t Tag) String() string {
 	return s
 }
 
-// RoundSize is the size an allocation of n bytes occupies.
+// RoundSize is the size an allocation of n bytes occupies, for n up to
+// math.MaxInt64 rounded down to a multiple of RoundLarge.
 func RoundSize(n int64) int64 {
 	if n < MinBlockSize {
 		return MinBlockSize
@@ -89,7 +96,8 @@ func RoundSize(n int64) int64 {
 }
 
 // SegmentSize is the size of the segment a new allocation of rounded size
-// n reserves from the device.
+// n reserves from the device, for n up to math.MaxInt64 rounded down to a
+// multiple of RoundLarge.
 func SegmentSize(n int64) int64 {
 	switch {
 	case n <= SmallSize:
@@ -218,7 +226,10 @@ func (a *Allocator) Malloc(size int64, tag Tag) (*Block, error) {
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	rounded := RoundSize(size)
+	rounded := size // past maxRequest: no cached block fits, the device refuses
+	if size <= maxRequest {
+		rounded = RoundSize(size)
+	}
 	pool := poolOf(rounded)
 	b := a.free[pool].bestFit(rounded)
 	if b != nil {
@@ -263,13 +274,13 @@ func (a *Allocator) Malloc(size int64, tag Tag) (*Block, error) {
 // cached segments and retrying once when the device is full.
 func (a *Allocator) newSegment(size, rounded int64, pool Pool, tag Tag) (*Block, error) {
 	segSize := SegmentSize(rounded)
-	p, err := a.be.Malloc(segSize)
+	p, err := a.deviceMalloc(rounded, segSize)
 	if errors.Is(err, ErrDeviceOOM) {
 		if rerr := a.releaseCached(); rerr != nil {
 			return nil, rerr
 		}
 		a.stats.NumAllocRetries++
-		p, err = a.be.Malloc(segSize)
+		p, err = a.deviceMalloc(rounded, segSize)
 	}
 	if errors.Is(err, ErrDeviceOOM) {
 		a.stats.NumOOMs++
@@ -291,6 +302,16 @@ func (a *Allocator) newSegment(size, rounded int64, pool Pool, tag Tag) (*Block,
 	a.stats.NumDeviceAlloc++
 	a.record(EventSegmentAlloc, p, segSize, tag)
 	return b, nil
+}
+
+// deviceMalloc reserves a segment of segSize bytes for a request of rounded
+// bytes. A request past maxRequest, whose segSize overflowed, is refused
+// without asking the device, as the device would refuse it.
+func (a *Allocator) deviceMalloc(rounded, segSize int64) (Ptr, error) {
+	if rounded > maxRequest {
+		return 0, fmt.Errorf("%w: %d bytes is more than any device holds", ErrDeviceOOM, rounded)
+	}
+	return a.be.Malloc(segSize)
 }
 
 // Free returns b to the cache, merging it with free neighbours.

@@ -2,6 +2,7 @@ package alloc_test
 
 import (
 	"errors"
+	"math"
 	"strings"
 	"testing"
 
@@ -186,4 +187,25 @@ func TestResetPeak(t *testing.T) {
 	assert.Equal(t, 3*KiB, st.AllocatedBytes[alloc.SmallPool].Peak)
 	assert.Zero(t, st.AllocatedBytes[alloc.LargePool].Peak)
 	require.NoError(t, checkState(a, be, []*alloc.Block{y, z}))
+}
+
+// A request too large for its size classes to fit in an int64 is refused
+// like any request larger than the device: the cache is released, the
+// retry fails and Malloc returns an *OOMError. (Rounding such a size used
+// to overflow into a negative size that matched a cached small block.)
+func TestMallocHugeRequest(t *testing.T) {
+	for _, n := range []int64{math.MaxInt64, math.MaxInt64 - 511, math.MaxInt64 - 512, math.MaxInt64&^(2*MiB-1) + 1} {
+		a, be := newAlloc(GiB, 0)
+		mustFree(t, a, mustMalloc(t, a, 1000)) // a whole cached small segment
+		b, err := a.Malloc(n, tagA)
+		var oom *alloc.OOMError
+		require.ErrorAs(t, err, &oom, "malloc(%d) gave %+v", n, b)
+		assert.Equal(t, n, oom.Requested)
+		assert.Equal(t, GiB, oom.DeviceFree, "the cached segment is released first")
+		assert.Zero(t, oom.Reserved)
+		st := a.Stats()
+		assert.Equal(t, int64(1), st.NumAllocRetries)
+		assert.Equal(t, int64(1), st.NumOOMs)
+		require.NoError(t, checkState(a, be, nil))
+	}
 }
