@@ -370,9 +370,10 @@ func (a *Allocator) Free(b *Block) error {
 	return nil
 }
 
-// releaseCached returns every whole cached segment to the device.
+// releaseCached returns every whole cached segment to the device, the
+// large pool first as in PyTorch's release_cached_blocks.
 func (a *Allocator) releaseCached() error {
-	for pool := SmallPool; pool < numPools; pool++ {
+	for _, pool := range [...]Pool{LargePool, SmallPool} {
 		var keep freeList
 		for _, b := range a.free[pool] {
 			if b.isSplit() {

@@ -191,3 +191,33 @@ func TestFormatBytes(t *testing.T) {
 		assert.Equal(t, want, alloc.FormatBytes(n))
 	}
 }
+
+// release_cached_blocks frees the large pool's whole segments before the
+// small pool's, each pool in (size, address) order: the order in which
+// segment_free events (and device frees) appear.
+func TestReleaseOrder(t *testing.T) {
+	a, _ := newAlloc(GiB, 64)
+	// Small segments S1 < S2, then large segments L1 (20 MiB) < L2 (12 MiB).
+	s1 := mustMalloc(t, a, MiB)
+	s1b := mustMalloc(t, a, MiB) // fills S1
+	s2 := mustMalloc(t, a, MiB)
+	l1 := mustMalloc(t, a, 4*MiB)
+	l1b := mustMalloc(t, a, 16*MiB) // fills L1
+	l2 := mustMalloc(t, a, 12*MiB)
+	for _, b := range []*alloc.Block{s1, s1b, s2, l1, l1b, l2} {
+		mustFree(t, a, b)
+	}
+	n := len(a.Trace())
+	require.NoError(t, a.EmptyCache())
+	var got []alloc.Ptr
+	var sizes []int64
+	for _, e := range a.Trace()[n:] {
+		require.Equal(t, alloc.EventSegmentFree, e.Kind)
+		got = append(got, e.Addr)
+		sizes = append(sizes, e.Size)
+	}
+	// Large by (size, address): L2 (12 MiB) before L1 (20 MiB); then small
+	// by address: S1, S2.
+	assert.Equal(t, []alloc.Ptr{l2.Ptr(), l1.Ptr(), s1.Ptr(), s2.Ptr()}, got)
+	assert.Equal(t, []int64{12 * MiB, 20 * MiB, 2 * MiB, 2 * MiB}, sizes)
+}
