@@ -375,12 +375,14 @@ func (a *Allocator) Free(b *Block) error {
 func (a *Allocator) releaseCached() error {
 	for _, pool := range [...]Pool{LargePool, SmallPool} {
 		var keep freeList
-		for _, b := range a.free[pool] {
+		for i, b := range a.free[pool] {
 			if b.isSplit() {
 				keep = append(keep, b)
 				continue
 			}
 			if err := a.be.Free(b.ptr); err != nil {
+				// Segments released so far are gone; b and the rest stay cached.
+				a.free[pool] = append(keep, a.free[pool][i:]...)
 				return fmt.Errorf("alloc: device free of %#x: %w", b.ptr, err)
 			}
 			delete(a.segments, b.ptr)

@@ -209,3 +209,53 @@ func TestMallocHugeRequest(t *testing.T) {
 		require.NoError(t, checkState(a, be, nil))
 	}
 }
+
+// flakyBackend is a simulated device that refuses to free one address.
+type flakyBackend struct {
+	*alloc.SimBackend
+	failFree alloc.Ptr
+}
+
+var errDeviceBusy = errors.New("device busy")
+
+func (f *flakyBackend) Free(p alloc.Ptr) error {
+	if p == f.failFree {
+		return errDeviceBusy
+	}
+	return f.SimBackend.Free(p)
+}
+
+// A device free failing half way through a release leaves the allocator
+// consistent: segments already released are gone from the free lists, the
+// one that failed is still cached, and a later release finishes the job.
+func TestReleaseFailure(t *testing.T) {
+	fb := &flakyBackend{SimBackend: alloc.NewSimBackend(GiB)}
+	a := alloc.New(fb, alloc.Options{})
+	// Two whole cached small segments: A (filled by two 1 MiB blocks) and
+	// B; released in address order, A first.
+	x := mustMalloc(t, a, MiB)
+	y := mustMalloc(t, a, MiB)
+	z := mustMalloc(t, a, MiB)
+	for _, b := range []*alloc.Block{x, y, z} {
+		mustFree(t, a, b)
+	}
+	segA, segB := x.Ptr(), z.Ptr()
+	fb.failFree = segB
+
+	require.ErrorIs(t, a.EmptyCache(), errDeviceBusy)
+	require.NoError(t, checkState(a, fb.SimBackend, nil))
+	segs := a.Snapshot().Segments
+	require.Len(t, segs, 1)
+	assert.Equal(t, segB, segs[0].Addr)
+
+	// The next small request must come from B, not from released A.
+	b := mustMalloc(t, a, KiB)
+	assert.Equal(t, segB, b.Ptr())
+	assert.NotEqual(t, segA, b.Ptr())
+	mustFree(t, a, b)
+
+	fb.failFree = 0
+	require.NoError(t, a.EmptyCache())
+	assert.Zero(t, fb.Used())
+	require.NoError(t, checkState(a, fb.SimBackend, nil))
+}
