@@ -327,6 +327,9 @@ func (a *Allocator) Free(b *Block) error {
 	if !b.allocated {
 		return fmt.Errorf("%w: double free of %s at %#x (%s)", ErrInvalid, FormatBytes(b.size), b.ptr, b.tag)
 	}
+	if a.segments[b.seg.base] != b.seg {
+		return fmt.Errorf("%w: free of a block at %#x this allocator did not hand out", ErrInvalid, b.ptr)
+	}
 	pool := b.seg.pool
 	b.allocated = false
 	a.stats.Allocation.update(pool, -1)

@@ -421,3 +421,19 @@ func TestDoubleFree(t *testing.T) {
 	require.ErrorIs(t, a.Free(nil), alloc.ErrInvalid)
 	require.NoError(t, checkState(a, be, []*alloc.Block{keep}))
 }
+
+// Freeing a block another allocator handed out is rejected, as PyTorch
+// rejects a pointer it did not allocate ("invalid device pointer"), and
+// neither allocator changes.
+func TestFreeForeignBlock(t *testing.T) {
+	a1, be1 := newAlloc(GiB, 0)
+	a2, be2 := newAlloc(GiB, 0)
+	b := mustMalloc(t, a1, 4*KiB)
+	own := mustMalloc(t, a2, 4*KiB)
+	before := a2.Stats()
+	require.ErrorIs(t, a2.Free(b), alloc.ErrInvalid)
+	assert.Equal(t, before, a2.Stats())
+	require.NoError(t, checkState(a2, be2, []*alloc.Block{own}))
+	require.NoError(t, checkState(a1, be1, []*alloc.Block{b}))
+	mustFree(t, a1, b)
+}
