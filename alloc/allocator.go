@@ -243,7 +243,7 @@ func (a *Allocator) Malloc(size int64, tag Tag) (*Block, error) {
 	alreadySplit := b.isSplit()
 	remainder := b.size - rounded
 	if (pool == SmallPool && remainder >= MinBlockSize) || (pool == LargePool && remainder > SmallSize) {
-		rest := &Block{ptr: b.ptr + Ptr(rounded), size: remainder, prev: b, next: b.next, seg: b.seg}
+		rest := &Block{ptr: b.ptr + Ptr(rounded), size: remainder, prev: b, next: b.next, seg: b.seg, tag: Tag{Node: -1}}
 		if b.next != nil {
 			b.next.prev = rest
 		}

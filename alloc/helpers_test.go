@@ -114,8 +114,8 @@ func checkSnapshot(a *alloc.Allocator, be *alloc.SimBackend, live []*alloc.Block
 				if j > 0 && s.Blocks[j-1].State == alloc.Inactive {
 					return fmt.Errorf("segment %#x: adjacent free blocks at %#x and %#x (not coalesced)", s.Addr, s.Blocks[j-1].Addr, b.Addr)
 				}
-				if b.Requested != 0 {
-					return fmt.Errorf("free block at %#x keeps requested %d", b.Addr, b.Requested)
+				if b.Requested != 0 || b.Tag != noTag {
+					return fmt.Errorf("free block at %#x keeps requested %d, tag %+v", b.Addr, b.Requested, b.Tag)
 				}
 				if len(s.Blocks) > 1 {
 					add(s.Pool, func(w *sums) { w.inactive++; w.inactiveBytes += b.Size })

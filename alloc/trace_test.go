@@ -157,6 +157,7 @@ func TestSnapshot(t *testing.T) {
 		for _, b := range g.Blocks {
 			if b.State == alloc.Inactive {
 				assert.Zero(t, b.Requested)
+				assert.Equal(t, noTag, b.Tag, "free block at %#x belongs to no node", b.Addr)
 			}
 		}
 	}
