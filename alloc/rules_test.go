@@ -88,31 +88,31 @@ func TestPoolBoundary(t *testing.T) {
 // below 10 MiB, otherwise the rounded size rounded up to 2 MiB.
 func TestSegmentSize(t *testing.T) {
 	for _, c := range []struct {
-		name             string
-		request          int64
-		segment, block   int64 // segment reserved, block handed out
-		freeTail, splits bool
+		name           string
+		request        int64
+		segment, block int64 // segment reserved, block handed out
+		splits         bool  // a free remainder follows the block
 	}{
 		// 1 → 512 B block in a 2 MiB segment.
-		{"1B", 1, 2 * MiB, 512, true, true},
+		{"1B", 1, 2 * MiB, 512, true},
 		// 1 MiB is the largest small request: 2 MiB segment, 1 MiB left.
-		{"1MiB", MiB, 2 * MiB, MiB, true, true},
+		{"1MiB", MiB, 2 * MiB, MiB, true},
 		// 1 MiB + 1 → 1 MiB + 512: large, 20 MiB segment, 19 MiB − 512 left.
-		{"1MiB+1", MiB + 1, 20 * MiB, MiB + 512, true, true},
+		{"1MiB+1", MiB + 1, 20 * MiB, MiB + 512, true},
 		// 10 MiB − 512 rounds to itself, still below 10 MiB: 20 MiB segment,
 		// 10 MiB + 512 left over > 1 MiB, so it splits.
-		{"10MiB-512", 10*MiB - 512, 20 * MiB, 10*MiB - 512, true, true},
+		{"10MiB-512", 10*MiB - 512, 20 * MiB, 10*MiB - 512, true},
 		// 10 MiB − 1 rounds up to 10 MiB: a segment of its own size.
-		{"10MiB-1", 10*MiB - 1, 10 * MiB, 10 * MiB, false, false},
+		{"10MiB-1", 10*MiB - 1, 10 * MiB, 10 * MiB, false},
 		// 10 MiB exactly: a 10 MiB segment, nothing left over.
-		{"10MiB", 10 * MiB, 10 * MiB, 10 * MiB, false, false},
+		{"10MiB", 10 * MiB, 10 * MiB, 10 * MiB, false},
 		// 11 MiB + 1 → 11 MiB + 512 → segment rounded up to 12 MiB; the
 		// 1 MiB − 512 left over is ≤ 1 MiB, so the block keeps all 12 MiB.
-		{"11MiB+1", 11*MiB + 1, 12 * MiB, 12 * MiB, false, false},
+		{"11MiB+1", 11*MiB + 1, 12 * MiB, 12 * MiB, false},
 		// 12 MiB is already a multiple of 2 MiB.
-		{"12MiB", 12 * MiB, 12 * MiB, 12 * MiB, false, false},
+		{"12MiB", 12 * MiB, 12 * MiB, 12 * MiB, false},
 		// 100 MiB + 1 → 102 MiB segment; 2 MiB − 512 left over > 1 MiB splits.
-		{"100MiB+1", 100*MiB + 1, 102 * MiB, 100*MiB + 512, true, true},
+		{"100MiB+1", 100*MiB + 1, 102 * MiB, 100*MiB + 512, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			assert.Equal(t, c.segment, alloc.SegmentSize(alloc.RoundSize(c.request)))
@@ -126,7 +126,7 @@ func TestSegmentSize(t *testing.T) {
 			assert.Equal(t, c.segment, seg.Size)
 			assert.Equal(t, seg.Addr, b.Ptr(), "the request keeps the segment's lowest addresses")
 			want := []blk{{0, c.block, alloc.ActiveAllocated}}
-			if c.freeTail {
+			if c.splits {
 				want = append(want, blk{c.block, c.segment - c.block, alloc.Inactive})
 			}
 			requireBlocks(t, seg, want...)
