@@ -3,6 +3,7 @@ package alloc
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 )
@@ -16,6 +17,11 @@ const (
 	MinLargeAlloc = 10 << 20 // requests from here on get segments of their own size
 	RoundLarge    = 2 << 20  // … rounded up to this
 )
+
+// maxRequest is the largest size whose rounded and segment sizes fit in an
+// int64. No device holds more; Malloc treats a larger request as one the
+// device refuses.
+const maxRequest = math.MaxInt64 &^ (RoundLarge - 1)
 
 // Errors.
 var (
@@ -80,7 +86,8 @@ func (t Tag) String() string {
 	return s
 }
 
-// RoundSize is the size an allocation of n bytes occupies.
+// RoundSize is the size an allocation of n bytes occupies, for n up to
+// math.MaxInt64 rounded down to a multiple of RoundLarge.
 func RoundSize(n int64) int64 {
 	if n < MinBlockSize {
 		return MinBlockSize
@@ -89,7 +96,8 @@ func RoundSize(n int64) int64 {
 }
 
 // SegmentSize is the size of the segment a new allocation of rounded size
-// n reserves from the device.
+// n reserves from the device, for n up to math.MaxInt64 rounded down to a
+// multiple of RoundLarge.
 func SegmentSize(n int64) int64 {
 	switch {
 	case n <= SmallSize:
@@ -218,7 +226,10 @@ func (a *Allocator) Malloc(size int64, tag Tag) (*Block, error) {
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	rounded := RoundSize(size)
+	rounded := size // past maxRequest: no cached block fits, the device refuses
+	if size <= maxRequest {
+		rounded = RoundSize(size)
+	}
 	pool := poolOf(rounded)
 	b := a.free[pool].bestFit(rounded)
 	if b != nil {
@@ -232,7 +243,7 @@ func (a *Allocator) Malloc(size int64, tag Tag) (*Block, error) {
 	alreadySplit := b.isSplit()
 	remainder := b.size - rounded
 	if (pool == SmallPool && remainder >= MinBlockSize) || (pool == LargePool && remainder > SmallSize) {
-		rest := &Block{ptr: b.ptr + Ptr(rounded), size: remainder, prev: b, next: b.next, seg: b.seg}
+		rest := &Block{ptr: b.ptr + Ptr(rounded), size: remainder, prev: b, next: b.next, seg: b.seg, tag: Tag{Node: -1}}
 		if b.next != nil {
 			b.next.prev = rest
 		}
@@ -263,13 +274,13 @@ func (a *Allocator) Malloc(size int64, tag Tag) (*Block, error) {
 // cached segments and retrying once when the device is full.
 func (a *Allocator) newSegment(size, rounded int64, pool Pool, tag Tag) (*Block, error) {
 	segSize := SegmentSize(rounded)
-	p, err := a.be.Malloc(segSize)
+	p, err := a.deviceMalloc(rounded, segSize)
 	if errors.Is(err, ErrDeviceOOM) {
 		if rerr := a.releaseCached(); rerr != nil {
 			return nil, rerr
 		}
 		a.stats.NumAllocRetries++
-		p, err = a.be.Malloc(segSize)
+		p, err = a.deviceMalloc(rounded, segSize)
 	}
 	if errors.Is(err, ErrDeviceOOM) {
 		a.stats.NumOOMs++
@@ -293,6 +304,16 @@ func (a *Allocator) newSegment(size, rounded int64, pool Pool, tag Tag) (*Block,
 	return b, nil
 }
 
+// deviceMalloc reserves a segment of segSize bytes for a request of rounded
+// bytes. A request past maxRequest, whose segSize overflowed, is refused
+// without asking the device, as the device would refuse it.
+func (a *Allocator) deviceMalloc(rounded, segSize int64) (Ptr, error) {
+	if rounded > maxRequest {
+		return 0, fmt.Errorf("%w: %d bytes is more than any device holds", ErrDeviceOOM, rounded)
+	}
+	return a.be.Malloc(segSize)
+}
+
 // Free returns b to the cache, merging it with free neighbours.
 func (a *Allocator) Free(b *Block) error {
 	if b == nil {
@@ -305,6 +326,9 @@ func (a *Allocator) Free(b *Block) error {
 	defer a.mu.Unlock()
 	if !b.allocated {
 		return fmt.Errorf("%w: double free of %s at %#x (%s)", ErrInvalid, FormatBytes(b.size), b.ptr, b.tag)
+	}
+	if a.segments[b.seg.base] != b.seg {
+		return fmt.Errorf("%w: free of a block at %#x this allocator did not hand out", ErrInvalid, b.ptr)
 	}
 	pool := b.seg.pool
 	b.allocated = false
@@ -349,16 +373,19 @@ func (a *Allocator) Free(b *Block) error {
 	return nil
 }
 
-// releaseCached returns every whole cached segment to the device.
+// releaseCached returns every whole cached segment to the device, the
+// large pool first as in PyTorch's release_cached_blocks.
 func (a *Allocator) releaseCached() error {
-	for pool := SmallPool; pool < numPools; pool++ {
+	for _, pool := range [...]Pool{LargePool, SmallPool} {
 		var keep freeList
-		for _, b := range a.free[pool] {
+		for i, b := range a.free[pool] {
 			if b.isSplit() {
 				keep = append(keep, b)
 				continue
 			}
 			if err := a.be.Free(b.ptr); err != nil {
+				// Segments released so far are gone; b and the rest stay cached.
+				a.free[pool] = append(keep, a.free[pool][i:]...)
 				return fmt.Errorf("alloc: device free of %#x: %w", b.ptr, err)
 			}
 			delete(a.segments, b.ptr)

@@ -50,7 +50,7 @@ func (s *SimBackend) Malloc(size int64) (Ptr, error) {
 	if size <= 0 {
 		return 0, fmt.Errorf("simulated device: malloc of %d bytes", size)
 	}
-	if s.used+size > s.capacity {
+	if size > s.capacity-s.used { // not used+size: that can overflow
 		return 0, fmt.Errorf("%w: simulated device: %d bytes requested, %d of %d free",
 			ErrDeviceOOM, size, s.capacity-s.used, s.capacity)
 	}
