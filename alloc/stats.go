@@ -72,7 +72,7 @@ func (a *StatArray) resetPeak() {
 
 // Map flattens the stats into PyTorch's key names, e.g.
 // "allocated_bytes.all.peak", "num_alloc_retries".
-func (s *Stats) Map() map[string]int64 {
+func (s Stats) Map() map[string]int64 {
 	m := map[string]int64{
 		"num_alloc_retries": s.NumAllocRetries,
 		"num_ooms":          s.NumOOMs,
