@@ -201,6 +201,9 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 		}
 	}
 	for _, bi := range owned {
+		if blocks[bi] == nil {
+			continue // a kept output listed twice (two parameters sharing one gradient node)
+		}
 		if err := a.Free(blocks[bi]); err != nil {
 			return fail(err)
 		}

@@ -42,13 +42,15 @@ type Result struct {
 	Combine   []Combine
 	Fixed     []int64 // bytes(B) = Fixed + PerSample·B
 	PerSample []int64
-	LastUse   []int // id of the last consumer, End for outputs, −1 if unused
+	LastUse   []int // id of the last needed consumer, End for outputs, −1 if unused
 	Outputs   []int
 
 	// NotChunkable is nil when the graph can run in batch chunks with
 	// results identical to the whole batch; otherwise it names the first node
 	// that prevents it.
 	NotChunkable *ChunkError
+
+	needed []bool // nodes the outputs depend on
 }
 
 // ChunkError explains why a graph cannot be split along its batch.
@@ -97,10 +99,28 @@ func Analyze(g *graph.Graph, outputs ...int) (*Result, error) {
 		}
 	}
 	nodes := g.Nodes()
+	// A backward sweep marks the nodes the outputs need; a node whose
+	// value nothing needed reads is never run, so it neither keeps its
+	// inputs alive nor blocks chunking. With no outputs named, every node
+	// counts as needed.
+	r.needed = make([]bool, n)
+	for _, o := range outputs {
+		r.needed[o] = true
+	}
+	for id := n - 1; id >= 0; id-- {
+		if r.needed[id] || len(outputs) == 0 {
+			r.needed[id] = true
+			for _, in := range nodes[id].Inputs {
+				r.needed[in] = true
+			}
+		}
+	}
 	for id := range nodes {
 		nd := &nodes[id]
-		for _, in := range nd.Inputs {
-			r.LastUse[in] = id
+		if r.needed[id] {
+			for _, in := range nd.Inputs {
+				r.LastUse[in] = id
+			}
 		}
 		r.classify(nodes, nd)
 		t := nd.Type
@@ -117,7 +137,7 @@ func Analyze(g *graph.Graph, outputs ...int) (*Result, error) {
 }
 
 func (r *Result) fail(nd *graph.Node, reason string, args ...any) {
-	if r.NotChunkable == nil {
+	if r.NotChunkable == nil && r.needed[nd.ID] {
 		r.NotChunkable = &ChunkError{Node: nd.ID, Op: nd.Op.String(), Scope: nd.Scope, Reason: fmt.Sprintf(reason, args...)}
 	}
 }

@@ -279,8 +279,8 @@ func TestBytesAndLastUseByHand(t *testing.T) {
 	// Last consumers, in id order.
 	sumInner := g.IR().Node(loss.ID()).Inputs[0] // perTok.Sum(1, 2)
 	lastUse := map[int]int{
-		x.ID():      folded.ID(), // read by linear, then by the reshape made later
-		labels.ID(): -1,          // never read
+		x.ID():      h.ID(), // read by linear; the reshape made later is never needed (nothing reads it)
+		labels.ID(): -1,     // never read
 		wid:         h.ID(),
 		bid:         h.ID(),
 		h.ID():      r.ID(),
@@ -367,5 +367,28 @@ func TestTrainingGraphsAreChunkable(t *testing.T) {
 				assert.Equal(t, shapeinfer.CombineSum, res.Combine[gr.ID()], "grad %d", k)
 			}
 		})
+	}
+}
+
+// A node that only dead nodes read is dead too: liveness follows needs
+// backwards from the outputs, so a dead chain neither keeps values alive nor
+// blocks chunking.
+func TestDeadChainsAreNotLive(t *testing.T) {
+	x := lazy.Placeholder([]int{4, 3}, graph.Float32, 0)
+	y := x.Relu()
+	dead1 := y.Sub(y.Mean(0)) // not chunkable, but nothing reads it
+	dead2 := dead1.Exp()
+	out := y.Sum()
+	require.NoError(t, dead2.Err())
+	res, err := shapeinfer.Analyze(x.Graph().IR(), out.ID())
+	require.NoError(t, err)
+	assert.Nil(t, res.NotChunkable, "the non-chunkable sub is dead")
+	assert.Equal(t, out.ID(), res.LastUse[y.ID()], "y's dead readers do not extend its life")
+	assert.Equal(t, -1, res.LastUse[dead1.ID()])
+	assert.Equal(t, -1, res.LastUse[dead2.ID()])
+	for _, id := range x.Graph().IR().Node(dead1.ID()).Inputs {
+		if id != y.ID() {
+			assert.Equal(t, -1, res.LastUse[id], "the mean only the dead sub reads is dead")
+		}
 	}
 }
