@@ -69,6 +69,10 @@ func (p *Param) prefix(parent string) {
 type Options struct {
 	Rand      *rand.Rand
 	ShapeOnly bool
+	// DType is the parameters' element type, float32 when zero. Only
+	// shape-only parameters may be float16 or bfloat16: they plan memory
+	// for half-precision runs, while data lives in float32 slices.
+	DType graph.DType
 }
 
 // Seed returns Options drawing from a PCG source seeded with seed.
@@ -102,8 +106,16 @@ func (o Options) make(name string, shape []int, random bool, draw func(*rand.Ran
 				graph.Errorf(graph.ErrShape, "parameter %s: dimensions must be positive, got %v", name, shape), shape)}
 		}
 	}
+	dt := o.DType
+	if dt == graph.InvalidDType {
+		dt = graph.Float32
+	}
+	if !dt.IsFloat() || !o.ShapeOnly && dt != graph.Float32 {
+		return &Param{name: name, t: lazy.ErrorTensor("nn.param "+name,
+			graph.Errorf(graph.ErrDType, "parameter %s: dtype %s needs ShapeOnly (parameters with data are float32)", name, dt), shape)}
+	}
 	if o.ShapeOnly {
-		return &Param{name: name, t: lazy.ParamSpec(shape, graph.Float32, name)}
+		return &Param{name: name, t: lazy.ParamSpec(shape, dt, name)}
 	}
 	if random && o.Rand == nil {
 		return &Param{name: name, t: lazy.ErrorTensor("nn.param "+name,

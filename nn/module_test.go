@@ -246,6 +246,24 @@ func TestShapeOnlyAllocatesNothing(t *testing.T) {
 	assert.Equal(t, []int{8}, ln.Weight.Shape())
 }
 
+func TestShapeOnlyHalfPrecision(t *testing.T) {
+	for _, dt := range []graph.DType{graph.Float16, graph.BFloat16} {
+		m := nn.MLP(nn.Options{ShapeOnly: true, DType: dt}, []int{6, 5, 3}, nn.ReLU{})
+		require.NoError(t, nn.Check(m))
+		for _, p := range m.Params() {
+			assert.Equal(t, dt, p.Tensor().DType(), p.Name())
+		}
+		x := lazy.Placeholder([]int{4, 6}, dt, 0)
+		loss := m.Forward(x).CrossEntropy(x.Graph().Placeholder([]int{4}, graph.Int64, 0), graph.ReduceMean)
+		require.NoError(t, loss.Err())
+		for _, gr := range lazy.Grad(loss, nn.ParamTensors(m)...) {
+			require.NoError(t, gr.Err())
+			assert.Equal(t, dt, gr.DType(), "gradients take the parameters' dtype")
+		}
+		assert.Equal(t, int64(5*6*2), m.Params()[0].Tensor().Type().Bytes(), "two bytes an element")
+	}
+}
+
 func TestConvPoolStackShapes(t *testing.T) {
 	for _, opt := range []nn.Options{nn.Seed(1), {ShapeOnly: true}} {
 		m := nn.NewSequential(

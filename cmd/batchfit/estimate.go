@@ -1,0 +1,406 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// report is what estimate found, printed as text or JSON. Byte counts are
+// exact; the text output rounds them.
+type report struct {
+	Model      string `json:"model"`
+	About      string `json:"about"`
+	Input      string `json:"input"`            // dtype and shape of the model's input
+	Labels     string `json:"labels,omitempty"` // and of the loss's targets, in training mode
+	Mode       string `json:"mode"`
+	DType      string `json:"dtype"`
+	Optimizer  string `json:"optimizer,omitempty"`
+	StateSlots int    `json:"state_slots"`
+	Batch      int    `json:"batch"`
+	Seq        int    `json:"seq,omitempty"`
+	Params     int64  `json:"params"`
+	ParamBytes int64  `json:"param_bytes"`
+	StateBytes int64  `json:"optimizer_state_bytes"`
+	Nodes      int    `json:"nodes"`
+	Steps      int    `json:"program_steps"`
+	Budget     int64  `json:"budget"`
+	Headroom   int64  `json:"headroom"`
+	Available  int64  `json:"available"`
+	// BuildSeconds times building, analysing and compiling the graph.
+	BuildSeconds float64     `json:"build_seconds"`
+	Plan         *planReport `json:"plan,omitempty"`
+	DoesNotFit   *fitReport  `json:"does_not_fit,omitempty"`
+	Timeline     []opRow     `json:"timeline,omitempty"`
+	Largest      []bufferRow `json:"largest,omitempty"`
+}
+
+// planReport is planner.Plan with the chunk sizes listed.
+type planReport struct {
+	WholeBatch    bool  `json:"whole_batch"` // the batch runs in one chunk
+	Chunk         int   `json:"chunk"`
+	Chunks        []int `json:"chunks"` // sizes, in run order
+	PeakReserved  int64 `json:"peak_reserved"`
+	PeakAllocated int64 `json:"peak_allocated"`
+	Fixed         int64 `json:"fixed"`      // affine fit of a chunked run's peak reserved:
+	PerSample     int64 `json:"per_sample"` // fixed + per_sample·chunk
+	Persistent    int64 `json:"persistent"` // parameters and optimizer state
+	// WholePeakReserved is what the whole batch in one chunk would reserve,
+	// when it does not fit (PeakReserved otherwise).
+	WholePeakReserved int64 `json:"whole_peak_reserved"`
+	// Accumulators are the gradient sums across chunks, held only when the
+	// batch runs in several.
+	Accumulators    int64   `json:"accumulators"`
+	Replays         int     `json:"replays"`
+	PlanningSeconds float64 `json:"planning_seconds"`
+}
+
+// fitReport is planner.DoesNotFitError.
+type fitReport struct {
+	Message   string      `json:"message"`
+	Chunk     int         `json:"chunk"`
+	Needed    int64       `json:"needed"`
+	Whole     int64       `json:"whole"`
+	Available int64       `json:"available"`
+	Fixed     int64       `json:"fixed"`
+	Reason    string      `json:"reason,omitempty"`
+	Largest   []bufferRow `json:"largest"`
+}
+
+// opRow is one node run of the first chunk: what it allocates, and the
+// allocator's state right after it ran (its output and workspace held).
+type opRow struct {
+	Step      int    `json:"step"`
+	Node      int    `json:"node"`
+	Op        string `json:"op"`
+	Module    string `json:"module"`
+	Shape     []int  `json:"shape"`
+	Bytes     int64  `json:"bytes"`
+	Workspace int64  `json:"workspace"`
+	Allocated int64  `json:"allocated"`
+	Reserved  int64  `json:"reserved"`
+}
+
+// bufferRow is one buffer of the program at the planned chunk size.
+type bufferRow struct {
+	Bytes  int64  `json:"bytes"`
+	Kind   string `json:"kind"`
+	Node   int    `json:"node"`
+	Op     string `json:"op"`
+	Module string `json:"module"`
+	Shape  []int  `json:"shape,omitempty"`
+}
+
+// step is a built, compiled training or inference step.
+type step struct {
+	module  nn.Module
+	graph   *graph.Graph
+	program *planner.Program
+}
+
+// buildStep builds c's model shape-only over placeholders and compiles one
+// step: forward, loss, and the gradients of every parameter (kept on the
+// device, summed over chunks) with the optimizer's state in training mode;
+// the forward output alone in inference mode.
+func buildStep(c *estimateConfig) (*step, error) {
+	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype}, c.batch, c.seq, c.train)
+	if err := nn.Check(b.module); err != nil {
+		return nil, err
+	}
+	out := b.output
+	if c.train {
+		out = b.loss
+	}
+	if err := out.Err(); err != nil {
+		return nil, err
+	}
+	outputs := []int{out.ID()}
+	var kept, trained []int
+	if c.train {
+		params := nn.ParamTensors(b.module)
+		for i, gr := range lazy.Grad(b.loss, params...) {
+			if err := gr.Err(); err != nil {
+				return nil, err
+			}
+			outputs = append(outputs, gr.ID())
+			kept = append(kept, gr.ID())
+			trained = append(trained, out.Graph().NodeOf(params[i]))
+		}
+	}
+	g := out.Graph().IR()
+	info, err := shapeinfer.Analyze(g, outputs...)
+	if err != nil {
+		return nil, err
+	}
+	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
+		StateSlots: c.slots, Workspace: cpu.Workspace})
+	if err != nil {
+		return nil, err
+	}
+	return &step{module: b.module, graph: g, program: p}, nil
+}
+
+// planOptions are the planner options of c.
+func planOptions(c *estimateConfig) planner.Options {
+	return planner.Options{Budget: c.budget, Headroom: c.headroom, NoHeadroom: c.headroom == 0, Timeline: c.table}
+}
+
+// estimate plans c. On a planning failure it returns the report so far
+// (with DoesNotFit filled in when the step does not fit) and the error.
+func estimate(c *estimateConfig) (*report, error) {
+	start := time.Now()
+	st, err := buildStep(c)
+	if err != nil {
+		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
+	}
+	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(),
+		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, Seq: c.seq,
+		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
+		Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
+		BuildSeconds: time.Since(start).Seconds()}
+	if c.train {
+		r.Mode = "train"
+	}
+	var inputs []string // the model's input, then the labels (built in that order)
+	for _, nd := range st.graph.Nodes() {
+		if nd.Op == graph.OpInput {
+			inputs = append(inputs, fmt.Sprintf("%s%v", nd.Type.DType, nd.Type.Shape))
+		}
+	}
+	r.Input = inputs[0]
+	if c.train {
+		r.Labels = inputs[1]
+	}
+	for _, p := range st.module.Params() {
+		r.ParamBytes += p.Tensor().Type().Bytes()
+	}
+	if c.train {
+		r.StateBytes = int64(c.slots) * r.ParamBytes
+	}
+
+	start = time.Now()
+	pl, err := planner.Make(st.program, planOptions(c))
+	elapsed := time.Since(start)
+	var dnf *planner.DoesNotFitError
+	if errors.As(err, &dnf) {
+		r.DoesNotFit = &fitReport{Message: dnf.Error(), Chunk: dnf.Chunk, Needed: dnf.Needed, Whole: dnf.Whole,
+			Available: dnf.Available, Fixed: dnf.Fixed}
+		if dnf.Reason != nil {
+			r.DoesNotFit.Reason = dnf.Reason.Error()
+		}
+		for _, u := range dnf.Largest {
+			r.DoesNotFit.Largest = append(r.DoesNotFit.Largest, bufferRow{Bytes: u.Bytes, Kind: u.Kind.String(),
+				Node: u.Tag.Node, Op: u.Tag.Op, Module: u.Tag.Scope})
+		}
+		return r, err
+	}
+	if err != nil {
+		return r, err
+	}
+	pr := &planReport{WholeBatch: len(pl.Chunks) == 1, Chunk: pl.Chunk, PeakReserved: pl.PeakReserved,
+		PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample, Persistent: pl.Persistent,
+		Replays: pl.Replays, PlanningSeconds: elapsed.Seconds()}
+	for _, ch := range pl.Chunks {
+		pr.Chunks = append(pr.Chunks, ch.Size)
+	}
+	pr.WholePeakReserved = pl.PeakReserved
+	if !pr.WholeBatch {
+		for _, bi := range st.program.Accumulators {
+			pr.Accumulators += st.program.Buffers[bi].Bytes(0)
+		}
+		sim := alloc.New(alloc.NewSimBackend(unlimited), alloc.Options{})
+		u, err := planner.Replay(st.program, planner.ChunksOf(c.batch, c.batch), sim, nil, false)
+		if err != nil {
+			return r, err
+		}
+		pr.WholePeakReserved = u.PeakReserved
+	}
+	r.Plan = pr
+	if c.table {
+		r.Timeline = timeline(st.program, pl)
+	}
+	if c.top > 0 {
+		r.Largest = largest(st.program, pl, c.top)
+	}
+	return r, nil
+}
+
+// unlimited is a simulated device no plan fills: 1 EiB.
+const unlimited = 1 << 60
+
+// timeline lists the node runs of the plan's first chunk.
+func timeline(p *planner.Program, pl *planner.Plan) []opRow {
+	size := pl.Chunks[0].Size
+	var rows []opRow
+	for _, pt := range pl.Timeline {
+		if pt.Chunk != 0 || pt.Kind != planner.StepRun {
+			continue
+		}
+		nd := p.Graph.Node(pt.Node)
+		out := p.Buffers[p.OutputBuf[pt.Node]]
+		row := opRow{Step: pt.Step, Node: pt.Node, Op: nd.Op.String(), Module: out.Tag.Scope,
+			Shape: nd.Type.AtBatch(size), Bytes: out.Bytes(size), Allocated: pt.Allocated, Reserved: pt.Reserved}
+		if prev := pt.Step - 1; prev >= 0 {
+			if s := p.Steps[prev]; s.Kind == planner.StepAlloc && p.Buffers[s.Buf].Kind == planner.BufWorkspace {
+				row.Workspace = p.Buffers[s.Buf].Bytes(size)
+			}
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+// largest lists the n largest buffers at the plan's chunk size; gradient
+// accumulators count only when the batch runs in several chunks.
+func largest(p *planner.Program, pl *planner.Plan, n int) []bufferRow {
+	var rows []bufferRow
+	for _, b := range p.Buffers {
+		if b.Kind == planner.BufAccumulator && len(pl.Chunks) == 1 {
+			continue
+		}
+		row := bufferRow{Bytes: b.Bytes(pl.Chunk), Kind: b.Kind.String(), Node: b.Node, Op: b.Tag.Op, Module: b.Tag.Scope}
+		if b.Kind != planner.BufWorkspace {
+			row.Shape = p.Graph.Node(b.Node).Type.AtBatch(pl.Chunk)
+		}
+		rows = append(rows, row)
+	}
+	sort.SliceStable(rows, func(i, j int) bool { return rows[i].Bytes > rows[j].Bytes })
+	return rows[:min(n, len(rows))]
+}
+
+func writeJSON(w io.Writer, r *report) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// chunkSummary groups balanced chunk sizes: [8 8 8 8] → "4 × 8",
+// [4 3 3] → "1 × 4 + 2 × 3".
+func chunkSummary(sizes []int) string {
+	var parts []string
+	for i := 0; i < len(sizes); {
+		j := i
+		for j < len(sizes) && sizes[j] == sizes[i] {
+			j++
+		}
+		parts = append(parts, fmt.Sprintf("%d × %d", j-i, sizes[i]))
+		i = j
+	}
+	return strings.Join(parts, " + ")
+}
+
+func exact(n int64) string { return fmt.Sprintf("%s (%s B)", alloc.FormatBytes(n), thousands(n)) }
+
+// writeText prints the report for people; planned is false when planning
+// failed (the error follows on stderr).
+func writeText(w io.Writer, r *report, planned bool) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	line := func(k, format string, args ...any) { fmt.Fprintf(tw, "%s\t%s\n", k, fmt.Sprintf(format, args...)) }
+	line("model", "%s: %s", r.Model, r.About)
+	if r.Labels != "" {
+		line("input", "%s, labels %s", r.Input, r.Labels)
+	} else {
+		line("input", "%s", r.Input)
+	}
+	if r.Optimizer != "" {
+		line("mode", "%s, %s, %s (%d state tensors per parameter)", r.Mode, r.DType, r.Optimizer, r.StateSlots)
+	} else {
+		line("mode", "%s, %s", r.Mode, r.DType)
+	}
+	line("parameters", "%s (%s)", thousands(r.Params), alloc.FormatBytes(r.ParamBytes))
+	if r.Mode == "train" {
+		line("optimizer state", "%s", alloc.FormatBytes(r.StateBytes))
+	}
+	line("graph", "%s nodes, %s program steps", thousands(int64(r.Nodes)), thousands(int64(r.Steps)))
+	line("budget", "%s − headroom %s = %s available", alloc.FormatBytes(r.Budget), alloc.FormatBytes(r.Headroom),
+		alloc.FormatBytes(r.Available))
+	if p := r.Plan; planned && p != nil {
+		if p.WholeBatch {
+			line("fits", "yes: the whole batch of %d runs in one chunk", r.Batch)
+		} else {
+			line("fits", "in chunks: the whole batch of %d would need %s; it runs as %s", r.Batch,
+				alloc.FormatBytes(p.WholePeakReserved), chunkSummary(p.Chunks))
+		}
+		line("chunk", "%d %s", p.Chunk, plural(p.Chunk, "sample"))
+		line("peak reserved", "%s", exact(p.PeakReserved))
+		line("peak allocated", "%s", exact(p.PeakAllocated))
+		if p.PerSample > 0 {
+			line("affine fit", "peak reserved ≈ %s + %s × chunk", alloc.FormatBytes(p.Fixed), alloc.FormatBytes(p.PerSample))
+		} else {
+			line("affine fit", "none (needs a batch of 3 or more)")
+		}
+		what := "parameters"
+		if r.Mode == "train" {
+			what = "parameters, optimizer state"
+		}
+		if p.WholeBatch {
+			line("persistent", "%s (%s)", alloc.FormatBytes(p.Persistent), what)
+		} else {
+			line("persistent", "%s (%s) + %s gradient accumulators", alloc.FormatBytes(p.Persistent), what,
+				alloc.FormatBytes(p.Accumulators))
+		}
+		line("planning", "%d replays in %s (graph built and compiled in %s)", p.Replays,
+			round(p.PlanningSeconds), round(r.BuildSeconds))
+	}
+	tw.Flush()
+	if len(r.Timeline) > 0 {
+		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)
+		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "STEP\tNODE\tOP\tMODULE\tSHAPE\t    OUTPUT\t WORKSPACE\t ALLOCATED\t  RESERVED")
+		for _, o := range r.Timeline {
+			ws := "-"
+			if o.Workspace > 0 {
+				ws = alloc.FormatBytes(o.Workspace)
+			}
+			fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%v\t%10s\t%10s\t%10s\t%10s\n", o.Step, o.Node, o.Op, dash(o.Module), o.Shape,
+				alloc.FormatBytes(o.Bytes), ws, alloc.FormatBytes(o.Allocated), alloc.FormatBytes(o.Reserved))
+		}
+		tw.Flush()
+	}
+	if len(r.Largest) > 0 {
+		fmt.Fprintf(w, "\n%d largest buffers at chunk %d:\n", len(r.Largest), r.Plan.Chunk)
+		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "     BYTES\tKIND\tNODE\tOP\tMODULE\tSHAPE")
+		for _, b := range r.Largest {
+			fmt.Fprintf(tw, "%10s\t%s\t%d\t%s\t%s\t%v\n", alloc.FormatBytes(b.Bytes), b.Kind, b.Node, b.Op, dash(b.Module), b.Shape)
+		}
+		tw.Flush()
+	}
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// round prints seconds to three significant digits or 0.1 ms.
+func round(s float64) string {
+	d := time.Duration(s * float64(time.Second))
+	unit := 100 * time.Microsecond
+	for unit < d/100 {
+		unit *= 10
+	}
+	return d.Round(unit).String()
+}
+
+func plural(n int, word string) string {
+	if n == 1 {
+		return word
+	}
+	return word + "s"
+}

@@ -1,0 +1,315 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+)
+
+func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// Exit codes.
+const (
+	exitOK    = 0
+	exitPlan  = 1 // the plan failed: does not fit, or the model did not build
+	exitUsage = 2 // bad subcommand, flag or argument
+)
+
+// Usage errors: each wraps errUsage and one kind.
+var (
+	errUsage         = errors.New("usage")
+	errMissing       = errors.New("missing")
+	errUnknown       = errors.New("unknown name")
+	errRange         = errors.New("out of range")
+	errNotApplicable = errors.New("does not apply")
+	errFlag          = errors.New("bad flag or argument")
+)
+
+// usageError is a command-line mistake, reported in one line and followed
+// by the usage.
+type usageError struct {
+	kind error
+	msg  string
+}
+
+func (e *usageError) Error() string   { return e.msg }
+func (e *usageError) Unwrap() []error { return []error{errUsage, e.kind} }
+
+func usagef(kind error, format string, args ...any) error {
+	return &usageError{kind: kind, msg: fmt.Sprintf(format, args...)}
+}
+
+const mainUsage = `Usage:
+  batchfit estimate --model NAME --batch N --budget SIZE [flags]
+  batchfit models
+
+Subcommands:
+  estimate   plan one training (or inference) step of a zoo model within a
+             memory budget, without a GPU: chunk size, predicted peak, timeline
+  models     list the model zoo with parameter counts
+
+Run "batchfit estimate -h" for the estimate flags.
+`
+
+// run is the whole command, so tests can call it; it returns the exit code.
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprintf(stderr, "batchfit: missing subcommand\n%s", mainUsage)
+		return exitUsage
+	}
+	switch args[0] {
+	case "estimate":
+		return runEstimate(args[1:], stdout, stderr)
+	case "models":
+		return runModels(args[1:], stdout, stderr)
+	case "help", "-h", "-help", "--help":
+		fmt.Fprint(stdout, mainUsage)
+		return exitOK
+	}
+	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate or models)\n%s", args[0], mainUsage)
+	return exitUsage
+}
+
+// optimizers maps a name to the optimizer whose state the plan holds.
+var optimizers = []struct {
+	name string
+	make func() optim.Optimizer
+}{
+	{"sgd", func() optim.Optimizer { return optim.NewSGD(0.1, 0) }},
+	{"sgd-momentum", func() optim.Optimizer { return optim.NewSGD(0.1, 0.9) }},
+	{"adam", func() optim.Optimizer { return optim.NewAdam(1e-3) }},
+	{"adamw", func() optim.Optimizer { return optim.NewAdamW(1e-3) }},
+}
+
+func optimizerNames() []string {
+	var names []string
+	for _, o := range optimizers {
+		names = append(names, o.name)
+	}
+	return names
+}
+
+// estimateConfig is a parsed estimate command line.
+type estimateConfig struct {
+	model            zooModel
+	batch, seq       int
+	budget, headroom int64
+	optimizer        string // "" in inference mode
+	slots            int    // optimizer state tensors per parameter
+	dtype            graph.DType
+	train            bool
+	table            bool
+	top              int
+	json             bool
+}
+
+func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
+	fs := flag.NewFlagSet("estimate", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors are reported by runEstimate, in one line
+	v := &estimateFlagValues{}
+	fs.StringVar(&v.model, "model", "", "zoo `model`: "+strings.Join(zooNames(), ", ")+" (required)")
+	fs.IntVar(&v.batch, "batch", 0, "samples per step, `N` (required)")
+	fs.IntVar(&v.seq, "seq", 0, "tokens per sequence, `T`, for GPT models (default: the model's context)")
+	fs.StringVar(&v.budget, "budget", "", "device memory the step may reserve, a `SIZE`: 24GiB, 24 GiB, 8GB (8·10⁹), 1.5GiB, 512MiB or bytes (required)")
+	fs.StringVar(&v.headroom, "headroom", alloc.FormatBytes(planner.DefaultHeadroom), "`SIZE` kept back from the budget")
+	fs.StringVar(&v.optimizer, "optimizer", "adamw", "`optimizer` whose state is held: "+strings.Join(optimizerNames(), ", "))
+	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of parameters, activations, gradients and optimizer state: float32, float16, bfloat16")
+	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
+	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
+	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
+	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
+	return fs, v
+}
+
+type estimateFlagValues struct {
+	model, budget, headroom, optimizer, dtype, mode string
+	batch, seq, top                                 int
+	table, json                                     bool
+}
+
+// parseEstimate reads the estimate flags; every error is a *usageError
+// (or flag.ErrHelp).
+func parseEstimate(args []string) (*estimateConfig, error) {
+	fs, v := estimateFlags()
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil, err
+		}
+		return nil, usagef(errFlag, "%v", err)
+	}
+	if fs.NArg() > 0 {
+		return nil, usagef(errFlag, "unexpected argument %q (flags only)", fs.Arg(0))
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	c := &estimateConfig{batch: v.batch, table: v.table, top: v.top, json: v.json}
+
+	if v.model == "" {
+		return nil, usagef(errMissing, "missing --model (one of %s)", strings.Join(zooNames(), ", "))
+	}
+	m, ok := findModel(v.model)
+	if !ok {
+		return nil, usagef(errUnknown, "unknown model %q (want one of %s)", v.model, strings.Join(zooNames(), ", "))
+	}
+	c.model = m
+	switch {
+	case !set["batch"]:
+		return nil, usagef(errMissing, "missing --batch")
+	case v.batch <= 0:
+		return nil, usagef(errRange, "--batch must be positive, got %d", v.batch)
+	}
+	switch {
+	case m.context == 0 && set["seq"]:
+		return nil, usagef(errNotApplicable, "--seq applies to sequence models only, not %s", m.name)
+	case m.context == 0:
+	case !set["seq"]:
+		c.seq = m.context
+	case v.seq < 1 || v.seq > m.context:
+		return nil, usagef(errRange, "--seq must lie in 1…%d (the context of %s), got %d", m.context, m.name, v.seq)
+	default:
+		c.seq = v.seq
+	}
+	if !set["budget"] {
+		return nil, usagef(errMissing, "missing --budget (for example 24GiB)")
+	}
+	var err error
+	if c.budget, err = parseBytes(v.budget); err != nil {
+		return nil, &usageError{kind: errSize, msg: "--budget: " + err.Error()}
+	}
+	if c.budget == 0 {
+		return nil, usagef(errRange, "--budget must be positive")
+	}
+	if c.headroom, err = parseBytes(v.headroom); err != nil {
+		return nil, &usageError{kind: errSize, msg: "--headroom: " + err.Error()}
+	}
+	if c.headroom >= c.budget {
+		return nil, usagef(errRange, "--headroom %s leaves nothing of --budget %s",
+			alloc.FormatBytes(c.headroom), alloc.FormatBytes(c.budget))
+	}
+	switch v.mode {
+	case "train":
+		c.train = true
+	case "infer":
+		if set["optimizer"] {
+			return nil, usagef(errNotApplicable, "--optimizer applies to --mode train only")
+		}
+	default:
+		return nil, usagef(errUnknown, "unknown mode %q (want train or infer)", v.mode)
+	}
+	if c.train {
+		for _, o := range optimizers {
+			if o.name == v.optimizer {
+				c.optimizer, c.slots = o.name, o.make().StateSlots()
+			}
+		}
+		if c.optimizer == "" {
+			return nil, usagef(errUnknown, "unknown optimizer %q (want one of %s)", v.optimizer, strings.Join(optimizerNames(), ", "))
+		}
+	}
+	c.dtype, err = graph.ParseDType(v.dtype)
+	if err != nil || !c.dtype.IsFloat() {
+		return nil, usagef(errUnknown, "unknown --dtype %q (want float32, float16 or bfloat16)", v.dtype)
+	}
+	if v.top < 0 {
+		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
+	}
+	return c, nil
+}
+
+func estimateUsage(w io.Writer) {
+	fs, _ := estimateFlags()
+	fmt.Fprintf(w, "Usage:\n  batchfit estimate --model NAME --batch N --budget SIZE [flags]\n\nFlags (one dash or two):\n")
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+}
+
+func runEstimate(args []string, stdout, stderr io.Writer) int {
+	c, err := parseEstimate(args)
+	if errors.Is(err, flag.ErrHelp) {
+		estimateUsage(stdout)
+		return exitOK
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "batchfit estimate: %v\n", err)
+		estimateUsage(stderr)
+		return exitUsage
+	}
+	rep, err := estimate(c)
+	if rep != nil {
+		if c.json {
+			if jerr := writeJSON(stdout, rep); jerr != nil {
+				fmt.Fprintf(stderr, "batchfit estimate: %v\n", jerr)
+				return exitPlan
+			}
+		} else {
+			writeText(stdout, rep, err == nil)
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "batchfit estimate: %v\n", err)
+		return exitPlan
+	}
+	return exitOK
+}
+
+func runModels(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("models", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	usage := "Usage:\n  batchfit models\n"
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprint(stdout, usage)
+			return exitOK
+		}
+		fmt.Fprintf(stderr, "batchfit models: %v\n%s", err, usage)
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "batchfit models: unexpected argument %q\n%s", fs.Arg(0), usage)
+		return exitUsage
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "MODEL\tPARAMETERS\tFLOAT32\tINPUT PER SAMPLE\tDESCRIPTION")
+	for _, m := range zoo() {
+		b := m.build(nn.Options{ShapeOnly: true}, 1, m.context, false)
+		if err := nn.Check(b.module); err != nil {
+			fmt.Fprintf(stderr, "batchfit models: %s: %v\n", m.name, err)
+			return exitPlan
+		}
+		n := int64(nn.NumParams(b.module))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", m.name, thousands(n), alloc.FormatBytes(4*n), m.input, m.about)
+	}
+	if err := tw.Flush(); err != nil {
+		fmt.Fprintf(stderr, "batchfit models: %v\n", err)
+		return exitPlan
+	}
+	return exitOK
+}
+
+// thousands groups digits by three: 124439808 → "124,439,808".
+func thousands(n int64) string {
+	s := fmt.Sprint(n)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var b strings.Builder
+	for i, r := range s {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			b.WriteByte(',')
+		}
+		b.WriteRune(r)
+	}
+	if neg {
+		return "-" + b.String()
+	}
+	return b.String()
+}

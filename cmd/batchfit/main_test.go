@@ -1,0 +1,328 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// runCLI runs the command with args and returns its exit code and output.
+func runCLI(args ...string) (code int, stdout, stderr string) {
+	var o, e bytes.Buffer
+	code = run(args, &o, &e)
+	return code, o.String(), e.String()
+}
+
+func TestUsageErrors(t *testing.T) {
+	base := []string{"--model", "gpt2-small", "--batch", "8", "--budget", "24GiB"}
+	with := func(extra ...string) []string { return append(append([]string(nil), base...), extra...) }
+	cases := []struct {
+		name string
+		args []string
+		kind error
+	}{
+		{"missing model", []string{"--batch", "8", "--budget", "1GiB"}, errMissing},
+		{"unknown model", []string{"--model", "gpt5", "--batch", "8", "--budget", "1GiB"}, errUnknown},
+		{"missing batch", []string{"--model", "mlp", "--budget", "1GiB"}, errMissing},
+		{"zero batch", []string{"--model", "mlp", "--batch", "0", "--budget", "1GiB"}, errRange},
+		{"negative batch", []string{"--model", "mlp", "--batch", "-3", "--budget", "1GiB"}, errRange},
+		{"batch not a number", []string{"--model", "mlp", "--batch", "x", "--budget", "1GiB"}, errFlag},
+		{"unknown flag", with("--foo"), errFlag},
+		{"flag without value", with("--top"), errFlag},
+		{"positional argument", with("extra"), errFlag},
+		{"seq on an mlp", []string{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--seq", "16"}, errNotApplicable},
+		{"seq zero", with("--seq", "0"), errRange},
+		{"seq beyond context", with("--seq", "1025"), errRange},
+		{"missing budget", []string{"--model", "mlp", "--batch", "8"}, errMissing},
+		{"empty budget", []string{"--model", "mlp", "--batch", "8", "--budget", ""}, errSize},
+		{"budget unit", []string{"--model", "mlp", "--batch", "8", "--budget", "24XB"}, errSize},
+		{"negative budget", []string{"--model", "mlp", "--batch", "8", "--budget", "-1GiB"}, errSize},
+		{"budget overflow", []string{"--model", "mlp", "--batch", "8", "--budget", "9999999TiB"}, errSize},
+		{"zero budget", []string{"--model", "mlp", "--batch", "8", "--budget", "0"}, errRange},
+		{"bad headroom", with("--headroom", "lots"), errSize},
+		{"headroom eats budget", with("--headroom", "24GiB"), errRange},
+		{"unknown optimizer", with("--optimizer", "lion"), errUnknown},
+		{"unknown mode", with("--mode", "eval"), errUnknown},
+		{"optimizer in inference", with("--mode", "infer", "--optimizer", "sgd"), errNotApplicable},
+		{"dtype int64", with("--dtype", "int64"), errUnknown},
+		{"dtype float64", with("--dtype", "float64"), errUnknown},
+		{"negative top", with("--top", "-1"), errRange},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := parseEstimate(c.args)
+			require.Error(t, err)
+			assert.ErrorIs(t, err, errUsage)
+			assert.ErrorIs(t, err, c.kind)
+			var ue *usageError
+			require.ErrorAs(t, err, &ue)
+
+			code, stdout, stderr := runCLI(append([]string{"estimate"}, c.args...)...)
+			assert.Equal(t, exitUsage, code)
+			assert.Empty(t, stdout)
+			first, rest, _ := strings.Cut(stderr, "\n")
+			assert.Equal(t, "batchfit estimate: "+err.Error(), first, "one line naming the mistake")
+			assert.True(t, strings.HasPrefix(rest, "Usage:"), "then the usage:\n%s", stderr)
+		})
+	}
+}
+
+func TestSubcommandErrors(t *testing.T) {
+	for _, args := range [][]string{nil, {"plan"}, {"models", "extra"}, {"models", "--foo"}} {
+		code, stdout, stderr := runCLI(args...)
+		assert.Equal(t, exitUsage, code, "%q", args)
+		assert.Empty(t, stdout, "%q", args)
+		assert.Contains(t, stderr, "Usage:", "%q", args)
+	}
+	for _, args := range [][]string{{"help"}, {"-h"}, {"estimate", "-h"}, {"estimate", "--help"}, {"models", "-h"}} {
+		code, stdout, stderr := runCLI(args...)
+		assert.Equal(t, exitOK, code, "%q", args)
+		assert.Contains(t, stdout, "Usage:", "%q", args)
+		assert.Empty(t, stderr, "%q", args)
+	}
+}
+
+// gpt2Plan builds GPT-2 small's training step at batch b, seq 1024, the
+// way the library's users would, and plans it within budget with AdamW's
+// state: the independent route to the numbers the CLI prints.
+func gpt2Plan(t *testing.T, b int, budget int64) (*planner.Program, *planner.Plan, error) {
+	t.Helper()
+	model := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
+	tokens := lazy.Placeholder([]int{b, 1024}, graph.Int64, 0)
+	targets := tokens.Graph().Placeholder([]int{b, 1024}, graph.Int64, 0)
+	loss := models.Loss(model.Forward(tokens), targets)
+	params := nn.ParamTensors(model)
+	outs := []int{loss.ID()}
+	var trained []int
+	for i, gr := range lazy.Grad(loss, params...) {
+		require.NoError(t, gr.Err())
+		outs = append(outs, gr.ID())
+		trained = append(trained, loss.Graph().NodeOf(params[i]))
+	}
+	g := loss.Graph().IR()
+	info, err := shapeinfer.Analyze(g, outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(g, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
+		StateSlots: optim.NewAdamW(1e-3).StateSlots(), Workspace: cpu.Workspace})
+	require.NoError(t, err)
+	pl, err := planner.Make(p, planner.Options{Budget: budget, NoHeadroom: true})
+	return p, pl, err
+}
+
+func TestEstimateGPT2SmallFits(t *testing.T) {
+	_, want, err := gpt2Plan(t, 8, 24<<30)
+	require.NoError(t, err)
+	require.Len(t, want.Chunks, 1, "GPT-2 small at batch 8 fits 24 GiB in one chunk")
+
+	args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--budget", "24GiB", "--optimizer", "adamw"}
+	code, stdout, stderr := runCLI(args...)
+	require.Equal(t, exitOK, code, stderr)
+	assert.Empty(t, stderr)
+	// 124,439,808 parameters: GPT-2 small with its head tied to wte.
+	for _, s := range []string{"124,439,808", alloc.FormatBytes(124439808 * 4), alloc.FormatBytes(2 * 124439808 * 4),
+		"yes: the whole batch of 8 runs in one chunk", exact(want.PeakReserved), exact(want.PeakAllocated),
+		alloc.FormatBytes(want.Fixed) + " + " + alloc.FormatBytes(want.PerSample) + " × chunk",
+		alloc.FormatBytes(want.Persistent), alloc.FormatBytes(24 << 30)} {
+		assert.Contains(t, stdout, s)
+	}
+
+	code, stdout, stderr = runCLI(append(args, "--json")...)
+	require.Equal(t, exitOK, code, stderr)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Equal(t, int64(124439808), r.Params)
+	assert.Equal(t, int64(124439808*4), r.ParamBytes)
+	assert.Equal(t, int64(2*124439808*4), r.StateBytes)
+	require.NotNil(t, r.Plan)
+	assert.Equal(t, planReport{WholeBatch: true, Chunk: 8, Chunks: []int{8}, PeakReserved: want.PeakReserved,
+		PeakAllocated: want.PeakAllocated, Fixed: want.Fixed, PerSample: want.PerSample, Persistent: want.Persistent,
+		WholePeakReserved: want.PeakReserved, Replays: want.Replays, PlanningSeconds: r.Plan.PlanningSeconds}, *r.Plan)
+	assert.Equal(t, int64(2*124439808*4+124439808*4), r.Plan.Persistent, "parameters and two AdamW slots")
+}
+
+// TestEstimateGPT2SmallBatch32 is the README's question: batch 32 does not
+// fit a 24 GiB card at once, but runs in balanced chunks that do.
+func TestEstimateGPT2SmallBatch32(t *testing.T) {
+	_, want, err := gpt2Plan(t, 32, 24<<30)
+	require.NoError(t, err)
+	code, stdout, stderr := runCLI("estimate", "--model", "gpt2-small", "--batch", "32", "--budget", "24GiB", "--json")
+	require.Equal(t, exitOK, code, stderr)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	require.NotNil(t, r.Plan)
+	var sizes []int
+	for _, c := range want.Chunks {
+		sizes = append(sizes, c.Size)
+	}
+	assert.Equal(t, sizes, r.Plan.Chunks)
+	assert.False(t, r.Plan.WholeBatch)
+	assert.Equal(t, want.PeakReserved, r.Plan.PeakReserved)
+	assert.LessOrEqual(t, r.Plan.PeakReserved, int64(24<<30))
+	assert.Greater(t, r.Plan.WholePeakReserved, int64(24<<30))
+	assert.Equal(t, int64(124439808*4), r.Plan.Accumulators, "one float32 gradient sum per parameter")
+}
+
+func TestEstimateDoesNotFit(t *testing.T) {
+	_, _, err := gpt2Plan(t, 8, 2<<30)
+	var want *planner.DoesNotFitError
+	require.ErrorAs(t, err, &want)
+
+	args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--budget", "2GiB"}
+	code, stdout, stderr := runCLI(args...)
+	assert.Equal(t, exitPlan, code)
+	assert.Equal(t, "batchfit estimate: "+want.Error()+"\n", stderr, "the planner's message, naming the largest buffers")
+	assert.Contains(t, stdout, "124,439,808", "the model summary still prints")
+
+	code, stdout, _ = runCLI(append(args, "--json")...)
+	assert.Equal(t, exitPlan, code)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Nil(t, r.Plan)
+	require.NotNil(t, r.DoesNotFit)
+	assert.Equal(t, want.Needed, r.DoesNotFit.Needed)
+	assert.Equal(t, want.Whole, r.DoesNotFit.Whole)
+	assert.Equal(t, int64(2<<30), r.DoesNotFit.Available)
+	assert.Greater(t, r.DoesNotFit.Needed, r.DoesNotFit.Available)
+	assert.Len(t, r.DoesNotFit.Largest, len(want.Largest))
+}
+
+func TestJSONRoundTrip(t *testing.T) {
+	code, stdout, stderr := runCLI("estimate", "--model", "convnet", "--batch", "64", "--budget", "64MiB",
+		"--optimizer", "sgd-momentum", "--json", "--table", "--top", "5")
+	require.Equal(t, exitOK, code, stderr)
+	dec := json.NewDecoder(strings.NewReader(stdout))
+	dec.DisallowUnknownFields()
+	var r report
+	require.NoError(t, dec.Decode(&r))
+	var again bytes.Buffer
+	require.NoError(t, writeJSON(&again, &r))
+	assert.JSONEq(t, stdout, again.String())
+
+	assert.Equal(t, "sgd-momentum", r.Optimizer)
+	assert.Equal(t, 1, r.StateSlots)
+	assert.Equal(t, r.ParamBytes, r.StateBytes, "one momentum buffer per parameter")
+	assert.Equal(t, "float32[64 3 32 32]", r.Input)
+	assert.Equal(t, "int64[64]", r.Labels)
+	require.Len(t, r.Largest, 5)
+	for i := 1; i < len(r.Largest); i++ {
+		assert.GreaterOrEqual(t, r.Largest[i-1].Bytes, r.Largest[i].Bytes)
+	}
+	require.NotEmpty(t, r.Timeline)
+	for _, row := range r.Timeline {
+		assert.LessOrEqual(t, row.Reserved, r.Plan.PeakReserved)
+		assert.LessOrEqual(t, row.Allocated, row.Reserved)
+	}
+}
+
+func TestTablePrintsRows(t *testing.T) {
+	c, err := parseEstimate([]string{"--model", "convnet", "--batch", "16", "--budget", "1GiB", "--table"})
+	require.NoError(t, err)
+	st, err := buildStep(c)
+	require.NoError(t, err)
+	runs := 0
+	for _, s := range st.program.Steps {
+		if s.Kind == planner.StepRun {
+			runs++
+		}
+	}
+	code, stdout, stderr := runCLI("estimate", "--model", "convnet", "--batch", "16", "--budget", "1GiB", "--table")
+	require.Equal(t, exitOK, code, stderr)
+	_, table, ok := strings.Cut(stdout, "memory timeline of chunk 0")
+	require.True(t, ok, stdout)
+	lines := strings.Split(strings.TrimSpace(table), "\n")
+	require.Len(t, lines, 2+runs, "title, header, one row per node run")
+	assert.True(t, strings.HasPrefix(lines[1], "STEP"))
+	conv := 0
+	for _, l := range lines[2:] {
+		if f := strings.Fields(l); f[2] == "conv2d" {
+			conv++
+			assert.NotContains(t, l, " - ", "a 3×3 convolution declares a workspace: %s", l)
+		}
+	}
+	assert.Equal(t, 3, conv, "three conv stages")
+}
+
+func TestInferenceHoldsNoOptimizerState(t *testing.T) {
+	code, stdout, stderr := runCLI("estimate", "--model", "mlp", "--batch", "128", "--budget", "1GiB", "--mode", "infer", "--json")
+	require.Equal(t, exitOK, code, stderr)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Equal(t, "infer", r.Mode)
+	assert.Empty(t, r.Optimizer)
+	assert.Zero(t, r.StateBytes)
+	assert.Empty(t, r.Labels)
+	require.NotNil(t, r.Plan)
+	// 784·512 + 512 + 512·512 + 512 + 512·10 + 10 parameters.
+	assert.Equal(t, int64(669706), r.Params)
+	assert.Equal(t, int64(669706*4), r.Plan.Persistent, "parameters only")
+}
+
+func TestHalfPrecisionHalvesParameters(t *testing.T) {
+	for _, dt := range []string{"float16", "bfloat16"} {
+		code, stdout, stderr := runCLI("estimate", "--model", "gpt2-small", "--batch", "2", "--seq", "128",
+			"--budget", "24GiB", "--dtype", dt, "--json")
+		require.Equal(t, exitOK, code, stderr)
+		var r report
+		require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+		assert.Equal(t, dt, r.DType)
+		assert.Equal(t, int64(124439808*2), r.ParamBytes, dt)
+		assert.Equal(t, int64(2*124439808*2), r.StateBytes, dt)
+		assert.Equal(t, "int64[2 128]", r.Input, "tokens stay int64")
+	}
+	code, _, stderr := runCLI("estimate", "--model", "convnet", "--batch", "4", "--budget", "1GiB", "--dtype", "float16")
+	assert.Equal(t, exitOK, code, stderr)
+}
+
+func TestModelsList(t *testing.T) {
+	code, stdout, stderr := runCLI("models")
+	require.Equal(t, exitOK, code, stderr)
+	lines := strings.Split(strings.TrimSpace(stdout), "\n")
+	require.Len(t, lines, 1+len(zoo()))
+	want := map[string]string{
+		"mlp":        "669,706",    // 784·512+512 + 512·512+512 + 512·10+10
+		"mlp-large":  "20,037,642", // 784·4096+4096 + 4096·4096+4096 + 4096·10+10
+		"gpt2-small": "124,439,808",
+	}
+	for _, l := range lines[1:] {
+		f := strings.Fields(l)
+		if n, ok := want[f[0]]; ok {
+			assert.Equal(t, n, f[1], f[0])
+		}
+	}
+}
+
+func TestChunkSummary(t *testing.T) {
+	assert.Equal(t, "4 × 8", chunkSummary([]int{8, 8, 8, 8}))
+	assert.Equal(t, "1 × 4 + 2 × 3", chunkSummary([]int{4, 3, 3}))
+	assert.Equal(t, "1 × 32", chunkSummary([]int{32}))
+}
+
+func TestThousands(t *testing.T) {
+	for in, want := range map[int64]string{0: "0", 999: "999", 1000: "1,000", 124439808: "124,439,808", -1234: "-1,234"} {
+		assert.Equal(t, want, thousands(in))
+	}
+}
+
+func TestErrorsAreTyped(t *testing.T) {
+	// A planning error is not a usage error.
+	c, err := parseEstimate([]string{"--model", "gpt2-small", "--batch", "8", "--budget", "1GiB"})
+	require.NoError(t, err)
+	_, err = estimate(c)
+	assert.ErrorIs(t, err, planner.ErrDoesNotFit)
+	assert.False(t, errors.Is(err, errUsage))
+}
