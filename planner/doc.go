@@ -10,11 +10,14 @@
 // run kernels, so the planned peak reserved bytes are the executor's,
 // rounding, segment sizes and splits included.
 //
-// Memory outside the chunk loop is persistent: parameters and constants,
-// optimizer state (StateSlots parameter-sized tensors per trained
-// parameter, present from the first step), and, when a batch runs in more
-// than one chunk, one gradient accumulator per kept output. Persistent
-// buffers are allocated first, in a fixed order, before any chunk runs.
+// Memory outside the chunk loop: persistent buffers, which outlive a step
+// (parameters and constants, and optimizer state: StateSlots
+// parameter-sized tensors per trained parameter, present from the first
+// step), then, when a batch runs in more than one chunk, one gradient
+// accumulator per kept output for the step. They are allocated first, in a
+// fixed order, before any chunk runs.
+//
+// A reshape is a view: it shares its input's buffer.
 //
 // Plan bisects the chunk size with full replays, starting from the affine
 // model bytes(B) = fixed + perSample·B, and returns balanced chunks: a

@@ -33,7 +33,7 @@ type DoesNotFitError struct {
 	Needed    int64 // peak reserved bytes of that run
 	Whole     int64 // peak reserved bytes of the whole batch in one chunk
 	Available int64 // the budget after headroom
-	Fixed     int64 // persistent bytes: parameters, optimizer state, accumulators
+	Fixed     int64 // persistent bytes: parameters and optimizer state
 	Largest   []BufferUse
 	Reason    error // why smaller chunks were not tried, if they were not
 	batch     int
@@ -99,7 +99,7 @@ type Plan struct {
 	// Fixed + PerSample·chunk (from replays at chunk sizes N/4 and N/2; zero
 	// for batches below 3). Fixed includes the persistent buffers.
 	Fixed, PerSample int64
-	Persistent       int64 // bytes of parameters, optimizer state and accumulators
+	Persistent       int64 // bytes of parameters and optimizer state (accumulators not included)
 	Budget           int64 // as given
 	Headroom         int64
 	Replays          int // simulated replays it took

@@ -1,6 +1,8 @@
 package planner
 
 import (
+	"slices"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/shapeinfer"
@@ -59,11 +61,13 @@ type Program struct {
 	Info    *shapeinfer.Result
 	Batch   int      // N
 	Buffers []Buffer // persistent buffers first
-	// Persistent lists, in allocation order, the buffers allocated once
-	// before any chunk: parameters and constants, then optimizer state,
-	// then accumulators (the last only when a batch runs in several chunks).
-	Persistent   []int
-	Accumulators []int // subset of Persistent, one per kept output, in Outputs order of Kept
+	// Persistent lists, in allocation order, the buffers that outlive a
+	// step: parameters and constants, then optimizer state.
+	Persistent []int
+	// Accumulators hold the kept outputs' sums, one per kept output in
+	// Kept order; a step allocates them after Persistent when its batch
+	// runs in several chunks, and frees them at its end.
+	Accumulators []int
 	Steps        []Step
 	Outputs      []int // graph outputs, in the order the caller asked
 	Kept         []int // outputs that stay on the device (parameter gradients)
@@ -132,18 +136,25 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		b := add(Buffer{Kind: BufAccumulator, Node: id, Fixed: info.Fixed[id], Tag: t})
 		p.Accumulators = append(p.Accumulators, b)
 	}
-	// The chunk program, in node order.
-	isOutput := make([]bool, n)
-	for _, o := range outputs {
-		isOutput[o] = true
-	}
+	// The chunk program, in node order. A reshape is a view: it shares its
+	// input's buffer (every buffer is contiguous, so only the shape
+	// changes), and a buffer is freed after the last use of any node that
+	// shares it.
+	bufLast := make([]int, len(p.Buffers), len(p.Buffers)+n)
 	for id := range nodes {
 		nd := &nodes[id]
 		if info.LastUse[id] < 0 || p.OutputBuf[id] >= 0 {
 			continue // unused, or persistent
 		}
+		if nd.Op == graph.OpReshape {
+			p.OutputBuf[id] = p.OutputBuf[nd.Inputs[0]]
+			bi := p.OutputBuf[id]
+			bufLast[bi] = max(bufLast[bi], info.LastUse[id])
+			continue
+		}
 		out := add(Buffer{Kind: BufOutput, Node: id, Fixed: info.Fixed[id], PerSample: info.PerSample[id], Tag: tag(nd)})
 		p.OutputBuf[id] = out
+		bufLast = append(bufLast[:len(p.Buffers)-1], info.LastUse[id])
 		p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: out})
 		ws := -1
 		if o.Workspace != nil && nd.Op.Category() != graph.CatSource {
@@ -153,6 +164,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 				t := tag(nd)
 				t.Op += ".workspace"
 				ws = add(Buffer{Kind: BufWorkspace, Node: id, Fixed: fixed, PerSample: per, Tag: t})
+				bufLast = append(bufLast, id)
 				p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: ws})
 			}
 		}
@@ -160,9 +172,20 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		if ws >= 0 {
 			p.Steps = append(p.Steps, Step{Kind: StepFree, Node: id, Buf: ws})
 		}
-		for _, in := range uniqueInputs(nd) {
-			if info.LastUse[in] == id && p.Buffers[p.OutputBuf[in]].Kind == BufOutput {
-				p.Steps = append(p.Steps, Step{Kind: StepFree, Node: in, Buf: p.OutputBuf[in]})
+	}
+	// Free steps: after node id, every chunk buffer whose last use is id.
+	// Inserted in a second pass because a view made later can extend the
+	// life of a buffer allocated earlier.
+	steps := p.Steps
+	p.Steps = make([]Step, 0, len(steps)+len(p.Buffers))
+	for _, st := range steps {
+		p.Steps = append(p.Steps, st)
+		if st.Kind != StepRun {
+			continue
+		}
+		for _, in := range uniqueBuffers(p, nodes[st.Node].Inputs) {
+			if p.Buffers[in].Kind == BufOutput && bufLast[in] == st.Node {
+				p.Steps = append(p.Steps, Step{Kind: StepFree, Node: p.Buffers[in].Node, Buf: in})
 			}
 		}
 	}
@@ -176,16 +199,13 @@ func scopeOrName(nd *graph.Node) string {
 	return nd.Scope
 }
 
-// uniqueInputs lists nd's inputs once each (x·x frees x once).
-func uniqueInputs(nd *graph.Node) []int {
+// uniqueBuffers lists the buffers of the given nodes once each (x·x, or a
+// view beside its source, frees one buffer once).
+func uniqueBuffers(p *Program, ids []int) []int {
 	var u []int
-	for _, in := range nd.Inputs {
-		dup := false
-		for _, v := range u {
-			dup = dup || v == in
-		}
-		if !dup {
-			u = append(u, in)
+	for _, id := range ids {
+		if bi := p.OutputBuf[id]; bi >= 0 && !slices.Contains(u, bi) {
+			u = append(u, bi)
 		}
 	}
 	return u

@@ -157,7 +157,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	}
 	in := make([]*buf, len(ins))
 	for i, b := range ins {
-		in[i] = r.vals[b]
+		in[i] = r.view(nd.Inputs[i], b, c.Size)
 	}
 	v := newBuf(nd.Type, shape)
 	if err := eval(nd, in, v, c.Start); err != nil {
@@ -169,10 +169,21 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 
 func (r *runner) Freed(_ planner.Buffer, blk *alloc.Block) { delete(r.vals, blk) }
 
+// view is node id's value in block blk at chunk size b: the block's data
+// with the node's shape. A reshape shares its input's block, so the shape
+// comes from the node reading it, not from the block.
+func (r *runner) view(id int, blk *alloc.Block, b int) *buf {
+	v := r.vals[blk]
+	if v == nil {
+		return nil
+	}
+	return &buf{shape: r.p.Graph.Node(id).Type.AtBatch(b), f: v.f, i: v.i}
+}
+
 func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Block) error {
 	k := 0
 	for i, o := range r.p.Outputs {
-		v := r.vals[outs[i]]
+		v := r.view(o, outs[i], c.Size)
 		if acc != nil && k < len(r.p.Kept) && r.p.Kept[k] == o {
 			a := r.vals[acc[k]]
 			for j, x := range v.f {
@@ -198,8 +209,7 @@ func (r *runner) Finish(kept []*alloc.Block) error {
 	}
 	for i, o := range r.p.Outputs { // kept outputs are returned as their final sums
 		if j := slices.Index(r.p.Kept, o); j >= 0 {
-			v := r.vals[kept[j]]
-			r.outs[i] = &buf{shape: v.shape, f: slices.Clone(v.f)}
+			r.outs[i] = &buf{shape: r.p.Graph.Node(o).Type.Shape, f: slices.Clone(r.vals[kept[j]].f)}
 		}
 	}
 	return nil
