@@ -93,9 +93,9 @@ func (bn *BatchNorm2d) Forward(x *lazy.Tensor) *lazy.Tensor {
 // BatchStats returns the batch mean and unbiased variance [C] of the input
 // of the last training-mode Forward, as tensors of that Forward's graph
 // (made on the first call, then reused): evaluate them, for instance with
-// Session.Eval after a training step, and pass the values to
-// UpdateRunning. Before any training-mode Forward both carry an ErrNoData
-// error.
+// Session.Eval before the optimizer step changes the parameters they
+// depend on, and pass the values to UpdateRunning. Before any
+// training-mode Forward both carry an ErrNoData error.
 func (bn *BatchNorm2d) BatchStats() (mean, variance *lazy.Tensor) {
 	if bn.input == nil {
 		err := graph.Errorf(graph.ErrNoData, "BatchNorm2d.BatchStats before any training-mode Forward")
