@@ -216,6 +216,8 @@ func (b *builder) vjp(g int, need []bool) {
 		b.accumulate(x, b.emit(graph.OpLogSoftmaxGrad, graph.Attrs{Axis: a.Axis}, g, y))
 	case graph.OpLayerNorm:
 		b.layerNorm(g, want)
+	case graph.OpBatchNorm:
+		b.batchNorm(g, want)
 	case graph.OpReshape:
 		b.accumulate(x, b.emit(graph.OpReshape, graph.Attrs{Shape: slices.Clone(b.typ(x).Shape)}, g))
 	case graph.OpPermute:
@@ -430,5 +432,82 @@ func (b *builder) layerNorm(g int, want func(int) bool) {
 			gb = b.emit(graph.OpSum, graph.Attrs{Axes: axes}, g)
 		}
 		b.accumulate(nd.Inputs[2], gb)
+	}
+}
+
+// batchNorm: y = x̂·w + b per channel, with x̂ = (x − mean)·rstd.
+//
+// Training mode: mean and rstd are the batch's, so every x moves them and
+// dx is batch_norm_grad_x's (1/M)·rstd·(M·ĝ − Σĝ − x̂·Σ(ĝ·x̂)) with ĝ = g·w
+// and M values per channel.
+//
+// Evaluation mode: mean and rstd come from the running statistics, so
+// dx = g·w·rstd, a per-channel scale made from the [C] inputs alone (x is
+// not saved for it). Gradients for the running statistics themselves, when
+// asked for (PyTorch keeps them out of autograd), are
+// d mean = −Σ g·w·rstd and d var = −½·Σ(g·x̂)·w·rstd².
+// In both modes dw = Σ g·x̂ (batch_norm_grad_w) and db = Σ g over every
+// axis but the channel axis.
+func (b *builder) batchNorm(g int, want func(int) bool) {
+	nd := b.fwd
+	in := nd.Inputs
+	x := in[0]
+	train := nd.Attrs.Training
+	a := graph.Attrs{Training: train, Eps: nd.Attrs.Eps}
+	aff := graph.BatchNormAffine(train)
+	xt := b.typ(x)
+	axes := []int{0} // every axis but the channels
+	for i := 2; i < len(xt.Shape); i++ {
+		axes = append(axes, i)
+	}
+	var stats []int // running mean and variance, in evaluation mode
+	if !train {
+		stats = in[1:3]
+	}
+	w := -1
+	if len(in) > aff {
+		w = in[aff]
+	}
+	gw := -1 // Σ g·x̂, made once for whichever inputs need it
+	gradW := func() int {
+		if gw < 0 {
+			gw = b.emit(graph.OpBatchNormGradW, a, append([]int{g, x}, stats...)...)
+		}
+		return gw
+	}
+	if train && want(0) {
+		xs := []int{g, x}
+		if w >= 0 {
+			xs = append(xs, w)
+		}
+		b.accumulate(x, b.emit(graph.OpBatchNormGradX, a, xs...))
+	}
+	if !train && (want(0) || want(1) || want(2)) {
+		// rstd = (var + eps)^−½ and scale = w·rstd, both [C].
+		rstd := b.scalar(graph.OpPowScalar, b.scalar(graph.OpAddScalar, stats[1], nd.Attrs.Eps), -0.5)
+		scale := rstd
+		if w >= 0 {
+			scale = b.mul(w, rstd)
+		}
+		if want(0) { // scale broadcast as [C, 1, …, 1] against x [N, C, …]
+			bc := make([]int, len(xt.Shape)-1)
+			for i := range bc {
+				bc[i] = 1
+			}
+			bc[0] = xt.Shape[1]
+			b.accumulate(x, b.mul(g, b.emit(graph.OpReshape, graph.Attrs{Shape: bc}, scale)))
+		}
+		if want(1) {
+			b.accumulate(stats[0], b.neg(b.mul(b.emit(graph.OpSum, graph.Attrs{Axes: axes}, g), scale)))
+		}
+		if want(2) {
+			b.accumulate(stats[1], b.scalar(graph.OpMulScalar, b.mul(gradW(), b.mul(scale, rstd)), -0.5))
+		}
+	}
+	if want(aff) {
+		b.accumulate(in[aff], gradW())
+	}
+	if want(aff + 1) {
+		b.accumulate(in[aff+1], b.emit(graph.OpSum, graph.Attrs{Axes: axes}, g))
 	}
 }

@@ -46,6 +46,7 @@ func TestCheckArity(t *testing.T) {
 		{graph.OpAdd, []int{2}, []int{1, 3}},
 		{graph.OpLinear, []int{2, 3}, []int{1, 4}},
 		{graph.OpLayerNorm, []int{1, 2, 3}, []int{0, 4}},
+		{graph.OpBatchNorm, []int{1, 3, 5}, []int{0, 6}}, // the rule checks the count for the mode
 		{graph.OpConv2d, []int{2, 3}, []int{1, 4}},
 		{graph.OpConcat, []int{1, 2, 17}, []int{0}},
 	} {
@@ -150,4 +151,25 @@ func TestOpError(t *testing.T) {
 	assert.True(t, errors.Is(err, graph.ErrShape))
 	assert.False(t, errors.Is(err, graph.ErrDType))
 	assert.NotEmpty(t, err.Error())
+}
+
+// batch_norm's mode changes the graph's meaning (and its chunkability), so
+// it must change the signature that plans are cached under.
+func TestSignatureSeesTraining(t *testing.T) {
+	typ := graph.Type{Shape: []int{4, 3}, DType: graph.Float32, BatchAxis: 0, PerSample: 1}
+	build := func(training bool) *graph.Graph {
+		g := graph.New()
+		x, err := g.Append(graph.Node{Op: graph.OpInput, Type: typ})
+		require.NoError(t, err)
+		_, err = g.Append(graph.Node{Op: graph.OpBatchNorm, Inputs: []int{x}, Attrs: graph.Attrs{Training: training, Eps: 1e-5}, Type: typ})
+		require.NoError(t, err)
+		return g
+	}
+	assert.Equal(t, build(true).Signature(), build(true).Signature())
+	assert.NotEqual(t, build(true).Signature(), build(false).Signature())
+}
+
+func TestBatchNormAffine(t *testing.T) {
+	assert.Equal(t, 1, graph.BatchNormAffine(true))  // x, weight, bias
+	assert.Equal(t, 3, graph.BatchNormAffine(false)) // x, running_mean, running_var, weight, bias
 }

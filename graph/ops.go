@@ -83,6 +83,14 @@ const (
 	OpSoftmax    // Attrs.Axis
 	OpLogSoftmax // Attrs.Axis
 	OpLayerNorm  // inputs x[, weight[, bias]]; Attrs.NormDims trailing dims, Attrs.Eps
+	// OpBatchNorm normalises x [N, C, ...] per channel (axis 1), as
+	// PyTorch's batch_norm. With Attrs.Training it uses the batch's mean and
+	// biased variance over every axis but 1 and takes x[, weight[, bias]];
+	// otherwise it uses running statistics and takes x, running_mean,
+	// running_var[, weight[, bias]], all [C] (BatchNormAffine says where the
+	// weight is). Attrs.Eps. It updates no running statistics: graphs have
+	// no side effects.
+	OpBatchNorm
 	// movement
 	OpReshape // Attrs.Shape (full-batch sizes, no −1 left)
 	OpPermute // Attrs.Perm
@@ -124,6 +132,8 @@ const (
 	OpLogSoftmaxGrad    // g, y; Axis: g − exp(y)·Σ g
 	OpLayerNormGradX    // g, x[, w]; NormDims, Eps
 	OpLayerNormGradW    // g, x; NormDims, Eps: Σ over leading axes of g·x̂
+	OpBatchNormGradX    // g, x[, w]; Eps; Training only: the batch-statistics backward of x
+	OpBatchNormGradW    // g, x[, running_mean, running_var]; Training, Eps: Σ over all axes but 1 of g·x̂
 	OpSliceGrad         // g; Axis, Start, End, Step, Target: g scattered into zeros
 	OpEmbeddingGrad     // g, indices; Target [V, D]: rows scatter-added
 	OpConv2dGradInput   // g, w; conv attrs, Target = input type
@@ -189,6 +199,7 @@ var opTable = [numOps]OpInfo{
 	OpSoftmax:    {Name: "softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"}},
 	OpLogSoftmax: {Name: "log_softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"}},
 	OpLayerNorm:  {Name: "layer_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 3, Attrs: []string{"normdims", "eps"}},
+	OpBatchNorm:  {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "eps"}},
 
 	OpReshape: {Name: "reshape", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"shape"}},
 	OpPermute: {Name: "permute", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"perm"}},
@@ -219,6 +230,8 @@ var opTable = [numOps]OpInfo{
 	OpLogSoftmaxGrad:    {Name: "log_softmax_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"axis"}},
 	OpLayerNormGradX:    {Name: "layer_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"normdims", "eps"}},
 	OpLayerNormGradW:    {Name: "layer_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"normdims", "eps"}},
+	OpBatchNormGradX:    {Name: "batch_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"training", "eps"}},
+	OpBatchNormGradW:    {Name: "batch_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 4, Attrs: []string{"training", "eps"}},
 	OpSliceGrad:         {Name: "slice_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"axis", "start", "end", "step", "target"}},
 	OpEmbeddingGrad:     {Name: "embedding_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"target"}},
 	OpConv2dGradInput:   {Name: "conv2d_grad_input", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}},
@@ -301,6 +314,7 @@ type Attrs struct {
 	Perm      []int // permute
 	NormDims  int   // layer_norm: number of trailing dims normalised
 	Eps       float64
+	Training  bool   // batch_norm: normalise with the batch's statistics, not running ones
 	Kernel    [2]int // pooling
 	Stride    [2]int
 	Padding   [2]int
@@ -314,4 +328,14 @@ type Attrs struct {
 	// step). They change no shape or byte count, so graph signatures leave
 	// them out and a step with a new counter reuses the cached plan.
 	Seed, Counter uint64
+}
+
+// BatchNormAffine is the index of batch_norm's optional weight input (the
+// bias follows it): 1 in training mode, 3 in evaluation mode, after the
+// running mean and variance.
+func BatchNormAffine(training bool) int {
+	if training {
+		return 1
+	}
+	return 3
 }

@@ -433,6 +433,20 @@ var fuzzOps = []fuzzOp{
 		s := fz.smallShape()
 		return one(fz.g.Wrap(denseOf(fz.byte(), s...), fz.n(len(s)+2)-1))
 	}},
+	{"batch_norm", func(fz *fuzzer, x *lazy.Tensor) []*lazy.Tensor {
+		ch := func(s []int) []int { return s[min(1, len(s)):min(2, len(s))] } // [C] when the rank allows
+		per := func() *lazy.Tensor {
+			if fz.n(4) == 0 {
+				return nil
+			}
+			return fz.like(x, f32, ch)
+		}
+		w, b, mean, variance := per(), per(), per(), per()
+		if fz.n(2) == 0 {
+			return one(x.BatchNorm2d(w, b, mean, variance, fz.n(2) == 0, fz.scalar()))
+		}
+		return one(x.BatchNorm(w, b, mean, variance, fz.n(2) == 0, fz.scalar()))
+	}},
 }
 
 // check asserts the invariants of every tensor made and analyses every

@@ -102,6 +102,17 @@ func misuses() []misuse {
 		{"layer_norm eps 0", func() *lazy.Tensor { return x().LayerNorm(nil, nil, 1, 0) }, "layer_norm", sh(d(4, 3)), graph.ErrAttr},
 		{"layer_norm eps negative", func() *lazy.Tensor { return x().LayerNorm(p(3), p(3), 1, -1e-5) }, "layer_norm", sh(d(4, 3), d(3), d(3)), graph.ErrAttr},
 		{"layer_norm bias without weight", func() *lazy.Tensor { return x().LayerNorm(nil, p(3), 1, 1e-5) }, "layer_norm", sh(d(4, 3)), graph.ErrArity},
+		{"batch_norm weight wrong shape", func() *lazy.Tensor { return img().BatchNorm2d(p(4), nil, nil, nil, true, 1e-5) }, "batch_norm", sh(d(4, 3, 5, 5), d(4)), graph.ErrShape},
+		{"batch_norm running_var wrong shape", func() *lazy.Tensor { return img().BatchNorm2d(nil, nil, p(3), p(5), false, 1e-5) }, "batch_norm", sh(d(4, 3, 5, 5), d(3), d(5)), graph.ErrShape},
+		{"batch_norm running_mean wrong shape in training mode", func() *lazy.Tensor { return img().BatchNorm2d(p(3), p(3), p(1, 3), nil, true, 1e-5) }, "batch_norm", sh(d(4, 3, 5, 5)), graph.ErrShape},
+		{"batch_norm eval without running statistics", func() *lazy.Tensor { return img().BatchNorm2d(p(3), p(3), p(3), nil, false, 1e-5) }, "batch_norm", sh(d(4, 3, 5, 5)), graph.ErrArity},
+		{"batch_norm bias without weight", func() *lazy.Tensor { return img().BatchNorm2d(nil, p(3), nil, nil, true, 1e-5) }, "batch_norm", sh(d(4, 3, 5, 5)), graph.ErrArity},
+		{"batch_norm2d of a rank-2 input", func() *lazy.Tensor { return x().BatchNorm2d(nil, nil, nil, nil, true, 1e-5) }, "batch_norm", sh(d(4, 3)), graph.ErrShape},
+		{"batch_norm eps 0", func() *lazy.Tensor { return x().BatchNorm(nil, nil, nil, nil, true, 0) }, "batch_norm", sh(d(4, 3)), graph.ErrAttr},
+		{"batch_norm int64 running_mean", func() *lazy.Tensor { return x().BatchNorm(nil, nil, pi(3), p(3), false, 1e-5) }, "batch_norm", sh(d(4, 3), d(3), d(3)), graph.ErrDType},
+		{"batch_norm in training mode with one value per channel", func() *lazy.Tensor {
+			return lazy.Placeholder([]int{1, 3}, f32, 0).BatchNorm(nil, nil, nil, nil, true, 1e-5)
+		}, "batch_norm", sh(d(1, 3)), graph.ErrShape},
 		{"cross_entropy float labels", func() *lazy.Tensor {
 			g := lazy.NewGraph()
 			return g.Placeholder([]int{4, 10}, f32, 0).CrossEntropy(g.Placeholder([]int{4}, f32, 0), graph.ReduceMean)
@@ -149,6 +160,8 @@ var followUps = []struct {
 	{"transpose", func(t *lazy.Tensor) *lazy.Tensor { return t.Transpose(0, 1) }},
 	{"slice step 0", func(t *lazy.Tensor) *lazy.Tensor { return t.SliceStep(0, 0, 1, 0) }},
 	{"layer_norm bias without weight", func(t *lazy.Tensor) *lazy.Tensor { return t.LayerNorm(nil, p(3), 1, 1e-5) }},
+	{"batch_norm eval without running statistics", func(t *lazy.Tensor) *lazy.Tensor { return t.BatchNorm2d(nil, nil, nil, nil, false, 1e-5) }},
+	{"batch_norm with an errored running mean", func(t *lazy.Tensor) *lazy.Tensor { return x().BatchNorm(nil, nil, t, p(3), false, 1e-5) }},
 	{"concat", func(t *lazy.Tensor) *lazy.Tensor { return lazy.Concat(0, t, t) }},
 	{"linear", func(t *lazy.Tensor) *lazy.Tensor { return t.Linear(p(2, 3), nil) }},
 	{"cross_entropy", func(t *lazy.Tensor) *lazy.Tensor { return t.CrossEntropy(pi(4), graph.ReduceMean) }},

@@ -2,6 +2,7 @@ package lazy
 
 import (
 	"math"
+	"slices"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -111,6 +112,65 @@ func (t *Tensor) LayerNorm(weight, bias *Tensor, normDims int, eps float64) *Ten
 		return apply(graph.OpLayerNorm, attrs, t) // returns t's sticky error
 	}
 	return apply(graph.OpLayerNorm, attrs, t, weight, bias)
+}
+
+// BatchNorm normalises t [N, C, ...] per channel (axis 1), as PyTorch's
+// F.batch_norm, then scales by weight and shifts by bias ([C] each,
+// optional: pass nil; bias needs weight). In training mode it uses the
+// batch's mean and biased variance over every axis but the channels, so a
+// graph using it cannot run in batch chunks; runMean and runVar are not
+// read and may be nil (graphs have no side effects: nn.BatchNorm2d
+// updates its running statistics explicitly). In evaluation mode it uses
+// runMean and runVar ([C], required) and stays per-sample.
+func (t *Tensor) BatchNorm(weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
+	return t.batchNorm(false, weight, bias, runMean, runVar, training, eps)
+}
+
+// BatchNorm2d is BatchNorm for NCHW input: t must have rank 4.
+func (t *Tensor) BatchNorm2d(weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
+	return t.batchNorm(true, weight, bias, runMean, runVar, training, eps)
+}
+
+func (t *Tensor) batchNorm(nchw bool, weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
+	attrs := graph.Attrs{Training: training, Eps: eps}
+	if t.Err() != nil || t.zero() {
+		return apply(graph.OpBatchNorm, attrs, t) // t's sticky error, or a typed one for t
+	}
+	shape := t.Shape()
+	fail := func(sentinel error, format string, args ...any) *Tensor {
+		return errTensor("batch_norm", site(), graph.Errorf(sentinel, format, args...), shape)
+	}
+	if nchw && len(shape) != 4 {
+		return fail(graph.ErrShape, "BatchNorm2d expects NCHW input of rank 4, got %v", shape)
+	}
+	in := []*Tensor{t}
+	switch {
+	case training:
+		// Not read in training mode, but checked, so a wrong shape shows
+		// whichever mode runs first.
+		for i, s := range []*Tensor{runMean, runVar} {
+			switch {
+			case s == nil || len(shape) < 2:
+			case s.Err() != nil:
+				return ErrorTensor("batch_norm", s.Err())
+			case !slices.Equal(s.Shape(), []int{shape[1]}):
+				return fail(graph.ErrShape, "%s shape %v, want [%d]", []string{"running_mean", "running_var"}[i], s.Shape(), shape[1])
+			}
+		}
+	case runMean == nil || runVar == nil:
+		return fail(graph.ErrArity, "evaluation mode needs the running mean and variance")
+	default:
+		in = append(in, runMean, runVar)
+	}
+	switch {
+	case weight != nil && bias != nil:
+		in = append(in, weight, bias)
+	case weight != nil:
+		in = append(in, weight)
+	case bias != nil:
+		return fail(graph.ErrArity, "bias without weight")
+	}
+	return apply(graph.OpBatchNorm, attrs, in...)
 }
 
 // Movement ops.

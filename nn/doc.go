@@ -22,6 +22,10 @@
 //   - Bad sizes or options never panic: the module keeps a typed error
 //     (wrapping graph's sentinels) that Check reports and Forward returns as
 //     the output tensor's sticky error.
+//   - BatchNorm2d keeps its running statistics as buffers outside Params,
+//     and graphs have no side effects: a training-mode Forward leaves them
+//     alone, and BatchStats plus UpdateRunning apply PyTorch's momentum
+//     update as an explicit step.
 //   - Dropout is evaluation-mode only (the identity) until the dropout op
 //     lands; training mode arrives with it.
 package nn

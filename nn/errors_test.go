@@ -29,6 +29,7 @@ func TestConstructionErrors(t *testing.T) {
 		{"conv zero kernel", nn.NewConv2d(opt, 3, 4, [2]int{0, 3}, true, lazy.ConvOptions{}), graph.ErrShape},
 		{"layernorm eps", nn.NewLayerNorm(opt, []int{4}, 0), graph.ErrAttr},
 		{"layernorm no shape", nn.NewLayerNorm(opt, nil, 1e-5), graph.ErrShape},
+		{"batchnorm eps", nn.NewBatchNorm2d(opt, 4, -1, 0.1), graph.ErrAttr},
 		{"dropout p", nn.NewDropout(1.5), graph.ErrAttr},
 		{"mlp one size", nn.MLP(opt, []int{4}, nn.ReLU{}), graph.ErrShape},
 		{"mlp nil activation", nn.MLP(opt, []int{4, 4}, nil), graph.ErrNilTensor},
@@ -68,7 +69,8 @@ func TestForwardErrors(t *testing.T) {
 	// An errored input keeps its own error through every module.
 	bad := lazy.Placeholder([]int{2, 4}, graph.Float32, 0).Reshape(3, -1)
 	require.Error(t, bad.Err())
-	for _, mod := range []nn.Module{m, nn.NewDropout(0.2), nn.NewDropout(2), nn.Flatten{}, nn.NewConv2d(opt, 3, 4, [2]int{1, 1}, true, lazy.ConvOptions{Groups: 2})} {
+	for _, mod := range []nn.Module{m, nn.NewDropout(0.2), nn.NewDropout(2), nn.Flatten{}, nn.NewConv2d(opt, 3, 4, [2]int{1, 1}, true, lazy.ConvOptions{Groups: 2}),
+		nn.NewBatchNorm2d(opt, 4, 1e-5, 0.1), nn.NewBatchNorm2d(opt, 4, 0, 0.1)} {
 		assert.Same(t, bad.Err(), mod.Forward(bad).Err())
 	}
 	assert.ErrorIs(t, nn.Flatten{}.Forward(lazy.Param(nil, "x")).Err(), graph.ErrNilTensor)

@@ -223,9 +223,18 @@ func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
 		if g != 0 {
 			r.fail(nd, "batch axis %d is not the N axis of NCHW", g)
 		}
+	case graph.OpBatchNorm, graph.OpBatchNormGradX, graph.OpBatchNormGradW:
+		switch {
+		case a.Training:
+			// Every output element depends on the whole batch's mean and
+			// variance: a chunk would normalise with its own.
+			r.fail(nd, "normalises with batch statistics (%s in training mode)", nd.Op)
+		case g == 1 || nd.Op == graph.OpBatchNormGradW:
+			r.fail(nd, "batch axis is the channel axis: each chunk would need its slice of the per-channel values")
+		}
 	}
 	switch nd.Op {
-	case graph.OpLinear, graph.OpConv2d, graph.OpLayerNorm, graph.OpEmbedding:
+	case graph.OpLinear, graph.OpConv2d, graph.OpLayerNorm, graph.OpEmbedding, graph.OpBatchNorm:
 		// Weights are shared by every sample; a batched one mixes them.
 		for _, in := range nd.Inputs[1:] {
 			if r.Class[in] == PerSample {
@@ -267,6 +276,11 @@ func (r *Result) consume(nodes []graph.Node, nd *graph.Node) Combine {
 	case graph.OpLayerNormGradW, graph.OpEmbeddingGrad, graph.OpConv2dGradWeight:
 		// Parameter gradients: sums over samples.
 		return CombineSum
+	case graph.OpBatchNormGradW:
+		if !nd.Attrs.Training { // x̂ from running statistics: a sum over samples
+			return CombineSum
+		}
+		r.fail(nd, "normalises with batch statistics (%s in training mode)", nd.Op)
 	case graph.OpMatMul:
 		if r.bothBatchedOnContraction(nd) {
 			return CombineSum

@@ -224,6 +224,55 @@ func TestSampleMixingOpsAreNotChunkable(t *testing.T) {
 	}
 }
 
+// Training-mode batch_norm normalises every sample with the whole batch's
+// statistics: no chunk can compute its samples' outputs alone. The analysis
+// blames the batch_norm node, in forward-only and training graphs alike;
+// evaluation mode is per-sample.
+func TestBatchNormChunkability(t *testing.T) {
+	const n, c = 16, 4
+	build := func(training bool) (g *lazy.Graph, bn, loss *lazy.Tensor, params []*lazy.Tensor) {
+		g = lazy.NewGraph()
+		x := g.Placeholder([]int{n, c, 5, 5}, f32, 0)
+		w, b, mean, variance := pspec(c), pspec(c), pspec(c), pspec(c)
+		bn = x.BatchNorm2d(w, b, mean, variance, training, 1e-5)
+		return g, bn, bn.Relu().Mean(), []*lazy.Tensor{w, b}
+	}
+
+	_, bn, _, _ := build(true)
+	res := analyze(t, bn)
+	notChunkableAt(t, res, bn)
+	var ce *shapeinfer.ChunkError
+	require.True(t, errors.As(error(res.NotChunkable), &ce))
+	assert.Equal(t, "batch_norm", ce.Op)
+	assert.NotEmpty(t, ce.Reason)
+	assert.Equal(t, shapeinfer.PerSample, res.Class[bn.ID()], "the output keeps its batch axis; its values do not")
+
+	// With the backward pass appended the forward node is still the one blamed.
+	_, bn, loss, params := build(true)
+	grads := lazy.Grad(loss, params...)
+	notChunkableAt(t, analyze(t, append([]*lazy.Tensor{loss}, grads...)...), bn)
+
+	_, bn, loss, params = build(false)
+	grads = lazy.Grad(loss, params...)
+	res = analyze(t, append([]*lazy.Tensor{loss, bn}, grads...)...)
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	assert.Equal(t, shapeinfer.PerSample, res.Class[bn.ID()])
+	for k, gr := range grads {
+		assert.Equal(t, shapeinfer.CombineSum, res.Combine[gr.ID()], "grad %d", k)
+	}
+
+	// Samples on the channel axis: each chunk would need its slice of the
+	// running statistics.
+	bc := lazy.Placeholder([]int{2, n, 5}, f32, 1).BatchNorm(nil, nil, pspec(n), pspec(n), false, 1e-5)
+	notChunkableAt(t, analyze(t, bc), bc)
+
+	// Running statistics computed from the batch flow back into per-sample work.
+	g := lazy.NewGraph()
+	x := g.Placeholder([]int{n, c}, f32, 0)
+	fromBatch := x.BatchNorm(nil, nil, x.Mean(0), x.Mul(x).Mean(0), false, 1e-5)
+	notChunkableAt(t, analyze(t, fromBatch), fromBatch)
+}
+
 // A small graph whose bytes and liveness are worked out by hand.
 func TestBytesAndLastUseByHand(t *testing.T) {
 	g := lazy.NewGraph()
@@ -345,6 +394,14 @@ func TestTrainingGraphsAreChunkable(t *testing.T) {
 			target := g.Placeholder([]int{16, 5, 6}, f32, 0)
 			h := x.LayerNorm(ln, nil, 1, 1e-5).Linear(w, nil).Softmax(-1)
 			return h.MSE(target, graph.ReduceMean), []*lazy.Tensor{w, ln}
+		}},
+		{"cnn with batch_norm in evaluation mode", func(g *lazy.Graph) (*lazy.Tensor, []*lazy.Tensor) {
+			k, bw, bb, fc := pspec(4, 3, 3, 3), pspec(4), pspec(4), pspec(10, 4*8*8)
+			mean, variance := pspec(4), pspec(4) // running statistics: constants to the graph
+			x := g.Placeholder([]int{16, 3, 8, 8}, f32, 0)
+			y := g.Placeholder([]int{16}, i64, 0)
+			h := x.Conv2d(k, nil, lazy.ConvOptions{Padding: [2]int{1, 1}}).BatchNorm2d(bw, bb, mean, variance, false, 1e-5).Relu()
+			return h.Reshape(16, -1).Linear(fc, nil).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{k, bw, bb, fc, mean, variance}
 		}},
 		{"cnn, cross_entropy", func(g *lazy.Graph) (*lazy.Tensor, []*lazy.Tensor) {
 			k, fc := pspec(4, 3, 3, 3), pspec(10, 4*3*3)

@@ -15,6 +15,7 @@
 // samples. Means and mean-reduced losses carry 1/count computed with the
 // full batch N, so chunk partials simply add. A graph where a cross-batch
 // value flows back into per-sample work, passes through a non-linear op, or
-// where an op mixes samples, is not chunkable; Result.NotChunkable names the
+// where an op mixes samples (training-mode batch_norm, which normalises with
+// the batch's statistics), is not chunkable; Result.NotChunkable names the
 // first such node and why.
 package shapeinfer

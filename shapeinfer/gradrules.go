@@ -126,6 +126,31 @@ func gradRule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (grap
 		}
 		x := in[1]
 		return graph.Type{Shape: slices.Clone(x.Shape[len(x.Shape)-attrs.NormDims:]), DType: x.DType, BatchAxis: -1, PerSample: 1}, nil
+	case graph.OpBatchNormGradX:
+		if !attrs.Training {
+			return graph.Type{}, graph.Errorf(graph.ErrAttr, "batch_norm_grad_x is the training-mode gradient; in evaluation mode dx is g·weight·rstd")
+		}
+		a := *attrs
+		fwd, err := batchNorm(&a, in[1:])
+		if err := expect(op, "gradient", g, fwd, err); err != nil {
+			return graph.Type{}, err
+		}
+		return sameShape(op, in[1], g)
+	case graph.OpBatchNormGradW:
+		if want := graph.BatchNormAffine(attrs.Training) + 1; len(in) != want {
+			return graph.Type{}, graph.Errorf(graph.ErrArity, "batch_norm_grad_w takes g, x and, in evaluation mode, the running statistics: %d inputs, got %d", want, len(in))
+		}
+		a := *attrs
+		fwd, err := batchNorm(&a, in[1:])
+		if err := expect(op, "gradient", g, fwd, err); err != nil {
+			return graph.Type{}, err
+		}
+		x := in[1]
+		t := graph.Type{Shape: []int{x.Shape[1]}, DType: x.DType, BatchAxis: -1, PerSample: 1}
+		if x.BatchAxis == 1 { // samples on the channel axis: not summed over
+			t.BatchAxis, t.PerSample = 0, x.PerSample
+		}
+		return t, nil
 	case graph.OpSliceGrad:
 		t, err := target(op, attrs)
 		if err != nil {

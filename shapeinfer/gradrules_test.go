@@ -44,6 +44,12 @@ func gradValidCases() []ruleCase {
 		{name: "weight", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), f(5)), want: fb(0, 4, 5)},
 		{name: "sums over leading axes", op: graph.OpLayerNormGradW, attrs: graph.Attrs{NormDims: 2, Eps: 1e-5}, in: ts(fb(0, 4, 2, 5), fb(0, 4, 2, 5)), want: f(2, 5)},
 
+		{name: "weight", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 5), fb(0, 4, 3, 5, 5), f(3)), want: fb(0, 4, 3, 5, 5)},
+		{name: "no weight", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
+		{name: "training", op: graph.OpBatchNormGradW, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 5), fb(0, 4, 3, 5, 5)), want: f(3)},
+		{name: "eval", op: graph.OpBatchNormGradW, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 5), fb(0, 4, 3, 5, 5), f(3), f(3)), want: f(3)},
+		{name: "samples on the channel axis", op: graph.OpBatchNormGradW, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(1, 2, 4, 5), fb(1, 2, 4, 5), f(4), f(4)), want: fb(0, 4)},
+
 		{name: "step 2", op: graph.OpSliceGrad, attrs: graph.Attrs{Axis: 1, Start: 1, End: 5, Step: 2, Target: fb(0, 4, 6)}, in: ts(fb(0, 4, 2)), want: fb(0, 4, 6)},
 		{name: "scatter-add rows", op: graph.OpEmbeddingGrad, attrs: graph.Attrs{Target: f(10, 16)}, in: ts(fb(0, 4, 7, 16), ib(0, 4, 7)), want: f(10, 16)},
 
@@ -94,6 +100,13 @@ func gradRejectCases() []rejectCase {
 		{name: "gradient shape", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 4), fb(0, 4, 5)), want: graph.ErrShape},
 		{name: "weight shape", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), f(4)), want: graph.ErrShape},
 		{name: "no norm dims", op: graph.OpLayerNormGradW, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 5), fb(0, 4, 5)), want: graph.ErrAttr},
+
+		{name: "eval mode", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 5), fb(0, 4, 3, 5, 5)), want: graph.ErrAttr},
+		{name: "gradient shape", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 4), fb(0, 4, 3, 5, 5)), want: graph.ErrShape},
+		{name: "weight shape", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3), fb(0, 4, 3), f(4)), want: graph.ErrShape},
+		{name: "eval without running statistics", op: graph.OpBatchNormGradW, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: graph.ErrArity},
+		{name: "training with running statistics", op: graph.OpBatchNormGradW, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3), fb(0, 4, 3), f(3), f(3)), want: graph.ErrArity},
+		{name: "running_var shape", op: graph.OpBatchNormGradW, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 3), fb(0, 4, 3), f(3), f(2)), want: graph.ErrShape},
 
 		{name: "gradient shape", op: graph.OpSliceGrad, attrs: graph.Attrs{Axis: 1, Start: 1, End: 5, Step: 2, Target: fb(0, 4, 6)}, in: ts(fb(0, 4, 3)), want: graph.ErrShape},
 		{name: "slice out of range", op: graph.OpSliceGrad, attrs: graph.Attrs{Axis: 1, End: 7, Step: 1, Target: fb(0, 4, 6)}, in: ts(fb(0, 4, 7)), want: graph.ErrAttr},

@@ -70,6 +70,8 @@ func Rule(op graph.Op, attrs *graph.Attrs, in []graph.Type, batch int) (graph.Ty
 		return in[0], nil
 	case graph.OpLayerNorm:
 		return layerNorm(attrs, in)
+	case graph.OpBatchNorm:
+		return batchNorm(attrs, in)
 	case graph.OpReshape:
 		return reshape(attrs, in[0], batch)
 	case graph.OpPermute:
@@ -359,6 +361,45 @@ func layerNorm(attrs *graph.Attrs, in []graph.Type) (graph.Type, error) {
 		if p.DType != x.DType {
 			return graph.Type{}, graph.Errorf(graph.ErrDType, "layer_norm of %s with %s", x.DType, p.DType)
 		}
+	}
+	return x, nil
+}
+
+// batchNorm checks x [N, C, ...] and its per-channel inputs, laid out as
+// graph.OpBatchNorm says for the mode.
+func batchNorm(attrs *graph.Attrs, in []graph.Type) (graph.Type, error) {
+	x := in[0]
+	aff := graph.BatchNormAffine(attrs.Training)
+	names := []string{"weight", "bias"}
+	mode := "training mode takes x[, weight[, bias]]"
+	if !attrs.Training {
+		names = []string{"running_mean", "running_var", "weight", "bias"}
+		mode = "evaluation mode takes x, running_mean, running_var[, weight[, bias]]"
+	}
+	if len(in) < aff || len(in) > aff+2 {
+		return graph.Type{}, graph.Errorf(graph.ErrArity, "batch_norm in %s, got %d inputs", mode, len(in))
+	}
+	if err := needFloat(graph.OpBatchNorm, in...); err != nil {
+		return graph.Type{}, err
+	}
+	if len(x.Shape) < 2 {
+		return graph.Type{}, graph.Errorf(graph.ErrShape, "batch_norm needs x [N, C, ...] of rank ≥ 2, got %v", x.Shape)
+	}
+	if !(attrs.Eps > 0) {
+		return graph.Type{}, graph.Errorf(graph.ErrAttr, "batch_norm eps must be positive, got %g", attrs.Eps)
+	}
+	c := x.Shape[1]
+	for i, p := range in[1:] {
+		if !slices.Equal(p.Shape, []int{c}) {
+			return graph.Type{}, graph.Errorf(graph.ErrShape, "batch_norm %s shape %v, want [%d] (the channels of x %v)", names[i], p.Shape, c, x.Shape)
+		}
+		if p.DType != x.DType {
+			return graph.Type{}, graph.Errorf(graph.ErrDType, "batch_norm of %s with %s %s", x.DType, names[i], p.DType)
+		}
+	}
+	// PyTorch refuses the same: one value per channel has no variance.
+	if m := x.Shape[0] * graph.Numel(x.Shape[2:]); attrs.Training && m <= 1 {
+		return graph.Type{}, graph.Errorf(graph.ErrShape, "batch_norm in training mode needs more than one value per channel, got x %v", x.Shape)
 	}
 	return x, nil
 }

@@ -172,6 +172,17 @@ func validCases() []ruleCase {
 		ruleCase{name: "weight and bias", op: graph.OpLayerNorm, attrs: graph.Attrs{NormDims: 1, Eps: 1e-5}, in: ts(fb(0, 4, 5), f(5), f(5)), want: fb(0, 4, 5)},
 		ruleCase{name: "two trailing dims", op: graph.OpLayerNorm, attrs: graph.Attrs{NormDims: 2, Eps: 1e-5}, in: ts(fb(0, 4, 2, 5), f(2, 5)), want: fb(0, 4, 2, 5)},
 	)
+	bnTrain, bnEval := graph.Attrs{Training: true, Eps: 1e-5}, graph.Attrs{Eps: 1e-5}
+	add(
+		ruleCase{name: "training, no affine", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(fb(0, 4, 3, 5, 5)), want: fb(0, 4, 3, 5, 5)},
+		ruleCase{name: "training, weight", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(fb(0, 4, 3, 5, 5), f(3)), want: fb(0, 4, 3, 5, 5)},
+		ruleCase{name: "training, weight and bias", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(fb(0, 4, 3, 5, 5), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
+		ruleCase{name: "training, [N, C]", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(fb(0, 4, 3)), want: fb(0, 4, 3)},
+		ruleCase{name: "training, one sample, two values per channel", op: graph.OpBatchNorm, attrs: bnTrain, batch: 1, in: ts(fp(0, 1, 1, 3, 2)), want: fp(0, 1, 1, 3, 2)},
+		ruleCase{name: "eval, running statistics only", op: graph.OpBatchNorm, attrs: bnEval, in: ts(fb(0, 4, 3, 5, 5), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
+		ruleCase{name: "eval, weight and bias", op: graph.OpBatchNorm, attrs: bnEval, in: ts(fb(0, 4, 3, 5, 5), f(3), f(3), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
+		ruleCase{name: "eval, one value per channel", op: graph.OpBatchNorm, attrs: bnEval, batch: 1, in: ts(fp(0, 1, 1, 3), f(3), f(3)), want: fp(0, 1, 1, 3)},
+	)
 
 	// Reshape with N = 4, T = 2, C = 3.
 	add(
@@ -399,6 +410,22 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "bias shape", op: graph.OpLayerNorm, attrs: ln, in: ts(fb(0, 4, 5), f(5), f(1, 5)), want: graph.ErrShape},
 		rejectCase{name: "int64 weight", op: graph.OpLayerNorm, attrs: ln, in: ts(fb(0, 4, 5), i(5)), want: graph.ErrDType},
 		rejectCase{name: "int64 input", op: graph.OpLayerNorm, attrs: ln, in: ts(i(4, 5)), want: graph.ErrDType},
+	)
+	bnTrain, bnEval := graph.Attrs{Training: true, Eps: 1e-5}, graph.Attrs{Eps: 1e-5}
+	x4 := fb(0, 4, 3, 5, 5)
+	add(
+		rejectCase{name: "eval without running statistics", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4), want: graph.ErrArity},
+		rejectCase{name: "eval with running mean only", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4, f(3)), want: graph.ErrArity},
+		rejectCase{name: "training with running statistics and affine", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(x4, f(3), f(3), f(3)), want: graph.ErrArity},
+		rejectCase{name: "eps 0", op: graph.OpBatchNorm, attrs: graph.Attrs{Training: true}, in: ts(x4), want: graph.ErrAttr},
+		rejectCase{name: "eps NaN", op: graph.OpBatchNorm, attrs: graph.Attrs{Eps: math.NaN()}, in: ts(x4, f(3), f(3)), want: graph.ErrAttr},
+		rejectCase{name: "rank 1", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(fb(0, 4)), want: graph.ErrShape},
+		rejectCase{name: "weight shape", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(x4, f(5)), want: graph.ErrShape},
+		rejectCase{name: "bias shape", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(x4, f(3), f(1, 3)), want: graph.ErrShape},
+		rejectCase{name: "running_var shape", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4, f(3), f(4)), want: graph.ErrShape},
+		rejectCase{name: "int64 running_mean", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4, i(3), f(3)), want: graph.ErrDType},
+		rejectCase{name: "int64 input", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(i(4, 3, 5, 5)), want: graph.ErrDType},
+		rejectCase{name: "training with one value per channel", op: graph.OpBatchNorm, attrs: bnTrain, batch: 1, in: ts(fp(0, 1, 1, 3, 1, 1)), want: graph.ErrShape},
 
 		rejectCase{name: "size mismatch", op: graph.OpReshape, attrs: graph.Attrs{Shape: []int{5, 5}}, in: ts(fb(0, 4, 6)), want: graph.ErrShape},
 		rejectCase{name: "two -1", op: graph.OpReshape, attrs: graph.Attrs{Shape: []int{-1, -1}}, in: ts(fb(0, 4, 6)), want: graph.ErrAttr},

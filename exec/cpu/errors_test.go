@@ -11,6 +11,8 @@ import (
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 // runErr evaluates y and checks that the executor's error wraps want.
@@ -74,4 +76,22 @@ func TestErrors(t *testing.T) {
 		_, err := cpu.New().RunBatch(context.Background(), y.Graph().IR(), 2, feed, y.ID())
 		require.True(t, errors.Is(err, graph.ErrDType), "got %v", err)
 	})
+}
+
+// Execute refuses several chunks of a graph that is not chunkable: running
+// training-mode batch_norm per chunk would normalise each chunk by its own
+// statistics, silently. One chunk of the whole batch runs.
+func TestExecuteRefusesChunksOfUnchunkableGraph(t *testing.T) {
+	x := input([]int{4, 3}, uniform(newRNG(702), 12, -1, 1))
+	y := x.BatchNorm(nil, nil, nil, nil, true, 1e-5)
+	require.NoError(t, y.Err())
+	g := y.Graph().IR()
+	info, err := shapeinfer.Analyze(g, y.ID())
+	require.NoError(t, err)
+	p, err := planner.Compile(g, info, []int{y.ID()}, planner.CompileOptions{Workspace: cpu.Workspace})
+	require.NoError(t, err)
+	_, err = cpu.New().Execute(context.Background(), p, planner.ChunksOf(4, 2), cpu.ExecOptions{})
+	require.ErrorIs(t, err, graph.ErrNotChunkable)
+	_, err = cpu.New().Execute(context.Background(), p, planner.ChunksOf(4, 4), cpu.ExecOptions{})
+	require.NoError(t, err)
 }

@@ -204,6 +204,8 @@ func eval(nd *graph.Node, in []*buf, out *buf, chunkStart int) error {
 		return softmaxKernel(nd.Op == graph.OpLogSoftmax, a.Axis, in[0], out)
 	case graph.OpLayerNorm:
 		return layerNormKernel(a, in[0], optional(in, 1), optional(in, 2), out)
+	case graph.OpBatchNorm:
+		return batchNormKernel(a, in, out)
 	case graph.OpReshape:
 		return reshapeKernel(in[0], out)
 	case graph.OpPermute:

@@ -50,6 +50,10 @@ func gradKernel(nd *graph.Node, in []*buf, out *buf) error {
 		layerNormGradX(a, g, in[1], optional(in, 2), out)
 	case graph.OpLayerNormGradW:
 		layerNormGradW(a, g, in[1], out)
+	case graph.OpBatchNormGradX:
+		return batchNormGradX(a, g, in[1], optional(in, 2), out)
+	case graph.OpBatchNormGradW:
+		return batchNormGradW(a, in, out)
 	case graph.OpSliceGrad:
 		sliceGrad(a, g, out)
 	case graph.OpEmbeddingGrad:
@@ -362,6 +366,70 @@ func crossEntropyGrad(a *graph.Attrs, g, logits, labels, out *buf) error {
 			}
 			out.f[r*c+j] = float32(s * p)
 		}
+	}
+	return nil
+}
+
+// batchNormGradX is the training-mode gradient of batch_norm's input: with
+// ĝ = g·w, x̂ = (x − mean)·rstd and M values per channel,
+// dx = rstd·(ĝ − Σĝ/M − x̂·Σ(ĝ·x̂)/M).
+func batchNormGradX(a *graph.Attrs, g, x, w, out *buf) error {
+	mean, rstd, err := batchNormStats(a, x, nil, nil)
+	if err != nil {
+		return err
+	}
+	n, c, inner := channelLayout(x)
+	if len(g.f) != len(x.f) || len(out.f) != len(x.f) || w != nil && len(w.f) != c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	m := float64(n * inner)
+	for k := range c {
+		wk := 1.0
+		if w != nil {
+			wk = float64(w.f[k])
+		}
+		var sg, sgx float64
+		for i := range n {
+			off := (i*c + k) * inner
+			for j, v := range x.f[off : off+inner] {
+				gh := float64(g.f[off+j]) * wk
+				sg += gh
+				sgx += gh * (float64(v) - mean[k]) * rstd[k]
+			}
+		}
+		sg /= m
+		sgx /= m
+		for i := range n {
+			off := (i*c + k) * inner
+			for j, v := range x.f[off : off+inner] {
+				xh := (float64(v) - mean[k]) * rstd[k]
+				out.f[off+j] = float32(rstd[k] * (float64(g.f[off+j])*wk - sg - xh*sgx))
+			}
+		}
+	}
+	return nil
+}
+
+// batchNormGradW is Σ g·x̂ per channel, x̂ normalised as the forward op did.
+func batchNormGradW(a *graph.Attrs, in []*buf, out *buf) error {
+	g, x := in[0], in[1]
+	mean, rstd, err := batchNormStats(a, x, optional(in, 2), optional(in, 3))
+	if err != nil {
+		return err
+	}
+	n, c, inner := channelLayout(x)
+	if len(g.f) != len(x.f) || len(out.f) != c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	for k := range c {
+		var s float64
+		for i := range n {
+			off := (i*c + k) * inner
+			for j, v := range x.f[off : off+inner] {
+				s += float64(g.f[off+j]) * (float64(v) - mean[k])
+			}
+		}
+		out.f[k] = float32(s * rstd[k])
 	}
 	return nil
 }

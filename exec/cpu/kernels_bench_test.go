@@ -73,6 +73,12 @@ func BenchmarkLayerNorm_512x1024(b *testing.B) {
 	benchKernel(b, out, func() error { return layerNormKernel(a, x, w, bias, out) })
 }
 
+func BenchmarkBatchNormTraining_32x64x32x32(b *testing.B) {
+	x, w, bias, out := benchBuf(32, 64, 32, 32), benchBuf(64), benchBuf(64), emptyBuf(32, 64, 32, 32)
+	a := &graph.Attrs{Training: true, Eps: 1e-5}
+	benchKernel(b, out, func() error { return batchNormKernel(a, []*buf{x, w, bias}, out) })
+}
+
 func BenchmarkPermute_512x1024_transpose(b *testing.B) {
 	x, out := benchBuf(512, 1024), emptyBuf(1024, 512)
 	benchKernel(b, out, func() error { return permuteKernel([]int{1, 0}, x, out) })

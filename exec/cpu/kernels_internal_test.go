@@ -32,6 +32,27 @@ func TestKernelsRejectBadBuffers(t *testing.T) {
 		{"layer_norm weight", graph.ErrShape, func() error {
 			return layerNormKernel(&graph.Attrs{NormDims: 1, Eps: 1e-5}, f(2, 3), f(2), nil, f(2, 3))
 		}},
+		{"batch_norm rank", graph.ErrShape, func() error {
+			return batchNormKernel(&graph.Attrs{Training: true, Eps: 1e-5}, []*buf{f(3)}, f(3))
+		}},
+		{"batch_norm eval without statistics", graph.ErrShape, func() error {
+			return batchNormKernel(&graph.Attrs{Eps: 1e-5}, []*buf{f(2, 3)}, f(2, 3))
+		}},
+		{"batch_norm running_var", graph.ErrShape, func() error {
+			return batchNormKernel(&graph.Attrs{Eps: 1e-5}, []*buf{f(2, 3), f(3), f(2)}, f(2, 3))
+		}},
+		{"batch_norm weight", graph.ErrShape, func() error {
+			return batchNormKernel(&graph.Attrs{Training: true, Eps: 1e-5}, []*buf{f(2, 3), f(2)}, f(2, 3))
+		}},
+		{"batch_norm output", graph.ErrShape, func() error {
+			return batchNormKernel(&graph.Attrs{Training: true, Eps: 1e-5}, []*buf{f(2, 3)}, f(3))
+		}},
+		{"batch_norm_grad_x gradient", graph.ErrShape, func() error {
+			return batchNormGradX(&graph.Attrs{Training: true, Eps: 1e-5}, f(2, 2), f(2, 3), nil, f(2, 3))
+		}},
+		{"batch_norm_grad_w output", graph.ErrShape, func() error {
+			return batchNormGradW(&graph.Attrs{Training: true, Eps: 1e-5}, []*buf{f(2, 3), f(2, 3)}, f(2))
+		}},
 		{"reshape size", graph.ErrShape, func() error { return reshapeKernel(f(2, 3), f(5)) }},
 		{"reshape dtype", graph.ErrDType, func() error { return reshapeKernel(i(6), f(6)) }},
 		{"permute perm", graph.ErrAttr, func() error { return permuteKernel([]int{0, 0}, f(2, 3), f(2, 3)) }},

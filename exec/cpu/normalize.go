@@ -152,3 +152,102 @@ func layerNormKernel(a *graph.Attrs, x, w, b *buf, out *buf) error {
 	}
 	return nil
 }
+
+// channelLayout views x [N, C, ...] as [n, c, inner] for batch_norm.
+func channelLayout(x *buf) (n, c, inner int) {
+	return x.shape[0], x.shape[1], graph.Numel(x.shape[2:])
+}
+
+// batchNormStats returns per-channel mean and 1/√(var + eps): the batch's
+// (biased variance, two passes so centred values do not cancel) in training
+// mode, else from the running statistics mean and variance.
+func batchNormStats(a *graph.Attrs, x, runMean, runVar *buf) (mean, rstd []float64, err error) {
+	if len(x.shape) < 2 {
+		return nil, nil, graph.Errorf(graph.ErrShape, "batch_norm needs [N, C, ...], got %v", x.shape)
+	}
+	n, c, inner := channelLayout(x)
+	mean, rstd = make([]float64, c), make([]float64, c)
+	if !a.Training {
+		if runMean == nil || runVar == nil || len(runMean.f) != c || len(runVar.f) != c {
+			return nil, nil, graph.Errorf(graph.ErrShape, "batch_norm in evaluation mode needs running statistics of [%d]", c)
+		}
+		for k := range c {
+			mean[k] = float64(runMean.f[k])
+			rstd[k] = 1 / math.Sqrt(float64(runVar.f[k])+a.Eps)
+		}
+		return mean, rstd, nil
+	}
+	m := float64(n * inner)
+	if m == 0 {
+		return mean, rstd, nil
+	}
+	for i := range n {
+		for k := range c {
+			var s float64
+			for _, v := range x.f[(i*c+k)*inner : (i*c+k+1)*inner] {
+				s += float64(v)
+			}
+			mean[k] += s
+		}
+	}
+	for k := range mean {
+		mean[k] /= m
+	}
+	sq := make([]float64, c)
+	for i := range n {
+		for k := range c {
+			for _, v := range x.f[(i*c+k)*inner : (i*c+k+1)*inner] {
+				d := float64(v) - mean[k]
+				sq[k] += d * d
+			}
+		}
+	}
+	for k := range rstd {
+		rstd[k] = 1 / math.Sqrt(sq[k]/m+a.Eps)
+	}
+	return mean, rstd, nil
+}
+
+// batchNormKernel is (x − mean)·rstd·w + b per channel; in lays out as
+// graph.OpBatchNorm says for the mode.
+func batchNormKernel(a *graph.Attrs, in []*buf, out *buf) error {
+	x := in[0]
+	aff := graph.BatchNormAffine(a.Training)
+	var runMean, runVar *buf
+	if !a.Training {
+		runMean, runVar = optional(in, 1), optional(in, 2)
+	}
+	mean, rstd, err := batchNormStats(a, x, runMean, runVar)
+	if err != nil {
+		return err
+	}
+	w, b := optional(in, aff), optional(in, aff+1)
+	n, c, inner := channelLayout(x)
+	for _, p := range []*buf{w, b} {
+		if p != nil && len(p.f) != c {
+			return graph.Errorf(graph.ErrShape, "batch_norm parameter %v, want [%d]", p.shape, c)
+		}
+	}
+	if len(out.f) != len(x.f) {
+		return graph.Errorf(graph.ErrShape, "batch_norm: input %v, output %v", x.shape, out.shape)
+	}
+	for k := range c {
+		// y = x·scale + shift per channel.
+		scale := rstd[k]
+		if w != nil {
+			scale *= float64(w.f[k])
+		}
+		shift := -mean[k] * scale
+		if b != nil {
+			shift += float64(b.f[k])
+		}
+		for i := range n {
+			off := (i*c + k) * inner
+			dst := out.f[off : off+inner]
+			for j, v := range x.f[off : off+inner] {
+				dst[j] = float32(float64(v)*scale + shift)
+			}
+		}
+	}
+	return nil
+}

@@ -40,6 +40,12 @@ type Result struct {
 // Execute runs program p for chunks through the executor's allocator: the
 // same planner.Replay the planner simulates, with hooks that run kernels.
 func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o ExecOptions) (*Result, error) {
+	// Chunks of a graph that mixes samples would give wrong numbers
+	// silently (training-mode batch_norm would normalise each chunk by its
+	// own statistics): refuse them, as the planner does.
+	if len(chunks) > 1 && p.Info != nil && p.Info.NotChunkable != nil {
+		return nil, p.Info.NotChunkable
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	r := &runner{e: e, ctx: ctx, p: p, o: o, vals: map[*alloc.Block]*buf{}, chunks: len(chunks),

@@ -91,6 +91,25 @@ var Cases = []Case{
 		return p[0].LayerNorm(p[1], p[2], 2, 1e-5)
 	}},
 	{Name: "layer_norm_plain", Shapes: [][]int{{3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].LayerNorm(nil, nil, 1, 1e-5) }},
+	// Training mode: every x moves the batch statistics; M = 3·2·3 values
+	// per channel.
+	{Name: "batch_norm_train", Shapes: [][]int{{3, 2, 2, 3}, {2}, {2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].BatchNorm2d(p[1], p[2], nil, nil, true, 1e-5)
+	}},
+	{Name: "batch_norm_train_weight_rank3", Shapes: [][]int{{4, 3, 2}, {3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].BatchNorm(p[1], nil, nil, nil, true, 1e-3).Tanh()
+	}},
+	{Name: "batch_norm_train_plain_rank2", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].BatchNorm(nil, nil, nil, nil, true, 1e-5)
+	}},
+	// Evaluation mode: running mean and variance are inputs too, so their
+	// gradients are checked as well (Positive keeps the variance positive).
+	{Name: "batch_norm_eval", Shapes: [][]int{{3, 2, 2, 3}, {2}, {2}, {2}, {2}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].BatchNorm2d(p[1], p[2], p[3], p[4], false, 1e-5)
+	}},
+	{Name: "batch_norm_eval_plain", Shapes: [][]int{{2, 3, 2, 2}, {3}, {3}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].BatchNorm2d(nil, nil, p[1], p[2], false, 1e-3)
+	}},
 	{Name: "reshape_permute", Shapes: [][]int{{2, 3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Reshape(6, 4).Permute(1, 0).Reshape(2, 2, 6).Permute(2, 0, 1)
 	}},

@@ -201,6 +201,8 @@ func apply(nd *graph.Node, a *graph.Attrs, in []Value) (Value, error) {
 		softmax(out, in[0], a.Axis, true)
 	case graph.OpLayerNorm:
 		layerNorm(out, in, a)
+	case graph.OpBatchNorm:
+		batchNorm(out, in, a)
 	case graph.OpReshape:
 		copy(out.Data, in[0].Data)
 	case graph.OpPermute:
@@ -253,6 +255,10 @@ func apply(nd *graph.Node, a *graph.Attrs, in []Value) (Value, error) {
 		layerNormGradX(out, in, a)
 	case graph.OpLayerNormGradW:
 		layerNormGradW(out, in[0], in[1], a)
+	case graph.OpBatchNormGradX:
+		batchNormGradX(out, in, a)
+	case graph.OpBatchNormGradW:
+		batchNormGradW(out, in, a)
 	case graph.OpSliceGrad:
 		sliceGrad(out, in[0], a)
 	case graph.OpEmbeddingGrad:
