@@ -26,6 +26,8 @@
 //     and graphs have no side effects: a training-mode Forward leaves them
 //     alone, and BatchStats plus UpdateRunning apply PyTorch's momentum
 //     update as an explicit step.
-//   - Dropout is evaluation-mode only (the identity) until the dropout op
-//     lands; training mode arrives with it.
+//   - Dropout is the identity in evaluation mode; in training mode each
+//     Forward draws a fresh counter-based mask, identical across the
+//     chunks of one step. SetTraining switches every Dropout and
+//     BatchNorm2d of a model at once, like PyTorch's train() and eval().
 package nn

@@ -187,3 +187,24 @@ func ParamTensors(m Module) []*lazy.Tensor {
 	}
 	return ts
 }
+
+// trainable is a module with a training mode.
+type trainable interface{ setTraining(bool) }
+
+func (d *Dropout) setTraining(on bool)      { d.Training = on }
+func (bn *BatchNorm2d) setTraining(on bool) { bn.Training = on }
+
+// SetTraining puts m and every module inside it in training (true) or
+// evaluation (false) mode.
+func SetTraining(m Module, on bool) {
+	if t, ok := m.(trainable); ok {
+		t.setTraining(on)
+	}
+	if c, ok := m.(interface{ List() []Child }); ok {
+		for _, ch := range c.List() {
+			if ch.Module != nil {
+				SetTraining(ch.Module, on)
+			}
+		}
+	}
+}
