@@ -1,0 +1,126 @@
+package cuda_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda"
+)
+
+var benchSizes = []struct {
+	name string
+	size int64
+}{{"4KiB", 4 << 10}, {"256MiB", 256 << 20}}
+
+// BenchmarkCachedAllocFree is a Malloc+Free pair through the caching
+// allocator over CUDA: after the first segment, no driver call.
+func BenchmarkCachedAllocFree(b *testing.B) {
+	d := device(b)
+	for _, s := range benchSizes {
+		b.Run(s.name, func(b *testing.B) {
+			a := alloc.New(d.Backend(), alloc.Options{})
+			defer a.EmptyCache()
+			tag := alloc.Tag{Node: -1, Op: "bench"}
+			for b.Loop() {
+				blk, err := a.Malloc(s.size, tag)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := a.Free(blk); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkCuMemAllocFree is the raw cuMemAlloc_v2+cuMemFree_v2 pair the
+// cache saves.
+func BenchmarkCuMemAllocFree(b *testing.B) {
+	be := device(b).Backend()
+	for _, s := range benchSizes {
+		b.Run(s.name, func(b *testing.B) {
+			for b.Loop() {
+				p, err := be.Malloc(s.size)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := be.Free(p); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkLaunch launches an empty kernel: "sync" waits for each one,
+// "async" queues them all and waits once at the end.
+func BenchmarkLaunch(b *testing.B) {
+	d := device(b)
+	m := smokeModule(b, d)
+	fn, err := m.Function("noop")
+	require.NoError(b, err)
+	one := [3]uint32{1, 1, 1}
+	b.Run("sync", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			if err := m.Launch(fn, one, one, 0); err != nil {
+				b.Fatal(err)
+			}
+			if err := d.Synchronize(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("async", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			if err := m.Launch(fn, one, one, 0); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := d.Synchronize(); err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
+// BenchmarkSgemm4096 is C = A·B for 4096×4096 matrices, reported in
+// TFLOP/s (2·n³ per product).
+func BenchmarkSgemm4096(b *testing.B) {
+	d := device(b)
+	a := alloc.New(d.Backend(), alloc.Options{})
+	defer a.EmptyCache()
+	bl, err := d.NewBLAS(a, cuda.DefaultWorkspace)
+	require.NoError(b, err)
+	defer bl.Close()
+	const n = 4096
+	r := newRand(8)
+	var blocks [3]*alloc.Block
+	for i := range blocks {
+		blocks[i] = upload(b, d, a, randFloats(r, n*n))
+		defer a.Free(blocks[i])
+	}
+	A, B, C := blocks[0].Ptr(), blocks[1].Ptr(), blocks[2].Ptr()
+	for _, mode := range []struct {
+		name string
+		tf32 bool
+	}{{"FP32", false}, {"TF32", true}} {
+		b.Run(mode.name, func(b *testing.B) {
+			require.NoError(b, bl.SetTF32(mode.tf32))
+			// Warm up: cuBLAS picks and loads its kernel on the first call.
+			require.NoError(b, bl.Gemm(false, false, n, n, n, 1, A, n, B, n, 0, C, n))
+			require.NoError(b, d.Synchronize())
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := bl.Gemm(false, false, n, n, n, 1, A, n, B, n, 0, C, n); err != nil {
+					b.Fatal(err)
+				}
+			}
+			if err := d.Synchronize(); err != nil {
+				b.Fatal(err)
+			}
+			b.ReportMetric(2*n*n*n*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+		})
+	}
+}

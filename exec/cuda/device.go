@@ -1,0 +1,203 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Options configures Open.
+type Options struct {
+	// Ordinal picks the device; 0 is the first.
+	Ordinal int
+	// CacheDir holds compiled cubins; "" means
+	// os.UserCacheDir()/batchfit/cubin.
+	CacheDir string
+	// NoCache compiles every kernel afresh and writes nothing to disk.
+	NoCache bool
+}
+
+// Device is one GPU with its primary context current on a dedicated,
+// OS-thread-locked goroutine. Its methods are safe for concurrent use;
+// calls are serialised on that goroutine.
+type Device struct {
+	drv  *driver
+	opts Options
+
+	dev           cuDevice
+	ctx           CUcontext
+	name          string
+	major, minor  int
+	total         int64
+	driverVersion int
+
+	reqs      chan request
+	quit      chan struct{}
+	stopped   chan struct{}
+	closeOnce sync.Once
+	closeErr  error // set by the worker before it closes stopped
+}
+
+// request is a closure for the device goroutine and where its result goes.
+type request struct {
+	fn   func() error
+	done chan error
+}
+
+// Open loads the driver on first use and opens a device. Without a usable
+// GPU the error wraps ErrNoGPU and says why.
+func Open(o Options) (*Device, error) {
+	drv, err := loadDriver()
+	if err != nil {
+		return nil, err
+	}
+	var count int32
+	if err := drv.check("cuDeviceGetCount", drv.cuDeviceGetCount(&count)); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNoGPU, err)
+	}
+	if count == 0 {
+		return nil, fmt.Errorf("%w: the driver reports no devices", ErrNoGPU)
+	}
+	if o.Ordinal < 0 || o.Ordinal >= int(count) {
+		return nil, graph.Errorf(graph.ErrAttr, "cuda: device ordinal %d out of range [0, %d)", o.Ordinal, count)
+	}
+	d := &Device{
+		drv:     drv,
+		opts:    o,
+		reqs:    make(chan request),
+		quit:    make(chan struct{}),
+		stopped: make(chan struct{}),
+	}
+	if err := d.query(); err != nil {
+		return nil, err
+	}
+	ready := make(chan error)
+	go d.worker(ready)
+	if err := <-ready; err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// query reads the device's properties; none of these calls needs a context.
+func (d *Device) query() error {
+	drv := d.drv
+	if err := drv.check("cuDeviceGet", drv.cuDeviceGet(&d.dev, int32(d.opts.Ordinal))); err != nil {
+		return err
+	}
+	var major, minor, version int32
+	if err := drv.check("cuDeviceGetAttribute", drv.cuDeviceGetAttribute(&major, attrComputeCapabilityMajor, d.dev)); err != nil {
+		return err
+	}
+	if err := drv.check("cuDeviceGetAttribute", drv.cuDeviceGetAttribute(&minor, attrComputeCapabilityMinor, d.dev)); err != nil {
+		return err
+	}
+	d.major, d.minor = int(major), int(minor)
+	name := make([]byte, 256)
+	if err := drv.check("cuDeviceGetName", drv.cuDeviceGetName(&name[0], int32(len(name)), d.dev)); err != nil {
+		return err
+	}
+	d.name = goString(&name[0])
+	var total uintptr
+	if err := drv.check("cuDeviceTotalMem_v2", drv.cuDeviceTotalMem(&total, d.dev)); err != nil {
+		return err
+	}
+	d.total = int64(total)
+	if err := drv.check("cuDriverGetVersion", drv.cuDriverGetVersion(&version)); err != nil {
+		return err
+	}
+	d.driverVersion = int(version)
+	return nil
+}
+
+// worker owns the OS thread on which the context is current: it retains
+// the primary context, reports on ready, then runs requests until Close.
+func (d *Device) worker(ready chan<- error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	drv := d.drv
+	if err := drv.check("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain(&d.ctx, d.dev)); err != nil {
+		ready <- err
+		return
+	}
+	if err := drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(d.ctx)); err != nil {
+		drv.cuDevicePrimaryCtxRelease(d.dev)
+		ready <- err
+		return
+	}
+	ready <- nil
+	for {
+		select {
+		case r := <-d.reqs:
+			r.done <- r.fn()
+		case <-d.quit:
+			d.closeErr = errors.Join(
+				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
+				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
+				drv.check("cuDevicePrimaryCtxRelease_v2", drv.cuDevicePrimaryCtxRelease(d.dev)))
+			close(d.stopped)
+			return
+		}
+	}
+}
+
+// do runs fn on the device goroutine and returns its error. fn must not
+// call do itself (the goroutine is busy running fn), nor anything that
+// does, such as an Allocator backed by this device.
+func (d *Device) do(fn func() error) error {
+	r := request{fn: fn, done: make(chan error, 1)}
+	select {
+	case d.reqs <- r:
+		return <-r.done
+	case <-d.stopped:
+		return ErrClosed
+	}
+}
+
+// Close waits for queued work, releases the primary context and stops the
+// device goroutine. Modules and BLAS handles should be closed first.
+// Calls after Close return ErrClosed.
+func (d *Device) Close() error {
+	d.closeOnce.Do(func() {
+		close(d.quit)
+		<-d.stopped
+	})
+	return d.closeErr
+}
+
+// Synchronize waits until all work queued on the device has finished and
+// returns the first error of an asynchronous launch.
+func (d *Device) Synchronize() error {
+	return d.do(func() error { return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize()) })
+}
+
+// Name is the device's marketing name, e.g. "NVIDIA H100 80GB HBM3".
+func (d *Device) Name() string { return d.name }
+
+// ComputeCapability returns the major and minor compute capability.
+func (d *Device) ComputeCapability() (major, minor int) { return d.major, d.minor }
+
+// Arch is the NVRTC target, e.g. "sm_90".
+func (d *Device) Arch() string { return fmt.Sprintf("sm_%d%d", d.major, d.minor) }
+
+// TotalMem is the device's memory in bytes.
+func (d *Device) TotalMem() int64 { return d.total }
+
+// DriverVersion is the CUDA version the driver supports, as the driver
+// encodes it: 1000·major + 10·minor (13000 for 13.0).
+func (d *Device) DriverVersion() int { return d.driverVersion }
+
+// Ordinal is the device index given to Open.
+func (d *Device) Ordinal() int { return d.opts.Ordinal }
+
+// Describe is a one-line summary for reports:
+// "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB, driver 13.0)".
+func (d *Device) Describe() string {
+	return fmt.Sprintf("cuda: %s (%s, %.1f GiB, driver %s)",
+		d.name, d.Arch(), float64(d.total)/(1<<30), formatVersion(d.driverVersion))
+}
+
+func formatVersion(v int) string { return fmt.Sprintf("%d.%d", v/1000, v%1000/10) }

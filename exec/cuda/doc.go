@@ -1,0 +1,23 @@
+// Package cuda is batchfit's CUDA backend: the driver API, NVRTC and cuBLAS
+// called from pure Go through purego, so that CGO_ENABLED=0 builds.
+//
+// The rules:
+//   - No library is opened in init(). Open dlopens libcuda.so.1 on first use
+//     and returns an error wrapping ErrNoGPU when it is missing, cuInit fails
+//     or there is no device, so CPU-only machines import the package and
+//     pass every test. NVRTC and cuBLAS are opened when first needed.
+//   - A CUDA context is current per OS thread. Each Device owns one
+//     goroutine locked to its OS thread with the device's primary context
+//     current, and every driver and cuBLAS call runs there.
+//   - Every byte of device memory goes through the caching allocator in
+//     package alloc: Backend serves it segments, and cuBLAS takes its
+//     workspace from it (cublasSetWorkspace_v2), so the planner's replay of
+//     the same allocator predicts what the executor reserves.
+//   - Kernels are CUDA C sources embedded in the binary (kernels/*.cu),
+//     compiled by NVRTC for the device's sm_XY and cached on disk as cubins.
+//
+// C status codes become typed errors: *CUDAError (CUresult), *NVRTCError
+// and *CUBLASError carry the function, the code and its name. An
+// out-of-memory CUresult also matches alloc.ErrDeviceOOM, which is what lets
+// the caching allocator release its cache and retry.
+package cuda

@@ -1,0 +1,211 @@
+package cuda
+
+import (
+	"errors"
+	"math"
+	"os"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// These tests need no GPU: they check the pieces between Go and C.
+
+func TestCUDAErrorUnwrap(t *testing.T) {
+	oom := &CUDAError{Func: "cuMemAlloc_v2", Code: cudaErrorOOM, Name: "CUDA_ERROR_OUT_OF_MEMORY"}
+	assert.ErrorIs(t, oom, alloc.ErrDeviceOOM)
+	wrapped := errors.Join(errors.New("context"), oom)
+	var ce *CUDAError
+	require.True(t, errors.As(wrapped, &ce))
+	assert.Equal(t, "CUDA_ERROR_OUT_OF_MEMORY", ce.Name)
+	assert.NotErrorIs(t, &CUDAError{Code: cudaErrorInvalid}, alloc.ErrDeviceOOM)
+
+	assert.ErrorIs(t, &CUBLASError{Code: cublasStatusAllocFailed}, alloc.ErrDeviceOOM)
+	assert.Equal(t, "CUBLAS_STATUS_INVALID_VALUE", cublasStatusName(7))
+	assert.Equal(t, "CUBLAS_STATUS_99", cublasStatusName(99))
+}
+
+func TestPackParams(t *testing.T) {
+	blk := &alloc.Block{}
+	p, err := packParams([]any{CUdeviceptr(0x1000), alloc.Ptr(0x2000), int32(-2), uint32(7),
+		int64(-3), uint64(1 << 40), float32(1.5), math.Pi, blk})
+	require.NoError(t, err)
+	require.Len(t, p.ptrs, 9)
+	for i := range p.ptrs {
+		assert.Equal(t, unsafe.Pointer(&p.vals[i]), p.ptrs[i], "pointer %d addresses its slot", i)
+	}
+	assert.Equal(t, uint64(0x1000), *(*uint64)(p.ptrs[0]))
+	assert.Equal(t, uint64(0x2000), *(*uint64)(p.ptrs[1]))
+	assert.Equal(t, int32(-2), *(*int32)(p.ptrs[2]), "an int32 lies in the slot's first 4 bytes")
+	assert.Equal(t, uint32(7), *(*uint32)(p.ptrs[3]))
+	assert.Equal(t, int64(-3), *(*int64)(p.ptrs[4]))
+	assert.Equal(t, uint64(1<<40), *(*uint64)(p.ptrs[5]))
+	assert.Equal(t, float32(1.5), *(*float32)(p.ptrs[6]))
+	assert.Equal(t, math.Pi, *(*float64)(p.ptrs[7]))
+	assert.Equal(t, uint64(0), *(*uint64)(p.ptrs[8]))
+
+	_, err = packParams([]any{int(3)})
+	assert.ErrorIs(t, err, graph.ErrDType)
+	_, err = packParams([]any{(*alloc.Block)(nil)})
+	assert.ErrorIs(t, err, graph.ErrNilTensor)
+	p, err = packParams(nil)
+	require.NoError(t, err)
+	assert.Empty(t, p.ptrs)
+}
+
+func TestCheckGemm(t *testing.T) {
+	ok := []struct {
+		tA, tB              bool
+		m, n, k, la, lb, lc int
+	}{
+		{false, false, 4, 5, 6, 6, 5, 5},
+		{true, false, 4, 5, 6, 4, 5, 5},
+		{false, true, 4, 5, 6, 6, 6, 5},
+		{true, true, 4, 5, 6, 4, 6, 7},
+		{false, false, 0, 0, 0, 1, 1, 1},
+	}
+	for _, c := range ok {
+		assert.NoError(t, checkGemm(c.tA, c.tB, c.m, c.n, c.k, c.la, c.lb, c.lc, 1), "%+v", c)
+	}
+	bad := []struct {
+		tA, tB                     bool
+		m, n, k, la, lb, lc, batch int
+	}{
+		{false, false, 4, 5, 6, 5, 5, 5, 1}, // lda < k
+		{true, false, 4, 5, 6, 6, 4, 5, 1},  // ldb < n
+		{false, true, 4, 5, 6, 6, 5, 5, 1},  // ldb < k
+		{false, false, 4, 5, 6, 6, 5, 4, 1}, // ldc < n
+		{false, false, 0, 0, 0, 0, 1, 1, 1}, // lda < 1
+		{false, false, -1, 5, 6, 6, 5, 5, 1},
+		{false, false, 4, 5, 6, 6, 5, 5, -1},
+		{false, false, 1 << 31, 5, 6, 6, 5, 5, 1},
+	}
+	for _, c := range bad {
+		assert.ErrorIs(t, checkGemm(c.tA, c.tB, c.m, c.n, c.k, c.la, c.lb, c.lc, c.batch), graph.ErrShape, "%+v", c)
+	}
+}
+
+func TestCubinKey(t *testing.T) {
+	opts := compileOptions("sm_90")
+	k := cubinKey("a.cu", "src", "13.0", opts)
+	assert.Len(t, k, 64)
+	assert.Equal(t, k, cubinKey("a.cu", "src", "13.0", opts))
+	assert.NotEqual(t, k, cubinKey("a.cu", "src", "12.8", opts))
+	assert.NotEqual(t, k, cubinKey("a.cu", "src ", "13.0", opts))
+	assert.NotEqual(t, k, cubinKey("a.cu", "src", "13.0", compileOptions("sm_80")))
+	// The separator keeps "ab"+"c" and "a"+"bc" apart.
+	assert.NotEqual(t, cubinKey("ab", "c", "v", nil), cubinKey("a", "bc", "v", nil))
+}
+
+func TestWriteFileAtomic(t *testing.T) {
+	path := t.TempDir() + "/sub/x.cubin"
+	require.NoError(t, writeFileAtomic(path, []byte("cubin")))
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, "cubin", string(b))
+}
+
+func TestFormatVersion(t *testing.T) {
+	assert.Equal(t, "13.0", formatVersion(13000))
+	assert.Equal(t, "12.8", formatVersion(12080))
+	assert.Equal(t, "11.8", formatVersion(11080))
+}
+
+func TestCString(t *testing.T) {
+	b := cString("sm_90")
+	assert.Equal(t, "sm_90", goString(&b[0]))
+	assert.Equal(t, "", goString(nil))
+}
+
+// openInternal opens a device for the benchmarks below, which need the
+// package's internals.
+func openInternal(b *testing.B) *Device {
+	d, err := Open(Options{})
+	if errors.Is(err, ErrNoGPU) {
+		if os.Getenv("BATCHFIT_REQUIRE_GPU") != "" {
+			b.Fatalf("BATCHFIT_REQUIRE_GPU is set: %v", err)
+		}
+		b.Skipf("no GPU: %v", err)
+	}
+	require.NoError(b, err)
+	b.Cleanup(func() { d.Close() })
+	return d
+}
+
+// BenchmarkDo is one round trip to the device goroutine with nothing to
+// do: the price of running every call on one locked thread.
+func BenchmarkDo(b *testing.B) {
+	d := openInternal(b)
+	for b.Loop() {
+		if err := d.do(func() error { return nil }); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkLaunchOnDeviceThread queues empty kernels from inside one do,
+// the launch cost without the hop to the device goroutine.
+func BenchmarkLaunchOnDeviceThread(b *testing.B) {
+	d := openInternal(b)
+	src, err := KernelSource("smoke.cu")
+	require.NoError(b, err)
+	m, err := d.Compile("smoke.cu", src)
+	require.NoError(b, err)
+	b.Cleanup(func() { m.Close() })
+	fn, err := m.Function("noop")
+	require.NoError(b, err)
+	p, err := packParams(nil)
+	require.NoError(b, err)
+	one := [3]uint32{1, 1, 1}
+	b.ResetTimer()
+	err = d.do(func() error {
+		for i := 0; i < b.N; i++ {
+			if err := d.launch(fn, one, one, 0, p); err != nil {
+				return err
+			}
+		}
+		return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize())
+	})
+	require.NoError(b, err)
+}
+
+// TestNVRTCCompile needs NVRTC but no GPU: smoke.cu compiles to an ELF
+// cubin for sm_90, and a syntax error comes back with its log.
+func TestNVRTCCompile(t *testing.T) {
+	nv, err := loadNVRTC()
+	if errors.Is(err, ErrNoLibrary) {
+		t.Skipf("no NVRTC: %v", err)
+	}
+	require.NoError(t, err)
+	t.Logf("NVRTC %s", nv.version)
+	src, err := KernelSource("smoke.cu")
+	require.NoError(t, err)
+	cubin, err := nv.compile("smoke.cu", src, compileOptions("sm_90"))
+	require.NoError(t, err)
+	require.Greater(t, len(cubin), 4)
+	assert.Equal(t, "\x7fELF", string(cubin[:4]))
+
+	_, err = nv.compile("bad.cu", "extern \"C\" __global__ void f() { undeclared_thing(); }", compileOptions("sm_90"))
+	var ne *NVRTCError
+	require.True(t, errors.As(err, &ne), "got %v", err)
+	assert.Equal(t, "NVRTC_ERROR_COMPILATION", ne.Name)
+	assert.NotEmpty(t, ne.Log)
+
+	_, err = nv.compile("smoke.cu", src, []string{"--no-such-option"})
+	require.True(t, errors.As(err, &ne), "got %v", err)
+	assert.Equal(t, "NVRTC_ERROR_INVALID_OPTION", ne.Name)
+}
+
+// TestCUBLASSymbols needs libcublas but no GPU: every bound symbol exists.
+func TestCUBLASSymbols(t *testing.T) {
+	_, err := loadCUBLAS()
+	if errors.Is(err, ErrNoLibrary) {
+		t.Skipf("no cuBLAS: %v", err)
+	}
+	require.NoError(t, err)
+}

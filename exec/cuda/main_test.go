@@ -1,0 +1,92 @@
+package cuda_test
+
+import (
+	"errors"
+	"math/rand/v2"
+	"os"
+	"sync"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda"
+)
+
+// requireGPU makes GPU tests fail instead of skip, for runs on a machine
+// that is known to have one (scripts/gpu-check run sets it).
+const requireGPU = "BATCHFIT_REQUIRE_GPU"
+
+// One device serves the whole test binary: creating a primary context
+// takes long enough that each test should not pay for it.
+var shared struct {
+	once sync.Once
+	d    *cuda.Device
+	err  error
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if shared.d != nil {
+		if err := shared.d.Close(); err != nil && code == 0 {
+			os.Stderr.WriteString("closing the device: " + err.Error() + "\n")
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// device returns the shared device, or skips when there is no GPU.
+func device(tb testing.TB) *cuda.Device {
+	tb.Helper()
+	shared.once.Do(func() { shared.d, shared.err = cuda.Open(cuda.Options{}) })
+	skipWithoutGPU(tb, shared.err)
+	return shared.d
+}
+
+func skipWithoutGPU(tb testing.TB, err error) {
+	tb.Helper()
+	if errors.Is(err, cuda.ErrNoGPU) {
+		if os.Getenv(requireGPU) != "" {
+			tb.Fatalf("%s is set: %v", requireGPU, err)
+		}
+		tb.Skipf("no GPU: %v", err)
+	}
+	require.NoError(tb, err)
+}
+
+// newAllocator returns a caching allocator over the device that gives its
+// cache back when the test ends.
+func newAllocator(tb testing.TB, d *cuda.Device) *alloc.Allocator {
+	a := alloc.New(d.Backend(), alloc.Options{})
+	tb.Cleanup(func() { require.NoError(tb, a.EmptyCache()) })
+	return a
+}
+
+// upload allocates a block holding data.
+func upload[T cuda.Elem](tb testing.TB, d *cuda.Device, a *alloc.Allocator, data []T) *alloc.Block {
+	tb.Helper()
+	var zero T
+	b, err := a.Malloc(int64(len(data))*int64(unsafe.Sizeof(zero)), alloc.Tag{Node: -1, Op: "test"})
+	require.NoError(tb, err)
+	require.NoError(tb, cuda.CopyHtoD(d, b.Ptr(), data))
+	return b
+}
+
+func download(tb testing.TB, d *cuda.Device, b *alloc.Block, n int) []float32 {
+	tb.Helper()
+	out := make([]float32, n)
+	require.NoError(tb, cuda.CopyDtoH(d, out, b.Ptr()))
+	return out
+}
+
+func randFloats(r *rand.Rand, n int) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(2*r.Float64() - 1)
+	}
+	return x
+}
+
+func newRand(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15)) }

@@ -1,0 +1,236 @@
+package cuda
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"sync"
+	"unsafe"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Module is a loaded cubin.
+type Module struct {
+	d      *Device
+	name   string
+	mod    CUmodule
+	cached bool
+
+	mu     sync.Mutex
+	closed bool
+}
+
+// compileOptions are the NVRTC flags for arch: a real architecture, so
+// NVRTC emits a cubin (SASS) rather than PTX alone.
+func compileOptions(arch string) []string {
+	return []string{"--gpu-architecture=" + arch, "-default-device", "--std=c++17"}
+}
+
+// Compile builds CUDA C source for the device with NVRTC and loads it. The
+// cubin is cached on disk, keyed by the source, name, options and NVRTC
+// version, so a second Compile of the same source only loads it.
+func (d *Device) Compile(name, src string) (*Module, error) {
+	nv, err := loadNVRTC()
+	if err != nil {
+		return nil, err
+	}
+	opts := compileOptions(d.Arch())
+	path := d.cubinPath(cubinKey(name, src, nv.version, opts))
+	if path != "" {
+		if cubin, err := os.ReadFile(path); err == nil {
+			if m, err := d.LoadModule(name, cubin); err == nil {
+				m.cached = true
+				return m, nil
+			}
+			// An entry the driver rejects is damaged: drop it and compile.
+			os.Remove(path)
+		}
+	}
+	cubin, err := nv.compile(name, src, opts)
+	if err != nil {
+		return nil, err
+	}
+	if path != "" {
+		// Best effort: a cache that cannot be written only costs a
+		// recompile next time.
+		_ = writeFileAtomic(path, cubin)
+	}
+	return d.LoadModule(name, cubin)
+}
+
+// cubinKey hashes everything that determines the cubin.
+func cubinKey(name, src, nvrtcVersion string, opts []string) string {
+	h := sha256.New()
+	for _, s := range append([]string{name, src, nvrtcVersion}, opts...) {
+		h.Write([]byte(s))
+		h.Write([]byte{0})
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// cubinPath is the cache file for key, or "" when caching is off or there
+// is no cache directory.
+func (d *Device) cubinPath(key string) string {
+	if d.opts.NoCache {
+		return ""
+	}
+	dir := d.opts.CacheDir
+	if dir == "" {
+		base, err := os.UserCacheDir()
+		if err != nil {
+			return ""
+		}
+		dir = filepath.Join(base, "batchfit", "cubin")
+	}
+	return filepath.Join(dir, key+".cubin")
+}
+
+// writeFileAtomic writes through a temporary file and a rename, so a
+// concurrent reader never sees half a cubin.
+func writeFileAtomic(path string, data []byte) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(filepath.Dir(path), ".cubin-*")
+	if err != nil {
+		return err
+	}
+	_, werr := f.Write(data)
+	cerr := f.Close()
+	if werr != nil || cerr != nil {
+		os.Remove(f.Name())
+		if werr != nil {
+			return werr
+		}
+		return cerr
+	}
+	return os.Rename(f.Name(), path)
+}
+
+// LoadModule loads a cubin (or PTX, or fatbin) image.
+func (d *Device) LoadModule(name string, image []byte) (*Module, error) {
+	if len(image) == 0 {
+		return nil, graph.Errorf(graph.ErrAttr, "cuda: empty module image for %q", name)
+	}
+	m := &Module{d: d, name: name}
+	err := d.do(func() error {
+		return d.drv.check("cuModuleLoadData", d.drv.cuModuleLoadData(&m.mod, unsafe.Pointer(&image[0])))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// Name is the name the module was compiled or loaded under.
+func (m *Module) Name() string { return m.name }
+
+// Cached reports whether Compile took the cubin from the disk cache.
+func (m *Module) Cached() bool { return m.cached }
+
+// Function looks up a kernel by its (extern "C") name.
+func (m *Module) Function(name string) (CUfunction, error) {
+	if err := m.live(); err != nil {
+		return 0, err
+	}
+	var f CUfunction
+	err := m.d.do(func() error {
+		return m.d.drv.check("cuModuleGetFunction", m.d.drv.cuModuleGetFunction(&f, m.mod, name))
+	})
+	return f, err
+}
+
+// Launch queues fn on the device's default stream with the given grid and
+// block dimensions and dynamic shared memory. Arguments are passed by value
+// in kernel-parameter order; accepted types are CUdeviceptr, alloc.Ptr,
+// *alloc.Block (its address), int32, uint32, int64, uint64, float32 and
+// float64. Launch returns before the kernel runs: errors inside the kernel
+// surface at the next synchronising call.
+func (m *Module) Launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, args ...any) error {
+	if err := m.live(); err != nil {
+		return err
+	}
+	p, err := packParams(args)
+	if err != nil {
+		return err
+	}
+	return m.d.do(func() error { return m.d.launch(fn, grid, block, sharedMem, p) })
+}
+
+// launch calls cuLaunchKernel; it runs on the device goroutine.
+func (d *Device) launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, p *kernelParams) error {
+	var pp *unsafe.Pointer
+	if len(p.ptrs) > 0 {
+		pp = &p.ptrs[0]
+	}
+	return d.drv.check("cuLaunchKernel", d.drv.cuLaunchKernel(fn,
+		grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedMem, 0, pp, nil))
+}
+
+// Close unloads the module. Its functions must not be launched afterwards.
+func (m *Module) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	m.closed = true
+	return m.d.do(func() error { return m.d.drv.check("cuModuleUnload", m.d.drv.cuModuleUnload(m.mod)) })
+}
+
+func (m *Module) live() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return fmt.Errorf("%w: module %q", ErrClosed, m.name)
+	}
+	return nil
+}
+
+// kernelParams is cuLaunchKernel's void **kernelParams: one pointer per
+// argument to a copy of its value. Every value fits 8 bytes and is stored
+// at the start of its slot, which is where a smaller value lies on a
+// little-endian host (all CUDA hosts). The driver copies the values during
+// cuLaunchKernel, so they need to live only until it returns.
+type kernelParams struct {
+	vals []uint64
+	ptrs []unsafe.Pointer
+}
+
+func packParams(args []any) (*kernelParams, error) {
+	p := &kernelParams{vals: make([]uint64, len(args)), ptrs: make([]unsafe.Pointer, len(args))}
+	for i, a := range args {
+		switch v := a.(type) {
+		case CUdeviceptr:
+			p.vals[i] = uint64(v)
+		case alloc.Ptr:
+			p.vals[i] = uint64(v)
+		case *alloc.Block:
+			if v == nil {
+				return nil, graph.Errorf(graph.ErrNilTensor, "cuda: kernel argument %d is a nil block", i)
+			}
+			p.vals[i] = uint64(v.Ptr())
+		case int32:
+			p.vals[i] = uint64(uint32(v))
+		case uint32:
+			p.vals[i] = uint64(v)
+		case int64:
+			p.vals[i] = uint64(v)
+		case uint64:
+			p.vals[i] = v
+		case float32:
+			p.vals[i] = uint64(math.Float32bits(v))
+		case float64:
+			p.vals[i] = math.Float64bits(v)
+		default:
+			return nil, graph.Errorf(graph.ErrDType, "cuda: kernel argument %d has unsupported type %T", i, a)
+		}
+		p.ptrs[i] = unsafe.Pointer(&p.vals[i])
+	}
+	return p, nil
+}
