@@ -102,7 +102,16 @@ func TestCachingAllocatorOverCUDA(t *testing.T) {
 	for i, s := range sizes {
 		b, err := a.Malloc(s, tag)
 		require.NoError(t, err)
-		assert.Equal(t, blocks[i].Ptr(), b.Ptr(), "size %d reuses its block", s)
+		if !assert.Equal(t, blocks[i].Ptr(), b.Ptr(), "size %d reuses its block", s) {
+			// Seen once on the H100 and never on the simulated device:
+			// log the layout to find out why.
+			for j, old := range blocks {
+				t.Logf("round 1: size %d at %#x", sizes[j], old.Ptr())
+			}
+			for _, seg := range a.Snapshot().Segments {
+				t.Logf("segment %#x %d B: %+v", seg.Addr, seg.Size, seg.Blocks)
+			}
+		}
 		blocks[i] = b
 	}
 	for _, b := range blocks {
