@@ -183,14 +183,14 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 		return nil, usagef(errMissing, "missing --budget (for example 24GiB)")
 	}
 	var err error
-	if c.budget, err = parseBytes(v.budget); err != nil {
-		return nil, &usageError{kind: errSize, msg: "--budget: " + err.Error()}
+	if c.budget, err = alloc.ParseBytes(v.budget); err != nil {
+		return nil, &usageError{kind: alloc.ErrSize, msg: "--budget: " + err.Error()}
 	}
 	if c.budget == 0 {
 		return nil, usagef(errRange, "--budget must be positive")
 	}
-	if c.headroom, err = parseBytes(v.headroom); err != nil {
-		return nil, &usageError{kind: errSize, msg: "--headroom: " + err.Error()}
+	if c.headroom, err = alloc.ParseBytes(v.headroom); err != nil {
+		return nil, &usageError{kind: alloc.ErrSize, msg: "--headroom: " + err.Error()}
 	}
 	if c.headroom >= c.budget {
 		return nil, usagef(errRange, "--headroom %s leaves nothing of --budget %s",

@@ -22,6 +22,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -37,11 +38,12 @@ const (
 )
 
 type options struct {
-	batch int    // samples in the batch
-	seed  uint64 // seeds both the data and the initial weights
-	rows  int    // rows of logits to print
-	steps int    // training steps
-	lr    float64
+	batch  int    // samples in the batch
+	seed   uint64 // seeds both the data and the initial weights
+	rows   int    // rows of logits to print
+	steps  int    // training steps
+	lr     float64
+	budget int64 // device memory a step may reserve; 0: no limit
 }
 
 func main() {
@@ -51,7 +53,13 @@ func main() {
 	flag.IntVar(&o.rows, "rows", 4, "rows of logits to print")
 	flag.IntVar(&o.steps, "steps", 200, "training steps")
 	flag.Float64Var(&o.lr, "lr", 1e-3, "Adam learning rate")
+	budget := flag.String("budget", "0", "memory a training step may reserve, e.g. 48MiB (0: no limit); the planner splits the batch into chunks to fit")
 	flag.Parse()
+	var err error
+	if o.budget, err = alloc.ParseBytes(*budget); err != nil {
+		fmt.Fprintln(os.Stderr, "mlp: -budget:", err)
+		os.Exit(2)
+	}
 	if err := run(os.Stdout, o); err != nil {
 		fmt.Fprintln(os.Stderr, "mlp:", err)
 		os.Exit(1)
@@ -101,7 +109,7 @@ func run(w io.Writer, o options) error {
 // reuses its analysis because the graph's signature does not change.
 // It returns the loss of every step.
 func train(w io.Writer, o options, model nn.Module) ([]float32, error) {
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Budget: o.budget})
 	opt := optim.NewAdam(o.lr)
 	fmt.Fprintf(w, "\ntraining on %s, Adam lr %g\n", sess.Device(), o.lr)
 	ctx := context.Background()
@@ -115,11 +123,30 @@ func train(w io.Writer, o options, model nn.Module) ([]float32, error) {
 			return losses, fmt.Errorf("step %d: %w", step, err)
 		}
 		losses = append(losses, l)
+		if step == 0 {
+			printPlan(w, sess, o.budget)
+		}
 		if step == 0 || (step+1)%max(o.steps/10, 1) == 0 {
 			fmt.Fprintf(w, "step %4d  loss %.6f\n", step+1, l)
 		}
 	}
 	return losses, nil
+}
+
+// printPlan reports the planner's decision for the training step and the
+// peak the executor measured running it.
+func printPlan(w io.Writer, sess *batchfit.Session, budget int64) {
+	pl, u := sess.LastPlan(), sess.LastUsage()
+	limit := "no budget"
+	if budget > 0 {
+		limit = "budget " + alloc.FormatBytes(budget)
+	}
+	split := "the whole batch in one chunk"
+	if len(pl.Chunks) > 1 {
+		split = fmt.Sprintf("%d chunks of at most %d", len(pl.Chunks), pl.Chunk)
+	}
+	fmt.Fprintf(w, "plan (%s): batch %d runs as %s; peak reserved predicted %s, measured %s\n",
+		limit, pl.Batch, split, alloc.FormatBytes(pl.PeakReserved), alloc.FormatBytes(u.PeakReserved))
 }
 
 // blobs draws batch samples from ten Gaussian blobs: class c has a mean

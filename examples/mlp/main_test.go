@@ -67,3 +67,15 @@ func TestTrainingHalvesLoss(t *testing.T) {
 	t.Logf("first loss %.4f, mean of last five %.4f", losses[0], last)
 	assert.Less(t, last, losses[0]/2)
 }
+
+// TestChunkedTrainingUnderBudget runs the example the way the README shows
+// chunking: a batch whose step needs 66 MiB under a 48 MiB budget runs in
+// two chunks, and the executor measures exactly the predicted peak.
+func TestChunkedTrainingUnderBudget(t *testing.T) {
+	var out bytes.Buffer
+	o := options{batch: 4096, seed: 2, steps: 1, lr: 1e-3, budget: 48 << 20}
+	model := nn.MLP(nn.Seed(o.seed), []int{features, 512, 512, classes}, nn.ReLU{})
+	_, err := train(&out, o, model)
+	require.NoError(t, err)
+	assert.Contains(t, out.String(), "batch 4096 runs as 2 chunks of at most 2048; peak reserved predicted 46.00 MiB, measured 46.00 MiB")
+}

@@ -1,4 +1,4 @@
-package main
+package alloc_test
 
 import (
 	"math"
@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/alloc"
 )
 
 func TestParseBytes(t *testing.T) {
@@ -34,7 +36,7 @@ func TestParseBytes(t *testing.T) {
 		{"8388607.999999999TiB", 9223372036854774708}, // 2^63 − 10⁻⁹·2^40 = 2^63 − 1099.5…, rounded down
 	}
 	for _, c := range valid {
-		got, err := parseBytes(c.in)
+		got, err := alloc.ParseBytes(c.in)
 		require.NoError(t, err, "%q", c.in)
 		assert.Equal(t, c.want, got, "%q", c.in)
 	}
@@ -47,7 +49,7 @@ func TestParseBytes(t *testing.T) {
 		"8388608TiB", "9223372036854775808", "99999999999999999999999GB", // overflow
 	}
 	for _, in := range invalid {
-		_, err := parseBytes(in)
-		assert.ErrorIs(t, err, errSize, "%q", in)
+		_, err := alloc.ParseBytes(in)
+		assert.ErrorIs(t, err, alloc.ErrSize, "%q", in)
 	}
 }
