@@ -2,6 +2,7 @@ package planner_test
 
 import (
 	"errors"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -304,4 +305,123 @@ func TestPlanErrors(t *testing.T) {
 			require.False(t, errors.Is(err, planner.ErrDoesNotFit))
 		})
 	}
+}
+
+// randomProgram is a program of nbuf chunk buffers of random sizes in all
+// three size classes (small, mid-size in 20 MiB segments, large), each
+// allocated once and freed at a random later step, after a few persistent
+// buffers. Replays without hooks never look at a graph, so it has none.
+func randomProgram(rng *rand.Rand, n, nbuf int) *planner.Program {
+	p := &planner.Program{Batch: n}
+	size := func() int64 {
+		switch rng.IntN(4) {
+		case 0:
+			return 0
+		case 1:
+			return rng.Int64N(64 << 10) // small pool
+		case 2:
+			return rng.Int64N(1 * mib) // small or mid-size, by chunk size
+		}
+		return rng.Int64N(4 * mib) // mid-size or large
+	}
+	add := func(b planner.Buffer) int {
+		p.Buffers = append(p.Buffers, b)
+		return len(p.Buffers) - 1
+	}
+	for range 1 + rng.IntN(3) {
+		p.Persistent = append(p.Persistent, add(planner.Buffer{Kind: planner.BufParam, Fixed: 1 + size()}))
+	}
+	var live []int
+	free := func() {
+		j := rng.IntN(len(live))
+		p.Steps = append(p.Steps, planner.Step{Kind: planner.StepFree, Buf: live[j]})
+		live = append(live[:j], live[j+1:]...)
+	}
+	for range nbuf {
+		b := add(planner.Buffer{Kind: planner.BufOutput, Fixed: size() / 4, PerSample: size() / 8})
+		if p.Buffers[b].Fixed+p.Buffers[b].PerSample == 0 {
+			p.Buffers[b].Fixed = 1
+		}
+		p.Steps = append(p.Steps, planner.Step{Kind: planner.StepAlloc, Buf: b})
+		live = append(live, b)
+		for len(live) > 0 && rng.IntN(2) == 0 {
+			free()
+		}
+	}
+	for len(live) > 0 {
+		free()
+	}
+	return p
+}
+
+// A bare replay (no hooks, no timeline) skips chunks that would repeat the
+// previous one step for step. It must measure what the full replay does:
+// the same peaks, and out of memory exactly when the full replay is, for
+// random programs at every chunk count, on unlimited devices and on tight
+// ones. A chunk does not always repeat its predecessor (see
+// TestSecondChunkPeaksHigher), so only chunks after one that made no
+// device call are skipped.
+func TestBareReplayMeasuresTheFullReplay(t *testing.T) {
+	rng := rand.New(rand.NewPCG(71, 72))
+	replay := func(p *planner.Program, chunks []planner.Chunk, capacity int64, record bool) (planner.Usage, error) {
+		return planner.Replay(p, chunks, alloc.New(alloc.NewSimBackend(capacity), alloc.Options{}), nil, record)
+	}
+	for range 150 {
+		n := 2 + rng.IntN(8)
+		p := randomProgram(rng, n, 2+rng.IntN(40))
+		for k := 2; k <= n; k++ {
+			chunks := planner.Chunks(n, k)
+			top := peak(t, p, chunks).PeakReserved
+			for _, capacity := range []int64{1 << 60, top, top - alloc.RoundLarge, top * 3 / 4} {
+				bare, errBare := replay(p, chunks, capacity, false)
+				full, errFull := replay(p, chunks, capacity, true)
+				require.Equal(t, errFull == nil, errBare == nil, "%d chunks, capacity %d: %v / %v", k, capacity, errFull, errBare)
+				if errFull != nil {
+					require.ErrorIs(t, errBare, alloc.ErrOutOfMemory)
+					continue
+				}
+				require.Equal(t, full.PeakReserved, bare.PeakReserved, "%d chunks, capacity %d", k, capacity)
+				require.Equal(t, full.PeakAllocated, bare.PeakAllocated, "%d chunks, capacity %d", k, capacity)
+			}
+		}
+	}
+}
+
+// On a tight device the second chunk can peak above the first: chunk 0
+// reserves three small segments, then needs a 20 MiB mid-size segment and
+// releases the two it no longer uses; chunk 1 starts with that mid-size
+// segment cached and reserves a small segment on top of it before it has to
+// release it. Every chunk after the first makes device calls, so a bare
+// replay skips none and measures the 24 MiB peak too.
+func TestSecondChunkPeaksHigher(t *testing.T) {
+	p := &planner.Program{Batch: 3, Persistent: []int{0},
+		Buffers: []planner.Buffer{{Kind: planner.BufParam, Fixed: 1 << 10}}}
+	for range 5 { // two per small segment, one beside the parameter
+		p.Buffers = append(p.Buffers, planner.Buffer{Kind: planner.BufOutput, Fixed: 1 * mib})
+	}
+	p.Buffers = append(p.Buffers, planner.Buffer{Kind: planner.BufOutput, Fixed: 5 * mib})
+	for _, kind := range []planner.StepKind{planner.StepAlloc, planner.StepFree} {
+		for b := 1; b <= 5; b++ {
+			p.Steps = append(p.Steps, planner.Step{Kind: kind, Buf: b})
+		}
+	}
+	p.Steps = append(p.Steps, planner.Step{Kind: planner.StepAlloc, Buf: 6}, planner.Step{Kind: planner.StepFree, Buf: 6})
+
+	const capacity = 24 * mib
+	replay := func(chunks []planner.Chunk, record bool) planner.Usage {
+		u, err := planner.Replay(p, chunks, alloc.New(alloc.NewSimBackend(capacity), alloc.Options{}), nil, record)
+		require.NoError(t, err)
+		return u
+	}
+	chunks := planner.Chunks(3, 3)
+	full := replay(chunks, true)
+	require.Equal(t, int64(24*mib), full.PeakReserved)
+	for _, pt := range full.Timeline {
+		if pt.Chunk == 0 {
+			require.LessOrEqual(t, pt.Reserved, int64(22*mib), "chunk 0 at step %d", pt.Step)
+		}
+	}
+	bare := replay(chunks, false)
+	assert.Equal(t, full.PeakReserved, bare.PeakReserved)
+	assert.Equal(t, full.PeakAllocated, bare.PeakAllocated)
 }

@@ -128,7 +128,21 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 			acc = append(acc, blocks[bi])
 		}
 	}
+	// A chunk that made no device call and freed all it allocated left the
+	// allocator as it found it (free blocks coalesce around the persistent
+	// ones), so every later chunk of its size would repeat it step for step.
+	// A bare replay (no hooks, no timeline) skips those: planning a batch
+	// of thousands in chunks of one then costs a few chunks, not thousands.
+	bare := h == nil && !record
+	repeats := -1 // size of the chunks known to repeat
+	var before alloc.Stats
 	for _, c := range chunks {
+		if bare {
+			if c.Size == repeats {
+				continue
+			}
+			before = a.Stats()
+		}
 		for si, st := range p.Steps {
 			buf := p.Buffers[max(st.Buf, 0)]
 			switch st.Kind {
@@ -186,6 +200,13 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 			}
 			blocks[bi] = nil
 			mark(c.Index, -1, o, StepFree)
+		}
+		if bare {
+			s := a.Stats()
+			if s.NumDeviceAlloc == before.NumDeviceAlloc && s.NumDeviceFree == before.NumDeviceFree &&
+				s.Allocation[alloc.All].Current == before.Allocation[alloc.All].Current {
+				repeats = c.Size
+			}
 		}
 	}
 	kept := acc
