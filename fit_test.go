@@ -74,11 +74,16 @@ func mlpModel(dropout bool) trainModel {
 	}}
 }
 
-// gptModel is a two-layer GPT over 16 tokens of a 512-token vocabulary; its
-// logits dominate the per-sample memory. With dropout, lazy Dropout (p 0.1)
-// drops logits, with a counter that advances every build.
-func gptModel(dropout bool) trainModel {
-	const vocab, seq = 512, 16
+// gptModel makes two-layer GPTs over 16 tokens of a vocabulary of vocab
+// tokens; at 512 the logits dominate the per-sample memory. With dropout,
+// lazy Dropout (p 0.1) drops logits, with a counter that advances every
+// build.
+func gptModel(vocab int) func(dropout bool) trainModel {
+	return func(dropout bool) trainModel { return newGPTModel(vocab, dropout) }
+}
+
+func newGPTModel(vocab int, dropout bool) trainModel {
+	const seq = 16
 	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16})
 	var step uint64
 	return trainModel{"gpt", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
@@ -93,13 +98,17 @@ func gptModel(dropout bool) trainModel {
 	}}
 }
 
-// convModel is a two-stage ConvNet over 3×32×32 images; with dropout, lazy
-// Dropout (p 0.2) drops input pixels.
-func convModel(dropout bool) trainModel {
-	m := models.NewConvNet(nn.Seed(23), models.ConvNetConfig{Channels: 3, Size: 32, Widths: []int{8, 8}, Classes: 10})
+// convModel makes two-stage ConvNets over 3×size×size images; with
+// dropout, lazy Dropout (p 0.2) drops input pixels.
+func convModel(size int) func(dropout bool) trainModel {
+	return func(dropout bool) trainModel { return newConvModel(size, dropout) }
+}
+
+func newConvModel(size int, dropout bool) trainModel {
+	m := models.NewConvNet(nn.Seed(23), models.ConvNetConfig{Channels: 3, Size: size, Widths: []int{8, 8}, Classes: 10})
 	var step uint64
 	return trainModel{"convnet", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, 3, 32, 32), 0)
+		x := lazy.Wrap(uniformF32(rng, n, 3, size, size), 0)
 		y := x.Graph().Wrap(classes(rng, 10, n), 0)
 		if dropout {
 			step++
@@ -164,10 +173,11 @@ func counts(budgets map[int]int64) []int {
 }
 
 // Predicted == measured, to the byte: at every chunk count the planner
-// chooses, over consecutive Adam steps (the first allocates parameters and
-// optimizer state; later ones find them resident and reuse the cached
-// segments), the plan's peaks are the peaks the executor's allocator
-// measured during the step and the peaks in its Stats.
+// chooses for two batch sizes (each count tested once, at the smaller size
+// that gives it), over consecutive Adam steps (the first allocates
+// parameters and optimizer state; later ones find them resident and run in
+// the cached segments), the plan's peaks are the peaks the executor's
+// allocator measured during the step and the peaks in its Stats.
 func TestPlannedPeaksAreMeasured(t *testing.T) {
 	const steps = 3
 	ctx := context.Background()
@@ -176,8 +186,8 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 		sizes []int
 	}{
 		{mlpModel, []int{500, 1000}},
-		{gptModel, []int{40, 64}},
-		{convModel, []int{30, 40}},
+		{gptModel(512), []int{40, 64}},
+		{convModel(32), []int{30, 40}},
 	} {
 		name := c.model(false).name
 		seen := map[int]bool{}
@@ -185,17 +195,25 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 			loss, params := c.model(false).build(rand.New(rand.NewPCG(uint64(n), 1)), n)
 			budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
 			for _, k := range counts(budgets) {
+				if seen[k] {
+					continue // tested at another batch size
+				}
 				seen[k] = true
 				budget := budgets[k]
 				t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", name, n, k), func(t *testing.T) {
+					t.Parallel()
 					m, rng := c.model(false), rand.New(rand.NewPCG(uint64(n), uint64(k)))
 					sess := batchfit.NewSession(batchfit.Options{Budget: budget})
 					opt := optim.NewAdam(1e-3)
+					var calls [steps][3]int64 // device allocations, frees and retries after each step
 					for step := range steps {
 						loss, params := m.build(rng, n)
 						_, err := sess.Step(ctx, loss, params, opt)
 						require.NoError(t, err, "step %d", step)
 						pl, used, st := sess.LastPlan(), sess.LastUsage(), sess.Allocator().Stats()
+						_, capacity, err := sess.Allocator().Backend().MemInfo()
+						require.NoError(t, err)
+						require.Equal(t, budget, capacity, "the session's device has the budget's capacity")
 						require.Len(t, pl.Chunks, k, "step %d", step)
 						require.LessOrEqual(t, pl.PeakReserved, budget, "step %d", step)
 						require.Equal(t, pl.PeakReserved, used.PeakReserved, "step %d: reserved", step)
@@ -203,6 +221,19 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 						require.Equal(t, pl.PeakReserved, st.ReservedBytes[alloc.All].Peak, "step %d: stats reserved", step)
 						require.Equal(t, pl.PeakAllocated, st.AllocatedBytes[alloc.All].Peak, "step %d: stats allocated", step)
 						require.Zero(t, st.NumOOMs, "step %d", step)
+						calls[step] = [3]int64{st.NumDeviceAlloc, st.NumDeviceFree, st.NumAllocRetries}
+					}
+					// Steady state: a plan that fits without releasing cached
+					// segments reserves nothing after the first step; one that
+					// needs a release and retry (the smallest budgets can) makes
+					// the same device calls every step.
+					if calls[0][2] == 0 {
+						require.Equal(t, calls[0], calls[steps-1], "later steps called the device")
+					}
+					for step := 2; step < steps; step++ {
+						for i := range 3 {
+							require.Equal(t, calls[1][i]-calls[0][i], calls[step][i]-calls[step-1][i], "step %d: device calls (allocations, frees, retries) differ from step 1's", step)
+						}
 					}
 				})
 			}
@@ -247,14 +278,14 @@ func float32s(t *testing.T, d *tensor.Dense) []float32 {
 //
 // Tolerances: chunking changes only the order of float32 sums (the mean
 // loss and the gradients add per-chunk partial sums), so every value is
-// held to rtol 1e-5 plus atol 2e-6·max|value| of its tensor for entries
-// near zero, where cancellation leaves only rounding. The float64 reference
-// is held to the same bounds; the dropout masks (which elements are zero) must
-// match exactly.
+// held to rtol 1e-5 plus, for entries near zero where cancellation leaves
+// only rounding, atol 1e-6·max|value| of its tensor. Chunked against whole
+// needs atol 1e-7·max here, the whole run against the float64 reference
+// 2e-7·max. The dropout masks (which elements are zero) must match exactly.
 func TestChunkedStepMatchesWholeBatch(t *testing.T) {
-	const n, rtol, atolScale = 10, 1e-5, 2e-6
+	const n, rtol, atolScale = 10, 1e-5, 1e-6
 	ctx := context.Background()
-	for _, newModel := range []func(bool) trainModel{mlpModel, gptModel, convModel} {
+	for _, newModel := range []func(bool) trainModel{mlpModel, gptModel(64), convModel(16)} {
 		m := newModel(true)
 		t.Run(m.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(31, 32))
@@ -265,7 +296,7 @@ func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 			wantRef, err := ref.Eval(p.Graph, nil, p.Outputs...)
 			require.NoError(t, err)
 
-			close := func(t *testing.T, what string, want []float64, got []float32) {
+			near := func(t *testing.T, what string, want []float64, got []float32) {
 				t.Helper()
 				require.Len(t, got, len(want), what)
 				var scale float64
@@ -289,14 +320,14 @@ func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 				if k == 1 {
 					whole = res.Outputs
 					for i, v := range wantRef {
-						close(t, fmt.Sprintf("whole vs float64: output %d", i), v.Data, float32s(t, whole[i]))
+						near(t, fmt.Sprintf("whole vs float64: output %d", i), v.Data, float32s(t, whole[i]))
 					}
 					continue
 				}
 				for i, out := range res.Outputs {
 					want := float32s(t, whole[i])
 					got := float32s(t, out)
-					close(t, fmt.Sprintf("%d chunks: output %d", k, i), to64(want), got)
+					near(t, fmt.Sprintf("%d chunks: output %d", k, i), to64(want), got)
 					if i >= len(p.Outputs)-len(drops) {
 						for j := range want {
 							require.Equal(t, want[j] == 0, got[j] == 0, "%d chunks: dropout node %d, element %d", k, p.Outputs[i], j)
@@ -308,12 +339,12 @@ func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 	}
 }
 
-// Tightness: at the smallest budget giving k chunks, the plan runs on an
-// executor whose simulated device has exactly the budget, and measures
-// what the plan predicted. The next size up, the balanced list of k−1
-// chunks, runs out of memory on that device, in a plain replay and in the
-// executor alike; and the plan's own chunks run out of memory 2 MiB (the
-// allocator's granularity) below the budget.
+// Tightness: at the smallest budget giving k chunks (which runs within the
+// budget on a device of exactly that capacity: TestPlannedPeaksAreMeasured),
+// the next size up, the balanced list of k−1 chunks, runs out of memory on
+// that device, in a plain replay and in the executor alike; and the plan's
+// own chunks run out of memory 2 MiB (the allocator's granularity) below
+// the budget.
 func TestPlansAreTight(t *testing.T) {
 	ctx := context.Background()
 	for _, c := range []struct {
@@ -321,8 +352,8 @@ func TestPlansAreTight(t *testing.T) {
 		n     int
 	}{
 		{mlpModel(false), 1000},
-		{gptModel(false), 64},
-		{convModel(false), 40},
+		{gptModel(512)(false), 64},
+		{convModel(32)(false), 40},
 	} {
 		rng := rand.New(rand.NewPCG(41, uint64(c.n)))
 		loss, params := c.model.build(rng, c.n)
@@ -337,12 +368,8 @@ func TestPlansAreTight(t *testing.T) {
 				pl, err := planner.Make(p, planner.Options{Budget: budget})
 				require.NoError(t, err)
 				require.Len(t, pl.Chunks, k)
-				res, err := cpu.NewOn(onDevice(budget)).Execute(ctx, p, pl.Chunks, cpu.ExecOptions{})
+				_, err = planner.Replay(p, pl.Chunks, onDevice(budget), nil, false)
 				require.NoError(t, err)
-				require.LessOrEqual(t, res.Usage.PeakReserved, budget)
-				require.Equal(t, pl.PeakReserved, res.Usage.PeakReserved)
-				require.Equal(t, pl.PeakAllocated, res.Usage.PeakAllocated)
-
 				_, err = planner.Replay(p, pl.Chunks, onDevice(budget-alloc.RoundLarge), nil, false)
 				require.ErrorIs(t, err, alloc.ErrOutOfMemory, "the plan's chunks fit 2 MiB below the budget")
 				if k == 1 {
