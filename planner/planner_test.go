@@ -72,6 +72,7 @@ func peak(t testing.TB, p *planner.Program, chunks []planner.Chunk) planner.Usag
 	return u
 }
 
+// sizes lists the chunk sizes.
 func sizes(cs []planner.Chunk) []int {
 	s := make([]int, len(cs))
 	for i, c := range cs {
@@ -218,6 +219,7 @@ func TestPlanErrors(t *testing.T) {
 			assert.GreaterOrEqual(t, e.Largest[i-1].Bytes, e.Largest[i].Bytes)
 		}
 		assert.Nil(t, e.Reason)
+		assert.NotEmpty(t, e.Error())
 	})
 
 	t.Run("batch of one does not fit", func(t *testing.T) {
