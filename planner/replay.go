@@ -128,17 +128,21 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 			acc = append(acc, blocks[bi])
 		}
 	}
-	prevSize, steady := -1, false
+	// A chunk that made no device call and freed all it allocated left the
+	// allocator as it found it (free blocks coalesce around the persistent
+	// ones), so every later chunk of its size would repeat it step for step.
+	// A bare replay (no hooks, no timeline) skips those: planning a batch
+	// of thousands in chunks of one then costs a few chunks, not thousands.
+	bare := h == nil && !record
+	repeats := -1 // size of the chunks known to repeat
+	var before alloc.Stats
 	for _, c := range chunks {
-		// A chunk that left the allocator as it found it leaves a state
-		// that the next chunk of the same size repeats exactly (all its
-		// buffers were freed and coalesced back), so a simulation skips
-		// such repeats: planning a batch of a million samples in chunks
-		// of one replays two chunks, not a million. Executors run them all.
-		if h == nil && !record && steady && c.Size == prevSize {
-			continue
+		if bare {
+			if c.Size == repeats {
+				continue
+			}
+			before = a.Stats()
 		}
-		before := a.Stats()
 		for si, st := range p.Steps {
 			buf := p.Buffers[max(st.Buf, 0)]
 			switch st.Kind {
@@ -197,19 +201,19 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 			blocks[bi] = nil
 			mark(c.Index, -1, o, StepFree)
 		}
-		after := a.Stats()
-		prevSize = c.Size
-		steady = after.ReservedBytes[alloc.All].Current == before.ReservedBytes[alloc.All].Current &&
-			after.AllocatedBytes[alloc.All].Current == before.AllocatedBytes[alloc.All].Current
+		if bare {
+			s := a.Stats()
+			if s.NumDeviceAlloc == before.NumDeviceAlloc && s.NumDeviceFree == before.NumDeviceFree &&
+				s.Allocation[alloc.All].Current == before.Allocation[alloc.All].Current {
+				repeats = c.Size
+			}
+		}
 	}
 	kept := acc
 	if len(chunks) == 1 {
 		for _, k := range p.Kept {
-			bi := p.OutputBuf[k]
-			kept = append(kept, blocks[bi])
-			if p.Buffers[bi].Kind == BufOutput { // not a view of a parameter
-				owned = append(owned, bi)
-			}
+			kept = append(kept, blocks[p.OutputBuf[k]])
+			owned = append(owned, p.OutputBuf[k])
 		}
 	}
 	if h != nil {
@@ -218,9 +222,6 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 		}
 	}
 	for _, bi := range owned {
-		if blocks[bi] == nil {
-			continue // a kept output listed twice (two parameters sharing one gradient node)
-		}
 		if err := a.Free(blocks[bi]); err != nil {
 			return fail(err)
 		}

@@ -1,0 +1,455 @@
+package batchfit_test
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// Acceptance tests of issue #4: what the planner predicts is what the
+// executor measures, chunked steps equal whole-batch steps, and plans are
+// tight. The models are small, but their per-sample memory is large enough
+// that budgets a few 2 MiB segments apart give different chunk counts.
+
+// trainModel is a model under test. build makes a fresh training graph over
+// n new samples, as a training loop does every step, and returns the mean
+// cross-entropy loss and the parameters it trains.
+type trainModel struct {
+	name  string
+	build func(rng *rand.Rand, n int) (loss *lazy.Tensor, params []*lazy.Tensor)
+}
+
+// uniformF32 draws a tensor of shape uniformly from [−1, 1).
+func uniformF32(rng *rand.Rand, shape ...int) *tensor.Dense {
+	d := make([]float32, graph.Numel(shape))
+	for i := range d {
+		d[i] = float32(rng.Float64()*2 - 1)
+	}
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+}
+
+// classes draws an int64 tensor of shape with values in [0, k).
+func classes(rng *rand.Rand, k int, shape ...int) *tensor.Dense {
+	d := make([]int64, graph.Numel(shape))
+	for i := range d {
+		d[i] = int64(rng.IntN(k))
+	}
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+}
+
+// mlpModel is 784 → 64 → 64 → 10 with ReLU; with dropout, nn.Dropout in
+// training mode drops inputs (p 0.2) and the first hidden layer (p 0.3).
+func mlpModel(dropout bool) trainModel {
+	opt := nn.Seed(21)
+	mods := []nn.Module{nn.NewLinear(opt, 784, 64, true), nn.ReLU{}}
+	if dropout {
+		mods = append([]nn.Module{&nn.Dropout{P: 0.2, Training: true, Seed: 5}}, mods...)
+		mods = append(mods, &nn.Dropout{P: 0.3, Training: true, Seed: 6})
+	}
+	mods = append(mods, nn.NewLinear(opt, 64, 64, true), nn.ReLU{}, nn.NewLinear(opt, 64, 10, true))
+	m := nn.NewSequential(mods...)
+	return trainModel{"mlp", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
+		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
+	}}
+}
+
+// gptModel makes two-layer GPTs over 16 tokens of a vocabulary of vocab
+// tokens; at 512 the logits dominate the per-sample memory. With dropout,
+// lazy Dropout (p 0.1) drops logits, with a counter that advances every
+// build.
+func gptModel(vocab int) func(dropout bool) trainModel {
+	return func(dropout bool) trainModel { return newGPTModel(vocab, dropout) }
+}
+
+func newGPTModel(vocab int, dropout bool) trainModel {
+	const seq = 16
+	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16})
+	var step uint64
+	return trainModel{"gpt", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		tokens := lazy.Wrap(classes(rng, vocab, n, seq), 0)
+		targets := tokens.Graph().Wrap(classes(rng, vocab, n, seq), 0)
+		logits := m.Forward(tokens)
+		if dropout {
+			step++
+			logits = logits.Dropout(0.1, 9, step)
+		}
+		return models.Loss(logits, targets), nn.ParamTensors(m)
+	}}
+}
+
+// convModel makes two-stage ConvNets over 3×size×size images; with
+// dropout, lazy Dropout (p 0.2) drops input pixels.
+func convModel(size int) func(dropout bool) trainModel {
+	return func(dropout bool) trainModel { return newConvModel(size, dropout) }
+}
+
+func newConvModel(size int, dropout bool) trainModel {
+	m := models.NewConvNet(nn.Seed(23), models.ConvNetConfig{Channels: 3, Size: size, Widths: []int{8, 8}, Classes: 10})
+	var step uint64
+	return trainModel{"convnet", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(uniformF32(rng, n, 3, size, size), 0)
+		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		if dropout {
+			step++
+			x = x.Dropout(0.2, 11, step)
+		}
+		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
+	}}
+}
+
+// stepProgram compiles the program Session.Step runs for loss: outputs are
+// the loss and the gradients of params (kept on the device), then extra.
+func stepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
+	t.Helper()
+	require.NoError(t, loss.Err())
+	g := loss.Graph()
+	outs := []int{loss.ID()}
+	trained := make([]int, len(params))
+	for i, gr := range lazy.Grad(loss, params...) {
+		require.NoError(t, gr.Err())
+		outs = append(outs, gr.ID())
+		trained[i] = g.NodeOf(params[i])
+	}
+	kept := slices.Clone(outs[1:])
+	outs = append(outs, extra...)
+	info, err := shapeinfer.Analyze(g.IR(), outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: kept, Trained: trained,
+		StateSlots: slots, Workspace: cpu.Workspace})
+	require.NoError(t, err)
+	return p
+}
+
+// tightBudgets maps each chunk count the planner can choose for p to the
+// smallest budget at which it chooses it. Every segment the allocator
+// reserves is a multiple of 2 MiB, so budgets in 2 MiB steps find them all.
+func tightBudgets(t *testing.T, p *planner.Program) map[int]int64 {
+	t.Helper()
+	budgets := map[int]int64{}
+	for b := int64(alloc.RoundLarge); ; b += alloc.RoundLarge {
+		pl, err := planner.Make(p, planner.Options{Budget: b})
+		if err != nil {
+			require.ErrorIs(t, err, planner.ErrDoesNotFit)
+			continue
+		}
+		if _, ok := budgets[len(pl.Chunks)]; !ok {
+			budgets[len(pl.Chunks)] = b
+		}
+		if len(pl.Chunks) == 1 {
+			return budgets
+		}
+	}
+}
+
+// counts lists the keys of budgets in increasing order.
+func counts(budgets map[int]int64) []int {
+	var ks []int
+	for k := range budgets {
+		ks = append(ks, k)
+	}
+	slices.Sort(ks)
+	return ks
+}
+
+// Predicted == measured, to the byte: at every chunk count the planner
+// chooses for two batch sizes (each count tested once, at the smaller size
+// that gives it), over consecutive Adam steps (the first allocates
+// parameters and optimizer state; later ones find them resident and run in
+// the cached segments), the plan's peaks are the peaks the executor's
+// allocator measured during the step and the peaks in its Stats.
+func TestPlannedPeaksAreMeasured(t *testing.T) {
+	const steps = 3
+	ctx := context.Background()
+	for _, c := range []struct {
+		model func(dropout bool) trainModel
+		sizes []int
+	}{
+		{mlpModel, []int{500, 1000}},
+		{gptModel(512), []int{40, 64}},
+		{convModel(32), []int{30, 40}},
+	} {
+		name := c.model(false).name
+		seen := map[int]bool{}
+		for _, n := range c.sizes {
+			loss, params := c.model(false).build(rand.New(rand.NewPCG(uint64(n), 1)), n)
+			budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+			for _, k := range counts(budgets) {
+				if seen[k] {
+					continue // tested at another batch size
+				}
+				seen[k] = true
+				budget := budgets[k]
+				t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", name, n, k), func(t *testing.T) {
+					t.Parallel()
+					m, rng := c.model(false), rand.New(rand.NewPCG(uint64(n), uint64(k)))
+					sess := batchfit.NewSession(batchfit.Options{Budget: budget})
+					opt := optim.NewAdam(1e-3)
+					var calls [steps][3]int64 // device allocations, frees and retries after each step
+					for step := range steps {
+						loss, params := m.build(rng, n)
+						_, err := sess.Step(ctx, loss, params, opt)
+						require.NoError(t, err, "step %d", step)
+						pl, used, st := sess.LastPlan(), sess.LastUsage(), sess.Allocator().Stats()
+						_, capacity, err := sess.Allocator().Backend().MemInfo()
+						require.NoError(t, err)
+						require.Equal(t, budget, capacity, "the session's device has the budget's capacity")
+						require.Len(t, pl.Chunks, k, "step %d", step)
+						require.LessOrEqual(t, pl.PeakReserved, budget, "step %d", step)
+						require.Equal(t, pl.PeakReserved, used.PeakReserved, "step %d: reserved", step)
+						require.Equal(t, pl.PeakAllocated, used.PeakAllocated, "step %d: allocated", step)
+						require.Equal(t, pl.PeakReserved, st.ReservedBytes[alloc.All].Peak, "step %d: stats reserved", step)
+						require.Equal(t, pl.PeakAllocated, st.AllocatedBytes[alloc.All].Peak, "step %d: stats allocated", step)
+						require.Zero(t, st.NumOOMs, "step %d", step)
+						calls[step] = [3]int64{st.NumDeviceAlloc, st.NumDeviceFree, st.NumAllocRetries}
+					}
+					// Steady state: a plan that fits without releasing cached
+					// segments reserves nothing after the first step; one that
+					// needs a release and retry (the smallest budgets can) makes
+					// the same device calls every step.
+					if calls[0][2] == 0 {
+						require.Equal(t, calls[0], calls[steps-1], "later steps called the device")
+					}
+					for step := 2; step < steps; step++ {
+						for i := range 3 {
+							require.Equal(t, calls[1][i]-calls[0][i], calls[step][i]-calls[step-1][i], "step %d: device calls (allocations, frees, retries) differ from step 1's", step)
+						}
+					}
+				})
+			}
+		}
+		for _, k := range []int{1, 2, 3} {
+			require.True(t, seen[k], "%s: no budget gave %d chunks; chunk counts seen: %v", name, k, seen)
+		}
+		require.True(t, slices.ContainsFunc(slices.Collect(maps.Keys(seen)), func(k int) bool { return k > 3 }),
+			"%s: no budget gave more than 3 chunks: %v", name, seen)
+	}
+}
+
+// dropoutNodes lists the dropout nodes of g.
+func dropoutNodes(g *graph.Graph) []int {
+	var ids []int
+	for _, nd := range g.Nodes() {
+		if nd.Op == graph.OpDropout {
+			ids = append(ids, nd.ID)
+		}
+	}
+	return ids
+}
+
+// float32s is the data of an output, a scalar's included.
+func float32s(t *testing.T, d *tensor.Dense) []float32 {
+	t.Helper()
+	switch v := d.Data().(type) {
+	case float32:
+		return []float32{v}
+	case []float32:
+		return v
+	}
+	t.Fatalf("output holds %T", d.Data())
+	return nil
+}
+
+// Chunked == whole: one training graph with dropout on, run in 1, 2, 3 and
+// 7 balanced chunks of an uneven batch of 10 (5+5, 4+3+3, 2+2+2+1+1+1+1),
+// gives the whole batch's loss, every parameter gradient and every dropout
+// mask. The whole-batch run itself is checked against the float64
+// reference first.
+//
+// Tolerances: chunking changes only the order of float32 sums (the mean
+// loss and the gradients add per-chunk partial sums), so every value is
+// held to rtol 1e-5 plus, for entries near zero where cancellation leaves
+// only rounding, atol 1e-6·max|value| of its tensor. Chunked against whole
+// needs atol 1e-7·max here, the whole run against the float64 reference
+// 2e-7·max. The dropout masks (which elements are zero) must match exactly.
+func TestChunkedStepMatchesWholeBatch(t *testing.T) {
+	const n, rtol, atolScale = 10, 1e-5, 1e-6
+	ctx := context.Background()
+	for _, newModel := range []func(bool) trainModel{mlpModel, gptModel(64), convModel(16)} {
+		m := newModel(true)
+		t.Run(m.name, func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(31, 32))
+			loss, params := m.build(rng, n)
+			drops := dropoutNodes(loss.Graph().IR())
+			require.NotEmpty(t, drops)
+			p := stepProgram(t, loss, params, 0, drops...)
+			wantRef, err := ref.Eval(p.Graph, nil, p.Outputs...)
+			require.NoError(t, err)
+
+			near := func(t *testing.T, what string, want []float64, got []float32) {
+				t.Helper()
+				require.Len(t, got, len(want), what)
+				var scale float64
+				for _, w := range want {
+					scale = max(scale, math.Abs(w))
+				}
+				for i, w := range want {
+					if d := math.Abs(w - float64(got[i])); d > rtol*math.Abs(w)+atolScale*scale {
+						require.Failf(t, "values differ", "%s[%d]: got %g, want %g (|diff| %g)", what, i, got[i], w, d)
+					}
+				}
+			}
+			var whole []*tensor.Dense
+			for _, k := range []int{1, 2, 3, 7} {
+				chunks := planner.Chunks(n, k)
+				if k == 3 {
+					require.Equal(t, []int{4, 3, 3}, []int{chunks[0].Size, chunks[1].Size, chunks[2].Size})
+				}
+				res, err := cpu.New().Execute(ctx, p, chunks, cpu.ExecOptions{})
+				require.NoError(t, err, "%d chunks", k)
+				if k == 1 {
+					whole = res.Outputs
+					for i, v := range wantRef {
+						near(t, fmt.Sprintf("whole vs float64: output %d", i), v.Data, float32s(t, whole[i]))
+					}
+					continue
+				}
+				for i, out := range res.Outputs {
+					want := float32s(t, whole[i])
+					got := float32s(t, out)
+					near(t, fmt.Sprintf("%d chunks: output %d", k, i), to64(want), got)
+					if i >= len(p.Outputs)-len(drops) {
+						for j := range want {
+							require.Equal(t, want[j] == 0, got[j] == 0, "%d chunks: dropout node %d, element %d", k, p.Outputs[i], j)
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+// Tightness: at the smallest budget giving k chunks (which runs within the
+// budget on a device of exactly that capacity: TestPlannedPeaksAreMeasured),
+// the next size up, the balanced list of k−1 chunks, runs out of memory on
+// that device, in a plain replay and in the executor alike; and the plan's
+// own chunks run out of memory 2 MiB (the allocator's granularity) below
+// the budget.
+func TestPlansAreTight(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		model trainModel
+		n     int
+	}{
+		{mlpModel(false), 1000},
+		{gptModel(512)(false), 64},
+		{convModel(32)(false), 40},
+	} {
+		rng := rand.New(rand.NewPCG(41, uint64(c.n)))
+		loss, params := c.model.build(rng, c.n)
+		p := stepProgram(t, loss, params, 2)
+		budgets := tightBudgets(t, p)
+		for _, k := range counts(budgets) {
+			budget := budgets[k]
+			t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", c.model.name, c.n, k), func(t *testing.T) {
+				onDevice := func(capacity int64) *alloc.Allocator {
+					return alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
+				}
+				pl, err := planner.Make(p, planner.Options{Budget: budget})
+				require.NoError(t, err)
+				require.Len(t, pl.Chunks, k)
+				_, err = planner.Replay(p, pl.Chunks, onDevice(budget), nil, false)
+				require.NoError(t, err)
+				_, err = planner.Replay(p, pl.Chunks, onDevice(budget-alloc.RoundLarge), nil, false)
+				require.ErrorIs(t, err, alloc.ErrOutOfMemory, "the plan's chunks fit 2 MiB below the budget")
+				if k == 1 {
+					return
+				}
+				fewer := planner.Chunks(c.n, k-1)
+				_, err = planner.Replay(p, fewer, onDevice(budget), nil, false)
+				require.ErrorIs(t, err, alloc.ErrOutOfMemory, "%d chunks fit the budget", k-1)
+				var oom *alloc.OOMError
+				require.ErrorAs(t, err, &oom)
+				require.LessOrEqual(t, oom.Reserved, budget)
+				_, err = cpu.NewOn(onDevice(budget)).Execute(ctx, p, fewer, cpu.ExecOptions{})
+				require.ErrorIs(t, err, alloc.ErrOutOfMemory, "%d chunks ran within the budget", k-1)
+			})
+		}
+	}
+}
+
+// A steady training loop plans once: every step rebuilds the graph and
+// dropout draws a fresh mask (its counter advances), but the signature is
+// the same, so every step after the first gets the first step's plan.
+func TestSessionPlansOnce(t *testing.T) {
+	const n, steps = 500, 4
+	m := mlpModel(true)
+	rng := rand.New(rand.NewPCG(51, 52))
+	loss, params := m.build(rng, n)
+	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	require.Contains(t, budgets, 3)
+	sess := batchfit.NewSession(batchfit.Options{Budget: budgets[3]})
+	opt := optim.NewAdam(1e-3)
+	var first *planner.Plan
+	masks := map[[2]uint64]bool{} // (seed, counter) of every dropout node run
+	for step := range steps {
+		loss, params := m.build(rng, n)
+		for _, id := range dropoutNodes(loss.Graph().IR()) {
+			a := loss.Graph().IR().Node(id).Attrs
+			masks[[2]uint64{a.Seed, a.Counter}] = true
+		}
+		_, err := sess.Step(context.Background(), loss, params, opt)
+		require.NoError(t, err)
+		require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved, "step %d", step)
+		if step == 0 {
+			first = sess.LastPlan()
+			require.Len(t, first.Chunks, 3)
+			continue
+		}
+		require.Same(t, first, sess.LastPlan(), "step %d planned again", step)
+	}
+	require.Len(t, masks, 2*steps, "dropout drew the same mask twice") // two dropout modules
+}
+
+// A graph that cannot be chunked (it centres every sample on the batch
+// mean) runs whole when the whole batch fits the budget, and is refused
+// with a typed error naming both causes when it does not.
+func TestSessionNotChunkable(t *testing.T) {
+	const n = 64
+	rng := rand.New(rand.NewPCG(61, 62))
+	w := lazy.Param(uniformF32(rng, 1024), "w")
+	build := func() *lazy.Tensor {
+		x := lazy.Wrap(uniformF32(rng, n, 8, 1024), 0)
+		return x.Sub(x.MeanKeepDim(0)).Mul(w).Tanh().Mean()
+	}
+	loss := build()
+	p := stepProgram(t, loss, []*lazy.Tensor{w}, 1)
+	require.False(t, p.Info.Chunkable())
+	budgets := tightBudgets(t, p)
+	require.Equal(t, []int{1}, counts(budgets), "a non-chunkable graph was planned in chunks")
+
+	sess := batchfit.NewSession(batchfit.Options{Budget: budgets[1]})
+	_, err := sess.Step(context.Background(), build(), []*lazy.Tensor{w}, optim.NewSGD(0.1, 0.9))
+	require.NoError(t, err)
+	require.Len(t, sess.LastPlan().Chunks, 1)
+	require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved)
+
+	sess = batchfit.NewSession(batchfit.Options{Budget: budgets[1] - alloc.RoundLarge})
+	var lossVal float32
+	require.NotPanics(t, func() {
+		lossVal, err = sess.Step(context.Background(), build(), []*lazy.Tensor{w}, optim.NewSGD(0.1, 0.9))
+	})
+	require.ErrorIs(t, err, planner.ErrDoesNotFit)
+	require.ErrorIs(t, err, graph.ErrNotChunkable)
+	require.Zero(t, lossVal)
+}
