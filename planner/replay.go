@@ -212,8 +212,11 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 	kept := acc
 	if len(chunks) == 1 {
 		for _, k := range p.Kept {
-			kept = append(kept, blocks[p.OutputBuf[k]])
-			owned = append(owned, p.OutputBuf[k])
+			bi := p.OutputBuf[k]
+			kept = append(kept, blocks[bi])
+			if p.Buffers[bi].Kind == BufOutput { // not a view of a parameter
+				owned = append(owned, bi)
+			}
 		}
 	}
 	if h != nil {
@@ -222,6 +225,9 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 		}
 	}
 	for _, bi := range owned {
+		if blocks[bi] == nil {
+			continue // a kept output listed twice (two parameters sharing one gradient node)
+		}
 		if err := a.Free(blocks[bi]); err != nil {
 			return fail(err)
 		}
