@@ -356,3 +356,13 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 	r.fail(nd, "non-linear op %s on a cross-batch value", nd.Op)
 	return CombineNone
 }
+
+// Totals sums every node's bytes as fixed + perSample·B: the size of all
+// tensors of the graph, not a peak (liveness frees most of them early).
+func (r *Result) Totals() (fixed, perSample int64) {
+	for id := range r.Fixed {
+		fixed += r.Fixed[id]
+		perSample += r.PerSample[id]
+	}
+	return fixed, perSample
+}

@@ -141,11 +141,7 @@ func printBytes(w io.Writer, model *models.GPT, o options) error {
 	if err != nil {
 		return err
 	}
-	var fixed, perSample int64
-	for id := range info.Fixed {
-		fixed += info.Fixed[id]
-		perSample += info.PerSample[id]
-	}
+	fixed, perSample := info.Totals()
 	fmt.Fprintf(w, "training graph: %d nodes; sum of tensor sizes (not a peak): %d B fixed + %d B per sequence = %d B at batch %d\n",
 		len(info.Fixed), fixed, perSample, fixed+perSample*int64(o.batch), o.batch)
 	return nil
