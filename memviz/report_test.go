@@ -171,7 +171,7 @@ type snapshotAt struct {
 	ok bool
 }
 
-func (h *snapshotAt) Resident(planner.Buffer) *alloc.Block   { return nil }
+func (h *snapshotAt) Resident(planner.Buffer) *alloc.Block    { return nil }
 func (h *snapshotAt) Fill(planner.Buffer, *alloc.Block) error { return nil }
 func (h *snapshotAt) Freed(planner.Buffer, *alloc.Block)      {}
 func (h *snapshotAt) ChunkDone(planner.Chunk, []*alloc.Block, []*alloc.Block) error {
