@@ -34,7 +34,7 @@ func WritePickle(w io.Writer, s Snapshot) error {
 	segs := &pyList{}
 	traces := &pyList{}
 	for _, d := range devs {
-		if d.Device < 0 {
+		if d.Device < 0 || d.Device > maxDevice {
 			return fmt.Errorf("%w: device %d", ErrSnapshot, d.Device)
 		}
 		for _, seg := range d.Segments {
@@ -129,6 +129,10 @@ func traceDicts(e alloc.Event) []any {
 	return nil
 }
 
+// maxDevice bounds device indices: the pickle holds a trace list for every
+// index up to the largest.
+const maxDevice = 1 << 12
+
 // maxPickleBytes bounds what ReadPickle reads: 1 GiB.
 const maxPickleBytes = 1 << 30
 
@@ -204,6 +208,9 @@ func snapshotOf(v any) (Snapshot, error) {
 		if !ok {
 			return Snapshot{}, schemaError(`"device_traces" is a %s, want a list`, pyType(tv))
 		}
+		if len(traces.items) > maxDevice+1 {
+			return Snapshot{}, schemaError(`"device_traces" lists %d devices`, len(traces.items))
+		}
 		for i, lv := range traces.items {
 			l, ok := lv.(*pyList)
 			if !ok {
@@ -266,7 +273,7 @@ func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
 	if err != nil {
 		return 0, alloc.SegmentInfo{}, err
 	}
-	if device > math.MaxInt32 {
+	if device > maxDevice {
 		return 0, alloc.SegmentInfo{}, schemaError("%s: device %d", what, device)
 	}
 	addr, _, err := count(d, "address", what, false)
