@@ -53,7 +53,10 @@ type Profile struct {
 	MeasuredPeakRow       int   `json:"measured_peak_row"` // −1 when not measured
 }
 
-// rowKey identifies a profile row across two timelines of one program.
+// rowKey identifies a profile row across two timelines of one program:
+// step is −1 outside the chunk program (persistent buffers, a chunk's
+// output read-back) and −2 for a node's steps; nth tells apart the
+// persistent buffers of one node (its optimizer state slots).
 type rowKey struct {
 	chunk, step, node, nth int
 }

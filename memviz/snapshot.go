@@ -21,7 +21,7 @@ var (
 // FormatError reports where a reader gave up.
 type FormatError struct {
 	Format string // "pickle", "folded", "pprof"
-	Offset int64  // byte offset (pickle) or line number (folded)
+	Offset int64  // byte offset (pickle) or line number (folded); −1 when the content, not a position, is wrong
 	Msg    string
 	Err    error // a further cause (io.ErrUnexpectedEOF, ErrSnapshot), or nil
 }
@@ -32,6 +32,9 @@ func (e *FormatError) Error() string {
 		where = "line"
 	}
 	s := fmt.Sprintf("%v: %s at %s %d: %s", ErrFormat, e.Format, where, e.Offset, e.Msg)
+	if e.Offset < 0 {
+		s = fmt.Sprintf("%v: %s: %s", ErrFormat, e.Format, e.Msg)
+	}
 	if e.Err != nil {
 		s += ": " + e.Err.Error()
 	}

@@ -234,16 +234,16 @@ func WritePprof(w io.Writer, s Snapshot, n *Names) error {
 func ReadPprof(r io.Reader) ([]StackBytes, error) {
 	p, err := profile.Parse(io.LimitReader(r, maxPickleBytes))
 	if err != nil {
-		return nil, &FormatError{Format: "pprof", Msg: "parse", Err: err}
+		return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "parse", Err: err}
 	}
 	vi := slices.IndexFunc(p.SampleType, func(t *profile.ValueType) bool { return t.Type == SampleInuse })
 	if vi < 0 {
-		return nil, &FormatError{Format: "pprof", Msg: "no " + SampleInuse + " sample type"}
+		return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "no " + SampleInuse + " sample type"}
 	}
 	sum := map[string]int64{}
 	for _, sm := range p.Sample {
 		if vi >= len(sm.Value) {
-			return nil, &FormatError{Format: "pprof", Msg: "sample with too few values"}
+			return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "sample with too few values"}
 		}
 		var st []string
 		for i := len(sm.Location) - 1; i >= 0; i-- {
