@@ -26,6 +26,12 @@ type Options struct {
 	Budget int64
 	// Headroom is kept back from Budget (planner.DefaultHeadroom if 0).
 	Headroom int64
+	// TraceEntries keeps the allocator's last TraceEntries events, so its
+	// snapshots carry their history (memviz exports them); 0 keeps none.
+	TraceEntries int
+	// Timeline records the allocator's state after every program step of
+	// a run in LastUsage().Timeline: the measured per-op profile.
+	Timeline bool
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -39,6 +45,7 @@ type Session struct {
 	programs map[programKey]*planner.Program
 	hits     int
 	last     *planner.Plan
+	lastProg *planner.Program
 	usage    planner.Usage
 }
 
@@ -56,7 +63,7 @@ func NewSession(opts Options) *Session {
 		capacity = opts.Budget
 	}
 	return &Session{opts: opts, programs: map[programKey]*planner.Program{},
-		cpu: cpu.NewOn(alloc.New(alloc.NewSimBackend(capacity), alloc.Options{}))}
+		cpu: cpu.NewOn(alloc.New(alloc.NewSimBackend(capacity), alloc.Options{TraceEntries: opts.TraceEntries}))}
 }
 
 // Device names the executor the session runs on and why.
@@ -78,7 +85,16 @@ func (s *Session) LastPlan() *planner.Plan {
 	return s.last
 }
 
-// LastUsage is the allocator's measured peak during the latest Step or Eval.
+// LastProgram is the program the latest Step or Eval ran: what memviz
+// names allocator blocks and profiles steps with.
+func (s *Session) LastProgram() *planner.Program {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lastProg
+}
+
+// LastUsage is the allocator's measured peak during the latest Step or
+// Eval, and its timeline when Options.Timeline is set.
 func (s *Session) LastUsage() planner.Usage {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -123,12 +139,12 @@ func (s *Session) run(ctx context.Context, p *planner.Program, update func([][]f
 	if err != nil {
 		return nil, err
 	}
-	res, err := s.cpu.Execute(ctx, p, pl.Chunks, cpu.ExecOptions{Resident: true, Update: update})
+	res, err := s.cpu.Execute(ctx, p, pl.Chunks, cpu.ExecOptions{Resident: true, Update: update, Timeline: s.opts.Timeline})
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
-	s.last, s.usage = pl, res.Usage
+	s.last, s.lastProg, s.usage = pl, p, res.Usage
 	s.mu.Unlock()
 	return res.Outputs, nil
 }

@@ -2,6 +2,7 @@ package planner
 
 import (
 	"slices"
+	"strconv"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
@@ -71,7 +72,11 @@ type Program struct {
 	Steps        []Step
 	Outputs      []int // graph outputs, in the order the caller asked
 	Kept         []int // outputs that stay on the device (parameter gradients)
-	OutputBuf    []int // buffer of each node's output, −1 if none
+	// Trained are the parameters the optimizer updates, as compiled; when
+	// Kept has the same length, Kept[i] is the gradient of Trained[i], the
+	// order batchfit.Session.Step compiles them in.
+	Trained   []int
+	OutputBuf []int // buffer of each node's output, −1 if none
 }
 
 // WorkspaceFunc declares the scratch bytes a node's kernel needs when b
@@ -96,7 +101,7 @@ type CompileOptions struct {
 func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOptions) (*Program, error) {
 	n := g.Len()
 	p := &Program{Graph: g, Info: info, Batch: g.Batch(), Outputs: append([]int(nil), outputs...),
-		Kept: append([]int(nil), o.Kept...), OutputBuf: make([]int, n)}
+		Kept: append([]int(nil), o.Kept...), Trained: append([]int(nil), o.Trained...), OutputBuf: make([]int, n)}
 	for i := range p.OutputBuf {
 		p.OutputBuf[i] = -1
 	}
@@ -123,7 +128,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		}
 		for slot := range o.StateSlots {
 			t := tag(&nodes[id])
-			t.Op = "optimizer_state"
+			t.Op = StateOp(slot)
 			p.Persistent = append(p.Persistent, add(Buffer{Kind: BufState, Node: id, Slot: slot, Fixed: nodes[id].Type.Bytes(), Tag: t}))
 		}
 	}
@@ -191,6 +196,11 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 	}
 	return p, nil
 }
+
+// StateOp is the tag op of optimizer state slot k, so that allocator
+// snapshots tell a parameter's slots apart (Adam's exp_avg is slot 0,
+// exp_avg_sq slot 1).
+func StateOp(slot int) string { return "optimizer_state." + strconv.Itoa(slot) }
 
 func scopeOrName(nd *graph.Node) string {
 	if nd.Name != "" {

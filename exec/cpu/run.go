@@ -25,6 +25,9 @@ type ExecOptions struct {
 	// Update is called with the final kept outputs (summed over chunks),
 	// before they are freed: the optimizer step. The slices alias them.
 	Update func(kept [][]float32) error
+	// Timeline records the allocator's state after every program step in
+	// Result.Usage.Timeline: the measured counterpart of a plan's timeline.
+	Timeline bool
 }
 
 // Result is what Execute returns.
@@ -33,7 +36,8 @@ type Result struct {
 	// values concatenated along their batch axis, sums added, maxima
 	// maxed; kept outputs are their final sums.
 	Outputs []*tensor.Dense
-	// Usage is the allocator's measured peak over the call.
+	// Usage is the allocator's measured peak over the call, and its
+	// timeline when ExecOptions.Timeline is set.
 	Usage planner.Usage
 }
 
@@ -50,7 +54,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	defer e.mu.Unlock()
 	r := &runner{e: e, ctx: ctx, p: p, o: o, vals: map[*alloc.Block]*buf{}, chunks: len(chunks),
 		outs: make([]*buf, len(p.Outputs))}
-	u, err := planner.Replay(p, chunks, e.allocator(), r, false)
+	u, err := planner.Replay(p, chunks, e.allocator(), r, o.Timeline)
 	if !o.Resident {
 		for _, blk := range r.allocated {
 			if ferr := e.allocator().Free(blk); err == nil && ferr != nil {

@@ -1,0 +1,36 @@
+// Package memviz explains batchfit's device memory: which tensors are live,
+// what each op of a step allocates, and how snapshots look in the tools
+// PyTorch users already know.
+//
+// Inputs are the things batchfit already has: a compiled planner.Program,
+// an allocator snapshot (alloc.Allocator.Snapshot, wrapped per device as a
+// Snapshot), and planner timelines (planner.Replay with record, a Plan's
+// Timeline, cpu.ExecOptions.Timeline).
+//
+//   - NewReport lists live tensors per device: parameters by their nn
+//     names, gradients as "<param>.grad", optimizer state as
+//     "<param>.exp_avg"/"exp_avg_sq" (Adam) or "<param>.momentum_buffer"
+//     (SGD), activations by module path and op, with shape, dtype, and
+//     requested and rounded bytes. Its totals add up exactly:
+//     tensors + rounding to 512 B + workspace + blocks with no known owner
+//     = the allocator's allocated bytes.
+//   - NewProfile gives, per node in program order, the bytes it allocated
+//     and freed, the live bytes after it and the peak active and reserved
+//     bytes during it, predicted and (when a measured timeline is given)
+//     measured; as text, CSV or JSON. Simulate makes the predicted
+//     timeline and the snapshot at the predicted peak.
+//   - WritePprof, WriteFolded and WritePickle export a snapshot: a pprof
+//     profile (go tool pprof -top, -http flame graphs), folded stacks
+//     (flamegraph.pl, speedscope), and the pickle torch.cuda.memory
+//     ._snapshot() returns (pytorch.org/memory_viz). Stacks are the module
+//     path split on "." with the op as the leaf.
+//   - ReadPickle, ReadFolded and ReadPprof load them back; Compare lists
+//     the segments only before and only after, as _memory_viz.compare does.
+//
+// Rules: blocks are matched to program buffers through their allocator tags
+// (node, op, module path), never through addresses; a block no buffer
+// explains is reported, not dropped. Readers never panic on bad input: they
+// return a *FormatError wrapping ErrFormat (and io.ErrUnexpectedEOF when
+// the input ends early); a snapshot whose blocks do not tile their segments
+// is refused with ErrSnapshot.
+package memviz

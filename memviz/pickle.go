@@ -1,0 +1,592 @@
+package memviz
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+	"unicode/utf8"
+)
+
+// A small pickle codec for the values a memory snapshot holds. Values are
+// *pyDict (insertion-ordered), *pyList, pyTuple, string, int64, bool, nil
+// and float64. The encoder writes protocol 2, the oldest protocol both
+// Python and memory_viz's JavaScript unpickler read, without memo entries;
+// the decoder also reads the protocol 3–5 opcodes Python writes for such
+// values (torch.cuda.memory._dump_snapshot pickles with Python's default
+// protocol), so snapshots taken by PyTorch load too.
+
+type pyDict struct{ items []pyItem }
+
+type pyItem struct{ key, val any }
+
+type pyList struct{ items []any }
+
+type pyTuple []any
+
+// get returns the value under string key k.
+func (d *pyDict) get(k string) (any, bool) {
+	for _, it := range d.items {
+		if s, ok := it.key.(string); ok && s == k {
+			return it.val, true
+		}
+	}
+	return nil, false
+}
+
+func (d *pyDict) set(k string, v any) { d.items = append(d.items, pyItem{k, v}) }
+
+// Pickle opcodes.
+const (
+	opProto          = 0x80
+	opFrame          = 0x95
+	opStop           = '.'
+	opMark           = '('
+	opEmptyDict      = '}'
+	opEmptyList      = ']'
+	opEmptyTuple     = ')'
+	opSetItem        = 's'
+	opSetItems       = 'u'
+	opAppend         = 'a'
+	opAppends        = 'e'
+	opDict           = 'd'
+	opList           = 'l'
+	opTuple          = 't'
+	opTuple1         = 0x85
+	opTuple2         = 0x86
+	opTuple3         = 0x87
+	opBinInt         = 'J'
+	opBinInt1        = 'K'
+	opBinInt2        = 'M'
+	opLong1          = 0x8a
+	opBinUnicode     = 'X'
+	opShortBinUni    = 0x8c
+	opBinUnicode8    = 0x8d
+	opNone           = 'N'
+	opNewTrue        = 0x88
+	opNewFalse       = 0x89
+	opBinFloat       = 'G'
+	opBinPut         = 'q'
+	opLongBinPut     = 'r'
+	opMemoize        = 0x94
+	opBinGet         = 'h'
+	opLongBinGet     = 'j'
+	pickleBatchLimit = 1000 // items per SETITEMS/APPENDS, as Python batches them
+)
+
+// pickleWriter encodes values as protocol 2.
+type pickleWriter struct {
+	w   *bufio.Writer
+	err error
+}
+
+func writePickle(w io.Writer, v any) error {
+	pw := &pickleWriter{w: bufio.NewWriter(w)}
+	pw.bytes(opProto, 2)
+	pw.value(v)
+	pw.bytes(opStop)
+	if pw.err != nil {
+		return pw.err
+	}
+	return pw.w.Flush()
+}
+
+func (p *pickleWriter) bytes(b ...byte) {
+	if p.err == nil {
+		_, p.err = p.w.Write(b)
+	}
+}
+
+func (p *pickleWriter) value(v any) {
+	switch v := v.(type) {
+	case nil:
+		p.bytes(opNone)
+	case bool:
+		if v {
+			p.bytes(opNewTrue)
+		} else {
+			p.bytes(opNewFalse)
+		}
+	case int:
+		p.int(int64(v))
+	case int64:
+		p.int(v)
+	case float64:
+		var b [9]byte
+		b[0] = opBinFloat
+		binary.BigEndian.PutUint64(b[1:], math.Float64bits(v))
+		p.bytes(b[:]...)
+	case string:
+		var b [5]byte
+		b[0] = opBinUnicode
+		binary.LittleEndian.PutUint32(b[1:], uint32(len(v)))
+		p.bytes(b[:]...)
+		if p.err == nil {
+			_, p.err = p.w.WriteString(v)
+		}
+	case pyTuple:
+		switch len(v) {
+		case 0:
+			p.bytes(opEmptyTuple)
+		case 1, 2, 3:
+			for _, x := range v {
+				p.value(x)
+			}
+			p.bytes([...]byte{opTuple1, opTuple2, opTuple3}[len(v)-1])
+		default:
+			p.bytes(opMark)
+			for _, x := range v {
+				p.value(x)
+			}
+			p.bytes(opTuple)
+		}
+	case *pyList:
+		// Batched as CPython's _pickle does: one item is an APPEND,
+		// more go in MARK … APPENDS groups of up to 1000.
+		p.bytes(opEmptyList)
+		if len(v.items) == 1 {
+			p.value(v.items[0])
+			p.bytes(opAppend)
+			break
+		}
+		for i := 0; i < len(v.items); i += pickleBatchLimit {
+			p.bytes(opMark)
+			for _, x := range v.items[i:min(i+pickleBatchLimit, len(v.items))] {
+				p.value(x)
+			}
+			p.bytes(opAppends)
+		}
+	case *pyDict:
+		// As CPython: one item is a SETITEM; otherwise MARK … SETITEMS
+		// groups of up to 1000, and after a full group another, possibly
+		// empty, one.
+		p.bytes(opEmptyDict)
+		if len(v.items) == 1 {
+			p.value(v.items[0].key)
+			p.value(v.items[0].val)
+			p.bytes(opSetItem)
+			break
+		}
+		for i := 0; len(v.items) > 0; i += pickleBatchLimit {
+			batch := v.items[i:min(i+pickleBatchLimit, len(v.items))]
+			p.bytes(opMark)
+			for _, it := range batch {
+				p.value(it.key)
+				p.value(it.val)
+			}
+			p.bytes(opSetItems)
+			if len(batch) < pickleBatchLimit {
+				break
+			}
+		}
+	default:
+		if p.err == nil {
+			p.err = fmt.Errorf("memviz: cannot pickle a %T", v)
+		}
+	}
+}
+
+// int writes n in the shortest form Python's pickler uses at protocol 2.
+func (p *pickleWriter) int(n int64) {
+	switch {
+	case n >= 0 && n < 1<<8:
+		p.bytes(opBinInt1, byte(n))
+	case n >= 0 && n < 1<<16:
+		p.bytes(opBinInt2, byte(n), byte(n>>8))
+	case n >= math.MinInt32 && n <= math.MaxInt32:
+		var b [5]byte
+		b[0] = opBinInt
+		binary.LittleEndian.PutUint32(b[1:], uint32(int32(n)))
+		p.bytes(b[:]...)
+	default:
+		// LONG1: little-endian two's complement in as few bytes as keep
+		// the sign, the length Python's encode_long picks.
+		var b [8]byte
+		binary.LittleEndian.PutUint64(b[:], uint64(n))
+		k := 8
+		for k > 1 && ((b[k-1] == 0 && b[k-2]&0x80 == 0) || (b[k-1] == 0xff && b[k-2]&0x80 != 0)) {
+			k--
+		}
+		p.bytes(opLong1, byte(k))
+		p.bytes(b[:k]...)
+	}
+}
+
+// pickleReader decodes a pickle of the value kinds above. It never panics
+// and allocates no more than the input's size suggests: every length is
+// checked against the bytes left.
+type pickleReader struct {
+	buf   []byte
+	off   int
+	stack []any
+	marks []int
+	memo  map[uint64]any
+}
+
+// maxPickleStack bounds the decoder's stack and marks.
+const maxPickleStack = 1 << 20
+
+func readPickle(data []byte) (any, error) {
+	r := &pickleReader{buf: data, memo: map[uint64]any{}}
+	return r.run()
+}
+
+func (r *pickleReader) fail(off int, format string, args ...any) error {
+	return &FormatError{Format: "pickle", Offset: int64(off), Msg: fmt.Sprintf(format, args...)}
+}
+
+func (r *pickleReader) truncated(off int) error {
+	return &FormatError{Format: "pickle", Offset: int64(off), Msg: "input ends inside an opcode", Err: io.ErrUnexpectedEOF}
+}
+
+// take returns the next n bytes.
+func (r *pickleReader) take(n uint64) ([]byte, error) {
+	if n > uint64(len(r.buf)-r.off) {
+		return nil, r.truncated(r.off)
+	}
+	b := r.buf[r.off : r.off+int(n)]
+	r.off += int(n)
+	return b, nil
+}
+
+func (r *pickleReader) push(v any) error {
+	if len(r.stack) >= maxPickleStack {
+		return r.fail(r.off, "stack deeper than %d", maxPickleStack)
+	}
+	r.stack = append(r.stack, v)
+	return nil
+}
+
+func (r *pickleReader) pop(at int) (any, error) {
+	if len(r.stack) == 0 || (len(r.marks) > 0 && len(r.stack) == r.marks[len(r.marks)-1]) {
+		return nil, r.fail(at, "stack underflow")
+	}
+	v := r.stack[len(r.stack)-1]
+	r.stack = r.stack[:len(r.stack)-1]
+	return v, nil
+}
+
+func (r *pickleReader) top(at int) (any, error) {
+	if len(r.stack) == 0 || (len(r.marks) > 0 && len(r.stack) == r.marks[len(r.marks)-1]) {
+		return nil, r.fail(at, "stack underflow")
+	}
+	return r.stack[len(r.stack)-1], nil
+}
+
+// popMark returns the items pushed since the last MARK and removes them.
+func (r *pickleReader) popMark(at int) ([]any, error) {
+	if len(r.marks) == 0 {
+		return nil, r.fail(at, "no MARK to pop")
+	}
+	m := r.marks[len(r.marks)-1]
+	r.marks = r.marks[:len(r.marks)-1]
+	items := append([]any(nil), r.stack[m:]...)
+	r.stack = r.stack[:m]
+	return items, nil
+}
+
+func (r *pickleReader) run() (any, error) {
+	for {
+		at := r.off
+		b, err := r.take(1)
+		if err != nil {
+			return nil, &FormatError{Format: "pickle", Offset: int64(at), Msg: "no STOP opcode", Err: io.ErrUnexpectedEOF}
+		}
+		if err := r.step(b[0], at); err != nil {
+			if err == errStop {
+				if len(r.stack) != 1 || len(r.marks) != 0 {
+					return nil, r.fail(at, "STOP with %d values and %d marks on the stack", len(r.stack), len(r.marks))
+				}
+				return r.stack[0], nil
+			}
+			return nil, err
+		}
+	}
+}
+
+var errStop = fmt.Errorf("stop")
+
+func (r *pickleReader) uint(n int) (uint64, error) {
+	b, err := r.take(uint64(n))
+	if err != nil {
+		return 0, err
+	}
+	var v uint64
+	for i := n - 1; i >= 0; i-- {
+		v = v<<8 | uint64(b[i])
+	}
+	return v, nil
+}
+
+func (r *pickleReader) step(op byte, at int) error {
+	switch op {
+	case opProto:
+		v, err := r.uint(1)
+		if err != nil {
+			return err
+		}
+		if v > 5 {
+			return r.fail(at, "unsupported protocol %d", v)
+		}
+	case opFrame:
+		if _, err := r.uint(8); err != nil { // frames only group bytes
+			return err
+		}
+	case opStop:
+		return errStop
+	case opMark:
+		if len(r.marks) >= maxPickleStack {
+			return r.fail(at, "more than %d marks", maxPickleStack)
+		}
+		r.marks = append(r.marks, len(r.stack))
+	case opNone:
+		return r.push(nil)
+	case opNewTrue:
+		return r.push(true)
+	case opNewFalse:
+		return r.push(false)
+	case opBinInt1:
+		v, err := r.uint(1)
+		if err != nil {
+			return err
+		}
+		return r.push(int64(v))
+	case opBinInt2:
+		v, err := r.uint(2)
+		if err != nil {
+			return err
+		}
+		return r.push(int64(v))
+	case opBinInt:
+		v, err := r.uint(4)
+		if err != nil {
+			return err
+		}
+		return r.push(int64(int32(uint32(v))))
+	case opLong1:
+		n, err := r.uint(1)
+		if err != nil {
+			return err
+		}
+		b, err := r.take(n)
+		if err != nil {
+			return err
+		}
+		if n > 8 {
+			return r.fail(at, "integer of %d bytes does not fit 64 bits", n)
+		}
+		var v uint64
+		for i := int(n) - 1; i >= 0; i-- {
+			v = v<<8 | uint64(b[i])
+		}
+		if n > 0 && n < 8 && b[n-1]&0x80 != 0 { // sign-extend
+			v |= ^uint64(0) << (8 * n)
+		}
+		return r.push(int64(v))
+	case opBinFloat:
+		b, err := r.take(8)
+		if err != nil {
+			return err
+		}
+		return r.push(math.Float64frombits(binary.BigEndian.Uint64(b)))
+	case opShortBinUni, opBinUnicode, opBinUnicode8:
+		width := map[byte]int{opShortBinUni: 1, opBinUnicode: 4, opBinUnicode8: 8}[op]
+		n, err := r.uint(width)
+		if err != nil {
+			return err
+		}
+		b, err := r.take(n)
+		if err != nil {
+			return err
+		}
+		if !utf8.Valid(b) {
+			return r.fail(at, "string is not UTF-8")
+		}
+		return r.push(string(b))
+	case opEmptyDict:
+		return r.push(&pyDict{})
+	case opEmptyList:
+		return r.push(&pyList{})
+	case opEmptyTuple:
+		return r.push(pyTuple{})
+	case opTuple1, opTuple2, opTuple3:
+		n := int(op-opTuple1) + 1
+		t := make(pyTuple, n)
+		for i := n - 1; i >= 0; i-- {
+			v, err := r.pop(at)
+			if err != nil {
+				return err
+			}
+			t[i] = v
+		}
+		return r.push(t)
+	case opTuple:
+		items, err := r.popMark(at)
+		if err != nil {
+			return err
+		}
+		return r.push(pyTuple(items))
+	case opList:
+		items, err := r.popMark(at)
+		if err != nil {
+			return err
+		}
+		return r.push(&pyList{items: items})
+	case opDict:
+		items, err := r.popMark(at)
+		if err != nil {
+			return err
+		}
+		d := &pyDict{}
+		if err := r.setItems(d, items, at); err != nil {
+			return err
+		}
+		return r.push(d)
+	case opAppend:
+		v, err := r.pop(at)
+		if err != nil {
+			return err
+		}
+		l, err := r.top(at)
+		if err != nil {
+			return err
+		}
+		pl, ok := l.(*pyList)
+		if !ok {
+			return r.fail(at, "APPEND to a %s", pyType(l))
+		}
+		pl.items = append(pl.items, v)
+	case opAppends:
+		items, err := r.popMark(at)
+		if err != nil {
+			return err
+		}
+		l, err := r.top(at)
+		if err != nil {
+			return err
+		}
+		pl, ok := l.(*pyList)
+		if !ok {
+			return r.fail(at, "APPENDS to a %s", pyType(l))
+		}
+		pl.items = append(pl.items, items...)
+	case opSetItem:
+		v, err := r.pop(at)
+		if err != nil {
+			return err
+		}
+		k, err := r.pop(at)
+		if err != nil {
+			return err
+		}
+		d, err := r.top(at)
+		if err != nil {
+			return err
+		}
+		pd, ok := d.(*pyDict)
+		if !ok {
+			return r.fail(at, "SETITEM on a %s", pyType(d))
+		}
+		return r.setItems(pd, []any{k, v}, at)
+	case opSetItems:
+		items, err := r.popMark(at)
+		if err != nil {
+			return err
+		}
+		d, err := r.top(at)
+		if err != nil {
+			return err
+		}
+		pd, ok := d.(*pyDict)
+		if !ok {
+			return r.fail(at, "SETITEMS on a %s", pyType(d))
+		}
+		return r.setItems(pd, items, at)
+	case opBinPut, opLongBinPut:
+		idx, err := r.uint(map[byte]int{opBinPut: 1, opLongBinPut: 4}[op])
+		if err != nil {
+			return err
+		}
+		v, err := r.top(at)
+		if err != nil {
+			return err
+		}
+		r.memo[idx] = v
+	case opMemoize:
+		v, err := r.top(at)
+		if err != nil {
+			return err
+		}
+		r.memo[uint64(len(r.memo))] = v
+	case opBinGet, opLongBinGet:
+		idx, err := r.uint(map[byte]int{opBinGet: 1, opLongBinGet: 4}[op])
+		if err != nil {
+			return err
+		}
+		v, ok := r.memo[idx]
+		if !ok {
+			return r.fail(at, "memo %d is not set", idx)
+		}
+		return r.push(v)
+	default:
+		return r.fail(at, "unsupported opcode %#02x", op)
+	}
+	return nil
+}
+
+// setItems adds key/value pairs to d. Keys must be hashable: strings,
+// numbers, booleans, None or tuples of those.
+func (r *pickleReader) setItems(d *pyDict, kv []any, at int) error {
+	if len(kv)%2 != 0 {
+		return r.fail(at, "odd number of items (%d) for a dict", len(kv))
+	}
+	for i := 0; i < len(kv); i += 2 {
+		if !hashable(kv[i], 0) {
+			return r.fail(at, "unhashable dict key of type %s", pyType(kv[i]))
+		}
+		d.items = append(d.items, pyItem{kv[i], kv[i+1]})
+	}
+	return nil
+}
+
+func hashable(v any, depth int) bool {
+	switch v := v.(type) {
+	case nil, bool, int64, float64, string:
+		return true
+	case pyTuple:
+		if depth > 8 {
+			return false
+		}
+		for _, x := range v {
+			if !hashable(x, depth+1) {
+				return false
+			}
+		}
+		return true
+	}
+	return false
+}
+
+// pyType names a decoded value's Python type, for messages.
+func pyType(v any) string {
+	switch v.(type) {
+	case nil:
+		return "None"
+	case bool:
+		return "bool"
+	case int64:
+		return "int"
+	case float64:
+		return "float"
+	case string:
+		return "str"
+	case pyTuple:
+		return "tuple"
+	case *pyList:
+		return "list"
+	case *pyDict:
+		return "dict"
+	}
+	return fmt.Sprintf("%T", v)
+}

@@ -1,0 +1,264 @@
+package memviz
+
+import (
+	"bufio"
+	"cmp"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/google/pprof/profile"
+)
+
+// StackBytes is a flame-graph stack (root first) and the bytes under it.
+type StackBytes struct {
+	Stack []string
+	Bytes int64
+}
+
+// sample is one live block as a flame-graph sample.
+type sample struct {
+	stack     []string
+	size      int64
+	requested int64
+	label     Label
+	addr      uint64
+	node      int
+}
+
+// samples lists the active blocks of s; with several devices each stack
+// starts with "device N".
+func samples(s Snapshot, n *Names) []sample {
+	var out []sample
+	for _, d := range s.Devices {
+		for _, seg := range d.Segments {
+			for _, b := range seg.Blocks {
+				if !active(b.State) {
+					continue
+				}
+				l := n.Of(b.Tag)
+				st := l.Stack
+				if len(s.Devices) > 1 {
+					st = append([]string{"device " + strconv.Itoa(d.Device)}, st...)
+				}
+				out = append(out, sample{stack: st, size: b.Size, requested: b.Requested, label: l, addr: uint64(b.Addr), node: b.Tag.Node})
+			}
+		}
+	}
+	return out
+}
+
+// Stacks sums the active blocks of s (rounded bytes, so the total is the
+// allocated bytes) by stack: the module path split on ".", then the op.
+// n names blocks (nil: from their tags). The result is sorted by stack.
+func Stacks(s Snapshot, n *Names) []StackBytes {
+	sum := map[string]int64{}
+	for _, x := range samples(s, n) {
+		sum[strings.Join(sanitize(x.stack), ";")] += x.size
+	}
+	out := make([]StackBytes, 0, len(sum))
+	for k, v := range sum {
+		out = append(out, StackBytes{Stack: strings.Split(k, ";"), Bytes: v})
+	}
+	slices.SortFunc(out, func(a, b StackBytes) int { return slices.Compare(a.Stack, b.Stack) })
+	return out
+}
+
+// sanitize keeps frames from breaking the folded format: no ";" inside a
+// frame, no line breaks, no empty frames.
+func sanitize(stack []string) []string {
+	out := make([]string, len(stack))
+	for i, f := range stack {
+		f = strings.NewReplacer(";", ":", "\n", " ", "\r", " ").Replace(f)
+		if f == "" {
+			f = "<empty>"
+		}
+		out[i] = f
+	}
+	return out
+}
+
+// WriteFolded writes s as folded stacks, "a;b;c 1234" per line, for
+// flamegraph.pl, speedscope or inferno; the byte total is the snapshot's
+// allocated bytes.
+func WriteFolded(w io.Writer, s Snapshot, n *Names) error {
+	bw := bufio.NewWriter(w)
+	for _, sb := range Stacks(s, n) {
+		fmt.Fprintf(bw, "%s %d\n", strings.Join(sb.Stack, ";"), sb.Bytes)
+	}
+	return bw.Flush()
+}
+
+// maxFoldedLine bounds one line of folded input: 1 MiB.
+const maxFoldedLine = 1 << 20
+
+// ReadFolded reads folded stacks: lines "frame;frame;… count", the count a
+// non-negative integer after the last space; blank lines are skipped and
+// repeated stacks summed. Malformed input gives a *FormatError wrapping
+// ErrFormat.
+func ReadFolded(r io.Reader) ([]StackBytes, error) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), maxFoldedLine)
+	sum := map[string]int64{}
+	var order []string
+	line := 0
+	for sc.Scan() {
+		line++
+		text := strings.TrimRight(sc.Text(), "\r")
+		if strings.TrimSpace(text) == "" {
+			continue
+		}
+		fail := func(format string, args ...any) error {
+			return &FormatError{Format: "folded", Offset: int64(line), Msg: fmt.Sprintf(format, args...)}
+		}
+		i := strings.LastIndexByte(text, ' ')
+		if i < 0 {
+			return nil, fail("no count after the stack")
+		}
+		stack, num := strings.TrimRight(text[:i], " "), text[i+1:]
+		n, err := strconv.ParseInt(num, 10, 64)
+		if err != nil || n < 0 {
+			return nil, fail("count %q is not a non-negative integer", num)
+		}
+		if stack == "" {
+			return nil, fail("empty stack")
+		}
+		for _, f := range strings.Split(stack, ";") {
+			if f == "" {
+				return nil, fail("empty frame in %q", stack)
+			}
+		}
+		if _, seen := sum[stack]; !seen {
+			order = append(order, stack)
+		}
+		if sum[stack] > 1<<62-n {
+			return nil, fail("byte total overflows")
+		}
+		sum[stack] += n
+	}
+	if err := sc.Err(); err != nil {
+		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "reading", Err: err}
+	}
+	out := make([]StackBytes, len(order))
+	for i, k := range order {
+		out[i] = StackBytes{Stack: strings.Split(k, ";"), Bytes: sum[k]}
+	}
+	return out, nil
+}
+
+// StackDelta is how a stack's bytes changed between two snapshots.
+type StackDelta struct {
+	Stack         []string
+	Before, After int64
+}
+
+// CompareStacks lists the stacks whose bytes differ, largest change first.
+func CompareStacks(before, after []StackBytes) []StackDelta {
+	m := map[string]*StackDelta{}
+	get := func(st []string) *StackDelta {
+		k := strings.Join(st, ";")
+		if m[k] == nil {
+			m[k] = &StackDelta{Stack: st}
+		}
+		return m[k]
+	}
+	for _, s := range before {
+		get(s.Stack).Before += s.Bytes
+	}
+	for _, s := range after {
+		get(s.Stack).After += s.Bytes
+	}
+	var out []StackDelta
+	for _, d := range m {
+		if d.Before != d.After {
+			out = append(out, *d)
+		}
+	}
+	abs := func(x int64) int64 { return max(x, -x) }
+	slices.SortFunc(out, func(a, b StackDelta) int {
+		return cmp.Or(cmp.Compare(abs(b.After-b.Before), abs(a.After-a.Before)), slices.Compare(a.Stack, b.Stack))
+	})
+	return out
+}
+
+// Pprof sample types: the default is the blocks' bytes, so `go tool pprof
+// -top` totals the allocated bytes.
+const (
+	SampleInuse     = "inuse_space"
+	SampleRequested = "requested_space"
+)
+
+// Pprof builds a pprof heap-style profile of s: one sample per active
+// block, valued at its size (and requested bytes), whose stack is the
+// module path split on "." with the op as the leaf, labelled with the
+// block's kind, name and address.
+func Pprof(s Snapshot, n *Names) *profile.Profile {
+	p := &profile.Profile{
+		SampleType:        []*profile.ValueType{{Type: SampleInuse, Unit: "bytes"}, {Type: SampleRequested, Unit: "bytes"}},
+		DefaultSampleType: SampleInuse,
+		PeriodType:        &profile.ValueType{Type: "space", Unit: "bytes"},
+		Period:            1,
+	}
+	locs := map[string]*profile.Location{}
+	for _, x := range samples(s, n) {
+		st := sanitize(x.stack)
+		sm := &profile.Sample{Value: []int64{x.size, x.requested},
+			Label:    map[string][]string{"kind": {string(x.label.Kind)}, "name": {x.label.Name}},
+			NumLabel: map[string][]int64{"address": {int64(x.addr)}, "node": {int64(x.node)}}}
+		for i := len(st) - 1; i >= 0; i-- { // leaf first
+			loc := locs[st[i]]
+			if loc == nil {
+				fn := &profile.Function{ID: uint64(len(p.Function) + 1), Name: st[i], SystemName: st[i]}
+				p.Function = append(p.Function, fn)
+				loc = &profile.Location{ID: uint64(len(p.Location) + 1), Line: []profile.Line{{Function: fn}}}
+				p.Location = append(p.Location, loc)
+				locs[st[i]] = loc
+			}
+			sm.Location = append(sm.Location, loc)
+		}
+		p.Sample = append(p.Sample, sm)
+	}
+	return p
+}
+
+// WritePprof writes Pprof(s, n), gzipped protobuf, for `go tool pprof
+// -top` (totals) and `go tool pprof -http` (flame graphs).
+func WritePprof(w io.Writer, s Snapshot, n *Names) error {
+	return Pprof(s, n).Write(w)
+}
+
+// ReadPprof reads a profile written by WritePprof back as stacks (root
+// first) with their inuse bytes, summed per stack and sorted.
+func ReadPprof(r io.Reader) ([]StackBytes, error) {
+	p, err := profile.Parse(io.LimitReader(r, maxPickleBytes))
+	if err != nil {
+		return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "parse", Err: err}
+	}
+	vi := slices.IndexFunc(p.SampleType, func(t *profile.ValueType) bool { return t.Type == SampleInuse })
+	if vi < 0 {
+		return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "no " + SampleInuse + " sample type"}
+	}
+	sum := map[string]int64{}
+	for _, sm := range p.Sample {
+		if vi >= len(sm.Value) {
+			return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "sample with too few values"}
+		}
+		var st []string
+		for i := len(sm.Location) - 1; i >= 0; i-- {
+			for j := len(sm.Location[i].Line) - 1; j >= 0; j-- {
+				if fn := sm.Location[i].Line[j].Function; fn != nil {
+					st = append(st, fn.Name)
+				}
+			}
+		}
+		sum[strings.Join(st, ";")] += sm.Value[vi]
+	}
+	out := make([]StackBytes, 0, len(sum))
+	for k, v := range sum {
+		out = append(out, StackBytes{Stack: strings.Split(k, ";"), Bytes: v})
+	}
+	slices.SortFunc(out, func(a, b StackBytes) int { return slices.Compare(a.Stack, b.Stack) })
+	return out, nil
+}

@@ -1,0 +1,453 @@
+package memviz
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"slices"
+
+	"github.com/batchfit/batchfit/alloc"
+)
+
+// WritePickle writes s as the dict torch.cuda.memory._snapshot() returns,
+// pickled: pytorch.org/memory_viz loads it, and so do
+// torch.cuda._memory_viz's tools. The layout:
+//
+//	{"segments": [{"device", "address", "total_size", "allocated_size",
+//	    "active_size", "requested_size", "stream", "segment_type",
+//	    "segment_pool_id", "is_expandable", "frames",
+//	    "blocks": [{"address", "size", "requested_size", "state", "frames"}]}],
+//	 "device_traces": [[{"action", "addr", "frames", "size", "stream",
+//	    "time_us"}], ...]}  // one list per device index
+//
+// A block's tag is its stack: one frame {"filename": module path, "line":
+// node, "name": op}. A free is written as PyTorch records it on one
+// stream, "free_requested" then "free_completed"; time_us is the event's
+// sequence number, as batchfit's trace has no clock; an "oom" entry's
+// device_free is 0, which the trace does not record.
+func WritePickle(w io.Writer, s Snapshot) error {
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	devs := slices.Clone(s.Devices)
+	slices.SortFunc(devs, func(a, b DeviceSnapshot) int { return a.Device - b.Device })
+	segs := &pyList{}
+	traces := &pyList{}
+	for _, d := range devs {
+		if d.Device < 0 || d.Device > maxDevice {
+			return fmt.Errorf("%w: device %d", ErrSnapshot, d.Device)
+		}
+		for _, seg := range d.Segments {
+			segs.items = append(segs.items, segmentDict(d.Device, seg))
+		}
+		for len(traces.items) <= d.Device {
+			traces.items = append(traces.items, &pyList{})
+		}
+		tl := traces.items[d.Device].(*pyList)
+		for _, e := range d.Trace {
+			tl.items = append(tl.items, traceDicts(e)...)
+		}
+	}
+	top := &pyDict{}
+	top.set("segments", segs)
+	top.set("device_traces", traces)
+	return writePickle(w, top)
+}
+
+func segmentDict(device int, seg alloc.SegmentInfo) *pyDict {
+	var allocated, requested int64
+	blocks := &pyList{}
+	for _, b := range seg.Blocks {
+		bd := &pyDict{}
+		bd.set("address", int64(b.Addr))
+		bd.set("size", b.Size)
+		bd.set("requested_size", b.Requested)
+		bd.set("state", string(b.State))
+		if active(b.State) {
+			allocated += b.Size
+			requested += b.Requested
+			bd.set("frames", frames(b.Tag))
+		} else {
+			bd.set("frames", &pyList{})
+		}
+		blocks.items = append(blocks.items, bd)
+	}
+	typ := "large"
+	if seg.Pool == alloc.SmallPool {
+		typ = "small"
+	}
+	d := &pyDict{}
+	d.set("device", int64(device))
+	d.set("address", int64(seg.Addr))
+	d.set("total_size", seg.Size)
+	d.set("allocated_size", allocated)
+	d.set("active_size", allocated)
+	d.set("requested_size", requested)
+	d.set("stream", int64(0))
+	d.set("segment_type", typ)
+	d.set("segment_pool_id", pyTuple{int64(0), int64(0)})
+	d.set("is_expandable", false)
+	d.set("frames", &pyList{})
+	d.set("blocks", blocks)
+	return d
+}
+
+// frames is a tag as a one-frame stack; an empty tag has none.
+func frames(t alloc.Tag) *pyList {
+	if t.Op == "" && t.Scope == "" {
+		return &pyList{}
+	}
+	f := &pyDict{}
+	f.set("filename", t.Scope)
+	f.set("line", int64(t.Node))
+	f.set("name", t.Op)
+	return &pyList{items: []any{f}}
+}
+
+func traceDicts(e alloc.Event) []any {
+	entry := func(action string) *pyDict {
+		d := &pyDict{}
+		d.set("action", action)
+		if e.Kind != alloc.EventOOM {
+			d.set("addr", int64(e.Addr))
+		}
+		d.set("frames", frames(e.Tag))
+		d.set("size", e.Size)
+		d.set("stream", int64(0))
+		d.set("time_us", e.Seq)
+		if e.Kind == alloc.EventOOM {
+			d.set("device_free", int64(0))
+		}
+		return d
+	}
+	switch e.Kind {
+	case alloc.EventFree:
+		return []any{entry("free_requested"), entry("free_completed")}
+	case alloc.EventAlloc, alloc.EventSegmentAlloc, alloc.EventSegmentFree, alloc.EventOOM:
+		return []any{entry(e.Kind.String())}
+	}
+	return nil
+}
+
+// maxDevice bounds device indices: the pickle holds a trace list for every
+// index up to the largest.
+const maxDevice = 1 << 12
+
+// maxPickleBytes bounds what ReadPickle reads: 1 GiB.
+const maxPickleBytes = 1 << 30
+
+// ReadPickle reads a snapshot pickle written by WritePickle or by PyTorch
+// (torch.cuda.memory._dump_snapshot). A device appears when it has
+// segments or trace entries. Frames become tags (filename → module path,
+// line → node, name → op, from the innermost frame); trace entries'
+// Allocated and Reserved are recomputed backwards from the segments, which
+// is exact for batchfit's snapshots (taken right after their last event);
+// free_requested entries are dropped, free_completed ones become frees.
+// Malformed input gives a *FormatError wrapping ErrFormat.
+func ReadPickle(r io.Reader) (Snapshot, error) {
+	data, err := io.ReadAll(io.LimitReader(r, maxPickleBytes+1))
+	if err != nil {
+		return Snapshot{}, err
+	}
+	if len(data) > maxPickleBytes {
+		return Snapshot{}, &FormatError{Format: "pickle", Offset: maxPickleBytes, Msg: "larger than 1 GiB"}
+	}
+	v, err := readPickle(data)
+	if err != nil {
+		return Snapshot{}, err
+	}
+	s, err := snapshotOf(v)
+	if err != nil {
+		return Snapshot{}, err
+	}
+	if err := s.Validate(); err != nil {
+		return Snapshot{}, &FormatError{Format: "pickle", Offset: int64(len(data)), Msg: "snapshot", Err: err}
+	}
+	return s, nil
+}
+
+// schemaError reports a decoded pickle that is not a snapshot.
+func schemaError(format string, args ...any) error {
+	return &FormatError{Format: "pickle", Offset: -1, Msg: fmt.Sprintf(format, args...)}
+}
+
+func snapshotOf(v any) (Snapshot, error) {
+	top, ok := v.(*pyDict)
+	if !ok {
+		return Snapshot{}, schemaError("top level is a %s, want a dict", pyType(v))
+	}
+	segsV, ok := top.get("segments")
+	if !ok {
+		return Snapshot{}, schemaError(`no "segments"`)
+	}
+	segs, ok := segsV.(*pyList)
+	if !ok {
+		return Snapshot{}, schemaError(`"segments" is a %s, want a list`, pyType(segsV))
+	}
+	byDev := map[int]*DeviceSnapshot{}
+	dev := func(i int) *DeviceSnapshot {
+		if byDev[i] == nil {
+			byDev[i] = &DeviceSnapshot{Device: i}
+		}
+		return byDev[i]
+	}
+	for i, sv := range segs.items {
+		d, ok := sv.(*pyDict)
+		if !ok {
+			return Snapshot{}, schemaError("segment %d is a %s, want a dict", i, pyType(sv))
+		}
+		device, seg, err := segmentOf(d, i)
+		if err != nil {
+			return Snapshot{}, err
+		}
+		ds := dev(device)
+		ds.Segments = append(ds.Segments, seg)
+	}
+	if tv, ok := top.get("device_traces"); ok {
+		traces, ok := tv.(*pyList)
+		if !ok {
+			return Snapshot{}, schemaError(`"device_traces" is a %s, want a list`, pyType(tv))
+		}
+		if len(traces.items) > maxDevice+1 {
+			return Snapshot{}, schemaError(`"device_traces" lists %d devices`, len(traces.items))
+		}
+		for i, lv := range traces.items {
+			l, ok := lv.(*pyList)
+			if !ok {
+				return Snapshot{}, schemaError("device_traces[%d] is a %s, want a list", i, pyType(lv))
+			}
+			var evs []alloc.Event
+			for j, ev := range l.items {
+				e, keep, err := eventOf(ev, i, j)
+				if err != nil {
+					return Snapshot{}, err
+				}
+				if keep {
+					evs = append(evs, e)
+				}
+			}
+			if len(evs) > 0 {
+				dev(i).Trace = evs
+			}
+		}
+	}
+	var s Snapshot
+	for _, d := range byDev {
+		slices.SortFunc(d.Segments, func(a, b alloc.SegmentInfo) int { return cmpPtr(a.Addr, b.Addr) })
+		totals(d)
+		s.Devices = append(s.Devices, *d)
+	}
+	slices.SortFunc(s.Devices, func(a, b DeviceSnapshot) int { return a.Device - b.Device })
+	return s, nil
+}
+
+// field reads key k of d as a T; optional fields may be absent.
+func field[T any](d *pyDict, k, what string, optional bool) (T, bool, error) {
+	var zero T
+	v, ok := d.get(k)
+	if !ok {
+		if optional {
+			return zero, false, nil
+		}
+		return zero, false, schemaError("%s has no %q", what, k)
+	}
+	t, ok := v.(T)
+	if !ok {
+		return zero, false, schemaError("%s: %q is a %s, want %s", what, k, pyType(v), pyType(zero))
+	}
+	return t, true, nil
+}
+
+// count reads a non-negative integer field.
+func count(d *pyDict, k, what string, optional bool) (int64, bool, error) {
+	n, ok, err := field[int64](d, k, what, optional)
+	if err == nil && n < 0 {
+		err = schemaError("%s: %q is %d, want ≥ 0", what, k, n)
+	}
+	return n, ok, err
+}
+
+func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
+	what := fmt.Sprintf("segment %d", i)
+	device, _, err := count(d, "device", what, true)
+	if err != nil {
+		return 0, alloc.SegmentInfo{}, err
+	}
+	if device > maxDevice {
+		return 0, alloc.SegmentInfo{}, schemaError("%s: device %d", what, device)
+	}
+	addr, _, err := count(d, "address", what, false)
+	if err != nil {
+		return 0, alloc.SegmentInfo{}, err
+	}
+	size, _, err := count(d, "total_size", what, false)
+	if err != nil {
+		return 0, alloc.SegmentInfo{}, err
+	}
+	seg := alloc.SegmentInfo{Addr: alloc.Ptr(addr), Size: size, Pool: alloc.LargePool}
+	typ, ok, err := field[string](d, "segment_type", what, true)
+	switch {
+	case err != nil:
+		return 0, seg, err
+	case typ == "small" || (!ok && size <= alloc.SmallBuffer):
+		seg.Pool = alloc.SmallPool
+	case ok && typ != "large":
+		return 0, seg, schemaError("%s: segment_type %q", what, typ)
+	}
+	blocks, _, err := field[*pyList](d, "blocks", what, false)
+	if err != nil {
+		return 0, seg, err
+	}
+	at := seg.Addr
+	for j, bv := range blocks.items {
+		bwhat := fmt.Sprintf("segment %d block %d", i, j)
+		bd, ok := bv.(*pyDict)
+		if !ok {
+			return 0, seg, schemaError("%s is a %s, want a dict", bwhat, pyType(bv))
+		}
+		b, err := blockOf(bd, at, bwhat)
+		if err != nil {
+			return 0, seg, err
+		}
+		if active(b.State) {
+			seg.Allocated += b.Size
+		}
+		seg.Blocks = append(seg.Blocks, b)
+		at = b.Addr + alloc.Ptr(b.Size)
+	}
+	return int(device), seg, nil
+}
+
+func blockOf(d *pyDict, at alloc.Ptr, what string) (alloc.BlockInfo, error) {
+	// Old snapshots have no block addresses: blocks follow each other.
+	addr, ok, err := count(d, "address", what, true)
+	if err != nil {
+		return alloc.BlockInfo{}, err
+	}
+	if ok {
+		at = alloc.Ptr(addr)
+	}
+	size, _, err := count(d, "size", what, false)
+	if err != nil {
+		return alloc.BlockInfo{}, err
+	}
+	req, ok, err := count(d, "requested_size", what, true)
+	if err != nil {
+		return alloc.BlockInfo{}, err
+	}
+	if !ok {
+		req = size
+	}
+	state, _, err := field[string](d, "state", what, false)
+	if err != nil {
+		return alloc.BlockInfo{}, err
+	}
+	b := alloc.BlockInfo{Addr: at, Size: size, Requested: req, State: alloc.BlockState(state), Tag: alloc.Tag{Node: -1}}
+	if !validState(b.State) {
+		return b, schemaError("%s: state %q", what, state)
+	}
+	if active(b.State) {
+		if b.Tag, err = tagOf(d, what); err != nil {
+			return b, err
+		}
+	}
+	return b, nil
+}
+
+// tagOf reads the innermost frame of d's "frames" as a tag.
+func tagOf(d *pyDict, what string) (alloc.Tag, error) {
+	fs, ok, err := field[*pyList](d, "frames", what, true)
+	if err != nil || !ok || len(fs.items) == 0 {
+		return alloc.Tag{Node: -1}, err
+	}
+	f, ok := fs.items[0].(*pyDict)
+	if !ok {
+		return alloc.Tag{}, schemaError("%s: frame is a %s, want a dict", what, pyType(fs.items[0]))
+	}
+	fwhat := what + " frame"
+	name, _, err := field[string](f, "name", fwhat, false)
+	if err != nil {
+		return alloc.Tag{}, err
+	}
+	file, _, err := field[string](f, "filename", fwhat, false)
+	if err != nil {
+		return alloc.Tag{}, err
+	}
+	line, _, err := field[int64](f, "line", fwhat, false)
+	if err != nil {
+		return alloc.Tag{}, err
+	}
+	if line < math.MinInt32 || line > math.MaxInt32 {
+		return alloc.Tag{}, schemaError("%s: line %d", fwhat, line)
+	}
+	return alloc.Tag{Node: int(line), Op: name, Scope: file}, nil
+}
+
+// eventOf converts trace entry j of device i; keep is false for entries
+// with no allocator event of their own.
+func eventOf(v any, i, j int) (alloc.Event, bool, error) {
+	what := fmt.Sprintf("device_traces[%d][%d]", i, j)
+	d, ok := v.(*pyDict)
+	if !ok {
+		return alloc.Event{}, false, schemaError("%s is a %s, want a dict", what, pyType(v))
+	}
+	action, _, err := field[string](d, "action", what, false)
+	if err != nil {
+		return alloc.Event{}, false, err
+	}
+	var kind alloc.EventKind
+	switch action {
+	case "alloc":
+		kind = alloc.EventAlloc
+	case "free", "free_completed":
+		kind = alloc.EventFree
+	case "segment_alloc", "segment_map":
+		kind = alloc.EventSegmentAlloc
+	case "segment_free", "segment_unmap":
+		kind = alloc.EventSegmentFree
+	case "oom":
+		kind = alloc.EventOOM
+	case "free_requested", "snapshot", "annotate":
+		return alloc.Event{}, false, nil
+	default:
+		return alloc.Event{}, false, schemaError("%s: action %q", what, action)
+	}
+	e := alloc.Event{Kind: kind, Seq: int64(j)}
+	addr, _, err := count(d, "addr", what, kind == alloc.EventOOM)
+	if err != nil {
+		return e, false, err
+	}
+	e.Addr = alloc.Ptr(addr)
+	if e.Size, _, err = count(d, "size", what, false); err != nil {
+		return e, false, err
+	}
+	if t, ok, err := field[int64](d, "time_us", what, true); err != nil {
+		return e, false, err
+	} else if ok {
+		e.Seq = t
+	}
+	if e.Tag, err = tagOf(d, what); err != nil {
+		return e, false, err
+	}
+	return e, true, nil
+}
+
+// totals fills the events' Allocated and Reserved backwards from the
+// device's state after the last event.
+func totals(d *DeviceSnapshot) {
+	allocated, reserved := d.Allocated(), d.Reserved()
+	for i := len(d.Trace) - 1; i >= 0; i-- {
+		e := &d.Trace[i]
+		e.Allocated, e.Reserved = allocated, reserved
+		switch e.Kind {
+		case alloc.EventAlloc:
+			allocated -= e.Size
+		case alloc.EventFree:
+			allocated += e.Size
+		case alloc.EventSegmentAlloc:
+			reserved -= e.Size
+		case alloc.EventSegmentFree:
+			reserved += e.Size
+		}
+	}
+}
