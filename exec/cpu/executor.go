@@ -36,8 +36,9 @@ func newBuf(t graph.Type, shape []int) *buf {
 // in a caching allocator (on a simulated device by default), so measured
 // peaks can be compared with the planner's predictions.
 type Executor struct {
+	once         sync.Once // makes the zero Executor usable
 	mu           sync.Mutex
-	a            *alloc.Allocator
+	a            *alloc.Allocator // fixed once set: read without mu
 	resident     map[residentKey]*alloc.Block
 	residentVals map[*alloc.Block]*buf
 }
@@ -56,18 +57,18 @@ func NewOn(a *alloc.Allocator) *Executor {
 }
 
 func (e *Executor) allocator() *alloc.Allocator {
-	if e.a == nil { // the zero Executor
-		*e = *New()
-	}
+	e.once.Do(func() {
+		if e.a == nil { // the zero Executor
+			e.a = alloc.New(alloc.NewSimBackend(Unlimited), alloc.Options{})
+			e.resident, e.residentVals = map[residentKey]*alloc.Block{}, map[*alloc.Block]*buf{}
+		}
+	})
 	return e.a
 }
 
-// Allocator is the allocator the executor accounts in.
-func (e *Executor) Allocator() *alloc.Allocator {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.allocator()
-}
+// Allocator is the allocator the executor accounts in. It takes no lock,
+// so an Update callback may read its stats mid-step.
+func (e *Executor) Allocator() *alloc.Allocator { return e.allocator() }
 
 var _ exec.Executor = (*Executor)(nil)
 
