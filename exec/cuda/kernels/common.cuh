@@ -10,8 +10,9 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
-// Every integer kernel argument is an i64 (Go int64): sizes may exceed 2^31
-// elements, and one width for all of them leaves the Go side one rule.
+// Every integer scalar argument is 64-bit — i64 (Go int64), or u64 for
+// dropout's keys: sizes may exceed 2^31 elements, and one width for all of
+// them leaves the Go side one rule.
 
 #define MAX_DIMS 8
 #define FULL_MASK 0xffffffffu

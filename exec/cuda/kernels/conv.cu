@@ -36,8 +36,8 @@ __device__ void im2col_loop(const float* __restrict__ x, float* __restrict__ col
 // channels of wd.h×wd.w into [c·kh·kw, ho·wo]. Every col element of the
 // n matrices is written. Plane arithmetic is 32-bit (see Geom32). 1-D
 // blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) im2col_f32(const float* x, float* col, Window wd, i64 x_img,
-                                      i64 col_img) {
+extern "C" __global__ void __launch_bounds__(256)
+im2col_f32(const float* x, float* col, Window wd, i64 x_img, i64 col_img) {
   const Geom32 g = geom32(wd);
   const i64 total = wd.n * wd.c * wd.kh * wd.kw * wd.ho * wd.wo;
   if (FITS32(total)) im2col_loop<unsigned>(x, col, g, wd.c, x_img, col_img, total);
@@ -80,8 +80,8 @@ __device__ void col2im_loop(const float* __restrict__ col, float* __restrict__ x
 // the taps that saw it, taken in the CPU's order (ki, then kj, ascending),
 // in float, so given the same col the result matches the CPU bit for bit.
 // Same arguments as im2col_f32 with x the output; no atomics, no fill.
-extern "C" __global__ void __launch_bounds__(256) col2im_f32(const float* col, float* x, Window wd, i64 x_img,
-                                      i64 col_img) {
+extern "C" __global__ void __launch_bounds__(256)
+col2im_f32(const float* col, float* x, Window wd, i64 x_img, i64 col_img) {
   const Geom32 g = geom32(wd);
   const i64 total = wd.n * wd.c * wd.h * wd.w;
   if (FITS32(total)) col2im_loop<unsigned>(col, x, g, wd.c, x_img, col_img, total);

@@ -46,8 +46,11 @@ __device__ void dropout_loop(const float* __restrict__ x, float* __restrict__ y,
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) dropout_f32(const float* x, float* y, i64 outer, i64 rows, i64 inner,
-                                       i64 row_off, u64 seed, u64 step, double p, float scale) {
-  if (FITS32(outer * rows * inner)) dropout_loop<unsigned>(x, y, outer, rows, inner, row_off, seed, step, p, scale);
-  else dropout_loop<u64>(x, y, outer, rows, inner, row_off, seed, step, p, scale);
+extern "C" __global__ void __launch_bounds__(256)
+dropout_f32(const float* x, float* y, i64 outer, i64 rows, i64 inner, i64 row_off, u64 seed,
+            u64 step, double p, float scale) {
+  if (FITS32(outer * rows * inner))
+    dropout_loop<unsigned>(x, y, outer, rows, inner, row_off, seed, step, p, scale);
+  else
+    dropout_loop<u64>(x, y, outer, rows, inner, row_off, seed, step, p, scale);
 }

@@ -81,7 +81,8 @@ __device__ void unary_loop(const float* __restrict__ x, float* __restrict__ y, i
 }
 
 // unary_f32: y[i] = op(x[i]) for i < n.
-extern "C" __global__ void __launch_bounds__(256) unary_f32(const float* x, float* y, i64 n, i64 op) {
+extern "C" __global__ void __launch_bounds__(256)
+unary_f32(const float* x, float* y, i64 n, i64 op) {
   switch (op) {
     case U_NEG: unary_loop<U_NEG>(x, y, n); break;
     case U_EXP: unary_loop<U_EXP>(x, y, n); break;
@@ -118,7 +119,8 @@ __device__ void scalar_loop(const float* __restrict__ x, float* __restrict__ y, 
 }
 
 // scalar_f32: y[i] = float(double(x[i]) ∘ s), s being Attrs.Scalar as given.
-extern "C" __global__ void __launch_bounds__(256) scalar_f32(const float* x, float* y, i64 n, i64 op, double s) {
+extern "C" __global__ void __launch_bounds__(256)
+scalar_f32(const float* x, float* y, i64 n, i64 op, double s) {
   switch (op) {
     case S_ADD: scalar_loop<S_ADD>(x, y, n, s); break;
     case S_SUB: scalar_loop<S_SUB>(x, y, n, s); break;
@@ -151,7 +153,8 @@ __device__ void binary_loop(const float* __restrict__ a, const float* __restrict
 }
 
 // binary_f32: y[i] = a[i] ∘ b[i], all three contiguous with n elements.
-extern "C" __global__ void __launch_bounds__(256) binary_f32(const float* a, const float* b, float* y, i64 n, i64 op) {
+extern "C" __global__ void __launch_bounds__(256)
+binary_f32(const float* a, const float* b, float* y, i64 n, i64 op) {
   switch (op) {
     case B_ADD: binary_loop<B_ADD>(a, b, y, n); break;
     case B_SUB: binary_loop<B_SUB>(a, b, y, n); break;
@@ -180,8 +183,8 @@ __device__ void bcast_dispatch(const float* a, const float* b, float* y, i64 n, 
 
 // binary_bcast_f32: y (contiguous, shape g.shape, n elements) = a ∘ b with
 // NumPy broadcasting: a's element for position i is at offset Σ idx·g.sa.
-extern "C" __global__ void __launch_bounds__(256) binary_bcast_f32(const float* a, const float* b, float* y, i64 n,
-                                            i64 op, Strided2 g) {
+extern "C" __global__ void __launch_bounds__(256)
+binary_bcast_f32(const float* a, const float* b, float* y, i64 n, i64 op, Strided2 g) {
   switch (op) {
     case B_ADD: bcast_dispatch<B_ADD>(a, b, y, n, g); break;
     case B_SUB: bcast_dispatch<B_SUB>(a, b, y, n, g); break;
@@ -193,14 +196,16 @@ extern "C" __global__ void __launch_bounds__(256) binary_bcast_f32(const float* 
 }
 
 // relu_grad_f32: out = y > 0 ? g : 0, y being relu's output.
-extern "C" __global__ void __launch_bounds__(256) relu_grad_f32(const float* __restrict__ g, const float* __restrict__ y,
-                                         float* __restrict__ out, i64 n) {
+extern "C" __global__ void __launch_bounds__(256)
+relu_grad_f32(const float* __restrict__ g, const float* __restrict__ y, float* __restrict__ out,
+              i64 n) {
   GRID_LOOP(i, n) out[i] = y[i] > 0.f ? g[i] : 0.f;
 }
 
 // gelu_grad_f32: out = g · gelu'(x), exact (approx = 0) or tanh form.
-extern "C" __global__ void __launch_bounds__(256) gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x,
-                                         float* __restrict__ out, i64 n, i64 approx) {
+extern "C" __global__ void __launch_bounds__(256)
+gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ out,
+              i64 n, i64 approx) {
   if (approx) {
     GRID_LOOP(i, n) {
       const float v = x[i];
@@ -227,9 +232,9 @@ __device__ __forceinline__ float maximum_share(float p, float q) {
 }
 
 // maximum_scalar_grad_f32: out = g · ∂max(x, s)/∂x with s = float(Scalar).
-extern "C" __global__ void __launch_bounds__(256) maximum_scalar_grad_f32(const float* __restrict__ g,
-                                                   const float* __restrict__ x,
-                                                   float* __restrict__ out, i64 n, float s) {
+extern "C" __global__ void __launch_bounds__(256)
+maximum_scalar_grad_f32(const float* __restrict__ g, const float* __restrict__ x,
+                        float* __restrict__ out, i64 n, float s) {
   GRID_LOOP(i, n) out[i] = maximum_share(x[i], s) * g[i];
 }
 
@@ -254,16 +259,18 @@ __device__ void maximum_grad_loop(const float* __restrict__ g, const float* __re
 // 1: b; Attrs.Axis) at the broadcast shape: out[i] = g[i] · share, where a
 // and b are read through geo's strides as in binary_bcast_f32; g and out are
 // contiguous over geo.shape.
-extern "C" __global__ void __launch_bounds__(256) maximum_grad_f32(const float* g, const float* a, const float* b,
-                                            float* out, i64 n, i64 which, Strided2 geo) {
+extern "C" __global__ void __launch_bounds__(256)
+maximum_grad_f32(const float* g, const float* a, const float* b, float* out, i64 n, i64 which,
+                 Strided2 geo) {
   if (FITS32(n)) maximum_grad_loop<unsigned>(g, a, b, out, n, which, geo);
   else maximum_grad_loop<u64>(g, a, b, out, n, which, geo);
 }
 
 // causal_mask_f32: y = x, except y[..., i, j] = fill where j > i + s − t, for
 // x of shape [..., t, s] with n elements in all.
-extern "C" __global__ void __launch_bounds__(256) causal_mask_f32(const float* __restrict__ x, float* __restrict__ y,
-                                           i64 n, i64 t, i64 s, float fill) {
+extern "C" __global__ void __launch_bounds__(256)
+causal_mask_f32(const float* __restrict__ x, float* __restrict__ y, i64 n, i64 t, i64 s,
+                float fill) {
   GRID_LOOP(k, n) {
     const i64 r = k / s;
     const i64 j = k - r * s;
@@ -275,8 +282,8 @@ extern "C" __global__ void __launch_bounds__(256) causal_mask_f32(const float* _
 // bias_fill_f32: out[(o·c + k)·inner + i] = b[k] for out of shape
 // [outer, c, inner]: linear's [rows, out] (inner = 1) and conv2d's
 // [N, O, Ho·Wo]. A GEMM with beta = 1 then adds the product, as on the CPU.
-extern "C" __global__ void __launch_bounds__(256) bias_fill_f32(float* __restrict__ out, const float* __restrict__ b,
-                                         i64 outer, i64 c, i64 inner) {
+extern "C" __global__ void __launch_bounds__(256)
+bias_fill_f32(float* __restrict__ out, const float* __restrict__ b, i64 outer, i64 c, i64 inner) {
   const i64 n = outer * c * inner;
   GRID_LOOP(k, n) out[k] = b[(k / inner) % c];
 }

@@ -11,9 +11,9 @@
 // embedding_f32: out[k·d + j] = w[idx[k]·d + j] for k < nidx, j < d, with
 // w [v, d]. An out-of-range index gives a zero row and is reported in bad.
 // 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) embedding_f32(const i64* __restrict__ idx, const float* __restrict__ w,
-                                         float* __restrict__ out, i64 nidx, i64 v, i64 d,
-                                         u64* bad) {
+extern "C" __global__ void __launch_bounds__(256)
+embedding_f32(const i64* __restrict__ idx, const float* __restrict__ w, float* __restrict__ out,
+              i64 nidx, i64 v, i64 d, u64* bad) {
   const i64 total = nidx * d;
   GRID_LOOP(i, total) {
     const i64 k = i / d, j = i - k * d;
@@ -32,9 +32,9 @@ extern "C" __global__ void __launch_bounds__(256) embedding_f32(const i64* __res
 // receive their sums in an unspecified order, so the last bits may vary
 // between runs. Out-of-range indices are skipped and reported. 1-D blocks,
 // any grid.
-extern "C" __global__ void __launch_bounds__(256) embedding_grad_f32(const float* __restrict__ g,
-                                              const i64* __restrict__ idx, float* out, i64 nidx,
-                                              i64 v, i64 d, u64* bad) {
+extern "C" __global__ void __launch_bounds__(256)
+embedding_grad_f32(const float* __restrict__ g, const i64* __restrict__ idx, float* out, i64 nidx,
+                   i64 v, i64 d, u64* bad) {
   const i64 total = nidx * d;
   GRID_LOOP(i, total) {
     const i64 k = i / d, j = i - k * d;

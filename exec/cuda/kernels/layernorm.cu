@@ -59,8 +59,9 @@ __device__ __forceinline__ void layer_norm_body(const float* __restrict__ x,
 // layer_norm_f32: y = (x − mean)·rstd (· w) (+ b) per row of contiguous
 // [rows, d] x and y; w and b are [d] or null. Row layout (rows of up to
 // ROW_VPT·bx elements are read once).
-extern "C" __global__ void __launch_bounds__(1024) layer_norm_f32(const float* x, const float* w, const float* b, float* y,
-                                          i64 rows, i64 d, double eps) {
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_f32(const float* x, const float* w, const float* b, float* y, i64 rows, i64 d,
+               double eps) {
   if (row_fits(d)) layer_norm_body<true>(x, w, b, y, rows, d, eps);
   else layer_norm_body<false>(x, w, b, y, rows, d, eps);
 }
@@ -112,8 +113,9 @@ __device__ __forceinline__ void layer_norm_grad_x_body(const float* __restrict__
 // layer_norm_grad_x_f32: with x̂ = (x − mean)·rstd and ĝ = g·w (g alone when
 // w is null), out = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) per row of contiguous
 // [rows, d] g, x, out. Row layout as layer_norm_f32.
-extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_x_f32(const float* g, const float* x, const float* w,
-                                                 float* out, i64 rows, i64 d, double eps) {
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_grad_x_f32(const float* g, const float* x, const float* w, float* out, i64 rows, i64 d,
+                      double eps) {
   if (row_fits(d)) layer_norm_grad_x_body<true>(g, x, w, out, rows, d, eps);
   else layer_norm_grad_x_body<false>(g, x, w, out, rows, d, eps);
 }
@@ -141,8 +143,8 @@ __device__ __forceinline__ void layer_norm_stats_body(const float* __restrict__ 
 // layer_norm_stats_f32: stats[2r] = mean and stats[2r+1] = rstd of row r of
 // contiguous [rows, d] x, for layer_norm_grad_w_f32. Row layout as
 // layer_norm_f32.
-extern "C" __global__ void __launch_bounds__(1024) layer_norm_stats_f32(const float* x, double* stats, i64 rows, i64 d,
-                                                double eps) {
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_stats_f32(const float* x, double* stats, i64 rows, i64 d, double eps) {
   if (row_fits(d)) layer_norm_stats_body<true>(x, stats, rows, d, eps);
   else layer_norm_stats_body<false>(x, stats, rows, d, eps);
 }
@@ -154,10 +156,9 @@ extern "C" __global__ void __launch_bounds__(1024) layer_norm_stats_f32(const fl
 // strides over rows. Grid: x = ceil(d/bx) (loops, so fewer is correct),
 // y = splits: with gridDim.y > 1 out holds [splits, d] partials, summed by
 // reduce_mid_f32 over [1, splits, d].
-extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_w_f32(const float* __restrict__ g,
-                                                 const float* __restrict__ x,
-                                                 const double* __restrict__ stats,
-                                                 float* __restrict__ out, i64 rows, i64 d) {
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_grad_w_f32(const float* __restrict__ g, const float* __restrict__ x,
+                      const double* __restrict__ stats, float* __restrict__ out, i64 rows, i64 d) {
   __shared__ double sd[1024];
   const i64 per = (rows + gridDim.y - 1) / gridDim.y;
   const i64 lo = imin(rows, (i64)blockIdx.y * per), hi = imin(rows, lo + per);

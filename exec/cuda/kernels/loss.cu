@@ -58,8 +58,9 @@ __device__ __forceinline__ void cross_entropy_rows_body(const float* __restrict_
 // blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid (rows of
 // up to ROW_VPT·bx classes are read once). Then sum_f64_f32(loss, out, n,
 // Scalar) gives the loss.
-extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_f32(const float* logits, const i64* labels,
-                                                  double* loss, i64 n, i64 c, u64* bad) {
+extern "C" __global__ void __launch_bounds__(1024, 1)
+cross_entropy_rows_f32(const float* logits, const i64* labels, double* loss, i64 n, i64 c,
+                       u64* bad) {
   if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, bad);
   else cross_entropy_rows_body<false>(logits, labels, loss, n, c, bad);
 }
@@ -67,8 +68,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_f32(con
 // sum_f64_f32: out[0] = float(Σ src[0:n] · scale), summed in double by one
 // block: launch exactly one block of blockDim.x threads, a multiple of 32
 // up to 1024 (blockDim.y = 1).
-extern "C" __global__ void __launch_bounds__(1024) sum_f64_f32(const double* __restrict__ src, float* __restrict__ out,
-                                       i64 n, double scale) {
+extern "C" __global__ void __launch_bounds__(1024)
+sum_f64_f32(const double* __restrict__ src, float* __restrict__ out, i64 n, double scale) {
   __shared__ double sd[32];
   double s = 0;
   for (i64 k = threadIdx.x; k < n; k += blockDim.x) s += src[k];
@@ -113,9 +114,9 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
 // [j = label[r]])) with s = scalar·g[0] in double (g the upstream scalar
 // gradient, scalar = Attrs.Scalar). Row layout as cross_entropy_rows_f32;
 // a row with an out-of-range label is NaN and reported.
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_f32(const float* g, const float* logits,
-                                                  const i64* labels, float* out, i64 n, i64 c,
-                                                  double scalar, u64* bad) {
+extern "C" __global__ void __launch_bounds__(1024)
+cross_entropy_grad_f32(const float* g, const float* logits, const i64* labels, float* out, i64 n,
+                       i64 c, double scalar, u64* bad) {
   if (row_fits(c)) cross_entropy_grad_body<true>(g, logits, labels, out, n, c, scalar, bad);
   else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, scalar, bad);
 }
@@ -125,9 +126,9 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_f32(const 
 // multiple of 32 up to 1024, blockDim.y = 1; partial has gridDim.x
 // entries. Then sum_f64_f32(partial, out, gridDim.x, Scalar). The result is
 // reproducible for a fixed grid.
-extern "C" __global__ void __launch_bounds__(1024) mse_partial_f32(const float* __restrict__ pred,
-                                           const float* __restrict__ target,
-                                           double* __restrict__ partial, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024)
+mse_partial_f32(const float* __restrict__ pred, const float* __restrict__ target,
+                double* __restrict__ partial, i64 n) {
   __shared__ double sd[32];
   double s = 0;
   GRID_LOOP(i, n) {
@@ -140,10 +141,9 @@ extern "C" __global__ void __launch_bounds__(1024) mse_partial_f32(const float* 
 
 // mse_grad_f32: out = float(2·scalar·g[0] · double(pred − target)), the
 // difference taken in float as on the CPU. 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) mse_grad_f32(const float* __restrict__ g,
-                                        const float* __restrict__ pred,
-                                        const float* __restrict__ target,
-                                        float* __restrict__ out, i64 n, double scalar) {
+extern "C" __global__ void __launch_bounds__(256)
+mse_grad_f32(const float* __restrict__ g, const float* __restrict__ pred,
+             const float* __restrict__ target, float* __restrict__ out, i64 n, double scalar) {
   const double s = 2.0 * scalar * (double)g[0];
   GRID_LOOP(i, n) out[i] = (float)(s * (double)(pred[i] - target[i]));
 }

@@ -12,8 +12,10 @@ __device__ __forceinline__ void copy_body(const T* __restrict__ src, T* __restri
 }
 
 // copy_*: dst[i] = src[i] for i < n (reshape). 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) copy_f32(const float* src, float* dst, i64 n) { copy_body(src, dst, n); }
-extern "C" __global__ void __launch_bounds__(256) copy_i64(const i64* src, i64* dst, i64 n) { copy_body(src, dst, n); }
+extern "C" __global__ void __launch_bounds__(256)
+copy_f32(const float* src, float* dst, i64 n) { copy_body(src, dst, n); }
+extern "C" __global__ void __launch_bounds__(256)
+copy_i64(const i64* src, i64* dst, i64 n) { copy_body(src, dst, n); }
 
 template <typename T, typename I>
 __device__ __forceinline__ void gather_loop(const T* __restrict__ src, T* __restrict__ dst, i64 n,
@@ -34,10 +36,12 @@ __device__ __forceinline__ void gather_body(const T* src, T* dst, i64 n, i64 bas
 // slice or any view with a base offset works the same way. 1-D blocks, any
 // grid. The Go side should drop size-1 axes and merge axes that stay
 // adjacent, so rank and the divisions per element stay small.
-extern "C" __global__ void __launch_bounds__(256) gather_f32(const float* src, float* dst, i64 n, i64 base, Strided g) {
+extern "C" __global__ void __launch_bounds__(256)
+gather_f32(const float* src, float* dst, i64 n, i64 base, Strided g) {
   gather_body(src, dst, n, base, g);
 }
-extern "C" __global__ void __launch_bounds__(256) gather_i64(const i64* src, i64* dst, i64 n, i64 base, Strided g) {
+extern "C" __global__ void __launch_bounds__(256)
+gather_i64(const i64* src, i64* dst, i64 n, i64 base, Strided g) {
   gather_body(src, dst, n, base, g);
 }
 
@@ -74,10 +78,12 @@ __device__ __forceinline__ void transpose_body(const T* __restrict__ src, T* __r
 // merging axes, a swap of the last two). blockDim = (32, by), by dividing
 // 32 (8 is a good choice); grid = (ceil(c/32), ceil(r/32), batch), each
 // dimension capped at its limit (65535 for y and z): the kernel loops.
-extern "C" __global__ void __launch_bounds__(1024) transpose_f32(const float* src, float* dst, i64 batch, i64 r, i64 c) {
+extern "C" __global__ void __launch_bounds__(1024)
+transpose_f32(const float* src, float* dst, i64 batch, i64 r, i64 c) {
   transpose_body(src, dst, batch, r, c);
 }
-extern "C" __global__ void __launch_bounds__(1024) transpose_i64(const i64* src, i64* dst, i64 batch, i64 r, i64 c) {
+extern "C" __global__ void __launch_bounds__(1024)
+transpose_i64(const i64* src, i64* dst, i64 batch, i64 r, i64 c) {
   transpose_body(src, dst, batch, r, c);
 }
 
@@ -96,21 +102,21 @@ __device__ __forceinline__ void slice_body(const T* __restrict__ src, T* __restr
 // slice_*: dst [outer, m, inner] = src [outer, n, inner] at indices start,
 // start+step, … of the middle axis (m = ceil((end − start)/step), Attrs
 // already normalised: step ≥ 1). 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) slice_f32(const float* src, float* dst, i64 outer, i64 n, i64 inner,
-                                     i64 m, i64 start, i64 step) {
+extern "C" __global__ void __launch_bounds__(256)
+slice_f32(const float* src, float* dst, i64 outer, i64 n, i64 inner, i64 m, i64 start, i64 step) {
   slice_body(src, dst, outer, n, inner, m, start, step);
 }
-extern "C" __global__ void __launch_bounds__(256) slice_i64(const i64* src, i64* dst, i64 outer, i64 n, i64 inner, i64 m,
-                                     i64 start, i64 step) {
+extern "C" __global__ void __launch_bounds__(256)
+slice_i64(const i64* src, i64* dst, i64 outer, i64 n, i64 inner, i64 m, i64 start, i64 step) {
   slice_body(src, dst, outer, n, inner, m, start, step);
 }
 
 // slice_grad_f32: out [outer, n, inner] = g [outer, m, inner] scattered back
 // to the sliced positions, zeros elsewhere; every element of out is written
 // (no fill needed). 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) slice_grad_f32(const float* __restrict__ g, float* __restrict__ out,
-                                          i64 outer, i64 n, i64 inner, i64 m, i64 start,
-                                          i64 step) {
+extern "C" __global__ void __launch_bounds__(256)
+slice_grad_f32(const float* __restrict__ g, float* __restrict__ out, i64 outer, i64 n, i64 inner,
+               i64 m, i64 start, i64 step) {
   const i64 total = outer * n * inner;
   GRID_LOOP(i, total) {
     const i64 row = i / inner, k = i - row * inner;  // row = o·n + a
@@ -140,11 +146,13 @@ __device__ __forceinline__ void copy2d_body(const T* __restrict__ src, i64 src_r
 // preceding inputs' sizes·inner, src_off = 0. Placing a chunk into the whole
 // batch along an axis (or taking it out) is the same with the chunk's and
 // the whole's row lengths. 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) copy2d_f32(const float* src, i64 src_row, i64 src_off, float* dst,
-                                      i64 dst_row, i64 dst_off, i64 rows, i64 len) {
+extern "C" __global__ void __launch_bounds__(256)
+copy2d_f32(const float* src, i64 src_row, i64 src_off, float* dst, i64 dst_row, i64 dst_off,
+           i64 rows, i64 len) {
   copy2d_body(src, src_row, src_off, dst, dst_row, dst_off, rows, len);
 }
-extern "C" __global__ void __launch_bounds__(256) copy2d_i64(const i64* src, i64 src_row, i64 src_off, i64* dst,
-                                      i64 dst_row, i64 dst_off, i64 rows, i64 len) {
+extern "C" __global__ void __launch_bounds__(256)
+copy2d_i64(const i64* src, i64 src_row, i64 src_off, i64* dst, i64 dst_row, i64 dst_off, i64 rows,
+           i64 len) {
   copy2d_body(src, src_row, src_off, dst, dst_row, dst_off, rows, len);
 }

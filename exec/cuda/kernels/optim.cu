@@ -19,9 +19,9 @@ __device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(
 //   p ← p − lr·g.
 // first ≠ 0 on the optimizer's first step (optim.SGD's steps == 0). 1-D
 // blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) sgd_f32(float* __restrict__ p, const float* __restrict__ g,
-                                   float* __restrict__ buf, i64 n, double lr, double momentum,
-                                   double dampening, double wd, i64 nesterov, i64 first) {
+extern "C" __global__ void __launch_bounds__(256)
+sgd_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf, i64 n,
+        double lr, double momentum, double dampening, double wd, i64 nesterov, i64 first) {
   const double damp = 1.0 - dampening;
   GRID_LOOP(i, n) {
     const double w = (double)p[i];
@@ -43,10 +43,10 @@ extern "C" __global__ void __launch_bounds__(256) sgd_f32(float* __restrict__ p,
 //   p ← p − lr·(m/c1) / (√(v/c2) + eps)
 // with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for step t (1-based), computed by the
 // caller as optim.go does (math.Pow in float64). 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) adam_f32(float* __restrict__ p, const float* __restrict__ g,
-                                    float* __restrict__ m, float* __restrict__ v, i64 n,
-                                    double lr, double beta1, double beta2, double eps, double wd,
-                                    double c1, double c2, i64 decoupled) {
+extern "C" __global__ void __launch_bounds__(256)
+adam_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+         float* __restrict__ v, i64 n, double lr, double beta1, double beta2, double eps, double wd,
+         double c1, double c2, i64 decoupled) {
   const double decay = sub_rn(1.0, mul_rn(lr, wd));
   const double b1c = 1.0 - beta1, b2c = 1.0 - beta2;
   GRID_LOOP(i, n) {

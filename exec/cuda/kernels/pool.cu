@@ -75,7 +75,8 @@ __device__ void max_pool_loop(const float* __restrict__ x, float* __restrict__ y
 // max_pool2d_f32: y = the max of each window; padding never wins (it is
 // skipped) and a NaN in the window gives NaN. One thread per output, 1-D
 // blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) max_pool2d_f32(const float* x, float* y, Window wd) {
+extern "C" __global__ void __launch_bounds__(256)
+max_pool2d_f32(const float* x, float* y, Window wd) {
   const Geom32 g = geom32(wd);
   const i64 total = wd.n * wd.c * wd.ho * wd.wo;
   if (FITS32(total)) max_pool_loop<unsigned>(x, y, g, total);
@@ -98,7 +99,8 @@ __device__ void argmax_loop(const float* __restrict__ x, int* __restrict__ idx, 
 // padding only: the first pass of max_pool2d's gradient. idx is an int32
 // workspace of n·c·ho·wo entries. One thread per output, 1-D blocks, any
 // grid.
-extern "C" __global__ void __launch_bounds__(256) max_pool2d_argmax_f32(const float* x, int* idx, Window wd) {
+extern "C" __global__ void __launch_bounds__(256)
+max_pool2d_argmax_f32(const float* x, int* idx, Window wd) {
   const Geom32 g = geom32(wd);
   const i64 total = wd.n * wd.c * wd.ho * wd.wo;
   if (FITS32(total)) argmax_loop<unsigned>(x, idx, g, total);
@@ -133,8 +135,8 @@ __device__ void max_pool_grad_loop(const float* __restrict__ gr, const int* __re
 // in float, which is the CPU's sum exactly. g and idx are [n, c, ho, wo],
 // out [n, c, h, w]; every element of out is written. One thread per input
 // element, 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) max_pool2d_grad_f32(const float* g, const int* idx, float* out,
-                                               Window wd) {
+extern "C" __global__ void __launch_bounds__(256)
+max_pool2d_grad_f32(const float* g, const int* idx, float* out, Window wd) {
   const Geom32 gm = geom32(wd);
   const i64 total = wd.n * wd.c * wd.h * wd.w;
   if (FITS32(total)) max_pool_grad_loop<unsigned>(g, idx, out, gm, total);
@@ -164,7 +166,8 @@ __device__ void avg_pool_loop(const float* __restrict__ x, float* __restrict__ y
 // row-major) · (1/(kh·kw)): zero padding counts in the divisor
 // (count_include_pad). Same order and precision as the CPU: bit for bit.
 // Dilation must be 1. One thread per output, 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) avg_pool2d_f32(const float* x, float* y, Window wd) {
+extern "C" __global__ void __launch_bounds__(256)
+avg_pool2d_f32(const float* x, float* y, Window wd) {
   const Geom32 g = geom32(wd);
   const i64 total = wd.n * wd.c * wd.ho * wd.wo;
   if (FITS32(total)) avg_pool_loop<unsigned>(x, y, g, total);
@@ -195,7 +198,8 @@ __device__ void avg_pool_grad_loop(const float* __restrict__ gr, float* __restri
 // (__fmul_rn keeps the product from fusing into the add): bit for bit. g is
 // [n, c, ho, wo], out [n, c, h, w]; every element written. Dilation must
 // be 1. 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) avg_pool2d_grad_f32(const float* g, float* out, Window wd) {
+extern "C" __global__ void __launch_bounds__(256)
+avg_pool2d_grad_f32(const float* g, float* out, Window wd) {
   const Geom32 gm = geom32(wd);
   const i64 total = wd.n * wd.c * wd.h * wd.w;
   if (FITS32(total)) avg_pool_grad_loop<unsigned>(g, out, gm, total);

@@ -31,8 +31,9 @@ __device__ __forceinline__ void split_range(i64 n, i64 s, i64 splits, i64* lo, i
 // range (all of [0, n) when gridDim.y = 1); sums are multiplied by scale
 // (Attrs.Scalar for mean, else 1). Row layout: blockDim = (bx, by), bx a
 // multiple of 32, bx·by ≤ 1024; each threadIdx.y group reduces one row.
-extern "C" __global__ void __launch_bounds__(1024) reduce_rows_f32(const float* __restrict__ x, float* __restrict__ out,
-                                           i64 rows, i64 n, i64 op, double scale) {
+extern "C" __global__ void __launch_bounds__(1024)
+reduce_rows_f32(const float* __restrict__ x, float* __restrict__ out, i64 rows, i64 n, i64 op,
+                double scale) {
   __shared__ double sd[32];
   __shared__ float sf[32];
   i64 lo, hi;
@@ -63,8 +64,9 @@ extern "C" __global__ void __launch_bounds__(1024) reduce_rows_f32(const float* 
 // strides over k, and the by partials meet in shared memory. Grid:
 // x = ceil(inner/bx), y = min(outer, 65535), z = splits (both x and y
 // loop, so smaller grids are correct too).
-extern "C" __global__ void __launch_bounds__(1024) reduce_mid_f32(const float* __restrict__ x, float* __restrict__ out,
-                                          i64 outer, i64 n, i64 inner, i64 op, double scale) {
+extern "C" __global__ void __launch_bounds__(1024)
+reduce_mid_f32(const float* __restrict__ x, float* __restrict__ out, i64 outer, i64 n, i64 inner,
+               i64 op, double scale) {
   __shared__ double sd[1024];
   __shared__ float sf[1024];
   i64 lo, hi;
@@ -117,7 +119,8 @@ __device__ __forceinline__ void reduce_strided_body(const float* __restrict__ x,
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < nout; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < nout;
-    const float* p = x + (live ? offset_of<I>((I)row, g.kept_rank, g.kept_shape, g.kept_stride) : 0);
+    const float* p =
+        x + (live ? offset_of<I>((I)row, g.kept_rank, g.kept_shape, g.kept_stride) : 0);
     if (op == R_MAX) {
       float m = neg_inf_f();
       if (live)
@@ -140,8 +143,9 @@ __device__ __forceinline__ void reduce_strided_body(const float* __restrict__ x,
 // through g: output r (row-major over g.kept_shape, nout in all) reads
 // x[offset(r, kept) + offset(k, red)] for k < nred. Row layout as
 // reduce_rows_f32; gridDim.y splits.
-extern "C" __global__ void __launch_bounds__(1024) reduce_strided_f32(const float* x, float* out, ReduceGeom g, i64 nout,
-                                              i64 nred, i64 op, double scale) {
+extern "C" __global__ void __launch_bounds__(1024)
+reduce_strided_f32(const float* x, float* out, ReduceGeom g, i64 nout, i64 nred, i64 op,
+                   double scale) {
   if (FITS32(nout) && FITS32(nred)) reduce_strided_body<unsigned>(x, out, g, nout, nred, op, scale);
   else reduce_strided_body<u64>(x, out, g, nout, nred, op, scale);
 }
@@ -178,8 +182,9 @@ __device__ __forceinline__ void max_grad_body(const float* __restrict__ gr,
 // difference to the layout). g describes x exactly as for
 // reduce_strided_f32, which covers every layout; the row layout is the same,
 // and gridDim.y must be 1. Every element of out is written.
-extern "C" __global__ void __launch_bounds__(1024) max_grad_f32(const float* gr, const float* x, const float* y,
-                                        float* out, ReduceGeom g, i64 nout, i64 nred) {
+extern "C" __global__ void __launch_bounds__(1024)
+max_grad_f32(const float* gr, const float* x, const float* y, float* out, ReduceGeom g, i64 nout,
+             i64 nred) {
   if (FITS32(nout) && FITS32(nred)) max_grad_body<unsigned>(gr, x, y, out, g, nout, nred);
   else max_grad_body<u64>(gr, x, y, out, g, nout, nred);
 }

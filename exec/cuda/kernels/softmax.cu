@@ -40,7 +40,9 @@ __device__ __forceinline__ void softmax_rows_body(const float* __restrict__ x,
       row_each<C>(n, [&](i64 k, int u) { q[k] = (float)((double)(C ? v[u] : p[k]) - lse); });
     } else {
       const double inv = 1.0 / s;
-      row_each<C>(n, [&](i64 k, int u) { q[k] = (float)((double)expf((C ? v[u] : p[k]) - m) * inv); });
+      row_each<C>(n, [&](i64 k, int u) {
+        q[k] = (float)((double)expf((C ? v[u] : p[k]) - m) * inv);
+      });
     }
   }
 }
@@ -49,8 +51,8 @@ __device__ __forceinline__ void softmax_rows_body(const float* __restrict__ x,
 // for rows×n contiguous x and y. Row layout: blockDim = (bx, by), bx a
 // multiple of 32, bx·by ≤ 1024, one threadIdx.y group per row; any grid.
 // Rows of up to ROW_VPT·bx elements are read once.
-extern "C" __global__ void __launch_bounds__(1024) softmax_rows_f32(const float* x, float* y, i64 rows, i64 n,
-                                            i64 logform) {
+extern "C" __global__ void __launch_bounds__(1024)
+softmax_rows_f32(const float* x, float* y, i64 rows, i64 n, i64 logform) {
   if (row_fits(n)) softmax_rows_body<true>(x, y, rows, n, logform);
   else softmax_rows_body<false>(x, y, rows, n, logform);
 }
@@ -58,8 +60,9 @@ extern "C" __global__ void __launch_bounds__(1024) softmax_rows_f32(const float*
 // softmax_cols_f32: softmax (log_softmax when logform ≠ 0) along the middle
 // axis of contiguous [outer, n, inner] x into y. One thread per (outer,
 // inner) line: 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256) softmax_cols_f32(const float* __restrict__ x, float* __restrict__ y,
-                                            i64 outer, i64 n, i64 inner, i64 logform) {
+extern "C" __global__ void __launch_bounds__(256)
+softmax_cols_f32(const float* __restrict__ x, float* __restrict__ y, i64 outer, i64 n, i64 inner,
+                 i64 logform) {
   GRID_LOOP(t, outer * inner) {
     const i64 o = t / inner, j = t - o * inner;
     const float* p = x + o * n * inner + j;
@@ -121,23 +124,23 @@ __device__ __forceinline__ void softmax_grad_rows_body(const float* __restrict__
 // softmax_grad_rows_f32: out = the gradient of softmax (log_softmax when
 // logform ≠ 0) for rows×n contiguous g, y, out. Row layout as
 // softmax_rows_f32.
-extern "C" __global__ void __launch_bounds__(1024) softmax_grad_rows_f32(const float* g, const float* y, float* out,
-                                                 i64 rows, i64 n, i64 logform) {
+extern "C" __global__ void __launch_bounds__(1024)
+softmax_grad_rows_f32(const float* g, const float* y, float* out, i64 rows, i64 n, i64 logform) {
   if (row_fits(n)) softmax_grad_rows_body<true>(g, y, out, rows, n, logform);
   else softmax_grad_rows_body<false>(g, y, out, rows, n, logform);
 }
 
 // softmax_grad_cols_f32: the gradient along the middle axis of contiguous
 // [outer, n, inner] g, y, out; one thread per line as softmax_cols_f32.
-extern "C" __global__ void __launch_bounds__(256) softmax_grad_cols_f32(const float* __restrict__ g,
-                                                 const float* __restrict__ y,
-                                                 float* __restrict__ out, i64 outer, i64 n,
-                                                 i64 inner, i64 logform) {
+extern "C" __global__ void __launch_bounds__(256)
+softmax_grad_cols_f32(const float* __restrict__ g, const float* __restrict__ y,
+                      float* __restrict__ out, i64 outer, i64 n, i64 inner, i64 logform) {
   GRID_LOOP(t, outer * inner) {
     const i64 o = t / inner, j = t - o * inner;
     const i64 off = o * n * inner + j;
     double dot = 0;
-    for (i64 k = 0; k < n; ++k) dot += softmax_grad_term(g[off + k * inner], y[off + k * inner], logform);
+    for (i64 k = 0; k < n; ++k)
+      dot += softmax_grad_term(g[off + k * inner], y[off + k * inner], logform);
     for (i64 k = 0; k < n; ++k)
       out[off + k * inner] = softmax_grad_out(g[off + k * inner], y[off + k * inner], dot, logform);
   }
