@@ -152,7 +152,7 @@ func BenchmarkDo(b *testing.B) {
 // the launch cost without the hop to the device goroutine.
 func BenchmarkLaunchOnDeviceThread(b *testing.B) {
 	d := openInternal(b)
-	src, err := KernelSource("smoke.cu")
+	src, err := Source("smoke.cu")
 	require.NoError(b, err)
 	m, err := d.Compile("smoke.cu", src)
 	require.NoError(b, err)
@@ -183,7 +183,7 @@ func TestNVRTCCompile(t *testing.T) {
 	}
 	require.NoError(t, err)
 	t.Logf("NVRTC %s", nv.version)
-	src, err := KernelSource("smoke.cu")
+	src, err := Source("smoke.cu")
 	require.NoError(t, err)
 	cubin, err := nv.compile("smoke.cu", src, compileOptions("sm_90"))
 	require.NoError(t, err)

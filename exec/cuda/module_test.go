@@ -3,7 +3,9 @@ package cuda_test
 import (
 	"errors"
 	"math"
+	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,7 +19,7 @@ import (
 
 func smokeModule(tb testing.TB, d *cuda.Device) *cuda.Module {
 	tb.Helper()
-	src, err := cuda.KernelSource("smoke.cu")
+	src, err := cuda.Source("smoke.cu")
 	require.NoError(tb, err)
 	m, err := d.Compile("smoke.cu", src)
 	require.NoError(tb, err)
@@ -34,7 +36,7 @@ func TestCompileCacheAndAxpy(t *testing.T) {
 	d, err := cuda.Open(cuda.Options{CacheDir: dir})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, d.Close()) }) // runs after the module cleanups
-	src, err := cuda.KernelSource("smoke.cu")
+	src, err := cuda.Source("smoke.cu")
 	require.NoError(t, err)
 
 	start := time.Now()
@@ -114,7 +116,7 @@ func TestModuleErrors(t *testing.T) {
 
 func TestModuleClosed(t *testing.T) {
 	d := device(t)
-	src, err := cuda.KernelSource("smoke.cu")
+	src, err := cuda.Source("smoke.cu")
 	require.NoError(t, err)
 	m, err := d.Compile("smoke.cu", src)
 	require.NoError(t, err)
@@ -124,7 +126,26 @@ func TestModuleClosed(t *testing.T) {
 	assert.ErrorIs(t, err, cuda.ErrClosed)
 }
 
-func TestKernelSourceMissing(t *testing.T) {
-	_, err := cuda.KernelSource("no_such_file.cu")
+func TestSourceMissing(t *testing.T) {
+	_, err := cuda.Source("no_such_file.cu")
 	assert.Error(t, err)
+}
+
+// Every kernel file reaches NVRTC self-contained (NVRTC has no include
+// path here) and is documented in kernels/README.md.
+func TestSourcesAreSelfContainedAndDocumented(t *testing.T) {
+	readme, err := os.ReadFile("kernels/README.md") // documentation, not embedded
+	require.NoError(t, err)
+	names := cuda.Names()
+	require.NotEmpty(t, names)
+	for _, n := range names {
+		src, err := cuda.Source(n)
+		require.NoError(t, err, n)
+		for _, line := range strings.Split(src, "\n") {
+			assert.False(t, strings.HasPrefix(strings.TrimSpace(line), "#include"), "%s still includes a file: %s", n, line)
+		}
+		if n != "smoke.cu" {
+			assert.Contains(t, string(readme), n, "kernels/README.md does not mention %s", n)
+		}
+	}
 }

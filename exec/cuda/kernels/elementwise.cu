@@ -1,0 +1,289 @@
+// elementwise.cu: unary, scalar and broadcasting binary ops, the
+// elementwise gradients (relu, gelu, maximum), causal_mask and the bias
+// broadcast used before a GEMM with beta = 1.
+//
+// Precision follows exec/cpu: scalar ops compute in double and round once,
+// as the CPU does, so they match it bit for bit; +, −, ·, / of two float
+// operands are single IEEE operations and match too; pow goes through
+// double pow like the CPU's math.Pow. Transcendental unary ops use CUDA's
+// accurate float functions (never fast-math intrinsics) and agree with the
+// CPU's double evaluation to a few ulp.
+#include "common.cuh"
+
+// Unary op codes (unary_f32's op).
+enum {
+  U_NEG = 0,
+  U_EXP = 1,
+  U_LOG = 2,
+  U_SQRT = 3,
+  U_ABS = 4,
+  U_TANH = 5,
+  U_SIGMOID = 6,
+  U_RELU = 7,
+  U_GELU = 8,       // exact, with erf
+  U_GELU_TANH = 9,  // tanh approximation (Attrs.Approx)
+  U_SIGN = 10
+};
+
+// Scalar op codes (scalar_f32's op): x ∘ s.
+enum {
+  S_ADD = 0,      // x + s
+  S_SUB = 1,      // x − s
+  S_RSUB = 2,     // s − x
+  S_MUL = 3,      // x · s
+  S_DIV = 4,      // x / s
+  S_RDIV = 5,     // s / x
+  S_POW = 6,      // x ^ s
+  S_MAXIMUM = 7   // max(x, s)
+};
+
+// Binary op codes (binary_f32's and binary_bcast_f32's op).
+enum { B_ADD = 0, B_SUB = 1, B_MUL = 2, B_DIV = 3, B_POW = 4, B_MAXIMUM = 5 };
+
+#define SQRT1_2_F 0.70710678118654752f
+#define SQRT_2_OVER_PI_F 0.79788456080286536f
+#define INV_SQRT_2PI_F 0.39894228040143268f
+#define GELU_C_F 0.044715f
+
+// sigmoid never takes exp of a large positive number.
+__device__ __forceinline__ float sigmoid_f(float v) {
+  if (v >= 0.f) return 1.f / (1.f + expf(-v));
+  const float e = expf(v);
+  return e / (1.f + e);
+}
+
+template <int OP>
+__device__ __forceinline__ float unary_fn(float v) {
+  switch (OP) {
+    case U_NEG: return -v;
+    case U_EXP: return expf(v);
+    case U_LOG: return logf(v);
+    case U_SQRT: return sqrtf(v);
+    case U_ABS: return fabsf(v);
+    case U_TANH: return tanhf(v);
+    case U_SIGMOID: return sigmoid_f(v);
+    case U_RELU: return v < 0.f ? 0.f : v;  // NaN passes through
+    // 1 + erf(z) = erfc(−z) keeps the small left tail accurate.
+    case U_GELU: return 0.5f * v * erfcf(-v * SQRT1_2_F);
+    // 0.5·(1 + tanh(u)) = 1 / (1 + e^(−2u)), again without cancellation.
+    case U_GELU_TANH: {
+      const float u = SQRT_2_OVER_PI_F * (v + GELU_C_F * v * v * v);
+      return v / (1.f + expf(-2.f * u));
+    }
+    case U_SIGN: return v > 0.f ? 1.f : (v < 0.f ? -1.f : v);  // 0, −0, NaN stay
+  }
+  return v;
+}
+
+template <int OP>
+__device__ void unary_loop(const float* __restrict__ x, float* __restrict__ y, i64 n) {
+  GRID_LOOP(i, n) y[i] = unary_fn<OP>(x[i]);
+}
+
+// unary_f32: y[i] = op(x[i]) for i < n.
+extern "C" __global__ void __launch_bounds__(256)
+unary_f32(const float* x, float* y, i64 n, i64 op) {
+  switch (op) {
+    case U_NEG: unary_loop<U_NEG>(x, y, n); break;
+    case U_EXP: unary_loop<U_EXP>(x, y, n); break;
+    case U_LOG: unary_loop<U_LOG>(x, y, n); break;
+    case U_SQRT: unary_loop<U_SQRT>(x, y, n); break;
+    case U_ABS: unary_loop<U_ABS>(x, y, n); break;
+    case U_TANH: unary_loop<U_TANH>(x, y, n); break;
+    case U_SIGMOID: unary_loop<U_SIGMOID>(x, y, n); break;
+    case U_RELU: unary_loop<U_RELU>(x, y, n); break;
+    case U_GELU: unary_loop<U_GELU>(x, y, n); break;
+    case U_GELU_TANH: unary_loop<U_GELU_TANH>(x, y, n); break;
+    case U_SIGN: unary_loop<U_SIGN>(x, y, n); break;
+  }
+}
+
+template <int OP>
+__device__ __forceinline__ double scalar_fn(double v, double s) {
+  switch (OP) {
+    case S_ADD: return v + s;
+    case S_SUB: return v - s;
+    case S_RSUB: return s - v;
+    case S_MUL: return v * s;
+    case S_DIV: return v / s;
+    case S_RDIV: return s / v;
+    case S_POW: return pow(v, s);
+    case S_MAXIMUM: return go_max_d(v, s);
+  }
+  return v;
+}
+
+template <int OP>
+__device__ void scalar_loop(const float* __restrict__ x, float* __restrict__ y, i64 n, double s) {
+  GRID_LOOP(i, n) y[i] = (float)scalar_fn<OP>((double)x[i], s);
+}
+
+// scalar_f32: y[i] = float(double(x[i]) ∘ s), s being Attrs.Scalar as given.
+extern "C" __global__ void __launch_bounds__(256)
+scalar_f32(const float* x, float* y, i64 n, i64 op, double s) {
+  switch (op) {
+    case S_ADD: scalar_loop<S_ADD>(x, y, n, s); break;
+    case S_SUB: scalar_loop<S_SUB>(x, y, n, s); break;
+    case S_RSUB: scalar_loop<S_RSUB>(x, y, n, s); break;
+    case S_MUL: scalar_loop<S_MUL>(x, y, n, s); break;
+    case S_DIV: scalar_loop<S_DIV>(x, y, n, s); break;
+    case S_RDIV: scalar_loop<S_RDIV>(x, y, n, s); break;
+    case S_POW: scalar_loop<S_POW>(x, y, n, s); break;
+    case S_MAXIMUM: scalar_loop<S_MAXIMUM>(x, y, n, s); break;
+  }
+}
+
+template <int OP>
+__device__ __forceinline__ float binary_fn(float a, float b) {
+  switch (OP) {
+    case B_ADD: return a + b;
+    case B_SUB: return a - b;
+    case B_MUL: return a * b;
+    case B_DIV: return a / b;
+    case B_POW: return (float)pow((double)a, (double)b);
+    case B_MAXIMUM: return go_max(a, b);
+  }
+  return a;
+}
+
+template <int OP>
+__device__ void binary_loop(const float* __restrict__ a, const float* __restrict__ b,
+                            float* __restrict__ y, i64 n) {
+  GRID_LOOP(i, n) y[i] = binary_fn<OP>(a[i], b[i]);
+}
+
+// binary_f32: y[i] = a[i] ∘ b[i], all three contiguous with n elements.
+extern "C" __global__ void __launch_bounds__(256)
+binary_f32(const float* a, const float* b, float* y, i64 n, i64 op) {
+  switch (op) {
+    case B_ADD: binary_loop<B_ADD>(a, b, y, n); break;
+    case B_SUB: binary_loop<B_SUB>(a, b, y, n); break;
+    case B_MUL: binary_loop<B_MUL>(a, b, y, n); break;
+    case B_DIV: binary_loop<B_DIV>(a, b, y, n); break;
+    case B_POW: binary_loop<B_POW>(a, b, y, n); break;
+    case B_MAXIMUM: binary_loop<B_MAXIMUM>(a, b, y, n); break;
+  }
+}
+
+template <int OP, typename I>
+__device__ void bcast_loop(const float* __restrict__ a, const float* __restrict__ b,
+                           float* __restrict__ y, i64 n, const Strided2& g) {
+  GRID_LOOP(i, n) {
+    i64 oa, ob;
+    offset_of2<I>((I)i, g, &oa, &ob);
+    y[i] = binary_fn<OP>(a[oa], b[ob]);
+  }
+}
+
+template <int OP>
+__device__ void bcast_dispatch(const float* a, const float* b, float* y, i64 n, const Strided2& g) {
+  if (FITS32(n)) bcast_loop<OP, unsigned>(a, b, y, n, g);
+  else bcast_loop<OP, u64>(a, b, y, n, g);
+}
+
+// binary_bcast_f32: y (contiguous, shape g.shape, n elements) = a ∘ b with
+// NumPy broadcasting: a's element for position i is at offset Σ idx·g.sa.
+extern "C" __global__ void __launch_bounds__(256)
+binary_bcast_f32(const float* a, const float* b, float* y, i64 n, i64 op, Strided2 g) {
+  switch (op) {
+    case B_ADD: bcast_dispatch<B_ADD>(a, b, y, n, g); break;
+    case B_SUB: bcast_dispatch<B_SUB>(a, b, y, n, g); break;
+    case B_MUL: bcast_dispatch<B_MUL>(a, b, y, n, g); break;
+    case B_DIV: bcast_dispatch<B_DIV>(a, b, y, n, g); break;
+    case B_POW: bcast_dispatch<B_POW>(a, b, y, n, g); break;
+    case B_MAXIMUM: bcast_dispatch<B_MAXIMUM>(a, b, y, n, g); break;
+  }
+}
+
+// relu_grad_f32: out = y > 0 ? g : 0, y being relu's output.
+extern "C" __global__ void __launch_bounds__(256)
+relu_grad_f32(const float* __restrict__ g, const float* __restrict__ y, float* __restrict__ out,
+              i64 n) {
+  GRID_LOOP(i, n) out[i] = y[i] > 0.f ? g[i] : 0.f;
+}
+
+// gelu_grad_f32: out = g · gelu'(x), exact (approx = 0) or tanh form.
+extern "C" __global__ void __launch_bounds__(256)
+gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ out,
+              i64 n, i64 approx) {
+  if (approx) {
+    GRID_LOOP(i, n) {
+      const float v = x[i];
+      const float u = SQRT_2_OVER_PI_F * (v + GELU_C_F * v * v * v);
+      // With t = tanh(u): 0.5(1+t) = σ(2u) and 0.5(1−t²) = 2σ(2u)σ(−2u).
+      const float sp = 1.f / (1.f + expf(-2.f * u));
+      const float sm = 1.f / (1.f + expf(2.f * u));
+      const float d = sp + 2.f * v * sp * sm * SQRT_2_OVER_PI_F * (1.f + 3.f * GELU_C_F * v * v);
+      out[i] = g[i] * d;
+    }
+    return;
+  }
+  GRID_LOOP(i, n) {
+    const float v = x[i];
+    const float cdf = 0.5f * erfcf(-v * SQRT1_2_F);
+    const float pdf = expf(-0.5f * v * v) * INV_SQRT_2PI_F;
+    out[i] = g[i] * (cdf + v * pdf);
+  }
+}
+
+// maximum_share is ∂max(p, q)/∂p: 1 where p wins, ½ on a tie, else 0.
+__device__ __forceinline__ float maximum_share(float p, float q) {
+  return p > q ? 1.f : (p == q ? 0.5f : 0.f);
+}
+
+// maximum_scalar_grad_f32: out = g · ∂max(x, s)/∂x with s = float(Scalar).
+extern "C" __global__ void __launch_bounds__(256)
+maximum_scalar_grad_f32(const float* __restrict__ g, const float* __restrict__ x,
+                        float* __restrict__ out, i64 n, float s) {
+  GRID_LOOP(i, n) out[i] = maximum_share(x[i], s) * g[i];
+}
+
+template <typename I>
+__device__ void maximum_grad_loop(const float* __restrict__ g, const float* __restrict__ a,
+                                  const float* __restrict__ b, float* __restrict__ out, i64 n,
+                                  i64 which, const Strided2& geo) {
+  GRID_LOOP(i, n) {
+    i64 oa, ob;
+    offset_of2<I>((I)i, geo, &oa, &ob);
+    float p = a[oa], q = b[ob];
+    if (which == 1) {
+      const float t = p;
+      p = q;
+      q = t;
+    }
+    out[i] = maximum_share(p, q) * g[i];
+  }
+}
+
+// maximum_grad_f32: the gradient of maximum(a, b) for operand `which` (0: a,
+// 1: b; Attrs.Axis) at the broadcast shape: out[i] = g[i] · share, where a
+// and b are read through geo's strides as in binary_bcast_f32; g and out are
+// contiguous over geo.shape.
+extern "C" __global__ void __launch_bounds__(256)
+maximum_grad_f32(const float* g, const float* a, const float* b, float* out, i64 n, i64 which,
+                 Strided2 geo) {
+  if (FITS32(n)) maximum_grad_loop<unsigned>(g, a, b, out, n, which, geo);
+  else maximum_grad_loop<u64>(g, a, b, out, n, which, geo);
+}
+
+// causal_mask_f32: y = x, except y[..., i, j] = fill where j > i + s − t, for
+// x of shape [..., t, s] with n elements in all.
+extern "C" __global__ void __launch_bounds__(256)
+causal_mask_f32(const float* __restrict__ x, float* __restrict__ y, i64 n, i64 t, i64 s,
+                float fill) {
+  GRID_LOOP(k, n) {
+    const i64 r = k / s;
+    const i64 j = k - r * s;
+    const i64 i = r % t;
+    y[k] = j > i + s - t ? fill : x[k];
+  }
+}
+
+// bias_fill_f32: out[(o·c + k)·inner + i] = b[k] for out of shape
+// [outer, c, inner]: linear's [rows, out] (inner = 1) and conv2d's
+// [N, O, Ho·Wo]. A GEMM with beta = 1 then adds the product, as on the CPU.
+extern "C" __global__ void __launch_bounds__(256)
+bias_fill_f32(float* __restrict__ out, const float* __restrict__ b, i64 outer, i64 c, i64 inner) {
+  const i64 n = outer * c * inner;
+  GRID_LOOP(k, n) out[k] = b[(k / inner) % c];
+}

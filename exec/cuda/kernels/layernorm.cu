@@ -1,0 +1,181 @@
+// layernorm.cu: layer_norm over the trailing dims and its gradients.
+//
+// x is viewed as [rows, d], d the product of the Attrs.NormDims trailing
+// dims. Statistics follow the CPU: mean, then the biased variance of the
+// centred values (two passes, no cancellation), both accumulated in double,
+// rstd = 1/√(var + eps) in double; the per-element affine map runs in double
+// too (a few double operations per element are cheap next to the traffic).
+// Row kernels use one threadIdx.y group per row: blockDim = (bx, by), bx a
+// multiple of 32, bx·by ≤ 1024, any grid.
+#include "common.cuh"
+
+// row_stats gives the row group's mean and rstd of the row read by at(k, u)
+// (see row_each); every thread of the block must call it.
+template <bool C, typename A>
+__device__ __forceinline__ void row_stats(A at, i64 d, bool live, double eps, double* sd,
+                                          double* mean, double* rstd) {
+  double s = 0;
+  if (live) row_each<C>(d, [&](i64 k, int u) { s += (double)at(k, u); });
+  s = row_allreduce(s, SumOp(), sd);
+  const double m = s / (double)d;
+  double q = 0;
+  if (live)
+    row_each<C>(d, [&](i64 k, int u) {
+      const double c = (double)at(k, u) - m;
+      q += c * c;
+    });
+  q = row_allreduce(q, SumOp(), sd);
+  *mean = m;
+  *rstd = 1.0 / sqrt(q / (double)d + eps);
+}
+
+template <bool C>
+__device__ __forceinline__ void layer_norm_body(const float* __restrict__ x,
+                                                const float* __restrict__ w,
+                                                const float* __restrict__ b,
+                                                float* __restrict__ y, i64 rows, i64 d,
+                                                double eps) {
+  __shared__ double sd[32];
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < rows;
+    const float* p = x + row * d;
+    float v[ROW_VPT];
+    if (C && live) row_each<C>(d, [&](i64 k, int u) { v[u] = p[k]; });
+    auto at = [&](i64 k, int u) { return C ? v[u] : p[k]; };
+    double mean, rstd;
+    row_stats<C>(at, d, live, eps, sd, &mean, &rstd);
+    if (!live) continue;
+    float* q = y + row * d;
+    row_each<C>(d, [&](i64 k, int u) {
+      double r = ((double)at(k, u) - mean) * rstd;
+      if (w) r *= (double)w[k];
+      if (b) r += (double)b[k];
+      q[k] = (float)r;
+    });
+  }
+}
+
+// layer_norm_f32: y = (x − mean)·rstd (· w) (+ b) per row of contiguous
+// [rows, d] x and y; w and b are [d] or null. Row layout (rows of up to
+// ROW_VPT·bx elements are read once).
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_f32(const float* x, const float* w, const float* b, float* y, i64 rows, i64 d,
+               double eps) {
+  if (row_fits(d)) layer_norm_body<true>(x, w, b, y, rows, d, eps);
+  else layer_norm_body<false>(x, w, b, y, rows, d, eps);
+}
+
+template <bool C>
+__device__ __forceinline__ void layer_norm_grad_x_body(const float* __restrict__ g,
+                                                       const float* __restrict__ x,
+                                                       const float* __restrict__ w,
+                                                       float* __restrict__ out, i64 rows, i64 d,
+                                                       double eps) {
+  __shared__ double sd[32];
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < rows;
+    const i64 off = row * d;
+    float xv[ROW_VPT], gv[ROW_VPT];
+    if (C && live)
+      row_each<C>(d, [&](i64 k, int u) {
+        xv[u] = x[off + k];
+        gv[u] = g[off + k];
+      });
+    auto xat = [&](i64 k, int u) { return C ? xv[u] : x[off + k]; };
+    auto ghat = [&](i64 k, int u) {  // ĝ = g·w
+      double r = (double)(C ? gv[u] : g[off + k]);
+      if (w) r *= (double)w[k];
+      return r;
+    };
+    double mean, rstd;
+    row_stats<C>(xat, d, live, eps, sd, &mean, &rstd);
+    double sg = 0, sgx = 0;
+    if (live)
+      row_each<C>(d, [&](i64 k, int u) {
+        const double gh = ghat(k, u);
+        sg += gh;
+        sgx += gh * (((double)xat(k, u) - mean) * rstd);
+      });
+    sg = row_allreduce(sg, SumOp(), sd);
+    sgx = row_allreduce(sgx, SumOp(), sd);
+    if (!live) continue;
+    sg /= (double)d;
+    sgx /= (double)d;
+    row_each<C>(d, [&](i64 k, int u) {
+      const double xh = ((double)xat(k, u) - mean) * rstd;
+      out[off + k] = (float)(rstd * (ghat(k, u) - sg - xh * sgx));
+    });
+  }
+}
+
+// layer_norm_grad_x_f32: with x̂ = (x − mean)·rstd and ĝ = g·w (g alone when
+// w is null), out = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) per row of contiguous
+// [rows, d] g, x, out. Row layout as layer_norm_f32.
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_grad_x_f32(const float* g, const float* x, const float* w, float* out, i64 rows, i64 d,
+                      double eps) {
+  if (row_fits(d)) layer_norm_grad_x_body<true>(g, x, w, out, rows, d, eps);
+  else layer_norm_grad_x_body<false>(g, x, w, out, rows, d, eps);
+}
+
+template <bool C>
+__device__ __forceinline__ void layer_norm_stats_body(const float* __restrict__ x,
+                                                      double* __restrict__ stats, i64 rows, i64 d,
+                                                      double eps) {
+  __shared__ double sd[32];
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < rows;
+    const float* p = x + row * d;
+    float v[ROW_VPT];
+    if (C && live) row_each<C>(d, [&](i64 k, int u) { v[u] = p[k]; });
+    double mean, rstd;
+    row_stats<C>([&](i64 k, int u) { return C ? v[u] : p[k]; }, d, live, eps, sd, &mean, &rstd);
+    if (live && threadIdx.x == 0) {
+      stats[2 * row] = mean;
+      stats[2 * row + 1] = rstd;
+    }
+  }
+}
+
+// layer_norm_stats_f32: stats[2r] = mean and stats[2r+1] = rstd of row r of
+// contiguous [rows, d] x, for layer_norm_grad_w_f32. Row layout as
+// layer_norm_f32.
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_stats_f32(const float* x, double* stats, i64 rows, i64 d, double eps) {
+  if (row_fits(d)) layer_norm_stats_body<true>(x, stats, rows, d, eps);
+  else layer_norm_stats_body<false>(x, stats, rows, d, eps);
+}
+
+// layer_norm_grad_w_f32: out[s·d + j] = Σ over rows r of split s of
+// g[r, j]·(x[r, j] − mean_r)·rstd_r, a column reduction over contiguous
+// [rows, d] g and x with stats from layer_norm_stats_f32. blockDim =
+// (bx, by), bx·by ≤ 1024: threadIdx.x along d (coalesced), threadIdx.y
+// strides over rows. Grid: x = ceil(d/bx) (loops, so fewer is correct),
+// y = splits: with gridDim.y > 1 out holds [splits, d] partials, summed by
+// reduce_mid_f32 over [1, splits, d].
+extern "C" __global__ void __launch_bounds__(1024)
+layer_norm_grad_w_f32(const float* __restrict__ g, const float* __restrict__ x,
+                      const double* __restrict__ stats, float* __restrict__ out, i64 rows, i64 d) {
+  __shared__ double sd[1024];
+  const i64 per = (rows + gridDim.y - 1) / gridDim.y;
+  const i64 lo = imin(rows, (i64)blockIdx.y * per), hi = imin(rows, lo + per);
+  const unsigned t = threadIdx.y * blockDim.x + threadIdx.x;
+  for (i64 j0 = (i64)blockIdx.x * blockDim.x; j0 < d; j0 += (i64)gridDim.x * blockDim.x) {
+    const i64 j = j0 + threadIdx.x;
+    const bool live = j < d;
+    double s = 0;
+    if (live)
+      for (i64 r = lo + threadIdx.y; r < hi; r += blockDim.y)
+        s += (double)g[r * d + j] * (((double)x[r * d + j] - stats[2 * r]) * stats[2 * r + 1]);
+    sd[t] = s;
+    __syncthreads();
+    if (live && threadIdx.y == 0) {
+      for (unsigned k = 1; k < blockDim.y; ++k) s += sd[k * blockDim.x + threadIdx.x];
+      out[(i64)blockIdx.y * d + j] = (float)s;
+    }
+    __syncthreads();
+  }
+}

@@ -1,0 +1,63 @@
+// optim.cu: the optimizer updates of optim/optim.go, one thread per element.
+//
+// The arithmetic runs in double, as optim.go does, with products and sums
+// through __dmul_rn / __dadd_rn / __dsub_rn so the compiler cannot fuse them
+// into FMAs: given the same inputs and scalars the results equal optim.go's
+// bit for bit (for a Go build that does not fuse either, as amd64 by
+// default). Cost is nothing next to the memory traffic. Scalars that
+// optim.go computes once per step (the bias corrections) come precomputed.
+#include "common.cuh"
+
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+
+// sgd_f32: SGD with momentum, dampening, Nesterov and L2 weight decay
+// (torch.optim.SGD), for n elements of parameter p, gradient g and momentum
+// buffer buf (null when momentum = 0):
+//   g ← g + wd·p;  b ← first ? g : μ·b + (1−τ)·g;  g ← nesterov ? g + μ·b : b;
+//   p ← p − lr·g.
+// first ≠ 0 on the optimizer's first step (optim.SGD's steps == 0). 1-D
+// blocks, any grid.
+extern "C" __global__ void __launch_bounds__(256)
+sgd_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf, i64 n,
+        double lr, double momentum, double dampening, double wd, i64 nesterov, i64 first) {
+  const double damp = 1.0 - dampening;
+  GRID_LOOP(i, n) {
+    const double w = (double)p[i];
+    double gr = add_rn((double)g[i], mul_rn(wd, w));
+    if (momentum != 0.0) {
+      double b = gr;
+      if (!first) b = add_rn(mul_rn(momentum, (double)buf[i]), mul_rn(damp, gr));
+      buf[i] = (float)b;
+      gr = nesterov ? add_rn(gr, mul_rn(momentum, b)) : b;
+    }
+    p[i] = (float)sub_rn(w, mul_rn(lr, gr));
+  }
+}
+
+// adam_f32: Adam (decoupled = 0: L2 decay added to the gradient,
+// torch.optim.Adam) or AdamW (decoupled ≠ 0: p ← p·(1 − lr·wd) first), for
+// n elements of p, g and the moment buffers m, v:
+//   m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
+//   p ← p − lr·(m/c1) / (√(v/c2) + eps)
+// with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for step t (1-based), computed by the
+// caller as optim.go does (math.Pow in float64). 1-D blocks, any grid.
+extern "C" __global__ void __launch_bounds__(256)
+adam_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+         float* __restrict__ v, i64 n, double lr, double beta1, double beta2, double eps, double wd,
+         double c1, double c2, i64 decoupled) {
+  const double decay = sub_rn(1.0, mul_rn(lr, wd));
+  const double b1c = 1.0 - beta1, b2c = 1.0 - beta2;
+  GRID_LOOP(i, n) {
+    double w = (double)p[i];
+    double gr = (double)g[i];
+    if (decoupled) w = mul_rn(w, decay);
+    else gr = add_rn(gr, mul_rn(wd, w));
+    const double mi = add_rn(mul_rn(beta1, (double)m[i]), mul_rn(b1c, gr));
+    const double vi = add_rn(mul_rn(beta2, (double)v[i]), mul_rn(mul_rn(b2c, gr), gr));
+    m[i] = (float)mi;
+    v[i] = (float)vi;
+    p[i] = (float)sub_rn(w, mul_rn(lr, mi / c1) / (add_rn(sqrt(vi / c2), eps)));
+  }
+}
