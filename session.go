@@ -114,8 +114,9 @@ func (s *Session) Allocator() *alloc.Allocator { return s.cpu.Allocator() }
 // the host; a GPU executor downloads them before freeing.
 //
 // Restore takes the memory back explicitly. Without it, the next Step or
-// Eval restores by itself before it runs, so a training loop that yields
-// between steps needs no other change. Either way the step that follows
+// Eval restores by itself before it runs (and returns Restore's error if
+// it cannot), so a training loop that yields between steps needs no other
+// change. Either way the step that follows
 // runs as if Yield had never happened: the same parameters and optimizer
 // state, bit for bit, and the peaks the plan predicts.
 func (s *Session) Yield() error { return s.cpu.Yield() }

@@ -490,6 +490,25 @@ func TestReportProfileRun(t *testing.T) {
 	assert.True(t, strings.HasPrefix(stdout, "chunk,step,node"), stdout[:min(len(stdout), 80)])
 }
 
+// --run --at end reports the executor's own allocator after the step:
+// the parameters and AdamW's state.
+func TestReportRunAtEnd(t *testing.T) {
+	code, stdout, stderr := runCLI("report", "--model", "mlp", "--batch", "64", "--budget", "1GiB", "--run", "--at", "end", "--json")
+	require.Equal(t, exitOK, code, stderr)
+	var r memReport
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Contains(t, r.Snapshot, "measured")
+	d := r.Report.Devices[0]
+	var held int64
+	for _, n := range mlpParamBytes {
+		held += 3 * round512(n)
+	}
+	assert.Equal(t, held, d.Totals.Allocated)
+	for _, x := range d.Tensors {
+		assert.Contains(t, []memviz.Kind{memviz.KindParam, memviz.KindState}, x.Kind, x.Name)
+	}
+}
+
 func slicesContain(s []string, x string) bool {
 	for _, y := range s {
 		if y == x {
