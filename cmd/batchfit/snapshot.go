@@ -198,7 +198,11 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 	if code, ok := parsed("snapshot", err, stdout, stderr, fs, snapshotSynopsis); !ok {
 		return code
 	}
-	s, err := simulate(c.step, c.trace)
+	trace := c.trace
+	if c.format != formatPickle { // only a pickle carries the trace
+		trace = 0
+	}
+	s, err := simulate(c.step, trace)
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit snapshot: %v\n", err)
 		return exitPlan
