@@ -13,4 +13,10 @@
 // derivable from its signature (shapes, liveness, byte counts) is computed
 // once and cached. Parameters persist in the executor across steps, and the
 // optimizer's state with them.
+//
+// Between steps a session can lend its device memory to another job:
+// Yield frees the parameters' and optimizer state's device blocks and
+// empties the cache (reserved bytes drop to zero); Restore, or simply the
+// next Step or Eval, takes them back, and training continues bit for bit
+// as if nothing had happened.
 package batchfit

@@ -105,6 +105,32 @@ func (s *Session) LastUsage() planner.Usage {
 // Stats are the familiar memory_stats.
 func (s *Session) Allocator() *alloc.Allocator { return s.cpu.Allocator() }
 
+// Yield gives the session's device memory back between steps, as
+// pytorch_memlab's Courtesy does, for another job to use: the executor
+// frees every block it keeps resident (parameters, constants, optimizer
+// state) and empties its allocator's cache, so its reserved bytes drop to
+// zero. Values survive in host memory: on the CPU executor they are the
+// parameters' own tensors and the optimizer's state, which never leave
+// the host; a GPU executor downloads them before freeing.
+//
+// Restore takes the memory back explicitly. Without it, the next Step or
+// Eval restores by itself before it runs (and returns Restore's error if
+// it cannot), so a training loop that yields between steps needs no other
+// change. Either way the step that follows
+// runs as if Yield had never happened: the same parameters and optimizer
+// state, bit for bit, and the peaks the plan predicts.
+func (s *Session) Yield() error { return s.cpu.Yield() }
+
+// Restore re-allocates and refills what Yield gave back, in the order it
+// was first allocated. When the device cannot hold it (another process
+// kept the memory) it returns the allocator's out-of-memory error and the
+// session stays yielded, holding nothing; it may be called again. Restore
+// without a Yield does nothing.
+func (s *Session) Restore() error { return s.cpu.Restore() }
+
+// Yielded reports whether the session's memory is given back.
+func (s *Session) Yielded() bool { return s.cpu.Yielded() }
+
 // program returns the compiled program of g for outputs, computing the
 // analysis and schedule once per graph signature.
 func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int) (*planner.Program, error) {

@@ -13,12 +13,12 @@
 //     (SGD), activations by module path and op, with shape, dtype, and
 //     requested and rounded bytes. Its totals add up exactly:
 //     tensors + rounding to 512 B + workspace + blocks with no known owner
-//     = the allocator's allocated bytes.
+//     = the allocator's allocated bytes. As text, CSV or JSON.
 //   - NewProfile gives, per node in program order, the bytes it allocated
 //     and freed, the live bytes after it and the peak active and reserved
 //     bytes during it, predicted and (when a measured timeline is given)
 //     measured; as text, CSV or JSON. Simulate makes the predicted
-//     timeline and the snapshot at the predicted peak.
+//     timeline and the snapshots at the predicted peak and after the step.
 //   - WritePprof, WriteFolded and WritePickle export a snapshot: a pprof
 //     profile (go tool pprof -top, -http flame graphs), folded stacks
 //     (flamegraph.pl, speedscope), and the pickle torch.cuda.memory

@@ -2,10 +2,12 @@ package memviz
 
 import (
 	"cmp"
+	"encoding/csv"
 	"encoding/json"
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -216,6 +218,27 @@ func (r *Report) WriteText(w io.Writer) error {
 		fmt.Fprintf(tw, "\treserved (cached %s)\t\t\t\t%s\t\t\t\n", alloc.FormatBytes(t.Reserved-t.Allocated), alloc.FormatBytes(t.Reserved))
 	}
 	return tw.Flush()
+}
+
+// WriteCSV writes the tensors of every device as one CSV table with a
+// header row; byte counts are exact, an alias's size is 0 and alias_of
+// names the tensor holding its bytes.
+func (r *Report) WriteCSV(w io.Writer) error {
+	cw := csv.NewWriter(w)
+	_ = cw.Write([]string{"device", "kind", "name", "shape", "dtype", "requested", "size", "node", "op", "scope", "address", "alias_of"})
+	for _, d := range r.Devices {
+		for _, x := range d.Tensors {
+			shape := ""
+			if x.Shape != nil {
+				shape = graph.FormatShape(x.Shape)
+			}
+			_ = cw.Write([]string{strconv.Itoa(d.Device), string(x.Kind), x.Name, shape, x.DType,
+				strconv.FormatInt(x.Requested, 10), strconv.FormatInt(x.Size, 10), strconv.Itoa(x.Node), x.Op, x.Scope,
+				fmt.Sprintf("%#x", uint64(x.Addr)), x.AliasOf})
+		}
+	}
+	cw.Flush()
+	return cw.Error()
 }
 
 // WriteJSON writes the report as indented JSON.

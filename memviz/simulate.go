@@ -22,6 +22,10 @@ type Simulation struct {
 	// there: what memory_viz users look at first.
 	Peak     planner.Point
 	Snapshot alloc.Snapshot
+	// End is the allocator's state after the step: parameters and
+	// optimizer state held, everything else freed into cached segments;
+	// what a training loop holds between steps.
+	End alloc.Snapshot
 }
 
 // unlimited is a simulated capacity no program reaches: 1 EiB.
@@ -50,10 +54,11 @@ func Simulate(p *planner.Program, chunks []planner.Chunk, o SimOptions) (*Simula
 	if _, err := planner.Replay(p, chunks, a, h, false); err != nil {
 		return nil, err
 	}
+	s.End = a.Snapshot()
 	if h.taken {
 		s.Snapshot = h.snap
 	} else { // no node ran: the persistent buffers are all there is
-		s.Snapshot = a.Snapshot()
+		s.Snapshot = s.End
 	}
 	return s, nil
 }

@@ -1,6 +1,10 @@
 // Command batchfit plans the memory of a training step without a GPU.
 //
 //	batchfit estimate --model gpt2-small --batch 32 --seq 1024 --budget 24GiB --optimizer adamw
+//	batchfit snapshot --model gpt-tiny --batch 8 --budget 1GiB -o gpt-tiny.pickle
+//	batchfit report --model mlp --batch 2048 --budget 26MiB --profile --run
+//	batchfit report gpt-tiny.pickle
+//	batchfit compare before.pickle after.pickle
 //	batchfit models
 //
 // estimate builds a model of the zoo shape-only (nn.Options{ShapeOnly:
@@ -14,7 +18,19 @@
 // the per-op timeline of the first chunk (--table), the largest buffers
 // (--top N) or all of it as JSON (--json).
 //
-// Exit codes: 0 when the step fits (in one chunk or several), 1 when it
-// does not fit even one sample at a time (the planner's message names the
-// largest buffers), 2 for a usage mistake.
+// snapshot, report and compare explain memory with package memviz.
+// snapshot writes the allocator state of the planned step (replayed on the
+// simulated device) at its predicted peak or after it, as a memory_viz
+// pickle, a pprof profile or folded stacks. report lists the live tensors
+// there, named, with totals that itemise the allocated bytes; --profile
+// adds the per-op profile and --run measures it on the CPU executor. report
+// FILE lists a pickle's blocks. compare reads two snapshot files (the
+// format from their content, else their name) and lists the segments only
+// in one of two pickles, or the bytes under each stack that changed.
+//
+// Exit codes: 0 when the step fits (in one chunk or several) and the files
+// were read and written, 1 when it does not fit even one sample at a time
+// (the planner's message names the largest buffers) or a file could not
+// be read or written (unreadable, not a snapshot, truncated: one line names
+// the file and the reason), 2 for a usage mistake.
 package main

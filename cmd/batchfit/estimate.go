@@ -116,7 +116,7 @@ type step struct {
 // device, summed over chunks) with the optimizer's state in training mode;
 // the forward output alone in inference mode.
 func buildStep(c *estimateConfig) (*step, error) {
-	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype}, c.batch, c.seq, c.train)
+	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype}, c.batch, c.seq, c.train, nil)
 	if err := nn.Check(b.module); err != nil {
 		return nil, err
 	}

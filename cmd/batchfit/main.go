@@ -21,7 +21,7 @@ func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
 // Exit codes.
 const (
 	exitOK    = 0
-	exitPlan  = 1 // the plan failed: does not fit, or the model did not build
+	exitPlan  = 1 // the plan failed (does not fit, the model did not build) or a file could not be read or written
 	exitUsage = 2 // bad subcommand, flag or argument
 )
 
@@ -51,14 +51,25 @@ func usagef(kind error, format string, args ...any) error {
 
 const mainUsage = `Usage:
   batchfit estimate --model NAME --batch N --budget SIZE [flags]
+  batchfit snapshot --model NAME --batch N --budget SIZE [flags] -o FILE
+  batchfit report --model NAME --batch N --budget SIZE [flags]
+  batchfit report FILE
+  batchfit compare [flags] BEFORE AFTER
   batchfit models
 
 Subcommands:
   estimate   plan one training (or inference) step of a zoo model within a
              memory budget, without a GPU: chunk size, predicted peak, timeline
+  snapshot   write the allocator snapshot of a planned step at its predicted
+             peak (or after it): a pickle for pytorch.org/memory_viz, a pprof
+             profile or folded stacks
+  report     list the tensors live at the predicted peak, named, with totals;
+             --profile adds the per-op memory profile, --run measures it
+  compare    compare two snapshot files: segments only before and only after,
+             or the bytes under each stack
   models     list the model zoo with parameter counts
 
-Run "batchfit estimate -h" for the estimate flags.
+Run "batchfit SUBCOMMAND -h" for its flags.
 `
 
 // run is the whole command, so tests can call it; it returns the exit code.
@@ -70,13 +81,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 	switch args[0] {
 	case "estimate":
 		return runEstimate(args[1:], stdout, stderr)
+	case "snapshot":
+		return runSnapshot(args[1:], stdout, stderr)
+	case "report":
+		return runReport(args[1:], os.Stdin, stdout, stderr)
+	case "compare":
+		return runCompare(args[1:], os.Stdin, stdout, stderr)
 	case "models":
 		return runModels(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, mainUsage)
 		return exitOK
 	}
-	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate or models)\n%s", args[0], mainUsage)
+	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare or models)\n%s", args[0], mainUsage)
 	return exitUsage
 }
 
@@ -89,6 +106,16 @@ var optimizers = []struct {
 	{"sgd-momentum", func() optim.Optimizer { return optim.NewSGD(0.1, 0.9) }},
 	{"adam", func() optim.Optimizer { return optim.NewAdam(1e-3) }},
 	{"adamw", func() optim.Optimizer { return optim.NewAdamW(1e-3) }},
+}
+
+// makeOptimizer returns the optimizer named name (one of optimizers).
+func makeOptimizer(name string) optim.Optimizer {
+	for _, o := range optimizers {
+		if o.name == name {
+			return o.make()
+		}
+	}
+	return nil
 }
 
 func optimizerNames() []string {
@@ -113,10 +140,15 @@ type estimateConfig struct {
 	json             bool
 }
 
-func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
-	fs := flag.NewFlagSet("estimate", flag.ContinueOnError)
-	fs.SetOutput(io.Discard) // errors are reported by runEstimate, in one line
-	v := &estimateFlagValues{}
+// stepFlagValues are the flags that describe one step of a zoo model,
+// shared by estimate, snapshot and report.
+type stepFlagValues struct {
+	model, budget, headroom, optimizer, dtype, mode string
+	batch, seq                                      int
+}
+
+// addStepFlags defines the step flags on fs.
+func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 	fs.StringVar(&v.model, "model", "", "zoo `model`: "+strings.Join(zooNames(), ", ")+" (required)")
 	fs.IntVar(&v.batch, "batch", 0, "samples per step, `N` (required)")
 	fs.IntVar(&v.seq, "seq", 0, "tokens per sequence, `T`, for GPT models (default: the model's context)")
@@ -125,6 +157,13 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.StringVar(&v.optimizer, "optimizer", "adamw", "`optimizer` whose state is held: "+strings.Join(optimizerNames(), ", "))
 	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of parameters, activations, gradients and optimizer state: float32, float16, bfloat16")
 	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
+}
+
+func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
+	fs := flag.NewFlagSet("estimate", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors are reported by runEstimate, in one line
+	v := &estimateFlagValues{}
+	addStepFlags(fs, &v.stepFlagValues)
 	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
@@ -132,28 +171,65 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 }
 
 type estimateFlagValues struct {
-	model, budget, headroom, optimizer, dtype, mode string
-	batch, seq, top                                 int
-	table, json                                     bool
+	stepFlagValues
+	top         int
+	table, json bool
+}
+
+// parseFlags parses args with fs; every error is a *usageError (or
+// flag.ErrHelp). Flags and positional arguments may come in any order;
+// "--" ends the flags. It returns the positional arguments and the flags
+// set.
+func parseFlags(fs *flag.FlagSet, args []string) ([]string, map[string]bool, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, nil, err
+			}
+			return nil, nil, usagef(errFlag, "%v", err)
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			break
+		}
+		if len(args) > len(rest) && args[len(args)-len(rest)-1] == "--" {
+			pos = append(pos, rest...)
+			break
+		}
+		pos = append(pos, rest[0])
+		args = rest[1:]
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	return pos, set, nil
 }
 
 // parseEstimate reads the estimate flags; every error is a *usageError
 // (or flag.ErrHelp).
 func parseEstimate(args []string) (*estimateConfig, error) {
 	fs, v := estimateFlags()
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil, err
-		}
-		return nil, usagef(errFlag, "%v", err)
+	pos, set, err := parseFlags(fs, args)
+	if err != nil {
+		return nil, err
 	}
-	if fs.NArg() > 0 {
-		return nil, usagef(errFlag, "unexpected argument %q (flags only)", fs.Arg(0))
+	if len(pos) > 0 {
+		return nil, usagef(errFlag, "unexpected argument %q (flags only)", pos[0])
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	c := &estimateConfig{batch: v.batch, table: v.table, top: v.top, json: v.json}
+	c, err := v.config(set)
+	if err != nil {
+		return nil, err
+	}
+	c.table, c.top, c.json = v.table, v.top, v.json
+	if v.top < 0 {
+		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
+	}
+	return c, nil
+}
 
+// config checks the step flags; set holds the flags given.
+func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
+	c := &estimateConfig{batch: v.batch}
 	if v.model == "" {
 		return nil, usagef(errMissing, "missing --model (one of %s)", strings.Join(zooNames(), ", "))
 	}
@@ -220,9 +296,6 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err != nil || !c.dtype.IsFloat() {
 		return nil, usagef(errUnknown, "unknown --dtype %q (want float32, float16 or bfloat16)", v.dtype)
 	}
-	if v.top < 0 {
-		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
-	}
 	return c, nil
 }
 
@@ -281,7 +354,7 @@ func runModels(args []string, stdout, stderr io.Writer) int {
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "MODEL\tPARAMETERS\tFLOAT32\tINPUT PER SAMPLE\tDESCRIPTION")
 	for _, m := range zoo() {
-		b := m.build(nn.Options{ShapeOnly: true}, 1, m.context, false)
+		b := m.build(nn.Options{ShapeOnly: true}, 1, m.context, false, nil)
 		if err := nn.Check(b.module); err != nil {
 			fmt.Fprintf(stderr, "batchfit models: %s: %v\n", m.name, err)
 			return exitPlan

@@ -2,6 +2,9 @@ package main
 
 import (
 	"fmt"
+	"math/rand/v2"
+
+	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -27,19 +30,52 @@ type zooModel struct {
 	// default; 0 for models without a sequence axis.
 	context int
 	input   string // per sample, for the model list
-	build   func(opt nn.Options, batch, seq int, train bool) built
+	// build makes the model and its graph. With data nil the inputs and
+	// labels are placeholders (shape-only); otherwise they hold values
+	// drawn from data, so the step can run: float features from N(0, 1),
+	// tokens and labels uniform over the vocabulary or the classes.
+	build func(opt nn.Options, batch, seq int, train bool, data *rand.Rand) built
+}
+
+// source is an input of the given shape: a placeholder, or with data a
+// tensor drawn from it (int64 uniform in [0, k), floats from N(0, 1)).
+func source(g *lazy.Graph, data *rand.Rand, shape []int, dt graph.DType, k int) *lazy.Tensor {
+	if data == nil {
+		if g == nil {
+			return lazy.Placeholder(shape, dt, 0)
+		}
+		return g.Placeholder(shape, dt, 0)
+	}
+	var t *tensor.Dense
+	if dt == graph.Int64 {
+		d := make([]int64, graph.Numel(shape))
+		for i := range d {
+			d[i] = int64(data.IntN(k))
+		}
+		t = tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+	} else {
+		d := make([]float32, graph.Numel(shape))
+		for i := range d {
+			d[i] = float32(data.NormFloat64())
+		}
+		t = tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+	}
+	if g == nil {
+		return lazy.Wrap(t, 0)
+	}
+	return g.Wrap(t, 0)
 }
 
 func zoo() []zooModel {
 	gpt := func(name, about string, cfg models.GPTConfig) zooModel {
 		return zooModel{name: name, about: about, context: cfg.Context,
 			input: fmt.Sprintf("tokens [≤%d] int64", cfg.Context),
-			build: func(opt nn.Options, b, t int, train bool) built {
+			build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
 				m := models.NewGPT(opt, cfg)
-				tokens := lazy.Placeholder([]int{b, t}, graph.Int64, 0)
+				tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
 				var targets *lazy.Tensor
 				if train {
-					targets = tokens.Graph().Placeholder([]int{b, t}, graph.Int64, 0)
+					targets = source(tokens.Graph(), data, []int{b, t}, graph.Int64, cfg.Vocab)
 				}
 				out := built{module: m, output: m.Forward(tokens)}
 				if train {
@@ -48,19 +84,19 @@ func zoo() []zooModel {
 				return out
 			}}
 	}
-	classifier := func(name, about, input string, sample []int, newModule func(nn.Options) nn.Module) zooModel {
+	classifier := func(name, about, input string, sample []int, classes int, newModule func(nn.Options) nn.Module) zooModel {
 		return zooModel{name: name, about: about,
 			input: fmt.Sprintf("%s %v", input, sample),
-			build: func(opt nn.Options, b, _ int, train bool) built {
+			build: func(opt nn.Options, b, _ int, train bool, data *rand.Rand) built {
 				m := newModule(opt)
 				dt := opt.DType
 				if dt == graph.InvalidDType {
 					dt = graph.Float32
 				}
-				x := lazy.Placeholder(append([]int{b}, sample...), dt, 0)
+				x := source(nil, data, append([]int{b}, sample...), dt, 0)
 				var labels *lazy.Tensor
 				if train {
-					labels = x.Graph().Placeholder([]int{b}, graph.Int64, 0)
+					labels = source(x.Graph(), data, []int{b}, graph.Int64, classes)
 				}
 				out := built{module: m, output: m.Forward(x)}
 				if train {
@@ -73,10 +109,10 @@ func zoo() []zooModel {
 		return func(opt nn.Options) nn.Module { return nn.MLP(opt, sizes, nn.ReLU{}) }
 	}
 	return []zooModel{
-		classifier("mlp", "MLP 784→512→512→10 with ReLU (FashionMNIST-shaped)", "features", []int{784}, mlp(784, 512, 512, 10)),
-		classifier("mlp-large", "MLP 784→4096→4096→10 with ReLU", "features", []int{784}, mlp(784, 4096, 4096, 10)),
+		classifier("mlp", "MLP 784→512→512→10 with ReLU (FashionMNIST-shaped)", "features", []int{784}, 10, mlp(784, 512, 512, 10)),
+		classifier("mlp-large", "MLP 784→4096→4096→10 with ReLU", "features", []int{784}, 10, mlp(784, 4096, 4096, 10)),
 		classifier("convnet", "CIFAR-10 ConvNet, 3 stages of conv 3×3 (32, 64, 128) → ReLU → max-pool, linear head",
-			"images", []int{3, 32, 32}, func(opt nn.Options) nn.Module { return models.NewConvNet(opt, models.CIFAR10()) }),
+			"images", []int{3, 32, 32}, models.CIFAR10().Classes, func(opt nn.Options) nn.Module { return models.NewConvNet(opt, models.CIFAR10()) }),
 		gpt("gpt-tiny", "GPT, 2 layers, width 32, 2 heads, 32 positions, vocab 32 (examples/transformer)",
 			models.GPTConfig{Vocab: 32, Context: 32, Layers: 2, Heads: 2, Dim: 32}),
 		gpt("gpt2-small", "GPT-2 small, 12 layers, width 768, 12 heads, 1024 positions, vocab 50257, tied head",

@@ -9,4 +9,10 @@
 // Every kernel writes into an output buffer allocated before it runs, sized
 // from the node's type at the running batch size, and buffers are dropped
 // after their last consumer, mirroring the program the planner replays.
+//
+// With ExecOptions.Resident, parameters, constants and the optimizer
+// state's accounting stay allocated across calls, keyed by their data.
+// Yield frees those blocks and empties the allocator's cache (the values
+// are host memory already) and Restore allocates them again; this is the
+// exec.Yielder contract the CUDA executor implements with real copies.
 package cpu

@@ -39,8 +39,9 @@ type Executor struct {
 	once         sync.Once // makes the zero Executor usable
 	mu           sync.Mutex
 	a            *alloc.Allocator // fixed once set: read without mu
-	resident     map[residentKey]*alloc.Block
-	residentVals map[*alloc.Block]*buf
+	resident     map[residentKey]*residentBuf
+	residentList []*residentBuf // in allocation order, for Restore
+	yielded      bool
 }
 
 // Unlimited is the capacity of the default accounting device: 1 EiB.
@@ -53,14 +54,14 @@ func New() *Executor {
 
 // NewOn returns a CPU executor accounting its buffers in a.
 func NewOn(a *alloc.Allocator) *Executor {
-	return &Executor{a: a, resident: map[residentKey]*alloc.Block{}, residentVals: map[*alloc.Block]*buf{}}
+	return &Executor{a: a, resident: map[residentKey]*residentBuf{}}
 }
 
 func (e *Executor) allocator() *alloc.Allocator {
 	e.once.Do(func() {
 		if e.a == nil { // the zero Executor
 			e.a = alloc.New(alloc.NewSimBackend(Unlimited), alloc.Options{})
-			e.resident, e.residentVals = map[residentKey]*alloc.Block{}, map[*alloc.Block]*buf{}
+			e.resident = map[residentKey]*residentBuf{}
 		}
 	})
 	return e.a
@@ -70,7 +71,10 @@ func (e *Executor) allocator() *alloc.Allocator {
 // so an Update callback may read its stats mid-step.
 func (e *Executor) Allocator() *alloc.Allocator { return e.allocator() }
 
-var _ exec.Executor = (*Executor)(nil)
+var (
+	_ exec.Executor = (*Executor)(nil)
+	_ exec.Yielder  = (*Executor)(nil)
+)
 
 // Run evaluates g over its full batch.
 func (e *Executor) Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*tensor.Dense, error) {

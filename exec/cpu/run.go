@@ -52,6 +52,11 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if o.Resident && e.yielded { // the step restores what Yield gave back
+		if err := e.restore(); err != nil {
+			return nil, err
+		}
+	}
 	r := &runner{e: e, ctx: ctx, p: p, o: o, vals: map[*alloc.Block]*buf{}, chunks: len(chunks),
 		outs: make([]*buf, len(p.Outputs))}
 	u, err := planner.Replay(p, chunks, e.allocator(), r, o.Timeline)
@@ -119,9 +124,9 @@ func (r *runner) key(buf planner.Buffer) (residentKey, bool) {
 
 func (r *runner) Resident(buf planner.Buffer) *alloc.Block {
 	if k, ok := r.key(buf); ok {
-		if blk := r.e.resident[k]; blk != nil {
-			r.vals[blk] = r.e.residentVals[blk]
-			return blk
+		if rb := r.e.resident[k]; rb != nil && rb.blk != nil {
+			r.vals[rb.blk] = rb.val
+			return rb.blk
 		}
 	}
 	return nil
@@ -144,8 +149,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	}
 	r.vals[blk] = v
 	if k, ok := r.key(pb); ok {
-		r.e.resident[k] = blk
-		r.e.residentVals[blk] = v
+		r.e.keep(k, pb, blk, v)
 	} else if pb.Kind != planner.BufAccumulator {
 		r.allocated = append(r.allocated, blk)
 	}
