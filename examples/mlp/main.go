@@ -67,8 +67,11 @@ func main() {
 }
 
 func run(w io.Writer, o options) error {
-	if o.batch < 1 {
+	switch {
+	case o.batch < 1:
 		return fmt.Errorf("-batch must be at least 1, got %d", o.batch)
+	case o.steps < 0:
+		return fmt.Errorf("-steps must be at least 0, got %d", o.steps)
 	}
 	images, labels := blobs(o.seed, o.batch)
 	model := nn.MLP(nn.Seed(o.seed), []int{features, 512, 512, classes}, nn.ReLU{})

@@ -51,6 +51,14 @@ func TestRunRejectsEmptyBatch(t *testing.T) {
 	assert.Error(t, run(&bytes.Buffer{}, options{batch: 0, seed: 1}))
 }
 
+// TestRunRejectsNegativeSteps: -steps -1 is a usage mistake, reported
+// before any work, not a panic in the training loop.
+func TestRunRejectsNegativeSteps(t *testing.T) {
+	var out bytes.Buffer
+	assert.Error(t, run(&out, options{batch: 1, seed: 1, steps: -1, lr: 1e-3}))
+	assert.Empty(t, out.String())
+}
+
 // TestTrainingHalvesLoss trains briefly on the blobs: the mean loss of the
 // last five steps must fall below half the first step's loss (≈ ln 10).
 // Averaging five steps keeps one noisy batch from deciding the test.
