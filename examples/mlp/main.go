@@ -1,7 +1,7 @@
 // Command mlp builds a FashionMNIST-shaped classifier (784 → 512 → 512 → 10
 // with ReLU) over generated data, prints what shape inference knows about
-// every node of one training step, evaluates logits and mean cross-entropy,
-// then trains with Adam and prints the loss going down.
+// every node of the forward pass and its loss, evaluates logits and mean
+// cross-entropy, then trains with Adam and prints the loss going down.
 //
 // The data are Gaussian blobs, one per class, standing in for normalised
 // 28×28 images so the example needs no download. With random initial
