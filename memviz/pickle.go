@@ -259,19 +259,45 @@ func (r *pickleReader) push(v any) error {
 }
 
 func (r *pickleReader) pop(at int) (any, error) {
-	if len(r.stack) == 0 || (len(r.marks) > 0 && len(r.stack) == r.marks[len(r.marks)-1]) {
-		return nil, r.fail(at, "stack underflow")
+	v, err := r.top(at)
+	if err == nil {
+		r.stack = r.stack[:len(r.stack)-1]
 	}
-	v := r.stack[len(r.stack)-1]
-	r.stack = r.stack[:len(r.stack)-1]
-	return v, nil
+	return v, err
 }
 
+// top returns the value on top of the stack, above the last MARK.
 func (r *pickleReader) top(at int) (any, error) {
 	if len(r.stack) == 0 || (len(r.marks) > 0 && len(r.stack) == r.marks[len(r.marks)-1]) {
 		return nil, r.fail(at, "stack underflow")
 	}
 	return r.stack[len(r.stack)-1], nil
+}
+
+// topList is the list on top of the stack, for opcode name.
+func (r *pickleReader) topList(at int, name string) (*pyList, error) {
+	v, err := r.top(at)
+	if err != nil {
+		return nil, err
+	}
+	l, ok := v.(*pyList)
+	if !ok {
+		return nil, r.fail(at, "%s to a %s", name, pyType(v))
+	}
+	return l, nil
+}
+
+// topDict is the dict on top of the stack, for opcode name.
+func (r *pickleReader) topDict(at int, name string) (*pyDict, error) {
+	v, err := r.top(at)
+	if err != nil {
+		return nil, err
+	}
+	d, ok := v.(*pyDict)
+	if !ok {
+		return nil, r.fail(at, "%s on a %s", name, pyType(v))
+	}
+	return d, nil
 }
 
 // popMark returns the items pushed since the last MARK and removes them.
@@ -391,8 +417,7 @@ func (r *pickleReader) step(op byte, at int) error {
 		}
 		return r.push(math.Float64frombits(binary.BigEndian.Uint64(b)))
 	case opShortBinUni, opBinUnicode, opBinUnicode8:
-		width := map[byte]int{opShortBinUni: 1, opBinUnicode: 4, opBinUnicode8: 8}[op]
-		n, err := r.uint(width)
+		n, err := r.uint(argWidth(op))
 		if err != nil {
 			return err
 		}
@@ -448,29 +473,21 @@ func (r *pickleReader) step(op byte, at int) error {
 		if err != nil {
 			return err
 		}
-		l, err := r.top(at)
+		l, err := r.topList(at, "APPEND")
 		if err != nil {
 			return err
 		}
-		pl, ok := l.(*pyList)
-		if !ok {
-			return r.fail(at, "APPEND to a %s", pyType(l))
-		}
-		pl.items = append(pl.items, v)
+		l.items = append(l.items, v)
 	case opAppends:
 		items, err := r.popMark(at)
 		if err != nil {
 			return err
 		}
-		l, err := r.top(at)
+		l, err := r.topList(at, "APPENDS")
 		if err != nil {
 			return err
 		}
-		pl, ok := l.(*pyList)
-		if !ok {
-			return r.fail(at, "APPENDS to a %s", pyType(l))
-		}
-		pl.items = append(pl.items, items...)
+		l.items = append(l.items, items...)
 	case opSetItem:
 		v, err := r.pop(at)
 		if err != nil {
@@ -480,31 +497,23 @@ func (r *pickleReader) step(op byte, at int) error {
 		if err != nil {
 			return err
 		}
-		d, err := r.top(at)
+		d, err := r.topDict(at, "SETITEM")
 		if err != nil {
 			return err
 		}
-		pd, ok := d.(*pyDict)
-		if !ok {
-			return r.fail(at, "SETITEM on a %s", pyType(d))
-		}
-		return r.setItems(pd, []any{k, v}, at)
+		return r.setItems(d, []any{k, v}, at)
 	case opSetItems:
 		items, err := r.popMark(at)
 		if err != nil {
 			return err
 		}
-		d, err := r.top(at)
+		d, err := r.topDict(at, "SETITEMS")
 		if err != nil {
 			return err
 		}
-		pd, ok := d.(*pyDict)
-		if !ok {
-			return r.fail(at, "SETITEMS on a %s", pyType(d))
-		}
-		return r.setItems(pd, items, at)
+		return r.setItems(d, items, at)
 	case opBinPut, opLongBinPut:
-		idx, err := r.uint(map[byte]int{opBinPut: 1, opLongBinPut: 4}[op])
+		idx, err := r.uint(argWidth(op))
 		if err != nil {
 			return err
 		}
@@ -520,7 +529,7 @@ func (r *pickleReader) step(op byte, at int) error {
 		}
 		r.memo[uint64(len(r.memo))] = v
 	case opBinGet, opLongBinGet:
-		idx, err := r.uint(map[byte]int{opBinGet: 1, opLongBinGet: 4}[op])
+		idx, err := r.uint(argWidth(op))
 		if err != nil {
 			return err
 		}
@@ -533,6 +542,17 @@ func (r *pickleReader) step(op byte, at int) error {
 		return r.fail(at, "unsupported opcode %#02x", op)
 	}
 	return nil
+}
+
+// argWidth is the byte width of the length or memo index that follows op.
+func argWidth(op byte) int {
+	switch op {
+	case opBinUnicode, opLongBinPut, opLongBinGet:
+		return 4
+	case opBinUnicode8:
+		return 8
+	}
+	return 1 // SHORT_BINUNICODE, BINPUT, BINGET
 }
 
 // setItems adds key/value pairs to d. Keys must be hashable: strings,
