@@ -212,10 +212,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 	pr := &planReport{WholeBatch: len(pl.Chunks) == 1, Chunk: pl.Chunk, PeakReserved: pl.PeakReserved,
 		PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample, Persistent: pl.Persistent,
-		Replays: pl.Replays, PlanningSeconds: elapsed.Seconds()}
-	for _, ch := range pl.Chunks {
-		pr.Chunks = append(pr.Chunks, ch.Size)
-	}
+		Replays: pl.Replays, PlanningSeconds: elapsed.Seconds(), Chunks: chunkSizes(pl)}
 	pr.WholePeakReserved = pl.PeakReserved
 	if !pr.WholeBatch {
 		for _, bi := range st.program.Accumulators {

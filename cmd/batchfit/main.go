@@ -283,14 +283,11 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 		return nil, usagef(errUnknown, "unknown mode %q (want train or infer)", v.mode)
 	}
 	if c.train {
-		for _, o := range optimizers {
-			if o.name == v.optimizer {
-				c.optimizer, c.slots = o.name, o.make().StateSlots()
-			}
-		}
-		if c.optimizer == "" {
+		o := makeOptimizer(v.optimizer)
+		if o == nil {
 			return nil, usagef(errUnknown, "unknown optimizer %q (want one of %s)", v.optimizer, strings.Join(optimizerNames(), ", "))
 		}
+		c.optimizer, c.slots = v.optimizer, o.StateSlots()
 	}
 	c.dtype, err = graph.ParseDType(v.dtype)
 	if err != nil || !c.dtype.IsFloat() {
