@@ -138,3 +138,15 @@ func TestFailedStepChangesNothing(t *testing.T) {
 		require.Zero(t, o.Steps(), o.Name())
 	}
 }
+
+// StateSlots follows the hyperparameters, not the constructor: planners
+// ask before the first step, and optimizers built as struct literals count
+// their state from the start.
+func TestStateSlotsBeforeFirstStep(t *testing.T) {
+	require.Equal(t, 1, (&optim.SGD{LR: 0.1, Momentum: 0.9}).StateSlots())
+	require.Equal(t, 0, (&optim.SGD{LR: 0.1}).StateSlots())
+	require.Equal(t, 2, (&optim.Adam{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8}).StateSlots())
+	s := optim.NewSGD(0.1, 0)
+	s.Momentum = 0.9
+	require.Equal(t, 1, s.StateSlots())
+}
