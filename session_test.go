@@ -14,6 +14,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
 	"github.com/batchfit/batchfit/lazy"
@@ -408,4 +409,19 @@ func TestSessionConcurrentSteps(t *testing.T) {
 		require.Equal(t, want[i], got[i], "goroutine %d", i)
 	}
 	require.Equal(t, 2*(steps-1), sess.CacheHits())
+}
+
+// A run that fails while uploading a parameter (here one without data)
+// gives back the block it allocated for it: the allocator holds nothing.
+func TestFailedUploadHoldsNoBlock(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 12))
+	sess := batchfit.NewSession(batchfit.Options{})
+	x, _ := batchOf(rng, batch)
+	w := lazy.ParamSpec([]int{nClasses, nIn}, graph.Float32, "spec.weight")
+	out := lazy.Wrap(x, 0).Linear(w, nil).Sum()
+	_, err := sess.Eval(context.Background(), out)
+	require.ErrorIs(t, err, graph.ErrNoData)
+	st := sess.Allocator().Stats()
+	assert.Zero(t, st.AllocatedBytes[alloc.All].Current, "allocated bytes after the failed run")
+	assert.Zero(t, st.Allocation[alloc.All].Current, "live blocks after the failed run")
 }

@@ -37,34 +37,41 @@ type Optimizer interface {
 
 // store keeps per-parameter state slots.
 type store struct {
-	slots int
 	state map[any][][]float32
 	steps int
 }
 
-func (s *store) StateSlots() int           { return s.slots }
 func (s *store) State(key any) [][]float32 { return s.state[key] }
 func (s *store) Steps() int                { return s.steps }
 
-// get returns p's state, creating zeroed slots on first use.
-func (s *store) get(p Param) ([][]float32, error) {
-	if len(p.Data) != len(p.Grad) {
-		return nil, fmt.Errorf("%w: parameter %q has %d elements but its gradient %d", ErrOptim, p.Name, len(p.Data), len(p.Grad))
+// check rejects a step before it changes anything: every gradient must
+// match its parameter, and a parameter must keep the size of its state.
+func (s *store) check(params []Param) error {
+	for _, p := range params {
+		if len(p.Data) != len(p.Grad) {
+			return fmt.Errorf("%w: parameter %q has %d elements but its gradient %d", ErrOptim, p.Name, len(p.Data), len(p.Grad))
+		}
+		if st := s.state[p.Key]; len(st) > 0 && len(st[0]) != len(p.Data) {
+			return fmt.Errorf("%w: parameter %q changed size from %d to %d", ErrOptim, p.Name, len(st[0]), len(p.Data))
+		}
 	}
+	return nil
+}
+
+// get returns p's state, making zeroed slots where it has fewer than
+// slots (its first step, or SGD's momentum switched on); fresh reports
+// that it made them.
+func (s *store) get(p Param, slots int) (st [][]float32, fresh bool) {
 	if s.state == nil {
 		s.state = map[any][][]float32{}
 	}
-	st, ok := s.state[p.Key]
-	if !ok {
-		st = make([][]float32, s.slots)
-		for i := range st {
-			st[i] = make([]float32, len(p.Data))
-		}
-		s.state[p.Key] = st
-	} else if s.slots > 0 && len(st[0]) != len(p.Data) {
-		return nil, fmt.Errorf("%w: parameter %q changed size from %d to %d", ErrOptim, p.Name, len(st[0]), len(p.Data))
+	st = s.state[p.Key]
+	for len(st) < slots {
+		st = append(st, make([]float32, len(p.Data)))
+		fresh = true
 	}
-	return st, nil
+	s.state[p.Key] = st
+	return st, fresh
 }
 
 func checkHyper(name string, vals map[string]float64) error {
@@ -85,37 +92,35 @@ type SGD struct {
 }
 
 // NewSGD returns SGD with learning rate lr and the given momentum.
-func NewSGD(lr, momentum float64) *SGD {
-	s := &SGD{LR: lr, Momentum: momentum}
-	if momentum != 0 {
-		s.slots = 1
-	}
-	return s
-}
+func NewSGD(lr, momentum float64) *SGD { return &SGD{LR: lr, Momentum: momentum} }
 
 func (o *SGD) Name() string { return "sgd" }
 
-// Step: g ← g + wd·p; b ← μ·b + (1−τ)·g (b = g on the first step);
+// StateSlots is 1 (the momentum buffer) with momentum, else 0.
+func (o *SGD) StateSlots() int {
+	if o.Momentum != 0 {
+		return 1
+	}
+	return 0
+}
+
+// Step: g ← g + wd·p; b ← μ·b + (1−τ)·g (b = g when the buffer is new);
 // g ← g + μ·b (Nesterov) or b; p ← p − lr·g.
 func (o *SGD) Step(params []Param) error {
 	if err := checkHyper("sgd", map[string]float64{"lr": o.LR, "momentum": o.Momentum, "dampening": o.Dampening, "weight_decay": o.WeightDecay}); err != nil {
 		return err
 	}
-	o.slots = 0
-	if o.Momentum != 0 {
-		o.slots = 1
+	if err := o.check(params); err != nil {
+		return err
 	}
 	for _, p := range params {
-		st, err := o.get(p)
-		if err != nil {
-			return err
-		}
+		st, fresh := o.get(p, o.StateSlots())
 		for i := range p.Data {
 			w, g := float64(p.Data[i]), float64(p.Grad[i])
 			g += o.WeightDecay * w
 			if o.Momentum != 0 {
 				b := g
-				if o.steps > 0 {
+				if !fresh {
 					b = o.Momentum*float64(st[0][i]) + (1-o.Dampening)*g
 				}
 				st[0][i] = float32(b)
@@ -142,7 +147,7 @@ type Adam struct {
 
 // NewAdam returns Adam with PyTorch's defaults (β = 0.9, 0.999; ε = 1e-8).
 func NewAdam(lr float64) *Adam {
-	return &Adam{LR: lr, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, store: store{slots: 2}}
+	return &Adam{LR: lr, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8}
 }
 
 // NewAdamW returns AdamW with PyTorch's defaults (weight decay 0.01).
@@ -151,6 +156,9 @@ func NewAdamW(lr float64) *Adam {
 	a.WeightDecay, a.Decoupled = 0.01, true
 	return a
 }
+
+// StateSlots is 2: the first and second moments.
+func (o *Adam) StateSlots() int { return 2 }
 
 func (o *Adam) Name() string {
 	if o.Decoupled {
@@ -169,14 +177,13 @@ func (o *Adam) Step(params []Param) error {
 	if o.Beta1 < 0 || o.Beta1 >= 1 || o.Beta2 < 0 || o.Beta2 >= 1 {
 		return fmt.Errorf("%w: %s betas (%g, %g) must lie in [0, 1)", ErrOptim, o.Name(), o.Beta1, o.Beta2)
 	}
-	o.slots = 2
 	t := float64(o.steps + 1)
 	c1, c2 := 1-math.Pow(o.Beta1, t), 1-math.Pow(o.Beta2, t)
+	if err := o.check(params); err != nil {
+		return err
+	}
 	for _, p := range params {
-		st, err := o.get(p)
-		if err != nil {
-			return err
-		}
+		st, _ := o.get(p, o.StateSlots())
 		m, v := st[0], st[1]
 		for i := range p.Data {
 			w, g := float64(p.Data[i]), float64(p.Grad[i])

@@ -107,3 +107,46 @@ func TestOptimizerErrors(t *testing.T) {
 	a.Beta1 = 1
 	require.True(t, errors.Is(a.Step(nil), optim.ErrOptim))
 }
+
+// Momentum switched on after plain steps starts each buffer from the
+// gradient, as PyTorch does for a parameter whose buffer is new; so does a
+// parameter first seen after the optimizer's first step. Neither panics.
+func TestSGDMomentumBufferStartsFromGradient(t *testing.T) {
+	// lr = 0.1, μ = 0.9, τ = 0.5, g = 0.5: a new buffer is g (not (1−τ)·g).
+	o := optim.NewSGD(0.1, 0)
+	w := optim.Param{Key: "w", Name: "w", Data: []float32{1}, Grad: []float32{0.5}}
+	require.NoError(t, o.Step([]optim.Param{w})) // p = 1 − 0.05 = 0.95
+	o.Momentum, o.Dampening = 0.9, 0.5
+	v := optim.Param{Key: "v", Name: "v", Data: []float32{2}, Grad: []float32{0.5}}
+	require.NotPanics(t, func() { require.NoError(t, o.Step([]optim.Param{w, v})) })
+	near(t, 0.5, o.State("w")[0][0], "w's new buffer")
+	near(t, 0.5, o.State("v")[0][0], "v's new buffer")
+	near(t, 0.90, w.Data[0], "w after the first momentum step")
+	near(t, 1.95, v.Data[0], "v after its first step")
+	require.Equal(t, 1, o.StateSlots())
+}
+
+// A step that fails on one parameter updates none: no data, no state, no
+// step count.
+func TestFailedStepChangesNothing(t *testing.T) {
+	for _, o := range []optim.Optimizer{optim.NewSGD(0.1, 0.9), optim.NewAdamW(1e-3)} {
+		good := optim.Param{Key: "g", Name: "g", Data: []float32{1, 2}, Grad: []float32{0.5, -0.5}}
+		bad := optim.Param{Key: "b", Name: "b", Data: []float32{1, 2}, Grad: []float32{1}}
+		require.True(t, errors.Is(o.Step([]optim.Param{good, bad}), optim.ErrOptim), o.Name())
+		require.Equal(t, []float32{1, 2}, good.Data, o.Name())
+		require.Nil(t, o.State("g"), o.Name())
+		require.Zero(t, o.Steps(), o.Name())
+	}
+}
+
+// StateSlots follows the hyperparameters, not the constructor: planners
+// ask before the first step, and optimizers built as struct literals count
+// their state from the start.
+func TestStateSlotsBeforeFirstStep(t *testing.T) {
+	require.Equal(t, 1, (&optim.SGD{LR: 0.1, Momentum: 0.9}).StateSlots())
+	require.Equal(t, 0, (&optim.SGD{LR: 0.1}).StateSlots())
+	require.Equal(t, 2, (&optim.Adam{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8}).StateSlots())
+	s := optim.NewSGD(0.1, 0)
+	s.Momentum = 0.9
+	require.Equal(t, 1, s.StateSlots())
+}

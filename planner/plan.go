@@ -253,11 +253,19 @@ type cacheKey struct {
 	noHeadroom       bool
 }
 
-// Signature identifies what a program's memory depends on.
+// Signature identifies what a program's memory depends on: its graph, its
+// buffers and its schedule, which the outputs shape (an output lives to the
+// end of each chunk; the same node not asked for is freed early).
 func (p *Program) Signature() uint64 {
 	h := p.Graph.Signature()
 	for _, b := range p.Buffers { // persistent kinds and workspace sizes
 		h = h*1099511628211 ^ uint64(b.Kind)<<56 ^ uint64(b.Fixed) ^ uint64(b.PerSample)<<17
+	}
+	for _, o := range p.Outputs {
+		h = h*1099511628211 ^ uint64(o)
+	}
+	for _, st := range p.Steps {
+		h = h*1099511628211 ^ uint64(st.Kind)<<56 ^ uint64(st.Node)<<24 ^ uint64(st.Buf)
 	}
 	return h
 }

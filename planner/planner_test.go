@@ -427,3 +427,30 @@ func TestSecondChunkPeaksHigher(t *testing.T) {
 	assert.Equal(t, full.PeakReserved, bare.PeakReserved)
 	assert.Equal(t, full.PeakAllocated, bare.PeakAllocated)
 }
+
+// Two programs of one graph that keep different outputs free different
+// buffers, so the cache must not hand one the other's plan: x → h → y → z,
+// with h kept to the end in the second, peaks at three buffers, not two.
+func TestCacheTellsOutputsApart(t *testing.T) {
+	x := lazy.Placeholder([]int{64, 64, 1024}, graph.Float32, 0)
+	h := x.Relu()
+	z := h.Exp().Exp()
+	require.NoError(t, z.Err())
+	g := x.Graph().IR()
+	program := func(outs ...int) *planner.Program {
+		info, err := shapeinfer.Analyze(g, outs...)
+		require.NoError(t, err)
+		p, err := planner.Compile(g, info, outs, planner.CompileOptions{})
+		require.NoError(t, err)
+		return p
+	}
+	var c planner.Cache
+	o := planner.Options{Budget: 1 << 30}
+	for _, p := range []*planner.Program{program(z.ID()), program(h.ID(), z.ID())} {
+		pl, err := c.Plan(p, o)
+		require.NoError(t, err)
+		want, err := planner.Make(p, o)
+		require.NoError(t, err)
+		assert.Equal(t, want.PeakReserved, pl.PeakReserved, "outputs %v", p.Outputs)
+	}
+}

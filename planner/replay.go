@@ -1,6 +1,8 @@
 package planner
 
 import (
+	"slices"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -189,7 +191,7 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 		last := c.Index == len(chunks)-1
 		for i, o := range p.Outputs {
 			bi := p.OutputBuf[o]
-			if p.Buffers[bi].Kind != BufOutput || blocks[bi] == nil || (last && len(chunks) == 1 && isKept(p, o)) {
+			if p.Buffers[bi].Kind != BufOutput || blocks[bi] == nil || (last && len(chunks) == 1 && slices.Contains(p.Kept, o)) {
 				continue // persistent, listed twice, or the single chunk's kept output (freed after Finish)
 			}
 			if err := a.Free(outBlocks[i]); err != nil {
@@ -240,13 +242,4 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 	u.PeakReserved = s.ReservedBytes[alloc.All].Peak
 	u.PeakAllocated = s.AllocatedBytes[alloc.All].Peak
 	return u, nil
-}
-
-func isKept(p *Program, id int) bool {
-	for _, k := range p.Kept {
-		if k == id {
-			return true
-		}
-	}
-	return false
 }

@@ -345,7 +345,9 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 			return CombineNone
 		}
 	case graph.OpMul, graph.OpMatMul, graph.OpLinear:
-		if allSum && crossCount == 1 && constOthers {
+		// Linear in its one cross-batch operand, unless linear adds a
+		// bias: each chunk would add it once.
+		if allSum && crossCount == 1 && constOthers && (nd.Op != graph.OpLinear || len(nd.Inputs) == 2) {
 			return CombineSum
 		}
 	case graph.OpDiv:

@@ -449,3 +449,17 @@ func TestDeadChainsAreNotLive(t *testing.T) {
 		}
 	}
 }
+
+// Linear without bias is linear in a cross-batch sum; with a bias each
+// chunk would add the bias once, so k chunks would add it k times.
+func TestLinearBiasOnCrossBatchSumIsNotChunkable(t *testing.T) {
+	x := lazy.Placeholder([]int{16, 8}, f32, 0)
+	y := x.SumKeepDim(0).Linear(pspec(3, 8), nil)
+	res := analyze(t, y)
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	assert.Equal(t, shapeinfer.CombineSum, res.Combine[y.ID()])
+
+	x = lazy.Placeholder([]int{16, 8}, f32, 0)
+	y = x.SumKeepDim(0).Linear(pspec(3, 8), pspec(3))
+	notChunkableAt(t, analyze(t, y), y)
+}

@@ -60,11 +60,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	r := &runner{e: e, ctx: ctx, p: p, o: o, vals: map[*alloc.Block]*buf{}, chunks: len(chunks),
 		outs: make([]*buf, len(p.Outputs))}
 	u, err := planner.Replay(p, chunks, e.allocator(), r, o.Timeline)
-	if !o.Resident {
-		for _, blk := range r.allocated {
-			if ferr := e.allocator().Free(blk); err == nil && ferr != nil {
-				err = ferr
-			}
+	for _, blk := range r.allocated {
+		if ferr := e.allocator().Free(blk); err == nil && ferr != nil {
+			err = ferr
 		}
 	}
 	if err != nil {
@@ -89,7 +87,7 @@ type runner struct {
 	p         *planner.Program
 	o         ExecOptions
 	vals      map[*alloc.Block]*buf
-	allocated []*alloc.Block // persistent blocks made by this call
+	allocated []*alloc.Block // persistent blocks made by this call and not kept resident: freed when it ends
 	chunks    int
 	outs      []*buf // combined outputs
 }
@@ -139,6 +137,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	case planner.BufParam:
 		var err error
 		if v, err = fromTensor(nd, r.source(pb.Node), nd.Type.Shape); err != nil {
+			r.allocated = append(r.allocated, blk) // Replay leaves persistent blocks to us
 			return err
 		}
 	case planner.BufState:
