@@ -459,7 +459,6 @@ func TestRowBlock(t *testing.T) {
 	assert.Equal(t, [3]uint32{1, 1, 1}, flatGrid(1))
 }
 
-
 // TestWorkspaceAffine: the planner takes a workspace as Fixed + PerSample·b
 // from b = 0 and 1, so Workspace must be affine in b for every node of the
 // conformance cases and of small GPT and ConvNet training graphs.
