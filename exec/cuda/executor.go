@@ -463,7 +463,7 @@ func (r *runner) Finish(kept []*alloc.Block) error {
 			return err
 		}
 		return r.paramsToDevice()
-	case r.o.Optimizer != nil:
+	case r.o.Optimizer != nil && len(kept) > 0: // no gradients, no step
 		if len(r.p.Trained) != len(kept) {
 			return graph.Errorf(graph.ErrArity, "the optimizer updates %d trained parameters from %d kept outputs; they must pair up",
 				len(r.p.Trained), len(kept))
