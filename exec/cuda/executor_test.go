@@ -467,3 +467,50 @@ func TestExecutorClosed(t *testing.T) {
 	_, err = e.Execute(context.Background(), p, planner.Chunks(6, 1), cuda.ExecOptions{})
 	assert.ErrorIs(t, err, cuda.ErrClosed)
 }
+
+// TestSplitReductions: reductions with few outputs over a long batch run as
+// split partial reductions and a second pass (sum, mean and max over
+// 16384 rows into 4 outputs, the bias-like gradient of layer_norm, and
+// layer_norm_grad_w's column sums), checked against the float64 reference
+// interpreter.
+//
+// Tolerance: the partials are rounded to float32 before the second pass,
+// about 6e-8 of each partial (sums of up to 4096 values in [−1, 1), so
+// |partial| ≲ 100): rtol 1e-5 and atol 1e-4 bound it with room.
+func TestSplitReductions(t *testing.T) {
+	const rows = 16384
+	x := lazy.Placeholder([]int{rows, 4}, graph.Float32, 0)
+	w := lazy.ParamSpec([]int{4}, graph.Float32, "w")
+	b := lazy.ParamSpec([]int{4}, graph.Float32, "b")
+	ln := x.LayerNorm(w, b, 1, 1e-5)
+	loss := ln.Mul(ln).Sum()
+	grads := lazy.Grad(loss, w, b)
+	outs := []*lazy.Tensor{x.Sum(0), x.Mean(0), x.Max(0), grads[0], grads[1]}
+	ids := make([]int, len(outs))
+	for i, o := range outs {
+		require.NoError(t, o.Err())
+		ids[i] = o.ID()
+	}
+	g := x.Graph().IR()
+	rng := rand.New(rand.NewPCG(55, 56))
+	feeds := map[int]ref.Value{}
+	for _, s := range []struct {
+		id    int
+		shape []int
+	}{{x.ID(), []int{rows, 4}}, {g.NodeNamed("w"), []int{4}}, {g.NodeNamed("b"), []int{4}}} {
+		v := ref.Zeros(s.shape...)
+		for i := range v.Data {
+			v.Data[i] = rng.Float64()*2 - 1
+		}
+		feeds[s.id] = v
+	}
+	want, err := ref.Eval(g, feeds, ids...)
+	require.NoError(t, err)
+	got, err := runOn(executor(t))(g, feeds, ids...)
+	require.NoError(t, err)
+	for k := range ids {
+		for i, wv := range want[k].Data {
+			assert.InDelta(t, wv, got[k].Data[i], 1e-4+1e-5*math.Abs(wv), "output %d (%s) element %d", k, g.Node(ids[k]).Op, i)
+		}
+	}
+}
