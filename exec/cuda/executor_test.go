@@ -146,7 +146,7 @@ func convModel() trainModel {
 // stepProgram compiles a training step as batchfit.Session.Step does, with
 // the CUDA kernels' workspaces: outputs are the loss and the gradients of
 // params, kept on the device.
-func stepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
+func stepProgram(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
 	t.Helper()
 	require.NoError(t, loss.Err())
 	g := loss.Graph()
