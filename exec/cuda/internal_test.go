@@ -235,3 +235,15 @@ func TestCUBLASSymbols(t *testing.T) {
 	}
 	require.NoError(t, err)
 }
+
+// TestNewExecutorOptions: a device is required, and a cuBLAS workspace
+// that would share its segment with program buffers is refused before the
+// device is touched.
+func TestNewExecutorOptions(t *testing.T) {
+	_, err := NewExecutor(nil, ExecutorOptions{})
+	assert.ErrorIs(t, err, graph.ErrAttr)
+	for _, ws := range []int64{4 << 20, 11 << 20, -2} {
+		_, err := NewExecutor(&Device{}, ExecutorOptions{BLASWorkspace: ws})
+		assert.ErrorIs(t, err, graph.ErrAttr, "workspace %d", ws)
+	}
+}
