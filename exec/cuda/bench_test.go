@@ -1,12 +1,17 @@
 package cuda_test
 
 import (
+	"context"
+	"fmt"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 )
 
 var benchSizes = []struct {
@@ -121,6 +126,29 @@ func BenchmarkSgemm4096(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.ReportMetric(2*n*n*n*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+		})
+	}
+}
+
+// BenchmarkExecutorStep is one resident Adam training step of a 784 → 512
+// → 512 → 10 MLP on the executor, the whole batch in one chunk: uploads of
+// the batch, every launch of the forward and backward passes, the update on
+// the device and the loss download, all in one call on the device thread.
+func BenchmarkExecutorStep(b *testing.B) {
+	e := freshExecutor(b, cuda.ExecutorOptions{})
+	for _, n := range []int{256, 4096} {
+		b.Run(fmt.Sprintf("mlp/batch=%d", n), func(b *testing.B) {
+			loss, params := mlpModel(784, 512).build(rand.New(rand.NewPCG(1, 2)), n)
+			p := stepProgram(b, loss, params, 2)
+			opt := optim.NewAdam(1e-3)
+			o := cuda.ExecOptions{Resident: true, Optimizer: opt}
+			chunks := planner.Chunks(n, 1)
+			ctx := context.Background()
+			for b.Loop() {
+				if _, err := e.Execute(ctx, p, chunks, o); err != nil {
+					b.Fatal(err)
+				}
+			}
 		})
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -34,6 +35,9 @@ type Device struct {
 	total         int64
 	driverVersion int
 
+	// tid is the OS thread id of the device goroutine while it runs (0
+	// before and after): do calls from that thread run directly.
+	tid       atomic.Int64
 	reqs      chan request
 	quit      chan struct{}
 	stopped   chan struct{}
@@ -115,9 +119,10 @@ func (d *Device) query() error {
 
 // worker owns the OS thread on which the context is current: it retains
 // the primary context, reports on ready, then runs requests until Close.
+// It never unlocks the thread: the thread, whose context was made current
+// here, ends with the goroutine, so no other goroutine inherits it.
 func (d *Device) worker(ready chan<- error) {
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	drv := d.drv
 	if err := drv.check("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain(&d.ctx, d.dev)); err != nil {
 		ready <- err
@@ -127,6 +132,9 @@ func (d *Device) worker(ready chan<- error) {
 		drv.cuDevicePrimaryCtxRelease(d.dev)
 		ready <- err
 		return
+	}
+	if tid := gettid(); tid > 0 {
+		d.tid.Store(tid)
 	}
 	ready <- nil
 	for {
@@ -138,16 +146,25 @@ func (d *Device) worker(ready chan<- error) {
 				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
 				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
 				drv.check("cuDevicePrimaryCtxRelease_v2", drv.cuDevicePrimaryCtxRelease(d.dev)))
+			d.tid.Store(0)
 			close(d.stopped)
 			return
 		}
 	}
 }
 
-// do runs fn on the device goroutine and returns its error. fn must not
-// call do itself (the goroutine is busy running fn), nor anything that
-// does, such as an Allocator backed by this device.
+// do runs fn on the device goroutine and returns its error. Called from
+// the device goroutine itself (from inside another fn) it runs fn at once,
+// so a long fn, such as an executor's whole replay, may use every method
+// of the package, an Allocator over this device's Backend included,
+// without a hop per call. While a long fn runs, other goroutines' calls
+// wait for it: one that holds a lock the fn needs (a goroutine calling
+// EmptyCache on the fn's allocator) would deadlock, and fn must not call
+// Close.
 func (d *Device) do(fn func() error) error {
+	if d.onThread() {
+		return fn()
+	}
 	r := request{fn: fn, done: make(chan error, 1)}
 	select {
 	case d.reqs <- r:
@@ -155,6 +172,13 @@ func (d *Device) do(fn func() error) error {
 	case <-d.stopped:
 		return ErrClosed
 	}
+}
+
+// onThread reports whether the caller runs on the device goroutine: while
+// it runs it is locked to its OS thread, and no other goroutine runs there.
+func (d *Device) onThread() bool {
+	tid := d.tid.Load()
+	return tid > 0 && gettid() == tid
 }
 
 // Close waits for queued work, releases the primary context and stops the

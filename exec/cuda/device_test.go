@@ -84,3 +84,35 @@ func TestCUDAErrorTyped(t *testing.T) {
 	// The error is not sticky: the device goes on working.
 	require.NoError(t, d.Synchronize())
 }
+
+// TestDoReentrant: a closure on the device goroutine may call anything
+// that hops there itself — a nested do, the allocator's backend, copies —
+// and it runs at once instead of deadlocking.
+func TestDoReentrant(t *testing.T) {
+	d := device(t)
+	a := newAllocator(t, d)
+	var got []float32
+	err := d.Do(func() error {
+		if err := d.Do(func() error { return nil }); err != nil {
+			return err
+		}
+		b, err := a.Malloc(3<<20, alloc.Tag{Node: -1, Op: "test"}) // a new segment: Backend.Malloc
+		if err != nil {
+			return err
+		}
+		if err := cuda.CopyHtoD(d, b.Ptr(), []float32{1, 2, 3}); err != nil {
+			return err
+		}
+		got = make([]float32, 3)
+		if err := cuda.CopyDtoH(d, got, b.Ptr()); err != nil {
+			return err
+		}
+		if err := a.Free(b); err != nil {
+			return err
+		}
+		return a.EmptyCache() // Backend.Free
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []float32{1, 2, 3}, got)
+	assert.Zero(t, a.Stats().ReservedBytes[alloc.All].Current)
+}

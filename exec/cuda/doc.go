@@ -16,6 +16,18 @@
 //   - Kernels are CUDA C sources embedded in the binary (kernels/*.cu),
 //     compiled by NVRTC for the device's sm_XY and cached on disk as cubins.
 //
+// Executor runs planner programs on a device, as exec/cpu's executor does on
+// the host: Execute walks the same planner.Replay the planner simulates,
+// with hooks that upload parameters and each chunk's input rows, launch
+// each op's kernels (kernels/README.md) or cuBLAS GEMMs, add kept outputs
+// into their accumulators on the device, download and combine the other
+// outputs on the host, and run SGD or Adam on the device. Workspace
+// declares every kernel's scratch memory to the planner, so a plan's peaks
+// are the peaks Execute measures (plus Overhead, the cuBLAS workspace's
+// segment). A whole step runs in one call on the device goroutine: do,
+// called there, runs its function at once, so the allocator's backend,
+// copies and launches need no hop each.
+//
 // C status codes become typed errors: *CUDAError (CUresult), *NVRTCError
 // and *CUBLASError carry the function, the code and its name. An
 // out-of-memory CUresult also matches alloc.ErrDeviceOOM, which is what lets

@@ -105,3 +105,7 @@ func cublasStatusName(code int) string {
 	}
 	return fmt.Sprintf("CUBLAS_STATUS_%d", code)
 }
+
+// ErrWorkspace means a node's workspace block is smaller than its CUDA
+// kernels need: the program was compiled without cuda.Workspace.
+var ErrWorkspace = errors.New("cuda: workspace smaller than the kernels need (compile programs with cuda.Workspace)")

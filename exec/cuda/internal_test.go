@@ -58,6 +58,32 @@ func TestPackParams(t *testing.T) {
 	assert.Empty(t, p.ptrs)
 }
 
+// TestKernelStructs: the Go mirrors have the C structs' sizes (all int64
+// fields, no padding), and Launch passes a pointer to a copy of each.
+func TestKernelStructs(t *testing.T) {
+	assert.Equal(t, uintptr(136), unsafe.Sizeof(Strided{}))
+	assert.Equal(t, uintptr(200), unsafe.Sizeof(Strided2{}))
+	assert.Equal(t, uintptr(272), unsafe.Sizeof(ReduceGeom{}))
+	assert.Equal(t, uintptr(112), unsafe.Sizeof(Window{}))
+	assert.Equal(t, uintptr(136), unsafe.Offsetof(ReduceGeom{}.RedRank), "red_rank follows kept_stride")
+
+	s := Strided{Rank: 2, Shape: [MaxDims]int64{3, 4, 1, 1, 1, 1, 1, 1}, Stride: [MaxDims]int64{1, 3}}
+	g := ReduceGeom{KeptRank: 1, RedRank: 1, RedStride: [MaxDims]int64{7}}
+	w := Window{N: 1, C: 2, HO: 13, WO: 14}
+	p, err := packParams([]any{int64(5), s, g, w, Strided2{Rank: 1}})
+	require.NoError(t, err)
+	require.Len(t, p.ptrs, 5)
+	assert.Equal(t, int64(5), *(*int64)(p.ptrs[0]))
+	assert.Equal(t, s, *(*Strided)(p.ptrs[1]))
+	assert.Equal(t, g, *(*ReduceGeom)(p.ptrs[2]))
+	assert.Equal(t, int64(7), *(*int64)(unsafe.Add(p.ptrs[2], 136+8+8*8)), "red_stride[0] at byte 208")
+	assert.Equal(t, w, *(*Window)(p.ptrs[3]))
+	assert.Equal(t, int64(14), *(*int64)(unsafe.Add(p.ptrs[3], 13*8)), "wo is the 14th field")
+	assert.Equal(t, int64(1), *(*int64)(p.ptrs[4]))
+	s.Rank = 9
+	assert.Equal(t, int64(2), (*Strided)(p.ptrs[1]).Rank, "the argument is a copy")
+}
+
 func TestCheckGemm(t *testing.T) {
 	ok := []struct {
 		tA, tB              bool
@@ -208,4 +234,16 @@ func TestCUBLASSymbols(t *testing.T) {
 		t.Skipf("no cuBLAS: %v", err)
 	}
 	require.NoError(t, err)
+}
+
+// TestNewExecutorOptions: a device is required, and a cuBLAS workspace
+// that would share its segment with program buffers is refused before the
+// device is touched.
+func TestNewExecutorOptions(t *testing.T) {
+	_, err := NewExecutor(nil, ExecutorOptions{})
+	assert.ErrorIs(t, err, graph.ErrAttr)
+	for _, ws := range []int64{4 << 20, 11 << 20, -2} {
+		_, err := NewExecutor(&Device{}, ExecutorOptions{BLASWorkspace: ws})
+		assert.ErrorIs(t, err, graph.ErrAttr, "workspace %d", ws)
+	}
 }

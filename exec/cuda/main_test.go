@@ -28,6 +28,12 @@ var shared struct {
 
 func TestMain(m *testing.M) {
 	code := m.Run()
+	if sharedExec.e != nil {
+		if err := sharedExec.e.Close(); err != nil && code == 0 {
+			os.Stderr.WriteString("closing the executor: " + err.Error() + "\n")
+			code = 1
+		}
+	}
 	if shared.d != nil {
 		if err := shared.d.Close(); err != nil && code == 0 {
 			os.Stderr.WriteString("closing the device: " + err.Error() + "\n")
@@ -35,6 +41,32 @@ func TestMain(m *testing.M) {
 		}
 	}
 	os.Exit(code)
+}
+
+// One executor serves the tests that need no allocator of their own.
+var sharedExec struct {
+	once sync.Once
+	e    *cuda.Executor
+	err  error
+}
+
+// executor returns the shared executor, or skips when there is no GPU.
+func executor(tb testing.TB) *cuda.Executor {
+	tb.Helper()
+	d := device(tb)
+	sharedExec.once.Do(func() { sharedExec.e, sharedExec.err = cuda.NewExecutor(d, cuda.ExecutorOptions{}) })
+	require.NoError(tb, sharedExec.err)
+	return sharedExec.e
+}
+
+// freshExecutor returns an executor of its own, closed when the test ends:
+// its allocator holds nothing but the cuBLAS workspace.
+func freshExecutor(tb testing.TB, o cuda.ExecutorOptions) *cuda.Executor {
+	tb.Helper()
+	e, err := cuda.NewExecutor(device(tb), o)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { require.NoError(tb, e.Close()) })
+	return e
 }
 
 // device returns the shared device, or skips when there is no GPU.

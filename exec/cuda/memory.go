@@ -72,12 +72,15 @@ func CopyDtoH[T Elem](d *Device, dst []T, src alloc.Ptr) error {
 }
 
 // Memzero sets n bytes at dst to zero.
-func (d *Device) Memzero(dst alloc.Ptr, n int64) error {
+func (d *Device) Memzero(dst alloc.Ptr, n int64) error { return d.memset(dst, 0, n) }
+
+// memset sets n bytes at dst to v.
+func (d *Device) memset(dst alloc.Ptr, v uint8, n int64) error {
 	if n < 0 {
-		return fmt.Errorf("%w: memzero of %d bytes", alloc.ErrInvalid, n)
+		return fmt.Errorf("%w: memset of %d bytes", alloc.ErrInvalid, n)
 	}
 	if n == 0 {
 		return nil
 	}
-	return d.do(func() error { return d.drv.check("cuMemsetD8_v2", d.drv.cuMemsetD8(CUdeviceptr(dst), 0, uintptr(n))) })
+	return d.do(func() error { return d.drv.check("cuMemsetD8_v2", d.drv.cuMemsetD8(CUdeviceptr(dst), v, uintptr(n))) })
 }

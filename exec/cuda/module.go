@@ -148,8 +148,8 @@ func (m *Module) Function(name string) (CUfunction, error) {
 // Launch queues fn on the device's default stream with the given grid and
 // block dimensions and dynamic shared memory. Arguments are passed by value
 // in kernel-parameter order; accepted types are CUdeviceptr, alloc.Ptr,
-// *alloc.Block (its address), int32, uint32, int64, uint64, float32 and
-// float64. Launch returns before the kernel runs: errors inside the kernel
+// *alloc.Block (its address), int32, uint32, int64, uint64, float32,
+// float64 and the kernel structs Strided, Strided2, ReduceGeom and Window. Launch returns before the kernel runs: errors inside the kernel
 // surface at the next synchronising call.
 func (m *Module) Launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, args ...any) error {
 	if err := m.live(); err != nil {
@@ -193,9 +193,10 @@ func (m *Module) live() error {
 }
 
 // kernelParams is cuLaunchKernel's void **kernelParams: one pointer per
-// argument to a copy of its value. Every value fits 8 bytes and is stored
-// at the start of its slot, which is where a smaller value lies on a
-// little-endian host (all CUDA hosts). The driver copies the values during
+// argument to a copy of its value. A scalar fits 8 bytes and is stored at
+// the start of its slot, which is where a smaller value lies on a
+// little-endian host (all CUDA hosts); a struct is copied to memory of its
+// own, which ptrs keeps alive. The driver copies the values during
 // cuLaunchKernel, so they need to live only until it returns.
 type kernelParams struct {
 	vals []uint64
@@ -227,6 +228,18 @@ func packParams(args []any) (*kernelParams, error) {
 			p.vals[i] = uint64(math.Float32bits(v))
 		case float64:
 			p.vals[i] = math.Float64bits(v)
+		case Strided:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
+		case Strided2:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
+		case ReduceGeom:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
+		case Window:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
 		default:
 			return nil, graph.Errorf(graph.ErrDType, "cuda: kernel argument %d has unsupported type %T", i, a)
 		}

@@ -1,0 +1,517 @@
+package cuda_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/conformance"
+	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// FP32 tolerance: exec/cpu's (rtol 1e-4, atol 1e-5 against the float64
+// reference over values in [−1, 2)). The GPU computes exp, log, tanh,
+// sigmoid, gelu and softmax's exp with CUDA's float functions, a few ulp
+// (a few 1e-7 relative) from the CPU's float64 ones, and cuBLAS sums
+// GEMMs in float32 in its own order: both far inside it.
+var fp32Tolerance = conformance.Tolerance{RTol: 1e-4, ATol: 1e-5}
+
+// TF32 tolerance: TF32 tensor cores round GEMM operands to a 10-bit
+// mantissa (unit roundoff 2⁻¹¹ ≈ 5e-4, so a product of two values in
+// [−1, 1) is off by about 1e-4). The cases' losses sum a hundred or more
+// GEMM outputs of a dozen products each, which puts their error at a few
+// 1e-3 while the loss itself may be near 0: rtol 1e-2, atol 1e-2.
+var tf32Tolerance = conformance.Tolerance{RTol: 1e-2, ATol: 1e-2}
+
+func TestConformanceFP32(t *testing.T) {
+	conformance.RunAll(t, runOn(executor(t)), fp32Tolerance)
+}
+
+func TestConformanceTF32(t *testing.T) {
+	conformance.RunAll(t, runOn(freshExecutor(t, cuda.ExecutorOptions{TF32: true})), tf32Tolerance)
+}
+
+// runOn adapts an executor to the conformance suite, as exec/cpu's runCPU.
+func runOn(e *cuda.Executor) conformance.Runner {
+	return func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error) {
+		feed := func(id int) tensor.Tensor {
+			v, ok := feeds[id]
+			if !ok {
+				return nil
+			}
+			if g.Node(id).Type.DType == graph.Int64 {
+				d := make([]int64, len(v.Data))
+				for i, x := range v.Data {
+					d[i] = int64(x)
+				}
+				return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
+			}
+			d := make([]float32, len(v.Data))
+			for i, x := range v.Data {
+				d[i] = float32(x)
+			}
+			return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
+		}
+		out, err := e.RunBatch(context.Background(), g, g.Batch(), feed, outputs...)
+		if err != nil {
+			return nil, err
+		}
+		vals := make([]ref.Value, len(out))
+		for i, d := range out {
+			if vals[i], err = ref.FromTensor(d); err != nil {
+				return nil, err
+			}
+		}
+		return vals, nil
+	}
+}
+
+// trainModel is a model under training: build makes a fresh training
+// graph over n new samples drawn from rng, as a training loop does every
+// step, and returns the mean loss and the parameters it trains. Two models
+// made by the same constructor start from the same parameters.
+type trainModel struct {
+	name  string
+	build func(rng *rand.Rand, n int) (loss *lazy.Tensor, params []*lazy.Tensor)
+}
+
+func uniformF32(rng *rand.Rand, shape ...int) *tensor.Dense {
+	d := make([]float32, graph.Numel(shape))
+	for i := range d {
+		d[i] = float32(rng.Float64()*2 - 1)
+	}
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+}
+
+func classes(rng *rand.Rand, k int, shape ...int) *tensor.Dense {
+	d := make([]int64, graph.Numel(shape))
+	for i := range d {
+		d[i] = int64(rng.IntN(k))
+	}
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+}
+
+// mlpModel is in → hidden → hidden → 10 with ReLU.
+func mlpModel(in, hidden int) trainModel {
+	m := nn.MLP(nn.Seed(21), []int{in, hidden, hidden, 10}, nn.ReLU{})
+	return trainModel{"mlp", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(uniformF32(rng, n, in), 0)
+		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
+	}}
+}
+
+// gptModel is a two-layer GPT over 16 tokens of a vocabulary of 64: it
+// runs embedding, layer_norm, causal attention, gelu and their gradients.
+func gptModel() trainModel {
+	const seq, vocab = 16, 64
+	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16})
+	return trainModel{"gpt", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		tokens := lazy.Wrap(classes(rng, vocab, n, seq), 0)
+		targets := tokens.Graph().Wrap(classes(rng, vocab, n, seq), 0)
+		return models.Loss(m.Forward(tokens), targets), nn.ParamTensors(m)
+	}}
+}
+
+// convModel is a two-stage ConvNet over 3×16×16 images: conv2d, pooling
+// and their gradients.
+func convModel() trainModel {
+	m := models.NewConvNet(nn.Seed(23), models.ConvNetConfig{Channels: 3, Size: 16, Widths: []int{8, 8}, Classes: 10})
+	return trainModel{"convnet", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(uniformF32(rng, n, 3, 16, 16), 0)
+		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
+	}}
+}
+
+// stepProgram compiles a training step as batchfit.Session.Step does, with
+// the CUDA kernels' workspaces: outputs are the loss and the gradients of
+// params, kept on the device.
+func stepProgram(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
+	t.Helper()
+	require.NoError(t, loss.Err())
+	g := loss.Graph()
+	outs := []int{loss.ID()}
+	trained := make([]int, len(params))
+	for i, gr := range lazy.Grad(loss, params...) {
+		require.NoError(t, gr.Err())
+		outs = append(outs, gr.ID())
+		trained[i] = g.NodeOf(params[i])
+	}
+	info, err := shapeinfer.Analyze(g.IR(), outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
+		StateSlots: slots, Workspace: cuda.Workspace})
+	require.NoError(t, err)
+	return p
+}
+
+func scalarOf(t *testing.T, d *tensor.Dense) float32 {
+	t.Helper()
+	switch v := d.Data().(type) {
+	case float32:
+		return v
+	case []float32:
+		require.Len(t, v, 1)
+		return v[0]
+	}
+	t.Fatalf("loss holds %T", d.Data())
+	return 0
+}
+
+// hostParams copies the parameters' host data.
+func hostParams(t *testing.T, params []*lazy.Tensor) [][]float32 {
+	t.Helper()
+	out := make([][]float32, len(params))
+	for i, p := range params {
+		d, ok := p.Value().(*tensor.Dense)
+		require.True(t, ok)
+		out[i] = slices.Clone(d.Float32s())
+	}
+	return out
+}
+
+// TestTrainingMatchesCPU trains an MLP, a small GPT and a small ConvNet
+// for a few SGD steps with momentum on both executors from the same
+// parameters and data: the CPU runs each batch whole, CUDA in three
+// balanced chunks, with the update on the device. Every step's loss and
+// the final parameters agree.
+//
+// Tolerance: both compute in float32 and sum in different orders (cuBLAS,
+// double-accumulating reductions, chunk partials), which moves results by
+// about 1e-6 relative; SGD carries the differences linearly. Losses are
+// held to rtol 1e-4, parameters to rtol 1e-4 plus atol 1e-6.
+func TestTrainingMatchesCPU(t *testing.T) {
+	const steps, n, chunks = 4, 30, 3
+	ctx := context.Background()
+	for _, mk := range []func() trainModel{func() trainModel { return mlpModel(64, 32) }, gptModel, convModel} {
+		name := mk().name
+		t.Run(name, func(t *testing.T) {
+			e := freshExecutor(t, cuda.ExecutorOptions{})
+			cpuModel, gpuModel := mk(), mk()
+			cpuRng, gpuRng := rand.New(rand.NewPCG(41, 42)), rand.New(rand.NewPCG(41, 42))
+			sess := batchfit.NewSession(batchfit.Options{})
+			cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+			var cpuParams, gpuParams []*lazy.Tensor
+			for step := range steps {
+				loss, params := cpuModel.build(cpuRng, n)
+				want, err := sess.Step(ctx, loss, params, cpuOpt)
+				require.NoError(t, err, "cpu step %d", step)
+				cpuParams = params
+
+				loss, params = gpuModel.build(gpuRng, n)
+				p := stepProgram(t, loss, params, cpuOpt.StateSlots())
+				res, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: gpuOpt,
+					SyncParams: step == steps-1})
+				require.NoError(t, err, "cuda step %d", step)
+				got := scalarOf(t, res.Outputs[0])
+				assert.InEpsilon(t, want, got, 1e-4, "step %d loss", step)
+				t.Logf("step %d: loss cpu %.7f, cuda %.7f", step, want, got)
+				gpuParams = params
+			}
+			assert.Equal(t, steps, gpuOpt.Steps())
+			want, got := hostParams(t, cpuParams), hostParams(t, gpuParams)
+			var worst float64
+			for i := range want {
+				require.Len(t, got[i], len(want[i]))
+				for j, w := range want[i] {
+					d := math.Abs(float64(got[i][j]) - float64(w))
+					worst = max(worst, d)
+					if d > 1e-6+1e-4*math.Abs(float64(w)) {
+						require.Failf(t, "parameters differ", "%s[%d]: cpu %g, cuda %g", cpuParams[i].Name(), j, w, got[i][j])
+					}
+				}
+			}
+			t.Logf("largest parameter difference after %d steps: %.3g", steps, worst)
+		})
+	}
+}
+
+// TestDeviceOptimizerMatchesHost: the sgd_f32 and adam_f32 updates equal
+// optim.go's bit for bit (kernels/README.md). Two identical MLPs train on
+// one executor, one with the optimizer on the device, one with it on the
+// host through ExecOptions.Update (gradients downloaded, host parameters
+// updated and uploaded). The kernels that compute the gradients are
+// deterministic, so the parameters stay bitwise equal step after step.
+func TestDeviceOptimizerMatchesHost(t *testing.T) {
+	const steps, n = 4, 24
+	ctx := context.Background()
+	for _, c := range []struct {
+		name string
+		opt  func() optim.Optimizer
+	}{
+		{"sgd", func() optim.Optimizer {
+			o := optim.NewSGD(0.05, 0.9)
+			o.Nesterov, o.WeightDecay, o.Dampening = true, 1e-2, 0.1
+			return o
+		}},
+		{"adam", func() optim.Optimizer { o := optim.NewAdam(1e-2); o.WeightDecay = 1e-2; return o }},
+		{"adamw", func() optim.Optimizer { return optim.NewAdamW(1e-2) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := freshExecutor(t, cuda.ExecutorOptions{})
+			devModel, hostModel := mlpModel(32, 16), mlpModel(32, 16)
+			devRng, hostRng := rand.New(rand.NewPCG(43, 44)), rand.New(rand.NewPCG(43, 44))
+			devOpt, hostOpt := c.opt(), c.opt()
+			var devParams, hostParamsT []*lazy.Tensor
+			for step := range steps {
+				loss, params := devModel.build(devRng, n)
+				p := stepProgram(t, loss, params, devOpt.StateSlots())
+				dres, err := e.Execute(ctx, p, planner.Chunks(n, 2), cuda.ExecOptions{Resident: true, Optimizer: devOpt, SyncParams: true})
+				require.NoError(t, err, "device step %d", step)
+				devParams = params
+
+				loss, params = hostModel.build(hostRng, n)
+				p = stepProgram(t, loss, params, hostOpt.StateSlots())
+				update := func(kept [][]float32) error { // as batchfit.Session.Step's
+					ps := make([]optim.Param, len(params))
+					for i, pt := range params {
+						ps[i] = optim.Param{Key: pt.Value(), Name: pt.Name(), Data: pt.Value().(*tensor.Dense).Float32s(), Grad: kept[i]}
+					}
+					return hostOpt.Step(ps)
+				}
+				hres, err := e.Execute(ctx, p, planner.Chunks(n, 2), cuda.ExecOptions{Resident: true, Update: update})
+				require.NoError(t, err, "host step %d", step)
+				hostParamsT = params
+				require.Equal(t, scalarOf(t, hres.Outputs[0]), scalarOf(t, dres.Outputs[0]), "step %d loss", step)
+			}
+			assert.Equal(t, steps, devOpt.Steps())
+			assert.Empty(t, devOpt.State(devParams[0].Value()), "the device optimizer keeps no host state")
+			want, got := hostParams(t, hostParamsT), hostParams(t, devParams)
+			for i := range want {
+				require.Equal(t, want[i], got[i], "parameter %s", devParams[i].Name())
+			}
+		})
+	}
+}
+
+// tightBudgets maps each chunk count the planner can choose for p to the
+// smallest budget, in steps of 2 MiB (every segment is a multiple of it),
+// at which it chooses it.
+func tightBudgets(t *testing.T, p *planner.Program) map[int]int64 {
+	t.Helper()
+	budgets := map[int]int64{}
+	for b := int64(alloc.RoundLarge); ; b += alloc.RoundLarge {
+		pl, err := planner.Make(p, planner.Options{Budget: b})
+		if err != nil {
+			require.ErrorIs(t, err, planner.ErrDoesNotFit)
+			continue
+		}
+		if _, ok := budgets[len(pl.Chunks)]; !ok {
+			budgets[len(pl.Chunks)] = b
+		}
+		if len(pl.Chunks) == 1 {
+			return budgets
+		}
+	}
+}
+
+// persistentBytes is what the persistent buffers of p occupy in the
+// allocator: each rounded to the 512-byte block size.
+func persistentBytes(p *planner.Program) int64 {
+	var n int64
+	for _, bi := range p.Persistent {
+		if b := p.Buffers[bi].Bytes(0); b > 0 {
+			n += alloc.RoundSize(b)
+		}
+	}
+	return n
+}
+
+// TestPlannedPeaksAreMeasured: for an MLP's Adam training step at every
+// chunk count the planner chooses under some budget (1, 2 and 5 here), the plan's
+// peaks (planner.Make over the program compiled with cuda.Workspace) are
+// what the executor's allocator measures on the device, over three
+// consecutive steps (the first allocates parameters and optimizer state,
+// later ones find them resident), plus the executor's Overhead, the cuBLAS
+// workspace's own segment. After every step the allocated bytes are back
+// at the resident baseline: parameters, optimizer state and the workspace.
+func TestPlannedPeaksAreMeasured(t *testing.T) {
+	const steps, n = 3, 512
+	ctx := context.Background()
+	model := mlpModel(784, 256)
+	loss, params := model.build(rand.New(rand.NewPCG(45, 46)), n)
+	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	require.GreaterOrEqual(t, len(budgets), 2, "budgets gave chunk counts %v", budgets)
+	for _, k := range slices.Sorted(maps.Keys(budgets)) {
+		budget := budgets[k]
+		t.Run(fmt.Sprintf("chunks=%d", k), func(t *testing.T) {
+			e := freshExecutor(t, cuda.ExecutorOptions{})
+			m, rng := mlpModel(784, 256), rand.New(rand.NewPCG(47, uint64(k)))
+			opt := optim.NewAdam(1e-3)
+			for step := range steps {
+				loss, params := m.build(rng, n)
+				p := stepProgram(t, loss, params, 2)
+				pl, err := planner.Make(p, planner.Options{Budget: budget})
+				require.NoError(t, err)
+				require.Len(t, pl.Chunks, k)
+				res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Resident: true, Optimizer: opt})
+				require.NoError(t, err, "step %d", step)
+				st := e.Allocator().Stats()
+				t.Logf("step %d, %d chunks: reserved predicted %d + overhead %d, measured %d (error %d B); allocated predicted %d + %d, measured %d (error %d B)",
+					step, k, pl.PeakReserved, e.Overhead(), res.Usage.PeakReserved, res.Usage.PeakReserved-pl.PeakReserved-e.Overhead(),
+					pl.PeakAllocated, e.Overhead(), res.Usage.PeakAllocated, res.Usage.PeakAllocated-pl.PeakAllocated-e.Overhead())
+				assert.Equal(t, pl.PeakReserved+e.Overhead(), res.Usage.PeakReserved, "step %d: peak reserved", step)
+				assert.Equal(t, pl.PeakAllocated+e.Overhead(), res.Usage.PeakAllocated, "step %d: peak allocated", step)
+				assert.Equal(t, res.Usage.PeakReserved, st.ReservedBytes[alloc.All].Peak, "step %d: stats", step)
+				assert.Equal(t, persistentBytes(p)+e.Overhead(), st.AllocatedBytes[alloc.All].Current,
+					"step %d: allocated bytes after the step are the resident baseline", step)
+				assert.Zero(t, st.NumOOMs)
+			}
+		})
+	}
+}
+
+// TestNoLeakAfterNonResidentRuns: runs that keep nothing resident, a
+// failing one included, leave only the cuBLAS workspace allocated.
+func TestNoLeakAfterNonResidentRuns(t *testing.T) {
+	e := freshExecutor(t, cuda.ExecutorOptions{})
+	ctx := context.Background()
+	for step := range 3 {
+		loss, params := mlpModel(16, 8).build(rand.New(rand.NewPCG(48, uint64(step))), 10)
+		p := stepProgram(t, loss, params, 0)
+		_, err := e.Execute(ctx, p, planner.Chunks(10, 1+step), cuda.ExecOptions{})
+		require.NoError(t, err)
+		assert.Equal(t, e.Overhead(), e.Allocator().Stats().AllocatedBytes[alloc.All].Current, "step %d", step)
+	}
+	g, id := badEmbedding(t)
+	_, err := e.Run(ctx, g, id)
+	require.ErrorIs(t, err, graph.ErrAttr)
+	assert.Equal(t, e.Overhead(), e.Allocator().Stats().AllocatedBytes[alloc.All].Current, "after a failed run")
+}
+
+// badEmbedding is a graph whose embedding index 7 is out of range for 5
+// rows; its output node is the last.
+func badEmbedding(t *testing.T) (*graph.Graph, int) {
+	t.Helper()
+	w := lazy.Param(tensor.New(tensor.WithShape(5, 3), tensor.WithBacking(make([]float32, 15))), "w")
+	idx := lazy.Const(tensor.New(tensor.WithShape(2, 2), tensor.WithBacking([]int64{0, 4, 7, 1})))
+	out := idx.Embedding(w)
+	require.NoError(t, out.Err())
+	return out.Graph().IR(), out.ID()
+}
+
+// TestIndexErrorsAreTyped: an index or label out of range is found by the
+// kernel and returned as the CPU returns it, an *graph.OpError wrapping
+// graph.ErrAttr.
+func TestIndexErrorsAreTyped(t *testing.T) {
+	e := executor(t)
+	ctx := context.Background()
+	g, id := badEmbedding(t)
+	_, err := e.Run(ctx, g, id)
+	require.ErrorIs(t, err, graph.ErrAttr)
+	var oe *graph.OpError
+	require.True(t, errors.As(err, &oe), "got %v", err)
+	assert.Equal(t, "embedding", oe.Op)
+	t.Log(err)
+
+	logits := lazy.Wrap(uniformF32(rand.New(rand.NewPCG(49, 50)), 3, 4), 0)
+	labels := logits.Graph().Wrap(tensor.New(tensor.WithShape(3), tensor.WithBacking([]int64{1, 4, 0})), 0)
+	loss := logits.CrossEntropy(labels, graph.ReduceMean)
+	require.NoError(t, loss.Err())
+	_, err = e.Run(ctx, loss.Graph().IR(), loss.ID())
+	require.ErrorIs(t, err, graph.ErrAttr)
+	require.True(t, errors.As(err, &oe), "got %v", err)
+	assert.Equal(t, "cross_entropy", oe.Op)
+}
+
+// TestWorkspaceMissing: a program compiled without cuda.Workspace is
+// refused where a kernel needs scratch memory, with ErrWorkspace.
+func TestWorkspaceMissing(t *testing.T) {
+	e := executor(t)
+	logits := lazy.Wrap(uniformF32(rand.New(rand.NewPCG(51, 52)), 3, 4), 0)
+	labels := logits.Graph().Wrap(tensor.New(tensor.WithShape(3), tensor.WithBacking([]int64{1, 2, 0})), 0)
+	loss := logits.CrossEntropy(labels, graph.ReduceMean)
+	require.NoError(t, loss.Err())
+	g := loss.Graph().IR()
+	info, err := shapeinfer.Analyze(g, loss.ID())
+	require.NoError(t, err)
+	p, err := planner.Compile(g, info, []int{loss.ID()}, planner.CompileOptions{})
+	require.NoError(t, err)
+	_, err = e.Execute(context.Background(), p, planner.Chunks(3, 1), cuda.ExecOptions{})
+	require.ErrorIs(t, err, cuda.ErrWorkspace)
+}
+
+// TestExecutorClosed: Execute after Close fails with ErrClosed, and Close
+// gives every byte back.
+func TestExecutorClosed(t *testing.T) {
+	e, err := cuda.NewExecutor(device(t), cuda.ExecutorOptions{})
+	require.NoError(t, err)
+	loss, params := mlpModel(8, 4).build(rand.New(rand.NewPCG(53, 54)), 6)
+	p := stepProgram(t, loss, params, 2)
+	_, err = e.Execute(context.Background(), p, planner.Chunks(6, 2), cuda.ExecOptions{Resident: true, Optimizer: optim.NewAdam(1e-3)})
+	require.NoError(t, err)
+	require.NoError(t, e.Close())
+	require.NoError(t, e.Close())
+	st := e.Allocator().Stats()
+	assert.Zero(t, st.AllocatedBytes[alloc.All].Current)
+	assert.Zero(t, st.ReservedBytes[alloc.All].Current)
+	_, err = e.Execute(context.Background(), p, planner.Chunks(6, 1), cuda.ExecOptions{})
+	assert.ErrorIs(t, err, cuda.ErrClosed)
+}
+
+// TestSplitReductions: reductions with few outputs over a long batch run as
+// split partial reductions and a second pass (sum, mean and max over
+// 16384 rows into 4 outputs, the bias-like gradient of layer_norm, and
+// layer_norm_grad_w's column sums), checked against the float64 reference
+// interpreter.
+//
+// Tolerance: the partials are rounded to float32 before the second pass,
+// about 6e-8 of each partial (sums of up to 4096 values in [−1, 1), so
+// |partial| ≲ 100): rtol 1e-5 and atol 1e-4 bound it with room.
+func TestSplitReductions(t *testing.T) {
+	const rows = 16384
+	x := lazy.Placeholder([]int{rows, 4}, graph.Float32, 0)
+	w := lazy.ParamSpec([]int{4}, graph.Float32, "w")
+	b := lazy.ParamSpec([]int{4}, graph.Float32, "b")
+	ln := x.LayerNorm(w, b, 1, 1e-5)
+	loss := ln.Mul(ln).Sum()
+	grads := lazy.Grad(loss, w, b)
+	outs := []*lazy.Tensor{x.Sum(0), x.Mean(0), x.Max(0), grads[0], grads[1]}
+	ids := make([]int, len(outs))
+	for i, o := range outs {
+		require.NoError(t, o.Err())
+		ids[i] = o.ID()
+	}
+	g := x.Graph().IR()
+	rng := rand.New(rand.NewPCG(55, 56))
+	feeds := map[int]ref.Value{}
+	for _, s := range []struct {
+		id    int
+		shape []int
+	}{{x.ID(), []int{rows, 4}}, {g.NodeNamed("w"), []int{4}}, {g.NodeNamed("b"), []int{4}}} {
+		v := ref.Zeros(s.shape...)
+		for i := range v.Data {
+			v.Data[i] = rng.Float64()*2 - 1
+		}
+		feeds[s.id] = v
+	}
+	want, err := ref.Eval(g, feeds, ids...)
+	require.NoError(t, err)
+	got, err := runOn(executor(t))(g, feeds, ids...)
+	require.NoError(t, err)
+	for k := range ids {
+		for i, wv := range want[k].Data {
+			assert.InDelta(t, wv, got[k].Data[i], 1e-4+1e-5*math.Abs(wv), "output %d (%s) element %d", k, g.Node(ids[k]).Op, i)
+		}
+	}
+}

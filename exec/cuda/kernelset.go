@@ -1,0 +1,149 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Kernel names, as declared extern "C" in kernels/*.cu (see
+// kernels/README.md for each one's arguments and launch shape).
+const (
+	kAccumulate      = "accumulate_f32"
+	kAccumulateMax   = "accumulate_max_f32"
+	kFillF32         = "fill_f32"
+	kFillI64         = "fill_i64"
+	kBatchNorm       = "batch_norm_f32"
+	kBatchNormGradW  = "batch_norm_grad_w_f32"
+	kBatchNormGradX  = "batch_norm_grad_x_f32"
+	kBatchNormStats  = "batch_norm_stats_f32"
+	kBatchNormRunSt  = "batch_norm_stats_running_f32"
+	kIm2col          = "im2col_f32"
+	kCol2im          = "col2im_f32"
+	kDropout         = "dropout_f32"
+	kUnary           = "unary_f32"
+	kScalar          = "scalar_f32"
+	kBinary          = "binary_f32"
+	kBinaryBcast     = "binary_bcast_f32"
+	kReluGrad        = "relu_grad_f32"
+	kGeluGrad        = "gelu_grad_f32"
+	kMaximumScGrad   = "maximum_scalar_grad_f32"
+	kMaximumGrad     = "maximum_grad_f32"
+	kCausalMask      = "causal_mask_f32"
+	kBiasFill        = "bias_fill_f32"
+	kEmbedding       = "embedding_f32"
+	kEmbeddingGrad   = "embedding_grad_f32"
+	kLayerNorm       = "layer_norm_f32"
+	kLayerNormGradX  = "layer_norm_grad_x_f32"
+	kLayerNormStats  = "layer_norm_stats_f32"
+	kLayerNormGradW  = "layer_norm_grad_w_f32"
+	kCrossEntropy    = "cross_entropy_rows_f32"
+	kCrossEntGrad    = "cross_entropy_grad_f32"
+	kMSEPartial      = "mse_partial_f32"
+	kMSEGrad         = "mse_grad_f32"
+	kSumF64          = "sum_f64_f32"
+	kCopyF32         = "copy_f32"
+	kCopyI64         = "copy_i64"
+	kGatherF32       = "gather_f32"
+	kGatherI64       = "gather_i64"
+	kTransposeF32    = "transpose_f32"
+	kTransposeI64    = "transpose_i64"
+	kSliceF32        = "slice_f32"
+	kSliceI64        = "slice_i64"
+	kSliceGrad       = "slice_grad_f32"
+	kCopy2dF32       = "copy2d_f32"
+	kCopy2dI64       = "copy2d_i64"
+	kSGD             = "sgd_f32"
+	kAdam            = "adam_f32"
+	kMaxPool         = "max_pool2d_f32"
+	kMaxPoolArgmax   = "max_pool2d_argmax_f32"
+	kMaxPoolGrad     = "max_pool2d_grad_f32"
+	kAvgPool         = "avg_pool2d_f32"
+	kAvgPoolGrad     = "avg_pool2d_grad_f32"
+	kReduceRows      = "reduce_rows_f32"
+	kReduceMid       = "reduce_mid_f32"
+	kReduceStrided   = "reduce_strided_f32"
+	kMaxGrad         = "max_grad_f32"
+	kSoftmaxRows     = "softmax_rows_f32"
+	kSoftmaxCols     = "softmax_cols_f32"
+	kSoftmaxGradRows = "softmax_grad_rows_f32"
+	kSoftmaxGradCols = "softmax_grad_cols_f32"
+)
+
+// kernelFiles lists the executor's kernels by source file: one NVRTC
+// module each. Every kernel file but smoke.cu (the foundation's test
+// kernel) is here.
+var kernelFiles = map[string][]string{
+	"accumulate.cu":  {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
+	"batchnorm.cu":   {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
+	"conv.cu":        {kIm2col, kCol2im},
+	"dropout.cu":     {kDropout},
+	"elementwise.cu": {kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill},
+	"index.cu":       {kEmbedding, kEmbeddingGrad},
+	"layernorm.cu":   {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
+	"loss.cu":        {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
+	"movement.cu":    {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
+	"optim.cu":       {kSGD, kAdam},
+	"pool.cu":        {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
+	"reduce.cu":      {kReduceRows, kReduceMid, kReduceStrided, kMaxGrad},
+	"softmax.cu":     {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
+}
+
+// kernel is a function of a loaded module.
+type kernel struct {
+	m *Module
+	f CUfunction
+}
+
+// kernelSet holds the executor's modules and functions.
+type kernelSet struct {
+	mods []*Module
+	fns  map[string]kernel
+}
+
+// loadKernels compiles (or loads from the cubin cache) every file of
+// kernelFiles and looks up its functions.
+func loadKernels(d *Device) (*kernelSet, error) {
+	ks := &kernelSet{fns: map[string]kernel{}}
+	for _, file := range Names() {
+		names, ok := kernelFiles[file]
+		if !ok {
+			continue
+		}
+		src, err := Source(file)
+		if err != nil {
+			return nil, errors.Join(err, ks.close())
+		}
+		m, err := d.Compile(file, src)
+		if err != nil {
+			return nil, errors.Join(err, ks.close())
+		}
+		ks.mods = append(ks.mods, m)
+		for _, n := range names {
+			f, err := m.Function(n)
+			if err != nil {
+				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
+			}
+			ks.fns[n] = kernel{m, f}
+		}
+	}
+	return ks, nil
+}
+
+func (ks *kernelSet) get(name string) (kernel, error) {
+	k, ok := ks.fns[name]
+	if !ok {
+		return kernel{}, graph.Errorf(graph.ErrAttr, "cuda: no kernel %q loaded", name)
+	}
+	return k, nil
+}
+
+func (ks *kernelSet) close() error {
+	var errs []error
+	for _, m := range ks.mods {
+		errs = append(errs, m.Close())
+	}
+	ks.mods = nil
+	return errors.Join(errs...)
+}

@@ -1,0 +1,139 @@
+package cuda
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// deviceStep runs an optimizer the kernels implement (optim.SGD,
+// optim.Adam) on the device: p.Trained[i] is updated from kept[i] with its
+// state in the program's state buffers. ok is false for other optimizers.
+func (r *runner) deviceStep(kept []*alloc.Block) (ok bool, err error) {
+	switch opt := r.o.Optimizer.(type) {
+	case *optim.SGD:
+		slots := 0
+		if opt.Momentum != 0 {
+			slots = 1
+		}
+		ps, err := r.trainedBlocks(kept, slots)
+		if err != nil {
+			return true, err
+		}
+		first := opt.Steps() == 0
+		if err := opt.Step(nil); err != nil { // checks the hyperparameters, counts the step
+			return true, err
+		}
+		nesterov := int64(0)
+		if opt.Nesterov {
+			nesterov = 1
+		}
+		for _, t := range ps {
+			var buf alloc.Ptr
+			if slots == 1 {
+				buf = t.state[0]
+			}
+			if err := r.flat(kSGD, t.n, t.param, t.grad, buf, t.n, opt.LR, opt.Momentum, opt.Dampening,
+				opt.WeightDecay, nesterov, boolInt(first)); err != nil {
+				return true, err
+			}
+		}
+		return true, nil
+	case *optim.Adam:
+		ps, err := r.trainedBlocks(kept, 2)
+		if err != nil {
+			return true, err
+		}
+		steps := opt.Steps()
+		if err := opt.Step(nil); err != nil {
+			return true, err
+		}
+		if steps == 0 { // a fresh optimizer: no moments yet, even on resident buffers
+			for _, t := range ps {
+				for _, s := range t.state {
+					if err := r.e.d.Memzero(s, 4*t.n); err != nil {
+						return true, err
+					}
+				}
+			}
+		}
+		tt := float64(steps + 1)
+		c1, c2 := 1-math.Pow(opt.Beta1, tt), 1-math.Pow(opt.Beta2, tt) // as optim.Adam.Step
+		for _, t := range ps {
+			if err := r.flat(kAdam, t.n, t.param, t.grad, t.state[0], t.state[1], t.n, opt.LR, opt.Beta1, opt.Beta2,
+				opt.Eps, opt.WeightDecay, c1, c2, boolInt(opt.Decoupled)); err != nil {
+				return true, err
+			}
+		}
+		return true, nil
+	}
+	return false, nil
+}
+
+func boolInt(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// trained is one parameter's update: its block, gradient and state slots.
+type trained struct {
+	param, grad alloc.Ptr
+	state       []alloc.Ptr
+	n           int64
+}
+
+// trainedBlocks pairs each trained parameter with its gradient and its
+// first slots state buffers.
+func (r *runner) trainedBlocks(kept []*alloc.Block, slots int) ([]trained, error) {
+	ts := make([]trained, len(r.p.Trained))
+	for i, id := range r.p.Trained {
+		nd := r.node(id)
+		if nd.Type.DType != graph.Float32 {
+			return nil, graph.Errorf(graph.ErrDType, "trained parameter %q (node %d) is %s, want float32", nd.Name, id, nd.Type.DType)
+		}
+		pb, err := r.paramBlock(id)
+		if err != nil {
+			return nil, err
+		}
+		g := r.node(r.p.Kept[i])
+		if g.Type.Numel() != nd.Type.Numel() {
+			return nil, graph.Errorf(graph.ErrShape, "trained parameter %q %v and its gradient (node %d) %v differ in size",
+				nd.Name, nd.Type.Shape, g.ID, g.Type.Shape)
+		}
+		ts[i] = trained{param: pb.Ptr(), grad: kept[i].Ptr(), n: int64(nd.Type.Numel())}
+		for s := range slots {
+			sb := r.persist[persistKey{kind: planner.BufState, node: id, slot: s}]
+			if sb == nil {
+				return nil, graph.Errorf(graph.ErrArity, "%s needs %d state buffers per parameter; the program has fewer (compile with StateSlots = %d)",
+					r.o.Optimizer.Name(), slots, slots)
+			}
+			ts[i].state = append(ts[i].state, sb.Ptr())
+		}
+	}
+	return ts, nil
+}
+
+// hostStep runs any other optimizer on the host: the parameters' host
+// tensors are brought up to date, updated by Step and uploaded again.
+func (r *runner) hostStep(grads [][]float32) error {
+	if err := r.paramsToHost(); err != nil {
+		return err
+	}
+	ps := make([]optim.Param, len(r.p.Trained))
+	for i, id := range r.p.Trained {
+		data, err := r.paramData(id)
+		if err != nil {
+			return err
+		}
+		ps[i] = optim.Param{Key: r.source(id), Name: r.node(id).Name, Data: data, Grad: grads[i]}
+	}
+	if err := r.o.Optimizer.Step(ps); err != nil {
+		return err
+	}
+	return r.paramsToDevice()
+}
