@@ -1,0 +1,434 @@
+// Command gobench times batchfit's CUDA executor on two training steps (an
+// MLP with Adam, a GPT-2-small-shaped transformer with AdamW) and asks the
+// planner for the largest whole batch that fits the card's free memory,
+// then runs a step at that batch. It writes JSON lines (Record) to stdout
+// and, when $OUT is set, to $OUT/gobench.json; bench/run-gpu compares them
+// with bench/torch_bench.py. See bench/README.md.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+type config struct {
+	models        string
+	warmup, steps int
+	maxBatch      bool
+	verify        bool
+	gptLayers     int
+	gptSeq        int
+	gptBatch      int
+	mlpBatch      int
+}
+
+func main() {
+	var c config
+	flag.StringVar(&c.models, "models", "mlp,gpt", "comma-separated `list` of mlp, gpt")
+	flag.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
+	flag.IntVar(&c.steps, "steps", 20, "timed steps")
+	flag.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
+	flag.BoolVar(&c.verify, "verify", true, "run one training step at the planner's largest batch")
+	flag.IntVar(&c.gptLayers, "gpt-layers", 12, "transformer layers (GPT-2 small has 12)")
+	flag.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
+	flag.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
+	flag.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
+	flag.Parse()
+
+	var sinks []io.Writer = []io.Writer{os.Stdout}
+	if dir := os.Getenv("OUT"); dir != "" {
+		f, err := os.Create(filepath.Join(dir, "gobench.json"))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "gobench:", err)
+			os.Exit(1)
+		}
+		defer f.Close()
+		sinks = append(sinks, f)
+	}
+	w := io.MultiWriter(sinks...)
+	if err := run(c, w); err != nil {
+		_ = writeRecord(w, Record{Kind: "error", Error: err.Error()})
+		fmt.Fprintln(os.Stderr, "gobench:", err)
+		os.Exit(1)
+	}
+}
+
+// benchModel is one model of the benchmark. build makes its training
+// graph over batch samples: with data nil over placeholders (a dry run),
+// otherwise over inputs drawn from data. It returns the mean loss, the
+// trained parameters and the input nodes (features or tokens, then labels).
+type benchModel struct {
+	name, about string
+	seq         int
+	batch       int // of the timed run
+	upper       int // batch of the shape-only program the largest-batch search starts from
+	optimizer   func() *optim.Adam
+	optName     string
+	module      func(opt nn.Options) nn.Module
+	build       func(m nn.Module, batch int, data *rand.Rand) (loss *lazy.Tensor, inputs []*lazy.Tensor)
+}
+
+func floats(r *rand.Rand, shape ...int) *tensor.Dense {
+	d := make([]float32, graph.Numel(shape))
+	for i := range d {
+		d[i] = float32(r.NormFloat64())
+	}
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+}
+
+func ints(r *rand.Rand, k int, shape ...int) *tensor.Dense {
+	d := make([]int64, graph.Numel(shape))
+	for i := range d {
+		d[i] = int64(r.IntN(k))
+	}
+	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+}
+
+// source is an input: a placeholder when data is nil.
+func source(g *lazy.Graph, data *rand.Rand, shape []int, dt graph.DType, k int) *lazy.Tensor {
+	var t *tensor.Dense
+	switch {
+	case data == nil && g == nil:
+		return lazy.Placeholder(shape, dt, 0)
+	case data == nil:
+		return g.Placeholder(shape, dt, 0)
+	case dt == graph.Int64:
+		t = ints(data, k, shape...)
+	default:
+		t = floats(data, shape...)
+	}
+	if g == nil {
+		return lazy.Wrap(t, 0)
+	}
+	return g.Wrap(t, 0)
+}
+
+func benchModels(c config) ([]benchModel, error) {
+	mlp := benchModel{name: "mlp", about: "MLP 784→4096→4096→10, ReLU, mean cross-entropy", batch: c.mlpBatch,
+		upper: 1 << 22, optName: "adam(lr=1e-3)", optimizer: func() *optim.Adam { return optim.NewAdam(1e-3) },
+		module: func(opt nn.Options) nn.Module { return nn.MLP(opt, []int{784, 4096, 4096, 10}, nn.ReLU{}) },
+		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+			x := source(nil, data, []int{n, 784}, graph.Float32, 0)
+			y := source(x.Graph(), data, []int{n}, graph.Int64, 10)
+			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
+		}}
+	cfg := models.GPT2Small()
+	cfg.Layers = c.gptLayers
+	gpt := benchModel{name: "gpt", seq: c.gptSeq, batch: c.gptBatch, upper: 4096,
+		about: fmt.Sprintf("GPT-2 small shape (%d layers, width 768, 12 heads, vocab 50257, tied head), seq %d",
+			cfg.Layers, c.gptSeq),
+		optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
+		module: func(opt nn.Options) nn.Module { return models.NewGPT(opt, cfg) },
+		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+			tok := source(nil, data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
+			tgt := source(tok.Graph(), data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
+			return models.Loss(m.(*models.GPT).Forward(tok), tgt), []*lazy.Tensor{tok, tgt}
+		}}
+	var out []benchModel
+	for _, name := range strings.Split(c.models, ",") {
+		switch strings.TrimSpace(name) {
+		case "mlp":
+			out = append(out, mlp)
+		case "gpt":
+			out = append(out, gpt)
+		default:
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt)", name)
+		}
+	}
+	return out, nil
+}
+
+// compileStep compiles a training step as batchfit.Session.Step does, with
+// the CUDA kernels' workspaces: the loss, and the gradients of params kept
+// on the device.
+func compileStep(loss *lazy.Tensor, params []*lazy.Tensor, slots int) (*planner.Program, error) {
+	if err := loss.Err(); err != nil {
+		return nil, err
+	}
+	g := loss.Graph()
+	outs := []int{loss.ID()}
+	trained := make([]int, len(params))
+	for i, gr := range lazy.Grad(loss, params...) {
+		if err := gr.Err(); err != nil {
+			return nil, err
+		}
+		outs = append(outs, gr.ID())
+		trained[i] = g.NodeOf(params[i])
+	}
+	info, err := shapeinfer.Analyze(g.IR(), outs...)
+	if err != nil {
+		return nil, err
+	}
+	return planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
+		StateSlots: slots, Workspace: cuda.Workspace})
+}
+
+func used(d *cuda.Device) (int64, int64, error) {
+	free, total, err := d.Backend().MemInfo()
+	return total - free, free, err
+}
+
+func run(c config, w io.Writer) error {
+	ms, err := benchModels(c)
+	if err != nil {
+		return err
+	}
+	d, err := cuda.Open(cuda.Options{})
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	_, free, err := used(d)
+	if err != nil {
+		return err
+	}
+	if err := writeRecord(w, Record{Kind: "device", Device: d.Describe(), DeviceTotal: d.TotalMem(), DeviceFree: free}); err != nil {
+		return err
+	}
+	for _, m := range ms {
+		r, err := throughput(d, c, m)
+		if err != nil {
+			r.Error = err.Error()
+		}
+		if err := writeRecord(w, r); err != nil {
+			return err
+		}
+	}
+	if !c.maxBatch {
+		return nil
+	}
+	for _, m := range ms {
+		r, err := maxBatch(d, c, m)
+		if err != nil {
+			r.Error = err.Error()
+		}
+		if err := writeRecord(w, r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func scalar(t *tensor.Dense) float64 {
+	switch v := t.Data().(type) {
+	case float32:
+		return float64(v)
+	case []float32:
+		if len(v) > 0 {
+			return float64(v[0])
+		}
+	}
+	return 0
+}
+
+// throughput plans the model's step at its batch, then runs c.warmup
+// untimed and c.steps timed resident steps with the optimizer on the
+// device, a fresh batch of host data fed (and uploaded) every step.
+func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
+	r := Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
+		Warmup: c.warmup, Steps: c.steps}
+	start := time.Now()
+	mod := m.module(nn.Seed(1))
+	if err := nn.Check(mod); err != nil {
+		return r, err
+	}
+	r.Params = int64(nn.NumParams(mod))
+	r.BuildModelSeconds = time.Since(start).Seconds()
+
+	// Four batches of host data, cycled: the first builds the graph, the
+	// others are fed in its place.
+	rng := rand.New(rand.NewPCG(2, 3))
+	loss, inputs := m.build(mod, m.batch, rng)
+	feeds := make([][]tensor.Tensor, 4)
+	feeds[0] = []tensor.Tensor{inputs[0].Value(), inputs[1].Value()}
+	for i := 1; i < len(feeds); i++ {
+		_, in := m.build(mod, m.batch, rng)
+		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
+	}
+
+	before, free, err := used(d)
+	if err != nil {
+		return r, err
+	}
+	r.DeviceUsedBefore = before
+	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{})
+	if err != nil {
+		return r, err
+	}
+	defer e.Close()
+	r.Overhead = e.Overhead()
+
+	// Planning: the graph was built above with the data; time a fresh
+	// build of the same step, as a training loop makes one every step.
+	start = time.Now()
+	loss, inputs = m.build(mod, m.batch, nil)
+	p, err := compileStep(loss, nn.ParamTensors(mod), 2)
+	if err != nil {
+		return r, err
+	}
+	pl, err := planner.Make(p, planner.Options{Budget: free - e.Overhead()})
+	if err != nil {
+		return r, err
+	}
+	r.PlanSeconds = time.Since(start).Seconds()
+	r.Chunks = len(pl.Chunks)
+	r.PredictedPeakReserved, r.PredictedPeakAllocated = pl.PeakReserved, pl.PeakAllocated
+
+	ids := []int{inputs[0].ID(), inputs[1].ID()}
+	opt := m.optimizer()
+	ctx := context.Background()
+	for i := range c.warmup + c.steps {
+		batch := feeds[i%len(feeds)]
+		feed := func(id int) tensor.Tensor {
+			if k := slices.Index(ids, id); k >= 0 {
+				return batch[k]
+			}
+			return nil
+		}
+		t0 := time.Now()
+		res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Feed: feed, Resident: true, Optimizer: opt})
+		dt := time.Since(t0).Seconds() // Execute synchronises the device and downloads the loss
+		if err != nil {
+			return r, fmt.Errorf("%s step %d: %w", m.name, i, err)
+		}
+		l := scalar(res.Outputs[0])
+		if i == 0 {
+			r.FirstLoss = l
+		}
+		r.LastLoss = l
+		r.MeasuredPeakReserved = max(r.MeasuredPeakReserved, res.Usage.PeakReserved)
+		r.MeasuredPeakAllocated = max(r.MeasuredPeakAllocated, res.Usage.PeakAllocated)
+		u, _, err := used(d)
+		if err != nil {
+			return r, err
+		}
+		r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
+		if i >= c.warmup {
+			r.StepSeconds = append(r.StepSeconds, dt)
+		}
+	}
+	if len(r.StepSeconds) > 0 {
+		s := slices.Sorted(slices.Values(r.StepSeconds))
+		med := s[len(s)/2]
+		if len(s)%2 == 0 {
+			med = (s[len(s)/2-1] + s[len(s)/2]) / 2
+		}
+		r.MedianStepSeconds = med
+		r.StepsPerSecond = 1 / med
+		r.SamplesPerSecond = float64(m.batch) / med
+	}
+	return r, nil
+}
+
+// maxBatch asks the planner for the largest batch whose whole training
+// step (one chunk) fits the card's free memory, as Lightning's
+// BatchSizeFinder and accelerate's find_executable_batch_size do by trial:
+// a shape-only program is built at m.upper samples, and single-chunk
+// replays at batch b on a simulated device of that size are bisected. It
+// then runs one step at that batch on the card.
+func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
+	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper}
+	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{})
+	if err != nil {
+		return r, err
+	}
+	defer e.Close()
+	_, free, err := used(d)
+	if err != nil {
+		return r, err
+	}
+	// The executor already holds cuBLAS's workspace, outside free.
+	r.Budget, r.Overhead = free, e.Overhead()
+
+	start := time.Now()
+	mod := m.module(nn.Options{ShapeOnly: true})
+	loss, _ := m.build(mod, m.upper, nil)
+	p, err := compileStep(loss, nn.ParamTensors(mod), 2)
+	if err != nil {
+		return r, err
+	}
+	fits := func(b int) (planner.Usage, bool, error) {
+		r.Replays++
+		a := alloc.New(alloc.NewSimBackend(free), alloc.Options{})
+		u, err := planner.Replay(p, []planner.Chunk{{Size: b}}, a, nil, false)
+		if errors.Is(err, alloc.ErrOutOfMemory) {
+			return u, false, nil
+		}
+		return u, err == nil, err
+	}
+	lo, hi := 0, m.upper+1 // lo fits (0: nothing yet), hi does not
+	if _, ok, err := fits(m.upper); err != nil {
+		return r, err
+	} else if ok {
+		lo = m.upper
+	}
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if _, ok, err := fits(mid); err != nil {
+			return r, err
+		} else if ok {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	r.SearchSeconds = time.Since(start).Seconds()
+	r.Batch = lo
+	if lo == 0 {
+		return r, graph.Errorf(graph.ErrShape, "%s: not even one sample fits %s", m.name, alloc.FormatBytes(free))
+	}
+	u, _, err := fits(lo)
+	if err != nil {
+		return r, err
+	}
+	r.PredictedPeakReserved, r.PredictedPeakAllocated = u.PeakReserved, u.PeakAllocated
+	if lo == m.upper {
+		r.Error = fmt.Sprintf("the search's upper bound %d fits: the largest batch is at least that", m.upper)
+	}
+	if !c.verify {
+		return r, nil
+	}
+
+	// One step at the found batch, on the card, with real data.
+	real := m.module(nn.Seed(1))
+	loss, _ = m.build(real, lo, rand.New(rand.NewPCG(4, 5)))
+	params := nn.ParamTensors(real)
+	start = time.Now()
+	p, err = compileStep(loss, params, 2)
+	if err != nil {
+		return r, err
+	}
+	res, err := e.Execute(context.Background(), p, planner.Chunks(lo, 1), cuda.ExecOptions{Resident: true, Optimizer: m.optimizer()})
+	r.VerifySeconds = time.Since(start).Seconds()
+	if err != nil {
+		return r, fmt.Errorf("step at batch %d: %w", lo, err)
+	}
+	r.Verified = true
+	r.FirstLoss = scalar(res.Outputs[0])
+	r.MeasuredPeakReserved, r.MeasuredPeakAllocated = res.Usage.PeakReserved, res.Usage.PeakAllocated
+	if r.DeviceUsedPeak, r.VerifyFreeLeft, err = used(d); err != nil {
+		return r, err
+	}
+	return r, nil
+}

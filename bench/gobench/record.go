@@ -1,0 +1,73 @@
+package main
+
+import (
+	"encoding/json"
+	"io"
+)
+
+// Record is one JSON line of gobench's output. Kind says which fields are
+// set: "device" (the card), "throughput" (a timed training run), "maxbatch"
+// (the planner's largest whole batch for the card's free memory, and a
+// step run at it) or "error".
+type Record struct {
+	Kind  string `json:"kind"`
+	Model string `json:"model,omitempty"`
+	About string `json:"about,omitempty"`
+
+	// device
+	Device      string `json:"device,omitempty"`
+	DeviceTotal int64  `json:"device_total,omitempty"`
+	DeviceFree  int64  `json:"device_free,omitempty"`
+
+	// throughput and maxbatch
+	Batch     int    `json:"batch,omitempty"`
+	Seq       int    `json:"seq,omitempty"`
+	Optimizer string `json:"optimizer,omitempty"`
+	Params    int64  `json:"params,omitempty"`
+
+	// throughput
+	BuildModelSeconds float64   `json:"build_model_seconds,omitempty"` // parameter initialisation
+	PlanSeconds       float64   `json:"plan_seconds,omitempty"`        // graph build + Analyze + Compile + planner.Make
+	Warmup            int       `json:"warmup,omitempty"`
+	Steps             int       `json:"steps,omitempty"`
+	StepSeconds       []float64 `json:"step_seconds,omitempty"` // each timed step, synchronised
+	MedianStepSeconds float64   `json:"median_step_seconds,omitempty"`
+	StepsPerSecond    float64   `json:"steps_per_second,omitempty"`
+	SamplesPerSecond  float64   `json:"samples_per_second,omitempty"`
+	FirstLoss         float64   `json:"first_loss,omitempty"`
+	LastLoss          float64   `json:"last_loss,omitempty"`
+	Chunks            int       `json:"chunks,omitempty"`
+	// Predicted peaks are planner.Make's; measured ones the executor's
+	// allocator over the run, Overhead (cuBLAS's workspace) included.
+	PredictedPeakReserved  int64 `json:"predicted_peak_reserved,omitempty"`
+	PredictedPeakAllocated int64 `json:"predicted_peak_allocated,omitempty"`
+	Overhead               int64 `json:"overhead,omitempty"`
+	MeasuredPeakReserved   int64 `json:"measured_peak_reserved,omitempty"`
+	MeasuredPeakAllocated  int64 `json:"measured_peak_allocated,omitempty"`
+	// Device-level use from cuMemGetInfo: total − free, before the
+	// executor was made and at its highest after any step.
+	DeviceUsedBefore int64 `json:"device_used_before,omitempty"`
+	DeviceUsedPeak   int64 `json:"device_used_peak,omitempty"`
+
+	// maxbatch
+	Budget        int64   `json:"budget,omitempty"` // the card's free memory after the executor was made
+	SearchSeconds float64 `json:"search_seconds,omitempty"`
+	Replays       int     `json:"replays,omitempty"`
+	Upper         int     `json:"upper,omitempty"` // the batch the shape-only program was built at
+	// The step at the found batch, run on the card.
+	Verified       bool    `json:"verified,omitempty"`
+	VerifySeconds  float64 `json:"verify_seconds,omitempty"`
+	VerifyFreeLeft int64   `json:"verify_free_left,omitempty"` // cuMemGetInfo's free after the step
+
+	Error string `json:"error,omitempty"`
+}
+
+// writeRecord writes r as one JSON line.
+func writeRecord(w io.Writer, r Record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}
