@@ -84,7 +84,7 @@ func TestSessionBatchNorm(t *testing.T) {
 
 	// With room for the whole batch, one step matches the reference. The
 	// batch statistics are read first: the step moves the parameters.
-	whole := batchfit.NewSession(batchfit.Options{})
+	whole := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	stats, err := whole.Eval(ctx, mean, variance)
 	require.NoError(t, err)
 	for k := range c {
@@ -110,7 +110,7 @@ func TestSessionBatchNorm(t *testing.T) {
 	for i, p := range ps {
 		before[i] = slices.Clone(p.Value().(*tensor.Dense).Float32s())
 	}
-	_, err = batchfit.NewSession(batchfit.Options{Budget: trainPeak / 2}).Step(ctx, loss, ps, optim.NewSGD(lr, 0))
+	_, err = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: trainPeak / 2}).Step(ctx, loss, ps, optim.NewSGD(lr, 0))
 	require.Error(t, err)
 	assert.ErrorIs(t, err, graph.ErrNotChunkable)
 	assert.ErrorIs(t, err, planner.ErrDoesNotFit)
@@ -125,7 +125,7 @@ func TestSessionBatchNorm(t *testing.T) {
 	wholeOut, err := whole.Eval(ctx, m.logits(x))
 	require.NoError(t, err)
 	evalPeak := whole.LastPlan().PeakReserved
-	chunked := batchfit.NewSession(batchfit.Options{Budget: evalPeak / 2})
+	chunked := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: evalPeak / 2})
 	chunkOut, err := chunked.Eval(ctx, m.logits(x))
 	require.NoError(t, err)
 	require.Greater(t, len(chunked.LastPlan().Chunks), 1, "evaluation mode runs in chunks")

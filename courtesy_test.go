@@ -56,7 +56,7 @@ func trainMLP(t *testing.T, budget int64, chunks, steps, yieldAt int, between fu
 	t.Helper()
 	const n = courtesyBatch
 	m, rng := mlpModel(false), rand.New(rand.NewPCG(73, 74))
-	sess := batchfit.NewSession(batchfit.Options{Budget: budget})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
 	opt := optim.NewAdam(1e-2)
 	var out trained
 	var params []*lazy.Tensor
@@ -146,7 +146,7 @@ func TestRestoreWhenTheDeviceIsTaken(t *testing.T) {
 
 // Yield before any step, and Eval after a Yield.
 func TestYieldBeforeStepsAndEval(t *testing.T) {
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	require.NoError(t, sess.Yield())
 	requireEmptyDevice(t, sess, 0)
 	rng := rand.New(rand.NewPCG(77, 78))

@@ -14,9 +14,15 @@
 // once and cached. Parameters persist in the executor across steps, and the
 // optimizer's state with them.
 //
+// A session runs on CUDA when a GPU is usable and on the CPU reference
+// executor otherwise (Options.Device forces one); Device says which and
+// why. On CUDA, SGD and Adam update parameters on the device, and the
+// parameters' host tensors are brought up to date after every Step.
+//
 // Between steps a session can lend its device memory to another job:
 // Yield frees the parameters' and optimizer state's device blocks and
-// empties the cache (reserved bytes drop to zero); Restore, or simply the
+// empties the cache (reserved bytes drop to zero, or on CUDA to the cuBLAS
+// workspace's segment, Overhead); Restore, or simply the
 // next Step or Eval, takes them back, and training continues bit for bit
 // as if nothing had happened.
 package batchfit

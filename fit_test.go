@@ -203,7 +203,7 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 				t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", name, n, k), func(t *testing.T) {
 					t.Parallel()
 					m, rng := c.model(false), rand.New(rand.NewPCG(uint64(n), uint64(k)))
-					sess := batchfit.NewSession(batchfit.Options{Budget: budget})
+					sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
 					opt := optim.NewAdam(1e-3)
 					var calls [steps][3]int64 // device allocations, frees and retries after each step
 					for step := range steps {
@@ -398,7 +398,7 @@ func TestSessionPlansOnce(t *testing.T) {
 	loss, params := m.build(rng, n)
 	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
 	require.Contains(t, budgets, 3)
-	sess := batchfit.NewSession(batchfit.Options{Budget: budgets[3]})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[3]})
 	opt := optim.NewAdam(1e-3)
 	var first *planner.Plan
 	masks := map[[2]uint64]bool{} // (seed, counter) of every dropout node run
@@ -438,13 +438,13 @@ func TestSessionNotChunkable(t *testing.T) {
 	budgets := tightBudgets(t, p)
 	require.Equal(t, []int{1}, counts(budgets), "a non-chunkable graph was planned in chunks")
 
-	sess := batchfit.NewSession(batchfit.Options{Budget: budgets[1]})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[1]})
 	_, err := sess.Step(context.Background(), build(), []*lazy.Tensor{w}, optim.NewSGD(0.1, 0.9))
 	require.NoError(t, err)
 	require.Len(t, sess.LastPlan().Chunks, 1)
 	require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved)
 
-	sess = batchfit.NewSession(batchfit.Options{Budget: budgets[1] - alloc.RoundLarge})
+	sess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[1] - alloc.RoundLarge})
 	var lossVal float32
 	require.NotPanics(t, func() {
 		lossVal, err = sess.Step(context.Background(), build(), []*lazy.Tensor{w}, optim.NewSGD(0.1, 0.9))

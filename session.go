@@ -8,7 +8,6 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
-	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
@@ -18,11 +17,23 @@ import (
 
 // Options configures a Session.
 type Options struct {
-	// Budget is the device memory a step may reserve, in bytes; 0 means no
-	// limit (the whole batch runs at once). With a budget the batch runs in
-	// the balanced chunks the planner picks, with results identical to the
-	// whole batch, and the CPU executor accounts on a simulated device of
-	// exactly that capacity.
+	// Device picks the executor: DeviceAuto ("auto", the default when
+	// empty) runs on CUDA when a GPU is usable and on the CPU otherwise,
+	// DeviceCPU always on the CPU, DeviceCUDA on CUDA or not at all.
+	// Session.Device says which was chosen and why.
+	Device string
+	// TF32 lets CUDA run float32 matrix products on TF32 tensor cores
+	// (10-bit mantissa products, float32 sums). Off by default: CUDA
+	// computes in full FP32, as the CPU does. The CPU ignores it.
+	TF32 bool
+	// Budget is the device memory a step may reserve, in bytes. With a
+	// budget the batch runs in the balanced chunks the planner picks, with
+	// results identical to the whole batch, and the CPU executor accounts
+	// on a simulated device of exactly that capacity. 0 means: on the CPU
+	// no limit (the whole batch runs at once); on CUDA what the device can
+	// give, read before every run as cuMemGetInfo's free bytes plus what
+	// the session's allocator reserves already, less the cuBLAS workspace
+	// (Session.Overhead). A budget given on CUDA is capped at that.
 	Budget int64
 	// Headroom is kept back from Budget (planner.DefaultHeadroom if 0).
 	Headroom int64
@@ -37,9 +48,11 @@ type Options struct {
 // Session runs steps of lazy graphs. Everything derivable from a graph's
 // signature (its analysis, its program and its plan) is computed once.
 type Session struct {
-	opts  Options
-	cpu   *cpu.Executor
-	plans planner.Cache
+	opts   Options
+	be     backend // nil when err is set
+	device string
+	err    error // why no executor could be made
+	plans  planner.Cache
 
 	mu       sync.Mutex
 	programs map[programKey]*planner.Program
@@ -56,19 +69,45 @@ type programKey struct {
 	slots         int
 }
 
-// NewSession returns a session with the given options.
+// NewSession returns a session with the given options, on the executor
+// Options.Device picks. If none can be made (Device is "cuda" without a
+// usable GPU, or names no device) the session holds the error: Err returns
+// it, and so does every Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
-	capacity := int64(cpu.Unlimited)
-	if opts.Budget > 0 {
-		capacity = opts.Budget
+	s := &Session{opts: opts, programs: map[programKey]*planner.Program{}}
+	s.be, s.device, s.err = chooseBackend(opts)
+	if s.err != nil {
+		s.device = "none: " + s.err.Error()
 	}
-	return &Session{opts: opts, programs: map[programKey]*planner.Program{},
-		cpu: cpu.NewOn(alloc.New(alloc.NewSimBackend(capacity), alloc.Options{TraceEntries: opts.TraceEntries}))}
+	return s
 }
 
-// Device names the executor the session runs on and why.
-func (s *Session) Device() string {
-	return "cpu: reference executor (gorgonia tensors + gonum BLAS)"
+// Err is why the session has no executor, or nil.
+func (s *Session) Err() error { return s.err }
+
+// Close releases the session's device: its executor's memory, cuBLAS
+// handle and kernels, and the CUDA context. A CPU session holds nothing
+// to release.
+func (s *Session) Close() error {
+	if s.be == nil {
+		return nil
+	}
+	return s.be.close()
+}
+
+// Device names the executor the session runs on and why, on one line:
+// "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB, driver 13.0)", or
+// "cpu: no GPU (cuda: ...)" with the reason CUDA was not usable.
+func (s *Session) Device() string { return s.device }
+
+// Overhead is the memory the executor holds outside every plan (CUDA's
+// cuBLAS workspace; 0 on the CPU): measured peaks are the plan's plus
+// Overhead.
+func (s *Session) Overhead() int64 {
+	if s.be == nil {
+		return 0
+	}
+	return s.be.overhead()
 }
 
 // CacheHits counts runs that reused a compiled program.
@@ -103,15 +142,24 @@ func (s *Session) LastUsage() planner.Usage {
 
 // Allocator is the allocator the session's executor accounts in: its
 // Stats are the familiar memory_stats.
-func (s *Session) Allocator() *alloc.Allocator { return s.cpu.Allocator() }
+// Nil when the session has no executor (see Err).
+func (s *Session) Allocator() *alloc.Allocator {
+	if s.be == nil {
+		return nil
+	}
+	return s.be.allocator()
+}
 
 // Yield gives the session's device memory back between steps, as
 // pytorch_memlab's Courtesy does, for another job to use: the executor
 // frees every block it keeps resident (parameters, constants, optimizer
 // state) and empties its allocator's cache, so its reserved bytes drop to
-// zero. Values survive in host memory: on the CPU executor they are the
-// parameters' own tensors and the optimizer's state, which never leave
-// the host; a GPU executor downloads them before freeing.
+// zero (on CUDA to Overhead: the cuBLAS workspace stays, so its handle
+// need not be re-created). Values survive in host memory: on the CPU
+// executor they are the parameters' own tensors and the optimizer's
+// state, which never leave the host; CUDA downloads parameters, constants
+// and optimizer state to host copies of its own before freeing, and
+// uploads them again on Restore.
 //
 // Restore takes the memory back explicitly. Without it, the next Step or
 // Eval restores by itself before it runs (and returns Restore's error if
@@ -119,17 +167,27 @@ func (s *Session) Allocator() *alloc.Allocator { return s.cpu.Allocator() }
 // change. Either way the step that follows
 // runs as if Yield had never happened: the same parameters and optimizer
 // state, bit for bit, and the peaks the plan predicts.
-func (s *Session) Yield() error { return s.cpu.Yield() }
+func (s *Session) Yield() error {
+	if s.be == nil {
+		return s.err
+	}
+	return s.be.yield()
+}
 
 // Restore re-allocates and refills what Yield gave back, in the order it
 // was first allocated. When the device cannot hold it (another process
 // kept the memory) it returns the allocator's out-of-memory error and the
 // session stays yielded, holding nothing; it may be called again. Restore
 // without a Yield does nothing.
-func (s *Session) Restore() error { return s.cpu.Restore() }
+func (s *Session) Restore() error {
+	if s.be == nil {
+		return s.err
+	}
+	return s.be.restore()
+}
 
 // Yielded reports whether the session's memory is given back.
-func (s *Session) Yielded() bool { return s.cpu.Yielded() }
+func (s *Session) Yielded() bool { return s.be != nil && s.be.yielded() }
 
 // program returns the compiled program of g for outputs, computing the
 // analysis and schedule once per graph signature.
@@ -147,7 +205,7 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 		return nil, err
 	}
 	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: cpu.Workspace})
+		StateSlots: slots, Workspace: s.be.workspace()})
 	if err != nil {
 		return nil, err
 	}
@@ -155,24 +213,28 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 	return p, nil
 }
 
-// run plans p within the budget and executes it.
-func (s *Session) run(ctx context.Context, p *planner.Program, update func([][]float32) error) ([]*tensor.Dense, error) {
-	budget := s.opts.Budget
-	if budget == 0 {
-		budget = cpu.Unlimited
+// run plans p within the budget and executes it; st is a training step's
+// optimizer and parameters, nil for Eval.
+func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]*tensor.Dense, error) {
+	budget, err := s.be.budget()
+	if err != nil {
+		return nil, err
+	}
+	if s.opts.Budget > 0 {
+		budget = min(budget, s.opts.Budget)
 	}
 	pl, err := s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom})
 	if err != nil {
 		return nil, err
 	}
-	res, err := s.cpu.Execute(ctx, p, pl.Chunks, cpu.ExecOptions{Resident: true, Update: update, Timeline: s.opts.Timeline})
+	outs, u, err := s.be.run(ctx, p, pl.Chunks, st, s.opts.Timeline)
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
-	s.last, s.lastProg, s.usage = pl, p, res.Usage
+	s.last, s.lastProg, s.usage = pl, p, u
 	s.mu.Unlock()
-	return res.Outputs, nil
+	return outs, nil
 }
 
 // sameGraph returns the graph shared by ts, or a typed error.
@@ -200,6 +262,9 @@ func sameGraph(op string, ts []*lazy.Tensor) (*lazy.Graph, error) {
 // Eval runs the graph of outputs without gradients (inference) and returns
 // their values.
 func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.Dense, error) {
+	if s.be == nil {
+		return nil, s.err
+	}
 	g, err := sameGraph("eval", outputs)
 	if err != nil {
 		return nil, err
@@ -218,7 +283,18 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // Step runs one training step: forward and backward of the scalar loss,
 // then one optimizer update of params. It returns the loss. With a budget
 // the batch runs in chunks whose gradients add up to the whole batch's.
+//
+// On CUDA, optim.SGD and optim.Adam run on the device: parameters and
+// optimizer state stay there across steps (the optimizer's host State
+// stays empty), and the parameters' host tensors are downloaded after
+// every step, so they always hold the current values. Other optimizers
+// run on the host between a download and an upload. The device copy is
+// the authoritative one: a parameter's host tensor changed by the caller
+// between steps is not uploaded again.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
+	if s.be == nil {
+		return 0, s.err
+	}
 	if err := loss.Err(); err != nil {
 		return 0, err
 	}
@@ -249,14 +325,11 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if err != nil {
 		return 0, err
 	}
-	update := func(kept [][]float32) error {
-		upd := make([]optim.Param, len(params))
-		for i, p := range params {
-			upd[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data[i], Grad: kept[i]}
-		}
-		return opt.Step(upd)
+	st := &stepArgs{opt: opt, params: make([]optim.Param, len(params))}
+	for i, p := range params {
+		st.params[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data[i]}
 	}
-	vals, err := s.run(ctx, prog, update)
+	vals, err := s.run(ctx, prog, st)
 	if err != nil {
 		return 0, err
 	}

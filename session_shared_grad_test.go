@@ -25,7 +25,7 @@ func TestStepWithParametersSharingAGradientNode(t *testing.T) {
 		require.NoError(t, loss.Err())
 		grads := lazy.Grad(loss, p1, p2)
 		require.Equal(t, grads[0].ID(), grads[1].ID(), "the case under test: one gradient node for both")
-		sess := batchfit.NewSession(batchfit.Options{Budget: budget})
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
 		_, err := sess.Step(context.Background(), loss, []*lazy.Tensor{p1, p2}, optim.NewSGD(0.5, 0))
 		require.NoError(t, err)
 		// d loss/d p = 1 per element: p ← p − 0.5.

@@ -113,7 +113,7 @@ func TestStepMatchesHandRun(t *testing.T) {
 		w[i] = to64(d)
 		buf[i] = make([]float64, len(d))
 	}
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	opt := optim.NewSGD(lr, mu)
 	opt.WeightDecay = wd
 	ctx := context.Background()
@@ -168,7 +168,7 @@ func TestStepCachesAnalysisBySignature(t *testing.T) {
 	const steps = 5
 	rng := rand.New(rand.NewPCG(3, 4))
 	m := newMLP(rng)
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	opt := optim.NewSGD(0.05, 0)
 	ctx := context.Background()
 	for range steps {
@@ -196,7 +196,7 @@ func TestEvalLeavesParametersAlone(t *testing.T) {
 	m := newMLP(rng)
 	before := m.snapshot()
 	logits, loss := m.loss(batchOf(rng, batch))
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	got, err := sess.Eval(context.Background(), logits, loss)
 	require.NoError(t, err)
 	require.Len(t, got, 2)
@@ -234,7 +234,7 @@ func TestStepScalarParameter(t *testing.T) {
 		sumSq += float64(v) * float64(v)
 	}
 	const lr = 0.01
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	var got float32
 	var err error
 	require.NotPanics(t, func() { got, err = sess.Step(context.Background(), loss, []*lazy.Tensor{s}, optim.NewSGD(lr, 0)) })
@@ -334,7 +334,7 @@ func TestSessionErrors(t *testing.T) {
 		}, graph.ErrArity, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			sess := batchfit.NewSession(batchfit.Options{})
+			sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 			var err error
 			require.NotPanics(t, func() { err = c.run(sess) })
 			require.ErrorIs(t, err, c.want)
@@ -352,7 +352,7 @@ func TestSessionErrors(t *testing.T) {
 		_, loss := m.loss(batchOf(rng, batch))
 		var err error
 		require.NotPanics(t, func() {
-			_, err = batchfit.NewSession(batchfit.Options{}).Step(ctx, loss, m.params, optim.NewSGD(-0.1, 0))
+			_, err = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU}).Step(ctx, loss, m.params, optim.NewSGD(-0.1, 0))
 		})
 		require.ErrorIs(t, err, optim.ErrOptim)
 		require.Equal(t, before, m.snapshot())
@@ -365,7 +365,7 @@ func TestSessionErrors(t *testing.T) {
 		_, loss := m.loss(batchOf(rng, batch))
 		cctx, cancel := context.WithCancel(ctx)
 		cancel()
-		_, err := batchfit.NewSession(batchfit.Options{}).Step(cctx, loss, m.params, optim.NewSGD(0.1, 0))
+		_, err := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU}).Step(cctx, loss, m.params, optim.NewSGD(0.1, 0))
 		require.True(t, errors.Is(err, context.Canceled), "%v", err)
 		require.Equal(t, before, m.snapshot())
 	})
@@ -392,11 +392,11 @@ func TestSessionConcurrentSteps(t *testing.T) {
 	want := make([][][]float32, len(seeds))
 	for i := range seeds {
 		var err error
-		want[i], err = run(batchfit.NewSession(batchfit.Options{}), seeds[i], sizes[i])
+		want[i], err = run(batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU}), seeds[i], sizes[i])
 		require.NoError(t, err)
 	}
 
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	got := make([][][]float32, len(seeds))
 	errs := make([]error, len(seeds))
 	var wg sync.WaitGroup
@@ -415,7 +415,7 @@ func TestSessionConcurrentSteps(t *testing.T) {
 // gives back the block it allocated for it: the allocator holds nothing.
 func TestFailedUploadHoldsNoBlock(t *testing.T) {
 	rng := rand.New(rand.NewPCG(11, 12))
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	x, _ := batchOf(rng, batch)
 	w := lazy.ParamSpec([]int{nClasses, nIn}, graph.Float32, "spec.weight")
 	out := lazy.Wrap(x, 0).Linear(w, nil).Sum()

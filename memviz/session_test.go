@@ -20,7 +20,7 @@ import (
 // line tool does: report after the step, profile predicted against
 // measured, export the snapshot.
 func TestSessionStep(t *testing.T) {
-	sess := batchfit.NewSession(batchfit.Options{TraceEntries: traceEntries, Timeline: true})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, TraceEntries: traceEntries, Timeline: true})
 	m := newMLP(10)
 	rng := rand.New(rand.NewPCG(41, 42))
 	x, y := batch(rng, 12, nIn, nOut)

@@ -143,7 +143,9 @@ func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	if err := nn.Check(b.module); err != nil {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
-	sess := batchfit.NewSession(batchfit.Options{Budget: c.budget, Headroom: c.headroom, Timeline: true})
+	// The CPU executor accounts on a simulated device of exactly the
+	// budget, which is what this report is about, GPU or not.
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: c.budget, Headroom: c.headroom, Timeline: true})
 	x := &executed{}
 	var err error
 	if c.train {

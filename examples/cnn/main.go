@@ -84,6 +84,7 @@ func run(w io.Writer, o options) ([]float32, error) {
 		return nil, err
 	}
 	sess := batchfit.NewSession(batchfit.Options{})
+	defer sess.Close() // a failed Close of an example's GPU has nothing left to lose
 	fmt.Fprintf(w, "device: %s\n", sess.Device())
 	fmt.Fprintf(w, "model: ConvNet %d×%d×%d, widths %v, %d classes: %d parameters\n",
 		cfg.Channels, cfg.Size, cfg.Size, cfg.Widths, cfg.Classes, nn.NumParams(model))

@@ -34,7 +34,7 @@ func TestTrainingHalvesLoss(t *testing.T) {
 	assert.Less(t, last, float64(losses[0])/2)
 
 	text := out.String()
-	assert.Regexp(t, `(?m)^device: cpu`, text)
+	assert.Regexp(t, `(?m)^device: (cpu|cuda): `, text)
 	assert.Regexp(t, `(?m)^training graph: \d+ nodes; sum of tensor sizes \(not a peak\): \d+ B fixed \+ \d+ B per image`, text)
 	assert.Len(t, regexp.MustCompile(`(?m)^step +\d+  loss \d+\.\d+$`).FindAllString(text, -1), 11, "step 1 and every fourth step:\n%s", text)
 }

@@ -43,7 +43,8 @@ type options struct {
 	rows   int    // rows of logits to print
 	steps  int    // training steps
 	lr     float64
-	budget int64 // device memory a step may reserve; 0: no limit
+	budget int64  // device memory a step may reserve; 0: no limit
+	device string // batchfit.Options.Device: "" (auto), "cpu" or "cuda"
 }
 
 func main() {
@@ -53,6 +54,7 @@ func main() {
 	flag.IntVar(&o.rows, "rows", 4, "rows of logits to print")
 	flag.IntVar(&o.steps, "steps", 200, "training steps")
 	flag.Float64Var(&o.lr, "lr", 1e-3, "Adam learning rate")
+	flag.StringVar(&o.device, "device", "auto", "auto (CUDA when a GPU is usable), cpu or cuda")
 	budget := flag.String("budget", "0", "memory a training step may reserve, e.g. 48MiB (0: no limit); the planner splits the batch into chunks to fit")
 	flag.Parse()
 	var err error
@@ -112,7 +114,11 @@ func run(w io.Writer, o options) error {
 // reuses its analysis because the graph's signature does not change.
 // It returns the loss of every step.
 func train(w io.Writer, o options, model nn.Module) ([]float32, error) {
-	sess := batchfit.NewSession(batchfit.Options{Budget: o.budget})
+	sess := batchfit.NewSession(batchfit.Options{Budget: o.budget, Device: o.device})
+	if err := sess.Err(); err != nil {
+		return nil, err
+	}
+	defer sess.Close() // a failed Close of an example's GPU has nothing left to lose
 	opt := optim.NewAdam(o.lr)
 	fmt.Fprintf(w, "\ntraining on %s, Adam lr %g\n", sess.Device(), o.lr)
 	ctx := context.Background()
@@ -148,8 +154,14 @@ func printPlan(w io.Writer, sess *batchfit.Session, budget int64) {
 	if len(pl.Chunks) > 1 {
 		split = fmt.Sprintf("%d chunks of at most %d", len(pl.Chunks), pl.Chunk)
 	}
-	fmt.Fprintf(w, "plan (%s): batch %d runs as %s; peak reserved predicted %s, measured %s\n",
-		limit, pl.Batch, split, alloc.FormatBytes(pl.PeakReserved), alloc.FormatBytes(u.PeakReserved))
+	// Measured peaks include the executor's Overhead (CUDA's cuBLAS
+	// workspace), which no plan counts.
+	extra := ""
+	if oh := sess.Overhead(); oh > 0 {
+		extra = fmt.Sprintf(" + %s cuBLAS workspace", alloc.FormatBytes(oh))
+	}
+	fmt.Fprintf(w, "plan (%s): batch %d runs as %s; peak reserved predicted %s, measured %s%s\n",
+		limit, pl.Batch, split, alloc.FormatBytes(pl.PeakReserved), alloc.FormatBytes(u.PeakReserved-sess.Overhead()), extra)
 }
 
 // blobs draws batch samples from ten Gaussian blobs: class c has a mean

@@ -88,6 +88,7 @@ func run(w io.Writer, o options) ([]float32, error) {
 	}
 	chain := newChain(o.seed)
 	sess := batchfit.NewSession(batchfit.Options{})
+	defer sess.Close() // a failed Close of an example's GPU has nothing left to lose
 	fmt.Fprintf(w, "device: %s\n", sess.Device())
 	fmt.Fprintf(w, "model: GPT, %d layers, %d heads, width %d, vocab %d, context %d: %d parameters\n",
 		cfg.Layers, cfg.Heads, cfg.Dim, cfg.Vocab, cfg.Context, nn.NumParams(model))

@@ -54,8 +54,9 @@ type Executor struct {
 	ks   *kernelSet
 
 	mu           sync.Mutex
-	resident     map[residentKey]*alloc.Block
-	residentList []*alloc.Block // in allocation order
+	resident     map[residentKey]*residentBuf
+	residentList []*residentBuf // in allocation order
+	yielded      bool
 	closed       bool
 }
 
@@ -68,7 +69,10 @@ type residentKey struct {
 	slot int
 }
 
-var _ exec.Executor = (*Executor)(nil)
+var (
+	_ exec.Executor = (*Executor)(nil)
+	_ exec.Yielder  = (*Executor)(nil)
+)
 
 // NewExecutor makes an executor on d: a caching allocator over
 // d.Backend(), a cuBLAS handle with its workspace from that allocator, and
@@ -102,7 +106,7 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 			return nil, errors.Join(err, b.Close(), ks.close(), a.EmptyCache())
 		}
 	}
-	return &Executor{d: d, a: a, blas: b, ks: ks, resident: map[residentKey]*alloc.Block{}}, nil
+	return &Executor{d: d, a: a, blas: b, ks: ks, resident: map[residentKey]*residentBuf{}}, nil
 }
 
 // Device is the executor's device.
@@ -134,8 +138,10 @@ func (e *Executor) Close() error {
 	}
 	e.closed = true
 	var errs []error
-	for _, b := range e.residentList {
-		errs = append(errs, e.a.Free(b))
+	for _, rb := range e.residentList {
+		if rb.blk != nil {
+			errs = append(errs, e.a.Free(rb.blk))
+		}
 	}
 	e.resident, e.residentList = nil, nil
 	errs = append(errs, e.blas.Close(), e.ks.close(), e.a.EmptyCache())
@@ -209,6 +215,11 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		inputs: map[int]*hostBuf{}, outs: make([]*hostBuf, len(p.Outputs))}
 	var u planner.Usage
 	err = e.d.do(func() error {
+		if o.Resident && e.yielded { // the step restores what Yield gave back
+			if err := e.restore(); err != nil {
+				return err
+			}
+		}
 		var err error
 		u, err = planner.Replay(p, chunks, e.a, r, o.Timeline)
 		if !o.Resident {
@@ -337,9 +348,9 @@ func (r *runner) key(buf planner.Buffer) (residentKey, bool) {
 
 func (r *runner) Resident(buf planner.Buffer) *alloc.Block {
 	if k, ok := r.key(buf); ok {
-		if blk := r.e.resident[k]; blk != nil {
-			r.persist[keyOf(buf)] = blk
-			return blk
+		if rb := r.e.resident[k]; rb != nil && rb.blk != nil {
+			r.persist[keyOf(buf)] = rb.blk
+			return rb.blk
 		}
 	}
 	return nil
@@ -365,8 +376,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	}
 	r.persist[keyOf(pb)] = blk
 	if k, ok := r.key(pb); ok {
-		r.e.resident[k] = blk
-		r.e.residentList = append(r.e.residentList, blk)
+		r.e.keep(k, pb, blk)
 	} else if pb.Kind != planner.BufAccumulator {
 		r.allocated = append(r.allocated, blk)
 	}

@@ -209,7 +209,7 @@ func TestTrainingMatchesCPU(t *testing.T) {
 			e := freshExecutor(t, cuda.ExecutorOptions{})
 			cpuModel, gpuModel := mk(), mk()
 			cpuRng, gpuRng := rand.New(rand.NewPCG(41, 42)), rand.New(rand.NewPCG(41, 42))
-			sess := batchfit.NewSession(batchfit.Options{})
+			sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 			cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
 			var cpuParams, gpuParams []*lazy.Tensor
 			for step := range steps {

@@ -1,0 +1,221 @@
+package batchfit_test
+
+import (
+	"context"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// requireGPU makes GPU tests fail instead of skip, for runs on a machine
+// known to have one (scripts/gpu-check run sets it), as in exec/cuda.
+const requireGPU = "BATCHFIT_REQUIRE_GPU"
+
+// cudaSession returns a session on CUDA, closed when the test ends, or
+// skips when there is no GPU.
+func cudaSession(t *testing.T, o batchfit.Options) *batchfit.Session {
+	t.Helper()
+	o.Device = batchfit.DeviceCUDA
+	sess := batchfit.NewSession(o)
+	if err := sess.Err(); errors.Is(err, cuda.ErrNoGPU) {
+		if os.Getenv(requireGPU) != "" {
+			t.Fatalf("%s is set: %v", requireGPU, err)
+		}
+		t.Skipf("no GPU: %v", err)
+	}
+	require.NoError(t, sess.Err())
+	t.Cleanup(func() { require.NoError(t, sess.Close()) })
+	return sess
+}
+
+// The default device is CUDA when a GPU is usable; without one the session
+// runs on the CPU and its Device line says why.
+func TestSessionAutoPicksCUDA(t *testing.T) {
+	auto := batchfit.NewSession(batchfit.Options{})
+	require.NoError(t, auto.Err(), "auto always finds an executor")
+	defer func() { require.NoError(t, auto.Close()) }()
+	t.Logf("Device(): %s", auto.Device())
+	if strings.HasPrefix(auto.Device(), "cpu: ") {
+		assert.True(t, strings.HasPrefix(auto.Device(), "cpu: no GPU (") || strings.HasPrefix(auto.Device(), "cpu: CUDA unusable ("),
+			"the line says why: %q", auto.Device())
+		forced := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
+		require.Error(t, forced.Err(), "Device cuda without a usable GPU")
+		_, err := forced.Step(context.Background(), lazy.Wrap(tensorOf([]float32{1}, 1), -1).Sum(), nil, optim.NewSGD(0.1, 0))
+		require.ErrorIs(t, err, forced.Err())
+		if os.Getenv(requireGPU) != "" {
+			t.Fatalf("%s is set: %v", requireGPU, forced.Err())
+		}
+		t.Skipf("no GPU: %s", auto.Device())
+	}
+	require.True(t, strings.HasPrefix(auto.Device(), "cuda: "), "%q", auto.Device())
+	assert.Contains(t, auto.Device(), "(sm_")
+	assert.Positive(t, auto.Overhead(), "the cuBLAS workspace")
+}
+
+func TestSessionDeviceOption(t *testing.T) {
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	require.NoError(t, sess.Err())
+	assert.Equal(t, "cpu: chosen by Options.Device", sess.Device())
+	assert.Zero(t, sess.Overhead())
+
+	bad := batchfit.NewSession(batchfit.Options{Device: "tpu"})
+	require.ErrorIs(t, bad.Err(), graph.ErrAttr)
+	_, err := bad.Eval(context.Background(), lazy.Wrap(tensorOf([]float32{1, 2}), -1).Sum())
+	require.ErrorIs(t, err, graph.ErrAttr)
+	require.ErrorIs(t, bad.Yield(), graph.ErrAttr)
+	require.ErrorIs(t, bad.Restore(), graph.ErrAttr)
+	assert.False(t, bad.Yielded())
+	assert.Nil(t, bad.Allocator())
+	require.NoError(t, bad.Close())
+}
+
+// TestSessionCUDAMatchesCPU trains the same MLP on the same data for a few
+// SGD steps with momentum in a CPU session and a CUDA one (full FP32, the
+// default; the update runs on the device): every step's loss and
+// parameters agree, so the CUDA session's host parameter tensors are
+// current after every step.
+//
+// Tolerance: both compute in float32 and sum in different orders (cuBLAS,
+// the device reductions), which moves results by about 1e-6 relative; SGD
+// carries the differences linearly (Adam would not do: it turns a sign
+// flip of a near-zero gradient into a full step). Losses are held to rtol
+// 1e-4, parameters to 1e-6 plus rtol 1e-4, as exec/cuda's
+// TestTrainingMatchesCPU.
+func TestSessionCUDAMatchesCPU(t *testing.T) {
+	const steps, n = 5, 64
+	ctx := context.Background()
+	gpu := cudaSession(t, batchfit.Options{})
+	cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	cpuModel, gpuModel := mlpModel(false), mlpModel(false)
+	cpuRng, gpuRng := rand.New(rand.NewPCG(81, 82)), rand.New(rand.NewPCG(81, 82))
+	cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+	for step := range steps {
+		loss, cpuParams := cpuModel.build(cpuRng, n)
+		want, err := cpu.Step(ctx, loss, cpuParams, cpuOpt)
+		require.NoError(t, err, "cpu step %d", step)
+		loss, gpuParams := gpuModel.build(gpuRng, n)
+		got, err := gpu.Step(ctx, loss, gpuParams, gpuOpt)
+		require.NoError(t, err, "cuda step %d", step)
+		t.Logf("step %d: loss cpu %.7f, cuda %.7f", step, want, got)
+		assert.InEpsilon(t, want, got, 1e-4, "step %d loss", step)
+		for i := range cpuParams {
+			w, g := float32s(t, cpuParams[i].Value().(*tensor.Dense)), float32s(t, gpuParams[i].Value().(*tensor.Dense))
+			require.Len(t, g, len(w))
+			for j := range w {
+				if d := math.Abs(float64(g[j]) - float64(w[j])); d > 1e-6+1e-4*math.Abs(float64(w[j])) {
+					require.Failf(t, "parameters differ", "step %d, %s[%d]: cpu %g, cuda %g", step, cpuParams[i].Name(), j, w[j], g[j])
+				}
+			}
+		}
+	}
+	assert.Equal(t, steps, gpuOpt.Steps())
+}
+
+// TestSessionCUDAPlannedPeaksAreMeasured: through the session on CUDA, the
+// plan's peaks plus Overhead (the cuBLAS workspace) are the measured ones,
+// over three steps, with the budget the device gives (one chunk) and with
+// a budget that splits the batch in two.
+func TestSessionCUDAPlannedPeaksAreMeasured(t *testing.T) {
+	const n = courtesyBatch
+	ctx := context.Background()
+	probe := cudaSession(t, batchfit.Options{})
+	loss, params := mlpModel(false).build(rand.New(rand.NewPCG(83, 84)), n)
+	budgets := tightBudgets(t, cudaStepProgram(t, loss, params, 2))
+	require.Contains(t, budgets, 2)
+	require.NoError(t, probe.Close())
+	for _, c := range []struct {
+		name   string
+		budget int64
+		chunks int
+	}{{"device", 0, 1}, {"two chunks", budgets[2], 2}} {
+		t.Run(c.name, func(t *testing.T) {
+			sess := cudaSession(t, batchfit.Options{Budget: c.budget})
+			m, rng, opt := mlpModel(false), rand.New(rand.NewPCG(85, 86)), optim.NewAdam(1e-3)
+			for step := range 3 {
+				loss, params := m.build(rng, n)
+				_, err := sess.Step(ctx, loss, params, opt)
+				require.NoError(t, err, "step %d", step)
+				pl, used := sess.LastPlan(), sess.LastUsage()
+				require.Len(t, pl.Chunks, c.chunks)
+				t.Logf("step %d, %d chunks, budget %d: reserved predicted %d + overhead %d, measured %d; allocated predicted %d + %d, measured %d",
+					step, len(pl.Chunks), pl.Budget, pl.PeakReserved, sess.Overhead(), used.PeakReserved,
+					pl.PeakAllocated, sess.Overhead(), used.PeakAllocated)
+				assert.Equal(t, pl.PeakReserved+sess.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
+				assert.Equal(t, pl.PeakAllocated+sess.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+			}
+		})
+	}
+}
+
+// TestSessionCUDAYieldRestore: a CUDA session yields between Adam steps
+// (reserved drops to Overhead, the cuBLAS workspace's segment), and the
+// run goes on bit for bit: the same losses and parameters as a session
+// that never yielded. (exec/cuda's TestYieldRestoreContinuesTraining
+// checks the device-side optimizer state bit for bit too.)
+func TestSessionCUDAYieldRestore(t *testing.T) {
+	run := func(yield bool) trained {
+		sess := cudaSession(t, batchfit.Options{})
+		m, rng, opt := mlpModel(false), rand.New(rand.NewPCG(87, 88)), optim.NewAdam(1e-2)
+		var out trained
+		var params []*lazy.Tensor
+		for step := range 5 {
+			if yield && step > 0 {
+				require.NoError(t, sess.Yield())
+				st := sess.Allocator().Stats()
+				require.LessOrEqual(t, st.ReservedBytes[alloc.All].Current, sess.Overhead(), "step %d: reserved while yielded", step)
+				if step%2 == 0 {
+					require.NoError(t, sess.Restore())
+				}
+			}
+			var loss *lazy.Tensor
+			loss, params = m.build(rng, courtesyBatch)
+			l, err := sess.Step(context.Background(), loss, params, opt)
+			require.NoError(t, err, "step %d", step)
+			require.Equal(t, sess.LastPlan().PeakReserved+sess.Overhead(), sess.LastUsage().PeakReserved, "step %d", step)
+			out.losses = append(out.losses, math.Float32bits(l))
+		}
+		for _, p := range params {
+			out.params = append(out.params, bitsOf(float32s(t, p.Value().(*tensor.Dense))))
+		}
+		return out
+	}
+	never := run(false)
+	require.Equal(t, never, run(true))
+}
+
+// cudaStepProgram is stepProgram compiled with CUDA's kernel workspaces,
+// as a CUDA session compiles it.
+func cudaStepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
+	t.Helper()
+	require.NoError(t, loss.Err())
+	g := loss.Graph()
+	outs := []int{loss.ID()}
+	trained := make([]int, len(params))
+	for i, gr := range lazy.Grad(loss, params...) {
+		require.NoError(t, gr.Err())
+		outs = append(outs, gr.ID())
+		trained[i] = g.NodeOf(params[i])
+	}
+	info, err := shapeinfer.Analyze(g.IR(), outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
+		StateSlots: slots, Workspace: cuda.Workspace})
+	require.NoError(t, err)
+	return p
+}
