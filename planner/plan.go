@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
 )
 
 // Errors.
@@ -111,14 +112,56 @@ func (p *Plan) Available() int64 { return p.Budget - p.Headroom }
 
 // simulate replays chunks on a fresh simulated device of the given
 // capacity; ok is false when it ran out of memory.
+//
+// It replays two steps, as a training loop runs them: the second starts
+// with the persistent buffers resident and the cache holding the first
+// step's segments, and may need a segment the first did not. The usage is
+// the larger of the two; the timeline, when recorded, is the first step's.
 func simulate(p *Program, chunks []Chunk, capacity int64, record bool) (u Usage, ok bool, err error) {
 	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
-	u, err = Replay(p, chunks, a, nil, record)
-	if errors.Is(err, alloc.ErrOutOfMemory) {
-		return u, false, nil
+	h := &residentSim{blocks: map[residentKey]*alloc.Block{}}
+	for step := range 2 {
+		s, err := Replay(p, chunks, a, h, record && step == 0)
+		if errors.Is(err, alloc.ErrOutOfMemory) {
+			return u, false, nil
+		}
+		if err != nil {
+			return u, false, err
+		}
+		if step == 0 {
+			u = s
+		}
+		u.PeakReserved = max(u.PeakReserved, s.PeakReserved)
+		u.PeakAllocated = max(u.PeakAllocated, s.PeakAllocated)
 	}
-	return u, err == nil, err
+	return u, true, nil
 }
+
+// residentSim keeps persistent buffers allocated across simulated steps,
+// as executors keep parameters and optimizer state resident; it runs
+// nothing.
+type residentSim struct{ blocks map[residentKey]*alloc.Block }
+
+type residentKey struct {
+	kind       BufferKind
+	node, slot int
+}
+
+func key(b Buffer) residentKey { return residentKey{b.Kind, b.Node, b.Slot} }
+
+func (r *residentSim) Resident(b Buffer) *alloc.Block { return r.blocks[key(b)] }
+func (r *residentSim) Fill(b Buffer, blk *alloc.Block) error {
+	if b.Kind == BufParam || b.Kind == BufState {
+		r.blocks[key(b)] = blk
+	}
+	return nil
+}
+func (*residentSim) Run(*graph.Node, Chunk, *alloc.Block, []*alloc.Block, *alloc.Block) error {
+	return nil
+}
+func (*residentSim) Freed(Buffer, *alloc.Block)                            {}
+func (*residentSim) ChunkDone(Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
+func (*residentSim) Finish([]*alloc.Block) error                           { return nil }
 
 // unlimited is a capacity no plan reaches: 1 EiB.
 const unlimited = 1 << 60

@@ -135,7 +135,8 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 	// ones), so every later chunk of its size would repeat it step for step.
 	// A bare replay (no hooks, no timeline) skips those: planning a batch
 	// of thousands in chunks of one then costs a few chunks, not thousands.
-	bare := h == nil && !record
+	_, sim := h.(*residentSim) // a simulation with resident buffers runs nothing either
+	bare := (h == nil || sim) && !record
 	repeats := -1 // size of the chunks known to repeat
 	var before alloc.Stats
 	for _, c := range chunks {
