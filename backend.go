@@ -87,13 +87,24 @@ func newCPUBackend(o Options) *cpuBackend {
 }
 
 func (b *cpuBackend) workspace() planner.WorkspaceFunc { return cpu.Workspace }
-func (b *cpuBackend) budget() (int64, error)           { return cpu.Unlimited, nil }
-func (b *cpuBackend) allocator() *alloc.Allocator      { return b.e.Allocator() }
-func (b *cpuBackend) overhead() int64                  { return 0 }
-func (b *cpuBackend) yield() error                     { return b.e.Yield() }
-func (b *cpuBackend) restore() error                   { return b.e.Restore() }
-func (b *cpuBackend) yielded() bool                    { return b.e.Yielded() }
-func (b *cpuBackend) close() error                     { return nil }
+
+// budget is what the simulated device has free plus what the allocator
+// already reserves, as on CUDA: memory taken by anyone else is not there.
+func (b *cpuBackend) budget() (int64, error) {
+	a := b.e.Allocator()
+	free, _, err := a.Backend().MemInfo()
+	if err != nil {
+		return 0, err
+	}
+	return free + a.Stats().ReservedBytes[alloc.All].Current, nil
+}
+
+func (b *cpuBackend) allocator() *alloc.Allocator { return b.e.Allocator() }
+func (b *cpuBackend) overhead() int64             { return 0 }
+func (b *cpuBackend) yield() error                { return b.e.Yield() }
+func (b *cpuBackend) restore() error              { return b.e.Restore() }
+func (b *cpuBackend) yielded() bool               { return b.e.Yielded() }
+func (b *cpuBackend) close() error                { return nil }
 
 func (b *cpuBackend) run(ctx context.Context, p *planner.Program, chunks []planner.Chunk, st *stepArgs, timeline bool) ([]*tensor.Dense, planner.Usage, error) {
 	o := cpu.ExecOptions{Resident: true, Timeline: timeline}

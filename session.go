@@ -2,6 +2,7 @@ package batchfit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 
@@ -215,21 +216,36 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 
 // run plans p within the budget and executes it; st is a training step's
 // optimizer and parameters, nil for Eval.
+//
+// When the device runs out of memory anyway (another process took memory
+// between the plan and the run), the step is planned again within what is
+// left and run once more. A failed run changes nothing: the optimizer
+// updates only after the last chunk, and the executor frees what the run
+// held, so no chunk is lost or counted twice.
 func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]*tensor.Dense, error) {
-	budget, err := s.be.budget()
-	if err != nil {
-		return nil, err
-	}
-	if s.opts.Budget > 0 {
-		budget = min(budget, s.opts.Budget)
-	}
-	pl, err := s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom})
-	if err != nil {
-		return nil, err
-	}
-	outs, u, err := s.be.run(ctx, p, pl.Chunks, st, s.opts.Timeline)
-	if err != nil {
-		return nil, err
+	var (
+		pl   *planner.Plan
+		outs []*tensor.Dense
+		u    planner.Usage
+	)
+	for attempt := 0; ; attempt++ {
+		budget, err := s.be.budget()
+		if err != nil {
+			return nil, err
+		}
+		if s.opts.Budget > 0 {
+			budget = min(budget, s.opts.Budget)
+		}
+		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom}); err != nil {
+			return nil, err
+		}
+		outs, u, err = s.be.run(ctx, p, pl.Chunks, st, s.opts.Timeline)
+		if err == nil {
+			break
+		}
+		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) {
+			return nil, err
+		}
 	}
 	s.mu.Lock()
 	s.last, s.lastProg, s.usage = pl, p, u

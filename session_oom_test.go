@@ -1,0 +1,66 @@
+package batchfit_test
+
+import (
+	"context"
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+)
+
+// TestStepReplansWhenMemoryIsTaken injects an out-of-memory: after a first
+// step planned the whole batch in one chunk, another user takes device
+// memory. The next step's run hits OOM, is planned again in smaller chunks
+// and completes; its parameters equal those of a session nobody disturbed
+// (within float32 rounding of the chunk sums, 1e-5 relative), so no chunk
+// was lost or counted twice.
+func TestStepReplansWhenMemoryIsTaken(t *testing.T) {
+	const budget = 64 << 20
+	const n, in = 2048, 256
+	data := make([]float32, n*in)
+	labels := make([]int64, n)
+	for i := range data {
+		data[i] = float32(math.Sin(float64(i) * 0.37))
+	}
+	for i := range labels {
+		labels[i] = int64(i % 10)
+	}
+	train := func(disturb bool) ([]float32, *batchfit.Session) {
+		model := nn.MLP(nn.Seed(3), []int{in, 1024, 10}, nn.ReLU{})
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
+		opt := optim.NewSGD(0.1, 0.9)
+		for step := range 2 {
+			if step == 1 && disturb {
+				// The session gives its cache back (as empty_cache would)
+				// and another process takes part of the device, leaving
+				// less than the cached whole-batch plan needs.
+				require.NoError(t, sess.Allocator().EmptyCache())
+				reserved := sess.Allocator().Stats().ReservedBytes[0].Current
+				t.Logf("whole-batch peak %d, resident %d", sess.LastPlan().PeakReserved, reserved)
+				taken := budget - (sess.LastPlan().PeakReserved - 8<<20)
+				_, err := sess.Allocator().Backend().Malloc(taken)
+				require.NoError(t, err)
+			}
+			x := lazy.Wrap(tensor.New(tensor.WithShape(n, in), tensor.WithBacking(data)), 0)
+			y := x.Graph().Wrap(tensor.New(tensor.WithShape(n), tensor.WithBacking(labels)), 0)
+			loss := model.Forward(x).CrossEntropy(y, graph.ReduceMean)
+			_, err := sess.Step(context.Background(), loss, nn.ParamTensors(model), opt)
+			require.NoError(t, err, "step %d", step)
+		}
+		return nn.ParamTensors(model)[0].Value().Data().([]float32), sess
+	}
+	want, calm := train(false)
+	got, disturbed := train(true)
+	require.Len(t, calm.LastPlan().Chunks, 1, "undisturbed, the batch runs whole")
+	require.Greater(t, len(disturbed.LastPlan().Chunks), 1, "after the memory was taken the step re-planned in chunks")
+	for i := range want {
+		require.InDelta(t, want[i], got[i], 1e-5*math.Max(1, math.Abs(float64(want[i]))), "parameter element %d", i)
+	}
+}
