@@ -61,6 +61,8 @@ type Session struct {
 	last     *planner.Plan
 	lastProg *planner.Program
 	usage    planner.Usage
+
+	beforeRun func() // tests: called between planning and running a step
 }
 
 type programKey struct {
@@ -238,6 +240,9 @@ func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]
 		}
 		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom}); err != nil {
 			return nil, err
+		}
+		if s.beforeRun != nil {
+			s.beforeRun()
 		}
 		outs, u, err = s.be.run(ctx, p, pl.Chunks, st, s.opts.Timeline)
 		if err == nil {
