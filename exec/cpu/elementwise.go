@@ -134,18 +134,18 @@ func geluTanh(v float64) float64 {
 // rows of a contiguous operand against one repeated row, and so on; only the
 // outer odometer is general.
 func binaryKernel(op graph.Op, x, y, out *buf) error {
-	sx, err := operandStrides(x.shape, out.shape)
+	sx, err := graph.BroadcastStrides(x.shape, out.shape)
 	if err != nil {
 		return err
 	}
-	sy, err := operandStrides(y.shape, out.shape)
+	sy, err := graph.BroadcastStrides(y.shape, out.shape)
 	if err != nil {
 		return err
 	}
 	if binaryFunc(op) == nil {
 		return graph.Errorf(graph.ErrAttr, "%s is not a binary elementwise op", op)
 	}
-	w := newWalk(out.shape, sx, sy, contiguousStrides(out.shape))
+	w := newWalk(out.shape, sx, sy, graph.ContiguousStrides(out.shape))
 	w.rows(func(offs []int, n int, inner []int) {
 		dst := out.f[offs[2] : offs[2]+n]
 		a := x.f[offs[0]:]

@@ -29,7 +29,14 @@ func gradKernel(nd *graph.Node, in []*buf, out *buf) error {
 			out.f[i] = maximumShare(x, s) * g.f[i]
 		}
 	case graph.OpMaximumGrad:
-		x0, x1 := broadcastIndex(in[1].shape, out.shape), broadcastIndex(in[2].shape, out.shape)
+		x0, err := broadcastIndex(in[1].shape, out.shape)
+		if err != nil {
+			return err
+		}
+		x1, err := broadcastIndex(in[2].shape, out.shape)
+		if err != nil {
+			return err
+		}
 		for i := range out.f {
 			p, q := in[1].f[x0[i]], in[2].f[x1[i]]
 			if a.Axis == 1 {
@@ -38,12 +45,15 @@ func gradKernel(nd *graph.Node, in []*buf, out *buf) error {
 			out.f[i] = maximumShare(p, q) * g.f[i]
 		}
 	case graph.OpExpand:
-		idx := broadcastIndex(g.shape, out.shape)
+		idx, err := broadcastIndex(g.shape, out.shape)
+		if err != nil {
+			return err
+		}
 		for i, j := range idx {
 			out.f[i] = g.f[j]
 		}
 	case graph.OpMaxGrad:
-		maxGrad(a, g, in[1], in[2], out)
+		return maxGrad(a, g, in[1], in[2], out)
 	case graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad:
 		softmaxGrad(nd.Op == graph.OpLogSoftmaxGrad, a.Axis, g, in[1], out)
 	case graph.OpLayerNormGradX:
@@ -104,16 +114,12 @@ func geluDeriv(x float64, approx bool) float64 {
 
 // broadcastIndex maps each flat index of outShape to the flat index of an
 // operand of shape s broadcast to it (NumPy rules, s no longer than outShape).
-func broadcastIndex(s, outShape []int) []int {
-	r := len(outShape)
-	strides := make([]int, r) // operand strides aligned right, 0 where broadcast
-	st := 1
-	for i := len(s) - 1; i >= 0; i-- {
-		if s[i] != 1 {
-			strides[r-len(s)+i] = st
-		}
-		st *= s[i]
+func broadcastIndex(s, outShape []int) ([]int, error) {
+	strides, err := graph.BroadcastStrides(s, outShape)
+	if err != nil {
+		return nil, err
 	}
+	r := len(outShape)
 	idx := make([]int, graph.Numel(outShape))
 	pos := make([]int, r)
 	off := 0
@@ -129,7 +135,7 @@ func broadcastIndex(s, outShape []int) []int {
 			pos[d] = 0
 		}
 	}
-	return idx
+	return idx, nil
 }
 
 // keepDimShape is x's shape with the reduced axes set to 1.
@@ -142,9 +148,12 @@ func keepDimShape(x []int, axes []int) []int {
 }
 
 // maxGrad shares each reduced gradient evenly among the tied maxima.
-func maxGrad(a *graph.Attrs, g, x, y, out *buf) {
+func maxGrad(a *graph.Attrs, g, x, y, out *buf) error {
 	// y's flat order is the keepdim order whether or not dims were kept.
-	idx := broadcastIndex(keepDimShape(x.shape, a.Axes), x.shape)
+	idx, err := broadcastIndex(keepDimShape(x.shape, a.Axes), x.shape)
+	if err != nil {
+		return err
+	}
 	count := make([]float32, len(y.f))
 	for i, j := range idx {
 		if x.f[i] == y.f[j] {
@@ -157,6 +166,7 @@ func maxGrad(a *graph.Attrs, g, x, y, out *buf) {
 			out.f[i] = g.f[j] / count[j]
 		}
 	}
+	return nil
 }
 
 // axisSplit views shape as [outer, n, inner] around axis.

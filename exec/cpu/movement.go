@@ -45,7 +45,7 @@ func permuteKernel(perm []int, x, out *buf) error {
 	if len(perm) != rank || len(out.shape) != rank {
 		return graph.Errorf(graph.ErrAttr, "permute %v of %v into %v", perm, x.shape, out.shape)
 	}
-	xs := contiguousStrides(x.shape)
+	xs := graph.ContiguousStrides(x.shape)
 	src := make([]int, rank) // stride into x along each output axis
 	seen := make([]bool, rank)
 	for k, p := range perm {
@@ -55,7 +55,7 @@ func permuteKernel(perm []int, x, out *buf) error {
 		seen[p] = true
 		src[k] = xs[p]
 	}
-	w := newWalk(out.shape, src, contiguousStrides(out.shape))
+	w := newWalk(out.shape, src, graph.ContiguousStrides(out.shape))
 	if asInt {
 		gather(w, 0, x.i, out.i)
 	} else {
@@ -99,10 +99,10 @@ func sliceKernel(a *graph.Attrs, x, out *buf) error {
 	if graph.Numel(out.shape) == 0 {
 		return nil
 	}
-	src := contiguousStrides(x.shape)
+	src := graph.ContiguousStrides(x.shape)
 	base := a.Start * src[ax]
 	src[ax] *= a.Step
-	w := newWalk(out.shape, src, contiguousStrides(out.shape))
+	w := newWalk(out.shape, src, graph.ContiguousStrides(out.shape))
 	if asInt {
 		gather(w, base, x.i, out.i)
 	} else {

@@ -32,7 +32,7 @@ func reduceKernel(op graph.Op, a *graph.Attrs, x, out *buf) error {
 		return graph.Errorf(graph.ErrShape, "%s over axes %v of %v cannot give %v", op, a.Axes, x.shape, out.shape)
 	}
 	acc := make([]float64, len(out.f))
-	w := newWalk(x.shape, contiguousStrides(x.shape), os)
+	w := newWalk(x.shape, graph.ContiguousStrides(x.shape), os)
 	switch op {
 	case graph.OpSum, graph.OpMean:
 		w.rows(func(offs []int, n int, inner []int) {

@@ -472,7 +472,7 @@ func (r *runner) matmul(ta, tb bool, x, y, out operand) error {
 
 // contiguousMul is the row-major strides of shape scaled by inner.
 func contiguousMul(shape []int, inner int) []int {
-	s := contiguousStrides(shape)
+	s := graph.ContiguousStrides(shape)
 	for i := range s {
 		s[i] *= inner
 	}

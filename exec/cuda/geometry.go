@@ -10,40 +10,6 @@ import (
 // Index geometry on the host side: strides, merged axes and the structs
 // the kernels take, computed as exec/cpu computes them (walk.go, conv.go).
 
-// contiguousStrides returns row-major strides of shape.
-func contiguousStrides(shape []int) []int {
-	s := make([]int, len(shape))
-	acc := 1
-	for i := len(shape) - 1; i >= 0; i-- {
-		s[i] = acc
-		acc *= shape[i]
-	}
-	return s
-}
-
-// operandStrides returns the strides that read a value of shape from
-// positions of the broadcast shape out: leading axes it lacks and its
-// size-1 axes get stride 0.
-func operandStrides(shape, out []int) ([]int, error) {
-	if len(shape) > len(out) {
-		return nil, graph.Errorf(graph.ErrShape, "operand %v has higher rank than the result %v", shape, out)
-	}
-	own := contiguousStrides(shape)
-	s := make([]int, len(out))
-	lead := len(out) - len(shape)
-	for i, d := range shape {
-		switch {
-		case d == out[lead+i]:
-			s[lead+i] = own[i]
-		case d == 1:
-			s[lead+i] = 0
-		default:
-			return nil, graph.Errorf(graph.ErrShape, "operand %v does not broadcast to %v", shape, out)
-		}
-	}
-	return s, nil
-}
-
 // mergeAxes drops the size-1 axes of shape and merges neighbouring axes that
 // every stride set walks contiguously (as exec/cpu's newWalk), so kernels
 // see few axes. It returns the merged sizes and, per stride set, the merged
@@ -113,15 +79,15 @@ func newStrided2(dims, sa, sb []int) Strided2 {
 // broadcastGeom is the Strided2 that reads a and b at each position of the
 // broadcast shape out (contiguous).
 func broadcastGeom(a, b, out []int) (Strided2, error) {
-	sa, err := operandStrides(a, out)
+	sa, err := graph.BroadcastStrides(a, out)
 	if err != nil {
 		return Strided2{}, err
 	}
-	sb, err := operandStrides(b, out)
+	sb, err := graph.BroadcastStrides(b, out)
 	if err != nil {
 		return Strided2{}, err
 	}
-	dims, st := mergeAxes(out, sa, sb, contiguousStrides(out))
+	dims, st := mergeAxes(out, sa, sb, graph.ContiguousStrides(out))
 	if err := checkRank("broadcast", dims); err != nil {
 		return Strided2{}, err
 	}
@@ -156,7 +122,7 @@ func planReduce(shape, axes []int) (reduceLayout, error) {
 		}
 		reduced[ax] = true
 	}
-	strides := contiguousStrides(shape)
+	strides := graph.ContiguousStrides(shape)
 	type axis struct {
 		size, stride int
 		red          bool

@@ -68,7 +68,7 @@ func randData(rng *rand.Rand, n int) []float64 {
 }
 
 func TestMergeAxes(t *testing.T) {
-	dims, st := mergeAxes([]int{2, 1, 3, 4}, contiguousStrides([]int{2, 1, 3, 4}))
+	dims, st := mergeAxes([]int{2, 1, 3, 4}, graph.ContiguousStrides([]int{2, 1, 3, 4}))
 	assert.Equal(t, []int{24}, dims)
 	assert.Equal(t, [][]int{{1}}, st)
 	// A row broadcast [3] over [2, 3]: the operand's stride 0 keeps two axes.

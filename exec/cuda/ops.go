@@ -65,7 +65,7 @@ func planPermute(perm, shape, out []int) (permutePlan, error) {
 	if len(perm) != rank || len(out) != rank {
 		return permutePlan{}, graph.Errorf(graph.ErrAttr, "permute %v of %v into %v", perm, shape, out)
 	}
-	xs := contiguousStrides(shape)
+	xs := graph.ContiguousStrides(shape)
 	src := make([]int, rank)
 	seen := make([]bool, rank)
 	for k, p := range perm {
@@ -75,7 +75,7 @@ func planPermute(perm, shape, out []int) (permutePlan, error) {
 		seen[p] = true
 		src[k] = xs[p]
 	}
-	dims, st := mergeAxes(out, src, contiguousStrides(out))
+	dims, st := mergeAxes(out, src, graph.ContiguousStrides(out))
 	s := st[0]
 	switch {
 	case len(dims) == 0 || len(dims) == 1 && s[0] == 1:
@@ -121,7 +121,7 @@ func (r *runner) transpose(dt graph.DType, src, dst alloc.Ptr, batch, rows, cols
 
 // expand broadcasts g to out's shape (the backward of reductions).
 func (r *runner) expand(g, out operand) error {
-	s, err := operandStrides(g.shape, out.shape)
+	s, err := graph.BroadcastStrides(g.shape, out.shape)
 	if err != nil {
 		return err
 	}
@@ -129,7 +129,7 @@ func (r *runner) expand(g, out operand) error {
 	if n == 0 {
 		return nil
 	}
-	dims, st := mergeAxes(out.shape, s, contiguousStrides(out.shape))
+	dims, st := mergeAxes(out.shape, s, graph.ContiguousStrides(out.shape))
 	if err := checkRank("expand", dims); err != nil {
 		return err
 	}
