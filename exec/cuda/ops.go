@@ -315,21 +315,13 @@ func (r *runner) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand, w
 	if err := floats(x, w, out); err != nil {
 		return err
 	}
-	if len(w.shape) != 4 {
-		return graph.Errorf(graph.ErrShape, "conv2d weight must be [out, in/groups, kh, kw], got %v", w.shape)
-	}
-	o := int64(w.shape[0])
-	wd, err := newWindow("conv2d", x.shape, out.shape, w.shape[2], w.shape[3], a, w.shape[0])
+	geo, err := newConvGeom("conv2d", a, x.shape, out.shape, w.shape)
 	if err != nil {
 		return err
 	}
-	if err := convGroups("conv2d", a, w.shape, wd.C); err != nil {
-		return err
-	}
-	groups := int64(a.Groups)
-	og, cg := o/groups, wd.C/groups
-	kk, howo, hw := cg*wd.KH*wd.KW, wd.HO*wd.WO, wd.H*wd.W
-	chw := wd.C * hw
+	wd := geo.Window
+	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
+	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
 	var beta float32
 	if b != nil {
 		if err := floats(*b); err != nil {
@@ -375,27 +367,49 @@ func (r *runner) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand, w
 	return nil
 }
 
+// convGeom is a convolution's window with the sizes of its per-group
+// GEMMs: o output channels in groups of og, cg input channels per group,
+// kk = cg·kh·kw rows of the unfolded patches, howo output and hw input
+// positions per plane, chw elements per input image.
+type convGeom struct {
+	Window
+	o, groups, og, cg, kk, howo, hw, chw int64
+}
+
+// newConvGeom checks a convolution's weight w [O, C/groups, kh, kw] against
+// its input x and output y (the same shapes for the gradients) and works
+// out its GEMM sizes.
+func newConvGeom(op string, a *graph.Attrs, x, y, w []int) (convGeom, error) {
+	if len(w) != 4 {
+		return convGeom{}, graph.Errorf(graph.ErrShape, "%s weight must be [out, in/groups, kh, kw], got %v", op, w)
+	}
+	wd, err := newWindow(op, x, y, w[2], w[3], a, w[0])
+	if err != nil {
+		return convGeom{}, err
+	}
+	if err := convGroups(op, a, w, wd.C); err != nil {
+		return convGeom{}, err
+	}
+	c := convGeom{Window: wd, o: int64(w[0]), groups: int64(a.Groups)}
+	c.og, c.cg = c.o/c.groups, wd.C/c.groups
+	c.kk, c.howo, c.hw = c.cg*wd.KH*wd.KW, wd.HO*wd.WO, wd.H*wd.W
+	c.chw = wd.C * c.hw
+	return c, nil
+}
+
 // conv2dGradInput: per image and group, dcol = W_gᵀ·g_g in the workspace,
 // folded into the input gradient by col2im (which sets every element).
 func (r *runner) conv2dGradInput(a *graph.Attrs, g, w, out operand, ws *alloc.Block) error {
 	if err := floats(w); err != nil {
 		return err
 	}
-	if len(w.shape) != 4 {
-		return graph.Errorf(graph.ErrShape, "conv2d_grad_input weight must be [out, in/groups, kh, kw], got %v", w.shape)
-	}
-	o := int64(w.shape[0])
-	wd, err := newWindow("conv2d_grad_input", out.shape, g.shape, w.shape[2], w.shape[3], a, w.shape[0])
+	geo, err := newConvGeom("conv2d_grad_input", a, out.shape, g.shape, w.shape)
 	if err != nil {
 		return err
 	}
-	if err := convGroups("conv2d_grad_input", a, w.shape, wd.C); err != nil {
-		return err
-	}
-	groups := int64(a.Groups)
-	og, cg := o/groups, wd.C/groups
-	kk, howo, hw := cg*wd.KH*wd.KW, wd.HO*wd.WO, wd.H*wd.W
-	chw := wd.C * hw
+	wd := geo.Window
+	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
+	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
 	if out.n() == 0 {
 		return nil
 	}
@@ -436,21 +450,13 @@ func (r *runner) conv2dGradWeight(a *graph.Attrs, g, x, out operand, ws *alloc.B
 	if err := floats(x); err != nil {
 		return err
 	}
-	if len(out.shape) != 4 {
-		return graph.Errorf(graph.ErrShape, "conv2d_grad_weight output must be [out, in/groups, kh, kw], got %v", out.shape)
-	}
-	o := int64(out.shape[0])
-	wd, err := newWindow("conv2d_grad_weight", x.shape, g.shape, out.shape[2], out.shape[3], a, out.shape[0])
+	geo, err := newConvGeom("conv2d_grad_weight", a, x.shape, g.shape, out.shape)
 	if err != nil {
 		return err
 	}
-	if err := convGroups("conv2d_grad_weight", a, out.shape, wd.C); err != nil {
-		return err
-	}
-	groups := int64(a.Groups)
-	og, cg := o/groups, wd.C/groups
-	kk, howo, hw := cg*wd.KH*wd.KW, wd.HO*wd.WO, wd.H*wd.W
-	chw := wd.C * hw
+	wd := geo.Window
+	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
+	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
 	if err := r.e.d.Memzero(out.p, 4*out.n()); err != nil || out.n() == 0 {
 		return err
 	}
