@@ -299,7 +299,16 @@ type cacheKey struct {
 // Signature identifies what a program's memory depends on: its graph, its
 // buffers and its schedule, which the outputs shape (an output lives to the
 // end of each chunk; the same node not asked for is freed early).
+// Compile computes it once, and Rebind carries it to the rebuilt graph, so a
+// training loop does not hash its graph twice per step.
 func (p *Program) Signature() uint64 {
+	if p.sig != 0 {
+		return p.sig
+	}
+	return p.signature()
+}
+
+func (p *Program) signature() uint64 {
 	h := p.Graph.Signature()
 	for _, b := range p.Buffers { // persistent kinds and workspace sizes
 		h = h*1099511628211 ^ uint64(b.Kind)<<56 ^ uint64(b.Fixed) ^ uint64(b.PerSample)<<17

@@ -76,7 +76,8 @@ type Program struct {
 	// Kept has the same length, Kept[i] is the gradient of Trained[i], the
 	// order batchfit.Session.Step compiles them in.
 	Trained   []int
-	OutputBuf []int // buffer of each node's output, −1 if none
+	OutputBuf []int  // buffer of each node's output, −1 if none
+	sig       uint64 // Signature, computed by Compile
 }
 
 // WorkspaceFunc declares the scratch bytes a node's kernel needs when b
@@ -194,6 +195,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 			}
 		}
 	}
+	p.sig = p.signature()
 	return p, nil
 }
 
