@@ -39,6 +39,8 @@ type backend interface {
 	run(ctx context.Context, p *planner.Program, chunks []planner.Chunk, st *stepArgs, timeline bool) ([]*tensor.Dense, planner.Usage, error)
 	allocator() *alloc.Allocator
 	overhead() int64
+	// syncParams brings trained parameters' host tensors up to date.
+	syncParams() error
 	yield() error
 	restore() error
 	yielded() bool
@@ -101,6 +103,7 @@ func (b *cpuBackend) budget() (int64, error) {
 
 func (b *cpuBackend) allocator() *alloc.Allocator { return b.e.Allocator() }
 func (b *cpuBackend) overhead() int64             { return 0 }
+func (b *cpuBackend) syncParams() error           { return nil } // the optimizer updates the host tensors
 func (b *cpuBackend) yield() error                { return b.e.Yield() }
 func (b *cpuBackend) restore() error              { return b.e.Restore() }
 func (b *cpuBackend) yielded() bool               { return b.e.Yielded() }
@@ -124,8 +127,9 @@ func (b *cpuBackend) run(ctx context.Context, p *planner.Program, chunks []plann
 }
 
 type cudaBackend struct {
-	d *cuda.Device
-	e *cuda.Executor
+	d      *cuda.Device
+	e      *cuda.Executor
+	closed bool // Close once done: nothing left to sync
 }
 
 func newCUDABackend(o Options) (*cudaBackend, error) {
@@ -143,10 +147,19 @@ func newCUDABackend(o Options) (*cudaBackend, error) {
 func (b *cudaBackend) workspace() planner.WorkspaceFunc { return cuda.Workspace }
 func (b *cudaBackend) allocator() *alloc.Allocator      { return b.e.Allocator() }
 func (b *cudaBackend) overhead() int64                  { return b.e.Overhead() }
-func (b *cudaBackend) yield() error                     { return b.e.Yield() }
-func (b *cudaBackend) restore() error                   { return b.e.Restore() }
-func (b *cudaBackend) yielded() bool                    { return b.e.Yielded() }
-func (b *cudaBackend) close() error                     { return errors.Join(b.e.Close(), b.d.Close()) }
+func (b *cudaBackend) syncParams() error {
+	if b.closed {
+		return nil
+	}
+	return b.e.SyncParams()
+}
+func (b *cudaBackend) yield() error   { return b.e.Yield() }
+func (b *cudaBackend) restore() error { return b.e.Restore() }
+func (b *cudaBackend) yielded() bool  { return b.e.Yielded() }
+func (b *cudaBackend) close() error {
+	b.closed = true
+	return errors.Join(b.e.Close(), b.d.Close())
+}
 
 // budget is the device memory a step can have: what the driver reports
 // free plus what the executor's allocator reserves already (its cache and
@@ -163,10 +176,9 @@ func (b *cudaBackend) budget() (int64, error) {
 func (b *cudaBackend) run(ctx context.Context, p *planner.Program, chunks []planner.Chunk, st *stepArgs, timeline bool) ([]*tensor.Dense, planner.Usage, error) {
 	o := cuda.ExecOptions{Resident: true, Timeline: timeline}
 	if st != nil {
-		// Parameters and optimizer state stay on the device; the trained
-		// parameters' host tensors are brought up to date after every
-		// step, so what the user reads is always the current value.
-		o.Optimizer, o.SyncParams = st.opt, true
+		// Parameters, gradients and optimizer state stay on the device;
+		// Session.SyncParams brings the host tensors up to date.
+		o.Optimizer, o.KeptOnDevice = st.opt, true
 	}
 	res, err := b.e.Execute(ctx, p, chunks, o)
 	if err != nil {

@@ -95,7 +95,21 @@ func (s *Session) Close() error {
 	if s.be == nil {
 		return nil
 	}
-	return s.be.close()
+	// The host tensors get the trained values before the device copies go.
+	return errors.Join(s.be.syncParams(), s.be.close())
+}
+
+// SyncParams brings the trained parameters' host tensors up to date. On
+// CUDA a step updates parameters on the device only, as a PyTorch model's
+// parameters live on the GPU: call SyncParams before reading a parameter's
+// host tensor (to save, print or evaluate it elsewhere). Only parameters
+// changed since the last SyncParams are downloaded; Close syncs too. On the
+// CPU the host tensors are the parameters, and SyncParams does nothing.
+func (s *Session) SyncParams() error {
+	if s.be == nil {
+		return s.err
+	}
+	return s.be.syncParams()
 }
 
 // Device names the executor the session runs on and why, on one line:
@@ -307,8 +321,9 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 //
 // On CUDA, optim.SGD and optim.Adam run on the device: parameters and
 // optimizer state stay there across steps (the optimizer's host State
-// stays empty), and the parameters' host tensors are downloaded after
-// every step, so they always hold the current values. Other optimizers
+// stays empty), and gradients never leave the device. The parameters'
+// host tensors are brought up to date by SyncParams (and Close), not after
+// every step, which would copy the whole model each step. Other optimizers
 // run on the host between a download and an upload. The device copy is
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.

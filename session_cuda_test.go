@@ -114,6 +114,7 @@ func TestSessionCUDAMatchesCPU(t *testing.T) {
 		require.NoError(t, err, "cuda step %d", step)
 		t.Logf("step %d: loss cpu %.7f, cuda %.7f", step, want, got)
 		assert.InEpsilon(t, want, got, 1e-4, "step %d loss", step)
+		require.NoError(t, gpu.SyncParams(), "step %d", step)
 		for i := range cpuParams {
 			w, g := float32s(t, cpuParams[i].Value().(*tensor.Dense)), float32s(t, gpuParams[i].Value().(*tensor.Dense))
 			require.Len(t, g, len(w))
@@ -190,6 +191,7 @@ func TestSessionCUDAYieldRestore(t *testing.T) {
 			require.Equal(t, sess.LastPlan().PeakReserved+sess.Overhead(), sess.LastUsage().PeakReserved, "step %d", step)
 			out.losses = append(out.losses, math.Float32bits(l))
 		}
+		require.NoError(t, sess.SyncParams())
 		for _, p := range params {
 			out.params = append(out.params, bitsOf(float32s(t, p.Value().(*tensor.Dense))))
 		}
@@ -218,4 +220,60 @@ func cudaStepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slo
 		StateSlots: slots, Workspace: cuda.Workspace})
 	require.NoError(t, err)
 	return p
+}
+
+// On CUDA a step updates the parameters on the device only; SyncParams
+// and Close bring the host tensors up to date, with the values the CPU
+// computes (same tolerance as TestSessionCUDAMatchesCPU).
+func TestSessionCUDASyncParams(t *testing.T) {
+	const steps, n = 3, 64
+	ctx := context.Background()
+	gpu := cudaSession(t, batchfit.Options{})
+	cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	cpuModel, gpuModel := mlpModel(false), mlpModel(false)
+	cpuRng, gpuRng := rand.New(rand.NewPCG(91, 92)), rand.New(rand.NewPCG(91, 92))
+	cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+	var cpuParams, gpuParams []*lazy.Tensor
+	var initial [][]uint32
+	for step := range steps {
+		var loss *lazy.Tensor
+		loss, cpuParams = cpuModel.build(cpuRng, n)
+		_, err := cpu.Step(ctx, loss, cpuParams, cpuOpt)
+		require.NoError(t, err)
+		loss, gpuParams = gpuModel.build(gpuRng, n)
+		if step == 0 {
+			for _, p := range gpuParams {
+				initial = append(initial, bitsOf(float32s(t, p.Value().(*tensor.Dense))))
+			}
+		}
+		_, err = gpu.Step(ctx, loss, gpuParams, gpuOpt)
+		require.NoError(t, err)
+	}
+	for i, p := range gpuParams {
+		require.Equal(t, initial[i], bitsOf(float32s(t, p.Value().(*tensor.Dense))),
+			"%s: the host tensor is not written before SyncParams", p.Name())
+	}
+	compare := func(when string) {
+		for i := range cpuParams {
+			w, g := float32s(t, cpuParams[i].Value().(*tensor.Dense)), float32s(t, gpuParams[i].Value().(*tensor.Dense))
+			for j := range w {
+				if d := math.Abs(float64(g[j]) - float64(w[j])); d > 1e-6+1e-4*math.Abs(float64(w[j])) {
+					require.Failf(t, "parameters differ", "%s: %s[%d]: cpu %g, cuda %g", when, cpuParams[i].Name(), j, w[j], g[j])
+				}
+			}
+		}
+	}
+	require.NoError(t, gpu.SyncParams())
+	compare("after SyncParams")
+
+	// One more step, then Close alone syncs.
+	loss, ps := cpuModel.build(cpuRng, n)
+	_, err := cpu.Step(ctx, loss, ps, cpuOpt)
+	require.NoError(t, err)
+	loss, ps = gpuModel.build(gpuRng, n)
+	_, err = gpu.Step(ctx, loss, ps, gpuOpt)
+	require.NoError(t, err)
+	require.NoError(t, gpu.Close())
+	compare("after Close")
+	require.NoError(t, gpu.Close(), "Close twice")
 }

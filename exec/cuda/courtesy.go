@@ -15,6 +15,10 @@ type residentBuf struct {
 	size int64     // requested bytes
 	tag  alloc.Tag // the tag of the program that first allocated it
 	host []float32 // the block's bytes while yielded, as float32 words
+	// newer is the host tensor's storage of a trained parameter whose
+	// device copy a device-side update has changed since it was last
+	// downloaded; SyncParams writes it and clears it.
+	newer []float32
 }
 
 // keep records a resident buffer just allocated and filled. Called with
@@ -79,6 +83,32 @@ func (e *Executor) Restore() error {
 		return fmt.Errorf("%w: executor", ErrClosed)
 	}
 	return e.d.do(e.restore)
+}
+
+// SyncParams downloads every resident parameter that a device-side update
+// changed since its last download into its host tensor, so the host
+// tensors hold the values the next step will use. While yielded it copies
+// the executor's host copies instead.
+func (e *Executor) SyncParams() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return fmt.Errorf("%w: executor", ErrClosed)
+	}
+	return e.d.do(func() error {
+		for _, rb := range e.residentList {
+			if rb.newer == nil {
+				continue
+			}
+			if rb.blk == nil { // yielded
+				copy(rb.newer, rb.host)
+			} else if err := CopyDtoH(e.d, rb.newer, rb.blk.Ptr()); err != nil {
+				return err
+			}
+			rb.newer = nil
+		}
+		return nil
+	})
 }
 
 // Yielded reports whether the resident buffers are given back.

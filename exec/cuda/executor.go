@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"gorgonia.org/tensor"
 
@@ -176,8 +177,22 @@ type ExecOptions struct {
 	// Optimizer.
 	Update func(kept [][]float32) error
 	// SyncParams downloads the trained parameters into their host tensors
-	// after a device-side update, so host and device agree.
+	// after a device-side update, so host and device agree. Without it a
+	// resident parameter's device copy is newer than its host tensor until
+	// Executor.SyncParams.
 	SyncParams bool
+	// KeptOnDevice leaves the kept outputs (the gradients) on the device
+	// when nothing on the host needs them (no Update, and an optimizer that
+	// runs on the device): Result.Outputs holds nil in their places. A
+	// training loop sets it, since downloading every gradient every step
+	// costs as much as the step itself on a large model.
+	KeptOnDevice bool
+	// OpTime, when set, reports every node's device time per chunk, after
+	// the step: CUDA events recorded around its launches time them on the
+	// device, with no synchronisation between nodes. A node whose kernels
+	// wait for the host to launch them (a host-bound step) is charged that
+	// wait too.
+	OpTime func(nd *graph.Node, c planner.Chunk, d time.Duration)
 	// Timeline records the allocator's state after every program step in
 	// Result.Usage.Timeline.
 	Timeline bool
@@ -232,13 +247,16 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		if err == nil { // launch errors surface here at the latest
 			err = e.d.Synchronize()
 		}
-		return err
+		return errors.Join(err, r.reportTimes(err == nil))
 	})
 	if err != nil {
 		return nil, err
 	}
 	res := &Result{Usage: u, Outputs: make([]*tensor.Dense, len(p.Outputs))}
 	for i, b := range r.outs {
+		if b == nil { // a kept output left on the device (KeptOnDevice)
+			continue
+		}
 		if graph.Numel(b.shape) == 0 {
 			// gorgonia.org/tensor builds a Dense with a size-0 axis but
 			// panics on Data(), so such an output is refused.
@@ -322,6 +340,7 @@ type runner struct {
 	allocated []*alloc.Block              // persistent blocks made by this call and not kept resident
 	inputs    map[int]*hostBuf            // whole-batch input data, converted once
 	outs      []*hostBuf                  // combined outputs
+	timed     []nodeTiming                // ExecOptions.OpTime's events, in launch order
 }
 
 func (r *runner) node(id int) *graph.Node { return r.p.Graph.Node(id) }
@@ -383,9 +402,20 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	return nil
 }
 
-func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*alloc.Block, ws *alloc.Block) error {
+func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*alloc.Block, ws *alloc.Block) (err error) {
 	if err := r.ctx.Err(); err != nil {
 		return err
+	}
+	if r.o.OpTime != nil {
+		ev, err := r.startTiming(nd, c)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if rerr := r.e.d.record(ev.end); err == nil {
+				err = rerr
+			}
+		}()
 	}
 	if nd.Op == graph.OpInput {
 		return r.loadInput(nd, c, out)
@@ -445,23 +475,25 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 	return nil
 }
 
-// Finish downloads the final kept outputs, runs the optimizer update and
-// keeps the kept outputs' sums as results.
+// Finish runs the optimizer update and keeps the kept outputs' sums as
+// results: downloaded, unless ExecOptions.KeptOnDevice leaves them where
+// they are and nothing on the host needs them.
 func (r *runner) Finish(kept []*alloc.Block) error {
-	grads := make([][]float32, len(kept))
-	for j, blk := range kept {
-		nd := r.node(r.p.Kept[j])
-		if nd.Type.DType != graph.Float32 {
+	for j := range kept {
+		if nd := r.node(r.p.Kept[j]); nd.Type.DType != graph.Float32 {
 			return graph.Errorf(graph.ErrDType, "kept output %d is %s, want float32", nd.ID, nd.Type.DType)
 		}
-		grads[j] = make([]float32, nd.Type.Numel())
-		if err := CopyDtoH(r.e.d, grads[j], blk.Ptr()); err != nil {
-			return err
-		}
 	}
-	for i, o := range r.p.Outputs {
-		if j := r.keptOf[i]; j >= 0 {
-			r.outs[i] = &hostBuf{shape: r.node(o).Type.Shape, f: slices.Clone(grads[j])}
+	if r.o.Optimizer != nil && r.o.Update == nil && len(kept) > 0 && len(r.p.Trained) != len(kept) {
+		return graph.Errorf(graph.ErrArity, "the optimizer updates %d trained parameters from %d kept outputs; they must pair up",
+			len(r.p.Trained), len(kept))
+	}
+	onDevice := r.o.Update == nil && (r.o.Optimizer == nil || deviceOptimizer(r.o.Optimizer))
+	var grads [][]float32
+	if !r.o.KeptOnDevice || !onDevice {
+		var err error
+		if grads, err = r.downloadKept(kept, !onDevice); err != nil {
+			return err
 		}
 	}
 	switch {
@@ -474,19 +506,41 @@ func (r *runner) Finish(kept []*alloc.Block) error {
 		}
 		return r.paramsToDevice()
 	case r.o.Optimizer != nil && len(kept) > 0: // no gradients, no step
-		if len(r.p.Trained) != len(kept) {
-			return graph.Errorf(graph.ErrArity, "the optimizer updates %d trained parameters from %d kept outputs; they must pair up",
-				len(r.p.Trained), len(kept))
-		}
-		if ok, err := r.deviceStep(kept); ok || err != nil {
-			if err == nil && r.o.SyncParams {
-				err = r.paramsToHost()
+		if onDevice {
+			if err := r.deviceStep(kept); err != nil {
+				return err
 			}
-			return err
+			if r.o.SyncParams {
+				return r.paramsToHost()
+			}
+			return nil
 		}
 		return r.hostStep(grads)
 	}
 	return nil
+}
+
+// downloadKept copies the final kept outputs to the host as the call's
+// results; with private set the results are copies, since an update on the
+// host gets the downloaded gradients to use as it likes.
+func (r *runner) downloadKept(kept []*alloc.Block, private bool) ([][]float32, error) {
+	grads := make([][]float32, len(kept))
+	for j, blk := range kept {
+		grads[j] = make([]float32, r.node(r.p.Kept[j]).Type.Numel())
+		if err := CopyDtoH(r.e.d, grads[j], blk.Ptr()); err != nil {
+			return nil, err
+		}
+	}
+	for i, o := range r.p.Outputs {
+		if j := r.keptOf[i]; j >= 0 {
+			f := grads[j]
+			if private {
+				f = slices.Clone(f)
+			}
+			r.outs[i] = &hostBuf{shape: r.node(o).Type.Shape, f: f}
+		}
+	}
+	return grads, nil
 }
 
 // combine merges chunk c's value v of output node o into the running

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -302,6 +303,77 @@ func TestDeviceOptimizerMatchesHost(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestKeptOnDeviceAndSyncParams: a training loop's options leave the
+// gradients on the device (their outputs are nil) and the host tensors
+// untouched until SyncParams, yet train bit for bit as steps that download
+// everything and sync every step. OpTime reports every node of every chunk.
+func TestKeptOnDeviceAndSyncParams(t *testing.T) {
+	const steps, n, chunks = 3, 24, 2
+	ctx := context.Background()
+	e := freshExecutor(t, cuda.ExecutorOptions{})
+	lazyModel, eagerModel := mlpModel(32, 16), mlpModel(32, 16)
+	lazyRng, eagerRng := rand.New(rand.NewPCG(45, 46)), rand.New(rand.NewPCG(45, 46))
+	lazyOpt, eagerOpt := optim.NewAdam(1e-2), optim.NewAdam(1e-2)
+	var lazyParams, eagerParams []*lazy.Tensor
+	var initial [][]float32
+	for step := range steps {
+		loss, params := lazyModel.build(lazyRng, n)
+		if step == 0 {
+			initial = hostParams(t, params)
+		}
+		p := stepProgram(t, loss, params, lazyOpt.StateSlots())
+		timed, total := 0, time.Duration(0)
+		lres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: lazyOpt, KeptOnDevice: true,
+			OpTime: func(nd *graph.Node, c planner.Chunk, d time.Duration) {
+				require.GreaterOrEqual(t, d, time.Duration(0), "node %d", nd.ID)
+				timed++
+				total += d
+			}})
+		require.NoError(t, err, "step %d", step)
+		runs := 0
+		for _, st := range p.Steps {
+			if st.Kind == planner.StepRun {
+				runs++
+			}
+		}
+		require.Equal(t, chunks*runs, timed, "OpTime sees every node of every chunk")
+		require.Positive(t, total, "the step's kernels take device time")
+		require.NotNil(t, lres.Outputs[0], "the loss is downloaded")
+		for i := 1; i < len(lres.Outputs); i++ {
+			require.Nil(t, lres.Outputs[i], "gradient %d stays on the device", i)
+		}
+		lazyParams = params
+
+		loss, params = eagerModel.build(eagerRng, n)
+		p = stepProgram(t, loss, params, eagerOpt.StateSlots())
+		eres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: eagerOpt, SyncParams: true})
+		require.NoError(t, err, "step %d", step)
+		require.Len(t, eres.Outputs[1].Float32s(), graph.Numel(eres.Outputs[1].Shape()), "gradients are downloaded by default")
+		eagerParams = params
+		require.Equal(t, scalarOf(t, eres.Outputs[0]), scalarOf(t, lres.Outputs[0]), "step %d loss", step)
+	}
+	require.Equal(t, initial, hostParams(t, lazyParams), "host tensors are not written before SyncParams")
+	require.NoError(t, e.SyncParams())
+	want, got := hostParams(t, eagerParams), hostParams(t, lazyParams)
+	for i := range want {
+		require.Equal(t, want[i], got[i], "parameter %s after SyncParams", lazyParams[i].Name())
+	}
+	// While yielded, SyncParams reads the executor's host copies.
+	loss, params := lazyModel.build(lazyRng, n)
+	_, err := e.Execute(ctx, stepProgram(t, loss, params, 2), planner.Chunks(n, 1), cuda.ExecOptions{Resident: true, Optimizer: lazyOpt, KeptOnDevice: true})
+	require.NoError(t, err)
+	loss, params = eagerModel.build(eagerRng, n)
+	_, err = e.Execute(ctx, stepProgram(t, loss, params, 2), planner.Chunks(n, 1), cuda.ExecOptions{Resident: true, Optimizer: eagerOpt, SyncParams: true})
+	require.NoError(t, err)
+	require.NoError(t, e.Yield())
+	require.NoError(t, e.SyncParams())
+	want, got = hostParams(t, eagerParams), hostParams(t, lazyParams)
+	for i := range want {
+		require.Equal(t, want[i], got[i], "parameter %s after SyncParams while yielded", lazyParams[i].Name())
+	}
+	require.NoError(t, e.Restore())
 }
 
 // tightBudgets maps each chunk count the planner can choose for p to the

@@ -223,8 +223,21 @@ func (r *runner) paramsToHost() error {
 		if err := CopyDtoH(r.e.d, f, blk.Ptr()); err != nil {
 			return err
 		}
+		if rb := r.residentParam(id); rb != nil {
+			rb.newer = nil
+		}
 	}
 	return nil
+}
+
+// residentParam is trained parameter id's resident buffer, nil when the
+// call keeps nothing resident.
+func (r *runner) residentParam(id int) *residentBuf {
+	k, ok := r.key(planner.Buffer{Kind: planner.BufParam, Node: id})
+	if !ok {
+		return nil
+	}
+	return r.e.resident[k]
 }
 
 // paramsToDevice uploads the trained parameters from their host tensors.

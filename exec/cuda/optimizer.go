@@ -9,10 +9,44 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
-// deviceStep runs an optimizer the kernels implement (optim.SGD,
-// optim.Adam) on the device: p.Trained[i] is updated from kept[i] with its
-// state in the program's state buffers. ok is false for other optimizers.
-func (r *runner) deviceStep(kept []*alloc.Block) (ok bool, err error) {
+// deviceOptimizer reports whether the kernels implement opt's update.
+func deviceOptimizer(opt optim.Optimizer) bool {
+	switch opt.(type) {
+	case *optim.SGD, *optim.Adam:
+		return true
+	}
+	return false
+}
+
+// deviceStep runs an optimizer the kernels implement (deviceOptimizer) on
+// the device: p.Trained[i] is updated from kept[i] with its state in the
+// program's state buffers. Resident parameters are marked newer than their
+// host tensors, for Executor.SyncParams.
+func (r *runner) deviceStep(kept []*alloc.Block) error {
+	if err := r.deviceUpdate(kept); err != nil {
+		return err
+	}
+	return r.markUpdated()
+}
+
+// markUpdated records that the resident trained parameters' device copies
+// are newer than their host tensors.
+func (r *runner) markUpdated() error {
+	for _, id := range r.p.Trained {
+		rb := r.residentParam(id)
+		if rb == nil {
+			continue
+		}
+		f, err := r.paramData(id)
+		if err != nil {
+			return err
+		}
+		rb.newer = f
+	}
+	return nil
+}
+
+func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 	switch opt := r.o.Optimizer.(type) {
 	case *optim.SGD:
 		slots := 0
@@ -21,11 +55,11 @@ func (r *runner) deviceStep(kept []*alloc.Block) (ok bool, err error) {
 		}
 		ps, err := r.trainedBlocks(kept, slots)
 		if err != nil {
-			return true, err
+			return err
 		}
 		first := opt.Steps() == 0
 		if err := opt.Step(nil); err != nil { // checks the hyperparameters, counts the step
-			return true, err
+			return err
 		}
 		nesterov := int64(0)
 		if opt.Nesterov {
@@ -38,24 +72,24 @@ func (r *runner) deviceStep(kept []*alloc.Block) (ok bool, err error) {
 			}
 			if err := r.flat(kSGD, t.n, t.param, t.grad, buf, t.n, opt.LR, opt.Momentum, opt.Dampening,
 				opt.WeightDecay, nesterov, boolInt(first)); err != nil {
-				return true, err
+				return err
 			}
 		}
-		return true, nil
+		return nil
 	case *optim.Adam:
 		ps, err := r.trainedBlocks(kept, 2)
 		if err != nil {
-			return true, err
+			return err
 		}
 		steps := opt.Steps()
 		if err := opt.Step(nil); err != nil {
-			return true, err
+			return err
 		}
 		if steps == 0 { // a fresh optimizer: no moments yet, even on resident buffers
 			for _, t := range ps {
 				for _, s := range t.state {
 					if err := r.e.d.Memzero(s, 4*t.n); err != nil {
-						return true, err
+						return err
 					}
 				}
 			}
@@ -65,12 +99,12 @@ func (r *runner) deviceStep(kept []*alloc.Block) (ok bool, err error) {
 		for _, t := range ps {
 			if err := r.flat(kAdam, t.n, t.param, t.grad, t.state[0], t.state[1], t.n, opt.LR, opt.Beta1, opt.Beta2,
 				opt.Eps, opt.WeightDecay, c1, c2, boolInt(opt.Decoupled)); err != nil {
-				return true, err
+				return err
 			}
 		}
-		return true, nil
+		return nil
 	}
-	return false, nil
+	return graph.Errorf(graph.ErrAttr, "cuda: no device kernels for optimizer %T", r.o.Optimizer)
 }
 
 func boolInt(b bool) int64 {
