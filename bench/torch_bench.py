@@ -172,6 +172,8 @@ def throughput(s, a):
         used_peak = max(used_peak, total - free)
         if i >= a.warmup:
             times.append(dt)
+    if a.profile > 0:
+        profile(s, a, model, opt, batches)
     med = statistics.median(times)
     rec.update(step_seconds=times, median_step_seconds=med, steps_per_second=1 / med,
                samples_per_second=s.batch / med, max_memory_reserved=torch.cuda.max_memory_reserved(),
@@ -179,6 +181,31 @@ def throughput(s, a):
     del model, opt, batches
     free_cuda()
     return rec
+
+
+def profile(s, a, model, opt, batches):
+    """Profiles a.profile more steps with torch.profiler and prints the CUDA
+    time per kernel to stderr, to set beside gobench -profile."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(a.profile):
+            x, y = batches[i % 4]
+            step(s, model, opt, x.to(DEV), y.to(DEV)).item()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"== torch profile {s.name}: {a.profile} steps, CUDA kernels {total / a.profile / 1e3:.3f} ms/step",
+          file=sys.stderr)
+    events.sort(key=lambda e: -e.self_device_time_total)
+    for e in events[:40]:
+        print(f"  {e.self_device_time_total / a.profile / 1e3:9.3f} ms/step {e.count // a.profile:5d}/step  {e.key[:110]}",
+              file=sys.stderr)
+    ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")]
+    ops.sort(key=lambda e: -e.device_time_total)
+    print(f"== torch profile {s.name}: aten ops by CUDA time", file=sys.stderr)
+    for e in ops[:30]:
+        print(f"  {e.device_time_total / a.profile / 1e3:9.3f} ms/step {e.count // a.profile:5d}/step  {e.key}",
+              file=sys.stderr)
 
 
 # "Time to a usable batch".
@@ -281,6 +308,7 @@ def main():
     ap.add_argument("--gpt-batch", type=int, default=8)
     ap.add_argument("--gpt-seq", type=int, default=256)
     ap.add_argument("--gpt-layers", type=int, default=12)
+    ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per model (torch.profiler, to stderr)")
     ap.add_argument("--finders", default="lightning,accelerate", help="comma list, or empty for none")
     ap.add_argument("--finder-init", type=int, default=2, help="Lightning's init_val")
     ap.add_argument("--finder-trials", type=int, default=25, help="Lightning's max_trials")

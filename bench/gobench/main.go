@@ -41,6 +41,8 @@ type config struct {
 	gptSeq        int
 	gptBatch      int
 	mlpBatch      int
+	profile       int    // steps profiled per node after the timed ones
+	cpuProfile    string // Go CPU profile of the timed steps
 }
 
 func main() {
@@ -54,6 +56,8 @@ func main() {
 	flag.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
 	flag.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
 	flag.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
+	flag.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
+	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 	flag.Parse()
 
 	var sinks []io.Writer = []io.Writer{os.Stdout}
@@ -298,6 +302,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	ids := []int{inputs[0].ID(), inputs[1].ID()}
 	opt := m.optimizer()
 	ctx := context.Background()
+	stopProfile := func() {}
 	for i := range c.warmup + c.steps {
 		batch := feeds[i%len(feeds)]
 		feed := func(id int) tensor.Tensor {
@@ -307,7 +312,14 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 			return nil
 		}
 		t0 := time.Now()
-		res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Feed: feed, Resident: true, Optimizer: opt})
+		if i == c.warmup && c.cpuProfile != "" {
+			if stopProfile, err = startCPUProfile(c.cpuProfile, m.name); err != nil {
+				return r, err
+			}
+			defer stopProfile() // on an early return; a no-op after the first stop
+		}
+		// As a training loop: the gradients stay on the device.
+		res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Feed: feed, Resident: true, Optimizer: opt, KeptOnDevice: true})
 		dt := time.Since(t0).Seconds() // Execute synchronises the device and downloads the loss
 		if err != nil {
 			return r, fmt.Errorf("%s step %d: %w", m.name, i, err)
@@ -326,6 +338,18 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
 		if i >= c.warmup {
 			r.StepSeconds = append(r.StepSeconds, dt)
+		}
+	}
+	stopProfile()
+	if c.profile > 0 {
+		feed := func(id int) tensor.Tensor {
+			if k := slices.Index(ids, id); k >= 0 {
+				return feeds[0][k]
+			}
+			return nil
+		}
+		if err := profileStep(os.Stderr, e, p, pl.Chunks, feed, opt, m.name, c.profile); err != nil {
+			return r, err
 		}
 	}
 	if len(r.StepSeconds) > 0 {

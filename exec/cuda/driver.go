@@ -16,6 +16,8 @@ type (
 	CUmodule uintptr
 	// CUfunction is a kernel of a loaded module.
 	CUfunction uintptr
+	// CUevent is an event in a stream.
+	CUevent uintptr
 
 	cuDevice int32 // CUdevice: an ordinal-like int
 	cuResult int32 // CUresult
@@ -77,6 +79,14 @@ type driver struct {
 		stream uintptr, params *unsafe.Pointer, extra unsafe.Pointer) cuResult
 	// CUresult cuGetErrorName(CUresult error, const char **pStr)
 	cuGetErrorName func(r cuResult, name **byte) cuResult
+	// CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+	cuEventCreate func(ev *CUevent, flags uint32) cuResult
+	// CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
+	cuEventRecord func(ev CUevent, stream uintptr) cuResult
+	// CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+	cuEventElapsedTime func(ms *float32, start, end CUevent) cuResult
+	// CUresult cuEventDestroy_v2(CUevent hEvent)
+	cuEventDestroy func(ev CUevent) cuResult
 }
 
 func (d *driver) symbols() []symbol {
@@ -103,6 +113,10 @@ func (d *driver) symbols() []symbol {
 		sym(&d.cuModuleUnload, "cuModuleUnload"),
 		sym(&d.cuLaunchKernel, "cuLaunchKernel"),
 		sym(&d.cuGetErrorName, "cuGetErrorName"),
+		sym(&d.cuEventCreate, "cuEventCreate"),
+		sym(&d.cuEventRecord, "cuEventRecord"),
+		sym(&d.cuEventElapsedTime, "cuEventElapsedTime_v2", "cuEventElapsedTime"),
+		sym(&d.cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy"),
 	}
 }
 
