@@ -10,8 +10,8 @@ import "github.com/batchfit/batchfit/graph"
 const (
 	maxSplits       = 32
 	splitMaxOutputs = 1 << 14 // reductions with more outputs have blocks enough
-	splitLen        = 1 << 12 // elements each split reduces, at least
-	lnSplitRows     = 1 << 10 // rows each split of layer_norm_grad_w covers, at least
+	splitLen        = 1 << 8  // elements each split reduces, at least
+	lnSplitRows     = 1 << 7  // rows each split of layer_norm_grad_w covers, at least
 )
 
 // MSE reduces through one partial per block of a grid of at most mseGrid
