@@ -196,7 +196,8 @@ __device__ __forceinline__ T row_allreduce(T v, Op op, T* scratch) {
 // ROW_VPT is how many values per thread per array the row kernels keep in
 // registers: a row of n ≤ ROW_VPT·blockDim.x elements is read from memory
 // once, a longer one is re-read on each pass. Both paths do the same
-// arithmetic in the same order, so results do not depend on which ran.
+// arithmetic in the same order, so results do not depend on which ran,
+// except in loss.cu's row_lse, whose long-row path is one online pass.
 #define ROW_VPT 8
 
 // row_each calls f(k, u) for the elements k = threadIdx.x + u·blockDim.x < n

@@ -7,21 +7,51 @@
 // Labels are checked as index.cu checks indices (see `bad` there).
 #include "common.cuh"
 
-// row_lse loads the row group's row p[0:c] (into v when C) and gives its max
-// and Σ exp(v − max) in double; every thread of the block must call it.
+// row_lse_online gives a row's max and Σ exp(v − max) in one pass over
+// memory, for rows too long for registers: each thread keeps a running max
+// and a sum rescaled whenever the max grows, and the threads' sums are
+// rescaled to the row's max before they are added. A NaN makes both NaN.
+__device__ __forceinline__ void row_lse_online(const float* p, i64 c, bool live, float* sf,
+                                               double* sd, float* m, double* z) {
+  float mx = neg_inf_f();
+  double s = 0;
+  if (live)
+    for (i64 k = threadIdx.x; k < c; k += blockDim.x) {
+      const float xv = p[k];
+      if (xv > mx) {
+        s = s * (double)expf(mx - xv) + 1.0;
+        mx = xv;
+      } else {
+        if (xv != xv) mx = xv;
+        s += (double)expf(xv - mx);
+      }
+    }
+  const float row_max = row_allreduce(mx, MaxOp(), sf);
+  const double scaled = s == 0 ? 0.0 : s * (double)expf(mx - row_max);
+  *z = row_allreduce(scaled, SumOp(), sd);
+  *m = row_max;
+}
+
+// row_lse gives the row group's row p[0:c] max and Σ exp(v − max) in
+// double (loading the row into v when C: two passes over registers; one
+// online pass over memory otherwise); every thread of the block must call
+// it.
 template <bool C>
 __device__ __forceinline__ void row_lse(const float* p, float (&v)[ROW_VPT], i64 c, bool live,
                                         float* sf, double* sd, float* m, double* z) {
+  if (!C) {
+    row_lse_online(p, c, live, sf, sd, m, z);
+    return;
+  }
   float mx = neg_inf_f();
   if (live)
     row_each<C>(c, [&](i64 k, int u) {
-      const float xv = p[k];
-      if (C) v[u] = xv;
-      mx = go_max(mx, xv);
+      v[u] = p[k];
+      mx = go_max(mx, v[u]);
     });
   mx = row_allreduce(mx, MaxOp(), sf);
   double s = 0;
-  if (live) row_each<C>(c, [&](i64 k, int u) { s += (double)expf((C ? v[u] : p[k]) - mx); });
+  if (live) row_each<C>(c, [&](i64 k, int u) { s += (double)expf(v[u] - mx); });
   *z = row_allreduce(s, SumOp(), sd);
   *m = mx;
 }
