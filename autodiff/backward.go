@@ -34,13 +34,14 @@ func Backward(g *graph.Graph, loss int, wrt []int) ([]int, error) {
 			need[id] = need[id] || need[in]
 		}
 	}
-	b := &builder{g: g, grad: make([]int, n)}
+	b := &builder{g: g, grad: make([]int, n), slices: map[int][]slicePiece{}}
 	for i := range b.grad {
 		b.grad[i] = -1
 	}
 	b.fwd = g.Node(loss)
 	b.grad[loss] = b.emit(graph.OpFill, graph.Attrs{Scalar: 1, Target: lt})
 	for id := loss; id >= 0 && b.err == nil; id-- {
+		b.finishSlices(id) // every consumer of id has contributed by now
 		gid := b.grad[id]
 		if gid < 0 || g.Node(id).Op.Category().Leaf() {
 			continue
@@ -71,6 +72,15 @@ type builder struct {
 	grad []int       // gradient id per forward id, −1 while none
 	fwd  *graph.Node // forward node whose VJP is being built
 	err  error
+	// slices holds, per forward id, the gradients of slices taken of it,
+	// kept back until every consumer has contributed (finishSlices).
+	slices map[int][]slicePiece
+}
+
+// slicePiece is the upstream gradient g of forward slice node fwd.
+type slicePiece struct {
+	fwd *graph.Node
+	g   int
 }
 
 func (b *builder) typ(id int) graph.Type { return b.g.Node(id).Type }
@@ -106,6 +116,66 @@ func (b *builder) accumulate(id, c int) {
 		return
 	}
 	b.grad[id] = b.emit(graph.OpAdd, graph.Attrs{}, b.grad[id], c)
+}
+
+// finishSlices accumulates the gradients of the slices taken of forward
+// node id. Slices that tile one axis exactly (q, k and v cut from one
+// projection) give one concat of their gradients, which reads each once,
+// instead of a zero-filled full-size slice_grad per slice and the adds
+// between them; any other set gives a slice_grad each.
+func (b *builder) finishSlices(id int) {
+	ps := b.slices[id]
+	if len(ps) == 0 {
+		return
+	}
+	delete(b.slices, id)
+	fwd := b.fwd
+	defer func() { b.fwd = fwd }()
+	if order, ok := b.tiling(id, ps); ok {
+		b.fwd = ps[order[0]].fwd
+		if len(order) == 1 { // a slice of the whole axis is the identity
+			b.accumulate(id, ps[0].g)
+			return
+		}
+		gs := make([]int, len(order))
+		for i, k := range order {
+			gs[i] = ps[k].g
+		}
+		b.accumulate(id, b.emit(graph.OpConcat, graph.Attrs{Axis: ps[0].fwd.Attrs.Axis}, gs...))
+		return
+	}
+	for _, p := range ps {
+		b.fwd = p.fwd
+		a := p.fwd.Attrs
+		b.accumulate(id, b.emit(graph.OpSliceGrad, graph.Attrs{Axis: a.Axis, Start: a.Start, End: a.End, Step: a.Step, Target: b.typ(id)}, p.g))
+	}
+}
+
+// tiling returns the order (by start) in which slices ps of node id cover
+// one axis other than the batch axis exactly, with unit steps, no overlap
+// and no gap; ok is false for any other set.
+func (b *builder) tiling(id int, ps []slicePiece) (order []int, ok bool) {
+	t := b.typ(id)
+	ax := ps[0].fwd.Attrs.Axis
+	if ax == t.BatchAxis {
+		return nil, false
+	}
+	order = make([]int, len(ps))
+	for i, p := range ps {
+		if p.fwd.Attrs.Axis != ax || p.fwd.Attrs.Step != 1 {
+			return nil, false
+		}
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(i, j int) int { return ps[i].fwd.Attrs.Start - ps[j].fwd.Attrs.Start })
+	at := 0
+	for _, k := range order {
+		if a := ps[k].fwd.Attrs; a.Start != at || a.End <= a.Start {
+			return nil, false
+		}
+		at = ps[k].fwd.Attrs.End
+	}
+	return order, at == t.Shape[ax]
 }
 
 // sumTo reduces a broadcast gradient back to the shape of forward value id.
@@ -227,7 +297,7 @@ func (b *builder) vjp(g int, need []bool) {
 		}
 		b.accumulate(x, b.emit(graph.OpPermute, graph.Attrs{Perm: inv}, g))
 	case graph.OpSlice:
-		b.accumulate(x, b.emit(graph.OpSliceGrad, graph.Attrs{Axis: a.Axis, Start: a.Start, End: a.End, Step: a.Step, Target: b.typ(x)}, g))
+		b.slices[x] = append(b.slices[x], slicePiece{fwd: nd, g: g})
 	case graph.OpConcat:
 		off := 0
 		for i, id := range in {
