@@ -64,6 +64,16 @@ func (r *runner) flat(name string, work int64, args ...any) error {
 	return r.launch(name, flatGrid(work), flatBlockDim, args...)
 }
 
+// quads launches a kernel with a four-wide path (kernels/common.cuh
+// QUAD_LOOP: unary, scalar, binary and the elementwise gradients) over n
+// elements with one thread per 4 of them; no work, no launch.
+func (r *runner) quads(name string, n int64, args ...any) error {
+	if n <= 0 {
+		return nil
+	}
+	return r.launch(name, flatGrid(ceilDiv(n, 4)), flatBlockDim, args...)
+}
+
 // perChannel launches a batchnorm kernel with one block per channel.
 func (r *runner) perChannel(name string, c int64, args ...any) error {
 	if c <= 0 {
@@ -183,17 +193,17 @@ func (r *runner) grad(nd *graph.Node, in []operand, out operand, ws *alloc.Block
 		if err := same(g, in[1]); err != nil {
 			return err
 		}
-		return r.flat(kReluGrad, n, g.p, in[1].p, out.p, n)
+		return r.quads(kReluGrad, n, g.p, in[1].p, out.p, n)
 	case graph.OpGeluGrad:
 		if err := same(g, in[1]); err != nil {
 			return err
 		}
-		return r.flat(kGeluGrad, n, g.p, in[1].p, out.p, n, boolInt(a.Approx))
+		return r.quads(kGeluGrad, n, g.p, in[1].p, out.p, n, boolInt(a.Approx))
 	case graph.OpMaximumScalarGrad:
 		if err := same(g, in[1]); err != nil {
 			return err
 		}
-		return r.flat(kMaximumScGrad, n, g.p, in[1].p, out.p, n, float32(a.Scalar))
+		return r.quads(kMaximumScGrad, n, g.p, in[1].p, out.p, n, float32(a.Scalar))
 	case graph.OpMaximumGrad:
 		if err := same(g); err != nil {
 			return err
@@ -265,7 +275,7 @@ func (r *runner) unary(op graph.Op, a *graph.Attrs, x, out operand) error {
 	if x.n() != out.n() {
 		return graph.Errorf(graph.ErrShape, "%s: input %v, output %v", op, x.shape, out.shape)
 	}
-	return r.flat(kUnary, out.n(), x.p, out.p, out.n(), code)
+	return r.quads(kUnary, out.n(), x.p, out.p, out.n(), code)
 }
 
 func (r *runner) scalar(op graph.Op, a *graph.Attrs, x, out operand) error {
@@ -279,7 +289,7 @@ func (r *runner) scalar(op graph.Op, a *graph.Attrs, x, out operand) error {
 	if x.n() != out.n() {
 		return graph.Errorf(graph.ErrShape, "%s: input %v, output %v", op, x.shape, out.shape)
 	}
-	return r.flat(kScalar, out.n(), x.p, out.p, out.n(), code, a.Scalar)
+	return r.quads(kScalar, out.n(), x.p, out.p, out.n(), code, a.Scalar)
 }
 
 func (r *runner) binary(op graph.Op, x, y, out operand) error {
@@ -292,7 +302,7 @@ func (r *runner) binary(op graph.Op, x, y, out operand) error {
 	}
 	n := out.n()
 	if slices.Equal(x.shape, out.shape) && slices.Equal(y.shape, out.shape) {
-		return r.flat(kBinary, n, x.p, y.p, out.p, n, code)
+		return r.quads(kBinary, n, x.p, y.p, out.p, n, code)
 	}
 	geo, err := broadcastGeom(x.shape, y.shape, out.shape)
 	if err != nil {

@@ -47,6 +47,7 @@ const (
 	kCopyI64         = "copy_i64"
 	kGatherF32       = "gather_f32"
 	kGatherI64       = "gather_i64"
+	kGatherRows      = "gather_rows_f32"
 	kTransposeF32    = "transpose_f32"
 	kTransposeI64    = "transpose_i64"
 	kSliceF32        = "slice_f32"
@@ -83,7 +84,7 @@ var kernelFiles = map[string][]string{
 	"index.cu":       {kEmbedding, kEmbeddingGrad},
 	"layernorm.cu":   {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
 	"loss.cu":        {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
-	"movement.cu":    {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
+	"movement.cu":    {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kGatherRows, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
 	"optim.cu":       {kSGD, kAdam},
 	"pool.cu":        {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
 	"reduce.cu":      {kReduceRows, kReduceMid, kReduceStrided, kMaxGrad},

@@ -37,7 +37,7 @@ func (r *runner) reshape(x, out operand) error {
 	if x.p == out.p {
 		return nil
 	}
-	return r.flat(pick(out.dt, kCopyF32, kCopyI64), out.n(), x.p, out.p, out.n())
+	return r.copy(out.dt, x.p, out.p, out.n())
 }
 
 // permuteKind is how a permute runs.
@@ -53,7 +53,8 @@ const (
 type permutePlan struct {
 	kind              permuteKind
 	batch, rows, cols int64
-	geom              Strided // for a gather: the source strides of the output's positions
+	dims, strides     []int   // for a gather: the output's merged axes and their source strides
+	geom              Strided // the same, as the kernel reads it
 }
 
 // planPermute lays out the permute of shape by perm (output axis k is
@@ -88,7 +89,7 @@ func planPermute(perm, shape, out []int) (permutePlan, error) {
 	if err := checkRank("permute", dims); err != nil {
 		return permutePlan{}, err
 	}
-	return permutePlan{kind: permuteGather, geom: newStrided(dims, s)}, nil
+	return permutePlan{kind: permuteGather, dims: dims, strides: s, geom: newStrided(dims, s)}, nil
 }
 
 func (r *runner) permute(perm []int, x, out operand) error {
@@ -105,11 +106,36 @@ func (r *runner) permute(perm []int, x, out operand) error {
 	}
 	switch pl.kind {
 	case permuteCopy:
-		return r.flat(pick(out.dt, kCopyF32, kCopyI64), n, x.p, out.p, n)
+		return r.copy(out.dt, x.p, out.p, n)
 	case permuteTranspose:
 		return r.transpose(out.dt, x.p, out.p, pl.batch, pl.rows, pl.cols)
 	}
-	return r.flat(pick(out.dt, kGatherF32, kGatherI64), n, x.p, out.p, n, int64(0), pl.geom)
+	return r.gather(out.dt, x.p, out.p, pl.dims, pl.strides)
+}
+
+// copy launches copy_*, which moves 16 bytes a thread: n elements of dt.
+func (r *runner) copy(dt graph.DType, src, dst alloc.Ptr, n int64) error {
+	return r.flat(pick(dt, kCopyF32, kCopyI64), ceilDiv(n*int64(dt.Size()), 16), src, dst, n)
+}
+
+// gather copies the positions of merged axes dims (row-major, contiguous in
+// dst) from src at Σ idx·strides: by rows of 16-byte units (gather_rows_f32)
+// when the innermost axis is contiguous on both sides and every size and
+// stride is a multiple of 4 floats, element by element otherwise.
+func (r *runner) gather(dt graph.DType, src, dst alloc.Ptr, dims, strides []int) error {
+	if err := checkRank("gather", dims); err != nil {
+		return err
+	}
+	n := int64(graph.Numel(dims))
+	last := len(dims) - 1
+	rows := dt == graph.Float32 && last >= 0 && strides[last] == 1 && dims[last]%4 == 0 && src%16 == 0 && dst%16 == 0
+	for _, s := range strides[:max(last, 0)] {
+		rows = rows && s%4 == 0
+	}
+	if rows {
+		return r.flat(kGatherRows, n/4, src, dst, n/int64(dims[last]), int64(dims[last]), newStrided(dims[:last], strides[:last]))
+	}
+	return r.flat(pick(dt, kGatherF32, kGatherI64), n, src, dst, n, int64(0), newStrided(dims, strides))
 }
 
 // transpose launches transpose_*: src [batch, rows, cols] → dst [batch,
@@ -130,10 +156,7 @@ func (r *runner) expand(g, out operand) error {
 		return nil
 	}
 	dims, st := mergeAxes(out.shape, s, graph.ContiguousStrides(out.shape))
-	if err := checkRank("expand", dims); err != nil {
-		return err
-	}
-	return r.flat(kGatherF32, n, g.p, out.p, n, int64(0), newStrided(dims, st[0]))
+	return r.gather(graph.Float32, g.p, out.p, dims, st[0])
 }
 
 // sliceAttrs checks a slice of shape along a.Axis giving sliced.
@@ -159,6 +182,11 @@ func (r *runner) slice(a *graph.Attrs, x, out operand) error {
 	}
 	outer, n, inner := axisSplit(x.shape, a.Axis)
 	m := out.shape[a.Axis]
+	if a.Step == 1 { // each outer index's m·inner elements are one contiguous run: a row copy
+		l := int64(m * inner)
+		return r.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), ceilDiv(int64(outer)*l, 4), x.p, int64(n*inner), int64(a.Start*inner),
+			out.p, l, int64(0), int64(outer), l)
+	}
 	return r.flat(pick(out.dt, kSliceF32, kSliceI64), out.n(), x.p, out.p, int64(outer), int64(n), int64(inner),
 		int64(m), int64(a.Start), int64(a.Step))
 }
@@ -202,7 +230,7 @@ func (r *runner) concat(axis int, in []operand, out operand) error {
 	off := int64(0)
 	for _, x := range in {
 		l := int64(x.shape[axis]) * inner
-		if err := r.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), outer*l, x.p, l, int64(0), out.p, int64(total)*inner, off, outer, l); err != nil {
+		if err := r.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), ceilDiv(outer*l, 4), x.p, l, int64(0), out.p, int64(total)*inner, off, outer, l); err != nil {
 			return err
 		}
 		off += l

@@ -113,6 +113,23 @@ var Cases = []Case{
 	{Name: "reshape_permute", Shapes: [][]int{{2, 3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Reshape(6, 4).Permute(1, 0).Reshape(2, 2, 6).Permute(2, 0, 1)
 	}},
+	// The executors' four-wide paths: a permute keeping the last axis (as
+	// attention's heads), a step-1 slice and concat of runs of 4, and the
+	// gradient of a sum over leading axes (an expand of a trailing row),
+	// with element counts that leave tails.
+	{Name: "permute_heads", Shapes: [][]int{{2, 3, 5, 8}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Permute(0, 2, 1, 3).Tanh().Permute(0, 2, 1, 3).Mul(p[0])
+	}},
+	{Name: "slice_concat_runs", Shapes: [][]int{{3, 12}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		q, k, v := p[0].Slice(1, 0, 4), p[0].Slice(1, 4, 8), p[0].Slice(1, 8, 12)
+		return lazy.Concat(1, v.Mul(q), k.Tanh(), q)
+	}},
+	{Name: "sum_leading_axes", Shapes: [][]int{{3, 5, 8}, {8}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Tanh().Sum(0, 1).Mul(p[1])
+	}},
+	{Name: "elementwise_tail", Shapes: [][]int{{5, 7}, {5, 7}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Relu().Add(p[1].Gelu()).MulScalar(1.5).Sub(p[1])
+	}},
 	{Name: "slice_concat", Shapes: [][]int{{4, 5}, {4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return lazy.Concat(1, p[0].SliceStep(1, 1, 5, 2), p[1], p[0].Slice(1, 0, 1)).Slice(0, 1, 3)
 	}},

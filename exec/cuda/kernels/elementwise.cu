@@ -77,7 +77,7 @@ __device__ __forceinline__ float unary_fn(float v) {
 
 template <int OP>
 __device__ void unary_loop(const float* __restrict__ x, float* __restrict__ y, i64 n) {
-  GRID_LOOP(i, n) y[i] = unary_fn<OP>(x[i]);
+  map1(x, y, n, [](float v) { return unary_fn<OP>(v); });
 }
 
 // unary_f32: y[i] = op(x[i]) for i < n.
@@ -115,7 +115,7 @@ __device__ __forceinline__ double scalar_fn(double v, double s) {
 
 template <int OP>
 __device__ void scalar_loop(const float* __restrict__ x, float* __restrict__ y, i64 n, double s) {
-  GRID_LOOP(i, n) y[i] = (float)scalar_fn<OP>((double)x[i], s);
+  map1(x, y, n, [s](float v) { return (float)scalar_fn<OP>((double)v, s); });
 }
 
 // scalar_f32: y[i] = float(double(x[i]) ∘ s), s being Attrs.Scalar as given.
@@ -149,7 +149,7 @@ __device__ __forceinline__ float binary_fn(float a, float b) {
 template <int OP>
 __device__ void binary_loop(const float* __restrict__ a, const float* __restrict__ b,
                             float* __restrict__ y, i64 n) {
-  GRID_LOOP(i, n) y[i] = binary_fn<OP>(a[i], b[i]);
+  map2(a, b, y, n, [](float u, float v) { return binary_fn<OP>(u, v); });
 }
 
 // binary_f32: y[i] = a[i] ∘ b[i], all three contiguous with n elements.
@@ -199,7 +199,7 @@ binary_bcast_f32(const float* a, const float* b, float* y, i64 n, i64 op, Stride
 extern "C" __global__ void __launch_bounds__(256)
 relu_grad_f32(const float* __restrict__ g, const float* __restrict__ y, float* __restrict__ out,
               i64 n) {
-  GRID_LOOP(i, n) out[i] = y[i] > 0.f ? g[i] : 0.f;
+  map2(g, y, out, n, [](float gv, float yv) { return yv > 0.f ? gv : 0.f; });
 }
 
 // gelu_grad_f32: out = g · gelu'(x), exact (approx = 0) or tanh form.
@@ -207,23 +207,21 @@ extern "C" __global__ void __launch_bounds__(256)
 gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ out,
               i64 n, i64 approx) {
   if (approx) {
-    GRID_LOOP(i, n) {
-      const float v = x[i];
+    map2(g, x, out, n, [](float gv, float v) {
       const float u = SQRT_2_OVER_PI_F * (v + GELU_C_F * v * v * v);
       // With t = tanh(u): 0.5(1+t) = σ(2u) and 0.5(1−t²) = 2σ(2u)σ(−2u).
       const float sp = 1.f / (1.f + expf(-2.f * u));
       const float sm = 1.f / (1.f + expf(2.f * u));
       const float d = sp + 2.f * v * sp * sm * SQRT_2_OVER_PI_F * (1.f + 3.f * GELU_C_F * v * v);
-      out[i] = g[i] * d;
-    }
+      return gv * d;
+    });
     return;
   }
-  GRID_LOOP(i, n) {
-    const float v = x[i];
+  map2(g, x, out, n, [](float gv, float v) {
     const float cdf = 0.5f * erfcf(-v * SQRT1_2_F);
     const float pdf = expf(-0.5f * v * v) * INV_SQRT_2PI_F;
-    out[i] = g[i] * (cdf + v * pdf);
-  }
+    return gv * (cdf + v * pdf);
+  });
 }
 
 // maximum_share is ∂max(p, q)/∂p: 1 where p wins, ½ on a tie, else 0.
@@ -235,7 +233,7 @@ __device__ __forceinline__ float maximum_share(float p, float q) {
 extern "C" __global__ void __launch_bounds__(256)
 maximum_scalar_grad_f32(const float* __restrict__ g, const float* __restrict__ x,
                         float* __restrict__ out, i64 n, float s) {
-  GRID_LOOP(i, n) out[i] = maximum_share(x[i], s) * g[i];
+  map2(g, x, out, n, [s](float gv, float v) { return maximum_share(v, s) * gv; });
 }
 
 template <typename I>
@@ -266,17 +264,25 @@ maximum_grad_f32(const float* g, const float* a, const float* b, float* out, i64
   else maximum_grad_loop<u64>(g, a, b, out, n, which, geo);
 }
 
+template <typename I>
+__device__ __forceinline__ void causal_mask_loop(const float* __restrict__ x, float* __restrict__ y,
+                                                 i64 n, I t, I s, float fill) {
+  const i64 shift = (i64)s - (i64)t;
+  GRID_LOOP(k, n) {
+    const I r = (I)k / s;
+    const I j = (I)k - r * s;
+    const I i = r % t;
+    y[k] = (i64)j > (i64)i + shift ? fill : x[k];
+  }
+}
+
 // causal_mask_f32: y = x, except y[..., i, j] = fill where j > i + s − t, for
 // x of shape [..., t, s] with n elements in all.
 extern "C" __global__ void __launch_bounds__(256)
 causal_mask_f32(const float* __restrict__ x, float* __restrict__ y, i64 n, i64 t, i64 s,
                 float fill) {
-  GRID_LOOP(k, n) {
-    const i64 r = k / s;
-    const i64 j = k - r * s;
-    const i64 i = r % t;
-    y[k] = j > i + s - t ? fill : x[k];
-  }
+  if (FITS32(n)) causal_mask_loop<unsigned>(x, y, n, (unsigned)t, (unsigned)s, fill);
+  else causal_mask_loop<u64>(x, y, n, (u64)t, (u64)s, fill);
 }
 
 // bias_fill_f32: out[(o·c + k)·inner + i] = b[k] for out of shape
@@ -285,5 +291,10 @@ causal_mask_f32(const float* __restrict__ x, float* __restrict__ y, i64 n, i64 t
 extern "C" __global__ void __launch_bounds__(256)
 bias_fill_f32(float* __restrict__ out, const float* __restrict__ b, i64 outer, i64 c, i64 inner) {
   const i64 n = outer * c * inner;
-  GRID_LOOP(k, n) out[k] = b[(k / inner) % c];
+  if (FITS32(n)) {
+    const unsigned ci = (unsigned)c, in = (unsigned)inner;
+    GRID_LOOP(k, n) out[k] = b[((unsigned)k / in) % ci];
+  } else {
+    GRID_LOOP(k, n) out[k] = b[(k / inner) % c];
+  }
 }

@@ -6,9 +6,17 @@
 // transpose_* also reads in tiles so both sides coalesce.
 #include "common.cuh"
 
+// copy_body copies 16 bytes a thread and step when both sides are aligned.
 template <typename T>
 __device__ __forceinline__ void copy_body(const T* __restrict__ src, T* __restrict__ dst, i64 n) {
-  GRID_LOOP(i, n) dst[i] = src[i];
+  if (aligned16(src, dst)) {
+    const i64 units = n * (i64)sizeof(T) / 16, done = units * 16 / (i64)sizeof(T);
+    GRID_LOOP(q, units) reinterpret_cast<uint4*>(dst)[q] = reinterpret_cast<const uint4*>(src)[q];
+    for (i64 i = done + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+      dst[i] = src[i];
+  } else {
+    GRID_LOOP(i, n) dst[i] = src[i];
+  }
 }
 
 // copy_*: dst[i] = src[i] for i < n (reshape). 1-D blocks, any grid.
@@ -43,6 +51,29 @@ gather_f32(const float* src, float* dst, i64 n, i64 base, Strided g) {
 extern "C" __global__ void __launch_bounds__(256)
 gather_i64(const i64* src, i64* dst, i64 n, i64 base, Strided g) {
   gather_body(src, dst, n, base, g);
+}
+
+template <typename I>
+__device__ __forceinline__ void gather_rows_loop(const float* __restrict__ src,
+                                                 float* __restrict__ dst, i64 rows, i64 len4,
+                                                 const Strided& g) {
+  GRID_LOOP(q, rows * len4) {
+    const I r = (I)q / (I)len4;
+    const I j = (I)q - r * (I)len4;
+    st4(dst, q, ld4(src, offset_of<I>(r, g.rank, g.shape, g.stride) / 4 + (i64)j));
+  }
+}
+
+// gather_rows_f32: gather_f32 for a gather whose innermost axis is
+// contiguous on both sides (a permute that keeps the last axis, an expand
+// of a trailing vector): dst [rows, len] takes row r from src at Σ idx_d ·
+// g.stride_d over g.shape (the outer axes), 16 bytes at a time. len and
+// every stride are multiples of 4, and src and dst 16-byte aligned (the
+// caller checks). One thread per 4 elements, any grid.
+extern "C" __global__ void __launch_bounds__(256)
+gather_rows_f32(const float* src, float* dst, i64 rows, i64 len, Strided g) {
+  if (FITS32(rows * len)) gather_rows_loop<unsigned>(src, dst, rows, len / 4, g);
+  else gather_rows_loop<u64>(src, dst, rows, len / 4, g);
 }
 
 #define TILE 32
@@ -87,16 +118,23 @@ transpose_i64(const i64* src, i64* dst, i64 batch, i64 r, i64 c) {
   transpose_body(src, dst, batch, r, c);
 }
 
-template <typename T>
-__device__ __forceinline__ void slice_body(const T* __restrict__ src, T* __restrict__ dst,
+template <typename T, typename I>
+__device__ __forceinline__ void slice_loop(const T* __restrict__ src, T* __restrict__ dst,
                                            i64 outer, i64 n, i64 inner, i64 m, i64 start,
                                            i64 step) {
   const i64 total = outer * m * inner;
   GRID_LOOP(i, total) {
-    const i64 row = i / inner, k = i - row * inner;  // row = o·m + j
-    const i64 o = row / m, j = row - o * m;
-    dst[i] = src[(o * n + start + j * step) * inner + k];
+    const I row = (I)i / (I)inner, k = (I)i - row * (I)inner;  // row = o·m + j
+    const I o = row / (I)m, j = row - o * (I)m;
+    dst[i] = src[((i64)o * n + start + (i64)j * step) * inner + (i64)k];
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void slice_body(const T* src, T* dst, i64 outer, i64 n, i64 inner,
+                                           i64 m, i64 start, i64 step) {
+  if (FITS32(outer * n * inner)) slice_loop<T, unsigned>(src, dst, outer, n, inner, m, start, step);
+  else slice_loop<T, u64>(src, dst, outer, n, inner, m, start, step);
 }
 
 // slice_*: dst [outer, m, inner] = src [outer, n, inner] at indices start,
@@ -111,31 +149,59 @@ slice_i64(const i64* src, i64* dst, i64 outer, i64 n, i64 inner, i64 m, i64 star
   slice_body(src, dst, outer, n, inner, m, start, step);
 }
 
+template <typename I>
+__device__ __forceinline__ void slice_grad_loop(const float* __restrict__ g, float* __restrict__ out,
+                                                i64 outer, i64 n, i64 inner, i64 m, i64 start,
+                                                i64 step) {
+  GRID_LOOP(i, outer * n * inner) {
+    const I row = (I)i / (I)inner, k = (I)i - row * (I)inner;  // row = o·n + a
+    const I o = row / (I)n, a = row - o * (I)n;
+    const i64 rel = (i64)a - start;
+    float v = 0.f;
+    if (rel >= 0 && rel % step == 0 && rel / step < m) v = g[((i64)o * m + rel / step) * inner + (i64)k];
+    out[i] = v;
+  }
+}
+
 // slice_grad_f32: out [outer, n, inner] = g [outer, m, inner] scattered back
 // to the sliced positions, zeros elsewhere; every element of out is written
 // (no fill needed). 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
 slice_grad_f32(const float* __restrict__ g, float* __restrict__ out, i64 outer, i64 n, i64 inner,
                i64 m, i64 start, i64 step) {
-  const i64 total = outer * n * inner;
-  GRID_LOOP(i, total) {
-    const i64 row = i / inner, k = i - row * inner;  // row = o·n + a
-    const i64 o = row / n, a = row - o * n;
-    const i64 rel = a - start;
-    float v = 0.f;
-    if (rel >= 0 && rel % step == 0 && rel / step < m) v = g[(o * m + rel / step) * inner + k];
-    out[i] = v;
+  if (FITS32(outer * n * inner)) slice_grad_loop<unsigned>(g, out, outer, n, inner, m, start, step);
+  else slice_grad_loop<u64>(g, out, outer, n, inner, m, start, step);
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void copy2d_loop(const T* __restrict__ src, i64 src_row, i64 src_off,
+                                            T* __restrict__ dst, i64 dst_row, i64 dst_off,
+                                            i64 rows, i64 len) {
+  GRID_LOOP(i, rows * len) {
+    const I r = (I)i / (I)len, j = (I)i - r * (I)len;
+    dst[(i64)r * dst_row + dst_off + (i64)j] = src[(i64)r * src_row + src_off + (i64)j];
   }
 }
 
+// copy2d_body moves 16-byte units when the rows, offsets and pointers allow
+// it (every row of a concat input or a step-1 slice of float32 with sizes
+// multiple of 4), elements otherwise.
 template <typename T>
-__device__ __forceinline__ void copy2d_body(const T* __restrict__ src, i64 src_row, i64 src_off,
-                                            T* __restrict__ dst, i64 dst_row, i64 dst_off,
-                                            i64 rows, i64 len) {
-  const i64 total = rows * len;
-  GRID_LOOP(i, total) {
-    const i64 r = i / len, j = i - r * len;
-    dst[r * dst_row + dst_off + j] = src[r * src_row + src_off + j];
+__device__ __forceinline__ void copy2d_body(const T* src, i64 src_row, i64 src_off, T* dst,
+                                            i64 dst_row, i64 dst_off, i64 rows, i64 len) {
+  const i64 u = 16 / (i64)sizeof(T);  // elements per unit
+  if (aligned16(src, dst) && len % u == 0 && src_row % u == 0 && dst_row % u == 0 &&
+      src_off % u == 0 && dst_off % u == 0) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    if (FITS32(rows * len))
+      copy2d_loop<uint4, unsigned>(s4, src_row / u, src_off / u, d4, dst_row / u, dst_off / u, rows, len / u);
+    else
+      copy2d_loop<uint4, u64>(s4, src_row / u, src_off / u, d4, dst_row / u, dst_off / u, rows, len / u);
+  } else if (FITS32(rows * len)) {
+    copy2d_loop<T, unsigned>(src, src_row, src_off, dst, dst_row, dst_off, rows, len);
+  } else {
+    copy2d_loop<T, u64>(src, src_row, src_off, dst, dst_row, dst_off, rows, len);
   }
 }
 
