@@ -15,17 +15,28 @@ __device__ __forceinline__ void row_lse_online(const float* p, i64 c, bool live,
                                                double* sd, float* m, double* z) {
   float mx = neg_inf_f();
   double s = 0;
-  if (live)
-    for (i64 k = threadIdx.x; k < c; k += blockDim.x) {
-      const float xv = p[k];
-      if (xv > mx) {
-        s = s * (double)expf(mx - xv) + 1.0;
-        mx = xv;
-      } else {
-        if (xv != xv) mx = xv;
-        s += (double)expf(xv - mx);
-      }
+  auto add = [&](float xv) {
+    if (xv > mx) {
+      s = s * (double)expf(mx - xv) + 1.0;
+      mx = xv;
+    } else {
+      if (xv != xv) mx = xv;
+      s += (double)expf(xv - mx);
     }
+  };
+  if (live) {
+    // Four loads in flight before the dependent updates, in element order.
+    const i64 b = blockDim.x;
+    i64 k = threadIdx.x;
+    for (; k + 3 * b < c; k += 4 * b) {
+      const float x0 = p[k], x1 = p[k + b], x2 = p[k + 2 * b], x3 = p[k + 3 * b];
+      add(x0);
+      add(x1);
+      add(x2);
+      add(x3);
+    }
+    for (; k < c; k += b) add(p[k]);
+  }
   const float row_max = row_allreduce(mx, MaxOp(), sf);
   const double scaled = s == 0 ? 0.0 : s * (double)expf(mx - row_max);
   *z = row_allreduce(scaled, SumOp(), sd);
