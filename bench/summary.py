@@ -38,13 +38,17 @@ def main():
             print(f"ERROR ({'gobench' if r in go else 'torch'}) {r.get('model', '')}: {r.get('error')}")
     gt = {r["model"]: r for r in go if r["kind"] == "throughput"}
     tt = {r["model"]: r for r in th if r["kind"] == "throughput"}
+    st = {r["model"]: r for r in go if r["kind"] == "session"}
     print("\nThroughput (median of the timed steps, each synchronised; FP32, TF32 off on both):")
-    rows = [["model", "batch", "batchfit steps/s", "torch steps/s", "ratio bf/torch", "batchfit samples/s",
-             "torch samples/s", "plan time"]]
+    print("(batchfit executor: the program compiled once; batchfit Session: the graph built again every step,")
+    print(" Session.Step with autodiff and the plan cache, as a training loop runs it)")
+    rows = [["model", "batch", "batchfit steps/s", "torch steps/s", "ratio bf/torch", "bf Session steps/s",
+             "ratio Session/torch", "batchfit samples/s", "torch samples/s", "plan time"]]
     for m in sorted(set(gt) | set(tt)):
-        g, t = gt.get(m, {}), tt.get(m, {})
-        gs, ts = g.get("steps_per_second"), t.get("steps_per_second")
+        g, t, se = gt.get(m, {}), tt.get(m, {}), st.get(m, {})
+        gs, ts, ss = g.get("steps_per_second"), t.get("steps_per_second"), se.get("steps_per_second")
         rows.append([m, g.get("batch", t.get("batch")), num(gs), num(ts), num(gs / ts if gs and ts else None, "{:.3f}"),
+                     num(ss), num(ss / ts if ss and ts else None, "{:.3f}"),
                      num(g.get("samples_per_second"), "{:,.0f}"), num(t.get("samples_per_second"), "{:,.0f}"),
                      num(g.get("plan_seconds"), "{:.3f} s")])
     table(rows)

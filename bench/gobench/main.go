@@ -41,6 +41,7 @@ type config struct {
 	gptSeq        int
 	gptBatch      int
 	mlpBatch      int
+	session       bool   // also time the steps through batchfit.Session, graph rebuilt each step
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
 }
@@ -56,6 +57,7 @@ func main() {
 	flag.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
 	flag.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
 	flag.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
+	flag.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
 	flag.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
 	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 	flag.Parse()
@@ -213,6 +215,15 @@ func run(c config, w io.Writer) error {
 	for _, m := range ms {
 		r, err := throughput(d, c, m)
 		if err != nil {
+			r.Error = err.Error()
+		}
+		if err := writeRecord(w, r); err != nil {
+			return err
+		}
+		if !c.session {
+			continue
+		}
+		if r, err = sessionThroughput(c, m); err != nil {
 			r.Error = err.Error()
 		}
 		if err := writeRecord(w, r); err != nil {

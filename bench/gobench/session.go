@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"time"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
+)
+
+// rebuild makes model m's training graph over the given input tensors (as
+// m.build does over drawn data), as a training loop does every step.
+func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor, error) {
+	var loss *lazy.Tensor
+	switch m.name {
+	case "mlp":
+		x := lazy.Wrap(inputs[0], 0)
+		y := x.Graph().Wrap(inputs[1], 0)
+		loss = mod.Forward(x).CrossEntropy(y, graph.ReduceMean)
+	case "gpt":
+		tok := lazy.Wrap(inputs[0], 0)
+		tgt := tok.Graph().Wrap(inputs[1], 0)
+		loss = models.Loss(mod.(*models.GPT).Forward(tok), tgt)
+	default:
+		return nil, graph.Errorf(graph.ErrAttr, "gobench: no session run for model %q", m.name)
+	}
+	return loss, loss.Err()
+}
+
+// sessionThroughput times what a user's training loop costs: every step
+// builds the model's graph again over the step's data and calls
+// batchfit.Session.Step (autodiff, the analysis and plan caches, the CUDA
+// executor, the device optimizer and the loss download), timed with the
+// host clock around the whole.
+func sessionThroughput(c config, m benchModel) (Record, error) {
+	r := Record{Kind: "session", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
+		Warmup: c.warmup, Steps: c.steps}
+	mod := m.module(nn.Seed(1))
+	if err := nn.Check(mod); err != nil {
+		return r, err
+	}
+	r.Params = int64(nn.NumParams(mod))
+	rng := rand.New(rand.NewPCG(2, 3))
+	feeds := make([][]tensor.Tensor, 4)
+	for i := range feeds {
+		_, in := m.build(mod, m.batch, rng)
+		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
+	}
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
+	if err := sess.Err(); err != nil {
+		return r, err
+	}
+	defer sess.Close()
+	opt := m.optimizer()
+	params := nn.ParamTensors(mod)
+	for i := range c.warmup + c.steps {
+		t0 := time.Now()
+		loss, err := rebuild(m, mod, feeds[i%len(feeds)])
+		if err != nil {
+			return r, err
+		}
+		l, err := sess.Step(context.Background(), loss, params, opt)
+		dt := time.Since(t0).Seconds()
+		if err != nil {
+			return r, fmt.Errorf("%s session step %d: %w", m.name, i, err)
+		}
+		if i == 0 {
+			r.FirstLoss = float64(l)
+		}
+		r.LastLoss = float64(l)
+		if i >= c.warmup {
+			r.StepSeconds = append(r.StepSeconds, dt)
+		}
+	}
+	r.Chunks = len(sess.LastPlan().Chunks)
+	if len(r.StepSeconds) > 0 {
+		s := slices.Sorted(slices.Values(r.StepSeconds))
+		med := s[len(s)/2]
+		if len(s)%2 == 0 {
+			med = (s[len(s)/2-1] + s[len(s)/2]) / 2
+		}
+		r.MedianStepSeconds = med
+		r.StepsPerSecond = 1 / med
+		r.SamplesPerSecond = float64(m.batch) / med
+	}
+	return r, nil
+}

@@ -1,0 +1,30 @@
+package main
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/nn"
+)
+
+// rebuild makes the graph build makes, over the given data: same
+// signature (ops, shapes, attributes), and the data in the input nodes.
+func TestRebuildMatchesBuild(t *testing.T) {
+	ms, err := benchModels(config{models: "mlp,gpt", gptLayers: 1, gptSeq: 8, gptBatch: 2, mlpBatch: 4})
+	require.NoError(t, err)
+	for _, m := range ms {
+		mod := m.module(nn.Seed(1))
+		loss, in := m.build(mod, m.batch, rand.New(rand.NewPCG(1, 2)))
+		require.NoError(t, loss.Err())
+		data := []tensor.Tensor{in[0].Value(), in[1].Value()}
+		again, err := rebuild(m, mod, data)
+		require.NoError(t, err, m.name)
+		require.Equal(t, loss.Graph().IR().Signature(), again.Graph().IR().Signature(), m.name)
+		require.Same(t, data[0], again.Graph().IR().Node(0).Value, "%s: the first input holds the data", m.name)
+	}
+	_, err = rebuild(benchModel{name: "nope"}, nil, nil)
+	require.Error(t, err)
+}
