@@ -49,8 +49,9 @@ func newCUDASessionOrSkip(t *testing.T) *Session {
 // is taken that the session's budget (free + reserved − Overhead) falls
 // midway between the chunked step's need and the whole step's. The whole
 // run hits OOM, the step is re-planned in at least two chunks and
-// completes. The "cpu" subtest runs the same steps on the simulated device
-// of the CPU executor, so the harness itself is checked without a GPU.
+// completes, and its parameters are those of an undisturbed session. The
+// "cpu" subtest runs the same steps on the simulated device of the CPU
+// executor, so the harness itself is checked without a GPU.
 func TestStepReplansWhenMemoryIsTakenCUDA(t *testing.T) {
 	t.Run("cuda", func(t *testing.T) {
 		// 16384 samples through 256 → 1024 → 10: the activations (64 MiB per
@@ -109,6 +110,13 @@ func replanAfterTaking(t *testing.T, newSess func(*testing.T) *Session, n int) {
 				require.Nil(t, sess.beforeRun, "the hook ran")
 				require.Equal(t, oomsBefore+1, sess.Allocator().Stats().NumOOMs, "the whole-batch run hit one OOM")
 				require.GreaterOrEqual(t, len(pl.Chunks), 2, "after the memory was taken the step re-planned in chunks")
+				// Not predicted == measured: the failed whole-batch run's
+				// blocks stay in the allocator's cache, which the retry's plan
+				// (a replay from an empty device) does not model, so the
+				// retried step's measured peak can be above the plan's (the
+				// "cpu" subtest at 16384 samples: 122 MiB planned, 150 MiB
+				// measured). It is within what the device had.
+				require.LessOrEqual(t, used.PeakReserved, pl.Budget+sess.Overhead(), "the retried step's peak reserved")
 			} else {
 				require.Len(t, pl.Chunks, 1, "disturbed %v, step %d runs whole", disturb, step)
 			}
