@@ -342,17 +342,17 @@ func TestSessionCUDANoLeakOver200Steps(t *testing.T) {
 			}
 			var baseline, reserved2, used2, maxReserved, maxUsed int64
 			var first, last float32
-			for step := range steps {
+			for step := range steps { // messages count steps from 1
 				loss, params := build(m, step)
 				l, err := sess.Step(context.Background(), loss, params, opt)
-				require.NoError(t, err, "step %d", step)
+				require.NoError(t, err, "step %d", step+1)
 				if step == 0 {
 					first = l
 				}
 				last = l
 				pl, used := sess.LastPlan(), sess.LastUsage()
-				require.Len(t, pl.Chunks, c.chunks, "step %d", step)
-				require.Equal(t, pl.PeakReserved+sess.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
+				require.Len(t, pl.Chunks, c.chunks, "step %d", step+1)
+				require.Equal(t, pl.PeakReserved+sess.Overhead(), used.PeakReserved, "step %d: peak reserved", step+1)
 				st := sess.Allocator().Stats()
 				allocated, reserved, dused := st.AllocatedBytes[alloc.All].Current, st.ReservedBytes[alloc.All].Current, deviceUsed()
 				switch step {
