@@ -1,7 +1,10 @@
-// Command gobench times batchfit's CUDA executor on two training steps (an
-// MLP with Adam, a GPT-2-small-shaped transformer with AdamW) and asks the
-// planner for the largest whole batch that fits the card's free memory,
-// then runs a step at that batch. It writes JSON lines (Record) to stdout
+// Command gobench times batchfit's CUDA executor on three training steps
+// (an MLP with Adam, a GPT-2-small-shaped transformer with AdamW, a
+// CIFAR-10-shaped ConvNet with Adam) and asks the planner for the largest
+// whole batch that fits the card's free memory, then runs a step at that
+// batch. With -budget it also plans each model at a batch too large for
+// the budget, runs a step in the planned chunks and shows that the next
+// larger chunk size would not fit. It writes JSON lines (Record) to stdout
 // and, when $OUT is set, to $OUT/gobench.json; bench/run-gpu compares them
 // with bench/torch_bench.py. See bench/README.md.
 package main
@@ -41,25 +44,40 @@ type config struct {
 	gptSeq        int
 	gptBatch      int
 	mlpBatch      int
-	session       bool   // also time the steps through batchfit.Session, graph rebuilt each step
+	session       bool // also time the steps through batchfit.Session, graph rebuilt each step
+	convBatch     int
+	budget        int64 // tightness records within this many bytes; 0: none
+	tightGPT      int
+	tightMLP      int
+	tightConv     int
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
 }
 
+// registerFlags defines gobench's flags on fs, setting c.
+func registerFlags(fs *flag.FlagSet, c *config) {
+	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt, conv")
+	fs.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
+	fs.IntVar(&c.steps, "steps", 20, "timed steps")
+	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
+	fs.BoolVar(&c.verify, "verify", true, "run one training step at the planner's largest batch")
+	fs.IntVar(&c.gptLayers, "gpt-layers", 12, "transformer layers (GPT-2 small has 12)")
+	fs.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
+	fs.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
+	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
+	fs.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
+	fs.IntVar(&c.convBatch, "conv-batch", 256, "ConvNet batch (3×32×32 images) for the timed run")
+	fs.Var(bytesFlag{&c.budget}, "budget", "plan each model at its -tight-batch-* within this `size` (8GiB, 512MiB, 8GB or bytes), run a step in the planned chunks, and simulate the next larger chunk size; 0: off")
+	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
+	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
+	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (3 chunks within 8GiB)")
+	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
+	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
+}
+
 func main() {
 	var c config
-	flag.StringVar(&c.models, "models", "mlp,gpt", "comma-separated `list` of mlp, gpt")
-	flag.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
-	flag.IntVar(&c.steps, "steps", 20, "timed steps")
-	flag.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
-	flag.BoolVar(&c.verify, "verify", true, "run one training step at the planner's largest batch")
-	flag.IntVar(&c.gptLayers, "gpt-layers", 12, "transformer layers (GPT-2 small has 12)")
-	flag.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
-	flag.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
-	flag.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
-	flag.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
-	flag.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
-	flag.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
+	registerFlags(flag.CommandLine, &c)
 	flag.Parse()
 
 	var sinks []io.Writer = []io.Writer{os.Stdout}
@@ -88,6 +106,7 @@ type benchModel struct {
 	name, about string
 	seq         int
 	batch       int // of the timed run
+	tight       int // of the tightness record
 	upper       int // batch of the shape-only program the largest-batch search starts from
 	optimizer   func() *optim.Adam
 	optName     string
@@ -132,7 +151,7 @@ func source(g *lazy.Graph, data *rand.Rand, shape []int, dt graph.DType, k int) 
 
 func benchModels(c config) ([]benchModel, error) {
 	mlp := benchModel{name: "mlp", about: "MLP 784→4096→4096→10, ReLU, mean cross-entropy", batch: c.mlpBatch,
-		upper: 1 << 22, optName: "adam(lr=1e-3)", optimizer: func() *optim.Adam { return optim.NewAdam(1e-3) },
+		tight: c.tightMLP, upper: 1 << 22, optName: "adam(lr=1e-3)", optimizer: func() *optim.Adam { return optim.NewAdam(1e-3) },
 		module: func(opt nn.Options) nn.Module { return nn.MLP(opt, []int{784, 4096, 4096, 10}, nn.ReLU{}) },
 		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
 			x := source(nil, data, []int{n, 784}, graph.Float32, 0)
@@ -141,7 +160,7 @@ func benchModels(c config) ([]benchModel, error) {
 		}}
 	cfg := models.GPT2Small()
 	cfg.Layers = c.gptLayers
-	gpt := benchModel{name: "gpt", seq: c.gptSeq, batch: c.gptBatch, upper: 4096,
+	gpt := benchModel{name: "gpt", seq: c.gptSeq, batch: c.gptBatch, tight: c.tightGPT, upper: 4096,
 		about: fmt.Sprintf("GPT-2 small shape (%d layers, width 768, 12 heads, vocab 50257, tied head), seq %d",
 			cfg.Layers, c.gptSeq),
 		optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
@@ -151,6 +170,17 @@ func benchModels(c config) ([]benchModel, error) {
 			tgt := source(tok.Graph(), data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
 			return models.Loss(m.(*models.GPT).Forward(tok), tgt), []*lazy.Tensor{tok, tgt}
 		}}
+	convCfg := models.CIFAR10()
+	conv := benchModel{name: "conv", batch: c.convBatch, tight: c.tightConv, upper: 1 << 20,
+		about: fmt.Sprintf("ConvNet %d×%d×%d, conv 3×3 %v → ReLU → max-pool 2×2 per stage, linear %d, mean cross-entropy",
+			convCfg.Channels, convCfg.Size, convCfg.Size, convCfg.Widths, convCfg.Classes),
+		optName: "adam(lr=1e-3)", optimizer: func() *optim.Adam { return optim.NewAdam(1e-3) },
+		module: func(opt nn.Options) nn.Module { return models.NewConvNet(opt, convCfg) },
+		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+			x := source(nil, data, []int{n, convCfg.Channels, convCfg.Size, convCfg.Size}, graph.Float32, 0)
+			y := source(x.Graph(), data, []int{n}, graph.Int64, convCfg.Classes)
+			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
+		}}
 	var out []benchModel
 	for _, name := range strings.Split(c.models, ",") {
 		switch strings.TrimSpace(name) {
@@ -158,8 +188,10 @@ func benchModels(c config) ([]benchModel, error) {
 			out = append(out, mlp)
 		case "gpt":
 			out = append(out, gpt)
+		case "conv":
+			out = append(out, conv)
 		default:
-			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt)", name)
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, conv)", name)
 		}
 	}
 	return out, nil
@@ -230,16 +262,26 @@ func run(c config, w io.Writer) error {
 			return err
 		}
 	}
-	if !c.maxBatch {
-		return nil
-	}
-	for _, m := range ms {
-		r, err := maxBatch(d, c, m)
-		if err != nil {
-			r.Error = err.Error()
+	if c.maxBatch {
+		for _, m := range ms {
+			r, err := maxBatch(d, c, m)
+			if err != nil {
+				r.Error = err.Error()
+			}
+			if err := writeRecord(w, r); err != nil {
+				return err
+			}
 		}
-		if err := writeRecord(w, r); err != nil {
-			return err
+	}
+	if c.budget > 0 {
+		for _, m := range ms {
+			r, err := tightness(d, c, m)
+			if err != nil {
+				r.Error = err.Error()
+			}
+			if err := writeRecord(w, r); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

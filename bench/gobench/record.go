@@ -8,7 +8,9 @@ import (
 // Record is one JSON line of gobench's output. Kind says which fields are
 // set: "device" (the card), "throughput" (a timed training run), "maxbatch"
 // (the planner's largest whole batch for the card's free memory, and a
-// step run at it) or "error".
+// step run at it), "tightness" (a batch too large for -budget: the
+// planner's chunks, a step run in them, and the next larger chunk size's
+// simulated need) or "error".
 type Record struct {
 	Kind  string `json:"kind"`
 	Model string `json:"model,omitempty"`
@@ -49,8 +51,8 @@ type Record struct {
 	DeviceUsedBefore int64 `json:"device_used_before,omitempty"`
 	DeviceUsedPeak   int64 `json:"device_used_peak,omitempty"`
 
-	// maxbatch
-	Budget        int64   `json:"budget,omitempty"` // the card's free memory after the executor was made
+	// maxbatch (and Budget, Verified, VerifySeconds for tightness)
+	Budget        int64   `json:"budget,omitempty"` // maxbatch: the card's free memory after the executor was made; tightness: -budget
 	SearchSeconds float64 `json:"search_seconds,omitempty"`
 	Replays       int     `json:"replays,omitempty"`
 	Upper         int     `json:"upper,omitempty"` // the batch the shape-only program was built at
@@ -58,6 +60,19 @@ type Record struct {
 	Verified       bool    `json:"verified,omitempty"`
 	VerifySeconds  float64 `json:"verify_seconds,omitempty"`
 	VerifyFreeLeft int64   `json:"verify_free_left,omitempty"` // cuMemGetInfo's free after the step
+
+	// tightness: the plan within Budget − Overhead runs Chunks chunks of
+	// ChunkSizes; the next larger chunk size (the fewest chunks above it:
+	// NextChunks of NextChunkSizes) needs NextPeakReserved (two simulated
+	// steps, as the planner judges a plan; Overhead not included), and
+	// NextOutOfMemory says its simulation ran out of memory on a device of
+	// the plan's budget. The measured peak of the step run in the plan's
+	// chunks includes Overhead, to be held against Budget.
+	ChunkSizes       []int `json:"chunk_sizes,omitempty"`
+	NextChunks       int   `json:"next_chunks,omitempty"`
+	NextChunkSizes   []int `json:"next_chunk_sizes,omitempty"`
+	NextPeakReserved int64 `json:"next_peak_reserved,omitempty"`
+	NextOutOfMemory  bool  `json:"next_out_of_memory,omitempty"`
 
 	Error string `json:"error,omitempty"`
 }

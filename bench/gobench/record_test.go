@@ -24,3 +24,29 @@ func TestRecordRoundTrip(t *testing.T) {
 	require.NoError(t, json.Unmarshal(line, &out))
 	require.Equal(t, in, out)
 }
+
+// A tightness record's chunk lists and next-size fields read back equal;
+// a throughput record carries none of them.
+func TestTightnessRecordRoundTrip(t *testing.T) {
+	in := Record{Kind: "tightness", Model: "gpt", Batch: 64, Seq: 256, Optimizer: "adamw", Budget: 8 << 30,
+		Overhead: 32 << 20, Chunks: 4, ChunkSizes: []int{16, 16, 16, 16}, PredictedPeakReserved: 7 << 30,
+		MeasuredPeakReserved: 7<<30 + 32<<20, NextChunks: 3, NextChunkSizes: []int{22, 21, 21},
+		NextPeakReserved: 8<<30 + 100<<20, NextOutOfMemory: true, Verified: true, VerifySeconds: 1.5}
+	var buf bytes.Buffer
+	require.NoError(t, writeRecord(&buf, in))
+	var out Record
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &out))
+	require.Equal(t, in, out)
+	var fields map[string]any
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &fields))
+	require.Equal(t, []any{16.0, 16.0, 16.0, 16.0}, fields["chunk_sizes"])
+	require.Equal(t, true, fields["next_out_of_memory"])
+
+	buf.Reset()
+	require.NoError(t, writeRecord(&buf, Record{Kind: "throughput", Model: "conv", Batch: 256}))
+	clear(fields)
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &fields))
+	for _, k := range []string{"chunk_sizes", "next_chunks", "next_chunk_sizes", "next_peak_reserved", "next_out_of_memory"} {
+		require.NotContains(t, fields, k)
+	}
+}
