@@ -235,9 +235,10 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 //
 // When the device runs out of memory anyway (another process took memory
 // between the plan and the run), the step is planned again within what is
-// left and run once more. A failed run changes nothing: the optimizer
-// updates only after the last chunk, and the executor frees what the run
-// held, so no chunk is lost or counted twice.
+// left and run once more, after the allocator's cache is given back. A
+// failed run changes nothing: the optimizer updates only after the last
+// chunk, and the executor frees what the run held, so no chunk is lost or
+// counted twice.
 func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]*tensor.Dense, error) {
 	var (
 		pl   *planner.Plan
@@ -263,6 +264,13 @@ func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]
 			break
 		}
 		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) {
+			return nil, err
+		}
+		// The failed run's blocks went back to the allocator's cache, in
+		// segments sized for the plan that failed. The new plan replays from
+		// a device holding only the resident buffers, so give the cache back
+		// first: the retry then lays out as planned.
+		if err := s.be.allocator().EmptyCache(); err != nil {
 			return nil, err
 		}
 	}
