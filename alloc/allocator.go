@@ -121,6 +121,7 @@ type segment struct {
 	size int64
 	pool Pool
 	head *Block // lowest-address block
+	seq  uint64 // creation order among the allocator's segments
 }
 
 // Block is a piece of a segment: an allocation while allocated, cached
@@ -146,15 +147,34 @@ func (b *Block) Requested() int64 { return b.requested }
 
 func (b *Block) isSplit() bool { return b.prev != nil || b.next != nil }
 
-// freeList holds a pool's free blocks ordered by (size, address): the first
-// block at least as large as a request is its best fit.
+// freeList holds a pool's free blocks ordered by size, then by their
+// segment's age, then by address within the segment: the first block at
+// least as large as a request is its best fit. PyTorch breaks ties by
+// address alone; here the segment's creation order comes first, so that a
+// simulated device and a real one, whose driver places segments at
+// addresses of its choosing, pick the same block among equal sizes and lay
+// out every later allocation alike. On a device that hands out increasing
+// addresses, as the simulated one does, the two orders are the same.
 type freeList []*Block
 
 func less(a, b *Block) int {
 	if a.size != b.size {
 		return cmpInt(a.size, b.size)
 	}
+	if a.seg != b.seg {
+		return cmpUint(a.seg.seq, b.seg.seq)
+	}
 	return cmpInt(int64(a.ptr), int64(b.ptr))
+}
+
+func cmpUint(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
 }
 
 func cmpInt(a, b int64) int {
@@ -199,6 +219,7 @@ type Allocator struct {
 	be       Backend
 	free     [numPools]freeList // indexed by SmallPool, LargePool
 	segments map[Ptr]*segment
+	segSeq   uint64 // segments made so far, for their seq
 	stats    Stats
 	trace    *ring
 }
@@ -293,7 +314,8 @@ func (a *Allocator) newSegment(size, rounded int64, pool Pool, tag Tag) (*Block,
 	if err != nil {
 		return nil, fmt.Errorf("alloc: device malloc of %d bytes: %w", segSize, err)
 	}
-	seg := &segment{base: p, size: segSize, pool: pool}
+	a.segSeq++
+	seg := &segment{base: p, size: segSize, pool: pool, seq: a.segSeq}
 	b := &Block{ptr: p, size: segSize, seg: seg}
 	seg.head = b
 	a.segments[p] = seg
