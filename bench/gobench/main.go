@@ -67,7 +67,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
 	fs.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
 	fs.IntVar(&c.convBatch, "conv-batch", 256, "ConvNet batch (3×32×32 images) for the timed run")
-	fs.Var(bytesFlag{&c.budget}, "budget", "plan each model at its -tight-batch-* within this `size` (8GiB, 512MiB, 8GB or bytes), run a step in the planned chunks, and simulate the next larger chunk size; 0: off")
+	fs.Var(bytesFlag{&c.budget}, "budget", "plan each model at its -tight-batch-* within this `size` (8GiB, 512MiB, 8GB or bytes), run two steps in the planned chunks, and simulate the next larger chunk size; 0: off")
 	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (3 chunks within 8GiB)")
