@@ -256,6 +256,11 @@ func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]
 		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom}); err != nil {
 			return nil, err
 		}
+		// The plan was judged on a simulated device of pl.Available()
+		// bytes; capping the allocator there (plus what it holds outside
+		// every plan) makes the real one release its cache where the
+		// simulation did, even on a device with room to spare.
+		s.be.allocator().SetLimit(pl.Available() + s.be.overhead())
 		if s.beforeRun != nil {
 			s.beforeRun()
 		}

@@ -220,6 +220,7 @@ type Allocator struct {
 	free     [numPools]freeList // indexed by SmallPool, LargePool
 	segments map[Ptr]*segment
 	segSeq   uint64 // segments made so far, for their seq
+	limit    int64  // SetLimit's cap on reserved bytes; 0: none
 	stats    Stats
 	trace    *ring
 }
@@ -333,7 +334,31 @@ func (a *Allocator) deviceMalloc(rounded, segSize int64) (Ptr, error) {
 	if rounded > maxRequest {
 		return 0, fmt.Errorf("%w: %d bytes is more than any device holds", ErrDeviceOOM, rounded)
 	}
+	if reserved := a.stats.ReservedBytes[All].Current; a.limit > 0 && segSize > a.limit-reserved {
+		return 0, fmt.Errorf("%w: a %s segment on %s reserved passes the allocator's limit of %s",
+			ErrDeviceOOM, FormatBytes(segSize), FormatBytes(reserved), FormatBytes(a.limit))
+	}
 	return a.be.Malloc(segSize)
+}
+
+// SetLimit caps the bytes the allocator reserves, as PyTorch's
+// set_per_process_memory_fraction does: a segment that would take reserved
+// memory past limit is refused as if the device were full, so cached
+// segments are released and the request retried once, and then it fails
+// with an *OOMError. A plan made on a simulated device of the budget's
+// size therefore runs the same way on a larger real one. 0 removes the
+// cap; a limit below what is reserved already refuses every new segment.
+func (a *Allocator) SetLimit(limit int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.limit = max(limit, 0)
+}
+
+// Limit is SetLimit's cap, 0 when there is none.
+func (a *Allocator) Limit() int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.limit
 }
 
 // Free returns b to the cache, merging it with free neighbours.

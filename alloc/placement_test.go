@@ -1,6 +1,7 @@
 package alloc
 
 import (
+	"errors"
 	"math/rand/v2"
 	"testing"
 
@@ -64,4 +65,51 @@ func TestPlacementDoesNotDependOnAddresses(t *testing.T) {
 	require.Equal(t, su.ReservedBytes, sd.ReservedBytes)
 	require.Equal(t, su.AllocatedBytes, sd.AllocatedBytes)
 	require.Equal(t, su.NumAllocRetries, sd.NumAllocRetries)
+}
+
+// An allocator capped by SetLimit on a large device behaves exactly as one
+// on a device of the limit's size: the same random mallocs and frees give
+// the same layout, the same peaks, retries (cached segments released when a
+// segment would pass the cap) and out-of-memory errors.
+func TestLimitActsAsASmallerDevice(t *testing.T) {
+	const limit = 512 << 20
+	small := New(NewSimBackend(limit), Options{})
+	capped := New(NewSimBackend(1<<50), Options{})
+	capped.SetLimit(limit)
+	require.Equal(t, int64(limit), capped.Limit())
+	rng := rand.New(rand.NewPCG(41, 43))
+	var smalls, cappeds []*Block
+	ooms := 0
+	for op := range 20000 {
+		if len(smalls) > 0 && rng.IntN(5) < 2 {
+			i := rng.IntN(len(smalls))
+			require.NoError(t, small.Free(smalls[i]))
+			require.NoError(t, capped.Free(cappeds[i]))
+			smalls = append(smalls[:i], smalls[i+1:]...)
+			cappeds = append(cappeds[:i], cappeds[i+1:]...)
+			continue
+		}
+		size := int64(1) << rng.IntN(26)
+		size += rng.Int64N(size)
+		bs, errS := small.Malloc(size, Tag{})
+		bc, errC := capped.Malloc(size, Tag{})
+		var oomS, oomC *OOMError
+		require.Equal(t, errors.As(errS, &oomS), errors.As(errC, &oomC), "op %d: malloc of %d bytes: %v / %v", op, size, errS, errC)
+		if errS != nil {
+			ooms++
+			continue
+		}
+		require.NoError(t, errC)
+		require.Equal(t, [2]int64{int64(bs.seg.seq), int64(bs.ptr - bs.seg.base)},
+			[2]int64{int64(bc.seg.seq), int64(bc.ptr - bc.seg.base)}, "op %d: malloc of %d bytes", op, size)
+		smalls, cappeds = append(smalls, bs), append(cappeds, bc)
+	}
+	ss, sc := small.Stats(), capped.Stats()
+	require.Equal(t, ss.ReservedBytes, sc.ReservedBytes)
+	require.Equal(t, ss.AllocatedBytes, sc.AllocatedBytes)
+	require.Equal(t, ss.NumAllocRetries, sc.NumAllocRetries)
+	require.Equal(t, ss.NumOOMs, sc.NumOOMs)
+	require.Positive(t, sc.NumAllocRetries, "the cap made the allocator release its cache")
+	require.Positive(t, ooms, "the cap ran out")
+	require.LessOrEqual(t, sc.ReservedBytes[All].Peak, int64(limit))
 }

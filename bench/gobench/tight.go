@@ -73,7 +73,11 @@ func (*keepResident) Finish([]*alloc.Block) error                               
 // is the larger of the two steps'; fits is false when either ran out of
 // memory.
 func simulateSteps(p *planner.Program, chunks []planner.Chunk, capacity int64) (u planner.Usage, fits bool, err error) {
-	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
+	return replaySteps(p, chunks, alloc.New(alloc.NewSimBackend(capacity), alloc.Options{}))
+}
+
+// replaySteps is simulateSteps on allocator a.
+func replaySteps(p *planner.Program, chunks []planner.Chunk, a *alloc.Allocator) (u planner.Usage, fits bool, err error) {
 	h := &keepResident{blocks: map[residentKey]*alloc.Block{}}
 	for range 2 {
 		s, err := planner.Replay(p, chunks, a, h, false)
@@ -206,6 +210,10 @@ func tightness(d *cuda.Device, c config, m benchModel) (Record, error) {
 		return r, err
 	}
 	r.DeviceUsedBefore = before
+	// The plan was judged on a simulated device of the budget: the
+	// executor's allocator is capped there too (Overhead included), so it
+	// releases its cache where the simulation did.
+	e.Allocator().SetLimit(c.budget)
 	opt := m.optimizer()
 	var res *cuda.Result
 	for step := range 2 {

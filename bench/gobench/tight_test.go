@@ -55,6 +55,25 @@ func TestTightDefaultsSplitWithin8GiB(t *testing.T) {
 			require.Equal(t, pl.PeakReserved, u.PeakReserved)
 			require.Equal(t, pl.PeakAllocated, u.PeakAllocated)
 
+			// A device larger than the budget (the H100) with the allocator
+			// capped at the budget, as tightness runs it: the same peaks.
+			// Uncapped, the allocator keeps segments the simulation released
+			// when it ran out of room (the conv net's 3 × 16384 kept a 2 GiB
+			// segment too many on the H100).
+			capped := alloc.New(alloc.NewSimBackend(unlimitedCapacity), alloc.Options{})
+			capped.SetLimit(budget)
+			u, fits, err = replaySteps(p, pl.Chunks, capped)
+			require.NoError(t, err)
+			require.True(t, fits)
+			require.Equal(t, pl.PeakReserved, u.PeakReserved, "capped")
+			uncapped, _, err := replaySteps(p, pl.Chunks, alloc.New(alloc.NewSimBackend(unlimitedCapacity), alloc.Options{}))
+			require.NoError(t, err)
+			t.Logf("uncapped on a large device: peak %s (%d cache releases in the plan's replay)",
+				alloc.FormatBytes(uncapped.PeakReserved), capped.Stats().NumAllocRetries)
+			if m.name == "conv" {
+				require.Greater(t, uncapped.PeakReserved, budget, "the case that needs the cap")
+			}
+
 			require.Len(t, tp.next, len(pl.Chunks)-1)
 			require.Greater(t, tp.next[0].Size, pl.Chunk)
 			require.False(t, tp.nextFits)
