@@ -30,7 +30,6 @@ type opTotal struct {
 
 // nodeTime is one node's time in one chunk.
 type nodeTime struct {
-	id    int
 	op    string
 	shape string // the inputs' shapes → the output's, at the chunk's size
 	flops float64
@@ -79,7 +78,7 @@ func profileStep(w io.Writer, e *cuda.Executor, p *planner.Program, chunks []pla
 		o := cuda.ExecOptions{Feed: feed, Resident: true, KeptOnDevice: true, Optimizer: opt,
 			OpTime: func(nd *graph.Node, c planner.Chunk, d time.Duration) {
 				sig, flops := describe(p.Graph, nd, c.Size)
-				nodes = append(nodes, nodeTime{nd.ID, nd.Op.String(), sig, flops, d})
+				nodes = append(nodes, nodeTime{nd.Op.String(), sig, flops, d})
 			}}
 		t0 := time.Now()
 		if _, err := e.Execute(context.Background(), p, chunks, o); err != nil {

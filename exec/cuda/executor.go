@@ -182,8 +182,9 @@ type ExecOptions struct {
 	// Executor.SyncParams.
 	SyncParams bool
 	// KeptOnDevice leaves the kept outputs (the gradients) on the device
-	// when nothing on the host needs them (no Update, and an optimizer that
-	// runs on the device): Result.Outputs holds nil in their places. A
+	// when nothing on the host needs them (no Update, and no optimizer or
+	// one that runs on the device): Result.Outputs holds nil in their
+	// places. A
 	// training loop sets it, since downloading every gradient every step
 	// costs as much as the step itself on a large model.
 	KeptOnDevice bool
