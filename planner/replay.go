@@ -1,7 +1,9 @@
 package planner
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
@@ -30,6 +32,30 @@ func Chunks(n, k int) []Chunk {
 
 // ChunksOf splits n samples into the fewest balanced chunks of at most b.
 func ChunksOf(n, b int) []Chunk { return Chunks(n, (n+b-1)/b) }
+
+// Sizes lists the chunks' sizes.
+func Sizes(cs []Chunk) []int {
+	s := make([]int, len(cs))
+	for i, c := range cs {
+		s[i] = c.Size
+	}
+	return s
+}
+
+// DescribeSizes writes chunk sizes as counts of equal runs: [8 8 8 8] →
+// "4 × 8", [4 3 3] → "1 × 4 + 2 × 3"; "" for none.
+func DescribeSizes(sizes []int) string {
+	var parts []string
+	for i := 0; i < len(sizes); {
+		j := i
+		for j < len(sizes) && sizes[j] == sizes[i] {
+			j++
+		}
+		parts = append(parts, fmt.Sprintf("%d × %d", j-i, sizes[i]))
+		i = j
+	}
+	return strings.Join(parts, " + ")
+}
 
 // Hooks let an executor act during a replay. Plan replays with nil hooks.
 type Hooks interface {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"strings"
 	"time"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -128,29 +127,6 @@ func planTight(p *planner.Program, budget int64) (*tightPlan, error) {
 	return t, nil
 }
 
-// chunkSizes lists the sizes of cs.
-func chunkSizes(cs []planner.Chunk) []int {
-	s := make([]int, len(cs))
-	for i, c := range cs {
-		s[i] = c.Size
-	}
-	return s
-}
-
-// describeChunks writes sizes as counts of equal runs: "2 × 16384 + 1 × 16383".
-func describeChunks(sizes []int) string {
-	var parts []string
-	for i := 0; i < len(sizes); {
-		j := i
-		for j < len(sizes) && sizes[j] == sizes[i] {
-			j++
-		}
-		parts = append(parts, fmt.Sprintf("%d × %d", j-i, sizes[i]))
-		i = j
-	}
-	return strings.Join(parts, " + ")
-}
-
 // tightness plans the model's step at its tightness batch within
 // c.budget, as the executor will run it (the plan's budget is c.budget
 // less Overhead, the cuBLAS workspace outside every plan), runs two real
@@ -187,18 +163,18 @@ func tightness(d *cuda.Device, c config, m benchModel) (Record, error) {
 	}
 	r.PlanSeconds = time.Since(start).Seconds()
 	pl := tp.plan
-	r.Chunks, r.ChunkSizes = len(pl.Chunks), chunkSizes(pl.Chunks)
+	r.Chunks, r.ChunkSizes = len(pl.Chunks), planner.Sizes(pl.Chunks)
 	r.PredictedPeakReserved, r.PredictedPeakAllocated = pl.PeakReserved, pl.PeakAllocated
 	if tp.next != nil {
-		r.NextChunks, r.NextChunkSizes = len(tp.next), chunkSizes(tp.next)
+		r.NextChunks, r.NextChunkSizes = len(tp.next), planner.Sizes(tp.next)
 		r.NextPeakReserved = tp.nextUsage.PeakReserved
 		r.NextOutOfMemory = !tp.nextFits
 	}
 	fmt.Fprintf(os.Stderr, "gobench: %s tightness: batch %d within %s runs as %s (predicted peak %s + overhead %s)",
-		m.name, m.tight, alloc.FormatBytes(c.budget), describeChunks(r.ChunkSizes),
+		m.name, m.tight, alloc.FormatBytes(c.budget), planner.DescribeSizes(r.ChunkSizes),
 		alloc.FormatBytes(pl.PeakReserved), alloc.FormatBytes(r.Overhead))
 	if tp.next != nil {
-		fmt.Fprintf(os.Stderr, "; %s would need %s", describeChunks(r.NextChunkSizes), alloc.FormatBytes(r.NextPeakReserved))
+		fmt.Fprintf(os.Stderr, "; %s would need %s", planner.DescribeSizes(r.NextChunkSizes), alloc.FormatBytes(r.NextPeakReserved))
 	}
 	fmt.Fprintln(os.Stderr)
 

@@ -44,8 +44,8 @@ func TestTightDefaultsSplitWithin8GiB(t *testing.T) {
 			tp, err := planTight(p, budget)
 			require.NoError(t, err)
 			pl := tp.plan
-			t.Logf("batch %d: %s, peak %s; next %s needs %s", m.tight, describeChunks(chunkSizes(pl.Chunks)),
-				alloc.FormatBytes(pl.PeakReserved), describeChunks(chunkSizes(tp.next)), alloc.FormatBytes(tp.nextUsage.PeakReserved))
+			t.Logf("batch %d: %s, peak %s; next %s needs %s", m.tight, planner.DescribeSizes(planner.Sizes(pl.Chunks)),
+				alloc.FormatBytes(pl.PeakReserved), planner.DescribeSizes(planner.Sizes(tp.next)), alloc.FormatBytes(tp.nextUsage.PeakReserved))
 			require.GreaterOrEqual(t, len(pl.Chunks), 3)
 			require.LessOrEqual(t, pl.PeakReserved, budget)
 
@@ -111,7 +111,7 @@ func TestBudgetFlag(t *testing.T) {
 }
 
 func TestDescribeChunks(t *testing.T) {
-	require.Equal(t, "2 × 16384 + 1 × 16383", describeChunks(chunkSizes(planner.Chunks(3*16384-1, 3))))
-	require.Equal(t, "1 × 64", describeChunks([]int{64}))
-	require.Equal(t, "", describeChunks(nil))
+	require.Equal(t, "2 × 16384 + 1 × 16383", planner.DescribeSizes(planner.Sizes(planner.Chunks(3*16384-1, 3))))
+	require.Equal(t, "1 × 64", planner.DescribeSizes([]int{64}))
+	require.Equal(t, "", planner.DescribeSizes(nil))
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"sort"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -212,7 +211,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 	pr := &planReport{WholeBatch: len(pl.Chunks) == 1, Chunk: pl.Chunk, PeakReserved: pl.PeakReserved,
 		PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample, Persistent: pl.Persistent,
-		Replays: pl.Replays, PlanningSeconds: elapsed.Seconds(), Chunks: chunkSizes(pl)}
+		Replays: pl.Replays, PlanningSeconds: elapsed.Seconds(), Chunks: planner.Sizes(pl.Chunks)}
 	pr.WholePeakReserved = pl.PeakReserved
 	if !pr.WholeBatch {
 		for _, bi := range st.program.Accumulators {
@@ -284,21 +283,6 @@ func writeJSON(w io.Writer, r *report) error {
 	return enc.Encode(r)
 }
 
-// chunkSummary groups balanced chunk sizes: [8 8 8 8] → "4 × 8",
-// [4 3 3] → "1 × 4 + 2 × 3".
-func chunkSummary(sizes []int) string {
-	var parts []string
-	for i := 0; i < len(sizes); {
-		j := i
-		for j < len(sizes) && sizes[j] == sizes[i] {
-			j++
-		}
-		parts = append(parts, fmt.Sprintf("%d × %d", j-i, sizes[i]))
-		i = j
-	}
-	return strings.Join(parts, " + ")
-}
-
 func exact(n int64) string { return fmt.Sprintf("%s (%s B)", alloc.FormatBytes(n), thousands(n)) }
 
 // writeText prints the report for people; planned is false when planning
@@ -329,7 +313,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("fits", "yes: the whole batch of %d runs in one chunk", r.Batch)
 		} else {
 			line("fits", "in chunks: the whole batch of %d would need %s; it runs as %s", r.Batch,
-				alloc.FormatBytes(p.WholePeakReserved), chunkSummary(p.Chunks))
+				alloc.FormatBytes(p.WholePeakReserved), planner.DescribeSizes(p.Chunks))
 		}
 		line("chunk", "%d %s", p.Chunk, plural(p.Chunk, "sample"))
 		line("peak reserved", "%s", exact(p.PeakReserved))

@@ -307,9 +307,9 @@ func TestModelsList(t *testing.T) {
 }
 
 func TestChunkSummary(t *testing.T) {
-	assert.Equal(t, "4 × 8", chunkSummary([]int{8, 8, 8, 8}))
-	assert.Equal(t, "1 × 4 + 2 × 3", chunkSummary([]int{4, 3, 3}))
-	assert.Equal(t, "1 × 32", chunkSummary([]int{32}))
+	assert.Equal(t, "4 × 8", planner.DescribeSizes([]int{8, 8, 8, 8}))
+	assert.Equal(t, "1 × 4 + 2 × 3", planner.DescribeSizes([]int{4, 3, 3}))
+	assert.Equal(t, "1 × 32", planner.DescribeSizes([]int{32}))
 }
 
 func TestThousands(t *testing.T) {

@@ -161,7 +161,7 @@ func TestSnapshotChunked(t *testing.T) {
 	path := filepath.Join(dir, "chunked.pickle")
 	code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "4096", "--budget", strconv.FormatInt(budget, 10), "-o", path)
 	require.Equal(t, exitOK, code, stderr)
-	assert.Contains(t, stdout, chunkSummary(chunkSizes(pl)))
+	assert.Contains(t, stdout, planner.DescribeSizes(planner.Sizes(pl.Chunks)))
 	s := readPickleFile(t, path)
 	assert.Equal(t, pl.PeakAllocated, s.Allocated())
 }

@@ -177,19 +177,11 @@ func stepLine(c *estimateConfig, pl *planner.Plan) string {
 	if len(pl.Chunks) == 1 {
 		b.WriteString(" in one chunk")
 	} else {
-		fmt.Fprintf(&b, " as %s", chunkSummary(chunkSizes(pl)))
+		fmt.Fprintf(&b, " as %s", planner.DescribeSizes(planner.Sizes(pl.Chunks)))
 	}
 	fmt.Fprintf(&b, "; budget %s, predicted peak %s reserved, %s allocated", alloc.FormatBytes(c.budget),
 		alloc.FormatBytes(pl.PeakReserved), alloc.FormatBytes(pl.PeakAllocated))
 	return b.String()
-}
-
-func chunkSizes(pl *planner.Plan) []int {
-	var sizes []int
-	for _, ch := range pl.Chunks {
-		sizes = append(sizes, ch.Size)
-	}
-	return sizes
 }
 
 func runSnapshot(args []string, stdout, stderr io.Writer) int {
