@@ -1,6 +1,7 @@
 package alloc
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -159,32 +160,12 @@ type freeList []*Block
 
 func less(a, b *Block) int {
 	if a.size != b.size {
-		return cmpInt(a.size, b.size)
+		return cmp.Compare(a.size, b.size)
 	}
 	if a.seg != b.seg {
-		return cmpUint(a.seg.seq, b.seg.seq)
+		return cmp.Compare(a.seg.seq, b.seg.seq)
 	}
-	return cmpInt(int64(a.ptr), int64(b.ptr))
-}
-
-func cmpUint(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
-
-func cmpInt(a, b int64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
+	return cmp.Compare(a.ptr, b.ptr)
 }
 
 func (l *freeList) insert(b *Block) {
@@ -200,7 +181,7 @@ func (l *freeList) remove(b *Block) {
 
 // bestFit returns the smallest free block of at least size bytes.
 func (l freeList) bestFit(size int64) *Block {
-	i, _ := slices.BinarySearchFunc(l, size, func(b *Block, s int64) int { return cmpInt(b.size, s) })
+	i, _ := slices.BinarySearchFunc(l, size, func(b *Block, s int64) int { return cmp.Compare(b.size, s) })
 	if i < len(l) {
 		return l[i]
 	}

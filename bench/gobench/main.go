@@ -405,17 +405,24 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 			return r, err
 		}
 	}
-	if len(r.StepSeconds) > 0 {
-		s := slices.Sorted(slices.Values(r.StepSeconds))
-		med := s[len(s)/2]
-		if len(s)%2 == 0 {
-			med = (s[len(s)/2-1] + s[len(s)/2]) / 2
-		}
-		r.MedianStepSeconds = med
-		r.StepsPerSecond = 1 / med
-		r.SamplesPerSecond = float64(m.batch) / med
-	}
+	r.setRates(m.batch)
 	return r, nil
+}
+
+// setRates fills the median step time and the rates it gives from
+// StepSeconds, when there are any.
+func (r *Record) setRates(batch int) {
+	if len(r.StepSeconds) == 0 {
+		return
+	}
+	s := slices.Sorted(slices.Values(r.StepSeconds))
+	med := s[len(s)/2]
+	if len(s)%2 == 0 {
+		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
+	}
+	r.MedianStepSeconds = med
+	r.StepsPerSecond = 1 / med
+	r.SamplesPerSecond = float64(batch) / med
 }
 
 // maxBatch asks the planner for the largest batch whose whole training

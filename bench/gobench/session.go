@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"slices"
 	"time"
 
 	"gorgonia.org/tensor"
@@ -81,15 +80,6 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		}
 	}
 	r.Chunks = len(sess.LastPlan().Chunks)
-	if len(r.StepSeconds) > 0 {
-		s := slices.Sorted(slices.Values(r.StepSeconds))
-		med := s[len(s)/2]
-		if len(s)%2 == 0 {
-			med = (s[len(s)/2-1] + s[len(s)/2]) / 2
-		}
-		r.MedianStepSeconds = med
-		r.StepsPerSecond = 1 / med
-		r.SamplesPerSecond = float64(m.batch) / med
-	}
+	r.setRates(m.batch)
 	return r, nil
 }

@@ -53,8 +53,7 @@ const (
 type permutePlan struct {
 	kind              permuteKind
 	batch, rows, cols int64
-	dims, strides     []int   // for a gather: the output's merged axes and their source strides
-	geom              Strided // the same, as the kernel reads it
+	dims, strides     []int // for a gather: the output's merged axes and their source strides
 }
 
 // planPermute lays out the permute of shape by perm (output axis k is
@@ -89,7 +88,7 @@ func planPermute(perm, shape, out []int) (permutePlan, error) {
 	if err := checkRank("permute", dims); err != nil {
 		return permutePlan{}, err
 	}
-	return permutePlan{kind: permuteGather, dims: dims, strides: s, geom: newStrided(dims, s)}, nil
+	return permutePlan{kind: permuteGather, dims: dims, strides: s}, nil
 }
 
 func (r *runner) permute(perm []int, x, out operand) error {
