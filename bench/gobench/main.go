@@ -316,7 +316,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	// Four batches of host data, cycled: the first builds the graph, the
 	// others are fed in its place.
 	rng := rand.New(rand.NewPCG(2, 3))
-	loss, inputs := m.build(mod, m.batch, rng)
+	_, inputs := m.build(mod, m.batch, rng)
 	feeds := make([][]tensor.Tensor, 4)
 	feeds[0] = []tensor.Tensor{inputs[0].Value(), inputs[1].Value()}
 	for i := 1; i < len(feeds); i++ {
@@ -339,7 +339,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	// Planning: the graph was built above with the data; time a fresh
 	// build of the same step, as a training loop makes one every step.
 	start = time.Now()
-	loss, inputs = m.build(mod, m.batch, nil)
+	loss, inputs := m.build(mod, m.batch, nil)
 	p, err := compileStep(loss, nn.ParamTensors(mod), 2)
 	if err != nil {
 		return r, err
