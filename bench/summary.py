@@ -115,6 +115,11 @@ def main():
                       f"torch {c} batch {t.get('batch')} seq {t.get('seq')}: pass the same -gpt-seq/--gpt-seq, "
                       f"-*-batch/--*-batch to both")
 
+    for (m, c), r in sorted(tt.items(), key=lambda kv: str(kv[0])):
+        impl = str(r.get("optimizer_impl", ""))
+        if c != "fp32" and "failed" in impl:
+            print(f"WARNING: torch {m} {c} ran without the fused optimizer: {impl}")
+
     print("\nThroughput, headline (median ms/step of the timed steps, each synchronised, host batch uploaded every step):")
     print("  batchfit executor: the program compiled once, FP32 (TF32 off); batchfit Session: the graph built again")
     print("  every step (Session.Step with autodiff and the plan cache), as a training loop runs it.")

@@ -41,11 +41,27 @@ CONFIGS = ("fp32", "bf16", "compile")
 
 def set_precision(fast):
     """TF32 (and cuDNN's autotuner) on for the bf16 and compile
-    configurations, off for fp32 and the finders."""
-    torch.backends.cuda.matmul.allow_tf32 = fast
-    torch.backends.cudnn.allow_tf32 = fast
+    configurations, off for fp32 and the finders. The legacy flags (what
+    this script always set, and torch 2.11 takes, with a deprecation
+    warning); the fp32_precision API where they fail."""
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = fast
+        torch.backends.cudnn.allow_tf32 = fast
+        torch.set_float32_matmul_precision("high" if fast else "highest")
+    except Exception as e:
+        print(f"torch_bench: legacy TF32 flags failed ({type(e).__name__}: {e}); using fp32_precision",
+              file=sys.stderr)
+        p = "tf32" if fast else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = p
+        torch.backends.cudnn.conv.fp32_precision = p
     torch.backends.cudnn.benchmark = fast
-    torch.set_float32_matmul_precision("high" if fast else "highest")
+
+
+def matmul_precision():
+    try:
+        return torch.get_float32_matmul_precision()
+    except Exception as e:
+        return f"unknown ({type(e).__name__})"
 
 
 set_precision(False)
@@ -305,6 +321,7 @@ def throughput(s, cfg, a):
     free_cuda()
     torch.cuda.reset_peak_memory_stats()
     model, opt, run = make_runner(s, cfg, a, rec)
+    rec["float32_matmul_precision"] = matmul_precision()
     # Four host batches, cycled and uploaded every step, as gobench feeds them.
     torch.manual_seed(2)
     batches = [s.data(s.batch, "cpu") for _ in range(4)]
@@ -503,7 +520,7 @@ def main():
     free, total = torch.cuda.mem_get_info()
     emit({"kind": "device", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "cuda": torch.version.cuda, "device_total": total, "device_free": free,
-          "tf32": torch.backends.cuda.matmul.allow_tf32, "configs": configs,
+          "tf32": False, "configs": configs,
           "bf16_supported": torch.cuda.is_bf16_supported()})
     sp = specs(a)
     starts = dict(kv.split("=") for kv in a.accelerate_start.split(",") if "=" in kv)
@@ -511,7 +528,10 @@ def main():
     for n in names:
         for c in configs:
             jobs.append(({"model": n, "config": c}, lambda n=n, c=c: throughput(sp[n], Config(c), a)))
-    finders = [f.strip() for f in a.finders.split(",") if f.strip()]
+    finders = [f.strip() for f in a.finders.split(",") if f.strip() and f.strip() not in ('""', "''", "none")]
+    for f in finders:
+        if f not in ("lightning", "accelerate"):
+            print(f"torch_bench: unknown finder {f!r} ignored (want lightning, accelerate)", file=sys.stderr)
     fnames = [n for n in names if n in {m.strip() for m in a.finder_models.split(",")}]
     for n in fnames:
         if "lightning" in finders:
