@@ -1,5 +1,11 @@
 #!/usr/bin/env python3
-"""Side-by-side summary of gobench.json and torch_bench.json (bench/run-gpu)."""
+"""Side-by-side summary of gobench.json and torch_bench.json (bench/run-gpu).
+
+The headline compares batchfit with the strongest PyTorch a user would run
+(bf16 autocast + TF32 + SDPA + fused optimizer, eager and torch.compile);
+PyTorch FP32 with attention written out is an extra column at the right.
+Entries missing from either side print "not run", failed ones "failed".
+"""
 import json
 import os
 import sys
@@ -45,46 +51,129 @@ def table(rows):
             print("  ".join("-" * x for x in w))
 
 
+def ms(r):
+    """A throughput record's median step in ms, or None."""
+    if not r or not r.get("median_step_seconds"):
+        return None
+    return r["median_step_seconds"] * 1e3
+
+
+def cell(r, failed, value, fmt):
+    """value(r) formatted, or "failed" / "not run" when there is none."""
+    v = value(r) if r else None
+    if v is not None:
+        return fmt.format(v)
+    if failed or (r and r.get("error")):
+        return "failed"
+    return "-" if r else "not run"
+
+
+def ratio(torch_ms, bf_ms):
+    """torch time / batchfit time, with the direction spelt out."""
+    if not torch_ms or not bf_ms:
+        return "-"
+    q = torch_ms / bf_ms
+    if q < 1:
+        return f"{q:.3f} (batchfit {bf_ms / torch_ms:.2f}x slower)"
+    return f"{q:.3f} (batchfit {q:.2f}x faster)"
+
+
+TORCH_CONFIGS = ("bf16", "compile", "fp32")
+ABOUT = {
+    "bf16": "eager, bf16 autocast + TF32 + SDPA (is_causal) + fused Adam/AdamW, channels_last + cudnn.benchmark (conv)",
+    "compile": "torch.compile (model and loss) of bf16; compile time excluded from the steps",
+    "fp32": "eager FP32, TF32 off, attention written out (the weak baseline: an extra column, never the headline)",
+}
+
+
 def main():
     go, th = load(sys.argv[1]), load(sys.argv[2])
+    go_failed = False
     for r in go + th:
+        side = "gobench" if r in go else "torch"
         if r.get("kind") == "device":
             print(f"device: {r.get('device')}  free {mib(r.get('device_free'))} of {mib(r.get('device_total'))}"
-                  + (f"  torch {r['torch']} CUDA {r['cuda']} tf32={r['tf32']}" if "torch" in r else ""))
+                  + (f"  torch {r.get('torch')} CUDA {r.get('cuda')} configs {','.join(r.get('configs') or ['fp32'])}"
+                     if "torch" in r else ""))
         if r.get("kind") == "error" or r.get("error"):
-            print(f"ERROR ({'gobench' if r in go else 'torch'}) {r.get('model', '')}: {r.get('error')}")
+            what = " ".join(str(r[k]) for k in ("model", "config", "tool") if r.get(k))
+            print(f"ERROR ({side}) {what}: {r.get('error')}")
+            if side == "gobench" and not r.get("model"):
+                go_failed = True
     gt = {r.get("model"): r for r in go if r.get("kind") == "throughput"}
-    tt = {r.get("model"): r for r in th if r.get("kind") == "throughput"}
     st = {r.get("model"): r for r in go if r.get("kind") == "session"}
-    # Models one side did not run (torch_bench.py has no conv) get "not run"
-    # in that side's columns.
-    gone = {m: "not run" for m in set(tt) - set(gt)}
-    tone = {m: "not run" for m in set(gt) - set(tt)}
-    print("\nThroughput (median of the timed steps, each synchronised; FP32, TF32 off on both):")
-    print("(batchfit executor: the program compiled once; batchfit Session: the graph built again every step,")
-    print(" Session.Step with autodiff and the plan cache, as a training loop runs it)")
-    rows = [["model", "batch", "batchfit steps/s", "torch steps/s", "ratio bf/torch", "bf Session steps/s",
-             "ratio Session/torch", "batchfit samples/s", "torch samples/s", "plan time"]]
-    for m in sorted(set(gt) | set(tt)):
-        g, t, se = gt.get(m, {}), tt.get(m, {}), st.get(m, {})
-        gs, ts, ss = g.get("steps_per_second"), t.get("steps_per_second"), se.get("steps_per_second")
-        rows.append([m, g.get("batch", t.get("batch")), gone.get(m) or num(gs), tone.get(m) or num(ts),
-                     num(gs / ts if gs and ts else None, "{:.3f}"),
-                     num(ss), num(ss / ts if ss and ts else None, "{:.3f}"),
-                     gone.get(m) or num(g.get("samples_per_second"), "{:,.0f}"),
-                     tone.get(m) or num(t.get("samples_per_second"), "{:,.0f}"),
-                     num(g.get("plan_seconds"), "{:.3f} s")])
+    # Records from before --configs have no config: they are fp32.
+    tt = {(r.get("model"), r.get("config", "fp32")): r for r in th if r.get("kind") == "throughput"}
+    terr = {(r.get("model"), r.get("config", "fp32")) for r in th if r.get("kind") == "error" and not r.get("tool")}
+    models = sorted(({m for m in gt} | {m for m in st} | {m for m, _ in tt} | {m for m, _ in terr}) - {None})
+    for m in models:
+        g = gt.get(m) or st.get(m) or {}
+        for c in TORCH_CONFIGS:
+            t = tt.get((m, c))
+            if g and t and (g.get("batch") != t.get("batch") or (g.get("seq") or 0) != (t.get("seq") or 0)):
+                print(f"WARNING: {m} shapes differ: gobench batch {g.get('batch')} seq {g.get('seq')}, "
+                      f"torch {c} batch {t.get('batch')} seq {t.get('seq')}: pass the same -gpt-seq/--gpt-seq, "
+                      f"-*-batch/--*-batch to both")
+
+    for (m, c), r in sorted(tt.items(), key=lambda kv: str(kv[0])):
+        impl = str(r.get("optimizer_impl", ""))
+        if c != "fp32" and "failed" in impl:
+            print(f"WARNING: torch {m} {c} ran without the fused optimizer: {impl}")
+
+    print("\nThroughput, headline (median ms/step of the timed steps, each synchronised, host batch uploaded every step):")
+    print("  batchfit executor: the program compiled once, FP32 (TF32 off); batchfit Session: the graph built again")
+    print("  every step (Session.Step with autodiff and the plan cache), as a training loop runs it.")
+    for c in TORCH_CONFIGS:
+        print(f"  torch {c}: {ABOUT[c]}")
+    print("  'torch X / batchfit' is torch's time over batchfit's: below 1 batchfit is slower (by batchfit ms / torch ms).")
+    rows = [["model", "batch", "seq", "batchfit ms", "batchfit samples/s", "bf Session ms",
+             "torch bf16 ms", "torch bf16 samples/s", "torch compile ms", "torch compile samples/s",
+             "torch bf16 / batchfit", "torch compile / batchfit", "torch bf16 / Session",
+             "torch fp32 ms (extra)", "torch fp32 / batchfit (extra)"]]
+    for m in models:
+        g, se = gt.get(m), st.get(m)
+        gfail = go_failed and not g
+        t = {c: tt.get((m, c)) for c in TORCH_CONFIGS}
+        tf = {c: (m, c) in terr for c in TORCH_CONFIGS}
+        anyr = g or se or next((x for x in t.values() if x), None) or {}
+        rows.append([m, anyr.get("batch", "-"), anyr.get("seq") or "-",
+                     cell(g, gfail, ms, "{:,.2f}"), cell(g, gfail, lambda r: r.get("samples_per_second"), "{:,.0f}"),
+                     cell(se, go_failed and not se, ms, "{:,.2f}"),
+                     cell(t["bf16"], tf["bf16"], ms, "{:,.2f}"),
+                     cell(t["bf16"], tf["bf16"], lambda r: r.get("samples_per_second"), "{:,.0f}"),
+                     cell(t["compile"], tf["compile"], ms, "{:,.2f}"),
+                     cell(t["compile"], tf["compile"], lambda r: r.get("samples_per_second"), "{:,.0f}"),
+                     ratio(ms(t["bf16"]), ms(g)), ratio(ms(t["compile"]), ms(g)), ratio(ms(t["bf16"]), ms(se)),
+                     cell(t["fp32"], tf["fp32"], ms, "{:,.2f}"), ratio(ms(t["fp32"]), ms(g))])
     table(rows)
-    print("\nPeak memory (batchfit: planner's prediction + Overhead vs its allocator; device = cuMemGetInfo used):")
-    rows = [["model", "bf predicted+ovh", "bf measured reserved", "error", "bf device used", "torch max_reserved",
-             "torch device used"]]
-    for m in sorted(set(gt) | set(tt)):
-        g, t = gt.get(m, {}), tt.get(m, {})
-        pred = g["predicted_peak_reserved"] + g.get("overhead", 0) if "predicted_peak_reserved" in g else None
+    comp = [(m, tt[(m, "compile")]) for m in models if (m, "compile") in tt]
+    if comp:
+        print("  torch.compile time (first step, excluded above): "
+              + ", ".join(f"{m} {num(r.get('compile_seconds'), '{:.1f} s')}" for m, r in comp))
+    plans = [(m, gt[m]) for m in models if m in gt and gt[m].get("plan_seconds") is not None]
+    if plans:
+        print("  batchfit plan time (graph build, autodiff, compile, planner.Make): "
+              + ", ".join(f"{m} {num(r.get('plan_seconds'), '{:.3f} s')}" for m, r in plans))
+
+    print("\nPeak memory (batchfit: planner's prediction + Overhead vs its allocator, device = cuMemGetInfo used;")
+    print(" torch: max_memory_reserved / max_memory_allocated over the steps, compile's own peak excluded):")
+    rows = [["model", "bf predicted+ovh", "bf measured reserved", "error", "bf device used",
+             "torch bf16 reserved", "torch bf16 allocated", "torch compile reserved", "torch compile allocated",
+             "torch fp32 reserved (extra)", "torch fp32 allocated (extra)"]]
+    for m in models:
+        g = gt.get(m) or {}
+        pred = g["predicted_peak_reserved"] + g.get("overhead", 0) if g.get("predicted_peak_reserved") else None
         meas = g.get("measured_peak_reserved")
-        rows.append([m, mib(pred), mib(meas), f"{meas - pred:+,} B" if pred is not None and meas is not None else "-",
-                     mib(g.get("device_used_peak")), tone.get(m) or mib(t.get("max_memory_reserved")),
-                     tone.get(m) or mib(t.get("device_used_peak"))])
+        row = [m, mib(pred), mib(meas), f"{meas - pred:+,} B" if pred is not None and meas is not None else "-",
+               mib(g.get("device_used_peak"))]
+        for c in TORCH_CONFIGS:
+            t, f = tt.get((m, c)), (m, c) in terr
+            row += [cell(t, f, lambda r: r.get("max_memory_reserved"), "{}"),
+                    cell(t, f, lambda r: r.get("max_memory_allocated"), "{}")]
+            for k in (-2, -1):
+                if row[k].isdigit():
+                    row[k] = mib(int(row[k]))
+        rows.append(row)
     table(rows)
     print("\nTime to a usable batch (the largest batch whose whole training step fits the card):")
     rows = [["model", "method", "batch found", "time", "notes"]]

@@ -1,15 +1,31 @@
 #!/usr/bin/env python3
-"""PyTorch eager side of bench/run-gpu: the models gobench runs, at the same
-shapes, in FP32 (TF32 off), with the same optimizers; steps/s and
-torch.cuda.max_memory_reserved; then the time Lightning's BatchSizeFinder
-(binsearch) and accelerate's find_executable_batch_size take to find a
-usable batch. JSON lines to stdout and $OUT/torch_bench.json.
+"""PyTorch side of bench/run-gpu: the models gobench runs (mlp, gpt, conv), at
+the same shapes, with the same optimizers, in each configuration of
+--configs:
+
+  fp32     FP32, TF32 off, attention written out (q·kᵀ, mask, softmax, ·v),
+           the optimizer's default (foreach) implementation: the weak
+           baseline, an extra column only;
+  bf16     what a user runs: bf16 autocast, TF32 on, F.scaled_dot_product_attention
+           (is_causal=True), fused Adam/AdamW (fused=True), channels_last and
+           cudnn.benchmark for the conv net;
+  compile  torch.compile of the bf16 configuration (model and loss); the
+           compile (the first step) is timed apart and excluded.
+
+Per model and configuration: the median of the timed steps (each
+synchronised), steps/s, samples/s, torch.cuda.max_memory_reserved and
+max_memory_allocated. Then, in FP32, the time Lightning's BatchSizeFinder
+(binsearch) and accelerate's find_executable_batch_size take to find a usable
+batch (--finders "" skips them). JSON lines to stdout and
+$OUT/torch_bench.json. A configuration that fails emits an error record and
+the run goes on.
 """
 import argparse
 import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -20,9 +36,35 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
-torch.set_float32_matmul_precision("highest")
+CONFIGS = ("fp32", "bf16", "compile")
+
+
+def set_precision(fast):
+    """TF32 (and cuDNN's autotuner) on for the bf16 and compile
+    configurations, off for fp32 and the finders. The legacy flags (what
+    this script always set, and torch 2.11 takes, with a deprecation
+    warning); the fp32_precision API where they fail."""
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = fast
+        torch.backends.cudnn.allow_tf32 = fast
+        torch.set_float32_matmul_precision("high" if fast else "highest")
+    except Exception as e:
+        print(f"torch_bench: legacy TF32 flags failed ({type(e).__name__}: {e}); using fp32_precision",
+              file=sys.stderr)
+        p = "tf32" if fast else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = p
+        torch.backends.cudnn.conv.fp32_precision = p
+    torch.backends.cudnn.benchmark = fast
+
+
+def matmul_precision():
+    try:
+        return torch.get_float32_matmul_precision()
+    except Exception as e:
+        return f"unknown ({type(e).__name__})"
+
+
+set_precision(False)
 DEV = "cuda"
 OUT = os.environ.get("OUT")
 _sink = open(os.path.join(OUT, "torch_bench.json"), "w") if OUT else None
@@ -36,7 +78,8 @@ def emit(rec):
         _sink.flush()
 
 
-# Models: the same as gobench's (nn.MLP and models.GPT).
+# Models: the same as gobench's (nn.MLP, models.GPT, models.NewConvNet with
+# models.CIFAR10()).
 
 class MLP(nn.Module):
     def __init__(self):
@@ -47,13 +90,34 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class ConvNet(nn.Module):
+    # models.NewConvNet(opt, models.CIFAR10()): per stage conv 3×3 (padding
+    # 1, bias) → ReLU → max-pool 2×2, widths 32, 64, 128 over 3×32×32
+    # images, then flatten and linear 128·4·4 → 10.
+    def __init__(self, channels=3, size=32, widths=(32, 64, 128), classes=10):
+        super().__init__()
+        mods, c = [], channels
+        for w in widths:
+            mods += [nn.Conv2d(c, w, 3, padding=1, bias=True), nn.ReLU(), nn.MaxPool2d(2)]
+            c = w
+            size //= 2
+        mods += [nn.Flatten(), nn.Linear(c * size * size, classes)]
+        self.net = nn.Sequential(*mods)
+
+    def forward(self, x):
+        return self.net(x)
+
+
 class Attention(nn.Module):
-    # Causal self-attention written out (q·kᵀ, mask, softmax, ·v) as
-    # batchfit's models.GPT computes it: no fused SDPA kernel, so activations
-    # are comparable.
-    def __init__(self, d, heads):
+    # Causal self-attention. With sdpa False it is written out (q·kᵀ, mask,
+    # softmax, ·v) as batchfit's models.GPT computes it, so activations are
+    # comparable (the fp32 configuration); with sdpa True it is
+    # F.scaled_dot_product_attention(is_causal=True), the fused (flash)
+    # kernel a user runs.
+    def __init__(self, d, heads, sdpa):
         super().__init__()
         self.heads = heads
+        self.sdpa = sdpa
         self.c_attn = nn.Linear(d, 3 * d)
         self.c_proj = nn.Linear(d, d)
 
@@ -62,18 +126,22 @@ class Attention(nn.Module):
         h, hd = self.heads, c // self.heads
         q, k, v = self.c_attn(x).split(c, dim=2)
         q, k, v = (z.view(b, t, h, hd).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(t, t, device=x.device, dtype=torch.bool).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            mask = torch.ones(t, t, device=x.device, dtype=torch.bool).triu(1)
+            att = att.masked_fill(mask, float("-inf")).softmax(-1)
+            y = att @ v
+        y = y.transpose(1, 2).reshape(b, t, c)
         return self.c_proj(y)
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, sdpa):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
+        self.attn = Attention(d, heads, sdpa)
         self.ln_2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
 
@@ -83,11 +151,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers, vocab=50257, context=1024, d=768, heads=12):
+    def __init__(self, layers, vocab=50257, context=1024, d=768, heads=12, sdpa=False):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Parameter(torch.zeros(context, d))
-        self.h = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.h = nn.Sequential(*[Block(d, heads, sdpa) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
         for name, p in self.named_parameters():
             if p.dim() >= 2:
@@ -104,10 +172,37 @@ class GPT(nn.Module):
         return x @ self.wte.weight.t()  # tied head, as models.GPT
 
 
+class WithLoss(nn.Module):
+    """The model and its mean cross-entropy in one module, so that
+    torch.compile sees the loss too (as nanoGPT's forward returns it)."""
+
+    def __init__(self, name, model):
+        super().__init__()
+        self.name = name
+        self.model = model
+
+    def forward(self, x, y):
+        out = self.model(x)
+        if self.name == "gpt":
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        return F.cross_entropy(out, y)
+
+
 class Spec:
     def __init__(self, name, batch, seq, make, opt, opt_name, data):
+        # make(sdpa) builds the model; opt(params, fused) its optimizer.
         self.name, self.batch, self.seq, self.make, self.opt, self.opt_name, self.data = \
             name, batch, seq, make, opt, opt_name, data
+
+
+def adam(ps, fused=False):
+    return torch.optim.Adam(ps, lr=1e-3, fused=True) if fused else torch.optim.Adam(ps, lr=1e-3)
+
+
+def adamw(ps, fused=False):
+    if fused:
+        return torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01, fused=True)
+    return torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01)
 
 
 def specs(a):
@@ -118,18 +213,20 @@ def specs(a):
         return (torch.randint(0, 50257, (n, a.gpt_seq), device=device),
                 torch.randint(0, 50257, (n, a.gpt_seq), device=device))
 
+    def conv_data(n, device):
+        return torch.randn(n, 3, 32, 32, device=device), torch.randint(0, 10, (n,), device=device)
+
     return {
-        "mlp": Spec("mlp", a.mlp_batch, 0, MLP, lambda ps: torch.optim.Adam(ps, lr=1e-3), "adam(lr=1e-3)", mlp_data),
-        "gpt": Spec("gpt", a.gpt_batch, a.gpt_seq, lambda: GPT(a.gpt_layers),
-                    lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.01), "adamw(lr=3e-4, wd=0.01)", gpt_data),
+        "mlp": Spec("mlp", a.mlp_batch, 0, lambda sdpa=False: MLP(), adam, "adam(lr=1e-3)", mlp_data),
+        "gpt": Spec("gpt", a.gpt_batch, a.gpt_seq, lambda sdpa=False: GPT(a.gpt_layers, sdpa=sdpa),
+                    adamw, "adamw(lr=3e-4, wd=0.01)", gpt_data),
+        "conv": Spec("conv", a.conv_batch, 0, lambda sdpa=False: ConvNet(), adam, "adam(lr=1e-3)", conv_data),
     }
 
 
 def loss_of(name, model, x, y):
-    out = model(x)
-    if name == "gpt":
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return F.cross_entropy(out, y)
+    # The finders' loss: FP32, attention written out.
+    return WithLoss(name, model)(x, y)
 
 
 def step(s, model, opt, x, y):
@@ -145,27 +242,118 @@ def free_cuda():
     torch.cuda.empty_cache()
 
 
-def throughput(s, a):
-    rec = {"kind": "throughput", "model": s.name, "batch": s.batch, "seq": s.seq, "optimizer": s.opt_name,
-           "warmup": a.warmup, "steps": a.steps}
+class Budget(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Budget("compile budget exceeded")
+
+
+class Config:
+    """One configuration of --configs: how the model is built, what runs in
+    each step, and how it is timed."""
+
+    def __init__(self, name):
+        if name not in CONFIGS:
+            raise ValueError(f"unknown config {name!r} (want one of {', '.join(CONFIGS)})")
+        self.name = name
+        self.fast = name != "fp32"  # bf16 autocast, TF32, SDPA, fused optimizer, channels_last
+        self.compiled = name == "compile"
+
+    def describe(self, s):
+        d = {"tf32": self.fast, "autocast": "bfloat16" if self.fast else None,
+             "attention": ("sdpa(is_causal=True)" if self.fast else "written out") if s.name == "gpt" else None,
+             "fused_optimizer": self.fast, "cudnn_benchmark": self.fast,
+             "channels_last": self.fast and s.name == "conv", "compiled": self.compiled}
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def make_runner(s, cfg, a, rec):
+    """Builds the model and optimizer for cfg and returns (model, opt,
+    run(x_host, y_host) -> loss tensor) where run does one whole step:
+    upload, zero_grad, forward and loss, backward, optimizer step."""
+    set_precision(cfg.fast)
+    torch.manual_seed(1)
+    model = s.make(sdpa=cfg.fast)
+    mf = torch.channels_last if cfg.fast and s.name == "conv" else None
+    model = model.to(DEV)
+    if mf is not None:
+        model = model.to(memory_format=mf)
+    rec["params"] = sum(p.numel() for p in model.parameters())
+    if cfg.fast:
+        try:
+            opt = s.opt(model.parameters(), fused=True)
+            rec["optimizer_impl"] = "fused"
+        except Exception as e:  # fused needs CUDA float params; should not happen
+            opt = s.opt(model.parameters())
+            rec["optimizer_impl"] = f"foreach (fused failed: {type(e).__name__}: {e})"
+    else:
+        opt = s.opt(model.parameters())
+        rec["optimizer_impl"] = "default (foreach)"
+    fn = WithLoss(s.name, model)
+    if cfg.compiled:
+        kw = {} if a.compile_mode == "default" else {"mode": a.compile_mode}
+        fn = torch.compile(fn, **kw)
+        rec["compile_mode"] = a.compile_mode
+
+    def run(x, y):
+        x, y = x.to(DEV), y.to(DEV)
+        if mf is not None:
+            x = x.contiguous(memory_format=mf)
+        opt.zero_grad(set_to_none=True)
+        if cfg.fast:
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                loss = fn(x, y)
+        else:
+            loss = fn(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, opt, run
+
+
+def throughput(s, cfg, a):
+    rec = {"kind": "throughput", "model": s.name, "config": cfg.name, "batch": s.batch, "seq": s.seq,
+           "optimizer": s.opt_name, "warmup": a.warmup, "steps": a.steps}
+    rec.update(cfg.describe(s))
     free_cuda()
     torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(1)
-    model = s.make().to(DEV)
-    rec["params"] = sum(p.numel() for p in model.parameters())
-    opt = s.opt(model.parameters())
+    model, opt, run = make_runner(s, cfg, a, rec)
+    rec["float32_matmul_precision"] = matmul_precision()
     # Four host batches, cycled and uploaded every step, as gobench feeds them.
+    torch.manual_seed(2)
     batches = [s.data(s.batch, "cpu") for _ in range(4)]
+    if cfg.compiled:
+        # The first call compiles forward and backward: timed apart, under
+        # an alarm of --compile-budget seconds, and left out of the peaks.
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(max(1, int(a.compile_budget)))
+        t0 = time.perf_counter()
+        try:
+            x, y = batches[0]
+            rec["first_loss"] = run(x, y).item()
+            torch.cuda.synchronize()
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+        rec["compile_seconds"] = time.perf_counter() - t0
+        rec["compile_max_memory_reserved"] = torch.cuda.max_memory_reserved()
+        rec["compile_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     used_peak = 0
     for i in range(a.warmup + a.steps):
         x, y = batches[i % 4]
         t0 = time.perf_counter()
-        loss = step(s, model, opt, x.to(DEV), y.to(DEV))
+        loss = run(x, y)
         l = loss.item()  # downloads the loss, as gobench does
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if i == 0:
+        if i == 0 and "first_loss" not in rec:
             rec["first_loss"] = l
         rec["last_loss"] = l
         free, total = torch.cuda.mem_get_info()
@@ -173,28 +361,28 @@ def throughput(s, a):
         if i >= a.warmup:
             times.append(dt)
     if a.profile > 0:
-        profile(s, a, model, opt, batches)
+        profile(s, cfg, a, run, batches)
     med = statistics.median(times)
-    rec.update(step_seconds=times, median_step_seconds=med, steps_per_second=1 / med,
+    rec.update(step_seconds=times, median_step_seconds=med, median_ms_per_step=med * 1e3, steps_per_second=1 / med,
                samples_per_second=s.batch / med, max_memory_reserved=torch.cuda.max_memory_reserved(),
                max_memory_allocated=torch.cuda.max_memory_allocated(), device_used_peak=used_peak)
-    del model, opt, batches
+    del model, opt, run, batches
     free_cuda()
     return rec
 
 
-def profile(s, a, model, opt, batches):
+def profile(s, cfg, a, run, batches):
     """Profiles a.profile more steps with torch.profiler and prints the CUDA
     time per kernel to stderr, to set beside gobench -profile."""
     from torch.profiler import ProfilerActivity, profile as tprofile
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(a.profile):
             x, y = batches[i % 4]
-            step(s, model, opt, x.to(DEV), y.to(DEV)).item()
+            run(x, y).item()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
-    print(f"== torch profile {s.name}: {a.profile} steps, CUDA kernels {total / a.profile / 1e3:.3f} ms/step",
+    print(f"== torch profile {s.name} {cfg.name}: {a.profile} steps, CUDA kernels {total / a.profile / 1e3:.3f} ms/step",
           file=sys.stderr)
     events.sort(key=lambda e: -e.self_device_time_total)
     for e in events[:40]:
@@ -202,7 +390,7 @@ def profile(s, a, model, opt, batches):
               file=sys.stderr)
     ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")]
     ops.sort(key=lambda e: -e.device_time_total)
-    print(f"== torch profile {s.name}: aten ops by CUDA time", file=sys.stderr)
+    print(f"== torch profile {s.name} {cfg.name}: aten ops by CUDA time", file=sys.stderr)
     for e in ops[:30]:
         print(f"  {e.device_time_total / a.profile / 1e3:9.3f} ms/step {e.count // a.profile:5d}/step  {e.key}",
               file=sys.stderr)
@@ -211,6 +399,7 @@ def profile(s, a, model, opt, batches):
 # "Time to a usable batch".
 
 def lightning_finder(s, a):
+    set_precision(False)
     rec = {"kind": "finder", "tool": "lightning BatchSizeFinder(mode=binsearch)", "model": s.name, "seq": s.seq}
     try:
         import lightning.pytorch as L
@@ -272,6 +461,7 @@ def lightning_finder(s, a):
 def accelerate_finder(s, a, start):
     import accelerate
     from accelerate.utils import find_executable_batch_size
+    set_precision(False)
     rec = {"kind": "finder", "tool": "accelerate find_executable_batch_size", "model": s.name, "seq": s.seq,
            "version": accelerate.__version__, "start": start}
     free_cuda()
@@ -294,50 +484,84 @@ def accelerate_finder(s, a, start):
     found = train()
     rec["search_seconds"] = time.perf_counter() - t0
     rec.update(batch=found, tried=tried)
-    del model
+    model = None  # the closure's cell: freed before free_cuda
     free_cuda()
     return rec
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mlp,gpt")
+    ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv")
+    ap.add_argument("--configs", default="fp32,bf16,compile",
+                    help="comma list of fp32 (TF32 off, attention written out: the weak extra column), "
+                         "bf16 (autocast bf16, TF32, SDPA, fused optimizer, channels_last for conv), "
+                         "compile (torch.compile of bf16)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--mlp-batch", type=int, default=1024)
     ap.add_argument("--gpt-batch", type=int, default=8)
-    ap.add_argument("--gpt-seq", type=int, default=256)
+    ap.add_argument("--gpt-seq", type=int, default=256, help="as gobench's -gpt-seq (default 256)")
     ap.add_argument("--gpt-layers", type=int, default=12)
+    ap.add_argument("--conv-batch", type=int, default=256)
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile mode: default, reduce-overhead, max-autotune, ...")
+    ap.add_argument("--compile-budget", type=float, default=300,
+                    help="seconds the first (compiling) step may take before it is abandoned with an error record")
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per model (torch.profiler, to stderr)")
     ap.add_argument("--finders", default="lightning,accelerate", help="comma list, or empty for none")
+    ap.add_argument("--finder-models", default="mlp,gpt", help="models the finders run on (of --models)")
     ap.add_argument("--finder-init", type=int, default=2, help="Lightning's init_val")
     ap.add_argument("--finder-trials", type=int, default=25, help="Lightning's max_trials")
-    ap.add_argument("--accelerate-start", default="mlp=2097152,gpt=1024",
+    ap.add_argument("--accelerate-start", default="mlp=2097152,gpt=1024,conv=262144",
                     help="starting_batch_size per model (it only shrinks from there)")
     a = ap.parse_args()
+    names = [n.strip() for n in a.models.split(",") if n.strip()]
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     free, total = torch.cuda.mem_get_info()
     emit({"kind": "device", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "cuda": torch.version.cuda, "device_total": total, "device_free": free,
-          "tf32": torch.backends.cuda.matmul.allow_tf32})
+          "tf32": False, "configs": configs,
+          "bf16_supported": torch.cuda.is_bf16_supported()})
     sp = specs(a)
-    names = [n.strip() for n in a.models.split(",") if n.strip()]
-    starts = dict(kv.split("=") for kv in a.accelerate_start.split(","))
-    jobs = [(n, lambda n=n: throughput(sp[n], a)) for n in names]
-    finders = [f.strip() for f in a.finders.split(",") if f.strip()]
+    starts = dict(kv.split("=") for kv in a.accelerate_start.split(",") if "=" in kv)
+    jobs = []
     for n in names:
+        for c in configs:
+            jobs.append(({"model": n, "config": c}, lambda n=n, c=c: throughput(sp[n], Config(c), a)))
+    finders = [f.strip() for f in a.finders.split(",") if f.strip() and f.strip() not in ('""', "''", "none")]
+    for f in finders:
+        if f not in ("lightning", "accelerate"):
+            print(f"torch_bench: unknown finder {f!r} ignored (want lightning, accelerate)", file=sys.stderr)
+    fnames = [n for n in names if n in {m.strip() for m in a.finder_models.split(",")}]
+    for n in fnames:
         if "lightning" in finders:
-            jobs.append((n, lambda n=n: lightning_finder(sp[n], a)))
+            jobs.append(({"model": n, "tool": "lightning"}, lambda n=n: lightning_finder(sp[n], a)))
         if "accelerate" in finders:
-            jobs.append((n, lambda n=n: accelerate_finder(sp[n], a, int(starts[n]))))
+            jobs.append(({"model": n, "tool": "accelerate"}, lambda n=n: accelerate_finder(sp[n], a, int(starts[n]))))
     fail = 0
-    for n, job in jobs:
+    for what, job in jobs:
+        t0 = time.perf_counter()
         try:
+            if what.get("model") not in sp:
+                raise ValueError(f"unknown model {what.get('model')!r} (want mlp, gpt or conv)")
             emit(job())
-        except Exception as e:  # one failure should not hide the other results
+        except BaseException as e:  # one failure should not hide the other results
+            if isinstance(e, KeyboardInterrupt):
+                raise
             fail = 1
             traceback.print_exc()
-            emit({"kind": "error", "model": n, "error": f"{type(e).__name__}: {e}"})
-            free_cuda()
+            emit(dict(kind="error", **what, error=f"{type(e).__name__}: {e}"[:2000],
+                      seconds=time.perf_counter() - t0))
+        finally:
+            if what.get("config") == "compile":
+                try:
+                    torch._dynamo.reset()
+                except Exception:
+                    traceback.print_exc()
+            try:
+                free_cuda()
+            except Exception:
+                traceback.print_exc()
     return fail
 
 
