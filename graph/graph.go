@@ -1,6 +1,7 @@
 package graph
 
 import (
+	"slices"
 	"strings"
 
 	"gorgonia.org/tensor"
@@ -88,23 +89,57 @@ func (g *Graph) SetBatch(n int) error {
 	return nil
 }
 
-// Append adds n, whose Type the caller has already inferred, and returns its
-// id. Inputs must name existing nodes; that is what keeps ids topological.
+// Append types n and adds it, returning its id. It is the only way a node
+// enters a graph, so every stored type is its op's answer: a source
+// (input, param, const) is checked and typed from n.Type (an input's batch
+// axis fixes the graph's batch size); any other node gets the type its
+// op's rule computes from its inputs, with its attributes normalised, and
+// a non-zero n.Type that disagrees with the rule is an ErrShape error.
+// Inputs must name existing nodes; that is what keeps ids topological.
 func (g *Graph) Append(n Node) (int, error) {
-	if err := n.Op.CheckArity(len(n.Inputs)); err != nil && !n.Op.Category().Leaf() {
-		return -1, err
-	}
 	for _, in := range n.Inputs {
 		if in < 0 || in >= len(g.nodes) {
-			return -1, Errorf(ErrArity, "%s: input id %d does not name an earlier node", n.Op, in)
+			return -1, Errorf(ErrArity, "%s: input id %d does not name a node", n.Op, in)
 		}
 	}
+	t, err := g.typeOf(&n)
+	if err != nil {
+		return -1, err
+	}
+	n.Type = t
 	n.ID = len(g.nodes)
 	if n.Scope == "" {
 		n.Scope = g.Scope()
 	}
 	g.nodes = append(g.nodes, n)
 	return n.ID, nil
+}
+
+// typeOf runs n's source check or shape rule and the size check.
+func (g *Graph) typeOf(n *Node) (Type, error) {
+	if n.Op < numOps && n.Op != OpInvalid && n.Op.Category() == CatSource {
+		return g.sourceType(n.Type, n.Op)
+	}
+	in := make([]Type, len(n.Inputs))
+	for i, id := range n.Inputs {
+		in[i] = g.nodes[id].Type
+	}
+	t, err := n.Op.Rule(&n.Attrs, in, g.batch)
+	if err != nil {
+		return Type{}, err
+	}
+	if err := CheckSize(t); err != nil {
+		return Type{}, err
+	}
+	if given := n.Type; (given.Shape != nil || given.DType != InvalidDType) && !sameType(given, t) {
+		return Type{}, Errorf(ErrShape, "%s is typed %s%v (batch axis %d) but its rule gives %s%v (batch axis %d)",
+			n.Op, given.DType, given.Shape, given.BatchAxis, t.DType, t.Shape, t.BatchAxis)
+	}
+	return t, nil
+}
+
+func sameType(a, b Type) bool {
+	return slices.Equal(a.Shape, b.Shape) && a.DType == b.DType && a.BatchAxis == b.BatchAxis
 }
 
 // PushScope enters a module scope; nodes appended until PopScope carry it.
