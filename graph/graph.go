@@ -51,7 +51,7 @@ type Node struct {
 	Op     Op
 	Inputs []int // ids of earlier nodes
 	Attrs  Attrs
-	Type   Type
+	Type   Type          // set by Graph.Append: the op rule's answer (a source's checked data type)
 	Name   string        // parameter name for sources; empty otherwise
 	Scope  string        // dotted module path active when the node was made ("layers.3")
 	Site   string        // caller's file:line
@@ -72,6 +72,7 @@ func New() *Graph { return &Graph{} }
 func (g *Graph) Len() int { return len(g.nodes) }
 
 // Node returns node id. The pointer stays valid until the next Append.
+// Callers must not change its Op, Inputs or Type: Append typed them.
 func (g *Graph) Node(id int) *Node { return &g.nodes[id] }
 
 // Nodes returns the nodes in id order; callers must not modify them.

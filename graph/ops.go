@@ -2,7 +2,8 @@ package graph
 
 import "fmt"
 
-// Op identifies an operation. Its properties live in the op table below.
+// Op identifies an operation. Its properties live in its row of the op
+// table (OpInfo), in the op_*.go file of its family.
 type Op uint16
 
 // Category groups ops that share shape and chunking behaviour.
