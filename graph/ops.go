@@ -209,7 +209,7 @@ func init() {
 	}
 }
 
-// Info returns op's table row.
+// Info returns a copy of op's table row.
 func (op Op) Info() OpInfo {
 	if op >= numOps {
 		return OpInfo{Name: fmt.Sprintf("Op(%d)", uint16(op))}
@@ -217,17 +217,37 @@ func (op Op) Info() OpInfo {
 	return opTable[op]
 }
 
-func (op Op) String() string { return op.Info().Name }
+// noRow is the row of ops past the table: no name, rule, chunk facts or VJP.
+var noRow OpInfo
+
+// row is op's table row without the copy Info makes, for per-node paths.
+func (op Op) row() *OpInfo {
+	if op >= numOps {
+		return &noRow
+	}
+	return &opTable[op]
+}
+
+func (op Op) String() string {
+	if op >= numOps {
+		return op.Info().Name
+	}
+	return opTable[op].Name
+}
 
 // Category is shorthand for op.Info().Category.
-func (op Op) Category() Category { return op.Info().Category }
+func (op Op) Category() Category { return op.row().Category }
+
+// Chunk is shorthand for op.Info().Chunk: the op's chunk behaviour, nil
+// only for ops past the table.
+func (op Op) Chunk() *Chunk { return op.row().Chunk }
 
 // NumOps is the number of declared ops, for tests that range over the table.
 const NumOps = int(numOps)
 
 // CheckArity reports whether n inputs suit op.
 func (op Op) CheckArity(n int) error {
-	in := op.Info()
+	in := op.row()
 	maxA := in.MaxArity
 	if maxA == 0 {
 		maxA = in.Arity
@@ -238,10 +258,10 @@ func (op Op) CheckArity(n int) error {
 	case in.Arity != Variadic && n >= in.MinArity && n <= maxA:
 		return nil
 	}
-	return Errorf(ErrArity, "%s takes %s inputs, got %d", in.Name, arityText(in), n)
+	return Errorf(ErrArity, "%s takes %s inputs, got %d", op, arityText(in), n)
 }
 
-func arityText(in OpInfo) string {
+func arityText(in *OpInfo) string {
 	switch {
 	case in.Arity == Variadic:
 		return fmt.Sprintf("at least %d", in.MinArity)

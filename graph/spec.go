@@ -136,7 +136,7 @@ func (op Op) Rule(attrs *Attrs, in []Type, batch int) (Type, error) {
 	if err := op.CheckArity(len(in)); err != nil {
 		return Type{}, err
 	}
-	rule := op.Info().Rule
+	rule := op.row().Rule
 	if rule == nil {
 		return Type{}, Errorf(ErrAttr, "no shape rule for op %s", op)
 	}

@@ -49,7 +49,8 @@ type Result struct {
 	// that prevents it.
 	NotChunkable *ChunkError
 
-	needed []bool // nodes the outputs depend on
+	needed []bool       // nodes the outputs depend on
+	in     []graph.Type // scratch: the input types of the node being classed
 }
 
 // ChunkError explains why a graph cannot be split along its batch.
@@ -132,6 +133,7 @@ func Analyze(g *graph.Graph, outputs ...int) (*Result, error) {
 	for _, o := range outputs {
 		r.LastUse[o] = End
 	}
+	r.in = nil
 	return r, nil
 }
 
@@ -182,24 +184,25 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 	}
 }
 
-// inputTypes is the types of nd's inputs, which a spec's chunk functions read.
-func inputTypes(nodes []graph.Node, nd *graph.Node) []graph.Type {
-	in := make([]graph.Type, len(nd.Inputs))
-	for i, id := range nd.Inputs {
-		in[i] = nodes[id].Type
+// inputTypes is the types of nd's inputs, which a spec's chunk functions
+// read, in a buffer reused from node to node.
+func (r *Result) inputTypes(nodes []graph.Node, nd *graph.Node) []graph.Type {
+	r.in = r.in[:0]
+	for _, id := range nd.Inputs {
+		r.in = append(r.in, nodes[id].Type)
 	}
-	return in
+	return r.in
 }
 
 // checkPerSample rejects ops that keep a batch axis but mix samples, as
 // their spec's chunk behaviour says.
 func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
-	c := nd.Op.Info().Chunk
+	c := nd.Op.Chunk()
 	if c == nil {
 		return
 	}
 	if c.PerSample != nil {
-		if reason := c.PerSample(nd, inputTypes(nodes, nd)); reason != "" {
+		if reason := c.PerSample(nd, r.inputTypes(nodes, nd)); reason != "" {
 			r.fail(nd, "%s", reason)
 		}
 	}
@@ -216,8 +219,8 @@ func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
 // consume decides how a cross-batch value computed directly from per-sample
 // values combines across chunks.
 func (r *Result) consume(nodes []graph.Node, nd *graph.Node) Combine {
-	if c := nd.Op.Info().Chunk; c != nil && c.Consume != nil {
-		comb, reason := c.Consume(nd, inputTypes(nodes, nd))
+	if c := nd.Op.Chunk(); c != nil && c.Consume != nil {
+		comb, reason := c.Consume(nd, r.inputTypes(nodes, nd))
 		if reason != "" {
 			r.fail(nd, "%s", reason)
 		}
@@ -242,7 +245,7 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 	}
 	allCross := crossCount == len(nd.Inputs)
 	lin := graph.NonLinear
-	if c := nd.Op.Info().Chunk; c != nil {
+	if c := nd.Op.Chunk(); c != nil {
 		lin = c.Linear
 	}
 	switch lin {

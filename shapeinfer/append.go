@@ -6,7 +6,8 @@ import "github.com/batchfit/batchfit/graph"
 // graph.Graph.Append restricted to non-sources, kept for its callers.
 func Append(g *graph.Graph, n graph.Node) (int, error) {
 	if n.Op.Category() == graph.CatSource {
-		return -1, graph.Errorf(graph.ErrArity, "%s is a source; sources are typed by their data", n.Op)
+		_, err := n.Op.Rule(&n.Attrs, nil, g.Batch()) // a source has no rule: its error says so
+		return -1, err
 	}
 	return g.Append(n)
 }
