@@ -28,8 +28,8 @@ var normalizeOps = []OpInfo{
 			}
 			return ""
 		}}},
-	// Saves x and, in evaluation mode, the running statistics, and the
-	// weight: every input but the bias.
+	// Saves over both modes: training reads x and the weight (inputs 0
+	// and 1), evaluation x, the running statistics and the weight (0 to 3).
 	OpBatchNorm: {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "eps"},
 		Rule: batchNormRule, Saves: SavesInput(0, 1, 2, 3), VJP: batchNormVJP,
 		Chunk: &Chunk{Weights: true, PerSample: batchNormPerSample}},

@@ -166,8 +166,10 @@ type OpInfo struct {
 	// NoVJP says why the op has none.
 	VJP   VJPFunc
 	NoVJP string
-	// Saves lists the forward values the VJP reads besides the upstream
-	// gradient, so they stay live until backward (see Saved).
+	// Saves is the set of forward values the VJP reads besides the
+	// upstream gradient: what backward keeps alive. Liveness follows the
+	// graph's edges, not this field; TestSavesMatchVJP keeps the two in
+	// step.
 	Saves Saved
 }
 
