@@ -180,7 +180,7 @@ type Saved uint8
 // SavesOutput marks a VJP that reads the forward node's output.
 const SavesOutput Saved = 1 << 7
 
-// SavesInput is the set holding input i.
+// SavesInput is the set holding the given inputs (indices 0 to 6).
 func SavesInput(i ...int) Saved {
 	var s Saved
 	for _, k := range i {
