@@ -2,18 +2,19 @@
 //
 // Backward appends the vector-Jacobian nodes of a scalar loss to the same
 // graph, in one reverse sweep over node ids with a side table of gradient
-// ids, and returns one gradient node per requested parameter. Every
-// gradient node is created through shapeinfer.Append, so it is typed,
-// classed and costed exactly like a forward node, and saved activations need
-// no special case: a forward value simply lives until its last backward
-// consumer.
+// ids, and returns one gradient node per requested parameter. Each op's VJP
+// is part of its spec in package graph (OpInfo.VJP, in graph/op_*.go),
+// written against graph.VJPBuilder; this package is the driver that
+// implements it: ordering, accumulation of contributions, summing broadcast
+// gradients back (SumTo) and joining the gradients of slices that tile an
+// axis. Every gradient node goes through graph.Graph.Append, so it is typed,
+// classed and costed exactly like a forward node, and saved activations
+// need no special case: a forward value simply lives until its last
+// backward consumer.
 //
-// VJPs use the ops PyTorch's backward saves for: relu's gradient reads relu's
-// output, softmax's reads softmax's output, cross-entropy's recomputes the
-// softmax from the logits. Broadcast operands get their gradient summed back
-// to their own shape. Parameter gradients are sums over samples, which is
-// what makes chunked accumulation exact.
-//
-// It lives beside graph rather than in it because building typed nodes needs
-// package shapeinfer, which itself sits on graph.
+// VJPs use the ops PyTorch's backward saves for (OpInfo.Saves lists them):
+// relu's gradient reads relu's output, softmax's reads softmax's output,
+// cross-entropy's recomputes the softmax from the logits. Parameter
+// gradients are sums over samples, which is what makes chunked
+// accumulation exact.
 package autodiff

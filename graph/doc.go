@@ -6,14 +6,20 @@
 //     order is a topological order. Every pass is one forward (or backward)
 //     sweep over ids with slice side tables indexed by id: no maps, no
 //     recursion.
-//   - Every op is declared once, in the op table (ops.go): name, arity,
-//     category and the attributes it reads. Adding an op means adding a row
-//     there, a rule in package shapeinfer (whose switch has an error default)
-//     and a kernel per executor.
-//   - A node stores its type (shape, dtype, batch axis) as computed by
-//     shapeinfer when it was appended, so graph builders know shapes at once.
-//     Shapes are those of the full batch; executors rescale the batch axis per
-//     chunk (see Type.AtBatch).
+//   - Every op is one spec, one row of the op table (OpInfo) in the
+//     op_*.go file of its family: name, arity, category and attributes;
+//     its shape/dtype/batch-axis rule; its chunk behaviour (Chunk: how
+//     package shapeinfer classes the node and combines its partials); its
+//     VJP, written against VJPBuilder so that package autodiff only drives
+//     it, and what that VJP saves from the forward pass. The op's constant
+//     is declared in ops.go. TestOpTableComplete fails for an op missing any
+//     of these; executors keep their own kernel tables indexed by op.
+//   - Graph.Append is the only way in, and it types every node: a source is
+//     checked and typed from its data's type, any other node by its op's
+//     rule, and the size check (CheckSize) applies to both. A node's stored
+//     type is therefore always its rule's answer, so graph builders know
+//     shapes at once. Shapes are those of the full batch; executors rescale
+//     the batch axis per chunk (see Type.AtBatch).
 //   - Errors from user input are values of *OpError wrapping one of the
 //     sentinel errors below; callers test them with errors.Is / errors.As.
 package graph

@@ -1,6 +1,7 @@
 package graph
 
 import (
+	"slices"
 	"strings"
 
 	"gorgonia.org/tensor"
@@ -50,7 +51,7 @@ type Node struct {
 	Op     Op
 	Inputs []int // ids of earlier nodes
 	Attrs  Attrs
-	Type   Type
+	Type   Type          // set by Graph.Append: the op rule's answer (a source's checked data type)
 	Name   string        // parameter name for sources; empty otherwise
 	Scope  string        // dotted module path active when the node was made ("layers.3")
 	Site   string        // caller's file:line
@@ -71,6 +72,7 @@ func New() *Graph { return &Graph{} }
 func (g *Graph) Len() int { return len(g.nodes) }
 
 // Node returns node id. The pointer stays valid until the next Append.
+// Callers must not change its Op, Inputs or Type: Append typed them.
 func (g *Graph) Node(id int) *Node { return &g.nodes[id] }
 
 // Nodes returns the nodes in id order; callers must not modify them.
@@ -88,23 +90,57 @@ func (g *Graph) SetBatch(n int) error {
 	return nil
 }
 
-// Append adds n, whose Type the caller has already inferred, and returns its
-// id. Inputs must name existing nodes; that is what keeps ids topological.
+// Append types n and adds it, returning its id. It is the only way a node
+// enters a graph, so every stored type is its op's answer: a source
+// (input, param, const) is checked and typed from n.Type (an input's batch
+// axis fixes the graph's batch size); any other node gets the type its
+// op's rule computes from its inputs, with its attributes normalised, and
+// a non-zero n.Type that disagrees with the rule is an ErrShape error.
+// Inputs must name existing nodes; that is what keeps ids topological.
 func (g *Graph) Append(n Node) (int, error) {
-	if err := n.Op.CheckArity(len(n.Inputs)); err != nil && !n.Op.Category().Leaf() {
-		return -1, err
-	}
 	for _, in := range n.Inputs {
 		if in < 0 || in >= len(g.nodes) {
-			return -1, Errorf(ErrArity, "%s: input id %d does not name an earlier node", n.Op, in)
+			return -1, Errorf(ErrArity, "%s: input id %d does not name a node", n.Op, in)
 		}
 	}
+	t, err := g.typeOf(&n)
+	if err != nil {
+		return -1, err
+	}
+	n.Type = t
 	n.ID = len(g.nodes)
 	if n.Scope == "" {
 		n.Scope = g.Scope()
 	}
 	g.nodes = append(g.nodes, n)
 	return n.ID, nil
+}
+
+// typeOf runs n's source check or shape rule and the size check.
+func (g *Graph) typeOf(n *Node) (Type, error) {
+	if n.Op < numOps && n.Op != OpInvalid && n.Op.Category() == CatSource {
+		return g.sourceType(n.Type, n.Op)
+	}
+	in := make([]Type, len(n.Inputs))
+	for i, id := range n.Inputs {
+		in[i] = g.nodes[id].Type
+	}
+	t, err := n.Op.Rule(&n.Attrs, in, g.batch)
+	if err != nil {
+		return Type{}, err
+	}
+	if err := CheckSize(t); err != nil {
+		return Type{}, err
+	}
+	if given := n.Type; (given.Shape != nil || given.DType != InvalidDType) && !sameType(given, t) {
+		return Type{}, Errorf(ErrShape, "%s is typed %s%v (batch axis %d) but its rule gives %s%v (batch axis %d)",
+			n.Op, given.DType, given.Shape, given.BatchAxis, t.DType, t.Shape, t.BatchAxis)
+	}
+	return t, nil
+}
+
+func sameType(a, b Type) bool {
+	return slices.Equal(a.Shape, b.Shape) && a.DType == b.DType && a.BatchAxis == b.BatchAxis
 }
 
 // PushScope enters a module scope; nodes appended until PopScope carry it.

@@ -161,7 +161,14 @@ func TestSignatureSeesTraining(t *testing.T) {
 		g := graph.New()
 		x, err := g.Append(graph.Node{Op: graph.OpInput, Type: typ})
 		require.NoError(t, err)
-		_, err = g.Append(graph.Node{Op: graph.OpBatchNorm, Inputs: []int{x}, Attrs: graph.Attrs{Training: training, Eps: 1e-5}, Type: typ})
+		// Three inputs of one type in both modes (weight and bias, or the
+		// running statistics), so only the mode tells the graphs apart.
+		c := graph.Type{Shape: []int{3}, DType: graph.Float32, BatchAxis: -1}
+		p, err := g.Append(graph.Node{Op: graph.OpParam, Type: c})
+		require.NoError(t, err)
+		q, err := g.Append(graph.Node{Op: graph.OpParam, Type: c})
+		require.NoError(t, err)
+		_, err = g.Append(graph.Node{Op: graph.OpBatchNorm, Inputs: []int{x, p, q}, Attrs: graph.Attrs{Training: training, Eps: 1e-5}, Type: typ})
 		require.NoError(t, err)
 		return g
 	}

@@ -2,7 +2,8 @@ package graph
 
 import "fmt"
 
-// Op identifies an operation. Its properties live in the op table below.
+// Op identifies an operation. Its properties live in its row of the op
+// table (OpInfo), in the op_*.go file of its family.
 type Op uint16
 
 // Category groups ops that share shape and chunking behaviour.
@@ -146,7 +147,8 @@ const (
 	numOps
 )
 
-// OpInfo is one row of the op table.
+// OpInfo is one row of the op table: everything about an op but its
+// executor kernels. Rows live in the op_*.go file of their family.
 type OpInfo struct {
 	Name     string
 	Category Category
@@ -154,95 +156,62 @@ type OpInfo struct {
 	Arity    int      // exact arity, or Variadic
 	MaxArity int      // for optional trailing inputs (linear bias); 0 means = Arity
 	Attrs    []string // attributes the op reads, for documentation and printing
+
+	// Rule types the node (see RuleFunc); nil only for sources, which
+	// Graph.Append types from their data.
+	Rule RuleFunc
+	// Chunk is how the node is classed and its partials combine.
+	Chunk *Chunk
+	// VJP appends the node's vector-Jacobian product; nil exactly when
+	// NoVJP says why the op has none.
+	VJP   VJPFunc
+	NoVJP string
+	// Saves is the set of forward values the VJP reads besides the
+	// upstream gradient: what backward keeps alive. Liveness follows the
+	// graph's edges, not this field; TestSavesMatchVJP keeps the two in
+	// step.
+	Saves Saved
 }
 
-var opTable = [numOps]OpInfo{
-	OpInvalid: {Name: "invalid"},
+// Saved is a set of forward values a VJP reads: bit i is input i, SavesOutput
+// the node's own output.
+type Saved uint8
 
-	OpInput: {Name: "input", Category: CatSource},
-	OpParam: {Name: "param", Category: CatSource},
-	OpConst: {Name: "const", Category: CatSource},
+// SavesOutput marks a VJP that reads the forward node's output.
+const SavesOutput Saved = 1 << 7
 
-	OpNeg:     {Name: "neg", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpExp:     {Name: "exp", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpLog:     {Name: "log", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpSqrt:    {Name: "sqrt", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpAbs:     {Name: "abs", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpTanh:    {Name: "tanh", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpSigmoid: {Name: "sigmoid", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpRelu:    {Name: "relu", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpGelu:    {Name: "gelu", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"approx"}},
-
-	OpAddScalar:     {Name: "add_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpSubScalar:     {Name: "sub_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpRSubScalar:    {Name: "rsub_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpMulScalar:     {Name: "mul_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpDivScalar:     {Name: "div_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpRDivScalar:    {Name: "rdiv_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpPowScalar:     {Name: "pow_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpMaximumScalar: {Name: "maximum_scalar", Category: CatScalar, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-
-	OpAdd:     {Name: "add", Category: CatBinary, MinArity: 2, Arity: 2},
-	OpSub:     {Name: "sub", Category: CatBinary, MinArity: 2, Arity: 2},
-	OpMul:     {Name: "mul", Category: CatBinary, MinArity: 2, Arity: 2},
-	OpDiv:     {Name: "div", Category: CatBinary, MinArity: 2, Arity: 2},
-	OpPow:     {Name: "pow", Category: CatBinary, MinArity: 2, Arity: 2},
-	OpMaximum: {Name: "maximum", Category: CatBinary, MinArity: 2, Arity: 2},
-
-	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2, Attrs: []string{"trans_a", "trans_b"}},
-	OpLinear: {Name: "linear", Category: CatContraction, MinArity: 2, Arity: 2, MaxArity: 3},
-
-	OpSum:  {Name: "sum", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim"}},
-	OpMean: {Name: "mean", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim", "scalar"}},
-	OpMax:  {Name: "max", Category: CatReduce, MinArity: 1, Arity: 1, Attrs: []string{"axes", "keepdim"}},
-
-	OpSoftmax:    {Name: "softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"}},
-	OpLogSoftmax: {Name: "log_softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"}},
-	OpLayerNorm:  {Name: "layer_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 3, Attrs: []string{"normdims", "eps"}},
-	OpBatchNorm:  {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "eps"}},
-
-	OpReshape: {Name: "reshape", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"shape"}},
-	OpPermute: {Name: "permute", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"perm"}},
-	OpSlice:   {Name: "slice", Category: CatMovement, MinArity: 1, Arity: 1, Attrs: []string{"axis", "start", "end", "step"}},
-	OpConcat:  {Name: "concat", Category: CatMovement, MinArity: 1, Arity: Variadic, Attrs: []string{"axis"}},
-
-	OpEmbedding: {Name: "embedding", Category: CatIndex, MinArity: 2, Arity: 2},
-
-	OpConv2d:    {Name: "conv2d", Category: CatConv, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"stride", "padding", "dilation", "groups"}},
-	OpMaxPool2d: {Name: "max_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "dilation"}},
-	OpAvgPool2d: {Name: "avg_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding"}},
-
-	OpCrossEntropy: {Name: "cross_entropy", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
-	OpMSE:          {Name: "mse", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"}},
-
-	OpFill:       {Name: "fill", Category: CatGenerate, Attrs: []string{"target", "scalar"}},
-	OpSign:       {Name: "sign", Category: CatUnary, MinArity: 1, Arity: 1},
-	OpCausalMask: {Name: "causal_mask", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar"}},
-	OpDropout:    {Name: "dropout", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar", "seed", "counter"}},
-
-	OpReluGrad:          {Name: "relu_grad", Category: CatGrad, MinArity: 2, Arity: 2},
-	OpGeluGrad:          {Name: "gelu_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"approx"}},
-	OpMaximumGrad:       {Name: "maximum_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"axis"}},
-	OpMaximumScalarGrad: {Name: "maximum_scalar_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"scalar"}},
-	OpExpand:            {Name: "expand", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"target"}},
-	OpMaxGrad:           {Name: "max_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"axes", "keepdim"}},
-	OpSoftmaxGrad:       {Name: "softmax_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"axis"}},
-	OpLogSoftmaxGrad:    {Name: "log_softmax_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"axis"}},
-	OpLayerNormGradX:    {Name: "layer_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"normdims", "eps"}},
-	OpLayerNormGradW:    {Name: "layer_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"normdims", "eps"}},
-	OpBatchNormGradX:    {Name: "batch_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"training", "eps"}},
-	OpBatchNormGradW:    {Name: "batch_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 4, Attrs: []string{"training", "eps"}},
-	OpSliceGrad:         {Name: "slice_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"axis", "start", "end", "step", "target"}},
-	OpEmbeddingGrad:     {Name: "embedding_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"target"}},
-	OpConv2dGradInput:   {Name: "conv2d_grad_input", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}},
-	OpConv2dGradWeight:  {Name: "conv2d_grad_weight", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}},
-	OpMaxPool2dGrad:     {Name: "max_pool2d_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"kernel", "stride", "padding", "dilation"}},
-	OpAvgPool2dGrad:     {Name: "avg_pool2d_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "target"}},
-	OpCrossEntropyGrad:  {Name: "cross_entropy_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"scalar"}},
-	OpMSEGrad:           {Name: "mse_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"scalar"}},
+// SavesInput is the set holding the given inputs (indices 0 to 6).
+func SavesInput(i ...int) Saved {
+	var s Saved
+	for _, k := range i {
+		s |= 1 << k
+	}
+	return s
 }
 
-// Info returns op's table row.
+// opFamilies lists every family's rows, keyed by op. Each op appears in
+// exactly one family (TestOpTableComplete checks).
+var opFamilies = [][]OpInfo{sourceOps, unaryOps, scalarOps, binaryOps, contractionOps,
+	reduceOps, normalizeOps, movementOps, indexOps, convOps, lossOps, gradOps}
+
+// opTable is assembled from the families rather than written as one
+// literal: rows refer to rule and VJP functions that themselves read the
+// table (op names in messages), which a single initialised variable could
+// not do without an initialisation cycle.
+var opTable [numOps]OpInfo
+
+func init() {
+	opTable[OpInvalid] = OpInfo{Name: "invalid"}
+	for _, fam := range opFamilies {
+		for op, row := range fam {
+			if row.Name != "" {
+				opTable[op] = row
+			}
+		}
+	}
+}
+
+// Info returns a copy of op's table row.
 func (op Op) Info() OpInfo {
 	if op >= numOps {
 		return OpInfo{Name: fmt.Sprintf("Op(%d)", uint16(op))}
@@ -250,17 +219,37 @@ func (op Op) Info() OpInfo {
 	return opTable[op]
 }
 
-func (op Op) String() string { return op.Info().Name }
+// noRow is the row of ops past the table: no name, rule, chunk facts or VJP.
+var noRow OpInfo
+
+// row is op's table row without the copy Info makes, for per-node paths.
+func (op Op) row() *OpInfo {
+	if op >= numOps {
+		return &noRow
+	}
+	return &opTable[op]
+}
+
+func (op Op) String() string {
+	if op >= numOps {
+		return op.Info().Name
+	}
+	return opTable[op].Name
+}
 
 // Category is shorthand for op.Info().Category.
-func (op Op) Category() Category { return op.Info().Category }
+func (op Op) Category() Category { return op.row().Category }
+
+// Chunk is shorthand for op.Info().Chunk: the op's chunk behaviour, nil
+// only for ops past the table.
+func (op Op) Chunk() *Chunk { return op.row().Chunk }
 
 // NumOps is the number of declared ops, for tests that range over the table.
 const NumOps = int(numOps)
 
 // CheckArity reports whether n inputs suit op.
 func (op Op) CheckArity(n int) error {
-	in := op.Info()
+	in := op.row()
 	maxA := in.MaxArity
 	if maxA == 0 {
 		maxA = in.Arity
@@ -271,10 +260,10 @@ func (op Op) CheckArity(n int) error {
 	case in.Arity != Variadic && n >= in.MinArity && n <= maxA:
 		return nil
 	}
-	return Errorf(ErrArity, "%s takes %s inputs, got %d", in.Name, arityText(in), n)
+	return Errorf(ErrArity, "%s takes %s inputs, got %d", op, arityText(in), n)
 }
 
-func arityText(in OpInfo) string {
+func arityText(in *OpInfo) string {
 	switch {
 	case in.Arity == Variadic:
 		return fmt.Sprintf("at least %d", in.MinArity)

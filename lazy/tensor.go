@@ -13,7 +13,6 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 // Graph is a computation graph under construction.
@@ -286,7 +285,7 @@ func (g *Graph) source(at string, n graph.Node) *Tensor {
 		return errTensor(n.Op.String(), at, graph.Errorf(graph.ErrNilTensor, "nil *lazy.Graph"), n.Type.Shape)
 	}
 	n.Site = at
-	id, err := shapeinfer.AppendSource(g.ir, n)
+	id, err := g.ir.Append(n)
 	if err != nil {
 		return errTensor(n.Op.String(), at, err, n.Type.Shape)
 	}
@@ -329,7 +328,7 @@ func (g *Graph) bind(t *Tensor) (int, error) {
 	if id, ok := g.leaves[t.leaf]; ok {
 		return id, nil
 	}
-	id, err := shapeinfer.AppendSource(g.ir, graph.Node{Op: t.leaf.op, Name: t.leaf.name,
+	id, err := g.ir.Append(graph.Node{Op: t.leaf.op, Name: t.leaf.name,
 		Value: t.leaf.value, Type: t.leaf.typ})
 	if err != nil {
 		return -1, err
@@ -370,7 +369,7 @@ func (g *Graph) importNode(src *Graph, id int) (int, error) {
 			for k, in := range n.Inputs {
 				n.Inputs[k] = idmap[in]
 			}
-			idmap[i], err = shapeinfer.Append(g.ir, n)
+			idmap[i], err = g.ir.Append(n)
 		}
 		if err != nil {
 			return -1, err
@@ -429,7 +428,7 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 		}
 		ids[i] = id
 	}
-	id, err := shapeinfer.Append(g.ir, graph.Node{Op: op, Inputs: ids, Attrs: attrs, Site: at})
+	id, err := g.ir.Append(graph.Node{Op: op, Inputs: ids, Attrs: attrs, Site: at})
 	if err != nil {
 		return errTensor(op.String(), at, err, shapes...)
 	}
@@ -456,7 +455,7 @@ func (g *Graph) precheck(op graph.Op, attrs graph.Attrs, inputs []*Tensor) error
 	for i, in := range inputs {
 		types[i] = in.typ()
 	}
-	_, err := shapeinfer.Rule(op, &attrs, types, g.ir.Batch())
+	_, err := op.Rule(&attrs, types, g.ir.Batch())
 	return err
 }
 

@@ -20,16 +20,15 @@ func (c Class) String() string {
 	return [...]string{"constant", "per-sample", "cross-batch"}[c]
 }
 
-// Combine says how chunk partials of a cross-batch value merge.
-type Combine uint8
+// Combine says how chunk partials of a cross-batch value merge; the op
+// specs in package graph declare it.
+type Combine = graph.Combine
 
 const (
-	CombineNone Combine = iota // not cross-batch
-	CombineSum                 // partials add (sums; means scaled by 1/N with the full N)
-	CombineMax                 // partials combine by max
+	CombineNone = graph.CombineNone // not cross-batch
+	CombineSum  = graph.CombineSum  // partials add (sums; means scaled by 1/N with the full N)
+	CombineMax  = graph.CombineMax  // partials combine by max
 )
-
-func (c Combine) String() string { return [...]string{"none", "sum", "max"}[c] }
 
 // End is the LastUse of a graph output: it lives past the last node.
 const End = int(^uint(0) >> 1)
@@ -50,7 +49,8 @@ type Result struct {
 	// that prevents it.
 	NotChunkable *ChunkError
 
-	needed []bool // nodes the outputs depend on
+	needed []bool       // nodes the outputs depend on
+	in     []graph.Type // scratch: the input types of the node being classed
 }
 
 // ChunkError explains why a graph cannot be split along its batch.
@@ -133,6 +133,7 @@ func Analyze(g *graph.Graph, outputs ...int) (*Result, error) {
 	for _, o := range outputs {
 		r.LastUse[o] = End
 	}
+	r.in = nil
 	return r, nil
 }
 
@@ -183,58 +184,29 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 	}
 }
 
-// checkPerSample rejects ops that keep a batch axis but mix samples.
+// inputTypes is the types of nd's inputs, which a spec's chunk functions
+// read, in a buffer reused from node to node.
+func (r *Result) inputTypes(nodes []graph.Node, nd *graph.Node) []graph.Type {
+	r.in = r.in[:0]
+	for _, id := range nd.Inputs {
+		r.in = append(r.in, nodes[id].Type)
+	}
+	return r.in
+}
+
+// checkPerSample rejects ops that keep a batch axis but mix samples, as
+// their spec's chunk behaviour says.
 func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
-	g := nd.Type.BatchAxis
-	a := nd.Attrs
-	rank := len(nd.Type.Shape)
-	switch nd.Op {
-	case graph.OpAdd, graph.OpSub, graph.OpMul, graph.OpDiv, graph.OpPow, graph.OpMaximum, graph.OpConcat:
-		for _, in := range nd.Inputs {
-			if t := nodes[in].Type; spans(t, rank, g) {
-				r.fail(nd, "operand %v without a batch axis spans the batch axis", t.Shape)
-			}
-		}
-	case graph.OpMatMul:
-		x, y := nodes[nd.Inputs[0]].Type, nodes[nd.Inputs[1]].Type
-		if a.TransA {
-			x = transposeLast2(x)
-		}
-		if a.TransB {
-			y = transposeLast2(y)
-		}
-		if x.BatchAxis == len(x.Shape)-1 || y.BatchAxis == len(y.Shape)-2 {
-			r.fail(nd, "contracts one operand's batch axis while the output keeps the other's")
-		}
-		for _, t := range []graph.Type{x, y} {
-			if g < rank-2 && spans(t, rank, g) {
-				r.fail(nd, "operand %v without a batch axis spans the batch axis", t.Shape)
-			}
-		}
-	case graph.OpSoftmax, graph.OpLogSoftmax:
-		if a.Axis == g {
-			r.fail(nd, "normalises along the batch axis")
-		}
-	case graph.OpLayerNorm:
-		if g >= len(nd.Type.Shape)-a.NormDims {
-			r.fail(nd, "normalises over the batch axis")
-		}
-	case graph.OpConv2d, graph.OpMaxPool2d, graph.OpAvgPool2d:
-		if g != 0 {
-			r.fail(nd, "batch axis %d is not the N axis of NCHW", g)
-		}
-	case graph.OpBatchNorm, graph.OpBatchNormGradX, graph.OpBatchNormGradW:
-		switch {
-		case a.Training:
-			// Every output element depends on the whole batch's mean and
-			// variance: a chunk would normalise with its own.
-			r.fail(nd, "normalises with batch statistics (%s in training mode)", nd.Op)
-		case g == 1 || nd.Op == graph.OpBatchNormGradW:
-			r.fail(nd, "batch axis is the channel axis: each chunk would need its slice of the per-channel values")
+	c := nd.Op.Chunk()
+	if c == nil {
+		return
+	}
+	if c.PerSample != nil {
+		if reason := c.PerSample(nd, r.inputTypes(nodes, nd)); reason != "" {
+			r.fail(nd, "%s", reason)
 		}
 	}
-	switch nd.Op {
-	case graph.OpLinear, graph.OpConv2d, graph.OpLayerNorm, graph.OpEmbedding, graph.OpBatchNorm:
+	if c.Weights {
 		// Weights are shared by every sample; a batched one mixes them.
 		for _, in := range nd.Inputs[1:] {
 			if r.Class[in] == PerSample {
@@ -244,99 +216,53 @@ func (r *Result) checkPerSample(nodes []graph.Node, nd *graph.Node) {
 	}
 }
 
-// spans reports an operand without a batch axis whose extent along output
-// axis g (of an output of the given rank) is not 1: each chunk would need a
-// slice of it, which executors do not take.
-func spans(t graph.Type, rank, g int) bool {
-	return t.BatchAxis < 0 && dimFromRight(t.Shape, rank-1-g) != 1
-}
-
 // consume decides how a cross-batch value computed directly from per-sample
 // values combines across chunks.
 func (r *Result) consume(nodes []graph.Node, nd *graph.Node) Combine {
-	switch nd.Op {
-	case graph.OpSum, graph.OpMean:
-		return CombineSum
-	case graph.OpMax:
-		return CombineMax
-	case graph.OpCrossEntropy:
-		// Per-sample losses summed, times 1/count fixed at the full batch,
-		// when every row of logits and labels is one sample's.
-		logits, labels := nodes[nd.Inputs[0]].Type, nodes[nd.Inputs[1]].Type
-		if logits.BatchAxis == 0 && labels.BatchAxis == 0 {
-			return CombineSum
+	if c := nd.Op.Chunk(); c != nil && c.Consume != nil {
+		comb, reason := c.Consume(nd, r.inputTypes(nodes, nd))
+		if reason != "" {
+			r.fail(nd, "%s", reason)
 		}
-		r.fail(nd, "logits (batch axis %d) and labels (batch axis %d) must both carry the batch on axis 0", logits.BatchAxis, labels.BatchAxis)
-	case graph.OpMSE:
-		pred, target := nodes[nd.Inputs[0]].Type, nodes[nd.Inputs[1]].Type
-		if pred.BatchAxis == target.BatchAxis {
-			return CombineSum
-		}
-		r.fail(nd, "an operand without a batch axis spans the batch axis")
-	case graph.OpLayerNormGradW, graph.OpEmbeddingGrad, graph.OpConv2dGradWeight:
-		// Parameter gradients: sums over samples.
-		return CombineSum
-	case graph.OpBatchNormGradW:
-		if !nd.Attrs.Training { // x̂ from running statistics: a sum over samples
-			return CombineSum
-		}
-		r.fail(nd, "normalises with batch statistics (%s in training mode)", nd.Op)
-	case graph.OpMatMul:
-		if r.bothBatchedOnContraction(nd) {
-			return CombineSum
-		}
-		r.fail(nd, "contracts the batch axis with an unbatched operand")
-	case graph.OpLinear:
-		r.fail(nd, "contracts the batch axis with an unbatched weight")
-	case graph.OpReshape:
-		r.fail(nd, "folds the batch axis under a leading axis")
-	case graph.OpSlice:
-		r.fail(nd, "selects along the batch axis")
-	case graph.OpConcat:
-		r.fail(nd, "concatenates along the batch axis")
-	default:
-		r.fail(nd, "mixes samples (batch axis consumed by %s)", nd.Op)
+		return comb
 	}
+	r.fail(nd, "mixes samples (batch axis consumed by %s)", nd.Op)
 	return CombineNone
 }
 
-func (r *Result) bothBatchedOnContraction(nd *graph.Node) bool {
-	// Reached only when the output has no batch axis, so any batched operand
-	// carried it on the contracted axis.
-	return r.Class[nd.Inputs[0]] == PerSample && r.Class[nd.Inputs[1]] == PerSample
-}
-
 // propagate decides how a cross-batch value computed from other cross-batch
-// values combines: ops linear in their cross-batch operand keep a sum a sum.
+// values combines, from the linearity its spec declares.
 func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 	constOthers := true // every operand that is not cross-batch is constant
-	for _, in := range nd.Inputs {
-		if r.Class[in] == PerSample {
-			constOthers = false
-		}
-	}
 	crossCount := 0
 	for _, in := range nd.Inputs {
-		if r.Class[in] == CrossBatch {
+		switch r.Class[in] {
+		case PerSample:
+			constOthers = false
+		case CrossBatch:
 			crossCount++
 		}
 	}
 	allCross := crossCount == len(nd.Inputs)
-	switch nd.Op {
-	case graph.OpReshape, graph.OpPermute, graph.OpSlice:
+	lin := graph.NonLinear
+	if c := nd.Op.Chunk(); c != nil {
+		lin = c.Linear
+	}
+	switch lin {
+	case graph.Moves:
 		if allSum {
 			return CombineSum
 		}
 		return CombineMax
-	case graph.OpNeg, graph.OpMulScalar, graph.OpDivScalar, graph.OpSum, graph.OpMean, graph.OpExpand, graph.OpSliceGrad:
+	case graph.Scales:
 		if allSum {
 			return CombineSum
 		}
-	case graph.OpMax:
+	case graph.KeepsMax:
 		if allMax {
 			return CombineMax
 		}
-	case graph.OpAdd, graph.OpSub, graph.OpConcat:
+	case graph.Adds:
 		if allSum && allCross {
 			return CombineSum
 		}
@@ -344,13 +270,12 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 			r.fail(nd, "adds a batch-independent value to a cross-batch sum")
 			return CombineNone
 		}
-	case graph.OpMul, graph.OpMatMul, graph.OpLinear:
-		// Linear in its one cross-batch operand, unless linear adds a
-		// bias: each chunk would add it once.
-		if allSum && crossCount == 1 && constOthers && (nd.Op != graph.OpLinear || len(nd.Inputs) == 2) {
+	case graph.Multiplies:
+		// An optional trailing input (a bias) would be added once per chunk.
+		if allSum && crossCount == 1 && constOthers && len(nd.Inputs) <= nd.Op.Info().Arity {
 			return CombineSum
 		}
-	case graph.OpDiv:
+	case graph.Divides:
 		if allSum && r.Class[nd.Inputs[0]] == CrossBatch && r.Class[nd.Inputs[1]] == Constant {
 			return CombineSum
 		}

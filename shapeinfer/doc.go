@@ -1,15 +1,20 @@
-// Package shapeinfer gives every node of a graph its type and every value
-// its memory facts, in linear time.
+// Package shapeinfer gives every value of a graph its memory facts, in
+// linear time.
 //
-// Two entry points:
-//   - Rule (called through Append when a node is created) computes a node's
-//     shape, dtype and batch axis from its inputs' types and normalises its
-//     attributes. Its switch over ops has an error default.
-//   - Analyze sweeps a finished graph once, filling side tables indexed by
-//     node id: node class (constant / per-sample / cross-batch), how a
-//     cross-batch value combines across chunks (sum or max), bytes as an
-//     affine function of the batch size (Fixed + PerSample·B), and liveness
-//     (the id of each value's last consumer).
+// Typing lives with the ops: each op's shape, dtype and batch-axis rule is
+// part of its spec in package graph (graph/op_*.go), and graph.Graph.Append
+// runs it for every node. Rule, Append, AppendSource, CheckSize, MaxBytes,
+// BroadcastShapes and ConvOut here forward to graph for existing callers.
+//
+// Analyze sweeps a finished graph once, filling side tables indexed by node
+// id: node class (constant / per-sample / cross-batch), how a cross-batch
+// value combines across chunks (sum or max), bytes as an affine function of
+// the batch size (Fixed + PerSample·B), and liveness (the id of each
+// value's last consumer). The per-op facts it needs — which checks a
+// per-sample node must pass, which inputs are shared weights, how a
+// consumed batch axis combines, how the op treats cross-batch operands —
+// come from each op's graph.Chunk; this package holds the rules that use
+// them and switches on no op.
 //
 // Chunking rule (DESIGN.md): a cross-batch value must be a sum (or max) over
 // samples. Means and mean-reduced losses carry 1/count computed with the

@@ -6,7 +6,7 @@
 //     float64 arrays written from the op's definition; nothing is shared with
 //     the executors (exec/cpu) so that a bug there cannot hide here.
 //   - Eval always runs the full batch: a node's value has node.Type.Shape.
-//   - Attributes are read as shapeinfer normalised them; scale factors of
+//   - Attributes are read as the op rules normalised them; scale factors of
 //     means and losses come from Attrs.Scalar, never from recounting.
 //   - Integer tensors (indices, labels) travel as float64 of integral value.
 //   - Bad input (missing data, an index out of range, a malformed node) is a

@@ -103,10 +103,11 @@ func evalNode(nd *graph.Node, g *graph.Graph, override map[int]Value, vals []Val
 	return v, nil
 }
 
-// normalise re-runs nd's shape rule on a copy of its attributes. A node made
-// by shapeinfer.Append passes unchanged; a hand-made node whose stored type
-// disagrees with its rule is rejected before any loop could index out of
-// range. Scalar is kept as stored: it is the build-time 1/count.
+// normalise re-runs nd's shape rule on a copy of its attributes.
+// graph.Graph.Append already typed the node by that rule, so this is a
+// guard: a stored type that disagreed with its rule would be rejected here
+// before any loop could index out of range. Scalar is kept as stored: it
+// is the build-time 1/count.
 func normalise(nd *graph.Node, in []graph.Type, batch int) (graph.Attrs, error) {
 	a := nd.Attrs
 	a.Axes = slices.Clone(a.Axes)

@@ -1,0 +1,226 @@
+package graph
+
+import (
+	"fmt"
+	"math"
+	"slices"
+)
+
+// Normalisations: softmax and log_softmax along Attrs.Axis, layer_norm over
+// trailing dims, batch_norm per channel. Their gradients read what
+// PyTorch's backward saves: softmax's output, layer_norm's input.
+var normalizeOps = []OpInfo{
+	OpSoftmax: {Name: "softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"},
+		Rule: softmax, Chunk: &Chunk{PerSample: notAlongBatch}, Saves: SavesOutput,
+		VJP: func(b VJPBuilder, n *Node, g int) {
+			b.Accumulate(n.Inputs[0], b.Emit(OpSoftmaxGrad, Attrs{Axis: n.Attrs.Axis}, g, n.ID))
+		}},
+	OpLogSoftmax: {Name: "log_softmax", Category: CatNormalize, MinArity: 1, Arity: 1, Attrs: []string{"axis"},
+		Rule: softmax, Chunk: &Chunk{PerSample: notAlongBatch}, Saves: SavesOutput,
+		VJP: func(b VJPBuilder, n *Node, g int) {
+			b.Accumulate(n.Inputs[0], b.Emit(OpLogSoftmaxGrad, Attrs{Axis: n.Attrs.Axis}, g, n.ID))
+		}},
+	OpLayerNorm: {Name: "layer_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 3, Attrs: []string{"normdims", "eps"},
+		Rule: layerNormRule, Saves: SavesInput(0, 1), VJP: layerNormVJP,
+		Chunk: &Chunk{Weights: true, PerSample: func(n *Node, _ []Type) string {
+			if n.Type.BatchAxis >= len(n.Type.Shape)-n.Attrs.NormDims {
+				return "normalises over the batch axis"
+			}
+			return ""
+		}}},
+	// Saves over both modes: training reads x and the weight (inputs 0
+	// and 1), evaluation x, the running statistics and the weight (0 to 3).
+	OpBatchNorm: {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "eps"},
+		Rule: batchNormRule, Saves: SavesInput(0, 1, 2, 3), VJP: batchNormVJP,
+		Chunk: &Chunk{Weights: true, PerSample: batchNormPerSample}},
+}
+
+func softmax(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	if err := needFloat(op, in[0]); err != nil {
+		return Type{}, err
+	}
+	ax, err := normAxis(attrs.Axis, len(in[0].Shape), "axis")
+	if err != nil {
+		return Type{}, err
+	}
+	attrs.Axis = ax
+	return in[0], nil
+}
+
+func notAlongBatch(n *Node, _ []Type) string {
+	if n.Attrs.Axis == n.Type.BatchAxis {
+		return "normalises along the batch axis"
+	}
+	return ""
+}
+
+func layerNormRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) { return layerNorm(attrs, in) }
+
+func layerNorm(attrs *Attrs, in []Type) (Type, error) {
+	x := in[0]
+	if err := needFloat(OpLayerNorm, in...); err != nil {
+		return Type{}, err
+	}
+	k := attrs.NormDims
+	if k < 1 || k > len(x.Shape) {
+		return Type{}, Errorf(ErrAttr, "layer_norm over %d trailing dims of a rank-%d input", k, len(x.Shape))
+	}
+	if attrs.Eps <= 0 || math.IsNaN(attrs.Eps) {
+		return Type{}, Errorf(ErrAttr, "layer_norm eps must be positive, got %g", attrs.Eps)
+	}
+	norm := x.Shape[len(x.Shape)-k:]
+	for i, p := range in[1:] {
+		if !slices.Equal(p.Shape, norm) {
+			return Type{}, Errorf(ErrShape, "layer_norm %s shape %v, want %v",
+				[]string{"weight", "bias"}[i], p.Shape, norm)
+		}
+		if p.DType != x.DType {
+			return Type{}, Errorf(ErrDType, "layer_norm of %s with %s", x.DType, p.DType)
+		}
+	}
+	return x, nil
+}
+
+func layerNormVJP(b VJPBuilder, n *Node, g int) {
+	a := Attrs{NormDims: n.Attrs.NormDims, Eps: n.Attrs.Eps}
+	x := n.Inputs[0]
+	if b.Wants(0) {
+		b.Accumulate(x, b.Emit(OpLayerNormGradX, a, append([]int{g}, n.Inputs[:min(2, len(n.Inputs))]...)...))
+	}
+	if b.Wants(1) {
+		b.Accumulate(n.Inputs[1], b.Emit(OpLayerNormGradW, a, g, x))
+	}
+	if b.Wants(2) {
+		b.Accumulate(n.Inputs[2], sumLeading(b, g, len(b.Type(x).Shape)-a.NormDims))
+	}
+}
+
+func batchNormRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) { return batchNorm(attrs, in) }
+
+// batchNorm checks x [N, C, ...] and its per-channel inputs, laid out as
+// OpBatchNorm says for the mode.
+func batchNorm(attrs *Attrs, in []Type) (Type, error) {
+	x := in[0]
+	aff := BatchNormAffine(attrs.Training)
+	names := []string{"weight", "bias"}
+	mode := "training mode takes x[, weight[, bias]]"
+	if !attrs.Training {
+		names = []string{"running_mean", "running_var", "weight", "bias"}
+		mode = "evaluation mode takes x, running_mean, running_var[, weight[, bias]]"
+	}
+	if len(in) < aff || len(in) > aff+2 {
+		return Type{}, Errorf(ErrArity, "batch_norm in %s, got %d inputs", mode, len(in))
+	}
+	if err := needFloat(OpBatchNorm, in...); err != nil {
+		return Type{}, err
+	}
+	if len(x.Shape) < 2 {
+		return Type{}, Errorf(ErrShape, "batch_norm needs x [N, C, ...] of rank ≥ 2, got %v", x.Shape)
+	}
+	if !(attrs.Eps > 0) {
+		return Type{}, Errorf(ErrAttr, "batch_norm eps must be positive, got %g", attrs.Eps)
+	}
+	c := x.Shape[1]
+	for i, p := range in[1:] {
+		if !slices.Equal(p.Shape, []int{c}) {
+			return Type{}, Errorf(ErrShape, "batch_norm %s shape %v, want [%d] (the channels of x %v)", names[i], p.Shape, c, x.Shape)
+		}
+		if p.DType != x.DType {
+			return Type{}, Errorf(ErrDType, "batch_norm of %s with %s %s", x.DType, names[i], p.DType)
+		}
+	}
+	// PyTorch refuses the same: one value per channel has no variance.
+	if m := x.Shape[0] * Numel(x.Shape[2:]); attrs.Training && m <= 1 {
+		return Type{}, Errorf(ErrShape, "batch_norm in training mode needs more than one value per channel, got x %v", x.Shape)
+	}
+	return x, nil
+}
+
+// batchNormPerSample serves batch_norm and its gradients.
+func batchNormPerSample(n *Node, _ []Type) string {
+	switch {
+	case n.Attrs.Training:
+		// Every output element depends on the whole batch's mean and
+		// variance: a chunk would normalise with its own.
+		return fmt.Sprintf("normalises with batch statistics (%s in training mode)", n.Op)
+	case n.Type.BatchAxis == 1 || n.Op == OpBatchNormGradW:
+		return "batch axis is the channel axis: each chunk would need its slice of the per-channel values"
+	}
+	return ""
+}
+
+// batchNormVJP: y = x̂·w + b per channel, with x̂ = (x − mean)·rstd.
+//
+// Training mode: mean and rstd are the batch's, so every x moves them and
+// dx is batch_norm_grad_x's (1/M)·rstd·(M·ĝ − Σĝ − x̂·Σ(ĝ·x̂)) with ĝ = g·w
+// and M values per channel.
+//
+// Evaluation mode: mean and rstd come from the running statistics, so
+// dx = g·w·rstd, a per-channel scale made from the [C] inputs alone (x is
+// not saved for it). Gradients for the running statistics themselves, when
+// asked for (PyTorch keeps them out of autograd), are
+// d mean = −Σ g·w·rstd and d var = −½·Σ(g·x̂)·w·rstd².
+// In both modes dw = Σ g·x̂ (batch_norm_grad_w) and db = Σ g over every
+// axis but the channel axis.
+func batchNormVJP(b VJPBuilder, n *Node, g int) {
+	in := n.Inputs
+	x := in[0]
+	train := n.Attrs.Training
+	a := Attrs{Training: train, Eps: n.Attrs.Eps}
+	aff := BatchNormAffine(train)
+	xt := b.Type(x)
+	axes := []int{0} // every axis but the channels
+	for i := 2; i < len(xt.Shape); i++ {
+		axes = append(axes, i)
+	}
+	var stats []int // running mean and variance, in evaluation mode
+	if !train {
+		stats = in[1:3]
+	}
+	w := -1
+	if len(in) > aff {
+		w = in[aff]
+	}
+	gw := -1 // Σ g·x̂, made once for whichever inputs need it
+	gradW := func() int {
+		if gw < 0 {
+			gw = b.Emit(OpBatchNormGradW, a, append([]int{g, x}, stats...)...)
+		}
+		return gw
+	}
+	if train && b.Wants(0) {
+		xs := []int{g, x}
+		if w >= 0 {
+			xs = append(xs, w)
+		}
+		b.Accumulate(x, b.Emit(OpBatchNormGradX, a, xs...))
+	}
+	if !train && (b.Wants(0) || b.Wants(1) || b.Wants(2)) {
+		// rstd = (var + eps)^−½ and scale = w·rstd, both [C].
+		rstd := scalar(b, OpPowScalar, scalar(b, OpAddScalar, stats[1], n.Attrs.Eps), -0.5)
+		scale := rstd
+		if w >= 0 {
+			scale = mul(b, w, rstd)
+		}
+		if b.Wants(0) { // scale broadcast as [C, 1, …, 1] against x [N, C, …]
+			bc := make([]int, len(xt.Shape)-1)
+			for i := range bc {
+				bc[i] = 1
+			}
+			bc[0] = xt.Shape[1]
+			b.Accumulate(x, mul(b, g, b.Emit(OpReshape, Attrs{Shape: bc}, scale)))
+		}
+		if b.Wants(1) {
+			b.Accumulate(stats[0], neg(b, mul(b, b.Emit(OpSum, Attrs{Axes: axes}, g), scale)))
+		}
+		if b.Wants(2) {
+			b.Accumulate(stats[1], scalar(b, OpMulScalar, mul(b, gradW(), mul(b, scale, rstd)), -0.5))
+		}
+	}
+	if b.Wants(aff) {
+		b.Accumulate(in[aff], gradW())
+	}
+	if b.Wants(aff + 1) {
+		b.Accumulate(in[aff+1], b.Emit(OpSum, Attrs{Axes: axes}, g))
+	}
+}
