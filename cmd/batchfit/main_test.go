@@ -149,7 +149,7 @@ func TestEstimateGPT2SmallFits(t *testing.T) {
 	assert.Equal(t, int64(124439808*4), r.ParamBytes)
 	assert.Equal(t, int64(2*124439808*4), r.StateBytes)
 	require.NotNil(t, r.Plan)
-	assert.Equal(t, planReport{WholeBatch: true, Chunk: 8, Chunks: []int{8}, PeakReserved: want.PeakReserved,
+	assert.Equal(t, planReport{WholeBatch: true, Chunk: 8, NumChunks: 1, Chunks: []chunkRun{{Count: 1, Size: 8}}, PeakReserved: want.PeakReserved,
 		PeakAllocated: want.PeakAllocated, Fixed: want.Fixed, PerSample: want.PerSample, Persistent: want.Persistent,
 		WholePeakReserved: want.PeakReserved, Replays: want.Replays, PlanningSeconds: r.Plan.PlanningSeconds}, *r.Plan)
 	assert.Equal(t, int64(2*124439808*4+124439808*4), r.Plan.Persistent, "parameters and two AdamW slots")
@@ -165,11 +165,12 @@ func TestEstimateGPT2SmallBatch32(t *testing.T) {
 	var r report
 	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
 	require.NotNil(t, r.Plan)
-	var sizes []int
-	for _, c := range want.Chunks {
-		sizes = append(sizes, c.Size)
+	var runs []chunkRun
+	for _, run := range want.Split.Runs() {
+		runs = append(runs, chunkRun(run))
 	}
-	assert.Equal(t, sizes, r.Plan.Chunks)
+	assert.Equal(t, runs, r.Plan.Chunks)
+	assert.Equal(t, len(want.Chunks), r.Plan.NumChunks)
 	assert.False(t, r.Plan.WholeBatch)
 	assert.Equal(t, want.PeakReserved, r.Plan.PeakReserved)
 	assert.LessOrEqual(t, r.Plan.PeakReserved, int64(24<<30))
