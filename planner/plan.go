@@ -96,10 +96,11 @@ type Options struct {
 // as needing more than Unlimited (a peak of −1).
 const Unlimited = 1 << 60
 
-// FormatPeak prints a peak in bytes, −1 as "more than 1.00 EiB" (Unlimited).
+// FormatPeak prints a peak in bytes as alloc.FormatBytes does, and −1 as
+// "more than 1 EiB" (Unlimited).
 func FormatPeak(n int64) string {
 	if n < 0 {
-		return "more than " + alloc.FormatBytes(Unlimited)
+		return "more than 1 EiB"
 	}
 	return alloc.FormatBytes(n)
 }

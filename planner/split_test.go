@@ -100,3 +100,8 @@ func TestPlanWithoutChunkList(t *testing.T) {
 	assert.Nil(t, a.Chunks)
 	assert.NotNil(t, b.Chunks, "a plan without its list is not served to an executor")
 }
+
+func TestFormatPeak(t *testing.T) {
+	assert.Equal(t, "more than 1 EiB", planner.FormatPeak(-1))
+	assert.Equal(t, "2.00 MiB", planner.FormatPeak(2<<20))
+}

@@ -57,7 +57,7 @@ func TestEstimateOnCard(t *testing.T) {
 
 			code, stdout, stderr = runCLI(args...)
 			require.Equal(t, exitOK, code, stderr)
-			note := "measured"
+			note := "measured on an H100 80GB"
 			if !c.measured {
 				note = "estimate: ≈0.58 GiB measured on an H100 80GB; assumed equal on other cards"
 			}
