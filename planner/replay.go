@@ -200,9 +200,8 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded int) (Usage, error) {
 	a.ResetPeak()
 	var u Usage
-	record := recorded > 0
 	mark := func(c, step, node int, k StepKind) {
-		if record && c < recorded {
+		if c < recorded { // persistent allocations are chunk −1
 			s := a.Stats()
 			u.Timeline = append(u.Timeline, Point{Chunk: c, Step: step, Node: node, Kind: k,
 				Allocated: s.AllocatedBytes[alloc.All].Current, Reserved: s.ReservedBytes[alloc.All].Current})
@@ -264,11 +263,11 @@ func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded i
 	repeats := -1 // size of the chunks known to repeat
 	var before alloc.Stats
 	n := chunks.Len()
-	for i := 0; i < n; i++ {
-		c := chunks.At(i)
+	for ci := 0; ci < n; ci++ {
+		c := chunks.At(ci)
 		if bare {
 			if c.Size == repeats && c.Index >= recorded {
-				i = chunks.after(i) - 1
+				ci = chunks.after(ci) - 1
 				continue
 			}
 			before = a.Stats()
