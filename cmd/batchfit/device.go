@@ -13,10 +13,7 @@ import (
 // errConflict is the usage mistake of two flags that exclude each other.
 var errConflict = errors.New("conflicting flags")
 
-const (
-	mib = 1 << 20
-	gib = 1 << 30
-)
+const mib = 1 << 20
 
 // gibs is x GiB to the MiB: the figures below are known to 0.01 GiB.
 func gibs(x float64) int64 { return int64(x*1024+0.5) * mib }
@@ -110,7 +107,12 @@ func (d *device) describe() string {
 // deviceFlagValues are estimate's flags naming the card to plan for.
 type deviceFlagValues struct{ gpu, gpuMemory string }
 
+// addDeviceFlags defines --gpu and --gpu-memory on fs, after the step
+// flags, whose --budget they stand in for.
 func addDeviceFlags(fs *flag.FlagSet, v *deviceFlagValues) {
+	if f := fs.Lookup("budget"); f != nil {
+		f.Usage = strings.TrimSuffix(f.Usage, " (required)") + " (required unless --gpu or --gpu-memory)"
+	}
 	fs.StringVar(&v.gpu, "gpu", "", "plan for a CUDA `card` instead of --budget: "+strings.Join(cardNames(), ", ")+
 		"; its total memory less the CUDA context ("+contextNote+") and the cuBLAS workspace ("+
 		alloc.FormatBytes(cuda.DefaultWorkspace)+"), with the CUDA executor's workspaces")
