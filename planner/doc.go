@@ -21,5 +21,9 @@
 //
 // Plan bisects the chunk size with full replays, starting from the affine
 // model bytes(B) = fixed + perSample·B, and returns balanced chunks: a
-// batch of 100 with room for 30 runs as 25, 25, 25, 25.
+// batch of 100 with room for 30 runs as 25, 25, 25, 25. A Split describes
+// them in constant memory, and replays without hooks run each distinct
+// chunk size until the allocator's state repeats, so planning a batch of
+// 10⁹ takes a few dozen replays of a few chunks each, and no memory per
+// chunk.
 package planner

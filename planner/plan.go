@@ -3,6 +3,7 @@ package planner
 import (
 	"errors"
 	"fmt"
+	"math"
 	"sort"
 	"strings"
 	"sync"
@@ -31,8 +32,8 @@ type BufferUse struct {
 // the reason (errors.Is(err, graph.ErrNotChunkable)).
 type DoesNotFitError struct {
 	Chunk     int   // the smallest chunk tried: 1, or the whole batch
-	Needed    int64 // peak reserved bytes of that run
-	Whole     int64 // peak reserved bytes of the whole batch in one chunk
+	Needed    int64 // peak reserved bytes of that run, −1 when more than Unlimited
+	Whole     int64 // peak reserved bytes of the whole batch in one chunk, −1 when more than Unlimited
 	Available int64 // the budget after headroom
 	Fixed     int64 // persistent bytes: parameters and optimizer state
 	Largest   []BufferUse
@@ -43,9 +44,9 @@ type DoesNotFitError struct {
 func (e *DoesNotFitError) Error() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%v: %s available; the whole batch in one chunk needs %s", ErrDoesNotFit,
-		alloc.FormatBytes(e.Available), alloc.FormatBytes(e.Whole))
+		alloc.FormatBytes(e.Available), FormatPeak(e.Whole))
 	if e.Chunk != e.batch {
-		fmt.Fprintf(&b, ", chunks of %d need %s (gradient accumulators included)", e.Chunk, alloc.FormatBytes(e.Needed))
+		fmt.Fprintf(&b, ", chunks of %d need %s (gradient accumulators included)", e.Chunk, FormatPeak(e.Needed))
 	}
 	fmt.Fprintf(&b, "; %s of it is persistent (parameters, optimizer state)", alloc.FormatBytes(e.Fixed))
 	if e.Fixed > e.Available {
@@ -80,8 +81,28 @@ type Options struct {
 	Headroom   int64
 	NoHeadroom bool
 	// Timeline records the allocator state after every step of the chosen
-	// plan's replay.
-	Timeline bool
+	// plan's replay: the persistent allocations and every chunk, or only
+	// the first TimelineChunks chunks when that is positive.
+	Timeline       bool
+	TimelineChunks int
+	// NoChunkList leaves Plan.Chunks nil, for callers that run nothing (dry
+	// runs): Plan.Split describes the chunks either way, in memory that does
+	// not grow with the batch, where the list holds one Chunk per chunk.
+	NoChunkList bool
+}
+
+// Unlimited is the capacity of the simulated device on which the planner
+// measures runs without a budget: 1 EiB. A run that needs more is reported
+// as needing more than Unlimited (a peak of −1).
+const Unlimited = 1 << 60
+
+// FormatPeak prints a peak in bytes as alloc.FormatBytes does, and −1 as
+// "more than 1 EiB" (Unlimited).
+func FormatPeak(n int64) string {
+	if n < 0 {
+		return "more than 1 EiB"
+	}
+	return alloc.FormatBytes(n)
 }
 
 // DefaultHeadroom is kept back from the budget unless told otherwise: every
@@ -91,10 +112,13 @@ const DefaultHeadroom = 0
 
 // Plan is the planner's answer.
 type Plan struct {
-	Batch         int     // N
-	Chunk         int     // samples per chunk (the largest chunk of Chunks)
-	Chunks        []Chunk // balanced
-	PeakReserved  int64   // predicted peak reserved bytes of the whole step
+	Batch int   // N
+	Chunk int   // samples per chunk (the largest chunk of Split)
+	Split Split // the balanced chunks the batch runs in
+	// Chunks lists Split's chunks for executors (Split.List()); nil with
+	// Options.NoChunkList.
+	Chunks        []Chunk
+	PeakReserved  int64 // predicted peak reserved bytes of the whole step
 	PeakAllocated int64
 	// Fixed and PerSample fit a chunked run's peak reserved bytes as
 	// Fixed + PerSample·chunk (from replays at chunk sizes N/4 and N/2; zero
@@ -111,17 +135,21 @@ type Plan struct {
 func (p *Plan) Available() int64 { return p.Budget - p.Headroom }
 
 // simulate replays chunks on a fresh simulated device of the given
-// capacity; ok is false when it ran out of memory.
+// capacity, recording the timeline of the chunks with an Index below
+// recorded; ok is false when it ran out of memory.
 //
 // It replays two steps, as a training loop runs them: the second starts
 // with the persistent buffers resident and the cache holding the first
 // step's segments, and may need a segment the first did not. The usage is
 // the larger of the two; the timeline, when recorded, is the first step's.
-func simulate(p *Program, chunks []Chunk, capacity int64, record bool) (u Usage, ok bool, err error) {
+func simulate(p *Program, chunks Split, capacity int64, recorded int) (u Usage, ok bool, err error) {
 	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
 	h := &residentSim{blocks: map[residentKey]*alloc.Block{}}
 	for step := range 2 {
-		s, err := Replay(p, chunks, a, h, record && step == 0)
+		if step == 1 {
+			recorded = 0
+		}
+		s, err := replay(p, chunks, a, h, recorded)
 		if errors.Is(err, alloc.ErrOutOfMemory) {
 			return u, false, nil
 		}
@@ -163,9 +191,6 @@ func (*residentSim) Freed(Buffer, *alloc.Block)                            {}
 func (*residentSim) ChunkDone(Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
 func (*residentSim) Finish([]*alloc.Block) error                           { return nil }
 
-// unlimited is a capacity no plan reaches: 1 EiB.
-const unlimited = 1 << 60
-
 // Make picks the largest chunk whose replay of p keeps the peak reserved
 // within the budget and returns the plan.
 func Make(p *Program, o Options) (*Plan, error) {
@@ -187,7 +212,7 @@ func Make(p *Program, o Options) (*Plan, error) {
 	}
 	fits := func(b int) (Usage, bool, error) {
 		pl.Replays++
-		return simulate(p, ChunksOf(n, b), avail, false)
+		return simulate(p, SplitOf(n, b), avail, 0)
 	}
 	// One chunk needs no gradient accumulators, so it can fit where a
 	// chunked run of the same batch does not: try it first.
@@ -200,21 +225,24 @@ func Make(p *Program, o Options) (*Plan, error) {
 		return nil, p.doesNotFit(n, avail, p.Info.NotChunkable)
 	}
 	// The affine fit of a chunked run's peak, from unconstrained replays at
-	// two chunk sizes that both need several chunks.
+	// two chunk sizes that both need several chunks (none when they need
+	// more than Unlimited).
 	if n >= 3 {
 		c1 := max(1, n/4)
 		c2 := max(c1+1, n/2)
-		u1, _, err := simulate(p, ChunksOf(n, c1), unlimited, false)
+		u1, ok1, err := simulate(p, SplitOf(n, c1), Unlimited, 0)
 		if err != nil {
 			return nil, err
 		}
-		u2, _, err := simulate(p, ChunksOf(n, c2), unlimited, false)
+		u2, ok2, err := simulate(p, SplitOf(n, c2), Unlimited, 0)
 		if err != nil {
 			return nil, err
 		}
 		pl.Replays += 2
-		pl.PerSample = max((u2.PeakReserved-u1.PeakReserved)/int64(c2-c1), 0)
-		pl.Fixed = u1.PeakReserved - pl.PerSample*int64(c1)
+		if ok1 && ok2 {
+			pl.PerSample = max((u2.PeakReserved-u1.PeakReserved)/int64(c2-c1), 0)
+			pl.Fixed = u1.PeakReserved - pl.PerSample*int64(c1)
+		}
 	}
 	if chosen == 0 {
 		if _, ok, err := fits(1); err != nil {
@@ -246,9 +274,19 @@ func Make(p *Program, o Options) (*Plan, error) {
 		}
 		chosen = lo
 	}
-	pl.Chunks = ChunksOf(n, chosen)
-	pl.Chunk = pl.Chunks[0].Size
-	u, ok, err := simulate(p, pl.Chunks, avail, o.Timeline)
+	pl.Split = SplitOf(n, chosen)
+	pl.Chunk = pl.Split.Largest()
+	if !o.NoChunkList {
+		pl.Chunks = pl.Split.List()
+	}
+	recorded := 0
+	if o.Timeline {
+		recorded = math.MaxInt
+		if o.TimelineChunks > 0 {
+			recorded = o.TimelineChunks
+		}
+	}
+	u, ok, err := simulate(p, pl.Split, avail, recorded)
 	pl.Replays++
 	if err != nil {
 		return nil, err
@@ -263,9 +301,14 @@ func Make(p *Program, o Options) (*Plan, error) {
 // doesNotFit measures what a run at chunk size b needs and lists the
 // largest buffers.
 func (p *Program) doesNotFit(b int, avail int64, reason error) error {
-	u, _, _ := simulate(p, ChunksOf(p.Batch, b), unlimited, false)
-	w, _, _ := simulate(p, ChunksOf(p.Batch, p.Batch), unlimited, false)
-	e := &DoesNotFitError{Chunk: b, Needed: u.PeakReserved, Whole: w.PeakReserved, Available: avail, batch: p.Batch}
+	peak := func(b int) int64 {
+		u, ok, _ := simulate(p, SplitOf(p.Batch, b), Unlimited, 0)
+		if !ok {
+			return -1
+		}
+		return u.PeakReserved
+	}
+	e := &DoesNotFitError{Chunk: b, Needed: peak(b), Whole: peak(p.Batch), Available: avail, batch: p.Batch}
 	if reason != nil {
 		e.Reason = reason
 	}
@@ -294,6 +337,7 @@ type cacheKey struct {
 	kept, trained    string
 	budget, headroom int64
 	noHeadroom       bool
+	noChunkList      bool
 }
 
 // Signature identifies what a program's memory depends on: its graph, its
@@ -325,7 +369,7 @@ func (p *Program) signature() uint64 {
 // Plan returns the cached plan for p and o, making it on a miss.
 func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	key := cacheKey{sig: p.Signature(), kept: fmt.Sprint(p.Kept), trained: fmt.Sprint(len(p.Persistent)),
-		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom}
+		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom, noChunkList: o.NoChunkList}
 	c.mu.Lock()
 	if pl, ok := c.plans[key]; ok {
 		c.hits++

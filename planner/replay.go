@@ -2,6 +2,7 @@ package planner
 
 import (
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 
@@ -14,24 +15,78 @@ type Chunk struct {
 	Index, Start, Size int
 }
 
-// Chunks splits n samples into k balanced chunks: sizes differ by at most
-// one, larger ones first (100 in 4 → 25, 25, 25, 25; 10 in 3 → 4, 3, 3).
-func Chunks(n, k int) []Chunk {
-	cs := make([]Chunk, k)
-	start := 0
+// Split is a batch of N samples cut into K balanced chunks: sizes differ by
+// at most one, larger ones first (100 in 4 → 25, 25, 25, 25; 10 in 3 → 4,
+// 3, 3). It describes its chunks without listing them, so its memory does
+// not grow with the batch: a batch of 10⁹ in chunks of one is two ints.
+type Split struct{ N, K int }
+
+// SplitOf cuts n samples into the fewest balanced chunks of at most b
+// (b ≥ 1).
+func SplitOf(n, b int) Split { return Split{N: n, K: n/b + min(n%b, 1)} }
+
+// Len is the number of chunks, K.
+func (s Split) Len() int { return s.K }
+
+// At is chunk i, 0 ≤ i < K.
+func (s Split) At(i int) Chunk {
+	q, r := s.N/s.K, s.N%s.K
+	c := Chunk{Index: i, Start: i*q + min(i, r), Size: q}
+	if i < r {
+		c.Size++
+	}
+	return c
+}
+
+// Largest is the size of the first, largest chunk.
+func (s Split) Largest() int { return s.At(0).Size }
+
+// List lists the chunks; its length is K.
+func (s Split) List() []Chunk {
+	cs := make([]Chunk, s.K)
 	for i := range cs {
-		size := n / k
-		if i < n%k {
-			size++
-		}
-		cs[i] = Chunk{Index: i, Start: start, Size: size}
-		start += size
+		cs[i] = s.At(i)
 	}
 	return cs
 }
 
-// ChunksOf splits n samples into the fewest balanced chunks of at most b.
-func ChunksOf(n, b int) []Chunk { return Chunks(n, (n+b-1)/b) }
+// Run is Count chunks of Size samples in a row.
+type Run struct{ Count, Size int }
+
+// Runs lists the split's chunks as at most two runs, larger size first.
+func (s Split) Runs() []Run {
+	if s.K <= 0 {
+		return nil
+	}
+	q, r := s.N/s.K, s.N%s.K
+	var runs []Run
+	if r > 0 {
+		runs = append(runs, Run{Count: r, Size: q + 1})
+	}
+	if q > 0 {
+		runs = append(runs, Run{Count: s.K - r, Size: q})
+	}
+	return runs
+}
+
+// String describes the chunks as DescribeSizes does: "2 × 11 + 1 × 10".
+func (s Split) String() string { return describeRuns(s.Runs()) }
+
+// after is the index of the first chunk after i of another size than chunk
+// i's, or K.
+func (s Split) after(i int) int {
+	if r := s.N % s.K; i < r {
+		return r
+	}
+	return s.K
+}
+
+// Chunks splits n samples into k balanced chunks, listed: Split{n, k}.List().
+func Chunks(n, k int) []Chunk { return Split{N: n, K: k}.List() }
+
+// ChunksOf splits n samples into the fewest balanced chunks of at most b,
+// listed: SplitOf(n, b).List().
+func ChunksOf(n, b int) []Chunk { return SplitOf(n, b).List() }
 
 // Sizes lists the chunks' sizes.
 func Sizes(cs []Chunk) []int {
@@ -45,16 +100,46 @@ func Sizes(cs []Chunk) []int {
 // DescribeSizes writes chunk sizes as counts of equal runs: [8 8 8 8] →
 // "4 × 8", [4 3 3] → "1 × 4 + 2 × 3"; "" for none.
 func DescribeSizes(sizes []int) string {
-	var parts []string
+	var runs []Run
 	for i := 0; i < len(sizes); {
 		j := i
 		for j < len(sizes) && sizes[j] == sizes[i] {
 			j++
 		}
-		parts = append(parts, fmt.Sprintf("%d × %d", j-i, sizes[i]))
+		runs = append(runs, Run{Count: j - i, Size: sizes[i]})
 		i = j
 	}
+	return describeRuns(runs)
+}
+
+func describeRuns(runs []Run) string {
+	parts := make([]string, len(runs))
+	for i, r := range runs {
+		parts[i] = fmt.Sprintf("%d × %d", r.Count, r.Size)
+	}
 	return strings.Join(parts, " + ")
+}
+
+// chunkSeq is the chunks a replay walks: a listed []Chunk, or a Split.
+type chunkSeq interface {
+	Len() int
+	At(i int) Chunk
+	// after is the index of the first chunk after i of another size than
+	// chunk i's, or Len().
+	after(i int) int
+}
+
+// chunkList is a listed chunk sequence, of any sizes.
+type chunkList []Chunk
+
+func (l chunkList) Len() int       { return len(l) }
+func (l chunkList) At(i int) Chunk { return l[i] }
+func (l chunkList) after(i int) int {
+	j := i + 1
+	for j < len(l) && l[j].Size == l[i].Size {
+		j++
+	}
+	return j
 }
 
 // Hooks let an executor act during a replay. Plan replays with nil hooks.
@@ -102,10 +187,21 @@ type Usage struct {
 // the end of each chunk. Peaks are measured from the allocator's stats,
 // reset at the start.
 func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool) (Usage, error) {
+	recorded := 0
+	if record {
+		recorded = math.MaxInt
+	}
+	return replay(p, chunkList(chunks), a, h, recorded)
+}
+
+// replay is Replay over any chunk sequence. It records the timeline of the
+// persistent allocations and of the chunks whose Index is below recorded
+// (none when 0).
+func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded int) (Usage, error) {
 	a.ResetPeak()
 	var u Usage
 	mark := func(c, step, node int, k StepKind) {
-		if record {
+		if c < recorded { // persistent allocations are chunk −1
 			s := a.Stats()
 			u.Timeline = append(u.Timeline, Point{Chunk: c, Step: step, Node: node, Kind: k,
 				Allocated: s.AllocatedBytes[alloc.All].Current, Reserved: s.ReservedBytes[alloc.All].Current})
@@ -122,7 +218,7 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 		return u, err
 	}
 	persistent := p.Persistent
-	if len(chunks) > 1 {
+	if chunks.Len() > 1 {
 		persistent = append(append([]int(nil), persistent...), p.Accumulators...)
 	}
 	for _, bi := range persistent {
@@ -151,7 +247,7 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 	g := p.Graph
 	outBlocks := make([]*alloc.Block, len(p.Outputs))
 	var acc []*alloc.Block
-	if len(chunks) > 1 {
+	if chunks.Len() > 1 {
 		for _, bi := range p.Accumulators {
 			acc = append(acc, blocks[bi])
 		}
@@ -159,15 +255,19 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 	// A chunk that made no device call and freed all it allocated left the
 	// allocator as it found it (free blocks coalesce around the persistent
 	// ones), so every later chunk of its size would repeat it step for step.
-	// A bare replay (no hooks, no timeline) skips those: planning a batch
-	// of thousands in chunks of one then costs a few chunks, not thousands.
+	// A bare replay (no hooks) skips those, past the recorded chunks, a run
+	// of equal sizes at a time: planning a batch of 10⁹ in chunks of one
+	// then costs a few chunks, not 10⁹.
 	_, sim := h.(*residentSim) // a simulation with resident buffers runs nothing either
-	bare := (h == nil || sim) && !record
+	bare := h == nil || sim
 	repeats := -1 // size of the chunks known to repeat
 	var before alloc.Stats
-	for _, c := range chunks {
+	n := chunks.Len()
+	for ci := 0; ci < n; ci++ {
+		c := chunks.At(ci)
 		if bare {
-			if c.Size == repeats {
+			if c.Size == repeats && c.Index >= recorded {
+				ci = chunks.after(ci) - 1
 				continue
 			}
 			before = a.Stats()
@@ -215,10 +315,9 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 				return fail(err)
 			}
 		}
-		last := c.Index == len(chunks)-1
 		for i, o := range p.Outputs {
 			bi := p.OutputBuf[o]
-			if p.Buffers[bi].Kind != BufOutput || blocks[bi] == nil || (last && len(chunks) == 1 && slices.Contains(p.Kept, o)) {
+			if p.Buffers[bi].Kind != BufOutput || blocks[bi] == nil || (n == 1 && slices.Contains(p.Kept, o)) {
 				continue // persistent, listed twice, or the single chunk's kept output (freed after Finish)
 			}
 			if err := a.Free(outBlocks[i]); err != nil {
@@ -239,7 +338,7 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 		}
 	}
 	kept := acc
-	if len(chunks) == 1 {
+	if n == 1 {
 		for _, k := range p.Kept {
 			bi := p.OutputBuf[k]
 			kept = append(kept, blocks[bi])

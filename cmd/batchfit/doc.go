@@ -12,7 +12,10 @@
 // loss and the backward pass, compiles the step with the optimizer's state
 // and the CPU executor's declared workspaces, and asks the planner for the
 // largest balanced chunk whose replay through the caching allocator fits
-// the budget. It prints the parameter and optimizer-state bytes, whether
+// the budget. With --gpu CARD or --gpu-memory SIZE instead of --budget it
+// plans as a CUDA session on that card would: the card's total less the
+// CUDA context and libraries and the cuBLAS workspace, with the CUDA
+// executor's workspaces. It prints the parameter and optimizer-state bytes, whether
 // the whole batch fits, the chunks, the predicted peak reserved and
 // allocated bytes, the affine fit fixed + per-sample·chunk, and on request
 // the per-op timeline of the first chunk (--table), the largest buffers
@@ -30,7 +33,8 @@
 //
 // Exit codes: 0 when the step fits (in one chunk or several) and the files
 // were read and written, 1 when it does not fit even one sample at a time
-// (the planner's message names the largest buffers) or a file could not
+// (the planner's message names the largest buffers), the model does not
+// build (a batch too large for the graph's tensors), or a file could not
 // be read or written (unreadable, not a snapshot, truncated: one line names
 // the file and the reason), 2 for a usage mistake.
 package main

@@ -11,6 +11,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
@@ -36,9 +37,12 @@ type report struct {
 	StateBytes int64  `json:"optimizer_state_bytes"`
 	Nodes      int    `json:"nodes"`
 	Steps      int    `json:"program_steps"`
-	Budget     int64  `json:"budget"`
-	Headroom   int64  `json:"headroom"`
-	Available  int64  `json:"available"`
+	// Device is the card planned for (--gpu, --gpu-memory), whose budget is
+	// Budget; nil for --budget, planned with the CPU executor's workspaces.
+	Device    *device `json:"device,omitempty"`
+	Budget    int64   `json:"budget"`
+	Headroom  int64   `json:"headroom"`
+	Available int64   `json:"available"`
 	// BuildSeconds times building, analysing and compiling the graph.
 	BuildSeconds float64     `json:"build_seconds"`
 	Plan         *planReport `json:"plan,omitempty"`
@@ -47,24 +51,32 @@ type report struct {
 	Largest      []bufferRow `json:"largest,omitempty"`
 }
 
-// planReport is planner.Plan with the chunk sizes listed.
+// planReport is planner.Plan with its chunks as runs of equal sizes.
 type planReport struct {
-	WholeBatch    bool  `json:"whole_batch"` // the batch runs in one chunk
-	Chunk         int   `json:"chunk"`
-	Chunks        []int `json:"chunks"` // sizes, in run order
-	PeakReserved  int64 `json:"peak_reserved"`
-	PeakAllocated int64 `json:"peak_allocated"`
-	Fixed         int64 `json:"fixed"`      // affine fit of a chunked run's peak reserved:
-	PerSample     int64 `json:"per_sample"` // fixed + per_sample·chunk
-	Persistent    int64 `json:"persistent"` // parameters and optimizer state
+	WholeBatch    bool       `json:"whole_batch"` // the batch runs in one chunk
+	Chunk         int        `json:"chunk"`
+	NumChunks     int        `json:"num_chunks"`
+	Chunks        []chunkRun `json:"chunks"` // at most two runs, in run order: larger chunks first
+	PeakReserved  int64      `json:"peak_reserved"`
+	PeakAllocated int64      `json:"peak_allocated"`
+	Fixed         int64      `json:"fixed"`      // affine fit of a chunked run's peak reserved:
+	PerSample     int64      `json:"per_sample"` // fixed + per_sample·chunk
+	Persistent    int64      `json:"persistent"` // parameters and optimizer state
 	// WholePeakReserved is what the whole batch in one chunk would reserve,
-	// when it does not fit (PeakReserved otherwise).
+	// when it does not fit (PeakReserved otherwise); −1 when more than
+	// planner.Unlimited.
 	WholePeakReserved int64 `json:"whole_peak_reserved"`
 	// Accumulators are the gradient sums across chunks, held only when the
 	// batch runs in several.
 	Accumulators    int64   `json:"accumulators"`
 	Replays         int     `json:"replays"`
 	PlanningSeconds float64 `json:"planning_seconds"`
+}
+
+// chunkRun is Count chunks of Size samples (planner.Run).
+type chunkRun struct {
+	Count int `json:"count"`
+	Size  int `json:"size"`
 }
 
 // fitReport is planner.DoesNotFitError.
@@ -113,7 +125,8 @@ type step struct {
 // buildStep builds c's model shape-only over placeholders and compiles one
 // step: forward, loss, and the gradients of every parameter (kept on the
 // device, summed over chunks) with the optimizer's state in training mode;
-// the forward output alone in inference mode.
+// the forward output alone in inference mode. Workspaces are the CUDA
+// executor's for a device, the CPU executor's otherwise.
 func buildStep(c *estimateConfig) (*step, error) {
 	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype}, c.batch, c.seq, c.train, nil)
 	if err := nn.Check(b.module); err != nil {
@@ -144,8 +157,12 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if err != nil {
 		return nil, err
 	}
+	ws := cpu.Workspace
+	if c.device != nil {
+		ws = cuda.Workspace
+	}
 	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: c.slots, Workspace: cpu.Workspace})
+		StateSlots: c.slots, Workspace: ws})
 	if err != nil {
 		return nil, err
 	}
@@ -168,7 +185,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(),
 		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, Seq: c.seq,
 		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
-		Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
+		Device: c.device, Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
 		BuildSeconds: time.Since(start).Seconds()}
 	if c.train {
 		r.Mode = "train"
@@ -191,7 +208,10 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 
 	start = time.Now()
-	pl, err := planner.Make(st.program, planOptions(c))
+	o := planOptions(c)
+	o.NoChunkList = true // nothing runs: the plan's memory must not grow with the batch
+	o.TimelineChunks = 1 // the table shows the first chunk
+	pl, err := planner.Make(st.program, o)
 	elapsed := time.Since(start)
 	var dnf *planner.DoesNotFitError
 	if errors.As(err, &dnf) {
@@ -209,20 +229,27 @@ func estimate(c *estimateConfig) (*report, error) {
 	if err != nil {
 		return r, err
 	}
-	pr := &planReport{WholeBatch: len(pl.Chunks) == 1, Chunk: pl.Chunk, PeakReserved: pl.PeakReserved,
-		PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample, Persistent: pl.Persistent,
-		Replays: pl.Replays, PlanningSeconds: elapsed.Seconds(), Chunks: planner.Sizes(pl.Chunks)}
+	pr := &planReport{WholeBatch: pl.Split.Len() == 1, Chunk: pl.Chunk, NumChunks: pl.Split.Len(),
+		PeakReserved: pl.PeakReserved, PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample,
+		Persistent: pl.Persistent, Replays: pl.Replays, PlanningSeconds: elapsed.Seconds()}
+	for _, run := range pl.Split.Runs() {
+		pr.Chunks = append(pr.Chunks, chunkRun(run))
+	}
 	pr.WholePeakReserved = pl.PeakReserved
 	if !pr.WholeBatch {
 		for _, bi := range st.program.Accumulators {
 			pr.Accumulators += st.program.Buffers[bi].Bytes(0)
 		}
-		sim := alloc.New(alloc.NewSimBackend(unlimited), alloc.Options{})
+		sim := alloc.New(alloc.NewSimBackend(planner.Unlimited), alloc.Options{})
 		u, err := planner.Replay(st.program, planner.ChunksOf(c.batch, c.batch), sim, nil, false)
-		if err != nil {
+		switch {
+		case errors.Is(err, alloc.ErrOutOfMemory):
+			pr.WholePeakReserved = -1
+		case err != nil:
 			return r, err
+		default:
+			pr.WholePeakReserved = u.PeakReserved
 		}
-		pr.WholePeakReserved = u.PeakReserved
 	}
 	r.Plan = pr
 	if c.table {
@@ -234,12 +261,9 @@ func estimate(c *estimateConfig) (*report, error) {
 	return r, nil
 }
 
-// unlimited is a simulated device no plan fills: 1 EiB.
-const unlimited = 1 << 60
-
 // timeline lists the node runs of the plan's first chunk.
 func timeline(p *planner.Program, pl *planner.Plan) []opRow {
-	size := pl.Chunks[0].Size
+	size := pl.Chunk
 	var rows []opRow
 	for _, pt := range pl.Timeline {
 		if pt.Chunk != 0 || pt.Kind != planner.StepRun {
@@ -264,7 +288,7 @@ func timeline(p *planner.Program, pl *planner.Plan) []opRow {
 func largest(p *planner.Program, pl *planner.Plan, n int) []bufferRow {
 	var rows []bufferRow
 	for _, b := range p.Buffers {
-		if b.Kind == planner.BufAccumulator && len(pl.Chunks) == 1 {
+		if b.Kind == planner.BufAccumulator && pl.Split.Len() == 1 {
 			continue
 		}
 		row := bufferRow{Bytes: b.Bytes(pl.Chunk), Kind: b.Kind.String(), Node: b.Node, Op: b.Tag.Op, Module: b.Tag.Scope}
@@ -306,6 +330,9 @@ func writeText(w io.Writer, r *report, planned bool) {
 		line("optimizer state", "%s", alloc.FormatBytes(r.StateBytes))
 	}
 	line("graph", "%s nodes, %s program steps", thousands(int64(r.Nodes)), thousands(int64(r.Steps)))
+	if r.Device != nil {
+		line("device", "%s", r.Device.describe())
+	}
 	line("budget", "%s − headroom %s = %s available", alloc.FormatBytes(r.Budget), alloc.FormatBytes(r.Headroom),
 		alloc.FormatBytes(r.Available))
 	if p := r.Plan; planned && p != nil {
@@ -313,7 +340,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("fits", "yes: the whole batch of %d runs in one chunk", r.Batch)
 		} else {
 			line("fits", "in chunks: the whole batch of %d would need %s; it runs as %s", r.Batch,
-				alloc.FormatBytes(p.WholePeakReserved), planner.DescribeSizes(p.Chunks))
+				planner.FormatPeak(p.WholePeakReserved), planner.Split{N: r.Batch, K: p.NumChunks})
 		}
 		line("chunk", "%d %s", p.Chunk, plural(p.Chunk, "sample"))
 		line("peak reserved", "%s", exact(p.PeakReserved))

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -50,7 +51,7 @@ func usagef(kind error, format string, args ...any) error {
 }
 
 const mainUsage = `Usage:
-  batchfit estimate --model NAME --batch N --budget SIZE [flags]
+  batchfit estimate --model NAME --batch N --budget SIZE|--gpu CARD|--gpu-memory SIZE [flags]
   batchfit snapshot --model NAME --batch N --budget SIZE [flags] -o FILE
   batchfit report --model NAME --batch N --budget SIZE [flags]
   batchfit report FILE
@@ -138,6 +139,7 @@ type estimateConfig struct {
 	table            bool
 	top              int
 	json             bool
+	device           *device // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
@@ -164,6 +166,7 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.SetOutput(io.Discard) // errors are reported by runEstimate, in one line
 	v := &estimateFlagValues{}
 	addStepFlags(fs, &v.stepFlagValues)
+	addDeviceFlags(fs, &v.device)
 	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
@@ -172,6 +175,7 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 
 type estimateFlagValues struct {
 	stepFlagValues
+	device      deviceFlagValues
 	top         int
 	table, json bool
 }
@@ -216,11 +220,18 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if len(pos) > 0 {
 		return nil, usagef(errFlag, "unexpected argument %q (flags only)", pos[0])
 	}
+	d, err := v.device.resolve(set)
+	if err != nil {
+		return nil, err
+	}
+	if d != nil { // the card's budget stands in for --budget
+		v.budget, set["budget"] = strconv.FormatInt(d.Budget, 10), true
+	}
 	c, err := v.config(set)
 	if err != nil {
 		return nil, err
 	}
-	c.table, c.top, c.json = v.table, v.top, v.json
+	c.table, c.top, c.json, c.device = v.table, v.top, v.json, d
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
 	}
@@ -298,7 +309,7 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 
 func estimateUsage(w io.Writer) {
 	fs, _ := estimateFlags()
-	fmt.Fprintf(w, "Usage:\n  batchfit estimate --model NAME --batch N --budget SIZE [flags]\n\nFlags (one dash or two):\n")
+	fmt.Fprintf(w, "Usage:\n  batchfit estimate --model NAME --batch N --budget SIZE|--gpu CARD|--gpu-memory SIZE [flags]\n\nFlags (one dash or two):\n")
 	fs.SetOutput(w)
 	fs.PrintDefaults()
 }

@@ -62,6 +62,12 @@ func TestUsageErrors(t *testing.T) {
 		{"dtype int64", with("--dtype", "int64"), errUnknown},
 		{"dtype float64", with("--dtype", "float64"), errUnknown},
 		{"negative top", with("--top", "-1"), errRange},
+		{"unknown gpu", []string{"--model", "mlp", "--batch", "8", "--gpu", "h100"}, errUnknown},
+		{"gpu and gpu-memory", []string{"--model", "mlp", "--batch", "8", "--gpu", "l4", "--gpu-memory", "24GiB"}, errConflict},
+		{"gpu and budget", with("--gpu", "l4"), errConflict},
+		{"gpu-memory and budget", with("--gpu-memory", "24GiB"), errConflict},
+		{"gpu-memory unit", []string{"--model", "mlp", "--batch", "8", "--gpu-memory", "24XB"}, alloc.ErrSize},
+		{"gpu-memory below the context", []string{"--model", "mlp", "--batch", "8", "--gpu-memory", "512MiB"}, errRange},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -102,6 +108,12 @@ func TestSubcommandErrors(t *testing.T) {
 // state: the independent route to the numbers the CLI prints.
 func gpt2Plan(t *testing.T, b int, budget int64) (*planner.Program, *planner.Plan, error) {
 	t.Helper()
+	return gpt2PlanWith(t, b, budget, cpu.Workspace)
+}
+
+// gpt2PlanWith is gpt2Plan with the workspaces of another executor.
+func gpt2PlanWith(t *testing.T, b int, budget int64, ws planner.WorkspaceFunc) (*planner.Program, *planner.Plan, error) {
+	t.Helper()
 	model := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
 	tokens := lazy.Placeholder([]int{b, 1024}, graph.Int64, 0)
 	targets := tokens.Graph().Placeholder([]int{b, 1024}, graph.Int64, 0)
@@ -118,7 +130,7 @@ func gpt2Plan(t *testing.T, b int, budget int64) (*planner.Program, *planner.Pla
 	info, err := shapeinfer.Analyze(g, outs...)
 	require.NoError(t, err)
 	p, err := planner.Compile(g, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
-		StateSlots: optim.NewAdamW(1e-3).StateSlots(), Workspace: cpu.Workspace})
+		StateSlots: optim.NewAdamW(1e-3).StateSlots(), Workspace: ws})
 	require.NoError(t, err)
 	pl, err := planner.Make(p, planner.Options{Budget: budget, NoHeadroom: true})
 	return p, pl, err
@@ -149,7 +161,7 @@ func TestEstimateGPT2SmallFits(t *testing.T) {
 	assert.Equal(t, int64(124439808*4), r.ParamBytes)
 	assert.Equal(t, int64(2*124439808*4), r.StateBytes)
 	require.NotNil(t, r.Plan)
-	assert.Equal(t, planReport{WholeBatch: true, Chunk: 8, Chunks: []int{8}, PeakReserved: want.PeakReserved,
+	assert.Equal(t, planReport{WholeBatch: true, Chunk: 8, NumChunks: 1, Chunks: []chunkRun{{Count: 1, Size: 8}}, PeakReserved: want.PeakReserved,
 		PeakAllocated: want.PeakAllocated, Fixed: want.Fixed, PerSample: want.PerSample, Persistent: want.Persistent,
 		WholePeakReserved: want.PeakReserved, Replays: want.Replays, PlanningSeconds: r.Plan.PlanningSeconds}, *r.Plan)
 	assert.Equal(t, int64(2*124439808*4+124439808*4), r.Plan.Persistent, "parameters and two AdamW slots")
@@ -165,11 +177,12 @@ func TestEstimateGPT2SmallBatch32(t *testing.T) {
 	var r report
 	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
 	require.NotNil(t, r.Plan)
-	var sizes []int
-	for _, c := range want.Chunks {
-		sizes = append(sizes, c.Size)
+	var runs []chunkRun
+	for _, run := range want.Split.Runs() {
+		runs = append(runs, chunkRun(run))
 	}
-	assert.Equal(t, sizes, r.Plan.Chunks)
+	assert.Equal(t, runs, r.Plan.Chunks)
+	assert.Equal(t, len(want.Chunks), r.Plan.NumChunks)
 	assert.False(t, r.Plan.WholeBatch)
 	assert.Equal(t, want.PeakReserved, r.Plan.PeakReserved)
 	assert.LessOrEqual(t, r.Plan.PeakReserved, int64(24<<30))
