@@ -107,13 +107,6 @@ func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 	return graph.Errorf(graph.ErrAttr, "cuda: no device kernels for optimizer %T", r.o.Optimizer)
 }
 
-func boolInt(b bool) int64 {
-	if b {
-		return 1
-	}
-	return 0
-}
-
 // trained is one parameter's update: its block, gradient and state slots.
 type trained struct {
 	param, grad alloc.Ptr

@@ -1,0 +1,16 @@
+// Command gen writes kernels/opcodes.cuh from package opcode's table. It is
+// run by go generate in exec/cuda (see kernels.go), from that directory.
+package main
+
+import (
+	"log"
+	"os"
+
+	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
+)
+
+func main() {
+	if err := os.WriteFile("kernels/opcodes.cuh", opcode.Header(), 0o644); err != nil {
+		log.Fatal(err)
+	}
+}
