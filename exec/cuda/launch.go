@@ -190,3 +190,48 @@ func (k *kctx) firstBad(bad alloc.Ptr, idx operand) (pos, val int64, ok bool, er
 	err = CopyDtoH(k.d, got[:], idx.at(pos))
 	return pos, got[0], false, err
 }
+
+// Launch shapes (kernels/README.md, "Launch shapes").
+const (
+	flatBlock = 256
+	maxGridX  = 1 << 20
+	maxGridYZ = 65535
+)
+
+func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
+
+// flatGrid is the 1-D grid for work elements with flatBlock threads a block.
+func flatGrid(work int64) [3]uint32 {
+	return [3]uint32{uint32(min(ceilDiv(work, flatBlock), maxGridX)), 1, 1}
+}
+
+var flatBlockDim = [3]uint32{flatBlock, 1, 1}
+
+// rowBlock is the row layout's block for rows of n elements: each
+// threadIdx.y group of bx threads owns a row, and rows of up to 8·bx
+// elements stay in registers.
+func rowBlock(n int64) [3]uint32 {
+	switch {
+	case n <= 256:
+		return [3]uint32{32, 8, 1}
+	case n <= 1024:
+		return [3]uint32{128, 2, 1}
+	case n <= 2048:
+		return [3]uint32{256, 1, 1}
+	case n <= 4096:
+		return [3]uint32{512, 1, 1}
+	}
+	return [3]uint32{1024, 1, 1}
+}
+
+// rowGrid covers rows rows with block's row groups, y = splits.
+func rowGrid(rows int64, block [3]uint32, splits int64) [3]uint32 {
+	return [3]uint32{uint32(min(max(ceilDiv(rows, int64(block[1])), 1), maxGridX)), uint32(splits), 1}
+}
+
+// tileBlock is the tile layout's block: x along a contiguous inner axis,
+// y striding over the reduced axis.
+var tileBlock = [3]uint32{32, 8, 1}
+
+// tileGridX covers inner elements in tiles of 32.
+func tileGridX(inner int64) uint32 { return uint32(min(max(ceilDiv(inner, 32), 1), maxGridX)) }
