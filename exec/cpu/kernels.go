@@ -1,6 +1,9 @@
 package cpu
 
-import "github.com/batchfit/batchfit/graph"
+import (
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/optable"
+)
 
 // opKernel is one op's entry in the kernel table: run computes the node's
 // output from its inputs (chunkStart is the chunk's first global sample,
@@ -17,18 +20,11 @@ type family map[graph.Op]opKernel
 // kernelTable is every op's kernel, indexed by op; source ops have none
 // (the host side fills their buffers). TestKernelTableComplete fails when
 // an op has no entry or sits in two families.
-var kernelTable = tableOf(elementwiseKernels, matmulKernels, reduceKernels, normKernels,
-	movementKernels, indexKernels, convKernels, poolKernels, lossKernels)
+var kernelTable = optable.Build(families...)
 
-func tableOf(fams ...family) *[graph.NumOps]opKernel {
-	var t [graph.NumOps]opKernel
-	for _, f := range fams {
-		for op, k := range f {
-			t[op] = k
-		}
-	}
-	return &t
-}
+// families is every family of the table.
+var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,
+	movementKernels, indexKernels, convKernels, poolKernels, lossKernels}
 
 // eval runs one node's kernel: the entry point of the host side
 // (runner.Run).

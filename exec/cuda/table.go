@@ -3,6 +3,7 @@ package cuda
 import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/optable"
 	"github.com/batchfit/batchfit/planner"
 )
 
@@ -20,18 +21,11 @@ type family map[graph.Op]opKernel
 // kernelTable is every op's kernels, indexed by op; source ops have none
 // (the host side fills their blocks). TestKernelTableComplete fails when an
 // op has no entry or sits in two families.
-var kernelTable = tableOf(elementwiseKernels, matmulKernels, reduceKernels, normKernels,
-	movementKernels, convKernels, lossKernels)
+var kernelTable = optable.Build(families...)
 
-func tableOf(fams ...family) *[graph.NumOps]opKernel {
-	var t [graph.NumOps]opKernel
-	for _, f := range fams {
-		for op, k := range f {
-			t[op] = k
-		}
-	}
-	return &t
-}
+// families is every family of the table.
+var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,
+	movementKernels, convKernels, lossKernels}
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.

@@ -1,6 +1,9 @@
 package ref
 
-import "github.com/batchfit/batchfit/graph"
+import (
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/optable"
+)
 
 // kernel computes a non-source node's value into out, a zeroed value of the
 // node's shape; a holds the attributes as normalise left them.
@@ -12,15 +15,8 @@ type family map[graph.Op]kernel
 // kernelTable is every op's kernel, indexed by op; source ops have none
 // (Eval reads their data). TestKernelTableComplete fails when an op has no
 // entry or sits in two families.
-var kernelTable = tableOf(elementwiseKernels, contractionKernels, reduceKernels, normKernels,
-	movementKernels, indexKernels, convKernels, lossKernels)
+var kernelTable = optable.Build(families...)
 
-func tableOf(fams ...family) *[graph.NumOps]kernel {
-	var t [graph.NumOps]kernel
-	for _, f := range fams {
-		for op, k := range f {
-			t[op] = k
-		}
-	}
-	return &t
-}
+// families is every family of the table.
+var families = []family{elementwiseKernels, contractionKernels, reduceKernels, normKernels,
+	movementKernels, indexKernels, convKernels, lossKernels}
