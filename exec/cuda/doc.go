@@ -32,8 +32,9 @@
 // the launch context (kctx: device, kernels, cuBLAS, the node, its chunk
 // and workspace, and nothing else of the executor) with the launch
 // primitives; elementwise.go, matmul.go, reduce.go, norm.go, movement.go,
-// conv.go, loss.go and optimizer.go each hold their ops' entries of the
-// kernel table (table.go), their launches and their workspace rules.
+// conv.go and loss.go each hold their ops' entries of the kernel table
+// (table.go), their launches and their workspace rules; optimizer.go holds
+// the SGD and Adam launches.
 // The host side reaches the kernels through runner.eval, one table lookup
 // per node; Workspace is derived from the same table. A test ranges over
 // every op and fails when one has no kernel.

@@ -15,7 +15,8 @@
 // Every op has one kernel in a table indexed by op (kernels.go), its entry
 // in the file of its family (elementwise.go, contraction.go, reduce.go,
 // norm.go with batchnorm.go, movement.go, index.go, conv.go, loss.go); a
-// test fails when an op has none.
+// test fails when an op has none. The table is laid out by internal/optable,
+// as the executors' are; that helper holds no op semantics.
 //
 // Semantics follow PyTorch: exact GELU uses erf; layer_norm uses the biased
 // variance; avg_pool2d divides by kh·kw, padding included; max_pool2d's
