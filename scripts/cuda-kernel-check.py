@@ -6,13 +6,12 @@ Run on the GPU machine from the repository root (CuPy, NumPy and SciPy are
 installed there):  python3 scripts/cuda-kernel-check.py [--bench] [--big]
 It stands in for the executor conformance suite until exec/cuda runs graphs;
 then internal/conformance.RunAll covers the kernels from Go."""
-import ctypes, math, struct, sys, time
+import ctypes, math, re, struct, sys, time
 import numpy as np
 import cupy as cp
 from scipy.special import erf, erfc
 
 K = 'exec/cuda/kernels'
-HDR = open(f'{K}/common.cuh').read()
 f32, f64, i64 = np.float32, np.float64, np.int64
 rng = np.random.default_rng(7)
 FAILS, PASSES = [], [0]
@@ -21,9 +20,18 @@ FAILS, PASSES = [], [0]
 VARIANT = [None]  # replacement for '__launch_bounds__(1024, 1)' when benchmarking variants
 
 
+def inline(name):
+    """kernels/<name> with each #include "x.cuh" replaced by that header's
+    text, expanded the same way (as exec/cuda's Source does for NVRTC)."""
+    out = []
+    for l in open(f'{K}/{name}').read().splitlines(keepends=True):
+        m = re.fullmatch(r'\s*#include "([a-z0-9_]+\.cuh)"\s*', l)
+        out.append(inline(m.group(1)) if m else l)
+    return ''.join(out)
+
+
 def source(name):
-    lines = open(f'{K}/{name}').read().splitlines(keepends=True)
-    src = ''.join(HDR if l.strip() == '#include "common.cuh"' else l for l in lines)
+    src = inline(name)
     if VARIANT[0] is not None:
         src = src.replace('__launch_bounds__(1024, 1)', VARIANT[0])
     return src

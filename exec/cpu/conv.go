@@ -9,6 +9,37 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
+// Convolution family: conv2d and its gradients as GEMMs over unfolded
+// patches (this file and convgrad.go); pooling is in pool.go.
+var convKernels = family{
+	graph.OpConv2d: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return conv2dKernel(&nd.Attrs, in[0], in[1], optional(in, 2), out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, _ int) int64 {
+		w, a := g.Node(nd.Inputs[1]).Type.Shape, nd.Attrs
+		if w[2] == 1 && w[3] == 1 && a.Stride == [2]int{1, 1} && a.Padding == [2]int{} {
+			return 0 // the input is the patch matrix
+		}
+		return colBytes(nd, w, nd.Type.Shape)
+	}},
+	graph.OpConv2dGradInput: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return conv2dGradInputKernel(&nd.Attrs, in[0], in[1], out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, _ int) int64 {
+		return colBytes(nd, g.Node(nd.Inputs[1]).Type.Shape, g.Node(nd.Inputs[0]).Type.Shape)
+	}},
+	graph.OpConv2dGradWeight: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return conv2dGradWeightKernel(&nd.Attrs, in[0], in[1], out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, _ int) int64 {
+		return colBytes(nd, nd.Type.Shape, g.Node(nd.Inputs[0]).Type.Shape)
+	}},
+}
+
+// colBytes is the workspace of the unfolded patches for weight w [O, C/g,
+// kh, kw] and forward output y [N, O, Ho, Wo]: [C/g·kh·kw, Ho·Wo] elements
+// of nd's dtype, made once per call and reused across samples and groups.
+func colBytes(nd *graph.Node, w, y []int) int64 {
+	return int64(w[1]*w[2]*w[3]) * int64(y[2]*y[3]) * int64(nd.Type.DType.Size())
+}
+
 // window is the geometry of a 2-D convolution or pooling over NCHW data.
 type window struct {
 	n, c, h, w int // input

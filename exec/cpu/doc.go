@@ -6,6 +6,13 @@
 // plain, obviously correct loops with float64 accumulation in reductions;
 // only matmul, linear and conv go through BLAS.
 //
+// Kernels sit in a table indexed by op (kernels.go), each entry in the
+// file of its family (elementwise.go, matmul.go, reduce.go, normalize.go,
+// movement.go, index.go, conv.go with convgrad.go, pool.go, loss.go) with
+// its workspace rule; eval, the host side's one call, looks a node up
+// there, Workspace reads the rules from it, and a test fails when an op
+// has no kernel.
+//
 // Every kernel writes into an output buffer allocated before it runs, sized
 // from the node's type at the running batch size, and buffers are dropped
 // after their last consumer, mirroring the program the planner replays.

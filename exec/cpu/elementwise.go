@@ -6,6 +6,91 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Elementwise family: unary and scalar ops, broadcasting binary ops, the
+// elementwise gradients, dropout, causal_mask and fill.
+var elementwiseKernels = family{
+	graph.OpNeg: {run: unary}, graph.OpExp: {run: unary}, graph.OpLog: {run: unary},
+	graph.OpSqrt: {run: unary}, graph.OpAbs: {run: unary}, graph.OpTanh: {run: unary},
+	graph.OpSigmoid: {run: unary}, graph.OpRelu: {run: unary}, graph.OpGelu: {run: unary},
+	graph.OpSign: {run: unary},
+
+	graph.OpAddScalar: {run: unary}, graph.OpSubScalar: {run: unary}, graph.OpRSubScalar: {run: unary},
+	graph.OpMulScalar: {run: unary}, graph.OpDivScalar: {run: unary}, graph.OpRDivScalar: {run: unary},
+	graph.OpPowScalar: {run: unary}, graph.OpMaximumScalar: {run: unary},
+
+	graph.OpAdd: {run: binary}, graph.OpSub: {run: binary}, graph.OpMul: {run: binary},
+	graph.OpDiv: {run: binary}, graph.OpPow: {run: binary}, graph.OpMaximum: {run: binary},
+
+	graph.OpDropout: {run: func(nd *graph.Node, in []*buf, out *buf, chunkStart int) error {
+		return dropoutKernel(&nd.Attrs, nd.Type, chunkStart, in[0], out)
+	}},
+	graph.OpCausalMask: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return causalMaskKernel(nd.Attrs.Scalar, in[0], out)
+	}},
+	graph.OpFill: {run: func(nd *graph.Node, _ []*buf, out *buf, _ int) error {
+		for i := range out.f {
+			out.f[i] = float32(nd.Attrs.Scalar)
+		}
+		return nil
+	}},
+
+	graph.OpReluGrad: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
+		g := in[0]
+		for i, y := range in[1].f {
+			out.f[i] = 0
+			if y > 0 {
+				out.f[i] = g.f[i]
+			}
+		}
+		return nil
+	}},
+	graph.OpGeluGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		g := in[0]
+		for i, x := range in[1].f {
+			out.f[i] = g.f[i] * float32(geluDeriv(float64(x), nd.Attrs.Approx))
+		}
+		return nil
+	}},
+	graph.OpMaximumScalarGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		g, s := in[0], float32(nd.Attrs.Scalar)
+		for i, x := range in[1].f {
+			out.f[i] = maximumShare(x, s) * g.f[i]
+		}
+		return nil
+	}},
+	graph.OpMaximumGrad: {run: maximumGrad},
+}
+
+func unary(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	return unaryKernel(nd.Op, &nd.Attrs, in[0], out)
+}
+
+func binary(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	return binaryKernel(nd.Op, in[0], in[1], out)
+}
+
+// maximumGrad is maximum's gradient for operand Attrs.Axis (0 or 1) at the
+// broadcast shape.
+func maximumGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	g := in[0]
+	x0, err := broadcastIndex(in[1].shape, out.shape)
+	if err != nil {
+		return err
+	}
+	x1, err := broadcastIndex(in[2].shape, out.shape)
+	if err != nil {
+		return err
+	}
+	for i := range out.f {
+		p, q := in[1].f[x0[i]], in[2].f[x1[i]]
+		if nd.Attrs.Axis == 1 {
+			p, q = q, p
+		}
+		out.f[i] = maximumShare(p, q) * g.f[i]
+	}
+	return nil
+}
+
 // unaryKernel applies a one-input elementwise op (CatUnary) or an op with a
 // scalar operand (CatScalar, a.Scalar). Values are computed in float64 and
 // rounded once to float32.
@@ -308,4 +393,53 @@ func dropoutKernel(a *graph.Attrs, t graph.Type, chunkStart int, x, out *buf) er
 		}
 	}
 	return nil
+}
+
+// maximumShare is ∂max(p, q)/∂p: 1 where p wins, ½ on ties (as PyTorch).
+func maximumShare(p, q float32) float32 {
+	switch {
+	case p > q:
+		return 1
+	case p == q:
+		return 0.5
+	}
+	return 0
+}
+
+// geluDeriv is d/dx of gelu(x), exact (erf) or tanh-approximated.
+func geluDeriv(x float64, approx bool) float64 {
+	if approx {
+		const k, c = 0.7978845608028654, 0.044715 // √(2/π)
+		t := math.Tanh(k * (x + c*x*x*x))
+		return 0.5*(1+t) + 0.5*x*(1-t*t)*k*(1+3*c*x*x)
+	}
+	cdf := 0.5 * (1 + math.Erf(x/math.Sqrt2))
+	pdf := math.Exp(-0.5*x*x) / math.Sqrt(2*math.Pi)
+	return cdf + x*pdf
+}
+
+// broadcastIndex maps each flat index of outShape to the flat index of an
+// operand of shape s broadcast to it (NumPy rules, s no longer than outShape).
+func broadcastIndex(s, outShape []int) ([]int, error) {
+	strides, err := graph.BroadcastStrides(s, outShape)
+	if err != nil {
+		return nil, err
+	}
+	r := len(outShape)
+	idx := make([]int, graph.Numel(outShape))
+	pos := make([]int, r)
+	off := 0
+	for i := range idx {
+		idx[i] = off
+		for d := r - 1; d >= 0; d-- { // odometer increment
+			pos[d]++
+			off += strides[d]
+			if pos[d] < outShape[d] {
+				break
+			}
+			off -= strides[d] * pos[d]
+			pos[d] = 0
+		}
+	}
+	return idx, nil
 }

@@ -2,6 +2,12 @@ package cpu
 
 import "github.com/batchfit/batchfit/graph"
 
+// Index family: the embedding lookup and its gradient.
+var indexKernels = family{
+	graph.OpEmbedding:     {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return embeddingKernel(in[0], in[1], out) }},
+	graph.OpEmbeddingGrad: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return embeddingGrad(in[0], in[1], out) }},
+}
+
 // embeddingKernel copies row idx[k] of w [V, D] to output row k. The indices
 // are data, not shapes, so only this kernel can reject one out of range.
 func embeddingKernel(idx, w, out *buf) error {
@@ -17,6 +23,22 @@ func embeddingKernel(idx, w, out *buf) error {
 			return graph.Errorf(graph.ErrAttr, "embedding index %d (position %d) out of range for %d rows", ix, k, v)
 		}
 		copy(out.f[k*d:(k+1)*d], w.f[int(ix)*d:int(ix+1)*d])
+	}
+	return nil
+}
+
+// embeddingGrad scatter-adds rows of g into the weight's gradient.
+func embeddingGrad(g, idx, out *buf) error {
+	v, d := out.shape[0], out.shape[1]
+	clear(out.f)
+	for i, k := range idx.i {
+		if k < 0 || int(k) >= v {
+			return graph.Errorf(graph.ErrAttr, "embedding index %d at position %d outside [0, %d)", k, i, v)
+		}
+		row := out.f[int(k)*d : (int(k)+1)*d]
+		for j := range row {
+			row[j] += g.f[i*d+j]
+		}
 	}
 	return nil
 }

@@ -6,6 +6,28 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Loss family: cross_entropy and mse, and their gradients.
+var lossKernels = family{
+	graph.OpCrossEntropy: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return crossEntropyKernel(&nd.Attrs, in[0], in[1], out)
+	}},
+	graph.OpMSE: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return mseKernel(&nd.Attrs, in[0], in[1], out) }},
+	graph.OpCrossEntropyGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return crossEntropyGrad(&nd.Attrs, in[0], in[1], in[2], out)
+	}},
+	graph.OpMSEGrad: {run: mseGrad},
+}
+
+// mseGrad is g·Scalar·2·(pred − target).
+func mseGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	g := in[0]
+	s := 2 * nd.Attrs.Scalar * float64(g.f[0])
+	for i, p := range in[1].f {
+		out.f[i] = float32(s * float64(p-in[2].f[i]))
+	}
+	return nil
+}
+
 // crossEntropyKernel sums −log_softmax(logits)[n, labels[n]] over the rows
 // and multiplies by a.Scalar: 1/N of the full batch for a mean (fixed when the
 // graph was built, so chunk results add up), 1 for a sum.
@@ -47,5 +69,34 @@ func mseKernel(a *graph.Attrs, pred, target, out *buf) error {
 		total += d * d
 	}
 	out.f[0] = float32(total * a.Scalar)
+	return nil
+}
+
+// crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)).
+func crossEntropyGrad(a *graph.Attrs, g, logits, labels, out *buf) error {
+	n, c := logits.shape[0], logits.shape[1]
+	s := a.Scalar * float64(g.f[0])
+	for r := range n {
+		k := labels.i[r]
+		if k < 0 || int(k) >= c {
+			return graph.Errorf(graph.ErrAttr, "cross_entropy label %d at row %d outside [0, %d)", k, r, c)
+		}
+		row := logits.f[r*c : (r+1)*c]
+		m := math.Inf(-1)
+		for _, v := range row {
+			m = math.Max(m, float64(v))
+		}
+		var z float64
+		for _, v := range row {
+			z += math.Exp(float64(v) - m)
+		}
+		for j, v := range row {
+			p := math.Exp(float64(v)-m) / z
+			if j == int(k) {
+				p--
+			}
+			out.f[r*c+j] = float32(s * p)
+		}
+	}
 	return nil
 }

@@ -9,6 +9,16 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Contraction family: matmul and linear on gonum's BLAS.
+var matmulKernels = family{
+	graph.OpMatMul: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return matmulKernel(nd.Attrs.TransA, nd.Attrs.TransB, in[0], in[1], out)
+	}},
+	graph.OpLinear: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
+		return linearKernel(in[0], in[1], optional(in, 2), out)
+	}},
+}
+
 // gemm computes c = op(a)·op(b) + beta·c for row-major operands, where op(a)
 // is m×k and op(b) is k×n, ld* being the row strides as stored. It handles
 // the empty cases itself because gonum's BLAS panics on them.

@@ -6,6 +6,21 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Movement family: reshape, permute, slice and concat on float32 and int64
+// alike, and slice's gradient.
+var movementKernels = family{
+	graph.OpReshape: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return reshapeKernel(in[0], out) }},
+	graph.OpPermute: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return permuteKernel(nd.Attrs.Perm, in[0], out)
+	}},
+	graph.OpSlice:  {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return sliceKernel(&nd.Attrs, in[0], out) }},
+	graph.OpConcat: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return concatKernel(nd.Attrs.Axis, in, out) }},
+	graph.OpSliceGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		sliceGrad(&nd.Attrs, in[0], out)
+		return nil
+	}},
+}
+
 // Movement kernels work on float and int64 buffers alike; isInt picks which
 // slice they move and checks that input and output agree.
 func isInt(out *buf, in ...*buf) (bool, error) {
@@ -164,5 +179,19 @@ func concatBlocks[T float32 | int64](data [][]T, in []*buf, axis, outer, inner i
 			copy(dst[o*row+off:o*row+off+block], src[o*block:(o+1)*block])
 		}
 		off += block
+	}
+}
+
+// sliceGrad scatters g into zeros at the sliced positions.
+func sliceGrad(a *graph.Attrs, g, out *buf) {
+	clear(out.f)
+	outer, n, inner := axisSplit(out.shape, a.Axis)
+	m := g.shape[a.Axis]
+	for o := range outer {
+		for k := range m {
+			src := (o*m + k) * inner
+			dst := (o*n + a.Start + k*a.Step) * inner
+			copy(out.f[dst:dst+inner], g.f[src:src+inner])
+		}
 	}
 }

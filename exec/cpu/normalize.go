@@ -6,6 +6,41 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Normalisation family: softmax and log_softmax, layer_norm and
+// batch_norm, and their gradients.
+var normKernels = family{
+	graph.OpSoftmax:    {run: softmax},
+	graph.OpLogSoftmax: {run: softmax},
+	graph.OpLayerNorm: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return layerNormKernel(&nd.Attrs, in[0], optional(in, 1), optional(in, 2), out)
+	}},
+	graph.OpBatchNorm: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return batchNormKernel(&nd.Attrs, in, out) }},
+
+	graph.OpSoftmaxGrad:    {run: softmaxGradKernel},
+	graph.OpLogSoftmaxGrad: {run: softmaxGradKernel},
+	graph.OpLayerNormGradX: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		layerNormGradX(&nd.Attrs, in[0], in[1], optional(in, 2), out)
+		return nil
+	}},
+	graph.OpLayerNormGradW: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		layerNormGradW(&nd.Attrs, in[0], in[1], out)
+		return nil
+	}},
+	graph.OpBatchNormGradX: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return batchNormGradX(&nd.Attrs, in[0], in[1], optional(in, 2), out)
+	}},
+	graph.OpBatchNormGradW: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return batchNormGradW(&nd.Attrs, in, out) }},
+}
+
+func softmax(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	return softmaxKernel(nd.Op == graph.OpLogSoftmax, nd.Attrs.Axis, in[0], out)
+}
+
+func softmaxGradKernel(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	softmaxGrad(nd.Op == graph.OpLogSoftmaxGrad, nd.Attrs.Axis, in[0], in[1], out)
+	return nil
+}
+
 // softmaxKernel computes softmax (or log_softmax when log is set) along axis,
 // subtracting each line's max first so exp never overflows.
 func softmaxKernel(log bool, axis int, x, out *buf) error {
@@ -248,6 +283,166 @@ func batchNormKernel(a *graph.Attrs, in []*buf, out *buf) error {
 				dst[j] = float32(float64(v)*scale + shift)
 			}
 		}
+	}
+	return nil
+}
+
+// axisSplit views shape as [outer, n, inner] around axis.
+func axisSplit(shape []int, axis int) (outer, n, inner int) {
+	return graph.Numel(shape[:axis]), shape[axis], graph.Numel(shape[axis+1:])
+}
+
+// softmaxGrad: y·(g − Σ g·y) for softmax; g − exp(y)·Σ g for log_softmax.
+func softmaxGrad(logForm bool, axis int, g, y, out *buf) {
+	outer, n, inner := axisSplit(y.shape, axis)
+	for o := range outer {
+		for in := range inner {
+			base := o*n*inner + in
+			var dot float64
+			for k := range n {
+				i := base + k*inner
+				if logForm {
+					dot += float64(g.f[i])
+				} else {
+					dot += float64(g.f[i]) * float64(y.f[i])
+				}
+			}
+			for k := range n {
+				i := base + k*inner
+				if logForm {
+					out.f[i] = float32(float64(g.f[i]) - math.Exp(float64(y.f[i]))*dot)
+				} else {
+					out.f[i] = float32(float64(y.f[i]) * (float64(g.f[i]) - dot))
+				}
+			}
+		}
+	}
+}
+
+// normRows splits x into rows of the normalised size and returns per-row
+// mean and 1/σ (biased variance, as PyTorch).
+func normRows(a *graph.Attrs, x *buf) (rows, d int, mean, rstd []float64) {
+	d = graph.Numel(x.shape[len(x.shape)-a.NormDims:])
+	if d > 0 {
+		rows = len(x.f) / d
+	}
+	mean, rstd = make([]float64, rows), make([]float64, rows)
+	for r := range rows {
+		row := x.f[r*d : (r+1)*d]
+		var s, ss float64
+		for _, v := range row {
+			s += float64(v)
+		}
+		m := s / float64(d)
+		for _, v := range row {
+			ss += (float64(v) - m) * (float64(v) - m)
+		}
+		mean[r], rstd[r] = m, 1/math.Sqrt(ss/float64(d)+a.Eps)
+	}
+	return rows, d, mean, rstd
+}
+
+// layerNormGradX: with x̂ = (x−μ)·rstd and ĝ = g·w,
+// dx = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)).
+func layerNormGradX(a *graph.Attrs, g, x, w, out *buf) {
+	rows, d, mean, rstd := normRows(a, x)
+	gh := make([]float64, d)
+	for r := range rows {
+		off := r * d
+		var sg, sgx float64
+		for j := range d {
+			gh[j] = float64(g.f[off+j])
+			if w != nil {
+				gh[j] *= float64(w.f[j])
+			}
+			xh := (float64(x.f[off+j]) - mean[r]) * rstd[r]
+			sg += gh[j]
+			sgx += gh[j] * xh
+		}
+		sg /= float64(d)
+		sgx /= float64(d)
+		for j := range d {
+			xh := (float64(x.f[off+j]) - mean[r]) * rstd[r]
+			out.f[off+j] = float32(rstd[r] * (gh[j] - sg - xh*sgx))
+		}
+	}
+}
+
+// layerNormGradW: Σ over rows of g·x̂.
+func layerNormGradW(a *graph.Attrs, g, x, out *buf) {
+	rows, d, mean, rstd := normRows(a, x)
+	acc := make([]float64, d)
+	for r := range rows {
+		off := r * d
+		for j := range d {
+			acc[j] += float64(g.f[off+j]) * (float64(x.f[off+j]) - mean[r]) * rstd[r]
+		}
+	}
+	for j, v := range acc {
+		out.f[j] = float32(v)
+	}
+}
+
+// batchNormGradX is the training-mode gradient of batch_norm's input: with
+// ĝ = g·w, x̂ = (x − mean)·rstd and M values per channel,
+// dx = rstd·(ĝ − Σĝ/M − x̂·Σ(ĝ·x̂)/M).
+func batchNormGradX(a *graph.Attrs, g, x, w, out *buf) error {
+	mean, rstd, err := batchNormStats(a, x, nil, nil)
+	if err != nil {
+		return err
+	}
+	n, c, inner := channelLayout(x)
+	if len(g.f) != len(x.f) || len(out.f) != len(x.f) || w != nil && len(w.f) != c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	m := float64(n * inner)
+	for k := range c {
+		wk := 1.0
+		if w != nil {
+			wk = float64(w.f[k])
+		}
+		var sg, sgx float64
+		for i := range n {
+			off := (i*c + k) * inner
+			for j, v := range x.f[off : off+inner] {
+				gh := float64(g.f[off+j]) * wk
+				sg += gh
+				sgx += gh * (float64(v) - mean[k]) * rstd[k]
+			}
+		}
+		sg /= m
+		sgx /= m
+		for i := range n {
+			off := (i*c + k) * inner
+			for j, v := range x.f[off : off+inner] {
+				xh := (float64(v) - mean[k]) * rstd[k]
+				out.f[off+j] = float32(rstd[k] * (float64(g.f[off+j])*wk - sg - xh*sgx))
+			}
+		}
+	}
+	return nil
+}
+
+// batchNormGradW is Σ g·x̂ per channel, x̂ normalised as the forward op did.
+func batchNormGradW(a *graph.Attrs, in []*buf, out *buf) error {
+	g, x := in[0], in[1]
+	mean, rstd, err := batchNormStats(a, x, optional(in, 2), optional(in, 3))
+	if err != nil {
+		return err
+	}
+	n, c, inner := channelLayout(x)
+	if len(g.f) != len(x.f) || len(out.f) != c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	for k := range c {
+		var s float64
+		for i := range n {
+			off := (i*c + k) * inner
+			for j, v := range x.f[off : off+inner] {
+				s += float64(g.f[off+j]) * (float64(v) - mean[k])
+			}
+		}
+		out.f[k] = float32(s * rstd[k])
 	}
 	return nil
 }

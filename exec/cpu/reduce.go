@@ -6,6 +6,35 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Reduction family: sum, mean and max, max's gradient, and expand (the
+// gradient of sum and mean).
+var reduceKernels = family{
+	graph.OpSum:  {run: reduce},
+	graph.OpMean: {run: reduce},
+	graph.OpMax:  {run: reduce},
+	graph.OpMaxGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return maxGrad(&nd.Attrs, in[0], in[1], in[2], out)
+	}},
+	graph.OpExpand: {run: expand},
+}
+
+func reduce(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	return reduceKernel(nd.Op, &nd.Attrs, in[0], out)
+}
+
+// expand broadcasts g to the output's shape.
+func expand(_ *graph.Node, in []*buf, out *buf, _ int) error {
+	g := in[0]
+	idx, err := broadcastIndex(g.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	for i, j := range idx {
+		out.f[i] = g.f[j]
+	}
+	return nil
+}
+
 // reduceKernel computes sum, mean or max over a.Axes (normalised, sorted,
 // non-negative). It accumulates in float64. Mean is the sum times a.Scalar,
 // the 1/count fixed when the graph was built, so a chunk's mean is its share
@@ -82,6 +111,37 @@ func reduceKernel(op graph.Op, a *graph.Attrs, x, out *buf) error {
 		}
 	default:
 		return graph.Errorf(graph.ErrAttr, "%s is not a reduction", op)
+	}
+	return nil
+}
+
+// keepDimShape is x's shape with the reduced axes set to 1.
+func keepDimShape(x []int, axes []int) []int {
+	s := append([]int(nil), x...)
+	for _, a := range axes {
+		s[a] = 1
+	}
+	return s
+}
+
+// maxGrad shares each reduced gradient evenly among the tied maxima.
+func maxGrad(a *graph.Attrs, g, x, y, out *buf) error {
+	// y's flat order is the keepdim order whether or not dims were kept.
+	idx, err := broadcastIndex(keepDimShape(x.shape, a.Axes), x.shape)
+	if err != nil {
+		return err
+	}
+	count := make([]float32, len(y.f))
+	for i, j := range idx {
+		if x.f[i] == y.f[j] {
+			count[j]++
+		}
+	}
+	for i, j := range idx {
+		out.f[i] = 0
+		if x.f[i] == y.f[j] {
+			out.f[i] = g.f[j] / count[j]
+		}
 	}
 	return nil
 }

@@ -28,6 +28,21 @@
 // called there, runs its function at once, so the allocator's backend,
 // copies and launches need no hop each.
 //
+// Kernels are organised by family, mirroring kernels/*.cu: launch.go holds
+// the launch context (kctx: device, kernels, cuBLAS, the node, its chunk
+// and workspace, and nothing else of the executor) with the launch
+// primitives; elementwise.go, matmul.go, reduce.go, norm.go, movement.go,
+// conv.go and loss.go each hold their ops' entries of the kernel table
+// (table.go), their launches and their workspace rules; optimizer.go holds
+// the SGD and Adam launches.
+// The host side reaches the kernels through runner.eval, one table lookup
+// per node; Workspace is derived from the same table. A test ranges over
+// every op and fails when one has no kernel.
+//
+// The op codes the kernels switch on are declared once, in package
+// internal/opcode; go generate writes them into kernels/opcodes.cuh
+// (internal/gen), and a test fails when that file drifts from the table.
+//
 // C status codes become typed errors: *CUDAError (CUresult), *NVRTCError
 // and *CUBLASError carry the function, the code and its name. An
 // out-of-memory CUresult also matches alloc.ErrDeviceOOM, which is what lets

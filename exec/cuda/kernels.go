@@ -3,27 +3,31 @@
 // preconditions.
 package cuda
 
+//go:generate go run ./internal/gen
+
 import (
 	"embed"
 	"io/fs"
 	"path"
+	"regexp"
 	"strings"
 )
 
-// Sources holds the kernel files (kernels/*.cu) and the header they share
-// (kernels/common.cuh).
+// Sources holds the kernel files (kernels/*.cu) and the headers they share
+// (kernels/common.cuh, and kernels/opcodes.cuh, which go generate writes
+// from package internal/opcode).
 //
 //go:embed kernels/*.cu kernels/*.cuh
 var Sources embed.FS
 
-// commonInclude is the line by which a kernel file includes the shared
-// header.
-const commonInclude = `#include "common.cuh"`
+// localInclude matches a line that includes a header of kernels/.
+var localInclude = regexp.MustCompile(`^\s*#include "([a-z0-9_]+\.cuh)"\s*$`)
 
 // Source returns kernels/<name> (for example "reduce.cu") ready for NVRTC,
-// which compiles without an include path: the line #include "common.cuh" is
-// replaced by the header's text. An unknown name gives an error wrapping
-// fs.ErrNotExist.
+// which compiles without an include path: each line #include "x.cuh" is
+// replaced by kernels/x.cuh's text, itself expanded the same way (the
+// headers' guards make a repeated one harmless). An unknown name gives an
+// error wrapping fs.ErrNotExist.
 func Source(name string) (string, error) {
 	src, err := fs.ReadFile(Sources, path.Join("kernels", name))
 	if err != nil {
@@ -31,15 +35,15 @@ func Source(name string) (string, error) {
 	}
 	lines := strings.SplitAfter(string(src), "\n")
 	for i, l := range lines {
-		if strings.TrimSpace(l) != commonInclude {
+		m := localInclude.FindStringSubmatch(l)
+		if m == nil {
 			continue
 		}
-		hdr, err := fs.ReadFile(Sources, "kernels/common.cuh")
+		hdr, err := Source(m[1])
 		if err != nil {
 			return "", err
 		}
-		lines[i] = string(hdr)
-		break
+		lines[i] = hdr
 	}
 	return strings.Join(lines, ""), nil
 }

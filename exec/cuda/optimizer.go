@@ -61,17 +61,9 @@ func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 		if err := opt.Step(nil); err != nil { // checks the hyperparameters, counts the step
 			return err
 		}
-		nesterov := int64(0)
-		if opt.Nesterov {
-			nesterov = 1
-		}
+		k := r.kernels()
 		for _, t := range ps {
-			var buf alloc.Ptr
-			if slots == 1 {
-				buf = t.state[0]
-			}
-			if err := r.flat(kSGD, t.n, t.param, t.grad, buf, t.n, opt.LR, opt.Momentum, opt.Dampening,
-				opt.WeightDecay, nesterov, boolInt(first)); err != nil {
+			if err := k.sgd(opt, t, first); err != nil {
 				return err
 			}
 		}
@@ -96,9 +88,9 @@ func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 		}
 		tt := float64(steps + 1)
 		c1, c2 := 1-math.Pow(opt.Beta1, tt), 1-math.Pow(opt.Beta2, tt) // as optim.Adam.Step
+		k := r.kernels()
 		for _, t := range ps {
-			if err := r.flat(kAdam, t.n, t.param, t.grad, t.state[0], t.state[1], t.n, opt.LR, opt.Beta1, opt.Beta2,
-				opt.Eps, opt.WeightDecay, c1, c2, boolInt(opt.Decoupled)); err != nil {
+			if err := k.adam(opt, t, c1, c2); err != nil {
 				return err
 			}
 		}
@@ -107,11 +99,22 @@ func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 	return graph.Errorf(graph.ErrAttr, "cuda: no device kernels for optimizer %T", r.o.Optimizer)
 }
 
-func boolInt(b bool) int64 {
-	if b {
-		return 1
+// sgd launches sgd_f32 on one parameter; the momentum buffer is its state
+// slot when it has one. first marks the optimizer's first step.
+func (k *kctx) sgd(opt *optim.SGD, t trained, first bool) error {
+	var buf alloc.Ptr
+	if len(t.state) == 1 {
+		buf = t.state[0]
 	}
-	return 0
+	return k.flat(kSGD, t.n, t.param, t.grad, buf, t.n, opt.LR, opt.Momentum, opt.Dampening,
+		opt.WeightDecay, boolInt(opt.Nesterov), boolInt(first))
+}
+
+// adam launches adam_f32 on one parameter with its two moments; c1 and c2
+// are the step's bias corrections.
+func (k *kctx) adam(opt *optim.Adam, t trained, c1, c2 float64) error {
+	return k.flat(kAdam, t.n, t.param, t.grad, t.state[0], t.state[1], t.n, opt.LR, opt.Beta1, opt.Beta2,
+		opt.Eps, opt.WeightDecay, c1, c2, boolInt(opt.Decoupled))
 }
 
 // trained is one parameter's update: its block, gradient and state slots.

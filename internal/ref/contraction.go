@@ -2,6 +2,18 @@ package ref
 
 import "github.com/batchfit/batchfit/graph"
 
+// Contraction family: matmul and linear.
+var contractionKernels = family{
+	graph.OpMatMul: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		matmul(out, in[0], in[1], a.TransA, a.TransB)
+		return nil
+	},
+	graph.OpLinear: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		linear(out, in)
+		return nil
+	},
+}
+
 // matmul computes out[..., i, j] = Σ_p A[..., i, p]·B[..., p, j] where A is
 // a or, with transA, a with its last two axes swapped (B likewise); the
 // leading axes broadcast.

@@ -6,6 +6,38 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Convolution family: conv2d, max and average pooling, and their gradients.
+var convKernels = family{
+	graph.OpConv2d: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		conv2d(out, in, a)
+		return nil
+	},
+	graph.OpMaxPool2d: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		maxPool(out, in[0], a)
+		return nil
+	},
+	graph.OpAvgPool2d: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		avgPool(out, in[0], a)
+		return nil
+	},
+	graph.OpConv2dGradInput: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		conv2dGradInput(out, in[0], in[1], a)
+		return nil
+	},
+	graph.OpConv2dGradWeight: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		conv2dGradWeight(out, in[0], in[1], a)
+		return nil
+	},
+	graph.OpMaxPool2dGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		maxPoolGrad(out, in[0], in[1], a)
+		return nil
+	},
+	graph.OpAvgPool2dGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		avgPoolGrad(out, in[0], a)
+		return nil
+	},
+}
+
 // convTaps calls f(xi, wi, oi) for every product x[xi]·w[wi] that conv2d
 // adds into out[oi]: x [N,C,H,W], w [O,C/G,KH,KW], out [N,O,HO,WO], output
 // channel o reading input channels of group o/(O/G); taps that land in the

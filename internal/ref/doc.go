@@ -12,6 +12,12 @@
 //   - Bad input (missing data, an index out of range, a malformed node) is a
 //     *graph.OpError wrapping one of graph's sentinel errors, never a panic.
 //
+// Every op has one kernel in a table indexed by op (kernels.go), its entry
+// in the file of its family (elementwise.go, contraction.go, reduce.go,
+// norm.go with batchnorm.go, movement.go, index.go, conv.go, loss.go); a
+// test fails when an op has none. The table is laid out by internal/optable,
+// as the executors' are; that helper holds no op semantics.
+//
 // Semantics follow PyTorch: exact GELU uses erf; layer_norm uses the biased
 // variance; avg_pool2d divides by kh·kw, padding included; max_pool2d's
 // padding never wins and its gradient goes to the first maximum of each

@@ -6,6 +6,109 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Elementwise family: unary, scalar and binary ops, their gradients,
+// dropout, causal_mask and fill.
+var elementwiseKernels = family{
+	graph.OpNeg: unaryOp, graph.OpExp: unaryOp, graph.OpLog: unaryOp, graph.OpSqrt: unaryOp,
+	graph.OpAbs: unaryOp, graph.OpTanh: unaryOp, graph.OpSigmoid: unaryOp, graph.OpRelu: unaryOp,
+	graph.OpGelu: unaryOp, graph.OpSign: unaryOp,
+
+	graph.OpAddScalar: scalarOp, graph.OpSubScalar: scalarOp, graph.OpRSubScalar: scalarOp,
+	graph.OpMulScalar: scalarOp, graph.OpDivScalar: scalarOp, graph.OpRDivScalar: scalarOp,
+	graph.OpPowScalar: scalarOp, graph.OpMaximumScalar: scalarOp,
+
+	graph.OpAdd: binaryOpKernel, graph.OpSub: binaryOpKernel, graph.OpMul: binaryOpKernel,
+	graph.OpDiv: binaryOpKernel, graph.OpPow: binaryOpKernel, graph.OpMaximum: binaryOpKernel,
+
+	graph.OpDropout:    dropout,
+	graph.OpCausalMask: causalMask,
+	graph.OpFill: func(_ *graph.Node, a *graph.Attrs, _ []Value, out Value) error {
+		for i := range out.Data {
+			out.Data[i] = a.Scalar
+		}
+		return nil
+	},
+
+	graph.OpReluGrad: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		for i, y := range in[1].Data {
+			if y > 0 {
+				out.Data[i] = in[0].Data[i]
+			}
+		}
+		return nil
+	},
+	graph.OpGeluGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		for i, x := range in[1].Data {
+			out.Data[i] = in[0].Data[i] * geluDeriv(x, a.Approx)
+		}
+		return nil
+	},
+	graph.OpMaximumGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		maximumGrad(out, in[0], in[1], in[2], a.Axis)
+		return nil
+	},
+	graph.OpMaximumScalarGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		for i, x := range in[1].Data {
+			out.Data[i] = in[0].Data[i] * tieShare(x, a.Scalar)
+		}
+		return nil
+	},
+}
+
+func unaryOp(nd *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+	for i, x := range in[0].Data {
+		out.Data[i] = unary(nd.Op, a.Approx, x)
+	}
+	return nil
+}
+
+func scalarOp(nd *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+	for i, x := range in[0].Data {
+		out.Data[i] = withScalar(nd.Op, x, a.Scalar)
+	}
+	return nil
+}
+
+func binaryOpKernel(nd *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+	binary(out, in[0], in[1], func(x, y float64) float64 { return binaryOp(nd.Op, x, y) })
+	return nil
+}
+
+// dropout keeps element k at batch row r = (k/inner) mod rows of outer
+// block o = k/(rows·inner), keyed within the row by o·inner + k mod inner.
+func dropout(nd *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+	sh, ax := in[0].Shape, nd.Type.BatchAxis
+	rows, inner := 1, len(in[0].Data)
+	if ax >= 0 {
+		rows, inner = sh[ax], 1
+		for _, d := range sh[ax+1:] {
+			inner *= d
+		}
+	}
+	for k, x := range in[0].Data {
+		o, r := k/(rows*inner), (k/inner)%rows
+		if graph.DropoutKeep(a.Seed, a.Counter, int64(r), int64(o*inner+k%inner), a.Scalar) {
+			out.Data[k] = x / (1 - a.Scalar)
+		}
+	}
+	return nil
+}
+
+// causalMask: element k of x [..., T, S] sits at row i = (k/S) mod T,
+// column j = k mod S.
+func causalMask(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+	sh := in[0].Shape
+	t, s := sh[len(sh)-2], sh[len(sh)-1]
+	for k, x := range in[0].Data {
+		i, j := (k/s)%t, k%s
+		out.Data[k] = x
+		if j > i+s-t {
+			out.Data[k] = a.Scalar
+		}
+	}
+	return nil
+}
+
 func unary(op graph.Op, approx bool, x float64) float64 {
 	switch op {
 	case graph.OpNeg:

@@ -146,138 +146,15 @@ func opError(nd *graph.Node, shapes [][]int, err error) error {
 	return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: err}
 }
 
-// apply dispatches one non-source node. Every op of the table has a case.
+// apply runs one non-source node's kernel from the table.
 func apply(nd *graph.Node, a *graph.Attrs, in []Value) (Value, error) {
-	out := Zeros(nd.Type.Shape...)
-	switch op := nd.Op; op {
-	case graph.OpNeg, graph.OpExp, graph.OpLog, graph.OpSqrt, graph.OpAbs, graph.OpTanh,
-		graph.OpSigmoid, graph.OpRelu, graph.OpGelu, graph.OpSign:
-		for i, x := range in[0].Data {
-			out.Data[i] = unary(op, a.Approx, x)
-		}
-	case graph.OpDropout:
-		// Element k sits at batch row r = (k/inner) mod rows of outer block
-		// o = k/(rows·inner); its key within the row is o·inner + k mod inner.
-		sh, ax := in[0].Shape, nd.Type.BatchAxis
-		rows, inner := 1, len(in[0].Data)
-		if ax >= 0 {
-			rows, inner = sh[ax], 1
-			for _, d := range sh[ax+1:] {
-				inner *= d
-			}
-		}
-		for k, x := range in[0].Data {
-			o, r := k/(rows*inner), (k/inner)%rows
-			if graph.DropoutKeep(a.Seed, a.Counter, int64(r), int64(o*inner+k%inner), a.Scalar) {
-				out.Data[k] = x / (1 - a.Scalar)
-			}
-		}
-	case graph.OpCausalMask:
-		// Element k of x [..., T, S] sits at row i = (k/S) mod T, column j = k mod S.
-		sh := in[0].Shape
-		t, s := sh[len(sh)-2], sh[len(sh)-1]
-		for k, x := range in[0].Data {
-			i, j := (k/s)%t, k%s
-			out.Data[k] = x
-			if j > i+s-t {
-				out.Data[k] = a.Scalar
-			}
-		}
-	case graph.OpAddScalar, graph.OpSubScalar, graph.OpRSubScalar, graph.OpMulScalar,
-		graph.OpDivScalar, graph.OpRDivScalar, graph.OpPowScalar, graph.OpMaximumScalar:
-		for i, x := range in[0].Data {
-			out.Data[i] = withScalar(op, x, a.Scalar)
-		}
-	case graph.OpAdd, graph.OpSub, graph.OpMul, graph.OpDiv, graph.OpPow, graph.OpMaximum:
-		binary(out, in[0], in[1], func(x, y float64) float64 { return binaryOp(op, x, y) })
-	case graph.OpMatMul:
-		matmul(out, in[0], in[1], a.TransA, a.TransB)
-	case graph.OpLinear:
-		linear(out, in)
-	case graph.OpSum, graph.OpMean, graph.OpMax:
-		reduce(out, in[0], op, a)
-	case graph.OpSoftmax:
-		softmax(out, in[0], a.Axis, false)
-	case graph.OpLogSoftmax:
-		softmax(out, in[0], a.Axis, true)
-	case graph.OpLayerNorm:
-		layerNorm(out, in, a)
-	case graph.OpBatchNorm:
-		batchNorm(out, in, a)
-	case graph.OpReshape:
-		copy(out.Data, in[0].Data)
-	case graph.OpPermute:
-		permute(out, in[0], a.Perm)
-	case graph.OpSlice:
-		slice(out, in[0], a)
-	case graph.OpConcat:
-		concat(out, in, a.Axis)
-	case graph.OpEmbedding:
-		return out, embedding(out, in[0], in[1])
-	case graph.OpConv2d:
-		conv2d(out, in, a)
-	case graph.OpMaxPool2d:
-		maxPool(out, in[0], a)
-	case graph.OpAvgPool2d:
-		avgPool(out, in[0], a)
-	case graph.OpCrossEntropy:
-		return out, crossEntropy(out, in[0], in[1], a.Scalar)
-	case graph.OpMSE:
-		mse(out, in[0], in[1], a.Scalar)
-	case graph.OpFill:
-		for i := range out.Data {
-			out.Data[i] = a.Scalar
-		}
-	case graph.OpReluGrad:
-		for i, y := range in[1].Data {
-			if y > 0 {
-				out.Data[i] = in[0].Data[i]
-			}
-		}
-	case graph.OpGeluGrad:
-		for i, x := range in[1].Data {
-			out.Data[i] = in[0].Data[i] * geluDeriv(x, a.Approx)
-		}
-	case graph.OpMaximumGrad:
-		maximumGrad(out, in[0], in[1], in[2], a.Axis)
-	case graph.OpMaximumScalarGrad:
-		for i, x := range in[1].Data {
-			out.Data[i] = in[0].Data[i] * tieShare(x, a.Scalar)
-		}
-	case graph.OpExpand:
-		expand(out, in[0])
-	case graph.OpMaxGrad:
-		maxGrad(out, in[0], in[1], in[2], a)
-	case graph.OpSoftmaxGrad:
-		softmaxGrad(out, in[0], in[1], a.Axis, false)
-	case graph.OpLogSoftmaxGrad:
-		softmaxGrad(out, in[0], in[1], a.Axis, true)
-	case graph.OpLayerNormGradX:
-		layerNormGradX(out, in, a)
-	case graph.OpLayerNormGradW:
-		layerNormGradW(out, in[0], in[1], a)
-	case graph.OpBatchNormGradX:
-		batchNormGradX(out, in, a)
-	case graph.OpBatchNormGradW:
-		batchNormGradW(out, in, a)
-	case graph.OpSliceGrad:
-		sliceGrad(out, in[0], a)
-	case graph.OpEmbeddingGrad:
-		return out, embeddingGrad(out, in[0], in[1])
-	case graph.OpConv2dGradInput:
-		conv2dGradInput(out, in[0], in[1], a)
-	case graph.OpConv2dGradWeight:
-		conv2dGradWeight(out, in[0], in[1], a)
-	case graph.OpMaxPool2dGrad:
-		maxPoolGrad(out, in[0], in[1], a)
-	case graph.OpAvgPool2dGrad:
-		avgPoolGrad(out, in[0], a)
-	case graph.OpCrossEntropyGrad:
-		return out, crossEntropyGrad(out, in[0], in[1], in[2], a.Scalar)
-	case graph.OpMSEGrad:
-		mseGrad(out, in[0], in[1], in[2], a.Scalar)
-	default:
-		return Value{}, graph.Errorf(graph.ErrAttr, "ref: no implementation of op %s", op)
+	var run kernel
+	if int(nd.Op) < graph.NumOps {
+		run = kernelTable[nd.Op]
 	}
-	return out, nil
+	if run == nil {
+		return Value{}, graph.Errorf(graph.ErrAttr, "ref: no implementation of op %s", nd.Op)
+	}
+	out := Zeros(nd.Type.Shape...)
+	return out, run(nd, a, in, out)
 }

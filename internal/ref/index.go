@@ -6,6 +6,16 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Index family: the embedding lookup and its gradient.
+var indexKernels = family{
+	graph.OpEmbedding: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		return embedding(out, in[0], in[1])
+	},
+	graph.OpEmbeddingGrad: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		return embeddingGrad(out, in[0], in[1])
+	},
+}
+
 // index converts an integral float64 to an index below size.
 func index(v float64, size int, what string) (int, error) {
 	if v != math.Trunc(v) || v < 0 || v >= float64(size) {

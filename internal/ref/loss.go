@@ -1,6 +1,28 @@
 package ref
 
-import "math"
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Loss family: cross_entropy and mse, and their gradients.
+var lossKernels = family{
+	graph.OpCrossEntropy: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		return crossEntropy(out, in[0], in[1], a.Scalar)
+	},
+	graph.OpMSE: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		mse(out, in[0], in[1], a.Scalar)
+		return nil
+	},
+	graph.OpCrossEntropyGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		return crossEntropyGrad(out, in[0], in[1], in[2], a.Scalar)
+	},
+	graph.OpMSEGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		mseGrad(out, in[0], in[1], in[2], a.Scalar)
+		return nil
+	},
+}
 
 // crossEntropy is Scalar·Σ_rows −log_softmax(logits)[row, label].
 func crossEntropy(out, logits, labels Value, scale float64) error {

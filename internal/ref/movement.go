@@ -2,6 +2,30 @@ package ref
 
 import "github.com/batchfit/batchfit/graph"
 
+// Movement family: reshape, permute, slice, concat and slice's gradient.
+var movementKernels = family{
+	graph.OpReshape: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		copy(out.Data, in[0].Data)
+		return nil
+	},
+	graph.OpPermute: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		permute(out, in[0], a.Perm)
+		return nil
+	},
+	graph.OpSlice: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		slice(out, in[0], a)
+		return nil
+	},
+	graph.OpConcat: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		concat(out, in, a.Axis)
+		return nil
+	},
+	graph.OpSliceGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		sliceGrad(out, in[0], a)
+		return nil
+	},
+}
+
 // permute: output axis i is input axis perm[i].
 func permute(out, x Value, perm []int) {
 	idx := make([]int, len(out.Shape))

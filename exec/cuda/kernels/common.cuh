@@ -1,11 +1,15 @@
 // common.cuh: types and helpers shared by every kernel file.
 //
 // NVRTC compiles the .cu files with no include path: kernels.go's Source
-// replaces the line #include "common.cuh" with this text. The guard keeps
+// replaces the line #include "common.cuh" with this text, and this file's
+// #include "opcodes.cuh" (the op codes, written by go generate from
+// exec/cuda/internal/opcode) with that header's text. The guards keep
 // sources valid when several are concatenated into one module. Only device
 // builtins are used, so NVRTC needs no CUDA header either.
 #ifndef BATCHFIT_COMMON_CUH
 #define BATCHFIT_COMMON_CUH
+
+#include "opcodes.cuh"
 
 typedef long long i64;
 typedef unsigned long long u64;

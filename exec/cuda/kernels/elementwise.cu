@@ -10,35 +10,7 @@
 // CPU's double evaluation to a few ulp.
 #include "common.cuh"
 
-// Unary op codes (unary_f32's op).
-enum {
-  U_NEG = 0,
-  U_EXP = 1,
-  U_LOG = 2,
-  U_SQRT = 3,
-  U_ABS = 4,
-  U_TANH = 5,
-  U_SIGMOID = 6,
-  U_RELU = 7,
-  U_GELU = 8,       // exact, with erf
-  U_GELU_TANH = 9,  // tanh approximation (Attrs.Approx)
-  U_SIGN = 10
-};
-
-// Scalar op codes (scalar_f32's op): x ∘ s.
-enum {
-  S_ADD = 0,      // x + s
-  S_SUB = 1,      // x − s
-  S_RSUB = 2,     // s − x
-  S_MUL = 3,      // x · s
-  S_DIV = 4,      // x / s
-  S_RDIV = 5,     // s / x
-  S_POW = 6,      // x ^ s
-  S_MAXIMUM = 7   // max(x, s)
-};
-
-// Binary op codes (binary_f32's and binary_bcast_f32's op).
-enum { B_ADD = 0, B_SUB = 1, B_MUL = 2, B_DIV = 3, B_POW = 4, B_MAXIMUM = 5 };
+// The op codes U_*, S_* and B_* come from opcodes.cuh (generated).
 
 #define SQRT1_2_F 0.70710678118654752f
 #define SQRT_2_OVER_PI_F 0.79788456080286536f

@@ -17,7 +17,7 @@
 // scale = 1 to the first pass of a mean and the real scale to the second.
 #include "common.cuh"
 
-enum { R_SUM = 0, R_MAX = 1 };
+// R_SUM and R_MAX come from opcodes.cuh (generated).
 
 // split_range gives the part [lo, hi) of [0, n) that split s of `splits`
 // covers.

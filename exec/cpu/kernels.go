@@ -1,0 +1,60 @@
+package cpu
+
+import (
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/optable"
+)
+
+// opKernel is one op's entry in the kernel table: run computes the node's
+// output from its inputs (chunkStart is the chunk's first global sample,
+// for dropout's keys); ws, when set, declares the scratch memory the kernel
+// takes (see Workspace).
+type opKernel struct {
+	run func(nd *graph.Node, in []*buf, out *buf, chunkStart int) error
+	ws  func(g *graph.Graph, nd *graph.Node, b int) int64
+}
+
+// family is one file's table entries (elementwise.go, reduce.go, …).
+type family map[graph.Op]opKernel
+
+// kernelTable is every op's kernel, indexed by op; source ops have none
+// (the host side fills their buffers). TestKernelTableComplete fails when
+// an op has no entry or sits in two families.
+var kernelTable = optable.Build(families...)
+
+// families is every family of the table.
+var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,
+	movementKernels, indexKernels, convKernels, poolKernels, lossKernels}
+
+// eval runs one node's kernel: the entry point of the host side
+// (runner.Run).
+func eval(nd *graph.Node, in []*buf, out *buf, chunkStart int) error {
+	if int(nd.Op) < graph.NumOps {
+		if run := kernelTable[nd.Op].run; run != nil {
+			return run(nd, in, out, chunkStart)
+		}
+	}
+	return graph.Errorf(graph.ErrAttr, "cpu executor has no kernel for op %s", nd.Op)
+}
+
+// Workspace declares the scratch memory of the CPU kernels when b samples
+// run at once, so the planner allocates it like any buffer: the unfolded
+// patches of a convolution or of its gradients (conv.go), [C/groups·kh·kw,
+// Ho·Wo] elements, made once per call and reused across samples and groups
+// (a 1×1 convolution with unit stride and no padding reads its input
+// directly). Elements take the node's dtype size, so shape-only
+// half-precision graphs plan with the same declaration; the kernels
+// themselves run float32.
+func Workspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	if int(nd.Op) >= graph.NumOps || kernelTable[nd.Op].ws == nil {
+		return 0
+	}
+	return kernelTable[nd.Op].ws(g, nd, b)
+}
+
+func optional(in []*buf, i int) *buf {
+	if i < len(in) {
+		return in[i]
+	}
+	return nil
+}

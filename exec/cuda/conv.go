@@ -1,0 +1,328 @@
+package cuda
+
+import (
+	"slices"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Convolution family (kernels/conv.cu, pool.cu, and cuBLAS for the GEMMs):
+// conv2d as im2col + GEMM, max and average pooling, and their gradients.
+var convKernels = family{
+	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
+		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		return convColBytes(inputAt(g, nd, 1, b), nd.Type.AtBatch(b), &nd.Attrs)
+	}},
+	graph.OpMaxPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.maxPool2d(k.attrs(), in[0], out) }},
+	graph.OpAvgPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.avgPool2d(k.attrs(), in[0], out) }},
+
+	graph.OpConv2dGradInput: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.conv2dGradInput(k.attrs(), g, in[1], out)
+	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		return convColBytes(inputAt(g, nd, 1, b), inputAt(g, nd, 0, b), &nd.Attrs)
+	}},
+	graph.OpConv2dGradWeight: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.conv2dGradWeight(k.attrs(), g, in[1], out)
+	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		return convColBytes(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), &nd.Attrs)
+	}},
+	graph.OpMaxPool2dGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.maxPool2dGrad(k.attrs(), g, in[1], out)
+	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		return argmaxBytes(int64(graph.Numel(inputAt(g, nd, 0, b))))
+	}},
+	graph.OpAvgPool2dGrad: {run: gradOf(func(k *kctx, g operand, _ []operand, out operand) error {
+		return k.avgPool2dGrad(k.attrs(), g, out)
+	})},
+}
+
+// colBytes is the workspace of a patch matrix of kk rows and howo columns:
+// the unfolded patches of one image, reused across images and groups (as
+// exec/cpu's).
+func colBytes(kk, howo int64) int64 { return 4 * kk * howo }
+
+// argmaxBytes is max_pool2d_grad's workspace: the int32 argmax of each of
+// n windows.
+func argmaxBytes(n int64) int64 { return 4 * n }
+
+// convColBytes is the patch matrix of one image for weight w [O, C/g, kh,
+// kw] and forward output y [N, O, Ho, Wo]; 0 when the input is used as it
+// is (a 1×1 kernel with unit stride and no padding).
+func convColBytes(w, y []int, a *graph.Attrs) int64 {
+	if len(w) != 4 || len(y) != 4 {
+		return 0
+	}
+	if w[2] == 1 && w[3] == 1 && a.Stride == [2]int{1, 1} && a.Padding == [2]int{} {
+		return 0
+	}
+	return colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]))
+}
+
+// convGroups checks the weight [O, C/g, kh, kw] against the input's C
+// channels in a.Groups groups.
+func convGroups(op string, a *graph.Attrs, w []int, c int64) error {
+	g := a.Groups
+	if len(w) != 4 || g < 1 || c%int64(g) != 0 || w[0]%g != 0 || c/int64(g) != int64(w[1]) {
+		return graph.Errorf(graph.ErrShape, "%s weight %v does not fit %d input channels in %d groups", op, w, c, g)
+	}
+	return nil
+}
+
+// one is the window of one image's group of cg channels, for im2col and
+// col2im.
+func (wd Window) one(cg int64) Window {
+	wd.N, wd.C = 1, cg
+	return wd
+}
+
+// convGeom is a convolution's window with the sizes of its per-group
+// GEMMs: o output channels in groups of og, cg input channels per group,
+// kk = cg·kh·kw rows of the unfolded patches, howo output and hw input
+// positions per plane, chw elements per input image.
+type convGeom struct {
+	Window
+	o, groups, og, cg, kk, howo, hw, chw int64
+}
+
+// newConvGeom checks a convolution's weight w [O, C/groups, kh, kw] against
+// its input x and output y (the same shapes for the gradients) and works
+// out its GEMM sizes.
+func newConvGeom(op string, a *graph.Attrs, x, y, w []int) (convGeom, error) {
+	if len(w) != 4 {
+		return convGeom{}, graph.Errorf(graph.ErrShape, "%s weight must be [out, in/groups, kh, kw], got %v", op, w)
+	}
+	wd, err := newWindow(op, x, y, w[2], w[3], a, w[0])
+	if err != nil {
+		return convGeom{}, err
+	}
+	if err := convGroups(op, a, w, wd.C); err != nil {
+		return convGeom{}, err
+	}
+	c := convGeom{Window: wd, o: int64(w[0]), groups: int64(a.Groups)}
+	c.og, c.cg = c.o/c.groups, wd.C/c.groups
+	c.kk, c.howo, c.hw = c.cg*wd.KH*wd.KW, wd.HO*wd.WO, wd.H*wd.W
+	c.chw = wd.C * c.hw
+	return c, nil
+}
+
+// conv2d: per image and group, the patches are unfolded into the
+// workspace (im2col) and multiplied by the group's weights; with a bias,
+// it is broadcast into out first and the GEMMs add to it (beta = 1), as on
+// the CPU. A 1×1 kernel with unit stride and no padding multiplies the
+// input itself, all images in one strided-batched GEMM per group.
+func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) error {
+	if err := floats(x, w, out); err != nil {
+		return err
+	}
+	geo, err := newConvGeom("conv2d", a, x.shape, out.shape, w.shape)
+	if err != nil {
+		return err
+	}
+	wd := geo.Window
+	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
+	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
+	var beta float32
+	if b != nil {
+		if err := floats(*b); err != nil {
+			return err
+		}
+		if !slices.Equal(b.shape, []int{int(o)}) {
+			return graph.Errorf(graph.ErrShape, "conv2d bias %v, want [%d]", b.shape, o)
+		}
+		if err := k.flat(kBiasFill, out.n(), out.p, b.p, wd.N, o, howo); err != nil {
+			return err
+		}
+		beta = 1
+	}
+	if out.n() == 0 {
+		return nil
+	}
+	if wd.direct() {
+		for gi := range groups {
+			if err := k.blas.GemmStridedBatched(false, false, int(og), int(howo), int(kk), 1,
+				w.at(gi*og*kk), int(kk), 0, x.at(gi*cg*hw), int(howo), chw,
+				beta, out.at(gi*og*howo), int(howo), o*howo, int(wd.N)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	col, err := k.workspace(colBytes(kk, howo))
+	if err != nil {
+		return err
+	}
+	one := wd.one(cg)
+	for ni := range wd.N {
+		for gi := range groups {
+			if err := k.flat(kIm2col, kk*howo, x.at(ni*chw+gi*cg*hw), col, one, chw, kk*howo); err != nil {
+				return err
+			}
+			if err := k.blas.Gemm(false, false, int(og), int(howo), int(kk), 1, w.at(gi*og*kk), int(kk),
+				col, int(howo), beta, out.at((ni*o+gi*og)*howo), int(howo)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// conv2dGradInput: per image and group, dcol = W_gᵀ·g_g in the workspace,
+// folded into the input gradient by col2im (which sets every element).
+func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
+	if err := floats(w); err != nil {
+		return err
+	}
+	geo, err := newConvGeom("conv2d_grad_input", a, out.shape, g.shape, w.shape)
+	if err != nil {
+		return err
+	}
+	wd := geo.Window
+	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
+	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
+	if out.n() == 0 {
+		return nil
+	}
+	if wd.direct() {
+		for gi := range groups {
+			if err := k.blas.GemmStridedBatched(true, false, int(kk), int(howo), int(og), 1,
+				w.at(gi*og*kk), int(kk), 0, g.at(gi*og*howo), int(howo), o*howo,
+				0, out.at(gi*cg*hw), int(hw), chw, int(wd.N)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	col, err := k.workspace(colBytes(kk, howo))
+	if err != nil {
+		return err
+	}
+	one := wd.one(cg)
+	for ni := range wd.N {
+		for gi := range groups {
+			if err := k.blas.Gemm(true, false, int(kk), int(howo), int(og), 1, w.at(gi*og*kk), int(kk),
+				g.at((ni*o+gi*og)*howo), int(howo), 0, col, int(howo)); err != nil {
+				return err
+			}
+			if err := k.flat(kCol2im, cg*hw, col, out.at(ni*chw+gi*cg*hw), one, chw, kk*howo); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// conv2dGradWeight: dW_g = Σ over images of g_g·colᵀ, with col the
+// unfolded patches of the forward input (the input itself for a 1×1
+// kernel with unit stride and no padding), accumulated into the zeroed
+// output.
+func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
+	if err := floats(x); err != nil {
+		return err
+	}
+	geo, err := newConvGeom("conv2d_grad_weight", a, x.shape, g.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	wd := geo.Window
+	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
+	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
+	if err := k.d.Memzero(out.p, 4*out.n()); err != nil || out.n() == 0 {
+		return err
+	}
+	var col alloc.Ptr
+	if !wd.direct() {
+		if col, err = k.workspace(colBytes(kk, howo)); err != nil {
+			return err
+		}
+	}
+	one := wd.one(cg)
+	for ni := range wd.N {
+		for gi := range groups {
+			src := x.at(ni*chw + gi*cg*hw)
+			if !wd.direct() {
+				if err := k.flat(kIm2col, kk*howo, src, col, one, chw, kk*howo); err != nil {
+					return err
+				}
+				src = col
+			}
+			if err := k.blas.Gemm(false, true, int(og), int(kk), int(howo), 1, g.at((ni*o+gi*og)*howo), int(howo),
+				src, int(howo), 1, out.at(gi*og*kk), int(kk)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (k *kctx) maxPool2d(a *graph.Attrs, x, out operand) error {
+	if err := floats(x, out); err != nil {
+		return err
+	}
+	wd, err := newWindow("max_pool2d", x.shape, out.shape, a.Kernel[0], a.Kernel[1], a, -1)
+	if err != nil {
+		return err
+	}
+	return k.flat(kMaxPool, out.n(), x.p, out.p, wd)
+}
+
+// avgAttrs is a with avg_pool2d's dilation, which must be 1.
+func avgAttrs(a *graph.Attrs) (*graph.Attrs, error) {
+	if a.Dilation != [2]int{1, 1} && a.Dilation != [2]int{} {
+		return nil, graph.Errorf(graph.ErrAttr, "avg_pool2d has no dilation, got %v", a.Dilation)
+	}
+	at := *a
+	at.Dilation = [2]int{1, 1}
+	return &at, nil
+}
+
+func (k *kctx) avgPool2d(a *graph.Attrs, x, out operand) error {
+	if err := floats(x, out); err != nil {
+		return err
+	}
+	at, err := avgAttrs(a)
+	if err != nil {
+		return err
+	}
+	wd, err := newWindow("avg_pool2d", x.shape, out.shape, a.Kernel[0], a.Kernel[1], at, -1)
+	if err != nil {
+		return err
+	}
+	return k.flat(kAvgPool, out.n(), x.p, out.p, wd)
+}
+
+// maxPool2dGrad routes each window's gradient to its first maximum: the
+// argmax of every window into the workspace, then a gather per input.
+func (k *kctx) maxPool2dGrad(a *graph.Attrs, g, x, out operand) error {
+	if err := floats(x); err != nil {
+		return err
+	}
+	wd, err := newWindow("max_pool2d_grad", x.shape, g.shape, a.Kernel[0], a.Kernel[1], a, -1)
+	if err != nil {
+		return err
+	}
+	if out.n() != x.n() {
+		return graph.Errorf(graph.ErrShape, "max_pool2d_grad of %v into %v", x.shape, out.shape)
+	}
+	idx, err := k.workspace(argmaxBytes(g.n()))
+	if err != nil {
+		return err
+	}
+	if err := k.flat(kMaxPoolArgmax, g.n(), x.p, idx, wd); err != nil {
+		return err
+	}
+	return k.flat(kMaxPoolGrad, out.n(), g.p, idx, out.p, wd)
+}
+
+func (k *kctx) avgPool2dGrad(a *graph.Attrs, g, out operand) error {
+	at, err := avgAttrs(a)
+	if err != nil {
+		return err
+	}
+	wd, err := newWindow("avg_pool2d_grad", out.shape, g.shape, a.Kernel[0], a.Kernel[1], at, -1)
+	if err != nil {
+		return err
+	}
+	return k.flat(kAvgPoolGrad, out.n(), g.p, out.p, wd)
+}

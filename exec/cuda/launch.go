@@ -1,0 +1,237 @@
+package cuda
+
+import (
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// Launch primitives: the context a kernel runs in, its operands and the
+// launch shapes every family uses (kernels/README.md, "Launch shapes").
+
+// kctx is what a node's kernels need, and no more of the executor: the
+// device, the loaded kernels and cuBLAS, the graph (for the split rules,
+// decided at the full batch) and the node with its chunk and workspace.
+// Launches that belong to no node (accumulate, the optimizers) leave nd nil.
+type kctx struct {
+	d    *Device
+	ks   *kernelSet
+	blas *BLAS
+	g    *graph.Graph
+	nd   *graph.Node
+	c    planner.Chunk
+	ws   *alloc.Block
+}
+
+// attrs is the node's attributes.
+func (k *kctx) attrs() *graph.Attrs { return &k.nd.Attrs }
+
+// kernels is the launch context of the executor's device, for launches of
+// the host side.
+func (r *runner) kernels() *kctx {
+	return &kctx{d: r.e.d, ks: r.e.ks, blas: r.e.blas, g: r.p.Graph}
+}
+
+// flat is kctx.flat for the host side (accumulate, the optimizers).
+func (r *runner) flat(name string, work int64, args ...any) error {
+	return r.kernels().flat(name, work, args...)
+}
+
+// operand is a value on the device: its address, shape (at the chunk's
+// size) and dtype.
+type operand struct {
+	p     alloc.Ptr
+	shape []int
+	dt    graph.DType
+}
+
+func (o operand) n() int64 { return int64(graph.Numel(o.shape)) }
+
+// at is the address of element i.
+func (o operand) at(i int64) alloc.Ptr { return o.p + alloc.Ptr(i*int64(o.dt.Size())) }
+
+func optional(in []operand, i int) *operand {
+	if i < len(in) {
+		return &in[i]
+	}
+	return nil
+}
+
+// ptrOf is an optional operand's address, 0 (a null pointer) when absent.
+func ptrOf(o *operand) alloc.Ptr {
+	if o == nil {
+		return 0
+	}
+	return o.p
+}
+
+// floats fails unless every operand is float32.
+func floats(ops ...operand) error {
+	for _, o := range ops {
+		if o.dt != graph.Float32 {
+			return graph.Errorf(graph.ErrDType, "operand %v is %s, want float32", o.shape, o.dt)
+		}
+	}
+	return nil
+}
+
+// sameN fails unless every operand is float32 with out's element count.
+func sameN(op graph.Op, out operand, ops ...operand) error {
+	for _, o := range ops {
+		if o.n() != out.n() {
+			return graph.Errorf(graph.ErrShape, "%s: operand %v, output %v", op, o.shape, out.shape)
+		}
+	}
+	return floats(ops...)
+}
+
+// sameDType fails unless the inputs have out's dtype.
+func sameDType(out operand, in ...operand) error {
+	for _, x := range in {
+		if x.dt != out.dt {
+			return graph.Errorf(graph.ErrDType, "input %v is %s, output %v is %s", x.shape, x.dt, out.shape, out.dt)
+		}
+	}
+	return nil
+}
+
+// pick picks a kernel by dtype: movement ops work on float32 and int64
+// alike.
+func pick(dt graph.DType, f32, i64 string) string {
+	if dt == graph.Int64 {
+		return i64
+	}
+	return f32
+}
+
+func boolInt(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func (k *kctx) launch(name string, grid, block [3]uint32, args ...any) error {
+	kn, err := k.ks.get(name)
+	if err != nil {
+		return err
+	}
+	return kn.m.Launch(kn.f, grid, block, 0, args...)
+}
+
+// flat launches a kernel of the flat layout over work elements; no work, no
+// launch.
+func (k *kctx) flat(name string, work int64, args ...any) error {
+	if work <= 0 {
+		return nil
+	}
+	return k.launch(name, flatGrid(work), flatBlockDim, args...)
+}
+
+// quads launches a kernel with a four-wide path (kernels/common.cuh
+// QUAD_LOOP: unary, scalar, binary and the elementwise gradients) over n
+// elements with one thread per 4 of them; no work, no launch.
+func (k *kctx) quads(name string, n int64, args ...any) error {
+	if n <= 0 {
+		return nil
+	}
+	return k.launch(name, flatGrid(ceilDiv(n, 4)), flatBlockDim, args...)
+}
+
+// perChannel launches a batchnorm kernel with one block per channel.
+func (k *kctx) perChannel(name string, c int64, args ...any) error {
+	if c <= 0 {
+		return nil
+	}
+	return k.launch(name, [3]uint32{uint32(min(c, maxGridYZ)), 1, 1}, [3]uint32{256, 1, 1}, args...)
+}
+
+// workspace is the first bytes of the node's workspace block.
+func (k *kctx) workspace(bytes int64) (alloc.Ptr, error) {
+	if bytes == 0 {
+		return 0, nil
+	}
+	ws := k.ws
+	if ws == nil || ws.Requested() < bytes {
+		var got int64
+		if ws != nil {
+			got = ws.Requested()
+		}
+		return 0, graph.Errorf(ErrWorkspace, "%d bytes planned, the kernels need %d", got, bytes)
+	}
+	return ws.Ptr(), nil
+}
+
+// flagBytes is the workspace of the bad-index flag: one int64.
+const flagBytes = 8
+
+// Indices and labels are data, so the kernels report the first bad position
+// in a device flag; badFlag arms it at byte off of the workspace.
+func (k *kctx) badFlag(off int64) (alloc.Ptr, error) {
+	w, err := k.workspace(off + flagBytes)
+	if err != nil {
+		return 0, err
+	}
+	bad := w + alloc.Ptr(off)
+	return bad, k.d.memset(bad, 0xFF, flagBytes)
+}
+
+// firstBad reads the flag: the first bad position and its index value, or
+// ok when every index was in range. It waits for the kernels before it.
+func (k *kctx) firstBad(bad alloc.Ptr, idx operand) (pos, val int64, ok bool, err error) {
+	var got [1]int64
+	if err := CopyDtoH(k.d, got[:], bad); err != nil {
+		return 0, 0, false, err
+	}
+	if got[0] == -1 {
+		return 0, 0, true, nil
+	}
+	pos = got[0]
+	err = CopyDtoH(k.d, got[:], idx.at(pos))
+	return pos, got[0], false, err
+}
+
+// Launch shapes (kernels/README.md, "Launch shapes").
+const (
+	flatBlock = 256
+	maxGridX  = 1 << 20
+	maxGridYZ = 65535
+)
+
+func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
+
+// flatGrid is the 1-D grid for work elements with flatBlock threads a block.
+func flatGrid(work int64) [3]uint32 {
+	return [3]uint32{uint32(min(ceilDiv(work, flatBlock), maxGridX)), 1, 1}
+}
+
+var flatBlockDim = [3]uint32{flatBlock, 1, 1}
+
+// rowBlock is the row layout's block for rows of n elements: each
+// threadIdx.y group of bx threads owns a row, and rows of up to 8·bx
+// elements stay in registers.
+func rowBlock(n int64) [3]uint32 {
+	switch {
+	case n <= 256:
+		return [3]uint32{32, 8, 1}
+	case n <= 1024:
+		return [3]uint32{128, 2, 1}
+	case n <= 2048:
+		return [3]uint32{256, 1, 1}
+	case n <= 4096:
+		return [3]uint32{512, 1, 1}
+	}
+	return [3]uint32{1024, 1, 1}
+}
+
+// rowGrid covers rows rows with block's row groups, y = splits.
+func rowGrid(rows int64, block [3]uint32, splits int64) [3]uint32 {
+	return [3]uint32{uint32(min(max(ceilDiv(rows, int64(block[1])), 1), maxGridX)), uint32(splits), 1}
+}
+
+// tileBlock is the tile layout's block: x along a contiguous inner axis,
+// y striding over the reduced axis.
+var tileBlock = [3]uint32{32, 8, 1}
+
+// tileGridX covers inner elements in tiles of 32.
+func tileGridX(inner int64) uint32 { return uint32(min(max(ceilDiv(inner, 32), 1), maxGridX)) }

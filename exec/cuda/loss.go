@@ -1,0 +1,140 @@
+package cuda
+
+import (
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Loss family (kernels/loss.cu): cross_entropy and mse, summed in double
+// through the workspace, and their gradients.
+var lossKernels = family{
+	graph.OpCrossEntropy: {run: func(k *kctx, in []operand, out operand) error {
+		return k.crossEntropy(k.attrs(), in[0], in[1], out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		if x := inputAt(g, nd, 0, b); len(x) == 2 {
+			return ceBytes(int64(x[0]))
+		}
+		return 0
+	}},
+	graph.OpMSE: {run: func(k *kctx, in []operand, out operand) error {
+		return k.mse(k.attrs(), in[0], in[1], out)
+	}, ws: func(*graph.Graph, *graph.Node, int) int64 { return mseBytes }},
+
+	graph.OpCrossEntropyGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.crossEntropyGrad(k.attrs(), g, in[1], in[2], out)
+	}), ws: flagWorkspace},
+	graph.OpMSEGrad: {run: gradOf(mseGrad)},
+}
+
+// MSE reduces through one partial per block of a grid of at most mseGrid
+// blocks of mseBlock threads; its workspace holds the partials in double.
+const (
+	mseGrid  = 1024
+	mseBlock = 256
+	mseBytes = 8 * mseGrid
+)
+
+// ceBytes is cross_entropy's workspace for n rows: the per-row losses in
+// double, then the bad-label flag.
+func ceBytes(n int64) int64 { return 8*n + flagBytes }
+
+func mseGrad(k *kctx, g operand, in []operand, out operand) error {
+	a, n := k.attrs(), out.n()
+	if err := sameN(k.nd.Op, out, in[1], in[2]); err != nil {
+		return err
+	}
+	if g.n() != 1 {
+		return graph.Errorf(graph.ErrShape, "mse_grad needs a scalar upstream gradient, got %v", g.shape)
+	}
+	return k.flat(kMSEGrad, n, g.p, in[1].p, in[2].p, out.p, n, a.Scalar)
+}
+
+// sumF64 sums n doubles at src, times scale, into the float out[0] with one
+// block.
+func (k *kctx) sumF64(src, out alloc.Ptr, n int64, scale float64) error {
+	return k.launch(kSumF64, [3]uint32{1, 1, 1}, [3]uint32{1024, 1, 1}, src, out, n, scale)
+}
+
+// crossEntropy: per-row losses in double into the workspace, then their
+// sum times a.Scalar; a bad label is an error, as on the CPU.
+func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
+	if err := floats(logits, out); err != nil {
+		return err
+	}
+	if len(logits.shape) != 2 || labels.dt != graph.Int64 || labels.n() != int64(logits.shape[0]) || out.n() != 1 {
+		return graph.Errorf(graph.ErrShape, "cross_entropy needs logits [N, C], int64 labels [N] and a scalar output, got %v, %v, %v",
+			logits.shape, labels.shape, out.shape)
+	}
+	n, c := int64(logits.shape[0]), int64(logits.shape[1])
+	loss, err := k.workspace(ceBytes(n))
+	if err != nil {
+		return err
+	}
+	bad, err := k.badFlag(8 * n)
+	if err != nil {
+		return err
+	}
+	if n > 0 {
+		block := rowBlock(c)
+		if err := k.launch(kCrossEntropy, rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, bad); err != nil {
+			return err
+		}
+	}
+	if err := k.sumF64(loss, out.p, n, a.Scalar); err != nil || n == 0 {
+		return err
+	}
+	row, label, ok, err := k.firstBad(bad, labels)
+	if err == nil && !ok {
+		err = graph.Errorf(graph.ErrAttr, "cross_entropy label %d (row %d) out of range for %d classes", label, row, c)
+	}
+	return err
+}
+
+// crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)).
+func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) error {
+	if err := floats(logits); err != nil {
+		return err
+	}
+	if len(logits.shape) != 2 || labels.dt != graph.Int64 || labels.n() != int64(logits.shape[0]) || out.n() != logits.n() || g.n() != 1 {
+		return graph.Errorf(graph.ErrShape, "cross_entropy_grad needs a scalar g, logits [N, C] and int64 labels [N], got %v, %v, %v",
+			g.shape, logits.shape, labels.shape)
+	}
+	n, c := int64(logits.shape[0]), int64(logits.shape[1])
+	if out.n() == 0 {
+		return nil
+	}
+	bad, err := k.badFlag(0)
+	if err != nil {
+		return err
+	}
+	block := rowBlock(c)
+	if err := k.launch(kCrossEntGrad, rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, a.Scalar, bad); err != nil {
+		return err
+	}
+	row, label, ok, err := k.firstBad(bad, labels)
+	if err == nil && !ok {
+		err = graph.Errorf(graph.ErrAttr, "cross_entropy label %d at row %d outside [0, %d)", label, row, c)
+	}
+	return err
+}
+
+// mse: a double partial per block into the workspace, then their sum times
+// a.Scalar.
+func (k *kctx) mse(a *graph.Attrs, pred, target, out operand) error {
+	if err := floats(pred, target, out); err != nil {
+		return err
+	}
+	if pred.n() != target.n() || out.n() != 1 {
+		return graph.Errorf(graph.ErrShape, "mse of %v and %v into %v", pred.shape, target.shape, out.shape)
+	}
+	partial, err := k.workspace(mseBytes)
+	if err != nil {
+		return err
+	}
+	n := pred.n()
+	grid := min(max(ceilDiv(n, mseBlock), 1), mseGrid)
+	if err := k.launch(kMSEPartial, [3]uint32{uint32(grid), 1, 1}, [3]uint32{mseBlock, 1, 1}, pred.p, target.p, partial, n); err != nil {
+		return err
+	}
+	return k.sumF64(partial, out.p, grid, a.Scalar)
+}

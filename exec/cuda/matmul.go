@@ -1,0 +1,204 @@
+package cuda
+
+import (
+	"slices"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Contraction family (cuBLAS, with bias_fill from kernels/elementwise.cu):
+// matmul as strided-batched GEMMs, linear as one GEMM after the bias.
+var matmulKernels = family{
+	graph.OpMatMul: {run: func(k *kctx, in []operand, out operand) error {
+		a := k.attrs()
+		return k.matmul(a.TransA, a.TransB, in[0], in[1], out)
+	}},
+	graph.OpLinear: {run: func(k *kctx, in []operand, out operand) error {
+		return k.linear(in[0], in[1], optional(in, 2), out)
+	}},
+}
+
+// broadcastStrides gives, for each axis of lead, the element stride of an
+// operand whose leading shape is s (right-aligned to lead) and whose inner
+// block holds inner elements; broadcast axes get stride 0.
+func broadcastStrides(s, lead []int, inner int) ([]int, error) {
+	if len(s) > len(lead) {
+		return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
+	}
+	st := make([]int, len(lead))
+	acc := inner
+	off := len(lead) - len(s)
+	for d := len(s) - 1; d >= 0; d-- {
+		switch s[d] {
+		case lead[d+off]:
+			st[d+off] = acc
+		case 1:
+		default:
+			return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
+		}
+		acc *= s[d]
+	}
+	return st, nil
+}
+
+// gemmCall is one strided-batched GEMM of a matmul: count products whose
+// operands start at element offsets x, y, out and step by sx, sy, so
+// (stride 0 where an operand is broadcast).
+type gemmCall struct {
+	x, y, out  int
+	sx, sy, so int
+	count      int
+}
+
+// matmulPlan is how a matmul runs on cuBLAS: op(x) is m×k, op(y) is k×n,
+// lda and ldb are the stored row strides. tall means one GEMM of
+// [rows·m, k] by op(y) (y is one matrix and x is not transposed);
+// otherwise calls lists the strided-batched GEMMs.
+type matmulPlan struct {
+	m, n, k, lda, ldb int
+	tall              bool
+	rows              int
+	calls             []gemmCall
+}
+
+// planMatmul lays out the product of the last two axes of op(x) [..., m, k]
+// and op(y) [..., k, n] into out [..., m, n], broadcasting the leading
+// axes. The leading axes are merged; the innermost merged axis runs as one
+// strided-batched GEMM and the others loop, so any broadcast pattern works
+// without copies. An empty product (out or k zero) has no calls.
+func planMatmul(ta, tb bool, xs, ys, os []int) (matmulPlan, error) {
+	rx, ry, ro := len(xs), len(ys), len(os)
+	if rx < 2 || ry < 2 || ro < 2 {
+		return matmulPlan{}, graph.Errorf(graph.ErrShape, "matmul needs rank ≥ 2 operands, got %v and %v", xs, ys)
+	}
+	pl := matmulPlan{lda: xs[rx-1], ldb: ys[ry-1]}
+	pl.m, pl.k = xs[rx-2], pl.lda
+	if ta {
+		pl.m, pl.k = pl.k, pl.m
+	}
+	k2 := ys[ry-2]
+	pl.n = pl.ldb
+	if tb {
+		k2, pl.n = pl.n, k2
+	}
+	if pl.k != k2 || os[ro-2] != pl.m || os[ro-1] != pl.n {
+		return matmulPlan{}, graph.Errorf(graph.ErrShape, "matmul of %v and %v cannot give %v", xs, ys, os)
+	}
+	lead := os[:ro-2]
+	xst, err := broadcastStrides(xs[:rx-2], lead, pl.m*pl.k)
+	if err != nil {
+		return matmulPlan{}, err
+	}
+	yst, err := broadcastStrides(ys[:ry-2], lead, pl.k*pl.n)
+	if err != nil {
+		return matmulPlan{}, err
+	}
+	if graph.Numel(os) == 0 || pl.k == 0 {
+		return pl, nil
+	}
+	if graph.Numel(ys[:ry-2]) == 1 && !ta {
+		// y is one matrix: x's matrices stack into one tall [batches·m, k].
+		pl.tall, pl.rows = true, graph.Numel(lead)*pl.m
+		return pl, nil
+	}
+	dims, st := mergeAxes(lead, xst, yst, contiguousMul(lead, pl.m*pl.n))
+	inner := gemmCall{count: 1}
+	if last := len(dims) - 1; last >= 0 {
+		inner = gemmCall{count: dims[last], sx: st[0][last], sy: st[1][last], so: st[2][last]}
+		dims = dims[:last]
+	}
+	idx := make([]int, len(dims))
+	for range graph.Numel(dims) {
+		c := inner
+		for d, i := range idx {
+			c.x += i * st[0][d]
+			c.y += i * st[1][d]
+			c.out += i * st[2][d]
+		}
+		pl.calls = append(pl.calls, c)
+		for d := len(idx) - 1; d >= 0; d-- { // odometer over the outer axes
+			if idx[d]++; idx[d] < dims[d] {
+				break
+			}
+			idx[d] = 0
+		}
+	}
+	return pl, nil
+}
+
+// matmul runs planMatmul's GEMMs on cuBLAS, which reads the transposes from
+// the stored layout.
+func (k *kctx) matmul(ta, tb bool, x, y, out operand) error {
+	if err := floats(x, y, out); err != nil {
+		return err
+	}
+	pl, err := planMatmul(ta, tb, x.shape, y.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	switch {
+	case out.n() == 0:
+		return nil
+	case pl.k == 0: // empty sums
+		return k.d.Memzero(out.p, 4*out.n())
+	case pl.tall:
+		return k.blas.Gemm(false, tb, pl.rows, pl.n, pl.k, 1, x.p, pl.lda, y.p, pl.ldb, 0, out.p, pl.n)
+	}
+	for _, c := range pl.calls {
+		if err := k.blas.GemmStridedBatched(ta, tb, pl.m, pl.n, pl.k, 1, x.at(int64(c.x)), pl.lda, int64(c.sx),
+			y.at(int64(c.y)), pl.ldb, int64(c.sy), 0, out.at(int64(c.out)), pl.n, int64(c.so), c.count); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// contiguousMul is the row-major strides of shape scaled by inner.
+func contiguousMul(shape []int, inner int) []int {
+	s := graph.ContiguousStrides(shape)
+	for i := range s {
+		s[i] *= inner
+	}
+	return s
+}
+
+// linear computes out = x·wᵀ + b with x [..., in], w [out, in] and an
+// optional b [out]: the bias is broadcast into out and one GEMM over x
+// flattened to [rows, in] adds the product (beta = 1), as on the CPU.
+func (k *kctx) linear(x, w operand, b *operand, out operand) error {
+	if err := floats(x, w, out); err != nil {
+		return err
+	}
+	rk := len(x.shape)
+	if rk < 1 || len(w.shape) != 2 || len(out.shape) != rk {
+		return graph.Errorf(graph.ErrShape, "linear of %v with weight %v cannot give %v", x.shape, w.shape, out.shape)
+	}
+	nOut, nIn := w.shape[0], w.shape[1]
+	if x.shape[rk-1] != nIn || out.shape[rk-1] != nOut || !slices.Equal(x.shape[:rk-1], out.shape[:rk-1]) {
+		return graph.Errorf(graph.ErrShape, "linear of %v with weight %v cannot give %v", x.shape, w.shape, out.shape)
+	}
+	rows := graph.Numel(x.shape[:rk-1])
+	var beta float32
+	if b != nil {
+		if err := floats(*b); err != nil {
+			return err
+		}
+		if !slices.Equal(b.shape, []int{nOut}) {
+			return graph.Errorf(graph.ErrShape, "linear bias %v, want [%d]", b.shape, nOut)
+		}
+		if err := k.flat(kBiasFill, out.n(), out.p, b.p, int64(rows), int64(nOut), int64(1)); err != nil {
+			return err
+		}
+		beta = 1
+	}
+	if rows == 0 || nOut == 0 {
+		return nil
+	}
+	if nIn == 0 {
+		if b == nil {
+			return k.d.Memzero(out.p, 4*out.n())
+		}
+		return nil
+	}
+	return k.blas.Gemm(false, true, rows, nOut, nIn, 1, x.p, nIn, w.p, nIn, beta, out.p, nOut)
+}

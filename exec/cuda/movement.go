@@ -1,0 +1,279 @@
+package cuda
+
+import (
+	"slices"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Movement family (kernels/movement.cu, index.cu): reshape, permute,
+// slice, concat and slice's gradient on float32 and int64 alike, and the
+// embedding lookup with its gradient.
+var movementKernels = family{
+	graph.OpReshape: {run: func(k *kctx, in []operand, out operand) error { return k.reshape(in[0], out) }},
+	graph.OpPermute: {run: func(k *kctx, in []operand, out operand) error { return k.permute(k.attrs().Perm, in[0], out) }},
+	graph.OpSlice:   {run: func(k *kctx, in []operand, out operand) error { return k.slice(k.attrs(), in[0], out) }},
+	graph.OpConcat:  {run: func(k *kctx, in []operand, out operand) error { return k.concat(k.attrs().Axis, in, out) }},
+	graph.OpSliceGrad: {run: gradOf(func(k *kctx, g operand, _ []operand, out operand) error {
+		return k.sliceGrad(k.attrs(), g, out)
+	})},
+	graph.OpEmbedding: {run: func(k *kctx, in []operand, out operand) error {
+		return k.embedding(in[0], in[1], out)
+	}, ws: flagWorkspace},
+	graph.OpEmbeddingGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.embeddingGrad(g, in[1], out)
+	}), ws: flagWorkspace},
+}
+
+// flagWorkspace: the bad-index flag (badFlag).
+func flagWorkspace(*graph.Graph, *graph.Node, int) int64 { return flagBytes }
+
+// reshape copies; the planner makes reshapes views of their input's block,
+// so this runs only for a program that does not.
+func (k *kctx) reshape(x, out operand) error {
+	if err := sameDType(out, x); err != nil {
+		return err
+	}
+	if x.n() != out.n() {
+		return graph.Errorf(graph.ErrShape, "reshape of %v to %v", x.shape, out.shape)
+	}
+	if x.p == out.p {
+		return nil
+	}
+	return k.copy(out.dt, x.p, out.p, out.n())
+}
+
+// permuteKind is how a permute runs.
+type permuteKind uint8
+
+const (
+	permuteCopy      permuteKind = iota // the order does not change
+	permuteTranspose                    // [batch, rows, cols] → [batch, cols, rows]
+	permuteGather                       // anything else
+)
+
+// permutePlan is a permute after merging axes.
+type permutePlan struct {
+	kind              permuteKind
+	batch, rows, cols int64
+	dims, strides     []int // for a gather: the output's merged axes and their source strides
+}
+
+// planPermute lays out the permute of shape by perm (output axis k is
+// input axis perm[k]) into out. After merging axes, a plain copy or a swap
+// of the last two axes (with a batch prefix) takes the tiled transpose;
+// anything else a gather.
+func planPermute(perm, shape, out []int) (permutePlan, error) {
+	rank := len(shape)
+	if len(perm) != rank || len(out) != rank {
+		return permutePlan{}, graph.Errorf(graph.ErrAttr, "permute %v of %v into %v", perm, shape, out)
+	}
+	xs := graph.ContiguousStrides(shape)
+	src := make([]int, rank)
+	seen := make([]bool, rank)
+	for k, p := range perm {
+		if p < 0 || p >= rank || seen[p] || out[k] != shape[p] {
+			return permutePlan{}, graph.Errorf(graph.ErrAttr, "permute %v of %v into %v", perm, shape, out)
+		}
+		seen[p] = true
+		src[k] = xs[p]
+	}
+	dims, st := mergeAxes(out, src, graph.ContiguousStrides(out))
+	s := st[0]
+	switch {
+	case len(dims) == 0 || len(dims) == 1 && s[0] == 1:
+		return permutePlan{kind: permuteCopy}, nil
+	case len(dims) == 2 && s[0] == 1 && s[1] == dims[0]: // [r, c] → [c, r]
+		return permutePlan{kind: permuteTranspose, batch: 1, rows: int64(dims[1]), cols: int64(dims[0])}, nil
+	case len(dims) == 3 && s[1] == 1 && s[2] == dims[1] && s[0] == dims[1]*dims[2]: // [b, r, c] → [b, c, r]
+		return permutePlan{kind: permuteTranspose, batch: int64(dims[0]), rows: int64(dims[2]), cols: int64(dims[1])}, nil
+	}
+	if err := checkRank("permute", dims); err != nil {
+		return permutePlan{}, err
+	}
+	return permutePlan{kind: permuteGather, dims: dims, strides: s}, nil
+}
+
+func (k *kctx) permute(perm []int, x, out operand) error {
+	if err := sameDType(out, x); err != nil {
+		return err
+	}
+	pl, err := planPermute(perm, x.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	n := out.n()
+	if n == 0 {
+		return nil
+	}
+	switch pl.kind {
+	case permuteCopy:
+		return k.copy(out.dt, x.p, out.p, n)
+	case permuteTranspose:
+		return k.transpose(out.dt, x.p, out.p, pl.batch, pl.rows, pl.cols)
+	}
+	return k.gather(out.dt, x.p, out.p, pl.dims, pl.strides)
+}
+
+// copy launches copy_*, which moves 16 bytes a thread: n elements of dt.
+func (k *kctx) copy(dt graph.DType, src, dst alloc.Ptr, n int64) error {
+	return k.flat(pick(dt, kCopyF32, kCopyI64), ceilDiv(n*int64(dt.Size()), 16), src, dst, n)
+}
+
+// gather copies the positions of merged axes dims (row-major, contiguous in
+// dst) from src at Σ idx·strides: by rows of 16-byte units (gather_rows_f32)
+// when the innermost axis is contiguous on both sides and every size and
+// stride is a multiple of 4 floats, element by element otherwise.
+func (k *kctx) gather(dt graph.DType, src, dst alloc.Ptr, dims, strides []int) error {
+	if err := checkRank("gather", dims); err != nil {
+		return err
+	}
+	n := int64(graph.Numel(dims))
+	last := len(dims) - 1
+	rows := dt == graph.Float32 && last >= 0 && strides[last] == 1 && dims[last]%4 == 0 && src%16 == 0 && dst%16 == 0
+	for _, s := range strides[:max(last, 0)] {
+		rows = rows && s%4 == 0
+	}
+	if rows {
+		return k.flat(kGatherRows, n/4, src, dst, n/int64(dims[last]), int64(dims[last]), newStrided(dims[:last], strides[:last]))
+	}
+	return k.flat(pick(dt, kGatherF32, kGatherI64), n, src, dst, n, int64(0), newStrided(dims, strides))
+}
+
+// transpose launches transpose_*: src [batch, rows, cols] → dst [batch,
+// cols, rows].
+func (k *kctx) transpose(dt graph.DType, src, dst alloc.Ptr, batch, rows, cols int64) error {
+	grid := [3]uint32{uint32(min(ceilDiv(cols, 32), maxGridX)), uint32(min(ceilDiv(rows, 32), maxGridYZ)), uint32(min(batch, maxGridYZ))}
+	return k.launch(pick(dt, kTransposeF32, kTransposeI64), grid, [3]uint32{32, 8, 1}, src, dst, batch, rows, cols)
+}
+
+// sliceAttrs checks a slice of shape along a.Axis giving sliced.
+func sliceAttrs(a *graph.Attrs, shape, sliced []int) error {
+	ax, rank := a.Axis, len(shape)
+	if ax < 0 || ax >= rank || a.Step < 1 || a.Start < 0 || a.Start > a.End || a.End > shape[ax] {
+		return graph.Errorf(graph.ErrAttr, "slice [%d:%d:%d] of axis %d of %v", a.Start, a.End, a.Step, ax, shape)
+	}
+	want := slices.Clone(shape)
+	want[ax] = (a.End - a.Start + a.Step - 1) / a.Step
+	if !slices.Equal(want, sliced) {
+		return graph.Errorf(graph.ErrShape, "slice [%d:%d:%d] of axis %d of %v gives %v, not %v", a.Start, a.End, a.Step, ax, shape, want, sliced)
+	}
+	return nil
+}
+
+func (k *kctx) slice(a *graph.Attrs, x, out operand) error {
+	if err := sameDType(out, x); err != nil {
+		return err
+	}
+	if err := sliceAttrs(a, x.shape, out.shape); err != nil {
+		return err
+	}
+	outer, n, inner := axisSplit(x.shape, a.Axis)
+	m := out.shape[a.Axis]
+	if a.Step == 1 { // each outer index's m·inner elements are one contiguous run: a row copy
+		l := int64(m * inner)
+		return k.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), ceilDiv(int64(outer)*l, 4), x.p, int64(n*inner), int64(a.Start*inner),
+			out.p, l, int64(0), int64(outer), l)
+	}
+	return k.flat(pick(out.dt, kSliceF32, kSliceI64), out.n(), x.p, out.p, int64(outer), int64(n), int64(inner),
+		int64(m), int64(a.Start), int64(a.Step))
+}
+
+// sliceGrad scatters g into zeros at the sliced positions (the kernel
+// writes every element).
+func (k *kctx) sliceGrad(a *graph.Attrs, g, out operand) error {
+	if err := sliceAttrs(a, out.shape, g.shape); err != nil {
+		return err
+	}
+	outer, n, inner := axisSplit(out.shape, a.Axis)
+	m := g.shape[a.Axis]
+	return k.flat(kSliceGrad, out.n(), g.p, out.p, int64(outer), int64(n), int64(inner), int64(m), int64(a.Start), int64(a.Step))
+}
+
+// concat joins in along axis: one row-block copy per input.
+func (k *kctx) concat(axis int, in []operand, out operand) error {
+	if err := sameDType(out, in...); err != nil {
+		return err
+	}
+	rank := len(out.shape)
+	if axis < 0 || axis >= rank {
+		return graph.Errorf(graph.ErrAttr, "concat axis %d out of range for rank %d", axis, rank)
+	}
+	total := 0
+	for _, x := range in {
+		if len(x.shape) != rank {
+			return graph.Errorf(graph.ErrShape, "concat of %v into %v", x.shape, out.shape)
+		}
+		for k, d := range x.shape {
+			if k != axis && d != out.shape[k] {
+				return graph.Errorf(graph.ErrShape, "concat of %v into %v along axis %d", x.shape, out.shape, axis)
+			}
+		}
+		total += x.shape[axis]
+	}
+	if total != out.shape[axis] {
+		return graph.Errorf(graph.ErrShape, "concat along axis %d: inputs sum to %d, output has %d", axis, total, out.shape[axis])
+	}
+	outer, inner := int64(graph.Numel(out.shape[:axis])), int64(graph.Numel(out.shape[axis+1:]))
+	off := int64(0)
+	for _, x := range in {
+		l := int64(x.shape[axis]) * inner
+		if err := k.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), ceilDiv(outer*l, 4), x.p, l, int64(0), out.p, int64(total)*inner, off, outer, l); err != nil {
+			return err
+		}
+		off += l
+	}
+	return nil
+}
+
+func (k *kctx) embedding(idx, w, out operand) error {
+	if len(w.shape) != 2 || idx.dt != graph.Int64 || w.dt != graph.Float32 {
+		return graph.Errorf(graph.ErrShape, "embedding needs int64 indices and a float32 [V, D] weight, got %v and %v", idx.shape, w.shape)
+	}
+	v, d := int64(w.shape[0]), int64(w.shape[1])
+	if out.n() != idx.n()*d {
+		return graph.Errorf(graph.ErrShape, "embedding of indices %v with weight %v into %v", idx.shape, w.shape, out.shape)
+	}
+	if out.n() == 0 {
+		return nil
+	}
+	bad, err := k.badFlag(0)
+	if err != nil {
+		return err
+	}
+	if err := k.flat(kEmbedding, out.n(), idx.p, w.p, out.p, idx.n(), v, d, bad); err != nil {
+		return err
+	}
+	pos, val, ok, err := k.firstBad(bad, idx)
+	if err == nil && !ok {
+		err = graph.Errorf(graph.ErrAttr, "embedding index %d (position %d) out of range for %d rows", val, pos, v)
+	}
+	return err
+}
+
+// embeddingGrad scatter-adds rows of g into the zeroed weight gradient.
+func (k *kctx) embeddingGrad(g, idx, out operand) error {
+	if len(out.shape) != 2 || idx.dt != graph.Int64 {
+		return graph.Errorf(graph.ErrShape, "embedding_grad needs int64 indices and a [V, D] output, got %v and %v", idx.shape, out.shape)
+	}
+	v, d := int64(out.shape[0]), int64(out.shape[1])
+	if g.n() != idx.n()*d {
+		return graph.Errorf(graph.ErrShape, "embedding_grad of g %v with indices %v into %v", g.shape, idx.shape, out.shape)
+	}
+	if err := k.d.Memzero(out.p, 4*out.n()); err != nil || g.n() == 0 {
+		return err
+	}
+	bad, err := k.badFlag(0)
+	if err != nil {
+		return err
+	}
+	if err := k.flat(kEmbeddingGrad, g.n(), g.p, idx.p, out.p, idx.n(), v, d, bad); err != nil {
+		return err
+	}
+	pos, val, ok, err := k.firstBad(bad, idx)
+	if err == nil && !ok {
+		err = graph.Errorf(graph.ErrAttr, "embedding index %d at position %d outside [0, %d)", val, pos, v)
+	}
+	return err
+}

@@ -1,0 +1,331 @@
+package cuda
+
+import (
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Normalisation family (kernels/softmax.cu, layernorm.cu, batchnorm.cu):
+// softmax and log_softmax, layer_norm and batch_norm, and their gradients.
+var normKernels = family{
+	graph.OpSoftmax:    {run: softmax},
+	graph.OpLogSoftmax: {run: softmax},
+	graph.OpLayerNorm: {run: func(k *kctx, in []operand, out operand) error {
+		return k.layerNorm(k.attrs(), in[0], optional(in, 1), optional(in, 2), out)
+	}},
+	graph.OpBatchNorm: {run: func(k *kctx, in []operand, out operand) error {
+		return k.batchNorm(k.attrs(), in, out)
+	}, ws: bnWorkspace},
+
+	graph.OpSoftmaxGrad:    {run: gradOf(softmaxGrad)},
+	graph.OpLogSoftmaxGrad: {run: gradOf(softmaxGrad)},
+	graph.OpLayerNormGradX: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.layerNormGradX(k.attrs(), g, in[1], optional(in, 2), out)
+	})},
+	graph.OpLayerNormGradW: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.layerNormGradW(k.nd, g, in[1], out)
+	}), ws: lnGradWWorkspace},
+	graph.OpBatchNormGradX: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.batchNormGradX(k.attrs(), g, in[1], optional(in, 2), out)
+	}), ws: bnWorkspace},
+	graph.OpBatchNormGradW: {run: gradOf(func(k *kctx, _ operand, in []operand, out operand) error {
+		return k.batchNormGradW(k.attrs(), in, out)
+	}), ws: bnWorkspace},
+}
+
+func softmax(k *kctx, in []operand, out operand) error {
+	x, axis := in[0], k.attrs().Axis
+	if err := floats(x, out); err != nil {
+		return err
+	}
+	if axis < 0 || axis >= len(x.shape) {
+		return graph.Errorf(graph.ErrAttr, "softmax axis %d out of range for rank %d", axis, len(x.shape))
+	}
+	if x.n() != out.n() {
+		return graph.Errorf(graph.ErrShape, "softmax: input %v, output %v", x.shape, out.shape)
+	}
+	return k.softmaxLaunch(kSoftmaxRows, kSoftmaxCols, k.nd.Op == graph.OpLogSoftmax, x.shape, axis, x.p, out.p)
+}
+
+func softmaxGrad(k *kctx, g operand, in []operand, out operand) error {
+	y, axis := in[1], k.attrs().Axis
+	if err := sameN(k.nd.Op, out, g, y); err != nil {
+		return err
+	}
+	if axis < 0 || axis >= len(y.shape) {
+		return graph.Errorf(graph.ErrAttr, "softmax axis %d out of range for rank %d", axis, len(y.shape))
+	}
+	return k.softmaxLaunch(kSoftmaxGradRows, kSoftmaxGradCols, k.nd.Op == graph.OpLogSoftmaxGrad, y.shape, axis, g.p, y.p, out.p)
+}
+
+// softmaxLaunch views shape as [outer, n, inner] around axis: the rows
+// kernel when inner = 1, the columns kernel otherwise; ptrs are the
+// kernel's buffers in order.
+func (k *kctx) softmaxLaunch(rows, cols string, log bool, shape []int, axis int, ptrs ...alloc.Ptr) error {
+	o, n, in := axisSplit(shape, axis)
+	outer, nn, inner := int64(o), int64(n), int64(in)
+	if outer*nn*inner == 0 {
+		return nil
+	}
+	args := make([]any, 0, len(ptrs)+4)
+	for _, p := range ptrs {
+		args = append(args, p)
+	}
+	if inner == 1 {
+		block := rowBlock(nn)
+		return k.launch(rows, rowGrid(outer, block, 1), block, append(args, outer, nn, boolInt(log))...)
+	}
+	return k.flat(cols, outer*inner, append(args, outer, nn, inner, boolInt(log))...)
+}
+
+// normGeometry views x as [rows, d] over its trailing NormDims axes and
+// checks the optional [d]-sized parameters.
+func normGeometry(a *graph.Attrs, x operand, params ...*operand) (rows, d int64, err error) {
+	if a.NormDims < 1 || a.NormDims > len(x.shape) {
+		return 0, 0, graph.Errorf(graph.ErrAttr, "layer_norm over %d trailing dims of a rank-%d input", a.NormDims, len(x.shape))
+	}
+	rows, d = normRows(x.shape, a.NormDims)
+	for _, p := range params {
+		if p == nil {
+			continue
+		}
+		if err := floats(*p); err != nil {
+			return 0, 0, err
+		}
+		if p.n() != d {
+			return 0, 0, graph.Errorf(graph.ErrShape, "layer_norm parameter %v does not match normalised dims %v", p.shape, x.shape[len(x.shape)-a.NormDims:])
+		}
+	}
+	return rows, d, nil
+}
+
+// normRows views x as [rows, d] with d the product of its trailing k dims.
+func normRows(x []int, k int) (rows, d int64) {
+	if k < 1 || k > len(x) {
+		return 0, 0
+	}
+	d = int64(graph.Numel(x[len(x)-k:]))
+	if d > 0 {
+		rows = int64(graph.Numel(x)) / d
+	}
+	return rows, d
+}
+
+func (k *kctx) layerNorm(a *graph.Attrs, x operand, w, b *operand, out operand) error {
+	if err := floats(x, out); err != nil {
+		return err
+	}
+	rows, d, err := normGeometry(a, x, w, b)
+	if err != nil {
+		return err
+	}
+	if x.n() != out.n() {
+		return graph.Errorf(graph.ErrShape, "layer_norm: input %v, output %v", x.shape, out.shape)
+	}
+	if rows == 0 || d == 0 {
+		return nil
+	}
+	block := rowBlock(d)
+	return k.launch(kLayerNorm, rowGrid(rows, block, 1), block, x.p, ptrOf(w), ptrOf(b), out.p, rows, d, a.Eps)
+}
+
+func (k *kctx) layerNormGradX(a *graph.Attrs, g, x operand, w *operand, out operand) error {
+	if err := floats(x); err != nil {
+		return err
+	}
+	rows, d, err := normGeometry(a, x, w)
+	if err != nil {
+		return err
+	}
+	if g.n() != x.n() || out.n() != x.n() {
+		return graph.Errorf(graph.ErrShape, "layer_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	if rows == 0 || d == 0 {
+		return nil
+	}
+	block := rowBlock(d)
+	return k.launch(kLayerNormGradX, rowGrid(rows, block, 1), block, g.p, x.p, ptrOf(w), out.p, rows, d, a.Eps)
+}
+
+// statsBytes is the workspace of n (mean, rstd) pairs in double.
+func statsBytes(n int64) int64 { return 16 * n }
+
+// lnSplitRows is the rows each split of layer_norm_grad_w covers, at least.
+const lnSplitRows = 1 << 7
+
+// lnGradWBytes is layer_norm_grad_w's workspace for rows rows of d elements
+// in splits splits: the per-row statistics, then the splits' partial sums.
+func lnGradWBytes(rows, d, splits int64) int64 {
+	if splits > 1 {
+		return statsBytes(rows) + splitBytes(splits, d)
+	}
+	return statsBytes(rows)
+}
+
+// lnGradWWorkspace: room for the most splits when the node may split.
+func lnGradWWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	rows, d := normRows(inputAt(g, nd, 1, b), nd.Attrs.NormDims)
+	splits := int64(1)
+	if lnSplittable(g, nd) {
+		splits = maxSplits
+	}
+	return lnGradWBytes(rows, d, splits)
+}
+
+// bnWorkspace: the per-channel statistics of x [N, C, ...], the first
+// input of batch_norm and the second of its gradients.
+func bnWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	i := 1
+	if nd.Op == graph.OpBatchNorm {
+		i = 0
+	}
+	if x := inputAt(g, nd, i, b); len(x) >= 2 {
+		return statsBytes(int64(x[1]))
+	}
+	return 0
+}
+
+// lnSplittable reports whether layer_norm_grad_w may split its column
+// reduction: many rows at the full batch.
+func lnSplittable(g *graph.Graph, nd *graph.Node) bool {
+	rows, _ := normRows(g.Node(nd.Inputs[1]).Type.Shape, nd.Attrs.NormDims)
+	return rows >= 2*lnSplitRows
+}
+
+// layerNormGradW is Σ over rows of g·x̂: per-row statistics into the
+// workspace, then a column reduction, split over rows when the node may
+// split (lnSplittable) and the chunk has many rows.
+func (k *kctx) layerNormGradW(nd *graph.Node, g, x, out operand) error {
+	a := &nd.Attrs
+	if err := floats(x); err != nil {
+		return err
+	}
+	rows, d, err := normGeometry(a, x)
+	if err != nil {
+		return err
+	}
+	if g.n() != x.n() || out.n() != d {
+		return graph.Errorf(graph.ErrShape, "layer_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	if d == 0 {
+		return nil
+	}
+	splits := int64(1)
+	if lnSplittable(k.g, nd) {
+		splits = splitsFor(rows, lnSplitRows)
+	}
+	w, err := k.workspace(lnGradWBytes(rows, d, splits))
+	if err != nil {
+		return err
+	}
+	stats, dst := w, out.p
+	if rows > 0 {
+		block := rowBlock(d)
+		if err := k.launch(kLayerNormStats, rowGrid(rows, block, 1), block, x.p, stats, rows, d, a.Eps); err != nil {
+			return err
+		}
+	}
+	if splits > 1 {
+		dst = w + alloc.Ptr(statsBytes(rows))
+	}
+	grid := [3]uint32{tileGridX(d), uint32(splits), 1}
+	if err := k.launch(kLayerNormGradW, grid, tileBlock, g.p, x.p, stats, dst, rows, d); err != nil || splits == 1 {
+		return err
+	}
+	return k.launch(kReduceMid, [3]uint32{tileGridX(d), 1, 1}, tileBlock, dst, out.p, int64(1), splits, d, opcode.Sum, 1.0)
+}
+
+// channels views x [N, C, ...] as [n, c, inner].
+func channels(op string, x operand) (n, c, inner int64, err error) {
+	if len(x.shape) < 2 {
+		return 0, 0, 0, graph.Errorf(graph.ErrShape, "%s needs [N, C, ...], got %v", op, x.shape)
+	}
+	return int64(x.shape[0]), int64(x.shape[1]), int64(graph.Numel(x.shape[2:])), nil
+}
+
+// bnStats computes the statistics into the workspace; runMean and runVar
+// are the running statistics, needed (and only read) in evaluation mode.
+func (k *kctx) bnStats(a *graph.Attrs, x operand, runMean, runVar *operand) (alloc.Ptr, error) {
+	n, c, inner, err := channels("batch_norm", x)
+	if err != nil {
+		return 0, err
+	}
+	stats, err := k.workspace(statsBytes(c))
+	if err != nil {
+		return 0, err
+	}
+	if a.Training {
+		return stats, k.perChannel(kBatchNormStats, c, x.p, stats, n, c, inner, a.Eps)
+	}
+	if runMean == nil || runVar == nil || runMean.n() != c || runVar.n() != c {
+		return 0, graph.Errorf(graph.ErrShape, "batch_norm in evaluation mode needs running statistics of [%d]", c)
+	}
+	if err := floats(*runMean, *runVar); err != nil {
+		return 0, err
+	}
+	return stats, k.flat(kBatchNormRunSt, c, runMean.p, runVar.p, stats, c, a.Eps)
+}
+
+func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
+	x := in[0]
+	if err := floats(x, out); err != nil {
+		return err
+	}
+	var runMean, runVar *operand
+	if !a.Training {
+		runMean, runVar = optional(in, 1), optional(in, 2)
+	}
+	stats, err := k.bnStats(a, x, runMean, runVar)
+	if err != nil {
+		return err
+	}
+	n, c, inner, _ := channels("batch_norm", x)
+	aff := graph.BatchNormAffine(a.Training)
+	w, b := optional(in, aff), optional(in, aff+1)
+	for _, p := range []*operand{w, b} {
+		if p != nil && (p.n() != c || p.dt != graph.Float32) {
+			return graph.Errorf(graph.ErrShape, "batch_norm parameter %v, want float32 [%d]", p.shape, c)
+		}
+	}
+	if out.n() != x.n() {
+		return graph.Errorf(graph.ErrShape, "batch_norm: input %v, output %v", x.shape, out.shape)
+	}
+	return k.flat(kBatchNorm, x.n(), x.p, stats, ptrOf(w), ptrOf(b), out.p, n, c, inner)
+}
+
+// batchNormGradX is the training-mode gradient of batch_norm's input.
+func (k *kctx) batchNormGradX(a *graph.Attrs, g, x operand, w *operand, out operand) error {
+	if err := floats(x); err != nil {
+		return err
+	}
+	if !a.Training {
+		return graph.Errorf(graph.ErrAttr, "batch_norm_grad_x exists in training mode only")
+	}
+	stats, err := k.bnStats(a, x, nil, nil)
+	if err != nil {
+		return err
+	}
+	n, c, inner, _ := channels("batch_norm_grad_x", x)
+	if g.n() != x.n() || out.n() != x.n() || w != nil && (w.n() != c || w.dt != graph.Float32) {
+		return graph.Errorf(graph.ErrShape, "batch_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	return k.perChannel(kBatchNormGradX, c, g.p, x.p, ptrOf(w), stats, out.p, n, c, inner)
+}
+
+// batchNormGradW is Σ g·x̂ per channel, x̂ normalised as the forward op did.
+func (k *kctx) batchNormGradW(a *graph.Attrs, in []operand, out operand) error {
+	g, x := in[0], in[1]
+	if err := floats(x); err != nil {
+		return err
+	}
+	stats, err := k.bnStats(a, x, optional(in, 2), optional(in, 3))
+	if err != nil {
+		return err
+	}
+	n, c, inner, _ := channels("batch_norm_grad_w", x)
+	if g.n() != x.n() || out.n() != c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	return k.perChannel(kBatchNormGradW, c, g.p, x.p, stats, out.p, n, c, inner)
+}

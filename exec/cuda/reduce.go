@@ -1,0 +1,148 @@
+package cuda
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Reduction family (kernels/reduce.cu): sum, mean and max over axes, max's
+// gradient, and expand (the gradient of sum and mean, a gather).
+var reduceKernels = family{
+	graph.OpSum:  {run: reduce, ws: reduceWorkspace},
+	graph.OpMean: {run: reduce, ws: reduceWorkspace},
+	graph.OpMax:  {run: reduce, ws: reduceWorkspace},
+	graph.OpMaxGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		return k.maxGrad(k.attrs(), g, in[1], in[2], out)
+	})},
+	graph.OpExpand: {run: gradOf(func(k *kctx, g operand, _ []operand, out operand) error { return k.expand(g, out) })},
+}
+
+// Splitting long reductions (kernels/README.md): a reduction with few
+// outputs runs as up to maxSplits partial reductions per output, combined
+// by a second pass. Whether a node may split is decided from its full-batch
+// types, so that its workspace is affine in the chunk size as the planner
+// requires; how many splits a chunk uses depends on the chunk.
+const (
+	maxSplits       = 32
+	splitMaxOutputs = 1 << 14 // reductions with more outputs have blocks enough
+	splitLen        = 1 << 8  // elements each split reduces, at least
+)
+
+// reduceSplittable reports whether a sum, mean or max node may split its
+// reductions: few outputs, long reductions, at the full batch.
+func reduceSplittable(g *graph.Graph, nd *graph.Node) bool {
+	nout := int64(nd.Type.Numel())
+	nin := int64(g.Node(nd.Inputs[0]).Type.Numel())
+	return nout > 0 && nout <= splitMaxOutputs && nin/nout >= 2*splitLen
+}
+
+// splitsFor is how many splits a reduction of n elements uses, with at
+// least per elements each.
+func splitsFor(n, per int64) int64 { return min(max(n/per, 1), maxSplits) }
+
+// splitBytes is the workspace of splits float partials of nout outputs.
+func splitBytes(splits, nout int64) int64 { return 4 * splits * nout }
+
+// reduceWorkspace: the partials of a split reduction, for a node that may
+// split.
+func reduceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	if !reduceSplittable(g, nd) {
+		return 0
+	}
+	return splitBytes(maxSplits, int64(graph.Numel(nd.Type.AtBatch(b))))
+}
+
+// reduce computes sum, mean or max over a.Axes: rows, middle-axis or
+// strided layout, split into partial reductions when the node may split
+// (reduceSplittable) and the chunk's reductions are long.
+func reduce(k *kctx, in []operand, out operand) error {
+	nd, a, x := k.nd, k.attrs(), in[0]
+	if err := floats(x, out); err != nil {
+		return err
+	}
+	l, err := planReduce(x.shape, a.Axes)
+	if err != nil {
+		return err
+	}
+	if l.nout != out.n() {
+		return graph.Errorf(graph.ErrShape, "%s over axes %v of %v cannot give %v", nd.Op, a.Axes, x.shape, out.shape)
+	}
+	op, scale := opcode.Sum, 1.0
+	switch nd.Op {
+	case graph.OpMax:
+		op = opcode.Max
+	case graph.OpMean:
+		scale = a.Scalar
+	}
+	switch {
+	case l.nout == 0:
+		return nil
+	case l.nred == 0: // empty reductions: the sum's 0, the max's −inf, as on the CPU
+		v := float32(0)
+		if op == opcode.Max {
+			v = float32(math.Inf(-1))
+		}
+		return k.flat(kFillF32, l.nout, out.p, l.nout, v)
+	}
+	splits := int64(1)
+	if reduceSplittable(k.g, nd) {
+		splits = splitsFor(l.nred, splitLen)
+	}
+	dst, first := out.p, scale
+	if splits > 1 {
+		if dst, err = k.workspace(splitBytes(splits, l.nout)); err != nil {
+			return err
+		}
+		first = 1
+	}
+	switch l.kind {
+	case reduceRows:
+		block := rowBlock(l.n)
+		err = k.launch(kReduceRows, rowGrid(l.outer, block, splits), block, x.p, dst, l.outer, l.n, op, first)
+	case reduceMid:
+		grid := [3]uint32{tileGridX(l.inner), uint32(min(l.outer, maxGridYZ)), uint32(splits)}
+		err = k.launch(kReduceMid, grid, tileBlock, x.p, dst, l.outer, l.n, l.inner, op, first)
+	default:
+		block := rowBlock(l.nred)
+		err = k.launch(kReduceStrided, rowGrid(l.nout, block, splits), block, x.p, dst, l.geom, l.nout, l.nred, op, first)
+	}
+	if err != nil || splits == 1 {
+		return err
+	}
+	return k.launch(kReduceMid, [3]uint32{tileGridX(l.nout), 1, 1}, tileBlock, dst, out.p, int64(1), splits, l.nout, op, scale)
+}
+
+// maxGrad shares each reduced gradient evenly among the tied maxima.
+func (k *kctx) maxGrad(a *graph.Attrs, g, x, y, out operand) error {
+	if err := floats(x, y); err != nil {
+		return err
+	}
+	l, err := planReduce(x.shape, a.Axes)
+	if err != nil {
+		return err
+	}
+	if out.n() != x.n() || g.n() != l.nout || y.n() != l.nout {
+		return graph.Errorf(graph.ErrShape, "max_grad of g %v, x %v, y %v into %v", g.shape, x.shape, y.shape, out.shape)
+	}
+	if x.n() == 0 {
+		return nil
+	}
+	block := rowBlock(l.nred)
+	return k.launch(kMaxGrad, rowGrid(l.nout, block, 1), block, g.p, x.p, y.p, out.p, l.geom, l.nout, l.nred)
+}
+
+// expand broadcasts g to out's shape (the backward of reductions).
+func (k *kctx) expand(g, out operand) error {
+	s, err := graph.BroadcastStrides(g.shape, out.shape)
+	if err != nil {
+		return err
+	}
+	n := out.n()
+	if n == 0 {
+		return nil
+	}
+	dims, st := mergeAxes(out.shape, s, graph.ContiguousStrides(out.shape))
+	return k.gather(graph.Float32, g.p, out.p, dims, st[0])
+}

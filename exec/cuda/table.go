@@ -1,0 +1,91 @@
+package cuda
+
+import (
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/optable"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// opKernel is one op's entry in the kernel table: run launches its
+// kernels; ws, when set, declares the scratch memory they take at chunk
+// size b (see Workspace), beside the launch that carves it up.
+type opKernel struct {
+	run func(k *kctx, in []operand, out operand) error
+	ws  func(g *graph.Graph, nd *graph.Node, b int) int64
+}
+
+// family is one file's table entries (elementwise.go, reduce.go, …).
+type family map[graph.Op]opKernel
+
+// kernelTable is every op's kernels, indexed by op; source ops have none
+// (the host side fills their blocks). TestKernelTableComplete fails when an
+// op has no entry or sits in two families.
+var kernelTable = optable.Build(families...)
+
+// families is every family of the table.
+var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,
+	movementKernels, convKernels, lossKernels}
+
+// eval runs node nd's kernels: the entry point of the host side (runner.Run),
+// with in and out the node's operands at the chunk's size.
+func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block, c planner.Chunk) error {
+	if err := deviceDType(nd); err != nil {
+		return err
+	}
+	var run func(*kctx, []operand, operand) error
+	if int(nd.Op) < graph.NumOps {
+		run = kernelTable[nd.Op].run
+	}
+	if run == nil {
+		return graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for op %s", nd.Op)
+	}
+	k := r.kernels()
+	k.nd, k.c, k.ws = nd, c, ws
+	return run(k, in, out)
+}
+
+// Workspace declares the scratch memory of the CUDA kernels when b samples
+// run at once, so that the planner allocates it like any buffer and every
+// byte the executor uses comes from the planned allocator. Each family file
+// states its ops' rules next to their launches:
+//
+//   - conv2d and its gradients: the unfolded patches of one image (conv.go);
+//   - max_pool2d_grad: the int32 argmax of every window (conv.go);
+//   - cross_entropy: the per-row losses in double, and the bad-label flag;
+//     cross_entropy_grad: the flag; mse: one double partial per block
+//     (loss.go);
+//   - embedding and embedding_grad: the flag (movement.go);
+//   - layer_norm_grad_w: per-row mean and rstd in double, and the partial
+//     sums of a split column reduction; batch_norm and its gradients:
+//     per-channel mean and rstd in double (norm.go);
+//   - sum, mean and max with few outputs and long reductions: the partials
+//     of a split reduction (reduce.go).
+//
+// The kernels compute in float32, so sizes count 4-byte floats whatever the
+// node's dtype.
+func Workspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	if int(nd.Op) >= graph.NumOps || kernelTable[nd.Op].ws == nil {
+		return 0
+	}
+	return kernelTable[nd.Op].ws(g, nd, b)
+}
+
+// inputAt is input i of nd at chunk size b, nil when nd has no input i.
+func inputAt(g *graph.Graph, nd *graph.Node, i, b int) []int {
+	if i >= len(nd.Inputs) {
+		return nil
+	}
+	return g.Node(nd.Inputs[i]).Type.AtBatch(b)
+}
+
+// gradOf is the run function of a vector-Jacobian op: in[0] is always the
+// upstream gradient g, and g and the output must be float32.
+func gradOf(run func(k *kctx, g operand, in []operand, out operand) error) func(*kctx, []operand, operand) error {
+	return func(k *kctx, in []operand, out operand) error {
+		if err := floats(in[0], out); err != nil {
+			return err
+		}
+		return run(k, in[0], in, out)
+	}
+}
