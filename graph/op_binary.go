@@ -2,6 +2,16 @@ package graph
 
 import "fmt"
 
+const (
+	OpAdd Op = endUnaryOps + iota
+	OpSub
+	OpMul
+	OpDiv
+	OpPow
+	OpMaximum
+	endBinaryOps
+)
+
 // Elementwise ops of two inputs with NumPy broadcasting. A broadcast
 // operand's gradient is summed back to its own shape.
 var binaryOps = []OpInfo{

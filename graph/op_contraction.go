@@ -5,6 +5,12 @@ import (
 	"slices"
 )
 
+const (
+	OpMatMul Op = endBinaryOps + iota // 2-D or batched, broadcasting batch dims; TransA/TransB transpose the last two axes
+	OpLinear                          // x·Wᵀ (+ b): inputs x, W[, b]
+	endContractionOps
+)
+
 var contractionOps = []OpInfo{
 	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2, Attrs: []string{"trans_a", "trans_b"},
 		Rule: matmulRule, Saves: SavesInput(0, 1), VJP: matmulVJP,

@@ -5,6 +5,13 @@ import (
 	"slices"
 )
 
+const (
+	OpConv2d    Op = endIndexOps + iota // inputs x[N,C,H,W], w[O,C/g,kh,kw][, b[O]]; Stride, Padding, Dilation, Groups
+	OpMaxPool2d                         // Kernel, Stride, Padding, Dilation
+	OpAvgPool2d                         // Kernel, Stride, Padding (zero padding counted in the divisor)
+	endConvOps
+)
+
 // Convolution and pooling over NCHW inputs. The batch must be the N axis.
 var convOps = []OpInfo{
 	OpConv2d: {Name: "conv2d", Category: CatConv, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"stride", "padding", "dilation", "groups"},

@@ -2,6 +2,11 @@ package graph
 
 import "slices"
 
+const (
+	OpEmbedding Op = endMovementOps + iota // inputs indices (int64), weight [V, D]
+	endIndexOps
+)
+
 var indexOps = []OpInfo{
 	// embedding gathers rows of weight [V, D] at int64 indices; only the
 	// weight has a gradient (rows scatter-added).

@@ -5,6 +5,12 @@ import (
 	"slices"
 )
 
+const (
+	OpCrossEntropy Op = endConvOps + iota // inputs logits [N, C], labels int64 [N]; Reduction
+	OpMSE                                 // inputs pred, target (same shape); Reduction
+	endLossOps
+)
+
 // Losses reduce to a scalar. With ReduceMean, Attrs.Scalar is 1/count fixed
 // at the full batch, so chunk partials add.
 var lossOps = []OpInfo{

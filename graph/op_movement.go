@@ -2,6 +2,14 @@ package graph
 
 import "slices"
 
+const (
+	OpReshape Op = endNormalizeOps + iota // Attrs.Shape (full-batch sizes, no −1 left)
+	OpPermute                             // Attrs.Perm
+	OpSlice                               // Attrs.Axis, Attrs.Start, Attrs.End, Attrs.Step
+	OpConcat                              // Attrs.Axis, variadic
+	endMovementOps
+)
+
 // Movement ops rearrange elements without arithmetic, so chunk partials
 // pass through them unchanged (Moves); concat adds its operands' extents.
 var movementOps = []OpInfo{

@@ -6,6 +6,21 @@ import (
 	"slices"
 )
 
+const (
+	OpSoftmax    Op = endReduceOps + iota // Attrs.Axis
+	OpLogSoftmax                          // Attrs.Axis
+	OpLayerNorm                           // inputs x[, weight[, bias]]; Attrs.NormDims trailing dims, Attrs.Eps
+	// OpBatchNorm normalises x [N, C, ...] per channel (axis 1), as
+	// PyTorch's batch_norm. With Attrs.Training it uses the batch's mean and
+	// biased variance over every axis but 1 and takes x[, weight[, bias]];
+	// otherwise it uses running statistics and takes x, running_mean,
+	// running_var[, weight[, bias]], all [C] (BatchNormAffine says where the
+	// weight is). Attrs.Eps. It updates no running statistics: graphs have
+	// no side effects.
+	OpBatchNorm
+	endNormalizeOps
+)
+
 // Normalisations: softmax and log_softmax along Attrs.Axis, layer_norm over
 // trailing dims, batch_norm per channel. Their gradients read what
 // PyTorch's backward saves: softmax's output, layer_norm's input.

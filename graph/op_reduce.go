@@ -2,6 +2,13 @@ package graph
 
 import "slices"
 
+const (
+	OpSum  Op = endContractionOps + iota // Attrs.Axes, Attrs.KeepDim
+	OpMean                               // as OpSum, scaled by Attrs.Scalar = 1/count fixed at build time (full N)
+	OpMax
+	endReduceOps
+)
+
 // Reductions over Attrs.Axes (all axes when empty). A reduction over the
 // batch axis is a cross-batch value whose chunk partials add (sum, and mean
 // with its 1/count fixed at the full batch) or combine by max.

@@ -1,5 +1,14 @@
 package graph
 
+const (
+	OpInvalid Op = iota
+	OpInput      // batched user input (lazy.Wrap)
+	OpParam      // trainable parameter
+	OpConst      // constant tensor
+	OpFill       // Attrs.Target filled with Attrs.Scalar (gradient seeds, zero gradients)
+	endSourceOps
+)
+
 // Sources take no inputs. Input, param and const are typed by their data
 // (Graph.Append runs sourceType instead of a rule); fill is typed by its
 // Target attribute.

@@ -1,5 +1,35 @@
 package graph
 
+const (
+	OpNeg Op = endSourceOps + iota
+	OpExp
+	OpLog
+	OpSqrt
+	OpAbs
+	OpTanh
+	OpSigmoid
+	OpRelu
+	OpGelu // Attrs.Approx: tanh approximation instead of erf
+	OpSign // sign(x) ∈ {−1, 0, 1}
+	// OpCausalMask sets x[..., i, j] to Attrs.Scalar where j > i + (S − T)
+	// for x [..., T, S]: −inf before attention's softmax, 0 in its gradient.
+	OpCausalMask
+	// OpDropout zeroes elements with probability Attrs.Scalar and scales
+	// the rest by 1/(1−p); the mask comes from DropoutKeep keyed by
+	// (Attrs.Seed, Attrs.Counter, global batch row, element), so chunked
+	// runs draw the whole batch's mask. Its gradient is the same op on g.
+	OpDropout
+	OpAddScalar     // x + s
+	OpSubScalar     // x − s
+	OpRSubScalar    // s − x
+	OpMulScalar     // x · s
+	OpDivScalar     // x / s
+	OpRDivScalar    // s / x
+	OpPowScalar     // x ^ s
+	OpMaximumScalar // max(x, s)
+	endUnaryOps
+)
+
 // Elementwise ops of one input: the output has the input's type. The
 // scalar forms read Attrs.Scalar as their second operand.
 var unaryOps = []OpInfo{

@@ -41,111 +41,11 @@ func (c Category) Leaf() bool { return c == CatSource || c == CatGenerate }
 // Variadic marks an op that takes any number (≥ MinArity) of inputs.
 const Variadic = -1
 
-const (
-	OpInvalid Op = iota
-	// sources
-	OpInput // batched user input (lazy.Wrap)
-	OpParam // trainable parameter
-	OpConst // constant tensor
-	// unary
-	OpNeg
-	OpExp
-	OpLog
-	OpSqrt
-	OpAbs
-	OpTanh
-	OpSigmoid
-	OpRelu
-	OpGelu // Attrs.Approx: tanh approximation instead of erf
-	// scalar forms: x ∘ Attrs.Scalar
-	OpAddScalar     // x + s
-	OpSubScalar     // x − s
-	OpRSubScalar    // s − x
-	OpMulScalar     // x · s
-	OpDivScalar     // x / s
-	OpRDivScalar    // s / x
-	OpPowScalar     // x ^ s
-	OpMaximumScalar // max(x, s)
-	// binary with broadcasting
-	OpAdd
-	OpSub
-	OpMul
-	OpDiv
-	OpPow
-	OpMaximum
-	// contraction
-	OpMatMul // 2-D or batched, broadcasting batch dims; TransA/TransB transpose the last two axes
-	OpLinear // x·Wᵀ (+ b): inputs x, W[, b]
-	// reduce
-	OpSum  // Attrs.Axes, Attrs.KeepDim
-	OpMean // as OpSum, scaled by Attrs.Scalar = 1/count fixed at build time (full N)
-	OpMax
-	// normalize
-	OpSoftmax    // Attrs.Axis
-	OpLogSoftmax // Attrs.Axis
-	OpLayerNorm  // inputs x[, weight[, bias]]; Attrs.NormDims trailing dims, Attrs.Eps
-	// OpBatchNorm normalises x [N, C, ...] per channel (axis 1), as
-	// PyTorch's batch_norm. With Attrs.Training it uses the batch's mean and
-	// biased variance over every axis but 1 and takes x[, weight[, bias]];
-	// otherwise it uses running statistics and takes x, running_mean,
-	// running_var[, weight[, bias]], all [C] (BatchNormAffine says where the
-	// weight is). Attrs.Eps. It updates no running statistics: graphs have
-	// no side effects.
-	OpBatchNorm
-	// movement
-	OpReshape // Attrs.Shape (full-batch sizes, no −1 left)
-	OpPermute // Attrs.Perm
-	OpSlice   // Attrs.Axis, Attrs.Start, Attrs.End, Attrs.Step
-	OpConcat  // Attrs.Axis, variadic
-	// index
-	OpEmbedding // inputs indices (int64), weight [V, D]
-	// conv
-	OpConv2d    // inputs x[N,C,H,W], w[O,C/g,kh,kw][, b[O]]; Stride, Padding, Dilation, Groups
-	OpMaxPool2d // Kernel, Stride, Padding, Dilation
-	OpAvgPool2d // Kernel, Stride, Padding (zero padding counted in the divisor)
-	// loss
-	OpCrossEntropy // inputs logits [N, C], labels int64 [N]; Reduction
-	OpMSE          // inputs pred, target (same shape); Reduction
-
-	// generate
-	OpFill // Attrs.Target filled with Attrs.Scalar (gradient seeds, zero gradients)
-	// elementwise helpers used by gradients
-	OpSign // sign(x) ∈ {−1, 0, 1}
-	// OpCausalMask sets x[..., i, j] to Attrs.Scalar where j > i + (S − T)
-	// for x [..., T, S]: −inf before attention's softmax, 0 in its gradient.
-	OpCausalMask
-	// OpDropout zeroes elements with probability Attrs.Scalar and scales
-	// the rest by 1/(1−p); the mask comes from DropoutKeep keyed by
-	// (Attrs.Seed, Attrs.Counter, global batch row, element), so chunked
-	// runs draw the whole batch's mask. Its gradient is the same op on g.
-	OpDropout
-	// vector-Jacobian products. The first input is always the upstream
-	// gradient g. Ops whose output shape cannot be derived from their inputs
-	// take it from Attrs.Target (shape, dtype and batch axis of the value the
-	// gradient is for).
-	OpReluGrad          // g, y: g where y > 0 (y is relu's output, as PyTorch saves)
-	OpGeluGrad          // g, x; Approx
-	OpMaximumGrad       // g, a, b; Axis 0 → gradient for a, 1 → for b; ties split evenly
-	OpMaximumScalarGrad // g, x; Scalar; ties get half
-	OpExpand            // g broadcast to Attrs.Target (backward of reductions)
-	OpMaxGrad           // g, x, y; Axes, KeepDim: g shared evenly among tied maxima
-	OpSoftmaxGrad       // g, y; Axis: y·(g − Σ g·y)
-	OpLogSoftmaxGrad    // g, y; Axis: g − exp(y)·Σ g
-	OpLayerNormGradX    // g, x[, w]; NormDims, Eps
-	OpLayerNormGradW    // g, x; NormDims, Eps: Σ over leading axes of g·x̂
-	OpBatchNormGradX    // g, x[, w]; Eps; Training only: the batch-statistics backward of x
-	OpBatchNormGradW    // g, x[, running_mean, running_var]; Training, Eps: Σ over all axes but 1 of g·x̂
-	OpSliceGrad         // g; Axis, Start, End, Step, Target: g scattered into zeros
-	OpEmbeddingGrad     // g, indices; Target [V, D]: rows scatter-added
-	OpConv2dGradInput   // g, w; conv attrs, Target = input type
-	OpConv2dGradWeight  // g, x; conv attrs, Target = weight type
-	OpMaxPool2dGrad     // g, x; pool attrs: g routed to the first maximum of each window
-	OpAvgPool2dGrad     // g; pool attrs, Target = input type
-	OpCrossEntropyGrad  // g, logits, labels; Scalar: g·Scalar·(softmax − onehot)
-	OpMSEGrad           // g, pred, target; Scalar: g·Scalar·2·(pred − target)
-
-	numOps
-)
+// Ops are declared family by family, each in the op_*.go file that holds
+// its spec rows, so an op's constant sits beside its spec. Each block
+// continues the numbering of the one before it (source, unary, binary,
+// contraction, reduce, normalize, movement, index, conv, loss, grad), so ids
+// stay dense: tables indexed by Op hold numOps rows.
 
 // OpInfo is one row of the op table: everything about an op but its
 // executor kernels. Rows live in the op_*.go file of their family.
