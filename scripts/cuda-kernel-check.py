@@ -30,6 +30,16 @@ def inline(name):
     return ''.join(out)
 
 
+def opcodes():
+    """The op codes of kernels/opcodes.cuh (generated from exec/cuda), by
+    C name, so this check passes codes by name and never drifts."""
+    text = open(f'{K}/opcodes.cuh').read()
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r'^\s*([A-Z][A-Z0-9_]*) = (\d+)', text, re.M)}
+
+
+OP = opcodes()
+
+
 def source(name):
     src = inline(name)
     if VARIANT[0] is not None:
@@ -176,36 +186,37 @@ def test_elementwise():
     c = math.sqrt(2 / math.pi)
     with np.errstate(all='ignore'):
         cases = [  # op, input, ref, exact
-            (0, x, -x64, True), (1, x, np.exp(x64), False), (2, xp, np.log(xp64), False),
-            (3, xp, np.sqrt(xp64), True), (4, x, np.abs(x64), True), (5, x, np.tanh(x64), False),
-            (6, x, 1 / (1 + np.exp(-x64)), False), (7, x, np.where(x64 < 0, 0, x64), True),
-            (8, x, 0.5 * x64 * erfc(-x64 / math.sqrt(2)), False),
-            (9, x, 0.5 * x64 * (1 + np.tanh(c * (x64 + 0.044715 * x64 ** 3))), False),
-            (10, x, np.sign(x64), True)]
+            ('U_NEG', x, -x64, True), ('U_EXP', x, np.exp(x64), False), ('U_LOG', xp, np.log(xp64), False),
+            ('U_SQRT', xp, np.sqrt(xp64), True), ('U_ABS', x, np.abs(x64), True), ('U_TANH', x, np.tanh(x64), False),
+            ('U_SIGMOID', x, 1 / (1 + np.exp(-x64)), False), ('U_RELU', x, np.where(x64 < 0, 0, x64), True),
+            ('U_GELU', x, 0.5 * x64 * erfc(-x64 / math.sqrt(2)), False),
+            ('U_GELU_TANH', x, 0.5 * x64 * (1 + np.tanh(c * (x64 + 0.044715 * x64 ** 3))), False),
+            ('U_SIGN', x, np.sign(x64), True)]
     for op, inp, ref, exact in cases:
         y = cp.empty(n, f32)
         g, b = flat(n)
-        launch(E, 'unary_f32', g, b, dev(inp), y, L(n), L(op))
+        launch(E, 'unary_f32', g, b, dev(inp), y, L(n), L(OP[op]))
         if exact:
-            if op == 10:
+            if op == 'U_SIGN':
                 ref = np.where(x64 == 0, x64, ref)  # sign keeps ±0
             same_bits(f'unary {op}', y, ref.astype(f32))
         else:
-            close(f'unary {op}', y, ref, 3e-6, 1e-37 if op != 8 and op != 9 else 1e-12)
+            close(f'unary {op}', y, ref, 3e-6, 1e-12 if op.startswith('U_GELU') else 1e-37)
     # scalar ops, s not representable in float32: double math rounded once
     s = 0.1
-    for op, ref in [(0, x64 + s), (1, x64 - s), (2, s - x64), (3, x64 * s), (4, x64 / s),
-                    (5, np.divide(s, x64, where=x64 != 0, out=np.full(n, np.inf) * np.where(np.signbit(x64), -1, 1))),
-                    (7, gomax(x64, s))]:
+    for op, ref in [('S_ADD_SCALAR', x64 + s), ('S_SUB_SCALAR', x64 - s), ('S_RSUB_SCALAR', s - x64),
+                    ('S_MUL_SCALAR', x64 * s), ('S_DIV_SCALAR', x64 / s),
+                    ('S_RDIV_SCALAR', np.divide(s, x64, where=x64 != 0, out=np.full(n, np.inf) * np.where(np.signbit(x64), -1, 1))),
+                    ('S_MAXIMUM_SCALAR', gomax(x64, s))]:
         y = cp.empty(n, f32)
         g, b = flat(n)
-        launch(E, 'scalar_f32', g, b, dev(x), y, L(n), L(op), D(s))
+        launch(E, 'scalar_f32', g, b, dev(x), y, L(n), L(OP[op]), D(s))
         same_bits(f'scalar {op}', y, ref.astype(f32))
     y = cp.empty(n, f32)
-    launch(E, 'scalar_f32', *flat(n), dev(xp), y, L(n), L(6), D(1.7))
+    launch(E, 'scalar_f32', *flat(n), dev(xp), y, L(n), L(OP['S_POW_SCALAR']), D(1.7))
     close('scalar pow', y, xp64 ** 1.7, 1.2e-7, 0)
     y = cp.empty(n, f32)
-    launch(E, 'scalar_f32', *flat(n), dev(x), y, L(n), L(7), D(0.0))
+    launch(E, 'scalar_f32', *flat(n), dev(x), y, L(n), L(OP['S_MAXIMUM_SCALAR']), D(0.0))
     same_bits('scalar maximum 0', y, gomax(x64, 0.0).astype(f32))
     # binary, contiguous
     a = (rng.standard_normal(n) * 2).astype(f32)
@@ -214,26 +225,26 @@ def test_elementwise():
     bb[:4] = [1, np.nan, 0.0, -0.0]
     bb[10:20] = a[10:20]
     with np.errstate(all='ignore'):
-        for op, ref in [(0, a + bb), (1, a - bb), (2, a * bb), (3, a / bb), (5, gomax(a, bb))]:
+        for op, ref in [('B_ADD', a + bb), ('B_SUB', a - bb), ('B_MUL', a * bb), ('B_DIV', a / bb), ('B_MAXIMUM', gomax(a, bb))]:
             y = cp.empty(n, f32)
-            launch(E, 'binary_f32', *flat(n), dev(a), dev(bb), y, L(n), L(op))
+            launch(E, 'binary_f32', *flat(n), dev(a), dev(bb), y, L(n), L(OP[op]))
             same_bits(f'binary {op}', y, ref)
     ap = np.abs(a) + 0.5
     y = cp.empty(n, f32)
-    launch(E, 'binary_f32', *flat(n), dev(ap), dev(bb), y, L(n), L(4))
+    launch(E, 'binary_f32', *flat(n), dev(ap), dev(bb), y, L(n), L(OP['B_POW']))
     close('binary pow', y, ap.astype(f64) ** bb.astype(f64), 1.2e-7, 0)
     # broadcasting
     A = rng.standard_normal((4, 1, 5)).astype(f32)
     B = rng.standard_normal((3, 1)).astype(f32)
     out = [4, 3, 5]
     geo = strided2(out, operand_strides([4, 1, 5], out), operand_strides([3, 1], out))
-    for op, ref in [(0, A + B), (1, A - B), (3, A / B), (5, gomax(A, B))]:
+    for op, ref in [('B_ADD', A + B), ('B_SUB', A - B), ('B_DIV', A / B), ('B_MAXIMUM', gomax(A, B))]:
         y = cp.empty(out, f32)
-        launch(E, 'binary_bcast_f32', *flat(60), dev(A), dev(B), y, L(60), L(op), geo)
+        launch(E, 'binary_bcast_f32', *flat(60), dev(A), dev(B), y, L(60), L(OP[op]), geo)
         same_bits(f'bcast {op}', y, ref.astype(f32))
     # scalar against tensor: rank-0 operand
     y = cp.empty(out, f32)
-    launch(E, 'binary_bcast_f32', (1,), (32,), dev(A), dev(np.array([2.5], f32)), y, L(60), L(2),
+    launch(E, 'binary_bcast_f32', (1,), (32,), dev(A), dev(np.array([2.5], f32)), y, L(60), L(OP['B_MUL']),
            strided2(out, operand_strides([4, 1, 5], out), [0, 0, 0]))
     same_bits('bcast scalar', y, np.broadcast_to(A * f32(2.5), out))
     # gradients
@@ -295,12 +306,12 @@ def test_reduce():
         xs = x.astype(f64)
         for bx, by in blocks:
             o = cp.empty(rows, f32)
-            launch(R, 'reduce_rows_f32', (-(-rows // by),), (bx, by), dev(x), o, L(rows), L(n), L(0), D(1.0 / n))
+            launch(R, 'reduce_rows_f32', (-(-rows // by),), (bx, by), dev(x), o, L(rows), L(n), L(OP['R_SUM']), D(1.0 / n))
             close(f'reduce_rows mean {rows}x{n} {bx}x{by}', o, xs.sum(1) / n, 2e-7, 1e-9)
             o = cp.empty(rows, f32)
-            launch(R, 'reduce_rows_f32', (min(3, -(-rows // by)),), (bx, by), dev(x), o, L(rows), L(n), L(1), D(1.0))
+            launch(R, 'reduce_rows_f32', (min(3, -(-rows // by)),), (bx, by), dev(x), o, L(rows), L(n), L(OP['R_MAX']), D(1.0))
             same_bits(f'reduce_rows max {rows}x{n} {bx}x{by}', o, x.max(1))
-        for op, ref in [(0, xs.sum(1)), (1, x.max(1))]:
+        for op, ref in [(OP['R_SUM'], xs.sum(1)), (OP['R_MAX'], x.max(1))]:
             splits = 4
             part = cp.empty((splits, rows), f32)
             launch(R, 'reduce_rows_f32', (-(-rows // 8), splits), (32, 8), dev(x), part, L(rows), L(n), L(op), D(1.0))
@@ -311,7 +322,7 @@ def test_reduce():
         x = rng.standard_normal((outer, n, inner)).astype(f32)
         xs = x.astype(f64)
         for splits in (1, 5):
-            for op, ref in [(0, xs.sum(1) * 0.5), (1, x.max(1))]:
+            for op, ref in [(OP['R_SUM'], xs.sum(1) * 0.5), (OP['R_MAX'], x.max(1))]:
                 part = cp.empty((splits, outer, inner), f32)
                 launch(R, 'reduce_mid_f32', (-(-inner // 32), min(outer, 65535), splits), (32, 8), dev(x), part,
                        L(outer), L(n), L(inner), L(op), D(0.5 if splits == 1 else 1.0))
@@ -325,7 +336,7 @@ def test_reduce():
     x = rng.standard_normal((3, 4, 5, 6)).astype(f32)
     geo = rgeom([4, 6], [30, 1], [3, 5], [120, 6])
     for splits in (1, 2):
-        for op, ref in [(0, x.astype(f64).sum((0, 2))), (1, x.max((0, 2)))]:
+        for op, ref in [(OP['R_SUM'], x.astype(f64).sum((0, 2))), (OP['R_MAX'], x.max((0, 2)))]:
             part = cp.empty((splits, 24), f32)
             launch(R, 'reduce_strided_f32', (3, splits), (32, 8), dev(x), part, geo, L(24), L(15), L(op), D(1.0))
             if splits == 1:
@@ -429,7 +440,7 @@ def test_layernorm():
                 o = part
             else:
                 o = cp.empty(d, f32)
-                launch('reduce.cu', 'reduce_mid_f32', (-(-d // 32), 1, 1), (32, 8), part, o, L(1), L(splits), L(d), L(0), D(1.0))
+                launch('reduce.cu', 'reduce_mid_f32', (-(-d // 32), 1, 1), (32, 8), part, o, L(1), L(splits), L(d), L(OP['R_SUM']), D(1.0))
             close(f'layer_norm_grad_w {rows}x{d} s{splits}', o.reshape(d), ref, 1e-6, 1e-6)
 
 
@@ -831,7 +842,7 @@ def timings():
     rows, c = 16384, 4096
     bench(f'softmax_rows {rows}x{c}', 8 * n, rawlaunch('softmax.cu', 'softmax_rows_f32', (rows,), (256, 1), x, y, L(rows), L(c), L(0)))
     bench(f'layer_norm {rows}x{c}', 8 * n, rawlaunch('layernorm.cu', 'layer_norm_f32', (rows,), (256, 1), x, None, None, y, L(rows), L(c), D(1e-5)))
-    bench(f'reduce_rows sum {rows}x{c}', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (rows,), (256, 1), x, y, L(rows), L(c), L(0), D(1)))
+    bench(f'reduce_rows sum {rows}x{c}', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (rows,), (256, 1), x, y, L(rows), L(c), L(OP['R_SUM']), D(1)))
     bench('reduce_rows sum 1x64M, 1024 splits', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (1, 1024), (1024, 1), x, y, L(1), L(n), L(0), D(1)))
     bench('reduce_mid sum [1, 1M, 64], 264 splits', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 264), (32, 8), x, y, L(1), L(1 << 20), L(64), L(0), D(1)))
     bench('reduce_mid sum [1, 1M, 64], no split', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 1), (32, 8), x, y, L(1), L(1 << 20), L(64), L(0), D(1)))

@@ -7,43 +7,44 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// Device op codes of the elementwise kernels, declared here once: an op's
+// code is its position in its list, and go generate writes the lists into
+// kernels/opcodes.cuh (OpcodeHeader). Every plain entry is also the op's
+// table entry (withCodes), and a Grad op is computed by unary_grad_f32
+// from the forward op's input, so a new unary op is one line here and its
+// case in elementwise.cu.
+var (
+	unaryCodes = opcode.Enum{Prefix: "U_", List: "UNARY_OPS",
+		Doc: "Unary op codes (unary_f32's op; unary_grad_f32's for ops with a Grad).", Names: []opcode.Name{
+			{Op: graph.OpNeg}, {Op: graph.OpExp}, {Op: graph.OpLog}, {Op: graph.OpSqrt}, {Op: graph.OpAbs},
+			{Op: graph.OpTanh}, {Op: graph.OpSigmoid}, {Op: graph.OpRelu},
+			{Op: graph.OpGelu, Note: "exact, with erf"},
+			{Op: graph.OpGelu, Variant: "tanh", Note: "tanh approximation (Attrs.Approx)"},
+			{Op: graph.OpSign},
+		}}
+	scalarCodes = opcode.Enum{Prefix: "S_", List: "SCALAR_OPS", Doc: "Scalar op codes (scalar_f32's op): x ∘ s.", Names: []opcode.Name{
+		{Op: graph.OpAddScalar, Note: "x + s"}, {Op: graph.OpSubScalar, Note: "x − s"},
+		{Op: graph.OpRSubScalar, Note: "s − x"}, {Op: graph.OpMulScalar, Note: "x · s"},
+		{Op: graph.OpDivScalar, Note: "x / s"}, {Op: graph.OpRDivScalar, Note: "s / x"},
+		{Op: graph.OpPowScalar, Note: "x ^ s"}, {Op: graph.OpMaximumScalar, Note: "max(x, s)"},
+	}}
+	binaryCodes = opcode.Enum{Prefix: "B_", List: "BINARY_OPS",
+		Doc: "Binary op codes (binary_f32's and binary_bcast_f32's op).", Names: []opcode.Name{
+			{Op: graph.OpAdd}, {Op: graph.OpSub}, {Op: graph.OpMul}, {Op: graph.OpDiv}, {Op: graph.OpPow}, {Op: graph.OpMaximum},
+		}}
+)
+
 // Elementwise family (kernels/elementwise.cu, dropout.cu, and fill from
-// accumulate.cu): unary, scalar and broadcasting binary ops with their
-// op codes (internal/opcode), the elementwise gradients, dropout,
-// causal_mask and fill.
-var elementwiseKernels = family{
-	graph.OpNeg:     unary(opcode.Neg),
-	graph.OpExp:     unary(opcode.Exp),
-	graph.OpLog:     unary(opcode.Log),
-	graph.OpSqrt:    unary(opcode.Sqrt),
-	graph.OpAbs:     unary(opcode.Abs),
-	graph.OpTanh:    unary(opcode.Tanh),
-	graph.OpSigmoid: unary(opcode.Sigmoid),
-	graph.OpRelu:    unary(opcode.Relu),
+// accumulate.cu): unary, scalar and broadcasting binary ops by their codes
+// above, the elementwise gradients, dropout, causal_mask and fill.
+var elementwiseKernels = withCodes(family{
 	graph.OpGelu: {run: func(k *kctx, in []operand, out operand) error {
+		variant := ""
 		if k.attrs().Approx {
-			return k.unary(opcode.GeluTanh, in[0], out)
+			variant = "tanh"
 		}
-		return k.unary(opcode.Gelu, in[0], out)
+		return k.unary(unaryCodes.Code(graph.OpGelu, variant), in[0], out)
 	}},
-	graph.OpSign: unary(opcode.Sign),
-
-	graph.OpAddScalar:     scalar(opcode.AddScalar),
-	graph.OpSubScalar:     scalar(opcode.SubScalar),
-	graph.OpRSubScalar:    scalar(opcode.RSubScalar),
-	graph.OpMulScalar:     scalar(opcode.MulScalar),
-	graph.OpDivScalar:     scalar(opcode.DivScalar),
-	graph.OpRDivScalar:    scalar(opcode.RDivScalar),
-	graph.OpPowScalar:     scalar(opcode.PowScalar),
-	graph.OpMaximumScalar: scalar(opcode.MaximumScalar),
-
-	graph.OpAdd:     binary(opcode.Add),
-	graph.OpSub:     binary(opcode.Sub),
-	graph.OpMul:     binary(opcode.Mul),
-	graph.OpDiv:     binary(opcode.Div),
-	graph.OpPow:     binary(opcode.Pow),
-	graph.OpMaximum: binary(opcode.Maximum),
-
 	graph.OpDropout:    {run: dropout},
 	graph.OpCausalMask: {run: causalMask},
 	graph.OpFill:       {run: fill},
@@ -67,11 +68,42 @@ var elementwiseKernels = family{
 		return k.quads(kMaximumScGrad, out.n(), g.p, in[1].p, out.p, out.n(), float32(k.attrs().Scalar))
 	})},
 	graph.OpMaximumGrad: {run: gradOf(maximumGrad)},
+}, unaryCodes, scalarCodes, binaryCodes)
+
+// withCodes adds to f the entries of the coded ops: unary, scalar or binary
+// by the enum, and unaryGrad for a unary code's Grad op. Ops that need
+// more than their code (gelu picks its variant) keep their entry in f.
+func withCodes(f family, unaryE, scalarE, binaryE opcode.Enum) family {
+	for _, c := range []struct {
+		e     opcode.Enum
+		entry func(opcode.Code) opKernel
+	}{{unaryE, unary}, {scalarE, scalar}, {binaryE, binary}} {
+		for i, n := range c.e.Names {
+			if _, ok := f[n.Op]; !ok && n.Variant == "" {
+				f[n.Op] = c.entry(opcode.Code(i))
+			}
+			if n.Grad != 0 {
+				f[n.Grad] = unaryGrad(opcode.Code(i))
+			}
+		}
+	}
+	return f
 }
 
 // unary is the entry of a unary op with op code code.
 func unary(code opcode.Code) opKernel {
 	return opKernel{run: func(k *kctx, in []operand, out operand) error { return k.unary(code, in[0], out) }}
+}
+
+// unaryGrad is the entry of the gradient op g · f'(x) of the unary op with
+// code code, computed by unary_grad_f32 from the forward input x.
+func unaryGrad(code opcode.Code) opKernel {
+	return opKernel{run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
+		if err := sameN(k.nd.Op, out, g, in[1]); err != nil {
+			return err
+		}
+		return k.quads(kUnaryGrad, out.n(), g.p, in[1].p, out.p, out.n(), code)
+	})}
 }
 
 func (k *kctx) unary(code opcode.Code, x, out operand) error {

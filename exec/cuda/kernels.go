@@ -15,7 +15,7 @@ import (
 
 // Sources holds the kernel files (kernels/*.cu) and the headers they share
 // (kernels/common.cuh, and kernels/opcodes.cuh, which go generate writes
-// from package internal/opcode).
+// from the op codes of the family files; see OpcodeHeader).
 //
 //go:embed kernels/*.cu kernels/*.cuh
 var Sources embed.FS

@@ -28,6 +28,7 @@ const (
 	kBinaryBcast     = "binary_bcast_f32"
 	kReluGrad        = "relu_grad_f32"
 	kGeluGrad        = "gelu_grad_f32"
+	kUnaryGrad       = "unary_grad_f32"
 	kMaximumScGrad   = "maximum_scalar_grad_f32"
 	kMaximumGrad     = "maximum_grad_f32"
 	kCausalMask      = "causal_mask_f32"
@@ -80,7 +81,7 @@ var kernelFiles = map[string][]string{
 	"batchnorm.cu":   {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
 	"conv.cu":        {kIm2col, kCol2im},
 	"dropout.cu":     {kDropout},
-	"elementwise.cu": {kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill},
+	"elementwise.cu": {kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad, kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill},
 	"index.cu":       {kEmbedding, kEmbeddingGrad},
 	"layernorm.cu":   {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
 	"loss.cu":        {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},

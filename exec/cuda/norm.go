@@ -2,7 +2,6 @@ package cuda
 
 import (
 	"github.com/batchfit/batchfit/alloc"
-	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -233,7 +232,7 @@ func (k *kctx) layerNormGradW(nd *graph.Node, g, x, out operand) error {
 	if err := k.launch(kLayerNormGradW, grid, tileBlock, g.p, x.p, stats, dst, rows, d); err != nil || splits == 1 {
 		return err
 	}
-	return k.launch(kReduceMid, [3]uint32{tileGridX(d), 1, 1}, tileBlock, dst, out.p, int64(1), splits, d, opcode.Sum, 1.0)
+	return k.launch(kReduceMid, [3]uint32{tileGridX(d), 1, 1}, tileBlock, dst, out.p, int64(1), splits, d, rSum, 1.0)
 }
 
 // channels views x [N, C, ...] as [n, c, inner].

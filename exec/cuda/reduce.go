@@ -7,6 +7,18 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// reduceCodes are the reduce_*_f32 kernels' op codes (R_SUM, R_MAX),
+// declared once and generated into kernels/opcodes.cuh; mean is R_SUM
+// with a scale.
+var reduceCodes = opcode.Enum{Prefix: "R_", Doc: "Reduction op codes (the reduce_*_f32 kernels' op).", Names: []opcode.Name{
+	{Op: graph.OpSum, Note: "sum and mean"}, {Op: graph.OpMax},
+}}
+
+var (
+	rSum = reduceCodes.Code(graph.OpSum, "")
+	rMax = reduceCodes.Code(graph.OpMax, "")
+)
+
 // Reduction family (kernels/reduce.cu): sum, mean and max over axes, max's
 // gradient, and expand (the gradient of sum and mean, a gather).
 var reduceKernels = family{
@@ -69,10 +81,10 @@ func reduce(k *kctx, in []operand, out operand) error {
 	if l.nout != out.n() {
 		return graph.Errorf(graph.ErrShape, "%s over axes %v of %v cannot give %v", nd.Op, a.Axes, x.shape, out.shape)
 	}
-	op, scale := opcode.Sum, 1.0
+	op, scale := rSum, 1.0
 	switch nd.Op {
 	case graph.OpMax:
-		op = opcode.Max
+		op = rMax
 	case graph.OpMean:
 		scale = a.Scalar
 	}
@@ -81,7 +93,7 @@ func reduce(k *kctx, in []operand, out operand) error {
 		return nil
 	case l.nred == 0: // empty reductions: the sum's 0, the max's −inf, as on the CPU
 		v := float32(0)
-		if op == opcode.Max {
+		if op == rMax {
 			v = float32(math.Inf(-1))
 		}
 		return k.flat(kFillF32, l.nout, out.p, l.nout, v)

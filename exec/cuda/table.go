@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/optable"
 	"github.com/batchfit/batchfit/planner"
@@ -22,6 +23,13 @@ type family map[graph.Op]opKernel
 // (the host side fills their blocks). TestKernelTableComplete fails when an
 // op has no entry or sits in two families.
 var kernelTable = optable.Build(families...)
+
+// OpcodeHeader is kernels/opcodes.cuh as the op codes declared in the
+// family files make it: go generate (internal/gen) writes it, and a test
+// fails when the committed header differs.
+func OpcodeHeader() []byte {
+	return opcode.Header(unaryCodes, scalarCodes, binaryCodes, reduceCodes)
+}
 
 // families is every family of the table.
 var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,

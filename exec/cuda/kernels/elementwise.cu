@@ -10,7 +10,9 @@
 // CPU's double evaluation to a few ulp.
 #include "common.cuh"
 
-// The op codes U_*, S_* and B_* come from opcodes.cuh (generated).
+// The op codes U_*, S_* and B_* and the X-macros UNARY_OPS, SCALAR_OPS and
+// BINARY_OPS over them come from opcodes.cuh (generated): a dispatch switch
+// names no code, so a new op needs only its case in the *_fn template.
 
 #define SQRT1_2_F 0.70710678118654752f
 #define SQRT_2_OVER_PI_F 0.79788456080286536f
@@ -55,32 +57,23 @@ __device__ void unary_loop(const float* __restrict__ x, float* __restrict__ y, i
 // unary_f32: y[i] = op(x[i]) for i < n.
 extern "C" __global__ void __launch_bounds__(256)
 unary_f32(const float* x, float* y, i64 n, i64 op) {
-  switch (op) {
-    case U_NEG: unary_loop<U_NEG>(x, y, n); break;
-    case U_EXP: unary_loop<U_EXP>(x, y, n); break;
-    case U_LOG: unary_loop<U_LOG>(x, y, n); break;
-    case U_SQRT: unary_loop<U_SQRT>(x, y, n); break;
-    case U_ABS: unary_loop<U_ABS>(x, y, n); break;
-    case U_TANH: unary_loop<U_TANH>(x, y, n); break;
-    case U_SIGMOID: unary_loop<U_SIGMOID>(x, y, n); break;
-    case U_RELU: unary_loop<U_RELU>(x, y, n); break;
-    case U_GELU: unary_loop<U_GELU>(x, y, n); break;
-    case U_GELU_TANH: unary_loop<U_GELU_TANH>(x, y, n); break;
-    case U_SIGN: unary_loop<U_SIGN>(x, y, n); break;
-  }
+#define CASE(OP) \
+  case OP: unary_loop<OP>(x, y, n); break;
+  switch (op) { UNARY_OPS(CASE) }
+#undef CASE
 }
 
 template <int OP>
 __device__ __forceinline__ double scalar_fn(double v, double s) {
   switch (OP) {
-    case S_ADD: return v + s;
-    case S_SUB: return v - s;
-    case S_RSUB: return s - v;
-    case S_MUL: return v * s;
-    case S_DIV: return v / s;
-    case S_RDIV: return s / v;
-    case S_POW: return pow(v, s);
-    case S_MAXIMUM: return go_max_d(v, s);
+    case S_ADD_SCALAR: return v + s;
+    case S_SUB_SCALAR: return v - s;
+    case S_RSUB_SCALAR: return s - v;
+    case S_MUL_SCALAR: return v * s;
+    case S_DIV_SCALAR: return v / s;
+    case S_RDIV_SCALAR: return s / v;
+    case S_POW_SCALAR: return pow(v, s);
+    case S_MAXIMUM_SCALAR: return go_max_d(v, s);
   }
   return v;
 }
@@ -93,16 +86,10 @@ __device__ void scalar_loop(const float* __restrict__ x, float* __restrict__ y, 
 // scalar_f32: y[i] = float(double(x[i]) ∘ s), s being Attrs.Scalar as given.
 extern "C" __global__ void __launch_bounds__(256)
 scalar_f32(const float* x, float* y, i64 n, i64 op, double s) {
-  switch (op) {
-    case S_ADD: scalar_loop<S_ADD>(x, y, n, s); break;
-    case S_SUB: scalar_loop<S_SUB>(x, y, n, s); break;
-    case S_RSUB: scalar_loop<S_RSUB>(x, y, n, s); break;
-    case S_MUL: scalar_loop<S_MUL>(x, y, n, s); break;
-    case S_DIV: scalar_loop<S_DIV>(x, y, n, s); break;
-    case S_RDIV: scalar_loop<S_RDIV>(x, y, n, s); break;
-    case S_POW: scalar_loop<S_POW>(x, y, n, s); break;
-    case S_MAXIMUM: scalar_loop<S_MAXIMUM>(x, y, n, s); break;
-  }
+#define CASE(OP) \
+  case OP: scalar_loop<OP>(x, y, n, s); break;
+  switch (op) { SCALAR_OPS(CASE) }
+#undef CASE
 }
 
 template <int OP>
@@ -127,14 +114,10 @@ __device__ void binary_loop(const float* __restrict__ a, const float* __restrict
 // binary_f32: y[i] = a[i] ∘ b[i], all three contiguous with n elements.
 extern "C" __global__ void __launch_bounds__(256)
 binary_f32(const float* a, const float* b, float* y, i64 n, i64 op) {
-  switch (op) {
-    case B_ADD: binary_loop<B_ADD>(a, b, y, n); break;
-    case B_SUB: binary_loop<B_SUB>(a, b, y, n); break;
-    case B_MUL: binary_loop<B_MUL>(a, b, y, n); break;
-    case B_DIV: binary_loop<B_DIV>(a, b, y, n); break;
-    case B_POW: binary_loop<B_POW>(a, b, y, n); break;
-    case B_MAXIMUM: binary_loop<B_MAXIMUM>(a, b, y, n); break;
-  }
+#define CASE(OP) \
+  case OP: binary_loop<OP>(a, b, y, n); break;
+  switch (op) { BINARY_OPS(CASE) }
+#undef CASE
 }
 
 template <int OP, typename I>
@@ -157,14 +140,10 @@ __device__ void bcast_dispatch(const float* a, const float* b, float* y, i64 n, 
 // NumPy broadcasting: a's element for position i is at offset Σ idx·g.sa.
 extern "C" __global__ void __launch_bounds__(256)
 binary_bcast_f32(const float* a, const float* b, float* y, i64 n, i64 op, Strided2 g) {
-  switch (op) {
-    case B_ADD: bcast_dispatch<B_ADD>(a, b, y, n, g); break;
-    case B_SUB: bcast_dispatch<B_SUB>(a, b, y, n, g); break;
-    case B_MUL: bcast_dispatch<B_MUL>(a, b, y, n, g); break;
-    case B_DIV: bcast_dispatch<B_DIV>(a, b, y, n, g); break;
-    case B_POW: bcast_dispatch<B_POW>(a, b, y, n, g); break;
-    case B_MAXIMUM: bcast_dispatch<B_MAXIMUM>(a, b, y, n, g); break;
-  }
+#define CASE(OP) \
+  case OP: bcast_dispatch<OP>(a, b, y, n, g); break;
+  switch (op) { BINARY_OPS(CASE) }
+#undef CASE
 }
 
 // relu_grad_f32: out = y > 0 ? g : 0, y being relu's output.
@@ -194,6 +173,26 @@ gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* _
     const float pdf = expf(-0.5f * v * v) * INV_SQRT_2PI_F;
     return gv * (cdf + v * pdf);
   });
+}
+
+// unary_grad_fn<OP>(g, v) is g · op'(v) for the unary ops whose gradient
+// op unary_grad_f32 computes from the forward input (those with a Grad in
+// exec/cuda's unary codes); any other OP gives NaN, never a silent 0.
+template <int OP>
+__device__ __forceinline__ float unary_grad_fn(float gv, float v) {
+  switch (OP) {
+  }
+  return __int_as_float(0x7fc00000);
+}
+
+// unary_grad_f32: out = g · op'(x), op a unary op code.
+extern "C" __global__ void __launch_bounds__(256)
+unary_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ out,
+               i64 n, i64 op) {
+#define CASE(OP) \
+  case OP: map2(g, x, out, n, [](float gv, float v) { return unary_grad_fn<OP>(gv, v); }); break;
+  switch (op) { UNARY_OPS(CASE) }
+#undef CASE
 }
 
 // maximum_share is ∂max(p, q)/∂p: 1 where p wins, ½ on a tie, else 0.

@@ -1,3 +1,3 @@
-// Command gen writes kernels/opcodes.cuh from package opcode's table. It is
+// Command gen writes kernels/opcodes.cuh from the op codes declared in exec/cuda's family files (cuda.OpcodeHeader). It is
 // run by go generate in exec/cuda (see kernels.go), from that directory.
 package main

@@ -4,11 +4,11 @@ import (
 	"log"
 	"os"
 
-	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
+	"github.com/batchfit/batchfit/exec/cuda"
 )
 
 func main() {
-	if err := os.WriteFile("kernels/opcodes.cuh", opcode.Header(), 0o644); err != nil {
+	if err := os.WriteFile("kernels/opcodes.cuh", cuda.OpcodeHeader(), 0o644); err != nil {
 		log.Fatal(err)
 	}
 }

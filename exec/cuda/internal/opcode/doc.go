@@ -1,5 +1,7 @@
-// Package opcode declares the op codes the CUDA kernels switch on, once:
-// exec/cuda passes them to the kernels, and the generator (../gen, run by
-// go generate in exec/cuda) writes them into kernels/opcodes.cuh as C enums.
-// A test in exec/cuda fails when that file drifts from this table.
+// Package opcode renders the op codes the CUDA kernels switch on as the C
+// header kernels/opcodes.cuh. The codes themselves are declared once, in
+// exec/cuda's family files beside the launches that pass them (an op's code
+// is its position in its family's list); the generator (../gen, run by go
+// generate in exec/cuda) writes the header from them, and a test in
+// exec/cuda fails when the committed header drifts.
 package opcode

@@ -1,20 +1,27 @@
 package opcode
 
-import "testing"
+import (
+	"strings"
+	"testing"
 
-// TestEnumsDense: each enum's codes are 0, 1, … in header order, and no C
-// name repeats, so the header's values are exactly the Go constants.
-func TestEnumsDense(t *testing.T) {
-	seen := map[string]bool{}
-	for _, e := range Enums {
-		for i, n := range e.Names {
-			if n.Code != Code(i) {
-				t.Errorf("%s is %d at position %d", n.C, n.Code, i)
-			}
-			if seen[n.C] {
-				t.Errorf("%s declared twice", n.C)
-			}
-			seen[n.C] = true
+	"github.com/batchfit/batchfit/graph"
+)
+
+func TestHeader(t *testing.T) {
+	e := Enum{Prefix: "U_", List: "UNARY_OPS", Doc: "Unary.", Names: []Name{
+		{Op: graph.OpNeg}, {Op: graph.OpGelu, Note: "exact"}, {Op: graph.OpGelu, Variant: "tanh"},
+	}}
+	h := string(Header(e))
+	for _, want := range []string{"  U_NEG = 0,\n", "  U_GELU = 1,  // exact\n", "  U_GELU_TANH = 2\n",
+		"#define UNARY_OPS(X) X(U_NEG) X(U_GELU) X(U_GELU_TANH)\n"} {
+		if !strings.Contains(h, want) {
+			t.Errorf("header lacks %q:\n%s", want, h)
 		}
+	}
+	if c := e.Code(graph.OpGelu, "tanh"); c != 2 {
+		t.Errorf("gelu tanh code %d, want 2", c)
+	}
+	if c := e.Code(graph.OpExp, ""); c != -1 {
+		t.Errorf("exp's code %d, want -1 (not in the enum)", c)
 	}
 }
