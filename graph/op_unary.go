@@ -19,6 +19,8 @@ const (
 	// (Attrs.Seed, Attrs.Counter, global batch row, element), so chunked
 	// runs draw the whole batch's mask. Its gradient is the same op on g.
 	OpDropout
+	OpSilu          // x·sigmoid(x) (SiLU, "swish"), as Llama's MLP uses
+	OpSiluGrad      // g, x: g·s·(1 + x·(1 − s)) with s = sigmoid(x); silu's gradient op
 	OpAddScalar     // x + s
 	OpSubScalar     // x − s
 	OpRSubScalar    // s − x
@@ -77,6 +79,15 @@ var unaryOps = []OpInfo{
 	// The gradient redraws the same mask and scale from the node's key.
 	OpDropout: {Name: "dropout", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"scalar", "seed", "counter"}, Rule: dropout, Chunk: plainChunk,
 		VJP: func(b VJPBuilder, n *Node, g int) { b.Accumulate(n.Inputs[0], b.Emit(OpDropout, n.Attrs, g)) }},
+	// silu keeps its input for backward, whose one fused op recomputes the
+	// sigmoid rather than keeping it.
+	OpSilu: {Name: "silu", Category: CatUnary, MinArity: 1, Arity: 1, Rule: unary, Chunk: plainChunk, Saves: SavesInput(0),
+		VJP: func(b VJPBuilder, n *Node, g int) {
+			x := n.Inputs[0]
+			b.Accumulate(x, b.Emit(OpSiluGrad, Attrs{}, g, x))
+		}},
+	OpSiluGrad: {Name: "silu_grad", Category: CatGrad, MinArity: 2, Arity: 2, NoVJP: noVJPGrad,
+		Rule: gradRule(sameAsGrad), Chunk: plainChunk},
 }
 
 var scalarOps = []OpInfo{

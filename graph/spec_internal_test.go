@@ -148,7 +148,7 @@ func TestSavesMatchVJP(t *testing.T) {
 	x23 := []Type{f(2, 3)}
 	samples := map[Op][]sample{
 		OpNeg: {{in: x23}}, OpExp: {{in: x23}}, OpLog: {{in: x23}}, OpSqrt: {{in: x23}}, OpAbs: {{in: x23}},
-		OpTanh: {{in: x23}}, OpSigmoid: {{in: x23}}, OpRelu: {{in: x23}}, OpGelu: {{in: x23}}, OpSign: {{in: x23}},
+		OpTanh: {{in: x23}}, OpSigmoid: {{in: x23}}, OpRelu: {{in: x23}}, OpGelu: {{in: x23}}, OpSign: {{in: x23}}, OpSilu: {{in: x23}},
 		OpCausalMask: {{in: x23}}, OpDropout: {{in: x23, attrs: Attrs{Scalar: 0.5}}},
 		OpAddScalar: {{in: x23}}, OpSubScalar: {{in: x23}}, OpRSubScalar: {{in: x23}}, OpMulScalar: {{in: x23}},
 		OpDivScalar: {{in: x23}}, OpRDivScalar: {{in: x23}}, OpPowScalar: {{in: x23, attrs: Attrs{Scalar: 3}}},

@@ -35,6 +35,9 @@ func (t *Tensor) Dropout(p float64, seed, step uint64) *Tensor {
 	return apply(graph.OpDropout, graph.Attrs{Scalar: p, Seed: seed, Counter: step}, t)
 }
 
+// Silu is x·sigmoid(x) (SiLU or swish, the activation of Llama's MLP).
+func (t *Tensor) Silu() *Tensor { return apply(graph.OpSilu, graph.Attrs{}, t) }
+
 // GeluTanh is GELU's tanh approximation (GPT-2's "gelu_new").
 func (t *Tensor) GeluTanh() *Tensor { return apply(graph.OpGelu, graph.Attrs{Approx: true}, t) }
 

@@ -191,7 +191,7 @@ def test_elementwise():
             ('U_SIGMOID', x, 1 / (1 + np.exp(-x64)), False), ('U_RELU', x, np.where(x64 < 0, 0, x64), True),
             ('U_GELU', x, 0.5 * x64 * erfc(-x64 / math.sqrt(2)), False),
             ('U_GELU_TANH', x, 0.5 * x64 * (1 + np.tanh(c * (x64 + 0.044715 * x64 ** 3))), False),
-            ('U_SIGN', x, np.sign(x64), True)]
+            ('U_SIGN', x, np.sign(x64), True), ('U_SILU', x, x64 / (1 + np.exp(-x64)), False)]
     for op, inp, ref, exact in cases:
         y = cp.empty(n, f32)
         g, b = flat(n)
@@ -266,6 +266,10 @@ def test_elementwise():
     o = cp.empty(n, f32)
     launch(E, 'gelu_grad_f32', *flat(n), dev(g), dev(xs), o, L(n), L(1))
     close('gelu_grad tanh', o, g * d, 3e-6, 3e-7)
+    s6 = 1 / (1 + np.exp(-x6))
+    o = cp.empty(n, f32)
+    launch(E, 'unary_grad_f32', *flat(n), dev(g), dev(xs), o, L(n), L(OP['U_SILU']))
+    close('unary_grad silu', o, g * (s6 + x6 * s6 * (1 - s6)), 3e-6, 3e-7)
     xi = rng.integers(-2, 3, n).astype(f32)
     o = cp.empty(n, f32)
     launch(E, 'maximum_scalar_grad_f32', *flat(n), dev(g), dev(xi), o, L(n), F(1.0))

@@ -22,6 +22,7 @@ func gradValidCases() []ruleCase {
 		{name: "batched", op: graph.OpReluGrad, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
 		{name: "unbatched g, batched y", op: graph.OpReluGrad, in: ts(f(4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
 		{name: "batched", op: graph.OpGeluGrad, attrs: graph.Attrs{Approx: true}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
+		{name: "batched", op: graph.OpSiluGrad, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
 		{name: "batched", op: graph.OpMaximumScalarGrad, attrs: graph.Attrs{Scalar: 0.5}, in: ts(fb(1, 2, 4), fb(1, 2, 4)), want: fb(1, 2, 4)},
 		// maximum_grad gives the broadcast output's shape; autodiff sums it down.
 		{name: "for a", op: graph.OpMaximumGrad, in: ts(fb(0, 4, 3), fb(0, 4, 3), f(3)), want: fb(0, 4, 3)},
@@ -76,6 +77,7 @@ func gradRejectCases() []rejectCase {
 
 		{name: "shapes differ", op: graph.OpReluGrad, in: ts(fb(0, 4, 3), fb(0, 4, 2)), want: graph.ErrShape},
 		{name: "int64 gradient", op: graph.OpReluGrad, in: ts(ib(0, 4, 3), fb(0, 4, 3)), want: graph.ErrDType},
+		{name: "shapes differ", op: graph.OpSiluGrad, in: ts(fb(0, 4, 3), fb(0, 4, 2)), want: graph.ErrShape},
 		{name: "dtypes differ", op: graph.OpGeluGrad, in: ts(fb(0, 4, 3), ib(0, 4, 3)), want: graph.ErrShape},
 		{name: "shapes differ", op: graph.OpMaximumScalarGrad, in: ts(fb(0, 4, 3), f(3)), want: graph.ErrShape},
 		{name: "batch axes do not line up", op: graph.OpReluGrad, in: ts(fb(0, 4, 4), fb(1, 4, 4)), want: graph.ErrShape},

@@ -83,7 +83,7 @@ func validCases() []ruleCase {
 
 	// Unary and scalar ops keep the input type exactly.
 	for _, op := range []graph.Op{graph.OpNeg, graph.OpExp, graph.OpLog, graph.OpSqrt, graph.OpAbs,
-		graph.OpTanh, graph.OpSigmoid, graph.OpRelu, graph.OpGelu, graph.OpSign} {
+		graph.OpTanh, graph.OpSigmoid, graph.OpRelu, graph.OpGelu, graph.OpSign, graph.OpSilu} {
 		add(ruleCase{name: "batched", op: op, in: ts(fb(0, 4, 3)), want: fb(0, 4, 3)},
 			ruleCase{name: "scalar", op: op, in: ts(f()), want: f()},
 			ruleCase{name: "folded batch", op: op, in: ts(fp(1, 2, 3, 8)), want: fp(1, 2, 3, 8)})
@@ -343,7 +343,7 @@ func rejectCases() []rejectCase {
 	add := func(c ...rejectCase) { cs = append(cs, c...) }
 
 	for _, op := range []graph.Op{graph.OpNeg, graph.OpExp, graph.OpLog, graph.OpSqrt, graph.OpAbs, graph.OpTanh,
-		graph.OpSigmoid, graph.OpRelu, graph.OpGelu, graph.OpSign, graph.OpAddScalar, graph.OpSubScalar, graph.OpRSubScalar,
+		graph.OpSigmoid, graph.OpRelu, graph.OpGelu, graph.OpSign, graph.OpSilu, graph.OpAddScalar, graph.OpSubScalar, graph.OpRSubScalar,
 		graph.OpMulScalar, graph.OpDivScalar, graph.OpRDivScalar, graph.OpPowScalar, graph.OpMaximumScalar} {
 		add(rejectCase{name: "int64", op: op, in: ts(ib(0, 4, 3)), want: graph.ErrDType},
 			rejectCase{name: "two inputs", op: op, in: ts(f(3), f(3)), want: graph.ErrArity})

@@ -12,7 +12,15 @@ var elementwiseKernels = family{
 	graph.OpNeg: {run: unary}, graph.OpExp: {run: unary}, graph.OpLog: {run: unary},
 	graph.OpSqrt: {run: unary}, graph.OpAbs: {run: unary}, graph.OpTanh: {run: unary},
 	graph.OpSigmoid: {run: unary}, graph.OpRelu: {run: unary}, graph.OpGelu: {run: unary},
-	graph.OpSign: {run: unary},
+	graph.OpSign: {run: unary}, graph.OpSilu: {run: unary},
+	graph.OpSiluGrad: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
+		g, x := in[0], in[1]
+		for i, v := range x.f {
+			s := sigmoid(float64(v))
+			out.f[i] = float32(float64(g.f[i]) * s * (1 + float64(v)*(1-s)))
+		}
+		return nil
+	}},
 
 	graph.OpAddScalar: {run: unary}, graph.OpSubScalar: {run: unary}, graph.OpRSubScalar: {run: unary},
 	graph.OpMulScalar: {run: unary}, graph.OpDivScalar: {run: unary}, graph.OpRDivScalar: {run: unary},
@@ -180,6 +188,8 @@ func unaryFunc(op graph.Op, a *graph.Attrs) func(float64) float64 {
 		return func(v float64) float64 { return math.Pow(v, s) }
 	case graph.OpSign:
 		return sign
+	case graph.OpSilu:
+		return func(v float64) float64 { return v * sigmoid(v) }
 	}
 	return nil
 }

@@ -27,6 +27,7 @@ func TestUnary(t *testing.T) {
 		{"gelu", -4, 4, (*lazy.Tensor).Gelu, func(x float64) float64 {
 			return x * 0.5 * math.Erfc(-x/math.Sqrt2) // Φ(x) = erfc(−x/√2)/2
 		}},
+		{"silu", -8, 8, (*lazy.Tensor).Silu, func(x float64) float64 { return x / (1 + math.Exp(-x)) }},
 		{"gelu_tanh", -4, 4, (*lazy.Tensor).GeluTanh, func(x float64) float64 {
 			u := math.Sqrt(2/math.Pi) * (x + 0.044715*x*x*x)
 			return 0.5 * x * (1 + math.Tanh(u))

@@ -20,7 +20,7 @@ var (
 			{Op: graph.OpTanh}, {Op: graph.OpSigmoid}, {Op: graph.OpRelu},
 			{Op: graph.OpGelu, Note: "exact, with erf"},
 			{Op: graph.OpGelu, Variant: "tanh", Note: "tanh approximation (Attrs.Approx)"},
-			{Op: graph.OpSign},
+			{Op: graph.OpSign}, {Op: graph.OpSilu, Grad: graph.OpSiluGrad},
 		}}
 	scalarCodes = opcode.Enum{Prefix: "S_", List: "SCALAR_OPS", Doc: "Scalar op codes (scalar_f32's op): x ∘ s.", Names: []opcode.Name{
 		{Op: graph.OpAddScalar, Note: "x + s"}, {Op: graph.OpSubScalar, Note: "x − s"},

@@ -63,6 +63,7 @@ var Cases = []Case{
 	{Name: "sigmoid", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Sigmoid() }},
 	{Name: "relu", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Relu() }},
 	{Name: "gelu", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).Gelu() }},
+	{Name: "silu", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).Silu() }},
 	{Name: "gelu_tanh", Shapes: [][]int{{2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MulScalar(3).GeluTanh() }},
 	{Name: "scalar_ops", Shapes: [][]int{{2, 3}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		x := p[0]

@@ -11,7 +11,7 @@ import (
 var elementwiseKernels = family{
 	graph.OpNeg: unaryOp, graph.OpExp: unaryOp, graph.OpLog: unaryOp, graph.OpSqrt: unaryOp,
 	graph.OpAbs: unaryOp, graph.OpTanh: unaryOp, graph.OpSigmoid: unaryOp, graph.OpRelu: unaryOp,
-	graph.OpGelu: unaryOp, graph.OpSign: unaryOp,
+	graph.OpGelu: unaryOp, graph.OpSign: unaryOp, graph.OpSilu: unaryOp,
 
 	graph.OpAddScalar: scalarOp, graph.OpSubScalar: scalarOp, graph.OpRSubScalar: scalarOp,
 	graph.OpMulScalar: scalarOp, graph.OpDivScalar: scalarOp, graph.OpRDivScalar: scalarOp,
@@ -40,6 +40,14 @@ var elementwiseKernels = family{
 	graph.OpGeluGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		for i, x := range in[1].Data {
 			out.Data[i] = in[0].Data[i] * geluDeriv(x, a.Approx)
+		}
+		return nil
+	},
+	// d silu/dx = s + x·s·(1 − s) with s = 1/(1 + e^−x).
+	graph.OpSiluGrad: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		for i, x := range in[1].Data {
+			s := 1 / (1 + math.Exp(-x))
+			out.Data[i] = in[0].Data[i] * (s + x*s*(1-s))
 		}
 		return nil
 	},
@@ -132,6 +140,8 @@ func unary(op graph.Op, approx bool, x float64) float64 {
 		return 0
 	case graph.OpGelu:
 		return gelu(x, approx)
+	case graph.OpSilu:
+		return x / (1 + math.Exp(-x))
 	case graph.OpSign:
 		switch {
 		case x > 0:

@@ -36,6 +36,10 @@ func TestUnary(t *testing.T) {
 	require.InDelta(t, 0.8411919906082768, got[7].Data[3], 1e-12)
 	require.InDelta(t, 0.0, got[7].Data[2], handTol)
 
+	// silu(x) = x·σ(x) = x/(1 + e^−x): silu(1) = e/(1+e), silu(−2) = −2/(1+e²).
+	got = eval(t, x.Silu())
+	requireClose(t, val([]int{4}, -2/(1+e*e), -0.5/(1+math.Sqrt(e)), 0, e/(1+e)), got[0], handTol)
+
 	p := lazy.Wrap(tf([]int{3}, 0.25, 1, 4), 0)
 	got = eval(t, p.Log(), p.Sqrt())
 	requireClose(t, val([]int{3}, -2*ln(2), 0, 2*ln(2)), got[0], handTol)

@@ -45,6 +45,7 @@ __device__ __forceinline__ float unary_fn(float v) {
       return v / (1.f + expf(-2.f * u));
     }
     case U_SIGN: return v > 0.f ? 1.f : (v < 0.f ? -1.f : v);  // 0, −0, NaN stay
+    case U_SILU: return v * sigmoid_f(v);
   }
   return v;
 }
@@ -181,6 +182,10 @@ gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* _
 template <int OP>
 __device__ __forceinline__ float unary_grad_fn(float gv, float v) {
   switch (OP) {
+    case U_SILU: {  // s + v·s·(1 − s), s = sigmoid(v)
+      const float s = sigmoid_f(v);
+      return gv * (s * (1.f + v * (1.f - s)));
+    }
   }
   return __int_as_float(0x7fc00000);
 }

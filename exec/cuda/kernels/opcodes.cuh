@@ -16,9 +16,10 @@ enum {
   U_RELU = 7,
   U_GELU = 8,  // exact, with erf
   U_GELU_TANH = 9,  // tanh approximation (Attrs.Approx)
-  U_SIGN = 10
+  U_SIGN = 10,
+  U_SILU = 11
 };
-#define UNARY_OPS(X) X(U_NEG) X(U_EXP) X(U_LOG) X(U_SQRT) X(U_ABS) X(U_TANH) X(U_SIGMOID) X(U_RELU) X(U_GELU) X(U_GELU_TANH) X(U_SIGN)
+#define UNARY_OPS(X) X(U_NEG) X(U_EXP) X(U_LOG) X(U_SQRT) X(U_ABS) X(U_TANH) X(U_SIGMOID) X(U_RELU) X(U_GELU) X(U_GELU_TANH) X(U_SIGN) X(U_SILU)
 
 // Scalar op codes (scalar_f32's op): x ∘ s.
 enum {
