@@ -9,6 +9,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
@@ -50,7 +51,7 @@ type Options struct {
 // signature (its analysis, its program and its plan) is computed once.
 type Session struct {
 	opts   Options
-	be     backend // nil when err is set
+	be     exec.Executor // nil when err is set
 	device string
 	err    error // why no executor could be made
 	plans  planner.Cache
@@ -78,7 +79,7 @@ type programKey struct {
 // it, and so does every Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: map[programKey]*planner.Program{}}
-	s.be, s.device, s.err = chooseBackend(opts)
+	s.be, s.device, s.err = chooseExecutor(opts)
 	if s.err != nil {
 		s.device = "none: " + s.err.Error()
 	}
@@ -96,7 +97,7 @@ func (s *Session) Close() error {
 		return nil
 	}
 	// The host tensors get the trained values before the device copies go.
-	return errors.Join(s.be.syncParams(), s.be.close())
+	return errors.Join(s.be.SyncParams(), s.be.Close())
 }
 
 // SyncParams brings the trained parameters' host tensors up to date. On
@@ -109,7 +110,7 @@ func (s *Session) SyncParams() error {
 	if s.be == nil {
 		return s.err
 	}
-	return s.be.syncParams()
+	return s.be.SyncParams()
 }
 
 // Device names the executor the session runs on and why, on one line:
@@ -124,7 +125,7 @@ func (s *Session) Overhead() int64 {
 	if s.be == nil {
 		return 0
 	}
-	return s.be.overhead()
+	return s.be.Overhead()
 }
 
 // CacheHits counts runs that reused a compiled program.
@@ -164,7 +165,7 @@ func (s *Session) Allocator() *alloc.Allocator {
 	if s.be == nil {
 		return nil
 	}
-	return s.be.allocator()
+	return s.be.Allocator()
 }
 
 // Yield gives the session's device memory back between steps, as
@@ -188,7 +189,7 @@ func (s *Session) Yield() error {
 	if s.be == nil {
 		return s.err
 	}
-	return s.be.yield()
+	return s.be.Yield()
 }
 
 // Restore re-allocates and refills what Yield gave back, in the order it
@@ -200,11 +201,11 @@ func (s *Session) Restore() error {
 	if s.be == nil {
 		return s.err
 	}
-	return s.be.restore()
+	return s.be.Restore()
 }
 
 // Yielded reports whether the session's memory is given back.
-func (s *Session) Yielded() bool { return s.be != nil && s.be.yielded() }
+func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 
 // program returns the compiled program of g for outputs, computing the
 // analysis and schedule once per graph signature.
@@ -222,7 +223,7 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 		return nil, err
 	}
 	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: s.be.workspace()})
+		StateSlots: slots, Workspace: s.be.Workspace()})
 	if err != nil {
 		return nil, err
 	}
@@ -230,8 +231,8 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 	return p, nil
 }
 
-// run plans p within the budget and executes it; st is a training step's
-// optimizer and parameters, nil for Eval.
+// run plans p within the budget and executes it; opt is a training step's
+// optimizer, nil for Eval.
 //
 // When the device runs out of memory anyway (another process took memory
 // between the plan and the run), the step is planned again within what is
@@ -239,14 +240,14 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 // failed run changes nothing: the optimizer updates only after the last
 // chunk, and the executor frees what the run held, so no chunk is lost or
 // counted twice.
-func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]*tensor.Dense, error) {
+func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer) ([]*tensor.Dense, error) {
 	var (
 		pl   *planner.Plan
 		outs []*tensor.Dense
 		u    planner.Usage
 	)
 	for attempt := 0; ; attempt++ {
-		budget, err := s.be.budget()
+		budget, err := exec.Budget(s.be)
 		if err != nil {
 			return nil, err
 		}
@@ -260,12 +261,17 @@ func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]
 		// bytes; capping the allocator there (plus what it holds outside
 		// every plan) makes the real one release its cache where the
 		// simulation did, even on a device with room to spare.
-		s.be.allocator().SetLimit(pl.Available() + s.be.overhead())
+		s.be.Allocator().SetLimit(pl.Available() + s.be.Overhead())
 		if s.beforeRun != nil {
 			s.beforeRun()
 		}
-		outs, u, err = s.be.run(ctx, p, pl.Chunks, st, s.opts.Timeline)
+		// Parameters, gradients and optimizer state stay on the device;
+		// SyncParams brings the host tensors up to date.
+		var res *exec.Result
+		res, err = s.be.Execute(ctx, p, pl.Chunks, exec.Options{Resident: true, Timeline: s.opts.Timeline,
+			Optimizer: opt, KeptOnDevice: opt != nil})
 		if err == nil {
+			outs, u = res.Outputs, res.Usage
 			break
 		}
 		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) {
@@ -275,7 +281,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]
 		// segments sized for the plan that failed. The new plan replays from
 		// a device holding only the resident buffers, so give the cache back
 		// first: the retry then lays out as planned.
-		if err := s.be.allocator().EmptyCache(); err != nil {
+		if err := s.be.Allocator().EmptyCache(); err != nil {
 			return nil, err
 		}
 	}
@@ -356,12 +362,6 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if err != nil {
 		return 0, err
 	}
-	data := make([][]float32, len(params))
-	for i, p := range params {
-		if data[i], err = paramData(p); err != nil {
-			return 0, err
-		}
-	}
 	ids := make([]int, len(outs))
 	for i, t := range outs {
 		ids[i] = t.ID()
@@ -369,16 +369,15 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	trained := make([]int, len(params))
 	for i, p := range params {
 		trained[i] = g.NodeOf(p)
+		if _, err := exec.ParamData(g.IR().Node(trained[i]), p.Value()); err != nil {
+			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
+		}
 	}
 	prog, err := s.program(g.IR(), ids, ids[1:], trained, opt.StateSlots())
 	if err != nil {
 		return 0, err
 	}
-	st := &stepArgs{opt: opt, params: make([]optim.Param, len(params))}
-	for i, p := range params {
-		st.params[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data[i]}
-	}
-	vals, err := s.run(ctx, prog, st)
+	vals, err := s.run(ctx, prog, opt)
 	if err != nil {
 		return 0, err
 	}
@@ -397,27 +396,4 @@ func scalarOf(d *tensor.Dense) (float32, error) {
 		}
 	}
 	return 0, graph.Errorf(graph.ErrShape, "loss has shape %v, want a scalar", d.Shape())
-}
-
-// paramData is the float32 storage of a parameter, which the optimizer
-// updates in place.
-func paramData(p *lazy.Tensor) ([]float32, error) {
-	d, ok := p.Value().(*tensor.Dense)
-	if !ok || d == nil {
-		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
-			Err: graph.Errorf(graph.ErrNoData, "parameter %q has no data (shape-only)", p.Name())}
-	}
-	if d.Dtype() != tensor.Float32 {
-		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
-			Err: graph.Errorf(graph.ErrDType, "parameter %q is %v, want float32", p.Name(), d.Dtype())}
-	}
-	// The optimizer writes the backing slice in order, so it must be the
-	// row-major layout the gradient has: a transposed or strided view is not.
-	if d.RequiresIterator() {
-		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
-			Err: graph.Errorf(graph.ErrAttr, "parameter %q is a transposed or strided view; materialize it before training", p.Name())}
-	}
-	// Float32s is the backing slice, a scalar's included (Data would
-	// return a bare float32 for shape []).
-	return d.Float32s(), nil
 }

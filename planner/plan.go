@@ -162,6 +162,7 @@ func (*residentSim) Run(*graph.Node, Chunk, *alloc.Block, []*alloc.Block, *alloc
 func (*residentSim) Freed(Buffer, *alloc.Block)                            {}
 func (*residentSim) ChunkDone(Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
 func (*residentSim) Finish([]*alloc.Block) error                           { return nil }
+func (*residentSim) EveryChunk() bool                                      { return false }
 
 // unlimited is a capacity no plan reaches: 1 EiB.
 const unlimited = 1 << 60

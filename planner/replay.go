@@ -77,6 +77,11 @@ type Hooks interface {
 	// Finish receives the final kept outputs (accumulators, or the single
 	// chunk's blocks) before they are freed: the optimizer step goes here.
 	Finish(kept []*alloc.Block) error
+	// EveryChunk reports whether the hooks must see every chunk. Hooks
+	// that compute or observe say true; a simulation that only keeps
+	// buffers resident says false, and a replay without a timeline then
+	// skips chunks known to repeat, as it does with nil hooks.
+	EveryChunk() bool
 }
 
 // Point is the allocator's state after one step of a replay.
@@ -161,8 +166,7 @@ func Replay(p *Program, chunks []Chunk, a *alloc.Allocator, h Hooks, record bool
 	// ones), so every later chunk of its size would repeat it step for step.
 	// A bare replay (no hooks, no timeline) skips those: planning a batch
 	// of thousands in chunks of one then costs a few chunks, not thousands.
-	_, sim := h.(*residentSim) // a simulation with resident buffers runs nothing either
-	bare := (h == nil || sim) && !record
+	bare := (h == nil || !h.EveryChunk()) && !record
 	repeats := -1 // size of the chunks known to repeat
 	var before alloc.Stats
 	for _, c := range chunks {
