@@ -34,6 +34,12 @@ type Executor interface {
 	Overhead() int64
 	// SyncParams brings trained parameters' host tensors up to date.
 	SyncParams() error
+	// Held lists the buffers the executor keeps resident, in allocation
+	// order (PlanResidents tells a plan about them).
+	Held() []Held
+	// ReleaseUnread frees the resident constants that p does not read,
+	// before p runs; it reports whether it freed any.
+	ReleaseUnread(p *planner.Program) (bool, error)
 	// Close releases the executor's device memory.
 	Close() error
 	Yielder

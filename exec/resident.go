@@ -6,6 +6,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/planner"
 )
 
@@ -22,10 +23,19 @@ type ResidentKey struct {
 // the executor's own record of it (exec/cpu: the value; exec/cuda: the
 // host copy while yielded).
 type Resident[V any] struct {
-	Blk  *alloc.Block // nil while yielded
-	Size int64        // requested bytes
-	Tag  alloc.Tag    // the tag of the program that first allocated it
-	Val  V
+	Blk   *alloc.Block // nil while yielded
+	Size  int64        // requested bytes
+	Tag   alloc.Tag    // the tag of the program that first allocated it
+	Val   V
+	key   ResidentKey
+	konst bool // a constant's: released by the first run that does not read it
+}
+
+// Held is a resident buffer as a plan sees it (Executor.Held).
+type Held struct {
+	Key   ResidentKey
+	Bytes int64
+	Tag   alloc.Tag
 }
 
 // Residents is an executor's table of resident buffers, in allocation
@@ -47,11 +57,11 @@ func (rs *Residents[V]) List() []*Resident[V] { return rs.list }
 func (rs *Residents[V]) Yielded() bool { return rs.yielded }
 
 // keep records a persistent buffer just allocated and filled.
-func (rs *Residents[V]) keep(k ResidentKey, pb planner.Buffer, blk *alloc.Block, v V) {
+func (rs *Residents[V]) keep(k ResidentKey, pb planner.Buffer, blk *alloc.Block, v V, konst bool) {
 	if rs.byKey == nil {
 		rs.byKey = map[ResidentKey]*Resident[V]{}
 	}
-	rb := &Resident[V]{Blk: blk, Size: pb.Bytes(0), Tag: pb.Tag, Val: v}
+	rb := &Resident[V]{Blk: blk, Size: pb.Bytes(0), Tag: pb.Tag, Val: v, key: k, konst: konst}
 	rs.byKey[k] = rb
 	rs.list = append(rs.list, rb)
 }
@@ -74,7 +84,6 @@ func (rs *Residents[V]) Yield(a *alloc.Allocator, save func(*Resident[V]) error)
 			return err
 		}
 		rb.Blk = nil
-		rs.yielded = true
 	}
 	rs.yielded = true
 	return a.EmptyCache()
@@ -115,6 +124,65 @@ func (rs *Residents[V]) Restore(a *alloc.Allocator, load func(*Resident[V]) erro
 	}
 	rs.yielded = false
 	return nil
+}
+
+// Held lists the resident buffers, in allocation order.
+func (rs *Residents[V]) Held() []Held {
+	h := make([]Held, len(rs.list))
+	for i, rb := range rs.list {
+		h[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag}
+	}
+	return h
+}
+
+// ReleaseUnread frees the resident constants that p does not read (a
+// constant made anew every step is read by one step only) and reports
+// whether it freed any. The others keep their allocation order; when a
+// freed one lay between two that stay, the rest are moved together
+// (Yield with save, then Restore with load), so the allocator holds what
+// allocating the remaining residents in order on an empty device leaves,
+// which is what the planner simulates.
+func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, save, load func(*Resident[V]) error) (bool, error) {
+	read := map[ResidentKey]bool{}
+	for _, bi := range p.Persistent {
+		b := p.Buffers[bi]
+		if t := p.Graph.Node(b.Node).Value; t != nil {
+			read[keyOf(b, t)] = true
+		}
+	}
+	kept := rs.list[:0:0]
+	var freed []*Resident[V]
+	gap := false // a freed resident lies before one that stays
+	for _, rb := range rs.list {
+		if rb.konst && !read[rb.key] {
+			freed = append(freed, rb)
+			continue
+		}
+		gap = gap || len(freed) > 0
+		kept = append(kept, rb)
+	}
+	if len(freed) == 0 {
+		return false, nil
+	}
+	if gap && !rs.yielded {
+		if err := rs.Yield(a, save); err != nil {
+			return true, err
+		}
+	}
+	rs.list = kept
+	for _, rb := range freed {
+		delete(rs.byKey, rb.key)
+		if rb.Blk != nil {
+			if err := a.Free(rb.Blk); err != nil {
+				return true, err
+			}
+			rb.Blk = nil
+		}
+	}
+	if gap {
+		return true, rs.Restore(a, load)
+	}
+	return true, nil
 }
 
 // Release frees every resident block and forgets them all (an executor's
@@ -174,7 +242,33 @@ func (c *Call[V]) Key(b planner.Buffer) (k ResidentKey, ok bool) {
 	if t == nil {
 		return k, false
 	}
-	return ResidentKey{data: t, kind: b.Kind, slot: b.Slot}, true
+	return keyOf(b, t), true
+}
+
+func keyOf(b planner.Buffer, t tensor.Tensor) ResidentKey {
+	return ResidentKey{data: t, kind: b.Kind, slot: b.Slot}
+}
+
+// PlanResidents describes held, an executor's residents in allocation
+// order, to the planner for program p: each stands for the persistent
+// buffer of p with its key (from the nodes' own values), if any.
+func PlanResidents(p *planner.Program, held []Held) []planner.Held {
+	buf := map[ResidentKey]int{}
+	for _, bi := range p.Persistent {
+		b := p.Buffers[bi]
+		if t := p.Graph.Node(b.Node).Value; t != nil {
+			buf[keyOf(b, t)] = bi
+		}
+	}
+	out := make([]planner.Held, len(held))
+	for i, h := range held {
+		bi, ok := buf[h.Key]
+		if !ok {
+			bi = -1
+		}
+		out[i] = planner.Held{Bytes: h.Bytes, Tag: h.Tag, Buffer: bi}
+	}
+	return out
 }
 
 // Resident is b's resident buffer holding a block, or nil.
@@ -192,7 +286,7 @@ func (c *Call[V]) Resident(b planner.Buffer) *Resident[V] {
 // which the replay frees) to be freed by Free.
 func (c *Call[V]) Keep(pb planner.Buffer, blk *alloc.Block, v V) {
 	if k, ok := c.Key(pb); ok {
-		c.R.keep(k, pb, blk, v)
+		c.R.keep(k, pb, blk, v, c.P.Graph.Node(pb.Node).Op == graph.OpConst)
 	} else if pb.Kind != planner.BufAccumulator {
 		c.Made = append(c.Made, blk)
 	}

@@ -82,6 +82,36 @@ type Options struct {
 	// Timeline records the allocator state after every step of the chosen
 	// plan's replay.
 	Timeline bool
+	// Resident lists the buffers the device already holds when the run
+	// starts, in the order they were allocated (an executor's resident
+	// parameters, constants and optimizer state, whichever program made
+	// them). The simulated device allocates them first; those that stand
+	// for a persistent buffer of the program are found resident there.
+	Resident []Held
+}
+
+// Held is a buffer the device holds before a run: its requested bytes,
+// its tag and the index in Program.Buffers of the persistent buffer it
+// holds, or −1 when the program does not read it.
+type Held struct {
+	Bytes  int64
+	Tag    alloc.Tag
+	Buffer int
+}
+
+// fresh reports whether held is what the program's own first replay
+// allocates first (its persistent buffers, in order): a device holding
+// them is, to the allocator, a fresh device that has run the program once.
+func (p *Program) fresh(held []Held) bool {
+	if len(held) > len(p.Persistent) {
+		return false
+	}
+	for i, h := range held {
+		if h.Buffer != p.Persistent[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // DefaultHeadroom is kept back from the budget unless told otherwise: every
@@ -110,16 +140,30 @@ type Plan struct {
 // Available is the budget after headroom.
 func (p *Plan) Available() int64 { return p.Budget - p.Headroom }
 
-// simulate replays chunks on a fresh simulated device of the given
-// capacity; ok is false when it ran out of memory.
+// simulate replays chunks on a simulated device of the given capacity;
+// ok is false when it ran out of memory.
 //
 // It replays two steps, as a training loop runs them: the second starts
 // with the persistent buffers resident and the cache holding the first
 // step's segments, and may need a segment the first did not. The usage is
 // the larger of the two; the timeline, when recorded, is the first step's.
-func simulate(p *Program, chunks []Chunk, capacity int64, record bool) (u Usage, ok bool, err error) {
+//
+// The device first holds held, allocated in order.
+func simulate(p *Program, chunks []Chunk, capacity int64, record bool, held []Held) (u Usage, ok bool, err error) {
 	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
 	h := &residentSim{blocks: map[residentKey]*alloc.Block{}}
+	for _, r := range held {
+		blk, err := a.Malloc(r.Bytes, r.Tag)
+		if errors.Is(err, alloc.ErrOutOfMemory) {
+			return u, false, nil
+		}
+		if err != nil {
+			return u, false, err
+		}
+		if r.Buffer >= 0 {
+			h.blocks[key(p.Buffers[r.Buffer])] = blk
+		}
+	}
 	for step := range 2 {
 		s, err := Replay(p, chunks, a, h, record && step == 0)
 		if errors.Is(err, alloc.ErrOutOfMemory) {
@@ -182,13 +226,17 @@ func Make(p *Program, o Options) (*Plan, error) {
 		return nil, fmt.Errorf("%w: the graph has no batched input", ErrNoBatch)
 	}
 	avail := o.Budget - head
+	held := o.Resident
+	if p.fresh(held) {
+		held = nil
+	}
 	pl := &Plan{Batch: n, Budget: o.Budget, Headroom: head}
 	for _, bi := range p.Persistent {
 		pl.Persistent += p.Buffers[bi].Bytes(0)
 	}
 	fits := func(b int) (Usage, bool, error) {
 		pl.Replays++
-		return simulate(p, ChunksOf(n, b), avail, false)
+		return simulate(p, ChunksOf(n, b), avail, false, held)
 	}
 	// One chunk needs no gradient accumulators, so it can fit where a
 	// chunked run of the same batch does not: try it first.
@@ -198,18 +246,18 @@ func Make(p *Program, o Options) (*Plan, error) {
 	} else if ok {
 		chosen = n
 	} else if p.Info.NotChunkable != nil {
-		return nil, p.doesNotFit(n, avail, p.Info.NotChunkable)
+		return nil, p.doesNotFit(n, avail, held, p.Info.NotChunkable)
 	}
 	// The affine fit of a chunked run's peak, from unconstrained replays at
 	// two chunk sizes that both need several chunks.
 	if n >= 3 {
 		c1 := max(1, n/4)
 		c2 := max(c1+1, n/2)
-		u1, _, err := simulate(p, ChunksOf(n, c1), unlimited, false)
+		u1, _, err := simulate(p, ChunksOf(n, c1), unlimited, false, held)
 		if err != nil {
 			return nil, err
 		}
-		u2, _, err := simulate(p, ChunksOf(n, c2), unlimited, false)
+		u2, _, err := simulate(p, ChunksOf(n, c2), unlimited, false, held)
 		if err != nil {
 			return nil, err
 		}
@@ -221,7 +269,7 @@ func Make(p *Program, o Options) (*Plan, error) {
 		if _, ok, err := fits(1); err != nil {
 			return nil, err
 		} else if !ok {
-			return nil, p.doesNotFit(1, avail, nil)
+			return nil, p.doesNotFit(1, avail, held, nil)
 		}
 		lo, hi := 1, n        // lo fits, hi does not
 		if pl.PerSample > 0 { // first guess from the affine fit
@@ -249,13 +297,13 @@ func Make(p *Program, o Options) (*Plan, error) {
 	}
 	pl.Chunks = ChunksOf(n, chosen)
 	pl.Chunk = pl.Chunks[0].Size
-	u, ok, err := simulate(p, pl.Chunks, avail, o.Timeline)
+	u, ok, err := simulate(p, pl.Chunks, avail, o.Timeline, held)
 	pl.Replays++
 	if err != nil {
 		return nil, err
 	}
 	if !ok { // cannot happen: chosen was checked with the same chunks
-		return nil, p.doesNotFit(pl.Chunk, avail, nil)
+		return nil, p.doesNotFit(pl.Chunk, avail, held, nil)
 	}
 	pl.PeakReserved, pl.PeakAllocated, pl.Timeline = u.PeakReserved, u.PeakAllocated, u.Timeline
 	return pl, nil
@@ -263,9 +311,9 @@ func Make(p *Program, o Options) (*Plan, error) {
 
 // doesNotFit measures what a run at chunk size b needs and lists the
 // largest buffers.
-func (p *Program) doesNotFit(b int, avail int64, reason error) error {
-	u, _, _ := simulate(p, ChunksOf(p.Batch, b), unlimited, false)
-	w, _, _ := simulate(p, ChunksOf(p.Batch, p.Batch), unlimited, false)
+func (p *Program) doesNotFit(b int, avail int64, held []Held, reason error) error {
+	u, _, _ := simulate(p, ChunksOf(p.Batch, b), unlimited, false, held)
+	w, _, _ := simulate(p, ChunksOf(p.Batch, p.Batch), unlimited, false, held)
 	e := &DoesNotFitError{Chunk: b, Needed: u.PeakReserved, Whole: w.PeakReserved, Available: avail, batch: p.Batch}
 	if reason != nil {
 		e.Reason = reason
@@ -273,6 +321,11 @@ func (p *Program) doesNotFit(b int, avail int64, reason error) error {
 	uses := make([]BufferUse, 0, len(p.Buffers))
 	for _, bi := range p.Persistent {
 		e.Fixed += p.Buffers[bi].Bytes(0)
+	}
+	for _, h := range held {
+		if h.Buffer < 0 {
+			e.Fixed += h.Bytes
+		}
 	}
 	for _, buf := range p.Buffers {
 		uses = append(uses, BufferUse{Tag: buf.Tag, Kind: buf.Kind, Bytes: buf.Bytes(b)})
@@ -295,6 +348,7 @@ type cacheKey struct {
 	kept, trained    string
 	budget, headroom int64
 	noHeadroom       bool
+	held             string
 }
 
 // Signature identifies what a program's memory depends on: its graph, its
@@ -327,6 +381,9 @@ func (p *Program) signature() uint64 {
 func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	key := cacheKey{sig: p.Signature(), kept: fmt.Sprint(p.Kept), trained: fmt.Sprint(len(p.Persistent)),
 		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom}
+	if !p.fresh(o.Resident) {
+		key.held = heldKey(o.Resident)
+	}
 	c.mu.Lock()
 	if pl, ok := c.plans[key]; ok {
 		c.hits++
@@ -352,4 +409,14 @@ func (c *Cache) Hits() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.hits
+}
+
+// heldKey identifies what a device holding held means to a replay: the
+// sizes, in order, and which program buffer each stands for.
+func heldKey(held []Held) string {
+	var b strings.Builder
+	for _, h := range held {
+		fmt.Fprintf(&b, "%d:%d,", h.Bytes, h.Buffer)
+	}
+	return b.String()
 }

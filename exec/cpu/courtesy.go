@@ -1,5 +1,10 @@
 package cpu
 
+import (
+	"github.com/batchfit/batchfit/exec"
+	"github.com/batchfit/batchfit/planner"
+)
+
 // Yield gives the executor's device memory back between steps, as
 // pytorch_memlab's Courtesy does: every resident block (parameters,
 // constants, the optimizer state's accounting) is freed and the
@@ -47,4 +52,20 @@ func (e *Executor) Close() error {
 		return err
 	}
 	return a.EmptyCache()
+}
+
+// Held lists the resident buffers, in allocation order (exec.Executor).
+func (e *Executor) Held() []exec.Held {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.resident.Held()
+}
+
+// ReleaseUnread frees the resident constants p does not read
+// (exec.Executor).
+func (e *Executor) ReleaseUnread(p *planner.Program) (bool, error) {
+	a := e.allocator()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.resident.ReleaseUnread(a, p, nil, nil)
 }

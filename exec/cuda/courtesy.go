@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/batchfit/batchfit/exec"
+	"github.com/batchfit/batchfit/planner"
 )
 
 // residentBuf is the executor's record of a buffer kept on the device
@@ -14,6 +15,59 @@ type residentBuf struct {
 	// device copy a device-side update has changed since it was last
 	// downloaded; SyncParams writes it and clears it.
 	newer []float32
+}
+
+// Held lists the resident buffers, in allocation order (exec.Executor).
+func (e *Executor) Held() []exec.Held {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.resident.Held()
+}
+
+// ReleaseUnread frees the resident constants p does not read
+// (exec.Executor). When one lay between residents that stay, those are
+// moved together through host memory, as Yield and Restore move them.
+func (e *Executor) ReleaseUnread(p *planner.Program) (bool, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return false, fmt.Errorf("%w: executor", ErrClosed)
+	}
+	var released bool
+	err := e.d.do(func() error {
+		var err error
+		released, err = e.resident.ReleaseUnread(e.a, p, e.save, e.load)
+		if err == nil && !e.resident.Yielded() {
+			e.dropHostCopies()
+		}
+		return err
+	})
+	return released, err
+}
+
+// dropHostCopies forgets the host copies once every resident is back on
+// the device.
+func (e *Executor) dropHostCopies() {
+	for _, rb := range e.resident.List() {
+		rb.Val.host = nil
+	}
+}
+
+// save keeps a host copy of a resident block's bytes (Yield).
+func (e *Executor) save(rb *exec.Resident[*residentBuf]) error {
+	// Every device value is float32 or int64, so its size is a whole
+	// number of 4-byte words.
+	host := make([]float32, (rb.Size+3)/4)
+	if err := CopyDtoH(e.d, host, rb.Blk.Ptr()); err != nil {
+		return err
+	}
+	rb.Val.host = host
+	return nil
+}
+
+// load uploads a resident block's host copy (Restore).
+func (e *Executor) load(rb *exec.Resident[*residentBuf]) error {
+	return CopyHtoD(e.d, rb.Blk.Ptr(), rb.Val.host)
 }
 
 // Yield gives the executor's device memory back between steps, as
@@ -32,18 +86,7 @@ func (e *Executor) Yield() error {
 	if e.closed {
 		return fmt.Errorf("%w: executor", ErrClosed)
 	}
-	return e.d.do(func() error {
-		return e.resident.Yield(e.a, func(rb *exec.Resident[*residentBuf]) error {
-			// Every device value is float32 or int64, so its size is a
-			// whole number of 4-byte words.
-			host := make([]float32, (rb.Size+3)/4)
-			if err := CopyDtoH(e.d, host, rb.Blk.Ptr()); err != nil {
-				return err
-			}
-			rb.Val.host = host
-			return nil
-		})
-	})
+	return e.d.do(func() error { return e.resident.Yield(e.a, e.save) })
 }
 
 // Restore allocates the resident buffers Yield freed again, in the order
@@ -100,14 +143,9 @@ func (e *Executor) restore() error {
 	if !e.resident.Yielded() {
 		return nil
 	}
-	err := e.resident.Restore(e.a, func(rb *exec.Resident[*residentBuf]) error {
-		return CopyHtoD(e.d, rb.Blk.Ptr(), rb.Val.host)
-	})
-	if err != nil {
+	if err := e.resident.Restore(e.a, e.load); err != nil {
 		return err
 	}
-	for _, rb := range e.resident.List() {
-		rb.Val.host = nil
-	}
+	e.dropHostCopies()
 	return nil
 }
