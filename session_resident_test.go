@@ -1,0 +1,72 @@
+package batchfit_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// wideModel is 784 → 512 → 10: the first weight (1.6 MB) and each of
+// Adam's two state tensors for it take a large block of their own.
+func wideModel() trainModel {
+	opt := nn.Seed(31)
+	m := nn.NewSequential(nn.NewLinear(opt, 784, 512, true), nn.ReLU{}, nn.NewLinear(opt, 512, 10, true))
+	return trainModel{"wide", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
+		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
+	}}
+}
+
+// evalProgram compiles the graph of out alone, as Session.Eval does.
+func evalProgram(t *testing.T, out *lazy.Tensor) *planner.Program {
+	t.Helper()
+	g := out.Graph().IR()
+	info, err := shapeinfer.Analyze(g, out.ID())
+	require.NoError(t, err)
+	p, err := planner.Compile(g, info, []int{out.ID()}, planner.CompileOptions{Workspace: cpu.Workspace})
+	require.NoError(t, err)
+	return p
+}
+
+// Issue 17 item 1: after training steps, an evaluation in the same session
+// is planned on a device that holds the optimizer state Step left
+// resident, so it fits wherever a fresh session's does (in more chunks if
+// need be) and its peaks are measured as predicted, to the byte.
+func TestEvalAfterStepCountsResidentState(t *testing.T) {
+	const n = 512
+	m := wideModel()
+	rng := rand.New(rand.NewPCG(81, 82))
+	loss, _ := m.build(rng, n)
+	budgets := tightBudgets(t, evalProgram(t, loss))
+	for _, chunks := range []int{1, 2} {
+		budget, ok := budgets[chunks]
+		require.True(t, ok, "a fresh Eval runs in %d chunks at some budget", chunks)
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
+		opt := optim.NewAdam(1e-3)
+		for step := range 2 {
+			loss, params := m.build(rng, n)
+			_, err := sess.Step(context.Background(), loss, params, opt)
+			require.NoError(t, err, "budget %d: step %d", budget, step)
+			require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved, "budget %d: step %d", budget, step)
+			loss, _ = m.build(rng, n)
+			_, err = sess.Eval(context.Background(), loss)
+			require.NoError(t, err, "budget %d: eval after step %d, where a fresh session's runs", budget, step)
+			pl, used := sess.LastPlan(), sess.LastUsage()
+			require.Equal(t, pl.PeakReserved, used.PeakReserved, "budget %d: eval after step %d: reserved", budget, step)
+			require.Equal(t, pl.PeakAllocated, used.PeakAllocated, "budget %d: eval after step %d: allocated", budget, step)
+		}
+		require.NoError(t, sess.Close())
+	}
+}
