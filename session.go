@@ -11,6 +11,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/lru"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
@@ -57,7 +58,7 @@ type Session struct {
 	plans  planner.Cache
 
 	mu       sync.Mutex
-	programs map[programKey]*planner.Program
+	programs lru.Cache[programKey, *planner.Program] // without their graphs
 	hits     int
 	last     *planner.Plan
 	lastProg *planner.Program
@@ -78,7 +79,7 @@ type programKey struct {
 // usable GPU, or names no device) the session holds the error: Err returns
 // it, and so does every Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
-	s := &Session{opts: opts, programs: map[programKey]*planner.Program{}}
+	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
 	s.be, s.device, s.err = chooseExecutor(opts)
 	if s.err != nil {
 		s.device = "none: " + s.err.Error()
@@ -214,7 +215,7 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 		trained: fmt.Sprint(trained), slots: slots}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if p, ok := s.programs[key]; ok {
+	if p, ok := s.programs.Get(key); ok {
 		s.hits++
 		return p.Rebind(g), nil
 	}
@@ -227,7 +228,9 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 	if err != nil {
 		return nil, err
 	}
-	s.programs[key] = p
+	// The cache keeps the schedule, not the graph: its nodes hold the
+	// step's data (inputs, constants), which must not outlive the step.
+	s.programs.Put(key, p.Rebind(nil))
 	return p, nil
 }
 

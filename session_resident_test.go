@@ -3,9 +3,12 @@ package batchfit_test
 import (
 	"context"
 	"math/rand/v2"
+	"runtime"
 	"testing"
+	"weak"
 
 	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
@@ -116,4 +119,40 @@ func TestConstantPerStepIsReleased(t *testing.T) {
 		require.Equal(t, reserved, st.ReservedBytes[alloc.All].Current, "step %d: reserved bytes moved", step)
 	}
 	require.NoError(t, sess.Close())
+}
+
+// Issue 17 item 3: with a new batch size every step (a short last batch,
+// sequence-length buckets), nothing the session caches keeps a step's
+// data: every input of an earlier step is garbage once the step is over,
+// and the caches hold at most planner.CacheSize entries.
+func TestVariableShapesPinNoData(t *testing.T) {
+	const shapes = planner.CacheSize + 6
+	opt := nn.Seed(43)
+	m := nn.NewSequential(nn.NewLinear(opt, 64, 32, true), nn.ReLU{}, nn.NewLinear(opt, 32, 4, true))
+	rng := rand.New(rand.NewPCG(85, 86))
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: 64 << 20})
+	sgd := optim.NewSGD(1e-2, 0)
+	var inputs []weak.Pointer[tensor.Dense]
+	for n := 1; n <= shapes; n++ {
+		xd := uniformF32(rng, n, 64)
+		inputs = append(inputs, weak.Make(xd))
+		x := lazy.Wrap(xd, 0)
+		y := x.Graph().Wrap(classes(rng, 4, n), 0)
+		loss := m.Forward(x).CrossEntropy(y, graph.ReduceMean)
+		_, err := sess.Step(context.Background(), loss, nn.ParamTensors(m), sgd)
+		require.NoError(t, err, "batch %d", n)
+		if n%2 == 0 { // and an evaluation of a batch of the same size
+			_, err = sess.Eval(context.Background(), m.Forward(lazy.Wrap(uniformF32(rng, n, 64), 0)))
+			require.NoError(t, err, "eval of batch %d", n)
+		}
+	}
+	// The last Eval's graph stays reachable through LastProgram; every
+	// Step's input is garbage.
+	runtime.GC()
+	for i, p := range inputs {
+		require.True(t, p.Value() == nil, "the input of batch %d is still reachable", i+1)
+	}
+	require.Equal(t, planner.CacheSize, batchfit.CachedPrograms(sess), "programs cached")
+	require.Equal(t, planner.CacheSize, batchfit.CachedPlans(sess), "plans cached")
+	runtime.KeepAlive(sess)
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/lru"
 )
 
 // Errors.
@@ -335,11 +336,16 @@ func (p *Program) doesNotFit(b int, avail int64, held []Held, reason error) erro
 	return e
 }
 
+// CacheSize bounds a Cache: it keeps the CacheSize plans most recently
+// made or found, evicting the least recently used.
+const CacheSize = 64
+
 // Cache keeps plans by program signature and options, so a steady training
-// loop plans once.
+// loop plans once. It holds at most CacheSize plans; a plan holds no
+// graph and no data.
 type Cache struct {
 	mu    sync.Mutex
-	plans map[cacheKey]*Plan
+	plans lru.Cache[cacheKey, *Plan]
 	hits  int
 }
 
@@ -385,7 +391,7 @@ func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 		key.held = heldKey(o.Resident)
 	}
 	c.mu.Lock()
-	if pl, ok := c.plans[key]; ok {
+	if pl, ok := c.plans.Get(key); ok {
 		c.hits++
 		c.mu.Unlock()
 		return pl, nil
@@ -397,11 +403,16 @@ func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.plans == nil {
-		c.plans = map[cacheKey]*Plan{}
-	}
-	c.plans[key] = pl
+	c.plans.Max = CacheSize
+	c.plans.Put(key, pl)
 	return pl, nil
+}
+
+// Len is the number of plans cached.
+func (c *Cache) Len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.plans.Len()
 }
 
 // Hits counts plans served from the cache.
