@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"gorgonia.org/tensor"
 
@@ -55,6 +56,7 @@ type Session struct {
 	be     exec.Executor // nil when err is set
 	device string
 	err    error // why no executor could be made
+	closed atomic.Bool
 	plans  planner.Cache
 
 	mu       sync.Mutex
@@ -93,12 +95,34 @@ func (s *Session) Err() error { return s.err }
 // Close releases the session's device: its executor's memory, cuBLAS
 // handle and kernels, and the CUDA context. A CPU session holds nothing
 // to release.
+// After Close every Step, Eval, SyncParams, Yield and Restore returns
+// ErrClosed; closing again does nothing.
 func (s *Session) Close() error {
-	if s.be == nil {
+	if s.be == nil || s.closed.Swap(true) {
 		return nil
 	}
 	// The host tensors get the trained values before the device copies go.
 	return errors.Join(s.be.SyncParams(), s.be.Close())
+}
+
+// ErrClosed is returned by a Session's calls after Close.
+var ErrClosed = errors.New("batchfit: session closed")
+
+// ErrDuplicateParam is returned by Step when a parameter is listed twice
+// (the same lazy tensor, or two over the same host tensor): it would be
+// updated twice.
+var ErrDuplicateParam = errors.New("parameter listed twice")
+
+// executor is the session's executor, or why there is none: the error
+// NewSession met, or ErrClosed.
+func (s *Session) executor() (exec.Executor, error) {
+	switch {
+	case s.be == nil:
+		return nil, s.err
+	case s.closed.Load():
+		return nil, ErrClosed
+	}
+	return s.be, nil
 }
 
 // SyncParams brings the trained parameters' host tensors up to date. On
@@ -108,10 +132,11 @@ func (s *Session) Close() error {
 // changed since the last SyncParams are downloaded; Close syncs too. On the
 // CPU the host tensors are the parameters, and SyncParams does nothing.
 func (s *Session) SyncParams() error {
-	if s.be == nil {
-		return s.err
+	be, err := s.executor()
+	if err != nil {
+		return err
 	}
-	return s.be.SyncParams()
+	return be.SyncParams()
 }
 
 // Device names the executor the session runs on and why, on one line:
@@ -187,10 +212,11 @@ func (s *Session) Allocator() *alloc.Allocator {
 // runs as if Yield had never happened: the same parameters and optimizer
 // state, bit for bit, and the peaks the plan predicts.
 func (s *Session) Yield() error {
-	if s.be == nil {
-		return s.err
+	be, err := s.executor()
+	if err != nil {
+		return err
 	}
-	return s.be.Yield()
+	return be.Yield()
 }
 
 // Restore re-allocates and refills what Yield gave back, in the order it
@@ -199,10 +225,11 @@ func (s *Session) Yield() error {
 // session stays yielded, holding nothing; it may be called again. Restore
 // without a Yield does nothing.
 func (s *Session) Restore() error {
-	if s.be == nil {
-		return s.err
+	be, err := s.executor()
+	if err != nil {
+		return err
 	}
-	return s.be.Restore()
+	return be.Restore()
 }
 
 // Yielded reports whether the session's memory is given back.
@@ -336,8 +363,8 @@ func sameGraph(op string, ts []*lazy.Tensor) (*lazy.Graph, error) {
 // Eval runs the graph of outputs without gradients (inference) and returns
 // their values.
 func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.Dense, error) {
-	if s.be == nil {
-		return nil, s.err
+	if _, err := s.executor(); err != nil {
+		return nil, err
 	}
 	g, err := sameGraph("eval", outputs)
 	if err != nil {
@@ -367,8 +394,8 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
-	if s.be == nil {
-		return 0, s.err
+	if _, err := s.executor(); err != nil {
+		return 0, err
 	}
 	if err := loss.Err(); err != nil {
 		return 0, err
@@ -376,22 +403,35 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if opt == nil {
 		return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
+	for i, p := range params {
+		for j, q := range params[:i] {
+			if p == q || (p.Value() != nil && p.Value() == q.Value()) {
+				return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
+					Err: fmt.Errorf("%w: parameters %d and %d (%q)", ErrDuplicateParam, j, i, p.Name())}
+			}
+		}
+	}
 	grads := lazy.Grad(loss, params...)
 	outs := append([]*lazy.Tensor{loss}, grads...)
 	g, err := sameGraph("step", outs)
 	if err != nil {
 		return 0, err
 	}
-	ids := make([]int, len(outs))
-	for i, t := range outs {
-		ids[i] = t.ID()
-	}
-	trained := make([]int, len(params))
+	// A parameter the loss does not depend on gets a zero-filled gradient;
+	// like PyTorch's parameters whose grad is None, it is not updated (no
+	// weight decay, no momentum) and gets no optimizer state.
+	ids := []int{loss.ID()}
+	var trained []int
 	for i, p := range params {
-		trained[i] = g.NodeOf(p)
-		if _, err := exec.ParamData(g.IR().Node(trained[i]), p.Value()); err != nil {
+		id := g.NodeOf(p)
+		if _, err := exec.ParamData(g.IR().Node(id), p.Value()); err != nil {
 			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
 		}
+		if gr := g.IR().Node(grads[i].ID()); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
+			continue
+		}
+		ids = append(ids, grads[i].ID())
+		trained = append(trained, id)
 	}
 	prog, err := s.program(g.IR(), ids, ids[1:], trained, opt.StateSlots())
 	if err != nil {

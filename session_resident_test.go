@@ -4,6 +4,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"testing"
 	"weak"
 
@@ -12,6 +13,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -155,4 +157,95 @@ func TestVariableShapesPinNoData(t *testing.T) {
 	require.Equal(t, planner.CacheSize, batchfit.CachedPrograms(sess), "programs cached")
 	require.Equal(t, planner.CacheSize, batchfit.CachedPlans(sess), "plans cached")
 	runtime.KeepAlive(sess)
+}
+
+// Issue 17 item 4: a closed session says so with ErrClosed; a parameter
+// listed twice is a typed error; a parameter with no gradient path is left
+// alone, as PyTorch skips parameters whose grad is None; an error inside a
+// chunk names the samples of the caller's batch it came from.
+func TestSessionContract(t *testing.T) {
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(87, 88))
+	t.Run("closed", func(t *testing.T) {
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+		m := newMLP(rng)
+		x, labels := batchOf(rng, batch)
+		_, loss := m.loss(x, labels)
+		_, err := sess.Step(ctx, loss, m.params, optim.NewSGD(0.1, 0))
+		require.NoError(t, err)
+		require.NoError(t, sess.Close())
+		require.NoError(t, sess.Close(), "closing twice")
+		_, loss = m.loss(x, labels)
+		_, err = sess.Step(ctx, loss, m.params, optim.NewSGD(0.1, 0))
+		require.ErrorIs(t, err, batchfit.ErrClosed)
+		_, err = sess.Eval(ctx, loss)
+		require.ErrorIs(t, err, batchfit.ErrClosed)
+		require.ErrorIs(t, sess.Yield(), batchfit.ErrClosed)
+		require.ErrorIs(t, sess.Restore(), batchfit.ErrClosed)
+		require.ErrorIs(t, sess.SyncParams(), batchfit.ErrClosed)
+	})
+	t.Run("duplicate parameter", func(t *testing.T) {
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+		m := newMLP(rng)
+		x, labels := batchOf(rng, batch)
+		before := m.snapshot()
+		_, loss := m.loss(x, labels)
+		_, err := sess.Step(ctx, loss, append(slices.Clone(m.params), m.params[1]), optim.NewSGD(0.1, 0))
+		require.ErrorIs(t, err, batchfit.ErrDuplicateParam)
+		var oe *graph.OpError
+		require.ErrorAs(t, err, &oe)
+		// Two lazy tensors over one host tensor are the same parameter too.
+		again := lazy.Param(m.params[0].Value(), "again")
+		_, loss = m.loss(x, labels)
+		_, err = sess.Step(ctx, loss, append(slices.Clone(m.params), again), optim.NewSGD(0.1, 0))
+		require.ErrorIs(t, err, batchfit.ErrDuplicateParam)
+		require.Equal(t, before, m.snapshot(), "a refused step updates nothing")
+	})
+	t.Run("no gradient path", func(t *testing.T) {
+		for _, opt := range []optim.Optimizer{optim.NewAdamW(0.1), &optim.SGD{LR: 0.1, Momentum: 0.9, WeightDecay: 0.1}} {
+			sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+			m := newMLP(rng)
+			x, labels := batchOf(rng, batch)
+			// Step 1 trains everything (momentum builds up); step 2's loss
+			// does not read the second layer.
+			_, loss := m.loss(x, labels)
+			_, err := sess.Step(ctx, loss, m.params, opt)
+			require.NoError(t, err)
+			l2 := m.snapshot()[2:]
+			hidden := lazy.Wrap(x, 0).Linear(m.params[0], m.params[1]).Tanh()
+			_, err = sess.Step(ctx, hidden.Mul(hidden).Mean(), m.params, opt)
+			require.NoError(t, err)
+			require.Equal(t, l2, m.snapshot()[2:], "%s moved parameters without a gradient", opt.Name())
+			require.NoError(t, sess.Close())
+		}
+	})
+	t.Run("chunk error names the batch's samples", func(t *testing.T) {
+		const n, bad = 2048, 1500
+		m := nn.NewSequential(nn.NewLinear(nn.Seed(5), 784, 2048, true), nn.ReLU{}, nn.NewLinear(nn.Seed(6), 2048, 10, true))
+		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
+		lab := classes(rng, 10, n)
+		lab.Int64s()[bad] = 10 // out of range
+		loss := m.Forward(x).CrossEntropy(x.Graph().Wrap(lab, 0), graph.ReduceMean)
+		prog := stepProgram(t, loss, nn.ParamTensors(m), 0)
+		budgets := tightBudgets(t, prog)
+		cs := counts(budgets)
+		require.Greater(t, len(cs), 1, "the step runs in several chunks at some budget")
+		k := cs[1] // the fewest chunks but one
+		pl, err := planner.Make(prog, planner.Options{Budget: budgets[k]})
+		require.NoError(t, err)
+		var want planner.Chunk
+		for _, c := range pl.Chunks {
+			if c.Start <= bad && bad < c.Start+c.Size {
+				want = c
+			}
+		}
+		require.NotZero(t, want.Start, "the bad label is past the first chunk")
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[k]})
+		_, err = sess.Step(ctx, loss, nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+		require.ErrorIs(t, err, graph.ErrAttr)
+		var ce *exec.ChunkError
+		require.ErrorAs(t, err, &ce)
+		require.Equal(t, want.Start, ce.Start, "the chunk's first sample in the caller's batch")
+		require.Equal(t, want.Size, ce.Size)
+	})
 }
