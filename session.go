@@ -30,14 +30,18 @@ type Options struct {
 	// (10-bit mantissa products, float32 sums). Off by default: CUDA
 	// computes in full FP32, as the CPU does. The CPU ignores it.
 	TF32 bool
-	// Budget is the device memory a step may reserve, in bytes. With a
-	// budget the batch runs in the balanced chunks the planner picks, with
-	// results identical to the whole batch, and the CPU executor accounts
-	// on a simulated device of exactly that capacity. 0 means: on the CPU
-	// no limit (the whole batch runs at once); on CUDA what the device can
-	// give, read before every run as cuMemGetInfo's free bytes plus what
-	// the session's allocator reserves already, less the cuBLAS workspace
-	// (Session.Overhead). A budget given on CUDA is capped at that.
+	// Budget is all the device memory the session may hold, in bytes:
+	// its allocator's reserved bytes never exceed it, library workspaces
+	// (Session.Overhead) included, so a step is planned within Budget −
+	// Overhead. With a budget the batch runs in the balanced chunks the
+	// planner picks, with results identical to the whole batch, and the
+	// CPU executor accounts on a simulated device of exactly that
+	// capacity. 0 means: on the CPU no limit (the whole batch runs at
+	// once); on CUDA what the device can give, read before every run as
+	// cuMemGetInfo's free bytes plus what the session's allocator reserves
+	// already, less Overhead. A budget given on CUDA is capped at that. A
+	// negative budget is an error (planner.ErrBudget, from Err and every
+	// call).
 	Budget int64
 	// Headroom is kept back from Budget (planner.DefaultHeadroom if 0).
 	Headroom int64
@@ -82,7 +86,11 @@ type programKey struct {
 // it, and so does every Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
-	s.be, s.device, s.err = chooseExecutor(opts)
+	if opts.Budget < 0 {
+		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
+	} else {
+		s.be, s.device, s.err = chooseExecutor(opts)
+	}
 	if s.err != nil {
 		s.device = "none: " + s.err.Error()
 	}
@@ -146,7 +154,7 @@ func (s *Session) Device() string { return s.device }
 
 // Overhead is the memory the executor holds outside every plan (CUDA's
 // cuBLAS workspace; 0 on the CPU): measured peaks are the plan's plus
-// Overhead.
+// Overhead, and Options.Budget counts it.
 func (s *Session) Overhead() int64 {
 	if s.be == nil {
 		return 0
@@ -289,8 +297,8 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		if err != nil {
 			return nil, err
 		}
-		if s.opts.Budget > 0 {
-			budget = min(budget, s.opts.Budget)
+		if s.opts.Budget > 0 { // the executor's overhead is inside it
+			budget = min(budget, s.opts.Budget-s.be.Overhead())
 		}
 		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, Resident: held}); err != nil {
 			return nil, err
