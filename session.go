@@ -54,7 +54,15 @@ type Options struct {
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
-// signature (its analysis, its program and its plan) is computed once.
+// signature (its analysis, its program and its plan) is computed once and
+// cached, at most planner.CacheSize programs and plans, the least recently
+// used evicted first; cached programs hold no graph, so no step's data.
+//
+// Between runs the executor keeps residents on the device: parameters,
+// optimizer state and constants, in the order first allocated. Every run
+// is planned on a device holding them all. A constant is released by the
+// first run whose graph does not read it (one made every step lives one
+// step); parameters and optimizer state stay until Close.
 type Session struct {
 	opts   Options
 	be     exec.Executor // nil when err is set
@@ -244,7 +252,7 @@ func (s *Session) Restore() error {
 func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 
 // program returns the compiled program of g for outputs, computing the
-// analysis and schedule once per graph signature.
+// analysis and schedule once per graph signature (while it stays cached).
 func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int) (*planner.Program, error) {
 	key := programKey{sig: g.Signature(), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
 		trained: fmt.Sprint(trained), slots: slots}
@@ -392,6 +400,9 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // Step runs one training step: forward and backward of the scalar loss,
 // then one optimizer update of params. It returns the loss. With a budget
 // the batch runs in chunks whose gradients add up to the whole batch's.
+// A parameter listed twice is ErrDuplicateParam; one the loss does not
+// depend on is not updated (PyTorch's grad None: no weight decay, no
+// momentum, no state).
 //
 // On CUDA, optim.SGD and optim.Adam run on the device: parameters and
 // optimizer state stay there across steps (the optimizer's host State
