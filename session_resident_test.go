@@ -2,6 +2,7 @@ package batchfit_test
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -248,4 +249,47 @@ func TestSessionContract(t *testing.T) {
 		require.Equal(t, want.Start, ce.Start, "the chunk's first sample in the caller's batch")
 		require.Equal(t, want.Size, ce.Size)
 	})
+}
+
+// A constant released from between residents that stay (one Eval and one
+// Step shared it, and the Step's optimizer state came after it) leaves no
+// hole: the residents move together, and the next runs are measured as
+// planned.
+func TestReleasedConstantBetweenResidents(t *testing.T) {
+	const n = 256
+	ctx := context.Background()
+	opt := nn.Seed(45)
+	m := nn.NewSequential(nn.NewLinear(opt, 784, 512, true), nn.ReLU{}, nn.NewLinear(opt, 512, 10, true))
+	rng := rand.New(rand.NewPCG(89, 90))
+	build := func(mix *lazy.Tensor) *lazy.Tensor {
+		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
+		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		return m.Forward(x.MatMul(mix)).CrossEntropy(y, graph.ReduceMean)
+	}
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: 256 << 20})
+	adam := optim.NewAdam(1e-3)
+	shared := lazy.Const(uniformF32(rng, 784, 784))
+	check := func(what string) {
+		t.Helper()
+		pl, used := sess.LastPlan(), sess.LastUsage()
+		require.Equal(t, pl.PeakReserved, used.PeakReserved, "%s: reserved", what)
+		require.Equal(t, pl.PeakAllocated, used.PeakAllocated, "%s: allocated", what)
+	}
+	_, err := sess.Eval(ctx, build(shared)) // residents: parameters, shared
+	require.NoError(t, err)
+	check("eval")
+	_, err = sess.Step(ctx, build(shared), nn.ParamTensors(m), adam) // + Adam's state
+	require.NoError(t, err)
+	check("step with the shared constant")
+	var bytes int64
+	for _, p := range nn.ParamTensors(m) {
+		bytes += 3 * int64(4*graph.Numel(p.Shape())) // the parameter and Adam's two slots
+	}
+	for step := range 3 { // shared is released, then each step's own
+		_, err = sess.Step(ctx, build(lazy.Const(uniformF32(rng, 784, 784))), nn.ParamTensors(m), adam)
+		require.NoError(t, err)
+		check(fmt.Sprint("step ", step))
+		got := sess.Allocator().Stats().RequestedBytes[alloc.All].Current
+		require.Equal(t, bytes+4*784*784, got, "step %d: parameters, state and one constant stay", step)
+	}
 }
