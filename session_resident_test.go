@@ -252,9 +252,8 @@ func TestSessionContract(t *testing.T) {
 }
 
 // A constant released from between residents that stay (one Eval and one
-// Step shared it, and the Step's optimizer state came after it) leaves no
-// hole: the residents move together, and the next runs are measured as
-// planned.
+// Step shared it, and the Step's optimizer state came after it) is
+// released all the same, and the runs after it are measured as planned.
 func TestReleasedConstantBetweenResidents(t *testing.T) {
 	const n = 256
 	ctx := context.Background()
