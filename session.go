@@ -185,7 +185,8 @@ func (s *Session) LastPlan() *planner.Plan {
 }
 
 // LastProgram is the program the latest Step or Eval ran: what memviz
-// names allocator blocks and profiles steps with.
+// names allocator blocks and profiles steps with. It holds that run's
+// graph, data included, until the next run.
 func (s *Session) LastProgram() *planner.Program {
 	s.mu.Lock()
 	defer s.mu.Unlock()
