@@ -122,6 +122,12 @@ func newConvModel(size int, dropout bool) trainModel {
 // the loss and the gradients of params (kept on the device), then extra.
 func stepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
 	t.Helper()
+	return stepProgramFor(t, cpu.Workspace, loss, params, slots, extra...)
+}
+
+// stepProgramFor is stepProgram for the executor whose workspace rule is ws.
+func stepProgramFor(t *testing.T, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
+	t.Helper()
 	require.NoError(t, loss.Err())
 	g := loss.Graph()
 	outs := []int{loss.ID()}
@@ -136,7 +142,7 @@ func stepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots i
 	info, err := shapeinfer.Analyze(g.IR(), outs...)
 	require.NoError(t, err)
 	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: cpu.Workspace})
+		StateSlots: slots, Workspace: ws})
 	require.NoError(t, err)
 	return p
 }

@@ -5,11 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/lru"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
@@ -27,14 +30,18 @@ type Options struct {
 	// (10-bit mantissa products, float32 sums). Off by default: CUDA
 	// computes in full FP32, as the CPU does. The CPU ignores it.
 	TF32 bool
-	// Budget is the device memory a step may reserve, in bytes. With a
-	// budget the batch runs in the balanced chunks the planner picks, with
-	// results identical to the whole batch, and the CPU executor accounts
-	// on a simulated device of exactly that capacity. 0 means: on the CPU
-	// no limit (the whole batch runs at once); on CUDA what the device can
-	// give, read before every run as cuMemGetInfo's free bytes plus what
-	// the session's allocator reserves already, less the cuBLAS workspace
-	// (Session.Overhead). A budget given on CUDA is capped at that.
+	// Budget is all the device memory the session may hold, in bytes:
+	// its allocator's reserved bytes never exceed it, library workspaces
+	// (Session.Overhead) included, so a step is planned within Budget −
+	// Overhead. With a budget the batch runs in the balanced chunks the
+	// planner picks, with results identical to the whole batch, and the
+	// CPU executor accounts on a simulated device of exactly that
+	// capacity. 0 means: on the CPU no limit (the whole batch runs at
+	// once); on CUDA what the device can give, read before every run as
+	// cuMemGetInfo's free bytes plus what the session's allocator reserves
+	// already, less Overhead. A budget given on CUDA is capped at that. A
+	// negative budget is an error (planner.ErrBudget, from Err and every
+	// call).
 	Budget int64
 	// Headroom is kept back from Budget (planner.DefaultHeadroom if 0).
 	Headroom int64
@@ -47,16 +54,25 @@ type Options struct {
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
-// signature (its analysis, its program and its plan) is computed once.
+// signature (its analysis, its program and its plan) is computed once and
+// cached, at most planner.CacheSize programs and plans, the least recently
+// used evicted first; cached programs hold no graph, so no step's data.
+//
+// Between runs the executor keeps residents on the device: parameters,
+// optimizer state and constants, in the order first allocated. Every run
+// is planned on a device holding them all. A constant is released by the
+// first run whose graph does not read it (one made every step lives one
+// step); parameters and optimizer state stay until Close.
 type Session struct {
 	opts   Options
-	be     backend // nil when err is set
+	be     exec.Executor // nil when err is set
 	device string
 	err    error // why no executor could be made
+	closed atomic.Bool
 	plans  planner.Cache
 
 	mu       sync.Mutex
-	programs map[programKey]*planner.Program
+	programs lru.Cache[programKey, *planner.Program] // without their graphs
 	hits     int
 	last     *planner.Plan
 	lastProg *planner.Program
@@ -77,8 +93,12 @@ type programKey struct {
 // usable GPU, or names no device) the session holds the error: Err returns
 // it, and so does every Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
-	s := &Session{opts: opts, programs: map[programKey]*planner.Program{}}
-	s.be, s.device, s.err = chooseBackend(opts)
+	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
+	if opts.Budget < 0 {
+		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
+	} else {
+		s.be, s.device, s.err = chooseExecutor(opts)
+	}
 	if s.err != nil {
 		s.device = "none: " + s.err.Error()
 	}
@@ -91,12 +111,34 @@ func (s *Session) Err() error { return s.err }
 // Close releases the session's device: its executor's memory, cuBLAS
 // handle and kernels, and the CUDA context. A CPU session holds nothing
 // to release.
+// After Close every Step, Eval, SyncParams, Yield and Restore returns
+// ErrClosed; closing again does nothing.
 func (s *Session) Close() error {
-	if s.be == nil {
+	if s.be == nil || s.closed.Swap(true) {
 		return nil
 	}
 	// The host tensors get the trained values before the device copies go.
-	return errors.Join(s.be.syncParams(), s.be.close())
+	return errors.Join(s.be.SyncParams(), s.be.Close())
+}
+
+// ErrClosed is returned by a Session's calls after Close.
+var ErrClosed = errors.New("batchfit: session closed")
+
+// ErrDuplicateParam is returned by Step when a parameter is listed twice
+// (the same lazy tensor, or two over the same host tensor): it would be
+// updated twice.
+var ErrDuplicateParam = errors.New("parameter listed twice")
+
+// executor is the session's executor, or why there is none: the error
+// NewSession met, or ErrClosed.
+func (s *Session) executor() (exec.Executor, error) {
+	switch {
+	case s.be == nil:
+		return nil, s.err
+	case s.closed.Load():
+		return nil, ErrClosed
+	}
+	return s.be, nil
 }
 
 // SyncParams brings the trained parameters' host tensors up to date. On
@@ -106,10 +148,11 @@ func (s *Session) Close() error {
 // changed since the last SyncParams are downloaded; Close syncs too. On the
 // CPU the host tensors are the parameters, and SyncParams does nothing.
 func (s *Session) SyncParams() error {
-	if s.be == nil {
-		return s.err
+	be, err := s.executor()
+	if err != nil {
+		return err
 	}
-	return s.be.syncParams()
+	return be.SyncParams()
 }
 
 // Device names the executor the session runs on and why, on one line:
@@ -119,12 +162,12 @@ func (s *Session) Device() string { return s.device }
 
 // Overhead is the memory the executor holds outside every plan (CUDA's
 // cuBLAS workspace; 0 on the CPU): measured peaks are the plan's plus
-// Overhead.
+// Overhead, and Options.Budget counts it.
 func (s *Session) Overhead() int64 {
 	if s.be == nil {
 		return 0
 	}
-	return s.be.overhead()
+	return s.be.Overhead()
 }
 
 // CacheHits counts runs that reused a compiled program.
@@ -142,7 +185,8 @@ func (s *Session) LastPlan() *planner.Plan {
 }
 
 // LastProgram is the program the latest Step or Eval ran: what memviz
-// names allocator blocks and profiles steps with.
+// names allocator blocks and profiles steps with. It holds that run's
+// graph, data included, until the next run.
 func (s *Session) LastProgram() *planner.Program {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -164,7 +208,7 @@ func (s *Session) Allocator() *alloc.Allocator {
 	if s.be == nil {
 		return nil
 	}
-	return s.be.allocator()
+	return s.be.Allocator()
 }
 
 // Yield gives the session's device memory back between steps, as
@@ -185,10 +229,11 @@ func (s *Session) Allocator() *alloc.Allocator {
 // runs as if Yield had never happened: the same parameters and optimizer
 // state, bit for bit, and the peaks the plan predicts.
 func (s *Session) Yield() error {
-	if s.be == nil {
-		return s.err
+	be, err := s.executor()
+	if err != nil {
+		return err
 	}
-	return s.be.yield()
+	return be.Yield()
 }
 
 // Restore re-allocates and refills what Yield gave back, in the order it
@@ -197,23 +242,24 @@ func (s *Session) Yield() error {
 // session stays yielded, holding nothing; it may be called again. Restore
 // without a Yield does nothing.
 func (s *Session) Restore() error {
-	if s.be == nil {
-		return s.err
+	be, err := s.executor()
+	if err != nil {
+		return err
 	}
-	return s.be.restore()
+	return be.Restore()
 }
 
 // Yielded reports whether the session's memory is given back.
-func (s *Session) Yielded() bool { return s.be != nil && s.be.yielded() }
+func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 
 // program returns the compiled program of g for outputs, computing the
-// analysis and schedule once per graph signature.
+// analysis and schedule once per graph signature (while it stays cached).
 func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int) (*planner.Program, error) {
 	key := programKey{sig: g.Signature(), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
 		trained: fmt.Sprint(trained), slots: slots}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if p, ok := s.programs[key]; ok {
+	if p, ok := s.programs.Get(key); ok {
 		s.hits++
 		return p.Rebind(g), nil
 	}
@@ -222,16 +268,18 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 		return nil, err
 	}
 	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: s.be.workspace()})
+		StateSlots: slots, Workspace: s.be.Workspace()})
 	if err != nil {
 		return nil, err
 	}
-	s.programs[key] = p
+	// The cache keeps the schedule, not the graph: its nodes hold the
+	// step's data (inputs, constants), which must not outlive the step.
+	s.programs.Put(key, p.Rebind(nil))
 	return p, nil
 }
 
-// run plans p within the budget and executes it; st is a training step's
-// optimizer and parameters, nil for Eval.
+// run plans p within the budget and executes it; opt is a training step's
+// optimizer, nil for Eval.
 //
 // When the device runs out of memory anyway (another process took memory
 // between the plan and the run), the step is planned again within what is
@@ -239,33 +287,55 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 // failed run changes nothing: the optimizer updates only after the last
 // chunk, and the executor frees what the run held, so no chunk is lost or
 // counted twice.
-func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]*tensor.Dense, error) {
+func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer) ([]*tensor.Dense, error) {
 	var (
 		pl   *planner.Plan
 		outs []*tensor.Dense
 		u    planner.Usage
 	)
+	released, err := s.be.ReleaseUnread(p)
+	if err != nil {
+		return nil, err
+	}
+	held := exec.PlanResidents(p, s.be.Held())
+	s.mu.Lock()
+	prev := s.last
+	s.mu.Unlock()
 	for attempt := 0; ; attempt++ {
-		budget, err := s.be.budget()
+		budget, err := exec.Budget(s.be)
 		if err != nil {
 			return nil, err
 		}
-		if s.opts.Budget > 0 {
-			budget = min(budget, s.opts.Budget)
+		if s.opts.Budget > 0 { // the executor's overhead is inside it
+			budget = min(budget, s.opts.Budget-s.be.Overhead())
 		}
-		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom}); err != nil {
+		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, Resident: held}); err != nil {
 			return nil, err
+		}
+		// The plan was simulated on a device holding only the residents,
+		// allocated in order. A run of the same plan as the last one finds
+		// the cache its simulated second step finds; any other run starts
+		// from the residents alone.
+		if pl != prev || released {
+			if err := s.be.Allocator().EmptyCache(); err != nil {
+				return nil, err
+			}
 		}
 		// The plan was judged on a simulated device of pl.Available()
 		// bytes; capping the allocator there (plus what it holds outside
 		// every plan) makes the real one release its cache where the
 		// simulation did, even on a device with room to spare.
-		s.be.allocator().SetLimit(pl.Available() + s.be.overhead())
+		s.be.Allocator().SetLimit(pl.Available() + s.be.Overhead())
 		if s.beforeRun != nil {
 			s.beforeRun()
 		}
-		outs, u, err = s.be.run(ctx, p, pl.Chunks, st, s.opts.Timeline)
+		// Parameters, gradients and optimizer state stay on the device;
+		// SyncParams brings the host tensors up to date.
+		var res *exec.Result
+		res, err = s.be.Execute(ctx, p, pl.Chunks, exec.Options{Resident: true, Timeline: s.opts.Timeline,
+			Optimizer: opt, KeptOnDevice: opt != nil})
 		if err == nil {
+			outs, u = res.Outputs, res.Usage
 			break
 		}
 		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) {
@@ -275,7 +345,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, st *stepArgs) ([]
 		// segments sized for the plan that failed. The new plan replays from
 		// a device holding only the resident buffers, so give the cache back
 		// first: the retry then lays out as planned.
-		if err := s.be.allocator().EmptyCache(); err != nil {
+		if err := s.be.Allocator().EmptyCache(); err != nil {
 			return nil, err
 		}
 	}
@@ -310,8 +380,8 @@ func sameGraph(op string, ts []*lazy.Tensor) (*lazy.Graph, error) {
 // Eval runs the graph of outputs without gradients (inference) and returns
 // their values.
 func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.Dense, error) {
-	if s.be == nil {
-		return nil, s.err
+	if _, err := s.executor(); err != nil {
+		return nil, err
 	}
 	g, err := sameGraph("eval", outputs)
 	if err != nil {
@@ -331,6 +401,9 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // Step runs one training step: forward and backward of the scalar loss,
 // then one optimizer update of params. It returns the loss. With a budget
 // the batch runs in chunks whose gradients add up to the whole batch's.
+// A parameter listed twice is ErrDuplicateParam; one the loss does not
+// depend on is not updated (PyTorch's grad None: no weight decay, no
+// momentum, no state).
 //
 // On CUDA, optim.SGD and optim.Adam run on the device: parameters and
 // optimizer state stay there across steps (the optimizer's host State
@@ -341,8 +414,8 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
-	if s.be == nil {
-		return 0, s.err
+	if _, err := s.executor(); err != nil {
+		return 0, err
 	}
 	if err := loss.Err(); err != nil {
 		return 0, err
@@ -350,35 +423,41 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if opt == nil {
 		return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
+	for i, p := range params {
+		for j, q := range params[:i] {
+			if p == q || (p.Value() != nil && p.Value() == q.Value()) {
+				return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
+					Err: fmt.Errorf("%w: parameters %d and %d (%q)", ErrDuplicateParam, j, i, p.Name())}
+			}
+		}
+	}
 	grads := lazy.Grad(loss, params...)
 	outs := append([]*lazy.Tensor{loss}, grads...)
 	g, err := sameGraph("step", outs)
 	if err != nil {
 		return 0, err
 	}
-	data := make([][]float32, len(params))
+	// A parameter the loss does not depend on gets a zero-filled gradient;
+	// like PyTorch's parameters whose grad is None, it is not updated (no
+	// weight decay, no momentum) and gets no optimizer state.
+	ids := []int{loss.ID()}
+	var trained []int
 	for i, p := range params {
-		if data[i], err = paramData(p); err != nil {
-			return 0, err
+		id := g.NodeOf(p)
+		if _, err := exec.ParamData(g.IR().Node(id), p.Value()); err != nil {
+			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
 		}
-	}
-	ids := make([]int, len(outs))
-	for i, t := range outs {
-		ids[i] = t.ID()
-	}
-	trained := make([]int, len(params))
-	for i, p := range params {
-		trained[i] = g.NodeOf(p)
+		if gr := g.IR().Node(grads[i].ID()); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
+			continue
+		}
+		ids = append(ids, grads[i].ID())
+		trained = append(trained, id)
 	}
 	prog, err := s.program(g.IR(), ids, ids[1:], trained, opt.StateSlots())
 	if err != nil {
 		return 0, err
 	}
-	st := &stepArgs{opt: opt, params: make([]optim.Param, len(params))}
-	for i, p := range params {
-		st.params[i] = optim.Param{Key: p.Value(), Name: p.Name(), Data: data[i]}
-	}
-	vals, err := s.run(ctx, prog, st)
+	vals, err := s.run(ctx, prog, opt)
 	if err != nil {
 		return 0, err
 	}
@@ -397,27 +476,4 @@ func scalarOf(d *tensor.Dense) (float32, error) {
 		}
 	}
 	return 0, graph.Errorf(graph.ErrShape, "loss has shape %v, want a scalar", d.Shape())
-}
-
-// paramData is the float32 storage of a parameter, which the optimizer
-// updates in place.
-func paramData(p *lazy.Tensor) ([]float32, error) {
-	d, ok := p.Value().(*tensor.Dense)
-	if !ok || d == nil {
-		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
-			Err: graph.Errorf(graph.ErrNoData, "parameter %q has no data (shape-only)", p.Name())}
-	}
-	if d.Dtype() != tensor.Float32 {
-		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
-			Err: graph.Errorf(graph.ErrDType, "parameter %q is %v, want float32", p.Name(), d.Dtype())}
-	}
-	// The optimizer writes the backing slice in order, so it must be the
-	// row-major layout the gradient has: a transposed or strided view is not.
-	if d.RequiresIterator() {
-		return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
-			Err: graph.Errorf(graph.ErrAttr, "parameter %q is a transposed or strided view; materialize it before training", p.Name())}
-	}
-	// Float32s is the backing slice, a scalar's included (Data would
-	// return a bare float32 for shape []).
-	return d.Float32s(), nil
 }

@@ -2,17 +2,47 @@ package exec
 
 import (
 	"context"
+	"time"
 
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 )
 
-// Executor evaluates graphs.
+// Executor runs graphs and compiled programs: the seam a Session uses.
+// exec/cpu and exec/cuda implement it; each supplies device memory and
+// kernels, and this package the host side they share.
 type Executor interface {
 	// Run evaluates g with the data held by its source nodes and returns the
 	// values of outputs, in order.
 	Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*tensor.Dense, error)
+	// Execute runs program p for chunks through the executor's allocator
+	// (planner.Replay with hooks that compute). p must be compiled with
+	// the executor's Workspace.
+	Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o Options) (*Result, error)
+	// Workspace is the executor's kernel workspace rule, compiled into
+	// every program it runs.
+	Workspace() planner.WorkspaceFunc
+	// Allocator is the allocator every device byte of the executor comes
+	// from.
+	Allocator() *alloc.Allocator
+	// Overhead is the bytes the allocator holds outside every program
+	// (library workspaces).
+	Overhead() int64
+	// SyncParams brings trained parameters' host tensors up to date.
+	SyncParams() error
+	// Held lists the buffers the executor keeps resident, in allocation
+	// order (PlanResidents tells a plan about them).
+	Held() []Held
+	// ReleaseUnread frees the resident constants that p does not read,
+	// before p runs; it reports whether it freed any.
+	ReleaseUnread(p *planner.Program) (bool, error)
+	// Close releases the executor's device memory.
+	Close() error
+	Yielder
 }
 
 // Yielder is an executor that can hand its device memory back between
@@ -29,4 +59,99 @@ type Yielder interface {
 	Yield() error
 	Restore() error
 	Yielded() bool
+}
+
+// Options configures Execute. Both executors take the same options; the
+// ones about device copies do nothing on the CPU, whose memory is the
+// host's.
+type Options struct {
+	// Feed supplies the data of a source node (the whole batch for an
+	// input); where it returns nil, or is nil, the node's own value is used.
+	Feed func(id int) tensor.Tensor
+	// Resident keeps parameters, constants and optimizer state allocated
+	// across calls, keyed by their host tensors, as a training loop does;
+	// otherwise they are freed when the call ends. A resident parameter is
+	// not uploaded again: after a device-side update the device holds its
+	// current value and the host tensor is stale unless SyncParams is set.
+	Resident bool
+	// Optimizer, when set, updates the program's trained parameters from
+	// their gradients (p.Trained[i] from p.Kept[i]) after the last chunk.
+	// On the CPU it updates the host tensors. On CUDA *optim.SGD and
+	// *optim.Adam run on the device with the sgd_f32 and adam_f32 kernels:
+	// parameters and their state stay there (state in the program's
+	// BufState buffers; the optimizer's host State stays empty), and the
+	// optimizer's step count advances through Step(nil), which checks its
+	// hyperparameters and updates nothing. Other optimizers run on the
+	// host: gradients and parameters are downloaded, Step updates the host
+	// tensors, and the parameters are uploaded again.
+	Optimizer optim.Optimizer
+	// Update is called with host copies of the final kept outputs (summed
+	// over chunks; on the CPU the slices alias them): the trained
+	// parameters' host tensors are brought up to date first, Update may
+	// change them in place, and (on CUDA) they are uploaded again after it.
+	// It takes precedence over Optimizer.
+	Update func(kept [][]float32) error
+	// SyncParams downloads the trained parameters into their host tensors
+	// after a device-side update, so host and device agree. Without it a
+	// resident parameter's device copy is newer than its host tensor until
+	// Executor.SyncParams.
+	SyncParams bool
+	// KeptOnDevice leaves the kept outputs (the gradients) on the device
+	// when nothing on the host needs them (no Update, and no optimizer or
+	// one that runs on the device): Result.Outputs holds nil in their
+	// places. A training loop sets it, since downloading every gradient
+	// every step costs as much as the step itself on a large model. The
+	// CPU returns them regardless.
+	KeptOnDevice bool
+	// OpTime, when set, reports every node's device time per chunk, after
+	// the step (CUDA: events recorded around its launches, with no
+	// synchronisation between nodes).
+	OpTime func(nd *graph.Node, c planner.Chunk, d time.Duration)
+	// Timeline records the allocator's state after every program step in
+	// Result.Usage.Timeline: the measured counterpart of a plan's timeline.
+	Timeline bool
+}
+
+// Result is what Execute returns.
+type Result struct {
+	// Outputs holds the program's outputs combined over chunks: per-sample
+	// values concatenated along their batch axis, sums added, maxima
+	// maxed; kept outputs are their final sums.
+	Outputs []*tensor.Dense
+	// Usage is the allocator's measured peak over the call (Overhead
+	// included), and its timeline when Options.Timeline is set.
+	Usage planner.Usage
+}
+
+// Budget is the device memory a plan may reserve on e: what its device
+// has free plus what its allocator reserves already (its cache and its
+// resident blocks, which a plan counts again), less Overhead, which is
+// reserved but outside every plan.
+func Budget(e Executor) (int64, error) {
+	a := e.Allocator()
+	free, _, err := a.Backend().MemInfo()
+	if err != nil {
+		return 0, err
+	}
+	return free + a.Stats().ReservedBytes[alloc.All].Current - e.Overhead(), nil
+}
+
+// HostParams pairs p's trained parameters with their gradients for a
+// host-side optimizer step: the data of each parameter's host tensor
+// (source gives it), which Step updates in place.
+func HostParams(p *planner.Program, source func(id int) tensor.Tensor, grads [][]float32) ([]optim.Param, error) {
+	if len(grads) != len(p.Trained) {
+		return nil, graph.Errorf(graph.ErrArity, "the optimizer updates %d trained parameters from %d kept outputs; they must pair up",
+			len(p.Trained), len(grads))
+	}
+	ps := make([]optim.Param, len(p.Trained))
+	for i, id := range p.Trained {
+		nd := p.Graph.Node(id)
+		data, err := ParamData(nd, source(id))
+		if err != nil {
+			return nil, err
+		}
+		ps[i] = optim.Param{Key: source(id), Name: nd.Name, Data: data, Grad: grads[i]}
+	}
+	return ps, nil
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/lru"
 )
 
 // Errors.
@@ -89,6 +90,12 @@ type Options struct {
 	// runs): Plan.Split describes the chunks either way, in memory that does
 	// not grow with the batch, where the list holds one Chunk per chunk.
 	NoChunkList bool
+	// Resident lists the buffers the device already holds when the run
+	// starts, in the order they were allocated (an executor's resident
+	// parameters, constants and optimizer state, whichever program made
+	// them). The simulated device allocates them first; those that stand
+	// for a persistent buffer of the program are found resident there.
+	Resident []Held
 }
 
 // Unlimited is the capacity of the simulated device on which the planner
@@ -103,6 +110,30 @@ func FormatPeak(n int64) string {
 		return "more than 1 EiB"
 	}
 	return alloc.FormatBytes(n)
+}
+
+// Held is a buffer the device holds before a run: its requested bytes,
+// its tag and the index in Program.Buffers of the persistent buffer it
+// holds, or −1 when the program does not read it.
+type Held struct {
+	Bytes  int64
+	Tag    alloc.Tag
+	Buffer int
+}
+
+// fresh reports whether held is what the program's own first replay
+// allocates first (its persistent buffers, in order): a device holding
+// them is, to the allocator, a fresh device that has run the program once.
+func (p *Program) fresh(held []Held) bool {
+	if len(held) > len(p.Persistent) {
+		return false
+	}
+	for i, h := range held {
+		if h.Buffer != p.Persistent[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // DefaultHeadroom is kept back from the budget unless told otherwise: every
@@ -134,17 +165,30 @@ type Plan struct {
 // Available is the budget after headroom.
 func (p *Plan) Available() int64 { return p.Budget - p.Headroom }
 
-// simulate replays chunks on a fresh simulated device of the given
-// capacity, recording the timeline of the chunks with an Index below
-// recorded; ok is false when it ran out of memory.
+// simulate replays chunks on a simulated device of the given capacity that
+// first holds held, allocated in order, recording the timeline of the
+// chunks with an Index below recorded; ok is false when it ran out of
+// memory.
 //
 // It replays two steps, as a training loop runs them: the second starts
 // with the persistent buffers resident and the cache holding the first
 // step's segments, and may need a segment the first did not. The usage is
 // the larger of the two; the timeline, when recorded, is the first step's.
-func simulate(p *Program, chunks Split, capacity int64, recorded int) (u Usage, ok bool, err error) {
+func simulate(p *Program, chunks Split, capacity int64, recorded int, held []Held) (u Usage, ok bool, err error) {
 	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
 	h := &residentSim{blocks: map[residentKey]*alloc.Block{}}
+	for _, r := range held {
+		blk, err := a.Malloc(r.Bytes, r.Tag)
+		if errors.Is(err, alloc.ErrOutOfMemory) {
+			return u, false, nil
+		}
+		if err != nil {
+			return u, false, err
+		}
+		if r.Buffer >= 0 {
+			h.blocks[key(p.Buffers[r.Buffer])] = blk
+		}
+	}
 	for step := range 2 {
 		if step == 1 {
 			recorded = 0
@@ -190,6 +234,7 @@ func (*residentSim) Run(*graph.Node, Chunk, *alloc.Block, []*alloc.Block, *alloc
 func (*residentSim) Freed(Buffer, *alloc.Block)                            {}
 func (*residentSim) ChunkDone(Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
 func (*residentSim) Finish([]*alloc.Block) error                           { return nil }
+func (*residentSim) EveryChunk() bool                                      { return false }
 
 // Make picks the largest chunk whose replay of p keeps the peak reserved
 // within the budget and returns the plan.
@@ -206,13 +251,17 @@ func Make(p *Program, o Options) (*Plan, error) {
 		return nil, fmt.Errorf("%w: the graph has no batched input", ErrNoBatch)
 	}
 	avail := o.Budget - head
+	held := o.Resident
+	if p.fresh(held) {
+		held = nil
+	}
 	pl := &Plan{Batch: n, Budget: o.Budget, Headroom: head}
 	for _, bi := range p.Persistent {
 		pl.Persistent += p.Buffers[bi].Bytes(0)
 	}
 	fits := func(b int) (Usage, bool, error) {
 		pl.Replays++
-		return simulate(p, SplitOf(n, b), avail, 0)
+		return simulate(p, SplitOf(n, b), avail, 0, held)
 	}
 	// One chunk needs no gradient accumulators, so it can fit where a
 	// chunked run of the same batch does not: try it first.
@@ -222,7 +271,7 @@ func Make(p *Program, o Options) (*Plan, error) {
 	} else if ok {
 		chosen = n
 	} else if p.Info.NotChunkable != nil {
-		return nil, p.doesNotFit(n, avail, p.Info.NotChunkable)
+		return nil, p.doesNotFit(n, avail, held, p.Info.NotChunkable)
 	}
 	// The affine fit of a chunked run's peak, from unconstrained replays at
 	// two chunk sizes that both need several chunks (none when they need
@@ -230,11 +279,11 @@ func Make(p *Program, o Options) (*Plan, error) {
 	if n >= 3 {
 		c1 := max(1, n/4)
 		c2 := max(c1+1, n/2)
-		u1, ok1, err := simulate(p, SplitOf(n, c1), Unlimited, 0)
+		u1, ok1, err := simulate(p, SplitOf(n, c1), Unlimited, 0, held)
 		if err != nil {
 			return nil, err
 		}
-		u2, ok2, err := simulate(p, SplitOf(n, c2), Unlimited, 0)
+		u2, ok2, err := simulate(p, SplitOf(n, c2), Unlimited, 0, held)
 		if err != nil {
 			return nil, err
 		}
@@ -248,7 +297,7 @@ func Make(p *Program, o Options) (*Plan, error) {
 		if _, ok, err := fits(1); err != nil {
 			return nil, err
 		} else if !ok {
-			return nil, p.doesNotFit(1, avail, nil)
+			return nil, p.doesNotFit(1, avail, held, nil)
 		}
 		lo, hi := 1, n        // lo fits, hi does not
 		if pl.PerSample > 0 { // first guess from the affine fit
@@ -286,13 +335,13 @@ func Make(p *Program, o Options) (*Plan, error) {
 			recorded = o.TimelineChunks
 		}
 	}
-	u, ok, err := simulate(p, pl.Split, avail, recorded)
+	u, ok, err := simulate(p, pl.Split, avail, recorded, held)
 	pl.Replays++
 	if err != nil {
 		return nil, err
 	}
 	if !ok { // cannot happen: chosen was checked with the same chunks
-		return nil, p.doesNotFit(pl.Chunk, avail, nil)
+		return nil, p.doesNotFit(pl.Chunk, avail, held, nil)
 	}
 	pl.PeakReserved, pl.PeakAllocated, pl.Timeline = u.PeakReserved, u.PeakAllocated, u.Timeline
 	return pl, nil
@@ -300,9 +349,9 @@ func Make(p *Program, o Options) (*Plan, error) {
 
 // doesNotFit measures what a run at chunk size b needs and lists the
 // largest buffers.
-func (p *Program) doesNotFit(b int, avail int64, reason error) error {
+func (p *Program) doesNotFit(b int, avail int64, held []Held, reason error) error {
 	peak := func(b int) int64 {
-		u, ok, _ := simulate(p, SplitOf(p.Batch, b), Unlimited, 0)
+		u, ok, _ := simulate(p, SplitOf(p.Batch, b), Unlimited, 0, held)
 		if !ok {
 			return -1
 		}
@@ -316,6 +365,11 @@ func (p *Program) doesNotFit(b int, avail int64, reason error) error {
 	for _, bi := range p.Persistent {
 		e.Fixed += p.Buffers[bi].Bytes(0)
 	}
+	for _, h := range held {
+		if h.Buffer < 0 {
+			e.Fixed += h.Bytes
+		}
+	}
 	for _, buf := range p.Buffers {
 		uses = append(uses, BufferUse{Tag: buf.Tag, Kind: buf.Kind, Bytes: buf.Bytes(b)})
 	}
@@ -324,11 +378,16 @@ func (p *Program) doesNotFit(b int, avail int64, reason error) error {
 	return e
 }
 
+// CacheSize bounds a Cache: it keeps the CacheSize plans most recently
+// made or found, evicting the least recently used.
+const CacheSize = 64
+
 // Cache keeps plans by program signature and options, so a steady training
-// loop plans once.
+// loop plans once. It holds at most CacheSize plans; a plan holds no
+// graph and no data.
 type Cache struct {
 	mu    sync.Mutex
-	plans map[cacheKey]*Plan
+	plans lru.Cache[cacheKey, *Plan]
 	hits  int
 }
 
@@ -338,6 +397,7 @@ type cacheKey struct {
 	budget, headroom int64
 	noHeadroom       bool
 	noChunkList      bool
+	held             string
 }
 
 // Signature identifies what a program's memory depends on: its graph, its
@@ -370,8 +430,11 @@ func (p *Program) signature() uint64 {
 func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	key := cacheKey{sig: p.Signature(), kept: fmt.Sprint(p.Kept), trained: fmt.Sprint(len(p.Persistent)),
 		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom, noChunkList: o.NoChunkList}
+	if !p.fresh(o.Resident) {
+		key.held = heldKey(o.Resident)
+	}
 	c.mu.Lock()
-	if pl, ok := c.plans[key]; ok {
+	if pl, ok := c.plans.Get(key); ok {
 		c.hits++
 		c.mu.Unlock()
 		return pl, nil
@@ -383,11 +446,16 @@ func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.plans == nil {
-		c.plans = map[cacheKey]*Plan{}
-	}
-	c.plans[key] = pl
+	c.plans.Max = CacheSize
+	c.plans.Put(key, pl)
 	return pl, nil
+}
+
+// Len is the number of plans cached.
+func (c *Cache) Len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.plans.Len()
 }
 
 // Hits counts plans served from the cache.
@@ -395,4 +463,14 @@ func (c *Cache) Hits() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.hits
+}
+
+// heldKey identifies what a device holding held means to a replay: the
+// sizes, in order, and which program buffer each stands for.
+func heldKey(held []Held) string {
+	var b strings.Builder
+	for _, h := range held {
+		fmt.Fprintf(&b, "%d:%d,", h.Bytes, h.Buffer)
+	}
+	return b.String()
 }

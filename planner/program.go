@@ -63,7 +63,7 @@ type Program struct {
 	Batch   int      // N
 	Buffers []Buffer // persistent buffers first
 	// Persistent lists, in allocation order, the buffers that outlive a
-	// step: parameters and constants, then optimizer state.
+	// step: parameters, then optimizer state, then constants.
 	Persistent []int
 	// Accumulators hold the kept outputs' sums, one per kept output in
 	// Kept order; a step allocates them after Persistent when its batch
@@ -114,13 +114,20 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		p.Buffers = append(p.Buffers, b)
 		return len(p.Buffers) - 1
 	}
-	// Persistent: parameters and constants that the program reads.
+	// Persistent: parameters and constants that the program reads, then
+	// optimizer state, then the constants: an executor keeps them resident
+	// in this order, so constants, which are released first, come last.
+	var consts []int
 	for id := range nodes {
 		nd := &nodes[id]
 		if (nd.Op == graph.OpParam || nd.Op == graph.OpConst) && info.LastUse[id] >= 0 {
 			b := add(Buffer{Kind: BufParam, Node: id, Fixed: info.Fixed[id], Tag: tag(nd)})
 			p.OutputBuf[id] = b
-			p.Persistent = append(p.Persistent, b)
+			if nd.Op == graph.OpConst {
+				consts = append(consts, b)
+			} else {
+				p.Persistent = append(p.Persistent, b)
+			}
 		}
 	}
 	for _, id := range o.Trained {
@@ -133,6 +140,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 			p.Persistent = append(p.Persistent, add(Buffer{Kind: BufState, Node: id, Slot: slot, Fixed: nodes[id].Type.Bytes(), Tag: t}))
 		}
 	}
+	p.Persistent = append(p.Persistent, consts...)
 	for _, id := range o.Kept {
 		if id < 0 || id >= n || info.Class[id] == shapeinfer.PerSample {
 			return nil, graph.Errorf(graph.ErrArity, "planner: kept output %d must be a node without a batch axis", id)

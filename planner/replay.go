@@ -162,6 +162,11 @@ type Hooks interface {
 	// Finish receives the final kept outputs (accumulators, or the single
 	// chunk's blocks) before they are freed: the optimizer step goes here.
 	Finish(kept []*alloc.Block) error
+	// EveryChunk reports whether the hooks must see every chunk. Hooks
+	// that compute or observe say true; a simulation that only keeps
+	// buffers resident says false, and a replay without a timeline then
+	// skips chunks known to repeat, as it does with nil hooks.
+	EveryChunk() bool
 }
 
 // Point is the allocator's state after one step of a replay.
@@ -255,11 +260,10 @@ func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded i
 	// A chunk that made no device call and freed all it allocated left the
 	// allocator as it found it (free blocks coalesce around the persistent
 	// ones), so every later chunk of its size would repeat it step for step.
-	// A bare replay (no hooks) skips those, past the recorded chunks, a run
-	// of equal sizes at a time: planning a batch of 10⁹ in chunks of one
-	// then costs a few chunks, not 10⁹.
-	_, sim := h.(*residentSim) // a simulation with resident buffers runs nothing either
-	bare := h == nil || sim
+	// A bare replay (no hooks, or hooks that run nothing) skips those, past
+	// the recorded chunks, a run of equal sizes at a time: planning a batch
+	// of 10⁹ in chunks of one then costs a few chunks, not 10⁹.
+	bare := h == nil || !h.EveryChunk()
 	repeats := -1 // size of the chunks known to repeat
 	var before alloc.Stats
 	n := chunks.Len()

@@ -2,7 +2,6 @@ package cpu
 
 import (
 	"context"
-	"fmt"
 	"slices"
 	"sync"
 
@@ -36,12 +35,10 @@ func newBuf(t graph.Type, shape []int) *buf {
 // in a caching allocator (on a simulated device by default), so measured
 // peaks can be compared with the planner's predictions.
 type Executor struct {
-	once         sync.Once // makes the zero Executor usable
-	mu           sync.Mutex
-	a            *alloc.Allocator // fixed once set: read without mu
-	resident     map[residentKey]*residentBuf
-	residentList []*residentBuf // in allocation order, for Restore
-	yielded      bool
+	once     sync.Once // makes the zero Executor usable
+	mu       sync.Mutex
+	a        *alloc.Allocator // fixed once set: read without mu
+	resident exec.Residents[*buf]
 }
 
 // Unlimited is the capacity of the default accounting device: 1 EiB.
@@ -53,15 +50,12 @@ func New() *Executor {
 }
 
 // NewOn returns a CPU executor accounting its buffers in a.
-func NewOn(a *alloc.Allocator) *Executor {
-	return &Executor{a: a, resident: map[residentKey]*residentBuf{}}
-}
+func NewOn(a *alloc.Allocator) *Executor { return &Executor{a: a} }
 
 func (e *Executor) allocator() *alloc.Allocator {
 	e.once.Do(func() {
 		if e.a == nil { // the zero Executor
 			e.a = alloc.New(alloc.NewSimBackend(Unlimited), alloc.Options{})
-			e.resident = map[residentKey]*residentBuf{}
 		}
 	})
 	return e.a
@@ -71,10 +65,16 @@ func (e *Executor) allocator() *alloc.Allocator {
 // so an Update callback may read its stats mid-step.
 func (e *Executor) Allocator() *alloc.Allocator { return e.allocator() }
 
-var (
-	_ exec.Executor = (*Executor)(nil)
-	_ exec.Yielder  = (*Executor)(nil)
-)
+// Workspace is the CPU kernels' workspace rule (exec.Executor).
+func (e *Executor) Workspace() planner.WorkspaceFunc { return Workspace }
+
+// Overhead is 0: the CPU holds nothing outside its programs.
+func (e *Executor) Overhead() int64 { return 0 }
+
+// SyncParams does nothing: the host tensors are the parameters.
+func (e *Executor) SyncParams() error { return nil }
+
+var _ exec.Executor = (*Executor)(nil)
 
 // Run evaluates g over its full batch.
 func (e *Executor) Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*tensor.Dense, error) {
@@ -100,16 +100,11 @@ func (e *Executor) RunAnalyzed(ctx context.Context, g *graph.Graph, info *shapei
 		return nil, graph.Errorf(graph.ErrArity, "analysis of %d nodes with outputs %v does not match a graph of %d nodes with outputs %v",
 			len(info.LastUse), info.Outputs, g.Len(), outputs)
 	}
-	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Workspace: Workspace})
+	p, chunks, err := exec.Single(g, info, b, Workspace, outputs)
 	if err != nil {
 		return nil, err
 	}
-	n := g.Batch()
-	if n == 0 { // no batched input: one run of the constants
-		n, b = 1, 1
-	}
-	p.Batch = n
-	res, err := e.Execute(ctx, p, []planner.Chunk{{Size: b}}, ExecOptions{Feed: feed})
+	res, err := e.Execute(ctx, p, chunks, ExecOptions{Feed: feed})
 	if err != nil {
 		return nil, err
 	}
@@ -126,56 +121,7 @@ func shapesOf(bs []*buf) [][]int {
 	return s
 }
 
-// fromTensor copies a source's data, checking it against the node's type.
-func fromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*buf, error) {
-	what := fmt.Sprintf("%s %q (node %d)", nd.Op, nd.Name, nd.ID)
-	if t == nil {
-		return nil, graph.Errorf(graph.ErrNoData, "%s has no data (shape-only graph)", what)
-	}
-	got := []int(t.Shape())
-	if t.Shape().IsScalar() {
-		got = []int{}
-	}
-	if shape == nil { // any shape: the caller checks
-		shape = got
-	} else if !slices.Equal(got, shape) {
-		return nil, graph.Errorf(graph.ErrShape, "%s: data shape %v, want %v", what, got, shape)
-	}
-	b := &buf{shape: shape}
-	switch data := t.Data().(type) {
-	case []float32:
-		if nd.Type.DType != graph.Float32 {
-			return nil, graph.Errorf(graph.ErrDType, "%s: float32 data for a %s node", what, nd.Type.DType)
-		}
-		b.f = contiguous(t, data).([]float32)
-	case []int64:
-		if nd.Type.DType != graph.Int64 {
-			return nil, graph.Errorf(graph.ErrDType, "%s: int64 data for a %s node", what, nd.Type.DType)
-		}
-		b.i = contiguous(t, data).([]int64)
-	case float32:
-		b.f = []float32{data}
-	case int64:
-		b.i = []int64{data}
-	default:
-		return nil, graph.Errorf(graph.ErrDType, "%s: unsupported data %T", what, data)
-	}
-	return b, nil
-}
-
-// contiguous returns row-major data of t; views are materialised.
-func contiguous(t tensor.Tensor, data any) any {
-	if d, ok := t.(*tensor.Dense); ok && d.IsMaterializable() {
-		if m, ok := d.Materialize().(*tensor.Dense); ok {
-			return m.Data()
-		}
-	}
-	return data
-}
-
-func toDense(b *buf) *tensor.Dense {
-	if b.f == nil {
-		return tensor.New(tensor.WithShape(b.shape...), tensor.WithBacking(b.i))
-	}
-	return tensor.New(tensor.WithShape(b.shape...), tensor.WithBacking(b.f))
-}
+// bufOf and hostOf convert between the kernels' buf and exec.HostBuf,
+// sharing the data.
+func bufOf(h *exec.HostBuf) *buf  { return &buf{shape: h.Shape, f: h.F, i: h.I} }
+func hostOf(b *buf) *exec.HostBuf { return &exec.HostBuf{Shape: b.shape, F: b.f, I: b.i} }

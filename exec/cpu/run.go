@@ -2,144 +2,83 @@ package cpu
 
 import (
 	"context"
-	"math"
-	"slices"
-
-	"gorgonia.org/tensor"
+	"time"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/planner"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// ExecOptions configures Execute.
-type ExecOptions struct {
-	// Feed supplies the data of a source node (the whole batch for an
-	// input); where it returns nil, or is nil, the node's own value is used.
-	Feed func(id int) tensor.Tensor
-	// Resident keeps parameters, constants and optimizer state allocated
-	// across calls, as a training loop does; otherwise they are freed when
-	// the call ends.
-	Resident bool
-	// Update is called with the final kept outputs (summed over chunks),
-	// before they are freed: the optimizer step. The slices alias them.
-	Update func(kept [][]float32) error
-	// Timeline records the allocator's state after every program step in
-	// Result.Usage.Timeline: the measured counterpart of a plan's timeline.
-	Timeline bool
-}
+// ExecOptions configures Execute: the options both executors take.
+type ExecOptions = exec.Options
 
 // Result is what Execute returns.
-type Result struct {
-	// Outputs holds the program's outputs combined over chunks: per-sample
-	// values concatenated along their batch axis, sums added, maxima
-	// maxed; kept outputs are their final sums.
-	Outputs []*tensor.Dense
-	// Usage is the allocator's measured peak over the call, and its
-	// timeline when ExecOptions.Timeline is set.
-	Usage planner.Usage
-}
+type Result = exec.Result
 
 // Execute runs program p for chunks through the executor's allocator: the
 // same planner.Replay the planner simulates, with hooks that run kernels.
+// With o.Optimizer set (and no Update) the optimizer steps the trained
+// parameters' host tensors after the last chunk; OpTime reports each
+// node's wall time.
 func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o ExecOptions) (*Result, error) {
-	// Chunks of a graph that mixes samples would give wrong numbers
-	// silently (training-mode batch_norm would normalise each chunk by its
-	// own statistics): refuse them, as the planner does.
-	if len(chunks) > 1 && p.Info != nil && p.Info.NotChunkable != nil {
-		return nil, p.Info.NotChunkable
+	if err := exec.CheckChunks(p, chunks); err != nil {
+		return nil, err
 	}
+	a := e.allocator()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if o.Resident && e.yielded { // the step restores what Yield gave back
-		if err := e.restore(); err != nil {
+	if o.Resident { // the step restores what Yield gave back
+		if err := e.resident.Restore(a, nil); err != nil {
 			return nil, err
 		}
 	}
-	r := &runner{e: e, ctx: ctx, p: p, o: o, vals: map[*alloc.Block]*buf{}, chunks: len(chunks),
-		outs: make([]*buf, len(p.Outputs))}
-	u, err := planner.Replay(p, chunks, e.allocator(), r, o.Timeline)
-	for _, blk := range r.allocated {
-		if ferr := e.allocator().Free(blk); err == nil && ferr != nil {
-			err = ferr
-		}
-	}
+	call, err := exec.NewCall(p, o, &e.resident)
 	if err != nil {
 		return nil, err
 	}
-	res := &Result{Usage: u, Outputs: make([]*tensor.Dense, len(p.Outputs))}
-	for i, b := range r.outs {
-		if graph.Numel(b.shape) == 0 {
-			// gorgonia.org/tensor builds a Dense with a size-0 axis but
-			// panics on Data(), so such an output is refused.
-			return nil, graph.Errorf(graph.ErrShape, "output node %d has size-0 shape %v, which gorgonia.org/tensor cannot hold", p.Outputs[i], b.shape)
-		}
-		res.Outputs[i] = toDense(b)
+	r := &runner{Call: call, ctx: ctx, vals: map[*alloc.Block]*buf{}}
+	u, err := planner.Replay(p, chunks, a, r, o.Timeline)
+	if err = call.Free(a, err); err != nil {
+		return nil, err
 	}
-	return res, nil
+	outs, err := exec.Outputs(p, call.Outs)
+	if err != nil {
+		return nil, err
+	}
+	return &Result{Usage: u, Outputs: outs}, nil
 }
 
 // runner implements planner.Hooks for one Execute call.
 type runner struct {
-	e         *Executor
-	ctx       context.Context
-	p         *planner.Program
-	o         ExecOptions
-	vals      map[*alloc.Block]*buf
-	allocated []*alloc.Block // persistent blocks made by this call and not kept resident: freed when it ends
-	chunks    int
-	outs      []*buf // combined outputs
+	*exec.Call[*buf]
+	ctx  context.Context
+	vals map[*alloc.Block]*buf
 }
 
-// residentKey identifies a persistent buffer across calls: a parameter by
-// its data, a state slot by its parameter's data and slot.
-type residentKey struct {
-	data any
-	kind planner.BufferKind
-	slot int
-}
+// EveryChunk is true: the runner computes.
+func (*runner) EveryChunk() bool { return true }
 
-func (r *runner) source(id int) tensor.Tensor {
-	if r.o.Feed != nil {
-		if t := r.o.Feed(id); t != nil {
-			return t
-		}
+func (r *runner) Resident(b planner.Buffer) *alloc.Block {
+	rb := r.Call.Resident(b)
+	if rb == nil {
+		return nil
 	}
-	return r.p.Graph.Node(id).Value
-}
-
-func (r *runner) key(buf planner.Buffer) (residentKey, bool) {
-	if !r.o.Resident || (buf.Kind != planner.BufParam && buf.Kind != planner.BufState) {
-		return residentKey{}, false
-	}
-	t := r.source(buf.Node)
-	if t == nil {
-		return residentKey{}, false
-	}
-	return residentKey{data: t, kind: buf.Kind, slot: buf.Slot}, true
-}
-
-func (r *runner) Resident(buf planner.Buffer) *alloc.Block {
-	if k, ok := r.key(buf); ok {
-		if rb := r.e.resident[k]; rb != nil && rb.blk != nil {
-			r.vals[rb.blk] = rb.val
-			return rb.blk
-		}
-	}
-	return nil
+	r.vals[rb.Blk] = rb.Val
+	return rb.Blk
 }
 
 func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
-	nd := r.p.Graph.Node(pb.Node)
+	nd := r.P.Graph.Node(pb.Node)
 	var v *buf
 	switch pb.Kind {
 	case planner.BufParam:
-		var err error
-		if v, err = fromTensor(nd, r.source(pb.Node), nd.Type.Shape); err != nil {
-			r.allocated = append(r.allocated, blk) // Replay leaves persistent blocks to us
+		h, err := exec.FromTensor(nd, r.Source(pb.Node), nd.Type.Shape)
+		if err != nil {
+			r.Made = append(r.Made, blk) // Replay leaves persistent blocks to us
 			return err
 		}
+		v = bufOf(h)
 	case planner.BufState:
 		// The optimizer keeps its state in host memory of its own; the
 		// block accounts for it.
@@ -147,11 +86,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 		v = newBuf(nd.Type, nd.Type.Shape)
 	}
 	r.vals[blk] = v
-	if k, ok := r.key(pb); ok {
-		r.e.keep(k, pb, blk, v)
-	} else if pb.Kind != planner.BufAccumulator {
-		r.allocated = append(r.allocated, blk)
-	}
+	r.Keep(pb, blk, v)
 	return nil
 }
 
@@ -159,22 +94,28 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	if err := r.ctx.Err(); err != nil {
 		return err
 	}
-	shape := nd.Type.AtBatch(c.Size)
+	if r.O.OpTime != nil {
+		defer func(t0 time.Time) { r.O.OpTime(nd, c, time.Since(t0)) }(time.Now())
+	}
 	if nd.Op == graph.OpInput {
-		v, err := loadChunk(nd, r.source(nd.ID), c, r.p.Batch)
+		full, err := exec.FromTensor(nd, r.Source(nd.ID), nil)
 		if err != nil {
 			return err
 		}
-		r.vals[out] = v
+		v, err := exec.ChunkOf(nd, full, c, r.P.Batch)
+		if err != nil {
+			return err
+		}
+		r.vals[out] = bufOf(v)
 		return nil
 	}
 	in := make([]*buf, len(ins))
 	for i, b := range ins {
 		in[i] = r.view(nd.Inputs[i], b, c.Size)
 	}
-	v := newBuf(nd.Type, shape)
+	v := newBuf(nd.Type, nd.Type.AtBatch(c.Size))
 	if err := eval(nd, in, v, c.Start); err != nil {
-		return &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(in), Site: nd.Site, Err: err}
+		return &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(in), Site: nd.Site, Err: exec.InChunk(r.P, c, err)}
 	}
 	r.vals[out] = v
 	return nil
@@ -190,132 +131,44 @@ func (r *runner) view(id int, blk *alloc.Block, b int) *buf {
 	if v == nil {
 		return nil
 	}
-	return &buf{shape: r.p.Graph.Node(id).Type.AtBatch(b), f: v.f, i: v.i}
+	return &buf{shape: r.P.Graph.Node(id).Type.AtBatch(b), f: v.f, i: v.i}
 }
 
 func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Block) error {
-	k := 0
-	for i, o := range r.p.Outputs {
-		v := r.view(o, outs[i], c.Size)
-		if acc != nil && k < len(r.p.Kept) && r.p.Kept[k] == o {
-			a := r.vals[acc[k]]
-			for j, x := range v.f {
-				a.f[j] += x
-			}
-			k++
-			continue
+	add := func(o int, acc, out *alloc.Block) error {
+		a, v := r.vals[acc], r.view(o, out, c.Size)
+		for j, x := range v.f {
+			a.f[j] += x
 		}
-		r.outs[i] = combine(r.outs[i], v, r.p, o, c)
+		return nil
 	}
-	return nil
+	read := func(o int, blk *alloc.Block, size int) (*exec.HostBuf, error) {
+		return hostOf(r.view(o, blk, size)), nil
+	}
+	return r.Call.ChunkDone(c, outs, acc, add, read)
 }
 
+// Finish runs Update, or the optimizer on the host tensors, with the final
+// kept outputs, and keeps copies of them as results.
 func (r *runner) Finish(kept []*alloc.Block) error {
 	final := make([][]float32, len(kept))
 	for i, blk := range kept {
 		final[i] = r.vals[blk].f
 	}
-	if r.o.Update != nil {
-		if err := r.o.Update(final); err != nil {
+	switch {
+	case r.O.Update != nil:
+		if err := r.O.Update(final); err != nil {
+			return err
+		}
+	case r.O.Optimizer != nil && len(kept) > 0: // no gradients, no step
+		ps, err := exec.HostParams(r.P, r.Source, final)
+		if err != nil {
+			return err
+		}
+		if err := r.O.Optimizer.Step(ps); err != nil {
 			return err
 		}
 	}
-	for i, o := range r.p.Outputs { // kept outputs are returned as their final sums
-		if j := slices.Index(r.p.Kept, o); j >= 0 {
-			r.outs[i] = &buf{shape: r.p.Graph.Node(o).Type.Shape, f: slices.Clone(r.vals[kept[j]].f)}
-		}
-	}
+	r.SetKept(final, true)
 	return nil
-}
-
-// combine merges chunk c's value v of output node o into the running
-// result: per-sample values are concatenated along the batch axis, sums
-// added, maxima maxed; the first chunk's value stands for constants.
-func combine(acc, v *buf, p *planner.Program, o int, c planner.Chunk) *buf {
-	nd := p.Graph.Node(o)
-	if acc == nil {
-		if nd.Type.BatchAxis < 0 {
-			return &buf{shape: v.shape, f: slices.Clone(v.f), i: slices.Clone(v.i)}
-		}
-		acc = newBuf(nd.Type, nd.Type.AtBatch(p.Batch))
-	}
-	switch {
-	case nd.Type.BatchAxis >= 0:
-		placeChunk(acc, v, nd.Type.BatchAxis, c.Start*nd.Type.PerSample)
-	case p.Info.Combine[o] == shapeinfer.CombineSum:
-		for j, x := range v.f {
-			acc.f[j] += x
-		}
-	case p.Info.Combine[o] == shapeinfer.CombineMax:
-		for j, x := range v.f {
-			acc.f[j] = float32(math.Max(float64(acc.f[j]), float64(x)))
-		}
-	}
-	return acc
-}
-
-// loadChunk takes chunk c of an input's data: the whole batch of n samples
-// is sliced along the batch axis; data already holding exactly the chunk is
-// used as it is.
-func loadChunk(nd *graph.Node, t tensor.Tensor, c planner.Chunk, n int) (*buf, error) {
-	ax, per := nd.Type.BatchAxis, nd.Type.PerSample
-	full, err := fromTensor(nd, t, nil)
-	if err != nil {
-		return nil, err
-	}
-	want := nd.Type.AtBatch(c.Size)
-	if slices.Equal(full.shape, want) {
-		return full, nil
-	}
-	if whole := nd.Type.AtBatch(n); !slices.Equal(full.shape, whole) {
-		return nil, graph.Errorf(graph.ErrShape, "input node %d: data shape %v, want %v (chunk) or %v (whole batch)", nd.ID, full.shape, want, whole)
-	}
-	out := newBuf(nd.Type, want)
-	takeChunk(out, full, ax, c.Start*per)
-	return out, nil
-}
-
-// takeChunk copies dst's extent of src along axis, starting at off.
-func takeChunk(dst, src *buf, axis, off int) { moveChunk(dst, src, axis, off, false) }
-
-// placeChunk copies src into dst along axis, starting at off.
-func placeChunk(dst, src *buf, axis, off int) { moveChunk(src, dst, axis, off, true) }
-
-// moveChunk copies between a chunk and the whole along axis: the chunk
-// covers whole[..., off:off+k, ...].
-func moveChunk(chunk, whole *buf, axis, off int, toWhole bool) {
-	outer := graph.Numel(whole.shape[:axis])
-	inner := graph.Numel(whole.shape[axis+1:])
-	k, n := chunk.shape[axis], whole.shape[axis]
-	for o := range outer {
-		c := chunk.rangeOf(o*k*inner, k*inner)
-		w := whole.rangeOf((o*n+off)*inner, k*inner)
-		if toWhole {
-			c.copyTo(w)
-		} else {
-			w.copyTo(c)
-		}
-	}
-}
-
-// dataRange is a range of a buffer's data, float or int.
-type dataRange struct {
-	f []float32
-	i []int64
-}
-
-func (b *buf) rangeOf(off, n int) dataRange {
-	if b.f != nil {
-		return dataRange{f: b.f[off : off+n]}
-	}
-	return dataRange{i: b.i[off : off+n]}
-}
-
-// copyTo copies s's elements into dst (of the same kind and length).
-func (s dataRange) copyTo(dst dataRange) {
-	if s.f != nil {
-		copy(dst.f, s.f)
-		return
-	}
-	copy(dst.i, s.i)
 }

@@ -1,19 +1,15 @@
 package cuda
 
 import (
-	"errors"
 	"fmt"
 
-	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/planner"
 )
 
-// residentBuf is a buffer kept on the device across Execute calls: its
-// block (nil while yielded) and, while yielded, the host copy of its bytes.
+// residentBuf is the executor's record of a buffer kept on the device
+// across Execute calls (exec.Resident's Val).
 type residentBuf struct {
-	blk  *alloc.Block
-	size int64     // requested bytes
-	tag  alloc.Tag // the tag of the program that first allocated it
 	host []float32 // the block's bytes while yielded, as float32 words
 	// newer is the host tensor's storage of a trained parameter whose
 	// device copy a device-side update has changed since it was last
@@ -21,12 +17,57 @@ type residentBuf struct {
 	newer []float32
 }
 
-// keep records a resident buffer just allocated and filled. Called with
-// e.mu held.
-func (e *Executor) keep(k residentKey, pb planner.Buffer, blk *alloc.Block) {
-	rb := &residentBuf{blk: blk, size: blk.Requested(), tag: pb.Tag}
-	e.resident[k] = rb
-	e.residentList = append(e.residentList, rb)
+// Held lists the resident buffers, in allocation order (exec.Executor).
+func (e *Executor) Held() []exec.Held {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.resident.Held()
+}
+
+// ReleaseUnread frees the resident constants p does not read
+// (exec.Executor). When one lay between residents that stay, those are
+// moved together through host memory, as Yield and Restore move them.
+func (e *Executor) ReleaseUnread(p *planner.Program) (bool, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return false, fmt.Errorf("%w: executor", ErrClosed)
+	}
+	var released bool
+	err := e.d.do(func() error {
+		var err error
+		released, err = e.resident.ReleaseUnread(e.a, p, e.save, e.load)
+		if err == nil && !e.resident.Yielded() {
+			e.dropHostCopies()
+		}
+		return err
+	})
+	return released, err
+}
+
+// dropHostCopies forgets the host copies once every resident is back on
+// the device.
+func (e *Executor) dropHostCopies() {
+	for _, rb := range e.resident.List() {
+		rb.Val.host = nil
+	}
+}
+
+// save keeps a host copy of a resident block's bytes (Yield).
+func (e *Executor) save(rb *exec.Resident[*residentBuf]) error {
+	// Every device value is float32 or int64, so its size is a whole
+	// number of 4-byte words.
+	host := make([]float32, (rb.Size+3)/4)
+	if err := CopyDtoH(e.d, host, rb.Blk.Ptr()); err != nil {
+		return err
+	}
+	rb.Val.host = host
+	return nil
+}
+
+// load uploads a resident block's host copy (Restore).
+func (e *Executor) load(rb *exec.Resident[*residentBuf]) error {
+	return CopyHtoD(e.d, rb.Blk.Ptr(), rb.Val.host)
 }
 
 // Yield gives the executor's device memory back between steps, as
@@ -37,36 +78,15 @@ func (e *Executor) keep(k residentKey, pb planner.Buffer, blk *alloc.Block) {
 // its segment, Overhead bytes, is all the allocator still reserves, so the
 // cuBLAS handle need not be re-created. Trained parameters' host tensors
 // are not touched (ExecOptions.SyncParams is what updates them). Yielding
-// twice is a no-op; Restore, or the next resident Execute, takes the memory
-// back.
+// twice frees nothing more; Restore, or the next resident Execute, takes
+// the memory back.
 func (e *Executor) Yield() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
 		return fmt.Errorf("%w: executor", ErrClosed)
 	}
-	if e.yielded {
-		return nil
-	}
-	return e.d.do(func() error {
-		for _, rb := range e.residentList {
-			if rb.blk == nil {
-				continue
-			}
-			// Every device value is float32 or int64, so its size is a
-			// whole number of 4-byte words.
-			host := make([]float32, (rb.size+3)/4)
-			if err := CopyDtoH(e.d, host, rb.blk.Ptr()); err != nil {
-				return err
-			}
-			if err := e.a.Free(rb.blk); err != nil {
-				return err
-			}
-			rb.blk, rb.host = nil, host
-		}
-		e.yielded = true
-		return e.a.EmptyCache()
-	})
+	return e.d.do(func() error { return e.resident.Yield(e.a, e.save) })
 }
 
 // Restore allocates the resident buffers Yield freed again, in the order
@@ -96,16 +116,16 @@ func (e *Executor) SyncParams() error {
 		return fmt.Errorf("%w: executor", ErrClosed)
 	}
 	return e.d.do(func() error {
-		for _, rb := range e.residentList {
-			if rb.newer == nil {
+		for _, rb := range e.resident.List() {
+			if rb.Val.newer == nil {
 				continue
 			}
-			if rb.blk == nil { // yielded
-				copy(rb.newer, rb.host)
-			} else if err := CopyDtoH(e.d, rb.newer, rb.blk.Ptr()); err != nil {
+			if rb.Blk == nil { // yielded
+				copy(rb.Val.newer, rb.Val.host)
+			} else if err := CopyDtoH(e.d, rb.Val.newer, rb.Blk.Ptr()); err != nil {
 				return err
 			}
-			rb.newer = nil
+			rb.Val.newer = nil
 		}
 		return nil
 	})
@@ -115,37 +135,17 @@ func (e *Executor) SyncParams() error {
 func (e *Executor) Yielded() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return e.yielded
+	return e.resident.Yielded()
 }
 
 // restore is Restore with e.mu held, on the device thread.
 func (e *Executor) restore() error {
-	if !e.yielded {
+	if !e.resident.Yielded() {
 		return nil
 	}
-	var got []*residentBuf
-	undo := func(err error) error {
-		for _, g := range got {
-			err = errors.Join(err, e.a.Free(g.blk))
-			g.blk = nil
-		}
-		// Still yielded: give back the segments the attempt reserved.
-		return errors.Join(err, e.a.EmptyCache())
+	if err := e.resident.Restore(e.a, e.load); err != nil {
+		return err
 	}
-	for _, rb := range e.residentList {
-		blk, err := e.a.Malloc(rb.size, rb.tag)
-		if err != nil {
-			return undo(err)
-		}
-		rb.blk = blk
-		got = append(got, rb)
-		if err := CopyHtoD(e.d, blk.Ptr(), rb.host); err != nil {
-			return undo(err)
-		}
-	}
-	for _, rb := range e.residentList {
-		rb.host = nil
-	}
-	e.yielded = false
+	e.dropHostCopies()
 	return nil
 }

@@ -4,16 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
-	"time"
 
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
@@ -54,26 +51,12 @@ type Executor struct {
 	blas *BLAS
 	ks   *kernelSet
 
-	mu           sync.Mutex
-	resident     map[residentKey]*residentBuf
-	residentList []*residentBuf // in allocation order
-	yielded      bool
-	closed       bool
+	mu       sync.Mutex
+	resident exec.Residents[*residentBuf]
+	closed   bool
 }
 
-// residentKey identifies a persistent buffer across calls: a parameter or
-// constant by its host tensor, an optimizer state slot by its parameter's
-// tensor and slot.
-type residentKey struct {
-	data any
-	kind planner.BufferKind
-	slot int
-}
-
-var (
-	_ exec.Executor = (*Executor)(nil)
-	_ exec.Yielder  = (*Executor)(nil)
-)
+var _ exec.Executor = (*Executor)(nil)
 
 // NewExecutor makes an executor on d: a caching allocator over
 // d.Backend(), a cuBLAS handle with its workspace from that allocator, and
@@ -107,7 +90,7 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 			return nil, errors.Join(err, b.Close(), ks.close(), a.EmptyCache())
 		}
 	}
-	return &Executor{d: d, a: a, blas: b, ks: ks, resident: map[residentKey]*residentBuf{}}, nil
+	return &Executor{d: d, a: a, blas: b, ks: ks}, nil
 }
 
 // Device is the executor's device.
@@ -138,88 +121,24 @@ func (e *Executor) Close() error {
 		return nil
 	}
 	e.closed = true
-	var errs []error
-	for _, rb := range e.residentList {
-		if rb.blk != nil {
-			errs = append(errs, e.a.Free(rb.blk))
-		}
-	}
-	e.resident, e.residentList = nil, nil
-	errs = append(errs, e.blas.Close(), e.ks.close(), e.a.EmptyCache())
-	return errors.Join(errs...)
+	return errors.Join(e.resident.Release(e.a), e.blas.Close(), e.ks.close(), e.a.EmptyCache())
 }
 
-// ExecOptions configures Execute.
-type ExecOptions struct {
-	// Feed supplies the data of a source node (the whole batch for an
-	// input); where it returns nil, or is nil, the node's own value is used.
-	Feed func(id int) tensor.Tensor
-	// Resident keeps parameters, constants and optimizer state on the device
-	// across calls, keyed by their host tensors, as a training loop does;
-	// otherwise they are freed when the call ends. A resident parameter is
-	// not uploaded again: after a device-side update the device holds its
-	// current value and the host tensor is stale unless SyncParams is set.
-	Resident bool
-	// Optimizer, when set, updates the program's trained parameters from
-	// their gradients (p.Trained[i] from p.Kept[i]) after the last chunk.
-	// *optim.SGD and *optim.Adam run on the device with the sgd_f32 and
-	// adam_f32 kernels: parameters and their state stay there (state in the
-	// program's BufState buffers; the optimizer's host State stays empty),
-	// and the optimizer's step count advances through Step(nil), which
-	// checks its hyperparameters and updates nothing. Other optimizers run
-	// on the host: gradients and parameters are downloaded, Step updates the
-	// host tensors, and the parameters are uploaded again.
-	Optimizer optim.Optimizer
-	// Update is called with host copies of the final kept outputs (summed
-	// over chunks), as exec/cpu's Update: the trained parameters' host
-	// tensors are brought up to date first, Update may change them in
-	// place, and they are uploaded again after it. It takes precedence over
-	// Optimizer.
-	Update func(kept [][]float32) error
-	// SyncParams downloads the trained parameters into their host tensors
-	// after a device-side update, so host and device agree. Without it a
-	// resident parameter's device copy is newer than its host tensor until
-	// Executor.SyncParams.
-	SyncParams bool
-	// KeptOnDevice leaves the kept outputs (the gradients) on the device
-	// when nothing on the host needs them (no Update, and no optimizer or
-	// one that runs on the device): Result.Outputs holds nil in their
-	// places. A
-	// training loop sets it, since downloading every gradient every step
-	// costs as much as the step itself on a large model.
-	KeptOnDevice bool
-	// OpTime, when set, reports every node's device time per chunk, after
-	// the step: CUDA events recorded around its launches time them on the
-	// device, with no synchronisation between nodes. A node whose kernels
-	// wait for the host to launch them (a host-bound step) is charged that
-	// wait too.
-	OpTime func(nd *graph.Node, c planner.Chunk, d time.Duration)
-	// Timeline records the allocator's state after every program step in
-	// Result.Usage.Timeline.
-	Timeline bool
-}
+// Workspace is the kernels' workspace rule (exec.Executor).
+func (e *Executor) Workspace() planner.WorkspaceFunc { return Workspace }
 
-// Result is what Execute returns.
-type Result struct {
-	// Outputs holds the program's outputs combined over chunks: per-sample
-	// values concatenated along their batch axis, sums added, maxima
-	// maxed; kept outputs are their final sums.
-	Outputs []*tensor.Dense
-	// Usage is the allocator's measured peak over the call (Overhead
-	// included), and its timeline when ExecOptions.Timeline is set.
-	Usage planner.Usage
-}
+// ExecOptions configures Execute: the options both executors take.
+type ExecOptions = exec.Options
+
+// Result is what Execute returns; its Usage includes Overhead.
+type Result = exec.Result
 
 // Execute runs program p for chunks through the executor's allocator: the
 // same planner.Replay the planner simulates, with hooks that upload, launch
 // kernels and download, all in one call on the device thread. Program p
 // must be compiled with Workspace.
 func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o ExecOptions) (*Result, error) {
-	if len(chunks) > 1 && p.Info != nil && p.Info.NotChunkable != nil {
-		return nil, p.Info.NotChunkable
-	}
-	keptOf, err := keptOutputs(p)
-	if err != nil {
+	if err := exec.CheckChunks(p, chunks); err != nil {
 		return nil, err
 	}
 	e.mu.Lock()
@@ -227,11 +146,14 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if e.closed {
 		return nil, fmt.Errorf("%w: executor", ErrClosed)
 	}
-	r := &runner{e: e, ctx: ctx, p: p, o: o, keptOf: keptOf, persist: map[persistKey]*alloc.Block{},
-		inputs: map[int]*hostBuf{}, outs: make([]*hostBuf, len(p.Outputs))}
+	call, err := exec.NewCall(p, o, &e.resident)
+	if err != nil {
+		return nil, err
+	}
+	r := &runner{e: e, ctx: ctx, p: p, o: o, c: call, persist: map[persistKey]*alloc.Block{}, inputs: map[int]*exec.HostBuf{}}
 	var u planner.Usage
 	err = e.d.do(func() error {
-		if o.Resident && e.yielded { // the step restores what Yield gave back
+		if o.Resident { // the step restores what Yield gave back
 			if err := e.restore(); err != nil {
 				return err
 			}
@@ -239,11 +161,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		var err error
 		u, err = planner.Replay(p, chunks, e.a, r, o.Timeline)
 		if !o.Resident {
-			for _, blk := range r.allocated {
-				if ferr := e.a.Free(blk); err == nil && ferr != nil {
-					err = ferr
-				}
-			}
+			err = call.Free(e.a, err)
 		}
 		if err == nil { // launch errors surface here at the latest
 			err = e.d.Synchronize()
@@ -253,42 +171,11 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err != nil {
 		return nil, err
 	}
-	res := &Result{Usage: u, Outputs: make([]*tensor.Dense, len(p.Outputs))}
-	for i, b := range r.outs {
-		if b == nil { // a kept output left on the device (KeptOnDevice)
-			continue
-		}
-		if graph.Numel(b.shape) == 0 {
-			// gorgonia.org/tensor builds a Dense with a size-0 axis but
-			// panics on Data(), so such an output is refused.
-			return nil, graph.Errorf(graph.ErrShape, "output node %d has size-0 shape %v, which gorgonia.org/tensor cannot hold", p.Outputs[i], b.shape)
-		}
-		res.Outputs[i] = b.dense()
+	outs, err := exec.Outputs(p, call.Outs)
+	if err != nil {
+		return nil, err
 	}
-	return res, nil
-}
-
-// keptOutputs maps each output to the kept entry it carries (−1 for
-// none): kept entry j goes to the first output of its node not yet taken.
-func keptOutputs(p *planner.Program) ([]int, error) {
-	keptOf := make([]int, len(p.Outputs))
-	for i := range keptOf {
-		keptOf[i] = -1
-	}
-	for j, k := range p.Kept {
-		i := -1
-		for cand, o := range p.Outputs {
-			if o == k && keptOf[cand] < 0 {
-				i = cand
-				break
-			}
-		}
-		if i < 0 {
-			return nil, graph.Errorf(graph.ErrArity, "kept node %d is not among the program's outputs %v", k, p.Outputs)
-		}
-		keptOf[i] = j
-	}
-	return keptOf, nil
+	return &Result{Usage: u, Outputs: outs}, nil
 }
 
 // Run evaluates g over its full batch (exec.Executor).
@@ -303,16 +190,11 @@ func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed fun
 	if err != nil {
 		return nil, err
 	}
-	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Workspace: Workspace})
+	p, chunks, err := exec.Single(g, info, b, Workspace, outputs)
 	if err != nil {
 		return nil, err
 	}
-	n := g.Batch()
-	if n == 0 { // no batched input: one run of the constants
-		n, b = 1, 1
-	}
-	p.Batch = n
-	res, err := e.Execute(ctx, p, []planner.Chunk{{Size: b}}, ExecOptions{Feed: feed})
+	res, err := e.Execute(ctx, p, chunks, ExecOptions{Feed: feed})
 	if err != nil {
 		return nil, err
 	}
@@ -332,55 +214,37 @@ func keyOf(b planner.Buffer) persistKey { return persistKey{b.Kind, b.Node, b.Sl
 // runner implements planner.Hooks for one Execute call. Its methods run on
 // the device thread.
 type runner struct {
-	e         *Executor
-	ctx       context.Context
-	p         *planner.Program
-	o         ExecOptions
-	keptOf    []int
-	persist   map[persistKey]*alloc.Block // this call's persistent blocks
-	allocated []*alloc.Block              // persistent blocks made by this call and not kept resident
-	inputs    map[int]*hostBuf            // whole-batch input data, converted once
-	outs      []*hostBuf                  // combined outputs
-	timed     []nodeTiming                // ExecOptions.OpTime's events, in launch order
+	e       *Executor
+	ctx     context.Context
+	p       *planner.Program
+	o       ExecOptions
+	c       *exec.Call[*residentBuf]    // the host side shared with exec/cpu
+	persist map[persistKey]*alloc.Block // this call's persistent blocks
+	inputs  map[int]*exec.HostBuf       // whole-batch input data, converted once
+	timed   []nodeTiming                // ExecOptions.OpTime's events, in launch order
 }
+
+// EveryChunk is true: the runner computes.
+func (*runner) EveryChunk() bool { return true }
 
 func (r *runner) node(id int) *graph.Node { return r.p.Graph.Node(id) }
 
-func (r *runner) source(id int) tensor.Tensor {
-	if r.o.Feed != nil {
-		if t := r.o.Feed(id); t != nil {
-			return t
-		}
-	}
-	return r.node(id).Value
-}
-
-func (r *runner) key(buf planner.Buffer) (residentKey, bool) {
-	if !r.o.Resident || (buf.Kind != planner.BufParam && buf.Kind != planner.BufState) {
-		return residentKey{}, false
-	}
-	t := r.source(buf.Node)
-	if t == nil {
-		return residentKey{}, false
-	}
-	return residentKey{data: t, kind: buf.Kind, slot: buf.Slot}, true
-}
+func (r *runner) source(id int) tensor.Tensor { return r.c.Source(id) }
 
 func (r *runner) Resident(buf planner.Buffer) *alloc.Block {
-	if k, ok := r.key(buf); ok {
-		if rb := r.e.resident[k]; rb != nil && rb.blk != nil {
-			r.persist[keyOf(buf)] = rb.blk
-			return rb.blk
-		}
+	rb := r.c.Resident(buf)
+	if rb == nil {
+		return nil
 	}
-	return nil
+	r.persist[keyOf(buf)] = rb.Blk
+	return rb.Blk
 }
 
 func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	var err error
 	if pb.Kind == planner.BufParam {
 		nd := r.node(pb.Node)
-		var v *hostBuf
+		var v *exec.HostBuf
 		if v, err = hostData(nd, r.source(pb.Node), nd.Type.Shape); err == nil {
 			err = r.upload(blk.Ptr(), v)
 		}
@@ -395,11 +259,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 		return err
 	}
 	r.persist[keyOf(pb)] = blk
-	if k, ok := r.key(pb); ok {
-		r.e.keep(k, pb, blk)
-	} else if pb.Kind != planner.BufAccumulator {
-		r.allocated = append(r.allocated, blk)
-	}
+	r.c.Keep(pb, blk, &residentBuf{})
 	return nil
 }
 
@@ -431,7 +291,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		for i, x := range in {
 			shapes[i] = x.shape
 		}
-		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: err}
+		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, c, err)}
 	}
 	return nil
 }
@@ -453,27 +313,15 @@ func (r *runner) operand(id int, blk *alloc.Block, b int) operand {
 // ChunkDone adds kept outputs into their accumulators on the device and
 // downloads the others, combining them on the host.
 func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Block) error {
-	for i, o := range r.p.Outputs {
-		if j := r.keptOf[i]; j >= 0 {
-			if acc != nil { // a single chunk's kept outputs go to Finish as they are
-				nd := r.node(o)
-				if nd.Type.DType != graph.Float32 {
-					return graph.Errorf(graph.ErrDType, "kept output %d is %s, want float32", o, nd.Type.DType)
-				}
-				n := int64(nd.Type.Numel())
-				if err := r.flat(kAccumulate, n, acc[j].Ptr(), outs[i].Ptr(), n); err != nil {
-					return err
-				}
-			}
-			continue
+	add := func(o int, acc, out *alloc.Block) error {
+		nd := r.node(o)
+		if nd.Type.DType != graph.Float32 {
+			return graph.Errorf(graph.ErrDType, "kept output %d is %s, want float32", o, nd.Type.DType)
 		}
-		v, err := r.download(o, outs[i], c.Size)
-		if err != nil {
-			return err
-		}
-		r.outs[i] = combine(r.outs[i], v, r.p, o, c)
+		n := int64(nd.Type.Numel())
+		return r.flat(kAccumulate, n, acc.Ptr(), out.Ptr(), n)
 	}
-	return nil
+	return r.c.ChunkDone(c, outs, acc, add, r.download)
 }
 
 // Finish runs the optimizer update and keeps the kept outputs' sums as
@@ -532,41 +380,6 @@ func (r *runner) downloadKept(kept []*alloc.Block, private bool) ([][]float32, e
 			return nil, err
 		}
 	}
-	for i, o := range r.p.Outputs {
-		if j := r.keptOf[i]; j >= 0 {
-			f := grads[j]
-			if private {
-				f = slices.Clone(f)
-			}
-			r.outs[i] = &hostBuf{shape: r.node(o).Type.Shape, f: f}
-		}
-	}
+	r.c.SetKept(grads, private)
 	return grads, nil
-}
-
-// combine merges chunk c's value v of output node o into the running
-// result, as exec/cpu does: per-sample values are concatenated along the
-// batch axis, sums added, maxima maxed; the first chunk's value stands for
-// constants.
-func combine(acc, v *hostBuf, p *planner.Program, o int, c planner.Chunk) *hostBuf {
-	nd := p.Graph.Node(o)
-	if acc == nil {
-		if nd.Type.BatchAxis < 0 {
-			return v
-		}
-		acc = newHostBuf(nd.Type.DType, nd.Type.AtBatch(p.Batch))
-	}
-	switch {
-	case nd.Type.BatchAxis >= 0:
-		moveChunk(v, acc, nd.Type.BatchAxis, c.Start*nd.Type.PerSample, true)
-	case p.Info.Combine[o] == shapeinfer.CombineSum:
-		for j, x := range v.f {
-			acc.f[j] += x
-		}
-	case p.Info.Combine[o] == shapeinfer.CombineMax:
-		for j, x := range v.f {
-			acc.f[j] = max(acc.f[j], x) // Go's max is math.Max's: NaN wins, +0 beats −0
-		}
-	}
-	return acc
 }

@@ -1,0 +1,287 @@
+package exec
+
+import (
+	"fmt"
+	"slices"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/shapeinfer"
+)
+
+// HostBuf is a dense row-major value in host memory: F for floating-point
+// dtypes, I for int64.
+type HostBuf struct {
+	Shape []int
+	F     []float32
+	I     []int64
+}
+
+// NewHostBuf returns a zeroed value of dtype dt and the given shape.
+func NewHostBuf(dt graph.DType, shape []int) *HostBuf {
+	b := &HostBuf{Shape: shape}
+	if dt == graph.Int64 {
+		b.I = make([]int64, graph.Numel(shape))
+	} else {
+		b.F = make([]float32, graph.Numel(shape))
+	}
+	return b
+}
+
+// Dense wraps b's data, without a copy.
+func (b *HostBuf) Dense() *tensor.Dense {
+	if b.F == nil {
+		return tensor.New(tensor.WithShape(b.Shape...), tensor.WithBacking(b.I))
+	}
+	return tensor.New(tensor.WithShape(b.Shape...), tensor.WithBacking(b.F))
+}
+
+// FromTensor reads a source's data, checking it against the node's type;
+// shape nil accepts any shape (the caller checks). Row-major data is used
+// in place; views are materialised.
+func FromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*HostBuf, error) {
+	what := fmt.Sprintf("%s %q (node %d)", nd.Op, nd.Name, nd.ID)
+	if t == nil {
+		return nil, graph.Errorf(graph.ErrNoData, "%s has no data (shape-only graph)", what)
+	}
+	got := []int(t.Shape())
+	if t.Shape().IsScalar() {
+		got = []int{}
+	}
+	if shape == nil {
+		shape = got
+	} else if !slices.Equal(got, shape) {
+		return nil, graph.Errorf(graph.ErrShape, "%s: data shape %v, want %v", what, got, shape)
+	}
+	b := &HostBuf{Shape: shape}
+	wrong := func(kind string) error {
+		return graph.Errorf(graph.ErrDType, "%s: %s data for a %s node", what, kind, nd.Type.DType)
+	}
+	switch data := t.Data().(type) {
+	case []float32:
+		if nd.Type.DType != graph.Float32 {
+			return nil, wrong("float32")
+		}
+		b.F = contiguous(t, data).([]float32)
+	case []int64:
+		if nd.Type.DType != graph.Int64 {
+			return nil, wrong("int64")
+		}
+		b.I = contiguous(t, data).([]int64)
+	case float32:
+		if nd.Type.DType != graph.Float32 {
+			return nil, wrong("float32")
+		}
+		b.F = []float32{data}
+	case int64:
+		if nd.Type.DType != graph.Int64 {
+			return nil, wrong("int64")
+		}
+		b.I = []int64{data}
+	default:
+		return nil, graph.Errorf(graph.ErrDType, "%s: unsupported data %T", what, data)
+	}
+	if n := graph.Numel(shape); len(b.F) != n && len(b.I) != n {
+		return nil, graph.Errorf(graph.ErrShape, "%s: %d values for shape %v", what, max(len(b.F), len(b.I)), shape)
+	}
+	return b, nil
+}
+
+// contiguous returns row-major data of t; views are materialised.
+func contiguous(t tensor.Tensor, data any) any {
+	if d, ok := t.(*tensor.Dense); ok && d.IsMaterializable() {
+		if m, ok := d.Materialize().(*tensor.Dense); ok {
+			return m.Data()
+		}
+	}
+	return data
+}
+
+// ParamData is the float32 storage of trained parameter nd's host tensor
+// t, which a host-side optimizer updates in place.
+func ParamData(nd *graph.Node, t tensor.Tensor) ([]float32, error) {
+	d, ok := t.(*tensor.Dense)
+	switch {
+	case !ok || d == nil:
+		return nil, graph.Errorf(graph.ErrNoData, "parameter %q (node %d) has no dense host data", nd.Name, nd.ID)
+	case d.Dtype() != tensor.Float32:
+		return nil, graph.Errorf(graph.ErrDType, "parameter %q (node %d) is %v, want float32", nd.Name, nd.ID, d.Dtype())
+	case d.RequiresIterator():
+		return nil, graph.Errorf(graph.ErrAttr, "parameter %q (node %d) is a transposed or strided view; materialize it before training", nd.Name, nd.ID)
+	}
+	f := d.Float32s()
+	if len(f) != nd.Type.Numel() {
+		return nil, graph.Errorf(graph.ErrShape, "parameter %q (node %d) holds %d values for shape %v", nd.Name, nd.ID, len(f), nd.Type.Shape)
+	}
+	return f, nil
+}
+
+// MoveChunk copies between a chunk and the whole along axis: the chunk
+// covers whole[..., off:off+k, ...]; toWhole says which way.
+func MoveChunk(chunk, whole *HostBuf, axis, off int, toWhole bool) {
+	outer := graph.Numel(whole.Shape[:axis])
+	inner := graph.Numel(whole.Shape[axis+1:])
+	k, n := chunk.Shape[axis], whole.Shape[axis]
+	for o := range outer {
+		c, w := o*k*inner, (o*n+off)*inner
+		switch {
+		case chunk.F != nil && toWhole:
+			copy(whole.F[w:w+k*inner], chunk.F[c:c+k*inner])
+		case chunk.F != nil:
+			copy(chunk.F[c:c+k*inner], whole.F[w:w+k*inner])
+		case toWhole:
+			copy(whole.I[w:w+k*inner], chunk.I[c:c+k*inner])
+		default:
+			copy(chunk.I[c:c+k*inner], whole.I[w:w+k*inner])
+		}
+	}
+}
+
+// ChunkOf is chunk c of input nd's data full, which holds the whole batch
+// of n samples or exactly the chunk. Rows that lie contiguously in full
+// are returned without a copy; otherwise they are gathered.
+func ChunkOf(nd *graph.Node, full *HostBuf, c planner.Chunk, n int) (*HostBuf, error) {
+	want := nd.Type.AtBatch(c.Size)
+	if slices.Equal(full.Shape, want) {
+		return full, nil
+	}
+	if whole := nd.Type.AtBatch(n); !slices.Equal(full.Shape, whole) {
+		return nil, graph.Errorf(graph.ErrShape, "input node %d: data shape %v, want %v (chunk) or %v (whole batch)", nd.ID, full.Shape, want, whole)
+	}
+	ax, off := nd.Type.BatchAxis, c.Start*nd.Type.PerSample
+	if graph.Numel(full.Shape[:ax]) == 1 {
+		inner := graph.Numel(full.Shape[ax+1:])
+		lo, hi := off*inner, (off+want[ax])*inner
+		if full.F != nil {
+			return &HostBuf{Shape: want, F: full.F[lo:hi]}, nil
+		}
+		return &HostBuf{Shape: want, I: full.I[lo:hi]}, nil
+	}
+	chunk := NewHostBuf(nd.Type.DType, want)
+	MoveChunk(chunk, full, ax, off, false)
+	return chunk, nil
+}
+
+// Combine merges chunk c's value v of output node o into the running
+// result acc (nil before the first chunk) and returns it: per-sample
+// values are concatenated along the batch axis, sums added, maxima maxed
+// (NaN wins, +0 beats −0); the first chunk's value, copied, stands for
+// constants.
+func Combine(acc, v *HostBuf, p *planner.Program, o int, c planner.Chunk) *HostBuf {
+	nd := p.Graph.Node(o)
+	if acc == nil {
+		if nd.Type.BatchAxis < 0 {
+			return &HostBuf{Shape: v.Shape, F: slices.Clone(v.F), I: slices.Clone(v.I)}
+		}
+		acc = NewHostBuf(nd.Type.DType, nd.Type.AtBatch(p.Batch))
+	}
+	switch {
+	case nd.Type.BatchAxis >= 0:
+		MoveChunk(v, acc, nd.Type.BatchAxis, c.Start*nd.Type.PerSample, true)
+	case p.Info.Combine[o] == shapeinfer.CombineSum:
+		for j, x := range v.F {
+			acc.F[j] += x
+		}
+	case p.Info.Combine[o] == shapeinfer.CombineMax:
+		for j, x := range v.F {
+			acc.F[j] = max(acc.F[j], x)
+		}
+	}
+	return acc
+}
+
+// KeptOutputs maps each of p's outputs to the kept entry it carries (−1
+// for none): kept entry j goes to the first output of its node not yet
+// taken.
+func KeptOutputs(p *planner.Program) ([]int, error) {
+	keptOf := make([]int, len(p.Outputs))
+	for i := range keptOf {
+		keptOf[i] = -1
+	}
+	for j, k := range p.Kept {
+		i := -1
+		for cand, o := range p.Outputs {
+			if o == k && keptOf[cand] < 0 {
+				i = cand
+				break
+			}
+		}
+		if i < 0 {
+			return nil, graph.Errorf(graph.ErrArity, "kept node %d is not among the program's outputs %v", k, p.Outputs)
+		}
+		keptOf[i] = j
+	}
+	return keptOf, nil
+}
+
+// CheckChunks refuses chunks of a graph that mixes samples: they would
+// give wrong numbers silently (training-mode batch_norm would normalise
+// each chunk by its own statistics), as the planner refuses them.
+func CheckChunks(p *planner.Program, chunks []planner.Chunk) error {
+	if len(chunks) > 1 && p.Info != nil && p.Info.NotChunkable != nil {
+		return p.Info.NotChunkable
+	}
+	return nil
+}
+
+// Outputs converts combined outputs to tensors; a nil entry (a kept
+// output left on the device) stays nil.
+func Outputs(p *planner.Program, outs []*HostBuf) ([]*tensor.Dense, error) {
+	res := make([]*tensor.Dense, len(outs))
+	for i, b := range outs {
+		if b == nil {
+			continue
+		}
+		if graph.Numel(b.Shape) == 0 {
+			// gorgonia.org/tensor builds a Dense with a size-0 axis but
+			// panics on Data(), so such an output is refused.
+			return nil, graph.Errorf(graph.ErrShape, "output node %d has size-0 shape %v, which gorgonia.org/tensor cannot hold", p.Outputs[i], b.Shape)
+		}
+		res[i] = b.Dense()
+	}
+	return res, nil
+}
+
+// Single compiles g for outputs with ws and returns the program and the
+// one chunk that runs b of its samples, as Executor.Run and RunBatch do:
+// a graph with no batched input runs its constants once.
+func Single(g *graph.Graph, info *shapeinfer.Result, b int, ws planner.WorkspaceFunc, outputs []int) (*planner.Program, []planner.Chunk, error) {
+	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Workspace: ws})
+	if err != nil {
+		return nil, nil, err
+	}
+	n := g.Batch()
+	if n == 0 {
+		n, b = 1, 1
+	}
+	p.Batch = n
+	return p, []planner.Chunk{{Size: b}}, nil
+}
+
+// ChunkError is an error a kernel raised while a chunk of the batch ran:
+// the samples it held are Start to Start+Size−1 of the caller's batch.
+// Rows and positions the kernel's message names count from the chunk's
+// first sample; sample Start+k is the caller's row for the chunk's row k
+// of a per-sample tensor.
+type ChunkError struct {
+	Start, Size int
+	Err         error
+}
+
+func (e *ChunkError) Error() string {
+	return fmt.Sprintf("in samples %d to %d of the batch (rows below count from sample %d): %v",
+		e.Start, e.Start+e.Size-1, e.Start, e.Err)
+}
+
+func (e *ChunkError) Unwrap() error { return e.Err }
+
+// InChunk wraps err, raised while chunk c of p ran, with the samples the
+// chunk held, unless c is the whole batch.
+func InChunk(p *planner.Program, c planner.Chunk, err error) error {
+	if err == nil || (c.Start == 0 && c.Size == p.Batch) {
+		return err
+	}
+	return &ChunkError{Start: c.Start, Size: c.Size, Err: err}
+}

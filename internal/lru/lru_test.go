@@ -1,0 +1,26 @@
+package lru
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestEvictsLeastRecentlyUsed(t *testing.T) {
+	c := Cache[int, string]{Max: 2}
+	c.Put(1, "a")
+	c.Put(2, "b")
+	_, ok := c.Get(1) // 2 is now the least recently used
+	require.True(t, ok)
+	c.Put(3, "c")
+	require.Equal(t, 2, c.Len())
+	_, ok = c.Get(2)
+	require.False(t, ok, "2 was evicted")
+	v, ok := c.Get(1)
+	require.True(t, ok)
+	require.Equal(t, "a", v)
+	c.Put(1, "A") // replacing evicts nothing
+	require.Equal(t, 2, c.Len())
+	v, _ = c.Get(1)
+	require.Equal(t, "A", v)
+}

@@ -1,0 +1,74 @@
+package batchfit
+
+import (
+	"context"
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// withOverhead is a CPU executor holding a library workspace of its own
+// outside every plan, as CUDA's cuBLAS workspace is.
+type withOverhead struct {
+	*cpu.Executor
+	ws int64
+}
+
+func (w withOverhead) Overhead() int64 { return w.ws }
+
+// Issue 17 item 5: Options.Budget is everything the session holds; the
+// executor's overhead comes out of it, not on top. With a 32 MiB
+// workspace held outside the plans, the allocator's reserved bytes stay
+// within the budget at every step, and each step's measured peak is its
+// plan's plus the workspace.
+func TestBudgetIncludesOverhead(t *testing.T) {
+	const budget, ws = 64 << 20, 32 << 20
+	const n, in = 2048, 256
+	data := make([]float32, n*in)
+	labels := make([]int64, n)
+	for i := range data {
+		data[i] = float32(math.Sin(float64(i) * 0.29))
+	}
+	for i := range labels {
+		labels[i] = int64(i % 10)
+	}
+	sess := NewSession(Options{Device: DeviceCPU, Budget: budget})
+	// A device larger than the budget, as a GPU is.
+	e := cpu.NewOn(alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{}))
+	blk, err := e.Allocator().Malloc(ws, alloc.Tag{Op: "library.workspace"})
+	require.NoError(t, err)
+	require.Equal(t, int64(ws), blk.Size(), "the workspace fills a segment of its own")
+	sess.be = withOverhead{e, ws}
+	require.Equal(t, int64(ws), sess.Overhead())
+	model := nn.MLP(nn.Seed(4), []int{in, 1024, 10}, nn.ReLU{})
+	opt := optim.NewAdam(1e-3)
+	for step := range 3 {
+		x := lazy.Wrap(tensor.New(tensor.WithShape(n, in), tensor.WithBacking(data)), 0)
+		y := x.Graph().Wrap(tensor.New(tensor.WithShape(n), tensor.WithBacking(labels)), 0)
+		_, err := sess.Step(context.Background(), model.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(model), opt)
+		require.NoError(t, err, "step %d", step)
+		pl, used := sess.LastPlan(), sess.LastUsage()
+		require.Equal(t, int64(budget-ws), pl.Budget, "step %d: the plan's budget is the rest", step)
+		require.Greater(t, len(pl.Chunks), 1, "step %d: the budget makes it chunk", step)
+		require.Equal(t, pl.PeakReserved+ws, used.PeakReserved, "step %d: measured = planned + overhead", step)
+		require.LessOrEqual(t, sess.Allocator().Stats().ReservedBytes[alloc.All].Peak, int64(budget), "step %d: reserved within the budget", step)
+	}
+}
+
+// A negative budget is a typed error, not "no limit".
+func TestNegativeBudget(t *testing.T) {
+	sess := NewSession(Options{Device: DeviceCPU, Budget: -1})
+	require.ErrorIs(t, sess.Err(), planner.ErrBudget)
+	_, err := sess.Eval(context.Background(), lazy.Wrap(tensor.New(tensor.WithShape(2, 2), tensor.WithBacking([]float32{1, 2, 3, 4})), 0).Tanh())
+	require.ErrorIs(t, err, planner.ErrBudget)
+}
