@@ -148,7 +148,7 @@ func TestSessionCUDAPlannedPeaksAreMeasured(t *testing.T) {
 		chunks int
 	}{{"device", 0, 1}, {"two chunks", budgets[2], 2}} {
 		t.Run(c.name, func(t *testing.T) {
-			sess := cudaSession(t, batchfit.Options{Budget: c.budget})
+			sess := cudaSession(t, batchfit.Options{Budget: withOverhead(c.budget)})
 			m, rng, opt := mlpModel(false), rand.New(rand.NewPCG(85, 86)), optim.NewAdam(1e-3)
 			for step := range 3 {
 				loss, params := m.build(rng, n)
@@ -332,7 +332,7 @@ func TestSessionCUDANoLeakOver200Steps(t *testing.T) {
 		chunks int
 	}{{"whole", 0, 1}, {fmt.Sprintf("%d chunks", chunks), budgets[chunks], chunks}} {
 		t.Run(c.name, func(t *testing.T) {
-			sess := cudaSession(t, batchfit.Options{Budget: c.budget})
+			sess := cudaSession(t, batchfit.Options{Budget: withOverhead(c.budget)})
 			m, opt := newModel(), optim.NewAdam(1e-3)
 			dev := sess.Allocator().Backend()
 			deviceUsed := func() int64 {
@@ -378,4 +378,14 @@ func TestSessionCUDANoLeakOver200Steps(t *testing.T) {
 			assert.Less(t, last, first, "Adam lowers the loss over %d steps", steps)
 		})
 	}
+}
+
+// withOverhead turns a plan's budget into the Options.Budget that gives it:
+// the session's budget holds the cuBLAS workspace (Overhead) too. Zero
+// stays zero (the device's free memory).
+func withOverhead(planBudget int64) int64 {
+	if planBudget == 0 {
+		return 0
+	}
+	return planBudget + cuda.DefaultWorkspace
 }
