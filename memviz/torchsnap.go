@@ -133,8 +133,16 @@ func traceDicts(e alloc.Event) []any {
 // index up to the largest.
 const maxDevice = 1 << 12
 
-// maxPickleBytes bounds what ReadPickle reads: 1 GiB.
-const maxPickleBytes = 1 << 30
+// ReadPickle's caps. maxPickleBytes bounds its input: 1 GiB. It converts at
+// most one segment, block or trace entry per pickleBytesPerItem input
+// bytes, counting a dict or list each time a memo reference repeats it, so
+// that a small pickle of references to one large segment or trace cannot
+// make it build a large snapshot: every such item takes at least that many
+// bytes in a pickle that does not repeat it.
+const (
+	maxPickleBytes     = 1 << 30
+	pickleBytesPerItem = 4
+)
 
 // ReadPickle reads a snapshot pickle written by WritePickle or by PyTorch
 // (torch.cuda.memory._dump_snapshot). A device appears when it has
@@ -143,20 +151,23 @@ const maxPickleBytes = 1 << 30
 // Allocated and Reserved are recomputed backwards from the segments, which
 // is exact for batchfit's snapshots (taken right after their last event);
 // free_requested entries are dropped, free_completed ones become frees.
-// Malformed input gives a *FormatError wrapping ErrFormat.
+// Malformed input gives a *FormatError wrapping ErrFormat; input past
+// ReadPickle's caps (over 1 GiB, or more than one segment, block or trace
+// entry per 4 bytes, repeats included) one wrapping ErrFormat and
+// ErrTooLarge. Its time and memory are linear in the input's size.
 func ReadPickle(r io.Reader) (Snapshot, error) {
 	data, err := io.ReadAll(io.LimitReader(r, maxPickleBytes+1))
 	if err != nil {
 		return Snapshot{}, err
 	}
 	if len(data) > maxPickleBytes {
-		return Snapshot{}, &FormatError{Format: "pickle", Offset: maxPickleBytes, Msg: "larger than 1 GiB"}
+		return Snapshot{}, &FormatError{Format: "pickle", Offset: maxPickleBytes, Msg: "larger than 1 GiB", Err: ErrTooLarge}
 	}
 	v, err := readPickle(data)
 	if err != nil {
 		return Snapshot{}, err
 	}
-	s, err := snapshotOf(v)
+	s, err := snapshotOf(v, len(data)/pickleBytesPerItem)
 	if err != nil {
 		return Snapshot{}, err
 	}
@@ -171,7 +182,24 @@ func schemaError(format string, args ...any) error {
 	return &FormatError{Format: "pickle", Offset: -1, Msg: fmt.Sprintf(format, args...)}
 }
 
-func snapshotOf(v any) (Snapshot, error) {
+// itemBudget is how many more segments, blocks and trace entries a
+// pickle may convert to.
+type itemBudget int
+
+// spend takes n items from b, or reports that the pickle has too many.
+func (b *itemBudget) spend(n int) error {
+	if n > int(*b) {
+		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
+			Msg: fmt.Sprintf("more segments, blocks and trace entries than one per %d input bytes (memo references count each time they repeat one)", pickleBytesPerItem)}
+	}
+	*b -= itemBudget(n)
+	return nil
+}
+
+// snapshotOf converts a decoded pickle to a snapshot of at most budget
+// segments, blocks and trace entries.
+func snapshotOf(v any, budget int) (Snapshot, error) {
+	left := itemBudget(budget)
 	top, ok := v.(*pyDict)
 	if !ok {
 		return Snapshot{}, schemaError("top level is a %s, want a dict", pyType(v))
@@ -196,7 +224,7 @@ func snapshotOf(v any) (Snapshot, error) {
 		if !ok {
 			return Snapshot{}, schemaError("segment %d is a %s, want a dict", i, pyType(sv))
 		}
-		device, seg, err := segmentOf(d, i)
+		device, seg, err := segmentOf(d, i, &left)
 		if err != nil {
 			return Snapshot{}, err
 		}
@@ -215,6 +243,9 @@ func snapshotOf(v any) (Snapshot, error) {
 			l, ok := lv.(*pyList)
 			if !ok {
 				return Snapshot{}, schemaError("device_traces[%d] is a %s, want a list", i, pyType(lv))
+			}
+			if err := left.spend(len(l.items)); err != nil {
+				return Snapshot{}, err
 			}
 			var evs []alloc.Event
 			for j, ev := range l.items {
@@ -267,7 +298,10 @@ func count(d *pyDict, k, what string, optional bool) (int64, bool, error) {
 	return n, ok, err
 }
 
-func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
+func segmentOf(d *pyDict, i int, left *itemBudget) (int, alloc.SegmentInfo, error) {
+	if err := left.spend(1); err != nil {
+		return 0, alloc.SegmentInfo{}, err
+	}
 	what := fmt.Sprintf("segment %d", i)
 	device, _, err := count(d, "device", what, true)
 	if err != nil {
@@ -296,6 +330,9 @@ func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
 	}
 	blocks, _, err := field[*pyList](d, "blocks", what, false)
 	if err != nil {
+		return 0, seg, err
+	}
+	if err := left.spend(len(blocks.items)); err != nil {
 		return 0, seg, err
 	}
 	at := seg.Addr

@@ -22,13 +22,12 @@ const (
 
 var formats = []string{formatPickle, formatPprof, formatFolded}
 
-// File errors. A *fileError wraps one of these, or the os error (errors.Is
-// fs.ErrNotExist, fs.ErrPermission), or the reader's *memviz.FormatError
-// (memviz.ErrFormat, and io.ErrUnexpectedEOF for a truncated file).
-var (
-	errFileKind  = errors.New("wrong kind of snapshot file")
-	errFileLarge = errors.New("file too large")
-)
+// File errors. A *fileError wraps errFileKind, or memviz.ErrTooLarge for a
+// file over maxFile, or the os error (errors.Is fs.ErrNotExist,
+// fs.ErrPermission), or the reader's *memviz.FormatError (memviz.ErrFormat,
+// with io.ErrUnexpectedEOF for a truncated file and memviz.ErrTooLarge for
+// one past the reader's caps).
+var errFileKind = errors.New("wrong kind of snapshot file")
 
 // fileError is a snapshot file that could not be read or written.
 type fileError struct {
@@ -147,7 +146,7 @@ func readAll(path string, stdin io.Reader) ([]byte, error) {
 		return nil, err
 	}
 	if len(data) > maxFile {
-		return nil, fmt.Errorf("%w: more than %d bytes", errFileLarge, maxFile)
+		return nil, fmt.Errorf("%w: more than %d bytes", memviz.ErrTooLarge, maxFile)
 	}
 	return data, nil
 }

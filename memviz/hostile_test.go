@@ -1,0 +1,145 @@
+package memviz_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/batchfit/batchfit/memviz"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Crafted files: small inputs that describe huge ones through shared
+// references or compression. Readers must refuse them with ErrTooLarge
+// (or read them) in time and memory linear in the input.
+
+// pk builds pickle bytes by opcode.
+type pk struct{ bytes.Buffer }
+
+func (p *pk) op(b ...byte) *pk { p.Write(b); return p }
+
+func (p *pk) str(s string) *pk {
+	p.op('X')
+	_ = binary.Write(p, binary.LittleEndian, uint32(len(s)))
+	p.WriteString(s)
+	return p
+}
+
+func (p *pk) int(n int32) *pk {
+	p.op('J')
+	_ = binary.Write(p, binary.LittleEndian, n)
+	return p
+}
+
+// put stores the top of the stack as memo i; get pushes memo i again.
+func (p *pk) put(i byte) *pk { return p.op('q', i) }
+func (p *pk) get(i byte) *pk { return p.op('h', i) }
+
+// repeat pushes memo i n times.
+func (p *pk) repeat(i byte, n int) *pk {
+	for range n {
+		p.get(i)
+	}
+	return p
+}
+
+// allocatedBy is the bytes f allocates.
+func allocatedBy(f func()) uint64 {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	f()
+	runtime.ReadMemStats(&after)
+	return after.TotalAlloc - before.TotalAlloc
+}
+
+// linearBound is what a reader may allocate for n input bytes.
+func linearBound(n int) uint64 { return 256*uint64(n) + 4<<20 }
+
+// TestReadPickleRepeatedReferences checks that memo references repeating
+// one segment, one block or one trace list thousands of times are counted
+// each time against ReadPickle's cap: the read fails with ErrTooLarge
+// (and ErrFormat) having allocated a bounded multiple of the input, where
+// it used to build every copy (gigabytes from tens of kilobytes).
+func TestReadPickleRepeatedReferences(t *testing.T) {
+	const n = 1500
+	// One segment of n 512-byte blocks, all the same block dict.
+	segment := func(p *pk) *pk {
+		p.op('}', '(').str("address").int(0).str("total_size").int(512 * n).str("blocks").op(']', '(')
+		p.op('}', '(').str("size").int(512).str("state").str("inactive").op('u').put(1).repeat(1, n-1)
+		return p.op('e', 'u')
+	}
+	cases := map[string][]byte{
+		// segments: [seg, seg, seg, …], one dict n times.
+		"segment": segment(new(pk).op(0x80, 2, '}', '(').str("segments").op(']', '(')).put(0).repeat(0, n-1).
+			op('e').str("device_traces").op(']', 'u', '.').Bytes(),
+		// device_traces: [l, l, …, l], l = [e, e, …, e], one entry n times.
+		"trace": new(pk).op(0x80, 2, '}', '(').str("segments").op(']').str("device_traces").op(']', '(', ']', '(').
+			op('}', '(').str("action").str("alloc").str("addr").int(0).str("size").int(512).op('u').put(1).repeat(1, n-1).
+			op('e').put(0).repeat(0, 4000).op('e', 'u', '.').Bytes(),
+	}
+	for name, data := range cases {
+		t.Run(name, func(t *testing.T) {
+			var err error
+			used := allocatedBy(func() { _, err = memviz.ReadPickle(bytes.NewReader(data)) })
+			require.ErrorIs(t, err, memviz.ErrTooLarge)
+			assert.ErrorIs(t, err, memviz.ErrFormat)
+			assert.LessOrEqual(t, used, linearBound(len(data)), "bytes allocated reading %d bytes", len(data))
+		})
+	}
+}
+
+// TestReadPickleSharedFrames checks that what PyTorch does share, one
+// frames list under many blocks, reads, and costs its size once.
+func TestReadPickleSharedFrames(t *testing.T) {
+	const n = 2000
+	p := new(pk).op(0x80, 2, '}', '(').str("segments").op(']', '(')
+	p.op('}', '(').str("address").int(0).str("total_size").int(512 * n).str("blocks").op(']', '(')
+	// The first block's frames list, one frame, a dict of many keys, is
+	// memo 2; the other blocks repeat it.
+	p.op('}', '(').str("size").int(512).str("state").str("active_allocated").str("frames")
+	p.op(']', '}', '(').str("filename").str("m").str("line").int(1).str("name").str("op")
+	for i := range 5000 {
+		p.str("k" + strings.Repeat("x", i%7)).int(int32(i))
+	}
+	p.op('u', 'a').put(2).op('u')
+	for range n - 1 {
+		p.op('}', '(').str("size").int(512).str("state").str("active_allocated").str("frames").get(2).op('u')
+	}
+	data := p.op('e', 'u', 'e', 'u', '.').Bytes()
+	var s memviz.Snapshot
+	var err error
+	used := allocatedBy(func() { s, err = memviz.ReadPickle(bytes.NewReader(data)) })
+	require.NoError(t, err)
+	assert.Equal(t, int64(512*n), s.Allocated())
+	assert.LessOrEqual(t, used, linearBound(len(data)))
+}
+
+// TestReadPickleNestedTupleKeys checks that a dict key made of tuples that
+// share sub-tuples (each level 30 references to the level below, 8 deep:
+// 30⁸ leaves from a few hundred bytes) is checked for hashability in time
+// linear in the input, not by walking every path.
+func TestReadPickleNestedTupleKeys(t *testing.T) {
+	// MARK×8, (1,), then per level: 29 more references, TUPLE.
+	p := new(pk).op(0x80, 2, '}', '(', '(', '(', '(', '(', '(', '(', '(').int(1).op(0x85).put(0)
+	for level := range 8 {
+		p.repeat(byte(level), 29).op('t').put(byte(level + 1))
+	}
+	data := p.op('N', 's', '.').Bytes()
+	done := make(chan error, 1)
+	go func() { _, err := memviz.ReadPickle(bytes.NewReader(data)); done <- err }()
+	select {
+	case err := <-done:
+		// The key is hashable; the dict is no snapshot.
+		require.ErrorIs(t, err, memviz.ErrFormat)
+		assert.NotContains(t, err.Error(), "unhashable")
+		assert.False(t, errors.Is(err, memviz.ErrTooLarge))
+	case <-time.After(20 * time.Second):
+		t.Fatal("ReadPickle still checking the key after 20s")
+	}
+}
