@@ -70,7 +70,7 @@ func TestReadPickleRepeatedReferences(t *testing.T) {
 	const n = 1500
 	// One segment of n 512-byte blocks, all the same block dict.
 	segment := func(p *pk) *pk {
-		p.op('}', '(').str("address").int(0).str("total_size").int(512 * n).str("blocks").op(']', '(')
+		p.op('}', '(').str("address").int(0).str("total_size").int(512*n).str("blocks").op(']', '(')
 		p.op('}', '(').str("size").int(512).str("state").str("inactive").op('u').put(1).repeat(1, n-1)
 		return p.op('e', 'u')
 	}
@@ -99,7 +99,7 @@ func TestReadPickleRepeatedReferences(t *testing.T) {
 func TestReadPickleSharedFrames(t *testing.T) {
 	const n = 2000
 	p := new(pk).op(0x80, 2, '}', '(').str("segments").op(']', '(')
-	p.op('}', '(').str("address").int(0).str("total_size").int(512 * n).str("blocks").op(']', '(')
+	p.op('}', '(').str("address").int(0).str("total_size").int(512*n).str("blocks").op(']', '(')
 	// The first block's frames list, one frame, a dict of many keys, is
 	// memo 2; the other blocks repeat it.
 	p.op('}', '(').str("size").int(512).str("state").str("active_allocated").str("frames")
