@@ -2,14 +2,17 @@ package memviz_test
 
 import (
 	"bytes"
+	"compress/gzip"
 	"encoding/binary"
 	"errors"
+	"io"
 	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/batchfit/batchfit/memviz"
+	"github.com/google/pprof/profile"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -48,25 +51,24 @@ func (p *pk) repeat(i byte, n int) *pk {
 	return p
 }
 
-// allocatedBy is the bytes f allocates.
+// allocatedBy is the bytes f allocates (and whatever else runs meanwhile).
 func allocatedBy(f func()) uint64 {
 	var before, after runtime.MemStats
-	runtime.GC()
 	runtime.ReadMemStats(&before)
 	f()
 	runtime.ReadMemStats(&after)
 	return after.TotalAlloc - before.TotalAlloc
 }
 
-// linearBound is what a reader may allocate for n input bytes.
+// linearBound is what a reader may allocate for n input bytes: the
+// readers' caps keep them within a few dozen times their input, a
+// decompressed profile's included (16× at most, or 1 MiB).
 func linearBound(n int) uint64 { return 256*uint64(n) + 4<<20 }
 
-// TestReadPickleRepeatedReferences checks that memo references repeating
-// one segment, one block or one trace list thousands of times are counted
-// each time against ReadPickle's cap: the read fails with ErrTooLarge
-// (and ErrFormat) having allocated a bounded multiple of the input, where
-// it used to build every copy (gigabytes from tens of kilobytes).
-func TestReadPickleRepeatedReferences(t *testing.T) {
+// hostilePickles are pickles of a few kilobytes that repeat one dict or
+// list through memo references into millions of segments, blocks or trace
+// entries.
+func hostilePickles() map[string][]byte {
 	const n = 1500
 	// One segment of n 512-byte blocks, all the same block dict.
 	segment := func(p *pk) *pk {
@@ -74,7 +76,7 @@ func TestReadPickleRepeatedReferences(t *testing.T) {
 		p.op('}', '(').str("size").int(512).str("state").str("inactive").op('u').put(1).repeat(1, n-1)
 		return p.op('e', 'u')
 	}
-	cases := map[string][]byte{
+	return map[string][]byte{
 		// segments: [seg, seg, seg, …], one dict n times.
 		"segment": segment(new(pk).op(0x80, 2, '}', '(').str("segments").op(']', '(')).put(0).repeat(0, n-1).
 			op('e').str("device_traces").op(']', 'u', '.').Bytes(),
@@ -83,7 +85,15 @@ func TestReadPickleRepeatedReferences(t *testing.T) {
 			op('}', '(').str("action").str("alloc").str("addr").int(0).str("size").int(512).op('u').put(1).repeat(1, n-1).
 			op('e').put(0).repeat(0, 4000).op('e', 'u', '.').Bytes(),
 	}
-	for name, data := range cases {
+}
+
+// TestReadPickleRepeatedReferences checks that memo references repeating
+// one segment, one block or one trace list thousands of times are counted
+// each time against ReadPickle's cap: the read fails with ErrTooLarge
+// (and ErrFormat) having allocated a bounded multiple of the input, where
+// it used to build every copy (gigabytes from tens of kilobytes).
+func TestReadPickleRepeatedReferences(t *testing.T) {
+	for name, data := range hostilePickles() {
 		t.Run(name, func(t *testing.T) {
 			var err error
 			used := allocatedBy(func() { _, err = memviz.ReadPickle(bytes.NewReader(data)) })
@@ -142,4 +152,71 @@ func TestReadPickleNestedTupleKeys(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("ReadPickle still checking the key after 20s")
 	}
+}
+
+func gzipped(t testing.TB, data []byte) []byte {
+	t.Helper()
+	var b bytes.Buffer
+	zw, err := gzip.NewWriterLevel(&b, gzip.BestCompression)
+	require.NoError(t, err)
+	_, err = zw.Write(data)
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	return b.Bytes()
+}
+
+// TestReadPprofBombs checks ReadPprof's caps on crafted profiles: each is
+// refused with ErrTooLarge (and ErrFormat) having allocated a bounded
+// multiple of the file, where it used to decompress and decode it all
+// (hundreds of megabytes here; an out-of-memory crash from 97 KB).
+func TestReadPprofBombs(t *testing.T) {
+	emptySamples := bytes.Repeat([]byte{0x12, 0x00}, 2<<20) // field 2, length 0
+	// One function with a 16 KiB name, one location, and a sample that
+	// lists that location 10,000 times: 160 MB of stack from 27 KB.
+	fn := &profile.Function{ID: 1, Name: strings.Repeat("f", 16<<10)}
+	loc := &profile.Location{ID: 1, Line: []profile.Line{{Function: fn}}}
+	deep := &profile.Sample{Value: []int64{1, 1}}
+	for range 10000 {
+		deep.Location = append(deep.Location, loc)
+	}
+	var long bytes.Buffer
+	require.NoError(t, (&profile.Profile{
+		SampleType: []*profile.ValueType{{Type: memviz.SampleInuse, Unit: "bytes"}, {Type: memviz.SampleRequested, Unit: "bytes"}},
+		Sample:     []*profile.Sample{deep}, Location: []*profile.Location{loc}, Function: []*profile.Function{fn},
+	}).Write(&long))
+	for name, data := range map[string][]byte{
+		"gzipped empty samples":      gzipped(t, emptySamples),
+		"gzipped zeros":              gzipped(t, make([]byte, 64<<20)),
+		"uncompressed empty samples": emptySamples[:200<<10],
+		"long stack":                 long.Bytes(),
+	} {
+		t.Run(name, func(t *testing.T) {
+			var err error
+			used := allocatedBy(func() { _, err = memviz.ReadPprof(bytes.NewReader(data)) })
+			require.ErrorIs(t, err, memviz.ErrTooLarge)
+			assert.ErrorIs(t, err, memviz.ErrFormat)
+			assert.LessOrEqual(t, used, linearBound(len(data)), "bytes allocated reading %d bytes", len(data))
+		})
+	}
+}
+
+// TestReadPprofTruncated checks that a profile cut short is reported as
+// such, through io.ErrUnexpectedEOF.
+func TestReadPprofTruncated(t *testing.T) {
+	var b bytes.Buffer
+	require.NoError(t, memviz.WritePprof(&b, tinySnapshot(), nil))
+	for _, data := range [][]byte{b.Bytes()[:b.Len()/2], gunzip(t, b.Bytes())[:20]} {
+		_, err := memviz.ReadPprof(bytes.NewReader(data))
+		assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
+		assert.ErrorIs(t, err, memviz.ErrFormat)
+	}
+}
+
+func gunzip(t *testing.T, data []byte) []byte {
+	t.Helper()
+	zr, err := gzip.NewReader(bytes.NewReader(data))
+	require.NoError(t, err)
+	out, err := io.ReadAll(zr)
+	require.NoError(t, err)
+	return out
 }
