@@ -65,14 +65,12 @@ func allocatedBy(f func()) uint64 {
 // decompressed profile's included (16× at most, or 1 MiB).
 func linearBound(n int) uint64 { return 256*uint64(n) + 4<<20 }
 
-// hostilePickles are pickles of a few kilobytes that repeat one dict or
-// list through memo references into millions of segments, blocks or trace
-// entries.
-func hostilePickles() map[string][]byte {
-	const n = 1500
+// hostilePickles are pickles of about 4n bytes that repeat one dict or
+// list through memo references into n² segments, blocks or trace entries.
+func hostilePickles(n int) map[string][]byte {
 	// One segment of n 512-byte blocks, all the same block dict.
 	segment := func(p *pk) *pk {
-		p.op('}', '(').str("address").int(0).str("total_size").int(512*n).str("blocks").op(']', '(')
+		p.op('}', '(').str("address").int(0).str("total_size").int(int32(512*n)).str("blocks").op(']', '(')
 		p.op('}', '(').str("size").int(512).str("state").str("inactive").op('u').put(1).repeat(1, n-1)
 		return p.op('e', 'u')
 	}
@@ -80,10 +78,11 @@ func hostilePickles() map[string][]byte {
 		// segments: [seg, seg, seg, …], one dict n times.
 		"segment": segment(new(pk).op(0x80, 2, '}', '(').str("segments").op(']', '(')).put(0).repeat(0, n-1).
 			op('e').str("device_traces").op(']', 'u', '.').Bytes(),
-		// device_traces: [l, l, …, l], l = [e, e, …, e], one entry n times.
+		// device_traces: [l, l, …, l], l = [e, e, …, e], one entry n times,
+		// one list n times.
 		"trace": new(pk).op(0x80, 2, '}', '(').str("segments").op(']').str("device_traces").op(']', '(', ']', '(').
 			op('}', '(').str("action").str("alloc").str("addr").int(0).str("size").int(512).op('u').put(1).repeat(1, n-1).
-			op('e').put(0).repeat(0, 4000).op('e', 'u', '.').Bytes(),
+			op('e').put(0).repeat(0, n-1).op('e', 'u', '.').Bytes(),
 	}
 }
 
@@ -93,7 +92,7 @@ func hostilePickles() map[string][]byte {
 // (and ErrFormat) having allocated a bounded multiple of the input, where
 // it used to build every copy (gigabytes from tens of kilobytes).
 func TestReadPickleRepeatedReferences(t *testing.T) {
-	for name, data := range hostilePickles() {
+	for name, data := range hostilePickles(1500) {
 		t.Run(name, func(t *testing.T) {
 			var err error
 			used := allocatedBy(func() { _, err = memviz.ReadPickle(bytes.NewReader(data)) })
