@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"compress/gzip"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -339,6 +340,12 @@ func badFiles(t *testing.T, dir string) []badFile {
 		{"json", write("snap.json", []byte(`{"segments": []}`)), []error{memviz.ErrFormat}},
 		{"folded with a bad count", write("bad.folded", []byte("a;b 12\nc;d twelve\n")), []error{memviz.ErrFormat}},
 		{"png", write("image.png", []byte("\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")), []error{memviz.ErrFormat}},
+		// Crafted to expand: memo references repeating one segment of
+		// 2,000 blocks 2,000 times (16 KB: 4M blocks); 2 MB of empty pprof
+		// samples and 64 MB of zeros, gzipped.
+		{"pickle repeating a segment", write("repeat.pickle", repeatedSegments(2000)), []error{memviz.ErrFormat, memviz.ErrTooLarge}},
+		{"gzip of empty samples", write("empty-samples.pb.gz", gzipped(t, bytes.Repeat([]byte{0x12, 0x00}, 1<<20))), []error{memviz.ErrFormat, memviz.ErrTooLarge}},
+		{"gzip of zeros", write("zeros.pb.gz", gzipped(t, make([]byte, 64<<20))), []error{memviz.ErrFormat, memviz.ErrTooLarge}},
 	}
 	rng := rand.New(rand.NewPCG(7, 8))
 	for i := range 4 {
@@ -359,6 +366,30 @@ func badFiles(t *testing.T, dir string) []badFile {
 	return files
 }
 
+// repeatedSegments is a snapshot pickle whose segments list holds one
+// segment of n 512-byte blocks n times, through memo references (BINPUT
+// q, BINGET h): the block dict is memo 1, the segment dict memo 0.
+func repeatedSegments(n int) []byte {
+	str := func(s string) string { return "X" + string([]byte{byte(len(s)), 0, 0, 0}) + s }
+	size := 512 * n
+	block := "}(" + str("size") + "M\x00\x02" + str("state") + str("inactive") + "uq\x01" + strings.Repeat("h\x01", n-1)
+	segment := "}(" + str("address") + "K\x00" + str("total_size") + "J" + string([]byte{byte(size), byte(size >> 8), byte(size >> 16), 0}) +
+		str("blocks") + "](" + block + "euq\x00" + strings.Repeat("h\x00", n-1)
+	return []byte("\x80\x02}(" + str("segments") + "](" + segment + "e" + str("device_traces") + "]u.")
+}
+
+func gzipped(t *testing.T, data []byte) []byte {
+	t.Helper()
+	var b bytes.Buffer
+	zw := gzip.NewWriter(&b)
+	_, err := zw.Write(data)
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	return b.Bytes()
+}
+
+// Every unreadable file gives a *fileError wrapping its cause, and report
+// and compare print it as one line.
 func TestUnreadableFilesGiveTypedErrors(t *testing.T) {
 	dir := t.TempDir()
 	good := writeSnapshot(t, dir, "ok.pickle", 64)
