@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"unicode/utf8"
 
 	"github.com/batchfit/batchfit/memviz"
@@ -151,18 +153,22 @@ func readAll(path string, stdin io.Reader) ([]byte, error) {
 	return data, nil
 }
 
-// writeFile writes path through write, into a temporary file renamed into
-// place, so a failure leaves no partial file; "-" is stdout.
+// writeFile writes path through write, into a temporary file beside it
+// (in path's directory) renamed into place, so a failure leaves no partial
+// file; "-" is stdout. A path that names a directory, or ends in a
+// separator, is refused before anything is written, with an error
+// wrapping syscall.EISDIR.
 func writeFile(path string, stdout io.Writer, write func(io.Writer) error) (int64, error) {
 	if path == "-" {
 		cw := &countWriter{w: stdout}
 		err := write(cw)
 		return cw.n, err
 	}
-	dir, base := filepath.Split(path)
-	if dir == "" {
-		dir = "."
+	fi, err := os.Stat(path)
+	if (err == nil && fi.IsDir()) || strings.HasSuffix(path, "/") || strings.HasSuffix(path, string(filepath.Separator)) {
+		return 0, &fileError{Path: path, Err: &fs.PathError{Op: "write", Path: path, Err: syscall.EISDIR}}
 	}
+	dir, base := filepath.Dir(path), filepath.Base(path)
 	tmp, err := os.CreateTemp(dir, "."+base+".*")
 	if err != nil {
 		return 0, &fileError{Path: path, Err: err}

@@ -222,6 +222,52 @@ func TestSnapshotWriteFails(t *testing.T) {
 	assert.Empty(t, entries, "no partial or temporary file")
 }
 
+// The temporary file goes beside the target, and a directory target (or
+// one ending in a separator) is refused with syscall.EISDIR before anything
+// is written, in it or in its parent.
+func TestSnapshotWriteBesideTheTarget(t *testing.T) {
+	root := t.TempDir()
+	dir := filepath.Join(root, "out")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	entries := func(d string) []string {
+		es, err := os.ReadDir(d)
+		require.NoError(t, err)
+		var names []string
+		for _, e := range es {
+			names = append(names, e.Name())
+		}
+		return names
+	}
+	for _, target := range []string{dir, dir + "/"} {
+		called := false
+		_, err := writeFile(target, nil, func(io.Writer) error { called = true; return nil })
+		assert.ErrorIs(t, err, syscall.EISDIR, target)
+		var fe *fileError
+		assert.ErrorAs(t, err, &fe, target)
+		assert.False(t, called, "%s: nothing written", target)
+		assert.Equal(t, []string{"out"}, entries(root), target)
+		assert.Empty(t, entries(dir), target)
+
+		code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "8", "--budget", "1GiB", "-o", target)
+		assert.Equal(t, exitPlan, code, target)
+		assert.Empty(t, stdout)
+		assert.Contains(t, stderr, target)
+		assert.Equal(t, []string{"out"}, entries(root), target)
+		assert.Empty(t, entries(dir), target)
+	}
+	target := filepath.Join(dir, "s.pickle")
+	_, err := writeFile(target, nil, func(io.Writer) error {
+		names := entries(dir)
+		if assert.Len(t, names, 1) {
+			assert.True(t, strings.HasPrefix(names[0], ".s.pickle."), "temporary file %s beside %s", names[0], target)
+		}
+		assert.Equal(t, []string{"out"}, entries(root))
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []string{"s.pickle"}, entries(dir))
+}
+
 func TestCompareSegments(t *testing.T) {
 	dir := t.TempDir()
 	small := writeSnapshot(t, dir, "small.pickle", 64)
