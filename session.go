@@ -40,6 +40,8 @@ type Options struct {
 	Headroom int64
 	// TraceEntries keeps the allocator's last TraceEntries events, so its
 	// snapshots carry their history (memviz exports them); 0 keeps none.
+	// Outside 0…alloc.MaxTraceEntries the session holds an error wrapping
+	// alloc.ErrInvalid.
 	TraceEntries int
 	// Timeline records the allocator's state after every program step of
 	// a run in LastUsage().Timeline: the measured per-op profile.
@@ -74,11 +76,14 @@ type programKey struct {
 
 // NewSession returns a session with the given options, on the executor
 // Options.Device picks. If none can be made (Device is "cuda" without a
-// usable GPU, or names no device) the session holds the error: Err returns
-// it, and so does every Step, Eval, Yield and Restore.
+// usable GPU, or names no device; or TraceEntries is out of range) the
+// session holds the error: Err returns it, and so does every Step, Eval,
+// Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: map[programKey]*planner.Program{}}
-	s.be, s.device, s.err = chooseBackend(opts)
+	if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
+		s.be, s.device, s.err = chooseBackend(opts)
+	}
 	if s.err != nil {
 		s.device = "none: " + s.err.Error()
 	}

@@ -179,6 +179,7 @@ func TestSnapshotUsageErrors(t *testing.T) {
 		{"unknown format", with("-o", "x", "--format", "png"), errUnknown},
 		{"unknown at", with("-o", "x", "--at", "start"), errUnknown},
 		{"negative trace", with("-o", "x", "--trace", "-1"), errRange},
+		{"trace over alloc.MaxTraceEntries", with("-o", "x", "--trace", "16777217"), errRange},
 		{"trace in pprof", with("-o", "x.pb.gz", "--trace", "10"), errNotApplicable},
 		{"positional", with("-o", "x", "extra"), errFlag},
 		{"missing model", []string{"--batch", "8", "--budget", "1GiB", "-o", "x"}, errMissing},
