@@ -12,8 +12,8 @@ import (
 
 // The readers take files from anywhere: whatever the bytes, they return a
 // snapshot or stacks, or an error wrapping ErrFormat, never panic, and
-// allocate within linearBound of the input (the caps that keep them there
-// give ErrTooLarge). The seeds include crafted files that pass each cap.
+// allocate within linearBound (pprofBound) of the input: the caps that keep
+// them there give ErrTooLarge. The seeds include crafted files that pass each cap.
 // Run one with: go test -run '^$' -fuzz FuzzReadPickle ./memviz
 
 func FuzzReadPickle(f *testing.F) {
@@ -94,7 +94,7 @@ func FuzzReadPprof(f *testing.F) {
 	f.Add(gzipped(f, make([]byte, 1<<20)))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var err error
-		if used := allocatedBy(func() { _, err = memviz.ReadPprof(bytes.NewReader(data)) }); used > linearBound(len(data)) {
+		if used := allocatedBy(func() { _, err = memviz.ReadPprof(bytes.NewReader(data)) }); used > pprofBound(len(data)) {
 			t.Fatalf("allocated %d bytes reading %d", used, len(data))
 		}
 		if err != nil && !errors.Is(err, memviz.ErrFormat) {

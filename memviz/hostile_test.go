@@ -60,10 +60,14 @@ func allocatedBy(f func()) uint64 {
 	return after.TotalAlloc - before.TotalAlloc
 }
 
-// linearBound is what a reader may allocate for n input bytes: the
-// readers' caps keep them within a few dozen times their input, a
-// decompressed profile's included (16× at most, or 1 MiB).
+// linearBound is what ReadPickle and ReadFolded may allocate for n input
+// bytes, and ReadPprof for n decompressed bytes (its input's size at most
+// 16 times): their caps keep them linear in it.
 func linearBound(n int) uint64 { return 256*uint64(n) + 4<<20 }
+
+// pprofBound is what ReadPprof may allocate for n input bytes: 128 bytes
+// per decompressed byte, of which there are at most 16 per input byte.
+func pprofBound(n int) uint64 { return 128*16*uint64(n) + 4<<20 }
 
 // hostilePickles are pickles of about 4n bytes that repeat one dict or
 // list through memo references into n² segments, blocks or trace entries.
@@ -218,4 +222,52 @@ func gunzip(t *testing.T, data []byte) []byte {
 	out, err := io.ReadAll(zr)
 	require.NoError(t, err)
 	return out
+}
+
+// TestReadPprofLinear checks ReadPprof's allocations on profiles just
+// inside its caps, dense with what costs most to decode: one-location
+// samples of 8 bytes, empty labels, one location of many empty lines.
+// Each is held to 128 bytes per decompressed byte.
+func TestReadPprofLinear(t *testing.T) {
+	fn := &profile.Function{ID: 1, Name: "f"}
+	loc := &profile.Location{ID: 1, Line: []profile.Line{{Function: fn}}}
+	base := func() *profile.Profile {
+		return &profile.Profile{SampleType: []*profile.ValueType{{Type: memviz.SampleInuse, Unit: "bytes"}},
+			Location: []*profile.Location{loc}, Function: []*profile.Function{fn}}
+	}
+	const n = 1 << 16
+	dense := base()
+	for range n {
+		dense.Sample = append(dense.Sample, &profile.Sample{Value: []int64{1}, Location: []*profile.Location{loc, loc}})
+	}
+	labels := base()
+	for range n / 16 {
+		s := &profile.Sample{Value: []int64{1}, Location: []*profile.Location{loc}, Label: map[string][]string{}}
+		for i := range 16 {
+			s.Label[strings.Repeat("k", i)] = []string{""}
+		}
+		labels.Sample = append(labels.Sample, s)
+	}
+	lines := base()
+	long := &profile.Location{ID: 2}
+	for range n {
+		long.Line = append(long.Line, profile.Line{Function: fn})
+	}
+	lines.Location = append(lines.Location, long)
+	lines.Sample = []*profile.Sample{{Value: []int64{1}, Location: []*profile.Location{long}}}
+	for name, p := range map[string]*profile.Profile{"8-byte samples": dense, "labels": labels, "lines": lines} {
+		t.Run(name, func(t *testing.T) {
+			var raw bytes.Buffer
+			require.NoError(t, p.WriteUncompressed(&raw))
+			for _, data := range [][]byte{raw.Bytes(), gzipped(t, raw.Bytes())} {
+				var err error
+				used := allocatedBy(func() { _, err = memviz.ReadPprof(bytes.NewReader(data)) })
+				if !errors.Is(err, memviz.ErrTooLarge) { // gzipped past 16×
+					require.NoError(t, err)
+				}
+				t.Logf("%d bytes (%d decompressed): %.1f allocated bytes per decompressed byte", len(data), raw.Len(), float64(used)/float64(raw.Len()))
+				assert.LessOrEqual(t, used, 128*uint64(raw.Len())+4<<20)
+			}
+		})
+	}
 }

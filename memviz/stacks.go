@@ -233,24 +233,26 @@ func WritePprof(w io.Writer, s Snapshot, n *Names) error {
 }
 
 // ReadPprof's caps, past which it returns a *FormatError wrapping ErrFormat
-// and ErrTooLarge; with them its time and memory stay within a few dozen
-// times the decompressed size, which is at most pprofExpansion times the
-// input's:
+// and ErrTooLarge:
 //   - input: at most maxPprofBytes (1 GiB);
-//   - decompressed: at most pprofExpansion (16) times the input, or
-//     pprofMinInflate (1 MiB) for smaller inputs, and never over 1 GiB;
+//   - decompressed: at most pprofExpansion (16) times the input (real
+//     profiles compress 2 to 5 times), and never over 1 GiB;
 //   - records: at most one sample, mapping, location or function per
 //     pprofBytesPerRecord (8) decompressed bytes (an empty sample takes 2
-//     bytes and a hundred times that in memory);
+//     bytes, and a hundred times that once decoded);
 //   - stacks: frame names (and separators) of at most pprofStackExpansion
 //     (64) bytes per decompressed byte, or 1 MiB for smaller profiles, in
 //     all samples together (a long name repeated down a deep stack).
+//
+// Within them its time and memory are linear in the decompressed size (the
+// tests hold it to 128 allocated bytes per decompressed byte), so in the
+// input's.
 const (
 	maxPprofBytes       = 1 << 30
 	pprofExpansion      = 16
-	pprofMinInflate     = 1 << 20
 	pprofBytesPerRecord = 8
 	pprofStackExpansion = 64
+	pprofMinStack       = 1 << 20
 )
 
 // pprofError is a *FormatError for a pprof profile.
@@ -289,7 +291,7 @@ func ReadPprof(r io.Reader) ([]StackBytes, error) {
 		return nil, pprofError("no "+SampleInuse+" sample type", nil)
 	}
 	sum := map[string]int64{}
-	left := max(pprofStackExpansion*len(data), pprofMinInflate) // bytes of stack text
+	left := max(pprofStackExpansion*len(data), pprofMinStack) // bytes of stack text
 	for _, sm := range p.Sample {
 		if vi >= len(sm.Value) {
 			return nil, pprofError("sample with too few values", nil)
@@ -321,7 +323,7 @@ func inflate(data []byte) ([]byte, error) {
 	if !bytes.HasPrefix(data, []byte{0x1f, 0x8b}) {
 		return data, nil
 	}
-	limit := min(max(pprofExpansion*len(data), pprofMinInflate), maxPprofBytes)
+	limit := min(pprofExpansion*len(data), maxPprofBytes)
 	gz, err := gzip.NewReader(bytes.NewReader(data))
 	if err != nil {
 		return nil, pprofError("decompressing", err)
