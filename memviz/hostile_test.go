@@ -1,6 +1,7 @@
 package memviz_test
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"encoding/binary"
@@ -270,4 +271,18 @@ func TestReadPprofLinear(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestReadFoldedLongLine checks that a line past ReadFolded's 1 MiB cap is
+// refused with ErrTooLarge (and ErrFormat, and bufio.ErrTooLong), the
+// same sentinel every reader's caps give.
+func TestReadFoldedLongLine(t *testing.T) {
+	data := "a 1\n" + strings.Repeat("a;", 1<<19) + "b 1\n"
+	_, err := memviz.ReadFolded(strings.NewReader(data))
+	assert.ErrorIs(t, err, memviz.ErrTooLarge)
+	assert.ErrorIs(t, err, memviz.ErrFormat)
+	assert.ErrorIs(t, err, bufio.ErrTooLong)
+	var fe *memviz.FormatError
+	require.ErrorAs(t, err, &fe)
+	assert.Equal(t, int64(2), fe.Offset, "the line number")
 }

@@ -6,6 +6,7 @@ import (
 	"cmp"
 	"compress/gzip"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -94,15 +95,22 @@ func WriteFolded(w io.Writer, s Snapshot, n *Names) error {
 	return bw.Flush()
 }
 
-// maxFoldedLine bounds one line of folded input: 1 MiB.
-const maxFoldedLine = 1 << 20
+// ReadFolded's caps: a line of at most maxFoldedLine (1 MiB), an input of
+// at most maxFoldedBytes (1 GiB). Past either it returns a *FormatError
+// wrapping ErrFormat and ErrTooLarge. Its time and memory are linear in
+// the input.
+const (
+	maxFoldedLine  = 1 << 20
+	maxFoldedBytes = 1 << 30
+)
 
 // ReadFolded reads folded stacks: lines "frame;frame;… count", the count a
 // non-negative integer after the last space; blank lines are skipped and
 // repeated stacks summed. Malformed input gives a *FormatError wrapping
-// ErrFormat.
+// ErrFormat; input past the caps above, one wrapping ErrTooLarge too.
 func ReadFolded(r io.Reader) ([]StackBytes, error) {
-	sc := bufio.NewScanner(r)
+	lr := &io.LimitedReader{R: r, N: maxFoldedBytes + 1}
+	sc := bufio.NewScanner(lr)
 	sc.Buffer(make([]byte, 0, 64<<10), maxFoldedLine)
 	sum := map[string]int64{}
 	var order []string
@@ -128,10 +136,8 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 		if stack == "" {
 			return nil, fail("empty stack")
 		}
-		for _, f := range strings.Split(stack, ";") {
-			if f == "" {
-				return nil, fail("empty frame in %q", stack)
-			}
+		if stack[0] == ';' || stack[len(stack)-1] == ';' || strings.Contains(stack, ";;") {
+			return nil, fail("empty frame in %q", stack)
 		}
 		if _, seen := sum[stack]; !seen {
 			order = append(order, stack)
@@ -141,7 +147,12 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 		}
 		sum[stack] += n
 	}
-	if err := sc.Err(); err != nil {
+	switch err := sc.Err(); {
+	case lr.N <= 0:
+		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "input over 1 GiB", Err: ErrTooLarge}
+	case errors.Is(err, bufio.ErrTooLong):
+		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "line over 1 MiB", Err: fmt.Errorf("%w: %w", ErrTooLarge, err)}
+	case err != nil:
 		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "reading", Err: err}
 	}
 	out := make([]StackBytes, len(order))
