@@ -70,8 +70,9 @@ func linearBound(n int) uint64 { return 256*uint64(n) + 4<<20 }
 // per decompressed byte, of which there are at most 16 per input byte.
 func pprofBound(n int) uint64 { return 128*16*uint64(n) + 4<<20 }
 
-// hostilePickles are pickles of about 4n bytes that repeat one dict or
-// list through memo references into n² segments, blocks or trace entries.
+// hostilePickles are pickles of a few times n bytes that repeat one dict,
+// list or string through memo references into n² segments, blocks, trace
+// entries or frames.
 func hostilePickles(n int) map[string][]byte {
 	// One segment of n 512-byte blocks, all the same block dict.
 	segment := func(p *pk) *pk {
@@ -88,7 +89,23 @@ func hostilePickles(n int) map[string][]byte {
 		"trace": new(pk).op(0x80, 2, '}', '(').str("segments").op(']').str("device_traces").op(']', '(', ']', '(').
 			op('}', '(').str("action").str("alloc").str("addr").int(0).str("size").int(512).op('u').put(1).repeat(1, n-1).
 			op('e').put(0).repeat(0, n-1).op('e', 'u', '.').Bytes(),
+		// One segment of n blocks that share one frames list, whose frame's
+		// filename is 5n module path components: 5n² frames for Stacks.
+		"shared frame": sharedFrame(n, strings.Repeat("m.", 5*n)),
 	}
+}
+
+// sharedFrame is a snapshot of one segment of n active blocks whose frames
+// list, memo 2, is one frame of filename file.
+func sharedFrame(n int, file string) []byte {
+	p := new(pk).op(0x80, 2, '}', '(').str("segments").op(']', '(')
+	p.op('}', '(').str("address").int(0).str("total_size").int(int32(512*n)).str("blocks").op(']', '(')
+	p.op('}', '(').str("size").int(512).str("state").str("active_allocated").str("frames")
+	p.op(']', '}', '(').str("filename").str(file).str("line").int(1).str("name").str("op").op('u', 'a').put(2).op('u')
+	for range n - 1 {
+		p.op('}', '(').str("size").int(512).str("state").str("active_allocated").str("frames").get(2).op('u')
+	}
+	return p.op('e', 'u', 'e', 'u', '.').Bytes()
 }
 
 // TestReadPickleRepeatedReferences checks that memo references repeating

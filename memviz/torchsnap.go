@@ -134,14 +134,20 @@ func traceDicts(e alloc.Event) []any {
 const maxDevice = 1 << 12
 
 // ReadPickle's caps. maxPickleBytes bounds its input: 1 GiB. It converts at
-// most one segment, block or trace entry per pickleBytesPerItem input
+// most one segment, block or trace entry per pickleBytesPerItem (4) input
 // bytes, counting a dict or list each time a memo reference repeats it, so
 // that a small pickle of references to one large segment or trace cannot
 // make it build a large snapshot: every such item takes at least that many
-// bytes in a pickle that does not repeat it.
+// bytes in a pickle that does not repeat it. The tags of its blocks and
+// trace entries hold at most pickleTextPerByte (16) bytes of text (frame
+// filename and name) per input byte, counted per tag: PyTorch shares frame
+// lists among blocks, and a long name shared by many blocks would make
+// every consumer that splits or joins tags (Stacks, NewReport) quadratic.
+// A PyTorch snapshot's tags hold a few bytes of text per input byte.
 const (
 	maxPickleBytes     = 1 << 30
 	pickleBytesPerItem = 4
+	pickleTextPerByte  = 16
 )
 
 // ReadPickle reads a snapshot pickle written by WritePickle or by PyTorch
@@ -153,8 +159,10 @@ const (
 // free_requested entries are dropped, free_completed ones become frees.
 // Malformed input gives a *FormatError wrapping ErrFormat; input past
 // ReadPickle's caps (over 1 GiB, or more than one segment, block or trace
-// entry per 4 bytes, repeats included) one wrapping ErrFormat and
-// ErrTooLarge. Its time and memory are linear in the input's size.
+// entry per 4 bytes, repeats included; tags of more than 16 bytes of text
+// per input byte) one wrapping ErrFormat and ErrTooLarge. Its time and
+// memory are linear in the input's size (the tests hold it to 256 allocated
+// bytes per input byte).
 func ReadPickle(r io.Reader) (Snapshot, error) {
 	data, err := io.ReadAll(io.LimitReader(r, maxPickleBytes+1))
 	if err != nil {
@@ -167,7 +175,7 @@ func ReadPickle(r io.Reader) (Snapshot, error) {
 	if err != nil {
 		return Snapshot{}, err
 	}
-	s, err := snapshotOf(v, len(data)/pickleBytesPerItem)
+	s, err := snapshotOf(v, &budget{items: len(data) / pickleBytesPerItem, text: len(data) * pickleTextPerByte})
 	if err != nil {
 		return Snapshot{}, err
 	}
@@ -182,24 +190,33 @@ func schemaError(format string, args ...any) error {
 	return &FormatError{Format: "pickle", Offset: -1, Msg: fmt.Sprintf(format, args...)}
 }
 
-// itemBudget is how many more segments, blocks and trace entries a
-// pickle may convert to.
-type itemBudget int
+// budget is what is left of ReadPickle's caps on a pickle: segments, blocks
+// and trace entries, and bytes of tag text.
+type budget struct{ items, text int }
 
 // spend takes n items from b, or reports that the pickle has too many.
-func (b *itemBudget) spend(n int) error {
-	if n > int(*b) {
+func (b *budget) spend(n int) error {
+	if n > b.items {
 		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
 			Msg: fmt.Sprintf("more segments, blocks and trace entries than one per %d input bytes (memo references count each time they repeat one)", pickleBytesPerItem)}
 	}
-	*b -= itemBudget(n)
+	b.items -= n
 	return nil
 }
 
-// snapshotOf converts a decoded pickle to a snapshot of at most budget
-// segments, blocks and trace entries.
-func snapshotOf(v any, budget int) (Snapshot, error) {
-	left := itemBudget(budget)
+// spendText takes t's text from b, or reports that the tags hold too much.
+func (b *budget) spendText(t alloc.Tag) error {
+	n := len(t.Op) + len(t.Scope)
+	if n > b.text {
+		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
+			Msg: fmt.Sprintf("tags hold more than %d bytes of frame text per input byte (shared frames count each time)", pickleTextPerByte)}
+	}
+	b.text -= n
+	return nil
+}
+
+// snapshotOf converts a decoded pickle to a snapshot within left.
+func snapshotOf(v any, left *budget) (Snapshot, error) {
 	top, ok := v.(*pyDict)
 	if !ok {
 		return Snapshot{}, schemaError("top level is a %s, want a dict", pyType(v))
@@ -224,7 +241,7 @@ func snapshotOf(v any, budget int) (Snapshot, error) {
 		if !ok {
 			return Snapshot{}, schemaError("segment %d is a %s, want a dict", i, pyType(sv))
 		}
-		device, seg, err := segmentOf(d, i, &left)
+		device, seg, err := segmentOf(d, i, left)
 		if err != nil {
 			return Snapshot{}, err
 		}
@@ -249,7 +266,7 @@ func snapshotOf(v any, budget int) (Snapshot, error) {
 			}
 			var evs []alloc.Event
 			for j, ev := range l.items {
-				e, keep, err := eventOf(ev, i, j)
+				e, keep, err := eventOf(ev, i, j, left)
 				if err != nil {
 					return Snapshot{}, err
 				}
@@ -298,7 +315,7 @@ func count(d *pyDict, k, what string, optional bool) (int64, bool, error) {
 	return n, ok, err
 }
 
-func segmentOf(d *pyDict, i int, left *itemBudget) (int, alloc.SegmentInfo, error) {
+func segmentOf(d *pyDict, i int, left *budget) (int, alloc.SegmentInfo, error) {
 	if err := left.spend(1); err != nil {
 		return 0, alloc.SegmentInfo{}, err
 	}
@@ -342,7 +359,7 @@ func segmentOf(d *pyDict, i int, left *itemBudget) (int, alloc.SegmentInfo, erro
 		if !ok {
 			return 0, seg, schemaError("%s is a %s, want a dict", bwhat, pyType(bv))
 		}
-		b, err := blockOf(bd, at, bwhat)
+		b, err := blockOf(bd, at, bwhat, left)
 		if err != nil {
 			return 0, seg, err
 		}
@@ -355,7 +372,7 @@ func segmentOf(d *pyDict, i int, left *itemBudget) (int, alloc.SegmentInfo, erro
 	return int(device), seg, nil
 }
 
-func blockOf(d *pyDict, at alloc.Ptr, what string) (alloc.BlockInfo, error) {
+func blockOf(d *pyDict, at alloc.Ptr, what string, left *budget) (alloc.BlockInfo, error) {
 	// Old snapshots have no block addresses: blocks follow each other.
 	addr, ok, err := count(d, "address", what, true)
 	if err != nil {
@@ -384,15 +401,16 @@ func blockOf(d *pyDict, at alloc.Ptr, what string) (alloc.BlockInfo, error) {
 		return b, schemaError("%s: state %q", what, state)
 	}
 	if active(b.State) {
-		if b.Tag, err = tagOf(d, what); err != nil {
+		if b.Tag, err = tagOf(d, what, left); err != nil {
 			return b, err
 		}
 	}
 	return b, nil
 }
 
-// tagOf reads the innermost frame of d's "frames" as a tag.
-func tagOf(d *pyDict, what string) (alloc.Tag, error) {
+// tagOf reads the innermost frame of d's "frames" as a tag, taking its
+// text from left.
+func tagOf(d *pyDict, what string, left *budget) (alloc.Tag, error) {
 	fs, ok, err := field[*pyList](d, "frames", what, true)
 	if err != nil || !ok || len(fs.items) == 0 {
 		return alloc.Tag{Node: -1}, err
@@ -417,12 +435,13 @@ func tagOf(d *pyDict, what string) (alloc.Tag, error) {
 	if line < math.MinInt32 || line > math.MaxInt32 {
 		return alloc.Tag{}, schemaError("%s: line %d", fwhat, line)
 	}
-	return alloc.Tag{Node: int(line), Op: name, Scope: file}, nil
+	t := alloc.Tag{Node: int(line), Op: name, Scope: file}
+	return t, left.spendText(t)
 }
 
 // eventOf converts trace entry j of device i; keep is false for entries
 // with no allocator event of their own.
-func eventOf(v any, i, j int) (alloc.Event, bool, error) {
+func eventOf(v any, i, j int, left *budget) (alloc.Event, bool, error) {
 	what := fmt.Sprintf("device_traces[%d][%d]", i, j)
 	d, ok := v.(*pyDict)
 	if !ok {
@@ -463,7 +482,7 @@ func eventOf(v any, i, j int) (alloc.Event, bool, error) {
 	} else if ok {
 		e.Seq = t
 	}
-	if e.Tag, err = tagOf(d, what); err != nil {
+	if e.Tag, err = tagOf(d, what, left); err != nil {
 		return e, false, err
 	}
 	return e, true, nil
