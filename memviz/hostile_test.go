@@ -114,10 +114,16 @@ func sharedFrame(n int, file string) []byte {
 // (and ErrFormat) having allocated a bounded multiple of the input, where
 // it used to build every copy (gigabytes from tens of kilobytes).
 func TestReadPickleRepeatedReferences(t *testing.T) {
-	for name, data := range hostilePickles(1500) {
+	refused(t, func(r io.Reader) error { _, err := memviz.ReadPickle(r); return err }, hostilePickles(1500))
+}
+
+// refused checks that read refuses each input of cases with ErrTooLarge
+// (and ErrFormat), having allocated within linearBound of its size.
+func refused(t *testing.T, read func(io.Reader) error, cases map[string][]byte) {
+	for name, data := range cases {
 		t.Run(name, func(t *testing.T) {
 			var err error
-			used := allocatedBy(func() { _, err = memviz.ReadPickle(bytes.NewReader(data)) })
+			used := allocatedBy(func() { err = read(bytes.NewReader(data)) })
 			require.ErrorIs(t, err, memviz.ErrTooLarge)
 			assert.ErrorIs(t, err, memviz.ErrFormat)
 			assert.LessOrEqual(t, used, linearBound(len(data)), "bytes allocated reading %d bytes", len(data))
@@ -205,20 +211,12 @@ func TestReadPprofBombs(t *testing.T) {
 		SampleType: []*profile.ValueType{{Type: memviz.SampleInuse, Unit: "bytes"}, {Type: memviz.SampleRequested, Unit: "bytes"}},
 		Sample:     []*profile.Sample{deep}, Location: []*profile.Location{loc}, Function: []*profile.Function{fn},
 	}).Write(&long))
-	for name, data := range map[string][]byte{
+	refused(t, func(r io.Reader) error { _, err := memviz.ReadPprof(r); return err }, map[string][]byte{
 		"gzipped empty samples":      gzipped(t, emptySamples),
 		"gzipped zeros":              gzipped(t, make([]byte, 64<<20)),
 		"uncompressed empty samples": emptySamples[:200<<10],
 		"long stack":                 long.Bytes(),
-	} {
-		t.Run(name, func(t *testing.T) {
-			var err error
-			used := allocatedBy(func() { _, err = memviz.ReadPprof(bytes.NewReader(data)) })
-			require.ErrorIs(t, err, memviz.ErrTooLarge)
-			assert.ErrorIs(t, err, memviz.ErrFormat)
-			assert.LessOrEqual(t, used, linearBound(len(data)), "bytes allocated reading %d bytes", len(data))
-		})
-	}
+	})
 }
 
 // TestReadPprofTruncated checks that a profile cut short is reported as
