@@ -246,8 +246,8 @@ func WritePprof(w io.Writer, s Snapshot, n *Names) error {
 // ReadPprof's caps, past which it returns a *FormatError wrapping ErrFormat
 // and ErrTooLarge:
 //   - input: at most maxPprofBytes (1 GiB);
-//   - decompressed: at most pprofExpansion (16) times the input (real
-//     profiles compress 2 to 5 times), and never over 1 GiB;
+//   - decompressed: at most pprofExpansion (16) times the input
+//     (WritePprof's profiles compress 2 to 5 times), never over 1 GiB;
 //   - records: at most one sample, mapping, location or function per
 //     pprofBytesPerRecord (8) decompressed bytes (an empty sample takes 2
 //     bytes, and a hundred times that once decoded);
