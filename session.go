@@ -47,6 +47,8 @@ type Options struct {
 	Headroom int64
 	// TraceEntries keeps the allocator's last TraceEntries events, so its
 	// snapshots carry their history (memviz exports them); 0 keeps none.
+	// Outside 0…alloc.MaxTraceEntries the session holds an error wrapping
+	// alloc.ErrInvalid.
 	TraceEntries int
 	// Timeline records the allocator's state after every program step of
 	// a run in LastUsage().Timeline: the measured per-op profile.
@@ -90,13 +92,15 @@ type programKey struct {
 
 // NewSession returns a session with the given options, on the executor
 // Options.Device picks. If none can be made (Device is "cuda" without a
-// usable GPU, or names no device) the session holds the error: Err returns
-// it, and so does every Step, Eval, Yield and Restore.
+// usable GPU, or names no device; or Budget is negative or TraceEntries out
+// of range) the
+// session holds the error: Err returns it, and so does every Step, Eval,
+// Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
 	if opts.Budget < 0 {
 		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
-	} else {
+	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
 		s.be, s.device, s.err = chooseExecutor(opts)
 	}
 	if s.err != nil {

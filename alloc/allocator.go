@@ -190,8 +190,22 @@ func (l freeList) bestFit(size int64) *Block {
 
 // Options configures an Allocator.
 type Options struct {
-	// TraceEntries keeps the last TraceEntries events; 0 disables tracing.
+	// TraceEntries keeps the last TraceEntries events, at most
+	// MaxTraceEntries; 0 disables tracing.
 	TraceEntries int
+}
+
+// MaxTraceEntries bounds Options.TraceEntries: 2²⁴ events, about 1.5 GiB
+// of trace once that many have happened.
+const MaxTraceEntries = 1 << 24
+
+// Validate reports options New cannot honour as given: TraceEntries below
+// 0 or above MaxTraceEntries. The error wraps ErrInvalid.
+func (o Options) Validate() error {
+	if o.TraceEntries < 0 || o.TraceEntries > MaxTraceEntries {
+		return fmt.Errorf("%w: TraceEntries %d, want 0 to %d", ErrInvalid, o.TraceEntries, MaxTraceEntries)
+	}
+	return nil
 }
 
 // Allocator is a caching allocator over a Backend.
@@ -206,11 +220,13 @@ type Allocator struct {
 	trace    *ring
 }
 
-// New returns an allocator drawing segments from be.
+// New returns an allocator drawing segments from be. Options that fail
+// Validate are clamped: a negative TraceEntries traces nothing, one above
+// MaxTraceEntries keeps MaxTraceEntries.
 func New(be Backend, o Options) *Allocator {
 	a := &Allocator{be: be, segments: map[Ptr]*segment{}}
 	if o.TraceEntries > 0 {
-		a.trace = newRing(o.TraceEntries)
+		a.trace = newRing(min(o.TraceEntries, MaxTraceEntries))
 	}
 	return a
 }

@@ -29,22 +29,24 @@ type Event struct {
 	Reserved  int64
 }
 
-// ring keeps the last cap(buf) events.
+// ring keeps the last n events. Its buffer grows as events come, so a
+// large n costs nothing until that many events happen.
 type ring struct {
 	buf  []Event
+	n    int
 	next int64
 }
 
-func newRing(n int) *ring { return &ring{buf: make([]Event, 0, n)} }
+func newRing(n int) *ring { return &ring{n: n} }
 
 func (r *ring) add(e Event) {
 	e.Seq = r.next
 	r.next++
-	if len(r.buf) < cap(r.buf) {
+	if len(r.buf) < r.n {
 		r.buf = append(r.buf, e)
 		return
 	}
-	r.buf[e.Seq%int64(cap(r.buf))] = e
+	r.buf[e.Seq%int64(r.n)] = e
 }
 
 // events returns the kept events oldest first.

@@ -79,6 +79,11 @@ func misuses() []misuse {
 		{"typed nil *tensor.Dense", func() *lazy.Tensor { return lazy.Wrap((*tensor.Dense)(nil), 0) }, "wrap", nil, graph.ErrNilTensor},
 		{"nil Param data", func() *lazy.Tensor { return lazy.Param((*tensor.Dense)(nil), "w") }, "param", nil, graph.ErrNilTensor},
 		{"float64 data", func() *lazy.Tensor { return lazy.Const(tensor.New(tensor.WithBacking([]float64{1, 2}))) }, "const", sh(d(2)), graph.ErrDType},
+		// Zero-size data is refused where it enters: executed, it panicked.
+		{"zero-size Wrap", func() *lazy.Tensor { return lazy.Wrap(dense(4, 0), 0) }, "wrap", sh(d(4, 0)), graph.ErrShape},
+		{"zero-size batch in Wrap", func() *lazy.Tensor { return lazy.Wrap(dense(0, 3), 0) }, "wrap", sh(d(0, 3)), graph.ErrShape},
+		{"zero-size Param", func() *lazy.Tensor { return lazy.Param(dense(3, 0), "w") }, "param", sh(d(3, 0)), graph.ErrShape},
+		{"zero-size Const", func() *lazy.Tensor { return lazy.Const(dense(0, 3)) }, "const", sh(d(0, 3)), graph.ErrShape},
 		{"nil *lazy.Tensor argument", func() *lazy.Tensor { return x().Add(nil) }, "add", sh(d(4, 3)), graph.ErrNilTensor},
 		{"nil *lazy.Tensor receiver", func() *lazy.Tensor { var t *lazy.Tensor; return t.Relu() }, "relu", nil, graph.ErrNilTensor},
 		{"zero lazy.Tensor argument", func() *lazy.Tensor { return x().Mul(&lazy.Tensor{}) }, "mul", sh(d(4, 3)), graph.ErrNilTensor},

@@ -242,6 +242,18 @@ func dtypeOf(t tensor.Tensor) (graph.DType, error) {
 	return graph.InvalidDType, graph.Errorf(graph.ErrDType, "unsupported dtype %s (want float32 or int64)", name)
 }
 
+// emptyData rejects data with an axis of length 0: the executors read
+// element 0 of every input, so a zero-size tensor would panic mid-run.
+// Shape-only sources (Placeholder, ParamSpec) have no data and may be
+// empty.
+func emptyData(t tensor.Tensor) error {
+	shape := shapeOf(t)
+	if i := slices.Index(shape, 0); i >= 0 {
+		return graph.Errorf(graph.ErrShape, "zero-size data: axis %d of %v is 0", i, shape)
+	}
+	return nil
+}
+
 func shapeOf(t tensor.Tensor) []int {
 	s := t.Shape()
 	if s.IsScalar() {
@@ -251,6 +263,8 @@ func shapeOf(t tensor.Tensor) []int {
 }
 
 // Wrap makes a new graph whose input is t, with axis batchDim as the batch.
+// Data of an unsupported dtype or of zero size (an axis of length 0) gives
+// an error tensor, a *graph.OpError wrapping graph.ErrDType or ErrShape.
 func Wrap(t tensor.Tensor, batchDim int) *Tensor { return NewGraph().wrap(site(), t, batchDim) }
 
 // Wrap adds t to g as a batched input with axis batchDim as the batch.
@@ -261,6 +275,9 @@ func (g *Graph) wrap(at string, t tensor.Tensor, batchDim int) *Tensor {
 		return errTensor("wrap", at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
 	}
 	dt, err := dtypeOf(t)
+	if err == nil {
+		err = emptyData(t)
+	}
 	if err != nil {
 		return errTensor("wrap", at, err, shapeOf(t))
 	}
@@ -296,10 +313,11 @@ func (g *Graph) source(at string, n graph.Node) *Tensor {
 }
 
 // Param wraps t as a trainable parameter named name ("layers.0.weight").
-// It belongs to no graph until an op uses it.
+// It belongs to no graph until an op uses it. Data Wrap refuses, Param
+// refuses the same way.
 func Param(t tensor.Tensor, name string) *Tensor { return newLeaf(site(), graph.OpParam, t, name) }
 
-// Const wraps t as a constant.
+// Const wraps t as a constant; data Wrap refuses, Const refuses the same way.
 func Const(t tensor.Tensor) *Tensor { return newLeaf(site(), graph.OpConst, t, "") }
 
 // ParamSpec is a shape-only parameter, for dry runs of large models.
@@ -313,6 +331,9 @@ func newLeaf(at string, op graph.Op, t tensor.Tensor, name string) *Tensor {
 		return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
 	}
 	dt, err := dtypeOf(t)
+	if err == nil {
+		err = emptyData(t)
+	}
 	if err != nil {
 		return errTensor(op.String(), at, err, shapeOf(t))
 	}

@@ -32,5 +32,12 @@
 // explains is reported, not dropped. Readers never panic on bad input: they
 // return a *FormatError wrapping ErrFormat (and io.ErrUnexpectedEOF when
 // the input ends early); a snapshot whose blocks do not tile their segments
-// is refused with ErrSnapshot.
+// is refused with ErrSnapshot. Readers bound their time and memory by a
+// stated multiple of their input, and refuse what would pass it with
+// ErrTooLarge (as well as ErrFormat): every input at most 1 GiB; a pickle
+// at most one segment, block or trace entry per 4 bytes, counting memo
+// references each time they repeat one; a pprof profile decompressed to
+// at most 16 times its size, one record per 8 of those bytes, and stacks
+// of at most 64 bytes of frame names per byte; folded stacks in lines of
+// at most 1 MiB. ReadPickle, ReadPprof and ReadFolded name the caps.
 package memviz

@@ -17,7 +17,13 @@ import (
 // values (torch.cuda.memory._dump_snapshot pickles with Python's default
 // protocol), so snapshots taken by PyTorch load too.
 
-type pyDict struct{ items []pyItem }
+type pyDict struct {
+	items []pyItem
+	// index maps each string key among items[:indexed] to its first
+	// item; get builds it for dicts of more than indexAbove items.
+	index   map[string]int
+	indexed int
+}
 
 type pyItem struct{ key, val any }
 
@@ -25,14 +31,36 @@ type pyList struct{ items []any }
 
 type pyTuple []any
 
-// get returns the value under string key k.
+// indexAbove is the size past which get indexes a dict, so that looking
+// up a few keys in each of many references to one large dict costs the
+// dict's size once, not once per lookup.
+const indexAbove = 16
+
+// get returns the value under string key k (the first, if repeated).
 func (d *pyDict) get(k string) (any, bool) {
-	for _, it := range d.items {
-		if s, ok := it.key.(string); ok && s == k {
-			return it.val, true
+	if len(d.items) <= indexAbove {
+		for _, it := range d.items {
+			if s, ok := it.key.(string); ok && s == k {
+				return it.val, true
+			}
+		}
+		return nil, false
+	}
+	if d.index == nil {
+		d.index = make(map[string]int, len(d.items))
+	}
+	for ; d.indexed < len(d.items); d.indexed++ {
+		if s, ok := d.items[d.indexed].key.(string); ok {
+			if _, dup := d.index[s]; !dup {
+				d.index[s] = d.indexed
+			}
 		}
 	}
-	return nil, false
+	i, ok := d.index[k]
+	if !ok {
+		return nil, false
+	}
+	return d.items[i].val, true
 }
 
 func (d *pyDict) set(k string, v any) { d.items = append(d.items, pyItem{k, v}) }
@@ -222,13 +250,17 @@ type pickleReader struct {
 	stack []any
 	marks []int
 	memo  map[uint64]any
+	// unhashable holds the tuples (by their first element) that contain a
+	// list or dict, at any depth: worked out once, as each tuple is built,
+	// so checking a key never walks a tuple's shared sub-tuples again.
+	unhashable map[*any]bool
 }
 
 // maxPickleStack bounds the decoder's stack and marks.
 const maxPickleStack = 1 << 20
 
 func readPickle(data []byte) (any, error) {
-	r := &pickleReader{buf: data, memo: map[uint64]any{}}
+	r := &pickleReader{buf: data, memo: map[uint64]any{}, unhashable: map[*any]bool{}}
 	return r.run()
 }
 
@@ -445,13 +477,13 @@ func (r *pickleReader) step(op byte, at int) error {
 			}
 			t[i] = v
 		}
-		return r.push(t)
+		return r.pushTuple(t)
 	case opTuple:
 		items, err := r.popMark(at)
 		if err != nil {
 			return err
 		}
-		return r.push(pyTuple(items))
+		return r.pushTuple(pyTuple(items))
 	case opList:
 		items, err := r.popMark(at)
 		if err != nil {
@@ -562,7 +594,7 @@ func (r *pickleReader) setItems(d *pyDict, kv []any, at int) error {
 		return r.fail(at, "odd number of items (%d) for a dict", len(kv))
 	}
 	for i := 0; i < len(kv); i += 2 {
-		if !hashable(kv[i], 0) {
+		if !r.hashable(kv[i]) {
 			return r.fail(at, "unhashable dict key of type %s", pyType(kv[i]))
 		}
 		d.items = append(d.items, pyItem{kv[i], kv[i+1]})
@@ -570,20 +602,27 @@ func (r *pickleReader) setItems(d *pyDict, kv []any, at int) error {
 	return nil
 }
 
-func hashable(v any, depth int) bool {
+// pushTuple pushes t, a tuple built from values decoded before it, noting
+// whether it is hashable.
+func (r *pickleReader) pushTuple(t pyTuple) error {
+	for _, x := range t {
+		if !r.hashable(x) {
+			r.unhashable[&t[0]] = true
+			break
+		}
+	}
+	return r.push(t)
+}
+
+// hashable reports whether v may be a dict key: a string, number, boolean,
+// None, or a tuple of those (nested tuples too). O(1): tuples were checked
+// as they were built.
+func (r *pickleReader) hashable(v any) bool {
 	switch v := v.(type) {
 	case nil, bool, int64, float64, string:
 		return true
 	case pyTuple:
-		if depth > 8 {
-			return false
-		}
-		for _, x := range v {
-			if !hashable(x, depth+1) {
-				return false
-			}
-		}
-		return true
+		return len(v) == 0 || !r.unhashable[&v[0]]
 	}
 	return false
 }

@@ -10,7 +10,8 @@ import (
 type SimOptions struct {
 	// Capacity of the simulated device in bytes; 0 means unlimited.
 	Capacity int64
-	// TraceEntries keeps that many allocator events in the peak snapshot.
+	// TraceEntries keeps that many allocator events in the peak snapshot;
+	// outside 0…alloc.MaxTraceEntries Simulate fails with alloc.ErrInvalid.
 	TraceEntries int
 }
 
@@ -35,6 +36,10 @@ const unlimited = 1 << 60
 // does, and captures the allocator's snapshot while the node at the peak
 // runs.
 func Simulate(p *planner.Program, chunks []planner.Chunk, o SimOptions) (*Simulation, error) {
+	trace := alloc.Options{TraceEntries: o.TraceEntries}
+	if err := trace.Validate(); err != nil {
+		return nil, err
+	}
 	capacity := o.Capacity
 	if capacity == 0 {
 		capacity = unlimited
@@ -49,7 +54,7 @@ func Simulate(p *planner.Program, chunks []planner.Chunk, o SimOptions) (*Simula
 			s.Peak = pt
 		}
 	}
-	a := alloc.New(alloc.NewSimBackend(capacity), alloc.Options{TraceEntries: o.TraceEntries})
+	a := alloc.New(alloc.NewSimBackend(capacity), trace)
 	h := &snapAt{a: a, chunk: s.Peak.Chunk, node: s.Peak.Node}
 	if _, err := planner.Replay(p, chunks, a, h, false); err != nil {
 		return nil, err

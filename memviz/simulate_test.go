@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/memviz"
 	"github.com/batchfit/batchfit/planner"
 )
@@ -66,4 +67,15 @@ func TestReportCSV(t *testing.T) {
 	}
 	assert.Equal(t, rep.Devices[0].Totals.Allocated, sum)
 	assert.True(t, names["fc1.weight.exp_avg_sq"], "%v", names)
+}
+
+// TraceEntries outside 0…alloc.MaxTraceEntries fails with alloc.ErrInvalid
+// rather than tracing nothing or panicking.
+func TestSimulateTraceEntriesOutOfRange(t *testing.T) {
+	x, y := batch(rand.New(rand.NewPCG(1, 2)), 64, nIn, nOut)
+	s := compileStep(t, newMLP(5), x, y, 2)
+	for _, n := range []int{-1, alloc.MaxTraceEntries + 1} {
+		_, err := memviz.Simulate(s.prog, planner.Chunks(64, 1), memviz.SimOptions{TraceEntries: n})
+		assert.ErrorIs(t, err, alloc.ErrInvalid, n)
+	}
 }

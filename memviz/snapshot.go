@@ -9,11 +9,13 @@ import (
 )
 
 // Errors. Readers wrap ErrFormat (and io.ErrUnexpectedEOF when the input
-// ends early); a snapshot whose blocks do not tile its segments, read or
+// ends early, ErrTooLarge when it passes one of the reader's caps on size
+// or work); a snapshot whose blocks do not tile its segments, read or
 // given, wraps ErrSnapshot; a timeline that does not fit its program wraps
 // ErrTimeline.
 var (
 	ErrFormat   = errors.New("memviz: malformed input")
+	ErrTooLarge = errors.New("memviz: input past the reader's limits")
 	ErrSnapshot = errors.New("memviz: inconsistent snapshot")
 	ErrTimeline = errors.New("memviz: timeline does not match the program")
 )
@@ -23,7 +25,7 @@ type FormatError struct {
 	Format string // "pickle", "folded", "pprof"
 	Offset int64  // byte offset (pickle) or line number (folded); −1 when the content, not a position, is wrong
 	Msg    string
-	Err    error // a further cause (io.ErrUnexpectedEOF, ErrSnapshot), or nil
+	Err    error // a further cause (io.ErrUnexpectedEOF, ErrTooLarge, ErrSnapshot), or nil
 }
 
 func (e *FormatError) Error() string {

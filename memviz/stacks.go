@@ -2,7 +2,11 @@ package memviz
 
 import (
 	"bufio"
+	"bytes"
 	"cmp"
+	"compress/gzip"
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -91,15 +95,22 @@ func WriteFolded(w io.Writer, s Snapshot, n *Names) error {
 	return bw.Flush()
 }
 
-// maxFoldedLine bounds one line of folded input: 1 MiB.
-const maxFoldedLine = 1 << 20
+// ReadFolded's caps: a line of at most maxFoldedLine (1 MiB), an input of
+// at most maxFoldedBytes (1 GiB). Past either it returns a *FormatError
+// wrapping ErrFormat and ErrTooLarge. Its time and memory are linear in
+// the input.
+const (
+	maxFoldedLine  = 1 << 20
+	maxFoldedBytes = 1 << 30
+)
 
 // ReadFolded reads folded stacks: lines "frame;frame;… count", the count a
 // non-negative integer after the last space; blank lines are skipped and
 // repeated stacks summed. Malformed input gives a *FormatError wrapping
-// ErrFormat.
+// ErrFormat; input past the caps above, one wrapping ErrTooLarge too.
 func ReadFolded(r io.Reader) ([]StackBytes, error) {
-	sc := bufio.NewScanner(r)
+	lr := &io.LimitedReader{R: r, N: maxFoldedBytes + 1}
+	sc := bufio.NewScanner(lr)
 	sc.Buffer(make([]byte, 0, 64<<10), maxFoldedLine)
 	sum := map[string]int64{}
 	var order []string
@@ -125,10 +136,8 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 		if stack == "" {
 			return nil, fail("empty stack")
 		}
-		for _, f := range strings.Split(stack, ";") {
-			if f == "" {
-				return nil, fail("empty frame in %q", stack)
-			}
+		if stack[0] == ';' || stack[len(stack)-1] == ';' || strings.Contains(stack, ";;") {
+			return nil, fail("empty frame in %q", stack)
 		}
 		if _, seen := sum[stack]; !seen {
 			order = append(order, stack)
@@ -138,7 +147,12 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 		}
 		sum[stack] += n
 	}
-	if err := sc.Err(); err != nil {
+	switch err := sc.Err(); {
+	case lr.N <= 0:
+		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "input over 1 GiB", Err: ErrTooLarge}
+	case errors.Is(err, bufio.ErrTooLong):
+		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "line over 1 MiB", Err: fmt.Errorf("%w: %w", ErrTooLarge, err)}
+	case err != nil:
 		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "reading", Err: err}
 	}
 	out := make([]StackBytes, len(order))
@@ -229,26 +243,77 @@ func WritePprof(w io.Writer, s Snapshot, n *Names) error {
 	return Pprof(s, n).Write(w)
 }
 
-// ReadPprof reads a profile written by WritePprof back as stacks (root
-// first) with their inuse bytes, summed per stack and sorted.
+// ReadPprof's caps, past which it returns a *FormatError wrapping ErrFormat
+// and ErrTooLarge:
+//   - input: at most maxPprofBytes (1 GiB);
+//   - decompressed: at most pprofExpansion (16) times the input
+//     (WritePprof's profiles compress 2 to 5 times), never over 1 GiB;
+//   - records: at most one sample, mapping, location or function per
+//     pprofBytesPerRecord (8) decompressed bytes (an empty sample takes 2
+//     bytes, and a hundred times that once decoded);
+//   - stacks: frame names (and separators) of at most pprofStackExpansion
+//     (64) bytes per decompressed byte, or 1 MiB for smaller profiles, in
+//     all samples together (a long name repeated down a deep stack).
+//
+// Within them its time and memory are linear in the decompressed size (the
+// tests hold it to 128 allocated bytes per decompressed byte), so in the
+// input's.
+const (
+	maxPprofBytes       = 1 << 30
+	pprofExpansion      = 16
+	pprofBytesPerRecord = 8
+	pprofStackExpansion = 64
+	pprofMinStack       = 1 << 20
+)
+
+// pprofError is a *FormatError for a pprof profile.
+func pprofError(msg string, err error) error {
+	return &FormatError{Format: "pprof", Offset: -1, Msg: msg, Err: err}
+}
+
+// ReadPprof reads a profile written by WritePprof (gzipped or not; the
+// legacy text formats go tool pprof also reads are not) back as stacks
+// (root first) with their inuse bytes, summed per stack and sorted.
+// Malformed input gives a *FormatError wrapping ErrFormat, input past the
+// caps above one wrapping ErrTooLarge too.
 func ReadPprof(r io.Reader) ([]StackBytes, error) {
-	p, err := profile.Parse(io.LimitReader(r, maxPickleBytes))
+	data, err := io.ReadAll(io.LimitReader(r, maxPprofBytes+1))
 	if err != nil {
-		return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "parse", Err: err}
+		return nil, err
+	}
+	if len(data) > maxPprofBytes {
+		return nil, pprofError("larger than 1 GiB", ErrTooLarge)
+	}
+	if data, err = inflate(data); err != nil {
+		return nil, err
+	}
+	if err := countRecords(data); err != nil {
+		return nil, err
+	}
+	p, err := profile.ParseUncompressed(data)
+	if err == nil {
+		err = p.CheckValid()
+	}
+	if err != nil {
+		return nil, pprofError("parse", err)
 	}
 	vi := slices.IndexFunc(p.SampleType, func(t *profile.ValueType) bool { return t.Type == SampleInuse })
 	if vi < 0 {
-		return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "no " + SampleInuse + " sample type"}
+		return nil, pprofError("no "+SampleInuse+" sample type", nil)
 	}
 	sum := map[string]int64{}
+	left := max(pprofStackExpansion*len(data), pprofMinStack) // bytes of stack text
 	for _, sm := range p.Sample {
 		if vi >= len(sm.Value) {
-			return nil, &FormatError{Format: "pprof", Offset: -1, Msg: "sample with too few values"}
+			return nil, pprofError("sample with too few values", nil)
 		}
 		var st []string
 		for i := len(sm.Location) - 1; i >= 0; i-- {
 			for j := len(sm.Location[i].Line) - 1; j >= 0; j-- {
 				if fn := sm.Location[i].Line[j].Function; fn != nil {
+					if left -= len(fn.Name) + 1; left < 0 {
+						return nil, pprofError(fmt.Sprintf("stacks longer than %d bytes per profile byte", pprofStackExpansion), ErrTooLarge)
+					}
 					st = append(st, fn.Name)
 				}
 			}
@@ -261,4 +326,78 @@ func ReadPprof(r io.Reader) ([]StackBytes, error) {
 	}
 	slices.SortFunc(out, func(a, b StackBytes) int { return slices.Compare(a.Stack, b.Stack) })
 	return out, nil
+}
+
+// inflate decompresses a gzipped profile, within pprofExpansion times its
+// size; other data is returned as it is.
+func inflate(data []byte) ([]byte, error) {
+	if !bytes.HasPrefix(data, []byte{0x1f, 0x8b}) {
+		return data, nil
+	}
+	limit := min(pprofExpansion*len(data), maxPprofBytes)
+	gz, err := gzip.NewReader(bytes.NewReader(data))
+	if err != nil {
+		return nil, pprofError("decompressing", err)
+	}
+	out, err := io.ReadAll(io.LimitReader(gz, int64(limit)+1))
+	if err != nil {
+		return nil, pprofError("decompressing", err)
+	}
+	if len(out) > limit {
+		return nil, pprofError(fmt.Sprintf("decompresses to more than %d bytes (%d× its size)", limit, pprofExpansion), ErrTooLarge)
+	}
+	return out, nil
+}
+
+// countRecords checks, before the profile is decoded, that its top-level
+// samples (field 2), mappings (3), locations (4) and functions (5) number
+// at most one per pprofBytesPerRecord bytes.
+func countRecords(data []byte) error {
+	records := 0
+	// uvarint reads a varint at off, advancing it.
+	uvarint := func(off *int) (uint64, error) {
+		v, n := binary.Uvarint(data[*off:])
+		switch {
+		case n == 0:
+			return 0, pprofError("input ends inside a varint", io.ErrUnexpectedEOF)
+		case n < 0:
+			return 0, pprofError("varint over 64 bits", nil)
+		}
+		*off += n
+		return v, nil
+	}
+	for off := 0; off < len(data); {
+		key, err := uvarint(&off)
+		if err != nil {
+			return err
+		}
+		var skip uint64
+		switch key & 7 { // wire type
+		case 0:
+			if _, err := uvarint(&off); err != nil {
+				return err
+			}
+		case 1:
+			skip = 8
+		case 2:
+			if skip, err = uvarint(&off); err != nil {
+				return err
+			}
+			if f := key >> 3; f >= 2 && f <= 5 {
+				records++
+			}
+		case 5:
+			skip = 4
+		default:
+			return pprofError(fmt.Sprintf("wire type %d", key&7), nil)
+		}
+		if skip > uint64(len(data)-off) {
+			return pprofError("field runs past the end", io.ErrUnexpectedEOF)
+		}
+		off += int(skip)
+	}
+	if records > len(data)/pprofBytesPerRecord {
+		return pprofError(fmt.Sprintf("%d samples, mappings, locations and functions in %d bytes (at most one per %d)", records, len(data), pprofBytesPerRecord), ErrTooLarge)
+	}
+	return nil
 }

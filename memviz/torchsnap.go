@@ -133,8 +133,22 @@ func traceDicts(e alloc.Event) []any {
 // index up to the largest.
 const maxDevice = 1 << 12
 
-// maxPickleBytes bounds what ReadPickle reads: 1 GiB.
-const maxPickleBytes = 1 << 30
+// ReadPickle's caps. maxPickleBytes bounds its input: 1 GiB. It converts at
+// most one segment, block or trace entry per pickleBytesPerItem (4) input
+// bytes, counting a dict or list each time a memo reference repeats it, so
+// that a small pickle of references to one large segment or trace cannot
+// make it build a large snapshot: every such item takes at least that many
+// bytes in a pickle that does not repeat it. The tags of its blocks and
+// trace entries hold at most pickleTextPerByte (16) bytes of text (frame
+// filename and name) per input byte, counted per tag: PyTorch shares frame
+// lists among blocks, and a long name shared by many blocks would make
+// every consumer that splits or joins tags (Stacks, NewReport) quadratic.
+// A PyTorch snapshot's tags hold a few bytes of text per input byte.
+const (
+	maxPickleBytes     = 1 << 30
+	pickleBytesPerItem = 4
+	pickleTextPerByte  = 16
+)
 
 // ReadPickle reads a snapshot pickle written by WritePickle or by PyTorch
 // (torch.cuda.memory._dump_snapshot). A device appears when it has
@@ -143,20 +157,25 @@ const maxPickleBytes = 1 << 30
 // Allocated and Reserved are recomputed backwards from the segments, which
 // is exact for batchfit's snapshots (taken right after their last event);
 // free_requested entries are dropped, free_completed ones become frees.
-// Malformed input gives a *FormatError wrapping ErrFormat.
+// Malformed input gives a *FormatError wrapping ErrFormat; input past
+// ReadPickle's caps (over 1 GiB, or more than one segment, block or trace
+// entry per 4 bytes, repeats included; tags of more than 16 bytes of text
+// per input byte) one wrapping ErrFormat and ErrTooLarge. Its time and
+// memory are linear in the input's size (the tests hold it to 256 allocated
+// bytes per input byte).
 func ReadPickle(r io.Reader) (Snapshot, error) {
 	data, err := io.ReadAll(io.LimitReader(r, maxPickleBytes+1))
 	if err != nil {
 		return Snapshot{}, err
 	}
 	if len(data) > maxPickleBytes {
-		return Snapshot{}, &FormatError{Format: "pickle", Offset: maxPickleBytes, Msg: "larger than 1 GiB"}
+		return Snapshot{}, &FormatError{Format: "pickle", Offset: maxPickleBytes, Msg: "larger than 1 GiB", Err: ErrTooLarge}
 	}
 	v, err := readPickle(data)
 	if err != nil {
 		return Snapshot{}, err
 	}
-	s, err := snapshotOf(v)
+	s, err := snapshotOf(v, &budget{items: len(data) / pickleBytesPerItem, text: len(data) * pickleTextPerByte})
 	if err != nil {
 		return Snapshot{}, err
 	}
@@ -171,7 +190,33 @@ func schemaError(format string, args ...any) error {
 	return &FormatError{Format: "pickle", Offset: -1, Msg: fmt.Sprintf(format, args...)}
 }
 
-func snapshotOf(v any) (Snapshot, error) {
+// budget is what is left of ReadPickle's caps on a pickle: segments, blocks
+// and trace entries, and bytes of tag text.
+type budget struct{ items, text int }
+
+// spend takes n items from b, or reports that the pickle has too many.
+func (b *budget) spend(n int) error {
+	if n > b.items {
+		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
+			Msg: fmt.Sprintf("more segments, blocks and trace entries than one per %d input bytes (memo references count each time they repeat one)", pickleBytesPerItem)}
+	}
+	b.items -= n
+	return nil
+}
+
+// spendText takes t's text from b, or reports that the tags hold too much.
+func (b *budget) spendText(t alloc.Tag) error {
+	n := len(t.Op) + len(t.Scope)
+	if n > b.text {
+		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
+			Msg: fmt.Sprintf("tags hold more than %d bytes of frame text per input byte (shared frames count each time)", pickleTextPerByte)}
+	}
+	b.text -= n
+	return nil
+}
+
+// snapshotOf converts a decoded pickle to a snapshot within left.
+func snapshotOf(v any, left *budget) (Snapshot, error) {
 	top, ok := v.(*pyDict)
 	if !ok {
 		return Snapshot{}, schemaError("top level is a %s, want a dict", pyType(v))
@@ -196,7 +241,7 @@ func snapshotOf(v any) (Snapshot, error) {
 		if !ok {
 			return Snapshot{}, schemaError("segment %d is a %s, want a dict", i, pyType(sv))
 		}
-		device, seg, err := segmentOf(d, i)
+		device, seg, err := segmentOf(d, i, left)
 		if err != nil {
 			return Snapshot{}, err
 		}
@@ -216,9 +261,12 @@ func snapshotOf(v any) (Snapshot, error) {
 			if !ok {
 				return Snapshot{}, schemaError("device_traces[%d] is a %s, want a list", i, pyType(lv))
 			}
+			if err := left.spend(len(l.items)); err != nil {
+				return Snapshot{}, err
+			}
 			var evs []alloc.Event
 			for j, ev := range l.items {
-				e, keep, err := eventOf(ev, i, j)
+				e, keep, err := eventOf(ev, i, j, left)
 				if err != nil {
 					return Snapshot{}, err
 				}
@@ -267,7 +315,10 @@ func count(d *pyDict, k, what string, optional bool) (int64, bool, error) {
 	return n, ok, err
 }
 
-func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
+func segmentOf(d *pyDict, i int, left *budget) (int, alloc.SegmentInfo, error) {
+	if err := left.spend(1); err != nil {
+		return 0, alloc.SegmentInfo{}, err
+	}
 	what := fmt.Sprintf("segment %d", i)
 	device, _, err := count(d, "device", what, true)
 	if err != nil {
@@ -298,6 +349,9 @@ func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
 	if err != nil {
 		return 0, seg, err
 	}
+	if err := left.spend(len(blocks.items)); err != nil {
+		return 0, seg, err
+	}
 	at := seg.Addr
 	for j, bv := range blocks.items {
 		bwhat := fmt.Sprintf("segment %d block %d", i, j)
@@ -305,7 +359,7 @@ func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
 		if !ok {
 			return 0, seg, schemaError("%s is a %s, want a dict", bwhat, pyType(bv))
 		}
-		b, err := blockOf(bd, at, bwhat)
+		b, err := blockOf(bd, at, bwhat, left)
 		if err != nil {
 			return 0, seg, err
 		}
@@ -318,7 +372,7 @@ func segmentOf(d *pyDict, i int) (int, alloc.SegmentInfo, error) {
 	return int(device), seg, nil
 }
 
-func blockOf(d *pyDict, at alloc.Ptr, what string) (alloc.BlockInfo, error) {
+func blockOf(d *pyDict, at alloc.Ptr, what string, left *budget) (alloc.BlockInfo, error) {
 	// Old snapshots have no block addresses: blocks follow each other.
 	addr, ok, err := count(d, "address", what, true)
 	if err != nil {
@@ -347,15 +401,16 @@ func blockOf(d *pyDict, at alloc.Ptr, what string) (alloc.BlockInfo, error) {
 		return b, schemaError("%s: state %q", what, state)
 	}
 	if active(b.State) {
-		if b.Tag, err = tagOf(d, what); err != nil {
+		if b.Tag, err = tagOf(d, what, left); err != nil {
 			return b, err
 		}
 	}
 	return b, nil
 }
 
-// tagOf reads the innermost frame of d's "frames" as a tag.
-func tagOf(d *pyDict, what string) (alloc.Tag, error) {
+// tagOf reads the innermost frame of d's "frames" as a tag, taking its
+// text from left.
+func tagOf(d *pyDict, what string, left *budget) (alloc.Tag, error) {
 	fs, ok, err := field[*pyList](d, "frames", what, true)
 	if err != nil || !ok || len(fs.items) == 0 {
 		return alloc.Tag{Node: -1}, err
@@ -380,12 +435,13 @@ func tagOf(d *pyDict, what string) (alloc.Tag, error) {
 	if line < math.MinInt32 || line > math.MaxInt32 {
 		return alloc.Tag{}, schemaError("%s: line %d", fwhat, line)
 	}
-	return alloc.Tag{Node: int(line), Op: name, Scope: file}, nil
+	t := alloc.Tag{Node: int(line), Op: name, Scope: file}
+	return t, left.spendText(t)
 }
 
 // eventOf converts trace entry j of device i; keep is false for entries
 // with no allocator event of their own.
-func eventOf(v any, i, j int) (alloc.Event, bool, error) {
+func eventOf(v any, i, j int, left *budget) (alloc.Event, bool, error) {
 	what := fmt.Sprintf("device_traces[%d][%d]", i, j)
 	d, ok := v.(*pyDict)
 	if !ok {
@@ -426,7 +482,7 @@ func eventOf(v any, i, j int) (alloc.Event, bool, error) {
 	} else if ok {
 		e.Seq = t
 	}
-	if e.Tag, err = tagOf(d, what); err != nil {
+	if e.Tag, err = tagOf(d, what, left); err != nil {
 		return e, false, err
 	}
 	return e, true, nil

@@ -50,6 +50,9 @@ func NewConvNet(opt nn.Options, cfg ConvNetConfig) *nn.Sequential {
 type invalid struct{ err error }
 
 func (m invalid) Forward(x *lazy.Tensor) *lazy.Tensor {
+	if err := firstErr(x); err != nil { // the input's error first, as in nn
+		return lazy.ErrorTensor("models", err)
+	}
 	return lazy.ErrorTensor("models", m.err, x.Shape())
 }
 func (invalid) Params() []*nn.Param { return nil }

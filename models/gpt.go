@@ -78,6 +78,9 @@ func (m *GPT) Err() error {
 // The output head reuses the token embedding (weight tying), so its
 // gradient accumulates from both uses.
 func (m *GPT) Forward(tokens *lazy.Tensor) *lazy.Tensor {
+	if err := firstErr(tokens); err != nil { // the input's error first, as in nn
+		return lazy.ErrorTensor("models.GPT", err)
+	}
 	if err := m.Err(); err != nil {
 		return lazy.ErrorTensor("models.GPT", err, tokens.Shape())
 	}
@@ -93,8 +96,12 @@ func (m *GPT) Forward(tokens *lazy.Tensor) *lazy.Tensor {
 }
 
 // Loss is the mean next-token cross-entropy of logits [B, T, V] against
-// targets [B, T].
+// targets [B, T]. An error either input already holds is returned as it
+// is, logits' first: the shape check does not mask it.
 func Loss(logits, targets *lazy.Tensor) *lazy.Tensor {
+	if err := firstErr(logits, targets); err != nil {
+		return lazy.ErrorTensor("models.Loss", err)
+	}
 	s := logits.Shape()
 	if len(s) != 3 {
 		return lazy.ErrorTensor("models.Loss", graph.Errorf(graph.ErrShape, "logits must be [B, T, V], got %v", s), s)
@@ -144,6 +151,9 @@ type attention struct {
 // Forward: q, k, v from one projection, softmax(q·kᵀ/√d + causal mask)·v per
 // head, heads concatenated and projected.
 func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
+	if err := firstErr(x); err != nil {
+		return lazy.ErrorTensor("attention", err)
+	}
 	s := x.Shape()
 	if len(s) != 3 {
 		return lazy.ErrorTensor("attention", graph.Errorf(graph.ErrShape, "attention needs [B, T, C], got %v", s), s)
@@ -158,4 +168,16 @@ func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
 	att := q.MatMulT(k, false, true).MulScalar(1 / math.Sqrt(float64(d))).CausalMask().Softmax(-1)
 	y := att.MatMul(v).Permute(0, 2, 1, 3).Reshape(-1, t, c)
 	return a.Call("c_proj", y)
+}
+
+// firstErr is the first error that one of ts holds: ts were built before
+// the op at hand, so their errors come before its own checks. A nil
+// tensor holds none; the op's checks report it.
+func firstErr(ts ...*lazy.Tensor) error {
+	for _, t := range ts {
+		if t != nil && t.Err() != nil {
+			return t.Err()
+		}
+	}
+	return nil
 }

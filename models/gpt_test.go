@@ -382,3 +382,36 @@ func TestErrorSite(t *testing.T) {
 		assert.True(t, strings.HasPrefix(oe.Site, "models/gpt_test.go:"), "%s: OpError.Site = %q", name, oe.Site)
 	}
 }
+
+// TestFirstErrorWins checks that an error an input already holds comes
+// back as it is from Loss, GPT.Forward and a misconfigured model's
+// Forward, not masked by their shape checks (a failed input has no shape,
+// which used to read as a rank error) or configuration errors: here
+// ErrDType and ErrNilTensor, which a mask would turn into ErrShape or
+// ErrAttr.
+func TestFirstErrorWins(t *testing.T) {
+	badLogits := lazy.Const(tensor.New(tensor.WithBacking([]float64{1, 2}))) // float64: ErrDType
+	require.ErrorIs(t, badLogits.Err(), graph.ErrDType)
+	badTargets := lazy.Param(nil, "targets") // ErrNilTensor
+	require.ErrorIs(t, badTargets.Err(), graph.ErrNilTensor)
+	logits := lazy.Placeholder([]int{2, 3, 5}, graph.Float32, 0)
+	targets := logits.Graph().Placeholder([]int{2, 3}, graph.Int64, 0)
+	wrongRank := lazy.Placeholder([]int{6, 5}, graph.Float32, 0)
+	gpt := models.NewGPT(nn.Options{ShapeOnly: true}, tiny())
+
+	for name, c := range map[string]struct{ got, want error }{
+		"loss, logits failed":                   {models.Loss(badLogits, targets).Err(), badLogits.Err()},
+		"loss, targets failed":                  {models.Loss(logits, badTargets).Err(), badTargets.Err()},
+		"loss, targets failed, logits rank 2":   {models.Loss(wrongRank, badTargets).Err(), badTargets.Err()},
+		"loss, both failed: the logits' first":  {models.Loss(badLogits, badTargets).Err(), badLogits.Err()},
+		"gpt forward, tokens failed":            {gpt.Forward(badTargets).Err(), badTargets.Err()},
+		"gpt forward, then loss, tokens failed": {models.Loss(gpt.Forward(badTargets), targets).Err(), badTargets.Err()},
+		// The input's error comes before the model's own, as in nn.
+		"broken gpt, tokens failed":    {models.NewGPT(nn.Options{ShapeOnly: true}, models.GPTConfig{}).Forward(badTargets).Err(), badTargets.Err()},
+		"broken convnet, input failed": {models.NewConvNet(nn.Options{ShapeOnly: true}, models.ConvNetConfig{}).Forward(badLogits).Err(), badLogits.Err()},
+	} {
+		assert.Same(t, c.want, c.got, name)
+	}
+	// Without an earlier error the shape check still reports the shape.
+	assert.ErrorIs(t, models.Loss(wrongRank, targets).Err(), graph.ErrShape)
+}

@@ -92,3 +92,17 @@ func TestErrorTensorKeepsOpError(t *testing.T) {
 	assert.Same(t, inner.Err(), outer.Err(), "an OpError is not wrapped twice")
 	assert.True(t, errors.Is(outer.Err(), graph.ErrShape))
 }
+
+// A parameter made from zero-size data is refused with ErrShape where it is
+// made, not by a panic when a step runs; prefixing keeps the error.
+func TestNewParamRefusesZeroSize(t *testing.T) {
+	p := nn.NewParam("w", tensor.New(tensor.Of(tensor.Float32), tensor.WithShape(3, 0)))
+	assert.ErrorIs(t, p.Err(), graph.ErrShape)
+	var oe *graph.OpError
+	require.ErrorAs(t, p.Err(), &oe)
+	assert.Equal(t, "param", oe.Op)
+	assert.Equal(t, [][]int{{3, 0}}, oe.Shapes)
+	m := nn.NewSequential(&nn.Linear{Weight: p})
+	assert.ErrorIs(t, nn.Check(m), graph.ErrShape)
+	assert.ErrorIs(t, m.Forward(lazy.Placeholder([]int{2, 3}, graph.Float32, 0)).Err(), graph.ErrShape)
+}

@@ -35,6 +35,7 @@
 // were read and written, 1 when it does not fit even one sample at a time
 // (the planner's message names the largest buffers), the model does not
 // build (a batch too large for the graph's tensors), or a file could not
-// be read or written (unreadable, not a snapshot, truncated: one line names
-// the file and the reason), 2 for a usage mistake.
+// be read or written (unreadable, not a snapshot, truncated, past the
+// readers' caps on size and work, or -o a directory: one line names the
+// file and the reason), 2 for a usage mistake.
 package main

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"unicode/utf8"
 
 	"github.com/batchfit/batchfit/memviz"
@@ -22,13 +24,12 @@ const (
 
 var formats = []string{formatPickle, formatPprof, formatFolded}
 
-// File errors. A *fileError wraps one of these, or the os error (errors.Is
-// fs.ErrNotExist, fs.ErrPermission), or the reader's *memviz.FormatError
-// (memviz.ErrFormat, and io.ErrUnexpectedEOF for a truncated file).
-var (
-	errFileKind  = errors.New("wrong kind of snapshot file")
-	errFileLarge = errors.New("file too large")
-)
+// File errors. A *fileError wraps errFileKind, or memviz.ErrTooLarge for a
+// file over maxFile, or the os error (errors.Is fs.ErrNotExist,
+// fs.ErrPermission), or the reader's *memviz.FormatError (memviz.ErrFormat,
+// with io.ErrUnexpectedEOF for a truncated file and memviz.ErrTooLarge for
+// one past the reader's caps).
+var errFileKind = errors.New("wrong kind of snapshot file")
 
 // fileError is a snapshot file that could not be read or written.
 type fileError struct {
@@ -147,23 +148,27 @@ func readAll(path string, stdin io.Reader) ([]byte, error) {
 		return nil, err
 	}
 	if len(data) > maxFile {
-		return nil, fmt.Errorf("%w: more than %d bytes", errFileLarge, maxFile)
+		return nil, fmt.Errorf("%w: more than %d bytes", memviz.ErrTooLarge, maxFile)
 	}
 	return data, nil
 }
 
-// writeFile writes path through write, into a temporary file renamed into
-// place, so a failure leaves no partial file; "-" is stdout.
+// writeFile writes path through write, into a temporary file beside it
+// (in path's directory) renamed into place, so a failure leaves no partial
+// file; "-" is stdout. A path that names a directory, or ends in a
+// separator, is refused before anything is written, with an error
+// wrapping syscall.EISDIR.
 func writeFile(path string, stdout io.Writer, write func(io.Writer) error) (int64, error) {
 	if path == "-" {
 		cw := &countWriter{w: stdout}
 		err := write(cw)
 		return cw.n, err
 	}
-	dir, base := filepath.Split(path)
-	if dir == "" {
-		dir = "."
+	fi, err := os.Stat(path)
+	if (err == nil && fi.IsDir()) || strings.HasSuffix(path, "/") || strings.HasSuffix(path, string(filepath.Separator)) {
+		return 0, &fileError{Path: path, Err: &fs.PathError{Op: "write", Path: path, Err: syscall.EISDIR}}
 	}
+	dir, base := filepath.Dir(path), filepath.Base(path)
 	tmp, err := os.CreateTemp(dir, "."+base+".*")
 	if err != nil {
 		return 0, &fileError{Path: path, Err: err}

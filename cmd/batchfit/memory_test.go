@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"compress/gzip"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -178,6 +179,7 @@ func TestSnapshotUsageErrors(t *testing.T) {
 		{"unknown format", with("-o", "x", "--format", "png"), errUnknown},
 		{"unknown at", with("-o", "x", "--at", "start"), errUnknown},
 		{"negative trace", with("-o", "x", "--trace", "-1"), errRange},
+		{"trace over alloc.MaxTraceEntries", with("-o", "x", "--trace", "16777217"), errRange},
 		{"trace in pprof", with("-o", "x.pb.gz", "--trace", "10"), errNotApplicable},
 		{"positional", with("-o", "x", "extra"), errFlag},
 		{"missing model", []string{"--batch", "8", "--budget", "1GiB", "-o", "x"}, errMissing},
@@ -219,6 +221,52 @@ func TestSnapshotWriteFails(t *testing.T) {
 	entries, rerr := os.ReadDir(dir)
 	require.NoError(t, rerr)
 	assert.Empty(t, entries, "no partial or temporary file")
+}
+
+// The temporary file goes beside the target, and a directory target (or
+// one ending in a separator) is refused with syscall.EISDIR before anything
+// is written, in it or in its parent.
+func TestSnapshotWriteBesideTheTarget(t *testing.T) {
+	root := t.TempDir()
+	dir := filepath.Join(root, "out")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	entries := func(d string) []string {
+		es, err := os.ReadDir(d)
+		require.NoError(t, err)
+		var names []string
+		for _, e := range es {
+			names = append(names, e.Name())
+		}
+		return names
+	}
+	for _, target := range []string{dir, dir + "/"} {
+		called := false
+		_, err := writeFile(target, nil, func(io.Writer) error { called = true; return nil })
+		assert.ErrorIs(t, err, syscall.EISDIR, target)
+		var fe *fileError
+		assert.ErrorAs(t, err, &fe, target)
+		assert.False(t, called, "%s: nothing written", target)
+		assert.Equal(t, []string{"out"}, entries(root), target)
+		assert.Empty(t, entries(dir), target)
+
+		code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "8", "--budget", "1GiB", "-o", target)
+		assert.Equal(t, exitPlan, code, target)
+		assert.Empty(t, stdout)
+		assert.Contains(t, stderr, target)
+		assert.Equal(t, []string{"out"}, entries(root), target)
+		assert.Empty(t, entries(dir), target)
+	}
+	target := filepath.Join(dir, "s.pickle")
+	_, err := writeFile(target, nil, func(io.Writer) error {
+		names := entries(dir)
+		if assert.Len(t, names, 1) {
+			assert.True(t, strings.HasPrefix(names[0], ".s.pickle."), "temporary file %s beside %s", names[0], target)
+		}
+		assert.Equal(t, []string{"out"}, entries(root))
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []string{"s.pickle"}, entries(dir))
 }
 
 func TestCompareSegments(t *testing.T) {
@@ -339,6 +387,12 @@ func badFiles(t *testing.T, dir string) []badFile {
 		{"json", write("snap.json", []byte(`{"segments": []}`)), []error{memviz.ErrFormat}},
 		{"folded with a bad count", write("bad.folded", []byte("a;b 12\nc;d twelve\n")), []error{memviz.ErrFormat}},
 		{"png", write("image.png", []byte("\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")), []error{memviz.ErrFormat}},
+		// Crafted to expand: memo references repeating one segment of
+		// 2,000 blocks 2,000 times (16 KB: 4M blocks); 2 MB of empty pprof
+		// samples and 64 MB of zeros, gzipped.
+		{"pickle repeating a segment", write("repeat.pickle", repeatedSegments(2000)), []error{memviz.ErrFormat, memviz.ErrTooLarge}},
+		{"gzip of empty samples", write("empty-samples.pb.gz", gzipped(t, bytes.Repeat([]byte{0x12, 0x00}, 1<<20))), []error{memviz.ErrFormat, memviz.ErrTooLarge}},
+		{"gzip of zeros", write("zeros.pb.gz", gzipped(t, make([]byte, 64<<20))), []error{memviz.ErrFormat, memviz.ErrTooLarge}},
 	}
 	rng := rand.New(rand.NewPCG(7, 8))
 	for i := range 4 {
@@ -359,6 +413,30 @@ func badFiles(t *testing.T, dir string) []badFile {
 	return files
 }
 
+// repeatedSegments is a snapshot pickle whose segments list holds one
+// segment of n 512-byte blocks n times, through memo references (BINPUT
+// q, BINGET h): the block dict is memo 1, the segment dict memo 0.
+func repeatedSegments(n int) []byte {
+	str := func(s string) string { return "X" + string([]byte{byte(len(s)), 0, 0, 0}) + s }
+	size := 512 * n
+	block := "}(" + str("size") + "M\x00\x02" + str("state") + str("inactive") + "uq\x01" + strings.Repeat("h\x01", n-1)
+	segment := "}(" + str("address") + "K\x00" + str("total_size") + "J" + string([]byte{byte(size), byte(size >> 8), byte(size >> 16), 0}) +
+		str("blocks") + "](" + block + "euq\x00" + strings.Repeat("h\x00", n-1)
+	return []byte("\x80\x02}(" + str("segments") + "](" + segment + "e" + str("device_traces") + "]u.")
+}
+
+func gzipped(t *testing.T, data []byte) []byte {
+	t.Helper()
+	var b bytes.Buffer
+	zw := gzip.NewWriter(&b)
+	_, err := zw.Write(data)
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	return b.Bytes()
+}
+
+// Every unreadable file gives a *fileError wrapping its cause, and report
+// and compare print it as one line.
 func TestUnreadableFilesGiveTypedErrors(t *testing.T) {
 	dir := t.TempDir()
 	good := writeSnapshot(t, dir, "ok.pickle", 64)

@@ -81,8 +81,8 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 	if c.at != atPeak && c.at != atEnd {
 		return nil, usagef(errUnknown, "unknown --at %q (want peak or end)", c.at)
 	}
-	if c.trace < 0 {
-		return nil, usagef(errRange, "--trace must not be negative, got %d", c.trace)
+	if c.trace < 0 || c.trace > alloc.MaxTraceEntries {
+		return nil, usagef(errRange, "--trace must be 0 to %d, got %d", alloc.MaxTraceEntries, c.trace)
 	}
 	if set["trace"] && c.format != formatPickle {
 		return nil, usagef(errNotApplicable, "--trace applies to --format pickle only")
