@@ -45,7 +45,7 @@ func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
 	addStepFlags(fs, &v.stepFlagValues)
 	fs.StringVar(&v.out, "o", "", "write the snapshot to `FILE` (required; - for standard output)")
 	fs.StringVar(&v.out, "output", "", "same as -o")
-	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof) or folded (flamegraph.pl, speedscope); default from FILE's extension (.pb.gz, .pprof: pprof; .folded, .txt: folded), else pickle")
+	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof), folded (flamegraph.pl, speedscope) or html (an offline report page: timeline, live tensors, segments, plan); default from FILE's extension (.pb.gz, .pprof: pprof; .folded, .txt: folded; .html: html), else pickle")
 	fs.StringVar(&v.at, "at", atPeak, "`when`: peak (while the op at the predicted peak runs) or end (after the step)")
 	fs.IntVar(&v.trace, "trace", defaultTrace, "keep the last `N` allocator events in a pickle (memory_viz's timeline)")
 	return fs, v
@@ -70,13 +70,16 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 		return nil, usagef(errMissing, "missing -o FILE")
 	}
 	c.format = v.format
+	if c.format == "" && isHTMLName(c.out) {
+		c.format = formatHTML
+	}
 	if c.format == "" {
 		if c.format = formatOfName(c.out); c.format == "" {
 			c.format = formatPickle
 		}
 	}
-	if !slices.Contains(formats, c.format) {
-		return nil, usagef(errUnknown, "unknown --format %q (want %s)", c.format, strings.Join(formats, ", "))
+	if !slices.Contains(formats, c.format) && c.format != formatHTML {
+		return nil, usagef(errUnknown, "unknown --format %q (want %s)", c.format, strings.Join(append(formats, formatHTML), ", "))
 	}
 	if c.at != atPeak && c.at != atEnd {
 		return nil, usagef(errUnknown, "unknown --at %q (want peak or end)", c.at)
@@ -207,6 +210,8 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 			return memviz.WritePprof(w, snap, names)
 		case formatFolded:
 			return memviz.WriteFolded(w, snap, names)
+		case formatHTML:
+			return writeHTMLPage(w, c.step, s)
 		}
 		return memviz.WritePickle(w, snap)
 	})
@@ -249,6 +254,8 @@ func viewHint(format, path string) string {
 		return ": go tool pprof -top " + path
 	case formatFolded:
 		return ": flamegraph.pl " + path + " > flame.svg"
+	case formatHTML:
+		return ": open it in a browser (it needs no network)"
 	}
 	return ": open it at https://pytorch.org/memory_viz"
 }

@@ -1,0 +1,591 @@
+package memviz
+
+import (
+	"bytes"
+	_ "embed"
+	"encoding/json"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// HTMLOptions configures WriteHTML.
+type HTMLOptions struct {
+	// Title heads the page (user data: it is escaped like every name).
+	Title string
+	// Subtitle says what step this is, under the title (user data too).
+	Subtitle string
+	// Plan, when given, fills the plan panel: budget, headroom, chunks,
+	// the affine fit and the predicted peaks.
+	Plan *planner.Plan
+	// Measured is a measured timeline of the same program and chunks
+	// (cpu.ExecOptions.Timeline, Session.LastUsage), drawn over the
+	// predicted one; nil when not measured. MeasuredLabel says where it
+	// was measured ("CPU executor").
+	Measured      []planner.Point
+	MeasuredLabel string
+	// Alternatives are other ways to run the step (a recompute planner's
+	// candidates); the page lists them when there are any and says
+	// nothing of them otherwise.
+	Alternatives []Alternative
+	// Names configures tensor names, as for NewReport.
+	Names Options
+	// MaxPoints bounds the timeline points the page carries; 0 means
+	// DefaultMaxPoints. Past it consecutive points are merged, each merged
+	// point showing the largest allocated and reserved bytes of those it
+	// stands for, so no peak is lost.
+	MaxPoints int
+}
+
+// Alternative is one other way to run the step, for the plan panel.
+type Alternative struct {
+	Name          string `json:"name"`
+	Description   string `json:"description,omitempty"`
+	Chunk         int    `json:"chunk,omitempty"`
+	PeakReserved  int64  `json:"peak_reserved"`
+	PeakAllocated int64  `json:"peak_allocated,omitempty"`
+}
+
+// DefaultMaxPoints is how many timeline points a page carries at most by
+// default: GPT-2 small's step (about 2,000 program steps a chunk) fits
+// whole in a few chunks.
+const DefaultMaxPoints = 8000
+
+// maxSegmentRows bounds the segments the segment map draws one by one.
+const maxSegmentRows = 400
+
+// maxLargest is how many of the largest buffers the plan panel lists.
+const maxLargest = 12
+
+// page is the data a report page is drawn from, embedded as JSON.
+// Byte counts of the timeline, intervals and blocks are in units of Unit
+// bytes (512 when every count is a multiple of it), so the page stays
+// small; JavaScript multiplies back, exactly (counts stay below 2^53).
+type page struct {
+	Title    string `json:"title"`
+	Subtitle string `json:"subtitle,omitempty"`
+	Unit     int64  `json:"unit"`
+	// Points is how many timeline points the step has; Index the point
+	// each carried point stands for (all of them unless merged).
+	Points int   `json:"points"`
+	Index  []int `json:"index"`
+	// Allocated and Reserved per carried point, predicted; Measured* the
+	// same measured (−1 where the measured timeline has no such point), or
+	// nil.
+	Allocated         []int64 `json:"allocated"`
+	Reserved          []int64 `json:"reserved"`
+	MeasuredAllocated []int64 `json:"measured_allocated,omitempty"`
+	MeasuredReserved  []int64 `json:"measured_reserved,omitempty"`
+	MeasuredLabel     string  `json:"measured_label,omitempty"`
+	// Chunks are the carried-point ranges of each chunk, after the
+	// persistent allocations.
+	Chunks []pageChunk `json:"chunks"`
+	// What says what happened at each carried point: 3t for the
+	// allocation of tensor t, 3t+1 for its free, 3r+2 for running node
+	// Runs[r]; Step is the point's program step (−1 outside the chunk
+	// program).
+	What []int    `json:"what"`
+	Step []int    `json:"step"`
+	Runs []string `json:"runs"`
+	// Kinds names the tensor kinds, in stacking order.
+	Kinds []Kind `json:"kinds"`
+	// Tensors are the distinct tensors; Live their lifetimes: carried
+	// points [Start, End) (End = len(Index) when alive at the end).
+	Tensors tensorTable `json:"tensors"`
+	Live    liveColumns `json:"live"`
+	// Peak is the carried point of the predicted peak of allocated bytes,
+	// and Segments the allocator's segments while it runs.
+	Peak     int           `json:"peak"`
+	Segments []pageSegment `json:"segments"`
+	// SegmentsLeftOut counts segments past maxSegmentRows, not drawn.
+	SegmentsLeftOut int            `json:"segments_left_out,omitempty"`
+	Plan            *pagePlan      `json:"plan,omitempty"`
+	Largest         []pageBuffer   `json:"largest"`
+	Alternatives    []Alternative  `json:"alternatives,omitempty"`
+	Stats           map[string]int `json:"stats"`
+}
+
+type pageChunk struct {
+	Index int `json:"index"` // −1 for the persistent allocations
+	Size  int `json:"size"`
+	Start int `json:"start"`
+	End   int `json:"end"`
+}
+
+type pageTensor struct {
+	Name  string `json:"n"`
+	Kind  int    `json:"k"` // index into Kinds
+	Path  string `json:"p"` // module path, dotted ("" at the top)
+	Op    string `json:"o"`
+	Shape string `json:"s,omitempty"`
+	DType string `json:"d,omitempty"`
+	Req   int64  `json:"r"` // requested bytes
+}
+
+// tensorTable is written as {"strings": [...], "rows": [[name, kind,
+// path, op, shape, dtype, requested], ...]} with path, op, shape and dtype
+// indices into strings: they repeat across layers and chunks.
+type tensorTable []pageTensor
+
+func (tt tensorTable) MarshalJSON() ([]byte, error) {
+	var strs []string
+	at := map[string]int{}
+	in := func(s string) int {
+		i, ok := at[s]
+		if !ok {
+			i = len(strs)
+			at[s] = i
+			strs = append(strs, s)
+		}
+		return i
+	}
+	rows := make([][]any, len(tt))
+	for i, t := range tt {
+		rows[i] = []any{t.Name, t.Kind, in(t.Path), in(t.Op), in(t.Shape), in(t.DType), t.Req}
+	}
+	return json.Marshal(struct {
+		Strings []string `json:"strings"`
+		Rows    [][]any  `json:"rows"`
+	}{strs, rows})
+}
+
+// liveColumns holds tensor lifetimes column-wise, to keep the page small.
+type liveColumns struct {
+	Tensor []int   `json:"t"`
+	Start  []int   `json:"s"`
+	End    []int   `json:"e"`
+	Size   []int64 `json:"b"` // block bytes, in units
+}
+
+type pageSegment struct {
+	Addr   string     `json:"addr"`
+	Size   int64      `json:"size"` // in units
+	Pool   string     `json:"pool"`
+	Blocks [][4]int64 `json:"blocks"` // offset, size (units), tensor index or −1 when free, requested bytes
+	Free   int64      `json:"free"`   // inactive bytes, in units
+}
+
+type pagePlan struct {
+	Batch         int    `json:"batch"`
+	Chunks        string `json:"chunks"`
+	NumChunks     int    `json:"num_chunks"`
+	Budget        int64  `json:"budget"`
+	Headroom      int64  `json:"headroom"`
+	Available     int64  `json:"available"`
+	PeakReserved  int64  `json:"peak_reserved"`
+	PeakAllocated int64  `json:"peak_allocated"`
+	Persistent    int64  `json:"persistent"`
+	Fixed         int64  `json:"fixed"`
+	PerSample     int64  `json:"per_sample"`
+	Replays       int    `json:"replays"`
+}
+
+type pageBuffer struct {
+	Name  string `json:"name"`
+	Kind  Kind   `json:"kind"`
+	Shape string `json:"shape,omitempty"`
+	Bytes int64  `json:"bytes"`
+	Count int    `json:"count"` // buffers of this name and size (one per chunk size)
+}
+
+//go:embed report.html
+var pageTemplate string
+
+// dataMarker is replaced by the page's JSON in pageTemplate.
+const dataMarker = "/*BATCHFIT-DATA*/"
+
+// WriteHTML writes one self-contained HTML page showing p's step run for
+// chunks as sim predicted it (Simulate): the allocated and reserved
+// timeline per chunk with the peak marked (and o.Measured overlaid), the
+// live tensors at any point by kind and module path, the segment map at
+// the peak and the plan. The page makes no network request: styles,
+// script and data are inline, drawn as SVG by a little JavaScript.
+func WriteHTML(w io.Writer, p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTMLOptions) error {
+	pg, err := newPage(p, chunks, sim, o)
+	if err != nil {
+		return err
+	}
+	data, err := json.Marshal(pg) // escapes <, >, & and U+2028/9: no name can end the script element
+	if err != nil {
+		return err
+	}
+	before, after, ok := strings.Cut(pageTemplate, dataMarker)
+	if !ok {
+		return fmt.Errorf("memviz: page template has no data marker")
+	}
+	var b bytes.Buffer
+	b.Grow(len(pageTemplate) + len(data))
+	b.WriteString(before)
+	b.Write(data)
+	b.WriteString(after)
+	_, err = w.Write(b.Bytes())
+	return err
+}
+
+// pageKinds is the stacking order of the live tensors, bottom first.
+var pageKinds = []Kind{KindParam, KindGrad, KindState, KindActivation, KindWorkspace, KindUnknown}
+
+func kindIndex(k Kind) int {
+	if i := slices.Index(pageKinds, k); i >= 0 {
+		return i
+	}
+	return len(pageKinds) - 1
+}
+
+func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTMLOptions) (*page, error) {
+	if p == nil || sim == nil {
+		return nil, fmt.Errorf("%w: no program or simulation", ErrTimeline)
+	}
+	tl := sim.Usage.Timeline
+	if len(tl) == 0 {
+		return nil, fmt.Errorf("%w: empty predicted timeline", ErrTimeline)
+	}
+	n := NewNames(p, o.Names)
+	pg := &page{Title: o.Title, Subtitle: o.Subtitle, Points: len(tl), Kinds: pageKinds, Peak: -1, Alternatives: o.Alternatives,
+		MeasuredLabel: o.MeasuredLabel, Stats: map[string]int{}}
+	if pg.Title == "" {
+		pg.Title = "batchfit memory report"
+	}
+
+	// Which point each carried point stands for: all of them, or the
+	// point of most allocated bytes of each run of merged points.
+	limit := o.MaxPoints
+	if limit <= 0 {
+		limit = DefaultMaxPoints
+	}
+	group := (len(tl) + limit - 1) / limit
+	carried := make([]int, len(tl)) // point → carried point
+	for lo := 0; lo < len(tl); lo += group {
+		hi := min(lo+group, len(tl))
+		best := lo
+		var res int64
+		for i := lo; i < hi; i++ {
+			carried[i] = len(pg.Index)
+			if tl[i].Allocated > tl[best].Allocated {
+				best = i
+			}
+			res = max(res, tl[i].Reserved)
+		}
+		pg.Index = append(pg.Index, best)
+		pg.Allocated = append(pg.Allocated, tl[best].Allocated)
+		pg.Reserved = append(pg.Reserved, res)
+	}
+	// first carried point at or after point i (len(Index) past the end):
+	// a lifetime [s, e) of points is alive at carried point j exactly when
+	// s ≤ Index[j] < e.
+	from := func(i int) int {
+		if i >= len(tl) {
+			return len(pg.Index)
+		}
+		j := carried[i]
+		if pg.Index[j] < i {
+			j++
+		}
+		return j
+	}
+
+	// Tensor lifetimes from the buffers each point allocates and frees;
+	// a block's bytes are what the point added to the allocated bytes.
+	type open struct{ start, tensor int }
+	opened := map[int]open{}
+	tensorOf := map[[2]int]int{} // (buffer, chunk size) → tensor
+	runs := map[int]int{}        // node → index in Runs
+	pg.What = make([]int, len(pg.Index))
+	pg.Step = make([]int, len(pg.Index))
+	var sizes []int64 // block bytes of each open lifetime, by buffer
+	sizes = make([]int64, len(p.Buffers))
+	closeAt := func(bi, at int) {
+		op, ok := opened[bi]
+		if !ok {
+			return
+		}
+		delete(opened, bi)
+		s, e := from(op.start), from(at)
+		if s < e && sizes[bi] > 0 {
+			pg.Live.Tensor = append(pg.Live.Tensor, op.tensor)
+			pg.Live.Start = append(pg.Live.Start, s)
+			pg.Live.End = append(pg.Live.End, e)
+			pg.Live.Size = append(pg.Live.Size, sizes[bi])
+		}
+	}
+	var prev int64
+	err := n.walk(chunks, tl, func(i int, pt planner.Point, _ rowKey, bufs []int) {
+		delta := pt.Allocated - prev
+		prev = pt.Allocated
+		shown := pg.Index[carried[i]] == i
+		if shown {
+			pg.Step[carried[i]] = pt.Step
+			if pt.Kind == planner.StepRun {
+				r, ok := runs[pt.Node]
+				if !ok {
+					r = len(pg.Runs)
+					runs[pt.Node] = r
+					nd := p.Graph.Node(pt.Node)
+					pg.Runs = append(pg.Runs, fmt.Sprintf("%s (node %d)", scoped(nd.Scope, nd.Op.String()), nd.ID))
+				}
+				pg.What[carried[i]] = 3*r + 2
+			}
+		}
+		for _, b := range bufs {
+			if b < 0 {
+				if shown {
+					pg.What[carried[i]] = 3*opened[-1-b].tensor + 1
+				}
+				closeAt(-1-b, i)
+				continue
+			}
+			size := 0
+			if pt.Chunk >= 0 {
+				size = chunks[pt.Chunk].Size
+			}
+			key := [2]int{b, size}
+			ti, ok := tensorOf[key]
+			if !ok {
+				ti = len(pg.Tensors)
+				tensorOf[key] = ti
+				pg.Tensors = append(pg.Tensors, n.pageTensor(b, p.Buffers[b].Bytes(size)))
+			}
+			closeAt(b, i) // cannot happen in a valid program; keeps lifetimes disjoint
+			opened[b] = open{start: i, tensor: ti}
+			if shown {
+				pg.What[carried[i]] = 3 * ti
+			}
+			sizes[b] = delta
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, b := range slices.Sorted(maps.Keys(opened)) {
+		closeAt(b, len(tl))
+	}
+
+	// Chunks as carried-point ranges.
+	for i, pt := range tl {
+		c := pt.Chunk
+		if k := len(pg.Chunks); k == 0 || pg.Chunks[k-1].Index != c {
+			pc := pageChunk{Index: c, Start: carried[i]}
+			if c >= 0 && c < len(chunks) {
+				pc.Size = chunks[c].Size
+			}
+			pg.Chunks = append(pg.Chunks, pc)
+		}
+		pg.Chunks[len(pg.Chunks)-1].End = carried[i] + 1
+	}
+
+	if o.Measured != nil {
+		if err := pg.measured(n, chunks, tl, o.Measured, carried); err != nil {
+			return nil, err
+		}
+	}
+
+	// The peak, and the segments while it runs.
+	for j, a := range pg.Allocated {
+		if pg.Peak < 0 || a > pg.Allocated[pg.Peak] {
+			pg.Peak = j
+		}
+	}
+	pg.segments(n, sim.Snapshot)
+
+	if o.Plan != nil {
+		pl := o.Plan
+		pg.Plan = &pagePlan{Batch: pl.Batch, Chunks: planner.DescribeSizes(planner.Sizes(pl.Chunks)), NumChunks: len(pl.Chunks),
+			Budget: pl.Budget, Headroom: pl.Headroom, Available: pl.Available(), PeakReserved: pl.PeakReserved,
+			PeakAllocated: pl.PeakAllocated, Persistent: pl.Persistent, Fixed: pl.Fixed, PerSample: pl.PerSample, Replays: pl.Replays}
+	}
+	pg.largest(n, chunks)
+	pg.scale()
+	pg.Stats["tensors"] = len(pg.Tensors)
+	pg.Stats["lifetimes"] = len(pg.Live.Tensor)
+	pg.Stats["carried_points"] = len(pg.Index)
+	return pg, nil
+}
+
+// pageTensor describes buffer bi holding requested bytes.
+func (n *Names) pageTensor(bi int, requested int64) pageTensor {
+	l := n.ofBuffer(bi)
+	nd := n.p.Graph.Node(n.p.Buffers[bi].Node)
+	t := pageTensor{Name: l.Name, Kind: kindIndex(l.Kind), Op: nd.Op.String(), Req: requested,
+		Path: strings.Join(l.Stack[:len(l.Stack)-1], ".")}
+	if shape, dtype := n.shape(bi, requested); shape != nil {
+		t.Shape, t.DType = graph.FormatShape(shape), dtype
+	}
+	return t
+}
+
+// measured aligns a measured timeline with the predicted one point by
+// point: persistent allocations by node (an executor's resident buffers
+// have none), chunk steps by chunk and step.
+func (pg *page) measured(n *Names, chunks []planner.Chunk, tl, m []planner.Point, carried []int) error {
+	type key struct{ chunk, step, node, nth int }
+	keyOf := func(pts []planner.Point) ([]key, error) {
+		ks := make([]key, len(pts))
+		err := n.walk(chunks, pts, func(i int, pt planner.Point, k rowKey, _ []int) {
+			ks[i] = key{pt.Chunk, pt.Step, pt.Node, k.nth}
+		})
+		return ks, err
+	}
+	pk, err := keyOf(tl)
+	if err != nil {
+		return err
+	}
+	mk, err := keyOf(m)
+	if err != nil {
+		return err
+	}
+	at := make(map[key]int, len(pk))
+	for i, k := range pk {
+		at[k] = i
+	}
+	pg.MeasuredAllocated = make([]int64, len(pg.Index))
+	pg.MeasuredReserved = make([]int64, len(pg.Index))
+	for j := range pg.Index {
+		pg.MeasuredAllocated[j], pg.MeasuredReserved[j] = -1, -1
+	}
+	for i, k := range mk {
+		pi, ok := at[k]
+		if !ok {
+			return fmt.Errorf("%w: measured point %+v has no predicted counterpart", ErrTimeline, k)
+		}
+		j := carried[pi]
+		pg.MeasuredAllocated[j] = max(pg.MeasuredAllocated[j], m[i].Allocated)
+		pg.MeasuredReserved[j] = max(pg.MeasuredReserved[j], m[i].Reserved)
+	}
+	return nil
+}
+
+// segments lays out the snapshot's segments, each block labelled by the
+// page tensor it holds.
+func (pg *page) segments(n *Names, s alloc.Snapshot) {
+	type nameSize struct {
+		name string
+		req  int64
+	}
+	byKey := map[nameSize]int{} // → tensor
+	for i, t := range pg.Tensors {
+		byKey[nameSize{t.Name, t.Req}] = i
+	}
+	segs := slices.Clone(s.Segments)
+	if len(segs) > maxSegmentRows { // the largest ones
+		slices.SortStableFunc(segs, func(a, b alloc.SegmentInfo) int { return int((b.Size - a.Size) >> 9) })
+		pg.SegmentsLeftOut = len(segs) - maxSegmentRows
+		segs = segs[:maxSegmentRows]
+		slices.SortFunc(segs, func(a, b alloc.SegmentInfo) int { return cmpPtr(a.Addr, b.Addr) })
+	}
+	for _, seg := range segs {
+		ps := pageSegment{Addr: fmt.Sprintf("%#x", uint64(seg.Addr)), Size: seg.Size, Pool: seg.Pool.String()}
+		for _, b := range seg.Blocks {
+			ti := int64(-1)
+			if active(b.State) {
+				l := n.Of(b.Tag)
+				t, ok := byKey[nameSize{l.Name, b.Requested}]
+				if !ok { // a block the timeline does not name: describe it from its tag
+					t = len(pg.Tensors)
+					pt := pageTensor{Name: l.Name, Kind: kindIndex(l.Kind), Op: b.Tag.Op, Req: b.Requested,
+						Path: strings.Join(l.Stack[:len(l.Stack)-1], ".")}
+					if l.Buffer >= 0 {
+						pt = n.pageTensor(l.Buffer, b.Requested)
+					}
+					byKey[nameSize{l.Name, b.Requested}] = t
+					pg.Tensors = append(pg.Tensors, pt)
+				}
+				ti = int64(t)
+			} else {
+				ps.Free += b.Size
+			}
+			ps.Blocks = append(ps.Blocks, [4]int64{int64(b.Addr - seg.Addr), b.Size, ti, b.Requested})
+		}
+		pg.Segments = append(pg.Segments, ps)
+	}
+}
+
+// largest lists the program's largest buffers at the first chunk's size,
+// one row per name.
+func (pg *page) largest(n *Names, chunks []planner.Chunk) {
+	size := 0
+	if len(chunks) > 0 {
+		size = chunks[0].Size
+	}
+	idx := make([]int, len(n.p.Buffers))
+	for i := range idx {
+		idx[i] = i
+	}
+	slices.SortStableFunc(idx, func(a, b int) int {
+		x, y := n.p.Buffers[a].Bytes(size), n.p.Buffers[b].Bytes(size)
+		switch {
+		case x > y:
+			return -1
+		case x < y:
+			return 1
+		}
+		return 0
+	})
+	for _, bi := range idx {
+		t := n.pageTensor(bi, n.p.Buffers[bi].Bytes(size))
+		if k := len(pg.Largest); k > 0 && pg.Largest[k-1].Name == t.Name && pg.Largest[k-1].Bytes == t.Req {
+			pg.Largest[k-1].Count++
+			continue
+		}
+		if len(pg.Largest) == maxLargest {
+			break
+		}
+		pg.Largest = append(pg.Largest, pageBuffer{Name: t.Name, Kind: pageKinds[t.Kind], Shape: t.Shape, Bytes: t.Req, Count: 1})
+	}
+}
+
+// scale picks the unit of the page's block byte counts: 512 when all are
+// multiples of it, else 1.
+func (pg *page) scale() {
+	const u = 512
+	ok := true
+	check := func(xs []int64) {
+		for _, x := range xs {
+			if x > 0 && x%u != 0 {
+				ok = false
+			}
+		}
+	}
+	check(pg.Allocated)
+	check(pg.Reserved)
+	check(pg.MeasuredAllocated)
+	check(pg.MeasuredReserved)
+	check(pg.Live.Size)
+	for _, s := range pg.Segments {
+		check([]int64{s.Size, s.Free})
+		for _, b := range s.Blocks {
+			check(b[:2])
+		}
+	}
+	pg.Unit = 1
+	if !ok {
+		return
+	}
+	pg.Unit = u
+	div := func(xs []int64) {
+		for i, x := range xs {
+			if x > 0 {
+				xs[i] = x / u
+			}
+		}
+	}
+	div(pg.Allocated)
+	div(pg.Reserved)
+	div(pg.MeasuredAllocated)
+	div(pg.MeasuredReserved)
+	div(pg.Live.Size)
+	for i := range pg.Segments {
+		s := &pg.Segments[i]
+		s.Size /= u
+		s.Free /= u
+		for k := range s.Blocks {
+			s.Blocks[k][0] /= u
+			s.Blocks[k][1] /= u
+		}
+	}
+}
