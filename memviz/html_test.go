@@ -1,0 +1,194 @@
+package memviz_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"math/rand/v2"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/memviz"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// pageData is the part of a report page's embedded JSON the tests check.
+type pageData struct {
+	Title             string  `json:"title"`
+	Unit              int64   `json:"unit"`
+	Points            int     `json:"points"`
+	Index             []int   `json:"index"`
+	Allocated         []int64 `json:"allocated"`
+	Reserved          []int64 `json:"reserved"`
+	MeasuredAllocated []int64 `json:"measured_allocated"`
+	Peak              int     `json:"peak"`
+	Kinds             []string
+	Tensors           struct {
+		Strings []string `json:"strings"`
+		Rows    [][]any  `json:"rows"`
+	} `json:"tensors"`
+	Live struct {
+		T []int   `json:"t"`
+		S []int   `json:"s"`
+		E []int   `json:"e"`
+		B []int64 `json:"b"`
+	} `json:"live"`
+	Segments []struct {
+		Size   int64      `json:"size"`
+		Blocks [][4]int64 `json:"blocks"`
+	} `json:"segments"`
+	Alternatives []memviz.Alternative `json:"alternatives"`
+}
+
+var dataRE = regexp.MustCompile(`(?s)<script id="data" type="application/json">(.*?)</script>`)
+
+// readPage writes p's page and decodes its data.
+func readPage(t *testing.T, p *planner.Program, chunks []planner.Chunk, sim *memviz.Simulation, o memviz.HTMLOptions) (string, pageData) {
+	t.Helper()
+	var b bytes.Buffer
+	require.NoError(t, memviz.WriteHTML(&b, p, chunks, sim, o))
+	m := dataRE.FindStringSubmatch(b.String())
+	require.NotNil(t, m, "the page embeds its data")
+	var d pageData
+	require.NoError(t, json.Unmarshal([]byte(m[1]), &d))
+	return b.String(), d
+}
+
+// checkPage checks that the live tensors at every point the page carries
+// add up to its allocated bytes, and that its peak is the simulation's.
+func checkPage(t *testing.T, d pageData, sim *memviz.Simulation) {
+	t.Helper()
+	n := len(d.Index)
+	require.Len(t, d.Allocated, n)
+	live := make([]int64, n+1)
+	for i := range d.Live.T {
+		require.Less(t, d.Live.S[i], d.Live.E[i], "lifetime %d", i)
+		live[d.Live.S[i]] += d.Live.B[i]
+		live[d.Live.E[i]] -= d.Live.B[i]
+	}
+	var sum, peak int64
+	for j := range n {
+		sum += live[j]
+		require.Equal(t, d.Allocated[j]*d.Unit, sum*d.Unit, "carried point %d (point %d): live tensors against allocated bytes", j, d.Index[j])
+		peak = max(peak, d.Allocated[j]*d.Unit)
+	}
+	assert.Equal(t, sim.Usage.PeakAllocated, peak)
+	assert.Equal(t, peak, d.Allocated[d.Peak]*d.Unit)
+	var alloc int64
+	for _, s := range d.Segments {
+		for _, b := range s.Blocks {
+			if b[2] >= 0 {
+				alloc += b[1] * d.Unit
+			}
+		}
+	}
+	assert.Equal(t, sim.Usage.PeakAllocated, alloc, "the segment map is the allocator's state at the peak")
+}
+
+func TestWriteHTML(t *testing.T) {
+	rng := rand.New(rand.NewPCG(21, 22))
+	x, y := batch(rng, 6, nIn, nOut)
+	s := compileStep(t, newMLP(5), x, y, 2)
+	for _, k := range []int{1, 3} { // whole batch, then three chunks with accumulators
+		chunks := planner.Chunks(6, k)
+		sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
+		require.NoError(t, err)
+		e, a := tracedExecutor()
+		r := execute(t, e, a, s, chunks, optim.NewAdam(1e-3))
+		html, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{Title: "mlp", Measured: r.res.Usage.Timeline, MeasuredLabel: "CPU executor"})
+		checkPage(t, d, sim)
+		assert.Equal(t, len(sim.Usage.Timeline), d.Points)
+		assert.Len(t, d.Index, d.Points, "a small step is carried whole")
+		assert.Equal(t, d.Allocated, d.MeasuredAllocated, "a first step on a fresh device measures what was predicted")
+		names := map[string]bool{}
+		for _, row := range d.Tensors.Rows {
+			names[row[0].(string)] = true
+		}
+		for _, want := range []string{"fc1.weight", "fc1.weight.grad", "fc1.weight.exp_avg_sq", "fc2.bias.exp_avg"} {
+			assert.True(t, names[want], "tensor %s is named", want)
+		}
+		assert.Empty(t, d.Alternatives)
+		assert.NotContains(t, html, `"alternatives"`, "no alternatives, nothing said of them")
+		checkOffline(t, html)
+	}
+}
+
+// TestWriteHTMLMerges bounds the points a page carries: merged points keep
+// the peak and the live tensors still add up.
+func TestWriteHTMLMerges(t *testing.T) {
+	rng := rand.New(rand.NewPCG(23, 24))
+	x, y := batch(rng, 8, nIn, nOut)
+	s := compileStep(t, newMLP(6), x, y, 2)
+	chunks := planner.Chunks(8, 4)
+	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
+	require.NoError(t, err)
+	for _, limit := range []int{7, 40, 1} {
+		_, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{MaxPoints: limit})
+		assert.LessOrEqual(t, len(d.Index), limit)
+		assert.Greater(t, d.Points, limit)
+		checkPage(t, d, sim)
+	}
+}
+
+func TestWriteHTMLAlternatives(t *testing.T) {
+	rng := rand.New(rand.NewPCG(25, 26))
+	x, y := batch(rng, 4, nIn, nOut)
+	s := compileStep(t, newMLP(7), x, y, 1)
+	chunks := planner.Chunks(4, 1)
+	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
+	require.NoError(t, err)
+	alt := memviz.Alternative{Name: "recompute fc1", Chunk: 4, PeakReserved: 4 << 20, Description: "drop fc1's activations, run it again in backward"}
+	_, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{Alternatives: []memviz.Alternative{alt}})
+	assert.Equal(t, []memviz.Alternative{alt}, d.Alternatives)
+}
+
+// TestWriteHTMLEscapes builds a model whose module names are markup: the
+// page must carry them as data, never as markup.
+func TestWriteHTMLEscapes(t *testing.T) {
+	const evil = `</script><img src=x onerror=alert(1)>`
+	m := nn.NewSequentialNamed(
+		nn.Child{Name: evil, Module: nn.NewLinear(nn.Seed(1), nIn, nHidden, true)},
+		nn.Child{Name: "act", Module: nn.ReLU{}},
+		nn.Child{Name: "fc2", Module: nn.NewLinear(nn.Seed(2), nHidden, nOut, true)},
+	)
+	rng := rand.New(rand.NewPCG(27, 28))
+	x, y := batch(rng, 4, nIn, nOut)
+	s := compileStep(t, m, x, y, 2)
+	chunks := planner.Chunks(4, 1)
+	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
+	require.NoError(t, err)
+	html, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{Title: evil, Subtitle: evil,
+		Alternatives: []memviz.Alternative{{Name: evil, Description: evil}}})
+	assert.Equal(t, evil, d.Title)
+	found := false
+	for _, row := range d.Tensors.Rows {
+		found = found || strings.HasPrefix(row[0].(string), evil)
+	}
+	assert.True(t, found, "the hostile name is kept, as data")
+	assert.NotContains(t, html, "<img")
+	assert.Equal(t, 2, strings.Count(html, "</script>"), "only the page's own two script elements end")
+	assert.Contains(t, html, `\u003c/script\u003e\u003cimg`)
+	data := dataRE.FindStringSubmatch(html)[1]
+	assert.NotContains(t, data, "<", "the data carries no markup")
+	assert.NotContains(t, data, ">")
+	checkOffline(t, strings.Replace(html, data, "", 1))
+}
+
+// offlineRE finds anything that would make a browser fetch: a URL, a
+// protocol-relative or resource attribute, CSS imports and urls, script
+// loaders.
+var offlineRE = regexp.MustCompile(`(?i)(https?:|ftp:|wss?:|data:|//[a-z0-9.-]+\.[a-z]{2,}|\bsrc\s*=|\bhref\s*=|<link|<img|<iframe|<object|<embed|url\(|@import|\bfetch\(|XMLHttpRequest|sendBeacon|WebSocket|EventSource|importScripts|\bimport\(|new Image|\.src\s*=)`)
+
+// checkOffline asserts that a page fetches nothing: no external URL at all
+// (a test whose names are markup checks the page without its data, which
+// a browser only parses as JSON and shows as text).
+func checkOffline(t *testing.T, html string) {
+	t.Helper()
+	assert.Empty(t, offlineRE.FindAllString(html, 10), "the page must not reach the network")
+	assert.True(t, strings.HasPrefix(html, "<!DOCTYPE html>"))
+}
