@@ -126,6 +126,7 @@ type pageTensor struct {
 	Shape string `json:"s,omitempty"`
 	DType string `json:"d,omitempty"`
 	Req   int64  `json:"r"` // requested bytes
+	buf   int    // program buffer, −1 when none
 }
 
 // tensorTable is written as {"strings": [...], "rows": [[name, kind,
@@ -294,8 +295,12 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 	// a block's bytes are what the point added to the allocated bytes.
 	type open struct{ start, tensor int }
 	opened := map[int]open{}
-	tensorOf := map[[2]int]int{} // (buffer, chunk size) → tensor
-	runs := map[int]int{}        // node → index in Runs
+	tensorOf := map[[2]int]int{}  // (buffer, chunk size) → tensor
+	accumulated := map[int]bool{} // nodes whose chunks add up into an accumulator
+	for _, bi := range p.Accumulators {
+		accumulated[p.Buffers[bi].Node] = true
+	}
+	runs := map[int]int{} // node → index in Runs
 	pg.What = make([]int, len(pg.Index))
 	pg.Step = make([]int, len(pg.Index))
 	var sizes []int64 // block bytes of each open lifetime, by buffer
@@ -349,7 +354,11 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 			if !ok {
 				ti = len(pg.Tensors)
 				tensorOf[key] = ti
-				pg.Tensors = append(pg.Tensors, n.pageTensor(b, p.Buffers[b].Bytes(size)))
+				t := n.pageTensor(b, p.Buffers[b].Bytes(size))
+				if len(chunks) > 1 && accumulated[p.Buffers[b].Node] && p.Buffers[b].Kind == planner.BufOutput {
+					t.Name += ".chunk" // the running chunk's part, beside the sum (as NewReport names it)
+				}
+				pg.Tensors = append(pg.Tensors, t)
 			}
 			closeAt(b, i) // cannot happen in a valid program; keeps lifetimes disjoint
 			opened[b] = open{start: i, tensor: ti}
@@ -412,7 +421,7 @@ func (n *Names) pageTensor(bi int, requested int64) pageTensor {
 	l := n.ofBuffer(bi)
 	nd := n.p.Graph.Node(n.p.Buffers[bi].Node)
 	t := pageTensor{Name: l.Name, Kind: kindIndex(l.Kind), Op: nd.Op.String(), Req: requested,
-		Path: strings.Join(l.Stack[:len(l.Stack)-1], ".")}
+		Path: strings.Join(l.Stack[:len(l.Stack)-1], "."), buf: bi}
 	if shape, dtype := n.shape(bi, requested); shape != nil {
 		t.Shape, t.DType = graph.FormatShape(shape), dtype
 	}
@@ -463,13 +472,14 @@ func (pg *page) measured(n *Names, chunks []planner.Chunk, tl, m []planner.Point
 // segments lays out the snapshot's segments, each block labelled by the
 // page tensor it holds.
 func (pg *page) segments(n *Names, s alloc.Snapshot) {
-	type nameSize struct {
-		name string
+	type bufSize struct {
+		buf  int
+		name string // for blocks of no program buffer
 		req  int64
 	}
-	byKey := map[nameSize]int{} // → tensor
+	byKey := map[bufSize]int{} // → tensor
 	for i, t := range pg.Tensors {
-		byKey[nameSize{t.Name, t.Req}] = i
+		byKey[bufSize{t.buf, "", t.Req}] = i
 	}
 	segs := slices.Clone(s.Segments)
 	if len(segs) > maxSegmentRows { // the largest ones
@@ -484,15 +494,19 @@ func (pg *page) segments(n *Names, s alloc.Snapshot) {
 			ti := int64(-1)
 			if active(b.State) {
 				l := n.Of(b.Tag)
-				t, ok := byKey[nameSize{l.Name, b.Requested}]
+				key := bufSize{l.Buffer, "", b.Requested}
+				if l.Buffer < 0 {
+					key.name = l.Name
+				}
+				t, ok := byKey[key]
 				if !ok { // a block the timeline does not name: describe it from its tag
 					t = len(pg.Tensors)
 					pt := pageTensor{Name: l.Name, Kind: kindIndex(l.Kind), Op: b.Tag.Op, Req: b.Requested,
-						Path: strings.Join(l.Stack[:len(l.Stack)-1], ".")}
+						Path: strings.Join(l.Stack[:len(l.Stack)-1], "."), buf: -1}
 					if l.Buffer >= 0 {
 						pt = n.pageTensor(l.Buffer, b.Requested)
 					}
-					byKey[nameSize{l.Name, b.Requested}] = t
+					byKey[key] = t
 					pg.Tensors = append(pg.Tensors, pt)
 				}
 				ti = int64(t)

@@ -80,14 +80,23 @@ func checkPage(t *testing.T, d pageData, sim *memviz.Simulation) {
 	assert.Equal(t, sim.Usage.PeakAllocated, peak)
 	assert.Equal(t, peak, d.Allocated[d.Peak]*d.Unit)
 	var alloc int64
+	inSegments := map[int64]int64{} // tensor → bytes of its blocks
 	for _, s := range d.Segments {
 		for _, b := range s.Blocks {
 			if b[2] >= 0 {
 				alloc += b[1] * d.Unit
+				inSegments[b[2]] += b[1]
 			}
 		}
 	}
 	assert.Equal(t, sim.Usage.PeakAllocated, alloc, "the segment map is the allocator's state at the peak")
+	liveAtPeak := map[int64]int64{}
+	for i, ti := range d.Live.T {
+		if d.Live.S[i] <= d.Peak && d.Peak < d.Live.E[i] {
+			liveAtPeak[int64(ti)] += d.Live.B[i]
+		}
+	}
+	assert.Equal(t, liveAtPeak, inSegments, "the segment map's blocks are the tensors live at the peak")
 }
 
 func TestWriteHTML(t *testing.T) {

@@ -1,0 +1,149 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/alloc"
+)
+
+// chromium finds a headless-capable Chromium: $BATCHFIT_CHROMIUM, else
+// Debian's chromium (scripts/install-chromium installs it) or a Chrome
+// on PATH; "" when there is none.
+func chromium() string {
+	if p := os.Getenv("BATCHFIT_CHROMIUM"); p != "" {
+		return p
+	}
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome", "google-chrome-stable"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	return ""
+}
+
+// artifacts is where the headless test leaves its pages and screenshots:
+// $BATCHFIT_ARTIFACTS when set, else a temporary directory.
+func artifacts(t *testing.T) string {
+	if d := os.Getenv("BATCHFIT_ARTIFACTS"); d != "" {
+		require.NoError(t, os.MkdirAll(d, 0o755))
+		return d
+	}
+	return t.TempDir()
+}
+
+// headless is what one run of the browser on a page gave.
+type headless struct {
+	dom        string
+	firstPaint float64 // ms from navigation to first contentful paint, −1 when not logged
+	wall       time.Duration
+}
+
+var firstPaintRE = regexp.MustCompile(`batchfit-report first-contentful-paint-ms=([0-9.]+)`)
+
+// openHeadless loads page in headless Chromium, saves a screenshot of
+// its first width×height pixels to png and returns the DOM after the
+// page's script ran.
+func openHeadless(t *testing.T, browser, page, png string, width, height int) headless {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	profile := t.TempDir() // a fresh profile: no state shared between runs
+	cmd := exec.CommandContext(ctx, browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+		"--no-first-run", "--disable-extensions", "--disable-background-networking", "--hide-scrollbars",
+		"--user-data-dir="+profile, "--enable-logging=stderr", "--v=0",
+		fmt.Sprintf("--window-size=%d,%d", width, height), "--screenshot="+png, "--dump-dom", "file://"+page)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	start := time.Now()
+	err := cmd.Run()
+	h := headless{dom: stdout.String(), firstPaint: -1, wall: time.Since(start)}
+	require.NoError(t, err, "chromium: %s", lastLines(stderr.String(), 5))
+	if m := firstPaintRE.FindStringSubmatch(stderr.String()); m != nil {
+		h.firstPaint, _ = strconv.ParseFloat(m[1], 64)
+	}
+	return h
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// bodyAttr reads a data attribute the page's script set on <body>.
+func bodyAttr(dom, name string) (string, bool) {
+	m := regexp.MustCompile(`<body[^>]*\s` + regexp.QuoteMeta(name) + `="([^"]*)"`).FindStringSubmatch(dom)
+	if m == nil {
+		return "", false
+	}
+	return m[1], true
+}
+
+// TestHTMLReportHeadless renders the report page of GPT-2 small (in
+// chunks) and the ConvNet in headless Chromium and checks that the peak
+// the page shows is the plan's predicted peak, to the byte. Screenshots
+// and pages stay in $BATCHFIT_ARTIFACTS (or a logged temporary
+// directory).
+func TestHTMLReportHeadless(t *testing.T) {
+	browser := chromium()
+	if browser == "" {
+		t.Skip("no headless browser: install Debian's chromium (scripts/install-chromium) or set BATCHFIT_CHROMIUM")
+	}
+	dir := artifacts(t)
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"gpt2-small", []string{"--model", "gpt2-small", "--batch", "8", "--budget", "8GiB"}},
+		{"convnet", []string{"--model", "convnet", "--batch", "256", "--budget", "96MiB"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			page := filepath.Join(dir, "report-"+tc.name+".html")
+			code, stdout, stderr := runCLI(append([]string{"snapshot", "-o", page}, tc.args...)...)
+			require.Equal(t, exitOK, code, stderr)
+			assert.Contains(t, stdout, "(html, ")
+			c, err := parseSnapshot(append([]string{"-o", page}, tc.args...))
+			require.NoError(t, err)
+			s, err := simulate(c.step, 0)
+			require.NoError(t, err)
+			if tc.name == "convnet" {
+				require.Greater(t, len(s.plan.Chunks), 1, "the ConvNet's budget makes it run in chunks")
+			}
+			html, err := os.ReadFile(page)
+			require.NoError(t, err)
+			assert.False(t, regexp.MustCompile(`(?i)https?:|\bsrc\s*=|\bhref\s*=|url\(|@import`).Match(html), "the page fetches nothing")
+
+			png := filepath.Join(dir, "report-"+tc.name+".png")
+			h := openHeadless(t, browser, page, png, 1280, 1000)
+			ready, _ := bodyAttr(h.dom, "data-ready")
+			require.Equal(t, "1", ready, "the page's script ran to the end")
+			got, ok := bodyAttr(h.dom, "data-peak-allocated")
+			require.True(t, ok)
+			assert.Equal(t, strconv.FormatInt(s.plan.PeakAllocated, 10), got, "the peak shown is the plan's predicted peak")
+			gotRes, _ := bodyAttr(h.dom, "data-peak-reserved")
+			assert.Equal(t, strconv.FormatInt(s.sim.Usage.PeakReserved, 10), gotRes, "the reserved peak of the replay drawn")
+			assert.Equal(t, strconv.FormatInt(s.plan.PeakReserved, 10), gotRes, "the plan's predicted reserved peak")
+			assert.Contains(t, h.dom, thousands(s.plan.PeakAllocated)+" B", "the figure states the exact bytes")
+			assert.Contains(t, h.dom, `id="peaklabel"`, "the timeline marks the peak")
+			assert.NotContains(t, h.dom, "<img")
+			info, err := os.Stat(png)
+			require.NoError(t, err, "a screenshot was saved")
+			assert.Greater(t, info.Size(), int64(10_000))
+			render, _ := bodyAttr(h.dom, "data-render-ms")
+			t.Logf("%s: page %s (%d B), %d chunks; first contentful paint %.0f ms, script %s ms, browser run %v; screenshot %s",
+				tc.name, alloc.FormatBytes(int64(len(html))), len(html), len(s.plan.Chunks), h.firstPaint, render, h.wall.Round(time.Millisecond), png)
+		})
+	}
+}
