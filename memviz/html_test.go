@@ -99,14 +99,22 @@ func checkPage(t *testing.T, d pageData, sim *memviz.Simulation) {
 	assert.Equal(t, liveAtPeak, inSegments, "the segment map's blocks are the tensors live at the peak")
 }
 
+// simulated compiles m's training step on a batch of b with slots
+// optimizer state slots and simulates it in k chunks.
+func simulated(t *testing.T, m nn.Module, seed uint64, b, k, slots int) (trainStep, []planner.Chunk, *memviz.Simulation) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(seed, seed+1))
+	x, y := batch(rng, b, nIn, nOut)
+	s := compileStep(t, m, x, y, slots)
+	chunks := planner.Chunks(b, k)
+	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
+	require.NoError(t, err)
+	return s, chunks, sim
+}
+
 func TestWriteHTML(t *testing.T) {
-	rng := rand.New(rand.NewPCG(21, 22))
-	x, y := batch(rng, 6, nIn, nOut)
-	s := compileStep(t, newMLP(5), x, y, 2)
 	for _, k := range []int{1, 3} { // whole batch, then three chunks with accumulators
-		chunks := planner.Chunks(6, k)
-		sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
-		require.NoError(t, err)
+		s, chunks, sim := simulated(t, newMLP(5), 21, 6, k, 2)
 		e, a := tracedExecutor()
 		r := execute(t, e, a, s, chunks, optim.NewAdam(1e-3))
 		html, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{Title: "mlp", Measured: r.res.Usage.Timeline, MeasuredLabel: "CPU executor"})
@@ -130,12 +138,7 @@ func TestWriteHTML(t *testing.T) {
 // TestWriteHTMLMerges bounds the points a page carries: merged points keep
 // the peak and the live tensors still add up.
 func TestWriteHTMLMerges(t *testing.T) {
-	rng := rand.New(rand.NewPCG(23, 24))
-	x, y := batch(rng, 8, nIn, nOut)
-	s := compileStep(t, newMLP(6), x, y, 2)
-	chunks := planner.Chunks(8, 4)
-	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
-	require.NoError(t, err)
+	s, chunks, sim := simulated(t, newMLP(6), 23, 8, 4, 2)
 	for _, limit := range []int{7, 40, 1} {
 		_, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{MaxPoints: limit})
 		assert.LessOrEqual(t, len(d.Index), limit)
@@ -145,12 +148,7 @@ func TestWriteHTMLMerges(t *testing.T) {
 }
 
 func TestWriteHTMLAlternatives(t *testing.T) {
-	rng := rand.New(rand.NewPCG(25, 26))
-	x, y := batch(rng, 4, nIn, nOut)
-	s := compileStep(t, newMLP(7), x, y, 1)
-	chunks := planner.Chunks(4, 1)
-	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
-	require.NoError(t, err)
+	s, chunks, sim := simulated(t, newMLP(7), 25, 4, 1, 1)
 	alt := memviz.Alternative{Name: "recompute fc1", Chunk: 4, PeakReserved: 4 << 20, Description: "drop fc1's activations, run it again in backward"}
 	_, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{Alternatives: []memviz.Alternative{alt}})
 	assert.Equal(t, []memviz.Alternative{alt}, d.Alternatives)
@@ -165,12 +163,7 @@ func TestWriteHTMLEscapes(t *testing.T) {
 		nn.Child{Name: "act", Module: nn.ReLU{}},
 		nn.Child{Name: "fc2", Module: nn.NewLinear(nn.Seed(2), nHidden, nOut, true)},
 	)
-	rng := rand.New(rand.NewPCG(27, 28))
-	x, y := batch(rng, 4, nIn, nOut)
-	s := compileStep(t, m, x, y, 2)
-	chunks := planner.Chunks(4, 1)
-	sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{})
-	require.NoError(t, err)
+	s, chunks, sim := simulated(t, m, 27, 4, 1, 2)
 	html, d := readPage(t, s.prog, chunks, sim, memviz.HTMLOptions{Title: evil, Subtitle: evil,
 		Alternatives: []memviz.Alternative{{Name: evil, Description: evil}}})
 	assert.Equal(t, evil, d.Title)
