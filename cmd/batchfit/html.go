@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/batchfit/batchfit/memviz"
+	"github.com/batchfit/batchfit/planner"
 )
 
 // formatHTML is the offline memory report page (memviz.WriteHTML). It is a
@@ -18,11 +19,13 @@ func isHTMLName(path string) bool {
 	return strings.HasSuffix(name, ".html") || strings.HasSuffix(name, ".htm")
 }
 
-// writeHTMLPage writes s's step as memviz's report page.
-func writeHTMLPage(w io.Writer, c *estimateConfig, s *simulated) error {
+// writeHTMLPage writes s's step as memviz's report page, with the
+// timeline measured on the CPU executor when not nil.
+func writeHTMLPage(w io.Writer, c *estimateConfig, s *simulated, measured []planner.Point) error {
 	return memviz.WriteHTML(w, s.step.program, s.plan.Chunks, s.sim, memviz.HTMLOptions{
 		Title:    "batchfit memory report: " + c.model.name,
 		Subtitle: c.model.about + "; " + stepLine(c, s.plan),
 		Plan:     s.plan,
+		Measured: measured, MeasuredLabel: "CPU executor",
 	})
 }

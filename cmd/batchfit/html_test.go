@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -142,8 +143,44 @@ func TestHTMLReportHeadless(t *testing.T) {
 			require.NoError(t, err, "a screenshot was saved")
 			assert.Greater(t, info.Size(), int64(10_000))
 			render, _ := bodyAttr(h.dom, "data-render-ms")
-			t.Logf("%s: page %s (%d B), %d chunks; first contentful paint %.0f ms, script %s ms, browser run %v; screenshot %s",
-				tc.name, alloc.FormatBytes(int64(len(html))), len(html), len(s.plan.Chunks), h.firstPaint, render, h.wall.Round(time.Millisecond), png)
+			drawn, _ := bodyAttr(h.dom, "data-drawn-ms")
+			t.Logf("%s: page %s (%d B), %d chunks; first contentful paint %.0f ms, drawn %s ms after navigation (script %s ms), browser run %v; screenshot %s",
+				tc.name, alloc.FormatBytes(int64(len(html))), len(html), len(s.plan.Chunks), h.firstPaint, drawn, render, h.wall.Round(time.Millisecond), png)
 		})
 	}
+}
+
+// TestSnapshotHTMLRun measures the step on the CPU executor and draws it
+// over the prediction: a first step measures exactly what was predicted.
+func TestSnapshotHTMLRun(t *testing.T) {
+	page := filepath.Join(t.TempDir(), "mlp.htm")
+	code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "2048", "--budget", "26MiB", "--run", "-o", page)
+	require.Equal(t, exitOK, code, stderr)
+	assert.Contains(t, stdout, "(html, ")
+	html, err := os.ReadFile(page)
+	require.NoError(t, err)
+	m := regexp.MustCompile(`(?s)<script id="data" type="application/json">(.*?)</script>`).FindSubmatch(html)
+	require.NotNil(t, m)
+	var d struct {
+		Chunks            []json.RawMessage `json:"chunks"`
+		Allocated         []int64           `json:"allocated"`
+		MeasuredAllocated []int64           `json:"measured_allocated"`
+		MeasuredReserved  []int64           `json:"measured_reserved"`
+		Reserved          []int64           `json:"reserved"`
+	}
+	require.NoError(t, json.Unmarshal(m[1], &d))
+	assert.Greater(t, len(d.Chunks), 2, "persistent allocations, then several chunks")
+	assert.Equal(t, d.Allocated, d.MeasuredAllocated)
+	assert.Equal(t, d.Reserved, d.MeasuredReserved)
+
+	for _, args := range [][]string{
+		{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--run", "-o", "x.pickle"},
+		{"--model", "gpt2-small", "--batch", "8", "--budget", "8GiB", "--run", "-o", "x.html"},
+	} {
+		_, err := parseSnapshot(args)
+		assert.ErrorIs(t, err, errNotApplicable, "%v", args)
+	}
+	c, err := parseSnapshot([]string{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--format", "html", "-o", "-"})
+	require.NoError(t, err)
+	assert.Equal(t, formatHTML, c.format)
 }

@@ -94,16 +94,24 @@ func parseReport(args []string) (*reportConfig, error) {
 		return nil, usagef(errNotApplicable, "--seed applies to --run only")
 	}
 	if c.run {
-		if c.step.dtype != graph.Float32 {
-			return nil, usagef(errNotApplicable, "--run executes float32 only, not %s", c.step.dtype)
-		}
-		b := c.step.model.build(nn.Options{ShapeOnly: true}, 1, c.step.model.context, false, nil)
-		if n := nn.NumParams(b.module); n > maxRunParams {
-			return nil, usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
-				c.step.model.name, thousands(int64(n)), thousands(maxRunParams))
+		if err := runnable(c.step); err != nil {
+			return nil, err
 		}
 	}
 	return c, nil
+}
+
+// runnable says why --run cannot execute c's step on the CPU, or nil.
+func runnable(c *estimateConfig) error {
+	if c.dtype != graph.Float32 {
+		return usagef(errNotApplicable, "--run executes float32 only, not %s", c.dtype)
+	}
+	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.model.context, false, nil)
+	if n := nn.NumParams(b.module); n > maxRunParams {
+		return usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
+			c.model.name, thousands(int64(n)), thousands(maxRunParams))
+	}
+	return nil
 }
 
 // memReport is what report prints as JSON.
@@ -162,6 +170,22 @@ func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	return x, nil
 }
 
+// measure runs c's step once on the CPU executor and makes s the
+// executed program's: that program is compiled from the real graph, so
+// profiles and names go against it, with its own plan's simulation.
+func (s *simulated) measure(c *estimateConfig, seed uint64) (*executed, error) {
+	x, err := execute(c, seed)
+	if err != nil {
+		return nil, fmt.Errorf("running %s on the CPU executor: %w", c.model.name, err)
+	}
+	sim, err := memviz.Simulate(x.program, x.plan.Chunks, memviz.SimOptions{Capacity: x.plan.Available()})
+	if err != nil {
+		return nil, err
+	}
+	s.step.program, s.plan, s.sim = x.program, x.plan, sim
+	return x, nil
+}
+
 func runReport(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	fs, _ := reportFlags()
 	c, err := parseReport(args)
@@ -210,17 +234,11 @@ func reportModel(c *reportConfig) (*memReport, error) {
 	prog, chunks, snap := s.step.program, s.plan.Chunks, s.snapshot(c.at)
 	var timeline []planner.Point
 	if c.run {
-		x, err := execute(c.step, c.seed)
+		x, err := s.measure(c.step, c.seed)
 		if err != nil {
-			return nil, fmt.Errorf("running %s on the CPU executor: %w", c.step.model.name, err)
-		}
-		// The executed program is compiled from the real graph: profile
-		// and name against it, with its own plan's simulation.
-		prog, chunks = x.program, x.plan.Chunks
-		if s.sim, err = memviz.Simulate(prog, chunks, memviz.SimOptions{Capacity: x.plan.Available()}); err != nil {
 			return nil, err
 		}
-		s.step.program = prog
+		prog, chunks = x.program, x.plan.Chunks
 		snap = s.snapshot(c.at)
 		r.Snapshot = s.where(c.at)
 		if c.at == atEnd {

@@ -30,12 +30,14 @@ type snapshotConfig struct {
 	at     string
 	trace  int
 	out    string
+	run    bool // html: measure the step on the CPU executor too
 }
 
 type snapshotFlagValues struct {
 	stepFlagValues
 	format, at, out string
 	trace           int
+	run             bool
 }
 
 func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
@@ -48,6 +50,7 @@ func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
 	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof), folded (flamegraph.pl, speedscope) or html (an offline report page: timeline, live tensors, segments, plan); default from FILE's extension (.pb.gz, .pprof: pprof; .folded, .txt: folded; .html: html), else pickle")
 	fs.StringVar(&v.at, "at", atPeak, "`when`: peak (while the op at the predicted peak runs) or end (after the step)")
 	fs.IntVar(&v.trace, "trace", defaultTrace, "keep the last `N` allocator events in a pickle (memory_viz's timeline)")
+	fs.BoolVar(&v.run, "run", false, "html: also run the step once on the CPU executor with random data and draw the measured timeline over the predicted one (float32, models up to 32 Mi parameters)")
 	return fs, v
 }
 
@@ -62,7 +65,7 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 	if len(pos) > 0 {
 		return nil, usagef(errFlag, "unexpected argument %q (flags only; the file goes after -o)", pos[0])
 	}
-	c := &snapshotConfig{at: v.at, trace: v.trace, out: v.out}
+	c := &snapshotConfig{at: v.at, trace: v.trace, out: v.out, run: v.run}
 	if c.step, err = v.config(set); err != nil {
 		return nil, err
 	}
@@ -89,6 +92,14 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 	}
 	if set["trace"] && c.format != formatPickle {
 		return nil, usagef(errNotApplicable, "--trace applies to --format pickle only")
+	}
+	if c.run && c.format != formatHTML {
+		return nil, usagef(errNotApplicable, "--run applies to --format html only")
+	}
+	if c.run {
+		if err := runnable(c.step); err != nil {
+			return nil, err
+		}
 	}
 	return c, nil
 }
@@ -198,6 +209,13 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 		trace = 0
 	}
 	s, err := simulate(c.step, trace)
+	var measured []planner.Point
+	if err == nil && c.run {
+		var x *executed
+		if x, err = s.measure(c.step, 1); err == nil {
+			measured = x.usage.Timeline
+		}
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit snapshot: %v\n", err)
 		return exitPlan
@@ -211,7 +229,7 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 		case formatFolded:
 			return memviz.WriteFolded(w, snap, names)
 		case formatHTML:
-			return writeHTMLPage(w, c.step, s)
+			return writeHTMLPage(w, c.step, s, measured)
 		}
 		return memviz.WritePickle(w, snap)
 	})
