@@ -101,8 +101,12 @@ type page struct {
 	Live    liveColumns `json:"live"`
 	// Peak is the carried point of the predicted peak of allocated bytes,
 	// and Segments the allocator's segments while it runs.
-	Peak     int           `json:"peak"`
-	Segments []pageSegment `json:"segments"`
+	Peak int `json:"peak"`
+	// Source is "plan" (a program's predicted step) or "snapshot" (a
+	// snapshot's trace); SegmentsAt says when the segments were taken.
+	Source     string        `json:"source"`
+	SegmentsAt string        `json:"segments_at"`
+	Segments   []pageSegment `json:"segments"`
 	// SegmentsLeftOut counts segments past maxSegmentRows, not drawn.
 	SegmentsLeftOut int            `json:"segments_left_out,omitempty"`
 	Plan            *pagePlan      `json:"plan,omitempty"`
@@ -112,10 +116,11 @@ type page struct {
 }
 
 type pageChunk struct {
-	Index int `json:"index"` // −1 for the persistent allocations
-	Size  int `json:"size"`
-	Start int `json:"start"`
-	End   int `json:"end"`
+	Label string `json:"label,omitempty"` // what the range is, when not a chunk
+	Index int    `json:"index"`           // −1 for the persistent allocations
+	Size  int    `json:"size"`
+	Start int    `json:"start"`
+	End   int    `json:"end"`
 }
 
 type pageTensor struct {
@@ -135,7 +140,7 @@ type pageTensor struct {
 type tensorTable []pageTensor
 
 func (tt tensorTable) MarshalJSON() ([]byte, error) {
-	var strs []string
+	strs := []string{}
 	at := map[string]int{}
 	in := func(s string) int {
 		i, ok := at[s]
@@ -212,6 +217,11 @@ func WriteHTML(w io.Writer, p *planner.Program, chunks []planner.Chunk, sim *Sim
 	if err != nil {
 		return err
 	}
+	return pg.write(w)
+}
+
+// write writes the page: the template with pg as its data.
+func (pg *page) write(w io.Writer) error {
 	data, err := json.Marshal(pg) // escapes <, >, & and U+2028/9: no name can end the script element
 	if err != nil {
 		return err
@@ -248,77 +258,20 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 		return nil, fmt.Errorf("%w: empty predicted timeline", ErrTimeline)
 	}
 	n := NewNames(p, o.Names)
-	pg := &page{Title: o.Title, Subtitle: o.Subtitle, Points: len(tl), Kinds: pageKinds, Peak: -1, Alternatives: o.Alternatives,
-		MeasuredLabel: o.MeasuredLabel, Stats: map[string]int{}}
-	if pg.Title == "" {
-		pg.Title = "batchfit memory report"
-	}
+	pg := newPageOf(o)
+	pg.Points = len(tl)
 
-	// Which point each carried point stands for: all of them, or the
-	// point of most allocated bytes of each run of merged points.
-	limit := o.MaxPoints
-	if limit <= 0 {
-		limit = DefaultMaxPoints
-	}
-	group := (len(tl) + limit - 1) / limit
-	carried := make([]int, len(tl)) // point → carried point
-	for lo := 0; lo < len(tl); lo += group {
-		hi := min(lo+group, len(tl))
-		best := lo
-		var res int64
-		for i := lo; i < hi; i++ {
-			carried[i] = len(pg.Index)
-			if tl[i].Allocated > tl[best].Allocated {
-				best = i
-			}
-			res = max(res, tl[i].Reserved)
-		}
-		pg.Index = append(pg.Index, best)
-		pg.Allocated = append(pg.Allocated, tl[best].Allocated)
-		pg.Reserved = append(pg.Reserved, res)
-	}
-	// first carried point at or after point i (len(Index) past the end):
-	// a lifetime [s, e) of points is alive at carried point j exactly when
-	// s ≤ Index[j] < e.
-	from := func(i int) int {
-		if i >= len(tl) {
-			return len(pg.Index)
-		}
-		j := carried[i]
-		if pg.Index[j] < i {
-			j++
-		}
-		return j
-	}
+	carried := pg.carry(len(tl), func(i int) (int64, int64) { return tl[i].Allocated, tl[i].Reserved }, o.MaxPoints)
+	lt := newLifetimes(pg, carried)
 
 	// Tensor lifetimes from the buffers each point allocates and frees;
 	// a block's bytes are what the point added to the allocated bytes.
-	type open struct{ start, tensor int }
-	opened := map[int]open{}
 	tensorOf := map[[2]int]int{}  // (buffer, chunk size) → tensor
 	accumulated := map[int]bool{} // nodes whose chunks add up into an accumulator
 	for _, bi := range p.Accumulators {
 		accumulated[p.Buffers[bi].Node] = true
 	}
 	runs := map[int]int{} // node → index in Runs
-	pg.What = make([]int, len(pg.Index))
-	pg.Step = make([]int, len(pg.Index))
-	var sizes []int64 // block bytes of each open lifetime, by buffer
-	sizes = make([]int64, len(p.Buffers))
-	closeAt := func(bi, at int) {
-		op, ok := opened[bi]
-		if !ok {
-			return
-		}
-		delete(opened, bi)
-		s, e := from(op.start), from(at)
-		if s < e && sizes[bi] > 0 {
-			pg.Live.Tensor = append(pg.Live.Tensor, op.tensor)
-			pg.Live.Start = append(pg.Live.Start, s)
-			pg.Live.End = append(pg.Live.End, e)
-			pg.Live.Size = append(pg.Live.Size, sizes[bi])
-		}
-	}
 	var prev int64
 	err := n.walk(chunks, tl, func(i int, pt planner.Point, _ rowKey, bufs []int) {
 		delta := pt.Allocated - prev
@@ -339,10 +292,9 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 		}
 		for _, b := range bufs {
 			if b < 0 {
-				if shown {
-					pg.What[carried[i]] = 3*opened[-1-b].tensor + 1
+				if ti, ok := lt.end(int64(-1-b), i); ok && shown {
+					pg.What[carried[i]] = 3*ti + 1
 				}
-				closeAt(-1-b, i)
 				continue
 			}
 			size := 0
@@ -360,20 +312,16 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 				}
 				pg.Tensors = append(pg.Tensors, t)
 			}
-			closeAt(b, i) // cannot happen in a valid program; keeps lifetimes disjoint
-			opened[b] = open{start: i, tensor: ti}
+			lt.start(int64(b), i, ti, delta)
 			if shown {
 				pg.What[carried[i]] = 3 * ti
 			}
-			sizes[b] = delta
 		}
 	})
 	if err != nil {
 		return nil, err
 	}
-	for _, b := range slices.Sorted(maps.Keys(opened)) {
-		closeAt(b, len(tl))
-	}
+	lt.endAll(len(tl))
 
 	// Chunks as carried-point ranges.
 	for i, pt := range tl {
@@ -394,26 +342,141 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 		}
 	}
 
-	// The peak, and the segments while it runs.
-	for j, a := range pg.Allocated {
-		if pg.Peak < 0 || a > pg.Allocated[pg.Peak] {
-			pg.Peak = j
-		}
-	}
-	pg.segments(n, sim.Snapshot)
-
 	if o.Plan != nil {
 		pl := o.Plan
 		pg.Plan = &pagePlan{Batch: pl.Batch, Chunks: planner.DescribeSizes(planner.Sizes(pl.Chunks)), NumChunks: len(pl.Chunks),
 			Budget: pl.Budget, Headroom: pl.Headroom, Available: pl.Available(), PeakReserved: pl.PeakReserved,
 			PeakAllocated: pl.PeakAllocated, Persistent: pl.Persistent, Fixed: pl.Fixed, PerSample: pl.PerSample, Replays: pl.Replays}
 	}
-	pg.largest(n, chunks)
+	pg.finish(n, sim.Snapshot, chunks)
+	return pg, nil
+}
+
+// newPageOf starts a page with o's title, subtitle and alternatives.
+func newPageOf(o HTMLOptions) *page {
+	pg := &page{Title: o.Title, Subtitle: o.Subtitle, Kinds: pageKinds, Peak: -1, Alternatives: o.Alternatives,
+		MeasuredLabel: o.MeasuredLabel, Source: "plan", SegmentsAt: "at the peak", Stats: map[string]int{},
+		Live:     liveColumns{Tensor: []int{}, Start: []int{}, End: []int{}, Size: []int64{}},
+		Segments: []pageSegment{}, Largest: []pageBuffer{}}
+	if pg.Title == "" {
+		pg.Title = "batchfit memory report"
+	}
+	return pg
+}
+
+// finish marks the peak, lays out the segments of s, lists a program's
+// largest buffers (at chunks' first size) and scales the byte counts.
+func (pg *page) finish(n *Names, s alloc.Snapshot, chunks []planner.Chunk) {
+	for j, a := range pg.Allocated {
+		if pg.Peak < 0 || a > pg.Allocated[pg.Peak] {
+			pg.Peak = j
+		}
+	}
+	pg.segments(n, s)
+	if n.p != nil {
+		pg.largest(n, chunks)
+	}
 	pg.scale()
 	pg.Stats["tensors"] = len(pg.Tensors)
 	pg.Stats["lifetimes"] = len(pg.Live.Tensor)
 	pg.Stats["carried_points"] = len(pg.Index)
-	return pg, nil
+}
+
+// carry picks the points the page carries out of n, point i having
+// allocated and reserved bytes at(i): all of them, or past limit (0:
+// DefaultMaxPoints) the point of most allocated bytes of each run of
+// merged points, with the run's most reserved bytes. It fills Index,
+// Allocated and Reserved and returns each point's carried point.
+func (pg *page) carry(n int, at func(i int) (allocated, reserved int64), limit int) []int {
+	if limit <= 0 {
+		limit = DefaultMaxPoints
+	}
+	group := (n + limit - 1) / limit
+	carried := make([]int, n)
+	for lo := 0; lo < n; lo += group {
+		hi := min(lo+group, n)
+		best, bestA := lo, int64(0)
+		var res int64
+		for i := lo; i < hi; i++ {
+			carried[i] = len(pg.Index)
+			a, r := at(i)
+			if i == lo || a > bestA {
+				best, bestA = i, a
+			}
+			res = max(res, r)
+		}
+		pg.Index = append(pg.Index, best)
+		pg.Allocated = append(pg.Allocated, bestA)
+		pg.Reserved = append(pg.Reserved, res)
+	}
+	pg.What = make([]int, len(pg.Index))
+	pg.Step = make([]int, len(pg.Index))
+	return carried
+}
+
+// lifetimes collects the page's tensor lifetimes from points where blocks
+// start and end, keyed by what identifies a block while it lives (a
+// program buffer, an address).
+type lifetimes struct {
+	pg      *page
+	carried []int
+	open    map[int64]lifetime
+}
+
+type lifetime struct {
+	start, tensor int
+	size          int64
+}
+
+func newLifetimes(pg *page, carried []int) *lifetimes {
+	return &lifetimes{pg: pg, carried: carried, open: map[int64]lifetime{}}
+}
+
+// from is the first carried point at or after point i (len(Index) past
+// the end): a lifetime [s, e) of points is alive at carried point j
+// exactly when s ≤ Index[j] < e.
+func (l *lifetimes) from(i int) int {
+	if i >= len(l.carried) {
+		return len(l.pg.Index)
+	}
+	j := l.carried[i]
+	if l.pg.Index[j] < i {
+		j++
+	}
+	return j
+}
+
+// start opens a lifetime of tensor at point i holding size bytes (one
+// still open under key ends there: it cannot happen in a valid program
+// or trace, and keeps lifetimes disjoint).
+func (l *lifetimes) start(key int64, i, tensor int, size int64) {
+	l.end(key, i)
+	l.open[key] = lifetime{start: i, tensor: tensor, size: size}
+}
+
+// end closes key's lifetime at point i and says whose it was.
+func (l *lifetimes) end(key int64, i int) (tensor int, ok bool) {
+	o, ok := l.open[key]
+	if !ok {
+		return -1, false
+	}
+	delete(l.open, key)
+	s, e := l.from(o.start), l.from(i)
+	if s < e && o.size > 0 {
+		lv := &l.pg.Live
+		lv.Tensor = append(lv.Tensor, o.tensor)
+		lv.Start = append(lv.Start, s)
+		lv.End = append(lv.End, e)
+		lv.Size = append(lv.Size, o.size)
+	}
+	return o.tensor, true
+}
+
+// endAll closes what is still open at point i, in key order.
+func (l *lifetimes) endAll(i int) {
+	for _, k := range slices.Sorted(maps.Keys(l.open)) {
+		l.end(k, i)
+	}
 }
 
 // pageTensor describes buffer bi holding requested bytes.
@@ -421,11 +484,19 @@ func (n *Names) pageTensor(bi int, requested int64) pageTensor {
 	l := n.ofBuffer(bi)
 	nd := n.p.Graph.Node(n.p.Buffers[bi].Node)
 	t := pageTensor{Name: l.Name, Kind: kindIndex(l.Kind), Op: nd.Op.String(), Req: requested,
-		Path: strings.Join(l.Stack[:len(l.Stack)-1], "."), buf: bi}
+		Path: joinPath(l.Stack), buf: bi}
 	if shape, dtype := n.shape(bi, requested); shape != nil {
 		t.Shape, t.DType = graph.FormatShape(shape), dtype
 	}
 	return t
+}
+
+// joinPath is the dotted module path of a label's stack: all but its leaf.
+func joinPath(stack []string) string {
+	if len(stack) == 0 {
+		return ""
+	}
+	return strings.Join(stack[:len(stack)-1], ".")
 }
 
 // measured aligns a measured timeline with the predicted one point by
@@ -479,7 +550,11 @@ func (pg *page) segments(n *Names, s alloc.Snapshot) {
 	}
 	byKey := map[bufSize]int{} // → tensor
 	for i, t := range pg.Tensors {
-		byKey[bufSize{t.buf, "", t.Req}] = i
+		k := bufSize{t.buf, "", t.Req}
+		if t.buf < 0 {
+			k.name = t.Name
+		}
+		byKey[k] = i
 	}
 	segs := slices.Clone(s.Segments)
 	if len(segs) > maxSegmentRows { // the largest ones
@@ -495,14 +570,13 @@ func (pg *page) segments(n *Names, s alloc.Snapshot) {
 			if active(b.State) {
 				l := n.Of(b.Tag)
 				key := bufSize{l.Buffer, "", b.Requested}
-				if l.Buffer < 0 {
-					key.name = l.Name
+				if l.Buffer < 0 { // named from its tag, as a snapshot's trace names it: by block size
+					key.name, key.req = l.Name, b.Size
 				}
 				t, ok := byKey[key]
 				if !ok { // a block the timeline does not name: describe it from its tag
 					t = len(pg.Tensors)
-					pt := pageTensor{Name: l.Name, Kind: kindIndex(l.Kind), Op: b.Tag.Op, Req: b.Requested,
-						Path: strings.Join(l.Stack[:len(l.Stack)-1], "."), buf: -1}
+					pt := tagTensor(l, b.Tag, b.Requested)
 					if l.Buffer >= 0 {
 						pt = n.pageTensor(l.Buffer, b.Requested)
 					}

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/memviz"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
@@ -60,8 +61,18 @@ func readPage(t *testing.T, p *planner.Program, chunks []planner.Chunk, sim *mem
 }
 
 // checkPage checks that the live tensors at every point the page carries
-// add up to its allocated bytes, and that its peak is the simulation's.
+// add up to its allocated bytes, and that its peak is the simulation's,
+// with the segment map holding the tensors live there.
 func checkPage(t *testing.T, d pageData, sim *memviz.Simulation) {
+	t.Helper()
+	peak := checkLive(t, d)
+	assert.Equal(t, sim.Usage.PeakAllocated, peak)
+	assert.Equal(t, sim.Usage.PeakAllocated, checkSegments(t, d, d.Peak), "the segment map is the allocator's state at the peak")
+}
+
+// checkLive checks that the live tensors at every carried point add up to
+// its allocated bytes and returns the largest.
+func checkLive(t *testing.T, d pageData) int64 {
 	t.Helper()
 	n := len(d.Index)
 	require.Len(t, d.Allocated, n)
@@ -77,26 +88,36 @@ func checkPage(t *testing.T, d pageData, sim *memviz.Simulation) {
 		require.Equal(t, d.Allocated[j]*d.Unit, sum*d.Unit, "carried point %d (point %d): live tensors against allocated bytes", j, d.Index[j])
 		peak = max(peak, d.Allocated[j]*d.Unit)
 	}
-	assert.Equal(t, sim.Usage.PeakAllocated, peak)
 	assert.Equal(t, peak, d.Allocated[d.Peak]*d.Unit)
+	return peak
+}
+
+// checkSegments checks that the segment map's blocks are the tensors live
+// at carried point j and returns their bytes.
+func checkSegments(t *testing.T, d pageData, j int) int64 {
+	t.Helper()
 	var alloc int64
 	inSegments := map[int64]int64{} // tensor → bytes of its blocks
 	for _, s := range d.Segments {
 		for _, b := range s.Blocks {
 			if b[2] >= 0 {
 				alloc += b[1] * d.Unit
-				inSegments[b[2]] += b[1]
+				inSegments[b[2]] += b[1] // by name below: a block and a lifetime may be two tensors of one name
 			}
 		}
 	}
-	assert.Equal(t, sim.Usage.PeakAllocated, alloc, "the segment map is the allocator's state at the peak")
-	liveAtPeak := map[int64]int64{}
+	name := func(ti int64) string { return d.Tensors.Rows[ti][0].(string) }
+	live, held := map[string]int64{}, map[string]int64{}
 	for i, ti := range d.Live.T {
-		if d.Live.S[i] <= d.Peak && d.Peak < d.Live.E[i] {
-			liveAtPeak[int64(ti)] += d.Live.B[i]
+		if d.Live.S[i] <= j && j < d.Live.E[i] {
+			live[name(int64(ti))] += d.Live.B[i]
 		}
 	}
-	assert.Equal(t, liveAtPeak, inSegments, "the segment map's blocks are the tensors live at the peak")
+	for ti, b := range inSegments {
+		held[name(ti)] += b
+	}
+	assert.Equal(t, live, held, "the segment map's blocks are the tensors live at carried point %d", j)
+	return alloc
 }
 
 // simulated compiles m's training step on a batch of b with slots
@@ -193,4 +214,85 @@ func checkOffline(t *testing.T, html string) {
 	t.Helper()
 	assert.Empty(t, offlineRE.FindAllString(html, 10), "the page must not reach the network")
 	assert.True(t, strings.HasPrefix(html, "<!DOCTYPE html>"))
+}
+
+// snapshotPage writes a snapshot as a pickle, reads it back as a file
+// would be read, and makes its page.
+func snapshotPage(t *testing.T, s memviz.Snapshot, o memviz.HTMLOptions) (string, pageData) {
+	t.Helper()
+	var pk bytes.Buffer
+	require.NoError(t, memviz.WritePickle(&pk, s))
+	back, err := memviz.ReadPickle(&pk)
+	require.NoError(t, err)
+	var b bytes.Buffer
+	require.NoError(t, memviz.WriteHTMLSnapshot(&b, back, o))
+	m := dataRE.FindStringSubmatch(b.String())
+	require.NotNil(t, m)
+	var d pageData
+	require.NoError(t, json.Unmarshal([]byte(m[1]), &d))
+	return b.String(), d
+}
+
+// TestWriteHTMLSnapshot draws a snapshot file: its trace's blocks add up
+// to the allocated bytes after every event, whole or cut short, and its
+// segments are the blocks live after the last event.
+func TestWriteHTMLSnapshot(t *testing.T) {
+	rng := rand.New(rand.NewPCG(29, 30))
+	x, y := batch(rng, 6, nIn, nOut)
+	s := compileStep(t, newMLP(8), x, y, 2)
+	chunks := planner.Chunks(6, 2)
+	for _, entries := range []int{traceEntries, 25, 0} { // whole trace, its last 25 events, none
+		sim, err := memviz.Simulate(s.prog, chunks, memviz.SimOptions{TraceEntries: entries})
+		require.NoError(t, err)
+		snap := memviz.NewSnapshot(0, sim.Snapshot)
+		html, d := snapshotPage(t, snap, memviz.HTMLOptions{})
+		checkOffline(t, html)
+		assert.Equal(t, len(sim.Snapshot.Trace)+1, d.Points)
+		peak := checkLive(t, d)
+		last := len(d.Index) - 1
+		assert.Equal(t, snap.Allocated(), d.Allocated[last]*d.Unit)
+		assert.Equal(t, snap.Allocated(), checkSegments(t, d, last), "the segments are the snapshot's")
+		if entries == traceEntries {
+			assert.Equal(t, sim.Usage.PeakAllocated, peak, "the trace runs up to the peak")
+		}
+	}
+}
+
+// TestWriteHTMLSnapshotEscapes reads a pickle whose frames are markup.
+func TestWriteHTMLSnapshotEscapes(t *testing.T) {
+	const evil = `</script><img src=x onerror=alert(1)>`
+	a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{TraceEntries: 16})
+	b1, err := a.Malloc(4096, alloc.Tag{Node: 1, Op: evil, Scope: evil})
+	require.NoError(t, err)
+	_, err = a.Malloc(1<<20, alloc.Tag{Node: 2, Op: "matmul", Scope: evil + ".fc"})
+	require.NoError(t, err)
+	require.NoError(t, a.Free(b1))
+	html, d := snapshotPage(t, memviz.NewSnapshot(0, a.Snapshot()), memviz.HTMLOptions{Title: evil})
+	assert.Equal(t, evil, d.Title)
+	assert.NotContains(t, html, "<img")
+	assert.Equal(t, 2, strings.Count(html, "</script>"))
+	data := dataRE.FindStringSubmatch(html)[1]
+	assert.NotContains(t, data, "<")
+	checkOffline(t, strings.Replace(html, data, "", 1))
+	checkLive(t, d)
+}
+
+// TestWriteHTMLSnapshotInconsistent draws a trace that contradicts itself
+// (frees of blocks never allocated, an address allocated twice, sizes
+// below zero) without failing or panicking: a file is outside data.
+func TestWriteHTMLSnapshotInconsistent(t *testing.T) {
+	a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{TraceEntries: 16})
+	_, err := a.Malloc(4096, alloc.Tag{Node: 1, Op: "x"})
+	require.NoError(t, err)
+	s := memviz.NewSnapshot(0, a.Snapshot())
+	tr := s.Devices[0].Trace
+	s.Devices[0].Trace = append(tr,
+		alloc.Event{Kind: alloc.EventFree, Addr: 0xdead, Size: 1 << 40, Allocated: -5},
+		alloc.Event{Kind: alloc.EventAlloc, Addr: tr[len(tr)-1].Addr, Size: -7, Allocated: 1 << 50},
+		alloc.Event{Kind: alloc.EventOOM, Size: 1},
+		alloc.Event{Kind: alloc.EventKind(200)})
+	var b bytes.Buffer
+	require.NoError(t, memviz.WriteHTMLSnapshot(&b, s, memviz.HTMLOptions{MaxPoints: 3}))
+	checkOffline(t, b.String())
+	assert.Error(t, memviz.WriteHTMLSnapshot(&b, memviz.Snapshot{}, memviz.HTMLOptions{}), "no device")
 }

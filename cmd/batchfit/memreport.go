@@ -29,11 +29,12 @@ type reportConfig struct {
 	run       bool
 	seed      uint64
 	csv, json bool
+	out       string // FILE form: write the HTML report page there
 }
 
 type reportFlagValues struct {
 	stepFlagValues
-	at                        string
+	at, out                   string
 	seed                      uint64
 	profile, run, csv, asJSON bool
 }
@@ -49,18 +50,21 @@ func reportFlags() (*flag.FlagSet, *reportFlagValues) {
 	fs.Uint64Var(&v.seed, "seed", 1, "`seed` of the parameters and data of --run")
 	fs.BoolVar(&v.csv, "csv", false, "print one CSV table: the profile with --profile, the live tensors otherwise")
 	fs.BoolVar(&v.asJSON, "json", false, "print everything as JSON")
+	fs.StringVar(&v.out, "o", "", "with a snapshot FILE: write its HTML report page (trace timeline, live blocks, segments) to `PAGE`, - for standard output")
 	return fs, v
 }
 
 const reportSynopsis = `  batchfit report --model NAME --batch N --budget SIZE [flags]
   batchfit report [--csv|--json] FILE
+  batchfit report FILE -o PAGE.html
 
 The first form plans a zoo model's step and lists the tensors live at the
 predicted peak (or after the step), named after the model's parameters,
 their gradients and optimizer state, and activations by module path; the
 totals itemise the allocated bytes. The second lists the live blocks of a
 pickle snapshot (batchfit snapshot, torch.cuda.memory._dump_snapshot),
-named from their frames.`
+named from their frames; with -o it writes the snapshot's offline HTML
+report page instead.`
 
 func parseReport(args []string) (*reportConfig, error) {
 	fs, v := reportFlags()
@@ -68,7 +72,10 @@ func parseReport(args []string) (*reportConfig, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &reportConfig{at: v.at, profile: v.profile, run: v.run, seed: v.seed, csv: v.csv, json: v.asJSON}
+	c := &reportConfig{at: v.at, profile: v.profile, run: v.run, seed: v.seed, csv: v.csv, json: v.asJSON, out: v.out}
+	if c.out != "" && (c.csv || c.json) {
+		return nil, usagef(errFlag, "-o writes an HTML page: not with --csv or --json")
+	}
 	if c.csv && c.json {
 		return nil, usagef(errFlag, "--csv and --json exclude each other")
 	}
@@ -83,6 +90,9 @@ func parseReport(args []string) (*reportConfig, error) {
 		}
 		c.file = pos[0]
 		return c, nil
+	}
+	if c.out != "" {
+		return nil, usagef(errNotApplicable, "-o applies to a snapshot FILE; for a zoo model's page run batchfit snapshot -o PAGE.html")
 	}
 	if c.step, err = v.config(set); err != nil {
 		return nil, err
@@ -191,6 +201,9 @@ func runReport(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	c, err := parseReport(args)
 	if code, ok := parsed("report", err, stdout, stderr, fs, reportSynopsis); !ok {
 		return code
+	}
+	if c.out != "" {
+		return reportHTML(c, stdin, stdout, stderr)
 	}
 	var r *memReport
 	if c.file != "" {
