@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/memviz"
 )
 
 // chromium finds a headless-capable Chromium: $BATCHFIT_CHROMIUM, else
@@ -147,7 +148,34 @@ func TestHTMLReportHeadless(t *testing.T) {
 			t.Logf("%s: page %s (%d B), %d chunks; first contentful paint %.0f ms, drawn %s ms after navigation (script %s ms), browser run %v; screenshot %s",
 				tc.name, alloc.FormatBytes(int64(len(html))), len(html), len(s.plan.Chunks), h.firstPaint, drawn, render, h.wall.Round(time.Millisecond), png)
 		})
-	}
+	}	// A snapshot file whose names are markup, through report FILE -o: the
+	// browser shows them as text and runs nothing of them.
+	t.Run("pickle with markup names", func(t *testing.T) {
+		const evil = `</script><img src=x onerror="document.body.dataset.pwned=1">`
+		a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{TraceEntries: 64})
+		_, err := a.Malloc(3<<20, alloc.Tag{Node: 1, Op: evil, Scope: evil})
+		require.NoError(t, err)
+		_, err = a.Malloc(4096, alloc.Tag{Node: 2, Op: "matmul", Scope: "fc." + evil})
+		require.NoError(t, err)
+		snap := memviz.NewSnapshot(0, a.Snapshot())
+		pickle := filepath.Join(dir, "markup.pickle")
+		f, err := os.Create(pickle)
+		require.NoError(t, err)
+		require.NoError(t, memviz.WritePickle(f, snap))
+		require.NoError(t, f.Close())
+		page := filepath.Join(dir, "report-markup.html")
+		code, _, stderr := runCLI("report", pickle, "-o", page)
+		require.Equal(t, exitOK, code, stderr)
+		h := openHeadless(t, browser, page, filepath.Join(dir, "report-markup.png"), 1280, 900)
+		ready, _ := bodyAttr(h.dom, "data-ready")
+		require.Equal(t, "1", ready)
+		_, pwned := bodyAttr(h.dom, "data-pwned")
+		assert.False(t, pwned, "no markup from the file ran")
+		assert.NotContains(t, h.dom, "<img")
+		assert.Contains(t, h.dom, "&lt;/script&gt;&lt;img", "the names are shown as text")
+		got, _ := bodyAttr(h.dom, "data-peak-allocated")
+		assert.Equal(t, strconv.FormatInt(snap.Allocated(), 10), got)
+	})
 }
 
 // TestSnapshotHTMLRun measures the step on the CPU executor and draws it
@@ -183,4 +211,47 @@ func TestSnapshotHTMLRun(t *testing.T) {
 	c, err := parseSnapshot([]string{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--format", "html", "-o", "-"})
 	require.NoError(t, err)
 	assert.Equal(t, formatHTML, c.format)
+}
+
+// TestReportFileHTML draws a pickle through the readers report FILE uses;
+// files that are not pickles, and flags that do not apply, are refused.
+func TestReportFileHTML(t *testing.T) {
+	dir := t.TempDir()
+	path := writeSnapshot(t, dir, "peak.pickle", 64)
+	page := filepath.Join(dir, "peak.html")
+	code, stdout, stderr := runCLI("report", path, "-o", page)
+	require.Equal(t, exitOK, code, stderr)
+	assert.Contains(t, stdout, "wrote "+page+" (html, ")
+	html, err := os.ReadFile(page)
+	require.NoError(t, err)
+	m := regexp.MustCompile(`(?s)<script id="data" type="application/json">(.*?)</script>`).FindSubmatch(html)
+	require.NotNil(t, m)
+	var d struct {
+		Source    string  `json:"source"`
+		Unit      int64   `json:"unit"`
+		Allocated []int64 `json:"allocated"`
+	}
+	require.NoError(t, json.Unmarshal(m[1], &d))
+	assert.Equal(t, "snapshot", d.Source)
+	snap := readPickleFile(t, path)
+	assert.Equal(t, snap.Allocated(), d.Allocated[len(d.Allocated)-1]*d.Unit, "the page ends where the snapshot was taken")
+
+	folded := writeSnapshot(t, dir, "peak.folded", 64)
+	code, _, stderr = runCLI("report", folded, "-o", filepath.Join(dir, "f.html"))
+	assert.Equal(t, exitPlan, code)
+	assert.Contains(t, stderr, "stacks only")
+	code, _, stderr = runCLI("report", filepath.Join(dir, "missing.pickle"), "-o", filepath.Join(dir, "m.html"))
+	assert.Equal(t, exitPlan, code)
+	assert.Contains(t, stderr, "missing.pickle")
+
+	for _, c := range []struct {
+		args []string
+		kind error
+	}{
+		{[]string{"--csv", path, "-o", page}, errFlag},
+		{[]string{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "-o", page}, errNotApplicable},
+	} {
+		_, err := parseReport(c.args)
+		assert.ErrorIs(t, err, c.kind, "%v", c.args)
+	}
 }
