@@ -148,7 +148,7 @@ func TestHTMLReportHeadless(t *testing.T) {
 			t.Logf("%s: page %s (%d B), %d chunks; first contentful paint %.0f ms, drawn %s ms after navigation (script %s ms), browser run %v; screenshot %s",
 				tc.name, alloc.FormatBytes(int64(len(html))), len(html), len(s.plan.Chunks), h.firstPaint, drawn, render, h.wall.Round(time.Millisecond), png)
 		})
-	}	// A snapshot file whose names are markup, through report FILE -o: the
+	} // A snapshot file whose names are markup, through report FILE -o: the
 	// browser shows them as text and runs nothing of them.
 	t.Run("pickle with markup names", func(t *testing.T) {
 		const evil = `</script><img src=x onerror="document.body.dataset.pwned=1">`
