@@ -32,9 +32,11 @@
 //     segment map at the peak; the plan and its largest buffers. Names are
 //     carried as escaped JSON and shown as text, never as markup. Past
 //     DefaultMaxPoints points runs of points merge into their most
-//     allocated one. In headless Chromium on two cores GPT-2 small's
-//     page (batch 8 in 3 chunks, 6,586 points) is 417 KiB and paints
-//     first in about 0.3 s, the ConvNet's 42 KiB in about 0.2 s.
+//     allocated one. In headless Chromium on two shared cores GPT-2
+//     small's page (batch 8 in 3 chunks, 6,586 points) is 418 KiB and
+//     first paints, whole, in 230–330 ms; the ConvNet's (batch 256 in 2
+//     chunks) is 43 KiB and paints in 140–260 ms. WriteHTMLSnapshot draws
+//     a snapshot read from a file the same way, over its allocator trace.
 //   - ReadPickle, ReadFolded and ReadPprof load them back; Compare lists
 //     the segments only before and only after, as _memory_viz.compare does.
 //
