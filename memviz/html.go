@@ -226,6 +226,9 @@ func (pg *page) write(w io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// A name that is a URL stays one only as text: "//" is written
+	// "\/\/", so not even a string in the data reads as an address.
+	data = bytes.ReplaceAll(data, []byte("//"), []byte(`\/\/`))
 	before, after, ok := strings.Cut(pageTemplate, dataMarker)
 	if !ok {
 		return fmt.Errorf("memviz: page template has no data marker")

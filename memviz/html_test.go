@@ -261,7 +261,10 @@ func TestWriteHTMLSnapshot(t *testing.T) {
 // TestWriteHTMLSnapshotEscapes reads a pickle whose frames are markup.
 func TestWriteHTMLSnapshotEscapes(t *testing.T) {
 	const evil = `</script><img src=x onerror=alert(1)>`
+	const url = "https://example.invalid/x.js"
 	a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{TraceEntries: 16})
+	_, err := a.Malloc(512, alloc.Tag{Node: 3, Op: url, Scope: "//cdn.example.invalid/lib"})
+	require.NoError(t, err)
 	b1, err := a.Malloc(4096, alloc.Tag{Node: 1, Op: evil, Scope: evil})
 	require.NoError(t, err)
 	_, err = a.Malloc(1<<20, alloc.Tag{Node: 2, Op: "matmul", Scope: evil + ".fc"})
@@ -273,8 +276,15 @@ func TestWriteHTMLSnapshotEscapes(t *testing.T) {
 	assert.Equal(t, 2, strings.Count(html, "</script>"))
 	data := dataRE.FindStringSubmatch(html)[1]
 	assert.NotContains(t, data, "<")
+	assert.NotContains(t, html, "://", "a name that is a URL is no address in the file")
+	assert.NotContains(t, html, "//cdn")
 	checkOffline(t, strings.Replace(html, data, "", 1))
 	checkLive(t, d)
+	names := strings.Join(d.Tensors.Strings, " ")
+	for _, row := range d.Tensors.Rows {
+		names += " " + row[0].(string)
+	}
+	assert.Contains(t, names, url, "and it reads back as the same name")
 }
 
 // TestWriteHTMLSnapshotInconsistent draws a trace that contradicts itself
