@@ -84,6 +84,14 @@ func lastLines(s string, n int) string {
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
 
+// pageJSON is the data a report page embeds.
+func pageJSON(t *testing.T, html []byte) []byte {
+	t.Helper()
+	m := regexp.MustCompile(`(?s)<script id="data" type="application/json">(.*?)</script>`).FindSubmatch(html)
+	require.NotNil(t, m, "the page embeds its data")
+	return m[1]
+}
+
 // bodyAttr reads a data attribute the page's script set on <body>.
 func bodyAttr(dom, name string) (string, bool) {
 	m := regexp.MustCompile(`<body[^>]*\s` + regexp.QuoteMeta(name) + `="([^"]*)"`).FindStringSubmatch(dom)
@@ -187,8 +195,6 @@ func TestSnapshotHTMLRun(t *testing.T) {
 	assert.Contains(t, stdout, "(html, ")
 	html, err := os.ReadFile(page)
 	require.NoError(t, err)
-	m := regexp.MustCompile(`(?s)<script id="data" type="application/json">(.*?)</script>`).FindSubmatch(html)
-	require.NotNil(t, m)
 	var d struct {
 		Chunks            []json.RawMessage `json:"chunks"`
 		Allocated         []int64           `json:"allocated"`
@@ -196,7 +202,7 @@ func TestSnapshotHTMLRun(t *testing.T) {
 		MeasuredReserved  []int64           `json:"measured_reserved"`
 		Reserved          []int64           `json:"reserved"`
 	}
-	require.NoError(t, json.Unmarshal(m[1], &d))
+	require.NoError(t, json.Unmarshal(pageJSON(t, html), &d))
 	assert.Greater(t, len(d.Chunks), 2, "persistent allocations, then several chunks")
 	assert.Equal(t, d.Allocated, d.MeasuredAllocated)
 	assert.Equal(t, d.Reserved, d.MeasuredReserved)
@@ -224,14 +230,12 @@ func TestReportFileHTML(t *testing.T) {
 	assert.Contains(t, stdout, "wrote "+page+" (html, ")
 	html, err := os.ReadFile(page)
 	require.NoError(t, err)
-	m := regexp.MustCompile(`(?s)<script id="data" type="application/json">(.*?)</script>`).FindSubmatch(html)
-	require.NotNil(t, m)
 	var d struct {
 		Source    string  `json:"source"`
 		Unit      int64   `json:"unit"`
 		Allocated []int64 `json:"allocated"`
 	}
-	require.NoError(t, json.Unmarshal(m[1], &d))
+	require.NoError(t, json.Unmarshal(pageJSON(t, html), &d))
 	assert.Equal(t, "snapshot", d.Source)
 	snap := readPickleFile(t, path)
 	assert.Equal(t, snap.Allocated(), d.Allocated[len(d.Allocated)-1]*d.Unit, "the page ends where the snapshot was taken")
