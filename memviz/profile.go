@@ -118,60 +118,8 @@ func NewProfile(p *planner.Program, chunks []planner.Chunk, predicted, measured 
 // run, and the frees that follow it.
 func (n *Names) rows(chunks []planner.Chunk, tl []planner.Point, pr *Profile, full bool) ([]rowKey, error) {
 	p := n.p
-	owner := make([]int, len(p.Steps)) // node whose row a step belongs to
-	cur := -1
-	for si, st := range p.Steps {
-		if st.Kind != planner.StepFree {
-			cur = st.Node
-		}
-		owner[si] = cur
-	}
-	persistent := p.Persistent
-	if len(chunks) > 1 {
-		persistent = append(append([]int(nil), persistent...), p.Accumulators...)
-	}
 	var keys []rowKey
-	pi := 0                 // next expected persistent buffer
-	nth := map[[2]int]int{} // (chunk, node) → rows so far, for persistent buffers of one node
-	for _, pt := range tl {
-		var k rowKey
-		var bufs []int // buffers allocated (≥ 0) or freed (encoded −1−b) at this point
-		switch {
-		case pt.Chunk < 0: // persistent allocation
-			for pi < len(persistent) && p.Buffers[persistent[pi]].Node != pt.Node {
-				pi++ // resident: the executor already held it
-			}
-			if pi == len(persistent) {
-				return nil, fmt.Errorf("%w: persistent allocation for node %d is not in the program", ErrTimeline, pt.Node)
-			}
-			k = rowKey{chunk: -1, step: -1, node: pt.Node, nth: nth[[2]int{-1, pt.Node}]}
-			nth[[2]int{-1, pt.Node}]++
-			bufs = []int{persistent[pi]}
-			pi++
-		case pt.Chunk >= len(chunks):
-			return nil, fmt.Errorf("%w: point of chunk %d, but %d chunks", ErrTimeline, pt.Chunk, len(chunks))
-		case pt.Step < 0: // a chunk's outputs read back and freed
-			k = rowKey{chunk: pt.Chunk, step: -1, node: -1}
-			if pt.Node < 0 || pt.Node >= len(p.OutputBuf) || p.OutputBuf[pt.Node] < 0 {
-				return nil, fmt.Errorf("%w: chunk %d frees output node %d, which has no buffer", ErrTimeline, pt.Chunk, pt.Node)
-			}
-			bufs = []int{-1 - p.OutputBuf[pt.Node]}
-		case pt.Step >= len(p.Steps):
-			return nil, fmt.Errorf("%w: step %d of a %d-step program", ErrTimeline, pt.Step, len(p.Steps))
-		default:
-			st := p.Steps[pt.Step]
-			if st.Node != pt.Node || st.Kind != pt.Kind {
-				return nil, fmt.Errorf("%w: step %d is %s of node %d, the timeline says %s of node %d",
-					ErrTimeline, pt.Step, st.Kind, st.Node, pt.Kind, pt.Node)
-			}
-			k = rowKey{chunk: pt.Chunk, step: -2, node: owner[pt.Step]}
-			switch st.Kind {
-			case planner.StepAlloc:
-				bufs = []int{st.Buf}
-			case planner.StepFree:
-				bufs = []int{-1 - st.Buf}
-			}
-		}
+	err := n.walk(chunks, tl, func(_ int, pt planner.Point, k rowKey, bufs []int) {
 		if len(keys) == 0 || keys[len(keys)-1] != k {
 			keys = append(keys, k)
 			row := ProfileRow{Chunk: k.chunk, Step: pt.Step, Node: k.node,
@@ -198,8 +146,71 @@ func (n *Names) rows(chunks []planner.Chunk, tl []planner.Point, pr *Profile, fu
 				r.Freed += roundSize(p.Buffers[-1-b].Bytes(size))
 			}
 		}
+	})
+	return keys, err
+}
+
+// walk calls fn for each point i of timeline tl of p run for chunks, with
+// the profile row the point belongs to and the buffers it allocated (≥ 0)
+// or freed (encoded −1−b); it checks that the timeline fits the program.
+func (n *Names) walk(chunks []planner.Chunk, tl []planner.Point, fn func(i int, pt planner.Point, k rowKey, bufs []int)) error {
+	p := n.p
+	owner := make([]int, len(p.Steps)) // node whose row a step belongs to
+	cur := -1
+	for si, st := range p.Steps {
+		if st.Kind != planner.StepFree {
+			cur = st.Node
+		}
+		owner[si] = cur
 	}
-	return keys, nil
+	persistent := p.Persistent
+	if len(chunks) > 1 {
+		persistent = append(append([]int(nil), persistent...), p.Accumulators...)
+	}
+	pi := 0                 // next expected persistent buffer
+	nth := map[[2]int]int{} // (chunk, node) → rows so far, for persistent buffers of one node
+	for i, pt := range tl {
+		var k rowKey
+		var bufs []int // buffers allocated (≥ 0) or freed (encoded −1−b) at this point
+		switch {
+		case pt.Chunk < 0: // persistent allocation
+			for pi < len(persistent) && p.Buffers[persistent[pi]].Node != pt.Node {
+				pi++ // resident: the executor already held it
+			}
+			if pi == len(persistent) {
+				return fmt.Errorf("%w: persistent allocation for node %d is not in the program", ErrTimeline, pt.Node)
+			}
+			k = rowKey{chunk: -1, step: -1, node: pt.Node, nth: nth[[2]int{-1, pt.Node}]}
+			nth[[2]int{-1, pt.Node}]++
+			bufs = []int{persistent[pi]}
+			pi++
+		case pt.Chunk >= len(chunks):
+			return fmt.Errorf("%w: point of chunk %d, but %d chunks", ErrTimeline, pt.Chunk, len(chunks))
+		case pt.Step < 0: // a chunk's outputs read back and freed
+			k = rowKey{chunk: pt.Chunk, step: -1, node: -1}
+			if pt.Node < 0 || pt.Node >= len(p.OutputBuf) || p.OutputBuf[pt.Node] < 0 {
+				return fmt.Errorf("%w: chunk %d frees output node %d, which has no buffer", ErrTimeline, pt.Chunk, pt.Node)
+			}
+			bufs = []int{-1 - p.OutputBuf[pt.Node]}
+		case pt.Step >= len(p.Steps):
+			return fmt.Errorf("%w: step %d of a %d-step program", ErrTimeline, pt.Step, len(p.Steps))
+		default:
+			st := p.Steps[pt.Step]
+			if st.Node != pt.Node || st.Kind != pt.Kind {
+				return fmt.Errorf("%w: step %d is %s of node %d, the timeline says %s of node %d",
+					ErrTimeline, pt.Step, st.Kind, st.Node, pt.Kind, pt.Node)
+			}
+			k = rowKey{chunk: pt.Chunk, step: -2, node: owner[pt.Step]}
+			switch st.Kind {
+			case planner.StepAlloc:
+				bufs = []int{st.Buf}
+			case planner.StepFree:
+				bufs = []int{-1 - st.Buf}
+			}
+		}
+		fn(i, pt, k, bufs)
+	}
+	return nil
 }
 
 // roundSize is what a request of n bytes occupies; an empty request

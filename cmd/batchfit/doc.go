@@ -2,8 +2,10 @@
 //
 //	batchfit estimate --model gpt2-small --batch 32 --seq 1024 --budget 24GiB --optimizer adamw
 //	batchfit snapshot --model gpt-tiny --batch 8 --budget 1GiB -o gpt-tiny.pickle
+//	batchfit snapshot --model gpt2-small --batch 8 --budget 8GiB -o gpt2.html
 //	batchfit report --model mlp --batch 2048 --budget 26MiB --profile --run
 //	batchfit report gpt-tiny.pickle
+//	batchfit report gpt-tiny.pickle -o gpt-tiny.html
 //	batchfit compare before.pickle after.pickle
 //	batchfit models
 //
@@ -24,10 +26,14 @@
 // snapshot, report and compare explain memory with package memviz.
 // snapshot writes the allocator state of the planned step (replayed on the
 // simulated device) at its predicted peak or after it, as a memory_viz
-// pickle, a pprof profile or folded stacks. report lists the live tensors
+// pickle, a pprof profile or folded stacks, or (-o FILE.html) as
+// memviz.WriteHTML's offline report page: timeline, live tensors, segments
+// at the peak and the plan, in one file that fetches nothing (--run draws
+// the step measured on the CPU executor over it). report lists the live tensors
 // there, named, with totals that itemise the allocated bytes; --profile
 // adds the per-op profile and --run measures it on the CPU executor. report
-// FILE lists a pickle's blocks. compare reads two snapshot files (the
+// FILE lists a pickle's blocks, and report FILE -o PAGE.html draws the
+// pickle's trace, live blocks and segments as such a page. compare reads two snapshot files (the
 // format from their content, else their name) and lists the segments only
 // in one of two pickles, or the bytes under each stack that changed.
 //

@@ -29,11 +29,12 @@ type reportConfig struct {
 	run       bool
 	seed      uint64
 	csv, json bool
+	out       string // FILE form: write the HTML report page there
 }
 
 type reportFlagValues struct {
 	stepFlagValues
-	at                        string
+	at, out                   string
 	seed                      uint64
 	profile, run, csv, asJSON bool
 }
@@ -49,18 +50,21 @@ func reportFlags() (*flag.FlagSet, *reportFlagValues) {
 	fs.Uint64Var(&v.seed, "seed", 1, "`seed` of the parameters and data of --run")
 	fs.BoolVar(&v.csv, "csv", false, "print one CSV table: the profile with --profile, the live tensors otherwise")
 	fs.BoolVar(&v.asJSON, "json", false, "print everything as JSON")
+	fs.StringVar(&v.out, "o", "", "with a snapshot FILE: write its HTML report page (trace timeline, live blocks, segments) to `PAGE`, - for standard output")
 	return fs, v
 }
 
 const reportSynopsis = `  batchfit report --model NAME --batch N --budget SIZE [flags]
   batchfit report [--csv|--json] FILE
+  batchfit report FILE -o PAGE.html
 
 The first form plans a zoo model's step and lists the tensors live at the
 predicted peak (or after the step), named after the model's parameters,
 their gradients and optimizer state, and activations by module path; the
 totals itemise the allocated bytes. The second lists the live blocks of a
 pickle snapshot (batchfit snapshot, torch.cuda.memory._dump_snapshot),
-named from their frames.`
+named from their frames; with -o it writes the snapshot's offline HTML
+report page instead.`
 
 func parseReport(args []string) (*reportConfig, error) {
 	fs, v := reportFlags()
@@ -68,7 +72,10 @@ func parseReport(args []string) (*reportConfig, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &reportConfig{at: v.at, profile: v.profile, run: v.run, seed: v.seed, csv: v.csv, json: v.asJSON}
+	c := &reportConfig{at: v.at, profile: v.profile, run: v.run, seed: v.seed, csv: v.csv, json: v.asJSON, out: v.out}
+	if c.out != "" && (c.csv || c.json) {
+		return nil, usagef(errFlag, "-o writes an HTML page: not with --csv or --json")
+	}
 	if c.csv && c.json {
 		return nil, usagef(errFlag, "--csv and --json exclude each other")
 	}
@@ -84,6 +91,9 @@ func parseReport(args []string) (*reportConfig, error) {
 		c.file = pos[0]
 		return c, nil
 	}
+	if c.out != "" {
+		return nil, usagef(errNotApplicable, "-o applies to a snapshot FILE; for a zoo model's page run batchfit snapshot -o PAGE.html")
+	}
 	if c.step, err = v.config(set); err != nil {
 		return nil, err
 	}
@@ -94,16 +104,24 @@ func parseReport(args []string) (*reportConfig, error) {
 		return nil, usagef(errNotApplicable, "--seed applies to --run only")
 	}
 	if c.run {
-		if c.step.dtype != graph.Float32 {
-			return nil, usagef(errNotApplicable, "--run executes float32 only, not %s", c.step.dtype)
-		}
-		b := c.step.model.build(nn.Options{ShapeOnly: true}, 1, c.step.model.context, false, nil)
-		if n := nn.NumParams(b.module); n > maxRunParams {
-			return nil, usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
-				c.step.model.name, thousands(int64(n)), thousands(maxRunParams))
+		if err := runnable(c.step); err != nil {
+			return nil, err
 		}
 	}
 	return c, nil
+}
+
+// runnable says why --run cannot execute c's step on the CPU, or nil.
+func runnable(c *estimateConfig) error {
+	if c.dtype != graph.Float32 {
+		return usagef(errNotApplicable, "--run executes float32 only, not %s", c.dtype)
+	}
+	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.model.context, false, nil)
+	if n := nn.NumParams(b.module); n > maxRunParams {
+		return usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
+			c.model.name, thousands(int64(n)), thousands(maxRunParams))
+	}
+	return nil
 }
 
 // memReport is what report prints as JSON.
@@ -162,11 +180,30 @@ func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	return x, nil
 }
 
+// measure runs c's step once on the CPU executor and makes s the
+// executed program's: that program is compiled from the real graph, so
+// profiles and names go against it, with its own plan's simulation.
+func (s *simulated) measure(c *estimateConfig, seed uint64) (*executed, error) {
+	x, err := execute(c, seed)
+	if err != nil {
+		return nil, fmt.Errorf("running %s on the CPU executor: %w", c.model.name, err)
+	}
+	sim, err := memviz.Simulate(x.program, x.plan.Chunks, memviz.SimOptions{Capacity: x.plan.Available()})
+	if err != nil {
+		return nil, err
+	}
+	s.step.program, s.plan, s.sim = x.program, x.plan, sim
+	return x, nil
+}
+
 func runReport(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	fs, _ := reportFlags()
 	c, err := parseReport(args)
 	if code, ok := parsed("report", err, stdout, stderr, fs, reportSynopsis); !ok {
 		return code
+	}
+	if c.out != "" {
+		return reportHTML(c, stdin, stdout, stderr)
 	}
 	var r *memReport
 	if c.file != "" {
@@ -210,17 +247,11 @@ func reportModel(c *reportConfig) (*memReport, error) {
 	prog, chunks, snap := s.step.program, s.plan.Chunks, s.snapshot(c.at)
 	var timeline []planner.Point
 	if c.run {
-		x, err := execute(c.step, c.seed)
+		x, err := s.measure(c.step, c.seed)
 		if err != nil {
-			return nil, fmt.Errorf("running %s on the CPU executor: %w", c.step.model.name, err)
-		}
-		// The executed program is compiled from the real graph: profile
-		// and name against it, with its own plan's simulation.
-		prog, chunks = x.program, x.plan.Chunks
-		if s.sim, err = memviz.Simulate(prog, chunks, memviz.SimOptions{Capacity: x.plan.Available()}); err != nil {
 			return nil, err
 		}
-		s.step.program = prog
+		prog, chunks = x.program, x.plan.Chunks
 		snap = s.snapshot(c.at)
 		r.Snapshot = s.where(c.at)
 		if c.at == atEnd {

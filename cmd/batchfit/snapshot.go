@@ -30,12 +30,14 @@ type snapshotConfig struct {
 	at     string
 	trace  int
 	out    string
+	run    bool // html: measure the step on the CPU executor too
 }
 
 type snapshotFlagValues struct {
 	stepFlagValues
 	format, at, out string
 	trace           int
+	run             bool
 }
 
 func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
@@ -45,9 +47,10 @@ func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
 	addStepFlags(fs, &v.stepFlagValues)
 	fs.StringVar(&v.out, "o", "", "write the snapshot to `FILE` (required; - for standard output)")
 	fs.StringVar(&v.out, "output", "", "same as -o")
-	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof) or folded (flamegraph.pl, speedscope); default from FILE's extension (.pb.gz, .pprof: pprof; .folded, .txt: folded), else pickle")
+	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof), folded (flamegraph.pl, speedscope) or html (an offline report page: timeline, live tensors, segments, plan); default from FILE's extension (.pb.gz, .pprof: pprof; .folded, .txt: folded; .html: html), else pickle")
 	fs.StringVar(&v.at, "at", atPeak, "`when`: peak (while the op at the predicted peak runs) or end (after the step)")
 	fs.IntVar(&v.trace, "trace", defaultTrace, "keep the last `N` allocator events in a pickle (memory_viz's timeline)")
+	fs.BoolVar(&v.run, "run", false, "html: also run the step once on the CPU executor with random data and draw the measured timeline over the predicted one (float32, models up to 32 Mi parameters)")
 	return fs, v
 }
 
@@ -62,7 +65,7 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 	if len(pos) > 0 {
 		return nil, usagef(errFlag, "unexpected argument %q (flags only; the file goes after -o)", pos[0])
 	}
-	c := &snapshotConfig{at: v.at, trace: v.trace, out: v.out}
+	c := &snapshotConfig{at: v.at, trace: v.trace, out: v.out, run: v.run}
 	if c.step, err = v.config(set); err != nil {
 		return nil, err
 	}
@@ -70,13 +73,16 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 		return nil, usagef(errMissing, "missing -o FILE")
 	}
 	c.format = v.format
+	if c.format == "" && isHTMLName(c.out) {
+		c.format = formatHTML
+	}
 	if c.format == "" {
 		if c.format = formatOfName(c.out); c.format == "" {
 			c.format = formatPickle
 		}
 	}
-	if !slices.Contains(formats, c.format) {
-		return nil, usagef(errUnknown, "unknown --format %q (want %s)", c.format, strings.Join(formats, ", "))
+	if !slices.Contains(formats, c.format) && c.format != formatHTML {
+		return nil, usagef(errUnknown, "unknown --format %q (want %s)", c.format, strings.Join(append(formats, formatHTML), ", "))
 	}
 	if c.at != atPeak && c.at != atEnd {
 		return nil, usagef(errUnknown, "unknown --at %q (want peak or end)", c.at)
@@ -86,6 +92,14 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 	}
 	if set["trace"] && c.format != formatPickle {
 		return nil, usagef(errNotApplicable, "--trace applies to --format pickle only")
+	}
+	if c.run && c.format != formatHTML {
+		return nil, usagef(errNotApplicable, "--run applies to --format html only")
+	}
+	if c.run {
+		if err := runnable(c.step); err != nil {
+			return nil, err
+		}
 	}
 	return c, nil
 }
@@ -195,6 +209,13 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 		trace = 0
 	}
 	s, err := simulate(c.step, trace)
+	var measured []planner.Point
+	if err == nil && c.run {
+		var x *executed
+		if x, err = s.measure(c.step, 1); err == nil {
+			measured = x.usage.Timeline
+		}
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit snapshot: %v\n", err)
 		return exitPlan
@@ -207,6 +228,8 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 			return memviz.WritePprof(w, snap, names)
 		case formatFolded:
 			return memviz.WriteFolded(w, snap, names)
+		case formatHTML:
+			return writeHTMLPage(w, c.step, s, measured)
 		}
 		return memviz.WritePickle(w, snap)
 	})
@@ -249,6 +272,8 @@ func viewHint(format, path string) string {
 		return ": go tool pprof -top " + path
 	case formatFolded:
 		return ": flamegraph.pl " + path + " > flame.svg"
+	case formatHTML:
+		return ": open it in a browser (it needs no network)"
 	}
 	return ": open it at https://pytorch.org/memory_viz"
 }
