@@ -92,10 +92,9 @@ type programKey struct {
 
 // NewSession returns a session with the given options, on the executor
 // Options.Device picks. If none can be made (Device is "cuda" without a
-// usable GPU, or names no device; or Budget is negative or TraceEntries out
-// of range) the
-// session holds the error: Err returns it, and so does every Step, Eval,
-// Yield and Restore.
+// usable GPU, or names no device; Budget is negative; TraceEntries is out
+// of range) the session holds the error: Err returns it, and so does every
+// Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
 	if opts.Budget < 0 {
