@@ -32,7 +32,7 @@ func TestRowErrorOnLaterBatchAxis(t *testing.T) {
 	g := y.Graph().IR()
 	info, err := shapeinfer.Analyze(g, y.ID())
 	require.NoError(t, err)
-	p, err := planner.Compile(g, info, []int{y.ID()}, planner.CompileOptions{Workspace: cpu.Workspace})
+	p, _, err := exec.Single(g, info, n, cpu.Workspace, []int{y.ID()})
 	require.NoError(t, err)
 	for _, chunks := range [][]planner.Chunk{planner.ChunksOf(n, n), planner.ChunksOf(n, 2)} {
 		_, err := cpu.New().Execute(context.Background(), p, chunks, cpu.ExecOptions{})
