@@ -1,6 +1,7 @@
 package exec
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 
@@ -262,25 +263,31 @@ func Single(g *graph.Graph, info *shapeinfer.Result, b int, ws planner.Workspace
 
 // ChunkError is an error a kernel raised while a chunk of the batch ran:
 // the samples it held are Start to Start+Size−1 of the caller's batch.
-// Rows and positions the kernel's message names count from the chunk's
-// first sample; sample Start+k is the caller's row for the chunk's row k
-// of a per-sample tensor.
+// A RowError inside names the caller's row (InChunk locates it); shapes
+// in the messages are the chunk's.
 type ChunkError struct {
 	Start, Size int
 	Err         error
 }
 
 func (e *ChunkError) Error() string {
-	return fmt.Sprintf("in samples %d to %d of the batch (rows below count from sample %d): %v",
-		e.Start, e.Start+e.Size-1, e.Start, e.Err)
+	return fmt.Sprintf("in samples %d to %d of the batch: %v", e.Start, e.Start+e.Size-1, e.Err)
 }
 
 func (e *ChunkError) Unwrap() error { return e.Err }
 
-// InChunk wraps err, raised while chunk c of p ran, with the samples the
-// chunk held, unless c is the whole batch.
-func InChunk(p *planner.Program, c planner.Chunk, err error) error {
-	if err == nil || (c.Start == 0 && c.Size == p.Batch) {
+// InChunk wraps err, raised by node nd's kernel while chunk c of p ran,
+// with the samples the chunk held, unless c is the whole batch; a
+// RowError in err is located in the caller's batch first.
+func InChunk(p *planner.Program, nd *graph.Node, c planner.Chunk, err error) error {
+	if err == nil {
+		return nil
+	}
+	var re *RowError
+	if errors.As(err, &re) {
+		re.Locate(p, nd, c)
+	}
+	if c.Start == 0 && c.Size == p.Batch {
 		return err
 	}
 	return &ChunkError{Start: c.Start, Size: c.Size, Err: err}

@@ -291,7 +291,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		for i, x := range in {
 			shapes[i] = x.shape
 		}
-		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, c, err)}
+		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, nd, c, err)}
 	}
 	return nil
 }

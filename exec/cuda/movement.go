@@ -245,11 +245,7 @@ func (k *kctx) embedding(idx, w, out operand) error {
 	if err := k.flat(kEmbedding, out.n(), idx.p, w.p, out.p, idx.n(), v, d, bad); err != nil {
 		return err
 	}
-	pos, val, ok, err := k.firstBad(bad, idx)
-	if err == nil && !ok {
-		err = graph.Errorf(graph.ErrAttr, "embedding index %d (position %d) out of range for %d rows", val, pos, v)
-	}
-	return err
+	return k.firstBad(bad, idx, "embedding", "index", 0, v)
 }
 
 // embeddingGrad scatter-adds rows of g into the zeroed weight gradient.
@@ -271,9 +267,5 @@ func (k *kctx) embeddingGrad(g, idx, out operand) error {
 	if err := k.flat(kEmbeddingGrad, g.n(), g.p, idx.p, out.p, idx.n(), v, d, bad); err != nil {
 		return err
 	}
-	pos, val, ok, err := k.firstBad(bad, idx)
-	if err == nil && !ok {
-		err = graph.Errorf(graph.ErrAttr, "embedding index %d at position %d outside [0, %d)", val, pos, v)
-	}
-	return err
+	return k.firstBad(bad, idx, "embedding", "index", 1, v)
 }
