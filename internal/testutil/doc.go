@@ -12,6 +12,8 @@
 //     count;
 //   - small readers of results, Float32s and Bits, and SkipWithoutGPU,
 //     the one rule for GPU tests on a machine without a GPU (results.go).
+//   - graph builders: Chain, the Linear/Add/Relu chain the planner's and
+//     shape inference's benchmarks time, and ParamNames (graphs.go).
 //
 // The rule: only scaffolding used by the tests of two or more packages
 // comes here; a helper one package's tests use stays in its _test.go
