@@ -51,39 +51,7 @@ func TestConformanceTF32(t *testing.T) {
 }
 
 // runOn adapts an executor to the conformance suite, as exec/cpu's runCPU.
-func runOn(e *cuda.Executor) conformance.Runner {
-	return func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error) {
-		feed := func(id int) tensor.Tensor {
-			v, ok := feeds[id]
-			if !ok {
-				return nil
-			}
-			if g.Node(id).Type.DType == graph.Int64 {
-				d := make([]int64, len(v.Data))
-				for i, x := range v.Data {
-					d[i] = int64(x)
-				}
-				return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
-			}
-			d := make([]float32, len(v.Data))
-			for i, x := range v.Data {
-				d[i] = float32(x)
-			}
-			return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
-		}
-		out, err := e.RunBatch(context.Background(), g, g.Batch(), feed, outputs...)
-		if err != nil {
-			return nil, err
-		}
-		vals := make([]ref.Value, len(out))
-		for i, d := range out {
-			if vals[i], err = ref.FromTensor(d); err != nil {
-				return nil, err
-			}
-		}
-		return vals, nil
-	}
-}
+func runOn(e *cuda.Executor) conformance.Runner { return conformance.RunnerOf(e.RunBatch) }
 
 // stepProgram compiles a training step as batchfit.Session.Step does on
 // CUDA: testutil.StepProgram with the CUDA kernels' workspaces.
