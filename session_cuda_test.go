@@ -250,7 +250,7 @@ func TestSessionCUDASyncParams(t *testing.T) {
 // TestSessionCUDANoLeakOver200Steps trains an MLP (784 → 64 → 64 → 10,
 // 2048 samples) for 200 Adam steps on CUDA, whole and under the smallest
 // budget at which the planner splits the batch in at least three chunks
-// (tightBudgets over the step's program compiled with CUDA's workspaces,
+// (testutil.TightBudgets over the step's program compiled with CUDA's workspaces,
 // as the session compiles it). After every step:
 //   - the allocator's allocated bytes equal those after the first step,
 //     which are the resident parameters and Adam's two state tensors per
