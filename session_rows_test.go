@@ -15,6 +15,7 @@ import (
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/planner"
@@ -46,7 +47,7 @@ type rowsCase struct {
 
 func rowsCases() []rowsCase {
 	head := nn.NewLinear(nn.Seed(31), rowsDim, rowsClass, true)
-	w := lazy.Param(uniformF32(rand.New(rand.NewPCG(31, 32)), rowsVocab, rowsDim), "w")
+	w := lazy.Param(testutil.UniformF32(rand.New(rand.NewPCG(31, 32)), rowsVocab, rowsDim), "w")
 	const j = rowsSeqLen / 2 // the bad token of a sequence
 	perSample := func(tokens, labels *tensor.Dense) *lazy.Tensor {
 		x := lazy.Wrap(tokens, 0)
@@ -91,8 +92,8 @@ func checkRowError(t *testing.T, ws planner.WorkspaceFunc, open func(t *testing.
 	for _, c := range rowsCases() {
 		t.Run(c.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(33, 34))
-			tokens := classes(rng, rowsVocab, rowsN, rowsSeqLen)
-			labels := classes(rng, rowsClass, c.labels...)
+			tokens := testutil.Classes(rng, rowsVocab, rowsN, rowsSeqLen)
+			labels := testutil.Classes(rng, rowsClass, c.labels...)
 			budget, chunks := evalChunks(t, ws, c.loss(tokens, labels))
 			require.GreaterOrEqual(t, len(chunks), 3, "the smallest budget (%d bytes) runs in chunks", budget)
 			ch := chunks[2]
