@@ -1,6 +1,7 @@
 package exec
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -259,6 +260,46 @@ func Single(g *graph.Graph, info *shapeinfer.Result, b int, ws planner.Workspace
 	}
 	p.Batch = n
 	return p, []planner.Chunk{{Size: b}}, nil
+}
+
+// RunOnce evaluates outputs of g for b samples on e, in one chunk: what both
+// executors' Run and RunBatch do. info is shapeinfer.Analyze(g, outputs...);
+// feed, when non-nil, may supply the data of any source node.
+func RunOnce(ctx context.Context, e Executor, g *graph.Graph, info *shapeinfer.Result, b int, feed func(id int) tensor.Tensor, outputs []int) ([]*tensor.Dense, error) {
+	p, chunks, err := Single(g, info, b, e.Workspace(), outputs)
+	if err != nil {
+		return nil, err
+	}
+	res, err := e.Execute(ctx, p, chunks, Options{Feed: feed})
+	if err != nil {
+		return nil, err
+	}
+	return res.Outputs, nil
+}
+
+// CheckConcat checks that inputs of shapes in concatenate along axis into
+// out: the kernels' guard against a graph whose types were bypassed.
+func CheckConcat(axis int, out []int, in [][]int) error {
+	rank := len(out)
+	if axis < 0 || axis >= rank {
+		return graph.Errorf(graph.ErrAttr, "concat axis %d out of range for rank %d", axis, rank)
+	}
+	total := 0
+	for _, x := range in {
+		if len(x) != rank {
+			return graph.Errorf(graph.ErrShape, "concat of %v into %v", x, out)
+		}
+		for k, d := range x {
+			if k != axis && d != out[k] {
+				return graph.Errorf(graph.ErrShape, "concat of %v into %v along axis %d", x, out, axis)
+			}
+		}
+		total += x[axis]
+	}
+	if total != out[axis] {
+		return graph.Errorf(graph.ErrShape, "concat along axis %d: inputs sum to %d, output has %d", axis, total, out[axis])
+	}
+	return nil
 }
 
 // ChunkError is an error a kernel raised while a chunk of the batch ran:
