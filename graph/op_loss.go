@@ -6,8 +6,8 @@ import (
 )
 
 const (
-	OpCrossEntropy Op = endConvOps + iota // inputs logits [N, C], labels int64 [N]; Reduction
-	OpMSE                                 // inputs pred, target (same shape); Reduction
+	OpCrossEntropy Op = endAttentionOps + iota // inputs logits [N, C], labels int64 [N]; Reduction
+	OpMSE                                      // inputs pred, target (same shape); Reduction
 	endLossOps
 )
 

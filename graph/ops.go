@@ -44,7 +44,8 @@ const Variadic = -1
 // Ops are declared family by family, each in the op_*.go file that holds
 // its spec rows, so an op's constant sits beside its spec. Each block
 // continues the numbering of the one before it (source, unary, binary,
-// contraction, reduce, normalize, movement, index, conv, loss, grad), so ids
+// contraction, reduce, normalize, movement, index, conv, attention, loss,
+// grad), so ids
 // stay dense: tables indexed by Op hold numOps rows.
 
 // OpInfo is one row of the op table: everything about an op but its
@@ -92,7 +93,7 @@ func SavesInput(i ...int) Saved {
 // opFamilies lists every family's rows, keyed by op. Each op appears in
 // exactly one family (TestOpTableComplete checks).
 var opFamilies = [][]OpInfo{sourceOps, unaryOps, scalarOps, binaryOps, contractionOps,
-	reduceOps, normalizeOps, movementOps, indexOps, convOps, lossOps, gradOps}
+	reduceOps, normalizeOps, movementOps, indexOps, convOps, attentionOps, lossOps, gradOps}
 
 // opTable is assembled from the families rather than written as one
 // literal: rows refer to rule and VJP functions that themselves read the
@@ -212,6 +213,7 @@ type Attrs struct {
 	Reduction Reduction
 	TransA    bool // matmul: use the transpose of the last two axes of input 0
 	TransB    bool // matmul: … of input 1
+	Causal    bool // attention: query i sees keys j ≤ i
 	Target    Type // output type of generators and gradients that restore a shape
 	// Seed and Counter key dropout's mask (Counter is usually the training
 	// step). They change no shape or byte count, so graph signatures leave

@@ -110,6 +110,8 @@ type recorder struct {
 	g     *Graph
 	fwd   *Node
 	reads Saved
+	// frozen inputs want no gradient (attention's mask, which refuses one).
+	frozen Saved
 }
 
 func (r *recorder) Emit(op Op, a Attrs, inputs ...int) int {
@@ -133,7 +135,7 @@ func (r *recorder) AccumulateSlice(x, g int) {}
 func (r *recorder) SumTo(g, id int) int      { return g }
 func (r *recorder) Type(id int) Type         { return r.g.Node(id).Type }
 func (r *recorder) Wants(i int) bool {
-	return i < len(r.fwd.Inputs) && r.Type(r.fwd.Inputs[i]).DType.IsFloat()
+	return i < len(r.fwd.Inputs) && r.Type(r.fwd.Inputs[i]).DType.IsFloat() && r.frozen&SavesInput(i) == 0
 }
 
 // Each op's Saves is what its VJP reads, and its VJP builds well-typed
@@ -142,8 +144,9 @@ func TestSavesMatchVJP(t *testing.T) {
 	f := func(s ...int) Type { return Type{Shape: s, DType: Float32, BatchAxis: -1} }
 	i64 := func(s ...int) Type { return Type{Shape: s, DType: Int64, BatchAxis: -1} }
 	type sample struct {
-		in    []Type
-		attrs Attrs
+		in     []Type
+		attrs  Attrs
+		frozen Saved
 	}
 	x23 := []Type{f(2, 3)}
 	samples := map[Op][]sample{
@@ -176,6 +179,8 @@ func TestSavesMatchVJP(t *testing.T) {
 		OpAvgPool2d:    {{in: []Type{f(1, 2, 4, 4)}, attrs: Attrs{Kernel: [2]int{2, 2}}}},
 		OpCrossEntropy: {{in: []Type{f(2, 3), i64(2)}}},
 		OpMSE:          {{in: []Type{f(2, 3), f(2, 3)}}},
+		OpAttention: {{in: []Type{f(2, 4, 3, 8), f(2, 2, 5, 8), f(2, 2, 5, 8)}, attrs: Attrs{Causal: true}},
+			{in: []Type{f(2, 4, 3, 8), f(2, 4, 5, 8), f(2, 4, 5, 8), f(3, 5)}, frozen: SavesInput(3)}},
 	}
 	for i := 1; i < NumOps; i++ {
 		op := Op(i)
@@ -197,7 +202,7 @@ func TestSavesMatchVJP(t *testing.T) {
 			require.NoError(t, err, "%s on %v", op, s.in)
 			seed, err := g.Append(Node{Op: OpFill, Attrs: Attrs{Target: g.Node(y).Type}})
 			require.NoError(t, err)
-			r := &recorder{t: t, g: g, fwd: g.Node(y)}
+			r := &recorder{t: t, g: g, fwd: g.Node(y), frozen: s.frozen}
 			info.VJP(r, r.fwd, seed)
 			reads |= r.reads
 		}

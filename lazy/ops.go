@@ -282,3 +282,26 @@ func (t *Tensor) MSE(target *Tensor, r graph.Reduction) *Tensor {
 func (t *Tensor) MatMulT(u *Tensor, transA, transB bool) *Tensor {
 	return apply(graph.OpMatMul, graph.Attrs{TransA: transA, TransB: transB}, t, u)
 }
+
+// AttentionOptions configures Attention. A zero Scale means 1/√d. Causal
+// hides key j from query i when j > i (PyTorch's is_causal, top-left
+// aligned when T ≠ S). Mask, when set, is added to the scaled scores and
+// broadcasts to [B, H, T, S] (−Inf hides a key); it takes no gradient.
+type AttentionOptions struct {
+	Causal bool
+	Scale  float64
+	Mask   *Tensor
+}
+
+// Attention is fused scaled dot-product attention, softmax(scale·q·kᵀ +
+// mask)·v, of q [B, H, T, d] with k, v [B, Hkv, S, d] (Hkv dividing H:
+// grouped-query attention). It keeps no [T, S] value: backward recomputes
+// the scores block by block. A query whose every key is masked gets 0
+// output and 0 gradient.
+func (t *Tensor) Attention(k, v *Tensor, o AttentionOptions) *Tensor {
+	attrs := graph.Attrs{Scalar: o.Scale, Causal: o.Causal}
+	if o.Mask == nil {
+		return apply(graph.OpAttention, attrs, t, k, v)
+	}
+	return apply(graph.OpAttention, attrs, t, k, v, o.Mask)
+}

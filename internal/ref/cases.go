@@ -2,6 +2,7 @@ package ref
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 
 	"gorgonia.org/tensor"
@@ -157,6 +158,22 @@ var Cases = []Case{
 	{Name: "causal_attention", Shapes: [][]int{{2, 2, 3, 4}, {2, 2, 5, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		// scores [2, 2, 3, 5]: 3 queries over 5 keys, the last query sees all.
 		return p[0].MatMulT(p[1], false, true).MulScalar(0.5).CausalMask().Softmax(-1)
+	}},
+	// Fused attention: q, k and v are slices of the batched input so all
+	// three carry the batch. Grouped-query (4 query heads over 2 key/value
+	// heads), causal with 3 queries over 5 keys (top-left aligned).
+	{Name: "attention_gqa_causal", Shapes: [][]int{{2, 8, 5, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		q := p[0].Slice(1, 0, 4).Slice(2, 0, 3)
+		return q.Attention(p[0].Slice(1, 4, 6), p[0].Slice(1, 6, 8), lazy.AttentionOptions{Causal: true})
+	}},
+	// An additive mask with a row hidden entirely (its output and gradients
+	// are 0) and a given scale; the output is scaled by a parameter so a
+	// parameter's gradient flows through attention too.
+	{Name: "attention_mask", Shapes: [][]int{{2, 6, 4, 3}, {4, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		inf := float32(math.Inf(-1))
+		m := lazy.Const(f32([]int{1, 1, 4, 4}, 0, 0.5, -1, inf, inf, inf, inf, inf, 0.25, inf, 0, 2, -0.5, 0, 0, 0))
+		q := p[0].Slice(1, 0, 2)
+		return q.Attention(p[0].Slice(1, 2, 4), p[0].Slice(1, 4, 6), lazy.AttentionOptions{Scale: 0.7, Mask: m}).Mul(p[1])
 	}},
 	{Name: "dropout", Shapes: [][]int{{4, 3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Dropout(0.4, 7, 3).Tanh().Dropout(0.25, 7, 4)

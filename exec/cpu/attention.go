@@ -1,0 +1,212 @@
+package cpu
+
+import (
+	"math"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Attention family: fused attention, its log-sum-exp and its gradients.
+// The kernels walk one query row at a time over blocks of attnBlock keys
+// with a running max and sum (the online softmax of FlashAttention), so
+// their scratch is O(attnBlock + d) per call, nothing [T, S]-sized: no
+// workspace to declare. Sums accumulate in float64.
+var attentionKernels = family{
+	graph.OpAttention: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		at := newAttn(&nd.Attrs, in[0], in[1], in[2], optional(in, 3))
+		acc := make([]float64, at.D)
+		at.forEachRow(func(b, h, i int) {
+			clear(acc)
+			lse := at.online(b, h, i, func(j int, w float64, rescale float64) {
+				if rescale != 1 {
+					for c := range acc {
+						acc[c] *= rescale
+					}
+				}
+				v := at.v.f[at.kvoff(b, h, j):][:at.D]
+				for c := range acc {
+					acc[c] += w * float64(v[c])
+				}
+			})
+			o := out.f[at.qoff(b, h, i):][:at.D]
+			if math.IsInf(lse, -1) { // every key hidden: 0
+				clear(o)
+				return
+			}
+			// acc holds Σ exp(s − m)·v and lse = m + log l: divide by l.
+			inv := 1 / at.lastSum
+			for c := range o {
+				o[c] = float32(acc[c] * inv)
+			}
+		})
+		return nil
+	}},
+	graph.OpAttentionLSE: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		at := newAttn(&nd.Attrs, in[0], in[1], in[1], optional(in, 2))
+		at.forEachRow(func(b, h, i int) {
+			out.f[(b*at.H+h)*at.T+i] = float32(at.online(b, h, i, nil))
+		})
+		return nil
+	}},
+	graph.OpAttentionGradQ:  {run: attentionGrad},
+	graph.OpAttentionGradKV: {run: attentionGrad},
+}
+
+// attnBlock is the number of keys scored at once.
+const attnBlock = 64
+
+type attn struct {
+	q, k, v, m         *buf
+	mstride            [4]int
+	B, H, Hkv, T, S, D int
+	scale              float32
+	causal             bool
+	s                  [attnBlock]float64
+	lastSum            float64
+}
+
+func newAttn(a *graph.Attrs, q, k, v, m *buf) *attn {
+	at := &attn{q: q, k: k, v: v, m: m, scale: float32(a.Scalar), causal: a.Causal,
+		B: q.shape[0], H: q.shape[1], T: q.shape[2], D: q.shape[3], Hkv: k.shape[1], S: k.shape[2]}
+	if m != nil {
+		r, st := len(m.shape), 1
+		for i := r - 1; i >= 0; i-- {
+			if m.shape[i] != 1 {
+				at.mstride[4-r+i] = st
+			}
+			st *= m.shape[i]
+		}
+	}
+	return at
+}
+
+func (at *attn) qoff(b, h, i int) int { return ((b*at.H+h)*at.T + i) * at.D }
+
+func (at *attn) kvoff(b, h, j int) int {
+	return ((b*at.Hkv+h/(at.H/at.Hkv))*at.S + j) * at.D
+}
+
+func (at *attn) forEachRow(f func(b, h, i int)) {
+	for b := range at.B {
+		for h := range at.H {
+			for i := range at.T {
+				f(b, h, i)
+			}
+		}
+	}
+}
+
+// keys is the number of keys query i may see.
+func (at *attn) keys(i int) int {
+	if at.causal {
+		return min(i+1, at.S)
+	}
+	return at.S
+}
+
+// score is query i's scaled, masked score for key j (−Inf when hidden).
+func (at *attn) score(b, h, i, j int) float64 {
+	q := at.q.f[at.qoff(b, h, i):][:at.D]
+	k := at.k.f[at.kvoff(b, h, j):][:at.D]
+	var dot float32
+	for c := range q {
+		dot += q[c] * k[c]
+	}
+	s := float64(dot * at.scale)
+	if at.m != nil {
+		s += float64(at.m.f[b*at.mstride[0]+h*at.mstride[1]+i*at.mstride[2]+j*at.mstride[3]])
+	}
+	return s
+}
+
+// online runs the online softmax over query i's keys block by block and
+// returns the log-sum-exp (−Inf when every key is hidden). emit, when set,
+// gets each key's weight exp(s − m) under the running max m, after a
+// rescale factor for what came before whenever m grew; lastSum is the
+// final Σ exp(s − m).
+func (at *attn) online(b, h, i int, emit func(j int, w, rescale float64)) float64 {
+	m, l := math.Inf(-1), 0.0
+	n := at.keys(i)
+	for j0 := 0; j0 < n; j0 += attnBlock {
+		blk := at.s[:min(attnBlock, n-j0)]
+		bm := math.Inf(-1)
+		for t := range blk {
+			blk[t] = at.score(b, h, i, j0+t)
+			bm = math.Max(bm, blk[t])
+		}
+		if math.IsInf(bm, -1) {
+			continue // a block of hidden keys changes nothing
+		}
+		nm := math.Max(m, bm)
+		r := math.Exp(m - nm) // 0 when m was −Inf
+		l *= r
+		for t, x := range blk {
+			w := math.Exp(x - nm)
+			l += w
+			if emit != nil {
+				rs := 1.0
+				if t == 0 {
+					rs = r
+				}
+				emit(j0+t, w, rs)
+			}
+		}
+		m = nm
+	}
+	at.lastSum = l
+	if l == 0 {
+		return math.Inf(-1)
+	}
+	return m + math.Log(l)
+}
+
+// attentionGrad computes dq or dk|dv (the op says which) from g, q, k, v,
+// o, lse[, mask], recomputing each probability p = exp(s − lse): with D =
+// Σ g∘o per query row and dS = p·(g·v − D), dq = scale·Σ dS·k, dk =
+// scale·Σ dS·q and dv = Σ p·g. Rows with lse = −Inf contribute nothing.
+func attentionGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	g, q, o, lse := in[0], in[1], in[4], in[5]
+	at := newAttn(&nd.Attrs, q, in[2], in[3], optional(in, 6))
+	d := at.D
+	clear(out.f)
+	at.forEachRow(func(b, h, i int) {
+		li := float64(lse.f[(b*at.H+h)*at.T+i])
+		if math.IsInf(li, -1) {
+			return
+		}
+		qo := at.qoff(b, h, i)
+		gi, oi, qi := g.f[qo:][:d], o.f[qo:][:d], q.f[qo:][:d]
+		var dd float64
+		for c := range gi {
+			dd += float64(gi[c]) * float64(oi[c])
+		}
+		for j := range at.keys(i) {
+			s := at.score(b, h, i, j)
+			if math.IsInf(s, -1) {
+				continue
+			}
+			p := math.Exp(s - li)
+			ko := at.kvoff(b, h, j)
+			k, v := at.k.f[ko:][:d], at.v.f[ko:][:d]
+			var dp float64
+			for c := range gi {
+				dp += float64(gi[c]) * float64(v[c])
+			}
+			ds := float32(p * (dp - dd) * float64(at.scale))
+			if nd.Op == graph.OpAttentionGradQ {
+				dq := out.f[qo:][:d]
+				for c := range dq {
+					dq[c] += ds * k[c]
+				}
+				continue
+			}
+			dkv := out.f[2*ko:][:2*d]
+			pf := float32(p)
+			for c := range d {
+				dkv[c] += ds * qi[c]
+				dkv[d+c] += pf * gi[c]
+			}
+		}
+	})
+	return nil
+}

@@ -1,0 +1,238 @@
+package graph
+
+import (
+	"math"
+	"slices"
+)
+
+const (
+	// OpAttention is fused scaled dot-product attention: inputs q [B, H, T,
+	// d], k [B, Hkv, S, d], v [B, Hkv, S, d][, mask broadcastable to [B, H,
+	// T, S]]; Attrs.Scalar is the scale (0 asks for 1/√d; the rule writes
+	// the value in), Attrs.Causal hides key j from query i when j > i
+	// (PyTorch's is_causal: top-left aligned). Grouped-query attention: Hkv
+	// divides H and query head h reads key/value head h/(H/Hkv). The output
+	// is [B, H, T, d]; no [T, S] value exists anywhere, forward or backward.
+	OpAttention Op = endConvOps + iota
+	// OpAttentionLSE is the log-sum-exp of each query's scaled, masked
+	// scores: inputs q, k[, mask]; same attributes; output [B, H, T]
+	// float32 whatever the dtype of q (−Inf for a row with every key
+	// masked). Only attention's backward emits it: it is recomputed there
+	// rather than kept from the forward pass (see attentionVJP).
+	OpAttentionLSE
+	// OpAttentionGradQ is dq: inputs g, q, k, v, o, lse[, mask].
+	OpAttentionGradQ
+	// OpAttentionGradKV is dk and dv packed along the last axis: inputs g,
+	// q, k, v, o, lse[, mask]; output [B, Hkv, S, 2d] (dk then dv), summed
+	// over the query heads that share each key/value head.
+	OpAttentionGradKV
+	endAttentionOps
+)
+
+// Attention ops. Memory: the forward op keeps q, k, v, the mask and its
+// output for backward ([B, H, T, d]-sized, as the projections are anyway)
+// and nothing [T, S]-sized. Backward first recomputes the [B, H, T] float32
+// log-sum-exp (one pass of q·kᵀ), then dq (a second pass, with the row
+// term D = Σ g∘o computed per query row) and dk|dv (a third pass). The
+// forward kernel never writes the log-sum-exp, so evaluation pays one pass
+// and a training step keeps O(T) per head between forward and backward.
+//
+// Convention for rows whose every key is masked (−Inf scores): the output
+// row is 0, the log-sum-exp −Inf and every gradient through that row 0 —
+// what PyTorch's memory-efficient and flash SDPA kernels return, where its
+// math path returns NaN.
+var attentionOps = []OpInfo{
+	OpAttention: {Name: "attention", Category: CatContraction, MinArity: 3, Arity: 3, MaxArity: 4,
+		Attrs: []string{"scalar", "causal"}, Rule: attentionRule, Chunk: attentionChunk,
+		Saves: SavesInput(0, 1, 2, 3) | SavesOutput, VJP: attentionVJP},
+	// attention_lse is emitted by attention's backward only, so it is
+	// classed with the gradient ops.
+	OpAttentionLSE: {Name: "attention_lse", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3,
+		Attrs: []string{"scalar", "causal"}, Rule: attentionLSERule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+	OpAttentionGradQ: {Name: "attention_grad_q", Category: CatGrad, MinArity: 6, Arity: 6, MaxArity: 7,
+		Attrs: []string{"scalar", "causal"}, Rule: attentionGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+	OpAttentionGradKV: {Name: "attention_grad_kv", Category: CatGrad, MinArity: 6, Arity: 6, MaxArity: 7,
+		Attrs: []string{"scalar", "causal"}, Rule: attentionGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+}
+
+// attentionChunk: the rules admit only inputs batched on axis 0 (or
+// unbatched ones that broadcast over it), and every batch row is one
+// sample's attention, so the ops are per-sample.
+var attentionChunk = &Chunk{}
+
+// AttentionShape is what the attention rule reads off q, k, v: batch B,
+// query heads H, key/value heads Hkv, query length T, key length S, head
+// dim D.
+type AttentionShape struct{ B, H, Hkv, T, S, D int }
+
+// AttentionDims checks q, k, v[, mask] and returns their sizes.
+func AttentionDims(op Op, in []Type) (AttentionShape, error) {
+	if err := needFloat(op, in...); err != nil {
+		return AttentionShape{}, err
+	}
+	q, k, v := in[0], in[1], in[2]
+	for i, t := range in {
+		if t.DType != q.DType {
+			return AttentionShape{}, Errorf(ErrDType, "%s: input %d is %s, q is %s", op, i, t.DType, q.DType)
+		}
+	}
+	for i, t := range []Type{q, k, v} {
+		if len(t.Shape) != 4 {
+			return AttentionShape{}, Errorf(ErrShape, "%s: %s must be [B, H, T, d], got %v", op, []string{"q", "k", "v"}[i], t.Shape)
+		}
+	}
+	a := AttentionShape{B: q.Shape[0], H: q.Shape[1], T: q.Shape[2], D: q.Shape[3], Hkv: k.Shape[1], S: k.Shape[2]}
+	switch {
+	case k.Shape[0] != a.B || v.Shape[0] != a.B:
+		return a, Errorf(ErrShape, "%s: batch sizes differ: q %v, k %v, v %v", op, q.Shape, k.Shape, v.Shape)
+	case k.Shape[3] != a.D:
+		return a, Errorf(ErrShape, "%s: head dims differ: q %v, k %v", op, q.Shape, k.Shape)
+	case !slices.Equal(v.Shape, k.Shape):
+		return a, Errorf(ErrShape, "%s: v %v must have k's shape %v (same heads, length and head dim)", op, v.Shape, k.Shape)
+	case a.Hkv == 0 || a.H%a.Hkv != 0:
+		return a, Errorf(ErrShape, "%s: k and v have %d heads, which does not divide q's %d heads (q %v, k %v)", op, a.Hkv, a.H, q.Shape, k.Shape)
+	}
+	// Batched inputs carry the batch on axis 0 with q's per-sample size;
+	// an unbatched one beside a batched q would keep the full batch in a
+	// chunk, so only the mask may be unbatched, and then of size 1 there.
+	for i, t := range in {
+		if t.BatchAxis == q.BatchAxis && (t.BatchAxis < 0 || t.PerSample == q.PerSample) {
+			continue
+		}
+		if i == 3 && !t.Batched() && (len(t.Shape) < 4 || t.Shape[0] == 1) {
+			continue
+		}
+		if q.Batched() && q.BatchAxis != 0 {
+			return a, Errorf(ErrShape, "%s: q %v carries the batch on axis %d, not 0", op, q.Shape, q.BatchAxis)
+		}
+		return a, Errorf(ErrShape, "%s: input %d %v has batch axis %d, q %v has %d: q, k, v and a mask of the batch's size share the batch axis 0",
+			op, i, t.Shape, t.BatchAxis, q.Shape, q.BatchAxis)
+	}
+	if q.Batched() && q.BatchAxis != 0 {
+		return a, Errorf(ErrShape, "%s: q %v carries the batch on axis %d, not 0", op, q.Shape, q.BatchAxis)
+	}
+	if len(in) == 4 {
+		m := in[3]
+		full := []int{a.B, a.H, a.T, a.S}
+		if len(m.Shape) > 4 {
+			return a, Errorf(ErrShape, "%s: mask %v does not broadcast to [B, H, T, S] = %v", op, m.Shape, full)
+		}
+		for i, d := range m.Shape {
+			if f := full[4-len(m.Shape)+i]; d != 1 && d != f {
+				return a, Errorf(ErrShape, "%s: mask %v does not broadcast to [B, H, T, S] = %v", op, m.Shape, full)
+			}
+		}
+	}
+	return a, nil
+}
+
+// attentionScale writes the default scale 1/√d into attrs.
+func attentionScale(op Op, attrs *Attrs, d int) error {
+	if attrs.Scalar == 0 {
+		attrs.Scalar = 1 / math.Sqrt(float64(max(d, 1)))
+	}
+	if math.IsNaN(attrs.Scalar) || math.IsInf(attrs.Scalar, 0) {
+		return Errorf(ErrAttr, "%s: scale must be finite, got %g", op, attrs.Scalar)
+	}
+	return nil
+}
+
+func attentionRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	a, err := AttentionDims(op, in)
+	if err != nil {
+		return Type{}, err
+	}
+	if err := attentionScale(op, attrs, a.D); err != nil {
+		return Type{}, err
+	}
+	q := in[0]
+	return Type{Shape: slices.Clone(q.Shape), DType: q.DType, BatchAxis: q.BatchAxis, PerSample: q.PerSample}, nil
+}
+
+// attentionLSERule takes q, k[, mask]: k stands in for v.
+func attentionLSERule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	full := append([]Type{in[0], in[1], in[1]}, in[2:]...)
+	a, err := AttentionDims(op, full)
+	if err != nil {
+		return Type{}, err
+	}
+	if err := attentionScale(op, attrs, a.D); err != nil {
+		return Type{}, err
+	}
+	return Type{Shape: []int{a.B, a.H, a.T}, DType: Float32, BatchAxis: in[0].BatchAxis, PerSample: in[0].PerSample}, nil
+}
+
+// attentionGradRule types dq (q's type) and dk|dv (k's, with 2d columns)
+// from g, q, k, v, o, lse[, mask]. Attrs.Axis = 1 marks a request for the
+// mask's gradient, which is refused: it would be [B, H, T, S].
+func attentionGradRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	if attrs.Axis == 1 {
+		return Type{}, Errorf(ErrAttr, "attention has no gradient for its additive mask (it would be [B, H, T, S]-sized); pass the mask as a constant")
+	}
+	fwd := append([]Type{in[1], in[2], in[3]}, in[6:]...)
+	a, err := AttentionDims(op, fwd)
+	if err != nil {
+		return Type{}, err
+	}
+	if err := attentionScale(op, attrs, a.D); err != nil {
+		return Type{}, err
+	}
+	if err := needFloat(op, in[0]); err != nil {
+		return Type{}, err
+	}
+	q := in[1]
+	for i, what := range []string{"g", "o"} {
+		t := in[[]int{0, 4}[i]]
+		if !slices.Equal(t.Shape, q.Shape) || t.DType != q.DType {
+			return Type{}, Errorf(ErrShape, "%s: %s is %s%v, attention's output is %s%v", op, what, t.DType, t.Shape, q.DType, q.Shape)
+		}
+	}
+	if lse := in[5]; !slices.Equal(lse.Shape, []int{a.B, a.H, a.T}) || lse.DType != Float32 {
+		return Type{}, Errorf(ErrShape, "%s: lse is %s%v, want float32%v", op, lse.DType, lse.Shape, []int{a.B, a.H, a.T})
+	}
+	// The output is batched when any input is (g may be batched alone).
+	ax, per := q.BatchAxis, q.PerSample
+	if !q.Batched() && in[0].Batched() {
+		ax, per = in[0].BatchAxis, in[0].PerSample
+	}
+	if op == OpAttentionGradQ {
+		return Type{Shape: slices.Clone(q.Shape), DType: q.DType, BatchAxis: ax, PerSample: per}, nil
+	}
+	return Type{Shape: []int{a.B, a.Hkv, a.S, 2 * a.D}, DType: q.DType, BatchAxis: ax, PerSample: per}, nil
+}
+
+// attentionVJP recomputes the log-sum-exp, then emits dq and dk|dv, each of
+// which recomputes the scores block by block (three passes of q·kᵀ in all
+// besides the forward one; nothing [T, S]-sized is allocated).
+func attentionVJP(b VJPBuilder, n *Node, g int) {
+	in := n.Inputs
+	a := Attrs{Scalar: n.Attrs.Scalar, Causal: n.Attrs.Causal}
+	var mask []int
+	if len(in) == 4 {
+		mask = in[3:]
+		if b.Wants(3) {
+			bad := a
+			bad.Axis = 1
+			b.Emit(OpAttentionGradQ, bad, g, in[0], in[1], in[2], n.ID, g)
+			return
+		}
+	}
+	if !b.Wants(0) && !b.Wants(1) && !b.Wants(2) {
+		return
+	}
+	lse := b.Emit(OpAttentionLSE, a, append([]int{in[0], in[1]}, mask...)...)
+	args := append([]int{g, in[0], in[1], in[2], n.ID, lse}, mask...)
+	if b.Wants(0) {
+		b.Accumulate(in[0], b.Emit(OpAttentionGradQ, a, args...))
+	}
+	if b.Wants(1) || b.Wants(2) {
+		kv := b.Emit(OpAttentionGradKV, a, args...)
+		d := b.Type(in[1]).Shape[3]
+		if b.Wants(1) {
+			b.Accumulate(in[1], b.Emit(OpSlice, Attrs{Axis: 3, Start: 0, End: d, Step: 1}, kv))
+		}
+		if b.Wants(2) {
+			b.Accumulate(in[2], b.Emit(OpSlice, Attrs{Axis: 3, Start: d, End: 2 * d, Step: 1}, kv))
+		}
+	}
+}
