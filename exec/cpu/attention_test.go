@@ -1,0 +1,134 @@
+package cpu_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/lazy"
+)
+
+// TestAttentionAgainstReference runs fused attention forward and its three
+// gradients (through loss = Σ out·r) on the CPU and in the float64
+// reference: lengths 1 to 2048, head dims 4 to 128, causal or not,
+// grouped-query heads, additive masks with hidden keys and hidden rows.
+func TestAttentionAgainstReference(t *testing.T) {
+	type tc struct {
+		B, H, Hkv, T, S, D int
+		causal             bool
+		mask               []int // the mask's shape, nil for none
+		scale              float64
+	}
+	cases := []tc{
+		{B: 2, H: 2, Hkv: 2, T: 1, S: 1, D: 8},
+		{B: 2, H: 4, Hkv: 2, T: 17, S: 17, D: 8, causal: true},
+		{B: 1, H: 3, Hkv: 1, T: 17, S: 29, D: 4, mask: []int{17, 29}, scale: 0.3},
+		{B: 3, H: 2, Hkv: 1, T: 29, S: 17, D: 4, causal: true, mask: []int{3, 1, 1, 17}},
+		{B: 2, H: 2, Hkv: 2, T: 64, S: 64, D: 64, causal: true},
+		{B: 1, H: 2, Hkv: 1, T: 64, S: 64, D: 128, mask: []int{1, 2, 64, 64}},
+		{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 16, causal: true},
+		{B: 1, H: 1, Hkv: 1, T: 1000, S: 1000, D: 64, mask: []int{1000, 1000}},
+		{B: 1, H: 1, Hkv: 1, T: 1024, S: 1024, D: 128, causal: true},
+	}
+	if !testing.Short() {
+		cases = append(cases, tc{B: 1, H: 1, Hkv: 1, T: 2048, S: 2048, D: 64, causal: true})
+	}
+	for n, c := range cases {
+		t.Run(fmt.Sprintf("B%d_H%d_Hkv%d_T%d_S%d_d%d_causal%v_mask%v", c.B, c.H, c.Hkv, c.T, c.S, c.D, c.causal, c.mask), func(t *testing.T) {
+			rng := newRNG(uint64(n))
+			gr := lazy.NewGraph()
+			wrap := func(s ...int) *lazy.Tensor { return gr.Wrap(dense(s, uniform(rng, numel(s), -1, 1)), 0) }
+			q, k, v := wrap(c.B, c.H, c.T, c.D), wrap(c.B, c.Hkv, c.S, c.D), wrap(c.B, c.Hkv, c.S, c.D)
+			r := wrap(c.B, c.H, c.T, c.D)
+			o := lazy.AttentionOptions{Causal: c.causal, Scale: c.scale}
+			if c.mask != nil {
+				md := uniform(rng, numel(c.mask), -2, 2)
+				for i := range md {
+					if rng.IntN(5) == 0 {
+						md[i] = float32(math.Inf(-1))
+					}
+				}
+				if len(md) > c.S {
+					for i := range c.S { // the first row hides every key
+						md[i] = float32(math.Inf(-1))
+					}
+				}
+				if c.mask[0] == c.B && len(c.mask) == 4 {
+					o.Mask = gr.Wrap(dense(c.mask, md), 0)
+				} else {
+					o.Mask = lazy.Const(dense(c.mask, md))
+				}
+			}
+			out := q.Attention(k, v, o)
+			grads := lazy.Grad(out.Mul(r).Sum(), q, k, v)
+			ids := []int{out.ID(), grads[0].ID(), grads[1].ID(), grads[2].ID()}
+			require.NoError(t, errors.Join(out.Err(), grads[0].Err(), grads[1].Err(), grads[2].Err()))
+			g := out.Graph().IR()
+			want, err := ref.Eval(g, nil, ids...)
+			require.NoError(t, err)
+			got, err := cpu.New().Run(context.Background(), g, ids...)
+			require.NoError(t, err)
+			for i, name := range []string{"out", "dq", "dk", "dv"} {
+				gd := got[i].Data().([]float32)
+				require.Len(t, gd, len(want[i].Data), name)
+				scale := 0.0
+				for _, x := range want[i].Data {
+					scale = math.Max(scale, math.Abs(x))
+				}
+				for j, w := range want[i].Data {
+					require.False(t, math.IsNaN(float64(gd[j])), "%s[%d] is NaN", name, j)
+					require.InDelta(t, w, float64(gd[j]), 1e-4*math.Abs(w)+2e-5*math.Max(scale, 1), "%s[%d]", name, j)
+				}
+			}
+		})
+	}
+}
+
+// A query whose every key is hidden gets 0 output and sends 0 gradient.
+func TestAttentionHiddenRow(t *testing.T) {
+	inf := float32(math.Inf(-1))
+	rng := newRNG(3)
+	gr := lazy.NewGraph()
+	q := gr.Wrap(dense([]int{1, 1, 2, 4}, uniform(rng, 8, -1, 1)), 0)
+	k := gr.Wrap(dense([]int{1, 1, 3, 4}, uniform(rng, 12, -1, 1)), 0)
+	v := gr.Wrap(dense([]int{1, 1, 3, 4}, uniform(rng, 12, -1, 1)), 0)
+	m := lazy.Const(dense([]int{2, 3}, []float32{inf, inf, inf, 0, inf, 1}))
+	out := q.Attention(k, v, lazy.AttentionOptions{Mask: m})
+	grads := lazy.Grad(out.Sum(), q, k, v)
+	got, err := cpu.New().Run(context.Background(), out.Graph().IR(), out.ID(), grads[0].ID())
+	require.NoError(t, err)
+	o, dq := got[0].Data().([]float32), got[1].Data().([]float32)
+	require.Equal(t, []float32{0, 0, 0, 0}, o[:4], "hidden row's output")
+	require.Equal(t, []float32{0, 0, 0, 0}, dq[:4], "hidden row's dq")
+	for _, x := range append(o, dq...) {
+		require.False(t, math.IsNaN(float64(x)))
+	}
+}
+
+// Bad shapes are typed errors that name them.
+func TestAttentionRejects(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		q, k, v []int
+		want    string
+	}{
+		{"head dims", []int{2, 4, 5, 8}, []int{2, 2, 5, 16}, []int{2, 2, 5, 16}, "[2 4 5 8]"},
+		{"k and v lengths", []int{2, 4, 5, 8}, []int{2, 2, 5, 8}, []int{2, 2, 6, 8}, "[2 2 6 8]"},
+		{"heads that do not divide", []int{2, 4, 5, 8}, []int{2, 3, 5, 8}, []int{2, 3, 5, 8}, "[2 3 5 8]"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			gr := lazy.NewGraph()
+			p := func(s []int) *lazy.Tensor { return gr.Wrap(dense(s, make([]float32, numel(s))), 0) }
+			err := p(c.q).Attention(p(c.k), p(c.v), lazy.AttentionOptions{}).Err()
+			require.ErrorIs(t, err, graph.ErrShape)
+			require.Contains(t, err.Error(), c.want)
+		})
+	}
+}
