@@ -812,6 +812,71 @@ def test_accumulate():
     same_bits('fill_i64', d, np.full(n, -(2 ** 40), i64))
 
 
+# ---------------------------------------------------------------- attention
+def attention64(q, k, v, g, mask, scale, causal):
+    """float64 reference of attention.cu: o, lse, dq, dk|dv packed. A row
+    with every key hidden gets o = 0, lse = -inf and zero gradients."""
+    B, H, T, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    kk, vv = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
+    s = np.einsum('bhid,bhjd->bhij', q, kk) * scale
+    if mask is not None:
+        s = s + mask
+    if causal:
+        s = np.where(np.tril(np.ones((T, S), bool)), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    hidden = np.isneginf(m)
+    with np.errstate(invalid='ignore'):
+        e = np.where(hidden, 0.0, np.exp(s - np.where(hidden, 0.0, m)))
+    l = e.sum(-1, keepdims=True)
+    p = np.where(hidden, 0.0, e / np.where(hidden, 1.0, l))
+    lse = np.where(hidden, -np.inf, m + np.log(np.where(hidden, 1.0, l)))[..., 0]
+    o = p @ vv
+    D = (g * o).sum(-1, keepdims=True)
+    ds = p * (g @ vv.transpose(0, 1, 3, 2) - D)
+    dq = scale * ds @ kk
+    dk = (scale * ds.transpose(0, 1, 3, 2) @ q).reshape(B, Hkv, H // Hkv, S, d).sum(2)
+    dv = (p.transpose(0, 1, 3, 2) @ g).reshape(B, Hkv, H // Hkv, S, d).sum(2)
+    return o, lse, dq, np.concatenate([dk, dv], -1)
+
+
+def test_attention():
+    A = 'attention.cu'
+    for B, H, Hkv, T, S, d, causal, mk in [(2, 2, 2, 1, 1, 8, 0, None), (1, 4, 2, 17, 17, 64, 1, None),
+                                           (2, 2, 1, 70, 100, 128, 0, 'ts'), (2, 3, 1, 100, 70, 32, 1, 'b'),
+                                           (1, 1, 1, 130, 130, 3, 1, 'ts'), (1, 2, 2, 65, 65, 128, 1, None),
+                                           (1, 2, 1, 300, 300, 64, 1, 'ts')]:
+        q = rng.uniform(-1, 1, (B, H, T, d)).astype(f32)
+        k = rng.uniform(-1, 1, (B, Hkv, S, d)).astype(f32)
+        v = rng.uniform(-1, 1, (B, Hkv, S, d)).astype(f32)
+        g = rng.uniform(-1, 1, (B, H, T, d)).astype(f32)
+        mask, ms = None, (0, 0, 0, 0)
+        if mk == 'ts':  # [T, S] with hidden keys and a hidden first row
+            mask = np.where(rng.uniform(size=(T, S)) < 0.2, -np.inf, rng.uniform(-2, 2, (T, S))).astype(f32)
+            mask[0] = -np.inf
+            ms = (0, 0, S, 1)
+        elif mk == 'b':  # [B, 1, 1, S]
+            mask = np.where(rng.uniform(size=(B, 1, 1, S)) < 0.25, -np.inf, rng.uniform(-2, 2, (B, 1, 1, S))).astype(f32)
+            ms = (S, 0, 0, 1)
+        scale = 1 / math.sqrt(d)
+        o64, lse64, dq64, dkv64 = attention64(*(x.astype(f64) for x in (q, k, v, g)),
+                                               None if mask is None else mask.astype(f64), scale, causal)
+        geom = (L(B), L(H), L(Hkv), L(T), L(S), L(d), L(ms[0]), L(ms[1]), L(ms[2]), L(ms[3]), F(scale), L(causal))
+        dq_, dk_, dv_, dg, dm = dev(q), dev(k), dev(v), dev(g), None if mask is None else dev(mask)
+        o, lse = cp.empty((B, H, T, d), f32), cp.empty((B, H, T), f32)
+        gq, gk = (B * H * -(-T // 64),), (B * Hkv * -(-S // 64),)
+        name = f'attention B{B} H{H} Hkv{Hkv} T{T} S{S} d{d} causal{causal} mask{mk}'
+        launch(A, 'attention_fwd_f32', gq, (64,), dq_, dk_, dv_, dm, o, None, *geom)
+        launch(A, 'attention_fwd_f32', gq, (64,), dq_, dk_, dk_, dm, None, lse, *geom)
+        close(name + ' o', o, o64, 1e-5, 1e-6)
+        close(name + ' lse', lse, lse64, 1e-5, 1e-6)
+        dq, dkv = cp.empty((B, H, T, d), f32), cp.empty((B, Hkv, S, 2 * d), f32)
+        launch(A, 'attention_grad_q_f32', gq, (64,), dg, dq_, dk_, dv_, o, lse, dm, dq, *geom)
+        launch(A, 'attention_grad_kv_f32', gk, (64,), dg, dq_, dk_, dv_, o, lse, dm, dkv, *geom)
+        close(name + ' dq', dq, dq64, 1e-4, 1e-5)
+        close(name + ' dk|dv', dkv, dkv64, 1e-4, 1e-5)
+
+
 # ---------------------------------------------------------------- timings
 def bench(label, nbytes, f, reps=20):
     f()
@@ -938,7 +1003,7 @@ if __name__ == '__main__':
         sys.exit(0)
     print(cp.cuda.runtime.getDeviceProperties(0)['name'], 'nvrtc', cp.cuda.nvrtc.getVersion())
     for t in [test_elementwise, test_reduce, test_softmax, test_layernorm, test_movement, test_index, test_conv,
-              test_pool, test_loss, test_dropout, test_optim, test_accumulate]:
+              test_pool, test_loss, test_dropout, test_optim, test_accumulate, test_attention]:
         try:
             t()
         except Exception as e:  # report and go on

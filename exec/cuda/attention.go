@@ -1,22 +1,124 @@
 package cuda
 
-import "github.com/batchfit/batchfit/graph"
+import (
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
 
-// Attention family. The fused kernels (FlashAttention-2-style tiles) are
-// not written yet: the ops are refused with a typed error naming the
-// shapes, never computed wrongly. Graphs keep the written-out form
-// (models.GPTConfig.WrittenOutAttention) on the GPU meanwhile.
+// Attention family (kernels/attention.cu): fused attention forward, the
+// log-sum-exp its backward recomputes, dq and packed dk|dv. One thread per
+// row, attRows rows a block, the other operand staged tile by tile in
+// shared memory; nothing [T, S]-sized is stored, and no workspace: the
+// row term D = Σ g∘o is recomputed from g and o inside each gradient
+// kernel. Head dims up to attMaxD; larger ones are refused with a typed
+// error naming the shapes.
 var attentionKernels = family{
-	graph.OpAttention:       {run: attentionRefused},
-	graph.OpAttentionLSE:    {run: attentionRefused},
-	graph.OpAttentionGradQ:  {run: attentionRefused},
-	graph.OpAttentionGradKV: {run: attentionRefused},
+	graph.OpAttention: {run: func(k *kctx, in []operand, out operand) error {
+		return k.attentionFwd(in[0], in[1], in[2], optional(in, 3), out.p, 0)
+	}},
+	graph.OpAttentionLSE: {run: func(k *kctx, in []operand, out operand) error {
+		return k.attentionFwd(in[0], in[1], in[1], optional(in, 2), 0, out.p)
+	}},
+	graph.OpAttentionGradQ:  {run: attentionGrad},
+	graph.OpAttentionGradKV: {run: attentionGrad},
 }
 
-func attentionRefused(k *kctx, in []operand, _ operand) error {
-	shapes := make([][]int, len(in))
-	for i, o := range in {
-		shapes[i] = o.shape
+const (
+	attRows = 64  // rows per block (kernels/attention.cu ATT_ROWS)
+	attMaxD = 128 // largest head dim the kernels hold in registers
+)
+
+// attnLaunch launches an attention kernel over blocks tile blocks (the
+// tile layout: grid.x is exact, at most 2³¹ − 1); no work, no launch.
+func (k *kctx) attnLaunch(name string, blocks int64, args ...any) error {
+	if blocks == 0 {
+		return nil
 	}
-	return graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for %s yet (inputs %v): run the written-out attention or the CPU executor", k.nd.Op, shapes)
+	if blocks > 1<<31-1 {
+		return graph.Errorf(graph.ErrShape, "%s: %d thread blocks exceed the grid's 2³¹ − 1", k.nd.Op, blocks)
+	}
+	return k.launch(name, [3]uint32{uint32(blocks), 1, 1}, [3]uint32{attRows, 1, 1}, args...)
+}
+
+// attnGeom is the shape arguments every attention kernel takes after its
+// pointers: B, H, Hkv, T, S, d, the mask's four strides, scale, causal.
+func (k *kctx) attnGeom(q, kk, v operand, mask *operand) ([]any, error) {
+	op := k.nd.Op
+	ops := []operand{q, kk, v}
+	if mask != nil {
+		ops = append(ops, *mask)
+	}
+	if err := floats(ops...); err != nil {
+		return nil, err
+	}
+	if len(q.shape) != 4 || len(kk.shape) != 4 || len(v.shape) != 4 {
+		return nil, graph.Errorf(graph.ErrShape, "%s: q %v, k %v, v %v must be [B, H, T, d]", op, q.shape, kk.shape, v.shape)
+	}
+	b, h, t, d := q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+	hkv, s := kk.shape[1], kk.shape[2]
+	if kk.shape[0] != b || kk.shape[3] != d || hkv == 0 || h%hkv != 0 || v.shape[0] != b || v.shape[1] != hkv || v.shape[2] != s || v.shape[3] != d {
+		return nil, graph.Errorf(graph.ErrShape, "%s: q %v, k %v, v %v do not line up", op, q.shape, kk.shape, v.shape)
+	}
+	if d > attMaxD {
+		return nil, graph.Errorf(graph.ErrShape, "%s: head dim %d (q %v) is larger than the CUDA kernels' %d", op, d, q.shape, attMaxD)
+	}
+	var ms [4]int64
+	if mask != nil {
+		r, st := len(mask.shape), int64(1)
+		if r > 4 {
+			return nil, graph.Errorf(graph.ErrShape, "%s: mask %v has rank > 4", op, mask.shape)
+		}
+		full := []int{b, h, t, s}
+		for i := r - 1; i >= 0; i-- {
+			switch m := mask.shape[i]; {
+			case m == full[4-r+i]:
+				ms[4-r+i] = st
+			case m != 1:
+				return nil, graph.Errorf(graph.ErrShape, "%s: mask %v does not broadcast to %v", op, mask.shape, full)
+			}
+			st *= int64(mask.shape[i])
+		}
+	}
+	a := k.attrs()
+	return []any{int64(b), int64(h), int64(hkv), int64(t), int64(s), int64(d),
+		ms[0], ms[1], ms[2], ms[3], float32(a.Scalar), boolInt(a.Causal)}, nil
+}
+
+// attentionFwd launches attention_fwd_f32 for o, lse or both (a zero
+// pointer skips one): one block per (b, h, tile of 64 query rows).
+func (k *kctx) attentionFwd(q, kk, v operand, mask *operand, o, lse alloc.Ptr) error {
+	geom, err := k.attnGeom(q, kk, v, mask)
+	if err != nil {
+		return err
+	}
+	blocks := int64(q.shape[0]*q.shape[1]) * ceilDiv(int64(q.shape[2]), attRows)
+	return k.attnLaunch(kAttentionFwd, blocks, append([]any{q.p, kk.p, v.p, ptrOf(mask), o, lse}, geom...)...)
+}
+
+// attentionGrad launches attention_grad_q_f32 (one block per (b, h, query
+// tile)) or attention_grad_kv_f32 (one per (b, hkv, key tile)) on g, q, k,
+// v, o, lse[, mask].
+func attentionGrad(k *kctx, in []operand, out operand) error {
+	g, q, kk, v, o, lse := in[0], in[1], in[2], in[3], in[4], in[5]
+	mask := optional(in, 6)
+	geom, err := k.attnGeom(q, kk, v, mask)
+	if err != nil {
+		return err
+	}
+	if err := floats(g, o, lse, out); err != nil {
+		return err
+	}
+	if g.n() != q.n() || o.n() != q.n() || lse.n() != int64(q.shape[0]*q.shape[1]*q.shape[2]) {
+		return graph.Errorf(graph.ErrShape, "%s: g %v, o %v, lse %v for q %v", k.nd.Op, g.shape, o.shape, lse.shape, q.shape)
+	}
+	name, blocks := kAttentionGradQ, int64(q.shape[0]*q.shape[1])*ceilDiv(int64(q.shape[2]), attRows)
+	if k.nd.Op == graph.OpAttentionGradKV {
+		name, blocks = kAttentionGradKV, int64(kk.shape[0]*kk.shape[1])*ceilDiv(int64(kk.shape[2]), attRows)
+		if out.n() != 2*kk.n() {
+			return graph.Errorf(graph.ErrShape, "%s: output %v for k %v", k.nd.Op, out.shape, kk.shape)
+		}
+	} else if out.n() != q.n() {
+		return graph.Errorf(graph.ErrShape, "%s: output %v for q %v", k.nd.Op, out.shape, q.shape)
+	}
+	return k.attnLaunch(name, blocks, append([]any{g.p, q.p, kk.p, v.p, o.p, lse.p, ptrOf(mask), out.p}, geom...)...)
 }

@@ -71,12 +71,16 @@ const (
 	kSoftmaxCols     = "softmax_cols_f32"
 	kSoftmaxGradRows = "softmax_grad_rows_f32"
 	kSoftmaxGradCols = "softmax_grad_cols_f32"
+	kAttentionFwd    = "attention_fwd_f32"
+	kAttentionGradQ  = "attention_grad_q_f32"
+	kAttentionGradKV = "attention_grad_kv_f32"
 )
 
 // kernelFiles lists the executor's kernels by source file: one NVRTC
 // module each. Every kernel file but smoke.cu (the foundation's test
 // kernel) is here.
 var kernelFiles = map[string][]string{
+	"attention.cu":   {kAttentionFwd, kAttentionGradQ, kAttentionGradKV},
 	"accumulate.cu":  {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
 	"batchnorm.cu":   {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
 	"conv.cu":        {kIm2col, kCol2im},
