@@ -15,6 +15,11 @@ type GPTConfig struct {
 	Layers  int
 	Heads   int
 	Dim     int // model width; a multiple of Heads
+	// WrittenOutAttention builds attention as PyTorch's eager code writes
+	// it: q·kᵀ, scale, causal_mask, softmax, ·v, each a [B, H, T, T] value
+	// kept for backward. By default a block uses the fused attention op
+	// (lazy.Tensor.Attention), which keeps nothing [T, T]-sized.
+	WrittenOutAttention bool
 }
 
 // GPT2Small is GPT-2 small: 12 layers, width 768, 12 heads, 1024 positions,
@@ -115,7 +120,7 @@ type block struct{ nn.Children }
 
 func newBlock(opt nn.Options, cfg GPTConfig) *block {
 	d := cfg.Dim
-	attn := &attention{heads: cfg.Heads, Children: nn.NewChildren(
+	attn := &attention{heads: cfg.Heads, writtenOut: cfg.WrittenOutAttention, Children: nn.NewChildren(
 		nn.Child{Name: "c_attn", Module: linear(opt, d, 3*d)},
 		nn.Child{Name: "c_proj", Module: linear(opt, d, d)},
 	)}
@@ -145,11 +150,12 @@ func linear(opt nn.Options, in, out int) *nn.Linear {
 // attention is causal multi-head self-attention.
 type attention struct {
 	nn.Children
-	heads int
+	heads      int
+	writtenOut bool // GPTConfig.WrittenOutAttention
 }
 
 // Forward: q, k, v from one projection, softmax(q·kᵀ/√d + causal mask)·v per
-// head, heads concatenated and projected.
+// head (the fused op, or written out), heads concatenated and projected.
 func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if err := firstErr(x); err != nil {
 		return lazy.ErrorTensor("attention", err)
@@ -165,8 +171,14 @@ func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
 		return qkv.Slice(2, i*c, (i+1)*c).Reshape(-1, t, a.heads, d).Permute(0, 2, 1, 3)
 	}
 	q, k, v := head(0), head(1), head(2)
-	att := q.MatMulT(k, false, true).MulScalar(1 / math.Sqrt(float64(d))).CausalMask().Softmax(-1)
-	y := att.MatMul(v).Permute(0, 2, 1, 3).Reshape(-1, t, c)
+	var y *lazy.Tensor
+	if a.writtenOut {
+		att := q.MatMulT(k, false, true).MulScalar(1 / math.Sqrt(float64(d))).CausalMask().Softmax(-1)
+		y = att.MatMul(v)
+	} else {
+		y = q.Attention(k, v, lazy.AttentionOptions{Causal: true, Scale: 1 / math.Sqrt(float64(d))})
+	}
+	y = y.Permute(0, 2, 1, 3).Reshape(-1, t, c)
 	return a.Call("c_proj", y)
 }
 
