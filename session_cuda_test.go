@@ -356,3 +356,64 @@ func withOverhead(planBudget int64) int64 {
 	}
 	return planBudget + cuda.DefaultWorkspace
 }
+
+// TestSessionCUDAGPTFusedAttention: a GPT step through the fused attention
+// kernels (attention_fwd_f32, attention_grad_q_f32, attention_grad_kv_f32)
+// trains like the CPU's (losses and parameters over 5 SGD steps), and its
+// plan's peaks plus Overhead are the measured ones, in one chunk and in
+// two.
+func TestSessionCUDAGPTFusedAttention(t *testing.T) {
+	const steps, n = 5, 64
+	ctx := context.Background()
+	t.Run("matches the CPU", func(t *testing.T) {
+		gpu := cudaSession(t, batchfit.Options{})
+		cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+		cpuModel, gpuModel := gptModel(64)(false), gptModel(64)(false)
+		cpuRng, gpuRng := rand.New(rand.NewPCG(91, 92)), rand.New(rand.NewPCG(91, 92))
+		cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+		for step := range steps {
+			loss, cpuParams := cpuModel.Build(cpuRng, n)
+			want, err := cpu.Step(ctx, loss, cpuParams, cpuOpt)
+			require.NoError(t, err, "cpu step %d", step)
+			loss, gpuParams := gpuModel.Build(gpuRng, n)
+			got, err := gpu.Step(ctx, loss, gpuParams, gpuOpt)
+			require.NoError(t, err, "cuda step %d", step)
+			t.Logf("step %d: loss cpu %.7f, cuda %.7f", step, want, got)
+			assert.InEpsilon(t, want, got, 1e-4, "step %d loss", step)
+			require.NoError(t, gpu.SyncParams(), "step %d", step)
+			for i := range cpuParams {
+				w, g := testutil.Float32s(t, cpuParams[i].Value().(*tensor.Dense)), testutil.Float32s(t, gpuParams[i].Value().(*tensor.Dense))
+				require.Len(t, g, len(w))
+				for j := range w {
+					if d := math.Abs(float64(g[j]) - float64(w[j])); d > 1e-5+1e-4*math.Abs(float64(w[j])) {
+						require.Failf(t, "parameters differ", "step %d, %s[%d]: cpu %g, cuda %g", step, cpuParams[i].Name(), j, w[j], g[j])
+					}
+				}
+			}
+		}
+	})
+	probe := cudaSession(t, batchfit.Options{})
+	loss, params := gptModel(64)(false).Build(rand.New(rand.NewPCG(93, 94)), n)
+	budgets := testutil.TightBudgets(t, testutil.StepProgram(t, cuda.Workspace, loss, params, 2))
+	require.Contains(t, budgets, 2)
+	require.NoError(t, probe.Close())
+	for _, c := range []struct {
+		name   string
+		budget int64
+		chunks int
+	}{{"device", 0, 1}, {"two chunks", budgets[2], 2}} {
+		t.Run("predicted = measured/"+c.name, func(t *testing.T) {
+			sess := cudaSession(t, batchfit.Options{Budget: withOverhead(c.budget)})
+			m, rng, opt := gptModel(64)(false), rand.New(rand.NewPCG(95, 96)), optim.NewAdam(1e-3)
+			for step := range 3 {
+				loss, params := m.Build(rng, n)
+				_, err := sess.Step(ctx, loss, params, opt)
+				require.NoError(t, err, "step %d", step)
+				pl, used := sess.LastPlan(), sess.LastUsage()
+				require.Len(t, pl.Chunks, c.chunks)
+				assert.Equal(t, pl.PeakReserved+sess.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
+				assert.Equal(t, pl.PeakAllocated+sess.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+			}
+		})
+	}
+}
