@@ -38,9 +38,10 @@ const (
 // and a training step keeps O(T) per head between forward and backward.
 //
 // Convention for rows whose every key is masked (−Inf scores): the output
-// row is 0, the log-sum-exp −Inf and every gradient through that row 0 —
-// what PyTorch's memory-efficient and flash SDPA kernels return, where its
-// math path returns NaN.
+// row is 0, the log-sum-exp −Inf and every gradient through that row 0,
+// never NaN. PyTorch's SDPA returns 0 for such rows since 2.5 ("fully
+// masked rows no longer cause NaNs"); earlier versions gave NaN on some
+// paths (pytorch/pytorch#110213).
 var attentionOps = []OpInfo{
 	OpAttention: {Name: "attention", Category: CatContraction, MinArity: 3, Arity: 3, MaxArity: 4,
 		Attrs: []string{"scalar", "causal"}, Rule: attentionRule, Chunk: attentionChunk,
