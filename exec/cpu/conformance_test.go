@@ -52,3 +52,14 @@ func runCPU(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Valu
 	}
 	return vals, nil
 }
+
+// Every case again with its input and parameters in bfloat16 and in
+// float16: each op runs on 16-bit values and rounds its result where the
+// reference rounds (conformance.BFloat16Tol, Float16Tol).
+func TestConformanceBFloat16(t *testing.T) {
+	conformance.RunAllAs(t, runCPU, graph.BFloat16, conformance.BFloat16Tol)
+}
+
+func TestConformanceFloat16(t *testing.T) {
+	conformance.RunAllAs(t, runCPU, graph.Float16, conformance.Float16Tol)
+}
