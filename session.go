@@ -16,6 +16,7 @@ import (
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -53,6 +54,20 @@ type Options struct {
 	// Timeline records the allocator's state after every program step of
 	// a run in LastUsage().Timeline: the measured per-op profile.
 	Timeline bool
+	// Precision is the precision policy (package precision): "fp32" (the
+	// default when empty), "tf32" (float32 values; on CUDA as TF32 does),
+	// "bf16-mixed" or "fp16-mixed" (autocast's semantics: matrix products
+	// and convolutions from 16-bit copies, softmax, norms, losses and
+	// reductions in float32, parameters, gradients and optimizer state in
+	// float32). Step and Eval apply it to the graph they are given before
+	// autodiff and planning, so plans count every cast copy. Another name
+	// makes the session hold an error wrapping precision.ErrUnknown.
+	//
+	// The mixed policies run on the CPU executor only in this version:
+	// the CUDA executor has no 16-bit kernels and refuses such a step with
+	// an error wrapping graph.ErrDType. DeviceAuto does not fall back to
+	// the CPU for it: on a machine with a usable GPU, pass DeviceCPU.
+	Precision string
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -67,6 +82,7 @@ type Options struct {
 // step); parameters and optimizer state stay until Close.
 type Session struct {
 	opts   Options
+	policy precision.Policy
 	be     exec.Executor // nil when err is set
 	device string
 	err    error // why no executor could be made
@@ -92,12 +108,14 @@ type programKey struct {
 
 // NewSession returns a session with the given options, on the executor
 // Options.Device picks. If none can be made (Device is "cuda" without a
-// usable GPU, or names no device; Budget is negative; TraceEntries is out
-// of range) the session holds the error: Err returns it, and so does every
+// usable GPU, or names no device; Precision names no policy; Budget is
+// negative; TraceEntries is out of range) the session holds the error: Err returns it, and so does every
 // Step, Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
-	if opts.Budget < 0 {
+	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
+		s.err = fmt.Errorf("Options.Precision: %w", s.err)
+	} else if opts.Budget < 0 {
 		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
 		s.be, s.device, s.err = chooseExecutor(opts)
@@ -394,7 +412,17 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	for i, t := range outputs {
 		ids[i] = t.ID()
 	}
-	p, err := s.program(g.IR(), ids, nil, nil, 0)
+	ir := g.IR()
+	if s.policy.Mixed() {
+		var m []int
+		if ir, m, err = precision.Apply(ir, s.policy); err != nil {
+			return nil, err
+		}
+		for i, id := range ids {
+			ids[i] = m[id]
+		}
+	}
+	p, err := s.program(ir, ids, nil, nil, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -434,29 +462,32 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 			}
 		}
 	}
-	grads := lazy.Grad(loss, params...)
-	outs := append([]*lazy.Tensor{loss}, grads...)
-	g, err := sameGraph("step", outs)
+	st, err := s.backward(loss, params)
 	if err != nil {
 		return 0, err
 	}
 	// A parameter the loss does not depend on gets a zero-filled gradient;
 	// like PyTorch's parameters whose grad is None, it is not updated (no
 	// weight decay, no momentum) and gets no optimizer state.
-	ids := []int{loss.ID()}
+	ir := st.Graph
+	ids := []int{st.Loss}
 	var trained []int
 	for i, p := range params {
-		id := g.NodeOf(p)
-		if _, err := exec.ParamData(g.IR().Node(id), p.Value()); err != nil {
+		id := st.Params[i]
+		if dt := ir.Node(id).Type.DType; dt != graph.Float32 {
+			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
+				"parameter %q is %s: trained parameters stay float32 (master weights); use Options.Precision for 16-bit compute", p.Name(), dt)}
+		}
+		if _, err := exec.ParamData(ir.Node(id), p.Value()); err != nil {
 			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
 		}
-		if gr := g.IR().Node(grads[i].ID()); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
+		if gr := ir.Node(st.Grads[i]); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
 			continue
 		}
-		ids = append(ids, grads[i].ID())
+		ids = append(ids, st.Grads[i])
 		trained = append(trained, id)
 	}
-	prog, err := s.program(g.IR(), ids, ids[1:], trained, opt.StateSlots())
+	prog, err := s.program(ir, ids, ids[1:], trained, opt.StateSlots())
 	if err != nil {
 		return 0, err
 	}
@@ -465,6 +496,40 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		return 0, err
 	}
 	return scalarOf(vals[0])
+}
+
+// backward builds the step's graph: under fp32 and tf32 the backward pass
+// appended to loss's own graph (lazy.Grad); under a mixed policy the
+// policy's rewrite of that graph with its backward pass (precision.Train),
+// which leaves the caller's graph as it was.
+func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor) (*precision.Step, error) {
+	if !s.policy.Mixed() {
+		grads := lazy.Grad(loss, params...)
+		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
+		if err != nil {
+			return nil, err
+		}
+		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: make([]int, len(params)), Grads: make([]int, len(params))}
+		for i, p := range params {
+			st.Params[i], st.Grads[i] = g.NodeOf(p), grads[i].ID()
+		}
+		return st, nil
+	}
+	if _, err := sameGraph("step", []*lazy.Tensor{loss}); err != nil {
+		return nil, err
+	}
+	wrt, err := lazy.ParamIDs(loss, params...)
+	if err != nil {
+		return nil, err
+	}
+	st, err := precision.Train(loss.Graph().IR(), s.policy, loss.ID(), wrt)
+	if err != nil {
+		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+			err = &graph.OpError{Op: "step", Err: err}
+		}
+		return nil, err
+	}
+	return st, nil
 }
 
 // scalarOf reads a one-element float32 tensor; gorgonia returns a scalar
