@@ -30,6 +30,7 @@ type Options struct {
 	// TF32 lets CUDA run float32 matrix products on TF32 tensor cores
 	// (10-bit mantissa products, float32 sums). Off by default: CUDA
 	// computes in full FP32, as the CPU does. The CPU ignores it.
+	// Precision "tf32" sets it too.
 	TF32 bool
 	// Budget is all the device memory the session may hold, in bytes:
 	// its allocator's reserved bytes never exceed it, library workspaces
