@@ -11,6 +11,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
 )
@@ -24,14 +25,6 @@ type trained struct {
 	params [][]uint32
 	state  [][][]uint32
 	losses []uint32
-}
-
-func bitsOf(d []float32) []uint32 {
-	b := make([]uint32, len(d))
-	for i, x := range d {
-		b[i] = math.Float32bits(x)
-	}
-	return b
 }
 
 // requireEmptyDevice checks that a yielded session holds nothing, and that
@@ -65,7 +58,7 @@ func trainMLP(t *testing.T, budget int64, chunks, steps, yieldAt int, between fu
 			between(sess)
 		}
 		var loss *lazy.Tensor
-		loss, params = m.build(rng, n)
+		loss, params = m.Build(rng, n)
 		l, err := sess.Step(context.Background(), loss, params, opt)
 		require.NoError(t, err, "step %d", step)
 		require.False(t, sess.Yielded(), "step %d restored the memory", step)
@@ -77,18 +70,18 @@ func trainMLP(t *testing.T, budget int64, chunks, steps, yieldAt int, between fu
 	}
 	for _, p := range params {
 		d := p.Value().(*tensor.Dense).Float32s()
-		out.params = append(out.params, bitsOf(d))
+		out.params = append(out.params, testutil.Bits(d))
 		st := opt.State(p.Value())
 		require.Len(t, st, 2, "Adam keeps exp_avg and exp_avg_sq")
-		out.state = append(out.state, [][]uint32{bitsOf(st[0]), bitsOf(st[1])})
+		out.state = append(out.state, [][]uint32{testutil.Bits(st[0]), testutil.Bits(st[1])})
 	}
 	return out
 }
 
 func TestYieldRestoreContinuesTraining(t *testing.T) {
 	const steps, yieldAt = 5, 2
-	loss, params := mlpModel(false).build(rand.New(rand.NewPCG(71, 72)), courtesyBatch)
-	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(71, 72)), courtesyBatch)
+	budgets := testutil.TightBudgets(t, stepProgram(t, loss, params, 2))
 	require.Contains(t, budgets, 2)
 	budget := budgets[2]
 
@@ -121,8 +114,8 @@ func TestYieldRestoreContinuesTraining(t *testing.T) {
 // A Restore that finds the device taken fails with the allocator's typed
 // error, holds nothing, and succeeds once the memory is free again.
 func TestRestoreWhenTheDeviceIsTaken(t *testing.T) {
-	loss, params := mlpModel(false).build(rand.New(rand.NewPCG(75, 76)), courtesyBatch)
-	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(75, 76)), courtesyBatch)
+	budgets := testutil.TightBudgets(t, stepProgram(t, loss, params, 2))
 	budget := budgets[1]
 	never := trainMLP(t, budget, 1, 3, 1, nil)
 	got := trainMLP(t, budget, 1, 3, 1, func(sess *batchfit.Session) {
@@ -151,12 +144,12 @@ func TestYieldBeforeStepsAndEval(t *testing.T) {
 	requireEmptyDevice(t, sess, 0)
 	rng := rand.New(rand.NewPCG(77, 78))
 	m := mlpModel(false)
-	loss, params := m.build(rng, 8)
+	loss, params := m.Build(rng, 8)
 	_, err := sess.Step(context.Background(), loss, params, optim.NewAdam(1e-3))
 	require.NoError(t, err)
 	require.False(t, sess.Yielded())
 
-	loss, _ = m.build(rng, 8)
+	loss, _ = m.Build(rng, 8)
 	want, err := sess.Eval(context.Background(), loss)
 	require.NoError(t, err)
 	require.NoError(t, sess.Yield())

@@ -16,8 +16,9 @@
 //
 // A session runs on CUDA when a GPU is usable and on the CPU reference
 // executor otherwise (Options.Device forces one); Device says which and
-// why. On CUDA, SGD and Adam update parameters on the device, and the
-// parameters' host tensors are brought up to date after every Step.
+// why. On CUDA, SGD and Adam update parameters on the device, which holds
+// their current values: the parameters' host tensors are brought up to date
+// only by SyncParams (and Close), as a PyTorch model's are by .cpu().
 //
 // Between steps a session can lend its device memory to another job:
 // Yield frees the parameters' and optimizer state's device blocks and

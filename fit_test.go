@@ -17,12 +17,10 @@ import (
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
-	"github.com/batchfit/batchfit/models"
-	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 // Acceptance tests of issue #4: what the planner predicts is what the
@@ -30,152 +28,27 @@ import (
 // tight. The models are small, but their per-sample memory is large enough
 // that budgets a few 2 MiB segments apart give different chunk counts.
 
-// trainModel is a model under test. build makes a fresh training graph over
-// n new samples, as a training loop does every step, and returns the mean
-// cross-entropy loss and the parameters it trains.
-type trainModel struct {
-	name  string
-	build func(rng *rand.Rand, n int) (loss *lazy.Tensor, params []*lazy.Tensor)
-}
-
-// uniformF32 draws a tensor of shape uniformly from [−1, 1).
-func uniformF32(rng *rand.Rand, shape ...int) *tensor.Dense {
-	d := make([]float32, graph.Numel(shape))
-	for i := range d {
-		d[i] = float32(rng.Float64()*2 - 1)
-	}
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
-}
-
-// classes draws an int64 tensor of shape with values in [0, k).
-func classes(rng *rand.Rand, k int, shape ...int) *tensor.Dense {
-	d := make([]int64, graph.Numel(shape))
-	for i := range d {
-		d[i] = int64(rng.IntN(k))
-	}
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
-}
-
-// mlpModel is 784 → 64 → 64 → 10 with ReLU; with dropout, nn.Dropout in
-// training mode drops inputs (p 0.2) and the first hidden layer (p 0.3).
-func mlpModel(dropout bool) trainModel {
-	opt := nn.Seed(21)
-	mods := []nn.Module{nn.NewLinear(opt, 784, 64, true), nn.ReLU{}}
-	if dropout {
-		mods = append([]nn.Module{&nn.Dropout{P: 0.2, Training: true, Seed: 5}}, mods...)
-		mods = append(mods, &nn.Dropout{P: 0.3, Training: true, Seed: 6})
-	}
-	mods = append(mods, nn.NewLinear(opt, 64, 64, true), nn.ReLU{}, nn.NewLinear(opt, 64, 10, true))
-	m := nn.NewSequential(mods...)
-	return trainModel{"mlp", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
-		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
-	}}
-}
+// mlpModel is 784 → 64 → 64 → 10 with ReLU, with dropout or without
+// (testutil.MLPModel).
+func mlpModel(dropout bool) testutil.TrainModel { return testutil.MLPModel(784, 64, dropout) }
 
 // gptModel makes two-layer GPTs over 16 tokens of a vocabulary of vocab
-// tokens; at 512 the logits dominate the per-sample memory. With dropout,
-// lazy Dropout (p 0.1) drops logits, with a counter that advances every
-// build.
-func gptModel(vocab int) func(dropout bool) trainModel {
-	return func(dropout bool) trainModel { return newGPTModel(vocab, dropout) }
+// tokens (testutil.GPTModel).
+func gptModel(vocab int) func(dropout bool) testutil.TrainModel {
+	return func(dropout bool) testutil.TrainModel { return testutil.GPTModel(vocab, dropout) }
 }
 
-func newGPTModel(vocab int, dropout bool) trainModel {
-	const seq = 16
-	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16})
-	var step uint64
-	return trainModel{"gpt", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		tokens := lazy.Wrap(classes(rng, vocab, n, seq), 0)
-		targets := tokens.Graph().Wrap(classes(rng, vocab, n, seq), 0)
-		logits := m.Forward(tokens)
-		if dropout {
-			step++
-			logits = logits.Dropout(0.1, 9, step)
-		}
-		return models.Loss(logits, targets), nn.ParamTensors(m)
-	}}
+// convModel makes two-stage ConvNets over 3×size×size images
+// (testutil.ConvModel).
+func convModel(size int) func(dropout bool) testutil.TrainModel {
+	return func(dropout bool) testutil.TrainModel { return testutil.ConvModel(size, dropout) }
 }
 
-// convModel makes two-stage ConvNets over 3×size×size images; with
-// dropout, lazy Dropout (p 0.2) drops input pixels.
-func convModel(size int) func(dropout bool) trainModel {
-	return func(dropout bool) trainModel { return newConvModel(size, dropout) }
-}
-
-func newConvModel(size int, dropout bool) trainModel {
-	m := models.NewConvNet(nn.Seed(23), models.ConvNetConfig{Channels: 3, Size: size, Widths: []int{8, 8}, Classes: 10})
-	var step uint64
-	return trainModel{"convnet", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, 3, size, size), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
-		if dropout {
-			step++
-			x = x.Dropout(0.2, 11, step)
-		}
-		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
-	}}
-}
-
-// stepProgram compiles the program Session.Step runs for loss: outputs are
-// the loss and the gradients of params (kept on the device), then extra.
+// stepProgram compiles the program a CPU session's Step runs for loss
+// (testutil.StepProgram with the CPU executor's workspace rule).
 func stepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
 	t.Helper()
-	return stepProgramFor(t, cpu.Workspace, loss, params, slots, extra...)
-}
-
-// stepProgramFor is stepProgram for the executor whose workspace rule is ws.
-func stepProgramFor(t *testing.T, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
-	t.Helper()
-	require.NoError(t, loss.Err())
-	g := loss.Graph()
-	outs := []int{loss.ID()}
-	trained := make([]int, len(params))
-	for i, gr := range lazy.Grad(loss, params...) {
-		require.NoError(t, gr.Err())
-		outs = append(outs, gr.ID())
-		trained[i] = g.NodeOf(params[i])
-	}
-	kept := slices.Clone(outs[1:])
-	outs = append(outs, extra...)
-	info, err := shapeinfer.Analyze(g.IR(), outs...)
-	require.NoError(t, err)
-	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: ws})
-	require.NoError(t, err)
-	return p
-}
-
-// tightBudgets maps each chunk count the planner can choose for p to the
-// smallest budget at which it chooses it. Every segment the allocator
-// reserves is a multiple of 2 MiB, so budgets in 2 MiB steps find them all.
-func tightBudgets(t *testing.T, p *planner.Program) map[int]int64 {
-	t.Helper()
-	budgets := map[int]int64{}
-	for b := int64(alloc.RoundLarge); ; b += alloc.RoundLarge {
-		pl, err := planner.Make(p, planner.Options{Budget: b})
-		if err != nil {
-			require.ErrorIs(t, err, planner.ErrDoesNotFit)
-			continue
-		}
-		if _, ok := budgets[len(pl.Chunks)]; !ok {
-			budgets[len(pl.Chunks)] = b
-		}
-		if len(pl.Chunks) == 1 {
-			return budgets
-		}
-	}
-}
-
-// counts lists the keys of budgets in increasing order.
-func counts(budgets map[int]int64) []int {
-	var ks []int
-	for k := range budgets {
-		ks = append(ks, k)
-	}
-	slices.Sort(ks)
-	return ks
+	return testutil.StepProgram(t, cpu.Workspace, loss, params, slots, extra...)
 }
 
 // Predicted == measured, to the byte: at every chunk count the planner
@@ -188,19 +61,19 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 	const steps = 3
 	ctx := context.Background()
 	for _, c := range []struct {
-		model func(dropout bool) trainModel
+		model func(dropout bool) testutil.TrainModel
 		sizes []int
 	}{
 		{mlpModel, []int{500, 1000}},
 		{gptModel(512), []int{40, 64}},
 		{convModel(32), []int{30, 40}},
 	} {
-		name := c.model(false).name
+		name := c.model(false).Name
 		seen := map[int]bool{}
 		for _, n := range c.sizes {
-			loss, params := c.model(false).build(rand.New(rand.NewPCG(uint64(n), 1)), n)
-			budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
-			for _, k := range counts(budgets) {
+			loss, params := c.model(false).Build(rand.New(rand.NewPCG(uint64(n), 1)), n)
+			budgets := testutil.TightBudgets(t, stepProgram(t, loss, params, 2))
+			for _, k := range testutil.Counts(budgets) {
 				if seen[k] {
 					continue // tested at another batch size
 				}
@@ -213,7 +86,7 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 					opt := optim.NewAdam(1e-3)
 					var calls [steps][3]int64 // device allocations, frees and retries after each step
 					for step := range steps {
-						loss, params := m.build(rng, n)
+						loss, params := m.Build(rng, n)
 						_, err := sess.Step(ctx, loss, params, opt)
 						require.NoError(t, err, "step %d", step)
 						pl, used, st := sess.LastPlan(), sess.LastUsage(), sess.Allocator().Stats()
@@ -263,19 +136,6 @@ func dropoutNodes(g *graph.Graph) []int {
 	return ids
 }
 
-// float32s is the data of an output, a scalar's included.
-func float32s(t *testing.T, d *tensor.Dense) []float32 {
-	t.Helper()
-	switch v := d.Data().(type) {
-	case float32:
-		return []float32{v}
-	case []float32:
-		return v
-	}
-	t.Fatalf("output holds %T", d.Data())
-	return nil
-}
-
 // Chunked == whole: one training graph with dropout on, run in 1, 2, 3 and
 // 7 balanced chunks of an uneven batch of 10 (5+5, 4+3+3, 2+2+2+1+1+1+1),
 // gives the whole batch's loss, every parameter gradient and every dropout
@@ -291,11 +151,11 @@ func float32s(t *testing.T, d *tensor.Dense) []float32 {
 func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 	const n, rtol, atolScale = 10, 1e-5, 1e-6
 	ctx := context.Background()
-	for _, newModel := range []func(bool) trainModel{mlpModel, gptModel(64), convModel(16)} {
+	for _, newModel := range []func(bool) testutil.TrainModel{mlpModel, gptModel(64), convModel(16)} {
 		m := newModel(true)
-		t.Run(m.name, func(t *testing.T) {
+		t.Run(m.Name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(31, 32))
-			loss, params := m.build(rng, n)
+			loss, params := m.Build(rng, n)
 			drops := dropoutNodes(loss.Graph().IR())
 			require.NotEmpty(t, drops)
 			p := stepProgram(t, loss, params, 0, drops...)
@@ -326,13 +186,13 @@ func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 				if k == 1 {
 					whole = res.Outputs
 					for i, v := range wantRef {
-						near(t, fmt.Sprintf("whole vs float64: output %d", i), v.Data, float32s(t, whole[i]))
+						near(t, fmt.Sprintf("whole vs float64: output %d", i), v.Data, testutil.Float32s(t, whole[i]))
 					}
 					continue
 				}
 				for i, out := range res.Outputs {
-					want := float32s(t, whole[i])
-					got := float32s(t, out)
+					want := testutil.Float32s(t, whole[i])
+					got := testutil.Float32s(t, out)
 					near(t, fmt.Sprintf("%d chunks: output %d", k, i), to64(want), got)
 					if i >= len(p.Outputs)-len(drops) {
 						for j := range want {
@@ -354,7 +214,7 @@ func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 func TestPlansAreTight(t *testing.T) {
 	ctx := context.Background()
 	for _, c := range []struct {
-		model trainModel
+		model testutil.TrainModel
 		n     int
 	}{
 		{mlpModel(false), 1000},
@@ -362,12 +222,12 @@ func TestPlansAreTight(t *testing.T) {
 		{convModel(32)(false), 40},
 	} {
 		rng := rand.New(rand.NewPCG(41, uint64(c.n)))
-		loss, params := c.model.build(rng, c.n)
+		loss, params := c.model.Build(rng, c.n)
 		p := stepProgram(t, loss, params, 2)
-		budgets := tightBudgets(t, p)
-		for _, k := range counts(budgets) {
+		budgets := testutil.TightBudgets(t, p)
+		for _, k := range testutil.Counts(budgets) {
 			budget := budgets[k]
-			t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", c.model.name, c.n, k), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", c.model.Name, c.n, k), func(t *testing.T) {
 				onDevice := func(capacity int64) *alloc.Allocator {
 					return alloc.New(alloc.NewSimBackend(capacity), alloc.Options{})
 				}
@@ -401,15 +261,15 @@ func TestSessionPlansOnce(t *testing.T) {
 	const n, steps = 500, 4
 	m := mlpModel(true)
 	rng := rand.New(rand.NewPCG(51, 52))
-	loss, params := m.build(rng, n)
-	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	loss, params := m.Build(rng, n)
+	budgets := testutil.TightBudgets(t, stepProgram(t, loss, params, 2))
 	require.Contains(t, budgets, 3)
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[3]})
 	opt := optim.NewAdam(1e-3)
 	var first *planner.Plan
 	masks := map[[2]uint64]bool{} // (seed, counter) of every dropout node run
 	for step := range steps {
-		loss, params := m.build(rng, n)
+		loss, params := m.Build(rng, n)
 		for _, id := range dropoutNodes(loss.Graph().IR()) {
 			a := loss.Graph().IR().Node(id).Attrs
 			masks[[2]uint64{a.Seed, a.Counter}] = true
@@ -433,16 +293,16 @@ func TestSessionPlansOnce(t *testing.T) {
 func TestSessionNotChunkable(t *testing.T) {
 	const n = 64
 	rng := rand.New(rand.NewPCG(61, 62))
-	w := lazy.Param(uniformF32(rng, 1024), "w")
+	w := lazy.Param(testutil.UniformF32(rng, 1024), "w")
 	build := func() *lazy.Tensor {
-		x := lazy.Wrap(uniformF32(rng, n, 8, 1024), 0)
+		x := lazy.Wrap(testutil.UniformF32(rng, n, 8, 1024), 0)
 		return x.Sub(x.MeanKeepDim(0)).Mul(w).Tanh().Mean()
 	}
 	loss := build()
 	p := stepProgram(t, loss, []*lazy.Tensor{w}, 1)
 	require.False(t, p.Info.Chunkable())
-	budgets := tightBudgets(t, p)
-	require.Equal(t, []int{1}, counts(budgets), "a non-chunkable graph was planned in chunks")
+	budgets := testutil.TightBudgets(t, p)
+	require.Equal(t, []int{1}, testutil.Counts(budgets), "a non-chunkable graph was planned in chunks")
 
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[1]})
 	_, err := sess.Step(context.Background(), build(), []*lazy.Tensor{w}, optim.NewSGD(0.1, 0.9))

@@ -17,6 +17,7 @@ import (
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
@@ -58,27 +59,27 @@ func TestMixedPlannedPeaksAreMeasured(t *testing.T) {
 	const steps = 2
 	ctx := context.Background()
 	for _, c := range []struct {
-		model func(dropout bool) trainModel
+		model func(dropout bool) testutil.TrainModel
 		n     int
 	}{
 		{mlpModel, 1000},
 		{gptModel(512), 40},
 		{convModel(32), 30},
 	} {
-		name := c.model(false).name
-		loss, params := c.model(false).build(rand.New(rand.NewPCG(uint64(c.n), 1)), c.n)
+		name := c.model(false).Name
+		loss, params := c.model(false).Build(rand.New(rand.NewPCG(uint64(c.n), 1)), c.n)
 		prog := mixedProgram(t, precision.BF16Mixed, loss, params, 2)
 		whole, err := planner.Make(prog, planner.Options{Budget: 1 << 40})
 		require.NoError(t, err)
-		loss32, params32 := c.model(false).build(rand.New(rand.NewPCG(uint64(c.n), 1)), c.n)
+		loss32, params32 := c.model(false).Build(rand.New(rand.NewPCG(uint64(c.n), 1)), c.n)
 		whole32, err := planner.Make(stepProgram(t, loss32, params32, 2), planner.Options{Budget: 1 << 40})
 		require.NoError(t, err)
 		t.Logf("%s N=%d: peak allocated bf16-mixed %d B, fp32 %d B", name, c.n, whole.PeakAllocated, whole32.PeakAllocated)
 		if name == "gpt" { // logits dominate, and they are bf16 until cross_entropy's float32 copy
 			assert.Less(t, whole.PeakAllocated, whole32.PeakAllocated, "%s: bf16-mixed allocates less than fp32", name)
 		}
-		budgets := tightBudgets(t, prog)
-		ks := counts(budgets)
+		budgets := testutil.TightBudgets(t, prog)
+		ks := testutil.Counts(budgets)
 		seen := map[int]bool{}
 		require.Greater(t, len(ks), 1, "%s: chunk counts %v", name, ks)
 		for _, k := range slices.Compact([]int{ks[0], ks[1], ks[len(ks)-1]}) {
@@ -88,7 +89,7 @@ func TestMixedPlannedPeaksAreMeasured(t *testing.T) {
 			require.NoError(t, sess.Err())
 			opt := optim.NewAdam(1e-3)
 			for step := range steps {
-				loss, params := m.build(rng, c.n)
+				loss, params := m.Build(rng, c.n)
 				l, err := sess.Step(ctx, loss, params, opt)
 				require.NoError(t, err, "%s budget %d step %d", name, budget, step)
 				require.False(t, math.IsNaN(float64(l)) || math.IsInf(float64(l), 0), "loss %g", l)
@@ -137,11 +138,11 @@ func TestMixedGradientsNearFloat32(t *testing.T) {
 	tol := map[precision.Policy]float64{precision.BF16Mixed: 0.25, precision.FP16Mixed: 2e-2}
 	tolRef := map[precision.Policy]float64{precision.BF16Mixed: 2e-2, precision.FP16Mixed: 5e-3}
 	for _, c := range []struct {
-		model func(dropout bool) trainModel
+		model func(dropout bool) testutil.TrainModel
 		n     int
 	}{{mlpModel, 16}, {gptModel(64), 4}, {convModel(8), 4}} {
 		want := func() [][]float32 {
-			loss, params := c.model(false).build(rand.New(rand.NewPCG(7, 7)), c.n)
+			loss, params := c.model(false).Build(rand.New(rand.NewPCG(7, 7)), c.n)
 			grads := lazy.Grad(loss, params...)
 			ids := make([]int, len(grads))
 			for i, g := range grads {
@@ -151,12 +152,12 @@ func TestMixedGradientsNearFloat32(t *testing.T) {
 			require.NoError(t, err)
 			vals := make([][]float32, len(out))
 			for i, d := range out {
-				vals[i] = float32s(t, d)
+				vals[i] = testutil.Float32s(t, d)
 			}
 			return vals
 		}()
 		for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
-			loss, params := c.model(false).build(rand.New(rand.NewPCG(7, 7)), c.n)
+			loss, params := c.model(false).Build(rand.New(rand.NewPCG(7, 7)), c.n)
 			wrt, err := lazy.ParamIDs(loss, params...)
 			require.NoError(t, err)
 			st, err := precision.Train(loss.Graph().IR(), p, loss.ID(), wrt)
@@ -167,21 +168,21 @@ func TestMixedGradientsNearFloat32(t *testing.T) {
 			require.NoError(t, err)
 			worst, worstRef := 0.0, 0.0
 			for i, d := range out {
-				got := float32s(t, d)
+				got := testutil.Float32s(t, d)
 				r := make([]float32, len(exact[i].Data))
 				for k, v := range exact[i].Data {
 					r[k] = float32(v)
 				}
 				eRef := relErr(got, r)
 				worstRef = max(worstRef, eRef)
-				assert.LessOrEqual(t, eRef, tolRef[p], "%s %s: gradient of %s against the reference", c.model(false).name, p, params[i].Name())
+				assert.LessOrEqual(t, eRef, tolRef[p], "%s %s: gradient of %s against the reference", c.model(false).Name, p, params[i].Name())
 				e := relErr(got, want[i])
 				worst = max(worst, e)
-				assert.LessOrEqual(t, e, tol[p], "%s %s: gradient of %s", c.model(false).name, p, params[i].Name())
-				assert.Positive(t, e, "%s %s: gradient of %s equals fp32's: no rounding happened", c.model(false).name, p, params[i].Name())
+				assert.LessOrEqual(t, e, tol[p], "%s %s: gradient of %s", c.model(false).Name, p, params[i].Name())
+				assert.Positive(t, e, "%s %s: gradient of %s equals fp32's: no rounding happened", c.model(false).Name, p, params[i].Name())
 			}
 			t.Logf("%s %s: worst relative gradient error %.2g against fp32 (tolerance %g), %.2g against the reference (%g)",
-				c.model(false).name, p, worst, tol[p], worstRef, tolRef[p])
+				c.model(false).Name, p, worst, tol[p], worstRef, tolRef[p])
 		}
 	}
 }
@@ -243,14 +244,14 @@ func TestMixedTrainingMatchesFloat32(t *testing.T) {
 // holding exactly representable values.
 func TestMixedEvalOutputsAreRounded(t *testing.T) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed"})
-	x := lazy.Wrap(uniformF32(rand.New(rand.NewPCG(1, 1)), 8, 784), 0)
+	x := lazy.Wrap(testutil.UniformF32(rand.New(rand.NewPCG(1, 1)), 8, 784), 0)
 	out, err := sess.Eval(context.Background(), nn.NewSequential(nn.NewLinear(nn.Seed(1), 784, 5, true)).Forward(x), x.Sum(1))
 	require.NoError(t, err)
-	for i, v := range float32s(t, out[0]) {
+	for i, v := range testutil.Float32s(t, out[0]) {
 		require.Equal(t, half.RoundBF16(v), v, "linear output %d is a bfloat16 value", i)
 	}
 	inexact := false
-	for _, v := range float32s(t, out[1]) {
+	for _, v := range testutil.Float32s(t, out[1]) {
 		inexact = inexact || half.RoundBF16(v) != v
 	}
 	require.True(t, inexact, "a float32 reduction's output is not rounded to bfloat16")
@@ -261,7 +262,7 @@ func TestSessionUnknownPrecision(t *testing.T) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16"})
 	require.ErrorIs(t, sess.Err(), precision.ErrUnknown)
 	assert.Contains(t, sess.Err().Error(), "Options.Precision")
-	loss, params := mlpModel(false).build(rand.New(rand.NewPCG(1, 1)), 4)
+	loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(1, 1)), 4)
 	_, err := sess.Step(context.Background(), loss, params, optim.NewSGD(0.1, 0))
 	require.ErrorIs(t, err, precision.ErrUnknown)
 	for _, p := range []string{"", "fp32", "tf32", "bf16-mixed", "fp16-mixed"} {

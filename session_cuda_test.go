@@ -2,7 +2,6 @@ package batchfit_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -18,16 +17,11 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
-	"github.com/batchfit/batchfit/planner"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
-
-// requireGPU makes GPU tests fail instead of skip, for runs on a machine
-// known to have one (scripts/gpu-check run sets it), as in exec/cuda.
-const requireGPU = "BATCHFIT_REQUIRE_GPU"
 
 // cudaSession returns a session on CUDA, closed when the test ends, or
 // skips when there is no GPU.
@@ -35,13 +29,7 @@ func cudaSession(t *testing.T, o batchfit.Options) *batchfit.Session {
 	t.Helper()
 	o.Device = batchfit.DeviceCUDA
 	sess := batchfit.NewSession(o)
-	if err := sess.Err(); errors.Is(err, cuda.ErrNoGPU) {
-		if os.Getenv(requireGPU) != "" {
-			t.Fatalf("%s is set: %v", requireGPU, err)
-		}
-		t.Skipf("no GPU: %v", err)
-	}
-	require.NoError(t, sess.Err())
+	testutil.SkipWithoutGPU(t, sess.Err(), cuda.ErrNoGPU)
 	t.Cleanup(func() { require.NoError(t, sess.Close()) })
 	return sess
 }
@@ -60,8 +48,8 @@ func TestSessionAutoPicksCUDA(t *testing.T) {
 		require.Error(t, forced.Err(), "Device cuda without a usable GPU")
 		_, err := forced.Step(context.Background(), lazy.Wrap(tensorOf([]float32{1}, 1), -1).Sum(), nil, optim.NewSGD(0.1, 0))
 		require.ErrorIs(t, err, forced.Err())
-		if os.Getenv(requireGPU) != "" {
-			t.Fatalf("%s is set: %v", requireGPU, forced.Err())
+		if os.Getenv(testutil.RequireGPUEnv) != "" {
+			t.Fatalf("%s is set: %v", testutil.RequireGPUEnv, forced.Err())
 		}
 		t.Skipf("no GPU: %s", auto.Device())
 	}
@@ -108,17 +96,17 @@ func TestSessionCUDAMatchesCPU(t *testing.T) {
 	cpuRng, gpuRng := rand.New(rand.NewPCG(81, 82)), rand.New(rand.NewPCG(81, 82))
 	cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
 	for step := range steps {
-		loss, cpuParams := cpuModel.build(cpuRng, n)
+		loss, cpuParams := cpuModel.Build(cpuRng, n)
 		want, err := cpu.Step(ctx, loss, cpuParams, cpuOpt)
 		require.NoError(t, err, "cpu step %d", step)
-		loss, gpuParams := gpuModel.build(gpuRng, n)
+		loss, gpuParams := gpuModel.Build(gpuRng, n)
 		got, err := gpu.Step(ctx, loss, gpuParams, gpuOpt)
 		require.NoError(t, err, "cuda step %d", step)
 		t.Logf("step %d: loss cpu %.7f, cuda %.7f", step, want, got)
 		assert.InEpsilon(t, want, got, 1e-4, "step %d loss", step)
 		require.NoError(t, gpu.SyncParams(), "step %d", step)
 		for i := range cpuParams {
-			w, g := float32s(t, cpuParams[i].Value().(*tensor.Dense)), float32s(t, gpuParams[i].Value().(*tensor.Dense))
+			w, g := testutil.Float32s(t, cpuParams[i].Value().(*tensor.Dense)), testutil.Float32s(t, gpuParams[i].Value().(*tensor.Dense))
 			require.Len(t, g, len(w))
 			for j := range w {
 				if d := math.Abs(float64(g[j]) - float64(w[j])); d > 1e-6+1e-4*math.Abs(float64(w[j])) {
@@ -138,8 +126,8 @@ func TestSessionCUDAPlannedPeaksAreMeasured(t *testing.T) {
 	const n = courtesyBatch
 	ctx := context.Background()
 	probe := cudaSession(t, batchfit.Options{})
-	loss, params := mlpModel(false).build(rand.New(rand.NewPCG(83, 84)), n)
-	budgets := tightBudgets(t, cudaStepProgram(t, loss, params, 2))
+	loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(83, 84)), n)
+	budgets := testutil.TightBudgets(t, testutil.StepProgram(t, cuda.Workspace, loss, params, 2))
 	require.Contains(t, budgets, 2)
 	require.NoError(t, probe.Close())
 	for _, c := range []struct {
@@ -151,7 +139,7 @@ func TestSessionCUDAPlannedPeaksAreMeasured(t *testing.T) {
 			sess := cudaSession(t, batchfit.Options{Budget: withOverhead(c.budget)})
 			m, rng, opt := mlpModel(false), rand.New(rand.NewPCG(85, 86)), optim.NewAdam(1e-3)
 			for step := range 3 {
-				loss, params := m.build(rng, n)
+				loss, params := m.Build(rng, n)
 				_, err := sess.Step(ctx, loss, params, opt)
 				require.NoError(t, err, "step %d", step)
 				pl, used := sess.LastPlan(), sess.LastUsage()
@@ -187,7 +175,7 @@ func TestSessionCUDAYieldRestore(t *testing.T) {
 				}
 			}
 			var loss *lazy.Tensor
-			loss, params = m.build(rng, courtesyBatch)
+			loss, params = m.Build(rng, courtesyBatch)
 			l, err := sess.Step(context.Background(), loss, params, opt)
 			require.NoError(t, err, "step %d", step)
 			require.Equal(t, sess.LastPlan().PeakReserved+sess.Overhead(), sess.LastUsage().PeakReserved, "step %d", step)
@@ -195,33 +183,12 @@ func TestSessionCUDAYieldRestore(t *testing.T) {
 		}
 		require.NoError(t, sess.SyncParams())
 		for _, p := range params {
-			out.params = append(out.params, bitsOf(float32s(t, p.Value().(*tensor.Dense))))
+			out.params = append(out.params, testutil.Bits(testutil.Float32s(t, p.Value().(*tensor.Dense))))
 		}
 		return out
 	}
 	never := run(false)
 	require.Equal(t, never, run(true))
-}
-
-// cudaStepProgram is stepProgram compiled with CUDA's kernel workspaces,
-// as a CUDA session compiles it.
-func cudaStepProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
-	t.Helper()
-	require.NoError(t, loss.Err())
-	g := loss.Graph()
-	outs := []int{loss.ID()}
-	trained := make([]int, len(params))
-	for i, gr := range lazy.Grad(loss, params...) {
-		require.NoError(t, gr.Err())
-		outs = append(outs, gr.ID())
-		trained[i] = g.NodeOf(params[i])
-	}
-	info, err := shapeinfer.Analyze(g.IR(), outs...)
-	require.NoError(t, err)
-	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
-		StateSlots: slots, Workspace: cuda.Workspace})
-	require.NoError(t, err)
-	return p
 }
 
 // On CUDA a step updates the parameters on the device only; SyncParams
@@ -239,25 +206,25 @@ func TestSessionCUDASyncParams(t *testing.T) {
 	var initial [][]uint32
 	for step := range steps {
 		var loss *lazy.Tensor
-		loss, cpuParams = cpuModel.build(cpuRng, n)
+		loss, cpuParams = cpuModel.Build(cpuRng, n)
 		_, err := cpu.Step(ctx, loss, cpuParams, cpuOpt)
 		require.NoError(t, err)
-		loss, gpuParams = gpuModel.build(gpuRng, n)
+		loss, gpuParams = gpuModel.Build(gpuRng, n)
 		if step == 0 {
 			for _, p := range gpuParams {
-				initial = append(initial, bitsOf(float32s(t, p.Value().(*tensor.Dense))))
+				initial = append(initial, testutil.Bits(testutil.Float32s(t, p.Value().(*tensor.Dense))))
 			}
 		}
 		_, err = gpu.Step(ctx, loss, gpuParams, gpuOpt)
 		require.NoError(t, err)
 	}
 	for i, p := range gpuParams {
-		require.Equal(t, initial[i], bitsOf(float32s(t, p.Value().(*tensor.Dense))),
+		require.Equal(t, initial[i], testutil.Bits(testutil.Float32s(t, p.Value().(*tensor.Dense))),
 			"%s: the host tensor is not written before SyncParams", p.Name())
 	}
 	compare := func(when string) {
 		for i := range cpuParams {
-			w, g := float32s(t, cpuParams[i].Value().(*tensor.Dense)), float32s(t, gpuParams[i].Value().(*tensor.Dense))
+			w, g := testutil.Float32s(t, cpuParams[i].Value().(*tensor.Dense)), testutil.Float32s(t, gpuParams[i].Value().(*tensor.Dense))
 			for j := range w {
 				if d := math.Abs(float64(g[j]) - float64(w[j])); d > 1e-6+1e-4*math.Abs(float64(w[j])) {
 					require.Failf(t, "parameters differ", "%s: %s[%d]: cpu %g, cuda %g", when, cpuParams[i].Name(), j, w[j], g[j])
@@ -269,10 +236,10 @@ func TestSessionCUDASyncParams(t *testing.T) {
 	compare("after SyncParams")
 
 	// One more step, then Close alone syncs.
-	loss, ps := cpuModel.build(cpuRng, n)
+	loss, ps := cpuModel.Build(cpuRng, n)
 	_, err := cpu.Step(ctx, loss, ps, cpuOpt)
 	require.NoError(t, err)
-	loss, ps = gpuModel.build(gpuRng, n)
+	loss, ps = gpuModel.Build(gpuRng, n)
 	_, err = gpu.Step(ctx, loss, ps, gpuOpt)
 	require.NoError(t, err)
 	require.NoError(t, gpu.Close())
@@ -283,7 +250,7 @@ func TestSessionCUDASyncParams(t *testing.T) {
 // TestSessionCUDANoLeakOver200Steps trains an MLP (784 → 64 → 64 → 10,
 // 2048 samples) for 200 Adam steps on CUDA, whole and under the smallest
 // budget at which the planner splits the batch in at least three chunks
-// (tightBudgets over the step's program compiled with CUDA's workspaces,
+// (testutil.TightBudgets over the step's program compiled with CUDA's workspaces,
 // as the session compiles it). After every step:
 //   - the allocator's allocated bytes equal those after the first step,
 //     which are the resident parameters and Adam's two state tensors per
@@ -304,7 +271,7 @@ func TestSessionCUDANoLeakOver200Steps(t *testing.T) {
 	rng := rand.New(rand.NewPCG(93, 94))
 	xs, ys := make([]*tensor.Dense, 4), make([]*tensor.Dense, 4)
 	for i := range xs {
-		xs[i], ys[i] = uniformF32(rng, n, in), classes(rng, labels, n)
+		xs[i], ys[i] = testutil.UniformF32(rng, n, in), testutil.Classes(rng, labels, n)
 	}
 	build := func(m *nn.Sequential, step int) (*lazy.Tensor, []*lazy.Tensor) {
 		x := lazy.Wrap(xs[step%len(xs)], 0)
@@ -312,9 +279,9 @@ func TestSessionCUDANoLeakOver200Steps(t *testing.T) {
 		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
 	}
 	loss, params := build(newModel(), 0)
-	budgets := tightBudgets(t, cudaStepProgram(t, loss, params, 2))
+	budgets := testutil.TightBudgets(t, testutil.StepProgram(t, cuda.Workspace, loss, params, 2))
 	chunks := 0
-	for _, k := range counts(budgets) {
+	for _, k := range testutil.Counts(budgets) {
 		if k >= 3 {
 			chunks = k
 			break
@@ -396,13 +363,13 @@ func withOverhead(planBudget int64) int64 {
 func TestSessionCUDARefusesHalfPrecision(t *testing.T) {
 	for _, p := range []string{"bf16-mixed", "fp16-mixed"} {
 		sess := cudaSession(t, batchfit.Options{Device: batchfit.DeviceCUDA, Precision: p})
-		loss, params := mlpModel(false).build(rand.New(rand.NewPCG(1, 1)), 8)
+		loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(1, 1)), 8)
 		_, err := sess.Step(context.Background(), loss, params, optim.NewAdam(1e-3))
 		require.ErrorIs(t, err, graph.ErrDType, p)
 		require.Contains(t, err.Error(), "kernels not yet available", p)
 	}
 	sess := cudaSession(t, batchfit.Options{Device: batchfit.DeviceCUDA, Precision: "tf32"})
-	loss, params := mlpModel(false).build(rand.New(rand.NewPCG(1, 1)), 8)
+	loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(1, 1)), 8)
 	_, err := sess.Step(context.Background(), loss, params, optim.NewAdam(1e-3))
 	require.NoError(t, err)
 }

@@ -2,10 +2,8 @@ package batchfit
 
 import (
 	"context"
-	"errors"
 	"math"
 	"math/rand/v2"
-	"os"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -15,28 +13,19 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 )
 
-// requireGPUEnv makes GPU tests fail instead of skip (scripts/gpu-check run
-// sets it), as in session_cuda_test.go.
-const requireGPUEnv = "BATCHFIT_REQUIRE_GPU"
-
 // newCUDASessionOrSkip returns a CUDA session, closed when the test ends,
-// or skips without a GPU (fails when requireGPUEnv is set).
+// or skips without a GPU (fails when testutil.RequireGPUEnv is set).
 func newCUDASessionOrSkip(t *testing.T) *Session {
 	t.Helper()
 	sess := NewSession(Options{Device: DeviceCUDA})
-	if err := sess.Err(); errors.Is(err, cuda.ErrNoGPU) {
-		if os.Getenv(requireGPUEnv) != "" {
-			t.Fatalf("%s is set: %v", requireGPUEnv, err)
-		}
-		t.Skipf("no GPU: %v", err)
-	}
-	require.NoError(t, sess.Err())
+	testutil.SkipWithoutGPU(t, sess.Err(), cuda.ErrNoGPU)
 	t.Cleanup(func() { require.NoError(t, sess.Close()) })
 	return sess
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
@@ -26,12 +27,12 @@ import (
 
 // wideModel is 784 → 512 → 10: the first weight (1.6 MB) and each of
 // Adam's two state tensors for it take a large block of their own.
-func wideModel() trainModel {
+func wideModel() testutil.TrainModel {
 	opt := nn.Seed(31)
 	m := nn.NewSequential(nn.NewLinear(opt, 784, 512, true), nn.ReLU{}, nn.NewLinear(opt, 512, 10, true))
-	return trainModel{"wide", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+	return testutil.TrainModel{Name: "wide", Build: func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(testutil.UniformF32(rng, n, 784), 0)
+		y := x.Graph().Wrap(testutil.Classes(rng, 10, n), 0)
 		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
 	}}
 }
@@ -55,19 +56,19 @@ func TestEvalAfterStepCountsResidentState(t *testing.T) {
 	const n = 512
 	m := wideModel()
 	rng := rand.New(rand.NewPCG(81, 82))
-	loss, _ := m.build(rng, n)
-	budgets := tightBudgets(t, evalProgram(t, loss))
+	loss, _ := m.Build(rng, n)
+	budgets := testutil.TightBudgets(t, evalProgram(t, loss))
 	for _, chunks := range []int{1, 2} {
 		budget, ok := budgets[chunks]
 		require.True(t, ok, "a fresh Eval runs in %d chunks at some budget", chunks)
 		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
 		opt := optim.NewAdam(1e-3)
 		for step := range 2 {
-			loss, params := m.build(rng, n)
+			loss, params := m.Build(rng, n)
 			_, err := sess.Step(context.Background(), loss, params, opt)
 			require.NoError(t, err, "budget %d: step %d", budget, step)
 			require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved, "budget %d: step %d", budget, step)
-			loss, _ = m.build(rng, n)
+			loss, _ = m.Build(rng, n)
 			_, err = sess.Eval(context.Background(), loss)
 			require.NoError(t, err, "budget %d: eval after step %d, where a fresh session's runs", budget, step)
 			pl, used := sess.LastPlan(), sess.LastUsage()
@@ -81,13 +82,13 @@ func TestEvalAfterStepCountsResidentState(t *testing.T) {
 // mixedModel is wideModel after a mixing matrix made anew by every build
 // (a 784 × 784 constant, 2.4 MB), as a loop that draws a random projection
 // per step makes it.
-func mixedModel() trainModel {
+func mixedModel() testutil.TrainModel {
 	opt := nn.Seed(41)
 	m := nn.NewSequential(nn.NewLinear(opt, 784, 512, true), nn.ReLU{}, nn.NewLinear(opt, 512, 10, true))
-	return trainModel{"mixed", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
-		mix := lazy.Const(uniformF32(rng, 784, 784))
+	return testutil.TrainModel{Name: "mixed", Build: func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+		x := lazy.Wrap(testutil.UniformF32(rng, n, 784), 0)
+		y := x.Graph().Wrap(testutil.Classes(rng, 10, n), 0)
+		mix := lazy.Const(testutil.UniformF32(rng, 784, 784))
 		return m.Forward(x.MatMul(mix)).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
 	}}
 }
@@ -100,15 +101,15 @@ func TestConstantPerStepIsReleased(t *testing.T) {
 	const n, steps = 256, 12
 	m := mixedModel()
 	rng := rand.New(rand.NewPCG(83, 84))
-	loss, params := m.build(rng, n)
-	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	loss, params := m.Build(rng, n)
+	budgets := testutil.TightBudgets(t, stepProgram(t, loss, params, 2))
 	budget, ok := budgets[2]
 	require.True(t, ok, "the step runs in 2 chunks at some budget")
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
 	opt := optim.NewAdam(1e-3)
 	var allocated, reserved int64
 	for step := range steps {
-		loss, params := m.build(rng, n)
+		loss, params := m.Build(rng, n)
 		_, err := sess.Step(context.Background(), loss, params, opt)
 		require.NoError(t, err, "step %d", step)
 		require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved, "step %d", step)
@@ -137,15 +138,15 @@ func TestVariableShapesPinNoData(t *testing.T) {
 	sgd := optim.NewSGD(1e-2, 0)
 	var inputs []weak.Pointer[tensor.Dense]
 	for n := 1; n <= shapes; n++ {
-		xd := uniformF32(rng, n, 64)
+		xd := testutil.UniformF32(rng, n, 64)
 		inputs = append(inputs, weak.Make(xd))
 		x := lazy.Wrap(xd, 0)
-		y := x.Graph().Wrap(classes(rng, 4, n), 0)
+		y := x.Graph().Wrap(testutil.Classes(rng, 4, n), 0)
 		loss := m.Forward(x).CrossEntropy(y, graph.ReduceMean)
 		_, err := sess.Step(context.Background(), loss, nn.ParamTensors(m), sgd)
 		require.NoError(t, err, "batch %d", n)
 		if n%2 == 0 { // and an evaluation of a batch of the same size
-			_, err = sess.Eval(context.Background(), m.Forward(lazy.Wrap(uniformF32(rng, n, 64), 0)))
+			_, err = sess.Eval(context.Background(), m.Forward(lazy.Wrap(testutil.UniformF32(rng, n, 64), 0)))
 			require.NoError(t, err, "eval of batch %d", n)
 		}
 	}
@@ -223,13 +224,13 @@ func TestSessionContract(t *testing.T) {
 	t.Run("chunk error names the batch's samples", func(t *testing.T) {
 		const n, bad = 2048, 1500
 		m := nn.NewSequential(nn.NewLinear(nn.Seed(5), 784, 2048, true), nn.ReLU{}, nn.NewLinear(nn.Seed(6), 2048, 10, true))
-		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
-		lab := classes(rng, 10, n)
+		x := lazy.Wrap(testutil.UniformF32(rng, n, 784), 0)
+		lab := testutil.Classes(rng, 10, n)
 		lab.Int64s()[bad] = 10 // out of range
 		loss := m.Forward(x).CrossEntropy(x.Graph().Wrap(lab, 0), graph.ReduceMean)
 		prog := stepProgram(t, loss, nn.ParamTensors(m), 0)
-		budgets := tightBudgets(t, prog)
-		cs := counts(budgets)
+		budgets := testutil.TightBudgets(t, prog)
+		cs := testutil.Counts(budgets)
 		require.Greater(t, len(cs), 1, "the step runs in several chunks at some budget")
 		k := cs[1] // the fewest chunks but one
 		pl, err := planner.Make(prog, planner.Options{Budget: budgets[k]})
@@ -261,13 +262,13 @@ func TestReleasedConstantBetweenResidents(t *testing.T) {
 	m := nn.NewSequential(nn.NewLinear(opt, 784, 512, true), nn.ReLU{}, nn.NewLinear(opt, 512, 10, true))
 	rng := rand.New(rand.NewPCG(89, 90))
 	build := func(mix *lazy.Tensor) *lazy.Tensor {
-		x := lazy.Wrap(uniformF32(rng, n, 784), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
+		x := lazy.Wrap(testutil.UniformF32(rng, n, 784), 0)
+		y := x.Graph().Wrap(testutil.Classes(rng, 10, n), 0)
 		return m.Forward(x.MatMul(mix)).CrossEntropy(y, graph.ReduceMean)
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: 256 << 20})
 	adam := optim.NewAdam(1e-3)
-	shared := lazy.Const(uniformF32(rng, 784, 784))
+	shared := lazy.Const(testutil.UniformF32(rng, 784, 784))
 	check := func(what string) {
 		t.Helper()
 		pl, used := sess.LastPlan(), sess.LastUsage()
@@ -285,7 +286,7 @@ func TestReleasedConstantBetweenResidents(t *testing.T) {
 		bytes += 3 * int64(4*graph.Numel(p.Shape())) // the parameter and Adam's two slots
 	}
 	for step := range 3 { // shared is released, then each step's own
-		_, err = sess.Step(ctx, build(lazy.Const(uniformF32(rng, 784, 784))), nn.ParamTensors(m), adam)
+		_, err = sess.Step(ctx, build(lazy.Const(testutil.UniformF32(rng, 784, 784))), nn.ParamTensors(m), adam)
 		require.NoError(t, err)
 		check(fmt.Sprint("step ", step))
 		got := sess.Allocator().Stats().RequestedBytes[alloc.All].Current

@@ -7,6 +7,7 @@ import (
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/nn"
 )
 
@@ -16,9 +17,9 @@ import (
 func soakBudgetCUDA(t *testing.T, n int) int64 {
 	t.Helper()
 	m := newSoakModel()
-	p := stepProgramFor(t, cuda.Workspace, m.loss(rand.New(rand.NewPCG(95, 96)), n), nn.ParamTensors(m.m), 2)
-	budgets := tightBudgets(t, p)
-	cs := counts(budgets)
+	p := testutil.StepProgram(t, cuda.Workspace, m.loss(rand.New(rand.NewPCG(95, 96)), n), nn.ParamTensors(m.m), 2)
+	budgets := testutil.TightBudgets(t, p)
+	cs := testutil.Counts(budgets)
 	if len(cs) < 2 {
 		t.Fatalf("the step never runs in chunks: budgets %v", budgets)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
@@ -26,9 +27,9 @@ func newSoakModel() soakModel {
 }
 
 func (s soakModel) loss(rng *rand.Rand, n int) *lazy.Tensor {
-	x := lazy.Wrap(uniformF32(rng, n, 784), 0)
-	y := x.Graph().Wrap(classes(rng, 10, n), 0)
-	mask := lazy.Const(uniformF32(rng, 784))
+	x := lazy.Wrap(testutil.UniformF32(rng, n, 784), 0)
+	y := x.Graph().Wrap(testutil.Classes(rng, 10, n), 0)
+	mask := lazy.Const(testutil.UniformF32(rng, 784))
 	return s.m.Forward(x.Mul(mask)).CrossEntropy(y, graph.ReduceMean)
 }
 
@@ -78,8 +79,8 @@ func TestSoakCPU(t *testing.T) {
 	const n = 512
 	m := newSoakModel()
 	rng := rand.New(rand.NewPCG(93, 94))
-	budgets := tightBudgets(t, stepProgram(t, m.loss(rng, n), nn.ParamTensors(m.m), 2))
-	cs := counts(budgets)
+	budgets := testutil.TightBudgets(t, stepProgram(t, m.loss(rng, n), nn.ParamTensors(m.m), 2))
+	cs := testutil.Counts(budgets)
 	require.Greater(t, len(cs), 1, "the step runs in chunks at some budget")
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[cs[1]]})
 	soak(t, sess, 40, n)

@@ -1,6 +1,8 @@
 package exec
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -285,27 +287,73 @@ func Single(g *graph.Graph, info *shapeinfer.Result, b int, ws planner.Workspace
 	return p, []planner.Chunk{{Size: b}}, nil
 }
 
+// RunOnce evaluates outputs of g for b samples on e, in one chunk: what both
+// executors' Run and RunBatch do. info is shapeinfer.Analyze(g, outputs...);
+// feed, when non-nil, may supply the data of any source node.
+func RunOnce(ctx context.Context, e Executor, g *graph.Graph, info *shapeinfer.Result, b int, feed func(id int) tensor.Tensor, outputs []int) ([]*tensor.Dense, error) {
+	p, chunks, err := Single(g, info, b, e.Workspace(), outputs)
+	if err != nil {
+		return nil, err
+	}
+	res, err := e.Execute(ctx, p, chunks, Options{Feed: feed})
+	if err != nil {
+		return nil, err
+	}
+	return res.Outputs, nil
+}
+
+// CheckConcat checks that inputs of shapes in concatenate along axis into
+// out: the kernels' guard against a graph whose types were bypassed.
+func CheckConcat(axis int, out []int, in [][]int) error {
+	rank := len(out)
+	if axis < 0 || axis >= rank {
+		return graph.Errorf(graph.ErrAttr, "concat axis %d out of range for rank %d", axis, rank)
+	}
+	total := 0
+	for _, x := range in {
+		if len(x) != rank {
+			return graph.Errorf(graph.ErrShape, "concat of %v into %v", x, out)
+		}
+		for k, d := range x {
+			if k != axis && d != out[k] {
+				return graph.Errorf(graph.ErrShape, "concat of %v into %v along axis %d", x, out, axis)
+			}
+		}
+		total += x[axis]
+	}
+	if total != out[axis] {
+		return graph.Errorf(graph.ErrShape, "concat along axis %d: inputs sum to %d, output has %d", axis, total, out[axis])
+	}
+	return nil
+}
+
 // ChunkError is an error a kernel raised while a chunk of the batch ran:
 // the samples it held are Start to Start+Size−1 of the caller's batch.
-// Rows and positions the kernel's message names count from the chunk's
-// first sample; sample Start+k is the caller's row for the chunk's row k
-// of a per-sample tensor.
+// A RowError inside names the caller's row (InChunk locates it); shapes
+// in the messages are the chunk's.
 type ChunkError struct {
 	Start, Size int
 	Err         error
 }
 
 func (e *ChunkError) Error() string {
-	return fmt.Sprintf("in samples %d to %d of the batch (rows below count from sample %d): %v",
-		e.Start, e.Start+e.Size-1, e.Start, e.Err)
+	return fmt.Sprintf("in samples %d to %d of the batch: %v", e.Start, e.Start+e.Size-1, e.Err)
 }
 
 func (e *ChunkError) Unwrap() error { return e.Err }
 
-// InChunk wraps err, raised while chunk c of p ran, with the samples the
-// chunk held, unless c is the whole batch.
-func InChunk(p *planner.Program, c planner.Chunk, err error) error {
-	if err == nil || (c.Start == 0 && c.Size == p.Batch) {
+// InChunk wraps err, raised by node nd's kernel while chunk c of p ran,
+// with the samples the chunk held, unless c is the whole batch; a
+// RowError in err is located in the caller's batch first.
+func InChunk(p *planner.Program, nd *graph.Node, c planner.Chunk, err error) error {
+	if err == nil {
+		return nil
+	}
+	var re *RowError
+	if errors.As(err, &re) {
+		re.Locate(p, nd, c)
+	}
+	if c.Start == 0 && c.Size == p.Batch {
 		return err
 	}
 	return &ChunkError{Start: c.Start, Size: c.Size, Err: err}

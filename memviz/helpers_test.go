@@ -11,11 +11,11 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 const (
@@ -40,15 +40,7 @@ func tracedExecutor() (*cpu.Executor, *alloc.Allocator) {
 
 // batch draws inputs [b, in] and labels [b] from rng.
 func batch(rng *rand.Rand, b, in, classes int) (*tensor.Dense, *tensor.Dense) {
-	x := make([]float32, b*in)
-	for i := range x {
-		x[i] = float32(rng.Float64()*2 - 1)
-	}
-	y := make([]int64, b)
-	for i := range y {
-		y[i] = int64(rng.IntN(classes))
-	}
-	return tensor.New(tensor.WithShape(b, in), tensor.WithBacking(x)), tensor.New(tensor.WithShape(b), tensor.WithBacking(y))
+	return testutil.UniformF32(rng, b, in), testutil.Classes(rng, classes, b)
 }
 
 // trainStep is one compiled training step of a model, as
@@ -65,22 +57,7 @@ func compileStep(t *testing.T, m nn.Module, x, y *tensor.Dense, slots int) train
 	labels := in.Graph().Wrap(y, 0)
 	loss := m.Forward(in).CrossEntropy(labels, graph.ReduceMean)
 	params := nn.ParamTensors(m)
-	grads := lazy.Grad(loss, params...)
-	ids := []int{loss.ID()}
-	for _, g := range grads {
-		require.NoError(t, g.Err())
-		ids = append(ids, g.ID())
-	}
-	g := in.Graph()
-	trained := make([]int, len(params))
-	for i, p := range params {
-		trained[i] = g.NodeOf(p)
-	}
-	info, err := shapeinfer.Analyze(g.IR(), ids...)
-	require.NoError(t, err)
-	p, err := planner.Compile(g.IR(), info, ids, planner.CompileOptions{Kept: ids[1:], Trained: trained,
-		StateSlots: slots, Workspace: cpu.Workspace})
-	require.NoError(t, err)
+	p := testutil.StepProgram(t, cpu.Workspace, loss, params, slots)
 	return trainStep{prog: p, params: params}
 }
 

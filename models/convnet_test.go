@@ -12,6 +12,7 @@ import (
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
@@ -23,7 +24,7 @@ func TestConvNetCIFAR10Shapes(t *testing.T) {
 	require.NoError(t, nn.Check(m))
 	// Sequential children: conv, relu, pool per stage (0–8), flatten (9),
 	// linear (10).
-	assert.Equal(t, []string{"0.weight", "0.bias", "3.weight", "3.bias", "6.weight", "6.bias", "10.weight", "10.bias"}, names(m))
+	assert.Equal(t, []string{"0.weight", "0.bias", "3.weight", "3.bias", "6.weight", "6.bias", "10.weight", "10.bias"}, testutil.ParamNames(m))
 	// 3·32·9+32 + 32·64·9+64 + 64·128·9+128 + 128·4·4·10+10
 	assert.Equal(t, 896+18_496+73_856+20_490, nn.NumParams(m))
 	for _, p := range m.Params() {

@@ -15,6 +15,7 @@ import (
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
@@ -25,14 +26,6 @@ import (
 // reference and for finite differences, with every part of GPT-2 present.
 func tiny() models.GPTConfig {
 	return models.GPTConfig{Vocab: 11, Context: 8, Layers: 2, Heads: 2, Dim: 8}
-}
-
-func names(m nn.Module) []string {
-	var s []string
-	for _, p := range m.Params() {
-		s = append(s, p.Name())
-	}
-	return s
 }
 
 // hfNames lists Hugging Face GPT2Model's parameter names for cfg.
@@ -50,7 +43,7 @@ func TestGPTParamNames(t *testing.T) {
 	for _, cfg := range []models.GPTConfig{tiny(), models.GPT2Small()} {
 		m := models.NewGPT(nn.Options{ShapeOnly: true}, cfg)
 		require.NoError(t, nn.Check(m))
-		got := names(m)
+		got := testutil.ParamNames(m)
 		assert.ElementsMatch(t, hfNames(cfg), got)
 		for _, n := range []string{"wpe.weight", "wte.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight", "ln_f.bias"} {
 			assert.Contains(t, got, n)
@@ -60,7 +53,7 @@ func TestGPTParamNames(t *testing.T) {
 		}
 	}
 	small := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
-	assert.Contains(t, names(small), "h.11.mlp.c_proj.bias")
+	assert.Contains(t, testutil.ParamNames(small), "h.11.mlp.c_proj.bias")
 	shapes := map[string][]int{}
 	for _, p := range small.Params() {
 		shapes[p.Name()] = p.Shape()

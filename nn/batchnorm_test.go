@@ -12,6 +12,7 @@ import (
 
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 )
@@ -97,14 +98,14 @@ func TestBatchNorm2dDefaults(t *testing.T) {
 	bn := nn.NewBatchNorm2d(nn.Seed(1), 3, 1e-5, 0.1)
 	require.NoError(t, nn.Check(bn))
 	assert.True(t, bn.Training, "training mode by default, as in PyTorch")
-	assert.Equal(t, []string{"weight", "bias"}, names(bn), "running statistics are buffers, not parameters")
+	assert.Equal(t, []string{"weight", "bias"}, testutil.ParamNames(bn), "running statistics are buffers, not parameters")
 	assert.Equal(t, []float32{1, 1, 1}, f32s(bn.Weight.Value()))
 	assert.Equal(t, []float32{0, 0, 0}, f32s(bn.Bias.Value()))
 	assert.Equal(t, []float32{0, 0, 0}, f32s(bn.RunningMean.Value()))
 	assert.Equal(t, []float32{1, 1, 1}, f32s(bn.RunningVar.Value()))
 
 	m := nn.NewSequential(nn.NewConv2d(nn.Seed(1), 2, 3, [2]int{3, 3}, false, lazy.ConvOptions{}), bn)
-	assert.Equal(t, []string{"0.weight", "1.weight", "1.bias"}, names(m))
+	assert.Equal(t, []string{"0.weight", "1.weight", "1.bias"}, testutil.ParamNames(m))
 }
 
 // A training step's worth of use: normalise with the batch's statistics,

@@ -12,17 +12,10 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 )
-
-func names(m nn.Module) []string {
-	var s []string
-	for _, p := range m.Params() {
-		s = append(s, p.Name())
-	}
-	return s
-}
 
 // block is a module written outside package nn: a residual MLP block.
 type block struct{ nn.Children }
@@ -53,8 +46,8 @@ func TestMLPParamNames(t *testing.T) {
 	m := nn.MLP(nn.Seed(1), []int{784, 512, 512, 10}, nn.ReLU{})
 	require.NoError(t, nn.Check(m))
 	want := []string{"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"}
-	assert.Equal(t, want, names(m))
-	assert.Equal(t, want, names(m), "a second call lists the same names")
+	assert.Equal(t, want, testutil.ParamNames(m))
+	assert.Equal(t, want, testutil.ParamNames(m), "a second call lists the same names")
 	for _, p := range m.Params() {
 		assert.Equal(t, p.Name(), p.Tensor().Name(), "the lazy leaf carries the full name")
 	}
@@ -75,8 +68,8 @@ func TestNestedParamNames(t *testing.T) {
 		}
 	}
 	want = append(want, "head.weight")
-	assert.Equal(t, want, names(m))
-	assert.Equal(t, names(m), names(model(nn.Seed(2))), "names do not depend on the seed")
+	assert.Equal(t, want, testutil.ParamNames(m))
+	assert.Equal(t, testutil.ParamNames(m), testutil.ParamNames(model(nn.Seed(2))), "names do not depend on the seed")
 
 	layers, ok := m.Get("layers").(*nn.Sequential)
 	require.True(t, ok)
@@ -89,7 +82,7 @@ func TestSharedParamListedOnce(t *testing.T) {
 	emb := nn.NewEmbedding(opt, 10, 4)
 	head := &nn.Linear{Weight: emb.Weight} // weight tying
 	m := nn.NewSequentialNamed(nn.Child{Name: "embed", Module: emb}, nn.Child{Name: "head", Module: head})
-	assert.Equal(t, []string{"embed.weight"}, names(m))
+	assert.Equal(t, []string{"embed.weight"}, testutil.ParamNames(m))
 }
 
 func bits(ps []*nn.Param) [][]uint32 {
@@ -213,7 +206,7 @@ func TestModulePathOnNodes(t *testing.T) {
 	assert.Equal(t, []string{"layers.0", "layers.1", "layers.2", "layers.3"}, scopesOf[graph.OpAdd],
 		"a custom module's own ops carry its path")
 
-	for _, name := range names(m) {
+	for _, name := range testutil.ParamNames(m) {
 		nd, ok := byName[name]
 		require.True(t, ok, "parameter %s is a node", name)
 		assert.Equal(t, graph.OpParam, nd.Op)
@@ -279,7 +272,7 @@ func TestConvPoolStackShapes(t *testing.T) {
 			nn.NewLinear(opt, 256, 10, true),
 		)
 		require.NoError(t, nn.Check(m))
-		assert.Equal(t, []string{"0.weight", "0.bias", "3.weight", "5.weight", "5.bias", "9.weight", "9.bias"}, names(m))
+		assert.Equal(t, []string{"0.weight", "0.bias", "3.weight", "5.weight", "5.bias", "9.weight", "9.bias"}, testutil.ParamNames(m))
 		assert.Equal(t, []int{64, 4, 3, 3}, m.Params()[3].Shape())
 
 		x := lazy.Placeholder([]int{8, 3, 32, 32}, graph.Float32, 0)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
@@ -35,7 +36,7 @@ func gpt2Program(b testing.TB, batch int) *planner.Program {
 	model := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
 	tokens := lazy.Placeholder([]int{batch, 1024}, graph.Int64, 0)
 	targets := tokens.Graph().Placeholder([]int{batch, 1024}, graph.Int64, 0)
-	p := compile(b, models.Loss(model.Forward(tokens), targets), nn.ParamTensors(model), 2)
+	p := testutil.StepProgram(b, nil, models.Loss(model.Forward(tokens), targets), nn.ParamTensors(model), 2)
 	if gpt2.progs == nil {
 		gpt2.progs = map[int]*planner.Program{}
 	}
@@ -81,18 +82,8 @@ func BenchmarkPlanGPT2Small(b *testing.B) {
 func chainProgram(b *testing.B, nodes int) *planner.Program {
 	w := lazy.ParamSpec([]int{512, 512}, graph.Float32, "w")
 	bias := lazy.ParamSpec([]int{512}, graph.Float32, "b")
-	h := lazy.Placeholder([]int{8192, 512}, graph.Float32, 0)
+	h := testutil.Chain(lazy.Placeholder([]int{8192, 512}, graph.Float32, 0), nodes, w, bias)
 	ir := h.Graph().IR()
-	for k := 0; ir.Len() < nodes; k++ {
-		switch k % 3 {
-		case 0:
-			h = h.Linear(w, nil)
-		case 1:
-			h = h.Add(bias)
-		default:
-			h = h.Relu()
-		}
-	}
 	if err := h.Err(); err != nil {
 		b.Fatal(err)
 	}

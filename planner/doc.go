@@ -2,7 +2,7 @@
 // picks the largest batch chunk whose replay of that program fits a memory
 // budget.
 //
-// The invariant (DESIGN.md): prediction and execution share one schedule
+// The invariant (docs/ARCHITECTURE.md): prediction and execution share one schedule
 // and one allocator. Compile lists the steps (allocate a node's output and
 // workspace, run it, free the workspace and every buffer whose last consumer
 // it was); Replay walks them through an alloc.Allocator. Plan calls Replay on

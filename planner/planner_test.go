@@ -10,33 +10,13 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 const mib = 1 << 20
-
-// compile makes the program of a training step: outputs are loss and its
-// gradients with respect to params, which stay on the device; params are
-// trained with slots optimizer state tensors each.
-func compile(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
-	t.Helper()
-	require.NoError(t, loss.Err())
-	g := loss.Graph()
-	outs := []int{loss.ID()}
-	trained := make([]int, len(params))
-	for i, gr := range lazy.Grad(loss, params...) {
-		require.NoError(t, gr.Err())
-		outs = append(outs, gr.ID())
-		trained[i] = g.NodeOf(params[i])
-	}
-	info, err := shapeinfer.Analyze(g.IR(), outs...)
-	require.NoError(t, err)
-	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained, StateSlots: slots})
-	require.NoError(t, err)
-	return p
-}
 
 // wide is a shape-only training step over n samples of 1 MiB each (x is
 // [n, 256, 1024] float32): Σ tanh(x·w) with w [1024]. Every per-sample
@@ -45,7 +25,7 @@ func compile(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int) 
 func wide(t testing.TB, n int) *planner.Program {
 	x := lazy.Placeholder([]int{n, 256, 1024}, graph.Float32, 0)
 	w := lazy.ParamSpec([]int{1024}, graph.Float32, "w")
-	return compile(t, x.Mul(w).Tanh().Sum(), []*lazy.Tensor{w}, 2)
+	return testutil.StepProgram(t, nil, x.Mul(w).Tanh().Sum(), []*lazy.Tensor{w}, 2)
 }
 
 // dense is a shape-only training step with 4 MiB of weights: Σ tanh(x·Wᵀ)
@@ -54,14 +34,14 @@ func wide(t testing.TB, n int) *planner.Program {
 func dense(t testing.TB, n int) *planner.Program {
 	x := lazy.Placeholder([]int{n, 64, 1024}, graph.Float32, 0)
 	w := lazy.ParamSpec([]int{1024, 1024}, graph.Float32, "W")
-	return compile(t, x.Linear(w, nil).Tanh().Sum(), []*lazy.Tensor{w}, 2)
+	return testutil.StepProgram(t, nil, x.Linear(w, nil).Tanh().Sum(), []*lazy.Tensor{w}, 2)
 }
 
 // centered is not chunkable: it subtracts the batch mean from every sample.
 func centered(t testing.TB, n int) *planner.Program {
 	x := lazy.Placeholder([]int{n, 64, 1024}, graph.Float32, 0)
 	w := lazy.ParamSpec([]int{1024}, graph.Float32, "w")
-	return compile(t, x.Sub(x.MeanKeepDim(0)).Mul(w).Tanh().Sum(), []*lazy.Tensor{w}, 2)
+	return testutil.StepProgram(t, nil, x.Sub(x.MeanKeepDim(0)).Mul(w).Tanh().Sum(), []*lazy.Tensor{w}, 2)
 }
 
 // peak replays chunks on an unlimited simulated device.
@@ -166,7 +146,7 @@ func TestCachePlansOnce(t *testing.T) {
 	build := func(n int, step uint64) *planner.Program {
 		x := lazy.Placeholder([]int{n, 64, 1024}, graph.Float32, 0)
 		w := lazy.ParamSpec([]int{1024, 1024}, graph.Float32, "W")
-		return compile(t, x.Dropout(0.1, 1, step).Linear(w, nil).Tanh().Sum(), []*lazy.Tensor{w}, 2)
+		return testutil.StepProgram(t, nil, x.Dropout(0.1, 1, step).Linear(w, nil).Tanh().Sum(), []*lazy.Tensor{w}, 2)
 	}
 	var c planner.Cache
 	o := planner.Options{Budget: 48 * mib}
@@ -281,7 +261,7 @@ func TestPlanErrors(t *testing.T) {
 		loss := w.Mul(w).Sum()
 		require.NoError(t, loss.Err())
 		require.Zero(t, loss.Graph().IR().Batch())
-		_, err := plan(compile(t, loss, []*lazy.Tensor{w}, 2), planner.Options{Budget: 64 * mib})
+		_, err := plan(testutil.StepProgram(t, nil, loss, []*lazy.Tensor{w}, 2), planner.Options{Budget: 64 * mib})
 		require.ErrorIs(t, err, planner.ErrNoBatch)
 	})
 

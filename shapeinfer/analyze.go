@@ -7,7 +7,8 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
-// Class says how a node's value relates to the batch (see DESIGN.md).
+// Class says how a node's value relates to the batch (docs/ARCHITECTURE.md,
+// "Batch axis and chunking").
 type Class uint8
 
 const (

@@ -6,26 +6,15 @@ import (
 	"time"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 // chain builds nodes nodes through the lazy API: a [32, 64] batched input,
-// then Linear, Add and Relu in turn, sharing one weight and one bias.
+// then Linear, Add and Relu in turn (testutil.Chain).
 func chain(nodes int, w, bias *lazy.Tensor) *lazy.Tensor {
-	h := lazy.Placeholder([]int{32, 64}, graph.Float32, 0)
-	ir := h.Graph().IR()
-	for k := 0; ir.Len() < nodes; k++ {
-		switch k % 3 {
-		case 0:
-			h = h.Linear(w, nil)
-		case 1:
-			h = h.Add(bias)
-		default:
-			h = h.Relu()
-		}
-	}
-	return h
+	return testutil.Chain(lazy.Placeholder([]int{32, 64}, graph.Float32, 0), nodes, w, bias)
 }
 
 // BenchmarkInferChain times shape inference over a chain: building it

@@ -16,7 +16,7 @@
 // come from each op's graph.Chunk; this package holds the rules that use
 // them and switches on no op.
 //
-// Chunking rule (DESIGN.md): a cross-batch value must be a sum (or max) over
+// Chunking rule (docs/ARCHITECTURE.md): a cross-batch value must be a sum (or max) over
 // samples. Means and mean-reduced losses carry 1/count computed with the
 // full batch N, so chunk partials simply add. A graph where a cross-batch
 // value flows back into per-sample work, passes through a non-linear op, or

@@ -42,9 +42,9 @@ type card struct {
 // with batchfit; the others' totals come from the public reports named in
 // source, and their context overhead is the H100's (contextOverhead).
 var cards = []card{
-	{"h100-80gb", gibs(79.10), "cuMemGetInfo on batchfit's H100 80GB HBM3 (driver 580, CUDA 13); " +
-		"PyTorch reports 79.11 GiB on one (github.com/vllm-project/vllm/issues/27508)"},
-	{"h200", gibs(139.80), "issue 17's figure for the 141 GB H200; not checked on a device"},
+	{"h100-80gb", 81079 << 20, "cuMemGetInfo's total on batchfit's H100 80GB HBM3 (driver 580, CUDA 13), " +
+		"85,017,493,504 B; PyTorch reports 79.11 GiB on one (github.com/vllm-project/vllm/issues/27508)"},
+	{"h200", gibs(139.93), "estimate: nvidia-smi's 143,771 MiB on the lent H200, less the 480 MiB by which the H100's nvidia-smi total (81,559 MiB) exceeds its cuMemGetInfo total (81,079 MiB)"},
 	{"a100-80gb", gibs(79.14), "PyTorch's total capacity on an A100 80GB (github.com/lianqi1008/Control-GIC/issues/6)"},
 	{"a100-40gb", 42298834944, "deviceQuery's total global memory on an A100-SXM4-40GB, 40339 MiB " +
 		"(github.com/bottlerocket-os/bottlerocket/pull/3873)"},

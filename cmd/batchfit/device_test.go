@@ -23,7 +23,7 @@ func TestEstimateOnCard(t *testing.T) {
 		total    int64
 		measured bool
 	}{
-		{"h100-80gb", 80998 << 20, true}, // 79.10 GiB: cuMemGetInfo on the H100 80GB HBM3
+		{"h100-80gb", 81079 << 20, true}, // 79.18 GiB: cuMemGetInfo on the H100 80GB HBM3
 		{"a100-40gb", 42298834944, false},
 		{"rtx4090", 24207 << 20, false}, // 23.64 GiB
 	}

@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 )
 
@@ -79,12 +80,12 @@ func TestConv2d(t *testing.T) {
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(4, uint64(i)))
-			xd := randFloats(rng, graph.Numel(c.xs))
-			wd := randFloats(rng, graph.Numel(c.ws))
+			xd := testutil.RandFloats(rng, graph.Numel(c.xs))
+			wd := testutil.RandFloats(rng, graph.Numel(c.ws))
 			var b *lazy.Tensor
 			var bref []float64
 			if c.bias {
-				bd := randFloats(rng, c.ws[0])
+				bd := testutil.RandFloats(rng, c.ws[0])
 				b, bref = lazy.Param(mkDense(bd, c.ws[0]), "b"), widen(bd)
 			}
 			y := lazy.Wrap(mkDense(xd, c.xs...), 0).Conv2d(lazy.Param(mkDense(wd, c.ws...), "w"), b, c.opt)
@@ -98,8 +99,8 @@ func TestConv2d(t *testing.T) {
 
 func BenchmarkConv2d_N8_C64_32x32_k3x3_O64_pad1(b *testing.B) {
 	rng := rand.New(rand.NewPCG(5, 0))
-	x := lazy.Wrap(mkDense(randFloats(rng, 8*64*32*32), 8, 64, 32, 32), 0)
-	y := x.Conv2d(lazy.Param(mkDense(randFloats(rng, 64*64*3*3), 64, 64, 3, 3), "w"),
-		lazy.Param(mkDense(randFloats(rng, 64), 64), "b"), lazy.ConvOptions{Padding: [2]int{1, 1}})
+	x := lazy.Wrap(mkDense(testutil.RandFloats(rng, 8*64*32*32), 8, 64, 32, 32), 0)
+	y := x.Conv2d(lazy.Param(mkDense(testutil.RandFloats(rng, 64*64*3*3), 64, 64, 3, 3), "w"),
+		lazy.Param(mkDense(testutil.RandFloats(rng, 64), 64), "b"), lazy.ConvOptions{Padding: [2]int{1, 1}})
 	benchRun(b, y, 2*8*64*32*32*64*3*3)
 }

@@ -1,10 +1,14 @@
-// Package cpu is batchfit's reference executor: it evaluates every op of the
-// graph on the CPU in float32 (int64 for indices) with gonum's BLAS for
-// matrix products and convolutions (as GEMM over unfolded patches).
+// Package cpu is batchfit's CPU executor, the default where there is no
+// GPU: it evaluates every op of the graph on the CPU in float32 (int64 for
+// indices) with gonum's BLAS for matrix products and convolutions (as GEMM
+// over unfolded patches).
 //
-// It is the oracle the CUDA executor is checked against, so kernels favour
-// plain, obviously correct loops with float64 accumulation in reductions;
-// only matmul, linear and conv go through BLAS.
+// It and the CUDA executor are both checked against the float64 reference
+// interpreter (internal/ref) by the conformance suite; CUDA's elementwise
+// kernels are also compared with this executor bit for bit where both
+// compute the same IEEE operations. Kernels favour plain, obviously correct
+// loops with float64 accumulation in reductions; only matmul, linear and
+// conv go through BLAS.
 //
 // Kernels sit in a table indexed by op (kernels.go), each entry in the
 // file of its family (elementwise.go, matmul.go, reduce.go, normalize.go,
@@ -17,7 +21,7 @@
 // from the node's type at the running batch size, and buffers are dropped
 // after their last consumer, mirroring the program the planner replays.
 //
-// With ExecOptions.Resident, parameters, constants and the optimizer
+// With exec.Options.Resident, parameters, constants and the optimizer
 // state's accounting stay allocated across calls, keyed by their data.
 // Yield frees those blocks and empties the allocator's cache (the values
 // are host memory already) and Restore allocates them again; this is the

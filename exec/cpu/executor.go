@@ -100,15 +100,7 @@ func (e *Executor) RunAnalyzed(ctx context.Context, g *graph.Graph, info *shapei
 		return nil, graph.Errorf(graph.ErrArity, "analysis of %d nodes with outputs %v does not match a graph of %d nodes with outputs %v",
 			len(info.LastUse), info.Outputs, g.Len(), outputs)
 	}
-	p, chunks, err := exec.Single(g, info, b, Workspace, outputs)
-	if err != nil {
-		return nil, err
-	}
-	res, err := e.Execute(ctx, p, chunks, ExecOptions{Feed: feed})
-	if err != nil {
-		return nil, err
-	}
-	return res.Outputs, nil
+	return exec.RunOnce(ctx, e, g, info, b, feed, outputs)
 }
 
 func shapesOf(bs []*buf) [][]int {

@@ -1,6 +1,9 @@
 package cpu
 
-import "github.com/batchfit/batchfit/graph"
+import (
+	"github.com/batchfit/batchfit/exec"
+	"github.com/batchfit/batchfit/graph"
+)
 
 // Index family: the embedding lookup and its gradient.
 var indexKernels = family{
@@ -20,7 +23,7 @@ func embeddingKernel(idx, w, out *buf) error {
 	}
 	for k, ix := range idx.i {
 		if ix < 0 || ix >= int64(v) {
-			return graph.Errorf(graph.ErrAttr, "embedding index %d (position %d) out of range for %d rows", ix, k, v)
+			return exec.BadValue("embedding", "index", 0, idx.shape, k, ix, v)
 		}
 		copy(out.f[k*d:(k+1)*d], w.f[int(ix)*d:int(ix+1)*d])
 	}
@@ -33,7 +36,7 @@ func embeddingGrad(g, idx, out *buf) error {
 	clear(out.f)
 	for i, k := range idx.i {
 		if k < 0 || int(k) >= v {
-			return graph.Errorf(graph.ErrAttr, "embedding index %d at position %d outside [0, %d)", k, i, v)
+			return exec.BadValue("embedding", "index", 1, idx.shape, i, k, v)
 		}
 		row := out.f[int(k)*d : (int(k)+1)*d]
 		for j := range row {

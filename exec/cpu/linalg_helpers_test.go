@@ -3,7 +3,6 @@ package cpu_test
 import (
 	"context"
 	"math"
-	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -22,15 +21,6 @@ const (
 	poolRTol = 1e-6
 	poolATol = 1e-6
 )
-
-// randFloats returns n values uniform in [−1, 1) from a seeded source.
-func randFloats(rng *rand.Rand, n int) []float32 {
-	v := make([]float32, n)
-	for i := range v {
-		v[i] = float32(2*rng.Float64() - 1)
-	}
-	return v
-}
 
 // widen converts to float64 for the references.
 func widen(v []float32) []float64 {

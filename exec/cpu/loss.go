@@ -3,6 +3,7 @@ package cpu
 import (
 	"math"
 
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -39,7 +40,7 @@ func crossEntropyKernel(a *graph.Attrs, logits, labels, out *buf) error {
 	var total float64
 	for n, label := range labels.i {
 		if label < 0 || label >= int64(c) {
-			return graph.Errorf(graph.ErrAttr, "cross_entropy label %d (row %d) out of range for %d classes", label, n, c)
+			return exec.BadValue("cross_entropy", "label", 1, labels.shape, n, label, c)
 		}
 		row := logits.f[n*c : (n+1)*c]
 		m := math.Inf(-1)
@@ -79,7 +80,7 @@ func crossEntropyGrad(a *graph.Attrs, g, logits, labels, out *buf) error {
 	for r := range n {
 		k := labels.i[r]
 		if k < 0 || int(k) >= c {
-			return graph.Errorf(graph.ErrAttr, "cross_entropy label %d at row %d outside [0, %d)", k, r, c)
+			return exec.BadValue("cross_entropy", "label", 2, labels.shape, r, k, c)
 		}
 		row := logits.f[r*c : (r+1)*c]
 		m := math.Inf(-1)

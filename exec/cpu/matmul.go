@@ -6,6 +6,7 @@ import (
 	"gonum.org/v1/gonum/blas"
 	"gonum.org/v1/gonum/blas/blas32"
 
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -104,11 +105,11 @@ func matmulKernel(ta, tb bool, x, y, out *buf) error {
 		return graph.Errorf(graph.ErrShape, "matmul of %v and %v cannot give %v", x.shape, y.shape, out.shape)
 	}
 	lead := out.shape[:ro-2]
-	xs, err := broadcastStrides(x.shape[:rx-2], lead, m*k)
+	xs, err := exec.LeadStrides(x.shape[:rx-2], lead, m*k)
 	if err != nil {
 		return err
 	}
-	ys, err := broadcastStrides(y.shape[:ry-2], lead, k*n)
+	ys, err := exec.LeadStrides(y.shape[:ry-2], lead, k*n)
 	if err != nil {
 		return err
 	}
@@ -138,29 +139,6 @@ func matmulKernel(ta, tb bool, x, y, out *buf) error {
 		}
 	}
 	return nil
-}
-
-// broadcastStrides gives, for each axis of lead, the element stride of an
-// operand whose leading shape is s (right-aligned to lead) and whose inner
-// block holds inner elements; broadcast axes get stride 0.
-func broadcastStrides(s, lead []int, inner int) ([]int, error) {
-	if len(s) > len(lead) {
-		return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
-	}
-	st := make([]int, len(lead))
-	acc := inner
-	off := len(lead) - len(s)
-	for d := len(s) - 1; d >= 0; d-- {
-		switch s[d] {
-		case lead[d+off]:
-			st[d+off] = acc
-		case 1:
-		default:
-			return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
-		}
-		acc *= s[d]
-	}
-	return st, nil
 }
 
 // linearKernel computes out = x·wᵀ + b with x [..., in], w [out, in] and an

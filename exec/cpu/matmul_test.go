@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 )
 
@@ -55,8 +56,8 @@ func TestMatMul(t *testing.T) {
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(1, uint64(i)))
-			xd := randFloats(rng, graph.Numel(c.xs))
-			yd := randFloats(rng, graph.Numel(c.ys))
+			xd := testutil.RandFloats(rng, graph.Numel(c.xs))
+			yd := testutil.RandFloats(rng, graph.Numel(c.ys))
 			g := lazy.NewGraph()
 			operand := func(d []float32, s []int, batch int, name string) *lazy.Tensor {
 				if batch < 0 {
@@ -107,13 +108,13 @@ func TestLinear(t *testing.T) {
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(2, uint64(i)))
-			xd := randFloats(rng, graph.Numel(c.xs))
-			wd := randFloats(rng, c.out*c.in)
+			xd := testutil.RandFloats(rng, graph.Numel(c.xs))
+			wd := testutil.RandFloats(rng, c.out*c.in)
 			w := lazy.Param(mkDense(wd, c.out, c.in), "w")
 			var b *lazy.Tensor
 			var bref []float64
 			if c.bias {
-				bd := randFloats(rng, c.out)
+				bd := testutil.RandFloats(rng, c.out)
 				b, bref = lazy.Param(mkDense(bd, c.out), "b"), widen(bd)
 			}
 			y := lazy.Wrap(mkDense(xd, c.xs...), 0).Linear(w, b)
@@ -127,15 +128,15 @@ func TestLinear(t *testing.T) {
 
 func BenchmarkMatMul_512x512x512(b *testing.B) {
 	rng := rand.New(rand.NewPCG(3, 0))
-	x := lazy.Wrap(mkDense(randFloats(rng, 512*512), 512, 512), 0)
-	y := x.MatMul(lazy.Param(mkDense(randFloats(rng, 512*512), 512, 512), "w"))
+	x := lazy.Wrap(mkDense(testutil.RandFloats(rng, 512*512), 512, 512), 0)
+	y := x.MatMul(lazy.Param(mkDense(testutil.RandFloats(rng, 512*512), 512, 512), "w"))
 	benchRun(b, y, 2*512*512*512)
 }
 
 func BenchmarkLinear_256x784_to_512_bias(b *testing.B) {
 	rng := rand.New(rand.NewPCG(3, 1))
-	x := lazy.Wrap(mkDense(randFloats(rng, 256*784), 256, 784), 0)
-	y := x.Linear(lazy.Param(mkDense(randFloats(rng, 512*784), 512, 784), "w"),
-		lazy.Param(mkDense(randFloats(rng, 512), 512), "b"))
+	x := lazy.Wrap(mkDense(testutil.RandFloats(rng, 256*784), 256, 784), 0)
+	y := x.Linear(lazy.Param(mkDense(testutil.RandFloats(rng, 512*784), 512, 784), "w"),
+		lazy.Param(mkDense(testutil.RandFloats(rng, 512), 512), "b"))
 	benchRun(b, y, 2*256*784*512)
 }

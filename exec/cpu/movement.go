@@ -3,6 +3,7 @@ package cpu
 import (
 	"slices"
 
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -133,24 +134,8 @@ func concatKernel(axis int, in []*buf, out *buf) error {
 	if err != nil {
 		return err
 	}
-	rank := len(out.shape)
-	if axis < 0 || axis >= rank {
-		return graph.Errorf(graph.ErrAttr, "concat axis %d out of range for rank %d", axis, rank)
-	}
-	total := 0
-	for _, x := range in {
-		if len(x.shape) != rank {
-			return graph.Errorf(graph.ErrShape, "concat of %v into %v", x.shape, out.shape)
-		}
-		for k, d := range x.shape {
-			if k != axis && d != out.shape[k] {
-				return graph.Errorf(graph.ErrShape, "concat of %v into %v along axis %d", x.shape, out.shape, axis)
-			}
-		}
-		total += x.shape[axis]
-	}
-	if total != out.shape[axis] {
-		return graph.Errorf(graph.ErrShape, "concat along axis %d: inputs sum to %d, output has %d", axis, total, out.shape[axis])
+	if err := exec.CheckConcat(axis, out.shape, shapesOf(in)); err != nil {
+		return err
 	}
 	outer := graph.Numel(out.shape[:axis])
 	inner := graph.Numel(out.shape[axis+1:])

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 )
 
@@ -80,7 +81,7 @@ func negative(rng *rand.Rand, n int) []float32 {
 
 // withNaN is random data with every 17th value NaN.
 func withNaN(rng *rand.Rand, n int) []float32 {
-	v := randFloats(rng, n)
+	v := testutil.RandFloats(rng, n)
 	for i := 0; i < n; i += 17 {
 		v[i] = float32(math.NaN())
 	}
@@ -93,7 +94,7 @@ func runPoolCases(t *testing.T, isMax bool, cases []poolCase) {
 			rng := rand.New(rand.NewPCG(6, uint64(i)))
 			gen := c.data
 			if gen == nil {
-				gen = randFloats
+				gen = testutil.RandFloats
 			}
 			xd := gen(rng, graph.Numel(c.xs))
 			x := lazy.Wrap(mkDense(xd, c.xs...), 0)

@@ -115,7 +115,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	}
 	v := newBuf(nd.Type, nd.Type.AtBatch(c.Size))
 	if err := eval(nd, in, v, c.Start); err != nil {
-		return &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(in), Site: nd.Site, Err: exec.InChunk(r.P, c, err)}
+		return &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(in), Site: nd.Site, Err: exec.InChunk(r.P, nd, c, err)}
 	}
 	// A float16 or bfloat16 value is stored rounded, as a device kernel
 	// stores its float32 result: kernels compute in float32 from rounded

@@ -10,6 +10,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 )
@@ -103,7 +104,7 @@ func BenchmarkSgemm4096(b *testing.B) {
 	r := newRand(8)
 	var blocks [3]*alloc.Block
 	for i := range blocks {
-		blocks[i] = upload(b, d, a, randFloats(r, n*n))
+		blocks[i] = upload(b, d, a, testutil.RandFloats(r, n*n))
 		defer a.Free(blocks[i])
 	}
 	A, B, C := blocks[0].Ptr(), blocks[1].Ptr(), blocks[2].Ptr()
@@ -138,7 +139,7 @@ func BenchmarkExecutorStep(b *testing.B) {
 	e := freshExecutor(b, cuda.ExecutorOptions{})
 	for _, n := range []int{256, 4096} {
 		b.Run(fmt.Sprintf("mlp/batch=%d", n), func(b *testing.B) {
-			loss, params := mlpModel(784, 512).build(rand.New(rand.NewPCG(1, 2)), n)
+			loss, params := testutil.MLPModel(784, 512, false).Build(rand.New(rand.NewPCG(1, 2)), n)
 			p := stepProgram(b, loss, params, 2)
 			opt := optim.NewAdam(1e-3)
 			o := cuda.ExecOptions{Resident: true, Optimizer: opt}

@@ -12,6 +12,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 )
 
 // Tolerances for GEMM, relative to Σ|a·b| (the magnitude of the terms
@@ -46,9 +47,9 @@ func (c gemmCase) run(t *testing.T, d *cuda.Device, a *alloc.Allocator, bl *cuda
 	}
 	lda, ldb, ldc := colsA+2, colsB+1, c.n+3
 	strideA, strideB, strideC := rowsA*lda+5, rowsB*ldb+7, c.m*ldc+1
-	A := randFloats(r, c.batch*strideA)
-	B := randFloats(r, c.batch*strideB)
-	C0 := randFloats(r, c.batch*strideC)
+	A := testutil.RandFloats(r, c.batch*strideA)
+	B := testutil.RandFloats(r, c.batch*strideB)
+	C0 := testutil.RandFloats(r, c.batch*strideC)
 	Ab, Bb, Cb := upload(t, d, a, A), upload(t, d, a, B), upload(t, d, a, C0)
 	defer func() {
 		for _, b := range []*alloc.Block{Ab, Bb, Cb} {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 )
@@ -23,14 +24,6 @@ type courtesyRun struct {
 	resident [][]uint32
 }
 
-func f32bits(x []float32) []uint32 {
-	b := make([]uint32, len(x))
-	for i, v := range x {
-		b[i] = math.Float32bits(v)
-	}
-	return b
-}
-
 // trainYielding runs steps resident Adam steps of an MLP in the two chunks
 // the planner picks at the tightest budget for them, on
 // a fresh executor, the same data every call; before step yieldAt it calls
@@ -39,7 +32,7 @@ func trainYielding(t *testing.T, steps, yieldAt int, between func(*cuda.Executor
 	t.Helper()
 	const n = 512
 	e := freshExecutor(t, cuda.ExecutorOptions{})
-	m, rng := mlpModel(784, 256), rand.New(rand.NewPCG(91, 92))
+	m, rng := testutil.MLPModel(784, 256, false), rand.New(rand.NewPCG(91, 92))
 	opt := optim.NewAdam(1e-2)
 	var out courtesyRun
 	var budget int64
@@ -47,10 +40,10 @@ func trainYielding(t *testing.T, steps, yieldAt int, between func(*cuda.Executor
 		if step == yieldAt && between != nil {
 			between(e)
 		}
-		loss, params := m.build(rng, n)
+		loss, params := m.Build(rng, n)
 		p := stepProgram(t, loss, params, 2)
 		if budget == 0 {
-			budgets := tightBudgets(t, p)
+			budgets := testutil.TightBudgets(t, p)
 			require.Contains(t, budgets, 2)
 			budget = budgets[2]
 		}
@@ -64,7 +57,7 @@ func trainYielding(t *testing.T, steps, yieldAt int, between func(*cuda.Executor
 		out.losses = append(out.losses, math.Float32bits(scalarOf(t, res.Outputs[0])))
 		if step == steps-1 {
 			for _, hp := range hostParams(t, params) {
-				out.params = append(out.params, f32bits(hp))
+				out.params = append(out.params, testutil.Bits(hp))
 			}
 		}
 	}

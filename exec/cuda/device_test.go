@@ -12,6 +12,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 )
 
 // TestOpenWithoutGPU runs where there is no GPU (CI): Open must return an
@@ -22,8 +23,8 @@ func TestOpenWithoutGPU(t *testing.T) {
 		require.NoError(t, d.Close())
 		t.Skip("a GPU is present")
 	}
-	if os.Getenv(requireGPU) != "" {
-		t.Fatalf("%s is set: %v", requireGPU, err)
+	if os.Getenv(testutil.RequireGPUEnv) != "" {
+		t.Fatalf("%s is set: %v", testutil.RequireGPUEnv, err)
 	}
 	assert.Nil(t, d)
 	require.ErrorIs(t, err, cuda.ErrNoGPU)

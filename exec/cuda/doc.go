@@ -39,9 +39,10 @@
 // per node; Workspace is derived from the same table. A test ranges over
 // every op and fails when one has no kernel.
 //
-// The op codes the kernels switch on are declared once, in package
-// internal/opcode; go generate writes them into kernels/opcodes.cuh
-// (internal/gen), and a test fails when that file drifts from the table.
+// The op codes the kernels switch on are declared once, in the family
+// files beside their launches (an opcode.Enum per kernel family); go
+// generate writes them into kernels/opcodes.cuh (internal/gen,
+// OpcodeHeader), and a test fails when that file drifts from them.
 //
 // C status codes become typed errors: *CUDAError (CUresult), *NVRTCError
 // and *CUBLASError carry the function, the code and its name. An

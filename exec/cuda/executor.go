@@ -193,15 +193,7 @@ func (e *Executor) RunBatch(ctx context.Context, g *graph.Graph, b int, feed fun
 	if err != nil {
 		return nil, err
 	}
-	p, chunks, err := exec.Single(g, info, b, Workspace, outputs)
-	if err != nil {
-		return nil, err
-	}
-	res, err := e.Execute(ctx, p, chunks, ExecOptions{Feed: feed})
-	if err != nil {
-		return nil, err
-	}
-	return res.Outputs, nil
+	return exec.RunOnce(ctx, e, g, info, b, feed, outputs)
 }
 
 // persistKey names a persistent buffer of one program: its kind, node and
@@ -294,7 +286,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		for i, x := range in {
 			shapes[i] = x.shape
 		}
-		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, c, err)}
+		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, nd, c, err)}
 	}
 	return nil
 }

@@ -21,9 +21,8 @@ import (
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/conformance"
 	"github.com/batchfit/batchfit/internal/ref"
+	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
-	"github.com/batchfit/batchfit/models"
-	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
@@ -52,118 +51,13 @@ func TestConformanceTF32(t *testing.T) {
 }
 
 // runOn adapts an executor to the conformance suite, as exec/cpu's runCPU.
-func runOn(e *cuda.Executor) conformance.Runner {
-	return func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error) {
-		feed := func(id int) tensor.Tensor {
-			v, ok := feeds[id]
-			if !ok {
-				return nil
-			}
-			if g.Node(id).Type.DType == graph.Int64 {
-				d := make([]int64, len(v.Data))
-				for i, x := range v.Data {
-					d[i] = int64(x)
-				}
-				return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
-			}
-			d := make([]float32, len(v.Data))
-			for i, x := range v.Data {
-				d[i] = float32(x)
-			}
-			return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
-		}
-		out, err := e.RunBatch(context.Background(), g, g.Batch(), feed, outputs...)
-		if err != nil {
-			return nil, err
-		}
-		vals := make([]ref.Value, len(out))
-		for i, d := range out {
-			if vals[i], err = ref.FromTensor(d); err != nil {
-				return nil, err
-			}
-		}
-		return vals, nil
-	}
-}
+func runOn(e *cuda.Executor) conformance.Runner { return conformance.RunnerOf(e.RunBatch) }
 
-// trainModel is a model under training: build makes a fresh training
-// graph over n new samples drawn from rng, as a training loop does every
-// step, and returns the mean loss and the parameters it trains. Two models
-// made by the same constructor start from the same parameters.
-type trainModel struct {
-	name  string
-	build func(rng *rand.Rand, n int) (loss *lazy.Tensor, params []*lazy.Tensor)
-}
-
-func uniformF32(rng *rand.Rand, shape ...int) *tensor.Dense {
-	d := make([]float32, graph.Numel(shape))
-	for i := range d {
-		d[i] = float32(rng.Float64()*2 - 1)
-	}
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
-}
-
-func classes(rng *rand.Rand, k int, shape ...int) *tensor.Dense {
-	d := make([]int64, graph.Numel(shape))
-	for i := range d {
-		d[i] = int64(rng.IntN(k))
-	}
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
-}
-
-// mlpModel is in → hidden → hidden → 10 with ReLU.
-func mlpModel(in, hidden int) trainModel {
-	m := nn.MLP(nn.Seed(21), []int{in, hidden, hidden, 10}, nn.ReLU{})
-	return trainModel{"mlp", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, in), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
-		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
-	}}
-}
-
-// gptModel is a two-layer GPT over 16 tokens of a vocabulary of 64: it
-// runs embedding, layer_norm, causal attention, gelu and their gradients.
-func gptModel() trainModel {
-	const seq, vocab = 16, 64
-	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16})
-	return trainModel{"gpt", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		tokens := lazy.Wrap(classes(rng, vocab, n, seq), 0)
-		targets := tokens.Graph().Wrap(classes(rng, vocab, n, seq), 0)
-		return models.Loss(m.Forward(tokens), targets), nn.ParamTensors(m)
-	}}
-}
-
-// convModel is a two-stage ConvNet over 3×16×16 images: conv2d, pooling
-// and their gradients.
-func convModel() trainModel {
-	m := models.NewConvNet(nn.Seed(23), models.ConvNetConfig{Channels: 3, Size: 16, Widths: []int{8, 8}, Classes: 10})
-	return trainModel{"convnet", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
-		x := lazy.Wrap(uniformF32(rng, n, 3, 16, 16), 0)
-		y := x.Graph().Wrap(classes(rng, 10, n), 0)
-		return m.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(m)
-	}}
-}
-
-// stepProgram compiles a training step as batchfit.Session.Step does, with
-// the CUDA kernels' workspaces: outputs are the loss and the gradients of
-// params, kept on the device.
+// stepProgram compiles a training step as batchfit.Session.Step does on
+// CUDA: testutil.StepProgram with the CUDA kernels' workspaces.
 func stepProgram(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
 	t.Helper()
-	require.NoError(t, loss.Err())
-	g := loss.Graph()
-	outs := []int{loss.ID()}
-	trained := make([]int, len(params))
-	for i, gr := range lazy.Grad(loss, params...) {
-		require.NoError(t, gr.Err())
-		outs = append(outs, gr.ID())
-		trained[i] = g.NodeOf(params[i])
-	}
-	info, err := shapeinfer.Analyze(g.IR(), outs...)
-	require.NoError(t, err)
-	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
-		StateSlots: slots, Workspace: cuda.Workspace})
-	require.NoError(t, err)
-	return p
+	return testutil.StepProgram(t, cuda.Workspace, loss, params, slots)
 }
 
 func scalarOf(t *testing.T, d *tensor.Dense) float32 {
@@ -204,8 +98,12 @@ func hostParams(t *testing.T, params []*lazy.Tensor) [][]float32 {
 func TestTrainingMatchesCPU(t *testing.T) {
 	const steps, n, chunks = 4, 30, 3
 	ctx := context.Background()
-	for _, mk := range []func() trainModel{func() trainModel { return mlpModel(64, 32) }, gptModel, convModel} {
-		name := mk().name
+	for _, mk := range []func() testutil.TrainModel{
+		func() testutil.TrainModel { return testutil.MLPModel(64, 32, false) },
+		func() testutil.TrainModel { return testutil.GPTModel(64, false) },
+		func() testutil.TrainModel { return testutil.ConvModel(16, false) },
+	} {
+		name := mk().Name
 		t.Run(name, func(t *testing.T) {
 			e := freshExecutor(t, cuda.ExecutorOptions{})
 			cpuModel, gpuModel := mk(), mk()
@@ -214,12 +112,12 @@ func TestTrainingMatchesCPU(t *testing.T) {
 			cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
 			var cpuParams, gpuParams []*lazy.Tensor
 			for step := range steps {
-				loss, params := cpuModel.build(cpuRng, n)
+				loss, params := cpuModel.Build(cpuRng, n)
 				want, err := sess.Step(ctx, loss, params, cpuOpt)
 				require.NoError(t, err, "cpu step %d", step)
 				cpuParams = params
 
-				loss, params = gpuModel.build(gpuRng, n)
+				loss, params = gpuModel.Build(gpuRng, n)
 				p := stepProgram(t, loss, params, cpuOpt.StateSlots())
 				res, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: gpuOpt,
 					SyncParams: step == steps-1})
@@ -270,18 +168,18 @@ func TestDeviceOptimizerMatchesHost(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			e := freshExecutor(t, cuda.ExecutorOptions{})
-			devModel, hostModel := mlpModel(32, 16), mlpModel(32, 16)
+			devModel, hostModel := testutil.MLPModel(32, 16, false), testutil.MLPModel(32, 16, false)
 			devRng, hostRng := rand.New(rand.NewPCG(43, 44)), rand.New(rand.NewPCG(43, 44))
 			devOpt, hostOpt := c.opt(), c.opt()
 			var devParams, hostParamsT []*lazy.Tensor
 			for step := range steps {
-				loss, params := devModel.build(devRng, n)
+				loss, params := devModel.Build(devRng, n)
 				p := stepProgram(t, loss, params, devOpt.StateSlots())
 				dres, err := e.Execute(ctx, p, planner.Chunks(n, 2), cuda.ExecOptions{Resident: true, Optimizer: devOpt, SyncParams: true})
 				require.NoError(t, err, "device step %d", step)
 				devParams = params
 
-				loss, params = hostModel.build(hostRng, n)
+				loss, params = hostModel.Build(hostRng, n)
 				p = stepProgram(t, loss, params, hostOpt.StateSlots())
 				update := func(kept [][]float32) error { // as batchfit.Session.Step's
 					ps := make([]optim.Param, len(params))
@@ -313,13 +211,13 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 	const steps, n, chunks = 3, 24, 2
 	ctx := context.Background()
 	e := freshExecutor(t, cuda.ExecutorOptions{})
-	lazyModel, eagerModel := mlpModel(32, 16), mlpModel(32, 16)
+	lazyModel, eagerModel := testutil.MLPModel(32, 16, false), testutil.MLPModel(32, 16, false)
 	lazyRng, eagerRng := rand.New(rand.NewPCG(45, 46)), rand.New(rand.NewPCG(45, 46))
 	lazyOpt, eagerOpt := optim.NewAdam(1e-2), optim.NewAdam(1e-2)
 	var lazyParams, eagerParams []*lazy.Tensor
 	var initial [][]float32
 	for step := range steps {
-		loss, params := lazyModel.build(lazyRng, n)
+		loss, params := lazyModel.Build(lazyRng, n)
 		if step == 0 {
 			initial = hostParams(t, params)
 		}
@@ -346,7 +244,7 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 		}
 		lazyParams = params
 
-		loss, params = eagerModel.build(eagerRng, n)
+		loss, params = eagerModel.Build(eagerRng, n)
 		p = stepProgram(t, loss, params, eagerOpt.StateSlots())
 		eres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: eagerOpt, SyncParams: true})
 		require.NoError(t, err, "step %d", step)
@@ -361,10 +259,10 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 		require.Equal(t, want[i], got[i], "parameter %s after SyncParams", lazyParams[i].Name())
 	}
 	// While yielded, SyncParams reads the executor's host copies.
-	loss, params := lazyModel.build(lazyRng, n)
+	loss, params := lazyModel.Build(lazyRng, n)
 	_, err := e.Execute(ctx, stepProgram(t, loss, params, 2), planner.Chunks(n, 1), cuda.ExecOptions{Resident: true, Optimizer: lazyOpt, KeptOnDevice: true})
 	require.NoError(t, err)
-	loss, params = eagerModel.build(eagerRng, n)
+	loss, params = eagerModel.Build(eagerRng, n)
 	_, err = e.Execute(ctx, stepProgram(t, loss, params, 2), planner.Chunks(n, 1), cuda.ExecOptions{Resident: true, Optimizer: eagerOpt, SyncParams: true})
 	require.NoError(t, err)
 	require.NoError(t, e.Yield())
@@ -374,27 +272,6 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 		require.Equal(t, want[i], got[i], "parameter %s after SyncParams while yielded", lazyParams[i].Name())
 	}
 	require.NoError(t, e.Restore())
-}
-
-// tightBudgets maps each chunk count the planner can choose for p to the
-// smallest budget, in steps of 2 MiB (every segment is a multiple of it),
-// at which it chooses it.
-func tightBudgets(t *testing.T, p *planner.Program) map[int]int64 {
-	t.Helper()
-	budgets := map[int]int64{}
-	for b := int64(alloc.RoundLarge); ; b += alloc.RoundLarge {
-		pl, err := planner.Make(p, planner.Options{Budget: b})
-		if err != nil {
-			require.ErrorIs(t, err, planner.ErrDoesNotFit)
-			continue
-		}
-		if _, ok := budgets[len(pl.Chunks)]; !ok {
-			budgets[len(pl.Chunks)] = b
-		}
-		if len(pl.Chunks) == 1 {
-			return budgets
-		}
-	}
 }
 
 // persistentBytes is what the persistent buffers of p occupy in the
@@ -420,18 +297,18 @@ func persistentBytes(p *planner.Program) int64 {
 func TestPlannedPeaksAreMeasured(t *testing.T) {
 	const steps, n = 3, 512
 	ctx := context.Background()
-	model := mlpModel(784, 256)
-	loss, params := model.build(rand.New(rand.NewPCG(45, 46)), n)
-	budgets := tightBudgets(t, stepProgram(t, loss, params, 2))
+	model := testutil.MLPModel(784, 256, false)
+	loss, params := model.Build(rand.New(rand.NewPCG(45, 46)), n)
+	budgets := testutil.TightBudgets(t, stepProgram(t, loss, params, 2))
 	require.GreaterOrEqual(t, len(budgets), 2, "budgets gave chunk counts %v", budgets)
 	for _, k := range slices.Sorted(maps.Keys(budgets)) {
 		budget := budgets[k]
 		t.Run(fmt.Sprintf("chunks=%d", k), func(t *testing.T) {
 			e := freshExecutor(t, cuda.ExecutorOptions{})
-			m, rng := mlpModel(784, 256), rand.New(rand.NewPCG(47, uint64(k)))
+			m, rng := testutil.MLPModel(784, 256, false), rand.New(rand.NewPCG(47, uint64(k)))
 			opt := optim.NewAdam(1e-3)
 			for step := range steps {
-				loss, params := m.build(rng, n)
+				loss, params := m.Build(rng, n)
 				p := stepProgram(t, loss, params, 2)
 				pl, err := planner.Make(p, planner.Options{Budget: budget})
 				require.NoError(t, err)
@@ -459,7 +336,7 @@ func TestNoLeakAfterNonResidentRuns(t *testing.T) {
 	e := freshExecutor(t, cuda.ExecutorOptions{})
 	ctx := context.Background()
 	for step := range 3 {
-		loss, params := mlpModel(16, 8).build(rand.New(rand.NewPCG(48, uint64(step))), 10)
+		loss, params := testutil.MLPModel(16, 8, false).Build(rand.New(rand.NewPCG(48, uint64(step))), 10)
 		p := stepProgram(t, loss, params, 0)
 		_, err := e.Execute(ctx, p, planner.Chunks(10, 1+step), cuda.ExecOptions{})
 		require.NoError(t, err)
@@ -496,7 +373,7 @@ func TestIndexErrorsAreTyped(t *testing.T) {
 	assert.Equal(t, "embedding", oe.Op)
 	t.Log(err)
 
-	logits := lazy.Wrap(uniformF32(rand.New(rand.NewPCG(49, 50)), 3, 4), 0)
+	logits := lazy.Wrap(testutil.UniformF32(rand.New(rand.NewPCG(49, 50)), 3, 4), 0)
 	labels := logits.Graph().Wrap(tensor.New(tensor.WithShape(3), tensor.WithBacking([]int64{1, 4, 0})), 0)
 	loss := logits.CrossEntropy(labels, graph.ReduceMean)
 	require.NoError(t, loss.Err())
@@ -510,7 +387,7 @@ func TestIndexErrorsAreTyped(t *testing.T) {
 // refused where a kernel needs scratch memory, with ErrWorkspace.
 func TestWorkspaceMissing(t *testing.T) {
 	e := executor(t)
-	logits := lazy.Wrap(uniformF32(rand.New(rand.NewPCG(51, 52)), 3, 4), 0)
+	logits := lazy.Wrap(testutil.UniformF32(rand.New(rand.NewPCG(51, 52)), 3, 4), 0)
 	labels := logits.Graph().Wrap(tensor.New(tensor.WithShape(3), tensor.WithBacking([]int64{1, 2, 0})), 0)
 	loss := logits.CrossEntropy(labels, graph.ReduceMean)
 	require.NoError(t, loss.Err())
@@ -528,7 +405,7 @@ func TestWorkspaceMissing(t *testing.T) {
 func TestExecutorClosed(t *testing.T) {
 	e, err := cuda.NewExecutor(device(t), cuda.ExecutorOptions{})
 	require.NoError(t, err)
-	loss, params := mlpModel(8, 4).build(rand.New(rand.NewPCG(53, 54)), 6)
+	loss, params := testutil.MLPModel(8, 4, false).Build(rand.New(rand.NewPCG(53, 54)), 6)
 	p := stepProgram(t, loss, params, 2)
 	_, err = e.Execute(context.Background(), p, planner.Chunks(6, 2), cuda.ExecOptions{Resident: true, Optimizer: optim.NewAdam(1e-3)})
 	require.NoError(t, err)

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/planner"
 )
@@ -176,19 +177,23 @@ func (k *kctx) badFlag(off int64) (alloc.Ptr, error) {
 	return bad, k.d.memset(bad, 0xFF, flagBytes)
 }
 
-// firstBad reads the flag: the first bad position and its index value, or
-// ok when every index was in range. It waits for the kernels before it.
-func (k *kctx) firstBad(bad alloc.Ptr, idx operand) (pos, val int64, ok bool, err error) {
+// firstBad reads the flag after the kernels before it: nil when every
+// value of idx, input input of op's node, was in [0, limit), else the
+// exec.RowError of the first bad position (which the kernels found with
+// atomicMin) and the value there.
+func (k *kctx) firstBad(bad alloc.Ptr, idx operand, op, what string, input int, limit int64) error {
 	var got [1]int64
 	if err := CopyDtoH(k.d, got[:], bad); err != nil {
-		return 0, 0, false, err
+		return err
 	}
 	if got[0] == -1 {
-		return 0, 0, true, nil
+		return nil
 	}
-	pos = got[0]
-	err = CopyDtoH(k.d, got[:], idx.at(pos))
-	return pos, got[0], false, err
+	pos := got[0]
+	if err := CopyDtoH(k.d, got[:], idx.at(pos)); err != nil {
+		return err
+	}
+	return exec.BadValue(op, what, input, idx.shape, int(pos), got[0], int(limit))
 }
 
 // Launch shapes (kernels/README.md, "Launch shapes").

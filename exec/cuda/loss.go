@@ -83,11 +83,7 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 	if err := k.sumF64(loss, out.p, n, a.Scalar); err != nil || n == 0 {
 		return err
 	}
-	row, label, ok, err := k.firstBad(bad, labels)
-	if err == nil && !ok {
-		err = graph.Errorf(graph.ErrAttr, "cross_entropy label %d (row %d) out of range for %d classes", label, row, c)
-	}
-	return err
+	return k.firstBad(bad, labels, "cross_entropy", "label", 1, c)
 }
 
 // crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)).
@@ -111,11 +107,7 @@ func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) 
 	if err := k.launch(kCrossEntGrad, rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, a.Scalar, bad); err != nil {
 		return err
 	}
-	row, label, ok, err := k.firstBad(bad, labels)
-	if err == nil && !ok {
-		err = graph.Errorf(graph.ErrAttr, "cross_entropy label %d at row %d outside [0, %d)", label, row, c)
-	}
-	return err
+	return k.firstBad(bad, labels, "cross_entropy", "label", 2, c)
 }
 
 // mse: a double partial per block into the workspace, then their sum times

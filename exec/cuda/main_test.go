@@ -1,7 +1,6 @@
 package cuda_test
 
 import (
-	"errors"
 	"math/rand/v2"
 	"os"
 	"sync"
@@ -12,11 +11,8 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/testutil"
 )
-
-// requireGPU makes GPU tests fail instead of skip, for runs on a machine
-// that is known to have one (scripts/gpu-check run sets it).
-const requireGPU = "BATCHFIT_REQUIRE_GPU"
 
 // One device serves the whole test binary: creating a primary context
 // takes long enough that each test should not pay for it.
@@ -73,19 +69,8 @@ func freshExecutor(tb testing.TB, o cuda.ExecutorOptions) *cuda.Executor {
 func device(tb testing.TB) *cuda.Device {
 	tb.Helper()
 	shared.once.Do(func() { shared.d, shared.err = cuda.Open(cuda.Options{}) })
-	skipWithoutGPU(tb, shared.err)
+	testutil.SkipWithoutGPU(tb, shared.err, cuda.ErrNoGPU)
 	return shared.d
-}
-
-func skipWithoutGPU(tb testing.TB, err error) {
-	tb.Helper()
-	if errors.Is(err, cuda.ErrNoGPU) {
-		if os.Getenv(requireGPU) != "" {
-			tb.Fatalf("%s is set: %v", requireGPU, err)
-		}
-		tb.Skipf("no GPU: %v", err)
-	}
-	require.NoError(tb, err)
 }
 
 // newAllocator returns a caching allocator over the device that gives its
@@ -111,14 +96,6 @@ func download(tb testing.TB, d *cuda.Device, b *alloc.Block, n int) []float32 {
 	out := make([]float32, n)
 	require.NoError(tb, cuda.CopyDtoH(d, out, b.Ptr()))
 	return out
-}
-
-func randFloats(r *rand.Rand, n int) []float32 {
-	x := make([]float32, n)
-	for i := range x {
-		x[i] = float32(2*r.Float64() - 1)
-	}
-	return x
 }
 
 func newRand(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15)) }

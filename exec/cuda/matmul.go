@@ -3,6 +3,7 @@ package cuda
 import (
 	"slices"
 
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -16,29 +17,6 @@ var matmulKernels = family{
 	graph.OpLinear: {run: func(k *kctx, in []operand, out operand) error {
 		return k.linear(in[0], in[1], optional(in, 2), out)
 	}},
-}
-
-// broadcastStrides gives, for each axis of lead, the element stride of an
-// operand whose leading shape is s (right-aligned to lead) and whose inner
-// block holds inner elements; broadcast axes get stride 0.
-func broadcastStrides(s, lead []int, inner int) ([]int, error) {
-	if len(s) > len(lead) {
-		return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
-	}
-	st := make([]int, len(lead))
-	acc := inner
-	off := len(lead) - len(s)
-	for d := len(s) - 1; d >= 0; d-- {
-		switch s[d] {
-		case lead[d+off]:
-			st[d+off] = acc
-		case 1:
-		default:
-			return nil, graph.Errorf(graph.ErrShape, "leading axes %v do not broadcast to %v", s, lead)
-		}
-		acc *= s[d]
-	}
-	return st, nil
 }
 
 // gemmCall is one strided-batched GEMM of a matmul: count products whose
@@ -85,11 +63,11 @@ func planMatmul(ta, tb bool, xs, ys, os []int) (matmulPlan, error) {
 		return matmulPlan{}, graph.Errorf(graph.ErrShape, "matmul of %v and %v cannot give %v", xs, ys, os)
 	}
 	lead := os[:ro-2]
-	xst, err := broadcastStrides(xs[:rx-2], lead, pl.m*pl.k)
+	xst, err := exec.LeadStrides(xs[:rx-2], lead, pl.m*pl.k)
 	if err != nil {
 		return matmulPlan{}, err
 	}
-	yst, err := broadcastStrides(ys[:ry-2], lead, pl.k*pl.n)
+	yst, err := exec.LeadStrides(ys[:ry-2], lead, pl.k*pl.n)
 	if err != nil {
 		return matmulPlan{}, err
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/testutil"
 )
 
 const mib = 1 << 20
@@ -135,7 +136,7 @@ func TestCopyRoundTrip(t *testing.T) {
 	a := newAllocator(t, d)
 	r := newRand(1)
 	for _, n := range []int{1, 7, 1000, 1<<20 + 3} {
-		x := randFloats(r, n)
+		x := testutil.RandFloats(r, n)
 		b := upload(t, d, a, x)
 		got := download(t, d, b, n)
 		assert.Equal(t, x, got, "float32 × %d", n)
@@ -159,7 +160,7 @@ func TestCopyRoundTrip(t *testing.T) {
 func TestMemzero(t *testing.T) {
 	d := device(t)
 	a := newAllocator(t, d)
-	x := randFloats(newRand(2), 1000)
+	x := testutil.RandFloats(newRand(2), 1000)
 	b := upload(t, d, a, x)
 	// Zero elements [100, 300).
 	require.NoError(t, d.Memzero(b.Ptr()+100*4, 200*4))

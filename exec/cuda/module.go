@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -42,7 +43,7 @@ func (d *Device) Compile(name, src string) (*Module, error) {
 	opts := compileOptions(d.Arch())
 	path := d.cubinPath(cubinKey(name, src, nv.version, opts))
 	if path != "" {
-		if cubin, err := os.ReadFile(path); err == nil {
+		if cubin, ok := readCachedCubin(path); ok {
 			if m, err := d.LoadModule(name, cubin); err == nil {
 				m.cached = true
 				return m, nil
@@ -88,6 +89,49 @@ func (d *Device) cubinPath(key string) string {
 		dir = filepath.Join(base, "batchfit", "cubin")
 	}
 	return filepath.Join(dir, key+".cubin")
+}
+
+// maxCubinBytes caps what the cache may hand the driver. A cubin of the
+// kernels here is well under a MiB; anything over 64 MiB is not one.
+const maxCubinBytes = 64 << 20
+
+// readCachedCubin reads the cache file at path and reports whether it holds
+// what could be a cubin: a regular file of at most maxCubinBytes that
+// starts with the header of a 64-bit little-endian ELF image for CUDA
+// (EM_CUDA). Anything else (missing, unreadable, oversized, truncated or
+// garbled) is a miss: the caller compiles and rewrites the entry, so a
+// damaged cache costs a recompile and never reaches the driver.
+func readCachedCubin(path string) ([]byte, bool) {
+	fi, err := os.Stat(path)
+	if err != nil || !fi.Mode().IsRegular() || fi.Size() > maxCubinBytes {
+		return nil, false
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, false
+	}
+	defer f.Close()
+	// The file may have grown since Stat: read one byte past the cap to see.
+	b, err := io.ReadAll(io.LimitReader(f, maxCubinBytes+1))
+	if err != nil || len(b) > maxCubinBytes || !cubinHeader(b) {
+		if err == nil {
+			os.Remove(path)
+		}
+		return nil, false
+	}
+	return b, true
+}
+
+// cubinHeader reports whether b starts with an ELF64 little-endian header
+// whose machine is EM_CUDA (190), as NVRTC's cubins do.
+func cubinHeader(b []byte) bool {
+	const (
+		elf64HeaderSize = 64
+		emCUDA          = 190
+	)
+	return len(b) >= elf64HeaderSize && string(b[:4]) == "\x7fELF" &&
+		b[4] == 2 && b[5] == 1 && // ELFCLASS64, ELFDATA2LSB
+		uint16(b[18])|uint16(b[19])<<8 == emCUDA // e_machine
 }
 
 // writeFileAtomic writes through a temporary file and a rename, so a

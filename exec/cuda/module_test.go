@@ -15,6 +15,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
 )
 
 func smokeModule(tb testing.TB, d *cuda.Device) *cuda.Module {
@@ -63,7 +64,7 @@ func TestCompileCacheAndAxpy(t *testing.T) {
 	r := newRand(4)
 	const n = 1<<20 + 3
 	const alpha = float32(1.75)
-	x, y := randFloats(r, n), randFloats(r, n)
+	x, y := testutil.RandFloats(r, n), testutil.RandFloats(r, n)
 	xb, yb := upload(t, d, a, x), upload(t, d, a, y)
 	require.NoError(t, m.Launch(axpy, [3]uint32{1024, 1, 1}, [3]uint32{256, 1, 1}, 0,
 		alpha, xb, yb.Ptr(), int64(n)))

@@ -4,6 +4,7 @@ import (
 	"slices"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -204,30 +205,18 @@ func (k *kctx) concat(axis int, in []operand, out operand) error {
 	if err := sameDType(out, in...); err != nil {
 		return err
 	}
-	rank := len(out.shape)
-	if axis < 0 || axis >= rank {
-		return graph.Errorf(graph.ErrAttr, "concat axis %d out of range for rank %d", axis, rank)
+	shapes := make([][]int, len(in))
+	for i, x := range in {
+		shapes[i] = x.shape
 	}
-	total := 0
-	for _, x := range in {
-		if len(x.shape) != rank {
-			return graph.Errorf(graph.ErrShape, "concat of %v into %v", x.shape, out.shape)
-		}
-		for k, d := range x.shape {
-			if k != axis && d != out.shape[k] {
-				return graph.Errorf(graph.ErrShape, "concat of %v into %v along axis %d", x.shape, out.shape, axis)
-			}
-		}
-		total += x.shape[axis]
-	}
-	if total != out.shape[axis] {
-		return graph.Errorf(graph.ErrShape, "concat along axis %d: inputs sum to %d, output has %d", axis, total, out.shape[axis])
+	if err := exec.CheckConcat(axis, out.shape, shapes); err != nil {
+		return err
 	}
 	outer, inner := int64(graph.Numel(out.shape[:axis])), int64(graph.Numel(out.shape[axis+1:]))
 	off := int64(0)
 	for _, x := range in {
 		l := int64(x.shape[axis]) * inner
-		if err := k.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), ceilDiv(outer*l, 4), x.p, l, int64(0), out.p, int64(total)*inner, off, outer, l); err != nil {
+		if err := k.flat(pick(out.dt, kCopy2dF32, kCopy2dI64), ceilDiv(outer*l, 4), x.p, l, int64(0), out.p, int64(out.shape[axis])*inner, off, outer, l); err != nil {
 			return err
 		}
 		off += l
@@ -253,11 +242,7 @@ func (k *kctx) embedding(idx, w, out operand) error {
 	if err := k.flat(kEmbedding, out.n(), idx.p, w.p, out.p, idx.n(), v, d, bad); err != nil {
 		return err
 	}
-	pos, val, ok, err := k.firstBad(bad, idx)
-	if err == nil && !ok {
-		err = graph.Errorf(graph.ErrAttr, "embedding index %d (position %d) out of range for %d rows", val, pos, v)
-	}
-	return err
+	return k.firstBad(bad, idx, "embedding", "index", 0, v)
 }
 
 // embeddingGrad scatter-adds rows of g into the zeroed weight gradient.
@@ -279,9 +264,5 @@ func (k *kctx) embeddingGrad(g, idx, out operand) error {
 	if err := k.flat(kEmbeddingGrad, g.n(), g.p, idx.p, out.p, idx.n(), v, d, bad); err != nil {
 		return err
 	}
-	pos, val, ok, err := k.firstBad(bad, idx)
-	if err == nil && !ok {
-		err = graph.Errorf(graph.ErrAttr, "embedding index %d at position %d outside [0, %d)", val, pos, v)
-	}
-	return err
+	return k.firstBad(bad, idx, "embedding", "index", 1, v)
 }

@@ -4,6 +4,7 @@ import (
 	"math"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
@@ -161,13 +162,9 @@ func (r *runner) hostStep(grads [][]float32) error {
 	if err := r.paramsToHost(); err != nil {
 		return err
 	}
-	ps := make([]optim.Param, len(r.p.Trained))
-	for i, id := range r.p.Trained {
-		data, err := r.paramData(id)
-		if err != nil {
-			return err
-		}
-		ps[i] = optim.Param{Key: r.source(id), Name: r.node(id).Name, Data: data, Grad: grads[i]}
+	ps, err := exec.HostParams(r.p, r.source, grads)
+	if err != nil {
+		return err
 	}
 	if err := r.o.Optimizer.Step(ps); err != nil {
 		return err

@@ -6,10 +6,13 @@
 package conformance
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
+
+	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -19,6 +22,47 @@ import (
 // data-less source (inputs and parameters); int64 sources hold integral
 // values. It returns the outputs as float64 values.
 type Runner func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error)
+
+// RunBatch is an executor's RunBatch method: it evaluates outputs of g for
+// b samples, feed supplying the data of data-less sources.
+type RunBatch func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error)
+
+// RunnerOf adapts an executor's RunBatch to a Runner: it feeds each source
+// its value as a float32 tensor (int64 for int64 sources), runs the whole
+// batch, and widens the outputs to float64.
+func RunnerOf(run RunBatch) Runner {
+	return func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error) {
+		feed := func(id int) tensor.Tensor {
+			v, ok := feeds[id]
+			if !ok {
+				return nil
+			}
+			if g.Node(id).Type.DType == graph.Int64 {
+				d := make([]int64, len(v.Data))
+				for i, x := range v.Data {
+					d[i] = int64(x)
+				}
+				return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
+			}
+			d := make([]float32, len(v.Data))
+			for i, x := range v.Data {
+				d[i] = float32(x)
+			}
+			return tensor.New(tensor.WithShape(v.Shape...), tensor.WithBacking(d))
+		}
+		out, err := run(context.Background(), g, g.Batch(), feed, outputs...)
+		if err != nil {
+			return nil, err
+		}
+		vals := make([]ref.Value, len(out))
+		for i, d := range out {
+			if vals[i], err = ref.FromTensor(d); err != nil {
+				return nil, err
+			}
+		}
+		return vals, nil
+	}
+}
 
 // Tolerance bounds |got − want| by ATol + RTol·|want| per element.
 type Tolerance struct{ RTol, ATol float64 }
@@ -48,6 +92,12 @@ func RunAllAs(t *testing.T, run Runner, dt graph.DType, tol Tolerance) {
 	rng := rand.New(rand.NewPCG(2026, 11))
 	for _, c := range ref.Cases {
 		t.Run(c.Name, func(t *testing.T) {
+			if c.Rounds && !dt.IsHalf() {
+				// Its casts store 16-bit values, which an executor without
+				// 16-bit storage (CUDA, for now) refuses: RunAllAs with a
+				// 16-bit dtype runs it.
+				t.Skip("casts to 16 bits: run by RunAllAs with float16 or bfloat16")
+			}
 			b, err := c.BuildAs(rng, dt)
 			if err != nil {
 				t.Fatalf("build: %v", err)
