@@ -1,6 +1,8 @@
 package recompute
 
 import (
+	"slices"
+
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/planner"
 )
@@ -102,6 +104,27 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 	c.perStep = (3*kept+2*state)/prof.Bandwidth + float64(len(p.Trained))*prof.Launch
 	c.accum = 3*kept/prof.Bandwidth + float64(len(p.Kept))*prof.Launch
 	return c
+}
+
+// Plus returns c with the given nodes of g added to every chunk (the
+// copies a recompute set makes).
+func (c *Cost) Plus(g *graph.Graph, ids []int) *Cost {
+	d := *c
+	d.nodes = append(slices.Clip(c.nodes), make([]nodeCost, 0, len(ids))...)
+	batch := float64(g.Batch())
+	for _, id := range ids {
+		nd := g.Node(id)
+		if nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape {
+			continue
+		}
+		f0, b0 := work(g, nd, 0)
+		f1, b1 := work(g, nd, 1)
+		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, gemm: isGEMM(nd.Op)}
+		d.nodes = append(d.nodes, nc)
+		d.launch++
+		d.FLOPs += nc.F0 + nc.F1*batch
+	}
+	return &d
 }
 
 func isGEMM(op graph.Op) bool {

@@ -86,4 +86,3 @@ func WriteProfile(w io.Writer, p Profile) error {
 	enc.SetIndent("", "  ")
 	return enc.Encode(p)
 }
-

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
@@ -50,6 +51,9 @@ type Options struct {
 	// PlanAll plans every candidate, pruning none: reports show the
 	// alternatives' plans; the choice is the same.
 	PlanAll bool
+	// Resident, when set, gives each candidate program's
+	// planner.Options.Resident (buffer indices differ between programs).
+	Resident func(*planner.Program) []planner.Held
 }
 
 // Choice is one candidate: a recompute set, its program and its plan
@@ -98,8 +102,8 @@ type candidate struct {
 }
 
 // Candidates lists the recompute sets Search tries, cheapest first: none,
-// selective (cheap ops everywhere), the first k of K blocks for k = K/4,
-// K/2, 3K/4 and K (whole-block checkpoints), and every block plus
+// selective (cheap ops everywhere), the first k of K blocks for k = K/2,
+// 3K/4 and K (whole-block checkpoints), and every block plus
 // selective.
 func Candidates(g *graph.Graph, boundary int) []candidate {
 	cs := []candidate{{name: "none"}}
@@ -110,7 +114,7 @@ func Candidates(g *graph.Graph, boundary int) []candidate {
 	blocks := Blocks(g, boundary)
 	k := len(blocks)
 	var ks []int
-	for _, q := range []int{k / 4, k / 2, 3 * k / 4, k} {
+	for _, q := range []int{k / 2, 3 * k / 4, k} {
 		if q > 0 && !slices.Contains(ks, q) {
 			ks = append(ks, q)
 		}
@@ -206,26 +210,59 @@ func Search(st Step, o Options) (*Result, error) {
 	}
 	res := &Result{}
 	cands := Candidates(st.Graph, st.Boundary)
+	var plainCost *Cost
 	for i, cd := range cands {
-		c, err := Build(st, cd.name, cd.set)
-		if err != nil {
-			return nil, err
-		}
-		c.Cost = NewCost(c.Program, o.Profile, o.TF32)
-		res.All = append(res.All, c)
+		var c *Choice
 		if i == 0 {
+			var err error
+			if c, err = Build(st, cd.name, nil); err != nil {
+				return nil, err
+			}
+			plainCost = NewCost(c.Program, o.Profile, o.TF32)
+			c.Cost = plainCost
 			res.Plain = c
+		} else {
+			mark := make([]bool, st.Boundary)
+			for _, id := range cd.set {
+				mark[id] = true
+			}
+			copied := Copied(st.Graph, st.Boundary, mark)
+			c = &Choice{Name: cd.name, Recompute: cd.set, Copies: len(copied), Cost: plainCost.Plus(st.Graph, copied)}
 		}
-		if cd.name == cands[len(cands)-1].name && i > 0 {
+		res.All = append(res.All, c)
+		if i > 0 && i == len(cands)-1 {
 			res.Full = c
 		}
-		if !o.PlanAll && res.Best != nil && c.Cost.Step(planner.SplitOf(c.Program.Batch, c.Program.Batch)) >= res.Best.Time {
-			c.Time = inf
-			c.Err = errPruned
-			continue
+		n := st.Graph.Batch()
+		// The candidate can beat the best so far only at chunks of at
+		// least need samples (a step's time falls as chunks grow).
+		need := 1
+		if !o.PlanAll && res.Best != nil {
+			if need = minChunk(c.Cost, n, res.Best.Time); need == 0 {
+				c.Time, c.Err = inf, errPruned
+				continue
+			}
+		}
+		if c.Program == nil {
+			built, err := Build(st, cd.name, cd.set)
+			if err != nil {
+				return nil, err
+			}
+			c.Program, c.Remap = built.Program, built.Remap
 		}
 		po := o.Planner
 		po.NoChunkList = true
+		if o.Resident != nil {
+			po.Resident = o.Resident(c.Program)
+		}
+		if !o.PlanAll && len(po.Resident) == 0 && !prefixFits(c.Program, po, planner.SplitOf(n, need)) {
+			if need > 1 {
+				c.Time, c.Err = inf, errPruned
+			} else {
+				c.Time, c.Err = inf, fmt.Errorf("%w: chunks of one sample do not fit", planner.ErrDoesNotFit)
+			}
+			continue
+		}
 		c.Plan, c.Err = planner.Make(c.Program, po)
 		if c.Err != nil {
 			if !errors.Is(c.Err, planner.ErrDoesNotFit) {
@@ -243,6 +280,46 @@ func Search(st Step, o Options) (*Result, error) {
 		}
 	}
 	return res, nil
+}
+
+// minChunk is the smallest chunk size at which c's step beats best
+// seconds, or 0 when even the whole batch does not.
+func minChunk(c *Cost, n int, best float64) int {
+	if c.Step(planner.SplitOf(n, n)) >= best {
+		return 0
+	}
+	lo, hi := 0, n // Step at hi beats best; at lo (0: none) it does not
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if c.Step(planner.SplitOf(n, mid)) < best {
+			hi = mid
+		} else {
+			lo = mid
+		}
+	}
+	return hi
+}
+
+// prefixFits is a necessary condition for planner.Make to choose chunks
+// of at least s's on a device holding nothing: one replay of s's first two
+// chunks (which allocate what later chunks reuse) within the budget. A
+// replay of a prefix of s is the prefix of s's replay, so it peaks no
+// higher.
+func prefixFits(p *planner.Program, o planner.Options, s planner.Split) bool {
+	avail := o.Budget - o.Headroom
+	if o.Headroom == 0 && !o.NoHeadroom {
+		avail = o.Budget - planner.DefaultHeadroom
+	}
+	if avail <= 0 {
+		return false
+	}
+	chunks := []planner.Chunk{s.At(0)}
+	if s.K > 1 {
+		chunks = append(chunks, s.At(1))
+	}
+	a := alloc.New(alloc.NewSimBackend(avail), alloc.Options{})
+	_, err := planner.Replay(p, chunks, a, nil, false)
+	return err == nil
 }
 
 var inf = func() float64 { x := 1e308; return x * 10 }()

@@ -93,6 +93,40 @@ func Apply(g *graph.Graph, boundary int, set []bool) (ng *graph.Graph, remap []i
 	return ng, remap, copies, nil
 }
 
+// Copied lists the nodes of set that Apply copies (those backward reads,
+// and the set nodes their copies read, transitively), in id order.
+func Copied(g *graph.Graph, boundary int, set []bool) []int {
+	nodes := g.Nodes()
+	in := func(i int) bool { return i < boundary && i < len(set) && set[i] && Eligible(&nodes[i]) }
+	copied := make([]bool, boundary)
+	var stack []int
+	for i := boundary; i < len(nodes); i++ {
+		for _, j := range nodes[i].Inputs {
+			if in(j) && !copied[j] {
+				copied[j] = true
+				stack = append(stack, j)
+			}
+		}
+	}
+	for len(stack) > 0 {
+		j := stack[len(stack)-1]
+		stack = stack[:len(stack)-1]
+		for _, k := range nodes[j].Inputs {
+			if in(k) && !copied[k] {
+				copied[k] = true
+				stack = append(stack, k)
+			}
+		}
+	}
+	var ids []int
+	for i, c := range copied {
+		if c {
+			ids = append(ids, i)
+		}
+	}
+	return ids
+}
+
 // Eligible reports whether a node may be recomputed at all: not a source
 // or a fill (nothing to recompute), not batch norm (training mode reads
 // batch statistics and updates running ones), and a per-sample value
