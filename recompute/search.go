@@ -95,21 +95,21 @@ type Result struct {
 	All         []*Choice
 }
 
-// candidate is a named recompute set.
-type candidate struct {
-	name string
-	set  []int
+// Candidate is a named recompute set.
+type Candidate struct {
+	Name string
+	Set  []int // forward node ids, sorted
 }
 
 // Candidates lists the recompute sets Search tries, cheapest first: none,
 // selective (cheap ops everywhere), the first k of K blocks for k = K/2,
 // 3K/4 and K (whole-block checkpoints), and every block plus
 // selective.
-func Candidates(g *graph.Graph, boundary int) []candidate {
-	cs := []candidate{{name: "none"}}
+func Candidates(g *graph.Graph, boundary int) []Candidate {
+	cs := []Candidate{{Name: "none"}}
 	sel := Selective(g, boundary, nil)
 	if len(sel) > 0 {
-		cs = append(cs, candidate{name: "selective", set: sel})
+		cs = append(cs, Candidate{Name: "selective", Set: sel})
 	}
 	blocks := Blocks(g, boundary)
 	k := len(blocks)
@@ -125,10 +125,10 @@ func Candidates(g *graph.Graph, boundary int) []candidate {
 			set = append(set, b.Nodes...)
 		}
 		slices.Sort(set)
-		cs = append(cs, candidate{name: fmt.Sprintf("blocks %d/%d", q, k), set: set})
+		cs = append(cs, Candidate{Name: fmt.Sprintf("blocks %d/%d", q, k), Set: set})
 	}
 	if k > 0 {
-		set := slices.Clone(cs[len(cs)-1].set)
+		set := slices.Clone(cs[len(cs)-1].Set)
 		skip := make([]bool, boundary)
 		for _, id := range set {
 			skip[id] = true
@@ -136,7 +136,7 @@ func Candidates(g *graph.Graph, boundary int) []candidate {
 		if more := Selective(g, boundary, skip); len(more) > 0 {
 			set = append(set, more...)
 			slices.Sort(set)
-			cs = append(cs, candidate{name: fmt.Sprintf("blocks %d/%d+selective", k, k), set: set})
+			cs = append(cs, Candidate{Name: fmt.Sprintf("blocks %d/%d+selective", k, k), Set: set})
 		}
 	}
 	return cs
@@ -215,7 +215,7 @@ func Search(st Step, o Options) (*Result, error) {
 		var c *Choice
 		if i == 0 {
 			var err error
-			if c, err = Build(st, cd.name, nil); err != nil {
+			if c, err = Build(st, cd.Name, nil); err != nil {
 				return nil, err
 			}
 			plainCost = NewCost(c.Program, o.Profile, o.TF32)
@@ -223,11 +223,11 @@ func Search(st Step, o Options) (*Result, error) {
 			res.Plain = c
 		} else {
 			mark := make([]bool, st.Boundary)
-			for _, id := range cd.set {
+			for _, id := range cd.Set {
 				mark[id] = true
 			}
 			copied := Copied(st.Graph, st.Boundary, mark)
-			c = &Choice{Name: cd.name, Recompute: cd.set, Copies: len(copied), Cost: plainCost.Plus(st.Graph, copied)}
+			c = &Choice{Name: cd.Name, Recompute: cd.Set, Copies: len(copied), Cost: plainCost.Plus(st.Graph, copied)}
 		}
 		res.All = append(res.All, c)
 		if i > 0 && i == len(cands)-1 {
@@ -244,7 +244,7 @@ func Search(st Step, o Options) (*Result, error) {
 			}
 		}
 		if c.Program == nil {
-			built, err := Build(st, cd.name, cd.set)
+			built, err := Build(st, cd.Name, cd.Set)
 			if err != nil {
 				return nil, err
 			}
