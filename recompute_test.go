@@ -30,6 +30,13 @@ import (
 // recompute.Build: forward nodes below the loss's id + 1.
 func recomputeStep(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) recompute.Step {
 	t.Helper()
+	return recomputeStepOn(t, cpu.Workspace, loss, params, slots, extra...)
+}
+
+// recomputeStepOn is recomputeStep for an executor whose workspace rule
+// is ws.
+func recomputeStepOn(t *testing.T, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) recompute.Step {
+	t.Helper()
 	require.NoError(t, loss.Err())
 	g := loss.Graph()
 	outs := []int{loss.ID()}
@@ -41,7 +48,7 @@ func recomputeStep(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots
 	}
 	kept := slices.Clone(outs[1:])
 	return recompute.Step{Graph: g.IR(), Boundary: loss.ID() + 1, Outputs: append(outs, extra...),
-		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: cpu.Workspace}}
+		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: ws}}
 }
 
 // everything marks every forward node: the whole forward pass is run
