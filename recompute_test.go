@@ -249,3 +249,55 @@ func TestRecomputeFitsWhereChunksCannot(t *testing.T) {
 		}
 	}
 }
+
+// Through the Session: one SGD step (lr 1, so the update is the gradient)
+// of the MLP, the GPT and the ConvNet, all with dropout, with
+// Options.Recompute off, selective and full, on the whole batch: every
+// parameter moves by the same gradient, to 1e-6 relative (in practice bit
+// for bit: the copies compute the same float32 operations).
+func TestRecomputeSessionGradients(t *testing.T) {
+	const n = 6
+	ctx := context.Background()
+	for _, newModel := range []func(bool) testutil.TrainModel{mlpModel, gptModel(64), convModel(16)} {
+		t.Run(newModel(true).Name, func(t *testing.T) {
+			var want [][]float32
+			for _, mode := range []recompute.Mode{recompute.Off, recompute.SelectiveOnly, recompute.FullCheckpoint} {
+				m := newModel(true)
+				loss, params := m.Build(rand.New(rand.NewPCG(7, 8)), n)
+				before := make([][]float32, len(params))
+				for i, p := range params {
+					before[i] = slices.Clone(testutil.Float32s(t, p.Value().(*tensor.Dense)))
+				}
+				sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Recompute: mode})
+				_, err := sess.Step(ctx, loss, params, optim.NewSGD(1, 0))
+				require.NoError(t, err, mode)
+				re := sess.LastRecompute()
+				if mode == recompute.Off {
+					require.Equal(t, "none", re.Strategy)
+				} else {
+					require.Positive(t, re.Copies, "%s recomputes something", mode)
+				}
+				var got [][]float32
+				for i, p := range params {
+					after := testutil.Float32s(t, p.Value().(*tensor.Dense))
+					d := make([]float32, len(after))
+					for j := range d {
+						d[j] = before[i][j] - after[j]
+					}
+					got = append(got, d)
+				}
+				if want == nil {
+					want = got
+					continue
+				}
+				for i := range want {
+					for j, w := range want[i] {
+						if diff := math.Abs(float64(got[i][j] - w)); diff > 1e-6*math.Abs(float64(w)) {
+							require.Failf(t, "gradients differ", "%s (%s): parameter %d[%d]: %g, plain %g", mode, re.Strategy, i, j, got[i][j], w)
+						}
+					}
+				}
+			}
+		})
+	}
+}

@@ -55,7 +55,8 @@ type Options struct {
 	// a run in LastUsage().Timeline: the measured per-op profile.
 	Timeline bool
 	// Recompute is recompute.Off (the default: chunks are the planner's
-	// only lever) or recompute.Auto: when a training step's whole batch
+	// only lever), recompute.SelectiveOnly or recompute.FullCheckpoint (that candidate
+	// always, for comparisons), or recompute.Auto: when a training step's whole batch
 	// does not fit in one chunk, recompute.Search picks the chunk size and
 	// the forward values recomputed in backward (whole-block checkpoints,
 	// selective recompute of cheap ops) that maximise predicted samples/s
@@ -427,7 +428,16 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		p, err := s.program(g, ids, ids[1:], trained, slots)
 		return p, none, err
 	}
-	if s.opts.Recompute != recompute.Auto {
+	var ch chosen
+	switch s.opts.Recompute {
+	case recompute.Auto:
+	case recompute.SelectiveOnly, recompute.FullCheckpoint:
+		c, ok := recompute.Forced(s.opts.Recompute, g, boundary)
+		if !ok {
+			return plain()
+		}
+		return s.transformed(g, boundary, ids, trained, slots, chosen{name: c.Name, set: c.Set})
+	default:
 		return plain()
 	}
 	budget, err := s.budget()
@@ -456,8 +466,16 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		s.chosen.Put(key, ch)
 		s.mu.Unlock()
 	}
+	return s.transformed(g, boundary, ids, trained, slots, ch)
+}
+
+// transformed compiles g with ch's forward nodes recomputed (the plain
+// program when ch recomputes nothing).
+func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, ch chosen) (*planner.Program, Recomputed, error) {
+	none := Recomputed{Strategy: "none"}
 	if len(ch.set) == 0 {
-		return plain()
+		p, err := s.program(g, ids, ids[1:], trained, slots)
+		return p, none, err
 	}
 	mark := make([]bool, boundary)
 	for _, id := range ch.set {

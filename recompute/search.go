@@ -17,17 +17,41 @@ type Mode string
 const (
 	Off  Mode = ""     // chunks only (the default): no recomputation
 	Auto Mode = "auto" // Search picks chunks and a recompute set
+	// SelectiveOnly and FullCheckpoint force a candidate whatever the budget (the
+	// planner still picks the chunks): "selective", or full checkpointing
+	// (every block, plus selective), the last of Candidates.
+	SelectiveOnly  Mode = "selective"
+	FullCheckpoint Mode = "full"
 )
 
-// ParseMode reads "off", "" or "auto".
+// ParseMode reads "off" (or ""), "auto", "selective" or "full".
 func ParseMode(s string) (Mode, error) {
-	switch s {
-	case "", "off":
+	switch Mode(s) {
+	case Off, "off":
 		return Off, nil
-	case "auto":
-		return Auto, nil
+	case Auto, SelectiveOnly, FullCheckpoint:
+		return Mode(s), nil
 	}
-	return Off, fmt.Errorf("%w: recompute mode %q (want off or auto)", ErrInvalid, s)
+	return Off, fmt.Errorf("%w: recompute mode %q (want off, auto, selective or full)", ErrInvalid, s)
+}
+
+// Forced is the candidate a SelectiveOnly or FullCheckpoint mode runs (ok false for
+// other modes, or when the graph has no such candidate).
+func Forced(m Mode, g *graph.Graph, boundary int) (c Candidate, ok bool) {
+	cs := Candidates(g, boundary)
+	switch m {
+	case SelectiveOnly:
+		for _, c := range cs {
+			if c.Name == "selective" {
+				return c, true
+			}
+		}
+	case FullCheckpoint:
+		if len(cs) > 1 {
+			return cs[len(cs)-1], true
+		}
+	}
+	return Candidate{}, false
 }
 
 // ErrInvalid marks a bad option or profile.

@@ -31,7 +31,7 @@ func addRecomputeFlags(fs *flag.FlagSet, v *recomputeFlagValues) {
 // apply checks the flags into c.
 func (v *recomputeFlagValues) apply(c *estimateConfig) error {
 	m, err := recompute.ParseMode(v.mode)
-	if err != nil {
+	if err != nil || (m != recompute.Off && m != recompute.Auto) {
 		return usagef(errUnknown, "unknown --recompute %q (want off or auto)", v.mode)
 	}
 	c.recompute, c.plot = m, v.plot
