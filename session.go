@@ -17,6 +17,7 @@ import (
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -69,6 +70,18 @@ type Options struct {
 	// an error wrapping graph.ErrDType. DeviceAuto does not fall back to
 	// the CPU for it: on a machine with a usable GPU, pass DeviceCPU.
 	Precision string
+	// Recompute is recompute.Off (the default: chunks are the planner's
+	// only lever), recompute.SelectiveOnly or recompute.FullCheckpoint (that candidate
+	// always, for comparisons), or recompute.Auto: when a training step's whole batch
+	// does not fit in one chunk, recompute.Search picks the chunk size and
+	// the forward values recomputed in backward (whole-block checkpoints,
+	// selective recompute of cheap ops) that maximise predicted samples/s
+	// with the replayed peak within the budget; LastRecompute says which.
+	// Gradients are those of the plain step. Eval never recomputes.
+	Recompute recompute.Mode
+	// Profile is the cost model's device for Recompute (zero:
+	// recompute.DefaultProfile).
+	Profile recompute.Profile
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -96,8 +109,31 @@ type Session struct {
 	last     *planner.Plan
 	lastProg *planner.Program
 	usage    planner.Usage
+	chosen   lru.Cache[chosenKey, chosen] // recompute choices by step and budget
+	lastRe   Recomputed
 
 	beforeRun func() // tests: called between planning and running a step
+}
+
+// chosenKey names a recompute search: the step's program key, the budget
+// and the residents it planned with.
+type chosenKey struct {
+	programKey
+	budget int64
+	held   string
+}
+
+// chosen is a search's answer, without its programs.
+type chosen struct {
+	name string
+	set  []int
+}
+
+// Recomputed describes the recompute choice of the latest Step.
+type Recomputed struct {
+	Strategy string // "none" when nothing is recomputed
+	Nodes    int    // forward nodes recomputed
+	Copies   int    // nodes the transform appended
 }
 
 type programKey struct {
@@ -110,14 +146,20 @@ type programKey struct {
 // NewSession returns a session with the given options, on the executor
 // Options.Device picks. If none can be made (Device is "cuda" without a
 // usable GPU, or names no device; Precision names no policy; Budget is
-// negative; TraceEntries is out of range) the session holds the error: Err returns it, and so does every
-// Step, Eval, Yield and Restore.
+// negative; Recompute or Profile is invalid; TraceEntries is out of range)
+// the session holds the error: Err returns it, and so does every Step,
+// Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
-	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
+	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize},
+		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}}
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)
 	} else if opts.Budget < 0 {
 		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
+	} else if _, err := recompute.ParseMode(string(opts.Recompute)); err != nil {
+		s.err = err
+	} else if opts.Profile.Bandwidth > 0 && opts.Profile.Validate() != nil {
+		s.err = opts.Profile.Validate()
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
 		s.be, s.device, s.err = chooseExecutor(opts)
 	}
@@ -324,12 +366,9 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 	prev := s.last
 	s.mu.Unlock()
 	for attempt := 0; ; attempt++ {
-		budget, err := exec.Budget(s.be)
+		budget, err := s.budget()
 		if err != nil {
 			return nil, err
-		}
-		if s.opts.Budget > 0 { // the executor's overhead is inside it
-			budget = min(budget, s.opts.Budget-s.be.Overhead())
 		}
 		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, Resident: held}); err != nil {
 			return nil, err
@@ -375,6 +414,106 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 	s.last, s.lastProg, s.usage = pl, p, u
 	s.mu.Unlock()
 	return outs, nil
+}
+
+// budget is what a step may plan within now: the executor's budget,
+// capped by Options.Budget less the executor's overhead.
+func (s *Session) budget() (int64, error) {
+	budget, err := exec.Budget(s.be)
+	if err != nil {
+		return 0, err
+	}
+	if s.opts.Budget > 0 { // the executor's overhead is inside it
+		budget = min(budget, s.opts.Budget-s.be.Overhead())
+	}
+	return budget, nil
+}
+
+// LastRecompute is the recompute choice of the latest Step (Strategy
+// "none" when it recomputed nothing, or Options.Recompute is off).
+func (s *Session) LastRecompute() Recomputed {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lastRe
+}
+
+// recomputed returns the program a training step runs under
+// Options.Recompute auto: the plain one, or a recompute transform of g
+// when recompute.Search prefers one within the current budget. Searches
+// are cached by step, budget and residents; the transformed program is
+// cached like any program, by its graph's signature.
+func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, slots int) (*planner.Program, Recomputed, error) {
+	none := Recomputed{Strategy: "none"}
+	plain := func() (*planner.Program, Recomputed, error) {
+		p, err := s.program(g, ids, ids[1:], trained, slots)
+		return p, none, err
+	}
+	var ch chosen
+	switch s.opts.Recompute {
+	case recompute.Auto:
+	case recompute.SelectiveOnly, recompute.FullCheckpoint:
+		c, ok := recompute.Forced(s.opts.Recompute, g, boundary)
+		if !ok {
+			return plain()
+		}
+		return s.transformed(g, boundary, ids, trained, slots, chosen{name: c.Name, set: c.Set})
+	default:
+		return plain()
+	}
+	budget, err := s.budget()
+	if err != nil {
+		return nil, none, err
+	}
+	held := s.be.Held()
+	key := chosenKey{programKey: programKey{sig: g.Signature(), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots},
+		budget: budget, held: fmt.Sprint(held)}
+	s.mu.Lock()
+	ch, ok := s.chosen.Get(key)
+	s.mu.Unlock()
+	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids,
+		Compile: planner.CompileOptions{Kept: ids[1:], Trained: trained, StateSlots: slots, Workspace: s.be.Workspace()}}
+	if !ok {
+		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32,
+			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom},
+			Resident: func(p *planner.Program) []planner.Held { return exec.PlanResidents(p, held) }})
+		if err != nil {
+			return nil, none, err
+		}
+		if res.Best != nil { // otherwise the plain plan's error tells why
+			ch = chosen{name: res.Best.Name, set: res.Best.Recompute}
+		}
+		s.mu.Lock()
+		s.chosen.Put(key, ch)
+		s.mu.Unlock()
+	}
+	return s.transformed(g, boundary, ids, trained, slots, ch)
+}
+
+// transformed compiles g with ch's forward nodes recomputed (the plain
+// program when ch recomputes nothing).
+func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, ch chosen) (*planner.Program, Recomputed, error) {
+	none := Recomputed{Strategy: "none"}
+	if len(ch.set) == 0 {
+		p, err := s.program(g, ids, ids[1:], trained, slots)
+		return p, none, err
+	}
+	mark := make([]bool, boundary)
+	for _, id := range ch.set {
+		mark[id] = true
+	}
+	g2, remap, copies, err := recompute.Apply(g, boundary, mark)
+	if err != nil {
+		return nil, none, err
+	}
+	ids2, trained2 := make([]int, len(ids)), make([]int, len(trained))
+	for i, id := range ids {
+		ids2[i] = remap[id]
+	}
+	for i, id := range trained {
+		trained2[i] = remap[id]
+	}
+	p, err := s.program(g2, ids2, ids2[1:], trained2, slots)
+	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
 }
 
 // sameGraph returns the graph shared by ts, or a typed error.
@@ -488,7 +627,7 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		ids = append(ids, st.Grads[i])
 		trained = append(trained, id)
 	}
-	prog, err := s.program(ir, ids, ids[1:], trained, opt.StateSlots())
+	prog, re, err := s.recomputed(ir, st.Loss+1, ids, trained, opt.StateSlots())
 	if err != nil {
 		return 0, err
 	}
@@ -496,6 +635,9 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if err != nil {
 		return 0, err
 	}
+	s.mu.Lock()
+	s.lastRe = re
+	s.mu.Unlock()
 	return scalarOf(vals[0])
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -51,6 +52,9 @@ type report struct {
 	DoesNotFit   *fitReport  `json:"does_not_fit,omitempty"`
 	Timeline     []opRow     `json:"timeline,omitempty"`
 	Largest      []bufferRow `json:"largest,omitempty"`
+	// Recompute is the recompute search (--recompute auto): every
+	// candidate's plan and predicted step time; Plan is the chosen one's.
+	Recompute *recomputeReport `json:"recompute,omitempty"`
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -122,6 +126,7 @@ type step struct {
 	module  nn.Module
 	graph   *graph.Graph
 	program *planner.Program
+	rstep   recompute.Step // the training step, for the recompute search
 }
 
 // buildStep builds c's model shape-only over placeholders and compiles one
@@ -186,7 +191,9 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &step{module: b.module, graph: g, program: p}, nil
+	rs := recompute.Step{Graph: g, Boundary: out.ID() + 1, Outputs: outputs,
+		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws}}
+	return &step{module: b.module, graph: g, program: p, rstep: rs}, nil
 }
 
 // planOptions are the planner options of c.
@@ -227,6 +234,9 @@ func estimate(c *estimateConfig) (*report, error) {
 		r.StateBytes = int64(c.slots) * r.ParamBytes
 	}
 
+	if err := estimateRecompute(c, st, r); err != nil {
+		return r, err
+	}
 	start = time.Now()
 	o := planOptions(c)
 	o.NoChunkList = true // nothing runs: the plan's memory must not grow with the batch
@@ -388,6 +398,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 			round(p.PlanningSeconds), round(r.BuildSeconds))
 	}
 	tw.Flush()
+	writeRecompute(w, r)
 	if len(r.Timeline) > 0 {
 		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

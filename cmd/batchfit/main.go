@@ -16,6 +16,7 @@ import (
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 )
 
 func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
@@ -70,6 +71,8 @@ Subcommands:
   compare    compare two snapshot files: segments only before and only after,
              or the bytes under each stack
   models     list the model zoo with parameter counts
+  calibrate  time GEMMs, elementwise kernels and launches on the GPU and
+             write a cost-model profile for estimate --profile (needs CUDA)
 
 Run "batchfit SUBCOMMAND -h" for its flags.
 `
@@ -91,11 +94,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runCompare(args[1:], os.Stdin, stdout, stderr)
 	case "models":
 		return runModels(args[1:], stdout, stderr)
+	case "calibrate":
+		return runCalibrate(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, mainUsage)
 		return exitOK
 	}
-	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare or models)\n%s", args[0], mainUsage)
+	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare, models or calibrate)\n%s", args[0], mainUsage)
 	return exitUsage
 }
 
@@ -142,6 +147,9 @@ type estimateConfig struct {
 	top              int
 	json             bool
 	device           *device // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
+	recompute        recompute.Mode
+	profile          recompute.Profile
+	plot             string
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
@@ -174,12 +182,14 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
+	addRecomputeFlags(fs, &v.recompute)
 	return fs, v
 }
 
 type estimateFlagValues struct {
 	stepFlagValues
 	device      deviceFlagValues
+	recompute   recomputeFlagValues
 	top         int
 	table, json bool
 }
@@ -241,6 +251,9 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	}
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
+	}
+	if err := v.recompute.apply(c); err != nil {
+		return nil, err
 	}
 	return c, nil
 }
@@ -355,6 +368,12 @@ func runEstimate(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit estimate: %v\n", err)
 		return exitPlan
+	}
+	if c.plot != "" {
+		if err := writePlot(c, stdout); err != nil {
+			fmt.Fprintf(stderr, "batchfit estimate: --plot: %v\n", err)
+			return exitPlan
+		}
 	}
 	return exitOK
 }
