@@ -191,7 +191,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if err != nil {
 		return nil, err
 	}
-	rs := recompute.Step{Graph: g, Boundary: out.ID() + 1, Outputs: outputs,
+	rs := recompute.Step{Graph: g, Boundary: outputs[0] + 1, Outputs: outputs, // outputs[0] is the loss in g, after any precision rewrite
 		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws}}
 	return &step{module: b.module, graph: g, program: p, rstep: rs}, nil
 }

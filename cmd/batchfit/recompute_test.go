@@ -63,6 +63,17 @@ func TestEstimateRecomputeAuto(t *testing.T) {
 	assert.False(t, r.Recompute.Candidates[0].Fits, "chunks only does not fit 3 GiB")
 }
 
+// TestEstimateRecomputeMixed: under a precision policy the recompute search
+// sees the whole forward pass of the rewritten graph, all 12 blocks of
+// GPT-2 small (the casts shift node ids, so the loss's id before the
+// rewrite would cut the forward pass short).
+func TestEstimateRecomputeMixed(t *testing.T) {
+	code, out, errOut := runCLI("estimate", "--model", "gpt2-small", "--batch", "8", "--budget", "3GiB",
+		"--recompute", "auto", "--precision", "bf16-mixed")
+	require.Contains(t, []int{exitOK, exitPlan}, code, errOut)
+	assert.Contains(t, out, "blocks 12/12 (full checkpointing)")
+}
+
 func TestEstimatePlot(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "plot.svg")
 	code, _, errOut := runCLI("estimate", "--model", "gpt-tiny", "--batch", "64", "--budget", "16MiB", "--plot", path)
