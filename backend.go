@@ -10,6 +10,7 @@ import (
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/precision"
 )
 
 // Device choices for Options.Device.
@@ -62,7 +63,7 @@ func newCUDA(o Options) (cudaOwner, error) {
 	if err != nil {
 		return cudaOwner{}, err
 	}
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: o.TF32, TraceEntries: o.TraceEntries})
+	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: o.TF32 || o.Precision == string(precision.TF32), TraceEntries: o.TraceEntries})
 	if err != nil {
 		return cudaOwner{}, errors.Join(err, d.Close())
 	}

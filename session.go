@@ -16,6 +16,8 @@ import (
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -29,6 +31,7 @@ type Options struct {
 	// TF32 lets CUDA run float32 matrix products on TF32 tensor cores
 	// (10-bit mantissa products, float32 sums). Off by default: CUDA
 	// computes in full FP32, as the CPU does. The CPU ignores it.
+	// Precision "tf32" sets it too.
 	TF32 bool
 	// Budget is all the device memory the session may hold, in bytes:
 	// its allocator's reserved bytes never exceed it, library workspaces
@@ -53,6 +56,32 @@ type Options struct {
 	// Timeline records the allocator's state after every program step of
 	// a run in LastUsage().Timeline: the measured per-op profile.
 	Timeline bool
+	// Precision is the precision policy (package precision): "fp32" (the
+	// default when empty), "tf32" (float32 values; on CUDA as TF32 does),
+	// "bf16-mixed" or "fp16-mixed" (autocast's semantics: matrix products
+	// and convolutions from 16-bit copies, softmax, norms, losses and
+	// reductions in float32, parameters, gradients and optimizer state in
+	// float32). Step and Eval apply it to the graph they are given before
+	// autodiff and planning, so plans count every cast copy. Another name
+	// makes the session hold an error wrapping precision.ErrUnknown.
+	//
+	// The mixed policies run on the CPU executor only in this version:
+	// the CUDA executor has no 16-bit kernels and refuses such a step with
+	// an error wrapping graph.ErrDType. DeviceAuto does not fall back to
+	// the CPU for it: on a machine with a usable GPU, pass DeviceCPU.
+	Precision string
+	// Recompute is recompute.Off (the default: chunks are the planner's
+	// only lever), recompute.SelectiveOnly or recompute.FullCheckpoint (that candidate
+	// always, for comparisons), or recompute.Auto: when a training step's whole batch
+	// does not fit in one chunk, recompute.Search picks the chunk size and
+	// the forward values recomputed in backward (whole-block checkpoints,
+	// selective recompute of cheap ops) that maximise predicted samples/s
+	// with the replayed peak within the budget; LastRecompute says which.
+	// Gradients are those of the plain step. Eval never recomputes.
+	Recompute recompute.Mode
+	// Profile is the cost model's device for Recompute (zero:
+	// recompute.DefaultProfile).
+	Profile recompute.Profile
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -67,6 +96,7 @@ type Options struct {
 // step); parameters and optimizer state stay until Close.
 type Session struct {
 	opts   Options
+	policy precision.Policy
 	be     exec.Executor // nil when err is set
 	device string
 	err    error // why no executor could be made
@@ -79,8 +109,31 @@ type Session struct {
 	last     *planner.Plan
 	lastProg *planner.Program
 	usage    planner.Usage
+	chosen   lru.Cache[chosenKey, chosen] // recompute choices by step and budget
+	lastRe   Recomputed
 
 	beforeRun func() // tests: called between planning and running a step
+}
+
+// chosenKey names a recompute search: the step's program key, the budget
+// and the residents it planned with.
+type chosenKey struct {
+	programKey
+	budget int64
+	held   string
+}
+
+// chosen is a search's answer, without its programs.
+type chosen struct {
+	name string
+	set  []int
+}
+
+// Recomputed describes the recompute choice of the latest Step.
+type Recomputed struct {
+	Strategy string // "none" when nothing is recomputed
+	Nodes    int    // forward nodes recomputed
+	Copies   int    // nodes the transform appended
 }
 
 type programKey struct {
@@ -92,13 +145,21 @@ type programKey struct {
 
 // NewSession returns a session with the given options, on the executor
 // Options.Device picks. If none can be made (Device is "cuda" without a
-// usable GPU, or names no device; Budget is negative; TraceEntries is out
-// of range) the session holds the error: Err returns it, and so does every
-// Step, Eval, Yield and Restore.
+// usable GPU, or names no device; Precision names no policy; Budget is
+// negative; Recompute or Profile is invalid; TraceEntries is out of range)
+// the session holds the error: Err returns it, and so does every Step,
+// Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
-	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize}}
-	if opts.Budget < 0 {
+	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize},
+		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}}
+	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
+		s.err = fmt.Errorf("Options.Precision: %w", s.err)
+	} else if opts.Budget < 0 {
 		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
+	} else if _, err := recompute.ParseMode(string(opts.Recompute)); err != nil {
+		s.err = err
+	} else if opts.Profile.Bandwidth > 0 && opts.Profile.Validate() != nil {
+		s.err = opts.Profile.Validate()
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
 		s.be, s.device, s.err = chooseExecutor(opts)
 	}
@@ -305,12 +366,9 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 	prev := s.last
 	s.mu.Unlock()
 	for attempt := 0; ; attempt++ {
-		budget, err := exec.Budget(s.be)
+		budget, err := s.budget()
 		if err != nil {
 			return nil, err
-		}
-		if s.opts.Budget > 0 { // the executor's overhead is inside it
-			budget = min(budget, s.opts.Budget-s.be.Overhead())
 		}
 		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, Resident: held}); err != nil {
 			return nil, err
@@ -358,6 +416,106 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 	return outs, nil
 }
 
+// budget is what a step may plan within now: the executor's budget,
+// capped by Options.Budget less the executor's overhead.
+func (s *Session) budget() (int64, error) {
+	budget, err := exec.Budget(s.be)
+	if err != nil {
+		return 0, err
+	}
+	if s.opts.Budget > 0 { // the executor's overhead is inside it
+		budget = min(budget, s.opts.Budget-s.be.Overhead())
+	}
+	return budget, nil
+}
+
+// LastRecompute is the recompute choice of the latest Step (Strategy
+// "none" when it recomputed nothing, or Options.Recompute is off).
+func (s *Session) LastRecompute() Recomputed {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lastRe
+}
+
+// recomputed returns the program a training step runs under
+// Options.Recompute auto: the plain one, or a recompute transform of g
+// when recompute.Search prefers one within the current budget. Searches
+// are cached by step, budget and residents; the transformed program is
+// cached like any program, by its graph's signature.
+func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, slots int) (*planner.Program, Recomputed, error) {
+	none := Recomputed{Strategy: "none"}
+	plain := func() (*planner.Program, Recomputed, error) {
+		p, err := s.program(g, ids, ids[1:], trained, slots)
+		return p, none, err
+	}
+	var ch chosen
+	switch s.opts.Recompute {
+	case recompute.Auto:
+	case recompute.SelectiveOnly, recompute.FullCheckpoint:
+		c, ok := recompute.Forced(s.opts.Recompute, g, boundary)
+		if !ok {
+			return plain()
+		}
+		return s.transformed(g, boundary, ids, trained, slots, chosen{name: c.Name, set: c.Set})
+	default:
+		return plain()
+	}
+	budget, err := s.budget()
+	if err != nil {
+		return nil, none, err
+	}
+	held := s.be.Held()
+	key := chosenKey{programKey: programKey{sig: g.Signature(), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots},
+		budget: budget, held: fmt.Sprint(held)}
+	s.mu.Lock()
+	ch, ok := s.chosen.Get(key)
+	s.mu.Unlock()
+	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids,
+		Compile: planner.CompileOptions{Kept: ids[1:], Trained: trained, StateSlots: slots, Workspace: s.be.Workspace()}}
+	if !ok {
+		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32,
+			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom},
+			Resident: func(p *planner.Program) []planner.Held { return exec.PlanResidents(p, held) }})
+		if err != nil {
+			return nil, none, err
+		}
+		if res.Best != nil { // otherwise the plain plan's error tells why
+			ch = chosen{name: res.Best.Name, set: res.Best.Recompute}
+		}
+		s.mu.Lock()
+		s.chosen.Put(key, ch)
+		s.mu.Unlock()
+	}
+	return s.transformed(g, boundary, ids, trained, slots, ch)
+}
+
+// transformed compiles g with ch's forward nodes recomputed (the plain
+// program when ch recomputes nothing).
+func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, ch chosen) (*planner.Program, Recomputed, error) {
+	none := Recomputed{Strategy: "none"}
+	if len(ch.set) == 0 {
+		p, err := s.program(g, ids, ids[1:], trained, slots)
+		return p, none, err
+	}
+	mark := make([]bool, boundary)
+	for _, id := range ch.set {
+		mark[id] = true
+	}
+	g2, remap, copies, err := recompute.Apply(g, boundary, mark)
+	if err != nil {
+		return nil, none, err
+	}
+	ids2, trained2 := make([]int, len(ids)), make([]int, len(trained))
+	for i, id := range ids {
+		ids2[i] = remap[id]
+	}
+	for i, id := range trained {
+		trained2[i] = remap[id]
+	}
+	p, err := s.program(g2, ids2, ids2[1:], trained2, slots)
+	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
+}
+
 // sameGraph returns the graph shared by ts, or a typed error.
 func sameGraph(op string, ts []*lazy.Tensor) (*lazy.Graph, error) {
 	var g *lazy.Graph
@@ -394,7 +552,17 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	for i, t := range outputs {
 		ids[i] = t.ID()
 	}
-	p, err := s.program(g.IR(), ids, nil, nil, 0)
+	ir := g.IR()
+	if s.policy.Mixed() {
+		var m []int
+		if ir, m, err = precision.Apply(ir, s.policy); err != nil {
+			return nil, err
+		}
+		for i, id := range ids {
+			ids[i] = m[id]
+		}
+	}
+	p, err := s.program(ir, ids, nil, nil, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -434,29 +602,32 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 			}
 		}
 	}
-	grads := lazy.Grad(loss, params...)
-	outs := append([]*lazy.Tensor{loss}, grads...)
-	g, err := sameGraph("step", outs)
+	st, err := s.backward(loss, params)
 	if err != nil {
 		return 0, err
 	}
 	// A parameter the loss does not depend on gets a zero-filled gradient;
 	// like PyTorch's parameters whose grad is None, it is not updated (no
 	// weight decay, no momentum) and gets no optimizer state.
-	ids := []int{loss.ID()}
+	ir := st.Graph
+	ids := []int{st.Loss}
 	var trained []int
 	for i, p := range params {
-		id := g.NodeOf(p)
-		if _, err := exec.ParamData(g.IR().Node(id), p.Value()); err != nil {
+		id := st.Params[i]
+		if dt := ir.Node(id).Type.DType; dt != graph.Float32 {
+			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
+				"parameter %q is %s: trained parameters stay float32 (master weights); use Options.Precision for 16-bit compute", p.Name(), dt)}
+		}
+		if _, err := exec.ParamData(ir.Node(id), p.Value()); err != nil {
 			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
 		}
-		if gr := g.IR().Node(grads[i].ID()); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
+		if gr := ir.Node(st.Grads[i]); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
 			continue
 		}
-		ids = append(ids, grads[i].ID())
+		ids = append(ids, st.Grads[i])
 		trained = append(trained, id)
 	}
-	prog, err := s.program(g.IR(), ids, ids[1:], trained, opt.StateSlots())
+	prog, re, err := s.recomputed(ir, st.Loss+1, ids, trained, opt.StateSlots())
 	if err != nil {
 		return 0, err
 	}
@@ -464,7 +635,44 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if err != nil {
 		return 0, err
 	}
+	s.mu.Lock()
+	s.lastRe = re
+	s.mu.Unlock()
 	return scalarOf(vals[0])
+}
+
+// backward builds the step's graph: under fp32 and tf32 the backward pass
+// appended to loss's own graph (lazy.Grad); under a mixed policy the
+// policy's rewrite of that graph with its backward pass (precision.Train),
+// which leaves the caller's graph as it was.
+func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor) (*precision.Step, error) {
+	if !s.policy.Mixed() {
+		grads := lazy.Grad(loss, params...)
+		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
+		if err != nil {
+			return nil, err
+		}
+		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: make([]int, len(params)), Grads: make([]int, len(params))}
+		for i, p := range params {
+			st.Params[i], st.Grads[i] = g.NodeOf(p), grads[i].ID()
+		}
+		return st, nil
+	}
+	if _, err := sameGraph("step", []*lazy.Tensor{loss}); err != nil {
+		return nil, err
+	}
+	wrt, err := lazy.ParamIDs(loss, params...)
+	if err != nil {
+		return nil, err
+	}
+	st, err := precision.Train(loss.Graph().IR(), s.policy, loss.ID(), wrt)
+	if err != nil {
+		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+			err = &graph.OpError{Op: "step", Err: err}
+		}
+		return nil, err
+	}
+	return st, nil
 }
 
 // scalarOf reads a one-element float32 tensor; gorgonia returns a scalar

@@ -417,3 +417,20 @@ func TestSessionCUDAGPTFusedAttention(t *testing.T) {
 		})
 	}
 }
+
+// A mixed-precision step on CUDA is refused with a typed error naming the
+// op and the dtype, before anything runs: no silent fallback to the CPU or
+// to float32 (issue 11, phase 1: no 16-bit kernels yet). tf32 runs.
+func TestSessionCUDARefusesHalfPrecision(t *testing.T) {
+	for _, p := range []string{"bf16-mixed", "fp16-mixed"} {
+		sess := cudaSession(t, batchfit.Options{Device: batchfit.DeviceCUDA, Precision: p})
+		loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(1, 1)), 8)
+		_, err := sess.Step(context.Background(), loss, params, optim.NewAdam(1e-3))
+		require.ErrorIs(t, err, graph.ErrDType, p)
+		require.Contains(t, err.Error(), "kernels not yet available", p)
+	}
+	sess := cudaSession(t, batchfit.Options{Device: batchfit.DeviceCUDA, Precision: "tf32"})
+	loss, params := mlpModel(false).Build(rand.New(rand.NewPCG(1, 1)), 8)
+	_, err := sess.Step(context.Background(), loss, params, optim.NewAdam(1e-3))
+	require.NoError(t, err)
+}

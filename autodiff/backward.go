@@ -110,10 +110,16 @@ func (b *builder) Emit(op graph.Op, a graph.Attrs, inputs ...int) int {
 	return id
 }
 
-// Accumulate adds contribution c to the gradient of forward node id.
+// Accumulate adds contribution c to the gradient of forward node id. A
+// gradient has its value's dtype, as PyTorch's autograd keeps it: a
+// contribution of another float dtype (from an op that promoted a
+// bfloat16 operand to float32) is cast to it first.
 func (b *builder) Accumulate(id, c int) {
 	if c < 0 || b.err != nil {
 		return
+	}
+	if dt := b.Type(id).DType; dt.IsFloat() && b.Type(c).DType != dt {
+		c = b.Emit(graph.OpCast, graph.Attrs{Target: graph.Type{DType: dt}}, c)
 	}
 	if b.grad[id] < 0 {
 		b.grad[id] = c

@@ -17,4 +17,10 @@
 // cross-entropy's recomputes the softmax from the logits. Parameter
 // gradients are sums over samples, which is what makes chunked
 // accumulation exact.
+//
+// A gradient has its value's dtype, as PyTorch's autograd keeps it: a
+// contribution of another float dtype (from an op that promoted a
+// bfloat16 operand to float32) is cast first, so gradient ops always see
+// their forward node's dtype. Mixed-precision graphs (package precision)
+// need nothing else from this package.
 package autodiff

@@ -9,6 +9,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
@@ -63,20 +64,26 @@ func FromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*HostBuf, error) 
 	}
 	switch data := t.Data().(type) {
 	case []float32:
-		if nd.Type.DType != graph.Float32 {
+		switch dt := nd.Type.DType; {
+		case dt == graph.Float32:
+			b.F = contiguous(t, data).([]float32)
+		case dt.IsHalf(): // converted at the boundary: a rounded copy
+			b.F = slices.Clone(contiguous(t, data).([]float32))
+			Round(dt, b.F)
+		default:
 			return nil, wrong("float32")
 		}
-		b.F = contiguous(t, data).([]float32)
 	case []int64:
 		if nd.Type.DType != graph.Int64 {
 			return nil, wrong("int64")
 		}
 		b.I = contiguous(t, data).([]int64)
 	case float32:
-		if nd.Type.DType != graph.Float32 {
+		if dt := nd.Type.DType; dt != graph.Float32 && !dt.IsHalf() {
 			return nil, wrong("float32")
 		}
 		b.F = []float32{data}
+		Round(nd.Type.DType, b.F)
 	case int64:
 		if nd.Type.DType != graph.Int64 {
 			return nil, wrong("int64")
@@ -89,6 +96,24 @@ func FromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*HostBuf, error) 
 		return nil, graph.Errorf(graph.ErrShape, "%s: %d values for shape %v", what, max(len(b.F), len(b.I)), shape)
 	}
 	return b, nil
+}
+
+// Round rounds every value of f in place to dt's precision when dt is a
+// 16-bit float (round to nearest even, package half) and leaves f alone
+// otherwise. Host-side executors store float16 and bfloat16 values as
+// float32 holding exactly representable values: they call Round on every
+// value such a node produces, where a device kernel stores its result.
+func Round(dt graph.DType, f []float32) {
+	switch dt {
+	case graph.BFloat16:
+		for i, x := range f {
+			f[i] = half.RoundBF16(x)
+		}
+	case graph.Float16:
+		for i, x := range f {
+			f[i] = half.RoundF16(x)
+		}
+	}
 }
 
 // contiguous returns row-major data of t; views are materialised.

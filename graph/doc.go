@@ -20,6 +20,12 @@
 //     type is therefore always its rule's answer, so graph builders know
 //     shapes at once. Shapes are those of the full batch; executors rescale
 //     the batch axis per chunk (see Type.AtBatch).
+//   - Dtypes: float32, int64, float16 and bfloat16 (2 bytes an element; every
+//     byte count comes from DType.Size). Elementwise binary ops of two float
+//     dtypes promote as PyTorch's do (Promote: bfloat16 ⊕ float32 →
+//     float32); every other op that takes several float inputs wants one
+//     dtype, and anything else is an ErrDType error naming op and dtypes.
+//     OpCast converts between float dtypes.
 //   - Errors from user input are values of *OpError wrapping one of the
 //     sentinel errors below; callers test them with errors.Is / errors.As.
 package graph

@@ -55,3 +55,23 @@ func ParseDType(name string) (DType, error) {
 	}
 	return InvalidDType, fmt.Errorf("%w: unknown dtype %q", ErrDType, name)
 }
+
+// Promote is the dtype of an elementwise binary op (add, sub, mul, div,
+// pow, maximum) over operands of dtypes a and b, as PyTorch's type
+// promotion gives it for tensors of floating-point dtypes: equal dtypes
+// stay; float32 with a 16-bit float is float32; bfloat16 with float16 is
+// float32 (neither holds the other). Any other pair (an int64 operand)
+// has no rule here: an ErrDType error naming op and both dtypes.
+func Promote(op Op, a, b DType) (DType, error) {
+	switch {
+	case a == b && a.IsFloat():
+		return a, nil
+	case a.IsFloat() && b.IsFloat():
+		return Float32, nil
+	}
+	return InvalidDType, Errorf(ErrDType, "%s of %s and %s: no promotion rule applies", op, a, b)
+}
+
+// IsHalf reports the 16-bit floating-point dtypes (float16, bfloat16),
+// whose values executors round after every op that produces one.
+func (d DType) IsHalf() bool { return d == Float16 || d == BFloat16 }

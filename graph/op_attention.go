@@ -72,7 +72,9 @@ func AttentionDims(op Op, in []Type) (AttentionShape, error) {
 		return AttentionShape{}, err
 	}
 	q, k, v := in[0], in[1], in[2]
-	for i, t := range in {
+	// q, k and v share a dtype; the mask may be any float type (it is added
+	// to float32 scores, as a 16-bit q's are computed).
+	for i, t := range in[:3] {
 		if t.DType != q.DType {
 			return AttentionShape{}, Errorf(ErrDType, "%s: input %d is %s, q is %s", op, i, t.DType, q.DType)
 		}

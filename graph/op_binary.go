@@ -155,8 +155,9 @@ func binaryRule(op Op, _ *Attrs, in []Type, _ int) (Type, error) {
 	if err := needFloat(op, a, b); err != nil {
 		return Type{}, err
 	}
-	if a.DType != b.DType {
-		return Type{}, Errorf(ErrDType, "%s of %s and %s", op, a.DType, b.DType)
+	dt, err := Promote(op, a.DType, b.DType)
+	if err != nil {
+		return Type{}, err
 	}
 	s, err := BroadcastShapes(a.Shape, b.Shape)
 	if err != nil {
@@ -173,5 +174,5 @@ func binaryRule(op Op, _ *Attrs, in []Type, _ int) (Type, error) {
 			ax, per = -1, 1
 		}
 	}
-	return Type{Shape: s, DType: a.DType, BatchAxis: ax, PerSample: per}, nil
+	return Type{Shape: s, DType: dt, BatchAxis: ax, PerSample: per}, nil
 }

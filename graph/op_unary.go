@@ -29,6 +29,10 @@ const (
 	OpRDivScalar    // s / x
 	OpPowScalar     // x ^ s
 	OpMaximumScalar // max(x, s)
+	// OpCast converts x to the floating-point dtype Attrs.Target.DType,
+	// rounding to nearest even when it narrows (see package half). Its
+	// gradient is the upstream gradient cast back to x's dtype.
+	OpCast
 	endUnaryOps
 )
 
@@ -88,6 +92,32 @@ var unaryOps = []OpInfo{
 		}},
 	OpSiluGrad: {Name: "silu_grad", Category: CatGrad, MinArity: 2, Arity: 2, NoVJP: noVJPGrad,
 		Rule: gradRule(sameAsGrad), Chunk: plainChunk},
+}
+
+// castOps: the one conversion op. It moves no element and is linear, so
+// partial sums stay sums (up to the rounding a narrowing cast makes).
+var castOps = []OpInfo{
+	OpCast: {Name: "cast", Category: CatUnary, MinArity: 1, Arity: 1, Attrs: []string{"target"}, Rule: castRule, Chunk: scales,
+		VJP: func(b VJPBuilder, n *Node, g int) {
+			x := n.Inputs[0]
+			b.Accumulate(x, b.Emit(OpCast, Attrs{Target: Type{DType: b.Type(x).DType}}, g))
+		}},
+}
+
+// castRule: x's type with Attrs.Target's dtype. Only the target's dtype is
+// read; the rule clears the rest so that graph signatures stay canonical.
+func castRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	if err := needFloat(op, in[0]); err != nil {
+		return Type{}, err
+	}
+	to := attrs.Target.DType
+	if !to.IsFloat() {
+		return Type{}, Errorf(ErrDType, "cast to %s: the target must be a floating-point dtype", to)
+	}
+	*attrs = Attrs{Target: Type{DType: to, BatchAxis: -1, PerSample: 1}}
+	t := in[0]
+	t.DType = to
+	return t, nil
 }
 
 var scalarOps = []OpInfo{

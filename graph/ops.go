@@ -92,7 +92,7 @@ func SavesInput(i ...int) Saved {
 
 // opFamilies lists every family's rows, keyed by op. Each op appears in
 // exactly one family (TestOpTableComplete checks).
-var opFamilies = [][]OpInfo{sourceOps, unaryOps, scalarOps, binaryOps, contractionOps,
+var opFamilies = [][]OpInfo{sourceOps, unaryOps, scalarOps, castOps, binaryOps, contractionOps,
 	reduceOps, normalizeOps, movementOps, indexOps, convOps, attentionOps, lossOps, gradOps}
 
 // opTable is assembled from the families rather than written as one

@@ -19,32 +19,11 @@ func Grad(loss *Tensor, params ...*Tensor) []*Tensor {
 		}
 		return out
 	}
-	if err := loss.Err(); err != nil {
+	wrt, err := paramIDs(at, loss, params)
+	if err != nil {
 		return fail(err)
 	}
 	g := loss.g
-	if g == nil {
-		return fail(&graph.OpError{Op: "grad", Site: at, Err: graph.Errorf(graph.ErrArity, "loss is a free parameter, not a computed value")})
-	}
-	wrt := make([]int, len(params))
-	for i, p := range params {
-		if err := p.Err(); err != nil {
-			return fail(err)
-		}
-		if p.zero() {
-			return fail(&graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape()},
-				Err: graph.Errorf(graph.ErrNilTensor, "parameter %d is a zero lazy.Tensor", i)})
-		}
-		if p.g != nil && p.g != g {
-			return fail(&graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape(), p.Shape()},
-				Err: graph.Errorf(graph.ErrMixedGraphs, "parameter %d belongs to another graph", i)})
-		}
-		id, err := g.bind(p)
-		if err != nil {
-			return fail(&graph.OpError{Op: "grad", Site: at, Err: err})
-		}
-		wrt[i] = id
-	}
 	ids, err := autodiff.Backward(g.ir, loss.id, wrt)
 	if err != nil {
 		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) { // every error of the API is an *OpError
@@ -56,4 +35,42 @@ func Grad(loss *Tensor, params ...*Tensor) []*Tensor {
 		out[i] = &Tensor{g: g, id: id}
 	}
 	return out
+}
+
+// ParamIDs returns the node ids of params in loss's graph, adding free
+// parameters to it as Grad does, with Grad's errors. It is for callers
+// that build the backward pass themselves on a rewritten graph (package
+// precision's Train).
+func ParamIDs(loss *Tensor, params ...*Tensor) ([]int, error) {
+	return paramIDs(site(), loss, params)
+}
+
+func paramIDs(at string, loss *Tensor, params []*Tensor) ([]int, error) {
+	if err := loss.Err(); err != nil {
+		return nil, err
+	}
+	g := loss.g
+	if g == nil {
+		return nil, &graph.OpError{Op: "grad", Site: at, Err: graph.Errorf(graph.ErrArity, "loss is a free parameter, not a computed value")}
+	}
+	wrt := make([]int, len(params))
+	for i, p := range params {
+		if err := p.Err(); err != nil {
+			return nil, err
+		}
+		if p.zero() {
+			return nil, &graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape()},
+				Err: graph.Errorf(graph.ErrNilTensor, "parameter %d is a zero lazy.Tensor", i)}
+		}
+		if p.g != nil && p.g != g {
+			return nil, &graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape(), p.Shape()},
+				Err: graph.Errorf(graph.ErrMixedGraphs, "parameter %d belongs to another graph", i)}
+		}
+		id, err := g.bind(p)
+		if err != nil {
+			return nil, &graph.OpError{Op: "grad", Site: at, Err: err}
+		}
+		wrt[i] = id
+	}
+	return wrt, nil
 }

@@ -41,7 +41,20 @@ func (t *Tensor) Silu() *Tensor { return apply(graph.OpSilu, graph.Attrs{}, t) }
 // GeluTanh is GELU's tanh approximation (GPT-2's "gelu_new").
 func (t *Tensor) GeluTanh() *Tensor { return apply(graph.OpGelu, graph.Attrs{Approx: true}, t) }
 
-// Binary elementwise ops with NumPy broadcasting.
+// Cast converts t to the floating-point dtype dt (t itself when it
+// already has it), rounding to nearest even when dt is narrower. Precision
+// policies insert casts themselves (package precision); Cast is for graphs
+// that choose their dtypes by hand.
+func (t *Tensor) Cast(dt graph.DType) *Tensor {
+	if t.Err() == nil && !t.zero() && t.DType() == dt && dt.IsFloat() {
+		return t
+	}
+	return apply(graph.OpCast, graph.Attrs{Target: graph.Type{DType: dt}}, t)
+}
+
+// Binary elementwise ops with NumPy broadcasting; operands of two float
+// dtypes promote as PyTorch's do (graph.Promote: bfloat16 with float32 is
+// float32).
 
 func (t *Tensor) Add(u *Tensor) *Tensor     { return apply(graph.OpAdd, graph.Attrs{}, t, u) }
 func (t *Tensor) Sub(u *Tensor) *Tensor     { return apply(graph.OpSub, graph.Attrs{}, t, u) }
@@ -286,7 +299,8 @@ func (t *Tensor) MatMulT(u *Tensor, transA, transB bool) *Tensor {
 // AttentionOptions configures Attention. A zero Scale means 1/√d. Causal
 // hides key j from query i when j > i (PyTorch's is_causal, top-left
 // aligned when T ≠ S). Mask, when set, is added to the scaled scores and
-// broadcasts to [B, H, T, S] (−Inf hides a key); it takes no gradient.
+// broadcasts to [B, H, T, S] (−Inf hides a key); it may be any float type
+// and takes no gradient.
 type AttentionOptions struct {
 	Causal bool
 	Scale  float64

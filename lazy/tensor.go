@@ -270,13 +270,41 @@ func Wrap(t tensor.Tensor, batchDim int) *Tensor { return NewGraph().wrap(site()
 // Wrap adds t to g as a batched input with axis batchDim as the batch.
 func (g *Graph) Wrap(t tensor.Tensor, batchDim int) *Tensor { return g.wrap(site(), t, batchDim) }
 
+// WrapAs makes a new graph whose input is the float32 tensor t stored as
+// dtype dt: float16 or bfloat16 data enters batchfit this way, as float32
+// values that executors round to nearest even when they read them (the
+// caller's tensor is not changed). dt Float32 is Wrap. Outputs of 16-bit
+// values come back as float32 tensors holding the rounded values; package
+// half converts such values to and from their 16-bit encodings.
+func WrapAs(t tensor.Tensor, dt graph.DType, batchDim int) *Tensor {
+	return NewGraph().wrapAs(site(), t, dt, batchDim)
+}
+
+// WrapAs adds the float32 tensor t to g as a batched input of dtype dt
+// (see the function WrapAs).
+func (g *Graph) WrapAs(t tensor.Tensor, dt graph.DType, batchDim int) *Tensor {
+	return g.wrapAs(site(), t, dt, batchDim)
+}
+
 func (g *Graph) wrap(at string, t tensor.Tensor, batchDim int) *Tensor {
+	return g.wrapAs(at, t, graph.InvalidDType, batchDim)
+}
+
+// wrapAs wraps t as an input of dtype as, or of its data's dtype when as
+// is InvalidDType.
+func (g *Graph) wrapAs(at string, t tensor.Tensor, as graph.DType, batchDim int) *Tensor {
 	if nilTensor(t) {
 		return errTensor("wrap", at, graph.Errorf(graph.ErrNilTensor, "nil tensor.Tensor"))
 	}
 	dt, err := dtypeOf(t)
 	if err == nil {
 		err = emptyData(t)
+	}
+	if err == nil && as != graph.InvalidDType && as != dt {
+		if dt != graph.Float32 || !as.IsHalf() {
+			err = graph.Errorf(graph.ErrDType, "%s data cannot be wrapped as %s: 16-bit inputs take float32 data", dt, as)
+		}
+		dt = as
 	}
 	if err != nil {
 		return errTensor("wrap", at, err, shapeOf(t))

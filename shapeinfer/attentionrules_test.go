@@ -8,6 +8,12 @@ import (
 
 // Attention's rules: q [B, H, T, d], k and v [B, Hkv, S, d], an optional
 // additive mask broadcasting to [B, H, T, S]; batch on axis 0.
+// bf is t in bfloat16.
+func bf(t graph.Type) graph.Type {
+	t.DType = graph.BFloat16
+	return t
+}
+
 func attentionValidCases() []ruleCase {
 	q, kv := fb(0, 4, 8, 5, 16), fb(0, 4, 2, 7, 16)
 	causal := graph.Attrs{Causal: true}
@@ -19,6 +25,7 @@ func attentionValidCases() []ruleCase {
 		{name: "mask [T, S]", op: graph.OpAttention, in: ts(q, kv, kv, f(5, 7)), want: q},
 		{name: "mask [B, 1, 1, S] batched", op: graph.OpAttention, in: ts(q, kv, kv, fb(0, 4, 1, 1, 7)), want: q},
 		{name: "mask [1, H, T, S]", op: graph.OpAttention, in: ts(q, kv, kv, f(1, 8, 5, 7)), want: q},
+		{name: "float32 mask, bfloat16 q", op: graph.OpAttention, in: ts(bf(q), bf(kv), bf(kv), f(5, 7)), want: bf(q)},
 		{name: "float32 lse", op: graph.OpAttentionLSE, attrs: causal, in: ts(q, kv), want: lse},
 		{name: "with mask", op: graph.OpAttentionLSE, in: ts(q, kv, f(5, 7)), want: lse},
 		{name: "dq", op: graph.OpAttentionGradQ, in: ts(q, q, kv, kv, q, lse), want: q},
@@ -40,7 +47,7 @@ func attentionRejectCases() []rejectCase {
 		{name: "unbatched k beside batched q", op: graph.OpAttention, in: ts(q, f(4, 2, 7, 16), f(4, 2, 7, 16)), want: graph.ErrShape},
 		{name: "batch on axis 1", op: graph.OpAttention, in: ts(fb(1, 2, 8, 5, 16), fb(1, 2, 8, 7, 16), fb(1, 2, 8, 7, 16)), want: graph.ErrShape},
 		{name: "int64", op: graph.OpAttention, in: ts(ib(0, 4, 8, 5, 16), kv, kv), want: graph.ErrDType},
-		{name: "mixed dtypes", op: graph.OpAttention, in: ts(q, kv, kv, graph.Type{Shape: []int{5, 7}, DType: graph.BFloat16, BatchAxis: -1, PerSample: 1}), want: graph.ErrDType},
+		{name: "k's dtype differs", op: graph.OpAttention, in: ts(q, graph.Type{Shape: []int{4, 2, 7, 16}, DType: graph.BFloat16, BatchAxis: 0, PerSample: 1}, kv), want: graph.ErrDType},
 		{name: "NaN scale", op: graph.OpAttention, attrs: graph.Attrs{Scalar: math.NaN()}, in: ts(q, kv, kv), want: graph.ErrAttr},
 		{name: "head dims differ", op: graph.OpAttentionLSE, in: ts(q, fb(0, 4, 2, 7, 8)), want: graph.ErrShape},
 		{name: "lse shape", op: graph.OpAttentionGradQ, in: ts(q, q, kv, kv, q, fb(0, 4, 8, 7)), want: graph.ErrShape},

@@ -108,6 +108,15 @@ func validCases() []ruleCase {
 			ruleCase{name: "both batched on axis 0", op: op, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
 			ruleCase{name: "batched with bias", op: op, in: ts(fb(0, 4, 3), f(3)), want: fb(0, 4, 3)})
 	}
+	// Casts keep shape and batch axis; binary ops of two float dtypes
+	// promote as PyTorch's do.
+	as := func(t graph.Type, dt graph.DType) graph.Type { t.DType = dt; return t }
+	to := func(dt graph.DType) graph.Attrs { return graph.Attrs{Target: graph.Type{DType: dt}} }
+	add(ruleCase{name: "float32 to bfloat16", op: graph.OpCast, attrs: to(graph.BFloat16), in: ts(fb(0, 4, 3)), want: as(fb(0, 4, 3), graph.BFloat16)},
+		ruleCase{name: "float16 to float32", op: graph.OpCast, attrs: to(graph.Float32), in: ts(as(f(3), graph.Float16)), want: f(3)},
+		ruleCase{name: "bfloat16 + float32 promotes", op: graph.OpAdd, in: ts(as(fb(0, 4, 3), graph.BFloat16), f(3)), want: fb(0, 4, 3)},
+		ruleCase{name: "bfloat16 · float16 promotes", op: graph.OpMul, in: ts(as(f(3), graph.BFloat16), as(f(3), graph.Float16)), want: f(3)},
+		ruleCase{name: "bfloat16 stays", op: graph.OpSub, in: ts(as(f(3), graph.BFloat16), as(f(3), graph.BFloat16)), want: as(f(3), graph.BFloat16)})
 	add(
 		// The lower-rank operand's batch axis moves right by the rank difference.
 		ruleCase{name: "batch axis shifts under broadcasting", op: graph.OpAdd, in: ts(f(2, 1, 1), fb(0, 4, 3)), want: fb(1, 2, 4, 3)},
@@ -348,6 +357,10 @@ func rejectCases() []rejectCase {
 		add(rejectCase{name: "int64", op: op, in: ts(ib(0, 4, 3)), want: graph.ErrDType},
 			rejectCase{name: "two inputs", op: op, in: ts(f(3), f(3)), want: graph.ErrArity})
 	}
+	add(rejectCase{name: "int64 input", op: graph.OpCast, attrs: graph.Attrs{Target: graph.Type{DType: graph.Float32}}, in: ts(i(3)), want: graph.ErrDType},
+		rejectCase{name: "int64 target", op: graph.OpCast, attrs: graph.Attrs{Target: graph.Type{DType: graph.Int64}}, in: ts(f(3)), want: graph.ErrDType},
+		rejectCase{name: "no target", op: graph.OpCast, in: ts(f(3)), want: graph.ErrDType},
+		rejectCase{name: "matmul of bfloat16 and float32", op: graph.OpMatMul, in: ts(graph.Type{Shape: []int{2, 3}, DType: graph.BFloat16, BatchAxis: -1}, f(3, 2)), want: graph.ErrDType})
 	for _, op := range []graph.Op{graph.OpAdd, graph.OpSub, graph.OpMul, graph.OpDiv, graph.OpPow, graph.OpMaximum} {
 		add(rejectCase{name: "[2,3] with [3,2]", op: op, in: ts(f(2, 3), f(3, 2)), want: graph.ErrShape},
 			rejectCase{name: "[4] with [2,3]", op: op, in: ts(f(4), f(2, 3)), want: graph.ErrShape},

@@ -16,6 +16,8 @@ import (
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -28,6 +30,7 @@ type report struct {
 	Labels     string `json:"labels,omitempty"` // and of the loss's targets, in training mode
 	Mode       string `json:"mode"`
 	DType      string `json:"dtype"`
+	Precision  string `json:"precision"` // --precision's policy
 	Optimizer  string `json:"optimizer,omitempty"`
 	StateSlots int    `json:"state_slots"`
 	Batch      int    `json:"batch"`
@@ -49,6 +52,9 @@ type report struct {
 	DoesNotFit   *fitReport  `json:"does_not_fit,omitempty"`
 	Timeline     []opRow     `json:"timeline,omitempty"`
 	Largest      []bufferRow `json:"largest,omitempty"`
+	// Recompute is the recompute search (--recompute auto): every
+	// candidate's plan and predicted step time; Plan is the chosen one's.
+	Recompute *recomputeReport `json:"recompute,omitempty"`
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -120,6 +126,7 @@ type step struct {
 	module  nn.Module
 	graph   *graph.Graph
 	program *planner.Program
+	rstep   recompute.Step // the training step, for the recompute search
 }
 
 // buildStep builds c's model shape-only over placeholders and compiles one
@@ -141,7 +148,20 @@ func buildStep(c *estimateConfig) (*step, error) {
 	}
 	outputs := []int{out.ID()}
 	var kept, trained []int
-	if c.train {
+	g := out.Graph().IR()
+	switch {
+	case c.train && c.policy.Mixed(): // as a Session with that precision builds its step
+		wrt, err := lazy.ParamIDs(b.loss, nn.ParamTensors(b.module)...)
+		if err != nil {
+			return nil, err
+		}
+		st, err := precision.Train(g, c.policy, b.loss.ID(), wrt)
+		if err != nil {
+			return nil, err
+		}
+		g, outputs = st.Graph, append([]int{st.Loss}, st.Grads...)
+		kept, trained = st.Grads, st.Params
+	case c.train:
 		params := nn.ParamTensors(b.module)
 		for i, gr := range lazy.Grad(b.loss, params...) {
 			if err := gr.Err(); err != nil {
@@ -151,8 +171,13 @@ func buildStep(c *estimateConfig) (*step, error) {
 			kept = append(kept, gr.ID())
 			trained = append(trained, out.Graph().NodeOf(params[i]))
 		}
+	case c.policy.Mixed(): // Session.Eval's rewrite
+		ng, ids, err := precision.Apply(g, c.policy)
+		if err != nil {
+			return nil, err
+		}
+		g, outputs = ng, []int{ids[out.ID()]}
 	}
-	g := out.Graph().IR()
 	info, err := shapeinfer.Analyze(g, outputs...)
 	if err != nil {
 		return nil, err
@@ -166,7 +191,9 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &step{module: b.module, graph: g, program: p}, nil
+	rs := recompute.Step{Graph: g, Boundary: outputs[0] + 1, Outputs: outputs, // outputs[0] is the loss in g, after any precision rewrite
+		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws}}
+	return &step{module: b.module, graph: g, program: p, rstep: rs}, nil
 }
 
 // planOptions are the planner options of c.
@@ -182,7 +209,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	if err != nil {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
-	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(),
+	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(), Precision: string(c.policy),
 		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, Seq: c.seq,
 		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
 		Device: c.device, Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
@@ -207,6 +234,9 @@ func estimate(c *estimateConfig) (*report, error) {
 		r.StateBytes = int64(c.slots) * r.ParamBytes
 	}
 
+	if err := estimateRecompute(c, st, r); err != nil {
+		return r, err
+	}
 	start = time.Now()
 	o := planOptions(c)
 	o.NoChunkList = true // nothing runs: the plan's memory must not grow with the batch
@@ -320,10 +350,14 @@ func writeText(w io.Writer, r *report, planned bool) {
 	} else {
 		line("input", "%s", r.Input)
 	}
+	kind := r.DType
+	if r.Precision != "" && r.Precision != string(precision.FP32) {
+		kind = r.Precision
+	}
 	if r.Optimizer != "" {
-		line("mode", "%s, %s, %s (%d state tensors per parameter)", r.Mode, r.DType, r.Optimizer, r.StateSlots)
+		line("mode", "%s, %s, %s (%d state tensors per parameter)", r.Mode, kind, r.Optimizer, r.StateSlots)
 	} else {
-		line("mode", "%s, %s", r.Mode, r.DType)
+		line("mode", "%s, %s", r.Mode, kind)
 	}
 	line("parameters", "%s (%s)", thousands(r.Params), alloc.FormatBytes(r.ParamBytes))
 	if r.Mode == "train" {
@@ -364,6 +398,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 			round(p.PlanningSeconds), round(r.BuildSeconds))
 	}
 	tw.Flush()
+	writeRecompute(w, r)
 	if len(r.Timeline) > 0 {
 		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

@@ -15,6 +15,8 @@ import (
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 )
 
 func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
@@ -69,6 +71,8 @@ Subcommands:
   compare    compare two snapshot files: segments only before and only after,
              or the bytes under each stack
   models     list the model zoo with parameter counts
+  calibrate  time GEMMs, elementwise kernels and launches on the GPU and
+             write a cost-model profile for estimate --profile (needs CUDA)
 
 Run "batchfit SUBCOMMAND -h" for its flags.
 `
@@ -90,11 +94,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runCompare(args[1:], os.Stdin, stdout, stderr)
 	case "models":
 		return runModels(args[1:], stdout, stderr)
+	case "calibrate":
+		return runCalibrate(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, mainUsage)
 		return exitOK
 	}
-	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare or models)\n%s", args[0], mainUsage)
+	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare, models or calibrate)\n%s", args[0], mainUsage)
 	return exitUsage
 }
 
@@ -135,18 +141,22 @@ type estimateConfig struct {
 	optimizer        string // "" in inference mode
 	slots            int    // optimizer state tensors per parameter
 	dtype            graph.DType
+	policy           precision.Policy // --precision
 	train            bool
 	table            bool
 	top              int
 	json             bool
 	device           *device // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
+	recompute        recompute.Mode
+	profile          recompute.Profile
+	plot             string
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
-	model, budget, headroom, optimizer, dtype, mode string
-	batch, seq                                      int
+	model, budget, headroom, optimizer, dtype, mode, precision string
+	batch, seq                                                 int
 }
 
 // addStepFlags defines the step flags on fs.
@@ -157,7 +167,9 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 	fs.StringVar(&v.budget, "budget", "", "device memory the step may reserve, a `SIZE`: 24GiB, 24 GiB, 8GB (8·10⁹), 1.5GiB, 512MiB or bytes (required)")
 	fs.StringVar(&v.headroom, "headroom", alloc.FormatBytes(planner.DefaultHeadroom), "`SIZE` kept back from the budget")
 	fs.StringVar(&v.optimizer, "optimizer", "adamw", "`optimizer` whose state is held: "+strings.Join(optimizerNames(), ", "))
-	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of parameters, activations, gradients and optimizer state: float32, float16, bfloat16")
+	fs.StringVar(&v.precision, "precision", "fp32", "precision `policy` the step runs with, as batchfit.Options.Precision: "+precision.Names()+
+		" (mixed: matrix products from 16-bit copies, float32 parameters, gradients and optimizer state)")
+	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of everything, parameters, activations, gradients and optimizer state alike: float32, float16, bfloat16 (a pure 16-bit what-if no Session runs; see --precision)")
 	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
 }
 
@@ -170,12 +182,14 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
+	addRecomputeFlags(fs, &v.recompute)
 	return fs, v
 }
 
 type estimateFlagValues struct {
 	stepFlagValues
 	device      deviceFlagValues
+	recompute   recomputeFlagValues
 	top         int
 	table, json bool
 }
@@ -232,8 +246,14 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 		return nil, err
 	}
 	c.table, c.top, c.json, c.device = v.table, v.top, v.json, d
+	if d != nil && c.policy.Mixed() {
+		return nil, usagef(errNotApplicable, "--precision %s runs on the CPU executor only: the CUDA executor has no 16-bit kernels yet (plan with --budget)", c.policy)
+	}
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
+	}
+	if err := v.recompute.apply(c); err != nil {
+		return nil, err
 	}
 	return c, nil
 }
@@ -304,6 +324,15 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	if err != nil || !c.dtype.IsFloat() {
 		return nil, usagef(errUnknown, "unknown --dtype %q (want float32, float16 or bfloat16)", v.dtype)
 	}
+	if v.precision == "" { // the library reads "" as fp32; on the command line it is a mistake
+		return nil, usagef(errUnknown, "--precision: empty (want %s)", precision.Names())
+	}
+	if c.policy, err = precision.Parse(v.precision); err != nil {
+		return nil, usagef(errUnknown, "--precision: %v", err)
+	}
+	if c.policy != precision.FP32 && c.dtype != graph.Float32 {
+		return nil, usagef(errNotApplicable, "--dtype %s (everything in 16 bits) and --precision %s exclude each other", c.dtype, c.policy)
+	}
 	return c, nil
 }
 
@@ -339,6 +368,12 @@ func runEstimate(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit estimate: %v\n", err)
 		return exitPlan
+	}
+	if c.plot != "" {
+		if err := writePlot(c, stdout); err != nil {
+			fmt.Fprintf(stderr, "batchfit estimate: --plot: %v\n", err)
+			return exitPlan
+		}
 	}
 	return exitOK
 }

@@ -339,3 +339,71 @@ func TestErrorsAreTyped(t *testing.T) {
 	assert.ErrorIs(t, err, planner.ErrDoesNotFit)
 	assert.False(t, errors.Is(err, errUsage))
 }
+
+// --precision: estimate plans exactly what a Session with that precision
+// runs (report --run measures the Session's step on the CPU executor), the
+// report says which policy, and bad values are usage errors.
+func TestPrecisionFlag(t *testing.T) {
+	for _, args := range [][]string{
+		{"--model", "mlp", "--batch", "2048", "--budget", "26MiB"}, // chunked
+		{"--model", "gpt-tiny", "--batch", "4", "--budget", "1GiB", "--optimizer", "adam"},
+		{"--model", "convnet", "--batch", "8", "--budget", "256MiB"},
+		{"--model", "convnet", "--batch", "2", "--budget", "64MiB", "--mode", "infer"},
+	} {
+		for _, p := range []string{"bf16-mixed", "fp16-mixed"} {
+			t.Run(args[1]+"/"+p, func(t *testing.T) {
+				code, stdout, stderr := runCLI(append(append([]string{"estimate"}, args...), "--precision", p, "--json")...)
+				require.Equal(t, exitOK, code, stderr)
+				var r report
+				require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+				assert.Equal(t, p, r.Precision)
+				require.NotNil(t, r.Plan)
+				code, stdout, stderr = runCLI(append(append([]string{"report"}, args...), "--precision", p, "--run", "--json")...)
+				require.Equal(t, exitOK, code, stderr)
+				var m memReport
+				require.NoError(t, json.Unmarshal([]byte(stdout), &m))
+				require.NotNil(t, m.Measured)
+				assert.Contains(t, m.Step, p)
+				assert.Equal(t, r.Plan.PeakReserved, m.Measured.PeakReserved, "estimate's prediction is the Session's measured peak")
+				assert.Equal(t, r.Plan.PeakAllocated, m.Measured.PeakAllocated)
+			})
+		}
+	}
+	// fp32 is the default, and tf32 changes no byte.
+	var plans []int64
+	for _, p := range []string{"", "fp32", "tf32"} {
+		args := []string{"estimate", "--model", "gpt-tiny", "--batch", "4", "--budget", "1GiB", "--json"}
+		if p != "" {
+			args = append(args, "--precision", p)
+		}
+		code, stdout, stderr := runCLI(args...)
+		require.Equal(t, exitOK, code, stderr)
+		var r report
+		require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+		require.NotNil(t, r.Plan)
+		plans = append(plans, r.Plan.PeakReserved)
+	}
+	assert.Equal(t, plans[0], plans[1])
+	assert.Equal(t, plans[0], plans[2])
+
+	base := []string{"--model", "mlp", "--batch", "8", "--budget", "1GiB"}
+	for _, c := range []struct {
+		args []string
+		kind error
+	}{
+		{[]string{"--precision", "bf16"}, errUnknown},
+		{[]string{"--precision", ""}, errUnknown},
+		{[]string{"--precision", "bf16-mixed", "--dtype", "bfloat16"}, errNotApplicable},
+	} {
+		for _, sub := range []string{"estimate", "snapshot", "report"} {
+			code, stdout, stderr := runCLI(append(append([]string{sub}, base...), c.args...)...)
+			assert.Equal(t, exitUsage, code, "%s %q: %s", sub, c.args, stderr)
+			assert.Empty(t, stdout)
+			assert.Contains(t, stderr, "--precision")
+		}
+		_, err := parseEstimate(append(append([]string(nil), base...), c.args...))
+		assert.ErrorIs(t, err, c.kind, "%q", c.args)
+	}
+	_, err := parseEstimate([]string{"--model", "mlp", "--batch", "8", "--gpu", "h100-80gb", "--precision", "bf16-mixed"})
+	assert.ErrorIs(t, err, errNotApplicable, "the CUDA executor has no 16-bit kernels yet")
+}

@@ -83,7 +83,7 @@ func parseReport(args []string) (*reportConfig, error) {
 		return nil, usagef(errFlag, "unexpected argument %q (one snapshot file at most)", pos[1])
 	}
 	if len(pos) == 1 {
-		for _, f := range []string{"model", "batch", "seq", "budget", "headroom", "optimizer", "dtype", "mode", "at", "profile", "run", "seed"} {
+		for _, f := range []string{"model", "batch", "seq", "budget", "headroom", "optimizer", "dtype", "precision", "mode", "at", "profile", "run", "seed"} {
 			if set[f] {
 				return nil, usagef(errNotApplicable, "--%s applies to a zoo model, not to a snapshot file", f)
 			}
@@ -114,7 +114,7 @@ func parseReport(args []string) (*reportConfig, error) {
 // runnable says why --run cannot execute c's step on the CPU, or nil.
 func runnable(c *estimateConfig) error {
 	if c.dtype != graph.Float32 {
-		return usagef(errNotApplicable, "--run executes float32 only, not %s", c.dtype)
+		return usagef(errNotApplicable, "--run executes what a Session runs: parameters in float32, not --dtype %s (use --precision)", c.dtype)
 	}
 	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.model.context, false, nil)
 	if n := nn.NumParams(b.module); n > maxRunParams {
@@ -163,7 +163,8 @@ func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	}
 	// The CPU executor accounts on a simulated device of exactly the
 	// budget, which is what this report is about, GPU or not.
-	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: c.budget, Headroom: c.headroom, Timeline: true})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: c.budget, Headroom: c.headroom, Timeline: true,
+		Precision: string(c.policy)})
 	x := &executed{}
 	var err error
 	if c.train {

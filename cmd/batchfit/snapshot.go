@@ -12,6 +12,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/memviz"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
 )
 
 // Where in the step a snapshot is taken.
@@ -179,10 +180,14 @@ func (s *simulated) where(at string) string {
 // stepLine summarises c's step and plan in one line.
 func stepLine(c *estimateConfig, pl *planner.Plan) string {
 	var b strings.Builder
+	kind := c.dtype.String()
+	if c.policy != "" && c.policy != precision.FP32 {
+		kind = string(c.policy)
+	}
 	if c.train {
-		fmt.Fprintf(&b, "train, %s, %s", c.dtype, c.optimizer)
+		fmt.Fprintf(&b, "train, %s, %s", kind, c.optimizer)
 	} else {
-		fmt.Fprintf(&b, "infer, %s", c.dtype)
+		fmt.Fprintf(&b, "infer, %s", kind)
 	}
 	fmt.Fprintf(&b, ", batch %d", c.batch)
 	if c.seq > 0 {

@@ -24,3 +24,14 @@ func TestConformance(t *testing.T) {
 var runCPU = conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
 	return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
 })
+
+// Every case again with its input and parameters in bfloat16 and in
+// float16: each op runs on 16-bit values and rounds its result where the
+// reference rounds (conformance.BFloat16Tol, Float16Tol).
+func TestConformanceBFloat16(t *testing.T) {
+	conformance.RunAllAs(t, runCPU, graph.BFloat16, conformance.BFloat16Tol)
+}
+
+func TestConformanceFloat16(t *testing.T) {
+	conformance.RunAllAs(t, runCPU, graph.Float16, conformance.Float16Tol)
+}

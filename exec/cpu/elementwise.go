@@ -13,6 +13,11 @@ var elementwiseKernels = family{
 	graph.OpSqrt: {run: unary}, graph.OpAbs: {run: unary}, graph.OpTanh: {run: unary},
 	graph.OpSigmoid: {run: unary}, graph.OpRelu: {run: unary}, graph.OpGelu: {run: unary},
 	graph.OpSign: {run: unary}, graph.OpSilu: {run: unary},
+	// cast copies; the runner rounds a float16 or bfloat16 result.
+	graph.OpCast: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
+		copy(out.f, in[0].f)
+		return nil
+	}},
 	graph.OpSiluGrad: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
 		g, x := in[0], in[1]
 		for i, v := range x.f {

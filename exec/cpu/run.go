@@ -117,6 +117,10 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	if err := eval(nd, in, v, c.Start); err != nil {
 		return &graph.OpError{Op: nd.Op.String(), Shapes: shapesOf(in), Site: nd.Site, Err: exec.InChunk(r.P, nd, c, err)}
 	}
+	// A float16 or bfloat16 value is stored rounded, as a device kernel
+	// stores its float32 result: kernels compute in float32 from rounded
+	// inputs (GEMMs accumulate in float32) and round once, here.
+	exec.Round(nd.Type.DType, v.f)
 	r.vals[out] = v
 	return nil
 }
@@ -140,6 +144,7 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 		for j, x := range v.f {
 			a.f[j] += x
 		}
+		exec.Round(r.P.Graph.Node(o).Type.DType, a.f)
 		return nil
 	}
 	read := func(o int, blk *alloc.Block, size int) (*exec.HostBuf, error) {

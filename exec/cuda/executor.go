@@ -141,6 +141,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err := exec.CheckChunks(p, chunks); err != nil {
 		return nil, err
 	}
+	if err := checkDTypes(p.Graph); err != nil {
+		return nil, err
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {

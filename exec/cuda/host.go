@@ -17,6 +17,25 @@ func deviceDType(nd *graph.Node) error {
 	return nil
 }
 
+// checkDTypes refuses a program before it runs, allocates or uploads
+// anything when one of its values is float16 or bfloat16 (a precision
+// policy's graph): the CUDA kernels compute float32 and int64 only, and a
+// graph they cannot run is an error, never a silent fallback to the CPU or
+// to float32. The error wraps graph.ErrDType and names the first such node.
+func checkDTypes(g *graph.Graph) error {
+	if g == nil {
+		return nil
+	}
+	for i := range g.Len() {
+		if nd := g.Node(i); nd.Type.DType.IsHalf() {
+			return &graph.OpError{Op: nd.Op.String(), Shapes: [][]int{nd.Type.Shape}, Site: nd.Site,
+				Err: graph.Errorf(graph.ErrDType, "cuda executor: %s kernels not yet available (node %d is %s; run this precision on the CPU executor)",
+					nd.Type.DType, nd.ID, nd.Type.DType)}
+		}
+	}
+	return nil
+}
+
 // hostData reads a source's data as exec.FromTensor does, refusing dtypes
 // the kernels do not compute in.
 func hostData(nd *graph.Node, t tensor.Tensor, shape []int) (*exec.HostBuf, error) {

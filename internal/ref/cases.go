@@ -30,7 +30,11 @@ type Case struct {
 	// meets 0; such cases are not differentiable there, so only the
 	// conformance suite runs them.
 	Ties bool
-	Fn   func(p []*lazy.Tensor) *lazy.Tensor
+	// Rounds marks a case that casts to a 16-bit float: rounding is a
+	// step function, so finite differences do not apply and only the
+	// conformance suite runs it.
+	Rounds bool
+	Fn     func(p []*lazy.Tensor) *lazy.Tensor
 }
 
 // Built is a case's graph with its loss and backward pass appended.
@@ -178,6 +182,11 @@ var Cases = []Case{
 	{Name: "dropout", Shapes: [][]int{{4, 3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Dropout(0.4, 7, 3).Tanh().Dropout(0.25, 7, 4)
 	}},
+	// Casts both ways, and elementwise ops of mixed float dtypes, which
+	// promote as PyTorch's do (bfloat16 + float16 → float32).
+	{Name: "cast", Shapes: [][]int{{2, 3}, {3}}, Rounds: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Cast(graph.BFloat16).Tanh().Add(p[1].Cast(graph.Float16)).Mul(p[0].Cast(graph.Float16)).Cast(graph.Float32)
+	}},
 	{Name: "ties_max_pool", Shapes: [][]int{{2, 2, 4, 4}}, Ties: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{2, 2}, Stride: [2]int{1, 1}})
 	}},
@@ -197,11 +206,17 @@ func uniform(rng *rand.Rand, lo, hi float64, shape ...int) Value {
 
 // Build makes the case's graph, appends loss = Σ out·r and its backward
 // pass, and draws values for the data-less sources from rng.
-func (c Case) Build(rng *rand.Rand) (*Built, error) {
+func (c Case) Build(rng *rand.Rand) (*Built, error) { return c.BuildAs(rng, graph.Float32) }
+
+// BuildAs is Build with the case's input and parameters of dtype dt, so
+// every op of the case runs in dt (float16, bfloat16): what the
+// conformance suite checks the rounding of each op with. The weight r
+// stays float32, so the loss promotes to float32.
+func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 	ps := make([]*lazy.Tensor, len(c.Shapes))
-	ps[0] = lazy.Placeholder(c.Shapes[0], graph.Float32, 0)
+	ps[0] = lazy.Placeholder(c.Shapes[0], dt, 0)
 	for i, s := range c.Shapes[1:] {
-		ps[i+1] = lazy.ParamSpec(s, graph.Float32, fmt.Sprintf("p%d", i+1))
+		ps[i+1] = lazy.ParamSpec(s, dt, fmt.Sprintf("p%d", i+1))
 	}
 	out := c.Fn(ps)
 	if err := out.Err(); err != nil {

@@ -12,6 +12,11 @@ var elementwiseKernels = family{
 	graph.OpNeg: unaryOp, graph.OpExp: unaryOp, graph.OpLog: unaryOp, graph.OpSqrt: unaryOp,
 	graph.OpAbs: unaryOp, graph.OpTanh: unaryOp, graph.OpSigmoid: unaryOp, graph.OpRelu: unaryOp,
 	graph.OpGelu: unaryOp, graph.OpSign: unaryOp, graph.OpSilu: unaryOp,
+	// cast copies; Eval rounds a float16 or bfloat16 result (roundTo).
+	graph.OpCast: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		copy(out.Data, in[0].Data)
+		return nil
+	},
 
 	graph.OpAddScalar: scalarOp, graph.OpSubScalar: scalarOp, graph.OpRSubScalar: scalarOp,
 	graph.OpMulScalar: scalarOp, graph.OpDivScalar: scalarOp, graph.OpRDivScalar: scalarOp,

@@ -7,6 +7,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -67,7 +68,7 @@ func Eval(g *graph.Graph, override map[int]Value, outputs ...int) ([]Value, erro
 func evalNode(nd *graph.Node, g *graph.Graph, override map[int]Value, vals []Value) (Value, error) {
 	if nd.Op.Category() == graph.CatSource {
 		if v, ok := override[nd.ID]; ok {
-			return v, nil
+			return roundTo(nd.Type.DType, v), nil
 		}
 		if nd.Value == nil {
 			return Value{}, opError(nd, nil, graph.Errorf(graph.ErrNoData, "%s node %d (%q) has no data and no override", nd.Op, nd.ID, nd.Name))
@@ -82,7 +83,7 @@ func evalNode(nd *graph.Node, g *graph.Graph, override map[int]Value, vals []Val
 		if err := checkData(nd, v); err != nil {
 			return Value{}, err
 		}
-		return v, nil
+		return roundTo(nd.Type.DType, v), nil
 	}
 	in := make([]Value, len(nd.Inputs))
 	types := make([]graph.Type, len(nd.Inputs))
@@ -100,7 +101,29 @@ func evalNode(nd *graph.Node, g *graph.Graph, override map[int]Value, vals []Val
 	if err != nil {
 		return Value{}, opError(nd, shapes, err)
 	}
-	return v, nil
+	return roundTo(nd.Type.DType, v), nil
+}
+
+// roundTo rounds v to dt's precision where the executors round: every
+// float16 or bfloat16 value, as a source enters and as an op stores its
+// result. Kernels compute in float64 from the rounded inputs; the result
+// goes through float32 first, as a device kernel's float32 result does.
+// Other dtypes are left alone. Source data is copied, not changed.
+func roundTo(dt graph.DType, v Value) Value {
+	var r func(float32) float32
+	switch dt {
+	case graph.BFloat16:
+		r = half.RoundBF16
+	case graph.Float16:
+		r = half.RoundF16
+	default:
+		return v
+	}
+	v = v.Clone()
+	for i, x := range v.Data {
+		v.Data[i] = float64(r(float32(x)))
+	}
+	return v
 }
 
 // normalise re-runs nd's shape rule on a copy of its attributes.

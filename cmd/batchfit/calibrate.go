@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/recompute"
+)
+
+// calibrateSizes are the kernels calibrate times: an n×n GEMM chain, an
+// elementwise chain over elems float32s, and a chain of one-element ops
+// (launch overhead); each chain runs at 1 and at chain ops, so the
+// difference divided by chain−1 cancels the step's fixed costs (upload,
+// download, graph building).
+type calibrateSizes struct {
+	n, elems, chain, repeat int
+}
+
+var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3}
+
+// ErrNoGPU is calibrate's error without a usable CUDA device.
+var ErrNoGPU = errors.New("no GPU: batchfit calibrate times kernels through the CUDA executor")
+
+func runCalibrate(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("calibrate", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	out := fs.String("out", "-", "write the profile (JSON) to `FILE`; - is stdout")
+	name := fs.String("name", "", "the profile's `name` (default: the device's)")
+	tf32 := fs.Bool("tf32", true, "also time TF32 GEMMs (tf32_flops)")
+	if _, _, err := parseFlags(fs, args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintf(stdout, "Usage:\n  batchfit calibrate [--out FILE] [--name NAME] [--tf32=false]\n\n"+
+				"Times GEMMs, elementwise kernels and launches on the GPU through the CUDA executor and writes a cost-model\n"+
+				"profile for estimate --profile FILE.\n\nFlags:\n")
+			fs.SetOutput(stdout)
+			fs.PrintDefaults()
+			return exitOK
+		}
+		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
+		return exitUsage
+	}
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
+	if err := sess.Err(); err != nil {
+		if errors.Is(err, cuda.ErrNoGPU) {
+			err = fmt.Errorf("%w (%v); for dry runs use estimate --profile h100 or default", ErrNoGPU, err)
+		}
+		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
+		return exitPlan
+	}
+	defer sess.Close()
+	var tsess *batchfit.Session
+	if *tf32 {
+		tsess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: true})
+		defer tsess.Close()
+	}
+	p, err := measureProfile(context.Background(), sess, tsess, defaultCalibrateSizes)
+	if err != nil {
+		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
+		return exitPlan
+	}
+	p.Name = sess.Device()
+	if *name != "" {
+		p.Name = *name
+	}
+	if _, err := writeFile(*out, stdout, func(w io.Writer) error { return recompute.WriteProfile(w, p) }); err != nil {
+		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
+		return exitPlan
+	}
+	return exitOK
+}
+
+// measureProfile times the calibration kernels on sess (tsess, when not
+// nil, a TF32 session for tf32_flops). vector_flops is not measured: the
+// default profile's nominal figure stands, and Sources says so.
+func measureProfile(ctx context.Context, sess, tsess *batchfit.Session, sz calibrateSizes) (recompute.Profile, error) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	uniform := func(scale float64, shape ...int) *tensor.Dense {
+		n := 1
+		for _, d := range shape {
+			n *= d
+		}
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(scale * (2*rng.Float64() - 1))
+		}
+		return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(v))
+	}
+	w := lazy.Param(uniform(1/math.Sqrt(float64(sz.n)), sz.n, sz.n), "calibrate.w")
+	xg := uniform(1, sz.n, sz.n)
+	gemm := func(k int) *lazy.Tensor {
+		y := lazy.Wrap(xg, 0)
+		for range k {
+			y = y.MatMul(w)
+		}
+		return y.Sum()
+	}
+	rows := 1024
+	xe := uniform(1, rows, max(sz.elems/rows, 1))
+	elementwise := func(k int) *lazy.Tensor {
+		y := lazy.Wrap(xe, 0)
+		for range k {
+			y = y.MulScalar(1)
+		}
+		return y.Sum()
+	}
+	x1 := uniform(1, 1, 1)
+	tiny := func(k int) *lazy.Tensor {
+		y := lazy.Wrap(x1, 0)
+		for range k {
+			y = y.MulScalar(1)
+		}
+		return y.Sum()
+	}
+	p := recompute.DefaultProfile()
+	p.Sources = map[string]string{"vector_flops": "nominal: the default profile's, not measured"}
+	tg, err := perOp(ctx, sess, gemm, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing GEMMs: %w", err)
+	}
+	p.MatMulFLOPS = 2 * math.Pow(float64(sz.n), 3) / tg
+	p.Sources["matmul_flops"] = fmt.Sprintf("measured: %d×%d FP32 GEMM chain through the CUDA executor", sz.n, sz.n)
+	if tsess != nil {
+		tt, err := perOp(ctx, tsess, gemm, sz)
+		if err != nil {
+			return p, fmt.Errorf("timing TF32 GEMMs: %w", err)
+		}
+		p.TF32FLOPS = 2 * math.Pow(float64(sz.n), 3) / tt
+		p.Sources["tf32_flops"] = "measured: the same chain with TF32 on"
+	}
+	te, err := perOp(ctx, sess, elementwise, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing elementwise kernels: %w", err)
+	}
+	p.Bandwidth = 2 * 4 * float64(xe.Shape().TotalSize()) / te
+	p.Sources["bandwidth"] = fmt.Sprintf("measured: mul_scalar over %d float32s, read and written", xe.Shape().TotalSize())
+	tl, err := perOp(ctx, sess, tiny, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing launches: %w", err)
+	}
+	p.Launch = max(tl, 1e-9)
+	p.Sources["launch"] = "measured: a chain of one-element kernels"
+	return p, p.Validate()
+}
+
+// perOp is the seconds one op of build's chain takes: the best of repeat
+// runs at chain ops less the best at one, over chain−1.
+func perOp(ctx context.Context, sess *batchfit.Session, build func(k int) *lazy.Tensor, sz calibrateSizes) (float64, error) {
+	best := func(k int) (float64, error) {
+		b := math.Inf(1)
+		for range sz.repeat + 1 { // the first run compiles and uploads
+			out := build(k)
+			start := time.Now()
+			if _, err := sess.Eval(ctx, out); err != nil {
+				return 0, err
+			}
+			b = min(b, time.Since(start).Seconds())
+		}
+		return b, nil
+	}
+	one, err := best(1)
+	if err != nil {
+		return 0, err
+	}
+	many, err := best(sz.chain)
+	if err != nil {
+		return 0, err
+	}
+	return max(many-one, 1e-12) / float64(sz.chain-1), nil
+}

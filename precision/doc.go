@@ -1,0 +1,59 @@
+// Package precision is batchfit's mixed-precision policy: a graph pass
+// that gives a forward graph the dtypes PyTorch's autocast gives the same
+// model, before autodiff appends its backward pass.
+//
+// Rules, stated up front:
+//   - A Policy is one of fp32 (the default: nothing changes), tf32 (nothing
+//     changes in the graph; CUDA runs float32 matrix products on TF32
+//     tensor cores), bf16-mixed and fp16-mixed. Parse refuses any other
+//     name with an error wrapping ErrUnknown.
+//   - Apply rewrites a graph into a new one; ids[i] is old node i's id in
+//     the new graph. Sources are copied with their data (shared, not
+//     copied); every other node is appended again, with Cast nodes
+//     inserted before it as its op's class asks:
+//     – GEMM class (matmul, linear, conv2d, attention, whose mask is cast too):
+//     every float input is cast to the policy's 16-bit dtype, so the op
+//     computes from 16-bit inputs, accumulates in float32 and stores a
+//     16-bit result;
+//     – float32 class (softmax, log_softmax, layer_norm, batch_norm,
+//     cross_entropy, mse, sum, mean, exp, log, pow, pow_scalar,
+//     rdiv_scalar): every 16-bit input is cast to float32;
+//     – concat: inputs of mixed float dtypes are cast to float32 (autocast's
+//     promote class);
+//     – everything else (elementwise, movement, max, pooling, dropout,
+//     embedding) runs in its input's dtype: an elementwise op on a
+//     bfloat16 tensor computes a bfloat16 result, and binary ops of two
+//     float dtypes promote as PyTorch's do (graph.Promote: bfloat16 ⊕
+//     float32 → float32).
+//   - Cast cache: a parameter is cast once per step per dtype, however many
+//     ops read it (autocast's cast cache, which keeps one copy per weight
+//     until the autocast region ends); any other value is cast at each use,
+//     as autocast casts activations. The cached copy is one node, so the
+//     planner counts its 2 bytes per element once and frees it after its
+//     last reader, backward included; its gradient is cast back to float32
+//     once (Cast's VJP) and accumulates into the parameter's.
+//   - Parameters, their gradients and optimizer state stay float32 (master
+//     weights); so do the loss and every value of the float32 class.
+//     Gradients have their value's dtype (autodiff casts a contribution of
+//     another float dtype), as PyTorch's autograd keeps them.
+//   - The pass runs on a forward graph, before autodiff (Train does both).
+//     A graph that already holds gradient ops is not rewritten correctly
+//     (their dtypes are fixed by their forward nodes): Apply refuses it.
+//
+// Executors: the CPU executor and the reference (internal/ref) store
+// float16 and bfloat16 values as float32 (float64) holding the rounded
+// value, rounding (half.RoundBF16, RoundF16) at exactly the points a CUDA
+// kernel stores a 16-bit result: every op producing such a value rounds
+// its output once, after computing in float32 from rounded inputs. Host
+// data enters and leaves as float32 tensors: a 16-bit input or parameter
+// node's float32 data is rounded as it enters, and a 16-bit output comes
+// back as a float32 tensor holding the rounded values. The CUDA executor
+// has no 16-bit kernels yet and refuses such a graph before running it
+// (an error wrapping graph.ErrDType).
+//
+// fp16-mixed will need dynamic loss scaling (GradScaler: multiply the loss
+// by S before Backward, unscale the float32 gradients, skip the step and
+// halve S on inf or NaN, grow S after a run of good steps). It fits here as
+// a mul_scalar node on the loss appended by Train and an optimizer wrapper;
+// it is not built yet, so fp16-mixed trains without it.
+package precision

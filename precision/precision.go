@@ -1,0 +1,233 @@
+package precision
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Policy is a precision policy, named as the CLI's --precision flag names
+// it.
+type Policy string
+
+// The policies.
+const (
+	FP32      Policy = "fp32"       // float32 everywhere (the default)
+	TF32      Policy = "tf32"       // float32 values; CUDA matrix products on TF32 tensor cores
+	BF16Mixed Policy = "bf16-mixed" // autocast to bfloat16
+	FP16Mixed Policy = "fp16-mixed" // autocast to float16 (no loss scaling yet)
+)
+
+// Policies lists every policy, in the order help texts name them.
+var Policies = []Policy{FP32, TF32, BF16Mixed, FP16Mixed}
+
+// ErrUnknown is wrapped by the error Parse returns for a name that is no
+// policy.
+var ErrUnknown = errors.New("unknown precision policy")
+
+// Parse maps a name to its policy; "" is FP32.
+func Parse(name string) (Policy, error) {
+	if name == "" {
+		return FP32, nil
+	}
+	if p := Policy(name); slices.Contains(Policies, p) {
+		return p, nil
+	}
+	return "", fmt.Errorf("%w %q (want %s)", ErrUnknown, name, Names())
+}
+
+// Names is the policies' names for messages: "fp32, tf32, bf16-mixed or fp16-mixed".
+func Names() string {
+	s := ""
+	for i, p := range Policies {
+		switch {
+		case i == len(Policies)-1:
+			s += " or "
+		case i > 0:
+			s += ", "
+		}
+		s += string(p)
+	}
+	return s
+}
+
+// Half is the 16-bit dtype the GEMM class computes in, or InvalidDType for
+// policies that keep float32 values (fp32, tf32).
+func (p Policy) Half() graph.DType {
+	switch p {
+	case BF16Mixed:
+		return graph.BFloat16
+	case FP16Mixed:
+		return graph.Float16
+	}
+	return graph.InvalidDType
+}
+
+// Mixed reports whether the policy rewrites graphs (bf16-mixed, fp16-mixed).
+func (p Policy) Mixed() bool { return p.Half() != graph.InvalidDType }
+
+// TF32 reports whether CUDA may run float32 matrix products on TF32
+// tensor cores: the CUDA executor's ExecutorOptions.TF32.
+func (p Policy) TF32() bool { return p == TF32 }
+
+// class is how the pass treats an op's inputs.
+type class uint8
+
+const (
+	keep   class = iota // run in the input's dtype
+	lower               // GEMM class: float inputs cast to the 16-bit dtype
+	widen               // float32 class: float inputs cast to float32
+	common              // concat: mixed float inputs cast to float32
+)
+
+var classes = func() [graph.NumOps]class {
+	var c [graph.NumOps]class
+	for _, op := range []graph.Op{graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpAttention} {
+		c[op] = lower
+	}
+	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpBatchNorm,
+		graph.OpCrossEntropy, graph.OpMSE, graph.OpSum, graph.OpMean,
+		graph.OpExp, graph.OpLog, graph.OpPow, graph.OpPowScalar, graph.OpRDivScalar} {
+		c[op] = widen
+	}
+	c[graph.OpConcat] = common
+	return c
+}()
+
+// Apply rewrites g under policy p (see the package documentation) and
+// returns the new graph and, for each node of g, its id there. A policy
+// that keeps float32 values returns a copy of g. A graph holding gradient
+// ops is refused (ErrAttr): apply the policy before autodiff.
+func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
+	if _, err := Parse(string(p)); err != nil {
+		return nil, nil, err
+	}
+	out := graph.New()
+	ids := make([]int, g.Len())
+	type key struct {
+		id int
+		dt graph.DType
+	}
+	cache := map[key]int{} // parameters' casts: one per parameter and dtype
+	cast := func(id int, dt graph.DType, at *graph.Node) (int, error) {
+		src := g.Node(id)
+		if have := out.Node(ids[id]).Type.DType; !have.IsFloat() || have == dt {
+			return ids[id], nil
+		}
+		k := key{id, dt}
+		if c, ok := cache[k]; ok {
+			return c, nil
+		}
+		scope, site := at.Scope, at.Site
+		if src.Op == graph.OpParam { // the parameter's one copy belongs to it
+			scope, site = src.Scope, src.Site
+		}
+		c, err := out.Append(graph.Node{Op: graph.OpCast, Inputs: []int{ids[id]},
+			Attrs: graph.Attrs{Target: graph.Type{DType: dt}}, Scope: scope, Site: site})
+		if err == nil && src.Op == graph.OpParam {
+			cache[k] = c
+		}
+		return c, err
+	}
+	for i := range g.Len() {
+		nd := g.Node(i)
+		if nd.Op.Category() == graph.CatGrad {
+			return nil, nil, &graph.OpError{Op: "precision " + string(p), Site: nd.Site,
+				Err: graph.Errorf(graph.ErrAttr, "node %d is a gradient op (%s): apply the policy to the forward graph, before autodiff", i, nd.Op)}
+		}
+		n := graph.Node{Op: nd.Op, Attrs: cloneAttrs(nd.Attrs), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
+		if nd.Op.Category() == graph.CatSource {
+			n.Type = nd.Type
+		}
+		n.Inputs = make([]int, len(nd.Inputs))
+		for k, in := range nd.Inputs {
+			n.Inputs[k] = ids[in]
+		}
+		if dt := p.Half(); dt != graph.InvalidDType && int(nd.Op) < graph.NumOps {
+			if err := castInputs(out, nd, classes[nd.Op], dt, n.Inputs, cast); err != nil {
+				return nil, nil, err
+			}
+		}
+		id, err := out.Append(n)
+		if err != nil {
+			return nil, nil, &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: err}
+		}
+		ids[i] = id
+	}
+	return out, ids, nil
+}
+
+// castInputs replaces the inputs of old node nd (already mapped into the
+// new graph out, in ins) by casts as its class asks.
+func castInputs(out *graph.Graph, nd *graph.Node, c class, dt graph.DType, ins []int,
+	cast func(id int, dt graph.DType, at *graph.Node) (int, error)) error {
+	to := graph.InvalidDType
+	switch c {
+	case lower:
+		to = dt
+	case widen:
+		to = graph.Float32
+	case common:
+		for _, in := range ins {
+			if t := out.Node(in).Type.DType; t.IsFloat() && t != out.Node(ins[0]).Type.DType {
+				to = graph.Float32
+			}
+		}
+	}
+	if to == graph.InvalidDType {
+		return nil
+	}
+	for k, in := range nd.Inputs {
+		id, err := cast(in, to, nd)
+		if err != nil {
+			return &graph.OpError{Op: "cast (before " + nd.Op.String() + ")", Site: nd.Site, Err: err}
+		}
+		ins[k] = id
+	}
+	return nil
+}
+
+func cloneAttrs(a graph.Attrs) graph.Attrs {
+	a.Axes = slices.Clone(a.Axes)
+	a.Shape = slices.Clone(a.Shape)
+	a.Perm = slices.Clone(a.Perm)
+	a.Target.Shape = slices.Clone(a.Target.Shape)
+	return a
+}
+
+// Step is a training step's graph under a policy: the rewritten forward
+// graph with its backward pass appended, and the ids in it of the loss,
+// the parameters and their gradients (in the parameters' order).
+type Step struct {
+	Graph  *graph.Graph
+	Loss   int
+	Params []int
+	Grads  []int
+}
+
+// Train applies p to g and appends the gradient of the scalar loss with
+// respect to params (node ids of g), as a Session's Step and the CLI's
+// estimate both build a step: one function, so both plan the same graph.
+func Train(g *graph.Graph, p Policy, loss int, params []int) (*Step, error) {
+	if loss < 0 || loss >= g.Len() {
+		return nil, graph.Errorf(graph.ErrArity, "precision: loss id %d does not name a node", loss)
+	}
+	ng, ids, err := Apply(g, p)
+	if err != nil {
+		return nil, err
+	}
+	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params))}
+	for i, id := range params {
+		if id < 0 || id >= g.Len() {
+			return nil, graph.Errorf(graph.ErrArity, "precision: parameter id %d does not name a node", id)
+		}
+		s.Params[i] = ids[id]
+	}
+	if s.Grads, err = autodiff.Backward(ng, s.Loss, s.Params); err != nil {
+		return nil, err
+	}
+	return s, nil
+}

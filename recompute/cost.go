@@ -1,0 +1,213 @@
+package recompute
+
+import (
+	"slices"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
+)
+
+// Profile is what the cost model knows about a device: a roofline. A node
+// costs max(flops/rate, bytes/Bandwidth) + Launch seconds, where rate is
+// MatMulFLOPS (TF32FLOPS when TF32 is on and the profile has it) for
+// matrix products and convolutions, VectorFLOPS for every other op.
+type Profile struct {
+	Name        string  `json:"name"`
+	MatMulFLOPS float64 `json:"matmul_flops"`         // FP32 GEMM, flop/s
+	TF32FLOPS   float64 `json:"tf32_flops,omitempty"` // TF32 GEMM, flop/s; 0: as MatMulFLOPS
+	VectorFLOPS float64 `json:"vector_flops"`         // non-GEMM flop/s
+	Bandwidth   float64 `json:"bandwidth"`            // bytes/s that kernels stream
+	Launch      float64 `json:"launch"`               // seconds per kernel launch
+	// Sources says where each figure comes from ("measured: ...",
+	// "nominal: ..."); informational.
+	Sources map[string]string `json:"sources,omitempty"`
+}
+
+// DefaultProfile is the model when no device is named: a mid-range GPU
+// (10 TFLOP/s FP32 GEMM, 10 TFLOP/s vector, 500 GB/s, 10 µs per launch).
+// Its absolute times are nominal; its ranking of plans is what matters:
+// GEMMs are compute bound, elementwise ops bandwidth bound, and many small
+// chunks pay launches.
+func DefaultProfile() Profile {
+	return Profile{Name: "default", MatMulFLOPS: 10e12, VectorFLOPS: 10e12, Bandwidth: 500e9, Launch: 10e-6,
+		Sources: map[string]string{"all": "nominal: a generic mid-range GPU"}}
+}
+
+// H100Profile is the NVIDIA H100 80GB HBM3 (SXM). FP32 (no TF32) GEMM
+// 51.7 TFLOP/s and TF32 338 TFLOP/s were measured from Go through cuBLAS
+// in this project; elementwise kernels stream about 2.3 TB/s (measured;
+// HBM3's nominal figure is 3.35 TB/s); non-GEMM FP32 is the nominal
+// 67 TFLOP/s; a launch costs about 5 µs (measured order of magnitude).
+func H100Profile() Profile {
+	return Profile{Name: "NVIDIA H100 80GB HBM3", MatMulFLOPS: 51.7e12, TF32FLOPS: 338e12, VectorFLOPS: 67e12,
+		Bandwidth: 2.3e12, Launch: 5e-6, Sources: map[string]string{
+			"matmul_flops": "measured: FP32 cuBLAS SGEMM from Go, no TF32",
+			"tf32_flops":   "measured: cuBLAS TF32 GEMM from Go",
+			"vector_flops": "nominal: H100 SXM FP32 non-tensor peak",
+			"bandwidth":    "measured: elementwise kernels (HBM3 nominal 3.35 TB/s)",
+			"launch":       "measured: kernel launch and return through the driver API, about 5 µs",
+		}}
+}
+
+// Profiles are the built-in profiles by name.
+func Profiles() map[string]Profile {
+	return map[string]Profile{"default": DefaultProfile(), "h100": H100Profile()}
+}
+
+// nodeCost is a node's work at chunk size b: flops(b) = F0 + F1·b,
+// bytes(b) = B0 + B1·b.
+type nodeCost struct {
+	F0, F1, B0, B1 float64
+	gemm           bool
+}
+
+// Cost prices a program's step.
+type Cost struct {
+	prof    Profile
+	tf32    bool
+	nodes   []nodeCost
+	launch  int     // kernels per chunk
+	perStep float64 // optimizer update, seconds per step
+	accum   float64 // gradient accumulation, seconds per chunk after the first
+	FLOPs   float64 // flops of one whole-batch chunk, for reports
+}
+
+// NewCost prices p's nodes under prof. slots is the optimizer's state
+// tensors per parameter (its update reads and writes them).
+func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
+	c := &Cost{prof: prof, tf32: tf32}
+	g := p.Graph
+	nodes := g.Nodes()
+	for id := range nodes {
+		nd := &nodes[id]
+		if p.Info.LastUse[id] < 0 || nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape {
+			continue
+		}
+		f0, b0 := work(g, nd, 0)
+		f1, b1 := work(g, nd, 1)
+		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, gemm: isGEMM(nd.Op)}
+		c.nodes = append(c.nodes, nc)
+		c.launch++
+		c.FLOPs += nc.F0 + nc.F1*float64(p.Batch)
+	}
+	var state, kept float64
+	for _, bi := range p.Persistent {
+		if b := p.Buffers[bi]; b.Kind == planner.BufState {
+			state += float64(b.Fixed)
+		}
+	}
+	for _, id := range p.Kept {
+		kept += float64(nodes[id].Type.Bytes())
+	}
+	// The update reads gradients, parameters and state and writes
+	// parameters and state; accumulation reads and writes the sums.
+	c.perStep = (3*kept+2*state)/prof.Bandwidth + float64(len(p.Trained))*prof.Launch
+	c.accum = 3*kept/prof.Bandwidth + float64(len(p.Kept))*prof.Launch
+	return c
+}
+
+// Plus returns c with the given nodes of g added to every chunk (the
+// copies a recompute set makes).
+func (c *Cost) Plus(g *graph.Graph, ids []int) *Cost {
+	d := *c
+	d.nodes = append(slices.Clip(c.nodes), make([]nodeCost, 0, len(ids))...)
+	batch := float64(g.Batch())
+	for _, id := range ids {
+		nd := g.Node(id)
+		if nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape {
+			continue
+		}
+		f0, b0 := work(g, nd, 0)
+		f1, b1 := work(g, nd, 1)
+		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, gemm: isGEMM(nd.Op)}
+		d.nodes = append(d.nodes, nc)
+		d.launch++
+		d.FLOPs += nc.F0 + nc.F1*batch
+	}
+	return &d
+}
+
+func isGEMM(op graph.Op) bool {
+	switch op {
+	case graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
+		return true
+	}
+	return false
+}
+
+// Chunk is the predicted seconds of one chunk of b samples.
+func (c *Cost) Chunk(b int) float64 {
+	x := float64(b)
+	var t float64
+	for _, n := range c.nodes {
+		rate := c.prof.VectorFLOPS
+		if n.gemm {
+			rate = c.prof.MatMulFLOPS
+			if c.tf32 && c.prof.TF32FLOPS > 0 {
+				rate = c.prof.TF32FLOPS
+			}
+		}
+		t += max((n.F0+n.F1*x)/rate, (n.B0+n.B1*x)/c.prof.Bandwidth)
+	}
+	return t + float64(c.launch)*c.prof.Launch
+}
+
+// Step is the predicted seconds of a step run in split's chunks.
+func (c *Cost) Step(s planner.Split) float64 {
+	t := c.perStep
+	for _, r := range s.Runs() {
+		t += float64(r.Count) * c.Chunk(r.Size)
+	}
+	if s.K > 1 {
+		t += float64(s.K) * c.accum
+	}
+	return t
+}
+
+// work is a node's flops and bytes (inputs read, output written) at chunk
+// size b.
+func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
+	size := func(t graph.Type) float64 { return float64(graph.Numel(t.AtBatch(b)) * t.DType.Size()) }
+	numel := func(t graph.Type) float64 { return float64(graph.Numel(t.AtBatch(b))) }
+	out := nd.Type
+	bytes = size(out)
+	in := make([]graph.Type, len(nd.Inputs))
+	for i, id := range nd.Inputs {
+		in[i] = g.Node(id).Type
+		bytes += size(in[i])
+	}
+	switch nd.Op {
+	case graph.OpMatMul:
+		a := in[0].Shape
+		ka := len(a) - 1
+		if nd.Attrs.TransA && len(a) >= 2 {
+			ka--
+		}
+		k := a[ka]
+		if in[0].BatchAxis == ka { // the contraction runs over the chunk
+			k = b * in[0].PerSample
+		}
+		flops = 2 * numel(out) * float64(k)
+	case graph.OpLinear:
+		x := in[0].Shape
+		flops = 2 * numel(out) * float64(x[len(x)-1])
+	case graph.OpConv2d, graph.OpConv2dGradInput:
+		w := in[1]
+		flops = 2 * numel(out) * float64(graph.Numel(w.Shape)) / float64(max(w.Shape[0], 1))
+		if nd.Op == graph.OpConv2dGradInput { // per input element: O·kh·kw/g
+			flops = 2 * numel(in[0]) * float64(graph.Numel(w.Shape)) / float64(max(w.Shape[0], 1))
+		}
+	case graph.OpConv2dGradWeight:
+		flops = 2 * numel(in[0]) * float64(graph.Numel(out.Shape)) / float64(max(out.Shape[0], 1))
+	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradW,
+		graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad, graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpGelu, graph.OpGeluGrad:
+		flops = 8 * max(numel(out), numel(in[0]))
+	default:
+		m := numel(out)
+		for _, t := range in {
+			m = max(m, numel(t))
+		}
+		flops = m
+	}
+	return flops, bytes
+}

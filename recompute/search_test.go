@@ -1,0 +1,128 @@
+package recompute_test
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/recompute"
+)
+
+func TestCandidatesGPT2(t *testing.T) {
+	st := gptStep(t, models.GPT2Small(), 2, 1024)
+	blocks := recompute.Blocks(st.Graph, st.Boundary)
+	require.Len(t, blocks, 12)
+	assert.Equal(t, "h.0", blocks[0].Scope)
+	var names []string
+	for _, c := range recompute.Candidates(st.Graph, st.Boundary) {
+		names = append(names, c.Name)
+	}
+	assert.Equal(t, []string{"none", "selective", "blocks 6/12", "blocks 9/12", "blocks 12/12", "blocks 12/12+selective"}, names)
+	res, err := recompute.Search(st, recompute.Options{Planner: planner.Options{Budget: 8 * gib}, PlanAll: true})
+	require.NoError(t, err)
+	for _, c := range res.All {
+		t.Logf("%-24s copies %4d chunks %v peak %v time %.3f ms err %v", c.Name, c.Copies, splitOf(c), peakOf(c), c.Time*1e3, c.Err)
+	}
+}
+
+func splitOf(c *recompute.Choice) string {
+	if c.Plan == nil {
+		return "-"
+	}
+	return c.Plan.Split.String()
+}
+
+func peakOf(c *recompute.Choice) string {
+	if c.Plan == nil {
+		return "-"
+	}
+	return fmt.Sprint(c.Plan.PeakReserved >> 20)
+}
+
+// More budget never yields a slower plan, and no plan's peak exceeds its
+// budget: a six-layer GPT's training step (AdamW) planned over a sweep of
+// budgets from where nothing fits to where the plain step runs whole.
+// Somewhere in the sweep recompute must be chosen, and somewhere only
+// recompute fits.
+func TestBudgetSweepMonotone(t *testing.T) {
+	st := gptStep(t, models.GPTConfig{Vocab: 512, Context: 256, Layers: 6, Heads: 4, Dim: 128}, 8, 256)
+	var (
+		last     = math.Inf(1)
+		lastPeak int64
+		kinds    = map[string]bool{}
+		onlyRe   bool
+	)
+	for b := int64(8 << 20); b <= 1<<30; b += 8 << 20 {
+		res, err := recompute.Search(st, recompute.Options{Planner: planner.Options{Budget: b}})
+		require.NoError(t, err)
+		if res.Best == nil {
+			require.True(t, math.IsInf(last, 1), "budget %d: nothing fits, but a smaller budget had a plan", b)
+			continue
+		}
+		best := res.Best
+		require.LessOrEqual(t, best.Plan.PeakReserved, b, "budget %d", b)
+		require.LessOrEqual(t, best.Time, last, "budget %d MiB: %s in %s is slower than the plan at a smaller budget", b>>20, best.Name, best.Plan.Split)
+		if best.Time == last {
+			require.LessOrEqual(t, best.Plan.PeakReserved, max(lastPeak, best.Plan.PeakReserved))
+		}
+		last, lastPeak = best.Time, best.Plan.PeakReserved
+		kinds[best.Name] = true
+		if best.Name != "none" && res.Plain.Plan == nil {
+			onlyRe = true
+		}
+		if best.Name == "none" && best.Plan.Split.K == 1 {
+			break
+		}
+	}
+	t.Logf("strategies chosen: %v", kinds)
+	require.True(t, kinds["none"])
+	require.Greater(t, len(kinds), 1, "recompute was never chosen")
+	require.True(t, onlyRe, "no budget where only recompute fits")
+}
+
+func TestProfileFiles(t *testing.T) {
+	var buf bytes.Buffer
+	require.NoError(t, recompute.WriteProfile(&buf, recompute.H100Profile()))
+	p, err := recompute.ReadProfile(&buf)
+	require.NoError(t, err)
+	assert.Equal(t, recompute.H100Profile(), p)
+	for name, in := range map[string]string{
+		"unknown field": `{"name":"x","matmul_flops":1,"vector_flops":1,"bandwidth":1,"warp":3}`,
+		"negative":      `{"name":"x","matmul_flops":-1,"vector_flops":1,"bandwidth":1}`,
+		"zero":          `{"name":"x","matmul_flops":1,"vector_flops":1}`,
+		"trailing":      `{"name":"x","matmul_flops":1,"vector_flops":1,"bandwidth":1} {}`,
+		"not json":      `flops=1`,
+		"too large":     `{"name":"` + strings.Repeat("x", recompute.MaxProfileBytes) + `"}`,
+		"launch":        `{"name":"x","matmul_flops":1,"vector_flops":1,"bandwidth":1,"launch":5}`,
+	} {
+		_, err := recompute.ReadProfile(strings.NewReader(in))
+		assert.ErrorIs(t, err, recompute.ErrProfile, name)
+	}
+	_, err = recompute.LoadProfile("h100")
+	assert.NoError(t, err)
+	_, err = recompute.LoadProfile("/nonexistent/profile.json")
+	assert.ErrorIs(t, err, recompute.ErrProfile)
+}
+
+// The cost model: a GEMM is compute bound, an elementwise op bandwidth
+// bound, and a step's time never grows as its chunks merge.
+func TestCostMonotoneInChunks(t *testing.T) {
+	st := gptStep(t, models.GPTConfig{Vocab: 64, Context: 32, Layers: 2, Heads: 2, Dim: 32}, 12, 32)
+	c, err := recompute.Build(st, "none", nil)
+	require.NoError(t, err)
+	cost := recompute.NewCost(c.Program, recompute.H100Profile(), false)
+	prev := math.Inf(1)
+	for b := 1; b <= 12; b++ {
+		s := cost.Step(planner.SplitOf(12, b))
+		require.LessOrEqual(t, s, prev, "chunk %d", b)
+		prev = s
+	}
+	require.Positive(t, cost.FLOPs)
+}
