@@ -199,6 +199,23 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 		}
 	case graph.OpConv2dGradWeight:
 		flops = 2 * numel(in[0]) * float64(graph.Numel(out.Shape)) / float64(max(out.Shape[0], 1))
+	case graph.OpAttention, graph.OpAttentionLSE, graph.OpAttentionGradQ, graph.OpAttentionGradKV:
+		// Fused attention: 2·T·S·d flops per product of a [T, d] and a
+		// [d, S] tile per query head: q·kᵀ and p·v forward; q·kᵀ for the
+		// log-sum-exp; q·kᵀ, g·vᵀ and dS·k for dq; q·kᵀ, g·vᵀ, dSᵀ·q and
+		// pᵀ·g for dk|dv. Causal attention does half. The kernels run
+		// plain float32 FMAs, at the vector rate.
+		q, k := in[0], in[1]
+		if nd.Op == graph.OpAttentionGradQ || nd.Op == graph.OpAttentionGradKV {
+			q, k = in[1], in[2]
+		}
+		products := map[graph.Op]float64{graph.OpAttention: 2, graph.OpAttentionLSE: 1,
+			graph.OpAttentionGradQ: 3, graph.OpAttentionGradKV: 4}[nd.Op]
+		qs := q.AtBatch(b)
+		flops = products * 2 * float64(graph.Numel(qs)) * float64(k.Shape[2])
+		if nd.Attrs.Causal {
+			flops /= 2
+		}
 	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradW,
 		graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad, graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpGelu, graph.OpGeluGrad:
 		flops = 8 * max(numel(out), numel(in[0]))

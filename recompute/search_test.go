@@ -10,6 +10,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/recompute"
@@ -125,4 +127,23 @@ func TestCostMonotoneInChunks(t *testing.T) {
 		prev = s
 	}
 	require.Positive(t, cost.FLOPs)
+}
+
+// Fused attention is priced by its products, not as an elementwise op: a
+// causal step over q, k, v [B, H, T, d] costs five [T, d]·[d, T] products
+// per head (forward two, the log-sum-exp one, dq three, dk|dv four, causal
+// halving all ten), plus elementwise work of order B·H·T·d.
+func TestCostOfFusedAttention(t *testing.T) {
+	const b, h, tt, d = 2, 2, 256, 64
+	x := lazy.Placeholder([]int{b, 3 * h, tt, d}, graph.Float32, 0)
+	w := lazy.ParamSpec([]int{d}, graph.Float32, "w")
+	y := x.Mul(w)
+	out := y.Slice(1, 0, h).Attention(y.Slice(1, h, 2*h), y.Slice(1, 2*h, 3*h), lazy.AttentionOptions{Causal: true})
+	st := stepOf(t, out.Sum(), []*lazy.Tensor{w}, 0, nil)
+	c, err := recompute.Build(st, "none", nil)
+	require.NoError(t, err)
+	cost := recompute.NewCost(c.Program, recompute.H100Profile(), false)
+	products := 5 * 2 * float64(b*h*tt*tt*d)
+	assert.GreaterOrEqual(t, cost.FLOPs, products)
+	assert.Less(t, cost.FLOPs, 1.1*products)
 }
