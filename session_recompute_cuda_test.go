@@ -19,8 +19,8 @@ import (
 // recompute, and at the smallest where it prefers recompute in several
 // chunks, a CUDA session with Options.Recompute auto trains three Adam
 // steps of the four-layer GPT; each step recomputes, and the measured
-// peaks equal the plan's to the byte, within the budget. Skips without a
-// GPU.
+// peaks equal the plan's plus Overhead to the byte, within the budget.
+// Skips without a GPU.
 func TestCUDARecomputePeaksMeasured(t *testing.T) {
 	const n, steps = 8, 3
 	ctx := context.Background()
@@ -59,8 +59,9 @@ func TestCUDARecomputePeaksMeasured(t *testing.T) {
 			pl, used, re := sess.LastPlan(), sess.LastUsage(), sess.LastRecompute()
 			require.NotEqual(t, "none", re.Strategy, "budget %d, step %d", budget, step)
 			require.LessOrEqual(t, pl.PeakReserved, budget)
-			require.Equal(t, pl.PeakReserved, used.PeakReserved, "budget %d, step %d: reserved", budget, step)
-			require.Equal(t, pl.PeakAllocated, used.PeakAllocated, "budget %d, step %d: allocated", budget, step)
+			// Measured peaks hold the cuBLAS workspace too (Overhead).
+			require.Equal(t, pl.PeakReserved+overhead, used.PeakReserved, "budget %d, step %d: reserved", budget, step)
+			require.Equal(t, pl.PeakAllocated+overhead, used.PeakAllocated, "budget %d, step %d: allocated", budget, step)
 			t.Logf("budget %d B: %s (%d copies) in %s, peak %d B", budget, re.Strategy, re.Copies, pl.Split, pl.PeakReserved)
 		}
 	}
