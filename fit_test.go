@@ -38,6 +38,12 @@ func gptModel(vocab int) func(dropout bool) testutil.TrainModel {
 	return func(dropout bool) testutil.TrainModel { return testutil.GPTModel(vocab, dropout) }
 }
 
+// fusedGPTModel is gptModel with the fused attention op
+// (testutil.FusedGPTModel).
+func fusedGPTModel(vocab int) func(dropout bool) testutil.TrainModel {
+	return func(dropout bool) testutil.TrainModel { return testutil.FusedGPTModel(vocab, dropout) }
+}
+
 // convModel makes two-stage ConvNets over 3×size×size images
 // (testutil.ConvModel).
 func convModel(size int) func(dropout bool) testutil.TrainModel {
@@ -66,6 +72,7 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 	}{
 		{mlpModel, []int{500, 1000}},
 		{gptModel(512), []int{40, 64}},
+		{fusedGPTModel(512), []int{40, 64}},
 		{convModel(32), []int{30, 40}},
 	} {
 		name := c.model(false).Name
@@ -151,7 +158,7 @@ func dropoutNodes(g *graph.Graph) []int {
 func TestChunkedStepMatchesWholeBatch(t *testing.T) {
 	const n, rtol, atolScale = 10, 1e-5, 1e-6
 	ctx := context.Background()
-	for _, newModel := range []func(bool) testutil.TrainModel{mlpModel, gptModel(64), convModel(16)} {
+	for _, newModel := range []func(bool) testutil.TrainModel{mlpModel, gptModel(64), fusedGPTModel(64), convModel(16)} {
 		m := newModel(true)
 		t.Run(m.Name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(31, 32))

@@ -368,7 +368,7 @@ func TestSessionCUDAGPTFusedAttention(t *testing.T) {
 	t.Run("matches the CPU", func(t *testing.T) {
 		gpu := cudaSession(t, batchfit.Options{})
 		cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
-		cpuModel, gpuModel := gptModel(64)(false), gptModel(64)(false)
+		cpuModel, gpuModel := testutil.FusedGPTModel(64, false), testutil.FusedGPTModel(64, false)
 		cpuRng, gpuRng := rand.New(rand.NewPCG(91, 92)), rand.New(rand.NewPCG(91, 92))
 		cpuOpt, gpuOpt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
 		for step := range steps {
@@ -393,7 +393,7 @@ func TestSessionCUDAGPTFusedAttention(t *testing.T) {
 		}
 	})
 	probe := cudaSession(t, batchfit.Options{})
-	loss, params := gptModel(64)(false).Build(rand.New(rand.NewPCG(93, 94)), n)
+	loss, params := testutil.FusedGPTModel(64, false).Build(rand.New(rand.NewPCG(93, 94)), n)
 	budgets := testutil.TightBudgets(t, testutil.StepProgram(t, cuda.Workspace, loss, params, 2))
 	require.Contains(t, budgets, 2)
 	require.NoError(t, probe.Close())

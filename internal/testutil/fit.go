@@ -74,11 +74,18 @@ func MLPModel(in, hidden int, dropout bool) TrainModel {
 // gradients; at a vocabulary of 512 the logits dominate the per-sample
 // memory. With dropout, lazy Dropout (p 0.1) drops logits, with a counter
 // that advances every build.
-func GPTModel(vocab int, dropout bool) TrainModel {
+func GPTModel(vocab int, dropout bool) TrainModel { return gptModel("gpt", vocab, dropout, false) }
+
+// FusedGPTModel is GPTModel with the fused attention op.
+func FusedGPTModel(vocab int, dropout bool) TrainModel {
+	return gptModel("gpt-fused", vocab, dropout, true)
+}
+
+func gptModel(name string, vocab int, dropout, fused bool) TrainModel {
 	const seq = 16
-	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16})
+	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16, FusedAttention: fused})
 	var step uint64
-	return TrainModel{"gpt", func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
+	return TrainModel{name, func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
 		tokens := lazy.Wrap(Classes(rng, vocab, n, seq), 0)
 		targets := tokens.Graph().Wrap(Classes(rng, vocab, n, seq), 0)
 		logits := m.Forward(tokens)
