@@ -3,6 +3,7 @@ package dist_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -117,7 +118,47 @@ func TestNCCLWorldOneEqualsSession(t *testing.T) {
 	}
 }
 
-const childEnv = "BATCHFIT_DIST_CHILD" // the directory a child rank writes its result to
+const (
+	childEnv = "BATCHFIT_DIST_CHILD" // the directory a child rank writes its result to
+	failEnv  = "BATCHFIT_DIST_FAIL"  // set: rank 1 dies, rank 0 must get a typed error
+)
+
+// Two ranks on two GPUs; rank 1 exits after init without a word, and rank
+// 0's all-reduce returns ErrTimeout (or ErrAborted) within its 5 s
+// deadline instead of hanging. Needs a machine with 2 GPUs; not yet run.
+func TestNCCLTwoGPURankDies(t *testing.T) {
+	if dir := os.Getenv(childEnv); dir != "" {
+		ncclChild(t, dir, 0, 0)
+		return
+	}
+	requireNCCL(t)
+	if d, err := cuda.Open(cuda.Options{Ordinal: 1}); err != nil {
+		t.Skipf("needs 2 GPUs: %v", err)
+	} else {
+		require.NoError(t, d.Close())
+	}
+	dir := t.TempDir()
+	port := freeLoopbackPort(t)
+	var wg sync.WaitGroup
+	outs := make([][]byte, 2)
+	errs := make([]error, 2)
+	for r := range 2 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestNCCLTwoGPURankDies$", "-test.count=1", "-test.v")
+		cmd.Env = append(os.Environ(), childEnv+"="+dir, failEnv+"=1", "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
+			"WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+strconv.Itoa(port))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[r], errs[r] = cmd.CombinedOutput()
+		}()
+	}
+	wg.Wait()
+	require.NoError(t, errs[0], "rank 0:\n%s", outs[0])
+	require.Error(t, errs[1], "rank 1 should have exited with status 3")
+	b, err := os.ReadFile(filepath.Join(dir, "rank0.err"))
+	require.NoError(t, err)
+	t.Logf("rank 0: %s", b)
+}
 
 // Two ranks on two GPUs, as two processes (this test binary run again
 // with torchrun's variables): NCCL data parallel against one GPU's
@@ -186,14 +227,32 @@ func childBatches(n, steps int) ([][]float32, [][]int64) {
 	return xs, ys
 }
 
-// ncclChild is one rank of TestNCCLTwoGPUDataParallel.
+// ncclChild is one rank of TestNCCLTwoGPUDataParallel, or of
+// TestNCCLTwoGPURankDies when failEnv is set.
 func ncclChild(t *testing.T, dir string, n, steps int) {
 	ctx := context.Background()
 	env, err := dist.EnvFromOS()
 	require.NoError(t, err)
-	comm, err := dist.NewNCCL(ctx, env, dist.NCCLOptions{Timeout: time.Minute})
+	timeout := time.Minute
+	if os.Getenv(failEnv) != "" {
+		timeout = 5 * time.Second
+	}
+	comm, err := dist.NewNCCL(ctx, env, dist.NCCLOptions{Timeout: timeout})
 	require.NoError(t, err)
 	defer comm.Close()
+	if os.Getenv(failEnv) != "" {
+		if env.Rank == 1 {
+			os.Exit(3) // dies after init, before its first collective
+		}
+		start := time.Now()
+		err := comm.AllReduceSum(ctx, make([]float32, 1<<20))
+		elapsed := time.Since(start)
+		t.Logf("rank 0 after %v: %v", elapsed, err)
+		require.True(t, errors.Is(err, dist.ErrTimeout) || errors.Is(err, dist.ErrAborted), "%v", err)
+		require.Less(t, elapsed, 3*timeout)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "rank0.err"), []byte(err.Error()), 0o644))
+		return
+	}
 	tr, err := dist.New(comm, dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCUDA}})
 	require.NoError(t, err)
 	m := newWide(1+uint64(env.Rank), 256)
