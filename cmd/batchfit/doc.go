@@ -8,6 +8,7 @@
 //	batchfit report gpt-tiny.pickle -o gpt-tiny.html
 //	batchfit compare before.pickle after.pickle
 //	batchfit models
+//	batchfit launch -n 2 -- ./train --steps 100
 //
 // estimate builds a model of the zoo shape-only (nn.Options{ShapeOnly:
 // true} over lazy.Placeholder inputs, so nothing is allocated), appends the

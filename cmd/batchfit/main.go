@@ -58,6 +58,7 @@ const mainUsage = `Usage:
   batchfit report FILE
   batchfit compare [flags] BEFORE AFTER
   batchfit models
+  batchfit launch -n N -- PROGRAM [ARGS...]
 
 Subcommands:
   estimate   plan one training (or inference) step of a zoo model within a
@@ -70,6 +71,8 @@ Subcommands:
   compare    compare two snapshot files: segments only before and only after,
              or the bytes under each stack
   models     list the model zoo with parameter counts
+  launch     start N processes with torchrun's variables (RANK, WORLD_SIZE,
+             MASTER_ADDR, ...) for data-parallel training, output prefixed
 
 Run "batchfit SUBCOMMAND -h" for its flags.
 `
@@ -91,11 +94,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runCompare(args[1:], os.Stdin, stdout, stderr)
 	case "models":
 		return runModels(args[1:], stdout, stderr)
+	case "launch":
+		return runLaunch(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, mainUsage)
 		return exitOK
 	}
-	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare or models)\n%s", args[0], mainUsage)
+	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare, models or launch)\n%s", args[0], mainUsage)
 	return exitUsage
 }
 
