@@ -138,10 +138,25 @@ func hostData(params []*lazy.Tensor) ([][]float32, error) {
 // optimizer step on the host copies of the gradients, so on CUDA the
 // session runs the optimizer on the host (gradients down, parameters up)
 // in this version.
+//
+// A step that fails on this rank for a reason of its own (its graph, its
+// memory) aborts the communicator, so the other ranks' steps return
+// ErrAborted at once instead of waiting for their deadline.
 func (t *Trainer) Step(ctx context.Context, globalN int, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
+	l, err := t.step(ctx, globalN, loss, params, opt)
+	if err != nil {
+		_ = t.comm.Abort() // the error that matters is err
+	}
+	return l, err
+}
+
+func (t *Trainer) step(ctx context.Context, globalN int, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
 	lo, hi, err := t.Shard(globalN)
 	if err != nil {
 		return 0, err
+	}
+	if opt == nil {
+		return 0, errors.New("dist: nil optimizer")
 	}
 	scale := float32(1)
 	if !t.opts.SumLoss {

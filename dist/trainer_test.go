@@ -309,3 +309,39 @@ type overheadComm struct {
 }
 
 func (c overheadComm) Overhead() int64 { return c.over }
+
+// A rank whose own step fails (here: no optimizer) aborts the group: the
+// others return ErrAborted at once, long before their one-minute deadline.
+func TestTrainerFailingRankAbortsPeers(t *testing.T) {
+	const world, n = 3, 6
+	ctx := context.Background()
+	x, y := batch(rand.New(rand.NewPCG(9, 9)), n)
+	comms := dist.NewLocal(world, time.Minute)
+	errs := make([]error, world)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for r := range world {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			m := newModel(1)
+			tr, err := dist.New(comms[r], dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCPU}})
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			defer tr.Close()
+			var opt optim.Optimizer = optim.NewSGD(0.1, 0)
+			if r == 2 {
+				opt = nil
+			}
+			lo, hi, _ := tr.Shard(n)
+			_, errs[r] = tr.Step(ctx, n, m.loss(x, y, lo, hi), m.params, opt)
+		}()
+	}
+	wg.Wait()
+	require.Less(t, time.Since(start), 10*time.Second)
+	require.Error(t, errs[2])
+	require.ErrorIs(t, errs[0], dist.ErrAborted)
+	require.ErrorIs(t, errs[1], dist.ErrAborted)
+}
