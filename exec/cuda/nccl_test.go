@@ -3,7 +3,9 @@ package cuda_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
+	"os/exec"
 	"testing"
 	"time"
 
@@ -70,14 +72,28 @@ func TestNCCLSingleRank(t *testing.T) {
 
 // A world of 2 with only one rank: ncclCommInitRank waits for a peer that
 // never comes, and NewNCCL returns ErrNCCLTimeout at the deadline. The
-// device it used stays blocked in NCCL (so the test opens its own and
-// never closes it).
+// device thread stays blocked in NCCL, so the test runs in a child process
+// (this binary again), which exits when it has seen the error.
 func TestNCCLInitTimeout(t *testing.T) {
-	_, id := ncclDevice(t)
-	d, err := cuda.Open(cuda.Options{})
-	require.NoError(t, err)
-	start := time.Now()
-	_, err = d.NewNCCL(id, 0, 2, cuda.NCCLOptions{Timeout: 2 * time.Second})
-	require.ErrorIs(t, err, cuda.ErrNCCLTimeout)
-	require.Less(t, time.Since(start), 10*time.Second)
+	if os.Getenv(initTimeoutChild) != "" {
+		d, err := cuda.Open(cuda.Options{})
+		require.NoError(t, err)
+		id, err := cuda.NCCLUniqueID()
+		require.NoError(t, err)
+		start := time.Now()
+		_, err = d.NewNCCL(id, 0, 2, cuda.NCCLOptions{Timeout: 2 * time.Second})
+		fmt.Printf("after %v: %v\n", time.Since(start).Round(time.Millisecond), err)
+		if !errors.Is(err, cuda.ErrNCCLTimeout) || time.Since(start) > 10*time.Second {
+			os.Exit(1)
+		}
+		os.Exit(0) // the blocked thread goes with the process
+	}
+	ncclDevice(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestNCCLInitTimeout$", "-test.count=1")
+	cmd.Env = append(os.Environ(), initTimeoutChild+"=1")
+	out, err := cmd.CombinedOutput()
+	t.Logf("child: %s", out)
+	require.NoError(t, err, "the child should see ErrNCCLTimeout within 10 s")
 }
+
+const initTimeoutChild = "BATCHFIT_NCCL_INIT_TIMEOUT_CHILD"
