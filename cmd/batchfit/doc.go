@@ -8,6 +8,7 @@
 //	batchfit report gpt-tiny.pickle -o gpt-tiny.html
 //	batchfit compare before.pickle after.pickle
 //	batchfit models
+//	batchfit launch -n 2 -- ./train --steps 100
 //
 // estimate builds a model of the zoo shape-only (nn.Options{ShapeOnly:
 // true} over lazy.Placeholder inputs, so nothing is allocated), appends the
@@ -36,6 +37,12 @@
 // pickle's trace, live blocks and segments as such a page. compare reads two snapshot files (the
 // format from their content, else their name) and lists the segments only
 // in one of two pickles, or the bytes under each stack that changed.
+//
+// launch starts N processes of a program on this machine with torchrun's
+// variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+// one GPU each (CUDA_VISIBLE_DEVICES), for data-parallel training with
+// package dist; it prefixes their output with their rank, stops the
+// others when one fails and exits with the first failure's code.
 //
 // Exit codes: 0 when the step fits (in one chunk or several) and the files
 // were read and written, 1 when it does not fit even one sample at a time

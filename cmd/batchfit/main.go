@@ -59,6 +59,7 @@ const mainUsage = `Usage:
   batchfit report FILE
   batchfit compare [flags] BEFORE AFTER
   batchfit models
+  batchfit launch -n N -- PROGRAM [ARGS...]
 
 Subcommands:
   estimate   plan one training (or inference) step of a zoo model within a
@@ -73,6 +74,8 @@ Subcommands:
   models     list the model zoo with parameter counts
   calibrate  time GEMMs, elementwise kernels and launches on the GPU and
              write a cost-model profile for estimate --profile (needs CUDA)
+  launch     start N processes with torchrun's variables (RANK, WORLD_SIZE,
+             MASTER_ADDR, ...) for data-parallel training, output prefixed
 
 Run "batchfit SUBCOMMAND -h" for its flags.
 `
@@ -96,11 +99,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runModels(args[1:], stdout, stderr)
 	case "calibrate":
 		return runCalibrate(args[1:], stdout, stderr)
+	case "launch":
+		return runLaunch(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, mainUsage)
 		return exitOK
 	}
-	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare, models or calibrate)\n%s", args[0], mainUsage)
+	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare, models, calibrate or launch)\n%s", args[0], mainUsage)
 	return exitUsage
 }
 

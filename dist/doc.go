@@ -1,0 +1,45 @@
+// Package dist is data-parallel training over several ranks (issue 16,
+// phase 1): one process per GPU, the global batch split into contiguous
+// shards, gradients made the whole batch's by an all-reduce before every
+// optimizer step.
+//
+// The pieces:
+//
+//   - Communicator: AllReduceSum, Broadcast and Abort over float32
+//     buffers, with a deadline on every call. NewNCCL runs it over NCCL
+//     (exec/cuda's purego bindings of libnccl.so.2); NewLocal is the
+//     in-process fake (ranks as goroutines) that CPU tests and CPU
+//     data-parallel training use.
+//   - Rendezvous by torchrun's conventions: EnvFromOS reads RANK,
+//     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; ExchangeID has
+//     rank 0 serve the 128-byte NCCL unique id over TCP, the others dial
+//     with retries, all before a deadline. `batchfit launch -n N -- prog`
+//     starts N local processes with those variables set.
+//   - Trainer: a rank's Session (its own plan within its own free memory,
+//     its own chunks) plus a Communicator. Trainer.Step scales the
+//     gradients of a mean loss by n_r/N (the rank's graph averaged over
+//     its shard of n_r samples) and sums them over ranks in ~25 MiB
+//     buckets, in reverse parameter order; every rank then runs the same
+//     optimizer step. BroadcastParams starts every rank from rank 0's
+//     parameters. TestGradientsEqualWholeBatch holds losses, gradients and
+//     parameters to a single process's whole-batch run.
+//
+// Memory: NCCL's own device buffers (and the communicator's staging
+// buffer) are outside the session's allocator. NewNCCL measures them with
+// cuMemGetInfo around its init and a warm-up collective
+// (Communicator.Overhead); New takes them out of Options.Session.Budget,
+// so each rank's plan holds predicted = measured for what its allocator
+// reserves.
+//
+// Failure: every collective has a deadline. A rank that dies or hangs
+// makes the others return an error wrapping ErrTimeout or ErrAborted
+// within it; on NCCL a watchdog polls ncclCommGetAsyncError while a
+// collective runs and calls ncclCommAbort at the deadline.
+//
+// What this phase does not do: the all-reduce runs after backward, not
+// overlapped with it, and on host copies of the gradients (the session
+// runs the optimizer on the host beside it; on CUDA gradients go down and
+// parameters up once per step, and NCCL reduces through a device staging
+// buffer). Overlap and device-resident reduction are later work. See the
+// README's "Data parallel" section for what has run where.
+package dist
