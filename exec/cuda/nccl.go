@@ -330,11 +330,8 @@ func (c *NCCL) Overhead() int64 { return c.overhead }
 // it until it completes, failing on an asynchronous error, the deadline,
 // ctx or Abort, in which case it aborts the communicator.
 func (c *NCCL) run(ctx context.Context, fn string, enqueue func(stream uintptr) ncclResult) error {
-	if c.closed.Load() {
-		return ErrClosed
-	}
-	if c.aborted.Load() {
-		return ErrNCCLAborted
+	if err := c.usable(); err != nil {
+		return err
 	}
 	deadline := time.Now().Add(c.timeout)
 	return c.d.do(func() error {
@@ -369,6 +366,17 @@ func (c *NCCL) run(ctx context.Context, fn string, enqueue func(stream uintptr) 
 	})
 }
 
+// usable is ErrClosed after Close, ErrNCCLAborted after an abort, else nil.
+func (c *NCCL) usable() error {
+	switch {
+	case c.closed.Load():
+		return ErrClosed
+	case c.aborted.Load():
+		return ErrNCCLAborted
+	}
+	return nil
+}
+
 // abortNow calls ncclCommAbort once; on the device thread.
 func (c *NCCL) abortNow() error {
 	if c.aborted.Swap(true) {
@@ -393,6 +401,10 @@ func (c *NCCL) Broadcast(ctx context.Context, buf []float32, root int) error {
 }
 
 func (c *NCCL) staged(ctx context.Context, buf []float32, fn string, op func(count, stream uintptr) ncclResult) error {
+	// Before any copy: after Close the staging buffer is gone.
+	if err := c.usable(); err != nil {
+		return err
+	}
 	for off := 0; off < len(buf); off += c.stageN {
 		piece := buf[off:min(off+c.stageN, len(buf))]
 		if err := CopyHtoD(c.d, alloc.Ptr(c.staging), piece); err != nil {
