@@ -37,18 +37,9 @@ func recomputeStep(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, slots
 // is ws.
 func recomputeStepOn(t *testing.T, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) recompute.Step {
 	t.Helper()
-	require.NoError(t, loss.Err())
-	g := loss.Graph()
-	outs := []int{loss.ID()}
-	trained := make([]int, len(params))
-	for i, gr := range lazy.Grad(loss, params...) {
-		require.NoError(t, gr.Err())
-		outs = append(outs, gr.ID())
-		trained[i] = g.NodeOf(params[i])
-	}
-	kept := slices.Clone(outs[1:])
-	return recompute.Step{Graph: g.IR(), Boundary: loss.ID() + 1, Outputs: append(outs, extra...),
-		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: ws}}
+	g, outs, co := testutil.Step(t, loss, params, slots, extra...)
+	co.Workspace = ws
+	return recompute.Step{Graph: g, Boundary: loss.ID() + 1, Outputs: outs, Compile: co}
 }
 
 // everything marks every forward node: the whole forward pass is run

@@ -120,6 +120,21 @@ func ConvModel(size int, dropout bool) TrainModel {
 // params are trained with slots optimizer state tensors each.
 func StepProgram(t testing.TB, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
 	t.Helper()
+	g, outs, co := Step(t, loss, params, slots, extra...)
+	co.Workspace = ws
+	info, err := shapeinfer.Analyze(g, outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(g, info, outs, co)
+	require.NoError(t, err)
+	return p
+}
+
+// Step appends the gradients of params to loss's graph and returns the
+// graph, the outputs a Session's Step asks for (the loss, the gradients,
+// then extra) and the compile options that keep the gradients and train
+// params with slots state tensors each (no workspace rule).
+func Step(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) (*graph.Graph, []int, planner.CompileOptions) {
+	t.Helper()
 	require.NoError(t, loss.Err())
 	g := loss.Graph()
 	outs := []int{loss.ID()}
@@ -130,13 +145,7 @@ func StepProgram(t testing.TB, ws planner.WorkspaceFunc, loss *lazy.Tensor, para
 		trained[i] = g.NodeOf(params[i])
 	}
 	kept := slices.Clone(outs[1:])
-	outs = append(outs, extra...)
-	info, err := shapeinfer.Analyze(g.IR(), outs...)
-	require.NoError(t, err)
-	p, err := planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: ws})
-	require.NoError(t, err)
-	return p
+	return g.IR(), append(outs, extra...), planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots}
 }
 
 // TightBudgets maps each chunk count the planner can choose for p to the
