@@ -50,6 +50,7 @@ type config struct {
 	tightGPT      int
 	tightMLP      int
 	tightConv     int
+	tf32          bool   // GEMMs on TF32 tensor cores (batchfit's "tf32" precision)
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
 }
@@ -71,6 +72,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (3 chunks within 8GiB)")
+	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the \"tf32\" precision; PyTorch's allow_tf32)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
@@ -304,7 +306,7 @@ func scalar(t *tensor.Dense) float64 {
 // device, a fresh batch of host data fed (and uploaded) every step.
 func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps}
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32}
 	start := time.Now()
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {
@@ -329,7 +331,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		return r, err
 	}
 	r.DeviceUsedBefore = before
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{})
+	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: c.tf32})
 	if err != nil {
 		return r, err
 	}
@@ -433,7 +435,7 @@ func (r *Record) setRates(batch int) {
 // then runs one step at that batch on the card.
 func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper}
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{})
+	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: c.tf32})
 	if err != nil {
 		return r, err
 	}

@@ -26,6 +26,7 @@ type Record struct {
 	Seq       int    `json:"seq,omitempty"`
 	Optimizer string `json:"optimizer,omitempty"`
 	Params    int64  `json:"params,omitempty"`
+	TF32      bool   `json:"tf32,omitempty"` // float32 GEMMs on TF32 tensor cores
 
 	// throughput
 	BuildModelSeconds float64   `json:"build_model_seconds,omitempty"` // parameter initialisation
