@@ -71,7 +71,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.Var(bytesFlag{&c.budget}, "budget", "plan each model at its -tight-batch-* within this `size` (8GiB, 512MiB, 8GB or bytes), run two steps in the planned chunks, and simulate the next larger chunk size; 0: off")
 	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
-	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (3 chunks within 8GiB)")
+	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (4 chunks within 8GiB)")
 	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the \"tf32\" precision; PyTorch's allow_tf32)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")

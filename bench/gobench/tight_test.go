@@ -57,9 +57,11 @@ func TestTightDefaultsSplitWithin8GiB(t *testing.T) {
 
 			// A device larger than the budget (the H100) with the allocator
 			// capped at the budget, as tightness runs it: the same peaks.
-			// Uncapped, the allocator keeps segments the simulation released
-			// when it ran out of room (the conv net's 3 × 16384 kept a 2 GiB
-			// segment too many on the H100).
+			// Uncapped, the allocator can keep segments the simulation
+			// released when it ran out of room (the conv net's 3 × 16384 kept
+			// a 2 GiB segment too many on the H100 while convolutions unfolded
+			// one image at a time; alloc's TestLimitActsAsASmallerDevice
+			// covers the cap itself).
 			capped := alloc.New(alloc.NewSimBackend(unlimitedCapacity), alloc.Options{})
 			capped.SetLimit(budget)
 			u, fits, err = replaySteps(p, pl.Chunks, capped)
@@ -70,9 +72,6 @@ func TestTightDefaultsSplitWithin8GiB(t *testing.T) {
 			require.NoError(t, err)
 			t.Logf("uncapped on a large device: peak %s (%d cache releases in the plan's replay)",
 				alloc.FormatBytes(uncapped.PeakReserved), capped.Stats().NumAllocRetries)
-			if m.name == "conv" {
-				require.Greater(t, uncapped.PeakReserved, budget, "the case that needs the cap")
-			}
 
 			require.Len(t, tp.next, len(pl.Chunks)-1)
 			require.Greater(t, tp.next[0].Size, pl.Chunk)

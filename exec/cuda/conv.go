@@ -38,17 +38,20 @@ var convKernels = family{
 	})},
 }
 
-// colBytes is the workspace of a patch matrix of kk rows and howo columns:
-// the unfolded patches of one image, reused across images and groups (as
-// exec/cpu's).
+// colBytes is a patch matrix of kk rows and howo columns: the unfolded
+// patches of one image and group.
 func colBytes(kk, howo int64) int64 { return 4 * kk * howo }
 
 // argmaxBytes is max_pool2d_grad's workspace: the int32 argmax of each of
 // n windows.
 func argmaxBytes(n int64) int64 { return 4 * n }
 
-// convColBytes is the patch matrix of one image for weight w [O, C/g, kh,
-// kw] and forward output y [N, O, Ho, Wo]; 0 when the input is used as it
+// convColBytes is the patch workspace for weight w [O, C/g, kh, kw] and
+// forward output y [N, O, Ho, Wo]: the patch matrices of all N images of
+// the chunk, one group at a time, so that each group takes one im2col
+// launch and one strided-batched GEMM rather than one of each per image.
+// It is per-sample memory like an activation's, which the planner counts
+// (the rule must stay affine in the batch). 0 when the input is used as it
 // is (a 1×1 kernel with unit stride and no padding).
 func convColBytes(w, y []int, a *graph.Attrs) int64 {
 	if len(w) != 4 || len(y) != 4 {
@@ -57,7 +60,14 @@ func convColBytes(w, y []int, a *graph.Attrs) int64 {
 	if w[2] == 1 && w[3] == 1 && a.Stride == [2]int{1, 1} && a.Padding == [2]int{} {
 		return 0
 	}
-	return colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]))
+	return int64(y[0]) * colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]))
+}
+
+// group is the window of every image's group of cg channels, for im2col
+// and col2im over all images at once.
+func (wd Window) group(cg int64) Window {
+	wd.C = cg
+	return wd
 }
 
 // convGroups checks the weight [O, C/g, kh, kw] against the input's C
@@ -68,13 +78,6 @@ func convGroups(op string, a *graph.Attrs, w []int, c int64) error {
 		return graph.Errorf(graph.ErrShape, "%s weight %v does not fit %d input channels in %d groups", op, w, c, g)
 	}
 	return nil
-}
-
-// one is the window of one image's group of cg channels, for im2col and
-// col2im.
-func (wd Window) one(cg int64) Window {
-	wd.N, wd.C = 1, cg
-	return wd
 }
 
 // convGeom is a convolution's window with the sizes of its per-group
@@ -107,8 +110,9 @@ func newConvGeom(op string, a *graph.Attrs, x, y, w []int) (convGeom, error) {
 	return c, nil
 }
 
-// conv2d: per image and group, the patches are unfolded into the
-// workspace (im2col) and multiplied by the group's weights; with a bias,
+// conv2d: per group, the patches of every image of the chunk are
+// unfolded into the workspace (im2col) and multiplied by the group's
+// weights in one strided-batched GEMM; with a bias,
 // it is broadcast into out first and the GEMMs add to it (beta = 1), as on
 // the CPU. A 1×1 kernel with unit stride and no padding multiplies the
 // input itself, all images in one strided-batched GEMM per group.
@@ -149,27 +153,27 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		}
 		return nil
 	}
-	col, err := k.workspace(colBytes(kk, howo))
+	n := wd.N // every image of the chunk at once (convColBytes)
+	col, err := k.workspace(n * colBytes(kk, howo))
 	if err != nil {
 		return err
 	}
-	one := wd.one(cg)
-	for ni := range wd.N {
-		for gi := range groups {
-			if err := k.flat(kIm2col, kk*howo, x.at(ni*chw+gi*cg*hw), col, one, chw, kk*howo); err != nil {
-				return err
-			}
-			if err := k.blas.Gemm(false, false, int(og), int(howo), int(kk), 1, w.at(gi*og*kk), int(kk),
-				col, int(howo), beta, out.at((ni*o+gi*og)*howo), int(howo)); err != nil {
-				return err
-			}
+	for gi := range groups {
+		if err := k.flat(kIm2col, n*kk*howo, x.at(gi*cg*hw), col, wd.group(cg), chw, kk*howo); err != nil {
+			return err
+		}
+		if err := k.blas.GemmStridedBatched(false, false, int(og), int(howo), int(kk), 1,
+			w.at(gi*og*kk), int(kk), 0, col, int(howo), kk*howo,
+			beta, out.at(gi*og*howo), int(howo), o*howo, int(n)); err != nil {
+			return err
 		}
 	}
 	return nil
 }
 
-// conv2dGradInput: per image and group, dcol = W_gᵀ·g_g in the workspace,
-// folded into the input gradient by col2im (which sets every element).
+// conv2dGradInput: per group, dcol = W_gᵀ·g_g for every image in the
+// workspace (one strided-batched GEMM), folded into the input gradient by
+// col2im (which sets every element).
 func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 	if err := floats(w); err != nil {
 		return err
@@ -194,20 +198,19 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 		}
 		return nil
 	}
-	col, err := k.workspace(colBytes(kk, howo))
+	n := wd.N // every image of the chunk at once (convColBytes)
+	col, err := k.workspace(n * colBytes(kk, howo))
 	if err != nil {
 		return err
 	}
-	one := wd.one(cg)
-	for ni := range wd.N {
-		for gi := range groups {
-			if err := k.blas.Gemm(true, false, int(kk), int(howo), int(og), 1, w.at(gi*og*kk), int(kk),
-				g.at((ni*o+gi*og)*howo), int(howo), 0, col, int(howo)); err != nil {
-				return err
-			}
-			if err := k.flat(kCol2im, cg*hw, col, out.at(ni*chw+gi*cg*hw), one, chw, kk*howo); err != nil {
-				return err
-			}
+	for gi := range groups {
+		if err := k.blas.GemmStridedBatched(true, false, int(kk), int(howo), int(og), 1,
+			w.at(gi*og*kk), int(kk), 0, g.at(gi*og*howo), int(howo), o*howo,
+			0, col, int(howo), kk*howo, int(n)); err != nil {
+			return err
+		}
+		if err := k.flat(kCol2im, n*cg*hw, col, out.at(gi*cg*hw), wd.group(cg), chw, kk*howo); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -231,23 +234,27 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	if err := k.d.Memzero(out.p, 4*out.n()); err != nil || out.n() == 0 {
 		return err
 	}
+	n, per := wd.N, colBytes(kk, howo)
 	var col alloc.Ptr
 	if !wd.direct() {
-		if col, err = k.workspace(colBytes(kk, howo)); err != nil {
+		if col, err = k.workspace(n * per); err != nil {
 			return err
 		}
 	}
-	one := wd.one(cg)
-	for ni := range wd.N {
-		for gi := range groups {
-			src := x.at(ni*chw + gi*cg*hw)
-			if !wd.direct() {
-				if err := k.flat(kIm2col, kk*howo, src, col, one, chw, kk*howo); err != nil {
-					return err
-				}
-				src = col
+	// Images are summed one GEMM at a time, in order: only the unfolding
+	// is batched.
+	for gi := range groups {
+		if !wd.direct() {
+			if err := k.flat(kIm2col, n*kk*howo, x.at(gi*cg*hw), col, wd.group(cg), chw, kk*howo); err != nil {
+				return err
 			}
-			if err := k.blas.Gemm(false, true, int(og), int(kk), int(howo), 1, g.at((ni*o+gi*og)*howo), int(howo),
+		}
+		for i := range n {
+			src := x.at(i*chw + gi*cg*hw)
+			if !wd.direct() {
+				src = col + alloc.Ptr(i*per)
+			}
+			if err := k.blas.Gemm(false, true, int(og), int(kk), int(howo), 1, g.at((i*o+gi*og)*howo), int(howo),
 				src, int(howo), 1, out.at(gi*og*kk), int(kk)); err != nil {
 				return err
 			}
