@@ -13,7 +13,7 @@ var convKernels = family{
 	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(inputAt(g, nd, 1, b), nd.Type.AtBatch(b), &nd.Attrs)
+		return convColBytes(inputAt(g, nd, 1, b), nd.Type.AtBatch(b), convImages(g, nd), &nd.Attrs)
 	}},
 	graph.OpMaxPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.maxPool2d(k.attrs(), in[0], out) }},
 	graph.OpAvgPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.avgPool2d(k.attrs(), in[0], out) }},
@@ -21,12 +21,12 @@ var convKernels = family{
 	graph.OpConv2dGradInput: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
 		return k.conv2dGradInput(k.attrs(), g, in[1], out)
 	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(inputAt(g, nd, 1, b), inputAt(g, nd, 0, b), &nd.Attrs)
+		return convColBytes(inputAt(g, nd, 1, b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs)
 	}},
 	graph.OpConv2dGradWeight: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
 		return k.conv2dGradWeight(k.attrs(), g, in[1], out)
 	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), &nd.Attrs)
+		return convColBytes(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs)
 	}},
 	graph.OpMaxPool2dGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
 		return k.maxPool2dGrad(k.attrs(), g, in[1], out)
@@ -42,31 +42,58 @@ var convKernels = family{
 // patches of one image and group.
 func colBytes(kk, howo int64) int64 { return 4 * kk * howo }
 
+// convColCap bounds a convolution's patch workspace. The patches of a tile
+// of images (as many as fit, at least one, at most the whole batch) are
+// unfolded by one im2col launch and multiplied by one strided-batched GEMM
+// per group, so a chunk of N images takes ⌈N/tile⌉ launches of each
+// rather than N. The tile depends on the graph's full batch, not on the
+// chunk's, so the workspace is a fixed size, as the planner's affine
+// rules require.
+const convColCap = 64 << 20
+
+// convTile is how many images of per patch bytes each the workspace holds,
+// for a graph of full images.
+func convTile(full, per int64) int64 {
+	return max(1, min(full, convColCap/max(per, 1)))
+}
+
+// convImages is the number of images of a convolution node's graph at its
+// full batch: the leading axis of its first input (x for conv2d, the
+// upstream gradient for its gradients).
+func convImages(g *graph.Graph, nd *graph.Node) int64 {
+	if len(nd.Inputs) == 0 {
+		return 1
+	}
+	s := g.Node(nd.Inputs[0]).Type.Shape
+	if len(s) == 0 {
+		return 1
+	}
+	return int64(s[0])
+}
+
 // argmaxBytes is max_pool2d_grad's workspace: the int32 argmax of each of
 // n windows.
 func argmaxBytes(n int64) int64 { return 4 * n }
 
 // convColBytes is the patch workspace for weight w [O, C/g, kh, kw] and
-// forward output y [N, O, Ho, Wo]: the patch matrices of all N images of
-// the chunk, one group at a time, so that each group takes one im2col
-// launch and one strided-batched GEMM rather than one of each per image.
-// It is per-sample memory like an activation's, which the planner counts
-// (the rule must stay affine in the batch). 0 when the input is used as it
-// is (a 1×1 kernel with unit stride and no padding).
-func convColBytes(w, y []int, a *graph.Attrs) int64 {
+// forward output y [N, O, Ho, Wo] in a graph of full images: a tile of
+// images' patch matrices (convTile), one group at a time; 0 when the input
+// is used as it is (a 1×1 kernel with unit stride and no padding).
+func convColBytes(w, y []int, full int64, a *graph.Attrs) int64 {
 	if len(w) != 4 || len(y) != 4 {
 		return 0
 	}
 	if w[2] == 1 && w[3] == 1 && a.Stride == [2]int{1, 1} && a.Padding == [2]int{} {
 		return 0
 	}
-	return int64(y[0]) * colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]))
+	per := colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]))
+	return convTile(full, per) * per
 }
 
-// group is the window of every image's group of cg channels, for im2col
-// and col2im over all images at once.
-func (wd Window) group(cg int64) Window {
-	wd.C = cg
+// tile is the window of t images' group of cg channels, for im2col and
+// col2im over a tile of images.
+func (wd Window) tile(t, cg int64) Window {
+	wd.N, wd.C = t, cg
 	return wd
 }
 
@@ -110,7 +137,7 @@ func newConvGeom(op string, a *graph.Attrs, x, y, w []int) (convGeom, error) {
 	return c, nil
 }
 
-// conv2d: per group, the patches of every image of the chunk are
+// conv2d: per tile of images (convTile) and group, the patches are
 // unfolded into the workspace (im2col) and multiplied by the group's
 // weights in one strided-batched GEMM; with a bias,
 // it is broadcast into out first and the GEMMs add to it (beta = 1), as on
@@ -153,25 +180,29 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		}
 		return nil
 	}
-	n := wd.N // every image of the chunk at once (convColBytes)
-	col, err := k.workspace(n * colBytes(kk, howo))
+	per := colBytes(kk, howo)
+	tile := convTile(convImages(k.g, k.nd), per)
+	col, err := k.workspace(tile * per)
 	if err != nil {
 		return err
 	}
-	for gi := range groups {
-		if err := k.flat(kIm2col, n*kk*howo, x.at(gi*cg*hw), col, wd.group(cg), chw, kk*howo); err != nil {
-			return err
-		}
-		if err := k.blas.GemmStridedBatched(false, false, int(og), int(howo), int(kk), 1,
-			w.at(gi*og*kk), int(kk), 0, col, int(howo), kk*howo,
-			beta, out.at(gi*og*howo), int(howo), o*howo, int(n)); err != nil {
-			return err
+	for n0 := int64(0); n0 < wd.N; n0 += tile {
+		t := min(tile, wd.N-n0)
+		for gi := range groups {
+			if err := k.flat(kIm2col, t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
+				return err
+			}
+			if err := k.blas.GemmStridedBatched(false, false, int(og), int(howo), int(kk), 1,
+				w.at(gi*og*kk), int(kk), 0, col, int(howo), kk*howo,
+				beta, out.at((n0*o+gi*og)*howo), int(howo), o*howo, int(t)); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
 }
 
-// conv2dGradInput: per group, dcol = W_gᵀ·g_g for every image in the
+// conv2dGradInput: per tile of images and group, dcol = W_gᵀ·g_g in the
 // workspace (one strided-batched GEMM), folded into the input gradient by
 // col2im (which sets every element).
 func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
@@ -198,19 +229,23 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 		}
 		return nil
 	}
-	n := wd.N // every image of the chunk at once (convColBytes)
-	col, err := k.workspace(n * colBytes(kk, howo))
+	per := colBytes(kk, howo)
+	tile := convTile(convImages(k.g, k.nd), per)
+	col, err := k.workspace(tile * per)
 	if err != nil {
 		return err
 	}
-	for gi := range groups {
-		if err := k.blas.GemmStridedBatched(true, false, int(kk), int(howo), int(og), 1,
-			w.at(gi*og*kk), int(kk), 0, g.at(gi*og*howo), int(howo), o*howo,
-			0, col, int(howo), kk*howo, int(n)); err != nil {
-			return err
-		}
-		if err := k.flat(kCol2im, n*cg*hw, col, out.at(gi*cg*hw), wd.group(cg), chw, kk*howo); err != nil {
-			return err
+	for n0 := int64(0); n0 < wd.N; n0 += tile {
+		t := min(tile, wd.N-n0)
+		for gi := range groups {
+			if err := k.blas.GemmStridedBatched(true, false, int(kk), int(howo), int(og), 1,
+				w.at(gi*og*kk), int(kk), 0, g.at((n0*o+gi*og)*howo), int(howo), o*howo,
+				0, col, int(howo), kk*howo, int(t)); err != nil {
+				return err
+			}
+			if err := k.flat(kCol2im, t*cg*hw, col, out.at(n0*chw+gi*cg*hw), wd.tile(t, cg), chw, kk*howo); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -234,29 +269,33 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	if err := k.d.Memzero(out.p, 4*out.n()); err != nil || out.n() == 0 {
 		return err
 	}
-	n, per := wd.N, colBytes(kk, howo)
+	per, tile := colBytes(kk, howo), wd.N
 	var col alloc.Ptr
 	if !wd.direct() {
-		if col, err = k.workspace(n * per); err != nil {
+		tile = convTile(convImages(k.g, k.nd), per)
+		if col, err = k.workspace(tile * per); err != nil {
 			return err
 		}
 	}
 	// Images are summed one GEMM at a time, in order: only the unfolding
 	// is batched.
-	for gi := range groups {
-		if !wd.direct() {
-			if err := k.flat(kIm2col, n*kk*howo, x.at(gi*cg*hw), col, wd.group(cg), chw, kk*howo); err != nil {
-				return err
-			}
-		}
-		for i := range n {
-			src := x.at(i*chw + gi*cg*hw)
+	for n0 := int64(0); n0 < wd.N; n0 += tile {
+		t := min(tile, wd.N-n0)
+		for gi := range groups {
 			if !wd.direct() {
-				src = col + alloc.Ptr(i*per)
+				if err := k.flat(kIm2col, t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
+					return err
+				}
 			}
-			if err := k.blas.Gemm(false, true, int(og), int(kk), int(howo), 1, g.at((i*o+gi*og)*howo), int(howo),
-				src, int(howo), 1, out.at(gi*og*kk), int(kk)); err != nil {
-				return err
+			for i := range t {
+				src := x.at((n0+i)*chw + gi*cg*hw)
+				if !wd.direct() {
+					src = col + alloc.Ptr(i*per)
+				}
+				if err := k.blas.Gemm(false, true, int(og), int(kk), int(howo), 1, g.at(((n0+i)*o+gi*og)*howo), int(howo),
+					src, int(howo), 1, out.at(gi*og*kk), int(kk)); err != nil {
+					return err
+				}
 			}
 		}
 	}

@@ -58,8 +58,8 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block
 // byte the executor uses comes from the planned allocator. Each family file
 // states its ops' rules next to their launches:
 //
-//   - conv2d and its gradients: the unfolded patches of every image of the
-//     chunk, one group at a time (conv.go);
+//   - conv2d and its gradients: the unfolded patches of a tile of images,
+//     one group at a time, at most 64 MiB (conv.go);
 //   - max_pool2d_grad: the int32 argmax of every window (conv.go);
 //   - cross_entropy: the per-row losses in double, and the bad-label flag;
 //     cross_entropy_grad: the flag; mse: one double partial per block
