@@ -32,6 +32,9 @@ type Executor interface {
 	// Overhead is the bytes the allocator holds outside every program
 	// (library workspaces).
 	Overhead() int64
+	// Reserve is the device memory a plan must leave free for the
+	// driver's own use (cuda.DriverReserve; 0 on the CPU).
+	Reserve() int64
 	// SyncParams brings trained parameters' host tensors up to date.
 	SyncParams() error
 	// Held lists the buffers the executor keeps resident, in allocation
@@ -124,16 +127,16 @@ type Result struct {
 }
 
 // Budget is the device memory a plan may reserve on e: what its device
-// has free plus what its allocator reserves already (its cache and its
-// resident blocks, which a plan counts again), less Overhead, which is
-// reserved but outside every plan.
+// has free, less Reserve, plus what its allocator reserves already (its
+// cache and its resident blocks, which a plan counts again), less
+// Overhead, which is reserved but outside every plan.
 func Budget(e Executor) (int64, error) {
 	a := e.Allocator()
 	free, _, err := a.Backend().MemInfo()
 	if err != nil {
 		return 0, err
 	}
-	return free + a.Stats().ReservedBytes[alloc.All].Current - e.Overhead(), nil
+	return free - e.Reserve() + a.Stats().ReservedBytes[alloc.All].Current - e.Overhead(), nil
 }
 
 // HostParams pairs p's trained parameters with their gradients for a

@@ -444,7 +444,9 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	if err != nil {
 		return r, err
 	}
-	// The executor already holds cuBLAS's workspace, outside free.
+	// The executor already holds cuBLAS's workspace, outside free; the
+	// driver needs DriverReserve of free to map the plan's allocations.
+	free -= e.Reserve()
 	r.Budget, r.Overhead = free, e.Overhead()
 
 	start := time.Now()

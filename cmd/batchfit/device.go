@@ -79,13 +79,14 @@ type device struct {
 	Context         int64  `json:"context"` // CUDA context, modules and cuBLAS handle
 	ContextMeasured bool   `json:"context_measured"`
 	Workspace       int64  `json:"cublas_workspace"`
-	Budget          int64  `json:"budget"` // Total − Context − Workspace
+	DriverReserve   int64  `json:"driver_reserve"` // left free for the driver's mappings (cuda.DriverReserve)
+	Budget          int64  `json:"budget"`         // Total − Context − Workspace − DriverReserve
 }
 
 func newDevice(name string, total int64, source string) *device {
 	d := &device{Card: name, Total: total, TotalSource: source, Context: contextOverhead,
-		ContextMeasured: name == "h100-80gb", Workspace: cuda.DefaultWorkspace}
-	d.Budget = d.Total - d.Context - d.Workspace
+		ContextMeasured: name == "h100-80gb", Workspace: cuda.DefaultWorkspace, DriverReserve: cuda.DriverReserve}
+	d.Budget = d.Total - d.Context - d.Workspace - d.DriverReserve
 	return d
 }
 
@@ -99,9 +100,9 @@ func (d *device) describe() string {
 	if !d.ContextMeasured {
 		note = "estimate: " + contextNote
 	}
-	return fmt.Sprintf("%s: %s total − %s CUDA context and libraries (%s) − %s cuBLAS workspace = %s; CUDA executor's workspaces",
+	return fmt.Sprintf("%s: %s total − %s CUDA context and libraries (%s) − %s cuBLAS workspace − %s left free for the driver = %s; CUDA executor's workspaces",
 		name, alloc.FormatBytes(d.Total), alloc.FormatBytes(d.Context), note, alloc.FormatBytes(d.Workspace),
-		alloc.FormatBytes(d.Budget))
+		alloc.FormatBytes(d.DriverReserve), alloc.FormatBytes(d.Budget))
 }
 
 // deviceFlagValues are estimate's flags naming the card to plan for.
@@ -149,8 +150,8 @@ func (v *deviceFlagValues) resolve(set map[string]bool) (*device, error) {
 		return nil, nil
 	}
 	if d.Budget <= 0 {
-		return nil, usagef(errRange, "--gpu-memory %s leaves nothing after the CUDA context (%s) and the cuBLAS workspace (%s)",
-			alloc.FormatBytes(d.Total), alloc.FormatBytes(d.Context), alloc.FormatBytes(d.Workspace))
+		return nil, usagef(errRange, "--gpu-memory %s leaves nothing after the CUDA context (%s), the cuBLAS workspace (%s) and the driver reserve (%s)",
+			alloc.FormatBytes(d.Total), alloc.FormatBytes(d.Context), alloc.FormatBytes(d.Workspace), alloc.FormatBytes(d.DriverReserve))
 	}
 	return d, nil
 }

@@ -71,6 +71,9 @@ func (e *Executor) Workspace() planner.WorkspaceFunc { return Workspace }
 // Overhead is 0: the CPU holds nothing outside its programs.
 func (e *Executor) Overhead() int64 { return 0 }
 
+// Reserve is 0: the CPU's simulated device has no driver (exec.Executor).
+func (e *Executor) Reserve() int64 { return 0 }
+
 // SyncParams does nothing: the host tensors are the parameters.
 func (e *Executor) SyncParams() error { return nil }
 

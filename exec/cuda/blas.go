@@ -10,6 +10,14 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// DriverReserve is the device memory a plan leaves free for the driver,
+// which needs some of its own to map an allocation: on the H100 (driver
+// 580) cuMemAlloc reached within 0.2–2.2 MiB of cuMemGetInfo's free bytes,
+// in one allocation or in 79 (exec/cuda's TestDriverMappingReserve), and a
+// plan that left 192 KiB free failed its last 12.7 GiB allocation. Twice
+// the measured bound, so a plan that fills the card still runs.
+const DriverReserve = 4 << 20
+
 // DefaultWorkspace is a cuBLAS workspace size for NewBLAS: NVIDIA's
 // recommendation for Hopper (4 MiB suffices before it).
 const DefaultWorkspace = 32 << 20

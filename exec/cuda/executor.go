@@ -111,6 +111,9 @@ func (e *Executor) Overhead() int64 {
 	return 0
 }
 
+// Reserve is DriverReserve, which plans leave free (exec.Executor).
+func (e *Executor) Reserve() int64 { return DriverReserve }
+
 // Close frees the resident buffers, destroys the cuBLAS handle (returning
 // its workspace), unloads the kernels and gives the allocator's cache back
 // to the device. The device stays open.
