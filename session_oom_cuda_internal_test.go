@@ -131,10 +131,10 @@ func replanAfterTaking(t *testing.T, newSess func(*testing.T) *Session, n int) {
 // allocator's OOM count before the step; the taken memory is freed when
 // the test ends, before the session closes.
 //
-// The session's retry budget is the device's free bytes plus what the
-// allocator reserves, less Overhead; what the failed run leaves cached
-// counts in both and cancels. So taking free + reserved − Overhead −
-// target leaves a retry budget of target (the device rounds the
+// The session's retry budget is the device's free bytes less the driver
+// reserve, plus what the allocator reserves, less Overhead; what the
+// failed run leaves cached counts in both and cancels. So taking free −
+// Reserve + reserved − Overhead − target leaves a retry budget of target (the device rounds the
 // allocation to its pages, so a few MiB less), with target midway between
 // what the step needs in chunks (planned within one byte less than the
 // whole step's peak) and what it needs whole.
@@ -162,8 +162,9 @@ func disturbBeforeRun(t *testing.T, sess *Session) int64 {
 		free, _, err := be.MemInfo()
 		require.NoError(t, err)
 		reserved := a.Stats().ReservedBytes[alloc.All].Current
-		take := (free + reserved - sess.Overhead() - target) / alloc.RoundLarge * alloc.RoundLarge
-		require.Positive(t, take, "the device gives %s, less than the whole step needs", alloc.FormatBytes(free+reserved-sess.Overhead()))
+		avail := free - sess.be.Reserve() + reserved - sess.Overhead()
+		take := (avail - target) / alloc.RoundLarge * alloc.RoundLarge
+		require.Positive(t, take, "the device gives %s, less than the whole step needs", alloc.FormatBytes(avail))
 		p, err := be.Malloc(take)
 		require.NoError(t, err, "take %s outside the caching allocator", alloc.FormatBytes(take))
 		// Cleanups run last in first out: this one before the session's Close.
@@ -171,7 +172,7 @@ func disturbBeforeRun(t *testing.T, sess *Session) int64 {
 		after, _, err := be.MemInfo()
 		require.NoError(t, err)
 		t.Logf("took %s: device free %s → %s, budget now %s", alloc.FormatBytes(take), alloc.FormatBytes(free),
-			alloc.FormatBytes(after), alloc.FormatBytes(after+reserved-sess.Overhead()))
+			alloc.FormatBytes(after), alloc.FormatBytes(after-sess.be.Reserve()+reserved-sess.Overhead()))
 	}
 	return oomsBefore
 }
