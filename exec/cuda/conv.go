@@ -57,6 +57,16 @@ func convTile(full, per int64) int64 {
 	return max(1, min(full, convColCap/max(per, 1)))
 }
 
+// patches takes a convolution's patch workspace, as convColBytes sizes it
+// for the planner, and says how many images' patch matrices of per bytes
+// it holds.
+func (k *kctx) patches(kk, howo int64) (col alloc.Ptr, tile, per int64, err error) {
+	per = colBytes(kk, howo)
+	tile = convTile(convImages(k.g, k.nd), per)
+	col, err = k.workspace(tile * per)
+	return col, tile, per, err
+}
+
 // convImages is the number of images of a convolution node's graph at its
 // full batch: the leading axis of its first input (x for conv2d, the
 // upstream gradient for its gradients).
@@ -180,9 +190,7 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		}
 		return nil
 	}
-	per := colBytes(kk, howo)
-	tile := convTile(convImages(k.g, k.nd), per)
-	col, err := k.workspace(tile * per)
+	col, tile, _, err := k.patches(kk, howo)
 	if err != nil {
 		return err
 	}
@@ -229,9 +237,7 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 		}
 		return nil
 	}
-	per := colBytes(kk, howo)
-	tile := convTile(convImages(k.g, k.nd), per)
-	col, err := k.workspace(tile * per)
+	col, tile, _, err := k.patches(kk, howo)
 	if err != nil {
 		return err
 	}
@@ -269,11 +275,10 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	if err := k.d.Memzero(out.p, 4*out.n()); err != nil || out.n() == 0 {
 		return err
 	}
-	per, tile := colBytes(kk, howo), wd.N
 	var col alloc.Ptr
+	tile, per := wd.N, int64(0)
 	if !wd.direct() {
-		tile = convTile(convImages(k.g, k.nd), per)
-		if col, err = k.workspace(tile * per); err != nil {
+		if col, tile, per, err = k.patches(kk, howo); err != nil {
 			return err
 		}
 	}
