@@ -106,7 +106,19 @@ func (b *BLAS) SetTF32(on bool) error {
 // operands swapped: no copies.
 func (b *BLAS) Gemm(transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr, lda int,
 	B alloc.Ptr, ldb int, beta float32, C alloc.Ptr, ldc int) error {
+	return b.GemmOf(graph.Float32, transA, transB, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc)
+}
+
+// GemmOf is Gemm for matrices of dtype dt: float32 (cublasSgemm, on TF32
+// tensor cores under SetTF32), or bfloat16 or float16 (cublasGemmEx with
+// float32 accumulation, alpha and beta, rounding C once).
+func (b *BLAS) GemmOf(dt graph.DType, transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr, lda int,
+	B alloc.Ptr, ldb int, beta float32, C alloc.Ptr, ldc int) error {
 	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, 1); err != nil {
+		return err
+	}
+	ty, err := gemmType(dt)
+	if err != nil {
 		return err
 	}
 	if err := b.live(); err != nil {
@@ -116,11 +128,31 @@ func (b *BLAS) Gemm(transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr
 		return nil
 	}
 	return b.d.do(func() error {
-		return checkBLAS("cublasSgemm_v2", b.lib.cublasSgemm(b.h, op(transB), op(transA),
+		if dt == graph.Float32 {
+			return checkBLAS("cublasSgemm_v2", b.lib.cublasSgemm(b.h, op(transB), op(transA),
+				int32(n), int32(m), int32(k), &alpha,
+				CUdeviceptr(B), int32(ldb), CUdeviceptr(A), int32(lda),
+				&beta, CUdeviceptr(C), int32(ldc)))
+		}
+		return checkBLAS("cublasGemmEx", b.lib.cublasGemmEx(b.h, op(transB), op(transA),
 			int32(n), int32(m), int32(k), &alpha,
-			CUdeviceptr(B), int32(ldb), CUdeviceptr(A), int32(lda),
-			&beta, CUdeviceptr(C), int32(ldc)))
+			CUdeviceptr(B), ty, int32(ldb), CUdeviceptr(A), ty, int32(lda),
+			&beta, CUdeviceptr(C), ty, int32(ldc), cublasCompute32F, cublasGemmDefault))
 	})
+}
+
+// gemmType is dt's cudaDataType_t for GemmEx (0 for float32, which runs
+// on cublasSgemm).
+func gemmType(dt graph.DType) (int32, error) {
+	switch dt {
+	case graph.Float32:
+		return 0, nil
+	case graph.BFloat16:
+		return cudaR16BF, nil
+	case graph.Float16:
+		return cudaR16F, nil
+	}
+	return 0, graph.Errorf(graph.ErrDType, "cuda: gemm of %s matrices (float32, bfloat16 or float16)", dt)
 }
 
 // GemmStridedBatched runs batch independent Gemms; matrix i of A, B and C
@@ -128,7 +160,20 @@ func (b *BLAS) Gemm(transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr
 func (b *BLAS) GemmStridedBatched(transA, transB bool, m, n, k int, alpha float32,
 	A alloc.Ptr, lda int, strideA int64, B alloc.Ptr, ldb int, strideB int64,
 	beta float32, C alloc.Ptr, ldc int, strideC int64, batch int) error {
+	return b.GemmStridedBatchedOf(graph.Float32, transA, transB, m, n, k, alpha, A, lda, strideA, B, ldb, strideB,
+		beta, C, ldc, strideC, batch)
+}
+
+// GemmStridedBatchedOf is GemmStridedBatched for matrices of dtype dt, as
+// GemmOf.
+func (b *BLAS) GemmStridedBatchedOf(dt graph.DType, transA, transB bool, m, n, k int, alpha float32,
+	A alloc.Ptr, lda int, strideA int64, B alloc.Ptr, ldb int, strideB int64,
+	beta float32, C alloc.Ptr, ldc int, strideC int64, batch int) error {
 	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, batch); err != nil {
+		return err
+	}
+	ty, err := gemmType(dt)
+	if err != nil {
 		return err
 	}
 	if strideA < 0 || strideB < 0 || strideC < 0 {
@@ -141,10 +186,16 @@ func (b *BLAS) GemmStridedBatched(transA, transB bool, m, n, k int, alpha float3
 		return nil
 	}
 	return b.d.do(func() error {
-		return checkBLAS("cublasSgemmStridedBatched", b.lib.cublasSgemmStridedBatched(b.h, op(transB), op(transA),
+		if dt == graph.Float32 {
+			return checkBLAS("cublasSgemmStridedBatched", b.lib.cublasSgemmStridedBatched(b.h, op(transB), op(transA),
+				int32(n), int32(m), int32(k), &alpha,
+				CUdeviceptr(B), int32(ldb), strideB, CUdeviceptr(A), int32(lda), strideA,
+				&beta, CUdeviceptr(C), int32(ldc), strideC, int32(batch)))
+		}
+		return checkBLAS("cublasGemmStridedBatchedEx", b.lib.cublasGemmStridedBatchedEx(b.h, op(transB), op(transA),
 			int32(n), int32(m), int32(k), &alpha,
-			CUdeviceptr(B), int32(ldb), strideB, CUdeviceptr(A), int32(lda), strideA,
-			&beta, CUdeviceptr(C), int32(ldc), strideC, int32(batch)))
+			CUdeviceptr(B), ty, int32(ldb), strideB, CUdeviceptr(A), ty, int32(lda), strideA,
+			&beta, CUdeviceptr(C), ty, int32(ldc), strideC, int32(batch), cublasCompute32F, cublasGemmDefault))
 	})
 }
 

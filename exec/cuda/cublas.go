@@ -43,7 +43,34 @@ type cublasLib struct {
 	cublasSgemmStridedBatched func(h cublasHandle, transa, transb int32, m, n, k int32, alpha *float32,
 		a CUdeviceptr, lda int32, strideA int64, b CUdeviceptr, ldb int32, strideB int64, beta *float32,
 		c CUdeviceptr, ldc int32, strideC int64, batch int32) cublasStatus
+	// cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+	//     int m, int n, int k, const void *alpha, const void *A, cudaDataType_t Atype, int lda,
+	//     const void *B, cudaDataType_t Btype, int ldb, const void *beta,
+	//     void *C, cudaDataType_t Ctype, int ldc, cublasComputeType_t computeType, cublasGemmAlgo_t algo)
+	cublasGemmEx func(h cublasHandle, transa, transb int32, m, n, k int32, alpha *float32,
+		a CUdeviceptr, atype int32, lda int32, b CUdeviceptr, btype int32, ldb int32, beta *float32,
+		c CUdeviceptr, ctype int32, ldc int32, compute int32, algo int32) cublasStatus
+	// cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+	//     int m, int n, int k, const void *alpha, const void *A, cudaDataType_t Atype, int lda, long long strideA,
+	//     const void *B, cudaDataType_t Btype, int ldb, long long strideB, const void *beta,
+	//     void *C, cudaDataType_t Ctype, int ldc, long long strideC, int batchCount,
+	//     cublasComputeType_t computeType, cublasGemmAlgo_t algo)
+	cublasGemmStridedBatchedEx func(h cublasHandle, transa, transb int32, m, n, k int32, alpha *float32,
+		a CUdeviceptr, atype int32, lda int32, strideA int64, b CUdeviceptr, btype int32, ldb int32, strideB int64,
+		beta *float32, c CUdeviceptr, ctype int32, ldc int32, strideC int64, batch int32,
+		compute int32, algo int32) cublasStatus
 }
+
+// cudaDataType_t, cublasComputeType_t and cublasGemmAlgo_t values of the
+// 16-bit GEMMs: bfloat16 or float16 operands, float32 accumulation and
+// scalars (PyTorch's autocast GEMMs).
+const (
+	cudaR16F  = 2
+	cudaR16BF = 14
+
+	cublasCompute32F  = 68
+	cublasGemmDefault = -1
+)
 
 func (c *cublasLib) symbols() []symbol {
 	return []symbol{
@@ -53,6 +80,8 @@ func (c *cublasLib) symbols() []symbol {
 		sym(&c.cublasSetMathMode, "cublasSetMathMode"),
 		sym(&c.cublasSgemm, "cublasSgemm_v2"),
 		sym(&c.cublasSgemmStridedBatched, "cublasSgemmStridedBatched"),
+		sym(&c.cublasGemmEx, "cublasGemmEx"),
+		sym(&c.cublasGemmStridedBatchedEx, "cublasGemmStridedBatchedEx"),
 	}
 }
 

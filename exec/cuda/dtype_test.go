@@ -5,34 +5,56 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/lazy"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// A graph with float16 or bfloat16 values is refused before anything runs,
-// with an error naming the op and the dtype (no GPU needed: Execute
-// checks before it touches the device).
-func TestHalfPrecisionRefused(t *testing.T) {
-	x := lazy.Placeholder([]int{2, 3}, graph.Float32, 0)
-	require.NoError(t, checkDTypes(x.Tanh().Graph().IR()))
-	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
-		x := lazy.Placeholder([]int{2, 3}, graph.Float32, 0)
-		y := x.Cast(dt).Tanh()
-		require.NoError(t, y.Err())
-		err := checkDTypes(y.Graph().IR())
+// Kernels instantiated per float storage type are named by typed, as
+// kernels/common.cuh's FOR_FLOATS and MIXED_FLOATS name them.
+func TestTypedKernelNames(t *testing.T) {
+	require.Equal(t, "unary_f32", typed(kUnary, graph.Float32))
+	require.Equal(t, "unary_bf16", typed(kUnary, graph.BFloat16))
+	require.Equal(t, "unary_f16", typed(kUnary, graph.Float16))
+	require.Equal(t, "binary_f32_bf16", typed(kBinary, graph.Float32, graph.BFloat16))
+	require.Equal(t, []string{"relu_grad_f32", "relu_grad_bf16", "relu_grad_f16"}, allTyped(kReluGrad))
+	require.Equal(t, "cast_bf16_f32", castKernel(graph.BFloat16, graph.Float32))
+	require.Len(t, castKernels(), 9)
+	require.Equal(t, int64(4), perPack(graph.Float32))
+	require.Equal(t, int64(8), perPack(graph.BFloat16))
+	require.Equal(t, int64(4), perPack(graph.BFloat16, graph.Float32))
+}
+
+// Operands of two float dtypes are an error naming both, unless they are
+// one float32 and one 16-bit operand into float32 (graph.Promote), which
+// the promoting binary kernels compute.
+func TestMixedDTypesTyped(t *testing.T) {
+	f32 := operand{shape: []int{2, 3}, dt: graph.Float32}
+	bf := operand{shape: []int{2, 3}, dt: graph.BFloat16}
+	f16 := operand{shape: []int{2, 3}, dt: graph.Float16}
+	i64 := operand{shape: []int{2, 3}, dt: graph.Int64}
+
+	dt, err := floatsOf(bf, bf)
+	require.NoError(t, err)
+	require.Equal(t, graph.BFloat16, dt)
+	for _, ops := range [][]operand{{f32, bf}, {bf, f16}, {i64, i64}} {
+		_, err := floatsOf(ops...)
 		require.ErrorIs(t, err, graph.ErrDType)
-		var oe *graph.OpError
-		require.ErrorAs(t, err, &oe)
-		require.Equal(t, "cast", oe.Op)
-		require.Contains(t, err.Error(), "cuda executor: "+dt.String()+" kernels not yet available")
 	}
-	y := lazy.Placeholder([]int{2, 3}, graph.Float32, 0).Cast(graph.BFloat16)
-	info, err := shapeinfer.Analyze(y.Graph().IR(), y.ID())
+
+	name, bcast, err := binaryKernels(f32, bf, f32)
 	require.NoError(t, err)
-	p, chunks, err := exec.Single(y.Graph().IR(), info, 2, Workspace, []int{y.ID()})
-	require.NoError(t, err)
-	_, err = (&Executor{}).Execute(t.Context(), p, chunks, ExecOptions{}) // a zero executor: no device touched
-	require.ErrorIs(t, err, graph.ErrDType)
+	require.Equal(t, "binary_f32_bf16", name)
+	require.Equal(t, "binary_bcast_f32_bf16", bcast)
+	for _, c := range [][3]operand{{f32, bf, bf}, {bf, f16, f32}, {bf, bf, f32}, {i64, f32, f32}} {
+		_, _, err := binaryKernels(c[0], c[1], c[2])
+		require.ErrorIs(t, err, graph.ErrDType, "%s %s → %s", c[0].dt, c[1].dt, c[2].dt)
+		require.ErrorContains(t, err, c[0].dt.String())
+	}
+	// Every name those helpers give is loaded with elementwise.cu.
+	loaded := map[string]bool{}
+	for _, n := range kernelFiles["elementwise.cu"] {
+		loaded[n] = true
+	}
+	for _, n := range append(mixedBinaryKernels(), castKernels()...) {
+		require.True(t, loaded[n], n)
+	}
 }

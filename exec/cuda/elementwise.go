@@ -49,25 +49,17 @@ var elementwiseKernels = withCodes(family{
 	graph.OpCausalMask: {run: causalMask},
 	graph.OpFill:       {run: fill},
 
-	graph.OpReluGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		if err := sameN(k.nd.Op, out, g, in[1]); err != nil {
-			return err
-		}
-		return k.quads(kReluGrad, out.n(), g.p, in[1].p, out.p, out.n())
+	graph.OpReluGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.map2(kReluGrad, dt, g, in[1], out)
 	})},
-	graph.OpGeluGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		if err := sameN(k.nd.Op, out, g, in[1]); err != nil {
-			return err
-		}
-		return k.quads(kGeluGrad, out.n(), g.p, in[1].p, out.p, out.n(), boolInt(k.attrs().Approx))
+	graph.OpGeluGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.map2(kGeluGrad, dt, g, in[1], out, boolInt(k.attrs().Approx))
 	})},
-	graph.OpMaximumScalarGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		if err := sameN(k.nd.Op, out, g, in[1]); err != nil {
-			return err
-		}
-		return k.quads(kMaximumScGrad, out.n(), g.p, in[1].p, out.p, out.n(), float32(k.attrs().Scalar))
+	graph.OpMaximumScalarGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.map2(kMaximumScGrad, dt, g, in[1], out, float32(k.attrs().Scalar))
 	})},
-	graph.OpMaximumGrad: {run: gradOf(maximumGrad)},
+	graph.OpMaximumGrad: {run: typedGradOf(maximumGrad)},
+	graph.OpCast:        {run: cast},
 }, unaryCodes, scalarCodes, binaryCodes)
 
 // withCodes adds to f the entries of the coded ops: unary, scalar or binary
@@ -96,65 +88,143 @@ func unary(code opcode.Code) opKernel {
 }
 
 // unaryGrad is the entry of the gradient op g · f'(x) of the unary op with
-// code code, computed by unary_grad_f32 from the forward input x.
+// code code, computed by unary_grad_* from the forward input x.
 func unaryGrad(code opcode.Code) opKernel {
-	return opKernel{run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		if err := sameN(k.nd.Op, out, g, in[1]); err != nil {
-			return err
-		}
-		return k.quads(kUnaryGrad, out.n(), g.p, in[1].p, out.p, out.n(), code)
+	return opKernel{run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.map2(kUnaryGrad, dt, g, in[1], out, code)
 	})}
 }
 
+// typedGradOf is gradOf for kernels instantiated per float dtype: g and the
+// output share one float dtype, dt.
+func typedGradOf(run func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error) func(*kctx, []operand, operand) error {
+	return func(k *kctx, in []operand, out operand) error {
+		dt, err := floatsOf(in[0], out)
+		if err != nil {
+			return err
+		}
+		return run(k, dt, in[0], in, out)
+	}
+}
+
+// map2 launches an elementwise kernel of two inputs a, b of out's dtype dt
+// and element count (kernels/common.cuh, map2), args following a, b, out, n.
+func (k *kctx) map2(name string, dt graph.DType, a, b, out operand, args ...any) error {
+	if _, err := floatsOf(a, b, out); err != nil {
+		return err
+	}
+	if err := sameN(k.nd.Op, out, a, b); err != nil {
+		return err
+	}
+	n := out.n()
+	return k.packs(typed(name, dt), n, perPack(dt), append([]any{a.p, b.p, out.p, n}, args...)...)
+}
+
 func (k *kctx) unary(code opcode.Code, x, out operand) error {
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	if x.n() != out.n() {
 		return graph.Errorf(graph.ErrShape, "%s: input %v, output %v", k.nd.Op, x.shape, out.shape)
 	}
-	return k.quads(kUnary, out.n(), x.p, out.p, out.n(), code)
+	return k.packs(typed(kUnary, dt), out.n(), perPack(dt), x.p, out.p, out.n(), code)
 }
 
 // scalar is the entry of an op of x and Attrs.Scalar with op code code.
 func scalar(code opcode.Code) opKernel {
 	return opKernel{run: func(k *kctx, in []operand, out operand) error {
 		x := in[0]
-		if err := floats(x, out); err != nil {
+		dt, err := floatsOf(x, out)
+		if err != nil {
 			return err
 		}
 		if x.n() != out.n() {
 			return graph.Errorf(graph.ErrShape, "%s: input %v, output %v", k.nd.Op, x.shape, out.shape)
 		}
-		return k.quads(kScalar, out.n(), x.p, out.p, out.n(), code, k.attrs().Scalar)
+		return k.packs(typed(kScalar, dt), out.n(), perPack(dt), x.p, out.p, out.n(), code, k.attrs().Scalar)
 	}}
 }
 
 // binary is the entry of a broadcasting binary op with op code code: the
-// four-wide kernel when no operand broadcasts.
+// vector kernel when no operand broadcasts. Operands of one float dtype
+// give that dtype; a float32 and a 16-bit operand give float32 (the
+// promoting instantiations, graph.Promote).
 func binary(code opcode.Code) opKernel {
 	return opKernel{run: func(k *kctx, in []operand, out operand) error {
 		x, y := in[0], in[1]
-		if err := floats(x, y, out); err != nil {
+		name, bcast, err := binaryKernels(x, y, out)
+		if err != nil {
 			return err
 		}
 		n := out.n()
 		if slices.Equal(x.shape, out.shape) && slices.Equal(y.shape, out.shape) {
-			return k.quads(kBinary, n, x.p, y.p, out.p, n, code)
+			return k.packs(name, n, perPack(x.dt, y.dt, out.dt), x.p, y.p, out.p, n, code)
 		}
 		geo, err := broadcastGeom(x.shape, y.shape, out.shape)
 		if err != nil {
 			return err
 		}
-		return k.flat(kBinaryBcast, n, x.p, y.p, out.p, n, code, geo)
+		return k.flat(bcast, n, x.p, y.p, out.p, n, code, geo)
 	}}
 }
 
-func maximumGrad(k *kctx, g operand, in []operand, out operand) error {
+// binaryKernels names the binary kernels (contiguous, broadcasting) for
+// operands x, y and result out.
+func binaryKernels(x, y, out operand) (string, string, error) {
+	if x.dt == y.dt {
+		dt, err := floatsOf(x, y, out)
+		return typed(kBinary, dt), typed(kBinaryBcast, dt), err
+	}
+	if !x.dt.IsFloat() || !y.dt.IsFloat() || out.dt != graph.Float32 || (x.dt != graph.Float32 && y.dt != graph.Float32) {
+		return "", "", graph.Errorf(graph.ErrDType, "operands %v %s and %v %s into %v %s: mixed operands are one float32 and one 16-bit, into float32",
+			x.shape, x.dt, y.shape, y.dt, out.shape, out.dt)
+	}
+	return typed(kBinary, x.dt, y.dt), typed(kBinaryBcast, x.dt, y.dt), nil
+}
+
+// mixedBinaryKernels lists the promoting instantiations (MIXED_FLOATS).
+func mixedBinaryKernels() []string {
+	var out []string
+	for _, h := range []graph.DType{graph.BFloat16, graph.Float16} {
+		for _, pair := range [][2]graph.DType{{graph.Float32, h}, {h, graph.Float32}} {
+			out = append(out, typed(kBinary, pair[0], pair[1]), typed(kBinaryBcast, pair[0], pair[1]))
+		}
+	}
+	return out
+}
+
+// cast converts between float dtypes (cast_<from>_<to>, rounding to
+// nearest even into a narrower one).
+func cast(k *kctx, in []operand, out operand) error {
+	x := in[0]
+	if !x.dt.IsFloat() || !out.dt.IsFloat() {
+		return graph.Errorf(graph.ErrDType, "cast of %v %s to %s: float dtypes only", x.shape, x.dt, out.dt)
+	}
+	if x.n() != out.n() {
+		return graph.Errorf(graph.ErrShape, "cast of %v into %v", x.shape, out.shape)
+	}
+	return k.packs(castKernel(x.dt, out.dt), out.n(), perPack(x.dt, out.dt), x.p, out.p, out.n())
+}
+
+func castKernel(from, to graph.DType) string { return "cast_" + suffixes[from] + "_" + suffixes[to] }
+
+// castKernels lists every cast instantiation.
+func castKernels() []string {
+	var out []string
+	for _, a := range floatDTypes {
+		for _, b := range floatDTypes {
+			out = append(out, castKernel(a, b))
+		}
+	}
+	return out
+}
+
+func maximumGrad(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 	if err := sameN(k.nd.Op, out, g); err != nil {
 		return err
 	}
-	if err := floats(in[1], in[2]); err != nil {
+	if _, err := floatsOf(g, in[1], in[2]); err != nil {
 		return err
 	}
 	geo, err := broadcastGeom(in[1].shape, in[2].shape, out.shape)
@@ -162,7 +232,7 @@ func maximumGrad(k *kctx, g operand, in []operand, out operand) error {
 		return err
 	}
 	n := out.n()
-	return k.flat(kMaximumGrad, n, g.p, in[1].p, in[2].p, out.p, n, int64(k.attrs().Axis), geo)
+	return k.flat(typed(kMaximumGrad, dt), n, g.p, in[1].p, in[2].p, out.p, n, int64(k.attrs().Axis), geo)
 }
 
 // dropout keys each element by its global row along the batch axis (chunk
@@ -188,7 +258,8 @@ func dropout(k *kctx, in []operand, out operand) error {
 
 func causalMask(k *kctx, in []operand, out operand) error {
 	x := in[0]
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	rk := len(x.shape)
@@ -196,7 +267,7 @@ func causalMask(k *kctx, in []operand, out operand) error {
 		return graph.Errorf(graph.ErrShape, "causal_mask of %v into %v", x.shape, out.shape)
 	}
 	t, s := int64(x.shape[rk-2]), int64(x.shape[rk-1])
-	return k.flat(kCausalMask, x.n(), x.p, out.p, x.n(), t, s, float32(k.attrs().Scalar))
+	return k.flat(typed(kCausalMask, dt), x.n(), x.p, out.p, x.n(), t, s, float32(k.attrs().Scalar))
 }
 
 func fill(k *kctx, _ []operand, out operand) error {

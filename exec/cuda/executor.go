@@ -144,9 +144,6 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err := exec.CheckChunks(p, chunks); err != nil {
 		return nil, err
 	}
-	if err := checkDTypes(p.Graph); err != nil {
-		return nil, err
-	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -244,7 +241,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 		nd := r.node(pb.Node)
 		var v *exec.HostBuf
 		if v, err = hostData(nd, r.source(pb.Node), nd.Type.Shape); err == nil {
-			err = r.upload(blk.Ptr(), v)
+			err = r.upload(blk.Ptr(), v, nd.Type.DType)
 		}
 	} else { // optimizer state and accumulators start at zero
 		err = r.e.d.Memzero(blk.Ptr(), blk.Requested())

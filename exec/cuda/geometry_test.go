@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"regexp"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -395,9 +396,16 @@ func TestPlanMatmulEmulated(t *testing.T) {
 }
 
 // TestKernelTable: kernelFiles lists every kernel file but the smoke test's,
-// every extern "C" kernel of each, and nothing else.
+// every extern "C" kernel of each, and nothing else. A kernel declared in a
+// macro K(T, S) is instantiated with the suffixes of the FOR_FLOATS or
+// MIXED_FLOATS expansions of K before its #undef K (kernels/common.cuh).
 func TestKernelTable(t *testing.T) {
 	decl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)\(`)
+	typedDecl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)_##S\(`)
+	castDecl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)_##SX##_##SY\(`)
+	lineComment := regexp.MustCompile(`(?m)//.*$`)
+	floatsSfx := []string{"f32", "bf16", "f16"}
+	mixedSfx := []string{"f32_bf16", "bf16_f32", "f32_f16", "f16_f32"}
 	files := 0
 	for _, name := range Names() {
 		src, err := Source(name)
@@ -410,8 +418,32 @@ func TestKernelTable(t *testing.T) {
 		require.True(t, ok, "%s is not in kernelFiles", name)
 		files++
 		var found []string
-		for _, m := range decl.FindAllStringSubmatch(src, -1) {
-			found = append(found, m[1])
+		src = lineComment.ReplaceAllString(src, "")
+		for _, seg := range strings.SplitAfter(src, "#undef K\n") {
+			for _, m := range decl.FindAllStringSubmatch(seg, -1) {
+				if m[1] != "__launch_bounds__" { // a macro's name_##S(, below
+					found = append(found, m[1])
+				}
+			}
+			for _, m := range typedDecl.FindAllStringSubmatch(seg, -1) {
+				if strings.Contains(seg, "FOR_FLOATS(K") {
+					for _, sfx := range floatsSfx {
+						found = append(found, m[1]+"_"+sfx)
+					}
+				}
+				if strings.Contains(seg, "MIXED_FLOATS(K)") {
+					for _, sfx := range mixedSfx {
+						found = append(found, m[1]+"_"+sfx)
+					}
+				}
+			}
+			for _, m := range castDecl.FindAllStringSubmatch(seg, -1) {
+				for _, a := range floatsSfx {
+					for _, b := range floatsSfx {
+						found = append(found, m[1]+"_"+a+"_"+b)
+					}
+				}
+			}
 		}
 		assert.ElementsMatch(t, found, listed, "%s", name)
 	}

@@ -6,32 +6,15 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/planner"
 )
 
-// deviceDType fails for dtypes the CUDA kernels do not compute in.
+// deviceDType fails for dtypes the CUDA kernels do not compute in: they
+// run float32, bfloat16, float16 and int64 values.
 func deviceDType(nd *graph.Node) error {
-	if dt := nd.Type.DType; dt != graph.Float32 && dt != graph.Int64 {
-		return graph.Errorf(graph.ErrDType, "the CUDA executor runs float32 and int64 values; node %d (%s) is %s", nd.ID, nd.Op, dt)
-	}
-	return nil
-}
-
-// checkDTypes refuses a program before it runs, allocates or uploads
-// anything when one of its values is float16 or bfloat16 (a precision
-// policy's graph): the CUDA kernels compute float32 and int64 only, and a
-// graph they cannot run is an error, never a silent fallback to the CPU or
-// to float32. The error wraps graph.ErrDType and names the first such node.
-func checkDTypes(g *graph.Graph) error {
-	if g == nil {
-		return nil
-	}
-	for i := range g.Len() {
-		if nd := g.Node(i); nd.Type.DType.IsHalf() {
-			return &graph.OpError{Op: nd.Op.String(), Shapes: [][]int{nd.Type.Shape}, Site: nd.Site,
-				Err: graph.Errorf(graph.ErrDType, "cuda executor: %s kernels not yet available (node %d is %s; run this precision on the CPU executor)",
-					nd.Type.DType, nd.ID, nd.Type.DType)}
-		}
+	if dt := nd.Type.DType; !dt.IsFloat() && dt != graph.Int64 {
+		return graph.Errorf(graph.ErrDType, "the CUDA executor runs float32, bfloat16, float16 and int64 values; node %d (%s) is %s", nd.ID, nd.Op, dt)
 	}
 	return nil
 }
@@ -47,25 +30,52 @@ func hostData(nd *graph.Node, t tensor.Tensor, shape []int) (*exec.HostBuf, erro
 	return exec.FromTensor(nd, t, shape)
 }
 
-// upload copies v to device memory at p.
-func (r *runner) upload(p alloc.Ptr, v *exec.HostBuf) error {
-	if v.F != nil {
-		return CopyHtoD(r.e.d, p, v.F)
+// upload copies v, a value of dtype dt, to device memory at p. Host data
+// of a 16-bit value is float32 (exec.HostBuf); it is rounded to nearest
+// even as it is encoded, as the CPU executor rounds it on entry.
+func (r *runner) upload(p alloc.Ptr, v *exec.HostBuf, dt graph.DType) error {
+	switch {
+	case v.F == nil:
+		return CopyHtoD(r.e.d, p, v.I)
+	case dt == graph.BFloat16:
+		bits := make([]half.BF16, len(v.F))
+		half.EncodeBF16(bits, v.F)
+		return CopyHtoD(r.e.d, p, bits)
+	case dt == graph.Float16:
+		bits := make([]half.F16, len(v.F))
+		half.EncodeF16(bits, v.F)
+		return CopyHtoD(r.e.d, p, bits)
 	}
-	return CopyHtoD(r.e.d, p, v.I)
+	return CopyHtoD(r.e.d, p, v.F)
 }
 
-// download copies node id's value at chunk size b from blk to the host.
+// download copies node id's value at chunk size b from blk to the host; a
+// 16-bit value comes back widened to float32, exactly.
 func (r *runner) download(id int, blk *alloc.Block, b int) (*exec.HostBuf, error) {
 	nd := r.node(id)
 	if err := deviceDType(nd); err != nil {
 		return nil, err
 	}
 	v := exec.NewHostBuf(nd.Type.DType, nd.Type.AtBatch(b))
-	if v.F != nil {
-		return v, CopyDtoH(r.e.d, v.F, blk.Ptr())
+	switch dt := nd.Type.DType; {
+	case v.F == nil:
+		return v, CopyDtoH(r.e.d, v.I, blk.Ptr())
+	case dt == graph.BFloat16:
+		bits := make([]half.BF16, len(v.F))
+		if err := CopyDtoH(r.e.d, bits, blk.Ptr()); err != nil {
+			return nil, err
+		}
+		half.DecodeBF16(v.F, bits)
+		return v, nil
+	case dt == graph.Float16:
+		bits := make([]half.F16, len(v.F))
+		if err := CopyDtoH(r.e.d, bits, blk.Ptr()); err != nil {
+			return nil, err
+		}
+		half.DecodeF16(v.F, bits)
+		return v, nil
 	}
-	return v, CopyDtoH(r.e.d, v.I, blk.Ptr())
+	return v, CopyDtoH(r.e.d, v.F, blk.Ptr())
 }
 
 // loadInput uploads chunk c of an input's data (exec.ChunkOf: contiguous
@@ -83,7 +93,7 @@ func (r *runner) loadInput(nd *graph.Node, c planner.Chunk, out *alloc.Block) er
 	if err != nil {
 		return err
 	}
-	return r.upload(out.Ptr(), v)
+	return r.upload(out.Ptr(), v, nd.Type.DType)
 }
 
 // paramData is the float32 storage of trained parameter id's host tensor,

@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -85,7 +86,8 @@ var kernelFiles = map[string][]string{
 	"batchnorm.cu":   {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
 	"conv.cu":        {kIm2col, kCol2im},
 	"dropout.cu":     {kDropout},
-	"elementwise.cu": {kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad, kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill},
+	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
+		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu":       {kEmbedding, kEmbeddingGrad},
 	"layernorm.cu":   {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
 	"loss.cu":        {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},

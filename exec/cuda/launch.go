@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"strings"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
@@ -76,6 +78,67 @@ func floats(ops ...operand) error {
 	return nil
 }
 
+// floatsOf is the one float dtype of ops (float32, bfloat16 or float16),
+// for kernels instantiated per storage type (typed); it fails unless every
+// operand has that dtype.
+func floatsOf(ops ...operand) (graph.DType, error) {
+	dt := ops[0].dt
+	for _, o := range ops {
+		if !o.dt.IsFloat() || o.dt != dt {
+			return 0, graph.Errorf(graph.ErrDType, "operand %v is %s, want %s (one float dtype)", o.shape, o.dt, floatName(dt))
+		}
+	}
+	return dt, nil
+}
+
+func floatName(dt graph.DType) string {
+	if dt.IsFloat() {
+		return dt.String()
+	}
+	return "float32, bfloat16 or float16"
+}
+
+// suffixes are the kernel-name suffixes of the float storage types
+// (kernels/common.cuh's FOR_FLOATS).
+var suffixes = map[graph.DType]string{graph.Float32: "f32", graph.BFloat16: "bf16", graph.Float16: "f16"}
+
+// floatDTypes are the float storage types, in FOR_FLOATS's order.
+var floatDTypes = []graph.DType{graph.Float32, graph.BFloat16, graph.Float16}
+
+// typed is the instantiation of kernel name (spelled with its float32
+// suffix, as the k* constants are) for operands of dtypes dts: unary_f32
+// for bfloat16 is unary_bf16, and binary_f32 for float32 and bfloat16
+// operands is binary_f32_bf16 (kernels/common.cuh, FOR_FLOATS and
+// MIXED_FLOATS).
+func typed(name string, dts ...graph.DType) string {
+	base := strings.TrimSuffix(name, "_f32")
+	for _, dt := range dts {
+		base += "_" + suffixes[dt]
+	}
+	return base
+}
+
+// allTyped lists every float instantiation of the named kernels.
+func allTyped(names ...string) []string {
+	var out []string
+	for _, n := range names {
+		for _, dt := range floatDTypes {
+			out = append(out, typed(n, dt))
+		}
+	}
+	return out
+}
+
+// perPack is how many elements of the widest of dts a vector path's thread
+// handles at once (kernels/common.cuh, PackOf): 16 bytes' worth.
+func perPack(dts ...graph.DType) int64 {
+	size := 1
+	for _, dt := range dts {
+		size = max(size, dt.Size())
+	}
+	return int64(16 / size)
+}
+
 // sameN fails unless every operand is float32 with out's element count.
 func sameN(op graph.Op, out operand, ops ...operand) error {
 	for _, o := range ops {
@@ -129,14 +192,23 @@ func (k *kctx) flat(name string, work int64, args ...any) error {
 	return k.launch(name, flatGrid(work), flatBlockDim, args...)
 }
 
-// quads launches a kernel with a four-wide path (kernels/common.cuh
-// QUAD_LOOP: unary, scalar, binary and the elementwise gradients) over n
-// elements with one thread per 4 of them; no work, no launch.
+// quads launches a float32 kernel with a vector path over n elements with
+// one thread per 4 of them (packs for float32); no work, no launch.
 func (k *kctx) quads(name string, n int64, args ...any) error {
 	if n <= 0 {
 		return nil
 	}
 	return k.launch(name, flatGrid(ceilDiv(n, 4)), flatBlockDim, args...)
+}
+
+// packs launches a kernel with a vector path (kernels/common.cuh,
+// VEC_LOOP) over n elements with one thread per pack of per; no work, no
+// launch.
+func (k *kctx) packs(name string, n, per int64, args ...any) error {
+	if n <= 0 {
+		return nil
+	}
+	return k.launch(name, flatGrid(ceilDiv(n, per)), flatBlockDim, args...)
 }
 
 // perChannel launches a batchnorm kernel with one block per channel.

@@ -107,7 +107,8 @@ func planMatmul(ta, tb bool, xs, ys, os []int) (matmulPlan, error) {
 // matmul runs planMatmul's GEMMs on cuBLAS, which reads the transposes from
 // the stored layout.
 func (k *kctx) matmul(ta, tb bool, x, y, out operand) error {
-	if err := floats(x, y, out); err != nil {
+	dt, err := floatsOf(x, y, out)
+	if err != nil {
 		return err
 	}
 	pl, err := planMatmul(ta, tb, x.shape, y.shape, out.shape)
@@ -118,12 +119,12 @@ func (k *kctx) matmul(ta, tb bool, x, y, out operand) error {
 	case out.n() == 0:
 		return nil
 	case pl.k == 0: // empty sums
-		return k.d.Memzero(out.p, 4*out.n())
+		return k.d.Memzero(out.p, int64(dt.Size())*out.n())
 	case pl.tall:
-		return k.blas.Gemm(false, tb, pl.rows, pl.n, pl.k, 1, x.p, pl.lda, y.p, pl.ldb, 0, out.p, pl.n)
+		return k.blas.GemmOf(dt, false, tb, pl.rows, pl.n, pl.k, 1, x.p, pl.lda, y.p, pl.ldb, 0, out.p, pl.n)
 	}
 	for _, c := range pl.calls {
-		if err := k.blas.GemmStridedBatched(ta, tb, pl.m, pl.n, pl.k, 1, x.at(int64(c.x)), pl.lda, int64(c.sx),
+		if err := k.blas.GemmStridedBatchedOf(dt, ta, tb, pl.m, pl.n, pl.k, 1, x.at(int64(c.x)), pl.lda, int64(c.sx),
 			y.at(int64(c.y)), pl.ldb, int64(c.sy), 0, out.at(int64(c.out)), pl.n, int64(c.so), c.count); err != nil {
 			return err
 		}
@@ -144,7 +145,8 @@ func contiguousMul(shape []int, inner int) []int {
 // optional b [out]: the bias is broadcast into out and one GEMM over x
 // flattened to [rows, in] adds the product (beta = 1), as on the CPU.
 func (k *kctx) linear(x, w operand, b *operand, out operand) error {
-	if err := floats(x, w, out); err != nil {
+	dt, err := floatsOf(x, w, out)
+	if err != nil {
 		return err
 	}
 	rk := len(x.shape)
@@ -158,13 +160,13 @@ func (k *kctx) linear(x, w operand, b *operand, out operand) error {
 	rows := graph.Numel(x.shape[:rk-1])
 	var beta float32
 	if b != nil {
-		if err := floats(*b); err != nil {
+		if _, err := floatsOf(*b, out); err != nil {
 			return err
 		}
 		if !slices.Equal(b.shape, []int{nOut}) {
 			return graph.Errorf(graph.ErrShape, "linear bias %v, want [%d]", b.shape, nOut)
 		}
-		if err := k.flat(kBiasFill, out.n(), out.p, b.p, int64(rows), int64(nOut), int64(1)); err != nil {
+		if err := k.flat(typed(kBiasFill, dt), out.n(), out.p, b.p, int64(rows), int64(nOut), int64(1)); err != nil {
 			return err
 		}
 		beta = 1
@@ -174,9 +176,9 @@ func (k *kctx) linear(x, w operand, b *operand, out operand) error {
 	}
 	if nIn == 0 {
 		if b == nil {
-			return k.d.Memzero(out.p, 4*out.n())
+			return k.d.Memzero(out.p, int64(dt.Size())*out.n())
 		}
 		return nil
 	}
-	return k.blas.Gemm(false, true, rows, nOut, nIn, 1, x.p, nIn, w.p, nIn, beta, out.p, nOut)
+	return k.blas.GemmOf(dt, false, true, rows, nOut, nIn, 1, x.p, nIn, w.p, nIn, beta, out.p, nOut)
 }

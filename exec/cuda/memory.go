@@ -43,8 +43,9 @@ func (b *Backend) MemInfo() (free, total int64, err error) {
 	return int64(f), int64(t), err
 }
 
-// Elem is an element type that host↔device copies accept.
-type Elem interface{ ~float32 | ~int64 }
+// Elem is an element type that host↔device copies accept (~uint16: the
+// bits of bfloat16 and float16 values, package half).
+type Elem interface{ ~float32 | ~int64 | ~uint16 }
 
 // CopyHtoD copies src to device memory at dst. An empty slice copies
 // nothing. The copy is complete when CopyHtoD returns, so src may be

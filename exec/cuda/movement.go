@@ -13,14 +13,6 @@ import (
 // embedding lookup with its gradient.
 var movementKernels = family{
 	graph.OpReshape: {run: func(k *kctx, in []operand, out operand) error { return k.reshape(in[0], out) }},
-	// cast runs float32 to float32 only (a copy): the executor refuses
-	// float16 and bfloat16 values before any kernel runs (checkDTypes).
-	graph.OpCast: {run: func(k *kctx, in []operand, out operand) error {
-		if err := sameDType(out, in[0]); err != nil {
-			return err
-		}
-		return k.copy(out.dt, in[0].p, out.p, out.n())
-	}},
 	graph.OpPermute: {run: func(k *kctx, in []operand, out operand) error { return k.permute(k.attrs().Perm, in[0], out) }},
 	graph.OpSlice:   {run: func(k *kctx, in []operand, out operand) error { return k.slice(k.attrs(), in[0], out) }},
 	graph.OpConcat:  {run: func(k *kctx, in []operand, out operand) error { return k.concat(k.attrs().Axis, in, out) }},

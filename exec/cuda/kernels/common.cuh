@@ -27,52 +27,129 @@ typedef unsigned long long u64;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n);     \
        i += (i64)gridDim.x * blockDim.x)
 
-// Four-wide paths of the contiguous elementwise kernels: when every array
-// is 16-byte aligned, thread t handles quads t, t + gridDim·blockDim, …
-// with one 16-byte load per array and quad, and the n mod 4 last elements
+// 16-bit float storage. Kernels compute in float32 and keep values of
+// dtype bfloat16 or float16 in these types: reading one widens it exactly
+// (operator float) and assigning a float rounds it to nearest, ties to even,
+// as the host's half.BF16From and half.F16From do. So a kernel templated on
+// its storage type T reads x[i] and writes y[i] = v whatever T is.
+__device__ __forceinline__ unsigned short bf16_bits(float f) {
+  const unsigned b = __float_as_uint(f);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);  // quiet NaN
+  return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+struct bf16 {
+  unsigned short u;
+  __device__ __forceinline__ operator float() const { return __uint_as_float((unsigned)u << 16); }
+  __device__ __forceinline__ bf16& operator=(float f) {
+    u = bf16_bits(f);
+    return *this;
+  }
+};
+struct f16 {
+  unsigned short u;
+  __device__ __forceinline__ operator float() const {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(u));
+    return f;
+  }
+  __device__ __forceinline__ f16& operator=(float f) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(u) : "f"(f));
+    return *this;
+  }
+};
+
+// FOR_FLOATS(X) expands X(T, S) for every float storage type T and its
+// kernel-name suffix S (exec/cuda's typed): a kernel templated on T is
+// instantiated as name_f32, name_bf16 and name_f16 by
+//   #define K(T, S) extern "C" __global__ void name_##S(const T* x, …) { name_t<T>(x, …); }
+//   FOR_FLOATS(K)
+#define FOR_FLOATS(X) X(float, f32) X(bf16, bf16) X(f16, f16)
+
+// MIXED_FLOATS(X) expands X(TA, TB, TY, S) for the promoting binary forms:
+// one float32 and one 16-bit operand give a float32 result (graph.Promote).
+#define MIXED_FLOATS(X) \
+  X(float, bf16, float, f32_bf16) X(bf16, float, float, bf16_f32) \
+  X(float, f16, float, f32_f16) X(f16, float, float, f16_f32)
+
+// Vector paths of the contiguous elementwise kernels: when every array is
+// 16-byte aligned, thread t handles packs t, t + gridDim·blockDim, … of N
+// elements, N = 16 bytes over the widest element (4 floats, 8 16-bit
+// values), with one load per array and pack, and the n mod N last elements
 // run one by one. Each element gets the same arithmetic as on the scalar
 // path, so results do not depend on which ran. The executor launches these
-// kernels with one thread per quad (any grid is correct).
-#define QUAD_LOOP(q, n)                                                            \
-  for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < ((i64)(n) >> 2); \
+// kernels with one thread per pack (any grid is correct).
+#define VEC_LOOP(q, n, N)                                                            \
+  for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < (i64)(n) / (N); \
        q += (i64)gridDim.x * blockDim.x)
-#define TAIL_LOOP(i, n)                                                         \
-  for (i64 i = ((i64)(n) & ~3LL) + (i64)blockIdx.x * blockDim.x + threadIdx.x; \
+#define VEC_TAIL(i, n, N)                                                              \
+  for (i64 i = (i64)(n) - (i64)(n) % (N) + (i64)blockIdx.x * blockDim.x + threadIdx.x; \
        i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
+
+// Vec is N elements of T read or written as one access.
+template <typename T, int N>
+struct __align__(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename A, typename B = A, typename C = A>
+struct PackOf {
+  static constexpr int size = sizeof(A) > sizeof(B) ? (sizeof(A) > sizeof(C) ? sizeof(A) : sizeof(C))
+                                                    : (sizeof(B) > sizeof(C) ? sizeof(B) : sizeof(C));
+  static constexpr int N = 16 / size;  // elements per pack
+};
 
 __device__ __forceinline__ bool aligned16(const void* a, const void* b = nullptr,
                                           const void* c = nullptr) {
   return (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0;
 }
+template <int N, typename T>
+__device__ __forceinline__ Vec<T, N> ldv(const T* p, i64 q) {
+  return reinterpret_cast<const Vec<T, N>*>(p)[q];
+}
+template <int N, typename T>
+__device__ __forceinline__ void stv(T* p, i64 q, const Vec<T, N>& v) {
+  reinterpret_cast<Vec<T, N>*>(p)[q] = v;
+}
+
 __device__ __forceinline__ float4 ld4(const float* p, i64 q) {
   return reinterpret_cast<const float4*>(p)[q];
 }
 __device__ __forceinline__ void st4(float* p, i64 q, float4 v) { reinterpret_cast<float4*>(p)[q] = v; }
 
 // map1 writes y[i] = f(x[i]) for i < n; map2 writes y[i] = f(a[i], b[i]).
-template <typename F>
-__device__ __forceinline__ void map1(const float* __restrict__ x, float* __restrict__ y, i64 n, F f) {
+// f takes and returns float; loads widen and stores round (bf16, f16).
+template <typename TX, typename TY, typename F>
+__device__ __forceinline__ void map1(const TX* __restrict__ x, TY* __restrict__ y, i64 n, F f) {
+  constexpr int N = PackOf<TX, TY>::N;
   if (aligned16(x, y)) {
-    QUAD_LOOP(q, n) {
-      const float4 v = ld4(x, q);
-      st4(y, q, make_float4(f(v.x), f(v.y), f(v.z), f(v.w)));
+    VEC_LOOP(q, n, N) {
+      const Vec<TX, N> u = ldv<N>(x, q);
+      Vec<TY, N> r;
+#pragma unroll
+      for (int j = 0; j < N; ++j) r.v[j] = f((float)u.v[j]);
+      stv<N>(y, q, r);
     }
-    TAIL_LOOP(i, n) y[i] = f(x[i]);
+    VEC_TAIL(i, n, N) y[i] = f((float)x[i]);
   } else {
-    GRID_LOOP(i, n) y[i] = f(x[i]);
+    GRID_LOOP(i, n) y[i] = f((float)x[i]);
   }
 }
-template <typename F>
-__device__ __forceinline__ void map2(const float* __restrict__ a, const float* __restrict__ b,
-                                     float* __restrict__ y, i64 n, F f) {
+template <typename TA, typename TB, typename TY, typename F>
+__device__ __forceinline__ void map2(const TA* __restrict__ a, const TB* __restrict__ b,
+                                     TY* __restrict__ y, i64 n, F f) {
+  constexpr int N = PackOf<TA, TB, TY>::N;
   if (aligned16(a, b, y)) {
-    QUAD_LOOP(q, n) {
-      const float4 u = ld4(a, q), v = ld4(b, q);
-      st4(y, q, make_float4(f(u.x, v.x), f(u.y, v.y), f(u.z, v.z), f(u.w, v.w)));
+    VEC_LOOP(q, n, N) {
+      const Vec<TA, N> u = ldv<N>(a, q);
+      const Vec<TB, N> v = ldv<N>(b, q);
+      Vec<TY, N> r;
+#pragma unroll
+      for (int j = 0; j < N; ++j) r.v[j] = f((float)u.v[j], (float)v.v[j]);
+      stv<N>(y, q, r);
     }
-    TAIL_LOOP(i, n) y[i] = f(a[i], b[i]);
+    VEC_TAIL(i, n, N) y[i] = f((float)a[i], (float)b[i]);
   } else {
-    GRID_LOOP(i, n) y[i] = f(a[i], b[i]);
+    GRID_LOOP(i, n) y[i] = f((float)a[i], (float)b[i]);
   }
 }
 

@@ -1,6 +1,9 @@
 // elementwise.cu: unary, scalar and broadcasting binary ops, the
-// elementwise gradients (relu, gelu, maximum), causal_mask and the bias
-// broadcast used before a GEMM with beta = 1.
+// elementwise gradients (relu, gelu, maximum), causal_mask, the bias
+// broadcast used before a GEMM with beta = 1, and cast. Every kernel is
+// templated on its storage type and instantiated for float32, bfloat16 and
+// float16 (FOR_FLOATS, common.cuh): 16-bit values compute in float32 and
+// round once when stored.
 //
 // Precision follows exec/cpu: scalar ops compute in double and round once,
 // as the CPU does, so they match it bit for bit; +, −, ·, / of two float
@@ -50,19 +53,25 @@ __device__ __forceinline__ float unary_fn(float v) {
   return v;
 }
 
-template <int OP>
-__device__ void unary_loop(const float* __restrict__ x, float* __restrict__ y, i64 n) {
+template <int OP, typename T>
+__device__ void unary_loop(const T* __restrict__ x, T* __restrict__ y, i64 n) {
   map1(x, y, n, [](float v) { return unary_fn<OP>(v); });
 }
 
-// unary_f32: y[i] = op(x[i]) for i < n.
-extern "C" __global__ void __launch_bounds__(256)
-unary_f32(const float* x, float* y, i64 n, i64 op) {
+// unary_{f32,bf16,f16}: y[i] = op(x[i]) for i < n.
+template <typename T>
+__device__ void unary_t(const T* x, T* y, i64 n, i64 op) {
 #define CASE(OP) \
   case OP: unary_loop<OP>(x, y, n); break;
   switch (op) { UNARY_OPS(CASE) }
 #undef CASE
 }
+#define K(T, S)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) unary_##S(const T* x, T* y, i64 n, i64 op) { \
+    unary_t(x, y, n, op);                                                              \
+  }
+FOR_FLOATS(K)
+#undef K
 
 template <int OP>
 __device__ __forceinline__ double scalar_fn(double v, double s) {
@@ -79,19 +88,26 @@ __device__ __forceinline__ double scalar_fn(double v, double s) {
   return v;
 }
 
-template <int OP>
-__device__ void scalar_loop(const float* __restrict__ x, float* __restrict__ y, i64 n, double s) {
+template <int OP, typename T>
+__device__ void scalar_loop(const T* __restrict__ x, T* __restrict__ y, i64 n, double s) {
   map1(x, y, n, [s](float v) { return (float)scalar_fn<OP>((double)v, s); });
 }
 
-// scalar_f32: y[i] = float(double(x[i]) ∘ s), s being Attrs.Scalar as given.
-extern "C" __global__ void __launch_bounds__(256)
-scalar_f32(const float* x, float* y, i64 n, i64 op, double s) {
+// scalar_{f32,bf16,f16}: y[i] = float(double(x[i]) ∘ s), s being
+// Attrs.Scalar as given (a 16-bit result rounds that float once more).
+template <typename T>
+__device__ void scalar_t(const T* x, T* y, i64 n, i64 op, double s) {
 #define CASE(OP) \
   case OP: scalar_loop<OP>(x, y, n, s); break;
   switch (op) { SCALAR_OPS(CASE) }
 #undef CASE
 }
+#define K(T, S)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(256) scalar_##S(const T* x, T* y, i64 n, i64 op, double s) { \
+    scalar_t(x, y, n, op, s);                                                                     \
+  }
+FOR_FLOATS(K)
+#undef K
 
 template <int OP>
 __device__ __forceinline__ float binary_fn(float a, float b) {
@@ -106,58 +122,87 @@ __device__ __forceinline__ float binary_fn(float a, float b) {
   return a;
 }
 
-template <int OP>
-__device__ void binary_loop(const float* __restrict__ a, const float* __restrict__ b,
-                            float* __restrict__ y, i64 n) {
+template <int OP, typename TA, typename TB, typename TY>
+__device__ void binary_loop(const TA* __restrict__ a, const TB* __restrict__ b,
+                            TY* __restrict__ y, i64 n) {
   map2(a, b, y, n, [](float u, float v) { return binary_fn<OP>(u, v); });
 }
 
-// binary_f32: y[i] = a[i] ∘ b[i], all three contiguous with n elements.
-extern "C" __global__ void __launch_bounds__(256)
-binary_f32(const float* a, const float* b, float* y, i64 n, i64 op) {
+// binary_{f32,bf16,f16}: y[i] = a[i] ∘ b[i], all three contiguous with n
+// elements; binary_{f32_bf16,bf16_f32,f32_f16,f16_f32} are the promoting
+// forms (graph.Promote): a and b of the two dtypes named, y float32.
+template <typename TA, typename TB, typename TY>
+__device__ void binary_t(const TA* a, const TB* b, TY* y, i64 n, i64 op) {
 #define CASE(OP) \
   case OP: binary_loop<OP>(a, b, y, n); break;
   switch (op) { BINARY_OPS(CASE) }
 #undef CASE
 }
+#define K(TA, TB, TY, S)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) binary_##S(const TA* a, const TB* b, TY* y, \
+                                                               i64 n, i64 op) {                 \
+    binary_t(a, b, y, n, op);                                                                  \
+  }
+#define K1(T, S) K(T, T, T, S)
+FOR_FLOATS(K1)
+MIXED_FLOATS(K)
+#undef K1
+#undef K
 
-template <int OP, typename I>
-__device__ void bcast_loop(const float* __restrict__ a, const float* __restrict__ b,
-                           float* __restrict__ y, i64 n, const Strided2& g) {
+template <int OP, typename I, typename TA, typename TB, typename TY>
+__device__ void bcast_loop(const TA* __restrict__ a, const TB* __restrict__ b,
+                           TY* __restrict__ y, i64 n, const Strided2& g) {
   GRID_LOOP(i, n) {
     i64 oa, ob;
     offset_of2<I>((I)i, g, &oa, &ob);
-    y[i] = binary_fn<OP>(a[oa], b[ob]);
+    y[i] = binary_fn<OP>((float)a[oa], (float)b[ob]);
   }
 }
 
-template <int OP>
-__device__ void bcast_dispatch(const float* a, const float* b, float* y, i64 n, const Strided2& g) {
+template <int OP, typename TA, typename TB, typename TY>
+__device__ void bcast_dispatch(const TA* a, const TB* b, TY* y, i64 n, const Strided2& g) {
   if (FITS32(n)) bcast_loop<OP, unsigned>(a, b, y, n, g);
   else bcast_loop<OP, u64>(a, b, y, n, g);
 }
 
-// binary_bcast_f32: y (contiguous, shape g.shape, n elements) = a ∘ b with
-// NumPy broadcasting: a's element for position i is at offset Σ idx·g.sa.
-extern "C" __global__ void __launch_bounds__(256)
-binary_bcast_f32(const float* a, const float* b, float* y, i64 n, i64 op, Strided2 g) {
+// binary_bcast_{f32,bf16,f16} and the promoting forms as binary_*: y
+// (contiguous, shape g.shape, n elements) = a ∘ b with NumPy broadcasting:
+// a's element for position i is at offset Σ idx·g.sa.
+template <typename TA, typename TB, typename TY>
+__device__ void binary_bcast_t(const TA* a, const TB* b, TY* y, i64 n, i64 op, const Strided2& g) {
 #define CASE(OP) \
   case OP: bcast_dispatch<OP>(a, b, y, n, g); break;
   switch (op) { BINARY_OPS(CASE) }
 #undef CASE
 }
+#define K(TA, TB, TY, S)                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) binary_bcast_##S(                     \
+      const TA* a, const TB* b, TY* y, i64 n, i64 op, Strided2 g) {                       \
+    binary_bcast_t(a, b, y, n, op, g);                                                    \
+  }
+#define K1(T, S) K(T, T, T, S)
+FOR_FLOATS(K1)
+MIXED_FLOATS(K)
+#undef K1
+#undef K
 
-// relu_grad_f32: out = y > 0 ? g : 0, y being relu's output.
-extern "C" __global__ void __launch_bounds__(256)
-relu_grad_f32(const float* __restrict__ g, const float* __restrict__ y, float* __restrict__ out,
-              i64 n) {
+// relu_grad_{f32,bf16,f16}: out = y > 0 ? g : 0, y being relu's output.
+template <typename T>
+__device__ void relu_grad_t(const T* __restrict__ g, const T* __restrict__ y, T* __restrict__ out, i64 n) {
   map2(g, y, out, n, [](float gv, float yv) { return yv > 0.f ? gv : 0.f; });
 }
+#define K(T, S)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) relu_grad_##S(const T* g, const T* y, T* out, \
+                                                                  i64 n) {            \
+    relu_grad_t(g, y, out, n);                                                        \
+  }
+FOR_FLOATS(K)
+#undef K
 
-// gelu_grad_f32: out = g · gelu'(x), exact (approx = 0) or tanh form.
-extern "C" __global__ void __launch_bounds__(256)
-gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ out,
-              i64 n, i64 approx) {
+// gelu_grad_{f32,bf16,f16}: out = g · gelu'(x), exact (approx = 0) or tanh form.
+template <typename T>
+__device__ void gelu_grad_t(const T* __restrict__ g, const T* __restrict__ x, T* __restrict__ out,
+                            i64 n, i64 approx) {
   if (approx) {
     map2(g, x, out, n, [](float gv, float v) {
       const float u = SQRT_2_OVER_PI_F * (v + GELU_C_F * v * v * v);
@@ -175,9 +220,16 @@ gelu_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* _
     return gv * (cdf + v * pdf);
   });
 }
+#define K(T, S)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) gelu_grad_##S(const T* g, const T* x, T* out, \
+                                                                  i64 n, i64 approx) { \
+    gelu_grad_t(g, x, out, n, approx);                                                \
+  }
+FOR_FLOATS(K)
+#undef K
 
 // unary_grad_fn<OP>(g, v) is g · op'(v) for the unary ops whose gradient
-// op unary_grad_f32 computes from the forward input (those with a Grad in
+// op unary_grad_* computes from the forward input (those with a Grad in
 // exec/cuda's unary codes); any other OP gives NaN, never a silent 0.
 template <int OP>
 __device__ __forceinline__ float unary_grad_fn(float gv, float v) {
@@ -190,31 +242,45 @@ __device__ __forceinline__ float unary_grad_fn(float gv, float v) {
   return __int_as_float(0x7fc00000);
 }
 
-// unary_grad_f32: out = g · op'(x), op a unary op code.
-extern "C" __global__ void __launch_bounds__(256)
-unary_grad_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ out,
-               i64 n, i64 op) {
+// unary_grad_{f32,bf16,f16}: out = g · op'(x), op a unary op code.
+template <typename T>
+__device__ void unary_grad_t(const T* __restrict__ g, const T* __restrict__ x, T* __restrict__ out,
+                             i64 n, i64 op) {
 #define CASE(OP) \
   case OP: map2(g, x, out, n, [](float gv, float v) { return unary_grad_fn<OP>(gv, v); }); break;
   switch (op) { UNARY_OPS(CASE) }
 #undef CASE
 }
+#define K(T, S)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) unary_grad_##S(const T* g, const T* x, T* out, \
+                                                                   i64 n, i64 op) {    \
+    unary_grad_t(g, x, out, n, op);                                                    \
+  }
+FOR_FLOATS(K)
+#undef K
 
 // maximum_share is ∂max(p, q)/∂p: 1 where p wins, ½ on a tie, else 0.
 __device__ __forceinline__ float maximum_share(float p, float q) {
   return p > q ? 1.f : (p == q ? 0.5f : 0.f);
 }
 
-// maximum_scalar_grad_f32: out = g · ∂max(x, s)/∂x with s = float(Scalar).
-extern "C" __global__ void __launch_bounds__(256)
-maximum_scalar_grad_f32(const float* __restrict__ g, const float* __restrict__ x,
-                        float* __restrict__ out, i64 n, float s) {
+// maximum_scalar_grad_{f32,bf16,f16}: out = g · ∂max(x, s)/∂x with s = float(Scalar).
+template <typename T>
+__device__ void maximum_scalar_grad_t(const T* __restrict__ g, const T* __restrict__ x,
+                                      T* __restrict__ out, i64 n, float s) {
   map2(g, x, out, n, [s](float gv, float v) { return maximum_share(v, s) * gv; });
 }
+#define K(T, S)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) maximum_scalar_grad_##S(             \
+      const T* g, const T* x, T* out, i64 n, float s) {                                  \
+    maximum_scalar_grad_t(g, x, out, n, s);                                              \
+  }
+FOR_FLOATS(K)
+#undef K
 
-template <typename I>
-__device__ void maximum_grad_loop(const float* __restrict__ g, const float* __restrict__ a,
-                                  const float* __restrict__ b, float* __restrict__ out, i64 n,
+template <typename I, typename T>
+__device__ void maximum_grad_loop(const T* __restrict__ g, const T* __restrict__ a,
+                                  const T* __restrict__ b, T* __restrict__ out, i64 n,
                                   i64 which, const Strided2& geo) {
   GRID_LOOP(i, n) {
     i64 oa, ob;
@@ -225,47 +291,52 @@ __device__ void maximum_grad_loop(const float* __restrict__ g, const float* __re
       p = q;
       q = t;
     }
-    out[i] = maximum_share(p, q) * g[i];
+    out[i] = maximum_share(p, q) * (float)g[i];
   }
 }
 
-// maximum_grad_f32: the gradient of maximum(a, b) for operand `which` (0: a,
-// 1: b; Attrs.Axis) at the broadcast shape: out[i] = g[i] · share, where a
-// and b are read through geo's strides as in binary_bcast_f32; g and out are
-// contiguous over geo.shape.
-extern "C" __global__ void __launch_bounds__(256)
-maximum_grad_f32(const float* g, const float* a, const float* b, float* out, i64 n, i64 which,
-                 Strided2 geo) {
-  if (FITS32(n)) maximum_grad_loop<unsigned>(g, a, b, out, n, which, geo);
-  else maximum_grad_loop<u64>(g, a, b, out, n, which, geo);
-}
+// maximum_grad_{f32,bf16,f16}: the gradient of maximum(a, b) for operand
+// `which` (0: a, 1: b; Attrs.Axis) at the broadcast shape: out[i] = g[i] ·
+// share, where a and b are read through geo's strides as in binary_bcast_*;
+// g and out are contiguous over geo.shape.
+#define K(T, S)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256) maximum_grad_##S(                        \
+      const T* g, const T* a, const T* b, T* out, i64 n, i64 which, Strided2 geo) {          \
+    if (FITS32(n)) maximum_grad_loop<unsigned>(g, a, b, out, n, which, geo);                 \
+    else maximum_grad_loop<u64>(g, a, b, out, n, which, geo);                                \
+  }
+FOR_FLOATS(K)
+#undef K
 
-template <typename I>
-__device__ __forceinline__ void causal_mask_loop(const float* __restrict__ x, float* __restrict__ y,
+template <typename I, typename T>
+__device__ __forceinline__ void causal_mask_loop(const T* __restrict__ x, T* __restrict__ y,
                                                  i64 n, I t, I s, float fill) {
   const i64 shift = (i64)s - (i64)t;
   GRID_LOOP(k, n) {
     const I r = (I)k / s;
     const I j = (I)k - r * s;
     const I i = r % t;
-    y[k] = (i64)j > (i64)i + shift ? fill : x[k];
+    if ((i64)j > (i64)i + shift) y[k] = fill;
+    else y[k] = x[k];
   }
 }
 
-// causal_mask_f32: y = x, except y[..., i, j] = fill where j > i + s − t, for
-// x of shape [..., t, s] with n elements in all.
-extern "C" __global__ void __launch_bounds__(256)
-causal_mask_f32(const float* __restrict__ x, float* __restrict__ y, i64 n, i64 t, i64 s,
-                float fill) {
-  if (FITS32(n)) causal_mask_loop<unsigned>(x, y, n, (unsigned)t, (unsigned)s, fill);
-  else causal_mask_loop<u64>(x, y, n, (u64)t, (u64)s, fill);
-}
+// causal_mask_{f32,bf16,f16}: y = x, except y[..., i, j] = fill where j > i
+// + s − t, for x of shape [..., t, s] with n elements in all.
+#define K(T, S)                                                                                \
+  extern "C" __global__ void __launch_bounds__(256) causal_mask_##S(                           \
+      const T* __restrict__ x, T* __restrict__ y, i64 n, i64 t, i64 s, float fill) {           \
+    if (FITS32(n)) causal_mask_loop<unsigned>(x, y, n, (unsigned)t, (unsigned)s, fill);        \
+    else causal_mask_loop<u64>(x, y, n, (u64)t, (u64)s, fill);                                 \
+  }
+FOR_FLOATS(K)
+#undef K
 
-// bias_fill_f32: out[(o·c + k)·inner + i] = b[k] for out of shape
+// bias_fill_{f32,bf16,f16}: out[(o·c + k)·inner + i] = b[k] for out of shape
 // [outer, c, inner]: linear's [rows, out] (inner = 1) and conv2d's
 // [N, O, Ho·Wo]. A GEMM with beta = 1 then adds the product, as on the CPU.
-extern "C" __global__ void __launch_bounds__(256)
-bias_fill_f32(float* __restrict__ out, const float* __restrict__ b, i64 outer, i64 c, i64 inner) {
+template <typename T>
+__device__ void bias_fill_t(T* __restrict__ out, const T* __restrict__ b, i64 outer, i64 c, i64 inner) {
   const i64 n = outer * c * inner;
   if (FITS32(n)) {
     const unsigned ci = (unsigned)c, in = (unsigned)inner;
@@ -274,3 +345,25 @@ bias_fill_f32(float* __restrict__ out, const float* __restrict__ b, i64 outer, i
     GRID_LOOP(k, n) out[k] = b[(k / inner) % c];
   }
 }
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) bias_fill_##S(T* out, const T* b, i64 outer, \
+                                                                  i64 c, i64 inner) {          \
+    bias_fill_t(out, b, outer, c, inner);                                                       \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// cast_<from>_<to>: y[i] = x[i] converted between float dtypes, rounding to
+// nearest even when the target is narrower (a copy when they agree).
+template <typename TX, typename TY>
+__device__ void cast_t(const TX* __restrict__ x, TY* __restrict__ y, i64 n) {
+  map1(x, y, n, [](float v) { return v; });
+}
+#define K(TX, SX, TY, SY)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) cast_##SX##_##SY(const TX* x, TY* y, i64 n) { \
+    cast_t(x, y, n);                                                                               \
+  }
+#define FROM(TX, SX) K(TX, SX, float, f32) K(TX, SX, bf16, bf16) K(TX, SX, f16, f16)
+FOR_FLOATS(FROM)
+#undef FROM
+#undef K
