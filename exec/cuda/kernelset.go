@@ -81,21 +81,21 @@ const (
 // module each. Every kernel file but smoke.cu (the foundation's test
 // kernel) is here.
 var kernelFiles = map[string][]string{
-	"attention.cu":   {kAttentionFwd, kAttentionGradQ, kAttentionGradKV},
-	"accumulate.cu":  {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
-	"batchnorm.cu":   {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
-	"conv.cu":        {kIm2col, kCol2im},
-	"dropout.cu":     {kDropout},
+	"attention.cu":  {kAttentionFwd, kAttentionGradQ, kAttentionGradKV},
+	"accumulate.cu": {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
+	"batchnorm.cu":  {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
+	"conv.cu":       {kIm2col, kCol2im},
+	"dropout.cu":    {kDropout},
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
-	"index.cu":       {kEmbedding, kEmbeddingGrad},
-	"layernorm.cu":   {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
-	"loss.cu":        {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
-	"movement.cu":    {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kGatherRows, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
-	"optim.cu":       {kSGD, kAdam},
-	"pool.cu":        {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
-	"reduce.cu":      {kReduceRows, kReduceMid, kReduceStrided, kMaxGrad},
-	"softmax.cu":     {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
+	"index.cu":     {kEmbedding, kEmbeddingGrad},
+	"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
+	"loss.cu":      {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
+	"movement.cu":  {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kGatherRows, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
+	"optim.cu":     {kSGD, kAdam},
+	"pool.cu":      {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
+	"reduce.cu":    {kReduceRows, kReduceMid, kReduceStrided, kMaxGrad},
+	"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
 }
 
 // kernel is a function of a loaded module.
