@@ -50,6 +50,20 @@ func TestConformanceTF32(t *testing.T) {
 	conformance.RunAll(t, runOn(freshExecutor(t, cuda.ExecutorOptions{TF32: true})), tf32Tolerance)
 }
 
+// 16-bit conformance: every op with bfloat16 (float16) values, against the
+// float64 reference rounded where the kernels round. The tolerances are the
+// CPU executor's (conformance.BFloat16Tol, Float16Tol): CUDA computes in
+// float32 like the CPU, in another order (cuBLAS, tree reductions), which
+// moves a result across a 16-bit rounding boundary now and then, one unit
+// in the last place, well inside them.
+func TestConformanceBFloat16(t *testing.T) {
+	conformance.RunAllAs(t, runOn(executor(t)), graph.BFloat16, conformance.BFloat16Tol)
+}
+
+func TestConformanceFloat16(t *testing.T) {
+	conformance.RunAllAs(t, runOn(executor(t)), graph.Float16, conformance.Float16Tol)
+}
+
 // runOn adapts an executor to the conformance suite, as exec/cpu's runCPU.
 func runOn(e *cuda.Executor) conformance.Runner { return conformance.RunnerOf(e.RunBatch) }
 
