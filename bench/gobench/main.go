@@ -25,6 +25,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -32,6 +33,7 @@ import (
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -50,7 +52,8 @@ type config struct {
 	tightGPT      int
 	tightMLP      int
 	tightConv     int
-	tf32          bool   // GEMMs on TF32 tensor cores (batchfit's "tf32" precision)
+	tf32          bool   // GEMMs on TF32 tensor cores (-precision tf32)
+	precision     string // the precision policy (package precision); -tf32 is -precision tf32
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
 }
@@ -72,7 +75,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (4 chunks within 8GiB)")
-	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the \"tf32\" precision; PyTorch's allow_tf32)")
+	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the same as -precision tf32; PyTorch's allow_tf32)")
+	fs.StringVar(&c.precision, "precision", "fp32", "precision `policy`: "+precision.Names()+" (as Options.Precision)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
@@ -81,6 +85,10 @@ func main() {
 	var c config
 	registerFlags(flag.CommandLine, &c)
 	flag.Parse()
+	if err := c.resolvePrecision(); err != nil {
+		fmt.Fprintln(os.Stderr, "gobench:", err)
+		os.Exit(2)
+	}
 
 	var sinks []io.Writer = []io.Writer{os.Stdout}
 	if dir := os.Getenv("OUT"); dir != "" {
@@ -199,29 +207,64 @@ func benchModels(c config) ([]benchModel, error) {
 	return out, nil
 }
 
-// compileStep compiles a training step as batchfit.Session.Step does, with
-// the CUDA kernels' workspaces: the loss, and the gradients of params kept
-// on the device.
-func compileStep(loss *lazy.Tensor, params []*lazy.Tensor, slots int) (*planner.Program, error) {
-	if err := loss.Err(); err != nil {
-		return nil, err
-	}
-	g := loss.Graph()
-	outs := []int{loss.ID()}
-	trained := make([]int, len(params))
-	for i, gr := range lazy.Grad(loss, params...) {
-		if err := gr.Err(); err != nil {
-			return nil, err
-		}
-		outs = append(outs, gr.ID())
-		trained[i] = g.NodeOf(params[i])
-	}
-	info, err := shapeinfer.Analyze(g.IR(), outs...)
+// resolvePrecision checks -precision and folds -tf32 into it.
+func (c *config) resolvePrecision() error {
+	pol, err := precision.Parse(c.precision)
 	if err != nil {
-		return nil, err
+		return fmt.Errorf("-precision: %w", err)
 	}
-	return planner.Compile(g.IR(), info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
+	if c.tf32 {
+		if pol != precision.FP32 && pol != precision.TF32 {
+			return fmt.Errorf("-tf32 with -precision %s: pick one", pol)
+		}
+		pol = precision.TF32
+	}
+	c.precision, c.tf32 = string(pol), pol.TF32()
+	return nil
+}
+
+func (c config) policy() precision.Policy { return precision.Policy(c.precision) }
+
+// compileStep compiles a training step as batchfit.Session.Step does, with
+// the CUDA kernels' workspaces: the precision policy's graph pass
+// (precision.Train), then the loss and the gradients of params kept on the
+// device. inputs are source nodes of loss's graph; their ids in the
+// compiled graph come back in the same order, for feeding.
+func compileStep(pol precision.Policy, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
+	if err := loss.Err(); err != nil {
+		return nil, nil, err
+	}
+	wrt, err := lazy.ParamIDs(loss, params...)
+	if err != nil {
+		return nil, nil, err
+	}
+	g := loss.Graph().IR()
+	ng, ids, err := precision.Apply(g, pol)
+	if err != nil {
+		return nil, nil, err
+	}
+	st := &precision.Step{Graph: ng, Loss: ids[loss.ID()], Params: make([]int, len(wrt))}
+	for i, id := range wrt {
+		st.Params[i] = ids[id]
+	}
+	if st.Grads, err = autodiff.Backward(ng, st.Loss, st.Params); err != nil {
+		return nil, nil, err
+	}
+	outs := append([]int{st.Loss}, st.Grads...)
+	info, err := shapeinfer.Analyze(ng, outs...)
+	if err != nil {
+		return nil, nil, err
+	}
+	p, err := planner.Compile(ng, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: st.Params,
 		StateSlots: slots, Workspace: cuda.Workspace})
+	if err != nil {
+		return nil, nil, err
+	}
+	in := make([]int, len(inputs))
+	for i, x := range inputs {
+		in[i] = ids[x.ID()]
+	}
+	return p, in, nil
 }
 
 func used(d *cuda.Device) (int64, int64, error) {
@@ -306,7 +349,7 @@ func scalar(t *tensor.Dense) float64 {
 // device, a fresh batch of host data fed (and uploaded) every step.
 func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32}
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision}
 	start := time.Now()
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {
@@ -342,7 +385,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	// build of the same step, as a training loop makes one every step.
 	start = time.Now()
 	loss, inputs := m.build(mod, m.batch, nil)
-	p, err := compileStep(loss, nn.ParamTensors(mod), 2)
+	p, ids, err := compileStep(c.policy(), loss, nn.ParamTensors(mod), 2, inputs...)
 	if err != nil {
 		return r, err
 	}
@@ -354,7 +397,6 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r.Chunks = len(pl.Chunks)
 	r.PredictedPeakReserved, r.PredictedPeakAllocated = pl.PeakReserved, pl.PeakAllocated
 
-	ids := []int{inputs[0].ID(), inputs[1].ID()}
 	opt := m.optimizer()
 	ctx := context.Background()
 	stopProfile := func() {}
@@ -452,7 +494,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	start := time.Now()
 	mod := m.module(nn.Options{ShapeOnly: true})
 	loss, _ := m.build(mod, m.upper, nil)
-	p, err := compileStep(loss, nn.ParamTensors(mod), 2)
+	p, _, err := compileStep(c.policy(), loss, nn.ParamTensors(mod), 2)
 	if err != nil {
 		return r, err
 	}
@@ -503,7 +545,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	loss, _ = m.build(real, lo, rand.New(rand.NewPCG(4, 5)))
 	params := nn.ParamTensors(real)
 	start = time.Now()
-	p, err = compileStep(loss, params, 2)
+	p, _, err = compileStep(c.policy(), loss, params, 2)
 	if err != nil {
 		return r, err
 	}

@@ -26,7 +26,8 @@ type Record struct {
 	Seq       int    `json:"seq,omitempty"`
 	Optimizer string `json:"optimizer,omitempty"`
 	Params    int64  `json:"params,omitempty"`
-	TF32      bool   `json:"tf32,omitempty"` // float32 GEMMs on TF32 tensor cores
+	TF32      bool   `json:"tf32,omitempty"`      // float32 GEMMs on TF32 tensor cores
+	Precision string `json:"precision,omitempty"` // the precision policy (fp32, tf32, bf16-mixed, fp16-mixed)
 
 	// throughput
 	BuildModelSeconds float64   `json:"build_model_seconds,omitempty"` // parameter initialisation
