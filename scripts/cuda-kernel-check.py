@@ -310,17 +310,17 @@ def test_reduce():
         xs = x.astype(f64)
         for bx, by in blocks:
             o = cp.empty(rows, f32)
-            launch(R, 'reduce_rows_f32', (-(-rows // by),), (bx, by), dev(x), o, L(rows), L(n), L(OP['R_SUM']), D(1.0 / n))
+            launch(R, 'reduce_rows_f32', (-(-rows // by),), (bx, by), dev(x), o, None, L(rows), L(n), L(OP['R_SUM']), D(1.0 / n))
             close(f'reduce_rows mean {rows}x{n} {bx}x{by}', o, xs.sum(1) / n, 2e-7, 1e-9)
             o = cp.empty(rows, f32)
-            launch(R, 'reduce_rows_f32', (min(3, -(-rows // by)),), (bx, by), dev(x), o, L(rows), L(n), L(OP['R_MAX']), D(1.0))
+            launch(R, 'reduce_rows_f32', (min(3, -(-rows // by)),), (bx, by), dev(x), o, None, L(rows), L(n), L(OP['R_MAX']), D(1.0))
             same_bits(f'reduce_rows max {rows}x{n} {bx}x{by}', o, x.max(1))
         for op, ref in [(OP['R_SUM'], xs.sum(1)), (OP['R_MAX'], x.max(1))]:
             splits = 4
             part = cp.empty((splits, rows), f32)
-            launch(R, 'reduce_rows_f32', (-(-rows // 8), splits), (32, 8), dev(x), part, L(rows), L(n), L(op), D(1.0))
+            launch(R, 'reduce_rows_f32', (-(-rows // 8), splits), (32, 8), dev(x), None, part, L(rows), L(n), L(op), D(1.0))
             o = cp.empty(rows, f32)
-            launch(R, 'reduce_mid_f32', (-(-rows // 32), 1, 1), (32, 8), part, o, L(1), L(splits), L(rows), L(op), D(1.0))
+            launch(R, 'reduce_splits_f32', (-(-rows // 32), 1, 1), (32, 8), part, o, L(splits), L(rows), L(op), D(1.0))
             close(f'reduce_rows split op{op} {rows}x{n}', o, ref, 3e-7, 1e-4)
     for outer, n, inner in [(3, 500, 70), (1, 20000, 64), (70000, 3, 2)]:
         x = rng.standard_normal((outer, n, inner)).astype(f32)
@@ -328,13 +328,14 @@ def test_reduce():
         for splits in (1, 5):
             for op, ref in [(OP['R_SUM'], xs.sum(1) * 0.5), (OP['R_MAX'], x.max(1))]:
                 part = cp.empty((splits, outer, inner), f32)
-                launch(R, 'reduce_mid_f32', (-(-inner // 32), min(outer, 65535), splits), (32, 8), dev(x), part,
+                launch(R, 'reduce_mid_f32', (-(-inner // 32), min(outer, 65535), splits), (32, 8), dev(x),
+                       *((part, None) if splits == 1 else (None, part)),
                        L(outer), L(n), L(inner), L(op), D(0.5 if splits == 1 else 1.0))
                 if splits == 1:
                     o = part
                 else:
                     o = cp.empty((outer, inner), f32)
-                    launch(R, 'reduce_mid_f32', (-(-(outer * inner) // 32), 1, 1), (32, 8), part, o, L(1), L(splits),
+                    launch(R, 'reduce_splits_f32', (-(-(outer * inner) // 32), 1, 1), (32, 8), part, o, L(splits),
                            L(outer * inner), L(op), D(0.5))
                 close(f'reduce_mid op{op} {outer}x{n}x{inner} s{splits}', o.reshape(outer, inner), ref, 3e-7, 1e-6 if splits == 1 else 1e-4)
     x = rng.standard_normal((3, 4, 5, 6)).astype(f32)
@@ -342,12 +343,13 @@ def test_reduce():
     for splits in (1, 2):
         for op, ref in [(OP['R_SUM'], x.astype(f64).sum((0, 2))), (OP['R_MAX'], x.max((0, 2)))]:
             part = cp.empty((splits, 24), f32)
-            launch(R, 'reduce_strided_f32', (3, splits), (32, 8), dev(x), part, geo, L(24), L(15), L(op), D(1.0))
+            launch(R, 'reduce_strided_f32', (3, splits), (32, 8), dev(x), *((part, None) if splits == 1 else (None, part)),
+                   geo, L(24), L(15), L(op), D(1.0))
             if splits == 1:
                 o = part
             else:
                 o = cp.empty(24, f32)
-                launch(R, 'reduce_mid_f32', (1, 1, 1), (32, 8), part, o, L(1), L(splits), L(24), L(op), D(1.0))
+                launch(R, 'reduce_splits_f32', (1, 1, 1), (32, 8), part, o, L(splits), L(24), L(op), D(1.0))
             close(f'reduce_strided op{op} s{splits}', o.reshape(4, 6), ref, 3e-7, 1e-5)
     # max_grad: integer data for ties
     xi = rng.integers(0, 4, (3, 4, 5, 6)).astype(f32)
@@ -439,12 +441,13 @@ def test_layernorm():
         ref = (g.astype(f64) * xh).sum(0)
         for splits in (1, 3):
             part = cp.empty((splits, d), f32)
-            launch(LN, 'layer_norm_grad_w_f32', (-(-d // 32), splits), (32, 8), dev(g), dev(x), stats, part, L(rows), L(d))
+            launch(LN, 'layer_norm_grad_w_f32', (-(-d // 32), splits), (32, 8), dev(g), dev(x), stats,
+                   *((part, None) if splits == 1 else (None, part)), L(rows), L(d))
             if splits == 1:
                 o = part
             else:
                 o = cp.empty(d, f32)
-                launch('reduce.cu', 'reduce_mid_f32', (-(-d // 32), 1, 1), (32, 8), part, o, L(1), L(splits), L(d), L(OP['R_SUM']), D(1.0))
+                launch('reduce.cu', 'reduce_splits_f32', (-(-d // 32), 1, 1), (32, 8), part, o, L(splits), L(d), L(OP['R_SUM']), D(1.0))
             close(f'layer_norm_grad_w {rows}x{d} s{splits}', o.reshape(d), ref, 1e-6, 1e-6)
 
 
@@ -911,10 +914,10 @@ def timings():
     rows, c = 16384, 4096
     bench(f'softmax_rows {rows}x{c}', 8 * n, rawlaunch('softmax.cu', 'softmax_rows_f32', (rows,), (256, 1), x, y, L(rows), L(c), L(0)))
     bench(f'layer_norm {rows}x{c}', 8 * n, rawlaunch('layernorm.cu', 'layer_norm_f32', (rows,), (256, 1), x, None, None, y, L(rows), L(c), D(1e-5)))
-    bench(f'reduce_rows sum {rows}x{c}', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (rows,), (256, 1), x, y, L(rows), L(c), L(OP['R_SUM']), D(1)))
-    bench('reduce_rows sum 1x64M, 1024 splits', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (1, 1024), (1024, 1), x, y, L(1), L(n), L(0), D(1)))
-    bench('reduce_mid sum [1, 1M, 64], 264 splits', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 264), (32, 8), x, y, L(1), L(1 << 20), L(64), L(0), D(1)))
-    bench('reduce_mid sum [1, 1M, 64], no split', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 1), (32, 8), x, y, L(1), L(1 << 20), L(64), L(0), D(1)))
+    bench(f'reduce_rows sum {rows}x{c}', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (rows,), (256, 1), x, y, None, L(rows), L(c), L(OP['R_SUM']), D(1)))
+    bench('reduce_rows sum 1x64M, 1024 splits', 4 * n, rawlaunch('reduce.cu', 'reduce_rows_f32', (1, 1024), (1024, 1), x, None, y, L(1), L(n), L(0), D(1)))
+    bench('reduce_mid sum [1, 1M, 64], 264 splits', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 264), (32, 8), x, None, y, L(1), L(1 << 20), L(64), L(0), D(1)))
+    bench('reduce_mid sum [1, 1M, 64], no split', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 1), (32, 8), x, y, None, L(1), L(1 << 20), L(64), L(0), D(1)))
     bench('transpose 8192x8192', 8 * n, rawlaunch('movement.cu', 'transpose_f32', (256, 256, 1), (32, 8), x, y, L(1), L(8192), L(8192)))
     bench('gather transpose 8192x8192', 8 * n, rawlaunch('movement.cu', 'gather_f32', (1 << 16,), (256,), x, y, L(n), L(0), strided([8192, 8192], [1, 8192])))
     bench('adam 64M', 28 * n, rawlaunch('optim.cu', 'adam_f32', (1 << 16,), (256,), y, x, x, x, L(n), D(1e-3), D(.9), D(.999), D(1e-8), D(0.01), D(.1), D(.01), L(1)))
@@ -955,7 +958,7 @@ def big():
            strided2([rows, inner], [inner, 1], [0, 1]))
     same_bits('big bcast add', cp.asnumpy(y[-2 * inner:]).reshape(2, inner), np.broadcast_to(b + b, (2, inner)))
     red = cp.empty(rows, f32)
-    launch('reduce.cu', 'reduce_strided_f32', (1 << 14,), (64, 4), y, red, rgeom([rows], [inner], [inner], [1]), L(rows), L(inner), L(0), D(1.0))
+    launch('reduce.cu', 'reduce_strided_f32', (1 << 14,), (64, 4), y, red, None, rgeom([rows], [inner], [inner], [1]), L(rows), L(inner), L(0), D(1.0))
     same_bits('big reduce_strided', cp.asnumpy(red[-4:]), np.full(4, (b + b).astype(f64).sum(), f64).astype(f32))
     del y
     x = out

@@ -113,7 +113,7 @@ func (k *kctx) map2(name string, dt graph.DType, a, b, out operand, args ...any)
 	if _, err := floatsOf(a, b, out); err != nil {
 		return err
 	}
-	if err := sameCount(k.nd.Op, out, a, b); err != nil {
+	if err := sameN(k.nd.Op, out, a, b); err != nil {
 		return err
 	}
 	n := out.n()
@@ -221,7 +221,7 @@ func castKernels() []string {
 }
 
 func maximumGrad(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
-	if err := sameCount(k.nd.Op, out, g); err != nil {
+	if err := sameN(k.nd.Op, out, g); err != nil {
 		return err
 	}
 	if _, err := floatsOf(g, in[1], in[2]); err != nil {

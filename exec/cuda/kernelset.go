@@ -66,6 +66,7 @@ const (
 	kAvgPoolGrad     = "avg_pool2d_grad_f32"
 	kReduceRows      = "reduce_rows_f32"
 	kReduceMid       = "reduce_mid_f32"
+	kReduceSplits    = "reduce_splits_f32"
 	kReduceStrided   = "reduce_strided_f32"
 	kMaxGrad         = "max_grad_f32"
 	kSoftmaxRows     = "softmax_rows_f32"
@@ -83,19 +84,19 @@ const (
 var kernelFiles = map[string][]string{
 	"attention.cu":  {kAttentionFwd, kAttentionGradQ, kAttentionGradKV},
 	"accumulate.cu": {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
-	"batchnorm.cu":  {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
+	"batchnorm.cu":  allTyped(kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt),
 	"conv.cu":       {kIm2col, kCol2im},
 	"dropout.cu":    {kDropout},
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu":     {kEmbedding, kEmbeddingGrad},
-	"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
-	"loss.cu":      {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
+	"layernorm.cu": allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
+	"loss.cu":      allTyped(kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu":  {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kGatherRows, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
 	"optim.cu":     {kSGD, kAdam},
 	"pool.cu":      {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
-	"reduce.cu":    {kReduceRows, kReduceMid, kReduceStrided, kMaxGrad},
-	"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
+	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
+	"softmax.cu":   allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }
 
 // kernel is a function of a loaded module.

@@ -139,24 +139,15 @@ func perPack(dts ...graph.DType) int64 {
 	return int64(16 / size)
 }
 
-// sameCount fails unless every operand has out's element count.
-func sameCount(op graph.Op, out operand, ops ...operand) error {
-	for _, o := range ops {
-		if o.n() != out.n() {
-			return graph.Errorf(graph.ErrShape, "%s: operand %v, output %v", op, o.shape, out.shape)
-		}
-	}
-	return nil
-}
-
-// sameN fails unless every operand is float32 with out's element count.
+// sameN fails unless every operand has out's element count; callers check
+// dtypes (floats, floatsOf).
 func sameN(op graph.Op, out operand, ops ...operand) error {
 	for _, o := range ops {
 		if o.n() != out.n() {
 			return graph.Errorf(graph.ErrShape, "%s: operand %v, output %v", op, o.shape, out.shape)
 		}
 	}
-	return floats(ops...)
+	return nil
 }
 
 // sameDType fails unless the inputs have out's dtype.

@@ -6,7 +6,9 @@ import (
 )
 
 // Loss family (kernels/loss.cu): cross_entropy and mse, summed in double
-// through the workspace, and their gradients.
+// through the workspace, and their gradients. Logits, predictions,
+// targets, g and the outputs (the loss too) share one float dtype; labels
+// are int64.
 var lossKernels = family{
 	graph.OpCrossEntropy: {run: func(k *kctx, in []operand, out operand) error {
 		return k.crossEntropy(k.attrs(), in[0], in[1], out)
@@ -20,10 +22,10 @@ var lossKernels = family{
 		return k.mse(k.attrs(), in[0], in[1], out)
 	}, ws: func(*graph.Graph, *graph.Node, int) int64 { return mseBytes }},
 
-	graph.OpCrossEntropyGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.crossEntropyGrad(k.attrs(), g, in[1], in[2], out)
+	graph.OpCrossEntropyGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.crossEntropyGrad(dt, k.attrs(), g, in[1], in[2], out)
 	}), ws: flagWorkspace},
-	graph.OpMSEGrad: {run: gradOf(mseGrad)},
+	graph.OpMSEGrad: {run: typedGradOf(mseGrad)},
 }
 
 // MSE reduces through one partial per block of a grid of at most mseGrid
@@ -38,27 +40,31 @@ const (
 // double, then the bad-label flag.
 func ceBytes(n int64) int64 { return 8*n + flagBytes }
 
-func mseGrad(k *kctx, g operand, in []operand, out operand) error {
+func mseGrad(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 	a, n := k.attrs(), out.n()
+	if _, err := floatsOf(g, in[1], in[2], out); err != nil {
+		return err
+	}
 	if err := sameN(k.nd.Op, out, in[1], in[2]); err != nil {
 		return err
 	}
 	if g.n() != 1 {
 		return graph.Errorf(graph.ErrShape, "mse_grad needs a scalar upstream gradient, got %v", g.shape)
 	}
-	return k.flat(kMSEGrad, n, g.p, in[1].p, in[2].p, out.p, n, a.Scalar)
+	return k.flat(typed(kMSEGrad, dt), n, g.p, in[1].p, in[2].p, out.p, n, a.Scalar)
 }
 
-// sumF64 sums n doubles at src, times scale, into the float out[0] with one
-// block.
-func (k *kctx) sumF64(src, out alloc.Ptr, n int64, scale float64) error {
-	return k.launch(kSumF64, [3]uint32{1, 1, 1}, [3]uint32{1024, 1, 1}, src, out, n, scale)
+// sumF64 sums n doubles at src, times scale, into out[0] of dtype dt with
+// one block.
+func (k *kctx) sumF64(dt graph.DType, src, out alloc.Ptr, n int64, scale float64) error {
+	return k.launch(typed(kSumF64, dt), [3]uint32{1, 1, 1}, [3]uint32{1024, 1, 1}, src, out, n, scale)
 }
 
 // crossEntropy: per-row losses in double into the workspace, then their
 // sum times a.Scalar; a bad label is an error, as on the CPU.
 func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
-	if err := floats(logits, out); err != nil {
+	dt, err := floatsOf(logits, out)
+	if err != nil {
 		return err
 	}
 	if len(logits.shape) != 2 || labels.dt != graph.Int64 || labels.n() != int64(logits.shape[0]) || out.n() != 1 {
@@ -76,19 +82,19 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 	}
 	if n > 0 {
 		block := rowBlock(c)
-		if err := k.launch(kCrossEntropy, rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, bad); err != nil {
+		if err := k.launch(typed(kCrossEntropy, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, bad); err != nil {
 			return err
 		}
 	}
-	if err := k.sumF64(loss, out.p, n, a.Scalar); err != nil || n == 0 {
+	if err := k.sumF64(dt, loss, out.p, n, a.Scalar); err != nil || n == 0 {
 		return err
 	}
 	return k.firstBad(bad, labels, "cross_entropy", "label", 1, c)
 }
 
 // crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)).
-func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) error {
-	if err := floats(logits); err != nil {
+func (k *kctx) crossEntropyGrad(dt graph.DType, a *graph.Attrs, g, logits, labels, out operand) error {
+	if _, err := floatsOf(g, logits, out); err != nil {
 		return err
 	}
 	if len(logits.shape) != 2 || labels.dt != graph.Int64 || labels.n() != int64(logits.shape[0]) || out.n() != logits.n() || g.n() != 1 {
@@ -104,7 +110,7 @@ func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) 
 		return err
 	}
 	block := rowBlock(c)
-	if err := k.launch(kCrossEntGrad, rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, a.Scalar, bad); err != nil {
+	if err := k.launch(typed(kCrossEntGrad, dt), rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, a.Scalar, bad); err != nil {
 		return err
 	}
 	return k.firstBad(bad, labels, "cross_entropy", "label", 2, c)
@@ -113,7 +119,8 @@ func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) 
 // mse: a double partial per block into the workspace, then their sum times
 // a.Scalar.
 func (k *kctx) mse(a *graph.Attrs, pred, target, out operand) error {
-	if err := floats(pred, target, out); err != nil {
+	dt, err := floatsOf(pred, target, out)
+	if err != nil {
 		return err
 	}
 	if pred.n() != target.n() || out.n() != 1 {
@@ -125,8 +132,8 @@ func (k *kctx) mse(a *graph.Attrs, pred, target, out operand) error {
 	}
 	n := pred.n()
 	grid := min(max(ceilDiv(n, mseBlock), 1), mseGrid)
-	if err := k.launch(kMSEPartial, [3]uint32{uint32(grid), 1, 1}, [3]uint32{mseBlock, 1, 1}, pred.p, target.p, partial, n); err != nil {
+	if err := k.launch(typed(kMSEPartial, dt), [3]uint32{uint32(grid), 1, 1}, [3]uint32{mseBlock, 1, 1}, pred.p, target.p, partial, n); err != nil {
 		return err
 	}
-	return k.sumF64(partial, out.p, grid, a.Scalar)
+	return k.sumF64(dt, partial, out.p, grid, a.Scalar)
 }

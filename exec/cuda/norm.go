@@ -7,6 +7,8 @@ import (
 
 // Normalisation family (kernels/softmax.cu, layernorm.cu, batchnorm.cu):
 // softmax and log_softmax, layer_norm and batch_norm, and their gradients.
+// Every operand of a node (x, g, the weight, bias and running statistics,
+// the output) has one float dtype; statistics stay double in workspaces.
 var normKernels = family{
 	graph.OpSoftmax:    {run: softmax},
 	graph.OpLogSoftmax: {run: softmax},
@@ -17,25 +19,26 @@ var normKernels = family{
 		return k.batchNorm(k.attrs(), in, out)
 	}, ws: bnWorkspace},
 
-	graph.OpSoftmaxGrad:    {run: gradOf(softmaxGrad)},
-	graph.OpLogSoftmaxGrad: {run: gradOf(softmaxGrad)},
-	graph.OpLayerNormGradX: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.layerNormGradX(k.attrs(), g, in[1], optional(in, 2), out)
+	graph.OpSoftmaxGrad:    {run: typedGradOf(softmaxGrad)},
+	graph.OpLogSoftmaxGrad: {run: typedGradOf(softmaxGrad)},
+	graph.OpLayerNormGradX: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.layerNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), out)
 	})},
-	graph.OpLayerNormGradW: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.layerNormGradW(k.nd, g, in[1], out)
+	graph.OpLayerNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.layerNormGradW(dt, k.nd, g, in[1], out)
 	}), ws: lnGradWWorkspace},
-	graph.OpBatchNormGradX: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.batchNormGradX(k.attrs(), g, in[1], optional(in, 2), out)
+	graph.OpBatchNormGradX: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.batchNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), out)
 	}), ws: bnWorkspace},
-	graph.OpBatchNormGradW: {run: gradOf(func(k *kctx, _ operand, in []operand, out operand) error {
-		return k.batchNormGradW(k.attrs(), in, out)
+	graph.OpBatchNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, _ operand, in []operand, out operand) error {
+		return k.batchNormGradW(dt, k.attrs(), in, out)
 	}), ws: bnWorkspace},
 }
 
 func softmax(k *kctx, in []operand, out operand) error {
 	x, axis := in[0], k.attrs().Axis
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	if axis < 0 || axis >= len(x.shape) {
@@ -44,18 +47,21 @@ func softmax(k *kctx, in []operand, out operand) error {
 	if x.n() != out.n() {
 		return graph.Errorf(graph.ErrShape, "softmax: input %v, output %v", x.shape, out.shape)
 	}
-	return k.softmaxLaunch(kSoftmaxRows, kSoftmaxCols, k.nd.Op == graph.OpLogSoftmax, x.shape, axis, x.p, out.p)
+	return k.softmaxLaunch(typed(kSoftmaxRows, dt), typed(kSoftmaxCols, dt), k.nd.Op == graph.OpLogSoftmax, x.shape, axis, x.p, out.p)
 }
 
-func softmaxGrad(k *kctx, g operand, in []operand, out operand) error {
+func softmaxGrad(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 	y, axis := in[1], k.attrs().Axis
+	if _, err := floatsOf(g, y, out); err != nil {
+		return err
+	}
 	if err := sameN(k.nd.Op, out, g, y); err != nil {
 		return err
 	}
 	if axis < 0 || axis >= len(y.shape) {
 		return graph.Errorf(graph.ErrAttr, "softmax axis %d out of range for rank %d", axis, len(y.shape))
 	}
-	return k.softmaxLaunch(kSoftmaxGradRows, kSoftmaxGradCols, k.nd.Op == graph.OpLogSoftmaxGrad, y.shape, axis, g.p, y.p, out.p)
+	return k.softmaxLaunch(typed(kSoftmaxGradRows, dt), typed(kSoftmaxGradCols, dt), k.nd.Op == graph.OpLogSoftmaxGrad, y.shape, axis, g.p, y.p, out.p)
 }
 
 // softmaxLaunch views shape as [outer, n, inner] around axis: the rows
@@ -79,7 +85,7 @@ func (k *kctx) softmaxLaunch(rows, cols string, log bool, shape []int, axis int,
 }
 
 // normGeometry views x as [rows, d] over its trailing NormDims axes and
-// checks the optional [d]-sized parameters.
+// checks the optional [d]-sized parameters, of x's dtype.
 func normGeometry(a *graph.Attrs, x operand, params ...*operand) (rows, d int64, err error) {
 	if a.NormDims < 1 || a.NormDims > len(x.shape) {
 		return 0, 0, graph.Errorf(graph.ErrAttr, "layer_norm over %d trailing dims of a rank-%d input", a.NormDims, len(x.shape))
@@ -89,7 +95,7 @@ func normGeometry(a *graph.Attrs, x operand, params ...*operand) (rows, d int64,
 		if p == nil {
 			continue
 		}
-		if err := floats(*p); err != nil {
+		if _, err := floatsOf(x, *p); err != nil {
 			return 0, 0, err
 		}
 		if p.n() != d {
@@ -112,7 +118,8 @@ func normRows(x []int, k int) (rows, d int64) {
 }
 
 func (k *kctx) layerNorm(a *graph.Attrs, x operand, w, b *operand, out operand) error {
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	rows, d, err := normGeometry(a, x, w, b)
@@ -126,11 +133,11 @@ func (k *kctx) layerNorm(a *graph.Attrs, x operand, w, b *operand, out operand) 
 		return nil
 	}
 	block := rowBlock(d)
-	return k.launch(kLayerNorm, rowGrid(rows, block, 1), block, x.p, ptrOf(w), ptrOf(b), out.p, rows, d, a.Eps)
+	return k.launch(typed(kLayerNorm, dt), rowGrid(rows, block, 1), block, x.p, ptrOf(w), ptrOf(b), out.p, rows, d, a.Eps)
 }
 
-func (k *kctx) layerNormGradX(a *graph.Attrs, g, x operand, w *operand, out operand) error {
-	if err := floats(x); err != nil {
+func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
+	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}
 	rows, d, err := normGeometry(a, x, w)
@@ -144,7 +151,7 @@ func (k *kctx) layerNormGradX(a *graph.Attrs, g, x operand, w *operand, out oper
 		return nil
 	}
 	block := rowBlock(d)
-	return k.launch(kLayerNormGradX, rowGrid(rows, block, 1), block, g.p, x.p, ptrOf(w), out.p, rows, d, a.Eps)
+	return k.launch(typed(kLayerNormGradX, dt), rowGrid(rows, block, 1), block, g.p, x.p, ptrOf(w), out.p, rows, d, a.Eps)
 }
 
 // statsBytes is the workspace of n (mean, rstd) pairs in double.
@@ -154,7 +161,8 @@ func statsBytes(n int64) int64 { return 16 * n }
 const lnSplitRows = 1 << 7
 
 // lnGradWBytes is layer_norm_grad_w's workspace for rows rows of d elements
-// in splits splits: the per-row statistics, then the splits' partial sums.
+// in splits splits: the per-row statistics (double), then the splits'
+// partial sums (float32, whatever the node's dtype).
 func lnGradWBytes(rows, d, splits int64) int64 {
 	if splits > 1 {
 		return statsBytes(rows) + splitBytes(splits, d)
@@ -195,9 +203,9 @@ func lnSplittable(g *graph.Graph, nd *graph.Node) bool {
 // layerNormGradW is Σ over rows of g·x̂: per-row statistics into the
 // workspace, then a column reduction, split over rows when the node may
 // split (lnSplittable) and the chunk has many rows.
-func (k *kctx) layerNormGradW(nd *graph.Node, g, x, out operand) error {
+func (k *kctx) layerNormGradW(dt graph.DType, nd *graph.Node, g, x, out operand) error {
 	a := &nd.Attrs
-	if err := floats(x); err != nil {
+	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}
 	rows, d, err := normGeometry(a, x)
@@ -218,21 +226,22 @@ func (k *kctx) layerNormGradW(nd *graph.Node, g, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	stats, dst := w, out.p
+	stats := w
+	var part alloc.Ptr // the splits' partials; none when unsplit
 	if rows > 0 {
 		block := rowBlock(d)
-		if err := k.launch(kLayerNormStats, rowGrid(rows, block, 1), block, x.p, stats, rows, d, a.Eps); err != nil {
+		if err := k.launch(typed(kLayerNormStats, dt), rowGrid(rows, block, 1), block, x.p, stats, rows, d, a.Eps); err != nil {
 			return err
 		}
 	}
 	if splits > 1 {
-		dst = w + alloc.Ptr(statsBytes(rows))
+		part = w + alloc.Ptr(statsBytes(rows))
 	}
 	grid := [3]uint32{tileGridX(d), uint32(splits), 1}
-	if err := k.launch(kLayerNormGradW, grid, tileBlock, g.p, x.p, stats, dst, rows, d); err != nil || splits == 1 {
+	if err := k.launch(typed(kLayerNormGradW, dt), grid, tileBlock, g.p, x.p, stats, out.p, part, rows, d); err != nil || splits == 1 {
 		return err
 	}
-	return k.launch(kReduceMid, [3]uint32{tileGridX(d), 1, 1}, tileBlock, dst, out.p, int64(1), splits, d, rSum, 1.0)
+	return k.combineSplits(dt, part, out.p, splits, d, rSum, 1)
 }
 
 // channels views x [N, C, ...] as [n, c, inner].
@@ -243,88 +252,111 @@ func channels(op string, x operand) (n, c, inner int64, err error) {
 	return int64(x.shape[0]), int64(x.shape[1]), int64(graph.Numel(x.shape[2:])), nil
 }
 
-// bnStats computes the statistics into the workspace; runMean and runVar
-// are the running statistics, needed (and only read) in evaluation mode.
-func (k *kctx) bnStats(a *graph.Attrs, x operand, runMean, runVar *operand) (alloc.Ptr, error) {
+// bnStats computes the statistics of x (dtype dt) into the workspace;
+// runMean and runVar are the running statistics, of x's dtype, needed (and
+// only read) in evaluation mode.
+func (k *kctx) bnStats(dt graph.DType, a *graph.Attrs, x operand, runMean, runVar *operand) (alloc.Ptr, error) {
 	n, c, inner, err := channels("batch_norm", x)
 	if err != nil {
 		return 0, err
+	}
+	if !a.Training {
+		if runMean == nil || runVar == nil || runMean.n() != c || runVar.n() != c {
+			return 0, graph.Errorf(graph.ErrShape, "batch_norm in evaluation mode needs running statistics of [%d]", c)
+		}
+		if _, err := floatsOf(x, *runMean, *runVar); err != nil {
+			return 0, err
+		}
 	}
 	stats, err := k.workspace(statsBytes(c))
 	if err != nil {
 		return 0, err
 	}
 	if a.Training {
-		return stats, k.perChannel(kBatchNormStats, c, x.p, stats, n, c, inner, a.Eps)
+		return stats, k.perChannel(typed(kBatchNormStats, dt), c, x.p, stats, n, c, inner, a.Eps)
 	}
-	if runMean == nil || runVar == nil || runMean.n() != c || runVar.n() != c {
-		return 0, graph.Errorf(graph.ErrShape, "batch_norm in evaluation mode needs running statistics of [%d]", c)
-	}
-	if err := floats(*runMean, *runVar); err != nil {
-		return 0, err
-	}
-	return stats, k.flat(kBatchNormRunSt, c, runMean.p, runVar.p, stats, c, a.Eps)
+	return stats, k.flat(typed(kBatchNormRunSt, dt), c, runMean.p, runVar.p, stats, c, a.Eps)
 }
 
 func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 	x := in[0]
-	if err := floats(x, out); err != nil {
-		return err
-	}
-	var runMean, runVar *operand
-	if !a.Training {
-		runMean, runVar = optional(in, 1), optional(in, 2)
-	}
-	stats, err := k.bnStats(a, x, runMean, runVar)
+	dt, err := floatsOf(x, out)
 	if err != nil {
 		return err
 	}
-	n, c, inner, _ := channels("batch_norm", x)
+	n, c, inner, err := channels("batch_norm", x)
+	if err != nil {
+		return err
+	}
 	aff := graph.BatchNormAffine(a.Training)
 	w, b := optional(in, aff), optional(in, aff+1)
 	for _, p := range []*operand{w, b} {
-		if p != nil && (p.n() != c || p.dt != graph.Float32) {
-			return graph.Errorf(graph.ErrShape, "batch_norm parameter %v, want float32 [%d]", p.shape, c)
+		if p == nil {
+			continue
+		}
+		if _, err := floatsOf(x, *p); err != nil {
+			return err
+		}
+		if p.n() != c {
+			return graph.Errorf(graph.ErrShape, "batch_norm parameter %v, want [%d]", p.shape, c)
 		}
 	}
 	if out.n() != x.n() {
 		return graph.Errorf(graph.ErrShape, "batch_norm: input %v, output %v", x.shape, out.shape)
 	}
-	return k.flat(kBatchNorm, x.n(), x.p, stats, ptrOf(w), ptrOf(b), out.p, n, c, inner)
+	var runMean, runVar *operand
+	if !a.Training {
+		runMean, runVar = optional(in, 1), optional(in, 2)
+	}
+	stats, err := k.bnStats(dt, a, x, runMean, runVar)
+	if err != nil {
+		return err
+	}
+	return k.flat(typed(kBatchNorm, dt), x.n(), x.p, stats, ptrOf(w), ptrOf(b), out.p, n, c, inner)
 }
 
 // batchNormGradX is the training-mode gradient of batch_norm's input.
-func (k *kctx) batchNormGradX(a *graph.Attrs, g, x operand, w *operand, out operand) error {
-	if err := floats(x); err != nil {
+func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
+	ops := []operand{g, x, out}
+	if w != nil {
+		ops = append(ops, *w)
+	}
+	if _, err := floatsOf(ops...); err != nil {
 		return err
 	}
 	if !a.Training {
 		return graph.Errorf(graph.ErrAttr, "batch_norm_grad_x exists in training mode only")
 	}
-	stats, err := k.bnStats(a, x, nil, nil)
+	n, c, inner, err := channels("batch_norm_grad_x", x)
 	if err != nil {
 		return err
 	}
-	n, c, inner, _ := channels("batch_norm_grad_x", x)
-	if g.n() != x.n() || out.n() != x.n() || w != nil && (w.n() != c || w.dt != graph.Float32) {
+	if g.n() != x.n() || out.n() != x.n() || w != nil && w.n() != c {
 		return graph.Errorf(graph.ErrShape, "batch_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
 	}
-	return k.perChannel(kBatchNormGradX, c, g.p, x.p, ptrOf(w), stats, out.p, n, c, inner)
+	stats, err := k.bnStats(dt, a, x, nil, nil)
+	if err != nil {
+		return err
+	}
+	return k.perChannel(typed(kBatchNormGradX, dt), c, g.p, x.p, ptrOf(w), stats, out.p, n, c, inner)
 }
 
 // batchNormGradW is Σ g·x̂ per channel, x̂ normalised as the forward op did.
-func (k *kctx) batchNormGradW(a *graph.Attrs, in []operand, out operand) error {
+func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out operand) error {
 	g, x := in[0], in[1]
-	if err := floats(x); err != nil {
+	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}
-	stats, err := k.bnStats(a, x, optional(in, 2), optional(in, 3))
+	n, c, inner, err := channels("batch_norm_grad_w", x)
 	if err != nil {
 		return err
 	}
-	n, c, inner, _ := channels("batch_norm_grad_w", x)
 	if g.n() != x.n() || out.n() != c {
 		return graph.Errorf(graph.ErrShape, "batch_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
 	}
-	return k.perChannel(kBatchNormGradW, c, g.p, x.p, stats, out.p, n, c, inner)
+	stats, err := k.bnStats(dt, a, x, optional(in, 2), optional(in, 3))
+	if err != nil {
+		return err
+	}
+	return k.perChannel(typed(kBatchNormGradW, dt), c, g.p, x.p, stats, out.p, n, c, inner)
 }

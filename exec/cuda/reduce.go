@@ -1,13 +1,12 @@
 package cuda
 
 import (
-	"math"
-
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
 	"github.com/batchfit/batchfit/graph"
 )
 
-// reduceCodes are the reduce_*_f32 kernels' op codes (R_SUM, R_MAX),
+// reduceCodes are the reduce_* kernels' op codes (R_SUM, R_MAX),
 // declared once and generated into kernels/opcodes.cuh; mean is R_SUM
 // with a scale.
 var reduceCodes = opcode.Enum{Prefix: "R_", Doc: "Reduction op codes (the reduce_*_f32 kernels' op).", Names: []opcode.Name{
@@ -25,8 +24,8 @@ var reduceKernels = family{
 	graph.OpSum:  {run: reduce, ws: reduceWorkspace},
 	graph.OpMean: {run: reduce, ws: reduceWorkspace},
 	graph.OpMax:  {run: reduce, ws: reduceWorkspace},
-	graph.OpMaxGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.maxGrad(k.attrs(), g, in[1], in[2], out)
+	graph.OpMaxGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.maxGrad(dt, k.attrs(), g, in[1], in[2], out)
 	})},
 	graph.OpExpand: {run: gradOf(func(k *kctx, g operand, _ []operand, out operand) error { return k.expand(g, out) })},
 }
@@ -68,10 +67,12 @@ func reduceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 
 // reduce computes sum, mean or max over a.Axes: rows, middle-axis or
 // strided layout, split into partial reductions when the node may split
-// (reduceSplittable) and the chunk's reductions are long.
+// (reduceSplittable) and the chunk's reductions are long. x and the output
+// share one float dtype; split partials are float32 whatever it is.
 func reduce(k *kctx, in []operand, out operand) error {
 	nd, a, x := k.nd, k.attrs(), in[0]
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	l, err := planReduce(x.shape, a.Axes)
@@ -91,20 +92,18 @@ func reduce(k *kctx, in []operand, out operand) error {
 	switch {
 	case l.nout == 0:
 		return nil
-	case l.nred == 0: // empty reductions: the sum's 0, the max's −inf, as on the CPU
-		v := float32(0)
-		if op == rMax {
-			v = float32(math.Inf(-1))
-		}
-		return k.flat(kFillF32, l.nout, out.p, l.nout, v)
+	case l.nred == 0: // empty reductions: rows of none give the sum's 0, the max's −inf, as on the CPU
+		block := rowBlock(0)
+		return k.launch(typed(kReduceRows, dt), rowGrid(l.nout, block, 1), block, x.p, out.p, alloc.Ptr(0), l.nout, int64(0), op, scale)
 	}
 	splits := int64(1)
 	if reduceSplittable(k.g, nd) {
 		splits = splitsFor(l.nred, splitLen)
 	}
-	dst, first := out.p, scale
+	var part alloc.Ptr // the partials of a split reduction; none when unsplit
+	first := scale
 	if splits > 1 {
-		if dst, err = k.workspace(splitBytes(splits, l.nout)); err != nil {
+		if part, err = k.workspace(splitBytes(splits, l.nout)); err != nil {
 			return err
 		}
 		first = 1
@@ -112,23 +111,30 @@ func reduce(k *kctx, in []operand, out operand) error {
 	switch l.kind {
 	case reduceRows:
 		block := rowBlock(l.n)
-		err = k.launch(kReduceRows, rowGrid(l.outer, block, splits), block, x.p, dst, l.outer, l.n, op, first)
+		err = k.launch(typed(kReduceRows, dt), rowGrid(l.outer, block, splits), block, x.p, out.p, part, l.outer, l.n, op, first)
 	case reduceMid:
 		grid := [3]uint32{tileGridX(l.inner), uint32(min(l.outer, maxGridYZ)), uint32(splits)}
-		err = k.launch(kReduceMid, grid, tileBlock, x.p, dst, l.outer, l.n, l.inner, op, first)
+		err = k.launch(typed(kReduceMid, dt), grid, tileBlock, x.p, out.p, part, l.outer, l.n, l.inner, op, first)
 	default:
 		block := rowBlock(l.nred)
-		err = k.launch(kReduceStrided, rowGrid(l.nout, block, splits), block, x.p, dst, l.geom, l.nout, l.nred, op, first)
+		err = k.launch(typed(kReduceStrided, dt), rowGrid(l.nout, block, splits), block, x.p, out.p, part, l.geom, l.nout, l.nred, op, first)
 	}
 	if err != nil || splits == 1 {
 		return err
 	}
-	return k.launch(kReduceMid, [3]uint32{tileGridX(l.nout), 1, 1}, tileBlock, dst, out.p, int64(1), splits, l.nout, op, scale)
+	return k.combineSplits(dt, part, out.p, splits, l.nout, op, scale)
 }
 
-// maxGrad shares each reduced gradient evenly among the tied maxima.
-func (k *kctx) maxGrad(a *graph.Attrs, g, x, y, out operand) error {
-	if err := floats(x, y); err != nil {
+// combineSplits reduces the float32 partials [splits, nout] at part into
+// out (nout values of dtype dt) with reduce_splits_*, scaling sums.
+func (k *kctx) combineSplits(dt graph.DType, part, out alloc.Ptr, splits, nout int64, op opcode.Code, scale float64) error {
+	return k.launch(typed(kReduceSplits, dt), [3]uint32{tileGridX(nout), 1, 1}, tileBlock, part, out, splits, nout, op, scale)
+}
+
+// maxGrad shares each reduced gradient evenly among the tied maxima; g, x,
+// y and the output share one float dtype, dt.
+func (k *kctx) maxGrad(dt graph.DType, a *graph.Attrs, g, x, y, out operand) error {
+	if _, err := floatsOf(g, x, y, out); err != nil {
 		return err
 	}
 	l, err := planReduce(x.shape, a.Axes)
@@ -142,7 +148,7 @@ func (k *kctx) maxGrad(a *graph.Attrs, g, x, y, out operand) error {
 		return nil
 	}
 	block := rowBlock(l.nred)
-	return k.launch(kMaxGrad, rowGrid(l.nout, block, 1), block, g.p, x.p, y.p, out.p, l.geom, l.nout, l.nred)
+	return k.launch(typed(kMaxGrad, dt), rowGrid(l.nout, block, 1), block, g.p, x.p, y.p, out.p, l.geom, l.nout, l.nred)
 }
 
 // expand broadcasts g to out's shape (the backward of reductions).

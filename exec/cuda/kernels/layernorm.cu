@@ -1,4 +1,9 @@
-// layernorm.cu: layer_norm over the trailing dims and its gradients.
+// layernorm.cu: layer_norm over the trailing dims and its gradients. Every
+// kernel is templated on its storage type and instantiated for float32,
+// bfloat16 and float16 (FOR_FLOATS, common.cuh): x, g, the weight and bias
+// and the outputs have that type, are read widened, and each output rounds
+// once from the float the float32 kernel would store. The statistics stay
+// double, in registers or in a double workspace.
 //
 // x is viewed as [rows, d], d the product of the Attrs.NormDims trailing
 // dims. Statistics follow the CPU: mean, then the biased variance of the
@@ -29,48 +34,48 @@ __device__ __forceinline__ void row_stats(A at, i64 d, bool live, double eps, do
   *rstd = 1.0 / sqrt(q / (double)d + eps);
 }
 
-template <bool C>
-__device__ __forceinline__ void layer_norm_body(const float* __restrict__ x,
-                                                const float* __restrict__ w,
-                                                const float* __restrict__ b,
-                                                float* __restrict__ y, i64 rows, i64 d,
-                                                double eps) {
+template <bool C, typename T>
+__device__ __forceinline__ void layer_norm_body(const T* __restrict__ x, const T* __restrict__ w,
+                                                const T* __restrict__ b, T* __restrict__ y,
+                                                i64 rows, i64 d, double eps) {
   __shared__ double sd[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < rows;
-    const float* p = x + row * d;
+    const T* p = x + row * d;
     float v[ROW_VPT];
     if (C && live) row_each<C>(d, [&](i64 k, int u) { v[u] = p[k]; });
-    auto at = [&](i64 k, int u) { return C ? v[u] : p[k]; };
+    auto at = [&](i64 k, int u) { return C ? v[u] : (float)p[k]; };
     double mean, rstd;
     row_stats<C>(at, d, live, eps, sd, &mean, &rstd);
     if (!live) continue;
-    float* q = y + row * d;
+    T* q = y + row * d;
     row_each<C>(d, [&](i64 k, int u) {
       double r = ((double)at(k, u) - mean) * rstd;
-      if (w) r *= (double)w[k];
-      if (b) r += (double)b[k];
+      if (w) r *= (double)(float)w[k];
+      if (b) r += (double)(float)b[k];
       q[k] = (float)r;
     });
   }
 }
 
-// layer_norm_f32: y = (x − mean)·rstd (· w) (+ b) per row of contiguous
-// [rows, d] x and y; w and b are [d] or null. Row layout (rows of up to
-// ROW_VPT·bx elements are read once).
-extern "C" __global__ void __launch_bounds__(1024)
-layer_norm_f32(const float* x, const float* w, const float* b, float* y, i64 rows, i64 d,
-               double eps) {
-  if (row_fits(d)) layer_norm_body<true>(x, w, b, y, rows, d, eps);
-  else layer_norm_body<false>(x, w, b, y, rows, d, eps);
-}
+// layer_norm_{f32,bf16,f16}: y = (x − mean)·rstd (· w) (+ b) per row of
+// contiguous [rows, d] x and y; w and b are [d] or null. Row layout (rows
+// of up to ROW_VPT·bx elements are read once).
+#define K(T, S)                                                                             \
+  extern "C" __global__ void __launch_bounds__(1024) layer_norm_##S(                        \
+      const T* x, const T* w, const T* b, T* y, i64 rows, i64 d, double eps) {              \
+    if (row_fits(d)) layer_norm_body<true>(x, w, b, y, rows, d, eps);                       \
+    else layer_norm_body<false>(x, w, b, y, rows, d, eps);                                  \
+  }
+FOR_FLOATS(K)
+#undef K
 
-template <bool C>
-__device__ __forceinline__ void layer_norm_grad_x_body(const float* __restrict__ g,
-                                                       const float* __restrict__ x,
-                                                       const float* __restrict__ w,
-                                                       float* __restrict__ out, i64 rows, i64 d,
+template <bool C, typename T>
+__device__ __forceinline__ void layer_norm_grad_x_body(const T* __restrict__ g,
+                                                       const T* __restrict__ x,
+                                                       const T* __restrict__ w,
+                                                       T* __restrict__ out, i64 rows, i64 d,
                                                        double eps) {
   __shared__ double sd[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
@@ -83,10 +88,10 @@ __device__ __forceinline__ void layer_norm_grad_x_body(const float* __restrict__
         xv[u] = x[off + k];
         gv[u] = g[off + k];
       });
-    auto xat = [&](i64 k, int u) { return C ? xv[u] : x[off + k]; };
+    auto xat = [&](i64 k, int u) { return C ? xv[u] : (float)x[off + k]; };
     auto ghat = [&](i64 k, int u) {  // ĝ = g·w
-      double r = (double)(C ? gv[u] : g[off + k]);
-      if (w) r *= (double)w[k];
+      double r = (double)(C ? gv[u] : (float)g[off + k]);
+      if (w) r *= (double)(float)w[k];
       return r;
     };
     double mean, rstd;
@@ -110,29 +115,32 @@ __device__ __forceinline__ void layer_norm_grad_x_body(const float* __restrict__
   }
 }
 
-// layer_norm_grad_x_f32: with x̂ = (x − mean)·rstd and ĝ = g·w (g alone when
-// w is null), out = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) per row of contiguous
-// [rows, d] g, x, out. Row layout as layer_norm_f32.
-extern "C" __global__ void __launch_bounds__(1024)
-layer_norm_grad_x_f32(const float* g, const float* x, const float* w, float* out, i64 rows, i64 d,
-                      double eps) {
-  if (row_fits(d)) layer_norm_grad_x_body<true>(g, x, w, out, rows, d, eps);
-  else layer_norm_grad_x_body<false>(g, x, w, out, rows, d, eps);
-}
+// layer_norm_grad_x_{f32,bf16,f16}: with x̂ = (x − mean)·rstd and ĝ = g·w (g
+// alone when w is null), out = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) per row of
+// contiguous [rows, d] g, x, out. Row layout as layer_norm_*.
+#define K(T, S)                                                                             \
+  extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_x_##S(                 \
+      const T* g, const T* x, const T* w, T* out, i64 rows, i64 d, double eps) {            \
+    if (row_fits(d)) layer_norm_grad_x_body<true>(g, x, w, out, rows, d, eps);              \
+    else layer_norm_grad_x_body<false>(g, x, w, out, rows, d, eps);                         \
+  }
+FOR_FLOATS(K)
+#undef K
 
-template <bool C>
-__device__ __forceinline__ void layer_norm_stats_body(const float* __restrict__ x,
+template <bool C, typename T>
+__device__ __forceinline__ void layer_norm_stats_body(const T* __restrict__ x,
                                                       double* __restrict__ stats, i64 rows, i64 d,
                                                       double eps) {
   __shared__ double sd[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < rows;
-    const float* p = x + row * d;
+    const T* p = x + row * d;
     float v[ROW_VPT];
     if (C && live) row_each<C>(d, [&](i64 k, int u) { v[u] = p[k]; });
     double mean, rstd;
-    row_stats<C>([&](i64 k, int u) { return C ? v[u] : p[k]; }, d, live, eps, sd, &mean, &rstd);
+    row_stats<C>([&](i64 k, int u) { return C ? v[u] : (float)p[k]; }, d, live, eps, sd, &mean,
+                 &rstd);
     if (live && threadIdx.x == 0) {
       stats[2 * row] = mean;
       stats[2 * row + 1] = rstd;
@@ -140,25 +148,24 @@ __device__ __forceinline__ void layer_norm_stats_body(const float* __restrict__ 
   }
 }
 
-// layer_norm_stats_f32: stats[2r] = mean and stats[2r+1] = rstd of row r of
-// contiguous [rows, d] x, for layer_norm_grad_w_f32. Row layout as
-// layer_norm_f32.
-extern "C" __global__ void __launch_bounds__(1024)
-layer_norm_stats_f32(const float* x, double* stats, i64 rows, i64 d, double eps) {
-  if (row_fits(d)) layer_norm_stats_body<true>(x, stats, rows, d, eps);
-  else layer_norm_stats_body<false>(x, stats, rows, d, eps);
-}
+// layer_norm_stats_{f32,bf16,f16}: stats[2r] = mean and stats[2r+1] = rstd
+// (double) of row r of contiguous [rows, d] x, for layer_norm_grad_w_*. Row
+// layout as layer_norm_*.
+#define K(T, S)                                                                               \
+  extern "C" __global__ void __launch_bounds__(1024) layer_norm_stats_##S(                    \
+      const T* x, double* stats, i64 rows, i64 d, double eps) {                               \
+    if (row_fits(d)) layer_norm_stats_body<true>(x, stats, rows, d, eps);                     \
+    else layer_norm_stats_body<false>(x, stats, rows, d, eps);                                \
+  }
+FOR_FLOATS(K)
+#undef K
 
-// layer_norm_grad_w_f32: out[s·d + j] = Σ over rows r of split s of
-// g[r, j]·(x[r, j] − mean_r)·rstd_r, a column reduction over contiguous
-// [rows, d] g and x with stats from layer_norm_stats_f32. blockDim =
-// (bx, by), bx·by ≤ 1024: threadIdx.x along d (coalesced), threadIdx.y
-// strides over rows. Grid: x = ceil(d/bx) (loops, so fewer is correct),
-// y = splits: with gridDim.y > 1 out holds [splits, d] partials, summed by
-// reduce_mid_f32 over [1, splits, d].
-extern "C" __global__ void __launch_bounds__(1024)
-layer_norm_grad_w_f32(const float* __restrict__ g, const float* __restrict__ x,
-                      const double* __restrict__ stats, float* __restrict__ out, i64 rows, i64 d) {
+template <typename T>
+__device__ __forceinline__ void layer_norm_grad_w_t(const T* __restrict__ g,
+                                                    const T* __restrict__ x,
+                                                    const double* __restrict__ stats,
+                                                    T* __restrict__ out, float* __restrict__ part,
+                                                    i64 rows, i64 d) {
   __shared__ double sd[1024];
   const i64 per = (rows + gridDim.y - 1) / gridDim.y;
   const i64 lo = imin(rows, (i64)blockIdx.y * per), hi = imin(rows, lo + per);
@@ -169,13 +176,31 @@ layer_norm_grad_w_f32(const float* __restrict__ g, const float* __restrict__ x,
     double s = 0;
     if (live)
       for (i64 r = lo + threadIdx.y; r < hi; r += blockDim.y)
-        s += (double)g[r * d + j] * (((double)x[r * d + j] - stats[2 * r]) * stats[2 * r + 1]);
+        s += (double)(float)g[r * d + j] *
+             (((double)(float)x[r * d + j] - stats[2 * r]) * stats[2 * r + 1]);
     sd[t] = s;
     __syncthreads();
     if (live && threadIdx.y == 0) {
       for (unsigned k = 1; k < blockDim.y; ++k) s += sd[k * blockDim.x + threadIdx.x];
-      out[(i64)blockIdx.y * d + j] = (float)s;
+      if (part) part[(i64)blockIdx.y * d + j] = (float)s;
+      else out[j] = (float)s;
     }
     __syncthreads();
   }
 }
+
+// layer_norm_grad_w_{f32,bf16,f16}: Σ over the rows r of split s of
+// g[r, j]·(x[r, j] − mean_r)·rstd_r, a column reduction over contiguous
+// [rows, d] g and x with stats from layer_norm_stats_*, into out[j] when
+// part is null (then gridDim.y must be 1), else into the float partials
+// part[s·d + j], which reduce_splits_* (reduce.cu) sums into out over
+// [splits, d]. blockDim = (bx, by), bx·by ≤ 1024: threadIdx.x along d
+// (coalesced), threadIdx.y strides over rows. Grid: x = ceil(d/bx) (loops,
+// so fewer is correct), y = splits.
+#define K(T, S)                                                                                \
+  extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_w_##S(                    \
+      const T* g, const T* x, const double* stats, T* out, float* part, i64 rows, i64 d) {     \
+    layer_norm_grad_w_t(g, x, stats, out, part, rows, d);                                      \
+  }
+FOR_FLOATS(K)
+#undef K

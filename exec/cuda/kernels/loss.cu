@@ -1,8 +1,13 @@
-// loss.cu: cross_entropy and mse, forward and gradient.
+// loss.cu: cross_entropy and mse, forward and gradient. Every kernel is
+// templated on its storage type and instantiated for float32, bfloat16 and
+// float16 (FOR_FLOATS, common.cuh): logits, predictions, targets, g and
+// the outputs (the loss included, whose dtype is the logits') have that
+// type, are read widened, and each output rounds once from the float the
+// float32 kernel would store. Labels are int64.
 //
 // The forward losses reduce deterministically in two steps through a small
 // double workspace: per-row (cross_entropy) or per-block (mse) partials,
-// then sum_f64_f32 in a single block. Attrs.Scalar (1/N of the full batch
+// then sum_f64_* in a single block. Attrs.Scalar (1/N of the full batch
 // for a mean, 1 for a sum) scales the total, so chunk results add up.
 // Labels are checked as index.cu checks indices (see `bad` there).
 #include "common.cuh"
@@ -11,7 +16,8 @@
 // memory, for rows too long for registers: each thread keeps a running max
 // and a sum rescaled whenever the max grows, and the threads' sums are
 // rescaled to the row's max before they are added. A NaN makes both NaN.
-__device__ __forceinline__ void row_lse_online(const float* p, i64 c, bool live, float* sf,
+template <typename T>
+__device__ __forceinline__ void row_lse_online(const T* p, i64 c, bool live, float* sf,
                                                double* sd, float* m, double* z) {
   float mx = neg_inf_f();
   double s = 0;
@@ -47,8 +53,8 @@ __device__ __forceinline__ void row_lse_online(const float* p, i64 c, bool live,
 // double (loading the row into v when C: two passes over registers; one
 // online pass over memory otherwise); every thread of the block must call
 // it.
-template <bool C>
-__device__ __forceinline__ void row_lse(const float* p, float (&v)[ROW_VPT], i64 c, bool live,
+template <bool C, typename T>
+__device__ __forceinline__ void row_lse(const T* p, float (&v)[ROW_VPT], i64 c, bool live,
                                         float* sf, double* sd, float* m, double* z) {
   if (!C) {
     row_lse_online(p, c, live, sf, sd, m, z);
@@ -67,8 +73,8 @@ __device__ __forceinline__ void row_lse(const float* p, float (&v)[ROW_VPT], i64
   *m = mx;
 }
 
-template <bool C>
-__device__ __forceinline__ void cross_entropy_rows_body(const float* __restrict__ logits,
+template <bool C, typename T>
+__device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
                                                         double* __restrict__ loss, i64 n, i64 c,
                                                         u64* bad) {
@@ -77,7 +83,7 @@ __device__ __forceinline__ void cross_entropy_rows_body(const float* __restrict_
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
-    const float* p = logits + row * c;
+    const T* p = logits + row * c;
     float v[ROW_VPT];
     float m;
     double z;
@@ -89,54 +95,59 @@ __device__ __forceinline__ void cross_entropy_rows_body(const float* __restrict_
       report_bad(bad, row);
       continue;
     }
-    loss[row] = (double)m + log(z) - (double)p[label];
+    loss[row] = (double)m + log(z) - (double)(float)p[label];
   }
 }
 
-// cross_entropy_rows_f32: loss[r] = logsumexp(logits[r, :]) − logits[r, label[r]]
-// in double, for contiguous logits [n, c] and int64 labels [n]; an
-// out-of-range label gives NaN and is reported in bad. Row layout:
-// blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid (rows of
-// up to ROW_VPT·bx classes are read once). Then sum_f64_f32(loss, out, n,
-// Scalar) gives the loss.
-extern "C" __global__ void __launch_bounds__(1024, 1)
-cross_entropy_rows_f32(const float* logits, const i64* labels, double* loss, i64 n, i64 c,
-                       u64* bad) {
-  if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, bad);
-  else cross_entropy_rows_body<false>(logits, labels, loss, n, c, bad);
-}
+// cross_entropy_rows_{f32,bf16,f16}: loss[r] = logsumexp(logits[r, :]) −
+// logits[r, label[r]] in double, for contiguous logits [n, c] and int64
+// labels [n]; an out-of-range label gives NaN and is reported in bad. Row
+// layout: blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid
+// (rows of up to ROW_VPT·bx classes are read once). Then sum_f64_*(loss,
+// out, n, Scalar) gives the loss.
+#define K(T, S)                                                                          \
+  extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_##S(          \
+      const T* logits, const i64* labels, double* loss, i64 n, i64 c, u64* bad) {        \
+    if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, bad);     \
+    else cross_entropy_rows_body<false>(logits, labels, loss, n, c, bad);                \
+  }
+FOR_FLOATS(K)
+#undef K
 
-// sum_f64_f32: out[0] = float(Σ src[0:n] · scale), summed in double by one
-// block: launch exactly one block of blockDim.x threads, a multiple of 32
-// up to 1024 (blockDim.y = 1).
-extern "C" __global__ void __launch_bounds__(1024)
-sum_f64_f32(const double* __restrict__ src, float* __restrict__ out, i64 n, double scale) {
-  __shared__ double sd[32];
-  double s = 0;
-  for (i64 k = threadIdx.x; k < n; k += blockDim.x) s += src[k];
-  s = row_allreduce(s, SumOp(), sd);
-  if (threadIdx.x == 0) out[0] = (float)(s * scale);
-}
+// sum_f64_{f32,bf16,f16}: out[0] = float(Σ src[0:n] · scale), summed in
+// double by one block (then rounded to out's type): launch exactly one
+// block of blockDim.x threads, a multiple of 32 up to 1024 (blockDim.y = 1).
+#define K(T, S)                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024) sum_f64_##S(                            \
+      const double* __restrict__ src, T* __restrict__ out, i64 n, double scale) {            \
+    __shared__ double sd[32];                                                                \
+    double s = 0;                                                                            \
+    for (i64 k = threadIdx.x; k < n; k += blockDim.x) s += src[k];                           \
+    s = row_allreduce(s, SumOp(), sd);                                                       \
+    if (threadIdx.x == 0) out[0] = (float)(s * scale);                                       \
+  }
+FOR_FLOATS(K)
+#undef K
 
-template <bool C>
-__device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict__ g,
-                                                        const float* __restrict__ logits,
+template <bool C, typename T>
+__device__ __forceinline__ void cross_entropy_grad_body(const T* __restrict__ g,
+                                                        const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
-                                                        float* __restrict__ out, i64 n, i64 c,
+                                                        T* __restrict__ out, i64 n, i64 c,
                                                         double scalar, u64* bad) {
   __shared__ double sd[32];
   __shared__ float sf[32];
-  const double s = scalar * (double)g[0];
+  const double s = scalar * (double)(float)g[0];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
-    const float* p = logits + row * c;
+    const T* p = logits + row * c;
     float v[ROW_VPT];
     float m;
     double z;
     row_lse<C>(p, v, c, live, sf, sd, &m, &z);
     if (!live) continue;
-    float* q = out + row * c;
+    T* q = out + row * c;
     const i64 label = labels[row];
     if (label < 0 || label >= c) {
       row_each<C>(c, [&](i64 k, int) { q[k] = nan_f(); });
@@ -144,47 +155,58 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
       continue;
     }
     row_each<C>(c, [&](i64 k, int u) {
-      double pr = (double)expf((C ? v[u] : p[k]) - m) / z;
+      double pr = (double)expf((C ? v[u] : (float)p[k]) - m) / z;
       if (k == label) pr -= 1.0;
       q[k] = (float)(s * pr);
     });
   }
 }
 
-// cross_entropy_grad_f32: out[r, j] = float(s·(softmax(logits[r, :])_j −
-// [j = label[r]])) with s = scalar·g[0] in double (g the upstream scalar
-// gradient, scalar = Attrs.Scalar). Row layout as cross_entropy_rows_f32;
-// a row with an out-of-range label is NaN and reported.
-extern "C" __global__ void __launch_bounds__(1024)
-cross_entropy_grad_f32(const float* g, const float* logits, const i64* labels, float* out, i64 n,
-                       i64 c, double scalar, u64* bad) {
-  if (row_fits(c)) cross_entropy_grad_body<true>(g, logits, labels, out, n, c, scalar, bad);
-  else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, scalar, bad);
-}
-
-// mse_partial_f32: partial[b] = Σ (pred − target)² in double over the
-// elements that block b visits (a grid-stride loop over n). blockDim.x a
-// multiple of 32 up to 1024, blockDim.y = 1; partial has gridDim.x
-// entries. Then sum_f64_f32(partial, out, gridDim.x, Scalar). The result is
-// reproducible for a fixed grid.
-extern "C" __global__ void __launch_bounds__(1024)
-mse_partial_f32(const float* __restrict__ pred, const float* __restrict__ target,
-                double* __restrict__ partial, i64 n) {
-  __shared__ double sd[32];
-  double s = 0;
-  GRID_LOOP(i, n) {
-    const double d = (double)pred[i] - (double)target[i];
-    s += d * d;
+// cross_entropy_grad_{f32,bf16,f16}: out[r, j] = float(s·(softmax(logits[r,
+// :])_j − [j = label[r]])) with s = scalar·g[0] in double (g the upstream
+// scalar gradient, scalar = Attrs.Scalar). Row layout as
+// cross_entropy_rows_*; a row with an out-of-range label is NaN and
+// reported.
+#define K(T, S)                                                                                \
+  extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_##S(                   \
+      const T* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, double scalar,     \
+      u64* bad) {                                                                              \
+    if (row_fits(c)) cross_entropy_grad_body<true>(g, logits, labels, out, n, c, scalar, bad); \
+    else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, scalar, bad);            \
   }
-  s = row_allreduce(s, SumOp(), sd);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
+FOR_FLOATS(K)
+#undef K
 
-// mse_grad_f32: out = float(2·scalar·g[0] · double(pred − target)), the
-// difference taken in float as on the CPU. 1-D blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256)
-mse_grad_f32(const float* __restrict__ g, const float* __restrict__ pred,
-             const float* __restrict__ target, float* __restrict__ out, i64 n, double scalar) {
-  const double s = 2.0 * scalar * (double)g[0];
-  GRID_LOOP(i, n) out[i] = (float)(s * (double)(pred[i] - target[i]));
-}
+// mse_partial_{f32,bf16,f16}: partial[b] = Σ (pred − target)² in double over
+// the elements that block b visits (a grid-stride loop over n). blockDim.x
+// a multiple of 32 up to 1024, blockDim.y = 1; partial has gridDim.x
+// entries. Then sum_f64_*(partial, out, gridDim.x, Scalar). The result is
+// reproducible for a fixed grid.
+#define K(T, S)                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024) mse_partial_##S(                   \
+      const T* __restrict__ pred, const T* __restrict__ target,                         \
+      double* __restrict__ partial, i64 n) {                                            \
+    __shared__ double sd[32];                                                           \
+    double s = 0;                                                                       \
+    GRID_LOOP(i, n) {                                                                   \
+      const double d = (double)(float)pred[i] - (double)(float)target[i];               \
+      s += d * d;                                                                       \
+    }                                                                                   \
+    s = row_allreduce(s, SumOp(), sd);                                                  \
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;                                      \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// mse_grad_{f32,bf16,f16}: out = float(2·scalar·g[0] · double(pred −
+// target)), the difference taken in float as on the CPU. 1-D blocks, any
+// grid.
+#define K(T, S)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) mse_grad_##S(                        \
+      const T* __restrict__ g, const T* __restrict__ pred, const T* __restrict__ target, \
+      T* __restrict__ out, i64 n, double scalar) {                                       \
+    const double s = 2.0 * scalar * (double)(float)g[0];                                 \
+    GRID_LOOP(i, n) out[i] = (float)(s * (double)((float)pred[i] - (float)target[i]));   \
+  }
+FOR_FLOATS(K)
+#undef K
