@@ -251,9 +251,6 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 		return nil, err
 	}
 	c.table, c.top, c.json, c.device = v.table, v.top, v.json, d
-	if d != nil && c.policy.Mixed() {
-		return nil, usagef(errNotApplicable, "--precision %s runs on the CPU executor only: the CUDA executor has no 16-bit kernels yet (plan with --budget)", c.policy)
-	}
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
 	}

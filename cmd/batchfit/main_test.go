@@ -18,6 +18,7 @@ import (
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
+	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -404,6 +405,8 @@ func TestPrecisionFlag(t *testing.T) {
 		_, err := parseEstimate(append(append([]string(nil), base...), c.args...))
 		assert.ErrorIs(t, err, c.kind, "%q", c.args)
 	}
-	_, err := parseEstimate([]string{"--model", "mlp", "--batch", "8", "--gpu", "h100-80gb", "--precision", "bf16-mixed"})
-	assert.ErrorIs(t, err, errNotApplicable, "the CUDA executor has no 16-bit kernels yet")
+	// The CUDA executor runs the mixed policies: a card's budget plans them.
+	c, err := parseEstimate([]string{"--model", "mlp", "--batch", "8", "--gpu", "h100-80gb", "--precision", "bf16-mixed"})
+	require.NoError(t, err)
+	assert.Equal(t, precision.BF16Mixed, c.policy)
 }
