@@ -79,7 +79,7 @@ var kernelFiles = map[string][]string{
 	"attention.cu":  {kAttentionFwd, kAttentionGradQ, kAttentionGradKV},
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
 	"batchnorm.cu":  {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
-	"conv.cu":       {kIm2col, kCol2im},
+	"conv.cu":       allTyped(kIm2col, kCol2im),
 	"dropout.cu":    allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
@@ -88,7 +88,7 @@ var kernelFiles = map[string][]string{
 	"loss.cu":      {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
 	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":     {kSGD, kAdam},
-	"pool.cu":      {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
+	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
 	"reduce.cu":    {kReduceRows, kReduceMid, kReduceStrided, kMaxGrad},
 	"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
 }

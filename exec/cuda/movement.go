@@ -22,8 +22,8 @@ var movementKernels = family{
 	}, ws: flagWorkspace},
 	graph.OpEmbeddingGrad: {run: func(k *kctx, in []operand, out operand) error {
 		return k.embeddingGrad(in[0], in[1], out)
-	}, ws: func(_ *graph.Graph, nd *graph.Node, _ int) int64 {
-		return embeddingGradWorkspace(nd.Type.DType, int64(nd.Type.Numel()))
+	}, ws: func(_ *graph.Graph, nd *graph.Node, b int) int64 {
+		return embeddingGradWorkspace(nd.Type.DType, int64(graph.Numel(nd.Type.AtBatch(b))))
 	}},
 }
 
