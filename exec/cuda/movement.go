@@ -158,7 +158,7 @@ func (k *kctx) gather(dt graph.DType, src, dst alloc.Ptr, dims, strides []int) e
 	n := int64(graph.Numel(dims))
 	last := len(dims) - 1
 	per := 16 / dt.Size() // elements per 16-byte unit
-	rows := last >= 0 && strides[last] == 1 && dims[last]%per == 0 && src%16 == 0 && dst%16 == 0
+	rows := n > 0 && last >= 0 && strides[last] == 1 && dims[last]%per == 0 && src%16 == 0 && dst%16 == 0
 	for _, s := range strides[:max(last, 0)] {
 		rows = rows && s%per == 0
 	}
