@@ -8,39 +8,68 @@ import (
 )
 
 // Convolution family (kernels/conv.cu, pool.cu, and cuBLAS for the GEMMs):
-// conv2d as im2col + GEMM, max and average pooling, and their gradients.
+// conv2d as im2col + GEMM, max and average pooling, and their gradients,
+// for float32, bfloat16 and float16 (all operands of one dtype; 16-bit
+// GEMMs accumulate in float32).
 var convKernels = family{
 	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(inputAt(g, nd, 1, b), nd.Type.AtBatch(b), convImages(g, nd), &nd.Attrs)
+		return convColBytes(inputAt(g, nd, 1, b), nd.Type.AtBatch(b), convImages(g, nd), &nd.Attrs, elemSize(nd.Type.DType))
 	}},
 	graph.OpMaxPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.maxPool2d(k.attrs(), in[0], out) }},
 	graph.OpAvgPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.avgPool2d(k.attrs(), in[0], out) }},
 
-	graph.OpConv2dGradInput: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.conv2dGradInput(k.attrs(), g, in[1], out)
-	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(inputAt(g, nd, 1, b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs)
+	// The patches of the input gradient are the GEMM's float32 output,
+	// whatever the dtype: col2im sums them in float32 and rounds once.
+	graph.OpConv2dGradInput: {run: func(k *kctx, in []operand, out operand) error {
+		return k.conv2dGradInput(k.attrs(), in[0], in[1], out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		return convColBytes(inputAt(g, nd, 1, b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs, 4)
 	}},
-	graph.OpConv2dGradWeight: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.conv2dGradWeight(k.attrs(), g, in[1], out)
-	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs)
+	graph.OpConv2dGradWeight: {run: func(k *kctx, in []operand, out operand) error {
+		return k.conv2dGradWeight(k.attrs(), in[0], in[1], out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+		dt := nd.Type.DType
+		col := convColBytes(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs, elemSize(dt))
+		return convSumsBytes(col, dt, int64(graph.Numel(nd.Type.AtBatch(b))))
 	}},
-	graph.OpMaxPool2dGrad: {run: gradOf(func(k *kctx, g operand, in []operand, out operand) error {
-		return k.maxPool2dGrad(k.attrs(), g, in[1], out)
-	}), ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
+	graph.OpMaxPool2dGrad: {run: func(k *kctx, in []operand, out operand) error {
+		return k.maxPool2dGrad(k.attrs(), in[0], in[1], out)
+	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
 		return argmaxBytes(int64(graph.Numel(inputAt(g, nd, 0, b))))
 	}},
-	graph.OpAvgPool2dGrad: {run: gradOf(func(k *kctx, g operand, _ []operand, out operand) error {
-		return k.avgPool2dGrad(k.attrs(), g, out)
-	})},
+	graph.OpAvgPool2dGrad: {run: func(k *kctx, in []operand, out operand) error {
+		return k.avgPool2dGrad(k.attrs(), in[0], out)
+	}},
 }
 
-// colBytes is a patch matrix of kk rows and howo columns: the unfolded
-// patches of one image and group.
-func colBytes(kk, howo int64) int64 { return 4 * kk * howo }
+// elemSize is the bytes of one element of dt in device memory, 4 for a
+// dtype the kernels refuse (their error comes at the launch).
+func elemSize(dt graph.DType) int64 {
+	if dt.IsFloat() {
+		return int64(dt.Size())
+	}
+	return 4
+}
+
+// colBytes is a patch matrix of kk rows and howo columns of size-byte
+// elements: the unfolded patches of one image and group.
+func colBytes(kk, howo, size int64) int64 { return size * kk * howo }
+
+// convSumsBytes is conv2d_grad_weight's workspace: col bytes of patches,
+// then for a 16-bit gradient of n elements its float32 sums, from byte
+// convSumsAt(col) on.
+func convSumsBytes(col int64, dt graph.DType, n int64) int64 {
+	if dt == graph.Float32 {
+		return col
+	}
+	return convSumsAt(col) + 4*n
+}
+
+// convSumsAt is where the float32 sums start: after col bytes of patches,
+// 256-byte aligned.
+func convSumsAt(col int64) int64 { return ceilDiv(col, 256) * 256 }
 
 // convColCap bounds a convolution's patch workspace. The patches of a tile
 // of images (as many as fit, at least one, at most the whole batch) are
@@ -57,12 +86,18 @@ func convTile(full, per int64) int64 {
 	return max(1, min(full, convColCap/max(per, 1)))
 }
 
-// patches takes a convolution's patch workspace, as convColBytes sizes it
-// for the planner, and says how many images' patch matrices of per bytes
-// it holds.
-func (k *kctx) patches(kk, howo int64) (col alloc.Ptr, tile, per int64, err error) {
-	per = colBytes(kk, howo)
-	tile = convTile(convImages(k.g, k.nd), per)
+// patchTile is how many images' patch matrices of kk·howo elements of
+// size bytes the patch workspace holds, as convColBytes sizes it for the
+// planner, and the bytes per image.
+func (k *kctx) patchTile(kk, howo, size int64) (tile, per int64) {
+	per = colBytes(kk, howo, size)
+	return convTile(convImages(k.g, k.nd), per), per
+}
+
+// patches takes a convolution's patch workspace of elements of size bytes
+// and says how many images' patch matrices of per bytes it holds.
+func (k *kctx) patches(kk, howo, size int64) (col alloc.Ptr, tile, per int64, err error) {
+	tile, per = k.patchTile(kk, howo, size)
 	col, err = k.workspace(tile * per)
 	return col, tile, per, err
 }
@@ -86,17 +121,18 @@ func convImages(g *graph.Graph, nd *graph.Node) int64 {
 func argmaxBytes(n int64) int64 { return 4 * n }
 
 // convColBytes is the patch workspace for weight w [O, C/g, kh, kw] and
-// forward output y [N, O, Ho, Wo] in a graph of full images: a tile of
-// images' patch matrices (convTile), one group at a time; 0 when the input
-// is used as it is (a 1×1 kernel with unit stride and no padding).
-func convColBytes(w, y []int, full int64, a *graph.Attrs) int64 {
+// forward output y [N, O, Ho, Wo] in a graph of full images, in elements
+// of size bytes: a tile of images' patch matrices (convTile), one group at
+// a time; 0 when the input is used as it is (a 1×1 kernel with unit stride
+// and no padding).
+func convColBytes(w, y []int, full int64, a *graph.Attrs, size int64) int64 {
 	if len(w) != 4 || len(y) != 4 {
 		return 0
 	}
 	if w[2] == 1 && w[3] == 1 && a.Stride == [2]int{1, 1} && a.Padding == [2]int{} {
 		return 0
 	}
-	per := colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]))
+	per := colBytes(int64(w[1]*w[2]*w[3]), int64(y[2]*y[3]), size)
 	return convTile(full, per) * per
 }
 
@@ -148,13 +184,15 @@ func newConvGeom(op string, a *graph.Attrs, x, y, w []int) (convGeom, error) {
 }
 
 // conv2d: per tile of images (convTile) and group, the patches are
-// unfolded into the workspace (im2col) and multiplied by the group's
-// weights in one strided-batched GEMM; with a bias,
-// it is broadcast into out first and the GEMMs add to it (beta = 1), as on
-// the CPU. A 1×1 kernel with unit stride and no padding multiplies the
-// input itself, all images in one strided-batched GEMM per group.
+// unfolded into the workspace (im2col, in the operands' dtype) and
+// multiplied by the group's weights in one strided-batched GEMM; with a
+// bias, it is broadcast into out first and the GEMMs add to it (beta = 1),
+// as on the CPU. A 1×1 kernel with unit stride and no padding multiplies
+// the input itself, all images in one strided-batched GEMM per group.
+// 16-bit GEMMs accumulate in float32 and round each output once.
 func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) error {
-	if err := floats(x, w, out); err != nil {
+	dt, err := floatsOf(x, w, out)
+	if err != nil {
 		return err
 	}
 	geo, err := newConvGeom("conv2d", a, x.shape, out.shape, w.shape)
@@ -166,13 +204,13 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
 	var beta float32
 	if b != nil {
-		if err := floats(*b); err != nil {
+		if _, err := floatsOf(x, *b); err != nil {
 			return err
 		}
 		if !slices.Equal(b.shape, []int{int(o)}) {
 			return graph.Errorf(graph.ErrShape, "conv2d bias %v, want [%d]", b.shape, o)
 		}
-		if err := k.flat(kBiasFill, out.n(), out.p, b.p, wd.N, o, howo); err != nil {
+		if err := k.flat(typed(kBiasFill, dt), out.n(), out.p, b.p, wd.N, o, howo); err != nil {
 			return err
 		}
 		beta = 1
@@ -182,7 +220,7 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 	}
 	if wd.direct() {
 		for gi := range groups {
-			if err := k.blas.GemmStridedBatched(false, false, int(og), int(howo), int(kk), 1,
+			if err := k.blas.GemmStridedBatchedOf(dt, false, false, int(og), int(howo), int(kk), 1,
 				w.at(gi*og*kk), int(kk), 0, x.at(gi*cg*hw), int(howo), chw,
 				beta, out.at(gi*og*howo), int(howo), o*howo, int(wd.N)); err != nil {
 				return err
@@ -190,17 +228,17 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		}
 		return nil
 	}
-	col, tile, _, err := k.patches(kk, howo)
+	col, tile, _, err := k.patches(kk, howo, int64(dt.Size()))
 	if err != nil {
 		return err
 	}
 	for n0 := int64(0); n0 < wd.N; n0 += tile {
 		t := min(tile, wd.N-n0)
 		for gi := range groups {
-			if err := k.flat(kIm2col, t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
+			if err := k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
 				return err
 			}
-			if err := k.blas.GemmStridedBatched(false, false, int(og), int(howo), int(kk), 1,
+			if err := k.blas.GemmStridedBatchedOf(dt, false, false, int(og), int(howo), int(kk), 1,
 				w.at(gi*og*kk), int(kk), 0, col, int(howo), kk*howo,
 				beta, out.at((n0*o+gi*og)*howo), int(howo), o*howo, int(t)); err != nil {
 				return err
@@ -212,9 +250,11 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 
 // conv2dGradInput: per tile of images and group, dcol = W_gᵀ·g_g in the
 // workspace (one strided-batched GEMM), folded into the input gradient by
-// col2im (which sets every element).
+// col2im (which sets every element). dcol is float32 for every dtype, so
+// col2im sums the overlapping taps in float32 and rounds once, as the CPU.
 func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
-	if err := floats(w); err != nil {
+	dt, err := floatsOf(g, w, out)
+	if err != nil {
 		return err
 	}
 	geo, err := newConvGeom("conv2d_grad_input", a, out.shape, g.shape, w.shape)
@@ -229,7 +269,7 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 	}
 	if wd.direct() {
 		for gi := range groups {
-			if err := k.blas.GemmStridedBatched(true, false, int(kk), int(howo), int(og), 1,
+			if err := k.blas.GemmStridedBatchedOf(dt, true, false, int(kk), int(howo), int(og), 1,
 				w.at(gi*og*kk), int(kk), 0, g.at(gi*og*howo), int(howo), o*howo,
 				0, out.at(gi*cg*hw), int(hw), chw, int(wd.N)); err != nil {
 				return err
@@ -237,19 +277,19 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 		}
 		return nil
 	}
-	col, tile, _, err := k.patches(kk, howo)
+	col, tile, _, err := k.patches(kk, howo, 4)
 	if err != nil {
 		return err
 	}
 	for n0 := int64(0); n0 < wd.N; n0 += tile {
 		t := min(tile, wd.N-n0)
 		for gi := range groups {
-			if err := k.blas.GemmStridedBatched(true, false, int(kk), int(howo), int(og), 1,
+			if err := k.blas.GemmStridedBatchedToF32(dt, true, false, int(kk), int(howo), int(og), 1,
 				w.at(gi*og*kk), int(kk), 0, g.at((n0*o+gi*og)*howo), int(howo), o*howo,
 				0, col, int(howo), kk*howo, int(t)); err != nil {
 				return err
 			}
-			if err := k.flat(kCol2im, t*cg*hw, col, out.at(n0*chw+gi*cg*hw), wd.tile(t, cg), chw, kk*howo); err != nil {
+			if err := k.flat(typed(kCol2im, dt), t*cg*hw, col, out.at(n0*chw+gi*cg*hw), wd.tile(t, cg), chw, kk*howo); err != nil {
 				return err
 			}
 		}
@@ -259,10 +299,13 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 
 // conv2dGradWeight: dW_g = Σ over images of g_g·colᵀ, with col the
 // unfolded patches of the forward input (the input itself for a 1×1
-// kernel with unit stride and no padding), accumulated into the zeroed
-// output.
+// kernel with unit stride and no padding), accumulated in float32: into
+// the zeroed output for float32, into float32 sums in the workspace for
+// 16-bit, rounded once into the output at the end (the CPU sums over
+// images in float32 and rounds once).
 func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
-	if err := floats(x); err != nil {
+	dt, err := floatsOf(g, x, out)
+	if err != nil {
 		return err
 	}
 	geo, err := newConvGeom("conv2d_grad_weight", a, x.shape, g.shape, out.shape)
@@ -272,15 +315,24 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	wd := geo.Window
 	o, groups, og, cg := geo.o, geo.groups, geo.og, geo.cg
 	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
-	if err := k.d.Memzero(out.p, 4*out.n()); err != nil || out.n() == 0 {
+	if out.n() == 0 {
+		return nil
+	}
+	tile, per, colB := wd.N, int64(0), int64(0)
+	if !wd.direct() {
+		tile, per = k.patchTile(kk, howo, int64(dt.Size()))
+		colB = tile * per
+	}
+	ws, err := k.workspace(convSumsBytes(colB, dt, out.n()))
+	if err != nil {
 		return err
 	}
-	var col alloc.Ptr
-	tile, per := wd.N, int64(0)
-	if !wd.direct() {
-		if col, tile, per, err = k.patches(kk, howo); err != nil {
-			return err
-		}
+	col, acc := ws, out.p
+	if dt != graph.Float32 {
+		acc = ws + alloc.Ptr(convSumsAt(colB))
+	}
+	if err := k.d.Memzero(acc, 4*out.n()); err != nil {
+		return err
 	}
 	// Images are summed one GEMM at a time, in order: only the unfolding
 	// is batched.
@@ -288,7 +340,7 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 		t := min(tile, wd.N-n0)
 		for gi := range groups {
 			if !wd.direct() {
-				if err := k.flat(kIm2col, t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
+				if err := k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
 					return err
 				}
 			}
@@ -297,25 +349,29 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 				if !wd.direct() {
 					src = col + alloc.Ptr(i*per)
 				}
-				if err := k.blas.Gemm(false, true, int(og), int(kk), int(howo), 1, g.at(((n0+i)*o+gi*og)*howo), int(howo),
-					src, int(howo), 1, out.at(gi*og*kk), int(kk)); err != nil {
+				if err := k.blas.GemmToF32(dt, false, true, int(og), int(kk), int(howo), 1, g.at(((n0+i)*o+gi*og)*howo), int(howo),
+					src, int(howo), 1, acc+alloc.Ptr(4*gi*og*kk), int(kk)); err != nil {
 					return err
 				}
 			}
 		}
 	}
-	return nil
+	if dt == graph.Float32 {
+		return nil
+	}
+	return k.packs(castKernel(graph.Float32, dt), out.n(), perPack(graph.Float32, dt), acc, out.p, out.n())
 }
 
 func (k *kctx) maxPool2d(a *graph.Attrs, x, out operand) error {
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	wd, err := newWindow("max_pool2d", x.shape, out.shape, a.Kernel[0], a.Kernel[1], a, -1)
 	if err != nil {
 		return err
 	}
-	return k.flat(kMaxPool, out.n(), x.p, out.p, wd)
+	return k.flat(typed(kMaxPool, dt), out.n(), x.p, out.p, wd)
 }
 
 // avgAttrs is a with avg_pool2d's dilation, which must be 1.
@@ -329,7 +385,8 @@ func avgAttrs(a *graph.Attrs) (*graph.Attrs, error) {
 }
 
 func (k *kctx) avgPool2d(a *graph.Attrs, x, out operand) error {
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	at, err := avgAttrs(a)
@@ -340,13 +397,14 @@ func (k *kctx) avgPool2d(a *graph.Attrs, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	return k.flat(kAvgPool, out.n(), x.p, out.p, wd)
+	return k.flat(typed(kAvgPool, dt), out.n(), x.p, out.p, wd)
 }
 
 // maxPool2dGrad routes each window's gradient to its first maximum: the
 // argmax of every window into the workspace, then a gather per input.
 func (k *kctx) maxPool2dGrad(a *graph.Attrs, g, x, out operand) error {
-	if err := floats(x); err != nil {
+	dt, err := floatsOf(g, x, out)
+	if err != nil {
 		return err
 	}
 	wd, err := newWindow("max_pool2d_grad", x.shape, g.shape, a.Kernel[0], a.Kernel[1], a, -1)
@@ -360,13 +418,17 @@ func (k *kctx) maxPool2dGrad(a *graph.Attrs, g, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	if err := k.flat(kMaxPoolArgmax, g.n(), x.p, idx, wd); err != nil {
+	if err := k.flat(typed(kMaxPoolArgmax, dt), g.n(), x.p, idx, wd); err != nil {
 		return err
 	}
-	return k.flat(kMaxPoolGrad, out.n(), g.p, idx, out.p, wd)
+	return k.flat(typed(kMaxPoolGrad, dt), out.n(), g.p, idx, out.p, wd)
 }
 
 func (k *kctx) avgPool2dGrad(a *graph.Attrs, g, out operand) error {
+	dt, err := floatsOf(g, out)
+	if err != nil {
+		return err
+	}
 	at, err := avgAttrs(a)
 	if err != nil {
 		return err
@@ -375,5 +437,5 @@ func (k *kctx) avgPool2dGrad(a *graph.Attrs, g, out operand) error {
 	if err != nil {
 		return err
 	}
-	return k.flat(kAvgPoolGrad, out.n(), g.p, out.p, wd)
+	return k.flat(typed(kAvgPoolGrad, dt), out.n(), g.p, out.p, wd)
 }

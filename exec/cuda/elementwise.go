@@ -236,10 +236,12 @@ func maximumGrad(k *kctx, dt graph.DType, g operand, in []operand, out operand) 
 }
 
 // dropout keys each element by its global row along the batch axis (chunk
-// start · PerSample onwards) and its index within the row, as exec/cpu.
+// start · PerSample onwards) and its index within the row, as exec/cpu:
+// every float dtype draws the same mask.
 func dropout(k *kctx, in []operand, out operand) error {
 	x, a, t := in[0], k.attrs(), k.nd.Type
-	if err := floats(x, out); err != nil {
+	dt, err := floatsOf(x, out)
+	if err != nil {
 		return err
 	}
 	if x.n() != out.n() {
@@ -253,7 +255,7 @@ func dropout(k *kctx, in []operand, out operand) error {
 		outer, rows, inner = int64(graph.Numel(x.shape[:ax])), int64(x.shape[ax]), int64(graph.Numel(x.shape[ax+1:]))
 		rowOff = int64(k.c.Start * t.PerSample)
 	}
-	return k.flat(kDropout, x.n(), x.p, out.p, outer, rows, inner, rowOff, a.Seed, a.Counter, p, scale)
+	return k.packs(typed(kDropout, dt), x.n(), perPack(dt), x.p, out.p, outer, rows, inner, rowOff, a.Seed, a.Counter, p, scale)
 }
 
 func causalMask(k *kctx, in []operand, out operand) error {
@@ -270,9 +272,15 @@ func causalMask(k *kctx, in []operand, out operand) error {
 	return k.flat(typed(kCausalMask, dt), x.n(), x.p, out.p, x.n(), t, s, float32(k.attrs().Scalar))
 }
 
+// fill sets every element to Attrs.Scalar: int64(Scalar) for int64, else
+// float32(Scalar), rounded once more for a 16-bit output.
 func fill(k *kctx, _ []operand, out operand) error {
 	if out.dt == graph.Int64 {
 		return k.flat(kFillI64, out.n(), out.p, out.n(), int64(k.attrs().Scalar))
 	}
-	return k.flat(kFillF32, out.n(), out.p, out.n(), float32(k.attrs().Scalar))
+	dt, err := floatsOf(out)
+	if err != nil {
+		return err
+	}
+	return k.flat(typed(kFillF32, dt), out.n(), out.p, out.n(), float32(k.attrs().Scalar))
 }

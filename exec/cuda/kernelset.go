@@ -45,18 +45,13 @@ const (
 	kMSEPartial      = "mse_partial_f32"
 	kMSEGrad         = "mse_grad_f32"
 	kSumF64          = "sum_f64_f32"
-	kCopyF32         = "copy_f32"
-	kCopyI64         = "copy_i64"
-	kGatherF32       = "gather_f32"
-	kGatherI64       = "gather_i64"
+	kCopy            = "copy_f32"
+	kGather          = "gather_f32"
 	kGatherRows      = "gather_rows_f32"
-	kTransposeF32    = "transpose_f32"
-	kTransposeI64    = "transpose_i64"
-	kSliceF32        = "slice_f32"
-	kSliceI64        = "slice_i64"
+	kTranspose       = "transpose_f32"
+	kSlice           = "slice_f32"
 	kSliceGrad       = "slice_grad_f32"
-	kCopy2dF32       = "copy2d_f32"
-	kCopy2dI64       = "copy2d_i64"
+	kCopy2d          = "copy2d_f32"
 	kSGD             = "sgd_f32"
 	kAdam            = "adam_f32"
 	kMaxPool         = "max_pool2d_f32"
@@ -83,18 +78,18 @@ const (
 // kernel) is here.
 var kernelFiles = map[string][]string{
 	"attention.cu":  {kAttentionFwd, kAttentionGradQ, kAttentionGradKV},
-	"accumulate.cu": {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
+	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
 	"batchnorm.cu":  allTyped(kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt),
-	"conv.cu":       {kIm2col, kCol2im},
-	"dropout.cu":    {kDropout},
+	"conv.cu":       allTyped(kIm2col, kCol2im),
+	"dropout.cu":    allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
-	"index.cu":     {kEmbedding, kEmbeddingGrad},
+	"index.cu":     allTyped(kEmbedding, kEmbeddingGrad),
 	"layernorm.cu": allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
 	"loss.cu":      allTyped(kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
-	"movement.cu":  {kCopyF32, kCopyI64, kGatherF32, kGatherI64, kGatherRows, kTransposeF32, kTransposeI64, kSliceF32, kSliceI64, kSliceGrad, kCopy2dF32, kCopy2dI64},
+	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":     {kSGD, kAdam},
-	"pool.cu":      {kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad},
+	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
 	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
 	"softmax.cu":   allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }

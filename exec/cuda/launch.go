@@ -160,13 +160,34 @@ func sameDType(out operand, in ...operand) error {
 	return nil
 }
 
-// pick picks a kernel by dtype: movement ops work on float32 and int64
-// alike.
-func pick(dt graph.DType, f32, i64 string) string {
-	if dt == graph.Int64 {
-		return i64
+// moving is the instantiation of movement kernel name (spelled with its
+// float32 suffix) for elements of dt. Movement kernels only move bits, so
+// they go by element size: name_f32 for float32, name_b16 for bfloat16 and
+// float16 alike, name_i64 for int64 (kernels/movement.cu).
+func moving(name string, dt graph.DType) (string, error) {
+	base := strings.TrimSuffix(name, "_f32")
+	switch dt {
+	case graph.Float32:
+		return base + "_f32", nil
+	case graph.BFloat16, graph.Float16:
+		return base + "_b16", nil
+	case graph.Int64:
+		return base + "_i64", nil
 	}
-	return f32
+	return "", graph.Errorf(graph.ErrDType, "cuda: %s of %s elements (float32, bfloat16, float16 or int64)", base, dt)
+}
+
+// allMoving lists the instantiations of the movement kernels named (for
+// float32) by names: _f32, _b16 and _i64.
+func allMoving(names ...string) []string {
+	var out []string
+	for _, n := range names {
+		for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Int64} {
+			m, _ := moving(n, dt)
+			out = append(out, m)
+		}
+	}
+	return out
 }
 
 func boolInt(b bool) int64 {

@@ -59,20 +59,23 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block
 // states its ops' rules next to their launches:
 //
 //   - conv2d and its gradients: the unfolded patches of a tile of images,
-//     one group at a time, at most 64 MiB (conv.go);
+//     one group at a time, at most 64 MiB, and conv2d_grad_weight's
+//     float32 sums for a 16-bit gradient (conv.go);
 //   - max_pool2d_grad: the int32 argmax of every window (conv.go);
 //   - cross_entropy: the per-row losses in double, and the bad-label flag;
 //     cross_entropy_grad: the flag; mse: one double partial per block
 //     (loss.go);
-//   - embedding and embedding_grad: the flag (movement.go);
+//   - embedding and embedding_grad: the flag, and embedding_grad's float32
+//     sums for a 16-bit gradient (movement.go);
 //   - layer_norm_grad_w: per-row mean and rstd in double, and the partial
 //     sums of a split column reduction; batch_norm and its gradients:
 //     per-channel mean and rstd in double (norm.go);
 //   - sum, mean and max with few outputs and long reductions: the partials
 //     of a split reduction (reduce.go).
 //
-// The kernels compute in float32, so sizes count 4-byte floats whatever the
-// node's dtype.
+// The kernels compute in float32, so partials and sums count 4-byte floats
+// (or 8-byte doubles) whatever the node's dtype; copies of values (conv2d's
+// and conv2d_grad_weight's patches) take the node's element size.
 func Workspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	if int(nd.Op) >= graph.NumOps || kernelTable[nd.Op].ws == nil {
 		return 0

@@ -7,11 +7,14 @@
 // padding). The kernels handle n images at once with explicit image strides,
 // so the Go side can unfold one image and group at a time or a whole batch
 // for a strided-batched GEMM. For groups, point x at the group's first
-// channel and pass c = C/groups with x_img = C·H·W.
+// channel and pass c = C/groups with x_img = C·H·W. Both are instantiated
+// for float32, bfloat16 and float16 (FOR_FLOATS): im2col copies values of
+// its dtype (exactly), col2im sums float32 entries (the GEMM's float32
+// output) and rounds each sum once into x of its dtype.
 #include "common.cuh"
 
-template <typename I>
-__device__ void im2col_loop(const float* __restrict__ x, float* __restrict__ col, const Geom32& g,
+template <typename I, typename T>
+__device__ void im2col_loop(const T* __restrict__ x, T* __restrict__ col, const Geom32& g,
                             i64 c, i64 x_img, i64 col_img, i64 total) {
   const I howo = (I)g.ho * (I)g.wo, taps = (I)g.kh * (I)g.kw;
   const i64 plane = (i64)g.h * g.w;
@@ -25,27 +28,31 @@ __device__ void im2col_loop(const float* __restrict__ x, float* __restrict__ col
     const i64 img = (i64)pl / c, ci = (i64)pl - img * c;
     const int ih = oh * g.sh - g.ph + ki * g.dh;
     const int iw = ow * g.sw - g.pw + kj * g.dw;
-    float v = 0.f;
+    T v;
+    v = 0.f;
     if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w) v = x[img * x_img + ci * plane + ih * g.w + iw];
     col[img * col_img + ((i64)ci * (i64)taps + tap) * (i64)howo + pos] = v;
   }
 }
 
-// im2col_f32: for each of wd.n images (image i's channels at x + i·x_img,
-// its matrix at col + i·col_img, col_img ≥ c·kh·kw·ho·wo), unfold wd.c
-// channels of wd.h×wd.w into [c·kh·kw, ho·wo]. Every col element of the
-// n matrices is written. Plane arithmetic is 32-bit (see Geom32). 1-D
-// blocks, any grid.
-extern "C" __global__ void __launch_bounds__(256)
-im2col_f32(const float* x, float* col, Window wd, i64 x_img, i64 col_img) {
-  const Geom32 g = geom32(wd);
-  const i64 total = wd.n * wd.c * wd.kh * wd.kw * wd.ho * wd.wo;
-  if (FITS32(total)) im2col_loop<unsigned>(x, col, g, wd.c, x_img, col_img, total);
-  else im2col_loop<u64>(x, col, g, wd.c, x_img, col_img, total);
-}
+// im2col_{f32,bf16,f16}: for each of wd.n images (image i's channels at x
+// + i·x_img, its matrix at col + i·col_img, col_img ≥ c·kh·kw·ho·wo, both
+// in elements of the dtype), unfold wd.c channels of wd.h×wd.w into
+// [c·kh·kw, ho·wo]. Every col element of the n matrices is written. Plane
+// arithmetic is 32-bit (see Geom32). 1-D blocks, any grid.
+#define K(T, S)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) im2col_##S(const T* x, T* col, Window wd, \
+                                                               i64 x_img, i64 col_img) { \
+    const Geom32 g = geom32(wd);                                                         \
+    const i64 total = wd.n * wd.c * wd.kh * wd.kw * wd.ho * wd.wo;                       \
+    if (FITS32(total)) im2col_loop<unsigned>(x, col, g, wd.c, x_img, col_img, total);    \
+    else im2col_loop<u64>(x, col, g, wd.c, x_img, col_img, total);                       \
+  }
+FOR_FLOATS(K)
+#undef K
 
-template <typename I>
-__device__ void col2im_loop(const float* __restrict__ col, float* __restrict__ x, const Geom32& g,
+template <typename I, typename T>
+__device__ void col2im_loop(const float* __restrict__ col, T* __restrict__ x, const Geom32& g,
                             i64 c, i64 x_img, i64 col_img, i64 total) {
   const I plane = (I)g.h * (I)g.w;
   const i64 howo = (i64)g.ho * g.wo;
@@ -75,15 +82,20 @@ __device__ void col2im_loop(const float* __restrict__ col, float* __restrict__ x
   }
 }
 
-// col2im_f32: the adjoint of im2col_f32, as a gather: each input element
-// x[img, ci, ih, iw] is set (not added to) to the sum of the col entries of
-// the taps that saw it, taken in the CPU's order (ki, then kj, ascending),
-// in float, so given the same col the result matches the CPU bit for bit.
-// Same arguments as im2col_f32 with x the output; no atomics, no fill.
-extern "C" __global__ void __launch_bounds__(256)
-col2im_f32(const float* col, float* x, Window wd, i64 x_img, i64 col_img) {
-  const Geom32 g = geom32(wd);
-  const i64 total = wd.n * wd.c * wd.h * wd.w;
-  if (FITS32(total)) col2im_loop<unsigned>(col, x, g, wd.c, x_img, col_img, total);
-  else col2im_loop<u64>(col, x, g, wd.c, x_img, col_img, total);
-}
+// col2im_{f32,bf16,f16}: the adjoint of im2col_*, as a gather: each input
+// element x[img, ci, ih, iw] is set (not added to) to the sum of the col
+// entries of the taps that saw it, taken in the CPU's order (ki, then kj,
+// ascending), in float, so given the same col the result matches the CPU
+// bit for bit. col is float32 whatever the suffix (the GEMM's float32
+// output), x of the suffix's dtype, rounded once for 16-bit. Same
+// arguments as im2col_* with x the output; no atomics, no fill.
+#define K(T, S)                                                                               \
+  extern "C" __global__ void __launch_bounds__(256) col2im_##S(const float* col, T* x, Window wd, \
+                                                               i64 x_img, i64 col_img) {      \
+    const Geom32 g = geom32(wd);                                                              \
+    const i64 total = wd.n * wd.c * wd.h * wd.w;                                              \
+    if (FITS32(total)) col2im_loop<unsigned>(col, x, g, wd.c, x_img, col_img, total);         \
+    else col2im_loop<u64>(col, x, g, wd.c, x_img, col_img, total);                            \
+  }
+FOR_FLOATS(K)
+#undef K

@@ -1,6 +1,8 @@
 // movement.cu: copies that move elements without arithmetic — reshape,
 // permute, expand, slice (+ its gradient), concat, and the chunk copies of
-// the executor — for float32 and int64 buffers alike (suffix _f32 / _i64).
+// the executor. They move bits, so they go by element size: _f32 for
+// float32 (float), _b16 for bfloat16 and float16 alike (unsigned short),
+// _i64 for int64 (slice_grad: _f32 and _b16).
 //
 // Every kernel writes its destination contiguously, so writes coalesce;
 // transpose_* also reads in tiles so both sides coalesce.
@@ -19,9 +21,13 @@ __device__ __forceinline__ void copy_body(const T* __restrict__ src, T* __restri
   }
 }
 
+typedef unsigned short b16;  // a bfloat16 or float16 element, as bits
+
 // copy_*: dst[i] = src[i] for i < n (reshape). 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
 copy_f32(const float* src, float* dst, i64 n) { copy_body(src, dst, n); }
+extern "C" __global__ void __launch_bounds__(256)
+copy_b16(const b16* src, b16* dst, i64 n) { copy_body(src, dst, n); }
 extern "C" __global__ void __launch_bounds__(256)
 copy_i64(const i64* src, i64* dst, i64 n) { copy_body(src, dst, n); }
 
@@ -49,31 +55,55 @@ gather_f32(const float* src, float* dst, i64 n, i64 base, Strided g) {
   gather_body(src, dst, n, base, g);
 }
 extern "C" __global__ void __launch_bounds__(256)
+gather_b16(const b16* src, b16* dst, i64 n, i64 base, Strided g) {
+  gather_body(src, dst, n, base, g);
+}
+extern "C" __global__ void __launch_bounds__(256)
 gather_i64(const i64* src, i64* dst, i64 n, i64 base, Strided g) {
   gather_body(src, dst, n, base, g);
 }
 
 template <typename I>
-__device__ __forceinline__ void gather_rows_loop(const float* __restrict__ src,
-                                                 float* __restrict__ dst, i64 rows, i64 len4,
-                                                 const Strided& g) {
-  GRID_LOOP(q, rows * len4) {
-    const I r = (I)q / (I)len4;
-    const I j = (I)q - r * (I)len4;
-    st4(dst, q, ld4(src, offset_of<I>(r, g.rank, g.shape, g.stride) / 4 + (i64)j));
+__device__ __forceinline__ void gather_rows_loop(const uint4* __restrict__ src,
+                                                 uint4* __restrict__ dst, i64 rows, i64 units,
+                                                 const Strided& g, i64 per) {
+  GRID_LOOP(q, rows * units) {
+    const I r = (I)q / (I)units;
+    const I j = (I)q - r * (I)units;
+    dst[q] = src[offset_of<I>(r, g.rank, g.shape, g.stride) / per + (i64)j];
   }
 }
 
-// gather_rows_f32: gather_f32 for a gather whose innermost axis is
-// contiguous on both sides (a permute that keeps the last axis, an expand
-// of a trailing vector): dst [rows, len] takes row r from src at Σ idx_d ·
+// gather_rows_body moves rows of len elements of T in 16-byte units of per
+// = 16/sizeof(T) elements.
+template <typename T>
+__device__ __forceinline__ void gather_rows_body(const T* src, T* dst, i64 rows, i64 len,
+                                                 const Strided& g) {
+  const i64 per = 16 / (i64)sizeof(T);
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  if (FITS32(rows * len)) gather_rows_loop<unsigned>(s, d, rows, len / per, g, per);
+  else gather_rows_loop<u64>(s, d, rows, len / per, g, per);
+}
+
+// gather_rows_*: gather_* for a gather whose innermost axis is contiguous
+// on both sides (a permute that keeps the last axis, an expand of a
+// trailing vector): dst [rows, len] takes row r from src at Σ idx_d ·
 // g.stride_d over g.shape (the outer axes), 16 bytes at a time. len and
-// every stride are multiples of 4, and src and dst 16-byte aligned (the
-// caller checks). One thread per 4 elements, any grid.
+// every stride are multiples of 16 bytes' worth of elements (4 float32, 8
+// 16-bit, 2 int64), and src and dst 16-byte aligned (the caller checks).
+// One thread per 16 bytes, any grid.
 extern "C" __global__ void __launch_bounds__(256)
 gather_rows_f32(const float* src, float* dst, i64 rows, i64 len, Strided g) {
-  if (FITS32(rows * len)) gather_rows_loop<unsigned>(src, dst, rows, len / 4, g);
-  else gather_rows_loop<u64>(src, dst, rows, len / 4, g);
+  gather_rows_body(src, dst, rows, len, g);
+}
+extern "C" __global__ void __launch_bounds__(256)
+gather_rows_b16(const b16* src, b16* dst, i64 rows, i64 len, Strided g) {
+  gather_rows_body(src, dst, rows, len, g);
+}
+extern "C" __global__ void __launch_bounds__(256)
+gather_rows_i64(const i64* src, i64* dst, i64 rows, i64 len, Strided g) {
+  gather_rows_body(src, dst, rows, len, g);
 }
 
 #define TILE 32
@@ -118,6 +148,63 @@ transpose_i64(const i64* src, i64* dst, i64 batch, i64 r, i64 c) {
   transpose_body(src, dst, batch, r, c);
 }
 
+#define TILE2 64
+
+// transpose_b16: transpose_* for 16-bit elements, in 64×64 tiles whose
+// threads move pairs of neighbours: one 32-bit access each when r and c are
+// even and both pointers 4-byte aligned, two 16-bit ones otherwise, so a
+// warp reads and writes 128-byte rows either way. blockDim = (32, by), by
+// dividing 64 (8 is a good choice); grid = (ceil(c/64), ceil(r/64), batch),
+// each dimension capped at its limit: the kernel loops.
+extern "C" __global__ void __launch_bounds__(1024)
+transpose_b16(const b16* __restrict__ src, b16* __restrict__ dst, i64 batch, i64 r, i64 c) {
+  __shared__ b16 tile[TILE2][TILE2 + 1];  // odd pitch: column reads hit distinct banks
+  const bool paired = ((r | c) & 1) == 0 && (((u64)src | (u64)dst) & 3) == 0;
+  const i64 tilesR = (r + TILE2 - 1) / TILE2, tilesC = (c + TILE2 - 1) / TILE2;
+  const unsigned x2 = 2 * threadIdx.x;
+  for (i64 bz = blockIdx.z; bz < batch; bz += gridDim.z) {
+    const b16* s = src + bz * r * c;
+    b16* d = dst + bz * r * c;
+    for (i64 ty = blockIdx.y; ty < tilesR; ty += gridDim.y) {
+      for (i64 tx = blockIdx.x; tx < tilesC; tx += gridDim.x) {
+        const i64 r0 = ty * TILE2, c0 = tx * TILE2;
+        const i64 j = c0 + x2;  // src columns j, j + 1
+        for (unsigned k = threadIdx.y; k < TILE2; k += blockDim.y) {
+          const i64 i = r0 + k;
+          if (i >= r) break;
+          b16 a = 0, b = 0;
+          if (paired) {
+            if (j < c) {
+              const unsigned w = *reinterpret_cast<const unsigned*>(s + i * c + j);
+              a = (b16)(w & 0xffffu);
+              b = (b16)(w >> 16);
+            }
+          } else {
+            if (j < c) a = s[i * c + j];
+            if (j + 1 < c) b = s[i * c + j + 1];
+          }
+          tile[k][x2] = a;
+          tile[k][x2 + 1] = b;
+        }
+        __syncthreads();
+        const i64 i = r0 + x2;  // dst columns i, i + 1 (src rows)
+        for (unsigned k = threadIdx.y; k < TILE2; k += blockDim.y) {
+          const i64 jj = c0 + k;  // dst row (src column)
+          if (jj >= c) break;
+          const b16 a = tile[x2][k], b = tile[x2 + 1][k];
+          if (paired) {
+            if (i < r) *reinterpret_cast<unsigned*>(d + jj * r + i) = (unsigned)a | ((unsigned)b << 16);
+          } else {
+            if (i < r) d[jj * r + i] = a;
+            if (i + 1 < r) d[jj * r + i + 1] = b;
+          }
+        }
+        __syncthreads();
+      }
+    }
+  }
+}
+
 template <typename T, typename I>
 __device__ __forceinline__ void slice_loop(const T* __restrict__ src, T* __restrict__ dst,
                                            i64 outer, i64 n, i64 inner, i64 m, i64 start,
@@ -145,32 +232,45 @@ slice_f32(const float* src, float* dst, i64 outer, i64 n, i64 inner, i64 m, i64 
   slice_body(src, dst, outer, n, inner, m, start, step);
 }
 extern "C" __global__ void __launch_bounds__(256)
+slice_b16(const b16* src, b16* dst, i64 outer, i64 n, i64 inner, i64 m, i64 start, i64 step) {
+  slice_body(src, dst, outer, n, inner, m, start, step);
+}
+extern "C" __global__ void __launch_bounds__(256)
 slice_i64(const i64* src, i64* dst, i64 outer, i64 n, i64 inner, i64 m, i64 start, i64 step) {
   slice_body(src, dst, outer, n, inner, m, start, step);
 }
 
-template <typename I>
-__device__ __forceinline__ void slice_grad_loop(const float* __restrict__ g, float* __restrict__ out,
+template <typename T, typename I>
+__device__ __forceinline__ void slice_grad_loop(const T* __restrict__ g, T* __restrict__ out,
                                                 i64 outer, i64 n, i64 inner, i64 m, i64 start,
                                                 i64 step) {
   GRID_LOOP(i, outer * n * inner) {
     const I row = (I)i / (I)inner, k = (I)i - row * (I)inner;  // row = o·n + a
     const I o = row / (I)n, a = row - o * (I)n;
     const i64 rel = (i64)a - start;
-    float v = 0.f;
+    T v = 0;  // +0 in every float format
     if (rel >= 0 && rel % step == 0 && rel / step < m) v = g[((i64)o * m + rel / step) * inner + (i64)k];
     out[i] = v;
   }
 }
 
-// slice_grad_f32: out [outer, n, inner] = g [outer, m, inner] scattered back
-// to the sliced positions, zeros elsewhere; every element of out is written
-// (no fill needed). 1-D blocks, any grid.
+template <typename T>
+__device__ __forceinline__ void slice_grad_body(const T* g, T* out, i64 outer, i64 n, i64 inner,
+                                                i64 m, i64 start, i64 step) {
+  if (FITS32(outer * n * inner)) slice_grad_loop<T, unsigned>(g, out, outer, n, inner, m, start, step);
+  else slice_grad_loop<T, u64>(g, out, outer, n, inner, m, start, step);
+}
+
+// slice_grad_{f32,b16}: out [outer, n, inner] = g [outer, m, inner]
+// scattered back to the sliced positions, zeros elsewhere; every element of
+// out is written (no fill needed). 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
-slice_grad_f32(const float* __restrict__ g, float* __restrict__ out, i64 outer, i64 n, i64 inner,
-               i64 m, i64 start, i64 step) {
-  if (FITS32(outer * n * inner)) slice_grad_loop<unsigned>(g, out, outer, n, inner, m, start, step);
-  else slice_grad_loop<u64>(g, out, outer, n, inner, m, start, step);
+slice_grad_f32(const float* g, float* out, i64 outer, i64 n, i64 inner, i64 m, i64 start, i64 step) {
+  slice_grad_body(g, out, outer, n, inner, m, start, step);
+}
+extern "C" __global__ void __launch_bounds__(256)
+slice_grad_b16(const b16* g, b16* out, i64 outer, i64 n, i64 inner, i64 m, i64 start, i64 step) {
+  slice_grad_body(g, out, outer, n, inner, m, start, step);
 }
 
 template <typename T, typename I>
@@ -184,8 +284,8 @@ __device__ __forceinline__ void copy2d_loop(const T* __restrict__ src, i64 src_r
 }
 
 // copy2d_body moves 16-byte units when the rows, offsets and pointers allow
-// it (every row of a concat input or a step-1 slice of float32 with sizes
-// multiple of 4), elements otherwise.
+// it (every row of a concat input or a step-1 slice with sizes multiples of
+// 16 bytes), elements otherwise.
 template <typename T>
 __device__ __forceinline__ void copy2d_body(const T* src, i64 src_row, i64 src_off, T* dst,
                                             i64 dst_row, i64 dst_off, i64 rows, i64 len) {
@@ -214,6 +314,11 @@ __device__ __forceinline__ void copy2d_body(const T* src, i64 src_row, i64 src_o
 // the whole's row lengths. 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
 copy2d_f32(const float* src, i64 src_row, i64 src_off, float* dst, i64 dst_row, i64 dst_off,
+           i64 rows, i64 len) {
+  copy2d_body(src, src_row, src_off, dst, dst_row, dst_off, rows, len);
+}
+extern "C" __global__ void __launch_bounds__(256)
+copy2d_b16(const b16* src, i64 src_row, i64 src_off, b16* dst, i64 dst_row, i64 dst_off,
            i64 rows, i64 len) {
   copy2d_body(src, src_row, src_off, dst, dst_row, dst_off, rows, len);
 }

@@ -1,0 +1,56 @@
+package cuda
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Movement kernels go by element size: bfloat16 and float16 share _b16,
+// and every name moving gives is loaded with movement.cu.
+func TestMovingKernelNames(t *testing.T) {
+	for dt, want := range map[graph.DType]string{graph.Float32: "copy2d_f32", graph.BFloat16: "copy2d_b16",
+		graph.Float16: "copy2d_b16", graph.Int64: "copy2d_i64"} {
+		got, err := moving(kCopy2d, dt)
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+	}
+	_, err := moving(kCopy, graph.InvalidDType)
+	require.ErrorIs(t, err, graph.ErrDType)
+
+	loaded := map[string]bool{}
+	for _, n := range kernelFiles["movement.cu"] {
+		loaded[n] = true
+	}
+	for _, n := range []string{kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d} {
+		for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16, graph.Int64} {
+			name, err := moving(n, dt)
+			require.NoError(t, err)
+			require.True(t, loaded[name], name)
+		}
+	}
+	for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16} {
+		name, err := moving(kSliceGrad, dt)
+		require.NoError(t, err)
+		require.True(t, loaded[name], name)
+	}
+}
+
+// 16-bit gradients that sum in float32 take their sums from the
+// workspace: embedding_grad after its flag, conv2d_grad_weight after its
+// patches (256-byte aligned); float32 ones sum into the output.
+func TestHalfSumsWorkspace(t *testing.T) {
+	require.Equal(t, int64(flagBytes), embeddingGradWorkspace(graph.Float32, 60))
+	require.Equal(t, int64(sumsOffset+4*60), embeddingGradWorkspace(graph.BFloat16, 60))
+	require.Equal(t, int64(1000), convSumsBytes(1000, graph.Float32, 24))
+	require.Equal(t, int64(1024+4*24), convSumsBytes(1000, graph.Float16, 24))
+	require.Equal(t, int64(4*24), convSumsBytes(0, graph.BFloat16, 24))
+
+	// Patches are copies of values: 16-bit ones take half the bytes.
+	a := &graph.Attrs{Stride: [2]int{1, 1}, Padding: [2]int{1, 1}}
+	w, y := []int{8, 3, 3, 3}, []int{4, 8, 5, 5}
+	require.Equal(t, 4*int64(3*9*25), convColBytes(w, y, 4, a, 4)/4)
+	require.Equal(t, convColBytes(w, y, 4, a, 4), 2*convColBytes(w, y, 4, a, 2))
+}
