@@ -310,11 +310,13 @@ func (r *runner) operand(id int, blk *alloc.Block, b int) operand {
 func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Block) error {
 	add := func(o int, acc, out *alloc.Block) error {
 		nd := r.node(o)
-		if nd.Type.DType != graph.Float32 {
-			return graph.Errorf(graph.ErrDType, "kept output %d is %s, want float32", o, nd.Type.DType)
+		if !nd.Type.DType.IsFloat() {
+			return graph.Errorf(graph.ErrDType, "kept output %d is %s, want a float dtype", o, nd.Type.DType)
 		}
 		n := int64(nd.Type.Numel())
-		return r.flat(kAccumulate, n, acc.Ptr(), out.Ptr(), n)
+		// A 16-bit sum adds in float32 and rounds after each add, as the
+		// CPU executor's.
+		return r.flat(typed(kAccumulate, nd.Type.DType), n, acc.Ptr(), out.Ptr(), n)
 	}
 	return r.c.ChunkDone(c, outs, acc, add, r.download)
 }
@@ -324,8 +326,10 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 // they are and nothing on the host needs them.
 func (r *runner) Finish(kept []*alloc.Block) error {
 	for j := range kept {
-		if nd := r.node(r.p.Kept[j]); nd.Type.DType != graph.Float32 {
-			return graph.Errorf(graph.ErrDType, "kept output %d is %s, want float32", nd.ID, nd.Type.DType)
+		// Gradients that update float32 parameters are float32 (a
+		// Session's steps always); other kept sums may be 16-bit.
+		if nd := r.node(r.p.Kept[j]); nd.Type.DType != graph.Float32 && (r.o.Optimizer != nil || r.o.Update != nil) {
+			return graph.Errorf(graph.ErrDType, "kept output %d is %s: an optimizer updates from float32 gradients", nd.ID, nd.Type.DType)
 		}
 	}
 	if r.o.Optimizer != nil && r.o.Update == nil && len(kept) > 0 && len(r.p.Trained) != len(kept) {
@@ -370,10 +374,11 @@ func (r *runner) Finish(kept []*alloc.Block) error {
 func (r *runner) downloadKept(kept []*alloc.Block, private bool) ([][]float32, error) {
 	grads := make([][]float32, len(kept))
 	for j, blk := range kept {
-		grads[j] = make([]float32, r.node(r.p.Kept[j]).Type.Numel())
-		if err := CopyDtoH(r.e.d, grads[j], blk.Ptr()); err != nil {
+		v, err := r.download(r.p.Kept[j], blk, r.p.Batch)
+		if err != nil {
 			return nil, err
 		}
+		grads[j] = v.F
 	}
 	r.c.SetKept(grads, private)
 	return grads, nil

@@ -27,7 +27,9 @@ var reduceKernels = family{
 	graph.OpMaxGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 		return k.maxGrad(dt, k.attrs(), g, in[1], in[2], out)
 	})},
-	graph.OpExpand: {run: gradOf(func(k *kctx, g operand, _ []operand, out operand) error { return k.expand(g, out) })},
+	graph.OpExpand: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, _ []operand, out operand) error {
+		return k.expand(dt, g, out)
+	})},
 }
 
 // Splitting long reductions (kernels/README.md): a reduction with few
@@ -152,7 +154,7 @@ func (k *kctx) maxGrad(dt graph.DType, a *graph.Attrs, g, x, y, out operand) err
 }
 
 // expand broadcasts g to out's shape (the backward of reductions).
-func (k *kctx) expand(g, out operand) error {
+func (k *kctx) expand(dt graph.DType, g, out operand) error {
 	s, err := graph.BroadcastStrides(g.shape, out.shape)
 	if err != nil {
 		return err
@@ -162,5 +164,5 @@ func (k *kctx) expand(g, out operand) error {
 		return nil
 	}
 	dims, st := mergeAxes(out.shape, s, graph.ContiguousStrides(out.shape))
-	return k.gather(graph.Float32, g.p, out.p, dims, st[0])
+	return k.gather(dt, g.p, out.p, dims, st[0])
 }
