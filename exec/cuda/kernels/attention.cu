@@ -1,5 +1,10 @@
 // attention.cu: fused scaled dot-product attention, FlashAttention-2 style,
-// in fp32 with plain FMAs (no tensor cores yet).
+// with plain fp32 FMAs. Every kernel is templated on the storage type T of
+// q, k, v, o, g and the outputs o, dq, dk|dv, and instantiated for float32,
+// bfloat16 and float16 (FOR_FLOATS): 16-bit values are widened as they are
+// staged, all arithmetic is float32, and each output element rounds once
+// when stored. lse is float32 whatever T is; the mask may be any float
+// dtype (mdt: 0 float32, 1 bfloat16, 2 float16).
 //
 // q is [B, H, T, d], k and v [B, Hkv, S, d], all contiguous; query head h
 // reads key/value head h / (H / Hkv). Scores s = scale·q·k + mask, the mask
@@ -24,32 +29,46 @@
 #define ATT_TILE(DMAX) ((DMAX) > 64 ? 32 : 64)
 #define ATT_SMEM (2 * 64 * 64)
 
+template <typename E>
 struct AttnArgs {
-  const float* q;
-  const float* k;
-  const float* v;
-  const float* mask;
+  const E* q;
+  const E* k;
+  const E* v;
+  const void* mask;
   i64 B, H, Hkv, T, S, d;
   i64 ms0, ms1, ms2, ms3;
   float scale;
   int causal;
+  int mdt;  // the mask's dtype: 0 float32, 1 bfloat16, 2 float16
 };
 
-__device__ __forceinline__ float att_mask(const AttnArgs& a, i64 b, i64 h, i64 i, i64 j) {
-  return a.mask ? a.mask[b * a.ms0 + h * a.ms1 + i * a.ms2 + j * a.ms3] : 0.f;
+// att_mask_at widens element x of a mask of dtype mdt.
+__device__ __forceinline__ float att_mask_at(const void* m, int mdt, i64 x) {
+  switch (mdt) {
+    case 1: return (float)static_cast<const bf16*>(m)[x];
+    case 2: return (float)static_cast<const f16*>(m)[x];
+  }
+  return static_cast<const float*>(m)[x];
+}
+
+template <typename T>
+__device__ __forceinline__ float att_mask(const AttnArgs<T>& a, i64 b, i64 h, i64 i, i64 j) {
+  return a.mask ? att_mask_at(a.mask, a.mdt, b * a.ms0 + h * a.ms1 + i * a.ms2 + j * a.ms3) : 0.f;
 }
 
 // att_stage copies rows [r0, r0 + n) of the [rows, d] matrix at src into
-// dst (n·d floats, row stride d), every thread of the block helping.
-__device__ __forceinline__ void att_stage(float* dst, const float* src, i64 r0, i64 n, i64 d) {
+// dst (n·d floats, row stride d), widened, every thread of the block
+// helping.
+template <typename T>
+__device__ __forceinline__ void att_stage(float* dst, const T* src, i64 r0, i64 n, i64 d) {
   const i64 total = n * d;
-  for (i64 x = threadIdx.x; x < total; x += blockDim.x) dst[x] = src[r0 * d + x];
+  for (i64 x = threadIdx.x; x < total; x += blockDim.x) dst[x] = (float)src[r0 * d + x];
 }
 
 // Forward: o (when non-null) and lse (when non-null) for one tile of
 // ATT_ROWS query rows of one (b, h).
-template <int DMAX>
-__device__ __forceinline__ void attention_fwd_body(const AttnArgs a, float* __restrict__ o,
+template <int DMAX, typename T>
+__device__ __forceinline__ void attention_fwd_body(const AttnArgs<T> a, T* __restrict__ o,
                                                    float* __restrict__ lse, float* smem) {
   constexpr int BC = ATT_TILE(DMAX);
   const i64 tiles = (a.T + ATT_ROWS - 1) / ATT_ROWS;
@@ -57,14 +76,14 @@ __device__ __forceinline__ void attention_fwd_body(const AttnArgs a, float* __re
   const i64 b = bh / a.H, h = bh % a.H, hk = h / (a.H / a.Hkv);
   const i64 d = a.d, i = i0 + threadIdx.x;
   const bool live = i < a.T;
-  const float* kb = a.k + (b * a.Hkv + hk) * a.S * d;
-  const float* vb = a.v + (b * a.Hkv + hk) * a.S * d;
+  const T* kb = a.k + (b * a.Hkv + hk) * a.S * d;
+  const T* vb = a.v + (b * a.Hkv + hk) * a.S * d;
   float* sk = smem;
   float* sv = smem + BC * DMAX;
   float qr[DMAX], acc[DMAX];
 #pragma unroll
   for (int c = 0; c < DMAX; ++c) {
-    qr[c] = (live && c < d) ? a.q[(bh * a.T + i) * d + c] : 0.f;
+    qr[c] = (live && c < d) ? (float)a.q[(bh * a.T + i) * d + c] : 0.f;
     acc[c] = 0.f;
   }
   float m = neg_inf_f(), l = 0.f;
@@ -114,25 +133,34 @@ __device__ __forceinline__ void attention_fwd_body(const AttnArgs a, float* __re
   if (lse) lse[bh * a.T + i] = l > 0.f ? m + logf(l) : neg_inf_f();
 }
 
-// attention_fwd_f32: o = softmax(s)·v and/or lse = log Σ exp(s) per query
-// row (o or lse may be null). grid.x = B·H·⌈T/64⌉, block 64.
-extern "C" __global__ void __launch_bounds__(ATT_ROWS)
-attention_fwd_f32(const float* q, const float* k, const float* v, const float* mask, float* o,
-                  float* lse, i64 B, i64 H, i64 Hkv, i64 T, i64 S, i64 d, i64 ms0, i64 ms1,
-                  i64 ms2, i64 ms3, float scale, i64 causal) {
+// attention_fwd_{f32,bf16,f16}: o = softmax(s)·v and/or lse = log Σ
+// exp(s) per query row (o or lse may be null). grid.x = B·H·⌈T/64⌉, block
+// 64.
+template <typename T>
+__device__ __forceinline__ void attention_fwd_t(const AttnArgs<T>& a, T* o, float* lse) {
   __shared__ float smem[ATT_SMEM];
-  const AttnArgs a{q, k, v, mask, B, H, Hkv, T, S, d, ms0, ms1, ms2, ms3, scale, (int)causal};
-  if (d <= 64) attention_fwd_body<64>(a, o, lse, smem);
+  if (a.d <= 64) attention_fwd_body<64>(a, o, lse, smem);
   else attention_fwd_body<128>(a, o, lse, smem);
 }
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_fwd_##S(                    \
+      const T* q, const T* k, const T* v, const void* mask, T* o, float* lse, i64 B, i64 H,    \
+      i64 Hkv, i64 T_, i64 S_, i64 d, i64 ms0, i64 ms1, i64 ms2, i64 ms3, float scale,         \
+      i64 causal, i64 mdt) {                                                                    \
+    attention_fwd_t<T>({q, k, v, mask, B, H, Hkv, T_, S_, d, ms0, ms1, ms2, ms3, scale,        \
+                        (int)causal, (int)mdt},                                                 \
+                       o, lse);                                                                 \
+  }
+FOR_FLOATS(K)
+#undef K
 
 // dq for one tile of query rows: D = Σ g∘o, p = exp(s − lse), dq = scale·
 // Σ_j p·(g·v_j − D)·k_j.
-template <int DMAX>
-__device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float* __restrict__ g,
-                                                  const float* __restrict__ o,
+template <int DMAX, typename T>
+__device__ __forceinline__ void attention_dq_body(const AttnArgs<T> a, const T* __restrict__ g,
+                                                  const T* __restrict__ o,
                                                   const float* __restrict__ lse,
-                                                  float* __restrict__ dq, float* smem) {
+                                                  T* __restrict__ dq, float* smem) {
   constexpr int BC = ATT_TILE(DMAX);
   const i64 tiles = (a.T + ATT_ROWS - 1) / ATT_ROWS;
   const i64 bh = (i64)blockIdx.x / tiles, i0 = ((i64)blockIdx.x % tiles) * ATT_ROWS;
@@ -140,8 +168,8 @@ __device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float*
   const i64 d = a.d, i = i0 + threadIdx.x;
   const float li = i < a.T ? lse[bh * a.T + i] : neg_inf_f();
   const bool live = i < a.T && li != neg_inf_f();
-  const float* kb = a.k + (b * a.Hkv + hk) * a.S * d;
-  const float* vb = a.v + (b * a.Hkv + hk) * a.S * d;
+  const T* kb = a.k + (b * a.Hkv + hk) * a.S * d;
+  const T* vb = a.v + (b * a.Hkv + hk) * a.S * d;
   float* sk = smem;
   float* sv = smem + BC * DMAX;
   float qr[DMAX], gr[DMAX], acc[DMAX];
@@ -150,9 +178,9 @@ __device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float*
   for (int c = 0; c < DMAX; ++c) {
     const bool in = live && c < d;
     const i64 x = (bh * a.T + i) * d + c;
-    qr[c] = in ? a.q[x] : 0.f;
-    gr[c] = in ? g[x] : 0.f;
-    if (in) dd = fmaf(gr[c], o[x], dd);
+    qr[c] = in ? (float)a.q[x] : 0.f;
+    gr[c] = in ? (float)g[x] : 0.f;
+    if (in) dd = fmaf(gr[c], (float)o[x], dd);
     acc[c] = 0.f;
   }
   const i64 send = a.causal ? imin(a.S, imin(a.T, i0 + ATT_ROWS)) : a.S;
@@ -187,28 +215,36 @@ __device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float*
     if (c < d) dq[(bh * a.T + i) * d + c] = acc[c] * a.scale;
 }
 
-// attention_grad_q_f32: dq [B, H, T, d] from g, o (both [B, H, T, d]) and
-// lse [B, H, T]. grid.x = B·H·⌈T/64⌉, block 64.
-extern "C" __global__ void __launch_bounds__(ATT_ROWS)
-attention_grad_q_f32(const float* g, const float* q, const float* k, const float* v,
-                     const float* o, const float* lse, const float* mask, float* dq, i64 B, i64 H,
-                     i64 Hkv, i64 T, i64 S, i64 d, i64 ms0, i64 ms1, i64 ms2, i64 ms3,
-                     float scale, i64 causal) {
+// attention_grad_q_{f32,bf16,f16}: dq [B, H, T, d] from g, o (both [B, H,
+// T, d]) and lse [B, H, T] (float32). grid.x = B·H·⌈T/64⌉, block 64.
+template <typename T>
+__device__ __forceinline__ void attention_grad_q_t(const AttnArgs<T>& a, const T* g, const T* o,
+                                                   const float* lse, T* dq) {
   __shared__ float smem[ATT_SMEM];
-  const AttnArgs a{q, k, v, mask, B, H, Hkv, T, S, d, ms0, ms1, ms2, ms3, scale, (int)causal};
-  if (d <= 64) attention_dq_body<64>(a, g, o, lse, dq, smem);
+  if (a.d <= 64) attention_dq_body<64>(a, g, o, lse, dq, smem);
   else attention_dq_body<128>(a, g, o, lse, dq, smem);
 }
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_grad_q_##S(                 \
+      const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse,            \
+      const void* mask, T* dq, i64 B, i64 H, i64 Hkv, i64 T_, i64 S_, i64 d, i64 ms0, i64 ms1, \
+      i64 ms2, i64 ms3, float scale, i64 causal, i64 mdt) {                                     \
+    attention_grad_q_t<T>({q, k, v, mask, B, H, Hkv, T_, S_, d, ms0, ms1, ms2, ms3, scale,     \
+                           (int)causal, (int)mdt},                                              \
+                          g, o, lse, dq);                                                       \
+  }
+FOR_FLOATS(K)
+#undef K
 
 // dk and dv for one tile of key rows of one (b, hk), summed over the H/Hkv
 // query heads of the group: per query row i (staged with its g row, lse
 // and D = Σ g∘o), p = exp(s − lse), dv += p·g_i, dk += scale·p·(g_i·v −
 // D)·q_i.
-template <int DMAX>
-__device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float* __restrict__ g,
-                                                   const float* __restrict__ o,
+template <int DMAX, typename T>
+__device__ __forceinline__ void attention_dkv_body(const AttnArgs<T> a, const T* __restrict__ g,
+                                                   const T* __restrict__ o,
                                                    const float* __restrict__ lse,
-                                                   float* __restrict__ dkv, float* smem,
+                                                   T* __restrict__ dkv, float* smem,
                                                    float* srow) {
   constexpr int BR = ATT_TILE(DMAX);
   const i64 tiles = (a.S + ATT_ROWS - 1) / ATT_ROWS;
@@ -225,8 +261,8 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
   for (int c = 0; c < DMAX; ++c) {
     const bool in = live && c < d;
     const i64 x = (bhk * a.S + j) * d + c;
-    kr[c] = in ? a.k[x] : 0.f;
-    vr[c] = in ? a.v[x] : 0.f;
+    kr[c] = in ? (float)a.k[x] : 0.f;
+    vr[c] = in ? (float)a.v[x] : 0.f;
     dk[c] = 0.f;
     dv[c] = 0.f;
   }
@@ -234,9 +270,9 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
   const i64 istart = a.causal ? (j0 / BR) * BR : 0;
   for (i64 h = hk * group; h < (hk + 1) * group; ++h) {
     const i64 bh = b * a.H + h;
-    const float* qb = a.q + bh * a.T * d;
-    const float* gb = g + bh * a.T * d;
-    const float* ob = o + bh * a.T * d;
+    const T* qb = a.q + bh * a.T * d;
+    const T* gb = g + bh * a.T * d;
+    const T* ob = o + bh * a.T * d;
     for (i64 r0 = istart; r0 < a.T; r0 += BR) {
       const i64 n = imin((i64)BR, a.T - r0);
       __syncthreads();
@@ -244,7 +280,8 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
       att_stage(sg, gb, r0, n, d);
       for (i64 t = threadIdx.x; t < n; t += blockDim.x) {
         float D = 0.f;
-        for (i64 c = 0; c < d; ++c) D = fmaf(gb[(r0 + t) * d + c], ob[(r0 + t) * d + c], D);
+        for (i64 c = 0; c < d; ++c)
+          D = fmaf((float)gb[(r0 + t) * d + c], (float)ob[(r0 + t) * d + c], D);
         sd[t] = D;
         sl[t] = lse[bh * a.T + r0 + t];
       }
@@ -275,7 +312,7 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
     }
   }
   if (!live) return;
-  float* out = dkv + (bhk * a.S + j) * 2 * d;
+  T* out = dkv + (bhk * a.S + j) * 2 * d;
 #pragma unroll
   for (int c = 0; c < DMAX; ++c)
     if (c < d) {
@@ -284,17 +321,25 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
     }
 }
 
-// attention_grad_kv_f32: dk|dv packed [B, Hkv, S, 2d] (dk in columns
-// [0, d), dv in [d, 2d)) from g, o and lse. grid.x = B·Hkv·⌈S/64⌉, block
-// 64.
-extern "C" __global__ void __launch_bounds__(ATT_ROWS)
-attention_grad_kv_f32(const float* g, const float* q, const float* k, const float* v,
-                      const float* o, const float* lse, const float* mask, float* dkv, i64 B,
-                      i64 H, i64 Hkv, i64 T, i64 S, i64 d, i64 ms0, i64 ms1, i64 ms2, i64 ms3,
-                      float scale, i64 causal) {
+// attention_grad_kv_{f32,bf16,f16}: dk|dv packed [B, Hkv, S, 2d] (dk in
+// columns [0, d), dv in [d, 2d)) from g, o and lse (float32). grid.x =
+// B·Hkv·⌈S/64⌉, block 64.
+template <typename T>
+__device__ __forceinline__ void attention_grad_kv_t(const AttnArgs<T>& a, const T* g, const T* o,
+                                                    const float* lse, T* dkv) {
   __shared__ float smem[ATT_SMEM];
   __shared__ float srow[2 * 64];
-  const AttnArgs a{q, k, v, mask, B, H, Hkv, T, S, d, ms0, ms1, ms2, ms3, scale, (int)causal};
-  if (d <= 64) attention_dkv_body<64>(a, g, o, lse, dkv, smem, srow);
+  if (a.d <= 64) attention_dkv_body<64>(a, g, o, lse, dkv, smem, srow);
   else attention_dkv_body<128>(a, g, o, lse, dkv, smem, srow);
 }
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_grad_kv_##S(                \
+      const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse,            \
+      const void* mask, T* dkv, i64 B, i64 H, i64 Hkv, i64 T_, i64 S_, i64 d, i64 ms0,         \
+      i64 ms1, i64 ms2, i64 ms3, float scale, i64 causal, i64 mdt) {                            \
+    attention_grad_kv_t<T>({q, k, v, mask, B, H, Hkv, T_, S_, d, ms0, ms1, ms2, ms3, scale,    \
+                            (int)causal, (int)mdt},                                             \
+                           g, o, lse, dkv);                                                     \
+  }
+FOR_FLOATS(K)
+#undef K
