@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"slices"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -16,6 +17,9 @@ import (
 // error naming the shapes. q, k, v, g, o and the output of dq or dk|dv
 // share one float dtype, which picks the kernels' instantiation; lse is
 // float32, and the mask may be of any float dtype (passed as a code).
+// The forward pass of 16-bit values at head dim 64 or 128 without a mask
+// runs on tensor cores (attention_fwd_mma: 16-bit P·v products, float32
+// sums); everything else on the plain-FMA kernels.
 var attentionKernels = family{
 	graph.OpAttention: {run: func(k *kctx, in []operand, out operand) error {
 		return k.attentionFwd(in[0], in[1], in[2], optional(in, 3), &out, nil)
@@ -30,18 +34,55 @@ var attentionKernels = family{
 const (
 	attRows = 64  // rows per block (kernels/attention.cu ATT_ROWS)
 	attMaxD = 128 // largest head dim the kernels hold in registers
+
+	attMMARows    = 64  // query rows per block of attention_fwd_mma (ATT_MMA_ROWS)
+	attMMAThreads = 128 // its block (ATT_MMA_THREADS)
 )
 
-// attnLaunch launches an attention kernel over blocks tile blocks (the
-// tile layout: grid.x is exact, at most 2³¹ − 1); no work, no launch.
-func (k *kctx) attnLaunch(name string, blocks int64, args ...any) error {
+// attnMMAKernel is the tensor-core forward kernel for head dim d and
+// 16-bit dtype dt (kernels/attention.cu attention_fwd_mma_d*).
+func attnMMAKernel(d int, dt graph.DType) string {
+	return fmt.Sprintf("attention_fwd_mma_d%d_%s", d, suffixes[dt])
+}
+
+// attnMMAKernels lists the tensor-core forward kernels, for registration.
+func attnMMAKernels() []string {
+	var out []string
+	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
+		for _, d := range []int{64, 128} {
+			out = append(out, attnMMAKernel(d, dt))
+		}
+	}
+	return out
+}
+
+// attnMMA reports whether the forward pass on these operands runs on
+// tensor cores: 16-bit values, head dim 64 or 128, no mask, and every
+// 16-bit array 16-byte aligned (the kernel stages rows 16 bytes at a
+// time).
+func attnMMA(dt graph.DType, d int, mask *operand, ptrs ...alloc.Ptr) bool {
+	if !dt.IsHalf() || (d != 64 && d != 128) || mask != nil {
+		return false
+	}
+	for _, p := range ptrs {
+		if p%16 != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// attnLaunch launches an attention kernel over blocks tile blocks of
+// threads threads (the tile layout: grid.x is exact, at most 2³¹ − 1); no
+// work, no launch.
+func (k *kctx) attnLaunch(name string, blocks int64, threads uint32, args ...any) error {
 	if blocks == 0 {
 		return nil
 	}
 	if blocks > 1<<31-1 {
 		return graph.Errorf(graph.ErrShape, "%s: %d thread blocks exceed the grid's 2³¹ − 1", k.nd.Op, blocks)
 	}
-	return k.launch(name, [3]uint32{uint32(blocks), 1, 1}, [3]uint32{attRows, 1, 1}, args...)
+	return k.launch(name, [3]uint32{uint32(blocks), 1, 1}, [3]uint32{threads, 1, 1}, args...)
 }
 
 // attnMaskCode is the kernels' code of a mask's dtype (mdt): its position
@@ -104,9 +145,9 @@ func (k *kctx) attnGeom(q, kk, v operand, mask *operand) (graph.DType, []any, er
 		ms[0], ms[1], ms[2], ms[3], float32(a.Scalar), boolInt(a.Causal), mdt}, nil
 }
 
-// attentionFwd launches attention_fwd for o or lse (the other nil): one
-// block per (b, h, tile of 64 query rows). o has q's dtype, lse is
-// float32.
+// attentionFwd launches attention_fwd (or attention_fwd_mma, see attnMMA)
+// for o or lse (the other nil): one block per (b, h, tile of 64 query
+// rows). o has q's dtype, lse is float32.
 func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 	dt, geom, err := k.attnGeom(q, kk, v, mask)
 	if err != nil {
@@ -131,8 +172,14 @@ func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 		}
 		pl = lse.p
 	}
+	if d := q.shape[3]; attnMMA(dt, d, mask, q.p, kk.p, v.p, po) {
+		blocks := int64(q.shape[0]*q.shape[1]) * ceilDiv(int64(q.shape[2]), attMMARows)
+		// H, Hkv, T, S, scale, causal of geom.
+		return k.attnLaunch(attnMMAKernel(d, dt), blocks, attMMAThreads,
+			q.p, kk.p, v.p, po, pl, geom[1], geom[2], geom[3], geom[4], geom[10], geom[11])
+	}
 	blocks := int64(q.shape[0]*q.shape[1]) * ceilDiv(int64(q.shape[2]), attRows)
-	return k.attnLaunch(typed(kAttentionFwd, dt), blocks, append([]any{q.p, kk.p, v.p, ptrOf(mask), po, pl}, geom...)...)
+	return k.attnLaunch(typed(kAttentionFwd, dt), blocks, attRows, append([]any{q.p, kk.p, v.p, ptrOf(mask), po, pl}, geom...)...)
 }
 
 // attentionGrad launches attention_grad_q (one block per (b, h, query
@@ -163,5 +210,5 @@ func attentionGrad(k *kctx, in []operand, out operand) error {
 	} else if out.n() != q.n() {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for q %v", k.nd.Op, out.shape, q.shape)
 	}
-	return k.attnLaunch(typed(name, dt), blocks, append([]any{g.p, q.p, kk.p, v.p, o.p, lse.p, ptrOf(mask), out.p}, geom...)...)
+	return k.attnLaunch(typed(name, dt), blocks, attRows, append([]any{g.p, q.p, kk.p, v.p, o.p, lse.p, ptrOf(mask), out.p}, geom...)...)
 }

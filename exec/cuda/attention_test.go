@@ -10,7 +10,9 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/half"
 )
@@ -109,8 +111,8 @@ func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph
 	return g, []int{o, lse, dq, dkv}
 }
 
-// attnTol bounds |cuda − cpu| per element by rtol·|cpu| + atol·max(m, 1),
-// m the largest |cpu| of that output.
+// attnTol bounds |cuda − cpu| per element by rtol·|cpu| + atol·m, m the
+// largest finite |cpu| of that output.
 type attnTol struct{ rtol, atol float64 }
 
 // checkAttn runs c's graph on CUDA and on the CPU executor and compares o,
@@ -131,7 +133,7 @@ func checkAttn(t *testing.T, c attnCase, dt graph.DType, tol, lseTol attnTol) {
 		}
 		w, gd := want[i].Data().([]float32), got[i].Data().([]float32)
 		require.Len(t, gd, len(w), name)
-		m := 1.0
+		m := 0.0
 		for _, x := range w {
 			if !math.IsInf(float64(x), 0) {
 				m = math.Max(m, math.Abs(float64(x)))
@@ -146,7 +148,9 @@ func checkAttn(t *testing.T, c attnCase, dt graph.DType, tol, lseTol attnTol) {
 				continue
 			}
 			d := math.Abs(y - float64(x))
-			worst = max(worst, d/m)
+			if m > 0 {
+				worst = max(worst, d/m)
+			}
 			if d > tl.rtol*math.Abs(float64(x))+tl.atol*m {
 				require.Failf(t, "attention differs", "%s %s[%d]: cpu %g, cuda %g (diff %.3g > %.3g·|cpu| + %.3g·%.3g)",
 					dt, name, j, x, gd[j], d, tl.rtol, tl.atol, m)
@@ -172,21 +176,132 @@ var attnCases = []attnCase{
 	{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 128, causal: true},
 }
 
+// Tolerances against the CPU executor.
+//
+// Plain-FMA kernels: CUDA and the CPU compute in float32 from the same
+// rounded inputs and round each output once, so they differ by float32
+// summation order and, where that moves a value across a rounding
+// boundary, one 16-bit ulp: rtol one ulp (2⁻⁷ bfloat16, 2⁻¹⁰ float16)
+// plus atol 1e-4 of the output's largest magnitude. lse is float32 in
+// every case: rtol and atol 1e-4.
+//
+// Tensor-core forward (16-bit, d 64 or 128, no mask): P is rounded to
+// 16 bits for P·v (unit roundoff u = 2⁻⁸ bfloat16, 2⁻¹¹ float16), which
+// moves o by at most u·max|v| and in practice by far less (the errors of
+// the weights average out); the gradients read that o through D = Σ g∘o.
+// atol 2u of each output's largest magnitude (8e-3 bfloat16, 1e-3
+// float16) on top of the one-ulp rtol; a wrong fragment layout is off by
+// the order of the values themselves.
+var (
+	attnTolF32     = attnTol{rtol: 1e-4, atol: 1e-4}
+	attnTolBF16    = attnTol{rtol: 1.0 / 128, atol: 1e-4}
+	attnTolF16     = attnTol{rtol: 1.0 / 1024, atol: 1e-4}
+	attnTolMMABF16 = attnTol{rtol: 1.0 / 128, atol: 8e-3}
+	attnTolMMAF16  = attnTol{rtol: 1.0 / 1024, atol: 1e-3}
+)
+
+// mma reports whether c's 16-bit forward runs on tensor cores (cuda's
+// attnMMA; the test's arrays are aligned).
+func (c attnCase) mma() bool { return c.mask == nil && (c.D == 64 || c.D == 128) }
+
 // TestAttention16 checks the bfloat16 and float16 instantiations of the
 // attention kernels (and float32's, with its new mask argument) against
-// the CPU executor. Both compute in float32 from the same rounded inputs
-// and round each output once, so they differ by float32 summation order
-// and, where that moves a value across a rounding boundary, one 16-bit
-// ulp: rtol one ulp (2⁻⁷ bfloat16, 2⁻¹⁰ float16) plus atol 1e-4 of the
-// output's largest magnitude.
+// the CPU executor.
 func TestAttention16(t *testing.T) {
 	executor(t)
 	for _, c := range attnCases {
 		t.Run(c.String(), func(t *testing.T) {
-			f32 := attnTol{rtol: 1e-4, atol: 1e-4}
-			checkAttn(t, c, graph.Float32, f32, f32)
-			checkAttn(t, c, graph.BFloat16, attnTol{rtol: 1.0 / 128, atol: 1e-4}, f32)
-			checkAttn(t, c, graph.Float16, attnTol{rtol: 1.0 / 1024, atol: 1e-4}, f32)
+			checkAttn(t, c, graph.Float32, attnTolF32, attnTolF32)
+			bf, f16 := attnTolBF16, attnTolF16
+			if c.mma() {
+				bf, f16 = attnTolMMABF16, attnTolMMAF16
+			}
+			checkAttn(t, c, graph.BFloat16, bf, attnTolF32)
+			checkAttn(t, c, graph.Float16, f16, attnTolF32)
 		})
+	}
+}
+
+// TestAttentionMMA runs the tensor-core forward (and the gradients from
+// its o and lse) over T ∈ {1, 17, 64, 1000} (S = T, and S ≠ T), d ∈ {64,
+// 128}, causal or not, grouped-query heads, against the CPU executor.
+func TestAttentionMMA(t *testing.T) {
+	executor(t)
+	var cases []attnCase
+	for _, d := range []int{64, 128} {
+		for _, causal := range []bool{false, true} {
+			for _, ts := range [][2]int{{1, 1}, {17, 17}, {64, 64}, {1000, 1000}, {17, 100}, {100, 17}, {65, 130}} {
+				c := attnCase{B: 2, H: 4, Hkv: 2, T: ts[0], S: ts[1], D: d, causal: causal}
+				if ts[0] >= 1000 {
+					c.B, c.H, c.Hkv = 1, 2, 1
+				}
+				cases = append(cases, c)
+			}
+		}
+	}
+	for _, c := range cases {
+		t.Run(c.String(), func(t *testing.T) {
+			checkAttn(t, c, graph.BFloat16, attnTolMMABF16, attnTolF32)
+			checkAttn(t, c, graph.Float16, attnTolMMAF16, attnTolF32)
+		})
+	}
+}
+
+// BenchmarkAttentionForward times the bfloat16 forward kernels on one
+// [1, 16, 4096, d] problem: the tensor-core kernel and the plain-FMA one,
+// causal or not, in TFLOP/s (4·B·H·T·S·d, halved under causal).
+func BenchmarkAttentionForward(b *testing.B) {
+	d := device(b)
+	a := newAllocator(b, d)
+	src, err := cuda.Source("attention.cu")
+	require.NoError(b, err)
+	m, err := d.Compile("attention.cu", src)
+	require.NoError(b, err)
+	b.Cleanup(func() { require.NoError(b, m.Close()) })
+	const B, H, T = 1, 16, 4096
+	r := newRand(9)
+	for _, hd := range []int{64, 128} {
+		n := B * H * T * hd
+		x := make([]uint16, n)
+		for i := range x {
+			x[i] = uint16(half.BF16From(float32(r.Float64()*2 - 1)))
+		}
+		q, k, v, o := upload(b, d, a, x), upload(b, d, a, x), upload(b, d, a, x), upload(b, d, a, x)
+		lse := upload(b, d, a, make([]float32, B*H*T))
+		scale := float32(1 / math.Sqrt(float64(hd)))
+		for _, causal := range []int64{0, 1} {
+			for _, kind := range []string{"mma", "fma"} {
+				b.Run(fmt.Sprintf("d%d_causal%d_%s", hd, causal, kind), func(b *testing.B) {
+					var fn cuda.CUfunction
+					var grid, block [3]uint32
+					var args []any
+					if kind == "mma" {
+						fn, err = m.Function(fmt.Sprintf("attention_fwd_mma_d%d_bf16", hd))
+						grid, block = [3]uint32{B * H * T / 64, 1, 1}, [3]uint32{128, 1, 1}
+						args = []any{q.Ptr(), k.Ptr(), v.Ptr(), o.Ptr(), lse.Ptr(), int64(H), int64(H), int64(T), int64(T), scale, causal}
+					} else {
+						fn, err = m.Function("attention_fwd_bf16")
+						grid, block = [3]uint32{B * H * T / 64, 1, 1}, [3]uint32{64, 1, 1}
+						args = []any{q.Ptr(), k.Ptr(), v.Ptr(), alloc.Ptr(0), o.Ptr(), lse.Ptr(), int64(B), int64(H), int64(H), int64(T), int64(T),
+							int64(hd), int64(0), int64(0), int64(0), int64(0), scale, causal, int64(0)}
+					}
+					require.NoError(b, err)
+					require.NoError(b, m.Launch(fn, grid, block, 0, args...))
+					require.NoError(b, d.Synchronize())
+					b.ResetTimer()
+					for i := 0; i < b.N; i++ {
+						if err := m.Launch(fn, grid, block, 0, args...); err != nil {
+							b.Fatal(err)
+						}
+					}
+					require.NoError(b, d.Synchronize())
+					flops := 4.0 * B * H * T * T * float64(hd)
+					if causal != 0 {
+						flops /= 2
+					}
+					b.ReportMetric(flops*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+				})
+			}
+		}
 	}
 }

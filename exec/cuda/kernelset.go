@@ -81,7 +81,7 @@ const (
 // module each. Every kernel file but smoke.cu (the foundation's test
 // kernel) is here.
 var kernelFiles = map[string][]string{
-	"attention.cu":  allTyped(kAttentionFwd, kAttentionGradQ, kAttentionGradKV),
+	"attention.cu":  slices.Concat(allTyped(kAttentionFwd, kAttentionGradQ, kAttentionGradKV), attnMMAKernels()),
 	"accumulate.cu": {kAccumulate, kAccumulateMax, kFillF32, kFillI64},
 	"batchnorm.cu":  {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
 	"conv.cu":       {kIm2col, kCol2im},

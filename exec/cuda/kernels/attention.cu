@@ -1,10 +1,12 @@
 // attention.cu: fused scaled dot-product attention, FlashAttention-2 style,
-// with plain fp32 FMAs. Every kernel is templated on the storage type T of
-// q, k, v, o, g and the outputs o, dq, dk|dv, and instantiated for float32,
-// bfloat16 and float16 (FOR_FLOATS): 16-bit values are widened as they are
-// staged, all arithmetic is float32, and each output element rounds once
-// when stored. lse is float32 whatever T is; the mask may be any float
-// dtype (mdt: 0 float32, 1 bfloat16, 2 float16).
+// with plain fp32 FMAs, and a tensor-core forward for 16-bit values at head
+// dims 64 and 128 (attention_fwd_mma, at the end). Every plain kernel is
+// templated on the storage type T of q, k, v, o, g and the outputs o, dq,
+// dk|dv, and instantiated for float32, bfloat16 and float16 (FOR_FLOATS):
+// 16-bit values are widened as they are staged, all arithmetic is float32,
+// and each output element rounds once when stored. lse is float32
+// whatever T is; the mask may be any float dtype (mdt: 0 float32,
+// 1 bfloat16, 2 float16).
 //
 // q is [B, H, T, d], k and v [B, Hkv, S, d], all contiguous; query head h
 // reads key/value head h / (H / Hkv). Scores s = scale·q·k + mask, the mask
@@ -343,3 +345,279 @@ __device__ __forceinline__ void attention_grad_kv_t(const AttnArgs<T>& a, const 
   }
 FOR_FLOATS(K)
 #undef K
+
+// ---------------------------------------------------------------------------
+// Tensor-core forward for bfloat16 and float16 at head dims 64 and 128,
+// without a mask: FlashAttention-2 with mma.sync m16n8k16 (16-bit inputs,
+// float32 accumulation). A block of 4 warps takes 64 query rows of one
+// (b, h), 16 rows a warp, and walks the keys in tiles of 64 staged in
+// shared memory; each warp keeps its q rows as A fragments, computes its
+// 16×64 scores with S = q·kᵀ, runs the online softmax on them in float32
+// (expf, as the scalar kernel) and adds P·v into float32 accumulators, P
+// rounded to T for the product as FlashAttention-2 does (the running sum l
+// uses the unrounded p). o rounds once when stored; lse is float32. Causal
+// tiles past the diagonal are skipped and the diagonal tile is masked.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16/.f16, and ldmatrix),
+// lane = 4·gid + tig (gid = lane / 4 in [0, 8), tig = lane % 4); a 32-bit
+// register holds two 16-bit values, the lower index in the low half:
+//   A (16×16, row): a[0] = (gid, 2tig..2tig+1), a[1] = (gid+8, 2tig..),
+//                   a[2] = (gid, 2tig+8..2tig+9), a[3] = (gid+8, 2tig+8..)
+//   B (16×8, col):  b[0] = (k 2tig..2tig+1, n gid), b[1] = (k 2tig+8..2tig+9, n gid)
+//   C (16×8, f32):  c[0], c[1] = (gid, 2tig), (gid, 2tig+1);
+//                   c[2], c[3] = (gid+8, 2tig), (gid+8, 2tig+1)
+
+#define ATT_MMA_ROWS 64     // query rows per block (16 per warp)
+#define ATT_MMA_KEYS 64     // keys per staged tile
+#define ATT_MMA_THREADS 128 // 4 warps
+
+// mma16816 accumulates c += a·b for one m16n8k16 product; T (bf16 or
+// f16) picks the instruction.
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b);
+template <>
+__device__ __forceinline__ void mma16816<bf16>(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma16816<f16>(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// pack2 rounds lo and hi to T and packs them, lo in the low half.
+__device__ __forceinline__ unsigned short bits16(bf16, float f) { return bf16_bits(f); }
+__device__ __forceinline__ unsigned short bits16(f16, float f) {
+  unsigned short u;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(u) : "f"(f));
+  return u;
+}
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return (unsigned)bits16(T{}, lo) | ((unsigned)bits16(T{}, hi) << 16);
+}
+
+// smem_addr is the shared-space address of a generic pointer into shared
+// memory, for ldmatrix.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// ldsm4t loads four 8×8 16-bit matrices transposed: lane l gives the
+// address of row l % 8 of matrix l / 8, and r[m] is matrix m's fragment
+// (lane gets elements (rows 2tig, 2tig+1; column gid)).
+__device__ __forceinline__ void ldsm4t(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ld32 reads the two 16-bit values at p (4-byte aligned) as one register.
+__device__ __forceinline__ unsigned ld32(const void* p) { return *static_cast<const unsigned*>(p); }
+
+// att_mma_stage copies rows [j0, j0 + 64) of the [S, D] matrix src into
+// dst (row stride D + 8 elements), zeros past row S, 16 bytes at a time.
+template <int D>
+__device__ __forceinline__ void att_mma_stage(unsigned short* dst, const unsigned short* src,
+                                              i64 j0, i64 S) {
+  constexpr int PER_ROW = D / 8;  // 16-byte pieces per row
+  constexpr int LD = D + 8;
+#pragma unroll
+  for (int it = 0; it < ATT_MMA_KEYS * PER_ROW / ATT_MMA_THREADS; ++it) {
+    const int x = threadIdx.x + it * ATT_MMA_THREADS;
+    const int r = x / PER_ROW, c = (x % PER_ROW) * 8;
+    uint4 v;
+    v.x = v.y = v.z = v.w = 0u;
+    if (j0 + r < S) v = *reinterpret_cast<const uint4*>(src + (j0 + r) * D + c);
+    *reinterpret_cast<uint4*>(dst + r * LD + c) = v;
+  }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attention_fwd_mma_body(const T* __restrict__ q,
+                                                       const T* __restrict__ k,
+                                                       const T* __restrict__ v,
+                                                       T* __restrict__ o, float* __restrict__ lse,
+                                                       i64 H, i64 Hkv, i64 T_, i64 S, float scale,
+                                                       bool causal) {
+  constexpr int LD = D + 8;      // shared row stride (elements): conflict-free fragment reads
+  constexpr int KC = D / 16;     // 16-wide chunks of the head dim (k of q·kᵀ)
+  constexpr int NT = ATT_MMA_KEYS / 8;  // 8-key column tiles of the scores
+  constexpr int DT = D / 8;      // 8-wide column tiles of o
+  __shared__ __align__(16) unsigned short sk[ATT_MMA_KEYS * LD];
+  __shared__ __align__(16) unsigned short sv[ATT_MMA_KEYS * LD];
+
+  const i64 tiles = (T_ + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
+  const i64 bh = (i64)blockIdx.x / tiles, i0 = ((i64)blockIdx.x % tiles) * ATT_MMA_ROWS;
+  const i64 b = bh / H, h = bh % H, hk = h / (H / Hkv);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const i64 r0 = i0 + warp * 16 + gid, r1 = r0 + 8;  // this thread's two query rows
+  const unsigned short* qb = reinterpret_cast<const unsigned short*>(q) + bh * T_ * D;
+  const unsigned short* kb = reinterpret_cast<const unsigned short*>(k) + (b * Hkv + hk) * S * D;
+  const unsigned short* vb = reinterpret_cast<const unsigned short*>(v) + (b * Hkv + hk) * S * D;
+
+  // q rows as A fragments; rows past T are zero (their results are not
+  // stored).
+  unsigned qa[KC][4];
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    const int c = kc * 16 + 2 * tig;
+    qa[kc][0] = r0 < T_ ? ld32(qb + r0 * D + c) : 0u;
+    qa[kc][1] = r1 < T_ ? ld32(qb + r1 * D + c) : 0u;
+    qa[kc][2] = r0 < T_ ? ld32(qb + r0 * D + c + 8) : 0u;
+    qa[kc][3] = r1 < T_ ? ld32(qb + r1 * D + c + 8) : 0u;
+  }
+  float acc[DT][4];
+#pragma unroll
+  for (int t = 0; t < DT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  // Running max and this thread's part of the running sum, rows r0 and r1.
+  float m[2] = {neg_inf_f(), neg_inf_f()}, l[2] = {0.f, 0.f};
+
+  // ldmatrix row addresses for v: lane gives row (lane % 8) + 8·(matrix &
+  // 1) of a 16-key chunk, columns 8·(matrix >> 1) of a 16-wide pair of o
+  // tiles, so r[0], r[1] are the B fragment (keys 0–7, 8–15) of the first
+  // tile and r[2], r[3] of the second.
+  const int mat = lane >> 3;
+  const unsigned sv_lane = smem_addr(sv + ((lane & 7) + 8 * (mat & 1)) * LD + 8 * (mat >> 1));
+
+  const i64 send = causal ? imin(S, imin(T_, i0 + ATT_MMA_ROWS)) : S;
+  for (i64 j0 = 0; j0 < send; j0 += ATT_MMA_KEYS) {
+    __syncthreads();  // the previous tile's readers are done
+    att_mma_stage<D>(sk, kb, j0, S);
+    if (o) att_mma_stage<D>(sv, vb, j0, S);
+    __syncthreads();
+
+    // s = q·kᵀ for 16 rows × 64 keys: B fragments straight from sk rows
+    // (key n = gid of the tile, dims 2tig.. and 2tig+8..).
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const unsigned short* kr = sk + (nt * 8 + gid) * LD + 2 * tig;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        const unsigned bf[2] = {ld32(kr + kc * 16), ld32(kr + kc * 16 + 8)};
+        mma16816<T>(s[nt], qa[kc], bf);
+      }
+    }
+
+    // Scale, hide keys past S and (causal) past the row, and take each
+    // row's tile max over the 4 lanes that share it.
+    float mx[2] = {neg_inf_f(), neg_inf_f()};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const i64 j = j0 + nt * 8 + 2 * tig + (e & 1);
+        const i64 i = (e < 2) ? r0 : r1;
+        float x = s[nt][e] * scale;
+        if (j >= S || (causal && j > i)) x = neg_inf_f();
+        s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float alpha[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+      const float mn = fmaxf(m[r], mx[r]);
+      // Nothing seen yet (mn = −Inf): keep everything as it is, p = 0.
+      alpha[r] = mn == neg_inf_f() ? 1.f : expf(m[r] - mn);  // 0 while m is −Inf
+      base[r] = mn == neg_inf_f() ? 0.f : mn;
+      m[r] = mn;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = expf(s[nt][e] - base[e >> 1]);  // 0 for a hidden key
+        s[nt][e] = p;
+        l[e >> 1] += p;
+      }
+    }
+    if (!o) continue;
+#pragma unroll
+    for (int t = 0; t < DT; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[0];
+      acc[t][2] *= alpha[1];
+      acc[t][3] *= alpha[1];
+    }
+    // o += P·v: the C fragments of two adjacent 8-key score tiles are the
+    // A fragment of one 16-key chunk.
+#pragma unroll
+    for (int kc = 0; kc < ATT_MMA_KEYS / 16; ++kc) {
+      const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                              pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int t = 0; t < DT; t += 2) {
+        unsigned bf[4];
+        ldsm4t(bf, sv_lane + (unsigned)((kc * 16 * LD + t * 8) * 2));
+        mma16816<T>(acc[t], pa, bf);
+        mma16816<T>(acc[t + 1], pa, bf + 2);
+      }
+    }
+  }
+
+  // Whole-row sums over the 4 lanes of a row, then o = acc / l and lse.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+  }
+  if (o) {
+    const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
+    unsigned short* ob = reinterpret_cast<unsigned short*>(o) + bh * T_ * D;
+#pragma unroll
+    for (int t = 0; t < DT; ++t) {
+      const int c = t * 8 + 2 * tig;
+      if (r0 < T_)
+        *reinterpret_cast<unsigned*>(ob + r0 * D + c) = pack2<T>(acc[t][0] * inv0, acc[t][1] * inv0);
+      if (r1 < T_)
+        *reinterpret_cast<unsigned*>(ob + r1 * D + c) = pack2<T>(acc[t][2] * inv1, acc[t][3] * inv1);
+    }
+  }
+  if (lse && tig == 0) {
+    if (r0 < T_) lse[bh * T_ + r0] = l[0] > 0.f ? m[0] + logf(l[0]) : neg_inf_f();
+    if (r1 < T_) lse[bh * T_ + r1] = l[1] > 0.f ? m[1] + logf(l[1]) : neg_inf_f();
+  }
+}
+
+// attention_fwd_mma_d{64,128}_{bf16,f16}: attention_fwd's o and/or lse (o
+// or lse may be null) on tensor cores, for head dim 64 or 128 exactly and
+// no mask. q, k, v and o must be 16-byte aligned. grid.x =
+// B·H·⌈T/64⌉, block 128.
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d64_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                           i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<bf16, 64>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d128_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                            i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<bf16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d64_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
+                          i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<f16, 64>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d128_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
+                           i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<f16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
