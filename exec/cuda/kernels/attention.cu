@@ -1,5 +1,12 @@
 // attention.cu: fused scaled dot-product attention, FlashAttention-2 style,
-// in fp32 with plain FMAs (no tensor cores yet).
+// with plain fp32 FMAs, and a tensor-core forward for 16-bit values at head
+// dims 64 and 128 (attention_fwd_mma, at the end). Every plain kernel is
+// templated on the storage type T of q, k, v, o, g and the outputs o, dq,
+// dk|dv, and instantiated for float32, bfloat16 and float16 (FOR_FLOATS):
+// 16-bit values are widened as they are staged, all arithmetic is float32,
+// and each output element rounds once when stored. lse is float32
+// whatever T is; the mask may be any float dtype (mdt: 0 float32,
+// 1 bfloat16, 2 float16).
 //
 // q is [B, H, T, d], k and v [B, Hkv, S, d], all contiguous; query head h
 // reads key/value head h / (H / Hkv). Scores s = scale·q·k + mask, the mask
@@ -24,32 +31,46 @@
 #define ATT_TILE(DMAX) ((DMAX) > 64 ? 32 : 64)
 #define ATT_SMEM (2 * 64 * 64)
 
+template <typename E>
 struct AttnArgs {
-  const float* q;
-  const float* k;
-  const float* v;
-  const float* mask;
+  const E* q;
+  const E* k;
+  const E* v;
+  const void* mask;
   i64 B, H, Hkv, T, S, d;
   i64 ms0, ms1, ms2, ms3;
   float scale;
   int causal;
+  int mdt;  // the mask's dtype: 0 float32, 1 bfloat16, 2 float16
 };
 
-__device__ __forceinline__ float att_mask(const AttnArgs& a, i64 b, i64 h, i64 i, i64 j) {
-  return a.mask ? a.mask[b * a.ms0 + h * a.ms1 + i * a.ms2 + j * a.ms3] : 0.f;
+// att_mask_at widens element x of a mask of dtype mdt.
+__device__ __forceinline__ float att_mask_at(const void* m, int mdt, i64 x) {
+  switch (mdt) {
+    case 1: return (float)static_cast<const bf16*>(m)[x];
+    case 2: return (float)static_cast<const f16*>(m)[x];
+  }
+  return static_cast<const float*>(m)[x];
+}
+
+template <typename T>
+__device__ __forceinline__ float att_mask(const AttnArgs<T>& a, i64 b, i64 h, i64 i, i64 j) {
+  return a.mask ? att_mask_at(a.mask, a.mdt, b * a.ms0 + h * a.ms1 + i * a.ms2 + j * a.ms3) : 0.f;
 }
 
 // att_stage copies rows [r0, r0 + n) of the [rows, d] matrix at src into
-// dst (n·d floats, row stride d), every thread of the block helping.
-__device__ __forceinline__ void att_stage(float* dst, const float* src, i64 r0, i64 n, i64 d) {
+// dst (n·d floats, row stride d), widened, every thread of the block
+// helping.
+template <typename T>
+__device__ __forceinline__ void att_stage(float* dst, const T* src, i64 r0, i64 n, i64 d) {
   const i64 total = n * d;
-  for (i64 x = threadIdx.x; x < total; x += blockDim.x) dst[x] = src[r0 * d + x];
+  for (i64 x = threadIdx.x; x < total; x += blockDim.x) dst[x] = (float)src[r0 * d + x];
 }
 
 // Forward: o (when non-null) and lse (when non-null) for one tile of
 // ATT_ROWS query rows of one (b, h).
-template <int DMAX>
-__device__ __forceinline__ void attention_fwd_body(const AttnArgs a, float* __restrict__ o,
+template <int DMAX, typename T>
+__device__ __forceinline__ void attention_fwd_body(const AttnArgs<T> a, T* __restrict__ o,
                                                    float* __restrict__ lse, float* smem) {
   constexpr int BC = ATT_TILE(DMAX);
   const i64 tiles = (a.T + ATT_ROWS - 1) / ATT_ROWS;
@@ -57,14 +78,14 @@ __device__ __forceinline__ void attention_fwd_body(const AttnArgs a, float* __re
   const i64 b = bh / a.H, h = bh % a.H, hk = h / (a.H / a.Hkv);
   const i64 d = a.d, i = i0 + threadIdx.x;
   const bool live = i < a.T;
-  const float* kb = a.k + (b * a.Hkv + hk) * a.S * d;
-  const float* vb = a.v + (b * a.Hkv + hk) * a.S * d;
+  const T* kb = a.k + (b * a.Hkv + hk) * a.S * d;
+  const T* vb = a.v + (b * a.Hkv + hk) * a.S * d;
   float* sk = smem;
   float* sv = smem + BC * DMAX;
   float qr[DMAX], acc[DMAX];
 #pragma unroll
   for (int c = 0; c < DMAX; ++c) {
-    qr[c] = (live && c < d) ? a.q[(bh * a.T + i) * d + c] : 0.f;
+    qr[c] = (live && c < d) ? (float)a.q[(bh * a.T + i) * d + c] : 0.f;
     acc[c] = 0.f;
   }
   float m = neg_inf_f(), l = 0.f;
@@ -114,25 +135,34 @@ __device__ __forceinline__ void attention_fwd_body(const AttnArgs a, float* __re
   if (lse) lse[bh * a.T + i] = l > 0.f ? m + logf(l) : neg_inf_f();
 }
 
-// attention_fwd_f32: o = softmax(s)·v and/or lse = log Σ exp(s) per query
-// row (o or lse may be null). grid.x = B·H·⌈T/64⌉, block 64.
-extern "C" __global__ void __launch_bounds__(ATT_ROWS)
-attention_fwd_f32(const float* q, const float* k, const float* v, const float* mask, float* o,
-                  float* lse, i64 B, i64 H, i64 Hkv, i64 T, i64 S, i64 d, i64 ms0, i64 ms1,
-                  i64 ms2, i64 ms3, float scale, i64 causal) {
+// attention_fwd_{f32,bf16,f16}: o = softmax(s)·v and/or lse = log Σ
+// exp(s) per query row (o or lse may be null). grid.x = B·H·⌈T/64⌉, block
+// 64.
+template <typename T>
+__device__ __forceinline__ void attention_fwd_t(const AttnArgs<T>& a, T* o, float* lse) {
   __shared__ float smem[ATT_SMEM];
-  const AttnArgs a{q, k, v, mask, B, H, Hkv, T, S, d, ms0, ms1, ms2, ms3, scale, (int)causal};
-  if (d <= 64) attention_fwd_body<64>(a, o, lse, smem);
+  if (a.d <= 64) attention_fwd_body<64>(a, o, lse, smem);
   else attention_fwd_body<128>(a, o, lse, smem);
 }
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_fwd_##S(                    \
+      const T* q, const T* k, const T* v, const void* mask, T* o, float* lse, i64 B, i64 H,    \
+      i64 Hkv, i64 T_, i64 S_, i64 d, i64 ms0, i64 ms1, i64 ms2, i64 ms3, float scale,         \
+      i64 causal, i64 mdt) {                                                                    \
+    attention_fwd_t<T>({q, k, v, mask, B, H, Hkv, T_, S_, d, ms0, ms1, ms2, ms3, scale,        \
+                        (int)causal, (int)mdt},                                                 \
+                       o, lse);                                                                 \
+  }
+FOR_FLOATS(K)
+#undef K
 
 // dq for one tile of query rows: D = Σ g∘o, p = exp(s − lse), dq = scale·
 // Σ_j p·(g·v_j − D)·k_j.
-template <int DMAX>
-__device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float* __restrict__ g,
-                                                  const float* __restrict__ o,
+template <int DMAX, typename T>
+__device__ __forceinline__ void attention_dq_body(const AttnArgs<T> a, const T* __restrict__ g,
+                                                  const T* __restrict__ o,
                                                   const float* __restrict__ lse,
-                                                  float* __restrict__ dq, float* smem) {
+                                                  T* __restrict__ dq, float* smem) {
   constexpr int BC = ATT_TILE(DMAX);
   const i64 tiles = (a.T + ATT_ROWS - 1) / ATT_ROWS;
   const i64 bh = (i64)blockIdx.x / tiles, i0 = ((i64)blockIdx.x % tiles) * ATT_ROWS;
@@ -140,8 +170,8 @@ __device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float*
   const i64 d = a.d, i = i0 + threadIdx.x;
   const float li = i < a.T ? lse[bh * a.T + i] : neg_inf_f();
   const bool live = i < a.T && li != neg_inf_f();
-  const float* kb = a.k + (b * a.Hkv + hk) * a.S * d;
-  const float* vb = a.v + (b * a.Hkv + hk) * a.S * d;
+  const T* kb = a.k + (b * a.Hkv + hk) * a.S * d;
+  const T* vb = a.v + (b * a.Hkv + hk) * a.S * d;
   float* sk = smem;
   float* sv = smem + BC * DMAX;
   float qr[DMAX], gr[DMAX], acc[DMAX];
@@ -150,9 +180,9 @@ __device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float*
   for (int c = 0; c < DMAX; ++c) {
     const bool in = live && c < d;
     const i64 x = (bh * a.T + i) * d + c;
-    qr[c] = in ? a.q[x] : 0.f;
-    gr[c] = in ? g[x] : 0.f;
-    if (in) dd = fmaf(gr[c], o[x], dd);
+    qr[c] = in ? (float)a.q[x] : 0.f;
+    gr[c] = in ? (float)g[x] : 0.f;
+    if (in) dd = fmaf(gr[c], (float)o[x], dd);
     acc[c] = 0.f;
   }
   const i64 send = a.causal ? imin(a.S, imin(a.T, i0 + ATT_ROWS)) : a.S;
@@ -187,28 +217,36 @@ __device__ __forceinline__ void attention_dq_body(const AttnArgs a, const float*
     if (c < d) dq[(bh * a.T + i) * d + c] = acc[c] * a.scale;
 }
 
-// attention_grad_q_f32: dq [B, H, T, d] from g, o (both [B, H, T, d]) and
-// lse [B, H, T]. grid.x = B·H·⌈T/64⌉, block 64.
-extern "C" __global__ void __launch_bounds__(ATT_ROWS)
-attention_grad_q_f32(const float* g, const float* q, const float* k, const float* v,
-                     const float* o, const float* lse, const float* mask, float* dq, i64 B, i64 H,
-                     i64 Hkv, i64 T, i64 S, i64 d, i64 ms0, i64 ms1, i64 ms2, i64 ms3,
-                     float scale, i64 causal) {
+// attention_grad_q_{f32,bf16,f16}: dq [B, H, T, d] from g, o (both [B, H,
+// T, d]) and lse [B, H, T] (float32). grid.x = B·H·⌈T/64⌉, block 64.
+template <typename T>
+__device__ __forceinline__ void attention_grad_q_t(const AttnArgs<T>& a, const T* g, const T* o,
+                                                   const float* lse, T* dq) {
   __shared__ float smem[ATT_SMEM];
-  const AttnArgs a{q, k, v, mask, B, H, Hkv, T, S, d, ms0, ms1, ms2, ms3, scale, (int)causal};
-  if (d <= 64) attention_dq_body<64>(a, g, o, lse, dq, smem);
+  if (a.d <= 64) attention_dq_body<64>(a, g, o, lse, dq, smem);
   else attention_dq_body<128>(a, g, o, lse, dq, smem);
 }
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_grad_q_##S(                 \
+      const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse,            \
+      const void* mask, T* dq, i64 B, i64 H, i64 Hkv, i64 T_, i64 S_, i64 d, i64 ms0, i64 ms1, \
+      i64 ms2, i64 ms3, float scale, i64 causal, i64 mdt) {                                     \
+    attention_grad_q_t<T>({q, k, v, mask, B, H, Hkv, T_, S_, d, ms0, ms1, ms2, ms3, scale,     \
+                           (int)causal, (int)mdt},                                              \
+                          g, o, lse, dq);                                                       \
+  }
+FOR_FLOATS(K)
+#undef K
 
 // dk and dv for one tile of key rows of one (b, hk), summed over the H/Hkv
 // query heads of the group: per query row i (staged with its g row, lse
 // and D = Σ g∘o), p = exp(s − lse), dv += p·g_i, dk += scale·p·(g_i·v −
 // D)·q_i.
-template <int DMAX>
-__device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float* __restrict__ g,
-                                                   const float* __restrict__ o,
+template <int DMAX, typename T>
+__device__ __forceinline__ void attention_dkv_body(const AttnArgs<T> a, const T* __restrict__ g,
+                                                   const T* __restrict__ o,
                                                    const float* __restrict__ lse,
-                                                   float* __restrict__ dkv, float* smem,
+                                                   T* __restrict__ dkv, float* smem,
                                                    float* srow) {
   constexpr int BR = ATT_TILE(DMAX);
   const i64 tiles = (a.S + ATT_ROWS - 1) / ATT_ROWS;
@@ -225,8 +263,8 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
   for (int c = 0; c < DMAX; ++c) {
     const bool in = live && c < d;
     const i64 x = (bhk * a.S + j) * d + c;
-    kr[c] = in ? a.k[x] : 0.f;
-    vr[c] = in ? a.v[x] : 0.f;
+    kr[c] = in ? (float)a.k[x] : 0.f;
+    vr[c] = in ? (float)a.v[x] : 0.f;
     dk[c] = 0.f;
     dv[c] = 0.f;
   }
@@ -234,9 +272,9 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
   const i64 istart = a.causal ? (j0 / BR) * BR : 0;
   for (i64 h = hk * group; h < (hk + 1) * group; ++h) {
     const i64 bh = b * a.H + h;
-    const float* qb = a.q + bh * a.T * d;
-    const float* gb = g + bh * a.T * d;
-    const float* ob = o + bh * a.T * d;
+    const T* qb = a.q + bh * a.T * d;
+    const T* gb = g + bh * a.T * d;
+    const T* ob = o + bh * a.T * d;
     for (i64 r0 = istart; r0 < a.T; r0 += BR) {
       const i64 n = imin((i64)BR, a.T - r0);
       __syncthreads();
@@ -244,7 +282,8 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
       att_stage(sg, gb, r0, n, d);
       for (i64 t = threadIdx.x; t < n; t += blockDim.x) {
         float D = 0.f;
-        for (i64 c = 0; c < d; ++c) D = fmaf(gb[(r0 + t) * d + c], ob[(r0 + t) * d + c], D);
+        for (i64 c = 0; c < d; ++c)
+          D = fmaf((float)gb[(r0 + t) * d + c], (float)ob[(r0 + t) * d + c], D);
         sd[t] = D;
         sl[t] = lse[bh * a.T + r0 + t];
       }
@@ -275,7 +314,7 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
     }
   }
   if (!live) return;
-  float* out = dkv + (bhk * a.S + j) * 2 * d;
+  T* out = dkv + (bhk * a.S + j) * 2 * d;
 #pragma unroll
   for (int c = 0; c < DMAX; ++c)
     if (c < d) {
@@ -284,17 +323,301 @@ __device__ __forceinline__ void attention_dkv_body(const AttnArgs a, const float
     }
 }
 
-// attention_grad_kv_f32: dk|dv packed [B, Hkv, S, 2d] (dk in columns
-// [0, d), dv in [d, 2d)) from g, o and lse. grid.x = B·Hkv·⌈S/64⌉, block
-// 64.
-extern "C" __global__ void __launch_bounds__(ATT_ROWS)
-attention_grad_kv_f32(const float* g, const float* q, const float* k, const float* v,
-                      const float* o, const float* lse, const float* mask, float* dkv, i64 B,
-                      i64 H, i64 Hkv, i64 T, i64 S, i64 d, i64 ms0, i64 ms1, i64 ms2, i64 ms3,
-                      float scale, i64 causal) {
+// attention_grad_kv_{f32,bf16,f16}: dk|dv packed [B, Hkv, S, 2d] (dk in
+// columns [0, d), dv in [d, 2d)) from g, o and lse (float32). grid.x =
+// B·Hkv·⌈S/64⌉, block 64.
+template <typename T>
+__device__ __forceinline__ void attention_grad_kv_t(const AttnArgs<T>& a, const T* g, const T* o,
+                                                    const float* lse, T* dkv) {
   __shared__ float smem[ATT_SMEM];
   __shared__ float srow[2 * 64];
-  const AttnArgs a{q, k, v, mask, B, H, Hkv, T, S, d, ms0, ms1, ms2, ms3, scale, (int)causal};
-  if (d <= 64) attention_dkv_body<64>(a, g, o, lse, dkv, smem, srow);
+  if (a.d <= 64) attention_dkv_body<64>(a, g, o, lse, dkv, smem, srow);
   else attention_dkv_body<128>(a, g, o, lse, dkv, smem, srow);
+}
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_grad_kv_##S(                \
+      const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse,            \
+      const void* mask, T* dkv, i64 B, i64 H, i64 Hkv, i64 T_, i64 S_, i64 d, i64 ms0,         \
+      i64 ms1, i64 ms2, i64 ms3, float scale, i64 causal, i64 mdt) {                            \
+    attention_grad_kv_t<T>({q, k, v, mask, B, H, Hkv, T_, S_, d, ms0, ms1, ms2, ms3, scale,    \
+                            (int)causal, (int)mdt},                                             \
+                           g, o, lse, dkv);                                                     \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// ---------------------------------------------------------------------------
+// Tensor-core forward for bfloat16 and float16 at head dims 64 and 128,
+// without a mask: FlashAttention-2 with mma.sync m16n8k16 (16-bit inputs,
+// float32 accumulation). A block of 4 warps takes 64 query rows of one
+// (b, h), 16 rows a warp, and walks the keys in tiles of 64 staged in
+// shared memory; each warp keeps its q rows as A fragments, computes its
+// 16×64 scores with S = q·kᵀ, runs the online softmax on them in float32
+// (expf, as the scalar kernel) and adds P·v into float32 accumulators, P
+// rounded to T for the product as FlashAttention-2 does (the running sum l
+// uses the unrounded p). o rounds once when stored; lse is float32. Causal
+// tiles past the diagonal are skipped and the diagonal tile is masked.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16/.f16, and ldmatrix),
+// lane = 4·gid + tig (gid = lane / 4 in [0, 8), tig = lane % 4); a 32-bit
+// register holds two 16-bit values, the lower index in the low half:
+//   A (16×16, row): a[0] = (gid, 2tig..2tig+1), a[1] = (gid+8, 2tig..),
+//                   a[2] = (gid, 2tig+8..2tig+9), a[3] = (gid+8, 2tig+8..)
+//   B (16×8, col):  b[0] = (k 2tig..2tig+1, n gid), b[1] = (k 2tig+8..2tig+9, n gid)
+//   C (16×8, f32):  c[0], c[1] = (gid, 2tig), (gid, 2tig+1);
+//                   c[2], c[3] = (gid+8, 2tig), (gid+8, 2tig+1)
+
+#define ATT_MMA_ROWS 64     // query rows per block (16 per warp)
+#define ATT_MMA_KEYS 64     // keys per staged tile
+#define ATT_MMA_THREADS 128 // 4 warps
+
+// mma16816 accumulates c += a·b for one m16n8k16 product; T (bf16 or
+// f16) picks the instruction.
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b);
+template <>
+__device__ __forceinline__ void mma16816<bf16>(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma16816<f16>(float* c, const unsigned* a, const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// pack2 rounds lo and hi to T and packs them, lo in the low half.
+__device__ __forceinline__ unsigned short bits16(bf16, float f) { return bf16_bits(f); }
+__device__ __forceinline__ unsigned short bits16(f16, float f) {
+  unsigned short u;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(u) : "f"(f));
+  return u;
+}
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return (unsigned)bits16(T{}, lo) | ((unsigned)bits16(T{}, hi) << 16);
+}
+
+// smem_addr is the shared-space address of a generic pointer into shared
+// memory, for ldmatrix.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// ldsm4t loads four 8×8 16-bit matrices transposed: lane l gives the
+// address of row l % 8 of matrix l / 8, and r[m] is matrix m's fragment
+// (lane gets elements (rows 2tig, 2tig+1; column gid)).
+__device__ __forceinline__ void ldsm4t(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ld32 reads the two 16-bit values at p (4-byte aligned) as one register.
+__device__ __forceinline__ unsigned ld32(const void* p) { return *static_cast<const unsigned*>(p); }
+
+// att_mma_stage copies rows [j0, j0 + 64) of the [S, D] matrix src into
+// dst (row stride D + 8 elements), zeros past row S, 16 bytes at a time.
+template <int D>
+__device__ __forceinline__ void att_mma_stage(unsigned short* dst, const unsigned short* src,
+                                              i64 j0, i64 S) {
+  constexpr int PER_ROW = D / 8;  // 16-byte pieces per row
+  constexpr int LD = D + 8;
+#pragma unroll
+  for (int it = 0; it < ATT_MMA_KEYS * PER_ROW / ATT_MMA_THREADS; ++it) {
+    const int x = threadIdx.x + it * ATT_MMA_THREADS;
+    const int r = x / PER_ROW, c = (x % PER_ROW) * 8;
+    uint4 v;
+    v.x = v.y = v.z = v.w = 0u;
+    if (j0 + r < S) v = *reinterpret_cast<const uint4*>(src + (j0 + r) * D + c);
+    *reinterpret_cast<uint4*>(dst + r * LD + c) = v;
+  }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attention_fwd_mma_body(const T* __restrict__ q,
+                                                       const T* __restrict__ k,
+                                                       const T* __restrict__ v,
+                                                       T* __restrict__ o, float* __restrict__ lse,
+                                                       i64 H, i64 Hkv, i64 T_, i64 S, float scale,
+                                                       bool causal) {
+  constexpr int LD = D + 8;      // shared row stride (elements): conflict-free fragment reads
+  constexpr int KC = D / 16;     // 16-wide chunks of the head dim (k of q·kᵀ)
+  constexpr int NT = ATT_MMA_KEYS / 8;  // 8-key column tiles of the scores
+  constexpr int DT = D / 8;      // 8-wide column tiles of o
+  __shared__ __align__(16) unsigned short sk[ATT_MMA_KEYS * LD];
+  __shared__ __align__(16) unsigned short sv[ATT_MMA_KEYS * LD];
+
+  const i64 tiles = (T_ + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
+  const i64 bh = (i64)blockIdx.x / tiles, i0 = ((i64)blockIdx.x % tiles) * ATT_MMA_ROWS;
+  const i64 b = bh / H, h = bh % H, hk = h / (H / Hkv);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const i64 r0 = i0 + warp * 16 + gid, r1 = r0 + 8;  // this thread's two query rows
+  const unsigned short* qb = reinterpret_cast<const unsigned short*>(q) + bh * T_ * D;
+  const unsigned short* kb = reinterpret_cast<const unsigned short*>(k) + (b * Hkv + hk) * S * D;
+  const unsigned short* vb = reinterpret_cast<const unsigned short*>(v) + (b * Hkv + hk) * S * D;
+
+  // q rows as A fragments; rows past T are zero (their results are not
+  // stored).
+  unsigned qa[KC][4];
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    const int c = kc * 16 + 2 * tig;
+    qa[kc][0] = r0 < T_ ? ld32(qb + r0 * D + c) : 0u;
+    qa[kc][1] = r1 < T_ ? ld32(qb + r1 * D + c) : 0u;
+    qa[kc][2] = r0 < T_ ? ld32(qb + r0 * D + c + 8) : 0u;
+    qa[kc][3] = r1 < T_ ? ld32(qb + r1 * D + c + 8) : 0u;
+  }
+  float acc[DT][4];
+#pragma unroll
+  for (int t = 0; t < DT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  // Running max and this thread's part of the running sum, rows r0 and r1.
+  float m[2] = {neg_inf_f(), neg_inf_f()}, l[2] = {0.f, 0.f};
+
+  // ldmatrix row addresses for v: lane gives row (lane % 8) + 8·(matrix &
+  // 1) of a 16-key chunk, columns 8·(matrix >> 1) of a 16-wide pair of o
+  // tiles, so r[0], r[1] are the B fragment (keys 0–7, 8–15) of the first
+  // tile and r[2], r[3] of the second.
+  const int mat = lane >> 3;
+  const unsigned sv_lane = smem_addr(sv + ((lane & 7) + 8 * (mat & 1)) * LD + 8 * (mat >> 1));
+
+  const i64 send = causal ? imin(S, imin(T_, i0 + ATT_MMA_ROWS)) : S;
+  for (i64 j0 = 0; j0 < send; j0 += ATT_MMA_KEYS) {
+    __syncthreads();  // the previous tile's readers are done
+    att_mma_stage<D>(sk, kb, j0, S);
+    if (o) att_mma_stage<D>(sv, vb, j0, S);
+    __syncthreads();
+
+    // s = q·kᵀ for 16 rows × 64 keys: B fragments straight from sk rows
+    // (key n = gid of the tile, dims 2tig.. and 2tig+8..).
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const unsigned short* kr = sk + (nt * 8 + gid) * LD + 2 * tig;
+#pragma unroll
+      for (int kc = 0; kc < KC; ++kc) {
+        const unsigned bf[2] = {ld32(kr + kc * 16), ld32(kr + kc * 16 + 8)};
+        mma16816<T>(s[nt], qa[kc], bf);
+      }
+    }
+
+    // Scale, hide keys past S and (causal) past the row, and take each
+    // row's tile max over the 4 lanes that share it.
+    float mx[2] = {neg_inf_f(), neg_inf_f()};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const i64 j = j0 + nt * 8 + 2 * tig + (e & 1);
+        const i64 i = (e < 2) ? r0 : r1;
+        float x = s[nt][e] * scale;
+        if (j >= S || (causal && j > i)) x = neg_inf_f();
+        s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float alpha[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+      const float mn = fmaxf(m[r], mx[r]);
+      // Nothing seen yet (mn = −Inf): keep everything as it is, p = 0.
+      alpha[r] = mn == neg_inf_f() ? 1.f : expf(m[r] - mn);  // 0 while m is −Inf
+      base[r] = mn == neg_inf_f() ? 0.f : mn;
+      m[r] = mn;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = expf(s[nt][e] - base[e >> 1]);  // 0 for a hidden key
+        s[nt][e] = p;
+        l[e >> 1] += p;
+      }
+    }
+    if (!o) continue;
+#pragma unroll
+    for (int t = 0; t < DT; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[0];
+      acc[t][2] *= alpha[1];
+      acc[t][3] *= alpha[1];
+    }
+    // o += P·v: the C fragments of two adjacent 8-key score tiles are the
+    // A fragment of one 16-key chunk.
+#pragma unroll
+    for (int kc = 0; kc < ATT_MMA_KEYS / 16; ++kc) {
+      const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                              pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int t = 0; t < DT; t += 2) {
+        unsigned bf[4];
+        ldsm4t(bf, sv_lane + (unsigned)((kc * 16 * LD + t * 8) * 2));
+        mma16816<T>(acc[t], pa, bf);
+        mma16816<T>(acc[t + 1], pa, bf + 2);
+      }
+    }
+  }
+
+  // Whole-row sums over the 4 lanes of a row, then o = acc / l and lse.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+  }
+  if (o) {
+    const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
+    unsigned short* ob = reinterpret_cast<unsigned short*>(o) + bh * T_ * D;
+#pragma unroll
+    for (int t = 0; t < DT; ++t) {
+      const int c = t * 8 + 2 * tig;
+      if (r0 < T_)
+        *reinterpret_cast<unsigned*>(ob + r0 * D + c) = pack2<T>(acc[t][0] * inv0, acc[t][1] * inv0);
+      if (r1 < T_)
+        *reinterpret_cast<unsigned*>(ob + r1 * D + c) = pack2<T>(acc[t][2] * inv1, acc[t][3] * inv1);
+    }
+  }
+  if (lse && tig == 0) {
+    if (r0 < T_) lse[bh * T_ + r0] = l[0] > 0.f ? m[0] + logf(l[0]) : neg_inf_f();
+    if (r1 < T_) lse[bh * T_ + r1] = l[1] > 0.f ? m[1] + logf(l[1]) : neg_inf_f();
+  }
+}
+
+// attention_fwd_mma_d{64,128}_{bf16,f16}: attention_fwd's o and/or lse (o
+// or lse may be null) on tensor cores, for head dim 64 or 128 exactly and
+// no mask. q, k, v and o must be 16-byte aligned. grid.x =
+// B·H·⌈T/64⌉, block 128.
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d64_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                           i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<bf16, 64>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d128_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                            i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<bf16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d64_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
+                          i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<f16, 64>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_fwd_mma_d128_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
+                           i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
+  attention_fwd_mma_body<f16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
 }

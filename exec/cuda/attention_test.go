@@ -1,0 +1,307 @@
+package cuda_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
+)
+
+// attnCase is one attention problem: q [B, H, T, D], k and v [B, Hkv, S,
+// D], an optional additive mask of shape mask and dtype mdt (q's dtype
+// when 0), causal or not.
+type attnCase struct {
+	B, H, Hkv, T, S, D int
+	causal             bool
+	mask               []int
+	mdt                graph.DType
+	scale              float64
+}
+
+func (c attnCase) String() string {
+	s := fmt.Sprintf("B%d_H%d_Hkv%d_T%d_S%d_d%d_causal%v", c.B, c.H, c.Hkv, c.T, c.S, c.D, c.causal)
+	if c.mask != nil {
+		s += fmt.Sprintf("_mask%v", c.mask)
+	}
+	if c.mdt != graph.InvalidDType {
+		s += "_" + c.mdt.String()
+	}
+	return s
+}
+
+// roundTo rounds float32 data to dt's nearest value, as an executor
+// reading it as dt would.
+func roundTo(dt graph.DType, d []float32) []float32 {
+	for i, x := range d {
+		switch dt {
+		case graph.BFloat16:
+			d[i] = half.RoundBF16(x)
+		case graph.Float16:
+			d[i] = half.RoundF16(x)
+		}
+	}
+	return d
+}
+
+// attnGraph builds the four attention ops of c on inputs of dtype dt, with
+// an upstream gradient g of q's shape: outputs o, lse, dq and dk|dv.
+func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph.Graph, []int) {
+	t.Helper()
+	g := graph.New()
+	uni := func(n int, lo, hi float64) []float32 {
+		d := make([]float32, n)
+		for i := range d {
+			d[i] = float32(lo + (hi-lo)*rng.Float64())
+		}
+		return d
+	}
+	add := func(n graph.Node) int {
+		id, err := g.Append(n)
+		require.NoError(t, err)
+		return id
+	}
+	in := func(shape ...int) int {
+		d := roundTo(dt, uni(graph.Numel(shape), -1, 1))
+		return add(graph.Node{Op: graph.OpInput, Value: tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d)),
+			Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0}})
+	}
+	q, k, v := in(c.B, c.H, c.T, c.D), in(c.B, c.Hkv, c.S, c.D), in(c.B, c.Hkv, c.S, c.D)
+	gr := in(c.B, c.H, c.T, c.D)
+	var mask []int
+	if c.mask != nil {
+		mdt := c.mdt
+		if mdt == graph.InvalidDType {
+			mdt = dt
+		}
+		md := uni(graph.Numel(c.mask), -2, 2)
+		for i := range md {
+			if rng.IntN(5) == 0 {
+				md[i] = float32(math.Inf(-1))
+			}
+		}
+		if len(md) > c.S { // the first row hides every key
+			for i := range c.S {
+				md[i] = float32(math.Inf(-1))
+			}
+		}
+		roundTo(mdt, md)
+		n := graph.Node{Op: graph.OpConst, Value: tensor.New(tensor.WithShape(c.mask...), tensor.WithBacking(md)),
+			Type: graph.Type{Shape: c.mask, DType: mdt, BatchAxis: -1}}
+		if len(c.mask) == 4 && c.mask[0] == c.B {
+			n.Op, n.Type.BatchAxis = graph.OpInput, 0
+		}
+		mask = []int{add(n)}
+	}
+	a := graph.Attrs{Scalar: c.scale, Causal: c.causal}
+	o := add(graph.Node{Op: graph.OpAttention, Inputs: append([]int{q, k, v}, mask...), Attrs: a})
+	lse := add(graph.Node{Op: graph.OpAttentionLSE, Inputs: append([]int{q, k}, mask...), Attrs: a})
+	args := append([]int{gr, q, k, v, o, lse}, mask...)
+	dq := add(graph.Node{Op: graph.OpAttentionGradQ, Inputs: args, Attrs: a})
+	dkv := add(graph.Node{Op: graph.OpAttentionGradKV, Inputs: args, Attrs: a})
+	return g, []int{o, lse, dq, dkv}
+}
+
+// attnTol bounds |cuda − cpu| per element by rtol·|cpu| + atol·m, m the
+// largest finite |cpu| of that output.
+type attnTol struct{ rtol, atol float64 }
+
+// checkAttn runs c's graph on CUDA and on the CPU executor and compares o,
+// lse, dq and dk|dv; lse is float32 whatever dt is, so it gets the float32
+// tolerance.
+func checkAttn(t *testing.T, c attnCase, dt graph.DType, tol, lseTol attnTol) {
+	t.Helper()
+	g, ids := attnGraph(t, c, dt, rand.New(rand.NewPCG(uint64(c.T*131+c.D), 7)))
+	ctx := context.Background()
+	want, err := cpu.New().Run(ctx, g, ids...)
+	require.NoError(t, err)
+	got, err := executor(t).Run(ctx, g, ids...)
+	require.NoError(t, err)
+	for i, name := range []string{"o", "lse", "dq", "dkv"} {
+		tl := tol
+		if i == 1 {
+			tl = lseTol
+		}
+		w, gd := want[i].Data().([]float32), got[i].Data().([]float32)
+		require.Len(t, gd, len(w), name)
+		m := 0.0
+		for _, x := range w {
+			if !math.IsInf(float64(x), 0) {
+				m = math.Max(m, math.Abs(float64(x)))
+			}
+		}
+		worst := 0.0
+		for j, x := range w {
+			y := float64(gd[j])
+			require.False(t, math.IsNaN(y), "%s[%d] is NaN", name, j)
+			if math.IsInf(float64(x), 0) {
+				require.Equal(t, x, gd[j], "%s[%d]", name, j)
+				continue
+			}
+			d := math.Abs(y - float64(x))
+			if m > 0 {
+				worst = max(worst, d/m)
+			}
+			if d > tl.rtol*math.Abs(float64(x))+tl.atol*m {
+				require.Failf(t, "attention differs", "%s %s[%d]: cpu %g, cuda %g (diff %.3g > %.3g·|cpu| + %.3g·%.3g)",
+					dt, name, j, x, gd[j], d, tl.rtol, tl.atol, m)
+			}
+		}
+		t.Logf("%s %s: largest |cuda − cpu| / max|cpu| = %.3g", dt, name, worst)
+	}
+}
+
+// attnCases covers lengths 1 to 1000, head dims 4 to 128, grouped-query
+// heads, causal, masks of q's dtype and of float32 (with hidden keys and
+// a row with every key hidden).
+var attnCases = []attnCase{
+	{B: 2, H: 2, Hkv: 2, T: 1, S: 1, D: 8},
+	{B: 2, H: 4, Hkv: 2, T: 17, S: 17, D: 8, causal: true},
+	{B: 1, H: 3, Hkv: 1, T: 17, S: 29, D: 4, mask: []int{17, 29}, scale: 0.3},
+	{B: 3, H: 2, Hkv: 1, T: 29, S: 17, D: 4, causal: true, mask: []int{3, 1, 1, 17}, mdt: graph.Float32},
+	{B: 2, H: 2, Hkv: 2, T: 64, S: 64, D: 64, causal: true},
+	{B: 1, H: 2, Hkv: 1, T: 64, S: 64, D: 128, mask: []int{1, 2, 64, 64}},
+	{B: 1, H: 2, Hkv: 1, T: 17, S: 17, D: 128, mask: []int{17, 17}, mdt: graph.Float32},
+	{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 16, causal: true},
+	{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 64, mask: []int{1000, 1000}},
+	{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 128, causal: true},
+}
+
+// Tolerances against the CPU executor.
+//
+// Plain-FMA kernels: CUDA and the CPU compute in float32 from the same
+// rounded inputs and round each output once, so they differ by float32
+// summation order and, where that moves a value across a rounding
+// boundary, one 16-bit ulp: rtol one ulp (2⁻⁷ bfloat16, 2⁻¹⁰ float16)
+// plus atol 1e-4 of the output's largest magnitude. lse is float32 in
+// every case: rtol and atol 1e-4.
+//
+// Tensor-core forward (16-bit, d 64 or 128, no mask): P is rounded to
+// 16 bits for P·v (unit roundoff u = 2⁻⁸ bfloat16, 2⁻¹¹ float16), which
+// moves o by at most u·max|v| and in practice by far less (the errors of
+// the weights average out); the gradients read that o through D = Σ g∘o.
+// atol 2u of each output's largest magnitude (8e-3 bfloat16, 1e-3
+// float16) on top of the one-ulp rtol; a wrong fragment layout is off by
+// the order of the values themselves.
+var (
+	attnTolF32     = attnTol{rtol: 1e-4, atol: 1e-4}
+	attnTolBF16    = attnTol{rtol: 1.0 / 128, atol: 1e-4}
+	attnTolF16     = attnTol{rtol: 1.0 / 1024, atol: 1e-4}
+	attnTolMMABF16 = attnTol{rtol: 1.0 / 128, atol: 8e-3}
+	attnTolMMAF16  = attnTol{rtol: 1.0 / 1024, atol: 1e-3}
+)
+
+// mma reports whether c's 16-bit forward runs on tensor cores (cuda's
+// attnMMA; the test's arrays are aligned).
+func (c attnCase) mma() bool { return c.mask == nil && (c.D == 64 || c.D == 128) }
+
+// TestAttention16 checks the bfloat16 and float16 instantiations of the
+// attention kernels (and float32's, with its new mask argument) against
+// the CPU executor.
+func TestAttention16(t *testing.T) {
+	executor(t)
+	for _, c := range attnCases {
+		t.Run(c.String(), func(t *testing.T) {
+			checkAttn(t, c, graph.Float32, attnTolF32, attnTolF32)
+			bf, f16 := attnTolBF16, attnTolF16
+			if c.mma() {
+				bf, f16 = attnTolMMABF16, attnTolMMAF16
+			}
+			checkAttn(t, c, graph.BFloat16, bf, attnTolF32)
+			checkAttn(t, c, graph.Float16, f16, attnTolF32)
+		})
+	}
+}
+
+// TestAttentionMMA runs the tensor-core forward (and the gradients from
+// its o and lse) over T ∈ {1, 17, 64, 1000} (S = T, and S ≠ T), d ∈ {64,
+// 128}, causal or not, grouped-query heads, against the CPU executor.
+func TestAttentionMMA(t *testing.T) {
+	executor(t)
+	var cases []attnCase
+	for _, d := range []int{64, 128} {
+		for _, causal := range []bool{false, true} {
+			for _, ts := range [][2]int{{1, 1}, {17, 17}, {64, 64}, {1000, 1000}, {17, 100}, {100, 17}, {65, 130}} {
+				c := attnCase{B: 2, H: 4, Hkv: 2, T: ts[0], S: ts[1], D: d, causal: causal}
+				if ts[0] >= 1000 {
+					c.B, c.H, c.Hkv = 1, 2, 1
+				}
+				cases = append(cases, c)
+			}
+		}
+	}
+	for _, c := range cases {
+		t.Run(c.String(), func(t *testing.T) {
+			checkAttn(t, c, graph.BFloat16, attnTolMMABF16, attnTolF32)
+			checkAttn(t, c, graph.Float16, attnTolMMAF16, attnTolF32)
+		})
+	}
+}
+
+// BenchmarkAttentionForward times the bfloat16 forward kernels on one
+// [1, 16, 4096, d] problem: the tensor-core kernel and the plain-FMA one,
+// causal or not, in TFLOP/s (4·B·H·T·S·d, halved under causal).
+func BenchmarkAttentionForward(b *testing.B) {
+	d := device(b)
+	a := newAllocator(b, d)
+	src, err := cuda.Source("attention.cu")
+	require.NoError(b, err)
+	m, err := d.Compile("attention.cu", src)
+	require.NoError(b, err)
+	b.Cleanup(func() { require.NoError(b, m.Close()) })
+	const B, H, T = 1, 16, 4096
+	r := newRand(9)
+	for _, hd := range []int{64, 128} {
+		n := B * H * T * hd
+		x := make([]uint16, n)
+		for i := range x {
+			x[i] = uint16(half.BF16From(float32(r.Float64()*2 - 1)))
+		}
+		q, k, v, o := upload(b, d, a, x), upload(b, d, a, x), upload(b, d, a, x), upload(b, d, a, x)
+		lse := upload(b, d, a, make([]float32, B*H*T))
+		scale := float32(1 / math.Sqrt(float64(hd)))
+		for _, causal := range []int64{0, 1} {
+			for _, kind := range []string{"mma", "fma"} {
+				b.Run(fmt.Sprintf("d%d_causal%d_%s", hd, causal, kind), func(b *testing.B) {
+					var fn cuda.CUfunction
+					var grid, block [3]uint32
+					var args []any
+					if kind == "mma" {
+						fn, err = m.Function(fmt.Sprintf("attention_fwd_mma_d%d_bf16", hd))
+						grid, block = [3]uint32{B * H * T / 64, 1, 1}, [3]uint32{128, 1, 1}
+						args = []any{q.Ptr(), k.Ptr(), v.Ptr(), o.Ptr(), lse.Ptr(), int64(H), int64(H), int64(T), int64(T), scale, causal}
+					} else {
+						fn, err = m.Function("attention_fwd_bf16")
+						grid, block = [3]uint32{B * H * T / 64, 1, 1}, [3]uint32{64, 1, 1}
+						args = []any{q.Ptr(), k.Ptr(), v.Ptr(), alloc.Ptr(0), o.Ptr(), lse.Ptr(), int64(B), int64(H), int64(H), int64(T), int64(T),
+							int64(hd), int64(0), int64(0), int64(0), int64(0), scale, causal, int64(0)}
+					}
+					require.NoError(b, err)
+					require.NoError(b, m.Launch(fn, grid, block, 0, args...))
+					require.NoError(b, d.Synchronize())
+					b.ResetTimer()
+					for i := 0; i < b.N; i++ {
+						if err := m.Launch(fn, grid, block, 0, args...); err != nil {
+							b.Fatal(err)
+						}
+					}
+					require.NoError(b, d.Synchronize())
+					flops := 4.0 * B * H * T * T * float64(hd)
+					if causal != 0 {
+						flops /= 2
+					}
+					b.ReportMetric(flops*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+				})
+			}
+		}
+	}
+}
