@@ -78,11 +78,12 @@ def ratio(torch_ms, bf_ms):
     return f"{q:.3f} (batchfit {q:.2f}x faster)"
 
 
-TORCH_CONFIGS = ("bf16", "compile", "fp32")
+TORCH_CONFIGS = ("bf16", "compile", "fp32", "bf16-written")
 ABOUT = {
     "bf16": "eager, bf16 autocast + TF32 + SDPA (is_causal) + fused Adam/AdamW, channels_last + cudnn.benchmark (conv)",
     "compile": "torch.compile (model and loss) of bf16; compile time excluded from the steps",
     "fp32": "eager FP32, TF32 off, attention written out (the weak baseline: an extra column, never the headline)",
+    "bf16-written": "bf16 with the attention written out instead of SDPA (an extra column)",
 }
 
 
@@ -121,7 +122,8 @@ def main():
             print(f"WARNING: torch {m} {c} ran without the fused optimizer: {impl}")
 
     print("\nThroughput, headline (median ms/step of the timed steps, each synchronised, host batch uploaded every step):")
-    print("  batchfit executor: the program compiled once, FP32 (TF32 off); batchfit Session: the graph built again")
+    prec = sorted({r.get("precision") or ("tf32" if r.get("tf32") else "fp32") for r in go if r.get("kind") == "throughput"})
+    print(f"  batchfit executor: the program compiled once, precision {', '.join(prec) or '-'}; batchfit Session: the graph built again")
     print("  every step (Session.Step with autodiff and the plan cache), as a training loop runs it.")
     for c in TORCH_CONFIGS:
         print(f"  torch {c}: {ABOUT[c]}")
@@ -129,7 +131,8 @@ def main():
     rows = [["model", "batch", "seq", "batchfit ms", "batchfit samples/s", "bf Session ms",
              "torch bf16 ms", "torch bf16 samples/s", "torch compile ms", "torch compile samples/s",
              "torch bf16 / batchfit", "torch compile / batchfit", "torch bf16 / Session",
-             "torch fp32 ms (extra)", "torch fp32 / batchfit (extra)"]]
+             "torch fp32 ms (extra)", "torch fp32 / batchfit (extra)",
+             "torch bf16-written ms (extra)", "torch bf16-written / batchfit (extra)"]]
     for m in models:
         g, se = gt.get(m), st.get(m)
         gfail = go_failed and not g
@@ -144,7 +147,8 @@ def main():
                      cell(t["compile"], tf["compile"], ms, "{:,.2f}"),
                      cell(t["compile"], tf["compile"], lambda r: r.get("samples_per_second"), "{:,.0f}"),
                      ratio(ms(t["bf16"]), ms(g)), ratio(ms(t["compile"]), ms(g)), ratio(ms(t["bf16"]), ms(se)),
-                     cell(t["fp32"], tf["fp32"], ms, "{:,.2f}"), ratio(ms(t["fp32"]), ms(g))])
+                     cell(t["fp32"], tf["fp32"], ms, "{:,.2f}"), ratio(ms(t["fp32"]), ms(g)),
+                     cell(t["bf16-written"], tf["bf16-written"], ms, "{:,.2f}"), ratio(ms(t["bf16-written"]), ms(g))])
     table(rows)
     comp = [(m, tt[(m, "compile")]) for m in models if (m, "compile") in tt]
     if comp:
@@ -159,7 +163,8 @@ def main():
     print(" torch: max_memory_reserved / max_memory_allocated over the steps, compile's own peak excluded):")
     rows = [["model", "bf predicted+ovh", "bf measured reserved", "error", "bf device used",
              "torch bf16 reserved", "torch bf16 allocated", "torch compile reserved", "torch compile allocated",
-             "torch fp32 reserved (extra)", "torch fp32 allocated (extra)"]]
+             "torch fp32 reserved (extra)", "torch fp32 allocated (extra)",
+             "torch bf16-written reserved (extra)", "torch bf16-written allocated (extra)"]]
     for m in models:
         g = gt.get(m) or {}
         pred = g["predicted_peak_reserved"] + g.get("overhead", 0) if g.get("predicted_peak_reserved") else None

@@ -10,7 +10,10 @@ the same shapes, with the same optimizers, in each configuration of
            (is_causal=True), fused Adam/AdamW (fused=True), channels_last and
            cudnn.benchmark for the conv net;
   compile  torch.compile of the bf16 configuration (model and loss); the
-           compile (the first step) is timed apart and excluded.
+           compile (the first step) is timed apart and excluded;
+  bf16-written  bf16 with the attention written out (q·kᵀ, mask, softmax,
+           ·v) instead of SDPA: autocast's eager baseline for a model
+           without a fused attention op (an extra column).
 
 Per model and configuration: the median of the timed steps (each
 synchronised), steps/s, samples/s, torch.cuda.max_memory_reserved and
@@ -36,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CONFIGS = ("fp32", "bf16", "compile")
+CONFIGS = ("fp32", "bf16", "compile", "bf16-written")
 
 
 def set_precision(fast):
@@ -259,11 +262,12 @@ class Config:
             raise ValueError(f"unknown config {name!r} (want one of {', '.join(CONFIGS)})")
         self.name = name
         self.fast = name != "fp32"  # bf16 autocast, TF32, SDPA, fused optimizer, channels_last
+        self.sdpa = name in ("bf16", "compile")
         self.compiled = name == "compile"
 
     def describe(self, s):
         d = {"tf32": self.fast, "autocast": "bfloat16" if self.fast else None,
-             "attention": ("sdpa(is_causal=True)" if self.fast else "written out") if s.name == "gpt" else None,
+             "attention": ("sdpa(is_causal=True)" if self.sdpa else "written out") if s.name == "gpt" else None,
              "fused_optimizer": self.fast, "cudnn_benchmark": self.fast,
              "channels_last": self.fast and s.name == "conv", "compiled": self.compiled}
         return {k: v for k, v in d.items() if v is not None}
@@ -275,7 +279,7 @@ def make_runner(s, cfg, a, rec):
     upload, zero_grad, forward and loss, backward, optimizer step."""
     set_precision(cfg.fast)
     torch.manual_seed(1)
-    model = s.make(sdpa=cfg.fast)
+    model = s.make(sdpa=cfg.sdpa)
     mf = torch.channels_last if cfg.fast and s.name == "conv" else None
     model = model.to(DEV)
     if mf is not None:
@@ -495,7 +499,7 @@ def main():
     ap.add_argument("--configs", default="fp32,bf16,compile",
                     help="comma list of fp32 (TF32 off, attention written out: the weak extra column), "
                          "bf16 (autocast bf16, TF32, SDPA, fused optimizer, channels_last for conv), "
-                         "compile (torch.compile of bf16)")
+                         "compile (torch.compile of bf16), bf16-written (bf16 with attention written out)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--mlp-batch", type=int, default=1024)
