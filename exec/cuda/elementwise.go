@@ -148,7 +148,7 @@ func scalar(code opcode.Code) opKernel {
 
 // binary is the entry of a broadcasting binary op with op code code: the
 // vector kernel when no operand broadcasts. Operands of one float dtype
-// give that dtype; a float32 and a 16-bit operand give float32 (the
+// give that dtype; operands of two float dtypes give float32 (the
 // promoting instantiations, graph.Promote).
 func binary(code opcode.Code) opKernel {
 	return opKernel{run: func(k *kctx, in []operand, out operand) error {
@@ -176,19 +176,22 @@ func binaryKernels(x, y, out operand) (string, string, error) {
 		dt, err := floatsOf(x, y, out)
 		return typed(kBinary, dt), typed(kBinaryBcast, dt), err
 	}
-	if !x.dt.IsFloat() || !y.dt.IsFloat() || out.dt != graph.Float32 || (x.dt != graph.Float32 && y.dt != graph.Float32) {
-		return "", "", graph.Errorf(graph.ErrDType, "operands %v %s and %v %s into %v %s: mixed operands are one float32 and one 16-bit, into float32",
+	if !x.dt.IsFloat() || !y.dt.IsFloat() || out.dt != graph.Float32 {
+		return "", "", graph.Errorf(graph.ErrDType, "operands %v %s and %v %s into %v %s: operands of two float dtypes give float32",
 			x.shape, x.dt, y.shape, y.dt, out.shape, out.dt)
 	}
 	return typed(kBinary, x.dt, y.dt), typed(kBinaryBcast, x.dt, y.dt), nil
 }
 
-// mixedBinaryKernels lists the promoting instantiations (MIXED_FLOATS).
+// mixedBinaryKernels lists the promoting instantiations (MIXED_FLOATS):
+// every ordered pair of two float dtypes.
 func mixedBinaryKernels() []string {
 	var out []string
-	for _, h := range []graph.DType{graph.BFloat16, graph.Float16} {
-		for _, pair := range [][2]graph.DType{{graph.Float32, h}, {h, graph.Float32}} {
-			out = append(out, typed(kBinary, pair[0], pair[1]), typed(kBinaryBcast, pair[0], pair[1]))
+	for _, a := range floatDTypes {
+		for _, b := range floatDTypes {
+			if a != b {
+				out = append(out, typed(kBinary, a, b), typed(kBinaryBcast, a, b))
+			}
 		}
 	}
 	return out

@@ -405,7 +405,7 @@ func TestKernelTable(t *testing.T) {
 	castDecl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)_##SX##_##SY\(`)
 	lineComment := regexp.MustCompile(`(?m)//.*$`)
 	floatsSfx := []string{"f32", "bf16", "f16"}
-	mixedSfx := []string{"f32_bf16", "bf16_f32", "f32_f16", "f16_f32"}
+	mixedSfx := []string{"f32_bf16", "bf16_f32", "f32_f16", "f16_f32", "bf16_f16", "f16_bf16"}
 	files := 0
 	for _, name := range Names() {
 		src, err := Source(name)

@@ -66,10 +66,11 @@ struct f16 {
 #define FOR_FLOATS(X) X(float, f32) X(bf16, bf16) X(f16, f16)
 
 // MIXED_FLOATS(X) expands X(TA, TB, TY, S) for the promoting binary forms:
-// one float32 and one 16-bit operand give a float32 result (graph.Promote).
-#define MIXED_FLOATS(X) \
-  X(float, bf16, float, f32_bf16) X(bf16, float, float, bf16_f32) \
-  X(float, f16, float, f32_f16) X(f16, float, float, f16_f32)
+// operands of two float dtypes give a float32 result (graph.Promote).
+#define MIXED_FLOATS(X)                                                 \
+  X(float, bf16, float, f32_bf16) X(bf16, float, float, bf16_f32)       \
+  X(float, f16, float, f32_f16) X(f16, float, float, f16_f32)           \
+  X(bf16, f16, float, bf16_f16) X(f16, bf16, float, f16_bf16)
 
 // Vector paths of the contiguous elementwise kernels: when every array is
 // 16-byte aligned, thread t handles packs t, t + gridDim·blockDim, … of N
