@@ -10,10 +10,17 @@
 // guess and about where an untrained model starts.
 //
 //	go run ./examples/transformer -steps 200 -batch 16 -seq 32 -seed 1 -lr 3e-3
+//
+// -precision picks the session's precision policy (fp32, the default;
+// tf32, bf16-mixed or fp16-mixed: batchfit.Options.Precision) and -device
+// its executor (auto, the default, as the other examples: CUDA when a GPU
+// is usable; cpu or cuda). Another name for either is a usage error (exit
+// status 2).
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -29,6 +36,7 @@ import (
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -45,27 +53,68 @@ func config() models.GPTConfig {
 }
 
 type options struct {
-	steps int     // training steps
-	batch int     // sequences per step
-	seq   int     // tokens per sequence
-	seed  uint64  // seeds the corpus and the initial weights
-	lr    float64 // AdamW learning rate
-	every int     // print the loss every this many steps (0: ten lines)
+	steps     int     // training steps
+	batch     int     // sequences per step
+	seq       int     // tokens per sequence
+	seed      uint64  // seeds the corpus and the initial weights
+	lr        float64 // AdamW learning rate
+	every     int     // print the loss every this many steps (0: ten lines)
+	precision string  // batchfit.Options.Precision: "" or "fp32", "tf32", "bf16-mixed", "fp16-mixed"
+	device    string  // batchfit.Options.Device: "" or "auto", "cpu", "cuda"
+	dump      string  // directory to write the run to for replaying elsewhere ("": none)
 }
 
 func main() {
-	var o options
-	flag.IntVar(&o.steps, "steps", 200, "training steps")
-	flag.IntVar(&o.batch, "batch", 16, "sequences per step")
-	flag.IntVar(&o.seq, "seq", maxSeq, fmt.Sprintf("tokens per sequence (at most %d)", maxSeq))
-	flag.Uint64Var(&o.seed, "seed", 1, "seed for the corpus and the initial weights")
-	flag.Float64Var(&o.lr, "lr", 3e-3, "AdamW learning rate")
-	flag.IntVar(&o.every, "every", 0, "print the loss every this many steps (0: ten lines in all)")
-	flag.Parse()
+	o, err := parseFlags(os.Args[1:], os.Stderr)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(0)
+	case err != nil:
+		os.Exit(2) // the flag package has printed the error and the usage
+	}
 	if _, err := run(os.Stdout, o); err != nil {
 		fmt.Fprintln(os.Stderr, "transformer:", err)
 		os.Exit(1)
 	}
+}
+
+// parseFlags reads the command line. A malformed flag, an unknown
+// -precision or -device, or a positional argument is a usage error: it is
+// printed to stderr with the usage and returned (main exits with status 2).
+func parseFlags(args []string, stderr io.Writer) (options, error) {
+	o := options{precision: string(precision.FP32), device: batchfit.DeviceAuto}
+	fs := flag.NewFlagSet("transformer", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&o.steps, "steps", 200, "training steps")
+	fs.IntVar(&o.batch, "batch", 16, "sequences per step")
+	fs.IntVar(&o.seq, "seq", maxSeq, fmt.Sprintf("tokens per sequence (at most %d)", maxSeq))
+	fs.Uint64Var(&o.seed, "seed", 1, "seed for the corpus and the initial weights")
+	fs.Float64Var(&o.lr, "lr", 3e-3, "AdamW learning rate")
+	fs.IntVar(&o.every, "every", 0, "print the loss every this many steps (0: ten lines in all)")
+	fs.Func("precision", "precision policy: "+precision.Names()+" (default fp32)", func(s string) error {
+		p, err := precision.Parse(s)
+		o.precision = string(p)
+		return err
+	})
+	fs.Func("device", "auto (CUDA when a GPU is usable), cpu or cuda (default auto)", func(s string) error {
+		switch s {
+		case batchfit.DeviceAuto, batchfit.DeviceCPU, batchfit.DeviceCUDA:
+			o.device = s
+			return nil
+		}
+		return fmt.Errorf("want %s, %s or %s", batchfit.DeviceAuto, batchfit.DeviceCPU, batchfit.DeviceCUDA)
+	})
+	fs.StringVar(&o.dump, "dump", "", "write the model config, initial weights, batches, AdamW settings and losses to this directory, for bench/torch_losses.py")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		err := fmt.Errorf("unexpected argument %q", fs.Arg(0))
+		fmt.Fprintln(stderr, err)
+		fs.Usage()
+		return o, err
+	}
+	return o, nil
 }
 
 // run trains for o.steps steps, printing as it goes, and returns the loss
@@ -87,7 +136,10 @@ func run(w io.Writer, o options) ([]float32, error) {
 		return nil, err
 	}
 	chain := newChain(o.seed)
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: o.device, Precision: o.precision})
+	if err := sess.Err(); err != nil {
+		return nil, err
+	}
 	defer sess.Close() // a failed Close of an example's GPU has nothing left to lose
 	fmt.Fprintf(w, "device: %s\n", sess.Device())
 	fmt.Fprintf(w, "model: GPT, %d layers, %d heads, width %d, vocab %d, context %d: %d parameters\n",
@@ -97,7 +149,7 @@ func run(w io.Writer, o options) ([]float32, error) {
 	}
 	fmt.Fprintf(w, "corpus: Markov chain, entropy %.3f nats/token (the best loss); ln %d = %.3f (a uniform guess)\n",
 		chain.entropy(), vocab, math.Log(vocab))
-	fmt.Fprintf(w, "training: AdamW lr %g, batch %d × %d tokens, %d steps\n", o.lr, o.batch, o.seq, o.steps)
+	fmt.Fprintf(w, "training: AdamW lr %g, batch %d × %d tokens, %d steps, precision %s\n", o.lr, o.batch, o.seq, o.steps, policy(o))
 
 	opt := optim.NewAdamW(o.lr)
 	every := o.every
@@ -121,6 +173,14 @@ func run(w io.Writer, o options) ([]float32, error) {
 		}
 	}
 	return losses, nil
+}
+
+// policy is o's precision policy by name, "fp32" when unset.
+func policy(o options) string {
+	if o.precision == "" {
+		return string(precision.FP32)
+	}
+	return o.precision
 }
 
 // printBytes analyses one training step (forward, loss, every gradient)

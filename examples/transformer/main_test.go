@@ -55,6 +55,8 @@ func TestRunRejectsBadOptions(t *testing.T) {
 		"too long":       func(o *options) { o.seq = maxSeq + 1 },
 		"negative lr":    func(o *options) { o.lr = -1 },
 		"negative steps": func(o *options) { o.steps = -1 },
+		"no such policy": func(o *options) { o.precision = "bf17" },
+		"no such device": func(o *options) { o.device = "gpu" },
 	} {
 		o := good
 		edit(&o)
@@ -89,4 +91,32 @@ func TestChainEntropy(t *testing.T) {
 		}
 	}
 	assert.InDelta(t, c.entropy(), h, 0.02)
+}
+
+// TestParseFlags: -precision and -device take only the names the session
+// knows; anything else is a usage error (main exits 2) whose message and
+// usage go to stderr.
+func TestParseFlags(t *testing.T) {
+	o, err := parseFlags(nil, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "fp32", o.precision)
+	assert.Equal(t, "auto", o.device)
+	assert.Equal(t, 200, o.steps)
+
+	o, err = parseFlags([]string{"-precision", "bf16-mixed", "-device", "cpu", "-steps", "20", "-dump", "d"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, options{steps: 20, batch: 16, seq: maxSeq, seed: 1, lr: 3e-3,
+		precision: "bf16-mixed", device: "cpu", dump: "d"}, o)
+
+	for _, args := range [][]string{
+		{"-precision", "bf16"},
+		{"-device", "gpu"},
+		{"-steps", "x"},
+		{"extra"},
+	} {
+		var stderr bytes.Buffer
+		_, err := parseFlags(args, &stderr)
+		assert.Error(t, err, "%q", args)
+		assert.Contains(t, stderr.String(), "Usage of transformer:", "%q", args)
+	}
 }
