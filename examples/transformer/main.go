@@ -16,6 +16,46 @@
 // its executor (auto, the default, as the other examples: CUDA when a GPU
 // is usable; cpu or cuda). Another name for either is a usage error (exit
 // status 2).
+//
+// # Dump
+//
+// -dump DIR writes what PyTorch needs to replay the run exactly
+// (bench/torch_losses.py reads it; bench/loss-match runs both). Format
+// "batchfit-gpt-dump/1":
+//
+//	DIR/config.json          the manifest, written last (a directory
+//	                         without it is a run that did not finish)
+//	DIR/params/NAME.npy      each initial parameter, float32 ('<f4'), by its
+//	                         Hugging Face GPT-2 name (wte.weight, wpe.weight,
+//	                         h.0.ln_1.weight, h.0.attn.c_attn.weight, ...,
+//	                         ln_f.bias), written before the first step
+//	DIR/tokens.npy           int64 ('<i8') [steps, batch, seq]: step i's inputs
+//	DIR/targets.npy          int64 [steps, batch, seq]: step i's next tokens
+//	DIR/losses.npy           float32 [steps]: batchfit's loss at each step,
+//	                         computed before that step's update
+//
+// The .npy files are NumPy's format version 1.0, little-endian, C order
+// (numpy.load reads them). Linear weights keep batchfit's (and
+// torch.nn.Linear's) [out, in] layout: Hugging Face's Conv1D stores the
+// transpose. config.json holds:
+//
+//	format       "batchfit-gpt-dump/1"
+//	model        vocab, context, layers, heads, dim, fused_attention,
+//	             layer_norm_eps and gelu ("tanh" or "erf"), read from the
+//	             built model; tied_head (logits = ln_f(x)·wteᵀ, no bias);
+//	             attn_scale; linear_layout
+//	precision    the policy: fp32, tf32, bf16-mixed or fp16-mixed
+//	device       the session's Device line
+//	seed, steps, batch, seq
+//	loss         mean next-token cross-entropy over batch×seq positions
+//	optimizer    name "adamw", lr, beta1, beta2, eps, weight_decay,
+//	             decoupled (AdamW's p ← p·(1 − lr·wd) before the Adam
+//	             update), decay_all_params (true: optim.AdamW decays every
+//	             parameter it is given, biases, norms and embeddings too)
+//	params       [{name, shape, file}] in models.GPT's Params order
+//	tokens, targets  the batch files
+//	losses       {file, values}: the .npy file and the same float32 losses
+//	             as JSON numbers
 package main
 
 import (
@@ -152,6 +192,13 @@ func run(w io.Writer, o options) ([]float32, error) {
 	fmt.Fprintf(w, "training: AdamW lr %g, batch %d × %d tokens, %d steps, precision %s\n", o.lr, o.batch, o.seq, o.steps, policy(o))
 
 	opt := optim.NewAdamW(o.lr)
+	var rec *recorder
+	if o.dump != "" {
+		var err error
+		if rec, err = newRecorder(o.dump, model, opt, o, sess.Device()); err != nil {
+			return nil, err
+		}
+	}
 	every := o.every
 	if every <= 0 {
 		every = max(o.steps/10, 1)
@@ -161,6 +208,9 @@ func run(w io.Writer, o options) ([]float32, error) {
 	losses := make([]float32, 0, o.steps)
 	for step := range o.steps {
 		tokens, targets := chain.batch(o.seed, uint64(step), o.batch, o.seq)
+		if rec != nil {
+			rec.batch(tokens, targets)
+		}
 		x := lazy.Wrap(tokens, 0)
 		loss := models.Loss(model.Forward(x), x.Graph().Wrap(targets, 0))
 		l, err := sess.Step(ctx, loss, params, opt)
@@ -171,6 +221,12 @@ func run(w io.Writer, o options) ([]float32, error) {
 		if step == 0 || (step+1)%every == 0 || step+1 == o.steps {
 			fmt.Fprintf(w, "step %4d  loss %.4f\n", step+1, l)
 		}
+	}
+	if rec != nil {
+		if err := rec.finish(losses); err != nil {
+			return losses, err
+		}
+		fmt.Fprintf(w, "dump: %s\n", o.dump)
 	}
 	return losses, nil
 }

@@ -2,13 +2,22 @@ package main
 
 import (
 	"bytes"
+	"encoding/binary"
+	"encoding/json"
 	"io"
 	"math"
+	"os"
+	"path/filepath"
 	"regexp"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/models"
+	"github.com/batchfit/batchfit/nn"
 )
 
 // meanLast is the mean of the last k losses.
@@ -118,5 +127,93 @@ func TestParseFlags(t *testing.T) {
 		_, err := parseFlags(args, &stderr)
 		assert.Error(t, err, "%q", args)
 		assert.Contains(t, stderr.String(), "Usage of transformer:", "%q", args)
+	}
+}
+
+// readNPY reads a .npy file as writeNPY writes it: version 1.0,
+// little-endian float32 or int64, C order.
+func readNPY(t *testing.T, path string) (descr string, shape []int, data []byte) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.True(t, len(b) >= 10 && string(b[:8]) == "\x93NUMPY\x01\x00", "%s: magic", path)
+	n := int(binary.LittleEndian.Uint16(b[8:10]))
+	require.Zero(t, (10+n)%64, "%s: header not padded to 64 bytes", path)
+	header := string(b[10 : 10+n])
+	m := regexp.MustCompile(`^\{'descr': '(<f4|<i8)', 'fortran_order': False, 'shape': \(([0-9, ]*)\), \} *\n$`).FindStringSubmatch(header)
+	require.NotNil(t, m, "%s: header %q", path, header)
+	for _, f := range strings.Split(m[2], ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			k, err := strconv.Atoi(f)
+			require.NoError(t, err)
+			shape = append(shape, k)
+		}
+	}
+	return m[1], shape, b[10+n:]
+}
+
+// TestDump writes a short run's dump and reads it back as
+// bench/torch_losses.py does: the manifest, the initial parameters (the
+// values models.NewGPT draws from the seed, not the trained ones), the
+// batches of every step and the losses run returned.
+func TestDump(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "run")
+	o := options{steps: 3, batch: 2, seq: 5, seed: 7, lr: 1e-3, device: "cpu", precision: "bf16-mixed", dump: dir}
+	losses, err := run(io.Discard, o)
+	require.NoError(t, err)
+
+	b, err := os.ReadFile(filepath.Join(dir, "config.json"))
+	require.NoError(t, err)
+	var man dumpManifest
+	require.NoError(t, json.Unmarshal(b, &man))
+	assert.Equal(t, dumpFormat, man.Format)
+	assert.Equal(t, dumpModel{Vocab: vocab, Context: maxSeq, Layers: 2, Heads: 2, Dim: 32, LayerNormEps: 1e-5,
+		GELU: "tanh", TiedHead: true, AttnScale: "1/sqrt(dim/heads)", LinearLayout: man.Model.LinearLayout}, man.Model)
+	assert.Equal(t, "bf16-mixed", man.Precision)
+	assert.Regexp(t, `^cpu: `, man.Device)
+	assert.Equal(t, [3]int{3, 2, 5}, [3]int{man.Steps, man.Batch, man.Seq})
+	assert.Equal(t, dumpOptim{Name: "adamw", LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01,
+		Decoupled: true, DecayAllParams: true}, man.Optimizer)
+
+	model := models.NewGPT(nn.Seed(o.seed), config())
+	require.Len(t, man.Params, len(model.Params()))
+	for i, p := range model.Params() {
+		mp := man.Params[i]
+		assert.Equal(t, p.Name(), mp.Name)
+		descr, shape, data := readNPY(t, filepath.Join(dir, mp.File))
+		assert.Equal(t, "<f4", descr)
+		assert.Equal(t, p.Shape(), shape, mp.Name)
+		assert.Equal(t, p.Shape(), mp.Shape, mp.Name)
+		want := p.Value().Data().([]float32)
+		got := make([]float32, len(data)/4)
+		require.NoError(t, binary.Read(bytes.NewReader(data), binary.LittleEndian, got))
+		assert.Equal(t, want, got, mp.Name)
+	}
+
+	chain := newChain(o.seed)
+	for _, f := range []string{man.Tokens, man.Targets} {
+		descr, shape, data := readNPY(t, filepath.Join(dir, f))
+		assert.Equal(t, "<i8", descr)
+		assert.Equal(t, []int{3, 2, 5}, shape)
+		got := make([]int64, len(data)/8)
+		require.NoError(t, binary.Read(bytes.NewReader(data), binary.LittleEndian, got))
+		for step := range o.steps {
+			tok, tgt := chain.batch(o.seed, uint64(step), o.batch, o.seq)
+			want := tok.Data().([]int64)
+			if f == man.Targets {
+				want = tgt.Data().([]int64)
+			}
+			assert.Equal(t, want, got[step*10:(step+1)*10], "%s step %d", f, step)
+		}
+	}
+
+	descr, shape, data := readNPY(t, filepath.Join(dir, man.Losses.File))
+	assert.Equal(t, "<f4", descr)
+	assert.Equal(t, []int{3}, shape)
+	got := make([]float32, 3)
+	require.NoError(t, binary.Read(bytes.NewReader(data), binary.LittleEndian, got))
+	assert.Equal(t, losses, got)
+	for i, l := range losses {
+		assert.Equal(t, float64(l), man.Losses.Values[i])
 	}
 }
