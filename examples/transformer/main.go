@@ -10,10 +10,57 @@
 // guess and about where an untrained model starts.
 //
 //	go run ./examples/transformer -steps 200 -batch 16 -seq 32 -seed 1 -lr 3e-3
+//
+// -precision picks the session's precision policy (fp32, the default;
+// tf32, bf16-mixed or fp16-mixed: batchfit.Options.Precision) and -device
+// its executor (auto, the default, as the other examples: CUDA when a GPU
+// is usable; cpu or cuda). Another name for either is a usage error (exit
+// status 2).
+//
+// # Dump
+//
+// -dump DIR writes what PyTorch needs to replay the run exactly
+// (bench/torch_losses.py reads it; bench/loss-match runs both). Format
+// "batchfit-gpt-dump/1":
+//
+//	DIR/config.json          the manifest, written last (a directory
+//	                         without it is a run that did not finish)
+//	DIR/params/NAME.npy      each initial parameter, float32 ('<f4'), by its
+//	                         Hugging Face GPT-2 name (wte.weight, wpe.weight,
+//	                         h.0.ln_1.weight, h.0.attn.c_attn.weight, ...,
+//	                         ln_f.bias), written before the first step
+//	DIR/tokens.npy           int64 ('<i8') [steps, batch, seq]: step i's inputs
+//	DIR/targets.npy          int64 [steps, batch, seq]: step i's next tokens
+//	DIR/losses.npy           float32 [steps]: batchfit's loss at each step,
+//	                         computed before that step's update
+//
+// The .npy files are NumPy's format version 1.0, little-endian, C order
+// (numpy.load reads them). Linear weights keep batchfit's (and
+// torch.nn.Linear's) [out, in] layout: Hugging Face's Conv1D stores the
+// transpose. config.json holds:
+//
+//	format       "batchfit-gpt-dump/1"
+//	model        vocab, context, layers, heads, dim, fused_attention,
+//	             layer_norm_eps and gelu ("tanh" or "erf"), read from the
+//	             built model; tied_head (logits = ln_f(x)·wteᵀ, no bias);
+//	             attn_scale; linear_layout
+//	precision    the policy: fp32, tf32, bf16-mixed or fp16-mixed
+//	device       the session's Device line
+//	seed, steps, batch, seq
+//	loss         mean next-token cross-entropy over batch×seq positions
+//	optimizer    name "adamw", lr, beta1, beta2, eps, weight_decay,
+//	             decoupled (AdamW's p ← p·(1 − lr·wd) before the Adam
+//	             update), decay_all_params (true: optim.AdamW decays every
+//	             parameter it is given, biases, norms and embeddings too)
+//	params       [{name, shape, file}] in models.GPT's Params order
+//	tokens, targets  the batch files
+//	losses       {file, values}: the .npy file and the same float32 losses
+//	             as JSON numbers
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -29,6 +76,7 @@ import (
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -45,27 +93,68 @@ func config() models.GPTConfig {
 }
 
 type options struct {
-	steps int     // training steps
-	batch int     // sequences per step
-	seq   int     // tokens per sequence
-	seed  uint64  // seeds the corpus and the initial weights
-	lr    float64 // AdamW learning rate
-	every int     // print the loss every this many steps (0: ten lines)
+	steps     int     // training steps
+	batch     int     // sequences per step
+	seq       int     // tokens per sequence
+	seed      uint64  // seeds the corpus and the initial weights
+	lr        float64 // AdamW learning rate
+	every     int     // print the loss every this many steps (0: ten lines)
+	precision string  // batchfit.Options.Precision: "" or "fp32", "tf32", "bf16-mixed", "fp16-mixed"
+	device    string  // batchfit.Options.Device: "" or "auto", "cpu", "cuda"
+	dump      string  // directory to write the run to for replaying elsewhere ("": none)
 }
 
 func main() {
-	var o options
-	flag.IntVar(&o.steps, "steps", 200, "training steps")
-	flag.IntVar(&o.batch, "batch", 16, "sequences per step")
-	flag.IntVar(&o.seq, "seq", maxSeq, fmt.Sprintf("tokens per sequence (at most %d)", maxSeq))
-	flag.Uint64Var(&o.seed, "seed", 1, "seed for the corpus and the initial weights")
-	flag.Float64Var(&o.lr, "lr", 3e-3, "AdamW learning rate")
-	flag.IntVar(&o.every, "every", 0, "print the loss every this many steps (0: ten lines in all)")
-	flag.Parse()
+	o, err := parseFlags(os.Args[1:], os.Stderr)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(0)
+	case err != nil:
+		os.Exit(2) // the flag package has printed the error and the usage
+	}
 	if _, err := run(os.Stdout, o); err != nil {
 		fmt.Fprintln(os.Stderr, "transformer:", err)
 		os.Exit(1)
 	}
+}
+
+// parseFlags reads the command line. A malformed flag, an unknown
+// -precision or -device, or a positional argument is a usage error: it is
+// printed to stderr with the usage and returned (main exits with status 2).
+func parseFlags(args []string, stderr io.Writer) (options, error) {
+	o := options{precision: string(precision.FP32), device: batchfit.DeviceAuto}
+	fs := flag.NewFlagSet("transformer", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&o.steps, "steps", 200, "training steps")
+	fs.IntVar(&o.batch, "batch", 16, "sequences per step")
+	fs.IntVar(&o.seq, "seq", maxSeq, fmt.Sprintf("tokens per sequence (at most %d)", maxSeq))
+	fs.Uint64Var(&o.seed, "seed", 1, "seed for the corpus and the initial weights")
+	fs.Float64Var(&o.lr, "lr", 3e-3, "AdamW learning rate")
+	fs.IntVar(&o.every, "every", 0, "print the loss every this many steps (0: ten lines in all)")
+	fs.Func("precision", "precision policy: "+precision.Names()+" (default fp32)", func(s string) error {
+		p, err := precision.Parse(s)
+		o.precision = string(p)
+		return err
+	})
+	fs.Func("device", "auto (CUDA when a GPU is usable), cpu or cuda (default auto)", func(s string) error {
+		switch s {
+		case batchfit.DeviceAuto, batchfit.DeviceCPU, batchfit.DeviceCUDA:
+			o.device = s
+			return nil
+		}
+		return fmt.Errorf("want %s, %s or %s", batchfit.DeviceAuto, batchfit.DeviceCPU, batchfit.DeviceCUDA)
+	})
+	fs.StringVar(&o.dump, "dump", "", "write the model config, initial weights, batches, AdamW settings and losses to this directory, for bench/torch_losses.py")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		err := fmt.Errorf("unexpected argument %q", fs.Arg(0))
+		fmt.Fprintln(stderr, err)
+		fs.Usage()
+		return o, err
+	}
+	return o, nil
 }
 
 // run trains for o.steps steps, printing as it goes, and returns the loss
@@ -87,7 +176,10 @@ func run(w io.Writer, o options) ([]float32, error) {
 		return nil, err
 	}
 	chain := newChain(o.seed)
-	sess := batchfit.NewSession(batchfit.Options{})
+	sess := batchfit.NewSession(batchfit.Options{Device: o.device, Precision: o.precision})
+	if err := sess.Err(); err != nil {
+		return nil, err
+	}
 	defer sess.Close() // a failed Close of an example's GPU has nothing left to lose
 	fmt.Fprintf(w, "device: %s\n", sess.Device())
 	fmt.Fprintf(w, "model: GPT, %d layers, %d heads, width %d, vocab %d, context %d: %d parameters\n",
@@ -97,9 +189,16 @@ func run(w io.Writer, o options) ([]float32, error) {
 	}
 	fmt.Fprintf(w, "corpus: Markov chain, entropy %.3f nats/token (the best loss); ln %d = %.3f (a uniform guess)\n",
 		chain.entropy(), vocab, math.Log(vocab))
-	fmt.Fprintf(w, "training: AdamW lr %g, batch %d × %d tokens, %d steps\n", o.lr, o.batch, o.seq, o.steps)
+	fmt.Fprintf(w, "training: AdamW lr %g, batch %d × %d tokens, %d steps, precision %s\n", o.lr, o.batch, o.seq, o.steps, policy(o))
 
 	opt := optim.NewAdamW(o.lr)
+	var rec *recorder
+	if o.dump != "" {
+		var err error
+		if rec, err = newRecorder(o.dump, model, opt, o, sess.Device()); err != nil {
+			return nil, err
+		}
+	}
 	every := o.every
 	if every <= 0 {
 		every = max(o.steps/10, 1)
@@ -109,6 +208,9 @@ func run(w io.Writer, o options) ([]float32, error) {
 	losses := make([]float32, 0, o.steps)
 	for step := range o.steps {
 		tokens, targets := chain.batch(o.seed, uint64(step), o.batch, o.seq)
+		if rec != nil {
+			rec.batch(tokens, targets)
+		}
 		x := lazy.Wrap(tokens, 0)
 		loss := models.Loss(model.Forward(x), x.Graph().Wrap(targets, 0))
 		l, err := sess.Step(ctx, loss, params, opt)
@@ -120,7 +222,21 @@ func run(w io.Writer, o options) ([]float32, error) {
 			fmt.Fprintf(w, "step %4d  loss %.4f\n", step+1, l)
 		}
 	}
+	if rec != nil {
+		if err := rec.finish(losses); err != nil {
+			return losses, err
+		}
+		fmt.Fprintf(w, "dump: %s\n", o.dump)
+	}
 	return losses, nil
+}
+
+// policy is o's precision policy by name, "fp32" when unset.
+func policy(o options) string {
+	if o.precision == "" {
+		return string(precision.FP32)
+	}
+	return o.precision
 }
 
 // printBytes analyses one training step (forward, loss, every gradient)
