@@ -63,12 +63,8 @@ type Options struct {
 	// reductions in float32, parameters, gradients and optimizer state in
 	// float32). Step and Eval apply it to the graph they are given before
 	// autodiff and planning, so plans count every cast copy. Another name
-	// makes the session hold an error wrapping precision.ErrUnknown.
-	//
-	// The mixed policies run on the CPU executor only in this version:
-	// the CUDA executor has no 16-bit kernels and refuses such a step with
-	// an error wrapping graph.ErrDType. DeviceAuto does not fall back to
-	// the CPU for it: on a machine with a usable GPU, pass DeviceCPU.
+	// makes the session hold an error wrapping precision.ErrUnknown. Both
+	// executors run every policy.
 	Precision string
 	// Recompute is recompute.Off (the default: chunks are the planner's
 	// only lever), recompute.SelectiveOnly or recompute.FullCheckpoint (that candidate

@@ -48,8 +48,10 @@
 // data enters and leaves as float32 tensors: a 16-bit input or parameter
 // node's float32 data is rounded as it enters, and a 16-bit output comes
 // back as a float32 tensor holding the rounded values. The CUDA executor
-// has no 16-bit kernels yet and refuses such a graph before running it
-// (an error wrapping graph.ErrDType).
+// stores 16-bit values in 2 bytes and has a 16-bit instantiation of every
+// kernel, computing in float32 and rounding each result once, as the CPU
+// does; its GEMMs take 16-bit operands and accumulate in float32
+// (cublasGemmEx), as autocast's do.
 //
 // fp16-mixed will need dynamic loss scaling (GradScaler: multiply the loss
 // by S before Backward, unscale the float32 gradients, skip the step and
