@@ -191,6 +191,11 @@ def main():
                          f" free left {mib(r.get('verify_free_left'))}")
             rows.append([r.get("model"), "batchfit planner", r.get("batch"), num(r.get("search_seconds"), "{:.3f} s"), note])
     for r in th:
+        if r.get("kind") == "largest":
+            rows.append([r.get("model"), f"torch {r.get('config')} exact search", r.get("batch"),
+                         num(r.get("search_seconds"), "{:.1f} s"),
+                         f"free {mib(r.get('device_free'))}, {len(r.get('tried') or [])} trial steps from {r.get('start')}"])
+    for r in th:
         if r.get("kind") == "finder":
             note = f"free {mib(r.get('device_free'))}"
             if "tried" in r:

@@ -493,6 +493,51 @@ def accelerate_finder(s, a, start):
     return rec
 
 
+def largest_batch(s, cfg, a, start):
+    """The largest batch whose whole training step runs in configuration cfg
+    (eager only): doubling from start until a step fails with out of memory,
+    then a binary search between the last batch that ran and the first that
+    did not, one step per trial on device-generated data. The trial search
+    PyTorch users run by hand, made exact, for the planner to stand next to."""
+    if cfg.compiled:
+        raise ValueError("largest: eager configurations only (torch.compile recompiles per batch)")
+    rec = {"kind": "largest", "model": s.name, "seq": s.seq, "config": cfg.name, "start": start}
+    rec.update(cfg.describe(s))
+    free_cuda()
+    rec["device_free"] = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    model, opt, run = make_runner(s, cfg, a, rec)
+    tried = []
+
+    def fits(b):
+        ok = True
+        try:
+            x, y = s.data(b, DEV)
+            run(x, y)
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError:
+            ok = False
+        x = y = None
+        opt.zero_grad(set_to_none=True)
+        free_cuda()
+        tried.append((b, ok))
+        return ok
+
+    lo, hi = 0, start
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    rec.update(batch=lo, tried=tried, search_seconds=time.perf_counter() - t0)
+    model = opt = run = None
+    free_cuda()
+    return rec
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv")
@@ -513,6 +558,10 @@ def main():
                     help="seconds the first (compiling) step may take before it is abandoned with an error record")
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per model (torch.profiler, to stderr)")
     ap.add_argument("--finders", default="lightning,accelerate", help="comma list, or empty for none")
+    ap.add_argument("--largest", default="", help="comma list of models whose largest whole batch is searched "
+                                                 "exactly (doubling, then bisection) in each of --largest-configs")
+    ap.add_argument("--largest-configs", default="bf16", help="eager configurations for --largest")
+    ap.add_argument("--largest-start", default="mlp=65536,gpt=16,conv=4096", help="first batch tried per model")
     ap.add_argument("--finder-models", default="mlp,gpt", help="models the finders run on (of --models)")
     ap.add_argument("--finder-init", type=int, default=2, help="Lightning's init_val")
     ap.add_argument("--finder-trials", type=int, default=25, help="Lightning's max_trials")
@@ -536,6 +585,11 @@ def main():
     for f in finders:
         if f not in ("lightning", "accelerate"):
             print(f"torch_bench: unknown finder {f!r} ignored (want lightning, accelerate)", file=sys.stderr)
+    lstarts = dict(kv.split("=") for kv in a.largest_start.split(",") if "=" in kv)
+    for n in [m.strip() for m in a.largest.split(",") if m.strip()]:
+        for c in [c.strip() for c in a.largest_configs.split(",") if c.strip()]:
+            jobs.append(({"model": n, "config": c, "tool": "largest"},
+                         lambda n=n, c=c: largest_batch(sp[n], Config(c), a, int(lstarts.get(n, 16)))))
     fnames = [n for n in names if n in {m.strip() for m in a.finder_models.split(",")}]
     for n in fnames:
         if "lightning" in finders:
