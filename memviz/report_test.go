@@ -177,8 +177,8 @@ func (h *snapshotAt) Freed(planner.Buffer, *alloc.Block)      {}
 func (h *snapshotAt) ChunkDone(planner.Chunk, []*alloc.Block, []*alloc.Block) error {
 	return nil
 }
-func (h *snapshotAt) Finish([]*alloc.Block) error { return nil }
-func (h *snapshotAt) EveryChunk() bool            { return true }
+func (h *snapshotAt) Finish([]*alloc.Block, *alloc.Block) error { return nil }
+func (h *snapshotAt) EveryChunk() bool                          { return true }
 func (h *snapshotAt) Run(nd *graph.Node, _ planner.Chunk, _ *alloc.Block, _ []*alloc.Block, _ *alloc.Block) error {
 	if nd.Op == h.op && !h.ok {
 		h.ok = true

@@ -81,7 +81,7 @@ func (h *snapAt) Resident(planner.Buffer) *alloc.Block                          
 func (h *snapAt) Fill(planner.Buffer, *alloc.Block) error                       { return nil }
 func (h *snapAt) Freed(planner.Buffer, *alloc.Block)                            {}
 func (h *snapAt) ChunkDone(planner.Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
-func (h *snapAt) Finish([]*alloc.Block) error                                   { return nil }
+func (h *snapAt) Finish([]*alloc.Block, *alloc.Block) error                     { return nil }
 func (h *snapAt) EveryChunk() bool                                              { return true }
 
 func (h *snapAt) Run(nd *graph.Node, c planner.Chunk, _ *alloc.Block, _ []*alloc.Block, _ *alloc.Block) error {

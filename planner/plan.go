@@ -233,7 +233,7 @@ func (*residentSim) Run(*graph.Node, Chunk, *alloc.Block, []*alloc.Block, *alloc
 }
 func (*residentSim) Freed(Buffer, *alloc.Block)                            {}
 func (*residentSim) ChunkDone(Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
-func (*residentSim) Finish([]*alloc.Block) error                           { return nil }
+func (*residentSim) Finish([]*alloc.Block, *alloc.Block) error             { return nil }
 func (*residentSim) EveryChunk() bool                                      { return false }
 
 // Make picks the largest chunk whose replay of p keeps the peak reserved
@@ -417,6 +417,7 @@ func (p *Program) signature() uint64 {
 	for _, b := range p.Buffers { // persistent kinds and workspace sizes
 		h = h*1099511628211 ^ uint64(b.Kind)<<56 ^ uint64(b.Fixed) ^ uint64(b.PerSample)<<17
 	}
+	h = h*1099511628211 ^ uint64(p.FinishWorkspace.Fixed)
 	for _, o := range p.Outputs {
 		h = h*1099511628211 ^ uint64(o)
 	}

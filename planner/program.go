@@ -76,8 +76,13 @@ type Program struct {
 	// Kept has the same length, Kept[i] is the gradient of Trained[i], the
 	// order batchfit.Session.Step compiles them in.
 	Trained   []int
-	OutputBuf []int  // buffer of each node's output, −1 if none
-	sig       uint64 // Signature, computed by Compile
+	OutputBuf []int // buffer of each node's output, −1 if none
+	// FinishWorkspace is the scratch buffer Replay allocates after the
+	// last chunk, hands to Hooks.Finish and frees after it
+	// (CompileOptions.FinishWorkspace); its Fixed is 0 when there is none.
+	// It is not in Buffers, and no timeline point marks it.
+	FinishWorkspace Buffer
+	sig             uint64 // Signature, computed by Compile
 }
 
 // WorkspaceFunc declares the scratch bytes a node's kernel needs when b
@@ -95,6 +100,13 @@ type CompileOptions struct {
 	Trained    []int
 	StateSlots int
 	Workspace  WorkspaceFunc
+	// FinishWorkspace is the scratch bytes the executor's Finish hook needs
+	// beside the kept outputs: dynamic loss scaling's inf/NaN flag
+	// (exec.UnscaleBytes), which the unscale kernels set on the device.
+	// Replay allocates it after the last chunk, once the chunk buffers are
+	// freed, and frees it after Finish, so plans count it like any buffer.
+	// Ignored without kept outputs (no Finish work).
+	FinishWorkspace int64
 }
 
 // Compile makes the program of g for outputs. info must be
@@ -203,9 +215,22 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 			}
 		}
 	}
+	if o.FinishWorkspace < 0 {
+		return nil, graph.Errorf(graph.ErrAttr, "planner: finish workspace of %d bytes", o.FinishWorkspace)
+	}
+	if k := len(o.Kept); o.FinishWorkspace > 0 && k > 0 {
+		nd := &nodes[o.Kept[k-1]]
+		t := tag(nd)
+		t.Op = FinishOp
+		p.FinishWorkspace = Buffer{Kind: BufWorkspace, Node: nd.ID, Fixed: o.FinishWorkspace, Tag: t}
+	}
 	p.sig = p.signature()
 	return p, nil
 }
+
+// FinishOp is the tag op of a program's finish workspace (the loss
+// scaler's inf/NaN flag): it belongs to the last kept output's node.
+const FinishOp = "unscale_flag"
 
 // StateOp is the tag op of optimizer state slot k, so that allocator
 // snapshots tell a parameter's slots apart (Adam's exp_avg is slot 0,

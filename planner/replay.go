@@ -161,7 +161,9 @@ type Hooks interface {
 	ChunkDone(c Chunk, outs []*alloc.Block, acc []*alloc.Block) error
 	// Finish receives the final kept outputs (accumulators, or the single
 	// chunk's blocks) before they are freed: the optimizer step goes here.
-	Finish(kept []*alloc.Block) error
+	// ws is the program's finish workspace (Program.FinishWorkspace), nil
+	// when it has none.
+	Finish(kept []*alloc.Block, ws *alloc.Block) error
 	// EveryChunk reports whether the hooks must see every chunk. Hooks
 	// that compute or observe say true; a simulation that only keeps
 	// buffers resident says false, and a replay without a timeline then
@@ -351,9 +353,28 @@ func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded i
 			}
 		}
 	}
-	if h != nil {
-		if err := h.Finish(kept); err != nil {
+	var ws *alloc.Block
+	if fw := p.FinishWorkspace; fw.Fixed > 0 && len(kept) > 0 {
+		blk, err := a.Malloc(fw.Fixed, fw.Tag)
+		if err != nil {
 			return fail(err)
+		}
+		ws = blk
+	}
+	if h != nil {
+		if err := h.Finish(kept, ws); err != nil {
+			if ws != nil {
+				_ = a.Free(ws) // the replay is failing already
+			}
+			return fail(err)
+		}
+	}
+	if ws != nil {
+		if err := a.Free(ws); err != nil {
+			return fail(err)
+		}
+		if h != nil {
+			h.Freed(p.FinishWorkspace, ws)
 		}
 	}
 	for _, bi := range owned {

@@ -63,7 +63,7 @@ func (*keepResident) Run(*graph.Node, planner.Chunk, *alloc.Block, []*alloc.Bloc
 }
 func (*keepResident) Freed(planner.Buffer, *alloc.Block)                            {}
 func (*keepResident) ChunkDone(planner.Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
-func (*keepResident) Finish([]*alloc.Block) error                                   { return nil }
+func (*keepResident) Finish([]*alloc.Block, *alloc.Block) error                     { return nil }
 func (*keepResident) EveryChunk() bool                                              { return true }
 
 // simulateSteps replays two training steps of p in chunks on a fresh
