@@ -113,7 +113,27 @@ type Options struct {
 	// Timeline records the allocator's state after every program step in
 	// Result.Usage.Timeline: the measured counterpart of a plan's timeline.
 	Timeline bool
+	// LossScale, when not 0, is the loss scale S of dynamic loss scaling
+	// (precision.Scaler): the kept outputs are gradients of the loss
+	// multiplied by S. After the last chunk, before Update or Optimizer,
+	// every kept output is multiplied in place by float32(1/S) (exact when
+	// S is a power of two) and checked for infinities and NaNs: on CUDA by
+	// the grad_unscale_f32 kernel over all of them, which sets a flag in the
+	// program's finish workspace, read once; on the CPU on the host. If any
+	// value is not finite, Result.Skipped is set and neither Update nor
+	// Optimizer runs: parameters and optimizer state (its step count
+	// included) stay as they were. The program must be compiled with
+	// planner.CompileOptions.FinishWorkspace = UnscaleBytes, so the flag
+	// is planned like any buffer. Kept outputs returned to the host hold
+	// the unscaled values.
+	LossScale float32
 }
+
+// UnscaleBytes is the finish workspace (planner.CompileOptions.
+// FinishWorkspace) a program run with Options.LossScale needs: the 4-byte
+// inf/NaN flag the CUDA unscale kernel sets. The CPU needs none, but its
+// simulated device accounts for it as CUDA's does, so plans agree.
+const UnscaleBytes = 4
 
 // Result is what Execute returns.
 type Result struct {
@@ -124,6 +144,9 @@ type Result struct {
 	// Usage is the allocator's measured peak over the call (Overhead
 	// included), and its timeline when Options.Timeline is set.
 	Usage planner.Usage
+	// Skipped reports that the update did not run: under
+	// Options.LossScale, a kept output held an inf or NaN once unscaled.
+	Skipped bool
 }
 
 // Budget is the device memory a plan may reserve on e: what its device

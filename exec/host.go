@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 
 	"gorgonia.org/tensor"
@@ -357,4 +358,50 @@ func InChunk(p *planner.Program, nd *graph.Node, c planner.Chunk, err error) err
 		return err
 	}
 	return &ChunkError{Start: c.Start, Size: c.Size, Err: err}
+}
+
+// InvScale is the factor unscaling multiplies gradients by under loss
+// scale s: 1/s computed in float64 and rounded to float32, as PyTorch's
+// GradScaler computes its inv_scale. It is exact when s is a power of two.
+func InvScale(s float32) float32 { return float32(1 / float64(s)) }
+
+// Unscale multiplies every value of grads in place by InvScale(s), in
+// float32 as the CUDA kernel grad_unscale_f32 does, and reports whether
+// every result is finite (a scaled value that overflowed, or a NaN,
+// stays one). The CPU executor's Finish runs it under Options.LossScale.
+func Unscale(grads [][]float32, s float32) (finite bool) {
+	inv := InvScale(s)
+	finite = true
+	for _, g := range grads {
+		for i, x := range g {
+			y := x * inv
+			g[i] = y
+			if math.Float32bits(y)&0x7f800000 == 0x7f800000 { // exponent all ones: inf or NaN
+				finite = false
+			}
+		}
+	}
+	return finite
+}
+
+// CheckLossScale refuses a loss scale that is not a finite positive
+// float32, one whose program has no finish workspace for the flag, and
+// kept outputs that are not float32 (gradients of float32 parameters are).
+func CheckLossScale(p *planner.Program, s float32) error {
+	if s == 0 {
+		return nil
+	}
+	if !(s > 0) || s > math.MaxFloat32 {
+		return graph.Errorf(graph.ErrAttr, "loss scale %g is not a finite positive number", s)
+	}
+	for _, k := range p.Kept {
+		if dt := p.Graph.Node(k).Type.DType; dt != graph.Float32 {
+			return graph.Errorf(graph.ErrDType, "kept output %d is %s: a loss scale unscales float32 gradients", k, dt)
+		}
+	}
+	if len(p.Kept) > 0 && p.FinishWorkspace.Fixed < UnscaleBytes {
+		return graph.Errorf(graph.ErrAttr, "a step with a loss scale needs a program compiled with a finish workspace of %d bytes (planner.CompileOptions.FinishWorkspace = exec.UnscaleBytes), for the inf/NaN flag; it has %d",
+			UnscaleBytes, p.FinishWorkspace.Fixed)
+	}
+	return nil
 }

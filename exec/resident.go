@@ -210,6 +210,9 @@ type Call[V any] struct {
 	// Made holds the persistent blocks this call allocated and keeps no
 	// resident (with Resident off): Free releases them.
 	Made []*alloc.Block
+	// Skipped is Result.Skipped: the executor's Finish found a non-finite
+	// unscaled gradient (Options.LossScale) and ran no update.
+	Skipped bool
 }
 
 // NewCall starts the host side of running p with o over rs.

@@ -2,6 +2,7 @@ package cpu
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -33,6 +34,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 			return nil, err
 		}
 	}
+	if err := exec.CheckLossScale(p, o.LossScale); err != nil {
+		return nil, err
+	}
 	call, err := exec.NewCall(p, o, &e.resident)
 	if err != nil {
 		return nil, err
@@ -46,7 +50,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err != nil {
 		return nil, err
 	}
-	return &Result{Usage: u, Outputs: outs}, nil
+	return &Result{Usage: u, Outputs: outs, Skipped: call.Skipped}, nil
 }
 
 // runner implements planner.Hooks for one Execute call.
@@ -154,13 +158,25 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 }
 
 // Finish runs Update, or the optimizer on the host tensors, with the final
-// kept outputs, and keeps copies of them as results.
-func (r *runner) Finish(kept []*alloc.Block) error {
+// kept outputs, and keeps copies of them as results. Under a loss scale it
+// unscales them first, and runs no update if one is not finite; the finish
+// workspace (the device's inf/NaN flag) is only accounted for here.
+func (r *runner) Finish(kept []*alloc.Block, _ *alloc.Block) error {
 	final := make([][]float32, len(kept))
 	for i, blk := range kept {
 		final[i] = r.vals[blk].f
 	}
+	if r.O.LossScale != 0 && len(kept) > 0 {
+		var once [][]float32 // a single chunk's block listed twice is unscaled once
+		for i, blk := range kept {
+			if !slices.Contains(kept[:i], blk) {
+				once = append(once, final[i])
+			}
+		}
+		r.Skipped = !exec.Unscale(once, r.O.LossScale)
+	}
 	switch {
+	case r.Skipped:
 	case r.O.Update != nil:
 		if err := r.O.Update(final); err != nil {
 			return err

@@ -149,6 +149,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if e.closed {
 		return nil, fmt.Errorf("%w: executor", ErrClosed)
 	}
+	if err := exec.CheckLossScale(p, o.LossScale); err != nil {
+		return nil, err
+	}
 	call, err := exec.NewCall(p, o, &e.resident)
 	if err != nil {
 		return nil, err
@@ -178,7 +181,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err != nil {
 		return nil, err
 	}
-	return &Result{Usage: u, Outputs: outs}, nil
+	return &Result{Usage: u, Outputs: outs, Skipped: call.Skipped}, nil
 }
 
 // Run evaluates g over its full batch (exec.Executor).
@@ -323,8 +326,10 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 
 // Finish runs the optimizer update and keeps the kept outputs' sums as
 // results: downloaded, unless ExecOptions.KeptOnDevice leaves them where
-// they are and nothing on the host needs them.
-func (r *runner) Finish(kept []*alloc.Block) error {
+// they are and nothing on the host needs them. Under a loss scale the sums
+// are unscaled and checked on the device first (unscale, with its flag in
+// ws), and no update runs if one holds an inf or NaN.
+func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
 	for j := range kept {
 		// Gradients that update float32 parameters are float32 (a
 		// Session's steps always); other kept sums may be 16-bit.
@@ -337,6 +342,13 @@ func (r *runner) Finish(kept []*alloc.Block) error {
 			len(r.p.Trained), len(kept))
 	}
 	onDevice := r.o.Update == nil && (r.o.Optimizer == nil || deviceOptimizer(r.o.Optimizer))
+	if r.o.LossScale != 0 && len(kept) > 0 {
+		finite, err := r.unscale(kept, ws)
+		if err != nil {
+			return err
+		}
+		r.c.Skipped = !finite
+	}
 	var grads [][]float32
 	if !r.o.KeptOnDevice || !onDevice {
 		var err error
@@ -345,6 +357,7 @@ func (r *runner) Finish(kept []*alloc.Block) error {
 		}
 	}
 	switch {
+	case r.c.Skipped: // a non-finite gradient: no update
 	case r.o.Update != nil:
 		if err := r.paramsToHost(); err != nil {
 			return err

@@ -88,7 +88,7 @@ var kernelFiles = map[string][]string{
 	"layernorm.cu": allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
 	"loss.cu":      allTyped(kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
-	"optim.cu":     {kSGD, kAdam},
+	"optim.cu":     {kSGD, kAdam, kUnscale},
 	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
 	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
 	"softmax.cu":   allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),

@@ -284,6 +284,9 @@ func packParams(args []any) (*kernelParams, error) {
 		case Window:
 			p.ptrs[i] = unsafe.Pointer(&v)
 			continue
+		case unscaleList:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
 		default:
 			return nil, graph.Errorf(graph.ErrDType, "cuda: kernel argument %d has unsupported type %T", i, a)
 		}

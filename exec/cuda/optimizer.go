@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"math"
+	"slices"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
@@ -170,4 +171,67 @@ func (r *runner) hostStep(grads [][]float32) error {
 		return err
 	}
 	return r.paramsToDevice()
+}
+
+// kUnscale is dynamic loss scaling's unscale and inf/NaN check
+// (kernels/optim.cu).
+const kUnscale = "grad_unscale_f32"
+
+// unscaleTensors is how many tensors one grad_unscale_f32 launch takes
+// (UNSCALE_TENSORS in kernels/optim.cu).
+const unscaleTensors = 64
+
+// unscaleList is kernels/optim.cu's UnscaleList, passed by value: tensor t
+// is p[t] with elements off[t] to off[t+1]−1 of the launch's flat range.
+type unscaleList struct {
+	p   [unscaleTensors]alloc.Ptr
+	off [unscaleTensors + 1]int64
+}
+
+// unscale multiplies every kept gradient on the device by 1/S
+// (ExecOptions.LossScale) and checks them for inf and NaN: one
+// grad_unscale_f32 launch per unscaleTensors gradients, all setting the
+// flag in ws (the program's finish workspace, zeroed first), then one read
+// of the flag. A block listed twice (two parameters sharing a gradient
+// node) is unscaled once.
+func (r *runner) unscale(kept []*alloc.Block, ws *alloc.Block) (finite bool, err error) {
+	if ws == nil || ws.Requested() < exec.UnscaleBytes {
+		return false, graph.Errorf(graph.ErrAttr, "cuda: unscaling needs the program's finish workspace for its flag (planner.CompileOptions.FinishWorkspace = exec.UnscaleBytes)")
+	}
+	if err := r.e.d.Memzero(ws.Ptr(), exec.UnscaleBytes); err != nil {
+		return false, err
+	}
+	inv := exec.InvScale(r.o.LossScale)
+	k := r.kernels()
+	var l unscaleList
+	count := 0
+	launch := func() error {
+		if count == 0 {
+			return nil
+		}
+		err := k.flat(kUnscale, l.off[count], l, int64(count), inv, ws.Ptr())
+		l, count = unscaleList{}, 0
+		return err
+	}
+	for j, blk := range kept {
+		n := int64(r.node(r.p.Kept[j]).Type.Numel())
+		if n == 0 || slices.Contains(kept[:j], blk) {
+			continue
+		}
+		l.p[count], l.off[count+1] = blk.Ptr(), l.off[count]+n
+		count++
+		if count == unscaleTensors {
+			if err := launch(); err != nil {
+				return false, err
+			}
+		}
+	}
+	if err := launch(); err != nil {
+		return false, err
+	}
+	var flag [1]float32
+	if err := CopyDtoH(r.e.d, flag[:], ws.Ptr()); err != nil { // waits for the launches
+		return false, err
+	}
+	return flag[0] == 0, nil
 }

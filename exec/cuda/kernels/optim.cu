@@ -61,3 +61,34 @@ adam_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__
     p[i] = (float)sub_rn(w, mul_rn(lr, mi / c1) / (add_rn(sqrt(vi / c2), eps)));
   }
 }
+
+// grad_unscale_f32: dynamic loss scaling's unscale and inf/NaN check
+// (PyTorch's _amp_foreach_non_finite_check_and_unscale_), over up to
+// UNSCALE_TENSORS float32 tensors in one launch. The tensors are listed
+// by value in the parameter buffer (no device table to allocate): tensor t
+// is p[t] with elements off[t] to off[t+1] − 1 of the launch's flat range
+// [0, off[count]). Every element becomes g·inv, one float32 product (exact
+// when inv is a power of two and the result is normal), and *found is set
+// to 1.0f when any result is inf or NaN: a value that was one, or overflowed.
+// Nothing clears *found: the caller zeroes it once per step, before the
+// first launch, and reads it once after the last. A thread's indices grow,
+// so its tensor index t only moves forward. 1-D blocks, any grid.
+#define UNSCALE_TENSORS 64
+struct UnscaleList {
+  float* p[UNSCALE_TENSORS];
+  i64 off[UNSCALE_TENSORS + 1];
+};
+extern "C" __global__ void __launch_bounds__(256)
+grad_unscale_f32(UnscaleList l, i64 count, float inv, float* __restrict__ found) {
+  const i64 n = l.off[count];
+  unsigned bad = 0;
+  i64 t = 0;
+  GRID_LOOP(i, n) {
+    while (i >= l.off[t + 1]) ++t;
+    float* g = l.p[t] + (i - l.off[t]);
+    const float v = *g * inv;
+    *g = v;
+    bad |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;  // exponent all ones: inf or NaN
+  }
+  if (bad) *found = 1.0f;
+}
