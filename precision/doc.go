@@ -53,9 +53,28 @@
 // does; its GEMMs take 16-bit operands and accumulate in float32
 // (cublasGemmEx), as autocast's do.
 //
-// fp16-mixed will need dynamic loss scaling (GradScaler: multiply the loss
-// by S before Backward, unscale the float32 gradients, skip the step and
-// halve S on inf or NaN, grow S after a run of good steps). It fits here as
-// a mul_scalar node on the loss appended by Train and an optimizer wrapper;
-// it is not built yet, so fp16-mixed trains without it.
+// Dynamic loss scaling (LossScale, Scaler), torch.cuda.amp.GradScaler's
+// semantics, which a Session applies under fp16-mixed by default:
+//   - S lives in the graph as a float32 scalar constant ("loss_scale")
+//     that TrainWith appends with the product loss × S, from which the
+//     backward pass starts. A constant, not an attribute: the graph's
+//     signature does not depend on S, so a change of S recompiles and
+//     replans nothing. Its data is one tensor per value of S
+//     (Scaler.Data), so executors keep it resident and upload it once per
+//     value. The reported loss is the unscaled one, a node before the
+//     product.
+//   - After the last chunk the executor multiplies the summed float32
+//     gradients by float32(1/S) and checks them for inf and NaN
+//     (exec.Options.LossScale): on CUDA one grad_unscale_f32 launch per
+//     64 gradients sets a flag on the device, read once per step; the
+//     CPU does the same on the host. Its 4 bytes (exec.UnscaleBytes) are
+//     the program's finish workspace (planner.CompileOptions.
+//     FinishWorkspace), allocated after the last chunk and planned like
+//     any buffer. A non-finite gradient skips the optimizer step (weights,
+//     optimizer state and step count untouched; exec.Result.Skipped).
+//   - Scaler.Update then halves S after a skipped step and doubles it
+//     after 2000 good steps in a row (the defaults; LossScale sets them).
+//     With S a power of two (the defaults keep it one) unscaling is exact,
+//     and scaled gradients equal unscaled ones wherever float16 neither
+//     overflows nor underflows.
 package precision

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"slices"
 
+	"gorgonia.org/tensor"
+
 	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -18,7 +20,7 @@ const (
 	FP32      Policy = "fp32"       // float32 everywhere (the default)
 	TF32      Policy = "tf32"       // float32 values; CUDA matrix products on TF32 tensor cores
 	BF16Mixed Policy = "bf16-mixed" // autocast to bfloat16
-	FP16Mixed Policy = "fp16-mixed" // autocast to float16 (no loss scaling yet)
+	FP16Mixed Policy = "fp16-mixed" // autocast to float16, with dynamic loss scaling by default
 )
 
 // Policies lists every policy, in the order help texts name them.
@@ -68,6 +70,12 @@ func (p Policy) Half() graph.DType {
 
 // Mixed reports whether the policy rewrites graphs (bf16-mixed, fp16-mixed).
 func (p Policy) Mixed() bool { return p.Half() != graph.InvalidDType }
+
+// Scaled reports whether training under the policy scales its loss
+// unless told not to (LossScale.Off): fp16-mixed, whose float16 gradients
+// underflow without it, as PyTorch users pair GradScaler with fp16
+// autocast.
+func (p Policy) Scaled() bool { return p == FP16Mixed }
 
 // TF32 reports whether CUDA may run float32 matrix products on TF32
 // tensor cores: the CUDA executor's ExecutorOptions.TF32.
@@ -206,12 +214,39 @@ type Step struct {
 	Loss   int
 	Params []int
 	Grads  []int
+	// Scale is the id of the loss scale constant under loss scaling, −1
+	// without. Scaled is the node the backward pass differentiates: Loss
+	// × Scale under loss scaling, Loss without; the backward pass starts
+	// after it (recompute.Step.Boundary is Scaled + 1).
+	Scale, Scaled int
+}
+
+// TrainOptions configures TrainWith.
+type TrainOptions struct {
+	// LossScale appends dynamic loss scaling (see LossScale): a float32
+	// scalar constant node S, named "loss_scale", and the product Loss × S,
+	// from which the backward pass starts, so every gradient is S times
+	// the loss's. S is a constant, not an attribute: the graph's signature,
+	// and so its compiled program and plan, stay the same whatever S
+	// holds. The planner counts the constant (one small block, resident
+	// while its data stays the same tensor) and the product like any node.
+	LossScale bool
+	// Scale is S's data (Scaler.Data); nil in a shape-only graph.
+	Scale tensor.Tensor
 }
 
 // Train applies p to g and appends the gradient of the scalar loss with
-// respect to params (node ids of g), as a Session's Step and the CLI's
-// estimate both build a step: one function, so both plan the same graph.
+// respect to params (node ids of g), without loss scaling: TrainWith with
+// no options.
 func Train(g *graph.Graph, p Policy, loss int, params []int) (*Step, error) {
+	return TrainWith(g, p, loss, params, TrainOptions{})
+}
+
+// TrainWith applies p to g and appends the gradient of the scalar loss
+// with respect to params (node ids of g), with loss scaling when o says
+// so, as a Session's Step and the CLI's estimate both build a step: one
+// function, so both plan the same graph.
+func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions) (*Step, error) {
 	if loss < 0 || loss >= g.Len() {
 		return nil, graph.Errorf(graph.ErrArity, "precision: loss id %d does not name a node", loss)
 	}
@@ -219,15 +254,41 @@ func Train(g *graph.Graph, p Policy, loss int, params []int) (*Step, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params))}
+	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss]}
 	for i, id := range params {
 		if id < 0 || id >= g.Len() {
 			return nil, graph.Errorf(graph.ErrArity, "precision: parameter id %d does not name a node", id)
 		}
 		s.Params[i] = ids[id]
 	}
-	if s.Grads, err = autodiff.Backward(ng, s.Loss, s.Params); err != nil {
+	if o.LossScale {
+		if err := s.scale(o.Scale); err != nil {
+			return nil, err
+		}
+	}
+	if s.Grads, err = autodiff.Backward(ng, s.Scaled, s.Params); err != nil {
 		return nil, err
 	}
 	return s, nil
+}
+
+// scale appends the loss scale constant with data t and the scaled loss.
+func (s *Step) scale(t tensor.Tensor) error {
+	l := s.Graph.Node(s.Loss)
+	if t != nil {
+		if _, ok := t.Data().(float32); !ok || !t.Shape().IsScalar() {
+			return graph.Errorf(graph.ErrDType, "precision: the loss scale's data is %v %v, want a float32 scalar", t.Dtype(), t.Shape())
+		}
+	}
+	c, err := s.Graph.Append(graph.Node{Op: graph.OpConst, Name: "loss_scale", Value: t,
+		Type: graph.Type{Shape: []int{}, DType: graph.Float32}, Scope: l.Scope, Site: l.Site})
+	if err != nil {
+		return &graph.OpError{Op: "loss scale", Site: l.Site, Err: err}
+	}
+	m, err := s.Graph.Append(graph.Node{Op: graph.OpMul, Inputs: []int{s.Loss, c}, Scope: l.Scope, Site: l.Site})
+	if err != nil {
+		return &graph.OpError{Op: "loss scale", Shapes: [][]int{l.Type.Shape}, Site: l.Site, Err: err}
+	}
+	s.Scale, s.Scaled = c, m
+	return nil
 }
