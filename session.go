@@ -64,7 +64,7 @@ type Options struct {
 	// float32). Step and Eval apply it to the graph they are given before
 	// autodiff and planning, so plans count every cast copy. Another name
 	// makes the session hold an error wrapping precision.ErrUnknown. Both
-	// executors run every policy.
+	// executors run every policy. "fp16-mixed" scales the loss (LossScale).
 	Precision string
 	// Recompute is recompute.Off (the default: chunks are the planner's
 	// only lever), recompute.SelectiveOnly or recompute.FullCheckpoint (that candidate
@@ -78,6 +78,16 @@ type Options struct {
 	// Profile is the cost model's device for Recompute (zero:
 	// recompute.DefaultProfile).
 	Profile recompute.Profile
+	// LossScale configures dynamic loss scaling (precision.LossScale:
+	// torch.cuda.amp.GradScaler's semantics), which Step applies under
+	// Precision "fp16-mixed" unless LossScale.Off is set, and under no
+	// other policy. The zero value is GradScaler's defaults: scale 2¹⁶,
+	// halved after a step with an inf or NaN gradient (whose optimizer
+	// update is skipped), doubled after 2000 good steps in a row.
+	// Session.LossScale reports the scale and the skipped steps. Options
+	// out of range make the session hold an error wrapping
+	// precision.ErrLossScale.
+	LossScale precision.LossScale
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -93,7 +103,8 @@ type Options struct {
 type Session struct {
 	opts   Options
 	policy precision.Policy
-	be     exec.Executor // nil when err is set
+	scaler *precision.Scaler // nil without loss scaling; guarded by mu
+	be     exec.Executor     // nil when err is set
 	device string
 	err    error // why no executor could be made
 	closed atomic.Bool
@@ -137,6 +148,7 @@ type programKey struct {
 	outputs, kept string
 	trained       string
 	slots         int
+	unscale       bool // compiled with the loss scaler's finish workspace
 }
 
 // NewSession returns a session with the given options, on the executor
@@ -156,6 +168,8 @@ func NewSession(opts Options) *Session {
 		s.err = err
 	} else if opts.Profile.Bandwidth > 0 && opts.Profile.Validate() != nil {
 		s.err = opts.Profile.Validate()
+	} else if err := s.newScaler(); err != nil {
+		s.err = fmt.Errorf("Options.LossScale: %w", err)
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
 		s.be, s.device, s.err = chooseExecutor(opts)
 	}
@@ -167,6 +181,30 @@ func NewSession(opts Options) *Session {
 
 // Err is why the session has no executor, or nil.
 func (s *Session) Err() error { return s.err }
+
+// newScaler makes the session's loss scaler when its policy scales.
+func (s *Session) newScaler() error {
+	if !s.policy.Scaled() || s.opts.LossScale.Off {
+		return s.opts.LossScale.Validate()
+	}
+	var err error
+	s.scaler, err = precision.NewScaler(s.opts.LossScale)
+	return err
+}
+
+// LossScale reports dynamic loss scaling (Options.LossScale): the scale
+// the next Step multiplies its loss by, the steps scaled so far and those
+// whose update was skipped for an inf or NaN gradient. Its Scale is 0 when
+// the session does not scale (a policy other than fp16-mixed, or
+// LossScale.Off).
+func (s *Session) LossScale() precision.ScalerStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.scaler == nil {
+		return precision.ScalerStats{}
+	}
+	return s.scaler.Stats()
+}
 
 // Close releases the session's device: its executor's memory, cuBLAS
 // handle and kernels, and the CUDA context. A CPU session holds nothing
@@ -314,9 +352,10 @@ func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 
 // program returns the compiled program of g for outputs, computing the
 // analysis and schedule once per graph signature (while it stays cached).
-func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int) (*planner.Program, error) {
+// A loss-scaled step (unscale) gets the finish workspace of its flag.
+func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int, unscale bool) (*planner.Program, error) {
 	key := programKey{sig: g.Signature(), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
-		trained: fmt.Sprint(trained), slots: slots}
+		trained: fmt.Sprint(trained), slots: slots, unscale: unscale}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p, ok := s.programs.Get(key); ok {
@@ -327,8 +366,7 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 	if err != nil {
 		return nil, err
 	}
-	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: slots, Workspace: s.be.Workspace()})
+	p, err := planner.Compile(g, info, outputs, s.compileOptions(kept, trained, slots, unscale))
 	if err != nil {
 		return nil, err
 	}
@@ -338,8 +376,19 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 	return p, nil
 }
 
+// compileOptions are the planner's options for a step of the session.
+func (s *Session) compileOptions(kept, trained []int, slots int, unscale bool) planner.CompileOptions {
+	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace()}
+	if unscale {
+		o.FinishWorkspace = exec.UnscaleBytes
+	}
+	return o
+}
+
 // run plans p within the budget and executes it; opt is a training step's
-// optimizer, nil for Eval.
+// optimizer, nil for Eval. scale is the step's loss scale (0 for none):
+// skipped reports that its gradients held an inf or NaN once unscaled, so
+// the optimizer did not run.
 //
 // When the device runs out of memory anyway (another process took memory
 // between the plan and the run), the step is planned again within what is
@@ -347,15 +396,14 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 // failed run changes nothing: the optimizer updates only after the last
 // chunk, and the executor frees what the run held, so no chunk is lost or
 // counted twice.
-func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer) ([]*tensor.Dense, error) {
+func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer, scale float32) (outs []*tensor.Dense, skipped bool, err error) {
 	var (
-		pl   *planner.Plan
-		outs []*tensor.Dense
-		u    planner.Usage
+		pl *planner.Plan
+		u  planner.Usage
 	)
 	released, err := s.be.ReleaseUnread(p)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	held := exec.PlanResidents(p, s.be.Held())
 	s.mu.Lock()
@@ -364,10 +412,10 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 	for attempt := 0; ; attempt++ {
 		budget, err := s.budget()
 		if err != nil {
-			return nil, err
+			return nil, false, err
 		}
 		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, Resident: held}); err != nil {
-			return nil, err
+			return nil, false, err
 		}
 		// The plan was simulated on a device holding only the residents,
 		// allocated in order. A run of the same plan as the last one finds
@@ -375,7 +423,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		// from the residents alone.
 		if pl != prev || released {
 			if err := s.be.Allocator().EmptyCache(); err != nil {
-				return nil, err
+				return nil, false, err
 			}
 		}
 		// The plan was judged on a simulated device of pl.Available()
@@ -390,26 +438,26 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		// SyncParams brings the host tensors up to date.
 		var res *exec.Result
 		res, err = s.be.Execute(ctx, p, pl.Chunks, exec.Options{Resident: true, Timeline: s.opts.Timeline,
-			Optimizer: opt, KeptOnDevice: opt != nil})
+			Optimizer: opt, KeptOnDevice: opt != nil, LossScale: scale})
 		if err == nil {
-			outs, u = res.Outputs, res.Usage
+			outs, u, skipped = res.Outputs, res.Usage, res.Skipped
 			break
 		}
 		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) {
-			return nil, err
+			return nil, false, err
 		}
 		// The failed run's blocks went back to the allocator's cache, in
 		// segments sized for the plan that failed. The new plan replays from
 		// a device holding only the resident buffers, so give the cache back
 		// first: the retry then lays out as planned.
 		if err := s.be.Allocator().EmptyCache(); err != nil {
-			return nil, err
+			return nil, false, err
 		}
 	}
 	s.mu.Lock()
 	s.last, s.lastProg, s.usage = pl, p, u
 	s.mu.Unlock()
-	return outs, nil
+	return outs, skipped, nil
 }
 
 // budget is what a step may plan within now: the executor's budget,
@@ -437,11 +485,12 @@ func (s *Session) LastRecompute() Recomputed {
 // Options.Recompute auto: the plain one, or a recompute transform of g
 // when recompute.Search prefers one within the current budget. Searches
 // are cached by step, budget and residents; the transformed program is
-// cached like any program, by its graph's signature.
-func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, slots int) (*planner.Program, Recomputed, error) {
+// cached like any program, by its graph's signature. unscale marks a
+// loss-scaled step (Session.program).
+func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	plain := func() (*planner.Program, Recomputed, error) {
-		p, err := s.program(g, ids, ids[1:], trained, slots)
+		p, err := s.program(g, ids, ids[1:], trained, slots, unscale)
 		return p, none, err
 	}
 	var ch chosen
@@ -452,7 +501,7 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		if !ok {
 			return plain()
 		}
-		return s.transformed(g, boundary, ids, trained, slots, chosen{name: c.Name, set: c.Set})
+		return s.transformed(g, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set})
 	default:
 		return plain()
 	}
@@ -461,13 +510,12 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		return nil, none, err
 	}
 	held := s.be.Held()
-	key := chosenKey{programKey: programKey{sig: g.Signature(), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots},
+	key := chosenKey{programKey: programKey{sig: g.Signature(), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots, unscale: unscale},
 		budget: budget, held: fmt.Sprint(held)}
 	s.mu.Lock()
 	ch, ok := s.chosen.Get(key)
 	s.mu.Unlock()
-	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids,
-		Compile: planner.CompileOptions{Kept: ids[1:], Trained: trained, StateSlots: slots, Workspace: s.be.Workspace()}}
+	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:], trained, slots, unscale)}
 	if !ok {
 		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32,
 			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom},
@@ -482,15 +530,15 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		s.chosen.Put(key, ch)
 		s.mu.Unlock()
 	}
-	return s.transformed(g, boundary, ids, trained, slots, ch)
+	return s.transformed(g, boundary, ids, trained, slots, unscale, ch)
 }
 
 // transformed compiles g with ch's forward nodes recomputed (the plain
 // program when ch recomputes nothing).
-func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, ch chosen) (*planner.Program, Recomputed, error) {
+func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	if len(ch.set) == 0 {
-		p, err := s.program(g, ids, ids[1:], trained, slots)
+		p, err := s.program(g, ids, ids[1:], trained, slots, unscale)
 		return p, none, err
 	}
 	mark := make([]bool, boundary)
@@ -508,7 +556,7 @@ func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, 
 	for i, id := range trained {
 		trained2[i] = remap[id]
 	}
-	p, err := s.program(g2, ids2, ids2[1:], trained2, slots)
+	p, err := s.program(g2, ids2, ids2[1:], trained2, slots, unscale)
 	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
 }
 
@@ -558,11 +606,12 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 			ids[i] = m[id]
 		}
 	}
-	p, err := s.program(ir, ids, nil, nil, 0)
+	p, err := s.program(ir, ids, nil, nil, 0, false)
 	if err != nil {
 		return nil, err
 	}
-	return s.run(ctx, p, nil)
+	outs, _, err := s.run(ctx, p, nil, 0)
+	return outs, err
 }
 
 // Step runs one training step: forward and backward of the scalar loss,
@@ -580,6 +629,12 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // run on the host between a download and an upload. The device copy is
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.
+//
+// Under loss scaling (fp16-mixed, Options.LossScale) the backward pass
+// starts from the loss times the current scale and the gradients are
+// unscaled after the last chunk; a step whose gradients hold an inf or NaN
+// then updates nothing (no error: LossScale counts it) and lowers the
+// scale. The returned loss is the unscaled one either way.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
 	if _, err := s.executor(); err != nil {
 		return 0, err
@@ -598,7 +653,16 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 			}
 		}
 	}
-	st, err := s.backward(loss, params)
+	var (
+		scale float32
+		data  *tensor.Dense // the scale constant's data; nil without loss scaling
+	)
+	if s.scaler != nil {
+		s.mu.Lock()
+		scale, data = s.scaler.Scale(), s.scaler.Data()
+		s.mu.Unlock()
+	}
+	st, err := s.backward(loss, params, data)
 	if err != nil {
 		return 0, err
 	}
@@ -623,32 +687,43 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		ids = append(ids, st.Grads[i])
 		trained = append(trained, id)
 	}
-	prog, re, err := s.recomputed(ir, st.Loss+1, ids, trained, opt.StateSlots())
+	// Without gradients there is nothing to unscale, and no step to skip.
+	unscale := st.Scale >= 0 && len(trained) > 0
+	if !unscale {
+		scale = 0
+	}
+	prog, re, err := s.recomputed(ir, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
 		return 0, err
 	}
-	vals, err := s.run(ctx, prog, opt)
+	vals, skipped, err := s.run(ctx, prog, opt, scale)
 	if err != nil {
 		return 0, err
 	}
 	s.mu.Lock()
 	s.lastRe = re
+	if unscale {
+		s.scaler.Update(!skipped)
+	}
 	s.mu.Unlock()
 	return scalarOf(vals[0])
 }
 
 // backward builds the step's graph: under fp32 and tf32 the backward pass
 // appended to loss's own graph (lazy.Grad); under a mixed policy the
-// policy's rewrite of that graph with its backward pass (precision.Train),
-// which leaves the caller's graph as it was.
-func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor) (*precision.Step, error) {
+// policy's rewrite of that graph with its backward pass
+// (precision.TrainWith), which leaves the caller's graph as it was. With
+// scale (the loss scale's data, only under a mixed policy) the backward
+// pass starts from the loss times that constant.
+func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, error) {
 	if !s.policy.Mixed() {
 		grads := lazy.Grad(loss, params...)
 		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
 		if err != nil {
 			return nil, err
 		}
-		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: make([]int, len(params)), Grads: make([]int, len(params))}
+		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: make([]int, len(params)), Grads: make([]int, len(params)),
+			Scale: -1, Scaled: loss.ID()}
 		for i, p := range params {
 			st.Params[i], st.Grads[i] = g.NodeOf(p), grads[i].ID()
 		}
@@ -661,7 +736,11 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor) (*precision
 	if err != nil {
 		return nil, err
 	}
-	st, err := precision.Train(loss.Graph().IR(), s.policy, loss.ID(), wrt)
+	o := precision.TrainOptions{}
+	if scale != nil {
+		o = precision.TrainOptions{LossScale: true, Scale: scale}
+	}
+	st, err := precision.TrainWith(loss.Graph().IR(), s.policy, loss.ID(), wrt, o)
 	if err != nil {
 		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
 			err = &graph.OpError{Op: "step", Err: err}

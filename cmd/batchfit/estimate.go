@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
@@ -149,18 +150,24 @@ func buildStep(c *estimateConfig) (*step, error) {
 	outputs := []int{out.ID()}
 	var kept, trained []int
 	g := out.Graph().IR()
+	boundary := out.ID() + 1 // the first backward node, after any precision rewrite
+	var finish int64         // the loss scaler's flag
 	switch {
 	case c.train && c.policy.Mixed(): // as a Session with that precision builds its step
 		wrt, err := lazy.ParamIDs(b.loss, nn.ParamTensors(b.module)...)
 		if err != nil {
 			return nil, err
 		}
-		st, err := precision.Train(g, c.policy, b.loss.ID(), wrt)
+		// fp16-mixed scales its loss, as a Session does by default.
+		st, err := precision.TrainWith(g, c.policy, b.loss.ID(), wrt, precision.TrainOptions{LossScale: c.policy.Scaled()})
 		if err != nil {
 			return nil, err
 		}
 		g, outputs = st.Graph, append([]int{st.Loss}, st.Grads...)
-		kept, trained = st.Grads, st.Params
+		kept, trained, boundary = st.Grads, st.Params, st.Scaled+1
+		if st.Scale >= 0 {
+			finish = exec.UnscaleBytes
+		}
 	case c.train:
 		params := nn.ParamTensors(b.module)
 		for i, gr := range lazy.Grad(b.loss, params...) {
@@ -186,13 +193,12 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if c.device != nil {
 		ws = cuda.Workspace
 	}
-	p, err := planner.Compile(g, info, outputs, planner.CompileOptions{Kept: kept, Trained: trained,
-		StateSlots: c.slots, Workspace: ws})
+	co := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws, FinishWorkspace: finish}
+	p, err := planner.Compile(g, info, outputs, co)
 	if err != nil {
 		return nil, err
 	}
-	rs := recompute.Step{Graph: g, Boundary: outputs[0] + 1, Outputs: outputs, // outputs[0] is the loss in g, after any precision rewrite
-		Compile: planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws}}
+	rs := recompute.Step{Graph: g, Boundary: boundary, Outputs: outputs, Compile: co}
 	return &step{module: b.module, graph: g, program: p, rstep: rs}, nil
 }
 
