@@ -1,0 +1,154 @@
+package precision_test
+
+import (
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/precision"
+)
+
+// The zero LossScale is GradScaler's defaults: 2¹⁶, halved by a skipped
+// step, doubled by the 2000th good step in a row.
+func TestScalerDefaults(t *testing.T) {
+	s, err := precision.NewScaler(precision.LossScale{})
+	require.NoError(t, err)
+	assert.Equal(t, float32(1<<16), s.Scale())
+	s.Update(false)
+	assert.Equal(t, float32(1<<15), s.Scale())
+	assert.Equal(t, precision.ScalerStats{Scale: 1 << 15, Steps: 1, Skipped: 1, LastSkipped: true}, s.Stats())
+	for range 1999 {
+		s.Update(true)
+	}
+	assert.Equal(t, float32(1<<15), s.Scale(), "1999 good steps")
+	assert.Equal(t, 1999, s.Stats().GoodInARow)
+	s.Update(true)
+	assert.Equal(t, float32(1<<16), s.Scale(), "2000 good steps")
+	assert.Equal(t, precision.ScalerStats{Scale: 1 << 16, Steps: 2001, Skipped: 1}, s.Stats())
+}
+
+// A skipped step restarts the run of good steps; growth that would
+// overflow float32 leaves the scale as it is; backoff never reaches 0.
+func TestScalerUpdate(t *testing.T) {
+	s, err := precision.NewScaler(precision.LossScale{Init: 8, Growth: 4, Backoff: 0.25, Interval: 3})
+	require.NoError(t, err)
+	want := []float32{8, 8, 2, 2, 2, 8, 8, 8, 32}
+	for i, finite := range []bool{true, true, false, true, true, true, true, true, true} {
+		s.Update(finite)
+		require.Equal(t, want[i], s.Scale(), "after step %d", i)
+	}
+	assert.Equal(t, precision.ScalerStats{Scale: 32, Steps: 9, Skipped: 1}, s.Stats())
+
+	s, err = precision.NewScaler(precision.LossScale{Init: math.MaxFloat32, Interval: 1})
+	require.NoError(t, err)
+	s.Update(true)
+	assert.Equal(t, float32(math.MaxFloat32), s.Scale(), "2·MaxFloat32 is inf: no growth")
+	assert.Zero(t, s.Stats().GoodInARow, "the tracker restarts all the same, as GradScaler's")
+
+	s, err = precision.NewScaler(precision.LossScale{Init: 1e-44})
+	require.NoError(t, err)
+	for range 5 {
+		s.Update(false)
+	}
+	assert.Equal(t, float32(math.SmallestNonzeroFloat32), s.Scale())
+}
+
+func TestLossScaleValidate(t *testing.T) {
+	require.NoError(t, precision.LossScale{}.Validate())
+	require.NoError(t, precision.LossScale{Off: true}.Validate())
+	for _, o := range []precision.LossScale{
+		{Init: -1}, {Init: math.NaN()}, {Init: math.Inf(1)}, {Init: 1e39}, {Init: 1e-50},
+		{Growth: 1}, {Growth: 0.5}, {Growth: math.Inf(1)}, {Growth: math.NaN()},
+		{Backoff: 1}, {Backoff: -0.5}, {Backoff: 2}, {Backoff: math.NaN()},
+		{Interval: -1},
+	} {
+		err := o.Validate()
+		require.ErrorIs(t, err, precision.ErrLossScale, "%+v", o)
+		_, err = precision.NewScaler(o)
+		require.ErrorIs(t, err, precision.ErrLossScale, "%+v", o)
+	}
+}
+
+// Data is one float32 scalar tensor per value of the scale.
+func TestScalerData(t *testing.T) {
+	s, err := precision.NewScaler(precision.LossScale{Init: 4})
+	require.NoError(t, err)
+	d := s.Data()
+	assert.Equal(t, float32(4), d.Data())
+	assert.True(t, d.Shape().IsScalar())
+	assert.Same(t, d, s.Data(), "same scale, same tensor")
+	s.Update(true)
+	assert.Same(t, d, s.Data())
+	s.Update(false)
+	d2 := s.Data()
+	assert.NotSame(t, d, d2)
+	assert.Equal(t, float32(2), d2.Data())
+	assert.Equal(t, float32(4), d.Data(), "the old tensor is not changed")
+}
+
+// TrainWith appends the scale as a float32 scalar constant and the scaled
+// loss, from which the backward pass starts; the graph's signature does
+// not depend on the scale's value, so a new scale compiles nothing anew.
+func TestTrainWithLossScale(t *testing.T) {
+	for name, build := range map[string]func(*testing.T, nn.Options) model{"mlp": mlp, "gpt": gpt, "convnet": convnet} {
+		m := build(t, nn.Options{ShapeOnly: true})
+		wrt, err := lazy.ParamIDs(m.loss, m.params...)
+		require.NoError(t, err)
+		g := m.loss.Graph().IR()
+		plain, err := precision.Train(g, precision.FP16Mixed, m.loss.ID(), wrt)
+		require.NoError(t, err)
+		assert.Equal(t, -1, plain.Scale, name)
+		assert.Equal(t, plain.Loss, plain.Scaled, name)
+
+		sigs := map[uint64]bool{}
+		for _, v := range []float32{1 << 16, 3, 0.5} {
+			st, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt,
+				precision.TrainOptions{LossScale: true, Scale: tensor.New(tensor.FromScalar(v))})
+			require.NoError(t, err, name)
+			sc := st.Graph.Node(st.Scale)
+			assert.Equal(t, graph.OpConst, sc.Op, name)
+			assert.Equal(t, "loss_scale", sc.Name, name)
+			assert.Equal(t, graph.Type{Shape: []int{}, DType: graph.Float32, BatchAxis: -1, PerSample: 1}, sc.Type, name)
+			assert.Equal(t, v, sc.Value.Data(), name)
+			mul := st.Graph.Node(st.Scaled)
+			assert.Equal(t, graph.OpMul, mul.Op, name)
+			assert.Equal(t, []int{st.Loss, st.Scale}, mul.Inputs, name)
+			assert.Equal(t, graph.Float32, mul.Type.DType, name)
+			assert.Equal(t, st.Scaled+1, st.Scale+2, "the scale and the product come right after the forward pass")
+			assert.Equal(t, plain.Loss, st.Loss, "%s: the loss is the same node", name)
+			assert.Equal(t, plain.Params, st.Params, name)
+			assert.Len(t, st.Grads, len(plain.Grads), name)
+			for _, gr := range st.Grads {
+				assert.Greater(t, gr, st.Scaled, "%s: gradients come after the scaled loss", name)
+			}
+			sigs[st.Graph.Signature()] = true
+		}
+		assert.Len(t, sigs, 1, "%s: the scale's value is not part of the signature", name)
+		assert.False(t, sigs[plain.Graph.Signature()], name)
+	}
+}
+
+// A shape-only step takes no data for the scale; data that is not a
+// float32 scalar is refused.
+func TestTrainWithLossScaleData(t *testing.T) {
+	m := mlp(t, nn.Options{ShapeOnly: true})
+	wrt, err := lazy.ParamIDs(m.loss, m.params...)
+	require.NoError(t, err)
+	g := m.loss.Graph().IR()
+	st, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true})
+	require.NoError(t, err)
+	assert.Nil(t, st.Graph.Node(st.Scale).Value)
+	for _, bad := range []tensor.Tensor{
+		tensor.New(tensor.FromScalar(float64(2))),
+		tensor.New(tensor.WithShape(1), tensor.WithBacking([]float32{2})),
+	} {
+		_, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true, Scale: bad})
+		require.ErrorIs(t, err, graph.ErrDType)
+	}
+}
