@@ -22,6 +22,7 @@ import (
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
+	"github.com/batchfit/batchfit/recompute"
 )
 
 // Dynamic loss scaling under fp16-mixed (precision.LossScale), on the CPU
@@ -414,4 +415,28 @@ func TestLossScaleReusesProgram(t *testing.T) {
 		assert.Equal(t, plan.PeakReserved, sess.LastPlan().PeakReserved)
 	}
 	assert.Equal(t, 4, sess.CacheHits(), "compiled once")
+}
+
+// Recompute keeps the loss scale: the scale and the scaled loss are forward
+// nodes (the backward pass starts after them), and a recomputed step's
+// gradients equal the plain scaled step's, as its peaks its plan's.
+func TestLossScaleWithRecompute(t *testing.T) {
+	ctx := context.Background()
+	grads := func(mode recompute.Mode) ([][]float32, *batchfit.Session) {
+		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "fp16-mixed", Recompute: mode})
+		loss, params := gptModel(64)(false).Build(rand.New(rand.NewPCG(4, 4)), 4)
+		rec := &gradRecorder{}
+		_, err := sess.Step(ctx, loss, params, rec)
+		require.NoError(t, err, "%s", mode)
+		return rec.grads, sess
+	}
+	want, _ := grads(recompute.Off)
+	for _, mode := range []recompute.Mode{recompute.SelectiveOnly, recompute.FullCheckpoint} {
+		got, sess := grads(mode)
+		assert.NotEqual(t, "none", sess.LastRecompute().Strategy, "%s", mode)
+		assert.Equal(t, want, got, "%s", mode)
+		assert.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved, "%s", mode)
+		assert.Equal(t, sess.LastPlan().PeakAllocated, sess.LastUsage().PeakAllocated, "%s", mode)
+		assert.Equal(t, precision.ScalerStats{Scale: 1 << 16, Steps: 1, GoodInARow: 1}, sess.LossScale(), "%s", mode)
+	}
 }
