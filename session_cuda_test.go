@@ -2,7 +2,6 @@ package batchfit_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -474,8 +473,7 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 // the device's Adam untouched, the scale halving) until the scale fits,
 // as many as on the CPU give or take one (rounding differs at the
 // threshold); then steps update, with losses near the CPU's and peaks as
-// planned (the flag included). Skips while the CUDA executor refuses
-// 16-bit graphs.
+// planned (the flag included).
 func TestSessionCUDALossScale(t *testing.T) {
 	ctx := context.Background()
 	const n, steps = 64, 30
@@ -496,9 +494,6 @@ func TestSessionCUDALossScale(t *testing.T) {
 			before[i] = slices.Clone(p.Value().(*tensor.Dense).Float32s())
 		}
 		l, err := sess.Step(ctx, loss, params, devOpt)
-		if step == 0 && errors.Is(err, graph.ErrDType) && strings.Contains(err.Error(), "not yet available") {
-			t.Skipf("the CUDA executor has no 16-bit kernels yet: %v", err)
-		}
 		require.NoError(t, err, "step %d", step)
 		hLoss, hParams := hostNet.Build(rand.New(rand.NewPCG(seed, 1)), n)
 		hl, err := host.Step(ctx, hLoss, hParams, hostOpt)
