@@ -95,7 +95,8 @@ func unaryGrad(code opcode.Code) opKernel {
 	})}
 }
 
-// typedGradOf is gradOf for kernels instantiated per float dtype: g and the
+// typedGradOf is the run function of a vector-Jacobian op (in[0] is the
+// upstream gradient g) for kernels instantiated per float dtype: g and the
 // output share one float dtype, dt.
 func typedGradOf(run func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error) func(*kctx, []operand, operand) error {
 	return func(k *kctx, in []operand, out operand) error {

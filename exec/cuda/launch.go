@@ -214,15 +214,6 @@ func (k *kctx) flat(name string, work int64, args ...any) error {
 	return k.launch(name, flatGrid(work), flatBlockDim, args...)
 }
 
-// quads launches a float32 kernel with a vector path over n elements with
-// one thread per 4 of them (packs for float32); no work, no launch.
-func (k *kctx) quads(name string, n int64, args ...any) error {
-	if n <= 0 {
-		return nil
-	}
-	return k.launch(name, flatGrid(ceilDiv(n, 4)), flatBlockDim, args...)
-}
-
 // packs launches a kernel with a vector path (kernels/common.cuh,
 // VEC_LOOP) over n elements with one thread per pack of per; no work, no
 // launch.

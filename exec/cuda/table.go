@@ -90,14 +90,3 @@ func inputAt(g *graph.Graph, nd *graph.Node, i, b int) []int {
 	}
 	return g.Node(nd.Inputs[i]).Type.AtBatch(b)
 }
-
-// gradOf is the run function of a vector-Jacobian op: in[0] is always the
-// upstream gradient g, and g and the output must be float32.
-func gradOf(run func(k *kctx, g operand, in []operand, out operand) error) func(*kctx, []operand, operand) error {
-	return func(k *kctx, in []operand, out operand) error {
-		if err := floats(in[0], out); err != nil {
-			return err
-		}
-		return run(k, in[0], in, out)
-	}
-}
