@@ -9,6 +9,7 @@ import (
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -62,4 +63,31 @@ func BenchmarkGPT2SmallTrainingGraph(b *testing.B) {
 	}
 	b.ReportMetric(float64(nodes), "nodes")
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(nodes), "ns/node")
+}
+
+// BenchmarkGPT2SmallTrainingGraphBF16Mixed times building one GPT-2 small
+// training step under bf16-mixed as Session.Step does (the forward graph,
+// precision.Train's autocast pass and backward, then the analysis), shapes
+// only: the host work a training loop pays before the plan cache.
+func BenchmarkGPT2SmallTrainingGraphBF16Mixed(b *testing.B) {
+	nodes := 0
+	for b.Loop() {
+		model := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
+		tokens := lazy.Placeholder([]int{8, 1024}, graph.Int64, 0)
+		targets := tokens.Graph().Placeholder([]int{8, 1024}, graph.Int64, 0)
+		loss := models.Loss(model.Forward(tokens), targets)
+		wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(model)...)
+		if err != nil {
+			b.Fatal(err)
+		}
+		st, err := precision.Train(loss.Graph().IR(), precision.BF16Mixed, loss.ID(), wrt)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := shapeinfer.Analyze(st.Graph, append([]int{st.Loss}, st.Grads...)...); err != nil {
+			b.Fatal(err)
+		}
+		nodes = st.Graph.Len()
+	}
+	b.ReportMetric(float64(nodes), "nodes")
 }
