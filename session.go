@@ -2,8 +2,10 @@ package batchfit
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"sync"
 	"sync/atomic"
 
@@ -117,9 +119,12 @@ type Session struct {
 	lastProg *planner.Program
 	usage    planner.Usage
 	chosen   lru.Cache[chosenKey, chosen] // recompute choices by step and budget
+	steps    lru.Cache[stepKey, *stepTemplate]
+	stepHits int
 	lastRe   Recomputed
 
-	beforeRun func() // tests: called between planning and running a step
+	beforeRun    func() // tests: called between planning and running a step
+	stepCacheOff bool   // tests: differentiate every step (no step templates)
 }
 
 // chosenKey names a recompute search: the step's program key, the budget
@@ -143,6 +148,87 @@ type Recomputed struct {
 	Copies   int    // nodes the transform appended
 }
 
+// stepKey names a training step's forward graph: its signature (shapes,
+// ops, attributes and names; not its data), its loss and parameters, and
+// whether it is loss-scaled.
+type stepKey struct {
+	sig    uint64
+	seeds  uint64 // randomSeeds: the step's graph copies them into its backward pass
+	loss   int
+	wrt    string
+	scaled bool
+}
+
+// randomSeeds hashes the random-number attributes (Seed, Counter) of g's
+// nodes, which Signature leaves out so that dropout with a new counter
+// reuses its program: a step template holds them in its backward pass
+// (dropout's gradient replays the forward mask), so a new counter is a
+// new template.
+func randomSeeds(g *graph.Graph) uint64 {
+	h := fnv.New64a()
+	var buf [24]byte
+	for i := range g.Len() {
+		a := &g.Node(i).Attrs
+		if a.Seed == 0 && a.Counter == 0 {
+			continue
+		}
+		binary.LittleEndian.PutUint64(buf[0:], uint64(i))
+		binary.LittleEndian.PutUint64(buf[8:], a.Seed)
+		binary.LittleEndian.PutUint64(buf[16:], a.Counter)
+		h.Write(buf[:])
+	}
+	return h.Sum64()
+}
+
+// stepTemplate is a training step's graph as backward built it (precision
+// pass, loss scaling, backward pass), holding no data of the step that
+// built it: the sources of the forward graph, and the loss scale, get the
+// data of each step that reuses it (instantiate). A training loop builds
+// the same forward graph every step, so the Session differentiates it once.
+type stepTemplate struct {
+	st      precision.Step // st.Graph without the step's data
+	sources []int          // the forward graph's source nodes
+}
+
+// newTemplate keeps st without fwd's data.
+func newTemplate(st *precision.Step, fwd *graph.Graph) *stepTemplate {
+	t := &stepTemplate{st: *st}
+	t.st.Graph = st.Graph.Clone()
+	for i := range fwd.Len() {
+		if fwd.Node(i).Op.Category() == graph.CatSource {
+			t.sources = append(t.sources, i)
+			t.st.Graph.Node(st.IDs[i]).Value = nil
+		}
+	}
+	if st.Scale >= 0 {
+		t.st.Graph.Node(st.Scale).Value = nil
+	}
+	return t
+}
+
+// instantiate is the template's step over fwd's data, with scale the loss
+// scale's (nil without loss scaling).
+func (t *stepTemplate) instantiate(fwd *graph.Graph, scale tensor.Tensor) *precision.Step {
+	st := t.st
+	st.Graph = t.st.Graph.Clone()
+	for _, i := range t.sources {
+		st.Graph.Node(st.IDs[i]).Value = fwd.Node(i).Value
+	}
+	if st.Scale >= 0 {
+		st.Graph.Node(st.Scale).Value = scale
+	}
+	return &st
+}
+
+// StepGraphHits counts training steps whose graph came from the step
+// template cache: the forward graph matched an earlier step's, so the
+// precision pass and autodiff did not run again.
+func (s *Session) StepGraphHits() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stepHits
+}
+
 type programKey struct {
 	sig           uint64
 	outputs, kept string
@@ -159,7 +245,8 @@ type programKey struct {
 // Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize},
-		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}}
+		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
+		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)
 	} else if opts.Budget < 0 {
@@ -716,25 +803,61 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 // scale (the loss scale's data, only under a mixed policy) the backward
 // pass starts from the loss times that constant.
 func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, error) {
+	g, err := sameGraph("step", []*lazy.Tensor{loss})
+	if err != nil {
+		return nil, err
+	}
+	wrt, err := lazy.ParamIDs(loss, params...) // binds free parameters, as Grad would
+	if err != nil {
+		return nil, err
+	}
+	fwd := g.IR()
+	key := stepKey{sig: fwd.Signature(), seeds: randomSeeds(fwd), loss: loss.ID(), wrt: fmt.Sprint(wrt), scaled: scale != nil}
+	s.mu.Lock()
+	t, ok := s.steps.Get(key)
+	ok = ok && !s.stepCacheOff
+	if ok {
+		s.stepHits++
+	}
+	s.mu.Unlock()
+	if ok {
+		var data tensor.Tensor
+		if scale != nil {
+			data = scale
+		}
+		return t.instantiate(fwd, data), nil
+	}
+	st, err := s.differentiate(loss, params, wrt, scale)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.steps.Put(key, newTemplate(st, fwd))
+	s.mu.Unlock()
+	return st, nil
+}
+
+// differentiate builds a training step's graph: under a mixed policy the
+// precision pass on a copy of loss's graph, then loss scaling and the
+// backward pass (precision.TrainWith); otherwise the backward pass
+// appended to loss's graph (lazy.Grad). wrt are the parameters' node ids.
+func (s *Session) differentiate(loss *lazy.Tensor, params []*lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
 	if !s.policy.Mixed() {
+		n := loss.Graph().IR().Len()
 		grads := lazy.Grad(loss, params...)
 		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
 		if err != nil {
 			return nil, err
 		}
-		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: make([]int, len(params)), Grads: make([]int, len(params)),
-			Scale: -1, Scaled: loss.ID()}
-		for i, p := range params {
-			st.Params[i], st.Grads[i] = g.NodeOf(p), grads[i].ID()
+		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: wrt, Grads: make([]int, len(params)),
+			Scale: -1, Scaled: loss.ID(), IDs: make([]int, n)}
+		for i := range st.IDs {
+			st.IDs[i] = i
+		}
+		for i := range params {
+			st.Grads[i] = grads[i].ID()
 		}
 		return st, nil
-	}
-	if _, err := sameGraph("step", []*lazy.Tensor{loss}); err != nil {
-		return nil, err
-	}
-	wrt, err := lazy.ParamIDs(loss, params...)
-	if err != nil {
-		return nil, err
 	}
 	o := precision.TrainOptions{}
 	if scale != nil {

@@ -68,6 +68,13 @@ type Graph struct {
 // New returns an empty graph.
 func New() *Graph { return &Graph{} }
 
+// Clone returns a copy of g whose node list is its own: appending to it or
+// setting a node's Value leaves g as it was. Nodes share their Inputs,
+// Attrs slices and Values with g's.
+func (g *Graph) Clone() *Graph {
+	return &Graph{nodes: append([]Node(nil), g.nodes...), batch: g.batch}
+}
+
 // Len is the number of nodes.
 func (g *Graph) Len() int { return len(g.nodes) }
 

@@ -219,6 +219,10 @@ type Step struct {
 	// × Scale under loss scaling, Loss without; the backward pass starts
 	// after it (recompute.Step.Boundary is Scaled + 1).
 	Scale, Scaled int
+	// IDs maps the forward graph's nodes to Graph's: IDs[i] is node i's id
+	// in Graph (Apply's ids; the identity when the step was built on the
+	// forward graph itself).
+	IDs []int
 }
 
 // TrainOptions configures TrainWith.
@@ -254,7 +258,7 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	if err != nil {
 		return nil, err
 	}
-	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss]}
+	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss], IDs: ids}
 	for i, id := range params {
 		if id < 0 || id >= g.Len() {
 			return nil, graph.Errorf(graph.ErrArity, "precision: parameter id %d does not name a node", id)
