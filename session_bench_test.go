@@ -36,7 +36,8 @@ func BenchmarkSessionStepHost(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			b.ReportMetric(float64(sess.CacheHits()), "cache-hits")
+			b.ReportMetric(float64(sess.CacheHits()), "program-hits")
+			b.ReportMetric(float64(sess.StepGraphHits()), "step-graph-hits")
 		})
 	}
 }
