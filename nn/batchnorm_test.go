@@ -198,3 +198,25 @@ func TestBatchNorm2dErrors(t *testing.T) {
 	assert.Equal(t, []float32{0, 0, 0}, f32s(bn.RunningMean.Value()), "a rejected update changes nothing")
 	assert.Equal(t, []float32{1, 1, 1}, f32s(bn.RunningVar.Value()))
 }
+
+// Buffers names every running statistic by its module path, as PyTorch's
+// state_dict does, and hands out the tensors the layers read.
+func TestBuffersNamesRunningStatistics(t *testing.T) {
+	opt := nn.Options{ShapeOnly: true}
+	bn0, bn2 := nn.NewBatchNorm2d(opt, 4, 1e-5, 0.1), nn.NewBatchNorm2d(opt, 8, 1e-5, 0.1)
+	inner := nn.NewSequentialNamed(nn.Child{Name: "bn", Module: bn2})
+	m := nn.NewSequential(bn0, nn.ReLU{}, inner)
+	bs := nn.Buffers(m)
+	require.Len(t, bs, 4)
+	names := []string{"0.running_mean", "0.running_var", "2.bn.running_mean", "2.bn.running_var"}
+	tensors := []*lazy.Tensor{bn0.RunningMean, bn0.RunningVar, bn2.RunningMean, bn2.RunningVar}
+	for i, b := range bs {
+		assert.Equal(t, names[i], b.Name)
+		assert.Same(t, tensors[i], b.Tensor, b.Name)
+	}
+	assert.Equal(t, []string{"0.weight", "0.bias", "2.bn.weight", "2.bn.bias"}, testutil.ParamNames(m), "buffers are not parameters")
+	assert.Empty(t, nn.Buffers(nn.MLP(opt, []int{3, 4, 2}, nn.ReLU{})))
+	assert.Empty(t, nn.Buffers(nil))
+	assert.Len(t, nn.Buffers(bn0), 2, "a bare layer's buffers have no prefix")
+	assert.Equal(t, "running_var", nn.Buffers(bn0)[1].Name)
+}

@@ -22,8 +22,9 @@
 //   - Bad sizes or options never panic: the module keeps a typed error
 //     (wrapping graph's sentinels) that Check reports and Forward returns as
 //     the output tensor's sticky error.
-//   - BatchNorm2d keeps its running statistics as buffers outside Params,
-//     and graphs have no side effects: a training-mode Forward leaves them
+//   - BatchNorm2d keeps its running statistics as buffers outside Params
+//     (Buffers lists them under their state_dict keys), and graphs have no
+//     side effects: a training-mode Forward leaves them
 //     alone, and BatchStats plus UpdateRunning apply PyTorch's momentum
 //     update as an explicit step.
 //   - Dropout is the identity in evaluation mode; in training mode each

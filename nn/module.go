@@ -208,3 +208,37 @@ func SetTraining(m Module, on bool) {
 		}
 	}
 }
+
+// Buffer is a named tensor of a module's state that is not a parameter: a
+// BatchNorm2d's running mean and variance. Name is its PyTorch state_dict
+// key ("layer1.0.bn1.running_mean").
+type Buffer struct {
+	Name   string
+	Tensor *lazy.Tensor
+}
+
+// Buffers lists the buffers of m and of every module inside it, in child
+// order, named by the children's names as parameters are. PyTorch's
+// state_dict also holds each batch norm's num_batches_tracked, a step
+// counter nn does not keep (it only matters for momentum None, a
+// cumulative average).
+func Buffers(m Module) []Buffer {
+	var bs []Buffer
+	var walk func(prefix string, m Module)
+	walk = func(prefix string, m Module) {
+		if bn, ok := m.(*BatchNorm2d); ok && bn != nil {
+			bs = append(bs, Buffer{prefix + "running_mean", bn.RunningMean}, Buffer{prefix + "running_var", bn.RunningVar})
+		}
+		if c, ok := m.(interface{ List() []Child }); ok {
+			for _, ch := range c.List() {
+				if ch.Module != nil {
+					walk(prefix+ch.Name+".", ch.Module)
+				}
+			}
+		}
+	}
+	if m != nil {
+		walk("", m)
+	}
+	return bs
+}
