@@ -5,9 +5,13 @@
 //     blocks of causal self-attention and a GELU MLP, tied output head),
 //     with GPT-2 small's configuration in GPT2Small.
 //   - ConvNet: a small CIFAR-shaped convolutional classifier.
+//   - ResNet: torchvision's ResNet-18/34/50/101/152 (BasicBlock or
+//     Bottleneck v1.5, batch norm, projection shortcuts), with a CIFAR stem
+//     as an option; ResNet18, ResNet50 and ResNet18CIFAR configure it.
 //
-// Parameter names follow the PyTorch/Hugging Face layouts ("h.3.attn.c_attn.weight")
-// so memory reports read the way their users expect. With nn.Options{ShapeOnly:
-// true} a model has shapes but no data, for dry runs of models that would not
-// fit in host memory.
+// Parameter names follow the PyTorch/Hugging Face/torchvision layouts
+// ("h.3.attn.c_attn.weight", "layer2.0.downsample.0.weight") so memory
+// reports read the way their users expect. With nn.Options{ShapeOnly: true}
+// a model has shapes but no data, for dry runs of models that would not fit
+// in host memory.
 package models

@@ -214,6 +214,12 @@ var cpuTol = struct{ Norm, RTol float64 }{Norm: 2e-5, RTol: 1e-4}
 
 func assertClose(t *testing.T, want ref.Value, got *tensor.Dense, what string) {
 	t.Helper()
+	assertCloseTol(t, want, got, what, cpuTol.Norm, cpuTol.RTol)
+}
+
+// assertCloseTol is assertClose with the bound's two coefficients given.
+func assertCloseTol(t *testing.T, want ref.Value, got *tensor.Dense, what string, norm, rtol float64) {
+	t.Helper()
 	gv, err := ref.FromTensor(got)
 	require.NoError(t, err)
 	require.Equal(t, want.Shape, gv.Shape, what)
@@ -225,7 +231,7 @@ func assertClose(t *testing.T, want ref.Value, got *tensor.Dense, what string) {
 	worst := 0.0
 	for i, w := range want.Data {
 		d := math.Abs(gv.Data[i] - w)
-		require.LessOrEqual(t, d, cpuTol.Norm*scale+cpuTol.RTol*math.Abs(w),
+		require.LessOrEqual(t, d, norm*scale+rtol*math.Abs(w),
 			"%s element %d: cpu %.8g, reference %.8g", what, i, gv.Data[i], w)
 		worst = max(worst, d)
 	}
