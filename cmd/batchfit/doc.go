@@ -22,7 +22,12 @@
 // the whole batch fits, the chunks, the predicted peak reserved and
 // allocated bytes, the affine fit fixed + per-sample·chunk, and on request
 // the per-op timeline of the first chunk (--table), the largest buffers
-// (--top N) or all of it as JSON (--json).
+// (--top N) or all of it as JSON (--json). A step that cannot run in
+// chunks, as the ResNets' in training mode (their batch norms normalise
+// with the batch's statistics; --mode infer uses the running ones), runs
+// its batch whole: estimate names the node that prevents chunking and,
+// when the whole batch does not fit, bisects for the largest batch that
+// does.
 //
 // snapshot, report and compare explain memory with package memviz.
 // snapshot writes the allocator state of the planned step (replayed on the
@@ -45,7 +50,8 @@
 // others when one fails and exits with the first failure's code.
 //
 // Exit codes: 0 when the step fits (in one chunk or several) and the files
-// were read and written, 1 when it does not fit even one sample at a time
+// were read and written, 1 when it does not fit even one sample at a time,
+// or the whole batch of a step that cannot run in chunks does not fit
 // (the planner's message names the largest buffers), the model does not
 // build (a batch too large for the graph's tensors), or a file could not
 // be read or written (unreadable, not a snapshot, truncated, past the

@@ -56,6 +56,10 @@ type report struct {
 	// Recompute is the recompute search (--recompute auto): every
 	// candidate's plan and predicted step time; Plan is the chosen one's.
 	Recompute *recomputeReport `json:"recompute,omitempty"`
+	// NotChunkable says why the batch cannot run in chunks (a
+	// training-mode batch norm mixes its samples), naming the node; empty
+	// when it can.
+	NotChunkable string `json:"not_chunkable,omitempty"`
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -96,6 +100,10 @@ type fitReport struct {
 	Fixed     int64       `json:"fixed"`
 	Reason    string      `json:"reason,omitempty"`
 	Largest   []bufferRow `json:"largest"`
+	// LargestWholeBatch is, when the batch cannot run in chunks, the
+	// largest batch that fits in one piece (0 when not even one sample
+	// does, or with --recompute auto, which does not search it).
+	LargestWholeBatch int `json:"largest_whole_batch,omitempty"`
 }
 
 // opRow is one node run of the first chunk: what it allocates, and the
@@ -236,6 +244,9 @@ func estimate(c *estimateConfig) (*report, error) {
 	for _, p := range st.module.Params() {
 		r.ParamBytes += p.Tensor().Type().Bytes()
 	}
+	if nc := st.program.Info.NotChunkable; nc != nil {
+		r.NotChunkable = nc.Error()
+	}
 	if c.train {
 		r.StateBytes = int64(c.slots) * r.ParamBytes
 	}
@@ -259,6 +270,16 @@ func estimate(c *estimateConfig) (*report, error) {
 		for _, u := range dnf.Largest {
 			r.DoesNotFit.Largest = append(r.DoesNotFit.Largest, bufferRow{Bytes: u.Bytes, Kind: u.Kind.String(),
 				Node: u.Tag.Node, Op: u.Tag.Op, Module: u.Tag.Scope})
+		}
+		if errors.Is(err, graph.ErrNotChunkable) && c.recompute != recompute.Auto {
+			n, serr := largestWholeBatch(c)
+			if serr != nil {
+				return r, serr
+			}
+			r.DoesNotFit.LargestWholeBatch = n
+			if n > 0 {
+				err = fmt.Errorf("%w; at most %d %s run in one piece", err, n, plural(n, "sample"))
+			}
 		}
 		return r, err
 	}
@@ -295,6 +316,42 @@ func estimate(c *estimateConfig) (*report, error) {
 		r.Largest = largest(st.program, pl, c.top)
 	}
 	return r, nil
+}
+
+// largestWholeBatch finds, for a step that cannot run in chunks and whose
+// batch does not fit, the largest batch that fits in one piece: it builds
+// and plans the step at smaller batches, bisecting. 0 when one sample
+// does not fit.
+func largestWholeBatch(c *estimateConfig) (int, error) {
+	fits := func(n int) (bool, error) {
+		cn := *c
+		cn.batch = n
+		st, err := buildStep(&cn)
+		if err != nil {
+			return false, err
+		}
+		o := planOptions(&cn)
+		o.NoChunkList = true
+		_, err = planner.Make(st.program, o)
+		if errors.Is(err, planner.ErrDoesNotFit) {
+			return false, nil
+		}
+		return err == nil, err
+	}
+	lo, hi := 0, c.batch // lo fits (0 trivially), hi does not
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		ok, err := fits(mid)
+		if err != nil {
+			return 0, err
+		}
+		if ok {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return lo, nil
 }
 
 // timeline lists the node runs of the plan's first chunk.
@@ -382,10 +439,15 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("fits", "in chunks: the whole batch of %d would need %s; it runs as %s", r.Batch,
 				planner.FormatPeak(p.WholePeakReserved), planner.Split{N: r.Batch, K: p.NumChunks})
 		}
+		if r.NotChunkable != "" {
+			line("chunking", "none: %s", r.NotChunkable)
+		}
 		line("chunk", "%d %s", p.Chunk, plural(p.Chunk, "sample"))
 		line("peak reserved", "%s", exact(p.PeakReserved))
 		line("peak allocated", "%s", exact(p.PeakAllocated))
-		if p.PerSample > 0 {
+		if r.NotChunkable != "" {
+			line("affine fit", "none (the batch cannot run in chunks)")
+		} else if p.PerSample > 0 {
 			line("affine fit", "peak reserved ≈ %s + %s × chunk", alloc.FormatBytes(p.Fixed), alloc.FormatBytes(p.PerSample))
 		} else {
 			line("affine fit", "none (needs a batch of 3 or more)")
@@ -402,6 +464,16 @@ func writeText(w io.Writer, r *report, planned bool) {
 		}
 		line("planning", "%d replays in %s (graph built and compiled in %s)", p.Replays,
 			round(p.PlanningSeconds), round(r.BuildSeconds))
+	}
+	if f := r.DoesNotFit; f != nil && r.NotChunkable != "" {
+		line("fits", "no: the whole batch of %d needs %s and cannot run in chunks: %s", r.Batch,
+			planner.FormatPeak(f.Whole), r.NotChunkable)
+		switch {
+		case f.LargestWholeBatch > 0:
+			line("largest batch", "%d %s in one piece", f.LargestWholeBatch, plural(f.LargestWholeBatch, "sample"))
+		case r.Recompute == nil:
+			line("largest batch", "none: not even one sample fits")
+		}
 	}
 	tw.Flush()
 	writeRecompute(w, r)

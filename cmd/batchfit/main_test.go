@@ -311,13 +311,22 @@ func TestModelsList(t *testing.T) {
 		"mlp":        "669,706",    // 784·512+512 + 512·512+512 + 512·10+10
 		"mlp-large":  "20,037,642", // 784·4096+4096 + 4096·4096+4096 + 4096·10+10
 		"gpt2-small": "124,439,808",
+		// torchvision's resnet18 and resnet50 at 1000 classes; ResNet-18
+		// with a CIFAR stem at 10 classes.
+		"resnet18":       "11,689,512",
+		"resnet50":       "25,557,032",
+		"resnet18-cifar": "11,173,962",
 	}
+	seen := 0
 	for _, l := range lines[1:] {
 		f := strings.Fields(l)
 		if n, ok := want[f[0]]; ok {
 			assert.Equal(t, n, f[1], f[0])
+			seen++
 		}
 	}
+	assert.Equal(t, len(want), seen, "every model checked is listed:\n%s", stdout)
+	assert.Contains(t, stdout, "images [3 224 224]")
 }
 
 func TestChunkSummary(t *testing.T) {

@@ -89,6 +89,10 @@ func zoo() []zooModel {
 			input: fmt.Sprintf("%s %v", input, sample),
 			build: func(opt nn.Options, b, _ int, train bool, data *rand.Rand) built {
 				m := newModule(opt)
+				// Batch norms normalise with the batch's statistics in
+				// training mode and with their running ones for inference,
+				// as after PyTorch's train() and eval().
+				nn.SetTraining(m, train)
 				dt := opt.DType
 				if dt == graph.InvalidDType {
 					dt = graph.Float32
@@ -108,11 +112,20 @@ func zoo() []zooModel {
 	mlp := func(sizes ...int) func(nn.Options) nn.Module {
 		return func(opt nn.Options) nn.Module { return nn.MLP(opt, sizes, nn.ReLU{}) }
 	}
+	resnet := func(cfg models.ResNetConfig) func(nn.Options) nn.Module {
+		return func(opt nn.Options) nn.Module { return models.NewResNet(opt, cfg) }
+	}
 	return []zooModel{
 		classifier("mlp", "MLP 784→512→512→10 with ReLU (FashionMNIST-shaped)", "features", []int{784}, 10, mlp(784, 512, 512, 10)),
 		classifier("mlp-large", "MLP 784→4096→4096→10 with ReLU", "features", []int{784}, 10, mlp(784, 4096, 4096, 10)),
 		classifier("convnet", "CIFAR-10 ConvNet, 3 stages of conv 3×3 (32, 64, 128) → ReLU → max-pool, linear head",
 			"images", []int{3, 32, 32}, models.CIFAR10().Classes, func(opt nn.Options) nn.Module { return models.NewConvNet(opt, models.CIFAR10()) }),
+		classifier("resnet18", "ResNet-18, torchvision layout, ImageNet 224×224, 1000 classes (training-mode batch norm: the batch runs whole)",
+			"images", []int{3, 224, 224}, 1000, resnet(models.ResNet18(1000))),
+		classifier("resnet50", "ResNet-50, torchvision layout (Bottleneck v1.5), ImageNet 224×224, 1000 classes (training-mode batch norm: the batch runs whole)",
+			"images", []int{3, 224, 224}, 1000, resnet(models.ResNet50(1000))),
+		classifier("resnet18-cifar", "ResNet-18 with a CIFAR stem (conv 3×3, no max-pool), 32×32, 10 classes (training-mode batch norm: the batch runs whole)",
+			"images", []int{3, 32, 32}, 10, resnet(models.ResNet18CIFAR(10))),
 		gpt("gpt-tiny", "GPT, 2 layers, width 32, 2 heads, 32 positions, vocab 32 (examples/transformer)",
 			models.GPTConfig{Vocab: 32, Context: 32, Layers: 2, Heads: 2, Dim: 32}),
 		gpt("gpt2-small", "GPT-2 small, 12 layers, width 768, 12 heads, 1024 positions, vocab 50257, tied head",
