@@ -174,3 +174,32 @@ func TestEstimateResNet18CIFAR(t *testing.T) {
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }
+
+// report --run measures a Session's step on the CPU executor: a ResNet's
+// training step (batch norm on the batch's statistics, the batch whole)
+// and its inference in chunks (running statistics) peak where estimate
+// predicts.
+func TestResNetReportRunMatchesEstimate(t *testing.T) {
+	for _, args := range [][]string{
+		{"--model", "resnet18-cifar", "--batch", "2", "--budget", "1GiB"},
+		{"--model", "resnet18-cifar", "--batch", "8", "--budget", "66MiB", "--mode", "infer"}, // 4 × 2
+	} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			code, stdout, stderr := runCLI(append(append([]string{"estimate"}, args...), "--json")...)
+			require.Equal(t, exitOK, code, stderr)
+			var r report
+			require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+			require.NotNil(t, r.Plan)
+			code, stdout, stderr = runCLI(append(append([]string{"report"}, args...), "--run", "--json")...)
+			require.Equal(t, exitOK, code, stderr)
+			var m memReport
+			require.NoError(t, json.Unmarshal([]byte(stdout), &m))
+			require.NotNil(t, m.Measured)
+			assert.Equal(t, r.Plan.PeakReserved, m.Measured.PeakReserved, "estimate's prediction is the Session's measured peak")
+			assert.Equal(t, r.Plan.PeakAllocated, m.Measured.PeakAllocated)
+			if r.Mode == "infer" {
+				assert.Greater(t, r.Plan.NumChunks, 1, "inference chunks")
+			}
+		})
+	}
+}
