@@ -96,6 +96,10 @@ type Options struct {
 // signature (its analysis, its program and its plan) is computed once and
 // cached, at most planner.CacheSize programs and plans, the least recently
 // used evicted first; cached programs hold no graph, so no step's data.
+// So is a training step's graph (the precision pass and the backward
+// pass): a loop that builds the same forward graph every step gets it
+// differentiated once and reused with each step's data (StepGraphHits);
+// dropout with a new counter every step is a new forward graph.
 //
 // Between runs the executor keeps residents on the device: parameters,
 // optimizer state and constants, in the order first allocated. Every run
