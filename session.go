@@ -98,8 +98,8 @@ type Options struct {
 // used evicted first; cached programs hold no graph, so no step's data.
 // So is a training step's graph (the precision pass and the backward
 // pass): a loop that builds the same forward graph every step gets it
-// differentiated once and reused with each step's data (StepGraphHits);
-// dropout with a new counter every step is a new forward graph.
+// differentiated once and reused with each step's data and random seeds
+// (StepGraphHits).
 //
 // Between runs the executor keeps residents on the device: parameters,
 // optimizer state and constants, in the order first allocated. Every run
@@ -157,7 +157,7 @@ type Recomputed struct {
 // whether it is loss-scaled.
 type stepKey struct {
 	sig    uint64
-	seeds  uint64 // randomSeeds: the step's graph copies them into its backward pass
+	seeds  uint64 // 0 for a template that takes each step's seeds; randomSeeds otherwise
 	loss   int
 	wrt    string
 	scaled bool
@@ -165,9 +165,10 @@ type stepKey struct {
 
 // randomSeeds hashes the random-number attributes (Seed, Counter) of g's
 // nodes, which Signature leaves out so that dropout with a new counter
-// reuses its program: a step template holds them in its backward pass
-// (dropout's gradient replays the forward mask), so a new counter is a
-// new template.
+// reuses its program. A step template copies them into its backward pass
+// (dropout's gradient replays the forward mask); one whose seeded nodes
+// all trace back to one forward node each takes every step's seeds
+// (stepTemplate.seeded), any other is keyed by them too.
 func randomSeeds(g *graph.Graph) uint64 {
 	h := fnv.New64a()
 	var buf [24]byte
@@ -192,26 +193,55 @@ func randomSeeds(g *graph.Graph) uint64 {
 type stepTemplate struct {
 	st      precision.Step // st.Graph without the step's data
 	sources []int          // the forward graph's source nodes
+	// seeded pairs each node of st.Graph with a Seed or Counter with the
+	// forward node it has them from; valid when seedsKnown.
+	seeded     [][2]int
+	seedsKnown bool
 }
 
 // newTemplate keeps st without fwd's data.
 func newTemplate(st *precision.Step, fwd *graph.Graph) *stepTemplate {
 	t := &stepTemplate{st: *st}
 	t.st.Graph = st.Graph.Clone()
-	for i := range fwd.Len() {
-		if fwd.Node(i).Op.Category() == graph.CatSource {
+	seeds := map[[2]uint64]int{} // a forward node's (Seed, Counter) → its id; −1 when two share them
+	// The forward graph is st.IDs's domain: without a precision pass the
+	// backward pass was appended to it.
+	for i := range len(st.IDs) {
+		nd := fwd.Node(i)
+		if nd.Op.Category() == graph.CatSource {
 			t.sources = append(t.sources, i)
 			t.st.Graph.Node(st.IDs[i]).Value = nil
+		}
+		if a := nd.Attrs; a.Seed != 0 || a.Counter != 0 {
+			k := [2]uint64{a.Seed, a.Counter}
+			if _, dup := seeds[k]; dup {
+				seeds[k] = -1
+			} else {
+				seeds[k] = i
+			}
 		}
 	}
 	if st.Scale >= 0 {
 		t.st.Graph.Node(st.Scale).Value = nil
 	}
+	t.seedsKnown = true
+	for j := range t.st.Graph.Len() {
+		a := t.st.Graph.Node(j).Attrs
+		if a.Seed == 0 && a.Counter == 0 {
+			continue
+		}
+		i, ok := seeds[[2]uint64{a.Seed, a.Counter}]
+		if !ok || i < 0 {
+			t.seedsKnown = false
+			break
+		}
+		t.seeded = append(t.seeded, [2]int{j, i})
+	}
 	return t
 }
 
-// instantiate is the template's step over fwd's data, with scale the loss
-// scale's (nil without loss scaling).
+// instantiate is the template's step over fwd's data and random seeds,
+// with scale the loss scale's (nil without loss scaling).
 func (t *stepTemplate) instantiate(fwd *graph.Graph, scale tensor.Tensor) *precision.Step {
 	st := t.st
 	st.Graph = t.st.Graph.Clone()
@@ -220,6 +250,10 @@ func (t *stepTemplate) instantiate(fwd *graph.Graph, scale tensor.Tensor) *preci
 	}
 	if st.Scale >= 0 {
 		st.Graph.Node(st.Scale).Value = scale
+	}
+	for _, p := range t.seeded {
+		from, to := &fwd.Node(p[1]).Attrs, &st.Graph.Node(p[0]).Attrs
+		to.Seed, to.Counter = from.Seed, from.Counter
 	}
 	return &st
 }
@@ -816,9 +850,14 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		return nil, err
 	}
 	fwd := g.IR()
-	key := stepKey{sig: fwd.Signature(), seeds: randomSeeds(fwd), loss: loss.ID(), wrt: fmt.Sprint(wrt), scaled: scale != nil}
+	key := stepKey{sig: fwd.Signature(), loss: loss.ID(), wrt: fmt.Sprint(wrt), scaled: scale != nil}
+	seeded := key
+	seeded.seeds = randomSeeds(fwd)
 	s.mu.Lock()
-	t, ok := s.steps.Get(key)
+	t, ok := s.steps.Get(key) // a template taking each step's seeds
+	if !ok {
+		t, ok = s.steps.Get(seeded)
+	}
 	ok = ok && !s.stepCacheOff
 	if ok {
 		s.stepHits++
@@ -835,8 +874,12 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	if err != nil {
 		return nil, err
 	}
+	t = newTemplate(st, fwd)
+	if !t.seedsKnown {
+		key = seeded
+	}
 	s.mu.Lock()
-	s.steps.Put(key, newTemplate(st, fwd))
+	s.steps.Put(key, t)
 	s.mu.Unlock()
 	return st, nil
 }
