@@ -20,8 +20,8 @@ const (
 	OpLogSoftmaxGrad                           // g, y; Axis: g − exp(y)·Σ g
 	OpLayerNormGradX                           // g, x[, w]; NormDims, Eps
 	OpLayerNormGradW                           // g, x; NormDims, Eps: Σ over leading axes of g·x̂
-	OpBatchNormGradX                           // g, x[, w]; Eps; Training only: the batch-statistics backward of x
-	OpBatchNormGradW                           // g, x[, running_mean, running_var]; Training, Eps: Σ over all axes but 1 of g·x̂
+	OpBatchNormGradX                           // g, x[, w]; Eps, PerChunk; Training only: the batch-statistics backward of x
+	OpBatchNormGradW                           // g, x[, running_mean, running_var]; Training, PerChunk, Eps: Σ over all axes but 1 of g·x̂
 	OpSliceGrad                                // g; Axis, Start, End, Step, Target: g scattered into zeros
 	OpEmbeddingGrad                            // g, indices; Target [V, D]: rows scatter-added
 	OpConv2dGradInput                          // g, w; conv attrs, Target = input type
@@ -116,8 +116,8 @@ var gradOps = []OpInfo{
 			return Type{Shape: slices.Clone(x.Shape[len(x.Shape)-attrs.NormDims:]), DType: x.DType, BatchAxis: -1, PerSample: 1}, nil
 		})},
 	// Training mode only: the batch-statistics backward of x.
-	OpBatchNormGradX: {Name: "batch_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"training", "eps"}, NoVJP: noVJPGrad,
-		Chunk: &Chunk{PerSample: batchNormPerSample},
+	OpBatchNormGradX: {Name: "batch_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"training", "per_chunk", "eps"}, NoVJP: noVJPGrad,
+		Chunk: &Chunk{PerSample: batchNormPerSample, MinChunk: batchNormMinChunk},
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			if !attrs.Training {
 				return Type{}, Errorf(ErrAttr, "batch_norm_grad_x is the training-mode gradient; in evaluation mode dx is g·weight·rstd")
@@ -131,10 +131,11 @@ var gradOps = []OpInfo{
 			return sameShape(op, in[1], g)
 		})},
 	// Σ over every axis but 1 of g·x̂: a sum over samples when x̂ comes from
-	// the running statistics.
-	OpBatchNormGradW: {Name: "batch_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 4, Attrs: []string{"training", "eps"}, NoVJP: noVJPGrad,
-		Chunk: &Chunk{PerSample: batchNormPerSample, Consume: func(n *Node, _ []Type) (Combine, string) {
-			if !n.Attrs.Training {
+	// the running statistics, or from each chunk's own (PerChunk: the sum
+	// of the chunks' gradients is gradient accumulation's).
+	OpBatchNormGradW: {Name: "batch_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 4, Attrs: []string{"training", "per_chunk", "eps"}, NoVJP: noVJPGrad,
+		Chunk: &Chunk{PerSample: batchNormPerSample, MinChunk: batchNormMinChunk, Consume: func(n *Node, _ []Type) (Combine, string) {
+			if !n.Attrs.Training || n.Attrs.PerChunk {
 				return CombineSum, ""
 			}
 			return CombineNone, fmt.Sprintf("normalises with batch statistics (%s in training mode)", n.Op)

@@ -17,7 +17,22 @@ const (
 	// running_var[, weight[, bias]], all [C] (BatchNormAffine says where the
 	// weight is). Attrs.Eps. It updates no running statistics: graphs have
 	// no side effects.
+	//
+	// Attrs.PerChunk (training mode only) is the opt-in to per-chunk
+	// statistics: the node normalises with the mean and variance of the
+	// samples it runs on, so a graph split into batch chunks normalises
+	// each chunk with its own, as PyTorch's gradient accumulation does with
+	// its micro-batches, and stays chunkable (its gradients are those of
+	// the per-chunk forward; the parameter gradients sum over chunks). In
+	// one chunk the statistics are the whole batch's. Without PerChunk a
+	// training-mode node makes the graph not chunkable.
 	OpBatchNorm
+	// OpBatchNormStats is x [N, C, ...]'s per-channel mean and unbiased
+	// variance over every axis but 1, as a [2, C] value (row 0 the mean,
+	// row 1 the variance): what running statistics are updated with. Its
+	// chunk partials merge exactly (CombineMoments), so it is chunkable
+	// whatever the batch_norm nodes around it do.
+	OpBatchNormStats
 	endNormalizeOps
 )
 
@@ -45,9 +60,21 @@ var normalizeOps = []OpInfo{
 		}}},
 	// Saves over both modes: training reads x and the weight (inputs 0
 	// and 1), evaluation x, the running statistics and the weight (0 to 3).
-	OpBatchNorm: {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "eps"},
+	OpBatchNorm: {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "per_chunk", "eps"},
 		Rule: batchNormRule, Saves: SavesInput(0, 1, 2, 3), VJP: batchNormVJP,
-		Chunk: &Chunk{Weights: true, PerSample: batchNormPerSample}},
+		Chunk: &Chunk{Weights: true, PerSample: batchNormPerSample, MinChunk: batchNormMinChunk, Stats: func(n *Node) Stats {
+			switch {
+			case n.Attrs.Training && n.Attrs.PerChunk:
+				return ChunkStats
+			case n.Attrs.Training:
+				return WholeStats
+			}
+			return NoStats
+		}}},
+	// Saves x, and its own output (the mean) for the variance's gradient.
+	OpBatchNormStats: {Name: "batch_norm_stats", Category: CatNormalize, MinArity: 1, Arity: 1,
+		Rule: batchNormStatsRule, Saves: SavesInput(0) | SavesOutput, VJP: batchNormStatsVJP,
+		Chunk: &Chunk{Consume: combines(CombineMoments), MinChunk: func(n *Node, in []Type) int { return statsMinChunk(in[0]) }}},
 }
 
 func softmax(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
@@ -135,6 +162,9 @@ func batchNorm(attrs *Attrs, in []Type) (Type, error) {
 	if !(attrs.Eps > 0) {
 		return Type{}, Errorf(ErrAttr, "batch_norm eps must be positive, got %g", attrs.Eps)
 	}
+	if attrs.PerChunk && !attrs.Training {
+		return Type{}, Errorf(ErrAttr, "batch_norm per-chunk statistics exist in training mode only; evaluation mode uses the running statistics")
+	}
 	c := x.Shape[1]
 	for i, p := range in[1:] {
 		if !slices.Equal(p.Shape, []int{c}) {
@@ -154,14 +184,84 @@ func batchNorm(attrs *Attrs, in []Type) (Type, error) {
 // batchNormPerSample serves batch_norm and its gradients.
 func batchNormPerSample(n *Node, _ []Type) string {
 	switch {
-	case n.Attrs.Training:
+	case n.Attrs.Training && !n.Attrs.PerChunk:
 		// Every output element depends on the whole batch's mean and
-		// variance: a chunk would normalise with its own.
+		// variance: a chunk would normalise with its own. With PerChunk
+		// that is what the node asks for.
 		return fmt.Sprintf("normalises with batch statistics (%s in training mode)", n.Op)
 	case n.Type.BatchAxis == 1 || n.Op == OpBatchNormGradW:
 		return "batch axis is the channel axis: each chunk would need its slice of the per-channel values"
 	}
 	return ""
+}
+
+// batchNormMinChunk serves batch_norm and its gradients: with per-chunk
+// statistics every chunk needs more than one value per channel.
+func batchNormMinChunk(n *Node, in []Type) int {
+	if !n.Attrs.PerChunk {
+		return 1
+	}
+	x := in[0]
+	if n.Op != OpBatchNorm {
+		x = in[1] // the gradients take g first
+	}
+	return statsMinChunk(x)
+}
+
+// statsMinChunk is the fewest samples of x [N, C, ...] that hold more
+// than one value per channel: 2 when a sample holds one (x [N, C]), else 1.
+func statsMinChunk(x Type) int {
+	if x.BatchAxis < 0 || x.BatchAxis == 1 || len(x.Shape) < 2 || x.Shape[1] == 0 {
+		return 1 // chunks leave every channel's values whole
+	}
+	if Numel(x.AtBatch(1))/x.Shape[1] < 2 {
+		return 2
+	}
+	return 1
+}
+
+// batchNormStatsRule: x [N, C, ...] with more than one value per channel
+// gives [2, C]. A batch axis on the channels (axis 1) stays one (axis 1 of
+// the result): each channel's statistics are its own.
+func batchNormStatsRule(op Op, _ *Attrs, in []Type, _ int) (Type, error) {
+	x := in[0]
+	if err := needFloat(op, x); err != nil {
+		return Type{}, err
+	}
+	if len(x.Shape) < 2 {
+		return Type{}, Errorf(ErrShape, "batch_norm_stats needs x [N, C, ...] of rank ≥ 2, got %v", x.Shape)
+	}
+	if m := x.Shape[0] * Numel(x.Shape[2:]); m <= 1 {
+		return Type{}, Errorf(ErrShape, "batch_norm_stats needs more than one value per channel for an unbiased variance, got x %v", x.Shape)
+	}
+	t := Type{Shape: []int{2, x.Shape[1]}, DType: x.DType, BatchAxis: -1, PerSample: 1}
+	if x.BatchAxis == 1 {
+		t.BatchAxis, t.PerSample = 1, x.PerSample
+	}
+	return t, nil
+}
+
+// batchNormStatsVJP: with M values per channel, d mean/dx = 1/M and
+// d var/dx = 2·(x − mean)/(M − 1), so dx = g_mean/M + 2·g_var·(x − mean)/(M − 1)
+// with g_mean and g_var rows 0 and 1 of g broadcast over x. (PyTorch keeps
+// running statistics out of autograd; the op is differentiable anyway, so
+// it can sit anywhere in a graph.)
+func batchNormStatsVJP(b VJPBuilder, n *Node, g int) {
+	x := n.Inputs[0]
+	xt := b.Type(x)
+	c := xt.Shape[1]
+	m := float64(xt.Numel() / c)
+	bc := make([]int, len(xt.Shape)) // [1, C, 1, …]
+	for i := range bc {
+		bc[i] = 1
+	}
+	bc[1] = c
+	row := func(v, i int) int {
+		return b.Emit(OpReshape, Attrs{Shape: bc}, b.Emit(OpSlice, Attrs{Axis: 0, Start: i, End: i + 1, Step: 1}, v))
+	}
+	gm, gv, mean := row(g, 0), row(g, 1), row(n.ID, 0)
+	dv := scalar(b, OpMulScalar, mul(b, b.Emit(OpSub, Attrs{}, x, mean), gv), 2/(m-1))
+	b.Accumulate(x, b.Emit(OpAdd, Attrs{}, dv, scalar(b, OpMulScalar, gm, 1/m)))
 }
 
 // batchNormVJP: y = x̂·w + b per channel, with x̂ = (x − mean)·rstd.
@@ -181,7 +281,7 @@ func batchNormVJP(b VJPBuilder, n *Node, g int) {
 	in := n.Inputs
 	x := in[0]
 	train := n.Attrs.Training
-	a := Attrs{Training: train, Eps: n.Attrs.Eps}
+	a := Attrs{Training: train, PerChunk: n.Attrs.PerChunk, Eps: n.Attrs.Eps}
 	aff := BatchNormAffine(train)
 	xt := b.Type(x)
 	axes := []int{0} // every axis but the channels

@@ -205,6 +205,7 @@ type Attrs struct {
 	NormDims  int   // layer_norm: number of trailing dims normalised
 	Eps       float64
 	Training  bool   // batch_norm: normalise with the batch's statistics, not running ones
+	PerChunk  bool   // batch_norm (training) and its gradients: the statistics of the samples run, chunk by chunk (OpBatchNorm)
 	Kernel    [2]int // pooling
 	Stride    [2]int
 	Padding   [2]int

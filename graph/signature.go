@@ -49,7 +49,7 @@ func (g *Graph) Signature() uint64 {
 		ints(a.Padding[:])
 		ints(a.Dilation[:])
 		flags := 0
-		for bit, f := range []bool{a.Approx, a.KeepDim, a.TransA, a.TransB, a.Training, a.Causal} {
+		for bit, f := range []bool{a.Approx, a.KeepDim, a.TransA, a.TransB, a.Training, a.Causal, a.PerChunk} {
 			if f {
 				flags |= 1 << bit
 			}

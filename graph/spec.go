@@ -18,9 +18,15 @@ const (
 	CombineNone Combine = iota // not cross-batch
 	CombineSum                 // partials add (sums; means scaled by 1/N with the full N)
 	CombineMax                 // partials combine by max
+	// CombineMoments: per-channel statistics [2, C] (mean, then unbiased
+	// variance, as batch_norm_stats makes them) of the values each chunk
+	// holds, merged exactly into the statistics of all of them by the
+	// pairwise update (Chan, Golub and LeVeque), each chunk weighted by
+	// its count of values per channel.
+	CombineMoments
 )
 
-func (c Combine) String() string { return [...]string{"none", "sum", "max"}[c] }
+func (c Combine) String() string { return [...]string{"none", "sum", "max", "moments"}[c] }
 
 // Linearity says how an op treats operands that are already cross-batch
 // (chunk partials): what it makes of them decides whether its own output
@@ -66,7 +72,29 @@ type Chunk struct {
 	Consume func(n *Node, in []Type) (Combine, string)
 	// Linear is how the op treats operands that are already cross-batch.
 	Linear Linearity
+	// MinChunk, when set, is the fewest samples a chunk of the node may
+	// hold (1 when unset): the planner splits no batch into a smaller one.
+	// Per-chunk batch statistics need more than one value per channel in
+	// every chunk, as in the whole batch.
+	MinChunk func(n *Node, in []Type) int
+	// Stats, when set, says whether the node normalises with statistics of
+	// the samples it runs on, and which: plans and reports say so.
+	Stats func(n *Node) Stats
 }
+
+// Stats is which samples' statistics a node normalises with.
+type Stats uint8
+
+const (
+	NoStats Stats = iota // none: per-sample, or fixed (running) statistics
+	// WholeStats: the whole batch's (batch_norm in training mode). Such a
+	// node makes the graph not chunkable; its PerSample check says so.
+	WholeStats
+	// ChunkStats: the chunk's own (Attrs.PerChunk): the graph stays
+	// chunkable, and its results depend on how the batch is split, as
+	// gradient accumulation's do on its micro-batches.
+	ChunkStats
+)
 
 // combines is a Consume for ops whose output always combines by c.
 func combines(c Combine) func(*Node, []Type) (Combine, string) {

@@ -134,21 +134,49 @@ func (t *Tensor) LayerNorm(weight, bias *Tensor, normDims int, eps float64) *Ten
 // F.batch_norm, then scales by weight and shifts by bias ([C] each,
 // optional: pass nil; bias needs weight). In training mode it uses the
 // batch's mean and biased variance over every axis but the channels, so a
-// graph using it cannot run in batch chunks; runMean and runVar are not
+// graph using it cannot run in batch chunks (BatchNormPerChunk opts in to
+// per-chunk statistics); runMean and runVar are not
 // read and may be nil (graphs have no side effects: nn.BatchNorm2d
 // updates its running statistics explicitly). In evaluation mode it uses
 // runMean and runVar ([C], required) and stays per-sample.
 func (t *Tensor) BatchNorm(weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
-	return t.batchNorm(false, weight, bias, runMean, runVar, training, eps)
+	return t.batchNorm(false, false, weight, bias, runMean, runVar, training, eps)
 }
 
 // BatchNorm2d is BatchNorm for NCHW input: t must have rank 4.
 func (t *Tensor) BatchNorm2d(weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
-	return t.batchNorm(true, weight, bias, runMean, runVar, training, eps)
+	return t.batchNorm(true, false, weight, bias, runMean, runVar, training, eps)
 }
 
-func (t *Tensor) batchNorm(nchw bool, weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
-	attrs := graph.Attrs{Training: training, Eps: eps}
+// BatchNormPerChunk is training-mode BatchNorm with per-chunk statistics
+// (graph.Attrs.PerChunk), the explicit opt-in to chunking through batch
+// norm: it normalises with the mean and biased variance of the samples it
+// runs on, so when the planner splits the batch each chunk is normalised
+// with its own, as each micro-batch is under PyTorch's gradient
+// accumulation, and the graph stays chunkable. In one chunk it is
+// BatchNorm in training mode. Every chunk holds more than one value per
+// channel (for [N, C] input, at least two samples). weight and bias are
+// as for BatchNorm.
+func (t *Tensor) BatchNormPerChunk(weight, bias *Tensor, eps float64) *Tensor {
+	return t.batchNorm(false, true, weight, bias, nil, nil, true, eps)
+}
+
+// BatchNorm2dPerChunk is BatchNormPerChunk for NCHW input: t must have
+// rank 4.
+func (t *Tensor) BatchNorm2dPerChunk(weight, bias *Tensor, eps float64) *Tensor {
+	return t.batchNorm(true, true, weight, bias, nil, nil, true, eps)
+}
+
+// BatchStats is t [N, C, ...]'s per-channel mean and unbiased variance
+// over every axis but 1, as one [2, C] value: row 0 the mean, row 1 the
+// variance, what running statistics are updated with. Run in batch chunks
+// it is still the statistics of all N samples: the chunks' partials merge
+// exactly (graph.CombineMoments). Evaluate it as it is; slices of it are
+// not chunkable.
+func (t *Tensor) BatchStats() *Tensor { return apply(graph.OpBatchNormStats, graph.Attrs{}, t) }
+
+func (t *Tensor) batchNorm(nchw, perChunk bool, weight, bias, runMean, runVar *Tensor, training bool, eps float64) *Tensor {
+	attrs := graph.Attrs{Training: training, PerChunk: perChunk, Eps: eps}
 	if t.Err() != nil || t.zero() {
 		return apply(graph.OpBatchNorm, attrs, t) // t's sticky error, or a typed one for t
 	}

@@ -16,8 +16,8 @@
 //     computes from 16-bit inputs, accumulates in float32 and stores a
 //     16-bit result;
 //     – float32 class (softmax, log_softmax, layer_norm, batch_norm,
-//     cross_entropy, mse, sum, mean, exp, log, pow, pow_scalar,
-//     rdiv_scalar): every 16-bit input is cast to float32;
+//     batch_norm_stats, cross_entropy, mse, sum, mean, exp, log, pow,
+//     pow_scalar, rdiv_scalar): every 16-bit input is cast to float32;
 //     – concat: inputs of mixed float dtypes are cast to float32 (autocast's
 //     promote class);
 //     – everything else (elementwise, movement, max, pooling, dropout,

@@ -29,6 +29,9 @@ const (
 	CombineNone = graph.CombineNone // not cross-batch
 	CombineSum  = graph.CombineSum  // partials add (sums; means scaled by 1/N with the full N)
 	CombineMax  = graph.CombineMax  // partials combine by max
+	// CombineMoments: per-channel mean and unbiased variance merged
+	// exactly (batch_norm_stats).
+	CombineMoments = graph.CombineMoments
 )
 
 // End is the LastUse of a graph output: it lives past the last node.
@@ -49,6 +52,17 @@ type Result struct {
 	// results identical to the whole batch; otherwise it names the first node
 	// that prevents it.
 	NotChunkable *ChunkError
+	// MinChunk is the fewest samples a chunk may hold: 1, or more where an
+	// op's per-chunk semantics need it (graph.Chunk.MinChunk: per-chunk
+	// batch statistics of x [N, C] need 2). The planner splits no batch
+	// into smaller chunks.
+	MinChunk int
+	// WholeStats and ChunkStats list the needed nodes that normalise with
+	// statistics of the samples they run on (graph.Chunk.Stats): the whole
+	// batch's (training-mode batch_norm; the graph is not chunkable) and
+	// each chunk's own (per-chunk batch_norm: chunkable, with gradient
+	// accumulation's semantics). Plans say which are in force.
+	WholeStats, ChunkStats []int
 
 	needed []bool       // nodes the outputs depend on
 	in     []graph.Type // scratch: the input types of the node being classed
@@ -90,6 +104,7 @@ func Analyze(g *graph.Graph, outputs ...int) (*Result, error) {
 		PerSample: make([]int64, n),
 		LastUse:   make([]int, n),
 		Outputs:   slices.Clone(outputs),
+		MinChunk:  1,
 	}
 	for i := range r.LastUse {
 		r.LastUse[i] = -1
@@ -124,6 +139,9 @@ func Analyze(g *graph.Graph, outputs ...int) (*Result, error) {
 			}
 		}
 		r.classify(nodes, nd)
+		if r.needed[id] {
+			r.chunkFacts(nodes, nd)
+		}
 		t := nd.Type
 		if t.BatchAxis >= 0 && r.Batch > 0 {
 			r.PerSample[id] = t.Bytes() / int64(r.Batch)
@@ -182,6 +200,26 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 		r.Combine[id] = r.propagate(nd, allCrossSum, allCrossMax)
 	} else {
 		r.Combine[id] = r.consume(nodes, nd)
+	}
+}
+
+// chunkFacts records what needed node nd's spec says about chunks beyond
+// chunkability: the fewest samples per chunk, and its statistics.
+func (r *Result) chunkFacts(nodes []graph.Node, nd *graph.Node) {
+	c := nd.Op.Chunk()
+	if c == nil {
+		return
+	}
+	if c.MinChunk != nil {
+		r.MinChunk = max(r.MinChunk, c.MinChunk(nd, r.inputTypes(nodes, nd)))
+	}
+	if c.Stats != nil {
+		switch c.Stats(nd) {
+		case graph.WholeStats:
+			r.WholeStats = append(r.WholeStats, nd.ID)
+		case graph.ChunkStats:
+			r.ChunkStats = append(r.ChunkStats, nd.ID)
+		}
 	}
 }
 
@@ -254,7 +292,11 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 		if allSum {
 			return CombineSum
 		}
-		return CombineMax
+		if allMax {
+			return CombineMax
+		}
+		// Moved moments (a slice of batch_norm_stats' [2, C]) are no
+		// longer the mean-and-variance pair their combine needs.
 	case graph.Scales:
 		if allSum {
 			return CombineSum

@@ -273,6 +273,69 @@ func TestBatchNormChunkability(t *testing.T) {
 	notChunkableAt(t, analyze(t, fromBatch), fromBatch)
 }
 
+// Per-chunk statistics (the opt-in, lazy's BatchNorm2dPerChunk) make the
+// same training graph chunkable: the forward node and batch_norm_grad_x
+// are per-sample, the weight gradient a sum over chunks, and the analysis
+// lists the node as normalising with each chunk's statistics, where the
+// default lists it as the whole batch's. batch_norm_stats combines by
+// moments; a slice of it is no pair of moments any more.
+func TestPerChunkBatchNormChunkability(t *testing.T) {
+	const n, c = 16, 4
+	g := lazy.NewGraph()
+	x := g.Placeholder([]int{n, c, 5, 5}, f32, 0)
+	w, b := pspec(c), pspec(c)
+	bn := x.BatchNorm2dPerChunk(w, b, 1e-5)
+	stats := x.BatchStats()
+	loss := bn.Relu().Mean()
+	grads := lazy.Grad(loss, w, b)
+	res := analyze(t, append([]*lazy.Tensor{loss, stats}, grads...)...)
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	assert.Equal(t, []int{bn.ID()}, res.ChunkStats)
+	assert.Empty(t, res.WholeStats)
+	assert.Equal(t, 1, res.MinChunk, "25 values per channel in one sample")
+	assert.Equal(t, shapeinfer.CombineMoments, res.Combine[stats.ID()])
+	for k, gr := range grads {
+		assert.Equal(t, shapeinfer.CombineSum, res.Combine[gr.ID()], "grad %d", k)
+	}
+	for _, nd := range g.IR().Nodes() {
+		if nd.Op == graph.OpBatchNormGradX || nd.Op == graph.OpBatchNormGradW {
+			assert.True(t, nd.Attrs.PerChunk, "%s carries the forward node's PerChunk", nd.Op)
+		}
+	}
+
+	// The default names the node it refuses for, and lists it as whole.
+	g = lazy.NewGraph()
+	x = g.Placeholder([]int{n, c, 5, 5}, f32, 0)
+	whole := x.BatchNorm2d(w, b, nil, nil, true, 1e-5)
+	res = analyze(t, whole.Mean())
+	notChunkableAt(t, res, whole)
+	assert.Equal(t, []int{whole.ID()}, res.WholeStats)
+	assert.Empty(t, res.ChunkStats)
+
+	// [N, C] input: one value per channel in a sample, so chunks of two.
+	g = lazy.NewGraph()
+	x2 := g.Placeholder([]int{n, c}, f32, 0)
+	res = analyze(t, x2.BatchNormPerChunk(nil, nil, 1e-5).Mean(), x2.BatchStats())
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	assert.Equal(t, 2, res.MinChunk)
+
+	// Samples on the channel axis: each channel's statistics are its own,
+	// so batch_norm_stats stays per-sample.
+	bc := lazy.Placeholder([]int{2, n, 5}, f32, 1).BatchStats()
+	res = analyze(t, bc)
+	require.True(t, res.Chunkable(), "%v", res.NotChunkable)
+	assert.Equal(t, shapeinfer.PerSample, res.Class[bc.ID()])
+
+	// A slice of the statistics, or arithmetic on them, is not chunkable.
+	g = lazy.NewGraph()
+	x = g.Placeholder([]int{n, c, 5, 5}, f32, 0)
+	st := x.BatchStats()
+	mean := st.Slice(0, 0, 1)
+	notChunkableAt(t, analyze(t, mean), mean)
+	scaled := st.MulScalar(2)
+	notChunkableAt(t, analyze(t, scaled), scaled)
+}
+
 // A small graph whose bytes and liveness are worked out by hand.
 func TestBytesAndLastUseByHand(t *testing.T) {
 	g := lazy.NewGraph()

@@ -22,5 +22,12 @@
 // value flows back into per-sample work, passes through a non-linear op, or
 // where an op mixes samples (training-mode batch_norm, which normalises with
 // the batch's statistics), is not chunkable; Result.NotChunkable names the
-// first such node and why.
+// first such node and why. A batch_norm that opts in to per-chunk
+// statistics (graph.Attrs.PerChunk) normalises each chunk with its own, as
+// gradient accumulation does, and keeps the graph chunkable:
+// Result.WholeStats and ChunkStats list the nodes of each kind, and
+// Result.MinChunk is the fewest samples a chunk may hold (two for x [N, C],
+// so that every chunk has more than one value per channel).
+// batch_norm_stats (the mean and unbiased variance running statistics are
+// updated with) combines its chunk partials exactly (CombineMoments).
 package shapeinfer

@@ -191,6 +191,13 @@ func validCases() []ruleCase {
 		ruleCase{name: "eval, running statistics only", op: graph.OpBatchNorm, attrs: bnEval, in: ts(fb(0, 4, 3, 5, 5), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
 		ruleCase{name: "eval, weight and bias", op: graph.OpBatchNorm, attrs: bnEval, in: ts(fb(0, 4, 3, 5, 5), f(3), f(3), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
 		ruleCase{name: "eval, one value per channel", op: graph.OpBatchNorm, attrs: bnEval, batch: 1, in: ts(fp(0, 1, 1, 3), f(3), f(3)), want: fp(0, 1, 1, 3)},
+		ruleCase{name: "training, per-chunk statistics", op: graph.OpBatchNorm, attrs: graph.Attrs{Training: true, PerChunk: true, Eps: 1e-5},
+			in: ts(fb(0, 4, 3, 5, 5), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
+		ruleCase{name: "NCHW", op: graph.OpBatchNormStats, in: ts(fb(0, 4, 3, 5, 5)), want: f(2, 3)},
+		ruleCase{name: "[N, C]", op: graph.OpBatchNormStats, in: ts(fb(0, 4, 3)), want: f(2, 3)},
+		ruleCase{name: "batch on the channels stays", op: graph.OpBatchNormStats, in: ts(fp(1, 2, 3, 8, 5)), want: fp(1, 2, 2, 8)},
+		ruleCase{name: "bfloat16", op: graph.OpBatchNormStats, in: ts(graph.Type{Shape: []int{4, 3}, DType: graph.BFloat16, BatchAxis: -1, PerSample: 1}),
+			want: graph.Type{Shape: []int{2, 3}, DType: graph.BFloat16, BatchAxis: -1, PerSample: 1}},
 	)
 
 	// Reshape with N = 4, T = 2, C = 3.
@@ -439,6 +446,11 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "int64 running_mean", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4, i(3), f(3)), want: graph.ErrDType},
 		rejectCase{name: "int64 input", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(i(4, 3, 5, 5)), want: graph.ErrDType},
 		rejectCase{name: "training with one value per channel", op: graph.OpBatchNorm, attrs: bnTrain, batch: 1, in: ts(fp(0, 1, 1, 3, 1, 1)), want: graph.ErrShape},
+		rejectCase{name: "per-chunk statistics in evaluation mode", op: graph.OpBatchNorm, attrs: graph.Attrs{PerChunk: true, Eps: 1e-5}, in: ts(x4, f(3), f(3)), want: graph.ErrAttr},
+		rejectCase{name: "rank 1", op: graph.OpBatchNormStats, in: ts(fb(0, 4)), want: graph.ErrShape},
+		rejectCase{name: "one value per channel", op: graph.OpBatchNormStats, batch: 1, in: ts(fp(0, 1, 1, 3, 1, 1)), want: graph.ErrShape},
+		rejectCase{name: "int64 input", op: graph.OpBatchNormStats, in: ts(i(4, 3)), want: graph.ErrDType},
+		rejectCase{name: "two inputs", op: graph.OpBatchNormStats, in: ts(x4, f(3)), want: graph.ErrArity},
 
 		rejectCase{name: "size mismatch", op: graph.OpReshape, attrs: graph.Attrs{Shape: []int{5, 5}}, in: ts(fb(0, 4, 6)), want: graph.ErrShape},
 		rejectCase{name: "two -1", op: graph.OpReshape, attrs: graph.Attrs{Shape: []int{-1, -1}}, in: ts(fb(0, 4, 6)), want: graph.ErrAttr},

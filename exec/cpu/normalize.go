@@ -14,7 +14,8 @@ var normKernels = family{
 	graph.OpLayerNorm: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return layerNormKernel(&nd.Attrs, in[0], optional(in, 1), optional(in, 2), out)
 	}},
-	graph.OpBatchNorm: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return batchNormKernel(&nd.Attrs, in, out) }},
+	graph.OpBatchNorm:      {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error { return batchNormKernel(&nd.Attrs, in, out) }},
+	graph.OpBatchNormStats: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return batchNormStatsKernel(in[0], out) }},
 
 	graph.OpSoftmaxGrad:    {run: softmaxGradKernel},
 	graph.OpLogSoftmaxGrad: {run: softmaxGradKernel},
@@ -216,6 +217,46 @@ func batchNormStats(a *graph.Attrs, x, runMean, runVar *buf) (mean, rstd []float
 	if m == 0 {
 		return mean, rstd, nil
 	}
+	mean, sq := channelMoments(x)
+	for k := range rstd {
+		rstd[k] = 1 / math.Sqrt(sq[k]/m+a.Eps)
+	}
+	return mean, rstd, nil
+}
+
+// batchNormStatsKernel writes x's per-channel mean (row 0) and unbiased
+// variance (row 1) into out [2, C], from the sums the training-mode
+// statistics use.
+func batchNormStatsKernel(x, out *buf) error {
+	if len(x.shape) < 2 {
+		return graph.Errorf(graph.ErrShape, "batch_norm_stats needs [N, C, ...], got %v", x.shape)
+	}
+	n, c, inner := channelLayout(x)
+	if len(out.f) != 2*c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_stats: input %v, output %v", x.shape, out.shape)
+	}
+	m := n * inner
+	if m <= 1 {
+		return graph.Errorf(graph.ErrShape, "batch_norm_stats needs more than one value per channel, got x %v", x.shape)
+	}
+	mean, sq := channelMoments(x)
+	for k := range c {
+		out.f[k] = float32(mean[k])
+		out.f[c+k] = float32(sq[k] / float64(m-1))
+	}
+	return nil
+}
+
+// channelMoments returns per channel of x [N, C, ...] the mean and the sum
+// of squared deviations from it, in float64, in two passes so centred
+// values do not cancel.
+func channelMoments(x *buf) (mean, sq []float64) {
+	n, c, inner := channelLayout(x)
+	mean, sq = make([]float64, c), make([]float64, c)
+	m := float64(n * inner)
+	if m == 0 {
+		return mean, sq
+	}
 	for i := range n {
 		for k := range c {
 			var s float64
@@ -228,7 +269,6 @@ func batchNormStats(a *graph.Attrs, x, runMean, runVar *buf) (mean, rstd []float
 	for k := range mean {
 		mean[k] /= m
 	}
-	sq := make([]float64, c)
 	for i := range n {
 		for k := range c {
 			for _, v := range x.f[(i*c+k)*inner : (i*c+k+1)*inner] {
@@ -237,10 +277,7 @@ func batchNormStats(a *graph.Attrs, x, runMean, runVar *buf) (mean, rstd []float
 			}
 		}
 	}
-	for k := range rstd {
-		rstd[k] = 1 / math.Sqrt(sq[k]/m+a.Eps)
-	}
-	return mean, rstd, nil
+	return mean, sq
 }
 
 // batchNormKernel is (x − mean)·rstd·w + b per channel; in lays out as

@@ -42,6 +42,24 @@ func channelStats(x Value, training bool, running []Value, eps float64) (mean, r
 	return mean, rstd, len(x.Data) / max(c, 1)
 }
 
+// batchNormStats writes x's per-channel mean and unbiased variance into
+// out [2, C].
+func batchNormStats(out, x Value) {
+	c := x.Shape[1]
+	mean, _, m := channelStats(x, true, nil, 0)
+	sq := make([]float64, c)
+	idx := make([]int, len(x.Shape))
+	for i, v := range x.Data {
+		unravel(i, x.Shape, idx)
+		d := v - mean[idx[1]]
+		sq[idx[1]] += d * d
+	}
+	for k := range c {
+		out.Data[k] = mean[k]
+		out.Data[c+k] = sq[k] / float64(m-1)
+	}
+}
+
 // batchNormParts splits batch_norm's inputs after x: the running statistics
 // (evaluation mode) and the optional weight and bias.
 func batchNormParts(in []Value, training bool) (running []Value, w, b *Value) {

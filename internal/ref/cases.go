@@ -108,6 +108,15 @@ var Cases = []Case{
 	{Name: "batch_norm_train_plain_rank2", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].BatchNorm(nil, nil, nil, nil, true, 1e-5)
 	}},
+	// Per-chunk statistics: in one piece, training mode's numbers (the
+	// chunked runs are the session tests').
+	{Name: "batch_norm_train_per_chunk", Shapes: [][]int{{3, 2, 2, 3}, {2}, {2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].BatchNorm2dPerChunk(p[1], p[2], 1e-5)
+	}},
+	// The mean and unbiased variance running statistics follow, [2, C],
+	// differentiated through both rows.
+	{Name: "batch_norm_stats", Shapes: [][]int{{3, 2, 2, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].BatchStats() }},
+	{Name: "batch_norm_stats_rank2", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Tanh().BatchStats() }},
 	// Evaluation mode: running mean and variance are inputs too, so their
 	// gradients are checked as well (Positive keeps the variance positive).
 	{Name: "batch_norm_eval", Shapes: [][]int{{3, 2, 2, 3}, {2}, {2}, {2}, {2}}, Positive: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {

@@ -25,6 +25,10 @@ var normKernels = family{
 		batchNorm(out, in, a)
 		return nil
 	},
+	graph.OpBatchNormStats: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		batchNormStats(out, in[0])
+		return nil
+	},
 	graph.OpSoftmaxGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		softmaxGrad(out, in[0], in[1], a.Axis, false)
 		return nil
