@@ -21,6 +21,8 @@ type HostBuf struct {
 	Shape []int
 	F     []float32
 	I     []int64
+
+	moments *moments // Combine's float64 state of a CombineMoments output
 }
 
 // NewHostBuf returns a zeroed value of dtype dt and the given shape.
@@ -195,13 +197,18 @@ func ChunkOf(nd *graph.Node, full *HostBuf, c planner.Chunk, n int) (*HostBuf, e
 // Combine merges chunk c's value v of output node o into the running
 // result acc (nil before the first chunk) and returns it: per-sample
 // values are concatenated along the batch axis, sums added, maxima maxed
-// (NaN wins, +0 beats −0); the first chunk's value, copied, stands for
-// constants.
+// (NaN wins, +0 beats −0), per-channel statistics (batch_norm_stats)
+// merged exactly (CombineMoments, MergeMoments); the first chunk's value,
+// copied, stands for constants.
 func Combine(acc, v *HostBuf, p *planner.Program, o int, c planner.Chunk) *HostBuf {
 	nd := p.Graph.Node(o)
 	if acc == nil {
 		if nd.Type.BatchAxis < 0 {
-			return &HostBuf{Shape: v.Shape, F: slices.Clone(v.F), I: slices.Clone(v.I)}
+			acc = &HostBuf{Shape: v.Shape, F: slices.Clone(v.F), I: slices.Clone(v.I)}
+			if p.Info.Combine[o] == shapeinfer.CombineMoments {
+				acc.moments = newMoments(v.F, c.Size*valuesPerSample(p, o))
+			}
+			return acc
 		}
 		acc = NewHostBuf(nd.Type.DType, nd.Type.AtBatch(p.Batch))
 	}
@@ -216,8 +223,74 @@ func Combine(acc, v *HostBuf, p *planner.Program, o int, c planner.Chunk) *HostB
 		for j, x := range v.F {
 			acc.F[j] = max(acc.F[j], x)
 		}
+	case p.Info.Combine[o] == shapeinfer.CombineMoments:
+		acc.moments.merge(v.F, c.Size*valuesPerSample(p, o))
+		acc.moments.store(acc.F)
+		Round(nd.Type.DType, acc.F)
 	}
 	return acc
+}
+
+// valuesPerSample is how many values of each channel one sample holds in
+// the input x [N, C, ...] of batch_norm_stats node o.
+func valuesPerSample(p *planner.Program, o int) int {
+	x := p.Graph.Node(p.Graph.Node(o).Inputs[0]).Type
+	return graph.Numel(x.AtBatch(1)) / max(x.Shape[1], 1)
+}
+
+// moments is the float64 state of a CombineMoments output: per channel,
+// the count of values merged, their mean and Σ (x − mean)².
+type moments struct {
+	count    float64
+	mean, m2 []float64
+}
+
+// newMoments starts from a chunk's statistics f [2, C] (mean, unbiased
+// variance) over count values per channel.
+func newMoments(f []float32, count int) *moments {
+	c := len(f) / 2
+	m := &moments{count: float64(count), mean: make([]float64, c), m2: make([]float64, c)}
+	for k := range c {
+		m.mean[k] = float64(f[k])
+		m.m2[k] = float64(f[c+k]) * (m.count - 1)
+	}
+	return m
+}
+
+// merge adds a chunk's statistics f over count values per channel.
+func (m *moments) merge(f []float32, count int) {
+	c := len(m.mean)
+	for k := range c {
+		m.mean[k], m.m2[k] = MergeMoments(m.count, m.mean[k], m.m2[k], float64(count), float64(f[k]), float64(f[c+k])*float64(count-1))
+	}
+	m.count += float64(count)
+}
+
+// store writes the statistics merged so far into f [2, C]: the mean and
+// the unbiased variance.
+func (m *moments) store(f []float32) {
+	c := len(m.mean)
+	for k := range c {
+		f[k] = float32(m.mean[k])
+		f[c+k] = float32(m.m2[k] / (m.count - 1))
+	}
+}
+
+// MergeMoments merges two disjoint sets of values, of nA and nB values
+// with means meanA, meanB and sums of squared deviations m2A, m2B, into
+// the mean and sum of squared deviations of their union, exactly up to
+// rounding (Chan, Golub and LeVeque's pairwise update):
+//
+//	δ = meanB − meanA,  mean = meanA + δ·nB/(nA + nB),
+//	m2 = m2A + m2B + δ²·nA·nB/(nA + nB).
+//
+// The unbiased variance of the union is m2/(nA + nB − 1). This is how a
+// batch_norm_stats output run in batch chunks becomes the statistics of
+// the whole batch, chunk by chunk.
+func MergeMoments(nA, meanA, m2A, nB, meanB, m2B float64) (mean, m2 float64) {
+	n := nA + nB
+	d := meanB - meanA
+	return meanA + d*nB/n, m2A + m2B + d*d*nA*nB/n
 }
 
 // KeptOutputs maps each of p's outputs to the kept entry it carries (−1
@@ -246,10 +319,22 @@ func KeptOutputs(p *planner.Program) ([]int, error) {
 
 // CheckChunks refuses chunks of a graph that mixes samples: they would
 // give wrong numbers silently (training-mode batch_norm would normalise
-// each chunk by its own statistics), as the planner refuses them.
+// each chunk by its own statistics), as the planner refuses them. It
+// refuses chunks smaller than the graph's MinChunk too (per-chunk batch
+// statistics of a chunk with one value per channel), which the planner
+// never makes.
 func CheckChunks(p *planner.Program, chunks []planner.Chunk) error {
-	if len(chunks) > 1 && p.Info != nil && p.Info.NotChunkable != nil {
+	if len(chunks) <= 1 || p.Info == nil {
+		return nil
+	}
+	if p.Info.NotChunkable != nil {
 		return p.Info.NotChunkable
+	}
+	for _, c := range chunks {
+		if c.Size < p.Info.MinChunk {
+			return graph.Errorf(graph.ErrShape, "chunk %d holds %d samples; the graph's per-chunk batch statistics need at least %d a chunk (more than one value per channel)",
+				c.Index, c.Size, p.Info.MinChunk)
+		}
 	}
 	return nil
 }

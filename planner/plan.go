@@ -32,7 +32,7 @@ type BufferUse struct {
 // which buffers are largest. When the graph is not chunkable it also wraps
 // the reason (errors.Is(err, graph.ErrNotChunkable)).
 type DoesNotFitError struct {
-	Chunk     int   // the smallest chunk tried: 1, or the whole batch
+	Chunk     int   // the smallest chunk tried: 1 (or the graph's MinChunk), or the whole batch
 	Needed    int64 // peak reserved bytes of that run, −1 when more than Unlimited
 	Whole     int64 // peak reserved bytes of the whole batch in one chunk, −1 when more than Unlimited
 	Available int64 // the budget after headroom
@@ -160,6 +160,42 @@ type Plan struct {
 	Headroom         int64
 	Replays          int // simulated replays it took
 	Timeline         []Point
+	// BatchStats is which statistics the step's training-mode batch_norm
+	// nodes normalise with under this plan: "" when it has none,
+	// WholeBatchStats or PerChunkStats; BatchNormNodes counts them.
+	// StatsNote says it in a sentence.
+	BatchStats     string
+	BatchNormNodes int
+}
+
+// Plan.BatchStats values.
+const (
+	// WholeBatchStats: every training-mode batch_norm normalises with the
+	// whole batch's statistics, the batch running in one chunk (the
+	// default; a graph with such a node is not chunkable, or the batch
+	// fits in one chunk).
+	WholeBatchStats = "whole-batch"
+	// PerChunkStats: the batch runs in several chunks and each per-chunk
+	// batch_norm (graph.Attrs.PerChunk) normalises each with its own
+	// statistics, as gradient accumulation normalises its micro-batches.
+	PerChunkStats = "per-chunk"
+)
+
+// StatsNote describes BatchStats for reports; "" when the step has no
+// training-mode batch_norm.
+func (p *Plan) StatsNote() string {
+	nodes := fmt.Sprintf("%d batch_norm node", p.BatchNormNodes)
+	if p.BatchNormNodes != 1 {
+		nodes += "s"
+	}
+	switch p.BatchStats {
+	case PerChunkStats:
+		return fmt.Sprintf("per-chunk statistics: %s normalise each of the %d chunks (%s) with its own mean and variance, as gradient accumulation does",
+			nodes, p.Split.Len(), p.Split)
+	case WholeBatchStats:
+		return fmt.Sprintf("whole-batch statistics: %s normalise with the mean and variance of all %d samples, run in one chunk", nodes, p.Batch)
+	}
+	return ""
 }
 
 // Available is the budget after headroom.
@@ -266,12 +302,16 @@ func Make(p *Program, o Options) (*Plan, error) {
 	// One chunk needs no gradient accumulators, so it can fit where a
 	// chunked run of the same batch does not: try it first.
 	var chosen int
+	least := p.leastChunk()
 	if _, ok, err := fits(n); err != nil {
 		return nil, err
 	} else if ok {
 		chosen = n
 	} else if p.Info.NotChunkable != nil {
 		return nil, p.doesNotFit(n, avail, held, p.Info.NotChunkable)
+	} else if least == n {
+		return nil, p.doesNotFit(n, avail, held, graph.Errorf(graph.ErrNotChunkable,
+			"a batch of %d cannot be split into chunks of at least %d samples, which per-chunk batch statistics need", n, p.Info.MinChunk))
 	}
 	// The affine fit of a chunked run's peak, from unconstrained replays at
 	// two chunk sizes that both need several chunks (none when they need
@@ -294,12 +334,12 @@ func Make(p *Program, o Options) (*Plan, error) {
 		}
 	}
 	if chosen == 0 {
-		if _, ok, err := fits(1); err != nil {
+		if _, ok, err := fits(least); err != nil {
 			return nil, err
 		} else if !ok {
-			return nil, p.doesNotFit(1, avail, held, nil)
+			return nil, p.doesNotFit(least, avail, held, nil)
 		}
-		lo, hi := 1, n        // lo fits, hi does not
+		lo, hi := least, n    // lo fits, hi does not
 		if pl.PerSample > 0 { // first guess from the affine fit
 			if g := int((avail - pl.Fixed) / pl.PerSample); g > lo && g < hi {
 				if _, ok, err := fits(g); err != nil {
@@ -344,7 +384,28 @@ func Make(p *Program, o Options) (*Plan, error) {
 		return nil, p.doesNotFit(pl.Chunk, avail, held, nil)
 	}
 	pl.PeakReserved, pl.PeakAllocated, pl.Timeline = u.PeakReserved, u.PeakAllocated, u.Timeline
+	if pl.BatchNormNodes = len(p.Info.WholeStats) + len(p.Info.ChunkStats); pl.BatchNormNodes > 0 {
+		pl.BatchStats = WholeBatchStats
+		if pl.Split.Len() > 1 {
+			pl.BatchStats = PerChunkStats
+		}
+	}
 	return pl, nil
+}
+
+// leastChunk is the smallest chunk size b whose balanced split of the
+// batch (SplitOf) has no chunk below the graph's MinChunk: 1 for most
+// graphs, the whole batch when it cannot be split so.
+func (p *Program) leastChunk() int {
+	n, m := p.Batch, p.Info.MinChunk
+	if m <= 1 {
+		return 1
+	}
+	k := n / m // the most chunks of at least m samples
+	if k <= 1 {
+		return n
+	}
+	return (n + k - 1) / k
 }
 
 // doesNotFit measures what a run at chunk size b needs and lists the
