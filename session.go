@@ -608,14 +608,16 @@ func (s *Session) LastRecompute() Recomputed {
 
 // recomputed returns the program a training step runs under
 // Options.Recompute auto: the plain one, or a recompute transform of g
-// when recompute.Search prefers one within the current budget. Searches
+// when recompute.Search prefers one within the current budget. ids are
+// the step's outputs: the loss, the gradients of trained (kept on the
+// device), then the step's updates (lazy.Graph.OnStep). Searches
 // are cached by step, budget and residents; the transformed program is
 // cached like any program, by its graph's signature. unscale marks a
 // loss-scaled step (Session.program).
 func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	plain := func() (*planner.Program, Recomputed, error) {
-		p, err := s.program(g, ids, ids[1:], trained, slots, unscale)
+		p, err := s.program(g, ids, ids[1:1+len(trained)], trained, slots, unscale)
 		return p, none, err
 	}
 	var ch chosen
@@ -640,7 +642,7 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 	s.mu.Lock()
 	ch, ok := s.chosen.Get(key)
 	s.mu.Unlock()
-	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:], trained, slots, unscale)}
+	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:1+len(trained)], trained, slots, unscale)}
 	if !ok {
 		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32,
 			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom},
@@ -663,7 +665,7 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	if len(ch.set) == 0 {
-		p, err := s.program(g, ids, ids[1:], trained, slots, unscale)
+		p, err := s.program(g, ids, ids[1:1+len(trained)], trained, slots, unscale)
 		return p, none, err
 	}
 	mark := make([]bool, boundary)
@@ -681,7 +683,7 @@ func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, 
 	for i, id := range trained {
 		trained2[i] = remap[id]
 	}
-	p, err := s.program(g2, ids2, ids2[1:], trained2, slots, unscale)
+	p, err := s.program(g2, ids2, ids2[1:1+len(trained2)], trained2, slots, unscale)
 	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
 }
 
@@ -755,6 +757,13 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.
 //
+// Values registered on the loss's graph with lazy.Graph.OnStep (the
+// running statistics of nn.BatchNorm2d with PerChunkStats) are computed in
+// the same run, chunks and plan, and their Apply functions called in
+// order once the run has succeeded, before Step returns; an Apply error is
+// returned with the loss (the optimizer has updated the parameters by
+// then).
+//
 // Under loss scaling (fp16-mixed, Options.LossScale) the backward pass
 // starts from the loss times the current scale and the gradients are
 // unscaled after the last chunk; a step whose gradients hold an inf or NaN
@@ -812,6 +821,17 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		ids = append(ids, st.Grads[i])
 		trained = append(trained, id)
 	}
+	// The graph's step updates are outputs after the gradients: forward
+	// nodes, which st.IDs maps into the step's graph.
+	updates := loss.Graph().StepUpdates()
+	first := len(ids)
+	for i, u := range updates {
+		id := u.Value.ID()
+		if id < 0 || id >= len(st.IDs) {
+			return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d is node %d, not a node of the forward graph", i, id)}
+		}
+		ids = append(ids, st.IDs[id])
+	}
 	// Without gradients there is nothing to unscale, and no step to skip.
 	unscale := st.Scale >= 0 && len(trained) > 0
 	if !unscale {
@@ -831,7 +851,20 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		s.scaler.Update(!skipped)
 	}
 	s.mu.Unlock()
-	return scalarOf(vals[0])
+	l, err := scalarOf(vals[0])
+	if err != nil {
+		return 0, err
+	}
+	// The run succeeded: its updates apply, a loss-scaled step skipped for
+	// an inf or NaN gradient included (PyTorch's forward has updated its
+	// running statistics by then too).
+	var errs []error
+	for i, u := range updates {
+		if err := u.Apply(vals[first+i]); err != nil {
+			errs = append(errs, fmt.Errorf("step update %d (node %d): %w", i, ids[first+i], err))
+		}
+	}
+	return l, errors.Join(errs...)
 }
 
 // backward builds the step's graph: under fp32 and tf32 the backward pass

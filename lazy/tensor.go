@@ -22,6 +22,43 @@ type Graph struct {
 	leafAt   map[int]*leaf // the inverse of leaves
 	inputs   int           // batched inputs (Wrap, Placeholder)
 	imported map[*Graph][]int
+	updates  []StepUpdate // OnStep's, in order
+}
+
+// StepUpdate is a value a training step of its graph computes alongside
+// the loss and gradients, and what the step does with it (Graph.OnStep).
+type StepUpdate struct {
+	Value *Tensor
+	Apply func(*tensor.Dense) error
+}
+
+// OnStep registers t, a value of g, as part of every training step run on
+// g: batchfit.Session.Step computes it in the same run as the loss and the
+// gradients (the same chunks; the planner counts it) and, once the run
+// has succeeded, calls apply with its value, before returning. Eval and
+// other runs of g leave it alone. Graphs have no side effects; this is how
+// one asks for a step to have one, once per step: nn.BatchNorm2d with
+// PerChunkStats updates its running statistics so. Registering a value of
+// another graph, or an erroneous one, is an error, and so is a nil apply.
+func (g *Graph) OnStep(t *Tensor, apply func(*tensor.Dense) error) error {
+	switch {
+	case t.Err() != nil:
+		return t.Err()
+	case t.Graph() != g:
+		return &graph.OpError{Op: "on_step", Err: graph.Errorf(graph.ErrMixedGraphs, "the value is not a node of this graph")}
+	case apply == nil:
+		return &graph.OpError{Op: "on_step", Err: graph.Errorf(graph.ErrNilTensor, "nil apply")}
+	}
+	g.updates = append(g.updates, StepUpdate{Value: t, Apply: apply})
+	return nil
+}
+
+// StepUpdates lists what OnStep registered on g, in order.
+func (g *Graph) StepUpdates() []StepUpdate {
+	if g == nil {
+		return nil
+	}
+	return slices.Clone(g.updates)
 }
 
 // NewGraph returns an empty graph.

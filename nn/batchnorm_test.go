@@ -220,3 +220,60 @@ func TestBuffersNamesRunningStatistics(t *testing.T) {
 	assert.Len(t, nn.Buffers(bn0), 2, "a bare layer's buffers have no prefix")
 	assert.Equal(t, "running_var", nn.Buffers(bn0)[1].Name)
 }
+
+// PerChunkStats (from Options or set on the layer): a training Forward
+// builds the per-chunk op and registers one step update with the graph,
+// batch_norm_stats of its input, which applies UpdateRunning with its two
+// rows; BatchStats then reads those rows. Evaluation mode and the default
+// register nothing.
+func TestBatchNorm2dPerChunkStats(t *testing.T) {
+	const n, c, h, w = 4, 3, 2, 5
+	rng := rand.New(rand.NewPCG(9, 10))
+	opt := nn.Seed(1)
+	opt.PerChunkStats = true
+	bn := nn.NewBatchNorm2d(opt, c, 1e-5, 0.1)
+	require.True(t, bn.PerChunkStats, "Options.PerChunkStats sets the layer's")
+	assert.False(t, nn.NewBatchNorm2d(nn.Seed(1), c, 1e-5, 0.1).PerChunkStats, "off by default")
+
+	xd := randDense(rng, -2, 2, n, c, h, w)
+	x := lazy.Wrap(xd, 0)
+	y := bn.Forward(x)
+	require.NoError(t, y.Err())
+	nd := x.Graph().IR().Node(y.ID())
+	assert.True(t, nd.Attrs.Training && nd.Attrs.PerChunk, "per-chunk batch_norm")
+	ups := x.Graph().StepUpdates()
+	require.Len(t, ups, 1)
+	assert.Equal(t, graph.OpBatchNormStats, x.Graph().IR().Node(ups[0].Value.ID()).Op)
+	assert.Equal(t, []int{x.ID()}, x.Graph().IR().Node(ups[0].Value.ID()).Inputs)
+
+	mean, variance := bn.BatchStats()
+	got := run(t, y, mean, variance, ups[0].Value)
+	want, bMean, bVar := refBatchNorm(xd.Float32s(), n, c, h*w, nil, nil, []float32{1, 1, 1}, []float32{0, 0, 0}, 1e-5)
+	requireNear(t, want, got[0], bnTol, "training output, in one chunk")
+	requireNear(t, bMean, got[1], bnTol, "BatchStats mean")
+	requireNear(t, bVar, got[2], bnTol, "BatchStats variance")
+	requireNear(t, append(bMean, bVar...), got[3], bnTol, "the registered statistics")
+
+	// The update folds them in once, as UpdateRunning does.
+	stats := tensor.New(tensor.WithShape(2, c), tensor.WithBacking(got[3]))
+	require.NoError(t, ups[0].Apply(stats))
+	runMean, runVar := make([]float64, c), make([]float64, c)
+	for k := range c {
+		runMean[k] = 0.1 * bMean[k]
+		runVar[k] = 0.9 + 0.1*bVar[k]
+	}
+	requireNear(t, runMean, f32s(bn.RunningMean.Value()), 1e-6, "running mean")
+	requireNear(t, runVar, f32s(bn.RunningVar.Value()), 1e-6, "running variance")
+	wrong := tensor.New(tensor.WithShape(c), tensor.WithBacking(make([]float32, c)))
+	assert.ErrorIs(t, ups[0].Apply(wrong), graph.ErrShape)
+	requireNear(t, runMean, f32s(bn.RunningMean.Value()), 1e-6, "a rejected update changes nothing")
+
+	bn.Training = false
+	x = lazy.Wrap(xd, 0)
+	require.NoError(t, bn.Forward(x).Err())
+	assert.Empty(t, x.Graph().StepUpdates(), "evaluation mode")
+	bn.Training, bn.PerChunkStats = true, false
+	x = lazy.Wrap(xd, 0)
+	require.NoError(t, bn.Forward(x).Err())
+	assert.Empty(t, x.Graph().StepUpdates(), "whole-batch statistics: updates stay explicit")
+}

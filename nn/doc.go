@@ -26,7 +26,13 @@
 //     (Buffers lists them under their state_dict keys), and graphs have no
 //     side effects: a training-mode Forward leaves them
 //     alone, and BatchStats plus UpdateRunning apply PyTorch's momentum
-//     update as an explicit step.
+//     update as an explicit step. With PerChunkStats (Options.PerChunkStats
+//     for every layer of a model) the layer opts in to per-chunk batch
+//     statistics: a batch the planner splits is normalised chunk by chunk,
+//     as gradient accumulation normalises micro-batches, so the model
+//     trains at any batch under a budget; the training step then updates
+//     the running statistics itself, once, with the whole batch's mean and
+//     unbiased variance merged exactly from the chunks' (lazy.Graph.OnStep).
 //   - Dropout is the identity in evaluation mode; in training mode each
 //     Forward draws a fresh counter-based mask, identical across the
 //     chunks of one step. SetTraining switches every Dropout and

@@ -73,6 +73,11 @@ type Options struct {
 	// shape-only parameters may be float16 or bfloat16: they plan memory
 	// for half-precision runs, while data lives in float32 slices.
 	DType graph.DType
+	// PerChunkStats is what NewBatchNorm2d sets its layer's PerChunkStats
+	// to: how a model built with these options opts every batch norm
+	// layer in to per-chunk statistics at once (batchfit estimate's
+	// --batchnorm per-chunk).
+	PerChunkStats bool
 }
 
 // Seed returns Options drawing from a PCG source seeded with seed.

@@ -96,7 +96,7 @@ var classes = func() [graph.NumOps]class {
 	for _, op := range []graph.Op{graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpAttention} {
 		c[op] = lower
 	}
-	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpBatchNorm, graph.OpBatchNormStats,
+	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpBatchNorm,
 		graph.OpCrossEntropy, graph.OpMSE, graph.OpSum, graph.OpMean,
 		graph.OpExp, graph.OpLog, graph.OpPow, graph.OpPowScalar, graph.OpRDivScalar} {
 		c[op] = widen
