@@ -138,7 +138,7 @@ var gradOps = []OpInfo{
 			if !n.Attrs.Training || n.Attrs.PerChunk {
 				return CombineSum, ""
 			}
-			return CombineNone, fmt.Sprintf("normalises with batch statistics (%s in training mode)", n.Op)
+			return CombineNone, fmt.Sprintf("normalises with batch statistics (%s in training mode; per-chunk statistics opt in to chunks: Attrs.PerChunk, nn.BatchNorm2d.PerChunkStats)", n.Op)
 		}},
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			if want := BatchNormAffine(attrs.Training) + 1; len(in) != want {

@@ -188,7 +188,7 @@ func batchNormPerSample(n *Node, _ []Type) string {
 		// Every output element depends on the whole batch's mean and
 		// variance: a chunk would normalise with its own. With PerChunk
 		// that is what the node asks for.
-		return fmt.Sprintf("normalises with batch statistics (%s in training mode)", n.Op)
+		return fmt.Sprintf("normalises with batch statistics (%s in training mode; per-chunk statistics opt in to chunks: Attrs.PerChunk, nn.BatchNorm2d.PerChunkStats)", n.Op)
 	case n.Type.BatchAxis == 1 || n.Op == OpBatchNormGradW:
 		return "batch axis is the channel axis: each chunk would need its slice of the per-channel values"
 	}

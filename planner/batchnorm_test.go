@@ -125,7 +125,7 @@ func TestPerChunkBatchNormPlanning(t *testing.T) {
 	assert.LessOrEqual(t, pl.PeakReserved, pl.Available())
 	assert.Equal(t, planner.PerChunkStats, pl.BatchStats)
 	assert.Equal(t, 1, pl.BatchNormNodes)
-	assert.Contains(t, pl.StatsNote(), "per-chunk statistics: 1 batch_norm node normalise")
+	assert.Contains(t, pl.StatsNote(), "per-chunk statistics: 1 batch_norm node normalises")
 	assert.Contains(t, pl.StatsNote(), pl.Split.String())
 
 	pl, err = planner.Make(perChunk, planner.Options{Budget: 1 << 40})

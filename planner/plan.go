@@ -184,16 +184,16 @@ const (
 // StatsNote describes BatchStats for reports; "" when the step has no
 // training-mode batch_norm.
 func (p *Plan) StatsNote() string {
-	nodes := fmt.Sprintf("%d batch_norm node", p.BatchNormNodes)
-	if p.BatchNormNodes != 1 {
-		nodes += "s"
+	nodes := fmt.Sprintf("%d batch_norm nodes normalise", p.BatchNormNodes)
+	if p.BatchNormNodes == 1 {
+		nodes = "1 batch_norm node normalises"
 	}
 	switch p.BatchStats {
 	case PerChunkStats:
-		return fmt.Sprintf("per-chunk statistics: %s normalise each of the %d chunks (%s) with its own mean and variance, as gradient accumulation does",
+		return fmt.Sprintf("per-chunk statistics: %s each of the %d chunks (%s) with its own mean and variance, as gradient accumulation does",
 			nodes, p.Split.Len(), p.Split)
 	case WholeBatchStats:
-		return fmt.Sprintf("whole-batch statistics: %s normalise with the mean and variance of all %d samples, run in one chunk", nodes, p.Batch)
+		return fmt.Sprintf("whole-batch statistics: %s with the mean and variance of all %d samples, run in one chunk", nodes, p.Batch)
 	}
 	return ""
 }

@@ -60,6 +60,12 @@ type report struct {
 	// training-mode batch norm mixes its samples), naming the node; empty
 	// when it can.
 	NotChunkable string `json:"not_chunkable,omitempty"`
+	// BatchStats is which statistics the planned step's training-mode
+	// batch norm normalises with (planner.Plan.BatchStats: "whole-batch"
+	// or "per-chunk"), BatchNorm the sentence saying so; empty for a
+	// model without training-mode batch norm.
+	BatchStats string `json:"batch_stats,omitempty"`
+	BatchNorm  string `json:"batch_norm,omitempty"`
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -144,7 +150,7 @@ type step struct {
 // the forward output alone in inference mode. Workspaces are the CUDA
 // executor's for a device, the CPU executor's otherwise.
 func buildStep(c *estimateConfig) (*step, error) {
-	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype}, c.batch, c.seq, c.train, nil)
+	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, c.batch, c.seq, c.train, nil)
 	if err := nn.Check(b.module); err != nil {
 		return nil, err
 	}
@@ -158,6 +164,20 @@ func buildStep(c *estimateConfig) (*step, error) {
 	outputs := []int{out.ID()}
 	var kept, trained []int
 	g := out.Graph().IR()
+	// A training step computes its graph's step updates too (the running
+	// statistics of per-chunk batch norm), after the gradients, as a
+	// Session's Step does: forward is the map into the step's graph.
+	updates := func(forward []int) []int {
+		var ids []int
+		for _, u := range out.Graph().StepUpdates() {
+			id := u.Value.ID()
+			if forward != nil {
+				id = forward[id]
+			}
+			ids = append(ids, id)
+		}
+		return ids
+	}
 	boundary := out.ID() + 1 // the first backward node, after any precision rewrite
 	var finish int64         // the loss scaler's flag
 	switch {
@@ -171,7 +191,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 		if err != nil {
 			return nil, err
 		}
-		g, outputs = st.Graph, append([]int{st.Loss}, st.Grads...)
+		g, outputs = st.Graph, append(append([]int{st.Loss}, st.Grads...), updates(st.IDs)...)
 		kept, trained, boundary = st.Grads, st.Params, st.Scaled+1
 		if st.Scale >= 0 {
 			finish = exec.UnscaleBytes
@@ -186,6 +206,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 			kept = append(kept, gr.ID())
 			trained = append(trained, out.Graph().NodeOf(params[i]))
 		}
+		outputs = append(outputs, updates(nil)...)
 	case c.policy.Mixed(): // Session.Eval's rewrite
 		ng, ids, err := precision.Apply(g, c.policy)
 		if err != nil {
@@ -309,6 +330,7 @@ func estimate(c *estimateConfig) (*report, error) {
 		}
 	}
 	r.Plan = pr
+	r.BatchStats, r.BatchNorm = pl.BatchStats, pl.StatsNote()
 	if c.table {
 		r.Timeline = timeline(st.program, pl)
 	}
@@ -443,6 +465,9 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("chunking", "none: %s", r.NotChunkable)
 		}
 		line("chunk", "%d %s", p.Chunk, plural(p.Chunk, "sample"))
+		if r.BatchNorm != "" {
+			line("batch norm", "%s", r.BatchNorm)
+		}
 		line("peak reserved", "%s", exact(p.PeakReserved))
 		line("peak allocated", "%s", exact(p.PeakAllocated))
 		if r.NotChunkable != "" {

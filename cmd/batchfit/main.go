@@ -152,6 +152,7 @@ type estimateConfig struct {
 	top              int
 	json             bool
 	device           *device // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
+	perChunk         bool    // --batchnorm per-chunk: nn.Options.PerChunkStats
 	recompute        recompute.Mode
 	profile          recompute.Profile
 	plot             string
@@ -160,8 +161,8 @@ type estimateConfig struct {
 // stepFlagValues are the flags that describe one step of a zoo model,
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
-	model, budget, headroom, optimizer, dtype, mode, precision string
-	batch, seq                                                 int
+	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm string
+	batch, seq                                                            int
 }
 
 // addStepFlags defines the step flags on fs.
@@ -176,6 +177,7 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 		" (mixed: matrix products from 16-bit copies, float32 parameters, gradients and optimizer state)")
 	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of everything, parameters, activations, gradients and optimizer state alike: float32, float16, bfloat16 (a pure 16-bit what-if no Session runs; see --precision)")
 	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
+	fs.StringVar(&v.batchnorm, "batchnorm", "whole", "`statistics` training-mode batch norm normalises with: whole (the batch's, PyTorch's default; the step runs in one chunk) or per-chunk (each chunk's own, as gradient accumulation does; nn.Options.PerChunkStats)")
 }
 
 func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
@@ -334,6 +336,13 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	}
 	if c.policy != precision.FP32 && c.dtype != graph.Float32 {
 		return nil, usagef(errNotApplicable, "--dtype %s (everything in 16 bits) and --precision %s exclude each other", c.dtype, c.policy)
+	}
+	switch v.batchnorm {
+	case "whole":
+	case "per-chunk":
+		c.perChunk = true
+	default:
+		return nil, usagef(errUnknown, "unknown --batchnorm %q (want whole or per-chunk)", v.batchnorm)
 	}
 	return c, nil
 }

@@ -62,6 +62,7 @@ func TestUsageErrors(t *testing.T) {
 		{"optimizer in inference", with("--mode", "infer", "--optimizer", "sgd"), errNotApplicable},
 		{"dtype int64", with("--dtype", "int64"), errUnknown},
 		{"dtype float64", with("--dtype", "float64"), errUnknown},
+		{"unknown batchnorm", with("--batchnorm", "chunked"), errUnknown},
 		{"negative top", with("--top", "-1"), errRange},
 		{"unknown gpu", []string{"--model", "mlp", "--batch", "8", "--gpu", "h100"}, errUnknown},
 		{"gpu and gpu-memory", []string{"--model", "mlp", "--batch", "8", "--gpu", "l4", "--gpu-memory", "24GiB"}, errConflict},
