@@ -7,5 +7,6 @@
 // run, the residents kept across runs (Residents: keys, Yield and Restore,
 // the release of constants no run reads any more), reading source data
 // (FromTensor, ChunkOf) and combining chunk outputs (Call.ChunkDone,
-// Combine).
+// Combine: concatenated, summed, maxed, or per-channel statistics merged
+// exactly, MergeMoments).
 package exec
