@@ -39,7 +39,10 @@ type Options struct {
 	// its allocator's reserved bytes never exceed it, library workspaces
 	// (Session.Overhead) included, so a step is planned within Budget −
 	// Overhead. With a budget the batch runs in the balanced chunks the
-	// planner picks, with results identical to the whole batch, and the
+	// planner picks, with results identical to the whole batch (batch
+	// norm that opted in to per-chunk statistics, nn.BatchNorm2d's
+	// PerChunkStats, aside: it normalises each chunk with its own, as
+	// gradient accumulation does; LastPlan().BatchStats says so), and the
 	// CPU executor accounts on a simulated device of exactly that
 	// capacity. 0 means: on the CPU no limit (the whole batch runs at
 	// once); on CUDA what the device can give, read before every run as
@@ -743,7 +746,9 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 
 // Step runs one training step: forward and backward of the scalar loss,
 // then one optimizer update of params. It returns the loss. With a budget
-// the batch runs in chunks whose gradients add up to the whole batch's.
+// the batch runs in chunks whose gradients add up to the whole batch's
+// (with per-chunk batch statistics, to gradient accumulation's over those
+// chunks).
 // A parameter listed twice is ErrDuplicateParam; one the loss does not
 // depend on is not updated (PyTorch's grad None: no weight decay, no
 // momentum, no state).
