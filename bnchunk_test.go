@@ -147,10 +147,21 @@ type accumulated struct {
 }
 
 func accumulate(t *testing.T, d bnData, chunks []planner.Chunk, form string) accumulated {
+	return accumulateFrom(t, nil, d, chunks, form)
+}
+
+// accumulateFrom is accumulate with the parameters of from (nil: the
+// seed's).
+func accumulateFrom(t *testing.T, from *bnConvNet, d bnData, chunks []planner.Chunk, form string) accumulated {
 	t.Helper()
 	var r accumulated
 	for _, c := range chunks {
 		m := newBNConvNet(true)
+		if from != nil {
+			for i, p := range m.params() {
+				copy(f32sOf(p.Value()), f32sOf(from.params()[i].Value()))
+			}
+		}
 		loss, bnIn := bnLoss(m, d, c.Start, c.Size, form)
 		grads := lazy.Grad(loss, m.params()...)
 		outs := []int{loss.ID(), bnIn[0].ID(), bnIn[1].ID()}
@@ -333,7 +344,8 @@ func TestPerChunkBatchNormIsGradientAccumulation(t *testing.T) {
 // unbiased variance of the batch norm's input over the whole batch. For
 // the first batch norm those are the same at every split (its input does
 // not depend on it); the second's come from the per-chunk normalisation
-// before it.
+// before it. A second step, whose step graph comes from the session's step
+// template, folds in its own statistics, once more.
 func TestPerChunkBatchNormSession(t *testing.T) {
 	const n, size, c, lr, momentum = 40, 32, bnChannels, 0.5, 0.5
 	rng := rand.New(rand.NewPCG(73, 74))
@@ -392,6 +404,22 @@ func TestPerChunkBatchNormSession(t *testing.T) {
 				firstMean = slices.Clone(f32sOf(m.bn1.RunningMean.Value()))
 			}
 			close32(t, firstMean, f32sOf(m.bn1.RunningMean.Value()), 1e-6, 1e-7, "bn1's running mean against the whole batch's")
+
+			// A second step reuses the first's step graph (the session's
+			// step template) and still applies this step's statistics.
+			hits := sess.StepGraphHits()
+			prevMean := slices.Clone(f32sOf(m.bn2.RunningMean.Value()))
+			prevVar := slices.Clone(f32sOf(m.bn2.RunningVar.Value()))
+			ref = accumulateFrom(t, m, d, pl.Chunks, "mean")
+			loss, _ = bnLoss(m, d, 0, n, "mean")
+			_, err = sess.Step(ctx, loss, m.params(), optim.NewSGD(lr, 0))
+			require.NoError(t, err)
+			require.Equal(t, hits+1, sess.StepGraphHits(), "the step graph came from the template")
+			require.Len(t, sess.LastPlan().Chunks, k)
+			bm, bv := batchStats(ref.bnIn[1], c, size*size)
+			wm, wv := runningAfter(momentum, prevMean, prevVar, bm, bv)
+			close32(t, wm, f32sOf(m.bn2.RunningMean.Value()), 1e-5, 1e-6, "bn2 running mean after step 2")
+			close32(t, wv, f32sOf(m.bn2.RunningVar.Value()), 1e-5, 1e-6, "bn2 running variance after step 2")
 		})
 	}
 }
