@@ -114,10 +114,21 @@ func (b *BLAS) Gemm(transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr
 // float32 accumulation, alpha and beta, rounding C once).
 func (b *BLAS) GemmOf(dt graph.DType, transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr, lda int,
 	B alloc.Ptr, ldb int, beta float32, C alloc.Ptr, ldc int) error {
+	return b.gemm(dt, dt, transA, transB, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc)
+}
+
+// gemm is GemmOf with A and B of dtype ab and C of dtype c: cublasSgemm
+// when both are float32, cublasGemmEx with float32 accumulation otherwise.
+func (b *BLAS) gemm(ab, c graph.DType, transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr, lda int,
+	B alloc.Ptr, ldb int, beta float32, C alloc.Ptr, ldc int) error {
 	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, 1); err != nil {
 		return err
 	}
-	ty, err := gemmType(dt)
+	ty, err := gemmType(ab)
+	if err != nil {
+		return err
+	}
+	cty, err := gemmType(c)
 	if err != nil {
 		return err
 	}
@@ -128,7 +139,7 @@ func (b *BLAS) GemmOf(dt graph.DType, transA, transB bool, m, n, k int, alpha fl
 		return nil
 	}
 	return b.d.do(func() error {
-		if dt == graph.Float32 {
+		if ab == graph.Float32 && c == graph.Float32 {
 			return checkBLAS("cublasSgemm_v2", b.lib.cublasSgemm(b.h, op(transB), op(transA),
 				int32(n), int32(m), int32(k), &alpha,
 				CUdeviceptr(B), int32(ldb), CUdeviceptr(A), int32(lda),
@@ -137,12 +148,12 @@ func (b *BLAS) GemmOf(dt graph.DType, transA, transB bool, m, n, k int, alpha fl
 		return checkBLAS("cublasGemmEx", b.lib.cublasGemmEx(b.h, op(transB), op(transA),
 			int32(n), int32(m), int32(k), &alpha,
 			CUdeviceptr(B), ty, int32(ldb), CUdeviceptr(A), ty, int32(lda),
-			&beta, CUdeviceptr(C), ty, int32(ldc), cublasCompute32F, cublasGemmDefault))
+			&beta, CUdeviceptr(C), cty, int32(ldc), cublasCompute32F, cublasGemmDefault))
 	})
 }
 
-// gemmType is dt's cudaDataType_t for GemmEx (0 for float32, which runs
-// on cublasSgemm).
+// gemmType is dt's cudaDataType_t for GemmEx (CUDA_R_32F, 0, for
+// float32).
 func gemmType(dt graph.DType) (int32, error) {
 	switch dt {
 	case graph.Float32:
@@ -169,10 +180,23 @@ func (b *BLAS) GemmStridedBatched(transA, transB bool, m, n, k int, alpha float3
 func (b *BLAS) GemmStridedBatchedOf(dt graph.DType, transA, transB bool, m, n, k int, alpha float32,
 	A alloc.Ptr, lda int, strideA int64, B alloc.Ptr, ldb int, strideB int64,
 	beta float32, C alloc.Ptr, ldc int, strideC int64, batch int) error {
+	return b.gemmStridedBatched(dt, dt, transA, transB, m, n, k, alpha, A, lda, strideA, B, ldb, strideB,
+		beta, C, ldc, strideC, batch)
+}
+
+// gemmStridedBatched is GemmStridedBatchedOf with A and B of dtype ab and
+// C of dtype c, as gemm.
+func (b *BLAS) gemmStridedBatched(ab, c graph.DType, transA, transB bool, m, n, k int, alpha float32,
+	A alloc.Ptr, lda int, strideA int64, B alloc.Ptr, ldb int, strideB int64,
+	beta float32, C alloc.Ptr, ldc int, strideC int64, batch int) error {
 	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, batch); err != nil {
 		return err
 	}
-	ty, err := gemmType(dt)
+	ty, err := gemmType(ab)
+	if err != nil {
+		return err
+	}
+	cty, err := gemmType(c)
 	if err != nil {
 		return err
 	}
@@ -186,7 +210,7 @@ func (b *BLAS) GemmStridedBatchedOf(dt graph.DType, transA, transB bool, m, n, k
 		return nil
 	}
 	return b.d.do(func() error {
-		if dt == graph.Float32 {
+		if ab == graph.Float32 && c == graph.Float32 {
 			return checkBLAS("cublasSgemmStridedBatched", b.lib.cublasSgemmStridedBatched(b.h, op(transB), op(transA),
 				int32(n), int32(m), int32(k), &alpha,
 				CUdeviceptr(B), int32(ldb), strideB, CUdeviceptr(A), int32(lda), strideA,
@@ -195,7 +219,7 @@ func (b *BLAS) GemmStridedBatchedOf(dt graph.DType, transA, transB bool, m, n, k
 		return checkBLAS("cublasGemmStridedBatchedEx", b.lib.cublasGemmStridedBatchedEx(b.h, op(transB), op(transA),
 			int32(n), int32(m), int32(k), &alpha,
 			CUdeviceptr(B), ty, int32(ldb), strideB, CUdeviceptr(A), ty, int32(lda), strideA,
-			&beta, CUdeviceptr(C), ty, int32(ldc), strideC, int32(batch), cublasCompute32F, cublasGemmDefault))
+			&beta, CUdeviceptr(C), cty, int32(ldc), strideC, int32(batch), cublasCompute32F, cublasGemmDefault))
 	})
 }
 
