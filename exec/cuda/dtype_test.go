@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
 )
 
 // Kernels instantiated per float storage type are named by typed, as
@@ -58,5 +59,22 @@ func TestMixedDTypesTyped(t *testing.T) {
 	}
 	for _, n := range append(mixedBinaryKernels(), castKernels()...) {
 		require.True(t, loaded[n], n)
+	}
+}
+
+// The 16-bit uploads and downloads encode and decode as package half does.
+func TestHalfHostCodec(t *testing.T) {
+	src := []float32{1, -2.5, 3.14159, 65504, 1e-8, 70000}
+	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
+		bits := encodeHalf(dt, src)
+		got := make([]float32, len(src))
+		decodeHalf(dt, got, bits)
+		for i, f := range src {
+			want := half.RoundF16(f)
+			if dt == graph.BFloat16 {
+				want = half.RoundBF16(f)
+			}
+			require.Equal(t, want, got[i], "%s %g", dt, f)
+		}
 	}
 }

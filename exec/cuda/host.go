@@ -37,14 +37,8 @@ func (r *runner) upload(p alloc.Ptr, v *exec.HostBuf, dt graph.DType) error {
 	switch {
 	case v.F == nil:
 		return CopyHtoD(r.e.d, p, v.I)
-	case dt == graph.BFloat16:
-		bits := make([]half.BF16, len(v.F))
-		half.EncodeBF16(bits, v.F)
-		return CopyHtoD(r.e.d, p, bits)
-	case dt == graph.Float16:
-		bits := make([]half.F16, len(v.F))
-		half.EncodeF16(bits, v.F)
-		return CopyHtoD(r.e.d, p, bits)
+	case dt.IsHalf():
+		return CopyHtoD(r.e.d, p, encodeHalf(dt, v.F))
 	}
 	return CopyHtoD(r.e.d, p, v.F)
 }
@@ -60,22 +54,39 @@ func (r *runner) download(id int, blk *alloc.Block, b int) (*exec.HostBuf, error
 	switch dt := nd.Type.DType; {
 	case v.F == nil:
 		return v, CopyDtoH(r.e.d, v.I, blk.Ptr())
-	case dt == graph.BFloat16:
-		bits := make([]half.BF16, len(v.F))
+	case dt.IsHalf():
+		bits := make([]uint16, len(v.F))
 		if err := CopyDtoH(r.e.d, bits, blk.Ptr()); err != nil {
 			return nil, err
 		}
-		half.DecodeBF16(v.F, bits)
-		return v, nil
-	case dt == graph.Float16:
-		bits := make([]half.F16, len(v.F))
-		if err := CopyDtoH(r.e.d, bits, blk.Ptr()); err != nil {
-			return nil, err
-		}
-		half.DecodeF16(v.F, bits)
+		decodeHalf(dt, v.F, bits)
 		return v, nil
 	}
 	return v, CopyDtoH(r.e.d, v.F, blk.Ptr())
+}
+
+// encodeHalf rounds src to the bits of 16-bit dtype dt (package half).
+func encodeHalf(dt graph.DType, src []float32) []uint16 {
+	enc := func(f float32) uint16 { return uint16(half.F16From(f)) }
+	if dt == graph.BFloat16 {
+		enc = func(f float32) uint16 { return uint16(half.BF16From(f)) }
+	}
+	bits := make([]uint16, len(src))
+	for i, f := range src {
+		bits[i] = enc(f)
+	}
+	return bits
+}
+
+// decodeHalf widens the bits of 16-bit dtype dt into dst.
+func decodeHalf(dt graph.DType, dst []float32, bits []uint16) {
+	dec := func(h uint16) float32 { return half.F16(h).Float32() }
+	if dt == graph.BFloat16 {
+		dec = func(h uint16) float32 { return half.BF16(h).Float32() }
+	}
+	for i, h := range bits {
+		dst[i] = dec(h)
+	}
 }
 
 // loadInput uploads chunk c of an input's data (exec.ChunkOf: contiguous
