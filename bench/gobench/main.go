@@ -25,7 +25,6 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
-	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -238,18 +237,11 @@ func compileStep(pol precision.Policy, loss *lazy.Tensor, params []*lazy.Tensor,
 	if err != nil {
 		return nil, nil, err
 	}
-	g := loss.Graph().IR()
-	ng, ids, err := precision.Apply(g, pol)
+	st, err := precision.Train(loss.Graph().IR(), pol, loss.ID(), wrt)
 	if err != nil {
 		return nil, nil, err
 	}
-	st := &precision.Step{Graph: ng, Loss: ids[loss.ID()], Params: make([]int, len(wrt))}
-	for i, id := range wrt {
-		st.Params[i] = ids[id]
-	}
-	if st.Grads, err = autodiff.Backward(ng, st.Loss, st.Params); err != nil {
-		return nil, nil, err
-	}
+	ng := st.Graph
 	outs := append([]int{st.Loss}, st.Grads...)
 	info, err := shapeinfer.Analyze(ng, outs...)
 	if err != nil {
@@ -262,7 +254,7 @@ func compileStep(pol precision.Policy, loss *lazy.Tensor, params []*lazy.Tensor,
 	}
 	in := make([]int, len(inputs))
 	for i, x := range inputs {
-		in[i] = ids[x.ID()]
+		in[i] = st.IDs[x.ID()]
 	}
 	return p, in, nil
 }
