@@ -2,21 +2,24 @@ package graph
 
 import (
 	"encoding/binary"
-	"hash/fnv"
+	"hash/maphash"
 	"math"
 )
+
+// sigSeed seeds Signature's hash: signatures are keys within one process
+// (the session's and planner's caches), never stored.
+var sigSeed = maphash.MakeSeed()
 
 // Signature hashes everything about g that shapes and memory depend on:
 // ops, wiring, attributes, types, batch size and parameter names — not the
 // data. Two graphs with one signature get one analysis and one plan, so a
 // training loop that rebuilds its graph every step re-plans nothing.
+//
+// It runs every training step (the step templates, the program and plan
+// caches), so it appends the fields to one buffer and hashes that once.
 func (g *Graph) Signature() uint64 {
-	h := fnv.New64a()
-	var buf [8]byte
-	put := func(v int64) {
-		binary.LittleEndian.PutUint64(buf[:], uint64(v))
-		h.Write(buf[:])
-	}
+	buf := make([]byte, 0, 8+256*len(g.nodes))
+	put := func(v int64) { buf = binary.LittleEndian.AppendUint64(buf, uint64(v)) }
 	ints := func(s []int) {
 		put(int64(len(s)))
 		for _, v := range s {
@@ -35,7 +38,7 @@ func (g *Graph) Signature() uint64 {
 		put(int64(n.Op))
 		ints(n.Inputs)
 		typ(n.Type)
-		h.Write([]byte(n.Name))
+		buf = append(buf, n.Name...)
 		put(0) // separates the name from what follows
 		a := &n.Attrs
 		put(int64(math.Float64bits(a.Scalar)))
@@ -57,5 +60,5 @@ func (g *Graph) Signature() uint64 {
 		put(int64(flags))
 		typ(a.Target)
 	}
-	return h.Sum64()
+	return maphash.Bytes(sigSeed, buf)
 }
