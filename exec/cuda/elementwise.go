@@ -273,7 +273,7 @@ func causalMask(k *kctx, in []operand, out operand) error {
 		return graph.Errorf(graph.ErrShape, "causal_mask of %v into %v", x.shape, out.shape)
 	}
 	t, s := int64(x.shape[rk-2]), int64(x.shape[rk-1])
-	return k.flat(typed(kCausalMask, dt), x.n(), x.p, out.p, x.n(), t, s, float32(k.attrs().Scalar))
+	return k.packs(typed(kCausalMask, dt), x.n(), perPack(dt), x.p, out.p, x.n(), t, s, float32(k.attrs().Scalar))
 }
 
 // fill sets every element to Attrs.Scalar: int64(Scalar) for int64, else

@@ -172,6 +172,12 @@ var Cases = []Case{
 		// scores [2, 2, 3, 5]: 3 queries over 5 keys, the last query sees all.
 		return p[0].MatMulT(p[1], false, true).MulScalar(0.5).CausalMask().Softmax(-1)
 	}},
+	{Name: "causal_attention_wide", Shapes: [][]int{{2, 2, 8, 4}, {2, 2, 16, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		// scores [2, 2, 8, 16]: rows a whole number of 16-byte packs, so
+		// CUDA's causal_mask takes its vector path, with packs wholly
+		// masked, wholly kept and cut by the diagonal.
+		return p[0].MatMulT(p[1], false, true).CausalMask().Softmax(-1)
+	}},
 	// Fused attention: q, k and v are slices of the batched input so all
 	// three carry the batch. Grouped-query (4 query heads over 2 key/value
 	// heads), causal with 3 queries over 5 keys (top-left aligned).

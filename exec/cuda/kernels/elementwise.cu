@@ -312,17 +312,46 @@ template <typename I, typename T>
 __device__ __forceinline__ void causal_mask_loop(const T* __restrict__ x, T* __restrict__ y,
                                                  i64 n, I t, I s, float fill) {
   const i64 shift = (i64)s - (i64)t;
+  constexpr int N = PackOf<T>::N;
+  T f;
+  f = fill;
+  if ((i64)s % N == 0 && aligned16(x, y)) {
+    // A pack never straddles a row: one division per pack, and a pack
+    // wholly above the diagonal is written without being read (about half
+    // of a causal score matrix).
+    const I ps = s / (I)N;
+    VEC_LOOP(q, n, N) {
+      const I r = (I)q / ps;
+      const i64 j0 = (i64)((I)q - r * ps) * N;
+      const i64 last = (i64)(r % t) + shift;  // columns j > last are masked
+      Vec<T, N> v;
+      if (j0 > last) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) v.v[e] = f;
+      } else {
+        v = ldv<N>(x, q);
+        if (j0 + N - 1 > last) {
+#pragma unroll
+          for (int e = 0; e < N; ++e)
+            if (j0 + e > last) v.v[e] = f;
+        }
+      }
+      stv<N>(y, q, v);
+    }
+    return;
+  }
   GRID_LOOP(k, n) {
     const I r = (I)k / s;
     const I j = (I)k - r * s;
     const I i = r % t;
-    if ((i64)j > (i64)i + shift) y[k] = fill;
+    if ((i64)j > (i64)i + shift) y[k] = f;
     else y[k] = x[k];
   }
 }
 
 // causal_mask_{f32,bf16,f16}: y = x, except y[..., i, j] = fill where j > i
-// + s − t, for x of shape [..., t, s] with n elements in all.
+// + s − t, for x of shape [..., t, s] with n elements in all; launched with
+// one thread per pack (any grid is correct).
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(256) causal_mask_##S(                           \
       const T* __restrict__ x, T* __restrict__ y, i64 n, i64 t, i64 s, float fill) {           \
