@@ -11,15 +11,18 @@ import (
 // Attention family (kernels/attention.cu): fused attention forward, the
 // log-sum-exp its backward recomputes, dq and packed dk|dv. One thread per
 // row, attRows rows a block, the other operand staged tile by tile in
-// shared memory; nothing [T, S]-sized is stored, and no workspace: the
-// row term D = Σ g∘o is recomputed from g and o inside each gradient
-// kernel. Head dims up to attMaxD; larger ones are refused with a typed
-// error naming the shapes. q, k, v, g, o and the output of dq or dk|dv
-// share one float dtype, which picks the kernels' instantiation; lse is
-// float32, and the mask may be of any float dtype (passed as a code).
-// The forward pass of 16-bit values at head dim 64 or 128 without a mask
-// runs on tensor cores (attention_fwd_mma: 16-bit P·v products, float32
-// sums); everything else on the plain-FMA kernels.
+// shared memory; nothing [T, S]-sized is stored. Head dims up to attMaxD;
+// larger ones are refused with a typed error naming the shapes. q, k, v,
+// g, o and the output of dq or dk|dv share one float dtype, which picks the
+// kernels' instantiation; lse is float32, and the mask may be of any float
+// dtype (passed as a code). 16-bit values at head dim 64 or 128 without a
+// mask run on tensor cores (attnMMA: attention_fwd_mma for the forward
+// pass and the log-sum-exp, attention_grad_q_mma and attention_grad_kv_mma
+// for the gradients; 16-bit products, float32 sums); everything else on
+// the plain-FMA kernels. The plain gradient kernels and the tensor-core dq
+// kernel recompute the row term D = Σ g∘o from g and o; the tensor-core
+// dk|dv kernel reads it from its workspace, where attention_grad_dot
+// writes it first (attnGradKVWorkspace).
 var attentionKernels = family{
 	graph.OpAttention: {run: func(k *kctx, in []operand, out operand) error {
 		return k.attentionFwd(in[0], in[1], in[2], optional(in, 3), &out, nil)
@@ -28,40 +31,61 @@ var attentionKernels = family{
 		return k.attentionFwd(in[0], in[1], in[1], optional(in, 2), nil, &out)
 	}},
 	graph.OpAttentionGradQ:  {run: attentionGrad},
-	graph.OpAttentionGradKV: {run: attentionGrad},
+	graph.OpAttentionGradKV: {run: attentionGrad, ws: attnGradKVWorkspace},
 }
 
 const (
 	attRows = 64  // rows per block (kernels/attention.cu ATT_ROWS)
 	attMaxD = 128 // largest head dim the kernels hold in registers
 
-	attMMARows    = 64  // query rows per block of attention_fwd_mma (ATT_MMA_ROWS)
-	attMMAThreads = 128 // its block (ATT_MMA_THREADS)
+	attMMARows    = 64  // query rows per block of attention_fwd_mma and attention_grad_q_mma (ATT_MMA_ROWS)
+	attMMAKeys    = 64  // keys per block of attention_grad_kv_mma (ATT_MMA_KEYS)
+	attMMAThreads = 128 // the tensor-core kernels' block (ATT_MMA_THREADS)
 )
 
-// attnMMAKernel is the tensor-core forward kernel for head dim d and
-// 16-bit dtype dt (kernels/attention.cu attention_fwd_mma_d*).
-func attnMMAKernel(d int, dt graph.DType) string {
-	return fmt.Sprintf("attention_fwd_mma_d%d_%s", d, suffixes[dt])
+// Tensor-core passes (kernels/attention.cu attention_*_mma_d*).
+const (
+	attnPassFwd    = "fwd"
+	attnPassGradQ  = "grad_q"
+	attnPassGradKV = "grad_kv"
+)
+
+// attnMMAKernel is the tensor-core kernel of pass (attnPassFwd, …) for
+// head dim d and 16-bit dtype dt.
+func attnMMAKernel(pass string, d int, dt graph.DType) string {
+	return fmt.Sprintf("attention_%s_mma_d%d_%s", pass, d, suffixes[dt])
 }
 
-// attnMMAKernels lists the tensor-core forward kernels, for registration.
+// attnDotKernel computes D = Σ g∘o per query row for the tensor-core dk|dv
+// pass (attention_grad_dot_{bf16,f16}).
+func attnDotKernel(dt graph.DType) string { return "attention_grad_dot_" + suffixes[dt] }
+
+// attnMMAKernels lists the tensor-core kernels, for registration.
 func attnMMAKernels() []string {
 	var out []string
 	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
-		for _, d := range []int{64, 128} {
-			out = append(out, attnMMAKernel(d, dt))
+		for _, pass := range []string{attnPassFwd, attnPassGradQ, attnPassGradKV} {
+			for _, d := range []int{64, 128} {
+				out = append(out, attnMMAKernel(pass, d, dt))
+			}
 		}
+		out = append(out, attnDotKernel(dt))
 	}
 	return out
 }
 
-// attnMMA reports whether the forward pass on these operands runs on
-// tensor cores: 16-bit values, head dim 64 or 128, no mask, and every
-// 16-bit array 16-byte aligned (the kernel stages rows 16 bytes at a
-// time).
+// attnMMAShape reports whether attention of dtype dt at head dim d, with
+// or without a mask, has tensor-core kernels: 16-bit values, d 64 or 128,
+// no mask. (attnMMA adds the alignment the launch needs.)
+func attnMMAShape(dt graph.DType, d int, masked bool) bool {
+	return dt.IsHalf() && (d == 64 || d == 128) && !masked
+}
+
+// attnMMA reports whether a pass on these operands runs on tensor cores:
+// attnMMAShape, and every 16-bit array 16-byte aligned (the kernels stage
+// rows 16 bytes at a time).
 func attnMMA(dt graph.DType, d int, mask *operand, ptrs ...alloc.Ptr) bool {
-	if !dt.IsHalf() || (d != 64 && d != 128) || mask != nil {
+	if !attnMMAShape(dt, d, mask != nil) {
 		return false
 	}
 	for _, p := range ptrs {
@@ -71,6 +95,22 @@ func attnMMA(dt graph.DType, d int, mask *operand, ptrs ...alloc.Ptr) bool {
 	}
 	return true
 }
+
+// attnGradKVWorkspace is attention_grad_kv's workspace at chunk size b:
+// on the tensor-core path (attnMMAShape; inputs g, q, k, v, o, lse[,
+// mask]), the float32 row term D of every query row, 4·B·H·T bytes; none
+// otherwise. It is declared from the types alone: a run whose arrays turn
+// out misaligned falls back to the plain kernel and leaves it unused.
+func attnGradKVWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	q := inputAt(g, nd, 1, b)
+	if len(q) != 4 || !attnMMAShape(g.Node(nd.Inputs[1]).Type.DType, q[3], len(nd.Inputs) > 6) {
+		return 0
+	}
+	return attnDotBytes(int64(graph.Numel(q[:3])))
+}
+
+// attnDotBytes is the float32 D of rows query rows.
+func attnDotBytes(rows int64) int64 { return 4 * rows }
 
 // attnLaunch launches an attention kernel over blocks tile blocks of
 // threads threads (the tile layout: grid.x is exact, at most 2³¹ − 1); no
@@ -175,7 +215,7 @@ func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 	if d := q.shape[3]; attnMMA(dt, d, mask, q.p, kk.p, v.p, po) {
 		blocks := int64(q.shape[0]*q.shape[1]) * ceilDiv(int64(q.shape[2]), attMMARows)
 		// H, Hkv, T, S, scale, causal of geom.
-		return k.attnLaunch(attnMMAKernel(d, dt), blocks, attMMAThreads,
+		return k.attnLaunch(attnMMAKernel(attnPassFwd, d, dt), blocks, attMMAThreads,
 			q.p, kk.p, v.p, po, pl, geom[1], geom[2], geom[3], geom[4], geom[10], geom[11])
 	}
 	blocks := int64(q.shape[0]*q.shape[1]) * ceilDiv(int64(q.shape[2]), attRows)
@@ -184,7 +224,9 @@ func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 
 // attentionGrad launches attention_grad_q (one block per (b, h, query
 // tile)) or attention_grad_kv (one per (b, hkv, key tile)) on g, q, k, v,
-// o, lse[, mask]: g, o and the output have q's dtype, lse is float32.
+// o, lse[, mask]: g, o and the output have q's dtype, lse is float32. On
+// the tensor-core path (attnMMA), dk|dv first has attention_grad_dot write
+// D into the workspace.
 func attentionGrad(k *kctx, in []operand, out operand) error {
 	g, q, kk, v, o, lse := in[0], in[1], in[2], in[3], in[4], in[5]
 	mask := optional(in, 6)
@@ -198,17 +240,39 @@ func attentionGrad(k *kctx, in []operand, out operand) error {
 	if err := floats(lse); err != nil {
 		return err
 	}
-	if g.n() != q.n() || o.n() != q.n() || lse.n() != int64(q.shape[0]*q.shape[1]*q.shape[2]) {
+	rows := int64(q.shape[0] * q.shape[1] * q.shape[2])
+	if g.n() != q.n() || o.n() != q.n() || lse.n() != rows {
 		return graph.Errorf(graph.ErrShape, "%s: g %v, o %v, lse %v for q %v", k.nd.Op, g.shape, o.shape, lse.shape, q.shape)
 	}
-	name, blocks := kAttentionGradQ, int64(q.shape[0]*q.shape[1])*ceilDiv(int64(q.shape[2]), attRows)
-	if k.nd.Op == graph.OpAttentionGradKV {
-		name, blocks = kAttentionGradKV, int64(kk.shape[0]*kk.shape[1])*ceilDiv(int64(kk.shape[2]), attRows)
-		if out.n() != 2*kk.n() {
-			return graph.Errorf(graph.ErrShape, "%s: output %v for k %v", k.nd.Op, out.shape, kk.shape)
-		}
-	} else if out.n() != q.n() {
+	kv := k.nd.Op == graph.OpAttentionGradKV
+	if kv && out.n() != 2*kk.n() {
+		return graph.Errorf(graph.ErrShape, "%s: output %v for k %v", k.nd.Op, out.shape, kk.shape)
+	} else if !kv && out.n() != q.n() {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for q %v", k.nd.Op, out.shape, q.shape)
+	}
+	bh, bhkv := int64(q.shape[0]*q.shape[1]), int64(kk.shape[0]*kk.shape[1])
+	t, s := int64(q.shape[2]), int64(kk.shape[2])
+	if d := q.shape[3]; attnMMA(dt, d, mask, g.p, q.p, kk.p, v.p, o.p, out.p) {
+		// H, Hkv, T, S, scale, causal of geom.
+		tail := []any{geom[1], geom[2], geom[3], geom[4], geom[10], geom[11]}
+		if !kv {
+			return k.attnLaunch(attnMMAKernel(attnPassGradQ, d, dt), bh*ceilDiv(t, attMMARows), attMMAThreads,
+				append([]any{g.p, q.p, kk.p, v.p, o.p, lse.p, out.p}, tail...)...)
+		}
+		dot, err := k.workspace(attnDotBytes(rows))
+		if err != nil {
+			return err
+		}
+		// 8 threads a row (kernels/attention.cu attention_grad_dot).
+		if err := k.flat(attnDotKernel(dt), rows*8, g.p, o.p, dot, rows, int64(d)); err != nil {
+			return err
+		}
+		return k.attnLaunch(attnMMAKernel(attnPassGradKV, d, dt), bhkv*ceilDiv(s, attMMAKeys), attMMAThreads,
+			append([]any{g.p, q.p, kk.p, v.p, lse.p, dot, out.p}, tail...)...)
+	}
+	name, blocks := kAttentionGradQ, bh*ceilDiv(t, attRows)
+	if kv {
+		name, blocks = kAttentionGradKV, bhkv*ceilDiv(s, attRows)
 	}
 	return k.attnLaunch(typed(name, dt), blocks, attRows, append([]any{g.p, q.p, kk.p, v.p, o.p, lse.p, ptrOf(mask), out.p}, geom...)...)
 }

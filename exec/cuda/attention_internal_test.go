@@ -61,7 +61,59 @@ func TestAttentionMMAChoice(t *testing.T) {
 	}
 	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
 		for _, d := range []int{64, 128} {
-			require.True(t, loaded[attnMMAKernel(d, dt)], attnMMAKernel(d, dt))
+			for _, pass := range []string{attnPassFwd, attnPassGradQ, attnPassGradKV} {
+				require.True(t, loaded[attnMMAKernel(pass, d, dt)], attnMMAKernel(pass, d, dt))
+			}
+		}
+		require.True(t, loaded[attnDotKernel(dt)], attnDotKernel(dt))
+	}
+}
+
+// attention_grad_kv declares the float32 D of every query row as its
+// workspace when it runs on tensor cores (16-bit, d 64 or 128, no mask),
+// per sample, and nothing otherwise; attention_grad_q never needs one.
+func TestAttentionGradWorkspace(t *testing.T) {
+	build := func(dt graph.DType, d int, masked bool) (*graph.Graph, []graph.Node) {
+		g := graph.New()
+		in := func(dt graph.DType, batch int, shape ...int) int {
+			id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: batch}})
+			require.NoError(t, err)
+			return id
+		}
+		q, k, v := in(dt, 0, 3, 4, 10, d), in(dt, 0, 3, 2, 7, d), in(dt, 0, 3, 2, 7, d)
+		grad, o, lse := in(dt, 0, 3, 4, 10, d), in(dt, 0, 3, 4, 10, d), in(graph.Float32, 0, 3, 4, 10)
+		args := []int{grad, q, k, v, o, lse}
+		if masked {
+			args = append(args, in(dt, 0, 3, 1, 10, 7))
+		}
+		var nds []graph.Node
+		for _, op := range []graph.Op{graph.OpAttentionGradQ, graph.OpAttentionGradKV} {
+			id, err := g.Append(graph.Node{Op: op, Inputs: args})
+			require.NoError(t, err)
+			nds = append(nds, *g.Node(id))
+		}
+		return g, nds
+	}
+	for _, c := range []struct {
+		dt     graph.DType
+		d      int
+		masked bool
+		want   bool
+	}{
+		{graph.BFloat16, 64, false, true},
+		{graph.Float16, 128, false, true},
+		{graph.Float32, 64, false, false},
+		{graph.BFloat16, 32, false, false},
+		{graph.BFloat16, 64, true, false},
+	} {
+		g, nds := build(c.dt, c.d, c.masked)
+		for _, b := range []int{0, 1, 3} {
+			require.Zero(t, Workspace(g, &nds[0], b), "attention_grad_q %s d=%d", c.dt, c.d)
+			want := int64(0)
+			if c.want {
+				want = int64(4 * b * 4 * 10) // float32 D of b·H·T rows
+			}
+			require.Equal(t, want, Workspace(g, &nds[1], b), "attention_grad_kv %s d=%d mask=%v b=%d", c.dt, c.d, c.masked, b)
 		}
 	}
 }

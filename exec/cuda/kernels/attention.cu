@@ -424,15 +424,17 @@ __device__ __forceinline__ void ldsm4t(unsigned* r, unsigned addr) {
 // ld32 reads the two 16-bit values at p (4-byte aligned) as one register.
 __device__ __forceinline__ unsigned ld32(const void* p) { return *static_cast<const unsigned*>(p); }
 
-// att_mma_stage copies rows [j0, j0 + 64) of the [S, D] matrix src into
-// dst (row stride D + 8 elements), zeros past row S, 16 bytes at a time.
-template <int D>
+// att_mma_stage copies rows [j0, j0 + ROWS) of the [S, D] matrix src into
+// dst (row stride D + 8 elements), zeros past row S, 16 bytes at a time,
+// the ATT_MMA_THREADS threads of the block sharing the work.
+template <int D, int ROWS = ATT_MMA_KEYS>
 __device__ __forceinline__ void att_mma_stage(unsigned short* dst, const unsigned short* src,
                                               i64 j0, i64 S) {
   constexpr int PER_ROW = D / 8;  // 16-byte pieces per row
   constexpr int LD = D + 8;
+  static_assert(ROWS * PER_ROW % ATT_MMA_THREADS == 0, "whole pieces per thread");
 #pragma unroll
-  for (int it = 0; it < ATT_MMA_KEYS * PER_ROW / ATT_MMA_THREADS; ++it) {
+  for (int it = 0; it < ROWS * PER_ROW / ATT_MMA_THREADS; ++it) {
     const int x = threadIdx.x + it * ATT_MMA_THREADS;
     const int r = x / PER_ROW, c = (x % PER_ROW) * 8;
     uint4 v;
@@ -620,4 +622,442 @@ extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
 attention_fwd_mma_d128_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
                            i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
   attention_fwd_mma_body<f16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
+}
+
+// ---------------------------------------------------------------------------
+// Tensor-core backward for bfloat16 and float16 at head dims 64 and 128,
+// without a mask: FlashAttention-2's backward split into a dq pass and a
+// dk|dv pass, neither with atomics (every output element is summed by one
+// thread in a fixed order, so the results are deterministic). Both
+// recompute the scores with mma, p = exp(scale·s − lse) in float32 (expf,
+// from the float32 lse of attention_lse), dp = g·vᵀ and ds = p·(dp − D_i),
+// D_i = Σ g_i∘o_i. The products that take p or ds as an operand (dv += pᵀ·g,
+// dk += dsᵀ·q, dq += ds·k) round them to T first, as FlashAttention-2 does;
+// every sum is float32 and dq, dk, dv round once when stored. Hidden keys
+// (causal, past S) and queries past T get p = 0, as do rows whose lse is
+// −Inf (every key hidden), so their gradients are 0.
+//
+//   attention_grad_dot: D = Σ g∘o per query row, float32, into the dk|dv
+//   pass's workspace (the dq pass computes its rows' D itself).
+//   attention_grad_q_mma: a block of 4 warps per 64 query rows of one
+//   (b, h), 16 rows a warp with q and g as A fragments in registers; key
+//   tiles (64 keys at d = 64, 32 at d = 128) staged in shared memory;
+//   s = q·kᵀ and dp = g·vᵀ take k and v rows as B fragments, dq += ds·k
+//   takes k through ldmatrix.trans.
+//   attention_grad_kv_mma: a block of 4 warps per 64 keys of one (b, hkv),
+//   16 keys a warp; k and v stay in shared memory (A fragments of sᵀ = k·qᵀ
+//   and dpᵀ = v·gᵀ); the query tiles (64 rows at d = 64, 16 at d = 128, to
+//   fit 48 KiB of static shared memory) of every query head of the group
+//   are staged in turn with their lse and D, and pᵀ, dsᵀ (C fragments, keys
+//   by queries) become the A fragments of dv += pᵀ·g and dk += dsᵀ·q (g and
+//   q through ldmatrix.trans).
+// Causal: the dq pass stops at the tile's last query, the dk|dv pass starts
+// at its first key (BQ divides 64), a warp whose rows the tile hides whole
+// skips it, and the diagonal tiles are masked element by element.
+
+// lo16 and hi16 widen the low and high 16-bit halves of a register.
+template <typename T>
+__device__ __forceinline__ float lo16(unsigned w) {
+  T x;
+  x.u = (unsigned short)(w & 0xffffu);
+  return (float)x;
+}
+template <typename T>
+__device__ __forceinline__ float hi16(unsigned w) {
+  T x;
+  x.u = (unsigned short)(w >> 16);
+  return (float)x;
+}
+
+// dot2 is a·b for two registers of two T values each.
+template <typename T>
+__device__ __forceinline__ float dot2(unsigned a, unsigned b) {
+  return lo16<T>(a) * lo16<T>(b) + hi16<T>(a) * hi16<T>(b);
+}
+
+// attention_grad_dot_{bf16,f16}: dot[r] = Σ_c g[r, c]·o[r, c] in float32
+// for rows [0, rows) of length d (a multiple of 8; g and o 16-byte
+// aligned). 8 threads a row, 16 bytes at a time; flat layout (any grid of
+// 256-thread blocks).
+template <typename T>
+__device__ __forceinline__ void attention_grad_dot_t(const T* __restrict__ g,
+                                                     const T* __restrict__ o,
+                                                     float* __restrict__ dot, i64 rows, i64 d) {
+  const int sub = threadIdx.x & 7;
+  const i64 per = blockDim.x / 8;
+  // r0 is uniform over the block, so every lane of a warp takes each trip.
+  for (i64 r0 = (i64)blockIdx.x * per; r0 < rows; r0 += (i64)gridDim.x * per) {
+    const i64 r = r0 + threadIdx.x / 8;
+    float s = 0.f;
+    if (r < rows) {
+      for (i64 c = 8 * sub; c < d; c += 64) {
+        const Vec<T, 8> x = ldv<8>(g + r * d + c, 0), y = ldv<8>(o + r * d + c, 0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf((float)x.v[j], (float)y.v[j], s);
+      }
+    }
+    s += __shfl_xor_sync(FULL_MASK, s, 4);
+    s += __shfl_xor_sync(FULL_MASK, s, 2);
+    s += __shfl_xor_sync(FULL_MASK, s, 1);
+    if (r < rows && sub == 0) dot[r] = s;
+  }
+}
+extern "C" __global__ void attention_grad_dot_bf16(const bf16* g, const bf16* o, float* dot, i64 rows,
+                                                   i64 d) {
+  attention_grad_dot_t<bf16>(g, o, dot, rows, d);
+}
+extern "C" __global__ void attention_grad_dot_f16(const f16* g, const f16* o, float* dot, i64 rows,
+                                                  i64 d) {
+  attention_grad_dot_t<f16>(g, o, dot, rows, d);
+}
+
+// att_row_lse is the lse a gradient pass uses for query row i: +Inf for
+// a row past T or with every key hidden (lse −Inf), so that its p =
+// exp(scale·s − lse) is 0.
+__device__ __forceinline__ float att_row_lse(const float* lse, i64 row, bool live) {
+  const float l = live ? lse[row] : neg_inf_f();
+  return l == neg_inf_f() ? -neg_inf_f() : l;
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
+                                                      const T* __restrict__ q,
+                                                      const T* __restrict__ k,
+                                                      const T* __restrict__ v,
+                                                      const T* __restrict__ o,
+                                                      const float* __restrict__ lse,
+                                                      T* __restrict__ dq, i64 H, i64 Hkv, i64 T_,
+                                                      i64 S, float scale, bool causal) {
+  constexpr int KEYS = D == 64 ? 64 : 32;  // keys per staged tile
+  constexpr int SUB = 32;                  // keys per step within the tile
+  constexpr int LD = D + 8;                // shared row stride (elements)
+  constexpr int KC = D / 16;               // 16-wide chunks of the head dim
+  constexpr int NT = SUB / 8;              // 8-key column tiles of s and dp
+  constexpr int DT = D / 8;                // 8-wide column tiles of dq
+  static_assert(KEYS % SUB == 0, "whole steps");
+  __shared__ __align__(16) unsigned short sk[KEYS * LD];
+  __shared__ __align__(16) unsigned short sv[KEYS * LD];
+
+  const i64 tiles = (T_ + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
+  const i64 bh = (i64)blockIdx.x / tiles, i0 = ((i64)blockIdx.x % tiles) * ATT_MMA_ROWS;
+  const i64 b = bh / H, h = bh % H, hk = h / (H / Hkv);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const i64 r0 = i0 + warp * 16 + gid, r1 = r0 + 8;  // this thread's two query rows
+  const unsigned short* qb = reinterpret_cast<const unsigned short*>(q) + bh * T_ * D;
+  const unsigned short* gb = reinterpret_cast<const unsigned short*>(g) + bh * T_ * D;
+  const unsigned short* ob = reinterpret_cast<const unsigned short*>(o) + bh * T_ * D;
+  const unsigned short* kb = reinterpret_cast<const unsigned short*>(k) + (b * Hkv + hk) * S * D;
+  const unsigned short* vb = reinterpret_cast<const unsigned short*>(v) + (b * Hkv + hk) * S * D;
+
+  // q and g rows as A fragments (rows past T zero), and D of rows r0, r1:
+  // this thread's 4·KC columns of g∘o, summed over the 4 lanes of a row.
+  unsigned qa[KC][4], ga[KC][4];
+  float dd[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    const int c = kc * 16 + 2 * tig;
+    qa[kc][0] = r0 < T_ ? ld32(qb + r0 * D + c) : 0u;
+    qa[kc][1] = r1 < T_ ? ld32(qb + r1 * D + c) : 0u;
+    qa[kc][2] = r0 < T_ ? ld32(qb + r0 * D + c + 8) : 0u;
+    qa[kc][3] = r1 < T_ ? ld32(qb + r1 * D + c + 8) : 0u;
+    ga[kc][0] = r0 < T_ ? ld32(gb + r0 * D + c) : 0u;
+    ga[kc][1] = r1 < T_ ? ld32(gb + r1 * D + c) : 0u;
+    ga[kc][2] = r0 < T_ ? ld32(gb + r0 * D + c + 8) : 0u;
+    ga[kc][3] = r1 < T_ ? ld32(gb + r1 * D + c + 8) : 0u;
+    if (r0 < T_) dd[0] += dot2<T>(ga[kc][0], ld32(ob + r0 * D + c)) + dot2<T>(ga[kc][2], ld32(ob + r0 * D + c + 8));
+    if (r1 < T_) dd[1] += dot2<T>(ga[kc][1], ld32(ob + r1 * D + c)) + dot2<T>(ga[kc][3], ld32(ob + r1 * D + c + 8));
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    dd[r] += __shfl_xor_sync(FULL_MASK, dd[r], 1);
+    dd[r] += __shfl_xor_sync(FULL_MASK, dd[r], 2);
+  }
+  const float ls[2] = {att_row_lse(lse, bh * T_ + r0, r0 < T_), att_row_lse(lse, bh * T_ + r1, r1 < T_)};
+
+  float acc[DT][4];
+#pragma unroll
+  for (int t = 0; t < DT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  // ldmatrix.trans row addresses of k as the B operand of ds·k (k index =
+  // key, n = head dim), as attention_fwd_mma reads v.
+  const int mat = lane >> 3;
+  const unsigned sk_lane = smem_addr(sk + ((lane & 7) + 8 * (mat & 1)) * LD + 8 * (mat >> 1));
+
+  const i64 send = causal ? imin(S, imin(T_, i0 + ATT_MMA_ROWS)) : S;
+  for (i64 j0 = 0; j0 < send; j0 += KEYS) {
+    __syncthreads();  // the previous tile's readers are done
+    att_mma_stage<D, KEYS>(sk, kb, j0, S);
+    att_mma_stage<D, KEYS>(sv, vb, j0, S);
+    __syncthreads();
+    // Sub-tiles of SUB keys bound the registers that s and dp take.
+#pragma unroll 1
+    for (int c0 = 0; c0 < KEYS; c0 += SUB) {
+      // Causal: this and every later key is past every row of this warp.
+      if (causal && j0 + c0 > i0 + warp * 16 + 15) break;
+
+      // s = q·kᵀ and dp = g·vᵀ, 16 rows × SUB keys: B fragments straight
+      // from the k and v rows (key n = gid of the 8-key tile, dims 2tig..
+      // and 2tig + 8..).
+      float s[NT][4], dp[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+        const unsigned short* kr = sk + (c0 + nt * 8 + gid) * LD + 2 * tig;
+        const unsigned short* vr = sv + (c0 + nt * 8 + gid) * LD + 2 * tig;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+          const unsigned bk[2] = {ld32(kr + kc * 16), ld32(kr + kc * 16 + 8)};
+          mma16816<T>(s[nt], qa[kc], bk);
+          const unsigned bv[2] = {ld32(vr + kc * 16), ld32(vr + kc * 16 + 8)};
+          mma16816<T>(dp[nt], ga[kc], bv);
+        }
+      }
+      // ds = p·(dp − D) into s; hidden keys get p = 0.
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 j = j0 + c0 + nt * 8 + 2 * tig + (e & 1);
+          const i64 i = (e < 2) ? r0 : r1;
+          const float p = (j < S && !(causal && j > i)) ? expf(s[nt][e] * scale - ls[e >> 1]) : 0.f;
+          s[nt][e] = p * (dp[nt][e] - dd[e >> 1]);
+        }
+      }
+      // dq += ds·k: the C fragments of two adjacent 8-key tiles are the A
+      // fragment of one 16-key chunk (ds rounded to T).
+#pragma unroll
+      for (int kc = 0; kc < SUB / 16; ++kc) {
+        const unsigned da[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                                pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                                pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                                pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+        for (int t = 0; t < DT; t += 2) {
+          unsigned bf[4];
+          ldsm4t(bf, sk_lane + (unsigned)(((c0 + kc * 16) * LD + t * 8) * 2));
+          mma16816<T>(acc[t], da, bf);
+          mma16816<T>(acc[t + 1], da, bf + 2);
+        }
+      }
+    }
+  }
+
+  unsigned short* dqb = reinterpret_cast<unsigned short*>(dq) + bh * T_ * D;
+#pragma unroll
+  for (int t = 0; t < DT; ++t) {
+    const int c = t * 8 + 2 * tig;
+    if (r0 < T_)
+      *reinterpret_cast<unsigned*>(dqb + r0 * D + c) = pack2<T>(acc[t][0] * scale, acc[t][1] * scale);
+    if (r1 < T_)
+      *reinterpret_cast<unsigned*>(dqb + r1 * D + c) = pack2<T>(acc[t][2] * scale, acc[t][3] * scale);
+  }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
+                                                       const T* __restrict__ q,
+                                                       const T* __restrict__ k,
+                                                       const T* __restrict__ v,
+                                                       const float* __restrict__ lse,
+                                                       const float* __restrict__ dot,
+                                                       T* __restrict__ dkv, i64 H, i64 Hkv,
+                                                       i64 T_, i64 S, float scale, bool causal) {
+  constexpr int KEYS = ATT_MMA_KEYS;      // keys per block (16 per warp)
+  constexpr int BQ = D == 64 ? 64 : 16;   // query rows per staged tile
+  constexpr int SUB = D == 64 ? 32 : 16;  // queries per step within the tile
+  constexpr int LD = D + 8;               // shared row stride (elements)
+  constexpr int KC = D / 16;              // 16-wide chunks of the head dim
+  constexpr int NT = SUB / 8;             // 8-query column tiles of sᵀ and dpᵀ
+  constexpr int DT = D / 8;               // 8-wide column tiles of dk and dv
+  static_assert(KEYS % BQ == 0 && BQ % SUB == 0, "causal query tiles start at the block's first key");
+  __shared__ __align__(16) unsigned short sk[KEYS * LD];
+  __shared__ __align__(16) unsigned short sv[KEYS * LD];
+  __shared__ __align__(16) unsigned short sq[BQ * LD];
+  __shared__ __align__(16) unsigned short sg[BQ * LD];
+  __shared__ float sl[BQ];  // lse of the staged queries (att_row_lse)
+  __shared__ float sd[BQ];  // D of the staged queries
+
+  const i64 tiles = (S + KEYS - 1) / KEYS;
+  const i64 bhk = (i64)blockIdx.x / tiles, j0 = ((i64)blockIdx.x % tiles) * KEYS;
+  const i64 b = bhk / Hkv, hk = bhk % Hkv, group = H / Hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const i64 k0 = j0 + warp * 16 + gid, k1 = k0 + 8;  // this thread's two keys
+  att_mma_stage<D, KEYS>(sk, reinterpret_cast<const unsigned short*>(k) + bhk * S * D, j0, S);
+  att_mma_stage<D, KEYS>(sv, reinterpret_cast<const unsigned short*>(v) + bhk * S * D, j0, S);
+  // This warp's 16 rows of k and v: A fragments at (row gid, dims 2tig..)
+  // of each 16-dim chunk, row gid + 8 at + 8·LD, dims 2tig + 8.. at + 8.
+  const unsigned short* ka = sk + (warp * 16 + gid) * LD + 2 * tig;
+  const unsigned short* va = sv + (warp * 16 + gid) * LD + 2 * tig;
+
+  float dk[DT][4], dv[DT][4];
+#pragma unroll
+  for (int t = 0; t < DT; ++t) {
+    dk[t][0] = dk[t][1] = dk[t][2] = dk[t][3] = 0.f;
+    dv[t][0] = dv[t][1] = dv[t][2] = dv[t][3] = 0.f;
+  }
+  // ldmatrix.trans row addresses of q and g as B operands (k index =
+  // query, n = head dim), as attention_fwd_mma reads v.
+  const int mat = lane >> 3;
+  const int lrow = ((lane & 7) + 8 * (mat & 1)) * LD + 8 * (mat >> 1);
+  const unsigned sq_lane = smem_addr(sq + lrow), sg_lane = smem_addr(sg + lrow);
+
+  // Causal: queries before the block's first key see none of its keys.
+  const i64 istart = causal ? j0 : 0;
+  for (i64 h = hk * group; h < (hk + 1) * group; ++h) {
+    const i64 bh = b * H + h;
+    const unsigned short* qb = reinterpret_cast<const unsigned short*>(q) + bh * T_ * D;
+    const unsigned short* gb = reinterpret_cast<const unsigned short*>(g) + bh * T_ * D;
+    for (i64 i0 = istart; i0 < T_; i0 += BQ) {
+      __syncthreads();  // the previous tile's readers are done
+      att_mma_stage<D, BQ>(sq, qb, i0, T_);
+      att_mma_stage<D, BQ>(sg, gb, i0, T_);
+      if (threadIdx.x < BQ) {
+        const i64 i = i0 + threadIdx.x;
+        sl[threadIdx.x] = att_row_lse(lse, bh * T_ + i, i < T_);
+        sd[threadIdx.x] = i < T_ ? dot[bh * T_ + i] : 0.f;
+      }
+      __syncthreads();
+      // Sub-tiles of SUB queries bound the registers that sᵀ and dpᵀ take.
+#pragma unroll 1
+      for (int c0 = 0; c0 < BQ; c0 += SUB) {
+        // Causal: every query of the step is before every key of this warp.
+        if (causal && i0 + c0 + SUB - 1 < j0 + warp * 16) continue;
+
+        // sᵀ = k·qᵀ and dpᵀ = v·gᵀ, 16 keys × SUB queries: B fragments
+        // straight from the q and g rows (query n = gid of the 8-query tile).
+        float s[NT][4], dp[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+          dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+        }
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+          const unsigned kf[4] = {ld32(ka + kc * 16), ld32(ka + 8 * LD + kc * 16),
+                                  ld32(ka + kc * 16 + 8), ld32(ka + 8 * LD + kc * 16 + 8)};
+          const unsigned vf[4] = {ld32(va + kc * 16), ld32(va + 8 * LD + kc * 16),
+                                  ld32(va + kc * 16 + 8), ld32(va + 8 * LD + kc * 16 + 8)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const unsigned short* qr = sq + (c0 + nt * 8 + gid) * LD + 2 * tig + kc * 16;
+            const unsigned short* gr = sg + (c0 + nt * 8 + gid) * LD + 2 * tig + kc * 16;
+            const unsigned bq[2] = {ld32(qr), ld32(qr + 8)};
+            mma16816<T>(s[nt], kf, bq);
+            const unsigned bg[2] = {ld32(gr), ld32(gr + 8)};
+            mma16816<T>(dp[nt], vf, bg);
+          }
+        }
+        // pᵀ into s and dsᵀ = pᵀ·(dpᵀ − D) into dp; element e of tile nt is
+        // key k0 (e < 2) or k1 and staged query c = c0 + nt·8 + 2tig + (e & 1).
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = c0 + nt * 8 + 2 * tig + (e & 1);
+            const i64 j = (e < 2) ? k0 : k1;
+            const float p = (j < S && !(causal && j > i0 + c)) ? expf(s[nt][e] * scale - sl[c]) : 0.f;
+            s[nt][e] = p;
+            dp[nt][e] = p * (dp[nt][e] - sd[c]);
+          }
+        }
+        // dv += pᵀ·g and dk += dsᵀ·q: two adjacent 8-query C tiles make the
+        // A fragment of one 16-query chunk (p and ds rounded to T).
+#pragma unroll
+        for (int kc = 0; kc < SUB / 16; ++kc) {
+          const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                                  pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                                  pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                                  pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+          const unsigned da[4] = {pack2<T>(dp[2 * kc][0], dp[2 * kc][1]),
+                                  pack2<T>(dp[2 * kc][2], dp[2 * kc][3]),
+                                  pack2<T>(dp[2 * kc + 1][0], dp[2 * kc + 1][1]),
+                                  pack2<T>(dp[2 * kc + 1][2], dp[2 * kc + 1][3])};
+#pragma unroll
+          for (int t = 0; t < DT; t += 2) {
+            const unsigned off = (unsigned)(((c0 + kc * 16) * LD + t * 8) * 2);
+            unsigned bf[4];
+            ldsm4t(bf, sg_lane + off);
+            mma16816<T>(dv[t], pa, bf);
+            mma16816<T>(dv[t + 1], pa, bf + 2);
+            ldsm4t(bf, sq_lane + off);
+            mma16816<T>(dk[t], da, bf);
+            mma16816<T>(dk[t + 1], da, bf + 2);
+          }
+        }
+      }
+    }
+  }
+
+  // dk (times scale) in columns [0, D) of the packed row, dv in [D, 2D).
+  unsigned short* out = reinterpret_cast<unsigned short*>(dkv) + bhk * S * 2 * D;
+#pragma unroll
+  for (int t = 0; t < DT; ++t) {
+    const int c = t * 8 + 2 * tig;
+    if (k0 < S) {
+      *reinterpret_cast<unsigned*>(out + k0 * 2 * D + c) = pack2<T>(dk[t][0] * scale, dk[t][1] * scale);
+      *reinterpret_cast<unsigned*>(out + k0 * 2 * D + D + c) = pack2<T>(dv[t][0], dv[t][1]);
+    }
+    if (k1 < S) {
+      *reinterpret_cast<unsigned*>(out + k1 * 2 * D + c) = pack2<T>(dk[t][2] * scale, dk[t][3] * scale);
+      *reinterpret_cast<unsigned*>(out + k1 * 2 * D + D + c) = pack2<T>(dv[t][2], dv[t][3]);
+    }
+  }
+}
+
+// attention_grad_q_mma_d{64,128}_{bf16,f16}: attention_grad_q without a
+// mask on tensor cores, D computed from g and o. g, q, k, v, o and dq
+// 16-byte aligned. grid.x = B·H·⌈T/64⌉, block 128.
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
+attention_grad_q_mma_d64_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+                              const float* lse, bf16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
+                              i64 causal) {
+  attention_dq_mma_body<bf16, 64>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_grad_q_mma_d128_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+                               const float* lse, bf16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
+                               i64 causal) {
+  attention_dq_mma_body<bf16, 128>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
+attention_grad_q_mma_d64_f16(const f16* g, const f16* q, const f16* k, const f16* v, const f16* o,
+                             const float* lse, f16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
+                             i64 causal) {
+  attention_dq_mma_body<f16, 64>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_grad_q_mma_d128_f16(const f16* g, const f16* q, const f16* k, const f16* v, const f16* o,
+                              const float* lse, f16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
+                              i64 causal) {
+  attention_dq_mma_body<f16, 128>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
+}
+
+// attention_grad_kv_mma_d{64,128}_{bf16,f16}: attention_grad_kv without a
+// mask on tensor cores, from dot = D (attention_grad_dot). g, q, k, v and
+// dkv 16-byte aligned. grid.x = B·Hkv·⌈S/64⌉, block 128.
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
+attention_grad_kv_mma_d64_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v,
+                               const float* lse, const float* dot, bf16* dkv, i64 H, i64 Hkv, i64 T,
+                               i64 S, float scale, i64 causal) {
+  attention_dkv_mma_body<bf16, 64>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_grad_kv_mma_d128_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v,
+                                const float* lse, const float* dot, bf16* dkv, i64 H, i64 Hkv, i64 T,
+                                i64 S, float scale, i64 causal) {
+  attention_dkv_mma_body<bf16, 128>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
+attention_grad_kv_mma_d64_f16(const f16* g, const f16* q, const f16* k, const f16* v,
+                              const float* lse, const float* dot, f16* dkv, i64 H, i64 Hkv, i64 T,
+                              i64 S, float scale, i64 causal) {
+  attention_dkv_mma_body<f16, 64>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
+}
+extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
+attention_grad_kv_mma_d128_f16(const f16* g, const f16* q, const f16* k, const f16* v,
+                               const float* lse, const float* dot, f16* dkv, i64 H, i64 Hkv, i64 T,
+                               i64 S, float scale, i64 causal) {
+  attention_dkv_mma_body<f16, 128>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
 }
