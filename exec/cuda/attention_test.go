@@ -111,9 +111,9 @@ func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph
 	return g, []int{o, lse, dq, dkv}
 }
 
-// attnTol bounds |cuda − cpu| per element by rtol·|cpu| + atol·m, m the
-// largest finite |cpu| of that output.
-type attnTol struct{ rtol, atol float64 }
+// attnTol bounds |cuda − cpu| per element by rtol·|cpu| + atol·m + abs,
+// m the largest finite |cpu| of that output.
+type attnTol struct{ rtol, atol, abs float64 }
 
 // checkAttn runs c's graph on CUDA and on the CPU executor and compares o,
 // lse, dq and dk|dv; lse is float32 whatever dt is, so it gets the float32
@@ -151,9 +151,9 @@ func checkAttn(t *testing.T, c attnCase, dt graph.DType, tol, lseTol attnTol) {
 			if m > 0 {
 				worst = max(worst, d/m)
 			}
-			if d > tl.rtol*math.Abs(float64(x))+tl.atol*m {
-				require.Failf(t, "attention differs", "%s %s[%d]: cpu %g, cuda %g (diff %.3g > %.3g·|cpu| + %.3g·%.3g)",
-					dt, name, j, x, gd[j], d, tl.rtol, tl.atol, m)
+			if d > tl.rtol*math.Abs(float64(x))+tl.atol*m+tl.abs {
+				require.Failf(t, "attention differs", "%s %s[%d]: cpu %g, cuda %g (diff %.3g > %.3g·|cpu| + %.3g·%.3g + %.3g)",
+					dt, name, j, x, gd[j], d, tl.rtol, tl.atol, m, tl.abs)
 			}
 		}
 		t.Logf("%s %s: largest |cuda − cpu| / max|cpu| = %.3g", dt, name, worst)
@@ -185,22 +185,27 @@ var attnCases = []attnCase{
 // plus atol 1e-4 of the output's largest magnitude. lse is float32 in
 // every case: rtol and atol 1e-4.
 //
-// Tensor-core forward (16-bit, d 64 or 128, no mask): P is rounded to
-// 16 bits for P·v (unit roundoff u = 2⁻⁸ bfloat16, 2⁻¹¹ float16), which
-// moves o by at most u·max|v| and in practice by far less (the errors of
-// the weights average out); the gradients read that o through D = Σ g∘o.
-// atol 2u of each output's largest magnitude (8e-3 bfloat16, 1e-3
-// float16) on top of the one-ulp rtol; a wrong fragment layout is off by
-// the order of the values themselves.
+// Tensor-core kernels (16-bit, d 64 or 128, no mask): the forward pass
+// rounds P to 16 bits for P·v (unit roundoff u = 2⁻⁸ bfloat16, 2⁻¹¹
+// float16), which moves o by at most u·max|v| and in practice by far less
+// (the errors of the weights average out); the gradients read that o
+// through D = Σ g∘o. The backward passes round p for pᵀ·g (dv) and ds =
+// p·(dp − D) for dsᵀ·q (dk) and ds·k (dq) the same way, each a relative
+// error of at most u per term that averages out over the sum. atol 2u of
+// each output's largest magnitude (8e-3 bfloat16, 1e-3 float16) on top of
+// the one-ulp rtol; a wrong fragment layout is off by the order of the
+// values themselves. abs 1e-5 covers gradients that cancel to 0 (one key:
+// ds = p·(g·v − g·o) with o = v), where the CPU's float64 dp and D agree
+// exactly and the kernels' float32 sums of different orders leave ~1e-8.
 var (
 	attnTolF32     = attnTol{rtol: 1e-4, atol: 1e-4}
 	attnTolBF16    = attnTol{rtol: 1.0 / 128, atol: 1e-4}
 	attnTolF16     = attnTol{rtol: 1.0 / 1024, atol: 1e-4}
-	attnTolMMABF16 = attnTol{rtol: 1.0 / 128, atol: 8e-3}
-	attnTolMMAF16  = attnTol{rtol: 1.0 / 1024, atol: 1e-3}
+	attnTolMMABF16 = attnTol{rtol: 1.0 / 128, atol: 8e-3, abs: 1e-5}
+	attnTolMMAF16  = attnTol{rtol: 1.0 / 1024, atol: 1e-3, abs: 1e-5}
 )
 
-// mma reports whether c's 16-bit forward runs on tensor cores (cuda's
+// mma reports whether c's 16-bit passes run on tensor cores (cuda's
 // attnMMA; the test's arrays are aligned).
 func (c attnCase) mma() bool { return c.mask == nil && (c.D == 64 || c.D == 128) }
 
@@ -222,21 +227,25 @@ func TestAttention16(t *testing.T) {
 	}
 }
 
-// TestAttentionMMA runs the tensor-core forward (and the gradients from
-// its o and lse) over T ∈ {1, 17, 64, 1000} (S = T, and S ≠ T), d ∈ {64,
-// 128}, causal or not, grouped-query heads, against the CPU executor.
+// TestAttentionMMA runs the tensor-core kernels, forward (o and lse) and
+// backward (dq and dk|dv from that o and lse), over T ∈ {1, 17, 64, 1000}
+// (S = T, and S ≠ T), d ∈ {64, 128}, causal or not, grouped-query heads
+// (groups of 2, 3 and 4), against the CPU executor.
 func TestAttentionMMA(t *testing.T) {
 	executor(t)
 	var cases []attnCase
 	for _, d := range []int{64, 128} {
 		for _, causal := range []bool{false, true} {
-			for _, ts := range [][2]int{{1, 1}, {17, 17}, {64, 64}, {1000, 1000}, {17, 100}, {100, 17}, {65, 130}} {
+			for _, ts := range [][2]int{{1, 1}, {17, 17}, {64, 64}, {1000, 1000}, {17, 100}, {100, 17}, {65, 130}, {1000, 777}} {
 				c := attnCase{B: 2, H: 4, Hkv: 2, T: ts[0], S: ts[1], D: d, causal: causal}
 				if ts[0] >= 1000 {
 					c.B, c.H, c.Hkv = 1, 2, 1
 				}
 				cases = append(cases, c)
 			}
+			cases = append(cases,
+				attnCase{B: 1, H: 6, Hkv: 2, T: 200, S: 300, D: d, causal: causal},
+				attnCase{B: 1, H: 4, Hkv: 1, T: 129, S: 129, D: d, causal: causal})
 		}
 	}
 	for _, c := range cases {
@@ -303,5 +312,113 @@ func BenchmarkAttentionForward(b *testing.B) {
 				})
 			}
 		}
+	}
+}
+
+// BenchmarkAttentionBackward times the bfloat16 backward kernels on GPT-2's
+// attention, [8, 12, 1024, 64], causal: "bwd" is the gradient pass alone
+// (tensor cores: attention_grad_dot, attention_grad_q_mma and
+// attention_grad_kv_mma; plain FMAs: attention_grad_q and
+// attention_grad_kv), "fwdbwd" the forward pass, the log-sum-exp
+// recomputed for the backward pass and the gradients, as the executor runs
+// a training step. TFLOP/s counts FlashAttention's matrix products, halved
+// under causal: 4·B·H·T·S·d for the forward pass (q·kᵀ, p·v) and 10·B·H·T·S·d
+// for the backward pass (q·kᵀ, g·vᵀ, pᵀ·g, dsᵀ·q, ds·k); the work the
+// kernels redo (the log-sum-exp pass; q·kᵀ and g·vᵀ in both the dq and the
+// dk|dv pass) is not counted.
+func BenchmarkAttentionBackward(b *testing.B) {
+	d := device(b)
+	a := newAllocator(b, d)
+	src, err := cuda.Source("attention.cu")
+	require.NoError(b, err)
+	m, err := d.Compile("attention.cu", src)
+	require.NoError(b, err)
+	b.Cleanup(func() { require.NoError(b, m.Close()) })
+	const B, H, T, hd, causal = 8, 12, 1024, 64, int64(1)
+	r := newRand(10)
+	rnd := func(n int) *alloc.Block {
+		x := make([]uint16, n)
+		for i := range x {
+			x[i] = uint16(half.BF16From(float32(r.Float64()*2 - 1)))
+		}
+		return upload(b, d, a, x)
+	}
+	n := B * H * T * hd
+	q, k, v, g := rnd(n), rnd(n), rnd(n), rnd(n)
+	o, dq := rnd(n), rnd(n)
+	dkv := upload(b, d, a, make([]uint16, 2*n))
+	lse := upload(b, d, a, make([]float32, B*H*T))
+	dot := upload(b, d, a, make([]float32, B*H*T))
+	scale := float32(1 / math.Sqrt(hd))
+	fn := func(name string) cuda.CUfunction {
+		f, err := m.Function(name)
+		require.NoError(b, err)
+		return f
+	}
+	type launch struct {
+		f           cuda.CUfunction
+		grid, block uint32
+		args        []any
+	}
+	mmaBlock := [3]uint32{128, 1, 1}
+	fwdMMA := func(o, lse alloc.Ptr) launch {
+		return launch{fn(fmt.Sprintf("attention_fwd_mma_d%d_bf16", hd)), B * H * T / 64, mmaBlock[0],
+			[]any{q.Ptr(), k.Ptr(), v.Ptr(), o, lse, int64(H), int64(H), int64(T), int64(T), scale, causal}}
+	}
+	fwdFMA := func(o, lse alloc.Ptr) launch {
+		return launch{fn("attention_fwd_bf16"), B * H * T / 64, 64,
+			[]any{q.Ptr(), k.Ptr(), v.Ptr(), alloc.Ptr(0), o, lse, int64(B), int64(H), int64(H), int64(T), int64(T),
+				int64(hd), int64(0), int64(0), int64(0), int64(0), scale, causal, int64(0)}}
+	}
+	bwdMMA := []launch{
+		{fn("attention_grad_dot_bf16"), B * H * T * 8 / 256, 256, []any{g.Ptr(), o.Ptr(), dot.Ptr(), int64(B * H * T), int64(hd)}},
+		{fn(fmt.Sprintf("attention_grad_q_mma_d%d_bf16", hd)), B * H * T / 64, 128,
+			[]any{g.Ptr(), q.Ptr(), k.Ptr(), v.Ptr(), o.Ptr(), lse.Ptr(), dq.Ptr(), int64(H), int64(H), int64(T), int64(T), scale, causal}},
+		{fn(fmt.Sprintf("attention_grad_kv_mma_d%d_bf16", hd)), B * H * T / 64, 128,
+			[]any{g.Ptr(), q.Ptr(), k.Ptr(), v.Ptr(), lse.Ptr(), dot.Ptr(), dkv.Ptr(), int64(H), int64(H), int64(T), int64(T), scale, causal}},
+	}
+	plain := func(name string, out alloc.Ptr) launch {
+		return launch{fn(name), B * H * T / 64, 64,
+			[]any{g.Ptr(), q.Ptr(), k.Ptr(), v.Ptr(), o.Ptr(), lse.Ptr(), alloc.Ptr(0), out, int64(B), int64(H), int64(H), int64(T), int64(T),
+				int64(hd), int64(0), int64(0), int64(0), int64(0), scale, causal, int64(0)}}
+	}
+	bwdFMA := []launch{plain("attention_grad_q_bf16", dq.Ptr()), plain("attention_grad_kv_bf16", dkv.Ptr())}
+	run := func(ls []launch) error {
+		for _, l := range ls {
+			if err := m.Launch(l.f, [3]uint32{l.grid, 1, 1}, [3]uint32{l.block, 1, 1}, 0, l.args...); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	// o and lse of the real forward pass, so that p = exp(s − lse) is what
+	// training sees.
+	require.NoError(b, run([]launch{fwdMMA(o.Ptr(), lse.Ptr())}))
+	require.NoError(b, d.Synchronize())
+	flops := map[string]float64{"bwd": 10.0 * B * H * T * T * hd / 2, "fwdbwd": 14.0 * B * H * T * T * hd / 2}
+	for _, c := range []struct {
+		name string
+		ls   []launch
+	}{
+		{"bwd_mma", bwdMMA},
+		{"bwd_fma", bwdFMA},
+		// The training step's launches: o, then lse (attention_lse), then the
+		// gradients; o and lse are written to spare blocks.
+		{"fwdbwd_mma", append([]launch{fwdMMA(dq.Ptr(), 0), fwdMMA(0, dot.Ptr())}, bwdMMA...)},
+		{"fwdbwd_fma", append([]launch{fwdFMA(dq.Ptr(), 0), fwdFMA(0, dot.Ptr())}, bwdFMA...)},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			require.NoError(b, run(c.ls))
+			require.NoError(b, d.Synchronize())
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := run(c.ls); err != nil {
+					b.Fatal(err)
+				}
+			}
+			require.NoError(b, d.Synchronize())
+			kind := c.name[:len(c.name)-4]
+			b.ReportMetric(flops[kind]*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+		})
 	}
 }
