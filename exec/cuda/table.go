@@ -71,7 +71,10 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block
 //     sums of a split column reduction; batch_norm and its gradients:
 //     per-channel mean and rstd in double (norm.go);
 //   - sum, mean and max with few outputs and long reductions: the partials
-//     of a split reduction (reduce.go).
+//     of a split reduction (reduce.go);
+//   - attention_grad_kv on tensor cores (16-bit, head dim 64 or 128, no
+//     mask): the float32 row term D = Σ g∘o of every query row
+//     (attention.go).
 //
 // The kernels compute in float32, so partials and sums count 4-byte floats
 // (or 8-byte doubles) whatever the node's dtype; copies of values (conv2d's

@@ -1,6 +1,7 @@
 // attention.cu: fused scaled dot-product attention, FlashAttention-2 style,
-// with plain fp32 FMAs, and a tensor-core forward for 16-bit values at head
-// dims 64 and 128 (attention_fwd_mma, at the end). Every plain kernel is
+// with plain fp32 FMAs, and tensor-core kernels for 16-bit values at head
+// dims 64 and 128 without a mask (attention_fwd_mma, attention_grad_q_mma,
+// attention_grad_kv_mma, at the end). Every plain kernel is
 // templated on the storage type T of q, k, v, o, g and the outputs o, dq,
 // dk|dv, and instantiated for float32, bfloat16 and float16 (FOR_FLOATS):
 // 16-bit values are widened as they are staged, all arithmetic is float32,
