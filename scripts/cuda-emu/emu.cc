@@ -1,0 +1,103 @@
+#include "emu.h"
+
+EmuThread* emu_threads;
+int emu_nthreads, emu_cur;
+ucontext_t emu_sched;
+dim3u emu_blockIdx, emu_blockDim, emu_gridDim;
+char emu_smem_anchor[16];
+WarpBuf emu_wb[64];
+
+static std::function<void()>* emu_fn;
+static void emu_entry() {
+  (*emu_fn)();
+  emu_threads[emu_cur].state = ST_DONE;
+  // returning switches to uc_link (the scheduler)
+}
+
+static const size_t STACK = 256 << 10;
+
+void emu_launch(unsigned grid, unsigned block, std::function<void()> f) {
+  static std::vector<EmuThread> threads;
+  if (threads.size() < block) {
+    size_t old = threads.size();
+    threads.resize(block);
+    for (size_t i = old; i < block; ++i) threads[i].stack = (char*)malloc(STACK);
+    // stacks of earlier entries are kept: resize moves the structs, stacks stay
+  }
+  emu_threads = threads.data();
+  emu_nthreads = block;
+  emu_fn = &f;
+  emu_blockDim = {block, 1, 1};
+  emu_gridDim = {grid, 1, 1};
+  for (unsigned bk = 0; bk < grid; ++bk) {
+    emu_blockIdx = {bk, 0, 0};
+    for (unsigned t = 0; t < block; ++t) {
+      EmuThread& th = threads[t];
+      th.tid = {t, 0, 0};
+      th.state = ST_READY;
+      th.kind = 0;
+      getcontext(&th.ctx);
+      th.ctx.uc_stack.ss_sp = th.stack;
+      th.ctx.uc_stack.ss_size = STACK;
+      th.ctx.uc_link = &emu_sched;
+      makecontext(&th.ctx, emu_entry, 0);
+    }
+    for (;;) {
+      for (unsigned t = 0; t < block; ++t) {
+        if (threads[t].state != ST_READY) continue;
+        emu_cur = t;
+        swapcontext(&emu_sched, &threads[t].ctx);
+      }
+      bool released = false, alldone = true, anyblock = false, allblock = true;
+      for (unsigned t = 0; t < block; ++t) {
+        int s = threads[t].state;
+        if (s != ST_DONE) alldone = false;
+        if (s == ST_BLOCK) anyblock = true;
+        if (s == ST_WARP) allblock = false;
+      }
+      if (alldone) break;
+      // warps
+      for (unsigned w = 0; w * 32 < block; ++w) {
+        unsigned n = 0;
+        int kind = -1;
+        bool mismatch = false;
+        for (unsigned l = 0; l < 32 && w * 32 + l < block; ++l) {
+          EmuThread& th = threads[w * 32 + l];
+          if (th.state == ST_WARP) {
+            ++n;
+            if (kind < 0) kind = th.kind;
+            else if (kind != th.kind) mismatch = true;
+          }
+        }
+        if (n == 32) {
+          if (mismatch) { emu_cur = w * 32; emu_fail("mismatched warp collectives"); }
+          for (unsigned l = 0; l < 32; ++l) threads[w * 32 + l].state = ST_READY;
+          released = true;
+        }
+      }
+      if (!released && anyblock && allblock) {
+        for (unsigned t = 0; t < block; ++t)
+          if (threads[t].state == ST_BLOCK) threads[t].state = ST_READY;
+        released = true;
+      }
+      if (!released) {
+        emu_cur = 0;
+        for (unsigned t = 0; t < block; ++t) fprintf(stderr, "%d", threads[t].state);
+        fprintf(stderr, "\n");
+        emu_fail("deadlock (divergent collective or barrier)");
+      }
+    }
+  }
+}
+
+void* emu_alloc(size_t bytes) {
+  const size_t pg = 4096;
+  size_t body = (bytes + 15) / 16 * 16;
+  size_t pages = (body + pg - 1) / pg;
+  char* m = (char*)mmap(nullptr, (pages + 2) * pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  mprotect(m, pg, PROT_NONE);
+  mprotect(m + (pages + 1) * pg, pg, PROT_NONE);
+  char* p = m + (pages + 1) * pg - body;
+  memset(p, 0xff, body);  // NaN-ish garbage
+  return p;
+}
