@@ -422,6 +422,14 @@ __device__ __forceinline__ void ldsm4t(unsigned* r, unsigned addr) {
                : "r"(addr));
 }
 
+// ldsm4 is ldsm4t without the transpose: lane gets elements (row gid;
+// columns 2tig, 2tig+1) of each matrix.
+__device__ __forceinline__ void ldsm4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // ld32 reads the two 16-bit values at p (4-byte aligned) as one register.
 __device__ __forceinline__ unsigned ld32(const void* p) { return *static_cast<const unsigned*>(p); }
 
@@ -735,7 +743,7 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
   constexpr int KC = D / 16;               // 16-wide chunks of the head dim
   constexpr int NT = SUB / 8;              // 8-key column tiles of s and dp
   constexpr int DT = D / 8;                // 8-wide column tiles of dq
-  static_assert(KEYS % SUB == 0, "whole steps");
+  static_assert(KEYS % SUB == 0 && NT % 2 == 0, "whole steps, pairs of 8-key tiles");
   __shared__ __align__(16) unsigned short sk[KEYS * LD];
   __shared__ __align__(16) unsigned short sv[KEYS * LD];
 
@@ -779,10 +787,18 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
   float acc[DT][4];
 #pragma unroll
   for (int t = 0; t < DT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-  // ldmatrix.trans row addresses of k as the B operand of ds·k (k index =
-  // key, n = head dim), as attention_fwd_mma reads v.
+  // ldmatrix row addresses. Lane l names row l % 8 of matrix m = l / 8.
+  // B operand of ds·k (k index = key, n = head dim), k through .trans as
+  // attention_fwd_mma reads v: matrices (keys + 8·(m & 1), dims + 8·(m >>
+  // 1)), so r[0], r[1] are the B fragment of one 8-dim tile, r[2], r[3] of
+  // the next. B operands of q·kᵀ and g·vᵀ (k index = head dim, n = key),
+  // the rows as they are: matrices (keys + 8·(m >> 1), dims + 8·(m & 1)),
+  // so r[0], r[1] are the B fragment of one 8-key tile, r[2], r[3] of the
+  // next.
   const int mat = lane >> 3;
   const unsigned sk_lane = smem_addr(sk + ((lane & 7) + 8 * (mat & 1)) * LD + 8 * (mat >> 1));
+  const int brow = ((lane & 7) + 8 * (mat >> 1)) * LD + 8 * (mat & 1);
+  const unsigned sk_b = smem_addr(sk + brow), sv_b = smem_addr(sv + brow);
 
   const i64 send = causal ? imin(S, imin(T_, i0 + ATT_MMA_ROWS)) : S;
   for (i64 j0 = 0; j0 < send; j0 += KEYS) {
@@ -796,22 +812,26 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
       // Causal: this and every later key is past every row of this warp.
       if (causal && j0 + c0 > i0 + warp * 16 + 15) break;
 
-      // s = q·kᵀ and dp = g·vᵀ, 16 rows × SUB keys: B fragments straight
-      // from the k and v rows (key n = gid of the 8-key tile, dims 2tig..
-      // and 2tig + 8..).
+      // s = q·kᵀ and dp = g·vᵀ, 16 rows × SUB keys: B fragments of two
+      // 8-key tiles per ldmatrix of the k and v rows.
       float s[NT][4], dp[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
         dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
-        const unsigned short* kr = sk + (c0 + nt * 8 + gid) * LD + 2 * tig;
-        const unsigned short* vr = sv + (c0 + nt * 8 + gid) * LD + 2 * tig;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
-          const unsigned bk[2] = {ld32(kr + kc * 16), ld32(kr + kc * 16 + 8)};
-          mma16816<T>(s[nt], qa[kc], bk);
-          const unsigned bv[2] = {ld32(vr + kc * 16), ld32(vr + kc * 16 + 8)};
-          mma16816<T>(dp[nt], ga[kc], bv);
+          const unsigned off = (unsigned)(((c0 + nt * 8) * LD + kc * 16) * 2);
+          unsigned bf[4];
+          ldsm4(bf, sk_b + off);
+          mma16816<T>(s[nt], qa[kc], bf);
+          mma16816<T>(s[nt + 1], qa[kc], bf + 2);
+          ldsm4(bf, sv_b + off);
+          mma16816<T>(dp[nt], ga[kc], bf);
+          mma16816<T>(dp[nt + 1], ga[kc], bf + 2);
         }
       }
       // ds = p·(dp − D) into s; hidden keys get p = 0.
@@ -872,6 +892,7 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
   constexpr int NT = SUB / 8;             // 8-query column tiles of sᵀ and dpᵀ
   constexpr int DT = D / 8;               // 8-wide column tiles of dk and dv
   static_assert(KEYS % BQ == 0 && BQ % SUB == 0, "causal query tiles start at the block's first key");
+  static_assert(NT % 2 == 0, "pairs of 8-query tiles");
   __shared__ __align__(16) unsigned short sk[KEYS * LD];
   __shared__ __align__(16) unsigned short sv[KEYS * LD];
   __shared__ __align__(16) unsigned short sq[BQ * LD];
@@ -887,10 +908,6 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
   const i64 k0 = j0 + warp * 16 + gid, k1 = k0 + 8;  // this thread's two keys
   att_mma_stage<D, KEYS>(sk, reinterpret_cast<const unsigned short*>(k) + bhk * S * D, j0, S);
   att_mma_stage<D, KEYS>(sv, reinterpret_cast<const unsigned short*>(v) + bhk * S * D, j0, S);
-  // This warp's 16 rows of k and v: A fragments at (row gid, dims 2tig..)
-  // of each 16-dim chunk, row gid + 8 at + 8·LD, dims 2tig + 8.. at + 8.
-  const unsigned short* ka = sk + (warp * 16 + gid) * LD + 2 * tig;
-  const unsigned short* va = sv + (warp * 16 + gid) * LD + 2 * tig;
 
   float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -898,11 +915,20 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
     dk[t][0] = dk[t][1] = dk[t][2] = dk[t][3] = 0.f;
     dv[t][0] = dv[t][1] = dv[t][2] = dv[t][3] = 0.f;
   }
-  // ldmatrix.trans row addresses of q and g as B operands (k index =
-  // query, n = head dim), as attention_fwd_mma reads v.
+  // ldmatrix row addresses. Lane l names row l % 8 of matrix m = l / 8.
+  // Matrices (rows + 8·(m & 1), dims + 8·(m >> 1)): as they are, the A
+  // fragment of 16 rows × 16 dims (this warp's k and v rows, for k·qᵀ and
+  // v·gᵀ); through .trans, the B fragments of two 8-dim tiles (q and g as
+  // the B operands of dsᵀ·q and pᵀ·g, k index = query, n = head dim), as
+  // attention_fwd_mma reads v. Matrices (rows + 8·(m >> 1), dims + 8·(m &
+  // 1)), as they are: the B fragments of two 8-query tiles (q and g rows
+  // for k·qᵀ and v·gᵀ, k index = head dim, n = query).
   const int mat = lane >> 3;
   const int lrow = ((lane & 7) + 8 * (mat & 1)) * LD + 8 * (mat >> 1);
+  const int brow = ((lane & 7) + 8 * (mat >> 1)) * LD + 8 * (mat & 1);
+  const unsigned sk_a = smem_addr(sk + warp * 16 * LD + lrow), sv_a = smem_addr(sv + warp * 16 * LD + lrow);
   const unsigned sq_lane = smem_addr(sq + lrow), sg_lane = smem_addr(sg + lrow);
+  const unsigned sq_b = smem_addr(sq + brow), sg_b = smem_addr(sg + brow);
 
   // Causal: queries before the block's first key see none of its keys.
   const i64 istart = causal ? j0 : 0;
@@ -926,8 +952,8 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
         // Causal: every query of the step is before every key of this warp.
         if (causal && i0 + c0 + SUB - 1 < j0 + warp * 16) continue;
 
-        // sᵀ = k·qᵀ and dpᵀ = v·gᵀ, 16 keys × SUB queries: B fragments
-        // straight from the q and g rows (query n = gid of the 8-query tile).
+        // sᵀ = k·qᵀ and dpᵀ = v·gᵀ, 16 keys × SUB queries: the k and v A
+        // fragments, and B fragments of two 8-query tiles, per ldmatrix.
         float s[NT][4], dp[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -936,18 +962,19 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
         }
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
-          const unsigned kf[4] = {ld32(ka + kc * 16), ld32(ka + 8 * LD + kc * 16),
-                                  ld32(ka + kc * 16 + 8), ld32(ka + 8 * LD + kc * 16 + 8)};
-          const unsigned vf[4] = {ld32(va + kc * 16), ld32(va + 8 * LD + kc * 16),
-                                  ld32(va + kc * 16 + 8), ld32(va + 8 * LD + kc * 16 + 8)};
+          unsigned kf[4], vf[4];
+          ldsm4(kf, sk_a + (unsigned)(kc * 16 * 2));
+          ldsm4(vf, sv_a + (unsigned)(kc * 16 * 2));
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const unsigned short* qr = sq + (c0 + nt * 8 + gid) * LD + 2 * tig + kc * 16;
-            const unsigned short* gr = sg + (c0 + nt * 8 + gid) * LD + 2 * tig + kc * 16;
-            const unsigned bq[2] = {ld32(qr), ld32(qr + 8)};
-            mma16816<T>(s[nt], kf, bq);
-            const unsigned bg[2] = {ld32(gr), ld32(gr + 8)};
-            mma16816<T>(dp[nt], vf, bg);
+          for (int nt = 0; nt < NT; nt += 2) {
+            const unsigned off = (unsigned)(((c0 + nt * 8) * LD + kc * 16) * 2);
+            unsigned bf[4];
+            ldsm4(bf, sq_b + off);
+            mma16816<T>(s[nt], kf, bf);
+            mma16816<T>(s[nt + 1], kf, bf + 2);
+            ldsm4(bf, sg_b + off);
+            mma16816<T>(dp[nt], vf, bf);
+            mma16816<T>(dp[nt + 1], vf, bf + 2);
           }
         }
         // pᵀ into s and dsᵀ = pᵀ·(dpᵀ − D) into dp; element e of tile nt is
