@@ -433,6 +433,23 @@ __device__ __forceinline__ void ldsm4(unsigned* r, unsigned addr) {
 // ld32 reads the two 16-bit values at p (4-byte aligned) as one register.
 __device__ __forceinline__ unsigned ld32(const void* p) { return *static_cast<const unsigned*>(p); }
 
+// cp_async16 copies 16 bytes from global src to the shared-space address
+// dst without staging them in registers (cp.async, sm_80 on), or writes 16
+// zero bytes there when !valid (src is not read then, but must be a valid
+// address). cp_async_commit closes the group of this thread's copies issued
+// since the last one; cp_async_wait<N> waits until at most the N newest
+// groups are in flight. Each thread waits for its own copies: a
+// __syncthreads after the wait makes every thread's visible to all.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // att_mma_stage copies rows [j0, j0 + ROWS) of the [S, D] matrix src into
 // dst (row stride D + 8 elements), zeros past row S, 16 bytes at a time,
 // the ATT_MMA_THREADS threads of the block sharing the work.
@@ -450,6 +467,23 @@ __device__ __forceinline__ void att_mma_stage(unsigned short* dst, const unsigne
     v.x = v.y = v.z = v.w = 0u;
     if (j0 + r < S) v = *reinterpret_cast<const uint4*>(src + (j0 + r) * D + c);
     *reinterpret_cast<uint4*>(dst + r * LD + c) = v;
+  }
+}
+
+// att_mma_stage_async is att_mma_stage through cp_async16, into the
+// shared-space address dst: the copies join the thread's open group.
+template <int D, int ROWS>
+__device__ __forceinline__ void att_mma_stage_async(unsigned dst, const unsigned short* src, i64 j0,
+                                                    i64 S) {
+  constexpr int PER_ROW = D / 8;  // 16-byte pieces per row
+  constexpr int LD = D + 8;
+  static_assert(ROWS * PER_ROW % ATT_MMA_THREADS == 0, "whole pieces per thread");
+#pragma unroll
+  for (int it = 0; it < ROWS * PER_ROW / ATT_MMA_THREADS; ++it) {
+    const int x = threadIdx.x + it * ATT_MMA_THREADS;
+    const int r = x / PER_ROW, c = (x % PER_ROW) * 8;
+    const bool in = j0 + r < S;
+    cp_async16(dst + (unsigned)((r * LD + c) * 2), in ? src + (j0 + r) * D + c : src, in);
   }
 }
 
@@ -650,19 +684,22 @@ attention_fwd_mma_d128_f16(const f16* q, const f16* k, const f16* v, f16* o, flo
 //   pass's workspace (the dq pass computes its rows' D itself).
 //   attention_grad_q_mma: a block of 4 warps per 64 query rows of one
 //   (b, h), 16 rows a warp with q and g as A fragments in registers; key
-//   tiles (64 keys at d = 64, 32 at d = 128) staged in shared memory;
-//   s = q·kᵀ and dp = g·vᵀ take k and v rows as B fragments, dq += ds·k
-//   takes k through ldmatrix.trans.
+//   tiles (64 keys at d = 64, 32 at d = 128, walked 32 keys a step) staged
+//   in shared memory, two buffers, tile it + 1 copied in by cp.async while
+//   tile it is read; s = q·kᵀ and dp = g·vᵀ take k and v rows as B
+//   fragments (ldmatrix), dq += ds·k takes k through ldmatrix.trans.
 //   attention_grad_kv_mma: a block of 4 warps per 64 keys of one (b, hkv),
 //   16 keys a warp; k and v stay in shared memory (A fragments of sᵀ = k·qᵀ
-//   and dpᵀ = v·gᵀ); the query tiles (64 rows at d = 64, 16 at d = 128, to
-//   fit 48 KiB of static shared memory) of every query head of the group
-//   are staged in turn with their lse and D, and pᵀ, dsᵀ (C fragments, keys
-//   by queries) become the A fragments of dv += pᵀ·g and dk += dsᵀ·q (g and
-//   q through ldmatrix.trans).
+//   and dpᵀ = v·gᵀ, ldmatrix); the query tiles (32 rows at d = 64, double
+//   buffered as above; 16 at d = 128, one buffer, to fit 48 KiB of static
+//   shared memory) of every query head of the group are staged in turn
+//   with their lse and D, and pᵀ, dsᵀ (C fragments, keys by queries) become
+//   the A fragments of dv += pᵀ·g and dk += dsᵀ·q (g and q through
+//   ldmatrix.trans).
 // Causal: the dq pass stops at the tile's last query, the dk|dv pass starts
 // at its first key (BQ divides 64), a warp whose rows the tile hides whole
 // skips it, and the diagonal tiles are masked element by element.
+// scripts/cuda-emu checks these kernels on the host (no GPU).
 
 // lo16 and hi16 widen the low and high 16-bit halves of a register.
 template <typename T>
@@ -728,6 +765,14 @@ __device__ __forceinline__ float att_row_lse(const float* lse, i64 row, bool liv
   return l == neg_inf_f() ? -neg_inf_f() : l;
 }
 
+// att_row_vals reads the lse (att_row_lse) and D of query row i of the
+// head whose rows start at row0 (0 past T).
+__device__ __forceinline__ void att_row_vals(const float* lse, const float* dot, i64 row0, i64 i,
+                                             i64 T, float& l, float& d) {
+  l = att_row_lse(lse, row0 + i, i < T);
+  d = i < T ? dot[row0 + i] : 0.f;
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
                                                       const T* __restrict__ q,
@@ -743,9 +788,12 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
   constexpr int KC = D / 16;               // 16-wide chunks of the head dim
   constexpr int NT = SUB / 8;              // 8-key column tiles of s and dp
   constexpr int DT = D / 8;                // 8-wide column tiles of dq
+  constexpr unsigned BUF = KEYS * LD * 2;  // bytes of one staged tile
   static_assert(KEYS % SUB == 0 && NT % 2 == 0, "whole steps, pairs of 8-key tiles");
-  __shared__ __align__(16) unsigned short sk[KEYS * LD];
-  __shared__ __align__(16) unsigned short sv[KEYS * LD];
+  // Two buffers each: tile it + 1 is copied in (cp.async) while tile it
+  // is read.
+  __shared__ __align__(16) unsigned short sk[2 * KEYS * LD];
+  __shared__ __align__(16) unsigned short sv[2 * KEYS * LD];
 
   const i64 tiles = (T_ + ATT_MMA_ROWS - 1) / ATT_MMA_ROWS;
   const i64 bh = (i64)blockIdx.x / tiles, i0 = ((i64)blockIdx.x % tiles) * ATT_MMA_ROWS;
@@ -800,12 +848,26 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
   const int brow = ((lane & 7) + 8 * (mat >> 1)) * LD + 8 * (mat & 1);
   const unsigned sk_b = smem_addr(sk + brow), sv_b = smem_addr(sv + brow);
 
+  // Causal: keys past the tile's last query are hidden from every row.
   const i64 send = causal ? imin(S, imin(T_, i0 + ATT_MMA_ROWS)) : S;
-  for (i64 j0 = 0; j0 < send; j0 += KEYS) {
-    __syncthreads();  // the previous tile's readers are done
-    att_mma_stage<D, KEYS>(sk, kb, j0, S);
-    att_mma_stage<D, KEYS>(sv, vb, j0, S);
-    __syncthreads();
+  const i64 n = (send + KEYS - 1) / KEYS;  // key tiles
+  const unsigned sk0 = smem_addr(sk), sv0 = smem_addr(sv);
+  if (n > 0) {
+    att_mma_stage_async<D, KEYS>(sk0, kb, 0, S);
+    att_mma_stage_async<D, KEYS>(sv0, vb, 0, S);
+  }
+  cp_async_commit();
+  for (i64 it = 0; it < n; ++it) {
+    const i64 j0 = it * KEYS;
+    const unsigned cur = (unsigned)(it & 1) * BUF;  // this tile's buffer (byte offset)
+    __syncthreads();  // the readers of the other buffer (tile it − 1) are done
+    if (it + 1 < n) {
+      att_mma_stage_async<D, KEYS>(sk0 + (BUF - cur), kb, j0 + KEYS, S);
+      att_mma_stage_async<D, KEYS>(sv0 + (BUF - cur), vb, j0 + KEYS, S);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // this thread's copies of tile it have landed
+    __syncthreads();     // and every thread's
     // Sub-tiles of SUB keys bound the registers that s and dp take.
 #pragma unroll 1
     for (int c0 = 0; c0 < KEYS; c0 += SUB) {
@@ -826,10 +888,10 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
         for (int kc = 0; kc < KC; ++kc) {
           const unsigned off = (unsigned)(((c0 + nt * 8) * LD + kc * 16) * 2);
           unsigned bf[4];
-          ldsm4(bf, sk_b + off);
+          ldsm4(bf, sk_b + cur + off);
           mma16816<T>(s[nt], qa[kc], bf);
           mma16816<T>(s[nt + 1], qa[kc], bf + 2);
-          ldsm4(bf, sv_b + off);
+          ldsm4(bf, sv_b + cur + off);
           mma16816<T>(dp[nt], ga[kc], bf);
           mma16816<T>(dp[nt + 1], ga[kc], bf + 2);
         }
@@ -856,7 +918,7 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
 #pragma unroll
         for (int t = 0; t < DT; t += 2) {
           unsigned bf[4];
-          ldsm4t(bf, sk_lane + (unsigned)(((c0 + kc * 16) * LD + t * 8) * 2));
+          ldsm4t(bf, sk_lane + cur + (unsigned)(((c0 + kc * 16) * LD + t * 8) * 2));
           mma16816<T>(acc[t], da, bf);
           mma16816<T>(acc[t + 1], da, bf + 2);
         }
@@ -885,18 +947,22 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
                                                        T* __restrict__ dkv, i64 H, i64 Hkv,
                                                        i64 T_, i64 S, float scale, bool causal) {
   constexpr int KEYS = ATT_MMA_KEYS;      // keys per block (16 per warp)
-  constexpr int BQ = D == 64 ? 64 : 16;   // query rows per staged tile
-  constexpr int SUB = D == 64 ? 32 : 16;  // queries per step within the tile
+  constexpr int BQ = D == 64 ? 32 : 16;   // query rows per staged tile
+  constexpr int NBUF = D == 64 ? 2 : 1;   // buffers of q and g tiles
   constexpr int LD = D + 8;               // shared row stride (elements)
   constexpr int KC = D / 16;              // 16-wide chunks of the head dim
-  constexpr int NT = SUB / 8;             // 8-query column tiles of sᵀ and dpᵀ
+  constexpr int NT = BQ / 8;              // 8-query column tiles of sᵀ and dpᵀ
   constexpr int DT = D / 8;               // 8-wide column tiles of dk and dv
-  static_assert(KEYS % BQ == 0 && BQ % SUB == 0, "causal query tiles start at the block's first key");
+  constexpr unsigned QBUF = BQ * LD * 2;  // bytes of one staged q or g tile
+  static_assert(KEYS % BQ == 0, "causal query tiles start at the block's first key");
   static_assert(NT % 2 == 0, "pairs of 8-query tiles");
+  // k and v stay; q and g tiles are double-buffered at d = 64 (tile it + 1
+  // is copied in by cp.async while tile it is read); at d = 128 a second
+  // buffer would pass 48 KiB, so the copy of a tile waits for the last.
   __shared__ __align__(16) unsigned short sk[KEYS * LD];
   __shared__ __align__(16) unsigned short sv[KEYS * LD];
-  __shared__ __align__(16) unsigned short sq[BQ * LD];
-  __shared__ __align__(16) unsigned short sg[BQ * LD];
+  __shared__ __align__(16) unsigned short sq[NBUF * BQ * LD];
+  __shared__ __align__(16) unsigned short sg[NBUF * BQ * LD];
   __shared__ float sl[BQ];  // lse of the staged queries (att_row_lse)
   __shared__ float sd[BQ];  // D of the staged queries
 
@@ -930,90 +996,117 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
   const unsigned sq_lane = smem_addr(sq + lrow), sg_lane = smem_addr(sg + lrow);
   const unsigned sq_b = smem_addr(sq + brow), sg_b = smem_addr(sg + brow);
 
-  // Causal: queries before the block's first key see none of its keys.
+  // The query tiles of every query head of the group in turn: tile it is
+  // rows [i0, i0 + BQ) of head hk·group + it / per. Causal: queries before
+  // the block's first key see none of its keys.
   const i64 istart = causal ? j0 : 0;
-  for (i64 h = hk * group; h < (hk + 1) * group; ++h) {
-    const i64 bh = b * H + h;
-    const unsigned short* qb = reinterpret_cast<const unsigned short*>(q) + bh * T_ * D;
-    const unsigned short* gb = reinterpret_cast<const unsigned short*>(g) + bh * T_ * D;
-    for (i64 i0 = istart; i0 < T_; i0 += BQ) {
-      __syncthreads();  // the previous tile's readers are done
-      att_mma_stage<D, BQ>(sq, qb, i0, T_);
-      att_mma_stage<D, BQ>(sg, gb, i0, T_);
-      if (threadIdx.x < BQ) {
-        const i64 i = i0 + threadIdx.x;
-        sl[threadIdx.x] = att_row_lse(lse, bh * T_ + i, i < T_);
-        sd[threadIdx.x] = i < T_ ? dot[bh * T_ + i] : 0.f;
+  const i64 per = istart < T_ ? (T_ - istart + BQ - 1) / BQ : 0, n = group * per;
+  const i64 bh0 = b * H + hk * group;
+  const unsigned short* qb = reinterpret_cast<const unsigned short*>(q);
+  const unsigned short* gb = reinterpret_cast<const unsigned short*>(g);
+  const unsigned sq0 = smem_addr(sq), sg0 = smem_addr(sg);
+  // lse (att_row_lse) and D of query row threadIdx.x < BQ of the next tile,
+  // read while the current one is worked on.
+  float nl = 0.f, nd = 0.f;
+  if (n > 0) {
+    att_mma_stage_async<D, BQ>(sq0, qb + bh0 * T_ * D, istart, T_);
+    att_mma_stage_async<D, BQ>(sg0, gb + bh0 * T_ * D, istart, T_);
+    if (threadIdx.x < BQ) att_row_vals(lse, dot, bh0 * T_, istart + threadIdx.x, T_, nl, nd);
+  }
+  cp_async_commit();
+  for (i64 it = 0; it < n; ++it) {
+    const i64 i0 = istart + (it % per) * BQ;
+    const unsigned cur = NBUF == 2 ? (unsigned)(it & 1) * QBUF : 0u;  // this tile's buffer
+    __syncthreads();  // the readers of what is written below (tile it − 1) are done
+    if (threadIdx.x < BQ) {
+      sl[threadIdx.x] = nl;
+      sd[threadIdx.x] = nd;
+    }
+    if (NBUF == 2) {
+      if (it + 1 < n) {
+        const i64 bh = bh0 + (it + 1) / per, i1 = istart + ((it + 1) % per) * BQ;
+        att_mma_stage_async<D, BQ>(sq0 + (QBUF - cur), qb + bh * T_ * D, i1, T_);
+        att_mma_stage_async<D, BQ>(sg0 + (QBUF - cur), gb + bh * T_ * D, i1, T_);
       }
-      __syncthreads();
-      // Sub-tiles of SUB queries bound the registers that sᵀ and dpᵀ take.
-#pragma unroll 1
-      for (int c0 = 0; c0 < BQ; c0 += SUB) {
-        // Causal: every query of the step is before every key of this warp.
-        if (causal && i0 + c0 + SUB - 1 < j0 + warp * 16) continue;
+      cp_async_commit();
+      cp_async_wait<1>();  // this thread's copies of tile it have landed
+    } else {
+      if (it > 0) {
+        const i64 bh = bh0 + it / per;
+        att_mma_stage_async<D, BQ>(sq0, qb + bh * T_ * D, i0, T_);
+        att_mma_stage_async<D, BQ>(sg0, gb + bh * T_ * D, i0, T_);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    if (threadIdx.x < BQ && it + 1 < n) {
+      const i64 bh = bh0 + (it + 1) / per, i1 = istart + ((it + 1) % per) * BQ;
+      att_row_vals(lse, dot, bh * T_, i1 + threadIdx.x, T_, nl, nd);
+    }
+    __syncthreads();  // tile it, its lse and D are in place for every thread
+    // Causal: every query of the tile is before every key of this warp.
+    if (causal && i0 + BQ - 1 < j0 + warp * 16) continue;
 
-        // sᵀ = k·qᵀ and dpᵀ = v·gᵀ, 16 keys × SUB queries: the k and v A
-        // fragments, and B fragments of two 8-query tiles, per ldmatrix.
-        float s[NT][4], dp[NT][4];
+    // sᵀ = k·qᵀ and dpᵀ = v·gᵀ, 16 keys × BQ queries: the k and v A
+    // fragments, and B fragments of two 8-query tiles, per ldmatrix.
+    float s[NT][4], dp[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-          dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
-        }
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+    }
 #pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-          unsigned kf[4], vf[4];
-          ldsm4(kf, sk_a + (unsigned)(kc * 16 * 2));
-          ldsm4(vf, sv_a + (unsigned)(kc * 16 * 2));
+    for (int kc = 0; kc < KC; ++kc) {
+      unsigned kf[4], vf[4];
+      ldsm4(kf, sk_a + (unsigned)(kc * 16 * 2));
+      ldsm4(vf, sv_a + (unsigned)(kc * 16 * 2));
 #pragma unroll
-          for (int nt = 0; nt < NT; nt += 2) {
-            const unsigned off = (unsigned)(((c0 + nt * 8) * LD + kc * 16) * 2);
-            unsigned bf[4];
-            ldsm4(bf, sq_b + off);
-            mma16816<T>(s[nt], kf, bf);
-            mma16816<T>(s[nt + 1], kf, bf + 2);
-            ldsm4(bf, sg_b + off);
-            mma16816<T>(dp[nt], vf, bf);
-            mma16816<T>(dp[nt + 1], vf, bf + 2);
-          }
-        }
-        // pᵀ into s and dsᵀ = pᵀ·(dpᵀ − D) into dp; element e of tile nt is
-        // key k0 (e < 2) or k1 and staged query c = c0 + nt·8 + 2tig + (e & 1).
+      for (int nt = 0; nt < NT; nt += 2) {
+        const unsigned off = cur + (unsigned)((nt * 8 * LD + kc * 16) * 2);
+        unsigned bf[4];
+        ldsm4(bf, sq_b + off);
+        mma16816<T>(s[nt], kf, bf);
+        mma16816<T>(s[nt + 1], kf, bf + 2);
+        ldsm4(bf, sg_b + off);
+        mma16816<T>(dp[nt], vf, bf);
+        mma16816<T>(dp[nt + 1], vf, bf + 2);
+      }
+    }
+    // pᵀ into s and dsᵀ = pᵀ·(dpᵀ − D) into dp; element e of tile nt is
+    // key k0 (e < 2) or k1 and staged query c = nt·8 + 2tig + (e & 1).
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = c0 + nt * 8 + 2 * tig + (e & 1);
-            const i64 j = (e < 2) ? k0 : k1;
-            const float p = (j < S && !(causal && j > i0 + c)) ? expf(s[nt][e] * scale - sl[c]) : 0.f;
-            s[nt][e] = p;
-            dp[nt][e] = p * (dp[nt][e] - sd[c]);
-          }
-        }
-        // dv += pᵀ·g and dk += dsᵀ·q: two adjacent 8-query C tiles make the
-        // A fragment of one 16-query chunk (p and ds rounded to T).
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + 2 * tig + (e & 1);
+        const i64 j = (e < 2) ? k0 : k1;
+        const float p = (j < S && !(causal && j > i0 + c)) ? expf(s[nt][e] * scale - sl[c]) : 0.f;
+        s[nt][e] = p;
+        dp[nt][e] = p * (dp[nt][e] - sd[c]);
+      }
+    }
+    // dv += pᵀ·g and dk += dsᵀ·q: two adjacent 8-query C tiles make the A
+    // fragment of one 16-query chunk (p and ds rounded to T).
 #pragma unroll
-        for (int kc = 0; kc < SUB / 16; ++kc) {
-          const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                                  pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                                  pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                  pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-          const unsigned da[4] = {pack2<T>(dp[2 * kc][0], dp[2 * kc][1]),
-                                  pack2<T>(dp[2 * kc][2], dp[2 * kc][3]),
-                                  pack2<T>(dp[2 * kc + 1][0], dp[2 * kc + 1][1]),
-                                  pack2<T>(dp[2 * kc + 1][2], dp[2 * kc + 1][3])};
+    for (int kc = 0; kc < BQ / 16; ++kc) {
+      const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                              pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+      const unsigned da[4] = {pack2<T>(dp[2 * kc][0], dp[2 * kc][1]),
+                              pack2<T>(dp[2 * kc][2], dp[2 * kc][3]),
+                              pack2<T>(dp[2 * kc + 1][0], dp[2 * kc + 1][1]),
+                              pack2<T>(dp[2 * kc + 1][2], dp[2 * kc + 1][3])};
 #pragma unroll
-          for (int t = 0; t < DT; t += 2) {
-            const unsigned off = (unsigned)(((c0 + kc * 16) * LD + t * 8) * 2);
-            unsigned bf[4];
-            ldsm4t(bf, sg_lane + off);
-            mma16816<T>(dv[t], pa, bf);
-            mma16816<T>(dv[t + 1], pa, bf + 2);
-            ldsm4t(bf, sq_lane + off);
-            mma16816<T>(dk[t], da, bf);
-            mma16816<T>(dk[t + 1], da, bf + 2);
-          }
-        }
+      for (int t = 0; t < DT; t += 2) {
+        const unsigned off = cur + (unsigned)((kc * 16 * LD + t * 8) * 2);
+        unsigned bf[4];
+        ldsm4t(bf, sg_lane + off);
+        mma16816<T>(dv[t], pa, bf);
+        mma16816<T>(dv[t + 1], pa, bf + 2);
+        ldsm4t(bf, sq_lane + off);
+        mma16816<T>(dk[t], da, bf);
+        mma16816<T>(dk[t + 1], da, bf + 2);
       }
     }
   }
