@@ -6,11 +6,21 @@ ucontext_t emu_sched;
 dim3u emu_blockIdx, emu_blockDim, emu_gridDim;
 char emu_smem_anchor[16];
 WarpBuf emu_wb[64];
+// EMU_SCHED: 0 (default) warps advance one collective at a time in turn;
+// 1 each warp runs on to its next __syncthreads before the next moves
+// (warp 0 first), 2 the same from the last warp.
+int emu_sched_mode = getenv("EMU_SCHED") ? atoi(getenv("EMU_SCHED")) : 0;
+int emu_cp_early = getenv("EMU_CP_EARLY") && getenv("EMU_CP_EARLY")[0] == '1';
 
 static std::function<void()>* emu_fn;
 static void emu_entry() {
   (*emu_fn)();
-  emu_threads[emu_cur].state = ST_DONE;
+  EmuThread& t = emu_threads[emu_cur];
+  if (!t.open.empty()) emu_fail("cp.async copies never committed");
+  for (auto& g : t.groups)
+    if (!g.empty()) emu_fail("cp.async copies never waited for");
+  t.groups.clear();
+  t.state = ST_DONE;
   // returning switches to uc_link (the scheduler)
 }
 
@@ -36,17 +46,40 @@ void emu_launch(unsigned grid, unsigned block, std::function<void()> f) {
       th.tid = {t, 0, 0};
       th.state = ST_READY;
       th.kind = 0;
+      th.open.clear();
+      th.groups.clear();
       getcontext(&th.ctx);
       th.ctx.uc_stack.ss_sp = th.stack;
       th.ctx.uc_stack.ss_size = STACK;
       th.ctx.uc_link = &emu_sched;
       makecontext(&th.ctx, emu_entry, 0);
     }
+    const unsigned nw = (block + 31) / 32;
+    // releasable: every lane of warp w waits at one warp collective.
+    auto releasable = [&](unsigned w) {
+      int kind = -1;
+      for (unsigned l = 0; l < 32; ++l) {
+        if (w * 32 + l >= block) return false;
+        const EmuThread& th = threads[w * 32 + l];
+        if (th.state != ST_WARP || (kind >= 0 && th.kind != kind)) return false;
+        kind = th.kind;
+      }
+      return true;
+    };
     for (;;) {
-      for (unsigned t = 0; t < block; ++t) {
-        if (threads[t].state != ST_READY) continue;
-        emu_cur = t;
-        swapcontext(&emu_sched, &threads[t].ctx);
+      for (unsigned k = 0; k < nw; ++k) {
+        const unsigned w = emu_sched_mode == 2 ? nw - 1 - k : k;
+        for (;;) {
+          for (unsigned t = w * 32; t < block && t < w * 32 + 32; ++t) {
+            if (threads[t].state != ST_READY) continue;
+            emu_cur = t;
+            swapcontext(&emu_sched, &threads[t].ctx);
+          }
+          // Warp-serial modes run a warp on to its next __syncthreads (or
+          // its end) before the next warp moves at all.
+          if (emu_sched_mode == 0 || !releasable(w)) break;
+          for (unsigned l = 0; l < 32; ++l) threads[w * 32 + l].state = ST_READY;
+        }
       }
       bool released = false, alldone = true, anyblock = false, allblock = true;
       for (unsigned t = 0; t < block; ++t) {

@@ -35,13 +35,25 @@ struct float4 {
 };
 
 enum { ST_READY = 0, ST_WARP = 1, ST_BLOCK = 2, ST_DONE = 3 };
+struct EmuCopy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
 struct EmuThread {
   ucontext_t ctx;
   dim3u tid;
   int state;
   int kind;
   char* stack;
+  std::vector<EmuCopy> open;                 // cp.async copies not yet committed
+  std::vector<std::vector<EmuCopy>> groups;  // committed groups, oldest first
 };
+// cp.async timing: 0 copies at the wait (as late as allowed), 1 at the
+// issue (as early as possible). Run both: a read before the wait shows in
+// the first, a write over data still being read in the second.
+extern int emu_cp_early;
+extern int emu_sched_mode;
 extern EmuThread* emu_threads;
 extern int emu_nthreads, emu_cur;
 extern ucontext_t emu_sched;
@@ -187,3 +199,27 @@ void* emu_alloc(size_t bytes);
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline void atomicMin(unsigned long long* a, unsigned long long v) { if (v < *a) *a = v; }
+
+inline void emu_do_copy(const EmuCopy& c) {
+  if (c.valid) memcpy(c.dst, c.src, 16);
+  else memset(c.dst, 0, 16);
+}
+inline void emu_cp_async16(unsigned dst, const void* src, bool valid) {
+  if (dst % 16) emu_fail("cp.async shared address not 16-byte aligned");
+  if (valid && (uintptr_t)src % 16) emu_fail("cp.async global address not 16-byte aligned");
+  EmuCopy c{(void*)emu_smem_ptr(dst), src, valid};
+  if (emu_cp_early) emu_do_copy(c);
+  else emu_threads[emu_cur].open.push_back(c);
+}
+inline void emu_cp_commit() {
+  EmuThread& t = emu_threads[emu_cur];
+  t.groups.push_back(t.open);
+  t.open.clear();
+}
+inline void emu_cp_wait(int n) {
+  EmuThread& t = emu_threads[emu_cur];
+  while ((int)t.groups.size() > n) {
+    for (const EmuCopy& c : t.groups.front()) emu_do_copy(c);
+    t.groups.erase(t.groups.begin());
+  }
+}

@@ -34,6 +34,12 @@ REPL = [
      'inline void ldsm4t(unsigned* r, unsigned addr) { emu_ldsm4(r, addr, true); }'),
     (r'__device__ __forceinline__ void ldsm4\(',
      'inline void ldsm4(unsigned* r, unsigned addr) { emu_ldsm4(r, addr, false); }'),
+    (r'__device__ __forceinline__ void cp_async16\(',
+     'inline void cp_async16(unsigned dst, const void* src, bool valid) { emu_cp_async16(dst, src, valid); }'),
+    (r'__device__ __forceinline__ void cp_async_commit\(\)',
+     'inline void cp_async_commit() { emu_cp_commit(); }'),
+    (r'template <int N>\s*__device__ __forceinline__ void cp_async_wait\(\)',
+     'template <int N> inline void cp_async_wait() { emu_cp_wait(N); }'),
 ]
 
 
