@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""PyTorch's side of the attention kernel benchmark: F.scaled_dot_product_attention
+(is_causal=True, bf16) at the shapes of exec/cuda's BenchmarkAttentionForward
+and BenchmarkAttentionBackward, timed the way those time batchfit's kernels
+(launches back to back, one synchronisation around the lot):
+
+  fwd      [1, 16, 4096, d] for d in 64, 128, causal and not: the forward alone;
+  fwdbwd   [8, 12, T, 64], T in 1024, 4096, causal: forward, then backward
+           with a given output gradient (torch.autograd.grad), as a
+           training step runs them;
+  bwd      the backward alone, the forward's graph kept (retain_graph).
+
+TFLOP/s count FlashAttention's matrix products, halved under causal:
+4·B·H·T·S·d forward, 10·B·H·T·S·d backward (the Go benchmarks' count).
+The backend SDPA picked is printed (flash, efficient or cudnn, by
+torch.backends.cuda.*_sdp_enabled and the kernel names in the profile).
+
+  python3 bench/torch_attention.py [--iters 50]
+
+Prints one JSON line per case, with the median of --repeats timings of
+--iters launches each.
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, iters, repeats):
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / iters)
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, grad=False):
+        return (torch.rand(*shape, device=dev, generator=gen, dtype=torch.float32) * 2 - 1).to(dt).requires_grad_(grad)
+
+    cases = []
+    for d in (64, 128):
+        for causal in (False, True):
+            q, k, v = rnd(1, 16, 4096, d), rnd(1, 16, 4096, d), rnd(1, 16, 4096, d)
+            flops = 4.0 * 16 * 4096 * 4096 * d / (2 if causal else 1)
+            with torch.no_grad():
+                ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), args.iters, args.repeats)
+            cases.append({"case": f"fwd d{d} causal{int(causal)}", "shape": [1, 16, 4096, d], "ms": ms,
+                          "tflops": flops / ms / 1e9})
+    for T in (1024, 4096):
+        B, H, d = 8, 12, 64
+        q, k, v, g = rnd(B, H, T, d, grad=True), rnd(B, H, T, d, grad=True), rnd(B, H, T, d, grad=True), rnd(B, H, T, d)
+        fwd = 4.0 * B * H * T * T * d / 2
+        bwd = 10.0 * B * H * T * T * d / 2
+
+        def fwdbwd():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(o, (q, k, v), g)
+
+        ms = timed(fwdbwd, args.iters, args.repeats)
+        cases.append({"case": f"fwdbwd T{T}", "shape": [B, H, T, d], "ms": ms, "tflops": (fwd + bwd) / ms / 1e9})
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ms = timed(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True), args.iters, args.repeats)
+        cases.append({"case": f"bwd T{T}", "shape": [B, H, T, d], "ms": ms, "tflops": bwd / ms / 1e9})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), g)
+        torch.cuda.synchronize()
+    kernels = sorted({e.name for e in prof.events() if "attention" in e.name.lower() or "flash" in e.name.lower()
+                      or "fmha" in e.name.lower() or "sdpa" in e.name.lower()})
+    for c in cases:
+        print(json.dumps(c))
+    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "sdpa_kernels": kernels[:6]}))
+
+
+if __name__ == "__main__":
+    main()
