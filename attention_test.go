@@ -31,7 +31,7 @@ func TestFusedAttentionTrainsLikeWrittenOut(t *testing.T) {
 	cfg := models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16}
 	run := func(writtenOut bool) []float32 {
 		c := cfg
-		c.FusedAttention = !writtenOut
+		c.WrittenOutAttention = writtenOut
 		m := models.NewGPT(nn.Seed(22), c)
 		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 		opt := optim.NewAdam(1e-2)
@@ -65,7 +65,7 @@ func TestFusedAttentionTrainsLikeWrittenOut(t *testing.T) {
 func TestFusedAttentionHasNoTxTValue(t *testing.T) {
 	count := func(writtenOut bool) (tt, fused int) {
 		cfg := models.GPT2Small()
-		cfg.FusedAttention = !writtenOut
+		cfg.WrittenOutAttention = writtenOut
 		m := models.NewGPT(nn.Options{ShapeOnly: true}, cfg)
 		tokens := lazy.Placeholder([]int{2, 1024}, graph.Int64, 0)
 		targets := tokens.Graph().Placeholder([]int{2, 1024}, graph.Int64, 0)

@@ -121,7 +121,7 @@ func deepGPT() testutil.TrainModel { return deepGPTOf(false) }
 // deepGPTOf is deepGPT with fused attention, or written out.
 func deepGPTOf(writtenOut bool) testutil.TrainModel {
 	const seq, vocab = 128, 64
-	m := models.NewGPT(nn.Seed(24), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 4, Heads: 4, Dim: 32, FusedAttention: !writtenOut})
+	m := models.NewGPT(nn.Seed(24), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 4, Heads: 4, Dim: 32, WrittenOutAttention: writtenOut})
 	return testutil.TrainModel{Name: "gpt4", Build: func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
 		tokens := lazy.Wrap(testutil.Classes(rng, vocab, n, seq), 0)
 		targets := tokens.Graph().Wrap(testutil.Classes(rng, vocab, n, seq), 0)

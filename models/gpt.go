@@ -15,15 +15,15 @@ type GPTConfig struct {
 	Layers  int
 	Heads   int
 	Dim     int // model width; a multiple of Heads
-	// FusedAttention builds each block's attention with the fused op
-	// (lazy.Tensor.Attention), which keeps nothing [T, T]-sized: GPT-2
-	// small's batch-8 step at seq 1024 plans 9.4 GiB instead of 13.8 GiB.
-	// Off by default: attention is written out as PyTorch's eager code
-	// writes it (q·kᵀ, scale, causal_mask, softmax, ·v, each a [B, H, T, T]
-	// value kept for backward), because the fused op's CUDA kernels are
-	// plain fp32 FMA loops so far, and that step then takes 486 ms on the
-	// H100 against 203 ms written out (bench/RESULTS.md).
-	FusedAttention bool
+	// WrittenOutAttention builds each block's attention as PyTorch's eager
+	// code writes it (q·kᵀ, scale, causal_mask, softmax, ·v, each a
+	// [B, H, T, T] value kept for backward), for comparison. By default
+	// attention is the fused op (lazy.Tensor.Attention), which keeps nothing
+	// [T, T]-sized: GPT-2 small's batch-8 step at seq 1024 plans 9.4 GiB
+	// instead of 13.8 GiB in fp32. Its CUDA kernels run on tensor cores for
+	// 16-bit head dims 64 and 128 (bf16-mixed, fp16-mixed); in fp32 they are
+	// FMA loops, slower than the written-out GEMMs (bench/RESULTS.md).
+	WrittenOutAttention bool
 }
 
 // GPT2Small is GPT-2 small: 12 layers, width 768, 12 heads, 1024 positions,
@@ -124,7 +124,7 @@ type block struct{ nn.Children }
 
 func newBlock(opt nn.Options, cfg GPTConfig) *block {
 	d := cfg.Dim
-	attn := &attention{heads: cfg.Heads, writtenOut: !cfg.FusedAttention, Children: nn.NewChildren(
+	attn := &attention{heads: cfg.Heads, writtenOut: cfg.WrittenOutAttention, Children: nn.NewChildren(
 		nn.Child{Name: "c_attn", Module: linear(opt, d, 3*d)},
 		nn.Child{Name: "c_proj", Module: linear(opt, d, d)},
 	)}
@@ -155,7 +155,7 @@ func linear(opt nn.Options, in, out int) *nn.Linear {
 type attention struct {
 	nn.Children
 	heads      int
-	writtenOut bool // !GPTConfig.FusedAttention
+	writtenOut bool // GPTConfig.WrittenOutAttention
 }
 
 // Forward: q, k, v from one projection, softmax(q·kᵀ/√d + causal mask)·v per

@@ -34,7 +34,7 @@ func gpt(t *testing.T, opt nn.Options) model { return gptOf(t, opt, false) }
 
 // gptOf is the small GPT with fused attention, or written out.
 func gptOf(t *testing.T, opt nn.Options, writtenOut bool) model {
-	m := models.NewGPT(opt, models.GPTConfig{Vocab: 16, Context: 8, Layers: 2, Heads: 2, Dim: 8, FusedAttention: !writtenOut})
+	m := models.NewGPT(opt, models.GPTConfig{Vocab: 16, Context: 8, Layers: 2, Heads: 2, Dim: 8, WrittenOutAttention: writtenOut})
 	tok := lazy.Placeholder([]int{2, 8}, graph.Int64, 0)
 	tgt := tok.Graph().Placeholder([]int{2, 8}, graph.Int64, 0)
 	loss := models.Loss(m.Forward(tok), tgt)

@@ -59,7 +59,7 @@ type config struct {
 
 // registerFlags defines gobench's flags on fs, setting c.
 func registerFlags(fs *flag.FlagSet, c *config) {
-	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt, conv")
+	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv")
 	fs.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
 	fs.IntVar(&c.steps, "steps", 20, "timed steps")
 	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
@@ -167,18 +167,25 @@ func benchModels(c config) ([]benchModel, error) {
 			y := source(x.Graph(), data, []int{n}, graph.Int64, 10)
 			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
 		}}
-	cfg := models.GPT2Small()
-	cfg.Layers = c.gptLayers
-	gpt := benchModel{name: "gpt", seq: c.gptSeq, batch: c.gptBatch, tight: c.tightGPT, upper: 4096,
-		about: fmt.Sprintf("GPT-2 small shape (%d layers, width 768, 12 heads, vocab 50257, tied head), seq %d",
-			cfg.Layers, c.gptSeq),
-		optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
-		module: func(opt nn.Options) nn.Module { return models.NewGPT(opt, cfg) },
-		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
-			tok := source(nil, data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
-			tgt := source(tok.Graph(), data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
-			return models.Loss(m.(*models.GPT).Forward(tok), tgt), []*lazy.Tensor{tok, tgt}
-		}}
+	gptOf := func(name string, written bool) benchModel {
+		cfg := models.GPT2Small()
+		cfg.Layers = c.gptLayers
+		cfg.WrittenOutAttention = written
+		attn := "fused attention"
+		if written {
+			attn = "attention written out"
+		}
+		return benchModel{name: name, seq: c.gptSeq, batch: c.gptBatch, tight: c.tightGPT, upper: 4096,
+			about: fmt.Sprintf("GPT-2 small shape (%d layers, width 768, 12 heads, vocab 50257, tied head, %s), seq %d",
+				cfg.Layers, attn, c.gptSeq),
+			optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
+			module: func(opt nn.Options) nn.Module { return models.NewGPT(opt, cfg) },
+			build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+				tok := source(nil, data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
+				tgt := source(tok.Graph(), data, []int{n, c.gptSeq}, graph.Int64, cfg.Vocab)
+				return models.Loss(m.(*models.GPT).Forward(tok), tgt), []*lazy.Tensor{tok, tgt}
+			}}
+	}
 	convCfg := models.CIFAR10()
 	conv := benchModel{name: "conv", batch: c.convBatch, tight: c.tightConv, upper: 1 << 20,
 		about: fmt.Sprintf("ConvNet %d×%d×%d, conv 3×3 %v → ReLU → max-pool 2×2 per stage, linear %d, mean cross-entropy",
@@ -196,11 +203,13 @@ func benchModels(c config) ([]benchModel, error) {
 		case "mlp":
 			out = append(out, mlp)
 		case "gpt":
-			out = append(out, gpt)
+			out = append(out, gptOf("gpt", false))
+		case "gpt-written":
+			out = append(out, gptOf("gpt-written", true))
 		case "conv":
 			out = append(out, conv)
 		default:
-			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, conv)", name)
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv)", name)
 		}
 	}
 	return out, nil

@@ -130,15 +130,15 @@ func zoo() []zooModel {
 			models.GPTConfig{Vocab: 32, Context: 32, Layers: 2, Heads: 2, Dim: 32}),
 		gpt("gpt2-small", "GPT-2 small, 12 layers, width 768, 12 heads, 1024 positions, vocab 50257, tied head",
 			models.GPT2Small()),
-		gpt("gpt2-small-fused", "GPT-2 small with the fused attention op (nothing [B, 12, T, T] kept) instead of attention written out",
-			fused(models.GPT2Small())),
+		gpt("gpt2-small-written", "GPT-2 small with attention written out (q·kᵀ, scale, causal mask, softmax, ·v: five [B, 12, T, T] values) instead of the fused op",
+			writtenOut(models.GPT2Small())),
 	}
 }
 
-// fused is cfg with the fused attention op, for comparison with the
-// written-out attention the zoo's other GPTs use.
-func fused(cfg models.GPTConfig) models.GPTConfig {
-	cfg.FusedAttention = true
+// writtenOut is cfg with attention written out as PyTorch's eager code
+// writes it, for comparison with the fused op the zoo's other GPTs use.
+func writtenOut(cfg models.GPTConfig) models.GPTConfig {
+	cfg.WrittenOutAttention = true
 	return cfg
 }
 

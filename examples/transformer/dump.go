@@ -163,7 +163,7 @@ func (r *recorder) finish(losses []float32) error {
 func architecture(model *models.GPT) (dumpModel, error) {
 	cfg := model.Config()
 	d := dumpModel{Vocab: cfg.Vocab, Context: cfg.Context, Layers: cfg.Layers, Heads: cfg.Heads, Dim: cfg.Dim,
-		FusedAttention: cfg.FusedAttention, TiedHead: true, AttnScale: "1/sqrt(dim/heads)",
+		FusedAttention: !cfg.WrittenOutAttention, TiedHead: true, AttnScale: "1/sqrt(dim/heads)",
 		LinearLayout: "[out, in] (torch.nn.Linear's; Hugging Face's Conv1D stores the transpose)"}
 	type getter interface{ Get(string) nn.Module }
 	get := func(m nn.Module, path ...string) nn.Module {

@@ -167,7 +167,7 @@ func TestDump(t *testing.T) {
 	var man dumpManifest
 	require.NoError(t, json.Unmarshal(b, &man))
 	assert.Equal(t, dumpFormat, man.Format)
-	assert.Equal(t, dumpModel{Vocab: vocab, Context: maxSeq, Layers: 2, Heads: 2, Dim: 32, LayerNormEps: 1e-5,
+	assert.Equal(t, dumpModel{Vocab: vocab, Context: maxSeq, Layers: 2, Heads: 2, Dim: 32, FusedAttention: true, LayerNormEps: 1e-5,
 		GELU: "tanh", TiedHead: true, AttnScale: "1/sqrt(dim/heads)", LinearLayout: man.Model.LinearLayout}, man.Model)
 	assert.Equal(t, "bf16-mixed", man.Precision)
 	assert.Regexp(t, `^cpu: `, man.Device)

@@ -83,7 +83,7 @@ func FusedGPTModel(vocab int, dropout bool) TrainModel {
 
 func gptModel(name string, vocab int, dropout, fused bool) TrainModel {
 	const seq = 16
-	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16, FusedAttention: fused})
+	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16, WrittenOutAttention: !fused})
 	var step uint64
 	return TrainModel{name, func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
 		tokens := lazy.Wrap(Classes(rng, vocab, n, seq), 0)
