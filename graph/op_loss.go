@@ -75,7 +75,19 @@ func crossEntropy(attrs *Attrs, logits, labels Type) (Type, error) {
 		return Type{}, Errorf(ErrShape, "cross_entropy of an empty batch or zero classes: %v", logits.Shape)
 	}
 	lossScale(attrs, logits.Shape[0])
-	return Type{Shape: []int{}, DType: logits.DType, BatchAxis: -1, PerSample: 1}, nil
+	return Type{Shape: []int{}, DType: crossEntropyDType(logits.DType), BatchAxis: -1, PerSample: 1}, nil
+}
+
+// crossEntropyDType is the loss's dtype for logits of dtype dt: a 16-bit
+// cross_entropy reads its logits widened and computes in float32, and its
+// loss is float32 (the values autocast's cast-then-fp32 loss gives, since
+// widening is exact, without the float32 copy of the logits); its gradient
+// has the logits' dtype, rounded once.
+func crossEntropyDType(dt DType) DType {
+	if dt == BFloat16 || dt == Float16 {
+		return Float32
+	}
+	return dt
 }
 
 func mseRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) { return mse(attrs, in[0], in[1]) }

@@ -96,8 +96,11 @@ var classes = func() [graph.NumOps]class {
 	for _, op := range []graph.Op{graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpAttention} {
 		c[op] = lower
 	}
+	// cross_entropy is not among them: it reads 16-bit logits widened and
+	// computes in float32 itself (graph's rule), which spares the float32
+	// copy of the logits and of their gradient.
 	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpBatchNorm,
-		graph.OpCrossEntropy, graph.OpMSE, graph.OpSum, graph.OpMean,
+		graph.OpMSE, graph.OpSum, graph.OpMean,
 		graph.OpExp, graph.OpLog, graph.OpPow, graph.OpPowScalar, graph.OpRDivScalar} {
 		c[op] = widen
 	}

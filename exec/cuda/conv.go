@@ -210,7 +210,7 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		if !slices.Equal(b.shape, []int{int(o)}) {
 			return graph.Errorf(graph.ErrShape, "conv2d bias %v, want [%d]", b.shape, o)
 		}
-		if err := k.flat(typed(kBiasFill, dt), out.n(), out.p, b.p, wd.N, o, howo); err != nil {
+		if err := k.packs(typed(kBiasFill, dt), out.n(), perPack(dt), out.p, b.p, wd.N, o, howo); err != nil {
 			return err
 		}
 		beta = 1

@@ -6,9 +6,10 @@ import (
 )
 
 // Loss family (kernels/loss.cu): cross_entropy and mse, summed in double
-// through the workspace, and their gradients. Logits, predictions,
-// targets, g and the outputs (the loss too) share one float dtype; labels
-// are int64.
+// through the workspace, and their gradients. Predictions, targets, mse's
+// g and loss, logits and the gradients share one float dtype;
+// cross_entropy's loss and its gradient's g are float32 (a 16-bit
+// cross_entropy computes in float32, graph's rule); labels are int64.
 var lossKernels = family{
 	graph.OpCrossEntropy: {run: func(k *kctx, in []operand, out operand) error {
 		return k.crossEntropy(k.attrs(), in[0], in[1], out)
@@ -22,9 +23,9 @@ var lossKernels = family{
 		return k.mse(k.attrs(), in[0], in[1], out)
 	}, ws: func(*graph.Graph, *graph.Node, int) int64 { return mseBytes }},
 
-	graph.OpCrossEntropyGrad: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
-		return k.crossEntropyGrad(dt, k.attrs(), g, in[1], in[2], out)
-	}), ws: flagWorkspace},
+	graph.OpCrossEntropyGrad: {run: func(k *kctx, in []operand, out operand) error {
+		return k.crossEntropyGrad(k.attrs(), in[0], in[1], in[2], out)
+	}, ws: flagWorkspace},
 	graph.OpMSEGrad: {run: typedGradOf(mseGrad)},
 }
 
@@ -63,9 +64,12 @@ func (k *kctx) sumF64(dt graph.DType, src, out alloc.Ptr, n int64, scale float64
 // crossEntropy: per-row losses in double into the workspace, then their
 // sum times a.Scalar; a bad label is an error, as on the CPU.
 func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
-	dt, err := floatsOf(logits, out)
+	dt, err := floatsOf(logits)
 	if err != nil {
 		return err
+	}
+	if out.dt != graph.Float32 {
+		return graph.Errorf(graph.ErrDType, "cross_entropy of %s logits into a %s loss (float32)", dt, out.dt)
 	}
 	if len(logits.shape) != 2 || labels.dt != graph.Int64 || labels.n() != int64(logits.shape[0]) || out.n() != 1 {
 		return graph.Errorf(graph.ErrShape, "cross_entropy needs logits [N, C], int64 labels [N] and a scalar output, got %v, %v, %v",
@@ -86,16 +90,21 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 			return err
 		}
 	}
-	if err := k.sumF64(dt, loss, out.p, n, a.Scalar); err != nil || n == 0 {
+	if err := k.sumF64(graph.Float32, loss, out.p, n, a.Scalar); err != nil || n == 0 {
 		return err
 	}
 	return k.firstBad(bad, labels, "cross_entropy", "label", 1, c)
 }
 
-// crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)).
-func (k *kctx) crossEntropyGrad(dt graph.DType, a *graph.Attrs, g, logits, labels, out operand) error {
-	if _, err := floatsOf(g, logits, out); err != nil {
+// crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)), g float32,
+// the gradient in the logits' dtype.
+func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) error {
+	dt, err := floatsOf(logits, out)
+	if err != nil {
 		return err
+	}
+	if g.dt != graph.Float32 {
+		return graph.Errorf(graph.ErrDType, "cross_entropy_grad of %s logits with a %s upstream gradient (float32)", dt, g.dt)
 	}
 	if len(logits.shape) != 2 || labels.dt != graph.Int64 || labels.n() != int64(logits.shape[0]) || out.n() != logits.n() || g.n() != 1 {
 		return graph.Errorf(graph.ErrShape, "cross_entropy_grad needs a scalar g, logits [N, C] and int64 labels [N], got %v, %v, %v",

@@ -166,7 +166,7 @@ func (k *kctx) linear(x, w operand, b *operand, out operand) error {
 		if !slices.Equal(b.shape, []int{nOut}) {
 			return graph.Errorf(graph.ErrShape, "linear bias %v, want [%d]", b.shape, nOut)
 		}
-		if err := k.flat(typed(kBiasFill, dt), out.n(), out.p, b.p, int64(rows), int64(nOut), int64(1)); err != nil {
+		if err := k.packs(typed(kBiasFill, dt), out.n(), perPack(dt), out.p, b.p, int64(rows), int64(nOut), int64(1)); err != nil {
 			return err
 		}
 		beta = 1

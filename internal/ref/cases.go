@@ -86,6 +86,8 @@ var Cases = []Case{
 	{Name: "matmul_batched", Shapes: [][]int{{2, 3, 4}, {4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MatMul(p[1]) }},
 	{Name: "matmul_broadcast", Shapes: [][]int{{2, 1, 3, 4}, {3, 4, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].MatMul(p[1]) }},
 	{Name: "linear_rank3", Shapes: [][]int{{2, 3, 4}, {5, 4}, {5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]) }},
+	// 16 outputs: CUDA's bias_fill writes whole 16-byte packs of biases.
+	{Name: "linear_wide", Shapes: [][]int{{3, 4}, {16, 4}, {16}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]) }},
 	{Name: "linear_rank1", Shapes: [][]int{{4}, {3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], nil) }},
 	{Name: "sum_mean", Shapes: [][]int{{2, 3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Sum(1).Add(p[0].Mean(1)).Add(p[0].MeanKeepDim(0, 1).Reshape(4)).Add(p[0].SumKeepDim(1).Reshape(2, 4))
@@ -153,6 +155,10 @@ var Cases = []Case{
 	}},
 	{Name: "conv2d", Shapes: [][]int{{2, 4, 6, 5}, {6, 2, 3, 2}, {6}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Stride: [2]int{2, 1}, Padding: [2]int{1, 1}, Dilation: [2]int{1, 2}, Groups: 2})
+	}},
+	// 4×4 = 16 output pixels per channel: bias_fill's per-channel packs.
+	{Name: "conv2d_bias_packs", Shapes: [][]int{{2, 2, 4, 4}, {3, 2, 3, 3}, {3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Padding: [2]int{1, 1}})
 	}},
 	{Name: "max_pool2d", Shapes: [][]int{{2, 2, 5, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{3, 2}, Stride: [2]int{2, 1}, Padding: [2]int{1, 1}})

@@ -363,10 +363,39 @@ FOR_FLOATS(K)
 
 // bias_fill_{f32,bf16,f16}: out[(o·c + k)·inner + i] = b[k] for out of shape
 // [outer, c, inner]: linear's [rows, out] (inner = 1) and conv2d's
-// [N, O, Ho·Wo]. A GEMM with beta = 1 then adds the product, as on the CPU.
+// [N, O, Ho·Wo]. A GEMM with beta = 1 then adds the product, as on the CPU,
+// so the sum rounds once. 16-byte packs when a pack holds consecutive
+// biases (inner = 1) or one channel's (inner a multiple of the pack);
+// launched with one thread per pack (any grid is correct).
+template <typename I, typename T>
+__device__ __forceinline__ bool bias_fill_packs(T* __restrict__ out, const T* __restrict__ b, i64 n,
+                                                I c, I inner) {
+  constexpr int N = PackOf<T>::N;
+  if (inner == 1 && c % N == 0 && aligned16(out, b)) {  // a pack is N consecutive biases
+    const I cp = c / (I)N;
+    VEC_LOOP(q, n, N) stv<N>(out, q, ldv<N>(b, (I)q % cp));
+    return true;
+  }
+  if (inner % N == 0 && aligned16(out)) {  // a pack lies within one channel
+    const I ip = inner / (I)N;
+    VEC_LOOP(q, n, N) {
+      Vec<T, N> r;
+      const T v = b[((I)q / ip) % c];
+#pragma unroll
+      for (int e = 0; e < N; ++e) r.v[e] = v;
+      stv<N>(out, q, r);
+    }
+    return true;
+  }
+  return false;
+}
+
 template <typename T>
 __device__ void bias_fill_t(T* __restrict__ out, const T* __restrict__ b, i64 outer, i64 c, i64 inner) {
   const i64 n = outer * c * inner;
+  if (FITS32(n) ? bias_fill_packs<unsigned>(out, b, n, (unsigned)c, (unsigned)inner)
+                : bias_fill_packs<u64>(out, b, n, (u64)c, (u64)inner))
+    return;
   if (FITS32(n)) {
     const unsigned ci = (unsigned)c, in = (unsigned)inner;
     GRID_LOOP(k, n) out[k] = b[((unsigned)k / in) % ci];

@@ -1,9 +1,11 @@
 // loss.cu: cross_entropy and mse, forward and gradient. Every kernel is
 // templated on its storage type and instantiated for float32, bfloat16 and
-// float16 (FOR_FLOATS, common.cuh): logits, predictions, targets, g and
-// the outputs (the loss included, whose dtype is the logits') have that
-// type, are read widened, and each output rounds once from the float the
-// float32 kernel would store. Labels are int64.
+// float16 (FOR_FLOATS, common.cuh): logits, predictions, targets, mse's g
+// and loss, and the gradients have that type, are read widened, and each
+// output rounds once from the float the float32 kernel would store.
+// cross_entropy's loss and the g its gradient reads are float32 whatever
+// the logits' type (graph: a 16-bit cross_entropy computes in float32).
+// Labels are int64.
 //
 // The forward losses reduce deterministically in two steps through a small
 // double workspace: per-row (cross_entropy) or per-block (mse) partials,
@@ -130,14 +132,14 @@ FOR_FLOATS(K)
 #undef K
 
 template <bool C, typename T>
-__device__ __forceinline__ void cross_entropy_grad_body(const T* __restrict__ g,
+__device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict__ g,
                                                         const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
                                                         T* __restrict__ out, i64 n, i64 c,
                                                         double scalar, u64* bad) {
   __shared__ double sd[32];
   __shared__ float sf[32];
-  const double s = scalar * (double)(float)g[0];
+  const double s = scalar * (double)g[0];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
@@ -164,12 +166,12 @@ __device__ __forceinline__ void cross_entropy_grad_body(const T* __restrict__ g,
 
 // cross_entropy_grad_{f32,bf16,f16}: out[r, j] = float(s·(softmax(logits[r,
 // :])_j − [j = label[r]])) with s = scalar·g[0] in double (g the upstream
-// scalar gradient, scalar = Attrs.Scalar). Row layout as
+// float32 scalar gradient, scalar = Attrs.Scalar). Row layout as
 // cross_entropy_rows_*; a row with an out-of-range label is NaN and
 // reported.
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_##S(                   \
-      const T* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, double scalar,     \
+      const float* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, double scalar, \
       u64* bad) {                                                                              \
     if (row_fits(c)) cross_entropy_grad_body<true>(g, logits, labels, out, n, c, scalar, bad); \
     else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, scalar, bad);            \
