@@ -239,3 +239,30 @@ func attentionVJP(b VJPBuilder, n *Node, g int) {
 		}
 	}
 }
+
+// LSEProducer returns the attention node whose forward pass can give the
+// log-sum-exp that attention_lse node m recomputes: an earlier attention
+// over the same q, k and mask with the same scale and causality (the
+// forward node the backward pass emitted m for); −1 when m is no
+// attention_lse or none qualifies. planner.Compile allocates m's output
+// with that node's, so an executor may compute both in one pass
+// (planner.Program.Companion).
+func LSEProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() || g.Node(m).Op != OpAttentionLSE {
+		return -1
+	}
+	lse := g.Node(m)
+	for id := m - 1; id >= 0; id-- {
+		n := g.Node(id)
+		if n.Op != OpAttention || len(n.Inputs) != len(lse.Inputs)+1 ||
+			n.Attrs.Scalar != lse.Attrs.Scalar || n.Attrs.Causal != lse.Attrs.Causal {
+			continue
+		}
+		// attention: q, k, v[, mask]; attention_lse: q, k[, mask].
+		if n.Inputs[0] == lse.Inputs[0] && n.Inputs[1] == lse.Inputs[1] &&
+			(len(lse.Inputs) == 2 || n.Inputs[3] == lse.Inputs[2]) {
+			return id
+		}
+	}
+	return -1
+}

@@ -155,13 +155,26 @@ func (n *Names) rows(chunks []planner.Chunk, tl []planner.Point, pr *Profile, fu
 // or freed (encoded −1−b); it checks that the timeline fits the program.
 func (n *Names) walk(chunks []planner.Chunk, tl []planner.Point, fn func(i int, pt planner.Point, k rowKey, bufs []int)) error {
 	p := n.p
-	owner := make([]int, len(p.Steps)) // node whose row a step belongs to
+	// owner is the node whose row a step belongs to: an allocation the next
+	// run's (a node's output and workspace, and a companion output
+	// allocated with it: planner.Program.Companion), a run and the frees
+	// after it that run's.
+	owner := make([]int, len(p.Steps))
 	cur := -1
 	for si, st := range p.Steps {
-		if st.Kind != planner.StepFree {
+		if st.Kind == planner.StepRun {
 			cur = st.Node
 		}
 		owner[si] = cur
+	}
+	cur = -1
+	for si := len(p.Steps) - 1; si >= 0; si-- {
+		switch p.Steps[si].Kind {
+		case planner.StepRun:
+			cur = p.Steps[si].Node
+		case planner.StepAlloc:
+			owner[si] = cur
+		}
 	}
 	persistent := p.Persistent
 	if len(chunks) > 1 {

@@ -77,6 +77,15 @@ type Program struct {
 	// order batchfit.Session.Step compiles them in.
 	Trained   []int
 	OutputBuf []int // buffer of each node's output, −1 if none
+	// Companion[id] is the node whose output node id's kernel may compute
+	// in the same pass, −1 for none: the log-sum-exp an attention_lse node
+	// recomputes for attention's backward comes out of the attention
+	// forward pass over the same q, k and mask (graph.LSEProducer). The
+	// companion's output is allocated with id's, before id runs, so every
+	// plan counts it from there; Replay hands its block to hooks that
+	// implement CompanionHooks, and the companion's own run step stays, for
+	// executors that compute it there (exec/cpu).
+	Companion []int
 	// FinishWorkspace is the scratch buffer Replay allocates after the
 	// last chunk, hands to Hooks.Finish and frees after it
 	// (CompileOptions.FinishWorkspace); its Fixed is 0 when there is none.
@@ -167,9 +176,17 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 	// changes), and a buffer is freed after the last use of any node that
 	// shares it.
 	bufLast := make([]int, len(p.Buffers), len(p.Buffers)+n)
+	p.Companion = make([]int, n)
+	early := make([]bool, n) // allocated with its producer's output
+	for id := range nodes {
+		p.Companion[id] = -1
+		if pr := graph.LSEProducer(g, id); pr >= 0 && info.LastUse[id] >= 0 && info.LastUse[pr] >= 0 {
+			p.Companion[pr] = id
+		}
+	}
 	for id := range nodes {
 		nd := &nodes[id]
-		if info.LastUse[id] < 0 || p.OutputBuf[id] >= 0 {
+		if info.LastUse[id] < 0 || p.OutputBuf[id] >= 0 && !early[id] {
 			continue // unused, or persistent
 		}
 		if nd.Op == graph.OpReshape {
@@ -178,10 +195,19 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 			bufLast[bi] = max(bufLast[bi], info.LastUse[id])
 			continue
 		}
-		out := add(Buffer{Kind: BufOutput, Node: id, Fixed: info.Fixed[id], PerSample: info.PerSample[id], Tag: tag(nd)})
-		p.OutputBuf[id] = out
-		bufLast = append(bufLast[:len(p.Buffers)-1], info.LastUse[id])
-		p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: out})
+		output := func(id int) {
+			out := add(Buffer{Kind: BufOutput, Node: id, Fixed: info.Fixed[id], PerSample: info.PerSample[id], Tag: tag(&nodes[id])})
+			p.OutputBuf[id] = out
+			bufLast = append(bufLast[:len(p.Buffers)-1], info.LastUse[id])
+			p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: out})
+		}
+		if !early[id] {
+			output(id)
+		}
+		if m := p.Companion[id]; m >= 0 {
+			output(m)
+			early[m] = true
+		}
 		ws := -1
 		if o.Workspace != nil && nd.Op.Category() != graph.CatSource {
 			fixed := o.Workspace(g, nd, 0)

@@ -171,6 +171,16 @@ type Hooks interface {
 	EveryChunk() bool
 }
 
+// CompanionHooks is implemented by hooks whose kernel for a node can also
+// compute its companion's output (Program.Companion) in the same pass.
+type CompanionHooks interface {
+	// Companion hands over the block of node nd's companion (node id m),
+	// allocated already, just before Run(nd, …). The hook may fill it
+	// during that run, and then need not compute it again when m's own run
+	// step comes.
+	Companion(nd *graph.Node, m int, blk *alloc.Block)
+}
+
 // Point is the allocator's state after one step of a replay.
 type Point struct {
 	Chunk     int
@@ -297,6 +307,11 @@ func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded i
 					var ws *alloc.Block
 					if si > 0 && p.Steps[si-1].Kind == StepAlloc && p.Buffers[p.Steps[si-1].Buf].Kind == BufWorkspace {
 						ws = blocks[p.Steps[si-1].Buf]
+					}
+					if m := p.Companion[st.Node]; m >= 0 {
+						if ch, ok := h.(CompanionHooks); ok {
+							ch.Companion(nd, m, blocks[p.OutputBuf[m]])
+						}
 					}
 					if err := h.Run(nd, c, blocks[p.OutputBuf[st.Node]], ins, ws); err != nil {
 						return fail(err)

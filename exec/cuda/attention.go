@@ -24,8 +24,13 @@ import (
 // dk|dv kernel reads it from its workspace, where attention_grad_dot
 // writes it first (attnGradKVWorkspace).
 var attentionKernels = family{
+	// The forward pass writes the log-sum-exp of its attention_lse
+	// companion too, when the program has one (planner.Program.Companion):
+	// attention_lse then has nothing left to do.
 	graph.OpAttention: {run: func(k *kctx, in []operand, out operand) error {
-		return k.attentionFwd(in[0], in[1], in[2], optional(in, 3), &out, nil)
+		err := k.attentionFwd(in[0], in[1], in[2], optional(in, 3), &out, k.co)
+		k.coDone = k.co != nil
+		return err
 	}},
 	graph.OpAttentionLSE: {run: func(k *kctx, in []operand, out operand) error {
 		return k.attentionFwd(in[0], in[1], in[1], optional(in, 2), nil, &out)

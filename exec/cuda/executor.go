@@ -225,6 +225,20 @@ type runner struct {
 	persist map[persistKey]*alloc.Block // this call's persistent blocks
 	inputs  map[int]*exec.HostBuf       // whole-batch input data, converted once
 	timed   []nodeTiming                // ExecOptions.OpTime's events, in launch order
+	// companion is the block the replay handed over for the next Run's
+	// companion output (planner.CompanionHooks); early holds the
+	// companions already computed by their producer, whose own run steps
+	// are then skipped.
+	companion struct {
+		node, m int
+		blk     *alloc.Block
+	}
+	early map[int]bool
+}
+
+// Companion takes the block of nd's companion output m for nd's next Run.
+func (r *runner) Companion(nd *graph.Node, m int, blk *alloc.Block) {
+	r.companion.node, r.companion.m, r.companion.blk = nd.ID, m, blk
 }
 
 // EveryChunk is true: the runner computes.
@@ -270,6 +284,10 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	if err := r.ctx.Err(); err != nil {
 		return err
 	}
+	if r.early[nd.ID] { // computed with its producer (Companion)
+		delete(r.early, nd.ID)
+		return nil
+	}
 	if r.o.OpTime != nil {
 		ev, err := r.startTiming(nd, c)
 		if err != nil {
@@ -289,7 +307,20 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		in[i] = r.operand(nd.Inputs[i], b, c.Size)
 	}
 	y := r.operand(nd.ID, out, c.Size)
-	if err := r.eval(nd, in, y, ws, c); err != nil {
+	var co *operand
+	if r.companion.blk != nil && r.companion.node == nd.ID {
+		v := r.operand(r.companion.m, r.companion.blk, c.Size)
+		co = &v
+	}
+	r.companion.blk = nil
+	coDone, err := r.eval(nd, in, y, ws, c, co)
+	if coDone {
+		if r.early == nil {
+			r.early = map[int]bool{}
+		}
+		r.early[r.companion.m] = true
+	}
+	if err != nil {
 		shapes := make([][]int, len(in))
 		for i, x := range in {
 			shapes[i] = x.shape

@@ -24,6 +24,11 @@ type kctx struct {
 	nd   *graph.Node
 	c    planner.Chunk
 	ws   *alloc.Block
+	// co is the output of the node's companion (planner.Program.Companion)
+	// when the kernel may compute it in the same pass, else nil; a kernel
+	// that does sets coDone.
+	co     *operand
+	coDone bool
 }
 
 // attrs is the node's attributes.

@@ -37,20 +37,21 @@ var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKe
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.
-func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block, c planner.Chunk) error {
+func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block, c planner.Chunk, co *operand) (coDone bool, err error) {
 	if err := deviceDType(nd); err != nil {
-		return err
+		return false, err
 	}
 	var run func(*kctx, []operand, operand) error
 	if int(nd.Op) < graph.NumOps {
 		run = kernelTable[nd.Op].run
 	}
 	if run == nil {
-		return graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for op %s", nd.Op)
+		return false, graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for op %s", nd.Op)
 	}
 	k := r.kernels()
-	k.nd, k.c, k.ws = nd, c, ws
-	return run(k, in, out)
+	k.nd, k.c, k.ws, k.co = nd, c, ws, co
+	err = run(k, in, out)
+	return k.coDone && err == nil, err
 }
 
 // Workspace declares the scratch memory of the CUDA kernels when b samples
