@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/conformance"
@@ -121,5 +122,59 @@ func requireHalfClose(t *testing.T, want, got ref.Value, tol conformance.Toleran
 		if d := math.Abs(got.Data[i] - w); !(d <= tol.ATol+tol.RTol*math.Abs(w)) {
 			t.Fatalf("%s element %d: got %.8g, want %.8g", what, i, got.Data[i], w)
 		}
+	}
+}
+
+// TestCrossEntropyLongRows runs cross_entropy and its gradient on rows too
+// long for registers (10,007 classes: the one-pass online log-sum-exp and
+// the 16-byte packs of row_split, whose rows start at a different offset
+// each since the length is odd) in float32, bfloat16 and float16, against
+// the reference. A 16-bit loss is float32, so it is held to float32's
+// tolerance; a gradient element to its dtype's rounding (2⁻⁸ relative for
+// bfloat16, 2⁻¹¹ for float16, 1e-5 for float32) plus 1e-3 (16-bit) or 1e-6
+// of the largest one, since softmax terms span e⁸.
+func TestCrossEntropyLongRows(t *testing.T) {
+	run := runOn(executor(t))
+	const rows, classes = 5, 10007
+	for _, c := range []struct {
+		dt          graph.DType
+		rtol, floor float64
+	}{{graph.Float32, 1e-5, 1e-6}, {graph.BFloat16, 1.0 / 256, 1e-3}, {graph.Float16, 1.0 / 2048, 1e-3}} {
+		t.Run(c.dt.String(), func(t *testing.T) {
+			logits := lazy.ParamSpec([]int{rows, classes}, c.dt, "logits")
+			labels := lazy.Const(tensor.New(tensor.WithShape(rows), tensor.WithBacking([]int64{0, classes - 1, 5003, 17, 9999})))
+			loss := logits.CrossEntropy(labels, graph.ReduceSum)
+			grads := lazy.Grad(loss, logits)
+			require.NoError(t, grads[0].Err())
+			require.Equal(t, graph.Float32, loss.DType(), "a 16-bit cross_entropy's loss is float32")
+			ir := loss.Graph().IR()
+			rng := rand.New(rand.NewPCG(3, 4))
+			v := ref.Zeros(rows, classes)
+			for i := range v.Data {
+				v.Data[i] = rng.Float64()*8 - 4
+			}
+			feeds := map[int]ref.Value{}
+			for _, nd := range ir.Nodes() {
+				if nd.Op == graph.OpParam {
+					feeds[nd.ID] = v
+				}
+			}
+			require.Len(t, feeds, 1)
+			ids := []int{loss.ID(), grads[0].ID()}
+			want, err := ref.Eval(ir, feeds, ids...)
+			require.NoError(t, err)
+			got, err := run(ir, feeds, ids...)
+			require.NoError(t, err)
+			require.InDelta(t, want[0].Data[0], got[0].Data[0], 1e-5*math.Abs(want[0].Data[0]), "loss")
+			largest := 0.0
+			for _, w := range want[1].Data {
+				largest = max(largest, math.Abs(w))
+			}
+			for i, w := range want[1].Data {
+				if d := math.Abs(got[1].Data[i] - w); d > c.rtol*math.Abs(w)+c.floor*largest {
+					t.Fatalf("gradient element %d (row %d): got %.8g, want %.8g", i, i/classes, got[1].Data[i], w)
+				}
+			}
+		})
 	}
 }

@@ -14,6 +14,29 @@
 // Labels are checked as index.cu checks indices (see `bad` there).
 #include "common.cuh"
 
+// row_split visits a row p[0:c] with the block's threads: the elements
+// before its first 16-byte boundary and after its last one one at a time,
+// as scalar(k), and the 16-byte packs between as pack(k0), k0 the pack's
+// first element, two packs per thread at a time so that two loads are in
+// flight. A row of 16-bit values with an odd length (a vocabulary of
+// 50,257) starts at a different offset in each row; its packs still are
+// whole 16-byte loads and stores.
+template <typename T, typename FS, typename FP>
+__device__ __forceinline__ void row_split(const T* p, i64 c, FS scalar, FP pack) {
+  constexpr int N = 16 / sizeof(T);
+  const i64 head = imin((i64)(((16 - ((u64)p & 15)) & 15) / sizeof(T)), c);
+  const i64 packs = (c - head) / N;
+  const i64 b = blockDim.x;
+  for (i64 k = threadIdx.x; k < head; k += b) scalar(k);
+  i64 q = threadIdx.x;
+  for (; q + b < packs; q += 2 * b) {
+    pack(head + q * N);
+    pack(head + (q + b) * N);
+  }
+  if (q < packs) pack(head + q * N);
+  for (i64 k = head + packs * N + threadIdx.x; k < c; k += b) scalar(k);
+}
+
 // row_lse_online gives a row's max and Σ exp(v − max) in one pass over
 // memory, for rows too long for registers: each thread keeps a running max
 // and a sum rescaled whenever the max grows, and the threads' sums are
@@ -21,6 +44,7 @@
 template <typename T>
 __device__ __forceinline__ void row_lse_online(const T* p, i64 c, bool live, float* sf,
                                                double* sd, float* m, double* z) {
+  constexpr int N = 16 / sizeof(T);
   float mx = neg_inf_f();
   double s = 0;
   auto add = [&](float xv) {
@@ -33,17 +57,13 @@ __device__ __forceinline__ void row_lse_online(const T* p, i64 c, bool live, flo
     }
   };
   if (live) {
-    // Four loads in flight before the dependent updates, in element order.
-    const i64 b = blockDim.x;
-    i64 k = threadIdx.x;
-    for (; k + 3 * b < c; k += 4 * b) {
-      const float x0 = p[k], x1 = p[k + b], x2 = p[k + 2 * b], x3 = p[k + 3 * b];
-      add(x0);
-      add(x1);
-      add(x2);
-      add(x3);
-    }
-    for (; k < c; k += b) add(p[k]);
+    row_split(
+        p, c, [&](i64 k) { add((float)p[k]); },
+        [&](i64 k0) {
+          const Vec<T, N> u = *reinterpret_cast<const Vec<T, N>*>(p + k0);
+#pragma unroll
+          for (int e = 0; e < N; ++e) add((float)u.v[e]);
+        });
   }
   const float row_max = row_allreduce(mx, MaxOp(), sf);
   const double scaled = s == 0 ? 0.0 : s * (double)expf(mx - row_max);
@@ -137,6 +157,7 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
                                                         const i64* __restrict__ labels,
                                                         T* __restrict__ out, i64 n, i64 c,
                                                         double scalar, u64* bad) {
+  constexpr int N = 16 / sizeof(T);
   __shared__ double sd[32];
   __shared__ float sf[32];
   const double s = scalar * (double)g[0];
@@ -156,11 +177,28 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
       if (threadIdx.x == 0) report_bad(bad, row);
       continue;
     }
-    row_each<C>(c, [&](i64 k, int u) {
-      double pr = (double)expf((C ? v[u] : (float)p[k]) - m) / z;
-      if (k == label) pr -= 1.0;
-      q[k] = (float)(s * pr);
-    });
+    // s·softmax_j = exp(x_j − m)·(s/z), one float multiply per element;
+    // the label's s·(softmax − 1) in double, as it may cancel.
+    const float sz = (float)(s / z);
+    auto grad = [&](i64 k, float x) -> float {
+      const float e = expf(x - m);
+      return k == label ? (float)((double)e * (s / z) - s) : e * sz;
+    };
+    if (C) {
+      row_each<C>(c, [&](i64 k, int u) { q[k] = grad(k, v[u]); });
+    } else if (((u64)p & 15) == ((u64)q & 15)) {  // logits and gradient rows share their packs
+      row_split(
+          p, c, [&](i64 k) { q[k] = grad(k, (float)p[k]); },
+          [&](i64 k0) {
+            const Vec<T, N> x = *reinterpret_cast<const Vec<T, N>*>(p + k0);
+            Vec<T, N> r;
+#pragma unroll
+            for (int e = 0; e < N; ++e) r.v[e] = grad(k0 + e, (float)x.v[e]);
+            *reinterpret_cast<Vec<T, N>*>(q + k0) = r;
+          });
+    } else {
+      row_each<C>(c, [&](i64 k, int) { q[k] = grad(k, (float)p[k]); });
+    }
   }
 }
 
