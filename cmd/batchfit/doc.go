@@ -2,7 +2,7 @@
 //
 //	batchfit estimate --model gpt2-small --batch 32 --seq 1024 --budget 24GiB --optimizer adamw
 //	batchfit snapshot --model gpt-tiny --batch 8 --budget 1GiB -o gpt-tiny.pickle
-//	batchfit snapshot --model gpt2-small --batch 8 --budget 8GiB -o gpt2.html
+//	batchfit snapshot --model gpt2-small-written --batch 8 --budget 8GiB -o gpt2.html
 //	batchfit report --model mlp --batch 2048 --budget 26MiB --profile --run
 //	batchfit report gpt-tiny.pickle
 //	batchfit report gpt-tiny.pickle -o gpt-tiny.html

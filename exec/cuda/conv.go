@@ -30,9 +30,7 @@ var convKernels = family{
 	graph.OpConv2dGradWeight: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2dGradWeight(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		dt := nd.Type.DType
-		col := convColBytes(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs, elemSize(dt))
-		return convSumsBytes(col, dt, int64(graph.Numel(nd.Type.AtBatch(b))))
+		return newGradWeightLayout(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), convImages(g, nd), nd.Attrs.Groups, nd.Type.DType).bytes
 	}},
 	graph.OpMaxPool2dGrad: {run: func(k *kctx, in []operand, out operand) error {
 		return k.maxPool2dGrad(k.attrs(), in[0], in[1], out)
@@ -57,19 +55,38 @@ func elemSize(dt graph.DType) int64 {
 // elements: the unfolded patches of one image and group.
 func colBytes(kk, howo, size int64) int64 { return size * kk * howo }
 
-// convSumsBytes is conv2d_grad_weight's workspace: col bytes of patches,
-// then for a 16-bit gradient of n elements its float32 sums, from byte
-// convSumsAt(col) on.
-func convSumsBytes(col int64, dt graph.DType, n int64) int64 {
-	if dt == graph.Float32 {
-		return col
-	}
-	return convSumsAt(col) + 4*n
+// gradWeightLayout is conv2d_grad_weight's workspace for weight w [O, C/g,
+// kh, kw] and upstream gradient y [N, O, Ho, Wo] in a graph of full
+// images, per tile of images and group: the patches as one [kk, tile·howo]
+// matrix (for a 1×1 kernel with unit stride and no padding, the input's
+// group of channels regrouped the same way) at 0; the gradient's group of
+// og channels regrouped to [og, tile·howo] at gradAt; for a 16-bit
+// gradient, float32 sums of every weight at sumsAt; bytes in all. The tile
+// is as many images as 64 MiB holds of both matrices (at least one, at
+// most the batch), fixed by the graph's full batch as the planner needs.
+type gradWeightLayout struct {
+	tile, gradAt, sumsAt, bytes int64
 }
 
-// convSumsAt is where the float32 sums start: after col bytes of patches,
-// 256-byte aligned.
-func convSumsAt(col int64) int64 { return ceilDiv(col, 256) * 256 }
+func newGradWeightLayout(w, y []int, full int64, groups int, dt graph.DType) gradWeightLayout {
+	if len(w) != 4 || len(y) != 4 || groups < 1 {
+		return gradWeightLayout{}
+	}
+	size := elemSize(dt)
+	og, kk, howo := int64(w[0]/groups), int64(w[1]*w[2]*w[3]), int64(y[2]*y[3])
+	var l gradWeightLayout
+	l.tile = convTile(full, size*(kk+og)*howo)
+	l.gradAt = align256(l.tile * kk * howo * size)
+	l.sumsAt = align256(l.gradAt + l.tile*og*howo*size)
+	l.bytes = l.sumsAt
+	if dt != graph.Float32 {
+		l.bytes += 4 * int64(graph.Numel(w))
+	}
+	return l
+}
+
+// align256 rounds n bytes up to a multiple of 256.
+func align256(n int64) int64 { return ceilDiv(n, 256) * 256 }
 
 // convColCap bounds a convolution's patch workspace. The patches of a tile
 // of images (as many as fit, at least one, at most the whole batch) are
@@ -235,7 +252,7 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 	for n0 := int64(0); n0 < wd.N; n0 += tile {
 		t := min(tile, wd.N-n0)
 		for gi := range groups {
-			if err := k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
+			if err := k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo, howo); err != nil {
 				return err
 			}
 			if err := k.blas.GemmStridedBatchedOf(dt, false, false, int(og), int(howo), int(kk), 1,
@@ -297,12 +314,15 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 	return nil
 }
 
-// conv2dGradWeight: dW_g = Σ over images of g_g·colᵀ, with col the
-// unfolded patches of the forward input (the input itself for a 1×1
-// kernel with unit stride and no padding), accumulated in float32: into
-// the zeroed output for float32, into float32 sums in the workspace for
-// 16-bit, rounded once into the output at the end (the CPU sums over
-// images in float32 and rounds once).
+// conv2dGradWeight: dW_g = Σ over images and positions of g_g·colᵀ, one
+// GEMM per tile of images and group over all the tile's positions at once
+// (K = tile·Ho·Wo): the patches unfolded side by side into [kk,
+// tile·howo] (im2col with a row stride; the input itself regrouped for a
+// 1×1 kernel with unit stride and no padding), the gradient's group of
+// channels regrouped into [og, tile·howo], and their product added in
+// float32: into the zeroed output for float32, into float32 sums in the
+// workspace for 16-bit, rounded once into the output at the end (the CPU
+// sums in float32 and rounds once).
 func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	dt, err := floatsOf(g, x, out)
 	if err != nil {
@@ -318,41 +338,35 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	if out.n() == 0 {
 		return nil
 	}
-	tile, per, colB := wd.N, int64(0), int64(0)
-	if !wd.direct() {
-		tile, per = k.patchTile(kk, howo, int64(dt.Size()))
-		colB = tile * per
-	}
-	ws, err := k.workspace(convSumsBytes(colB, dt, out.n()))
+	l := newGradWeightLayout(out.shape, g.shape, convImages(k.g, k.nd), int(groups), dt)
+	ws, err := k.workspace(l.bytes)
 	if err != nil {
 		return err
 	}
-	col, acc := ws, out.p
+	col, gr, acc := ws, ws+alloc.Ptr(l.gradAt), out.p
 	if dt != graph.Float32 {
-		acc = ws + alloc.Ptr(convSumsAt(colB))
+		acc = ws + alloc.Ptr(l.sumsAt)
 	}
 	if err := k.d.Memzero(acc, 4*out.n()); err != nil {
 		return err
 	}
-	// Images are summed one GEMM at a time, in order: only the unfolding
-	// is batched.
-	for n0 := int64(0); n0 < wd.N; n0 += tile {
-		t := min(tile, wd.N-n0)
+	for n0 := int64(0); n0 < wd.N; n0 += l.tile {
+		t := min(l.tile, wd.N-n0)
 		for gi := range groups {
-			if !wd.direct() {
-				if err := k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, kk*howo); err != nil {
-					return err
-				}
+			if wd.direct() {
+				err = k.packs(typed(kRegroup, dt), t*kk*howo, perPack(dt), x.at(n0*chw+gi*cg*hw), col, t, kk, howo, chw)
+			} else {
+				err = k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), howo, t*howo)
 			}
-			for i := range t {
-				src := x.at((n0+i)*chw + gi*cg*hw)
-				if !wd.direct() {
-					src = col + alloc.Ptr(i*per)
-				}
-				if err := k.blas.GemmToF32(dt, false, true, int(og), int(kk), int(howo), 1, g.at(((n0+i)*o+gi*og)*howo), int(howo),
-					src, int(howo), 1, acc+alloc.Ptr(4*gi*og*kk), int(kk)); err != nil {
-					return err
-				}
+			if err != nil {
+				return err
+			}
+			if err := k.packs(typed(kRegroup, dt), t*og*howo, perPack(dt), g.at((n0*o+gi*og)*howo), gr, t, og, howo, o*howo); err != nil {
+				return err
+			}
+			if err := k.blas.GemmToF32(dt, false, true, int(og), int(kk), int(t*howo), 1, gr, int(t*howo),
+				col, int(t*howo), 1, acc+alloc.Ptr(4*gi*og*kk), int(kk)); err != nil {
+				return err
 			}
 		}
 	}

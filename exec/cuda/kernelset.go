@@ -21,6 +21,7 @@ const (
 	kBatchNormStats  = "batch_norm_stats_f32"
 	kBatchNormRunSt  = "batch_norm_stats_running_f32"
 	kIm2col          = "im2col_f32"
+	kRegroup         = "regroup_f32"
 	kCol2im          = "col2im_f32"
 	kDropout         = "dropout_f32"
 	kUnary           = "unary_f32"
@@ -80,7 +81,7 @@ var kernelFiles = map[string][]string{
 	"attention.cu":  slices.Concat(allTyped(kAttentionFwd, kAttentionGradQ, kAttentionGradKV), attnMMAKernels()),
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
 	"batchnorm.cu":  allTyped(kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt),
-	"conv.cu":       allTyped(kIm2col, kCol2im),
+	"conv.cu":       allTyped(kIm2col, kCol2im, kRegroup),
 	"dropout.cu":    allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),

@@ -160,6 +160,12 @@ var Cases = []Case{
 	{Name: "conv2d_bias_packs", Shapes: [][]int{{2, 2, 4, 4}, {3, 2, 3, 3}, {3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Padding: [2]int{1, 1}})
 	}},
+	// A 1×1 kernel with unit stride and no padding in two groups: the
+	// convolutions multiply the input itself (CUDA's direct path; its
+	// weight gradient regroups the input's 16 positions in 16-byte packs).
+	{Name: "conv2d_1x1", Shapes: [][]int{{3, 4, 4, 4}, {6, 2, 1, 1}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Conv2d(p[1], nil, lazy.ConvOptions{Groups: 2})
+	}},
 	{Name: "max_pool2d", Shapes: [][]int{{2, 2, 5, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{3, 2}, Stride: [2]int{2, 1}, Padding: [2]int{1, 1}})
 	}},

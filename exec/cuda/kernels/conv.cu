@@ -15,7 +15,7 @@
 
 template <typename I, typename T>
 __device__ void im2col_loop(const T* __restrict__ x, T* __restrict__ col, const Geom32& g,
-                            i64 c, i64 x_img, i64 col_img, i64 total) {
+                            i64 c, i64 x_img, i64 col_img, i64 col_row, i64 total) {
   const I howo = (I)g.ho * (I)g.wo, taps = (I)g.kh * (I)g.kw;
   const i64 plane = (i64)g.h * g.w;
   GRID_LOOP(t, total) {
@@ -31,22 +31,26 @@ __device__ void im2col_loop(const T* __restrict__ x, T* __restrict__ col, const 
     T v;
     v = 0.f;
     if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w) v = x[img * x_img + ci * plane + ih * g.w + iw];
-    col[img * col_img + ((i64)ci * (i64)taps + tap) * (i64)howo + pos] = v;
+    col[img * col_img + ((i64)ci * (i64)taps + tap) * col_row + pos] = v;
   }
 }
 
 // im2col_{f32,bf16,f16}: for each of wd.n images (image i's channels at x
-// + i·x_img, its matrix at col + i·col_img, col_img ≥ c·kh·kw·ho·wo, both
-// in elements of the dtype), unfold wd.c channels of wd.h×wd.w into
-// [c·kh·kw, ho·wo]. Every col element of the n matrices is written. Plane
-// arithmetic is 32-bit (see Geom32). 1-D blocks, any grid.
-#define K(T, S)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) im2col_##S(const T* x, T* col, Window wd, \
-                                                               i64 x_img, i64 col_img) { \
-    const Geom32 g = geom32(wd);                                                         \
-    const i64 total = wd.n * wd.c * wd.kh * wd.kw * wd.ho * wd.wo;                       \
-    if (FITS32(total)) im2col_loop<unsigned>(x, col, g, wd.c, x_img, col_img, total);    \
-    else im2col_loop<u64>(x, col, g, wd.c, x_img, col_img, total);                       \
+// + i·x_img, its matrix at col + i·col_img, in elements of the dtype),
+// unfold wd.c channels of wd.h×wd.w into [c·kh·kw, ho·wo] with rows
+// col_row elements apart: col_row = ho·wo and col_img ≥ c·kh·kw·ho·wo stack
+// the images' matrices (conv2d), col_img = ho·wo and col_row = n·ho·wo
+// put the images side by side in one [c·kh·kw, n·ho·wo] matrix
+// (conv2d_grad_weight). Every col element of the n matrices is written.
+// Plane arithmetic is 32-bit (see Geom32). 1-D blocks, any grid.
+#define K(T, S)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) im2col_##S(const T* x, T* col, Window wd,     \
+                                                               i64 x_img, i64 col_img,           \
+                                                               i64 col_row) {                    \
+    const Geom32 g = geom32(wd);                                                                 \
+    const i64 total = wd.n * wd.c * wd.kh * wd.kw * wd.ho * wd.wo;                               \
+    if (FITS32(total)) im2col_loop<unsigned>(x, col, g, wd.c, x_img, col_img, col_row, total);   \
+    else im2col_loop<u64>(x, col, g, wd.c, x_img, col_img, col_row, total);                      \
   }
 FOR_FLOATS(K)
 #undef K
@@ -96,6 +100,43 @@ __device__ void col2im_loop(const float* __restrict__ col, T* __restrict__ x, co
     const i64 total = wd.n * wd.c * wd.h * wd.w;                                              \
     if (FITS32(total)) col2im_loop<unsigned>(col, x, g, wd.c, x_img, col_img, total);         \
     else col2im_loop<u64>(col, x, g, wd.c, x_img, col_img, total);                            \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// regroup_{f32,bf16,f16}: dst[(r·t + i)·len + p] = src[i·src_img + r·len + p]
+// for r < rows, i < t, p < len: t images' [rows, len] matrices (strided
+// src_img apart) laid side by side as one [rows, t·len] matrix, for
+// conv2d_grad_weight's one GEMM per tile over the images' positions (the
+// upstream gradient's group of channels, and the input itself for a 1×1
+// kernel). 16-byte packs when len and src_img are whole packs and both
+// ends aligned; one thread per pack (any grid is correct).
+template <typename I, typename T>
+__device__ __forceinline__ void regroup_loop(const T* __restrict__ src, T* __restrict__ dst, I t,
+                                             I rows, I len, i64 src_img) {
+  constexpr int N = PackOf<T>::N;
+  const i64 n = (i64)rows * t * len;
+  if (len % N == 0 && src_img % N == 0 && aligned16(src, dst)) {
+    const I lp = len / (I)N;
+    VEC_LOOP(q, n, N) {
+      const I pp = (I)q % lp, ri = (I)q / lp, i = ri % t, r = ri / t;
+      stv<N>(dst, q, ldv<N>(src, (i64)i * (src_img / N) + (i64)r * lp + pp));
+    }
+    return;
+  }
+  GRID_LOOP(k, n) {
+    const I p = (I)k % len, ri = (I)k / len, i = ri % t, r = ri / t;
+    dst[k] = src[(i64)i * src_img + (i64)r * len + p];
+  }
+}
+#define K(T, S)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256) regroup_##S(const T* src, T* dst, i64 t,  \
+                                                                i64 rows, i64 len,           \
+                                                                i64 src_img) {               \
+    if (FITS32(rows * t * len))                                                              \
+      regroup_loop<unsigned>(src, dst, (unsigned)t, (unsigned)rows, (unsigned)len, src_img); \
+    else                                                                                     \
+      regroup_loop<u64>(src, dst, (u64)t, (u64)rows, (u64)len, src_img);                    \
   }
 FOR_FLOATS(K)
 #undef K
