@@ -356,7 +356,7 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 			if wd.direct() {
 				err = k.packs(typed(kRegroup, dt), t*kk*howo, perPack(dt), x.at(n0*chw+gi*cg*hw), col, t, kk, howo, chw)
 			} else {
-				err = k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), howo, t*howo)
+				err = k.flat(typed(kIm2col, dt), t*kk*howo, x.at(n0*chw+gi*cg*hw), col, wd.tile(t, cg), chw, howo, t*howo)
 			}
 			if err != nil {
 				return err

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"sync"
 	"unsafe"
+
+	"github.com/ebitengine/purego"
 )
 
 // Opaque driver handles.
@@ -70,6 +72,11 @@ type driver struct {
 	cuModuleLoadData func(m *CUmodule, image unsafe.Pointer) cuResult
 	// CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
 	cuModuleGetFunction func(f *CUfunction, m CUmodule, name string) cuResult
+	// CUresult cuFuncGetParamInfo(CUfunction func, size_t paramIndex,
+	//                             size_t *paramOffset, size_t *paramSize)
+	// (CUDA 12.4 on): nil on an older driver, which skips the check it
+	// serves (Module.ParamCount).
+	cuFuncGetParamInfo func(f CUfunction, index uintptr, offset, size *uintptr) cuResult
 	// CUresult cuModuleUnload(CUmodule hmod)
 	cuModuleUnload func(m CUmodule) cuResult
 	// CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY, gridDimZ,
@@ -156,6 +163,9 @@ func loadDriver() (*driver, error) {
 		if err := bind(lib, d.symbols()); err != nil {
 			driverOnce.err = fmt.Errorf("%w: libcuda.so.1: %v", ErrNoGPU, err)
 			return
+		}
+		if a, err := purego.Dlsym(lib, "cuFuncGetParamInfo"); err == nil {
+			purego.RegisterFunc(&d.cuFuncGetParamInfo, a)
 		}
 		if err := d.check("cuInit", d.cuInit(0)); err != nil {
 			driverOnce.err = fmt.Errorf("%w: %w", ErrNoGPU, err)

@@ -106,6 +106,11 @@ func cublasStatusName(code int) string {
 	return fmt.Sprintf("CUBLAS_STATUS_%d", code)
 }
 
+// ErrKernelArgs is wrapped by the error of a launch whose argument count is
+// not the kernel's parameter count: the executor's own mistake, caught on
+// the host instead of the driver reading past the argument array.
+var ErrKernelArgs = errors.New("cuda: kernel launched with the wrong number of arguments")
+
 // ErrWorkspace means a node's workspace block is smaller than its CUDA
 // kernels need: the program was compiled without cuda.Workspace.
 var ErrWorkspace = errors.New("cuda: workspace smaller than the kernels need (compile programs with cuda.Workspace)")

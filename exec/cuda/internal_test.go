@@ -247,3 +247,16 @@ func TestNewExecutorOptions(t *testing.T) {
 		assert.ErrorIs(t, err, graph.ErrAttr, "workspace %d", ws)
 	}
 }
+
+// TestLaunchChecksTheArgumentCount: a launch with more or fewer arguments
+// than the kernel's parameters is refused on the host (the driver would
+// read past the argument array); a kernel whose count the driver cannot
+// give (−1) is not checked here.
+func TestLaunchChecksTheArgumentCount(t *testing.T) {
+	k := &kctx{ks: &kernelSet{fns: map[string]kernel{"im2col_f32": {params: 6}}}}
+	err := k.launch("im2col_f32", [3]uint32{1, 1, 1}, [3]uint32{1, 1, 1}, int64(1), int64(2))
+	require.ErrorIs(t, err, ErrKernelArgs)
+	require.ErrorContains(t, err, "im2col_f32 takes 6, launched with 2")
+	err = k.launch("im2col_f32", [3]uint32{1, 1, 1}, [3]uint32{1, 1, 1}, 1, 2, 3, 4, 5, 6, 7)
+	require.ErrorIs(t, err, ErrKernelArgs)
+}

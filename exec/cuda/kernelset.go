@@ -99,6 +99,10 @@ var kernelFiles = map[string][]string{
 type kernel struct {
 	m *Module
 	f CUfunction
+	// params is how many parameters f takes (−1: the driver cannot say);
+	// kctx.launch refuses another count with ErrKernelArgs, as the driver
+	// would read past the argument array.
+	params int
 }
 
 // kernelSet holds the executor's modules and functions.
@@ -130,7 +134,11 @@ func loadKernels(d *Device) (*kernelSet, error) {
 			if err != nil {
 				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
 			}
-			ks.fns[n] = kernel{m, f}
+			params, err := m.ParamCount(f)
+			if err != nil {
+				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
+			}
+			ks.fns[n] = kernel{m, f, params}
 		}
 	}
 	return ks, nil

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"strings"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -206,6 +207,9 @@ func (k *kctx) launch(name string, grid, block [3]uint32, args ...any) error {
 	kn, err := k.ks.get(name)
 	if err != nil {
 		return err
+	}
+	if kn.params >= 0 && len(args) != kn.params {
+		return fmt.Errorf("%w: %s takes %d, launched with %d", ErrKernelArgs, name, kn.params, len(args))
 	}
 	return kn.m.Launch(kn.f, grid, block, 0, args...)
 }

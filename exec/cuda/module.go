@@ -189,6 +189,31 @@ func (m *Module) Function(name string) (CUfunction, error) {
 	return f, err
 }
 
+// ParamCount is how many parameters kernel fn takes, or −1 when the
+// driver cannot say (before CUDA 12.4).
+func (m *Module) ParamCount(fn CUfunction) (int, error) {
+	if err := m.live(); err != nil {
+		return 0, err
+	}
+	get := m.d.drv.cuFuncGetParamInfo
+	if get == nil {
+		return -1, nil
+	}
+	n := 0
+	err := m.d.do(func() error {
+		var off, size uintptr
+		for n < maxKernelParams && get(fn, uintptr(n), &off, &size) == cudaSuccess {
+			n++
+		}
+		return nil
+	})
+	return n, err
+}
+
+// maxKernelParams bounds ParamCount's probe; no kernel here takes half as
+// many.
+const maxKernelParams = 64
+
 // Launch queues fn on the device's default stream with the given grid and
 // block dimensions and dynamic shared memory. Arguments are passed by value
 // in kernel-parameter order; accepted types are CUdeviceptr, alloc.Ptr,

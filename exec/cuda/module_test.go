@@ -60,6 +60,9 @@ func TestCompileCacheAndAxpy(t *testing.T) {
 
 	axpy, err := m.Function("axpy")
 	require.NoError(t, err)
+	params, err := m.ParamCount(axpy)
+	require.NoError(t, err)
+	assert.Equal(t, 4, params, "axpy(alpha, x, y, n); the executor checks every launch against this count")
 	a := newAllocator(t, d)
 	r := newRand(4)
 	const n = 1<<20 + 3
