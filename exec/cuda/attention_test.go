@@ -260,13 +260,8 @@ func TestAttentionMMA(t *testing.T) {
 // [1, 16, 4096, d] problem: the tensor-core kernel and the plain-FMA one,
 // causal or not, in TFLOP/s (4·B·H·T·S·d, halved under causal).
 func BenchmarkAttentionForward(b *testing.B) {
-	d := device(b)
-	a := newAllocator(b, d)
-	src, err := cuda.Source("attention.cu")
-	require.NoError(b, err)
-	m, err := d.Compile("attention.cu", src)
-	require.NoError(b, err)
-	b.Cleanup(func() { require.NoError(b, m.Close()) })
+	d, a, m := attentionModule(b)
+	var err error
 	const B, H, T = 1, 16, 4096
 	r := newRand(9)
 	for _, hd := range []int{64, 128} {
@@ -327,6 +322,15 @@ func BenchmarkAttentionForward(b *testing.B) {
 // kernels redo (the log-sum-exp pass; q·kᵀ and g·vᵀ in both the dq and the
 // dk|dv pass) is not counted.
 func BenchmarkAttentionBackward(b *testing.B) {
+	d, a, m := attentionModule(b)
+	for _, T := range []int{1024, 4096} {
+		b.Run(fmt.Sprintf("T%d", T), func(b *testing.B) { attentionBackwardAt(b, d, a, m, T) })
+	}
+}
+
+// attentionModule is the device, an allocator and attention.cu compiled,
+// for the kernel benchmarks.
+func attentionModule(b *testing.B) (*cuda.Device, *alloc.Allocator, *cuda.Module) {
 	d := device(b)
 	a := newAllocator(b, d)
 	src, err := cuda.Source("attention.cu")
@@ -334,9 +338,7 @@ func BenchmarkAttentionBackward(b *testing.B) {
 	m, err := d.Compile("attention.cu", src)
 	require.NoError(b, err)
 	b.Cleanup(func() { require.NoError(b, m.Close()) })
-	for _, T := range []int{1024, 4096} {
-		b.Run(fmt.Sprintf("T%d", T), func(b *testing.B) { attentionBackwardAt(b, d, a, m, T) })
-	}
+	return d, a, m
 }
 
 func attentionBackwardAt(b *testing.B, d *cuda.Device, a *alloc.Allocator, m *cuda.Module, T int) {

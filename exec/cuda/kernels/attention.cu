@@ -646,26 +646,19 @@ __device__ __forceinline__ void attention_fwd_mma_body(const T* __restrict__ q,
 // or lse may be null) on tensor cores, for head dim 64 or 128 exactly and
 // no mask. q, k, v and o must be 16-byte aligned. grid.x =
 // B·H·⌈T/64⌉, block 128.
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_fwd_mma_d64_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
-                           i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
-  attention_fwd_mma_body<bf16, 64>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_fwd_mma_d128_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
-                            i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
-  attention_fwd_mma_body<bf16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_fwd_mma_d64_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
-                          i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
-  attention_fwd_mma_body<f16, 64>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_fwd_mma_d128_f16(const f16* q, const f16* k, const f16* v, f16* o, float* lse,
-                           i64 H, i64 Hkv, i64 T, i64 S, float scale, i64 causal) {
-  attention_fwd_mma_body<f16, 128>(q, k, v, o, lse, H, Hkv, T, S, scale, causal != 0);
-}
+// ATT_MMA_INSTANCES(X) expands X(T, S, D, B) for the tensor-core
+// kernels' storage types and head dims: B is the backward kernels' minimum
+// blocks per multiprocessor (3 at d = 64, which fits; 1 at d = 128).
+#define ATT_MMA_INSTANCES(X) X(bf16, bf16, 64, 3) X(bf16, bf16, 128, 1) X(f16, f16, 64, 3) X(f16, f16, 128, 1)
+
+#define K(T, S, D, B)                                                                           \
+  extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS) attention_fwd_mma_d##D##_##S(  \
+      const T* q, const T* k, const T* v, T* o, float* lse, i64 H, i64 Hkv, i64 T_, i64 S_,    \
+      float scale, i64 causal) {                                                                \
+    attention_fwd_mma_body<T, D>(q, k, v, o, lse, H, Hkv, T_, S_, scale, causal != 0);          \
+  }
+ATT_MMA_INSTANCES(K)
+#undef K
 
 // ---------------------------------------------------------------------------
 // Tensor-core backward for bfloat16 and float16 at head dims 64 and 128,
@@ -1130,55 +1123,23 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
 // attention_grad_q_mma_d{64,128}_{bf16,f16}: attention_grad_q without a
 // mask on tensor cores, D computed from g and o. g, q, k, v, o and dq
 // 16-byte aligned. grid.x = B·H·⌈T/64⌉, block 128.
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
-attention_grad_q_mma_d64_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
-                              const float* lse, bf16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
-                              i64 causal) {
-  attention_dq_mma_body<bf16, 64>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_grad_q_mma_d128_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
-                               const float* lse, bf16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
-                               i64 causal) {
-  attention_dq_mma_body<bf16, 128>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
-attention_grad_q_mma_d64_f16(const f16* g, const f16* q, const f16* k, const f16* v, const f16* o,
-                             const float* lse, f16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
-                             i64 causal) {
-  attention_dq_mma_body<f16, 64>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_grad_q_mma_d128_f16(const f16* g, const f16* q, const f16* k, const f16* v, const f16* o,
-                              const float* lse, f16* dq, i64 H, i64 Hkv, i64 T, i64 S, float scale,
-                              i64 causal) {
-  attention_dq_mma_body<f16, 128>(g, q, k, v, o, lse, dq, H, Hkv, T, S, scale, causal != 0);
-}
+#define K(T, S, D, B)                                                                            \
+  extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, B) attention_grad_q_mma_d##D##_##S( \
+      const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse, T* dq, i64 H,  \
+      i64 Hkv, i64 T_, i64 S_, float scale, i64 causal) {                                          \
+    attention_dq_mma_body<T, D>(g, q, k, v, o, lse, dq, H, Hkv, T_, S_, scale, causal != 0);       \
+  }
+ATT_MMA_INSTANCES(K)
+#undef K
 
 // attention_grad_kv_mma_d{64,128}_{bf16,f16}: attention_grad_kv without a
 // mask on tensor cores, from dot = D (attention_grad_dot). g, q, k, v and
 // dkv 16-byte aligned. grid.x = B·Hkv·⌈S/64⌉, block 128.
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
-attention_grad_kv_mma_d64_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v,
-                               const float* lse, const float* dot, bf16* dkv, i64 H, i64 Hkv, i64 T,
-                               i64 S, float scale, i64 causal) {
-  attention_dkv_mma_body<bf16, 64>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_grad_kv_mma_d128_bf16(const bf16* g, const bf16* q, const bf16* k, const bf16* v,
-                                const float* lse, const float* dot, bf16* dkv, i64 H, i64 Hkv, i64 T,
-                                i64 S, float scale, i64 causal) {
-  attention_dkv_mma_body<bf16, 128>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, 3)
-attention_grad_kv_mma_d64_f16(const f16* g, const f16* q, const f16* k, const f16* v,
-                              const float* lse, const float* dot, f16* dkv, i64 H, i64 Hkv, i64 T,
-                              i64 S, float scale, i64 causal) {
-  attention_dkv_mma_body<f16, 64>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
-}
-extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS)
-attention_grad_kv_mma_d128_f16(const f16* g, const f16* q, const f16* k, const f16* v,
-                               const float* lse, const float* dot, f16* dkv, i64 H, i64 Hkv, i64 T,
-                               i64 S, float scale, i64 causal) {
-  attention_dkv_mma_body<f16, 128>(g, q, k, v, lse, dot, dkv, H, Hkv, T, S, scale, causal != 0);
-}
+#define K(T, S, D, B)                                                                             \
+  extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, B) attention_grad_kv_mma_d##D##_##S( \
+      const T* g, const T* q, const T* k, const T* v, const float* lse, const float* dot, T* dkv,    \
+      i64 H, i64 Hkv, i64 T_, i64 S_, float scale, i64 causal) {                                    \
+    attention_dkv_mma_body<T, D>(g, q, k, v, lse, dot, dkv, H, Hkv, T_, S_, scale, causal != 0);    \
+  }
+ATT_MMA_INSTANCES(K)
+#undef K
