@@ -398,11 +398,14 @@ func TestPlanMatmulEmulated(t *testing.T) {
 // TestKernelTable: kernelFiles lists every kernel file but the smoke test's,
 // every extern "C" kernel of each, and nothing else. A kernel declared in a
 // macro K(T, S) is instantiated with the suffixes of the FOR_FLOATS or
-// MIXED_FLOATS expansions of K before its #undef K (kernels/common.cuh).
+// MIXED_FLOATS expansions of K before its #undef K (kernels/common.cuh),
+// and attention.cu's name_d##D##_##S with those of ATT_MMA_INSTANCES.
 func TestKernelTable(t *testing.T) {
 	decl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)\(`)
 	typedDecl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)_##S\(`)
 	castDecl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)_##SX##_##SY\(`)
+	mmaDecl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)_d##D##_##S\(`)
+	mmaSfx := []string{"d64_bf16", "d128_bf16", "d64_f16", "d128_f16"} // attention.cu's ATT_MMA_INSTANCES
 	lineComment := regexp.MustCompile(`(?m)//.*$`)
 	floatsSfx := []string{"f32", "bf16", "f16"}
 	mixedSfx := []string{"f32_bf16", "bf16_f32", "f32_f16", "f16_f32", "bf16_f16", "f16_bf16"}
@@ -433,6 +436,13 @@ func TestKernelTable(t *testing.T) {
 				}
 				if strings.Contains(seg, "MIXED_FLOATS(K)") {
 					for _, sfx := range mixedSfx {
+						found = append(found, m[1]+"_"+sfx)
+					}
+				}
+			}
+			for _, m := range mmaDecl.FindAllStringSubmatch(seg, -1) {
+				if strings.Contains(seg, "ATT_MMA_INSTANCES(K)") {
+					for _, sfx := range mmaSfx {
 						found = append(found, m[1]+"_"+sfx)
 					}
 				}
