@@ -200,12 +200,17 @@ type stepTemplate struct {
 	// forward node it has them from; valid when seedsKnown.
 	seeded     [][2]int
 	seedsKnown bool
+	// sig is st.Graph's signature, which every instance shares (the data
+	// and the random seeds it patches in are not part of a signature):
+	// the program cache then needs no hash of the step graph per step.
+	sig uint64
 }
 
 // newTemplate keeps st without fwd's data.
 func newTemplate(st *precision.Step, fwd *graph.Graph) *stepTemplate {
 	t := &stepTemplate{st: *st}
 	t.st.Graph = st.Graph.Clone()
+	t.sig = t.st.Graph.Signature()
 	seeds := map[[2]uint64]int{} // a forward node's (Seed, Counter) → its id; −1 when two share them
 	// The forward graph is st.IDs's domain: without a precision pass the
 	// backward pass was appended to it.
@@ -481,8 +486,8 @@ func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 // program returns the compiled program of g for outputs, computing the
 // analysis and schedule once per graph signature (while it stays cached).
 // A loss-scaled step (unscale) gets the finish workspace of its flag.
-func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots int, unscale bool) (*planner.Program, error) {
-	key := programKey{sig: g.Signature(), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
+func (s *Session) program(g *graph.Graph, sig uint64, outputs, kept, trained []int, slots int, unscale bool) (*planner.Program, error) {
+	key := programKey{sig: signatureOf(g, sig), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
 		trained: fmt.Sprint(trained), slots: slots, unscale: unscale}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -502,6 +507,15 @@ func (s *Session) program(g *graph.Graph, outputs, kept, trained []int, slots in
 	// step's data (inputs, constants), which must not outlive the step.
 	s.programs.Put(key, p.Rebind(nil))
 	return p, nil
+}
+
+// signatureOf is g's signature: sig when the caller knows it (a step
+// template's), computed otherwise (sig 0).
+func signatureOf(g *graph.Graph, sig uint64) uint64 {
+	if sig != 0 {
+		return sig
+	}
+	return g.Signature()
 }
 
 // compileOptions are the planner's options for a step of the session.
@@ -617,10 +631,10 @@ func (s *Session) LastRecompute() Recomputed {
 // are cached by step, budget and residents; the transformed program is
 // cached like any program, by its graph's signature. unscale marks a
 // loss-scaled step (Session.program).
-func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
+func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	plain := func() (*planner.Program, Recomputed, error) {
-		p, err := s.program(g, ids, ids[1:1+len(trained)], trained, slots, unscale)
+		p, err := s.program(g, sig, ids, ids[1:1+len(trained)], trained, slots, unscale)
 		return p, none, err
 	}
 	var ch chosen
@@ -631,7 +645,7 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		if !ok {
 			return plain()
 		}
-		return s.transformed(g, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set})
+		return s.transformed(g, sig, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set})
 	default:
 		return plain()
 	}
@@ -640,7 +654,7 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		return nil, none, err
 	}
 	held := s.be.Held()
-	key := chosenKey{programKey: programKey{sig: g.Signature(), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots, unscale: unscale},
+	key := chosenKey{programKey: programKey{sig: signatureOf(g, sig), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots, unscale: unscale},
 		budget: budget, held: fmt.Sprint(held)}
 	s.mu.Lock()
 	ch, ok := s.chosen.Get(key)
@@ -660,15 +674,15 @@ func (s *Session) recomputed(g *graph.Graph, boundary int, ids, trained []int, s
 		s.chosen.Put(key, ch)
 		s.mu.Unlock()
 	}
-	return s.transformed(g, boundary, ids, trained, slots, unscale, ch)
+	return s.transformed(g, sig, boundary, ids, trained, slots, unscale, ch)
 }
 
 // transformed compiles g with ch's forward nodes recomputed (the plain
 // program when ch recomputes nothing).
-func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
+func (s *Session) transformed(g *graph.Graph, sig uint64, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	if len(ch.set) == 0 {
-		p, err := s.program(g, ids, ids[1:1+len(trained)], trained, slots, unscale)
+		p, err := s.program(g, sig, ids, ids[1:1+len(trained)], trained, slots, unscale)
 		return p, none, err
 	}
 	mark := make([]bool, boundary)
@@ -686,7 +700,7 @@ func (s *Session) transformed(g *graph.Graph, boundary int, ids, trained []int, 
 	for i, id := range trained {
 		trained2[i] = remap[id]
 	}
-	p, err := s.program(g2, ids2, ids2[1:1+len(trained2)], trained2, slots, unscale)
+	p, err := s.program(g2, 0, ids2, ids2[1:1+len(trained2)], trained2, slots, unscale)
 	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
 }
 
@@ -736,7 +750,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 			ids[i] = m[id]
 		}
 	}
-	p, err := s.program(ir, ids, nil, nil, 0, false)
+	p, err := s.program(ir, 0, ids, nil, nil, 0, false)
 	if err != nil {
 		return nil, err
 	}
@@ -801,7 +815,7 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 		scale, data = s.scaler.Scale(), s.scaler.Data()
 		s.mu.Unlock()
 	}
-	st, err := s.backward(loss, params, data)
+	st, sig, err := s.backward(loss, params, data)
 	if err != nil {
 		return 0, err
 	}
@@ -842,7 +856,7 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if !unscale {
 		scale = 0
 	}
-	prog, re, err := s.recomputed(ir, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
+	prog, re, err := s.recomputed(ir, sig, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
 		return 0, err
 	}
@@ -877,15 +891,16 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 // policy's rewrite of that graph with its backward pass
 // (precision.TrainWith), which leaves the caller's graph as it was. With
 // scale (the loss scale's data, only under a mixed policy) the backward
-// pass starts from the loss times that constant.
-func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, error) {
+// pass starts from the loss times that constant. It also returns the step
+// graph's signature, which its step template holds.
+func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, uint64, error) {
 	g, err := sameGraph("step", []*lazy.Tensor{loss})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	wrt, err := lazy.ParamIDs(loss, params...) // binds free parameters, as Grad would
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	fwd := g.IR()
 	key := stepKey{sig: fwd.Signature(), loss: loss.ID(), wrt: fmt.Sprint(wrt), scaled: scale != nil}
@@ -906,11 +921,11 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		if scale != nil {
 			data = scale
 		}
-		return t.instantiate(fwd, data), nil
+		return t.instantiate(fwd, data), t.sig, nil
 	}
 	st, err := s.differentiate(loss, params, wrt, scale)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	t = newTemplate(st, fwd)
 	if !t.seedsKnown {
@@ -919,7 +934,7 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	s.mu.Lock()
 	s.steps.Put(key, t)
 	s.mu.Unlock()
-	return st, nil
+	return st, t.sig, nil
 }
 
 // differentiate builds a training step's graph: under a mixed policy the

@@ -67,14 +67,14 @@ func BenchmarkSessionStepGraph(b *testing.B) {
 					targets := tokens.Graph().Placeholder([]int{8, 1024}, graph.Int64, 0)
 					return models.Loss(m.Forward(tokens), targets)
 				}
-				if _, err := sess.backward(build(), params, nil); err != nil { // the first step fills the cache
+				if _, _, err := sess.backward(build(), params, nil); err != nil { // the first step fills the cache
 					b.Fatal(err)
 				}
 				for b.Loop() {
 					b.StopTimer()
 					loss := build()
 					b.StartTimer()
-					if _, err := sess.backward(loss, params, nil); err != nil {
+					if _, _, err := sess.backward(loss, params, nil); err != nil {
 						b.Fatal(err)
 					}
 				}

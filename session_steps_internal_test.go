@@ -73,6 +73,14 @@ func TestStepTemplatesReuseTheGraphWithEachStepsData(t *testing.T) {
 				}
 				// Steps 1 to 3 reuse step 0's graph; the last (batch 6) does not.
 				require.Equal(t, steps-2, cached.StepGraphHits())
+				// The program cache keys an instance by its template's
+				// signature instead of hashing the step graph again: they
+				// agree (the data and seeds an instance patches in are not
+				// part of a signature).
+				loss, params := cm.Build(crng, 8)
+				st, sig, err := cached.backward(loss, params, nil)
+				require.NoError(t, err)
+				require.Equal(t, st.Graph.Signature(), sig, "the template's signature is its instances'")
 				require.Zero(t, fresh.StepGraphHits())
 				if prec == "fp16-mixed" {
 					require.Positive(t, cached.LossScale().Skipped, "the first steps overflow")
