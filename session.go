@@ -661,7 +661,7 @@ func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trai
 	s.mu.Unlock()
 	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:1+len(trained)], trained, slots, unscale)}
 	if !ok {
-		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32,
+		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32 || s.policy.TF32(),
 			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom},
 			Resident: func(p *planner.Program) []planner.Held { return exec.PlanResidents(p, held) }})
 		if err != nil {

@@ -8,16 +8,40 @@ import (
 )
 
 // Profile is what the cost model knows about a device: a roofline. A node
-// costs max(flops/rate, bytes/Bandwidth) + Launch seconds, where rate is
-// MatMulFLOPS (TF32FLOPS when TF32 is on and the profile has it) for
-// matrix products and convolutions, VectorFLOPS for every other op.
+// costs max(flops/rate, bytes/Bandwidth) + Launch seconds, and an input
+// batch its bytes over HostBandwidth each chunk, where rate is,
+// by the node's op and dtype:
+//   - matrix products and convolutions: MatMulFLOPS for float32
+//     (TF32FLOPS when TF32 is on and the profile has it); for 16-bit
+//     operands HalfFLOPS, or HalfUnalignedFLOPS when a row of an operand or
+//     the result is not a whole number of 16-byte vectors (cuBLAS then
+//     picks alignment-1 kernels: GPT-2's vocabulary of 50,257);
+//   - fused attention: HalfAttentionFLOPS on the tensor-core path (16-bit,
+//     head dim 64 or 128, no mask), AttentionFLOPS on the plain kernels;
+//   - every other op: VectorFLOPS.
+//
+// A rate the profile leaves at 0 falls back: HalfFLOPS to TF32FLOPS, then
+// MatMulFLOPS; HalfUnalignedFLOPS to HalfFLOPS; HalfAttentionFLOPS to
+// AttentionFLOPS; AttentionFLOPS to VectorFLOPS.
 type Profile struct {
 	Name        string  `json:"name"`
 	MatMulFLOPS float64 `json:"matmul_flops"`         // FP32 GEMM, flop/s
 	TF32FLOPS   float64 `json:"tf32_flops,omitempty"` // TF32 GEMM, flop/s; 0: as MatMulFLOPS
-	VectorFLOPS float64 `json:"vector_flops"`         // non-GEMM flop/s
-	Bandwidth   float64 `json:"bandwidth"`            // bytes/s that kernels stream
-	Launch      float64 `json:"launch"`               // seconds per kernel launch
+	// HalfFLOPS is a bfloat16 or float16 GEMM's flop/s (float32 sums);
+	// HalfUnalignedFLOPS the same with rows not a multiple of 16 bytes.
+	HalfFLOPS          float64 `json:"half_flops,omitempty"`
+	HalfUnalignedFLOPS float64 `json:"half_unaligned_flops,omitempty"`
+	// AttentionFLOPS and HalfAttentionFLOPS are fused attention's flop/s
+	// (FlashAttention's count: the matrix products, halved under causal) on
+	// the plain kernels and on the tensor-core ones.
+	AttentionFLOPS     float64 `json:"attention_flops,omitempty"`
+	HalfAttentionFLOPS float64 `json:"half_attention_flops,omitempty"`
+	VectorFLOPS        float64 `json:"vector_flops"` // non-GEMM flop/s
+	Bandwidth          float64 `json:"bandwidth"`    // bytes/s that kernels stream
+	Launch             float64 `json:"launch"`       // seconds per kernel launch
+	// HostBandwidth is the bytes/s at which a step's input batch goes from
+	// host memory to the device, every chunk; 0 leaves the upload out.
+	HostBandwidth float64 `json:"host_bandwidth,omitempty"`
 	// Sources says where each figure comes from ("measured: ...",
 	// "nominal: ..."); informational.
 	Sources map[string]string `json:"sources,omitempty"`
@@ -38,14 +62,23 @@ func DefaultProfile() Profile {
 // in this project; elementwise kernels stream about 2.3 TB/s (measured;
 // HBM3's nominal figure is 3.35 TB/s); non-GEMM FP32 is the nominal
 // 67 TFLOP/s; a launch costs about 5 µs (measured order of magnitude).
+// The 16-bit and attention rates are the CUDA executor's per-node profile
+// of GPT-2 small in bf16-mixed and its attention benchmarks
+// (bench/RESULTS.md, 2026-11-23, third session).
 func H100Profile() Profile {
-	return Profile{Name: "NVIDIA H100 80GB HBM3", MatMulFLOPS: 51.7e12, TF32FLOPS: 338e12, VectorFLOPS: 67e12,
-		Bandwidth: 2.3e12, Launch: 5e-6, Sources: map[string]string{
-			"matmul_flops": "measured: FP32 cuBLAS SGEMM from Go, no TF32",
-			"tf32_flops":   "measured: cuBLAS TF32 GEMM from Go",
-			"vector_flops": "nominal: H100 SXM FP32 non-tensor peak",
-			"bandwidth":    "measured: elementwise kernels (HBM3 nominal 3.35 TB/s)",
-			"launch":       "measured: kernel launch and return through the driver API, about 5 µs",
+	return Profile{Name: "NVIDIA H100 80GB HBM3", MatMulFLOPS: 51.7e12, TF32FLOPS: 338e12,
+		HalfFLOPS: 600e12, HalfUnalignedFLOPS: 120e12, AttentionFLOPS: 2e12, HalfAttentionFLOPS: 70e12,
+		VectorFLOPS: 67e12, Bandwidth: 2.3e12, Launch: 5e-6, HostBandwidth: 7e9, Sources: map[string]string{
+			"matmul_flops":         "measured: FP32 cuBLAS SGEMM from Go, no TF32",
+			"tf32_flops":           "measured: cuBLAS TF32 GEMM from Go",
+			"half_flops":           "measured: GPT-2 small's bf16 GEMMs (8192 rows, 768–3072 wide) in the executor's node profile, 356–704 TFLOP/s",
+			"half_unaligned_flops": "measured: GPT-2's bf16 LM head and its gradients (50,257 columns), 95–147 TFLOP/s",
+			"attention_flops":      "measured: the plain float32-FMA attention kernels, 1.6–4.2 TFLOP/s",
+			"half_attention_flops": "measured: bf16 tensor-core attention forward + backward, [8, 12, 1024, 64] causal, 66 TFLOP/s (91 at T = 4096)",
+			"vector_flops":         "nominal: H100 SXM FP32 non-tensor peak",
+			"bandwidth":            "measured: elementwise kernels (HBM3 nominal 3.35 TB/s)",
+			"launch":               "measured: kernel launch and return through the driver API, about 5 µs",
+			"host_bandwidth":       "measured: the ConvNet's 3 MiB float32 input batch uploaded from pageable memory in 0.45 ms",
 		}}
 }
 
@@ -55,10 +88,87 @@ func Profiles() map[string]Profile {
 }
 
 // nodeCost is a node's work at chunk size b: flops(b) = F0 + F1·b,
-// bytes(b) = B0 + B1·b.
+// bytes(b) = B0 + B1·b, at the rate of its kind.
 type nodeCost struct {
 	F0, F1, B0, B1 float64
-	gemm           bool
+	kind           rateKind
+}
+
+// rateKind says which of a profile's rates prices a node (Profile).
+type rateKind uint8
+
+const (
+	rateUpload rateKind = iota // an input's bytes from the host, at HostBandwidth
+	rateVector
+	rateGEMM
+	rateHalfGEMM
+	rateHalfUnalignedGEMM
+	rateAttention
+	rateHalfAttention
+)
+
+// kindOf is nd's rate kind.
+func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
+	switch nd.Op {
+	case graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
+		if !g.Node(nd.Inputs[0]).Type.DType.IsHalf() {
+			return rateGEMM
+		}
+		// A row of 16 bytes or a multiple: the last axis of every operand
+		// and of the result, in elements of 2 bytes.
+		rows := [][]int{nd.Type.Shape}
+		for _, in := range nd.Inputs {
+			rows = append(rows, g.Node(in).Type.Shape)
+		}
+		for _, s := range rows {
+			if len(s) > 0 && s[len(s)-1]%8 != 0 {
+				return rateHalfUnalignedGEMM
+			}
+		}
+		return rateHalfGEMM
+	case graph.OpAttention, graph.OpAttentionLSE, graph.OpAttentionGradQ, graph.OpAttentionGradKV:
+		q := nd.Inputs[0] // attention, attention_lse: q, k[, v][, mask]
+		masked := len(nd.Inputs) > 3 || nd.Op == graph.OpAttentionLSE && len(nd.Inputs) > 2
+		if nd.Op == graph.OpAttentionGradQ || nd.Op == graph.OpAttentionGradKV { // g, q, k, v, o, lse[, mask]
+			q, masked = nd.Inputs[1], len(nd.Inputs) > 6
+		}
+		t := g.Node(q).Type
+		if d := t.Shape[len(t.Shape)-1]; t.DType.IsHalf() && (d == 64 || d == 128) && !masked {
+			return rateHalfAttention
+		}
+		return rateAttention
+	}
+	return rateVector
+}
+
+// rate is the flop/s of kind under p (tf32: float32 GEMMs on TF32 tensor
+// cores), with Profile's fallbacks.
+func (p Profile) rate(kind rateKind, tf32 bool) float64 {
+	or := func(v, fallback float64) float64 {
+		if v > 0 {
+			return v
+		}
+		return fallback
+	}
+	gemm := p.MatMulFLOPS
+	if tf32 && p.TF32FLOPS > 0 {
+		gemm = p.TF32FLOPS
+	}
+	half := or(p.HalfFLOPS, or(p.TF32FLOPS, p.MatMulFLOPS))
+	attention := or(p.AttentionFLOPS, p.VectorFLOPS)
+	switch kind {
+	case rateGEMM:
+		return gemm
+	case rateHalfGEMM:
+		return half
+	case rateHalfUnalignedGEMM:
+		return or(p.HalfUnalignedFLOPS, half)
+	case rateAttention:
+		return attention
+	case rateHalfAttention:
+		return or(p.HalfAttentionFLOPS, attention)
+	}
+	return p.VectorFLOPS
 }
 
 // Cost prices a program's step.
@@ -78,14 +188,26 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 	c := &Cost{prof: prof, tf32: tf32}
 	g := p.Graph
 	nodes := g.Nodes()
+	companion := make([]bool, len(nodes)) // computed in its producer's pass (Program.Companion)
+	for _, m := range p.Companion {
+		if m >= 0 {
+			companion[m] = true
+		}
+	}
 	for id := range nodes {
 		nd := &nodes[id]
-		if p.Info.LastUse[id] < 0 || nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape {
+		if nd.Op == graph.OpInput && p.Info.LastUse[id] >= 0 { // uploaded every chunk
+			_, b0 := work(g, nd, 0)
+			_, b1 := work(g, nd, 1)
+			c.nodes = append(c.nodes, nodeCost{B0: b0, B1: b1 - b0, kind: rateUpload})
+			continue
+		}
+		if p.Info.LastUse[id] < 0 || nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape || companion[id] {
 			continue
 		}
 		f0, b0 := work(g, nd, 0)
 		f1, b1 := work(g, nd, 1)
-		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, gemm: isGEMM(nd.Op)}
+		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, kind: kindOf(g, nd)}
 		c.nodes = append(c.nodes, nc)
 		c.launch++
 		c.FLOPs += nc.F0 + nc.F1*float64(p.Batch)
@@ -119,7 +241,7 @@ func (c *Cost) Plus(g *graph.Graph, ids []int) *Cost {
 		}
 		f0, b0 := work(g, nd, 0)
 		f1, b1 := work(g, nd, 1)
-		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, gemm: isGEMM(nd.Op)}
+		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, kind: kindOf(g, nd)}
 		d.nodes = append(d.nodes, nc)
 		d.launch++
 		d.FLOPs += nc.F0 + nc.F1*batch
@@ -127,27 +249,18 @@ func (c *Cost) Plus(g *graph.Graph, ids []int) *Cost {
 	return &d
 }
 
-func isGEMM(op graph.Op) bool {
-	switch op {
-	case graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
-		return true
-	}
-	return false
-}
-
 // Chunk is the predicted seconds of one chunk of b samples.
 func (c *Cost) Chunk(b int) float64 {
 	x := float64(b)
 	var t float64
 	for _, n := range c.nodes {
-		rate := c.prof.VectorFLOPS
-		if n.gemm {
-			rate = c.prof.MatMulFLOPS
-			if c.tf32 && c.prof.TF32FLOPS > 0 {
-				rate = c.prof.TF32FLOPS
+		if n.kind == rateUpload {
+			if c.prof.HostBandwidth > 0 {
+				t += (n.B0 + n.B1*x) / c.prof.HostBandwidth
 			}
+			continue
 		}
-		t += max((n.F0+n.F1*x)/rate, (n.B0+n.B1*x)/c.prof.Bandwidth)
+		t += max((n.F0+n.F1*x)/c.prof.rate(n.kind, c.tf32), (n.B0+n.B1*x)/c.prof.Bandwidth)
 	}
 	return t + float64(c.launch)*c.prof.Launch
 }
@@ -203,8 +316,8 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 		// Fused attention: 2·T·S·d flops per product of a [T, d] and a
 		// [d, S] tile per query head: q·kᵀ and p·v forward; q·kᵀ for the
 		// log-sum-exp; q·kᵀ, g·vᵀ and dS·k for dq; q·kᵀ, g·vᵀ, dSᵀ·q and
-		// pᵀ·g for dk|dv. Causal attention does half. The kernels run
-		// plain float32 FMAs, at the vector rate.
+		// pᵀ·g for dk|dv. Causal attention does half. Priced at the
+		// attention rates (Profile).
 		q, k := in[0], in[1]
 		if nd.Op == graph.OpAttentionGradQ || nd.Op == graph.OpAttentionGradKV {
 			q, k = in[1], in[2]

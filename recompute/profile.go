@@ -23,8 +23,11 @@ func (p Profile) Validate() error {
 		name string
 		v    float64
 		opt  bool
-	}{{"matmul_flops", p.MatMulFLOPS, false}, {"tf32_flops", p.TF32FLOPS, true}, {"vector_flops", p.VectorFLOPS, false},
-		{"bandwidth", p.Bandwidth, false}, {"launch", p.Launch, true}} {
+	}{{"matmul_flops", p.MatMulFLOPS, false}, {"tf32_flops", p.TF32FLOPS, true},
+		{"half_flops", p.HalfFLOPS, true}, {"half_unaligned_flops", p.HalfUnalignedFLOPS, true},
+		{"attention_flops", p.AttentionFLOPS, true}, {"half_attention_flops", p.HalfAttentionFLOPS, true},
+		{"vector_flops", p.VectorFLOPS, false},
+		{"bandwidth", p.Bandwidth, false}, {"launch", p.Launch, true}, {"host_bandwidth", p.HostBandwidth, true}} {
 		if f.opt && f.v == 0 {
 			continue
 		}

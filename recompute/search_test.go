@@ -130,9 +130,10 @@ func TestCostMonotoneInChunks(t *testing.T) {
 }
 
 // Fused attention is priced by its products, not as an elementwise op: a
-// causal step over q, k, v [B, H, T, d] costs five [T, d]·[d, T] products
-// per head (forward two, the log-sum-exp one, dq three, dk|dv four, causal
-// halving all ten), plus elementwise work of order B·H·T·d.
+// causal step over q, k, v [B, H, T, d] costs four and a half [T, d]·[d, T]
+// products per head (forward two, dq three, dk|dv four, causal halving all
+// nine; the log-sum-exp the backward pass needs comes out of the forward
+// pass, its companion), plus elementwise work of order B·H·T·d.
 func TestCostOfFusedAttention(t *testing.T) {
 	const b, h, tt, d = 2, 2, 256, 64
 	x := lazy.Placeholder([]int{b, 3 * h, tt, d}, graph.Float32, 0)
@@ -143,7 +144,7 @@ func TestCostOfFusedAttention(t *testing.T) {
 	c, err := recompute.Build(st, "none", nil)
 	require.NoError(t, err)
 	cost := recompute.NewCost(c.Program, recompute.H100Profile(), false)
-	products := 5 * 2 * float64(b*h*tt*tt*d)
+	products := 4.5 * 2 * float64(b*h*tt*tt*d)
 	assert.GreaterOrEqual(t, cost.FLOPs, products)
 	assert.Less(t, cost.FLOPs, 1.1*products)
 }

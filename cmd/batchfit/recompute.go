@@ -82,7 +82,7 @@ type candidateRow struct {
 func searchOptions(c *estimateConfig, budget int64, all bool) recompute.Options {
 	o := planOptions(c)
 	o.Budget, o.Timeline = budget, false
-	return recompute.Options{Planner: o, Profile: c.profile, PlanAll: all}
+	return recompute.Options{Planner: o, Profile: c.profile, PlanAll: all, TF32: c.policy.TF32()}
 }
 
 // estimateRecompute runs the search for --recompute auto, fills r.Recompute

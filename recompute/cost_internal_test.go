@@ -1,0 +1,62 @@
+package recompute
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
+)
+
+// TestRatesFollowDTypes: a node is priced at the rate of its op and dtype
+// (Profile): float32 GEMMs at MatMulFLOPS (TF32FLOPS under TF32), 16-bit
+// ones at HalfFLOPS, or HalfUnalignedFLOPS when a row is not a whole
+// number of 16-byte vectors; fused attention at HalfAttentionFLOPS on the
+// tensor-core path and AttentionFLOPS otherwise; everything else at
+// VectorFLOPS. A rate left at 0 falls back as Profile says.
+func TestRatesFollowDTypes(t *testing.T) {
+	bf, f32 := graph.BFloat16, graph.Float32
+	linear := func(dt graph.DType, in, out int) (*graph.Graph, *graph.Node) {
+		x := lazy.Placeholder([]int{4, in}, dt, 0)
+		y := x.Linear(lazy.ParamSpec([]int{out, in}, dt, "w"), nil)
+		g := y.Graph().IR()
+		return g, g.Node(y.ID())
+	}
+	attention := func(dt graph.DType, d int) (*graph.Graph, *graph.Node) {
+		x := lazy.Placeholder([]int{2, 3, 8, d}, dt, 0)
+		y := x.Attention(x, x, lazy.AttentionOptions{Causal: true})
+		g := y.Graph().IR()
+		return g, g.Node(y.ID())
+	}
+	relu := func() (*graph.Graph, *graph.Node) {
+		y := lazy.Placeholder([]int{4, 8}, bf, 0).Relu()
+		g := y.Graph().IR()
+		return g, g.Node(y.ID())
+	}
+	p := Profile{MatMulFLOPS: 1, TF32FLOPS: 2, HalfFLOPS: 3, HalfUnalignedFLOPS: 4, AttentionFLOPS: 5, HalfAttentionFLOPS: 6, VectorFLOPS: 7}
+	for _, c := range []struct {
+		name string
+		node func() (*graph.Graph, *graph.Node)
+		tf32 bool
+		want float64
+	}{
+		{"float32 GEMM", func() (*graph.Graph, *graph.Node) { return linear(f32, 16, 24) }, false, 1},
+		{"float32 GEMM under TF32", func() (*graph.Graph, *graph.Node) { return linear(f32, 16, 24) }, true, 2},
+		{"bf16 GEMM, rows of 16-byte vectors", func() (*graph.Graph, *graph.Node) { return linear(bf, 16, 24) }, false, 3},
+		{"bf16 GEMM, 50,257-wide rows", func() (*graph.Graph, *graph.Node) { return linear(bf, 16, 50257) }, false, 4},
+		{"float32 attention (plain kernels)", func() (*graph.Graph, *graph.Node) { return attention(f32, 64) }, false, 5},
+		{"bf16 attention at head dim 32 (plain kernels)", func() (*graph.Graph, *graph.Node) { return attention(bf, 32) }, false, 5},
+		{"bf16 attention at head dim 64 (tensor cores)", func() (*graph.Graph, *graph.Node) { return attention(bf, 64) }, false, 6},
+		{"elementwise", relu, false, 7},
+	} {
+		g, nd := c.node()
+		assert.Equal(t, c.want, p.rate(kindOf(g, nd), c.tf32), c.name)
+	}
+	// Fallbacks: without the 16-bit and attention rates, a bf16 GEMM is
+	// priced as TF32 (then float32), attention at the vector rate.
+	bare := Profile{MatMulFLOPS: 1, TF32FLOPS: 2, VectorFLOPS: 7}
+	assert.Equal(t, 2.0, bare.rate(rateHalfUnalignedGEMM, false))
+	assert.Equal(t, 7.0, bare.rate(rateHalfAttention, false))
+	assert.Equal(t, 1.0, Profile{MatMulFLOPS: 1, VectorFLOPS: 7}.rate(rateHalfGEMM, false))
+}
