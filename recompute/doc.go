@@ -14,7 +14,8 @@
 // (seed, counter) and the global row, which the copy shares.
 //
 // The cost model (Profile, Cost) prices a node at chunk size b as
-// max(flops/rate, bytes/bandwidth) + launch, summed over the program's
-// nodes and chunks; Search replays every candidate through the planner, so
+// max(flops/rate, bytes/bandwidth) + launch, the rate by the node's op and
+// dtype (Profile), plus each chunk's input upload, summed over the
+// program's nodes and chunks; Search replays every candidate through the planner, so
 // the chosen plan's peak is exact, not estimated.
 package recompute
