@@ -19,15 +19,17 @@ import (
 )
 
 // calibrateSizes are the kernels calibrate times: an n×n GEMM chain, an
-// elementwise chain over elems float32s, and a chain of one-element ops
-// (launch overhead); each chain runs at 1 and at chain ops, so the
-// difference divided by chain−1 cancels the step's fixed costs (upload,
-// download, graph building).
+// elementwise chain over elems float32s, a chain of one-element ops
+// (launch overhead), and causal attention over [1, 16, attnT, 64]; each
+// chain runs at 1 and at chain ops, so the difference divided by chain−1
+// cancels the step's fixed costs (upload, download, graph building). The
+// input upload is timed as the difference between summing elems float32s
+// uploaded from the host and summing one.
 type calibrateSizes struct {
-	n, elems, chain, repeat int
+	n, elems, chain, repeat, attnT int
 }
 
-var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3}
+var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3, attnT: 4096}
 
 // ErrNoGPU is calibrate's error without a usable CUDA device.
 var ErrNoGPU = errors.New("no GPU: batchfit calibrate times kernels through the CUDA executor")
@@ -38,9 +40,10 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	out := fs.String("out", "-", "write the profile (JSON) to `FILE`; - is stdout")
 	name := fs.String("name", "", "the profile's `name` (default: the device's)")
 	tf32 := fs.Bool("tf32", true, "also time TF32 GEMMs (tf32_flops)")
+	half := fs.Bool("half", true, "also time bf16 GEMMs and tensor-core attention in bf16-mixed (half_flops, half_unaligned_flops, half_attention_flops)")
 	if _, _, err := parseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintf(stdout, "Usage:\n  batchfit calibrate [--out FILE] [--name NAME] [--tf32=false]\n\n"+
+			fmt.Fprintf(stdout, "Usage:\n  batchfit calibrate [--out FILE] [--name NAME] [--tf32=false] [--half=false]\n\n"+
 				"Times GEMMs, elementwise kernels and launches on the GPU through the CUDA executor and writes a cost-model\n"+
 				"profile for estimate --profile FILE.\n\nFlags:\n")
 			fs.SetOutput(stdout)
@@ -64,7 +67,12 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		tsess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: true})
 		defer tsess.Close()
 	}
-	p, err := measureProfile(context.Background(), sess, tsess, defaultCalibrateSizes)
+	var hsess *batchfit.Session
+	if *half {
+		hsess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, Precision: "bf16-mixed"})
+		defer hsess.Close()
+	}
+	p, err := measureProfile(context.Background(), sess, tsess, hsess, defaultCalibrateSizes)
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
 		return exitPlan
@@ -81,9 +89,10 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 }
 
 // measureProfile times the calibration kernels on sess (tsess, when not
-// nil, a TF32 session for tf32_flops). vector_flops is not measured: the
+// nil, a TF32 session for tf32_flops; hsess, when not nil, a bf16-mixed
+// session for the 16-bit rates). vector_flops is not measured: the
 // default profile's nominal figure stands, and Sources says so.
-func measureProfile(ctx context.Context, sess, tsess *batchfit.Session, sz calibrateSizes) (recompute.Profile, error) {
+func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, sz calibrateSizes) (recompute.Profile, error) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	uniform := func(scale float64, shape ...int) *tensor.Dense {
 		n := 1
@@ -150,6 +159,71 @@ func measureProfile(ctx context.Context, sess, tsess *batchfit.Session, sz calib
 	}
 	p.Launch = max(tl, 1e-9)
 	p.Sources["launch"] = "measured: a chain of one-element kernels"
+
+	// Input upload: Σ over elems float32s from the host, less Σ over one.
+	upload := func(k int) *lazy.Tensor {
+		if k == 1 {
+			return lazy.Wrap(x1, 0).Sum()
+		}
+		return lazy.Wrap(xe, 0).Sum()
+	}
+	tu, err := perOp(ctx, sess, upload, calibrateSizes{chain: 2, repeat: sz.repeat})
+	if err != nil {
+		return p, fmt.Errorf("timing the input upload: %w", err)
+	}
+	p.HostBandwidth = 4 * float64(xe.Shape().TotalSize()) / tu
+	p.Sources["host_bandwidth"] = fmt.Sprintf("measured: %d float32s uploaded as a step's input", xe.Shape().TotalSize())
+
+	// Fused attention, causal, over [1, 16, attnT, 64]: FlashAttention's
+	// count, 4·H·T²·d halved.
+	const heads, hd = 16, 64
+	xa := uniform(1, 1, heads, sz.attnT, hd)
+	attention := func(k int) *lazy.Tensor {
+		y := lazy.Wrap(xa, 0)
+		for range k {
+			y = y.Attention(y, y, lazy.AttentionOptions{Causal: true})
+		}
+		return y.Sum()
+	}
+	attnFlops := 4 * heads * float64(sz.attnT) * float64(sz.attnT) * hd / 2
+	ta, err := perOp(ctx, sess, attention, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing attention: %w", err)
+	}
+	p.AttentionFLOPS = attnFlops / ta
+	p.Sources["attention_flops"] = fmt.Sprintf("measured: float32 causal attention over [1, %d, %d, %d], forward", heads, sz.attnT, hd)
+	if hsess == nil {
+		return p, p.Validate()
+	}
+	th, err := perOp(ctx, hsess, gemm, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing bf16 GEMMs: %w", err)
+	}
+	p.HalfFLOPS = 2 * math.Pow(float64(sz.n), 3) / th
+	p.Sources["half_flops"] = "measured: the GEMM chain in bf16-mixed"
+	// Rows of n+1 elements, not a whole number of 16-byte vectors:
+	// independent products of x by a [n, n+1] weight.
+	wu := lazy.Param(uniform(1/math.Sqrt(float64(sz.n)), sz.n, sz.n+1), "calibrate.w_unaligned")
+	unaligned := func(k int) *lazy.Tensor {
+		x := lazy.Wrap(xg, 0)
+		s := x.MatMul(wu).Sum()
+		for range k - 1 {
+			s = s.Add(x.MatMul(wu).Sum())
+		}
+		return s
+	}
+	tuh, err := perOp(ctx, hsess, unaligned, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing unaligned bf16 GEMMs: %w", err)
+	}
+	p.HalfUnalignedFLOPS = 2 * float64(sz.n) * float64(sz.n) * float64(sz.n+1) / tuh
+	p.Sources["half_unaligned_flops"] = fmt.Sprintf("measured: bf16 products of [%d, %d] by [%d, %d]", sz.n, sz.n, sz.n, sz.n+1)
+	tha, err := perOp(ctx, hsess, attention, sz)
+	if err != nil {
+		return p, fmt.Errorf("timing bf16 attention: %w", err)
+	}
+	p.HalfAttentionFLOPS = attnFlops / tha
+	p.Sources["half_attention_flops"] = "measured: the attention chain in bf16-mixed (tensor cores), forward"
 	return p, p.Validate()
 }
 

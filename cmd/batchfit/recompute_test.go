@@ -121,11 +121,14 @@ func TestCalibrateWithoutGPU(t *testing.T) {
 // figure comes out positive and the profile validates.
 func TestMeasureProfileOnCPU(t *testing.T) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
-	p, err := measureProfile(context.Background(), sess, nil, calibrateSizes{n: 64, elems: 1 << 14, chain: 3, repeat: 1})
+	hsess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed"})
+	p, err := measureProfile(context.Background(), sess, nil, hsess, calibrateSizes{n: 64, elems: 1 << 14, chain: 3, repeat: 1, attnT: 16})
 	require.NoError(t, err)
-	assert.Positive(t, p.MatMulFLOPS)
-	assert.Positive(t, p.Bandwidth)
-	assert.Positive(t, p.Launch)
+	for name, v := range map[string]float64{"matmul": p.MatMulFLOPS, "bandwidth": p.Bandwidth, "launch": p.Launch,
+		"host bandwidth": p.HostBandwidth, "attention": p.AttentionFLOPS, "half": p.HalfFLOPS,
+		"half unaligned": p.HalfUnalignedFLOPS, "half attention": p.HalfAttentionFLOPS} {
+		assert.Positive(t, v, name)
+	}
 	assert.True(t, strings.HasPrefix(p.Sources["matmul_flops"], "measured"))
 	var buf strings.Builder
 	require.NoError(t, recompute.WriteProfile(&buf, p))
