@@ -405,6 +405,17 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return (unsigned)bits16(T{}, lo) | ((unsigned)bits16(T{}, hi) << 16);
 }
 
+// a_frag packs the float32 C fragments of two adjacent 8-column tiles,
+// c[2kc] and c[2kc + 1], rounded to T, into the A fragment of one 16-wide
+// chunk: how a product's result feeds the next mma.sync as its left operand.
+template <typename T, int N>
+__device__ __forceinline__ void a_frag(const float (&c)[N][4], int kc, unsigned (&a)[4]) {
+  a[0] = pack2<T>(c[2 * kc][0], c[2 * kc][1]);
+  a[1] = pack2<T>(c[2 * kc][2], c[2 * kc][3]);
+  a[2] = pack2<T>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+  a[3] = pack2<T>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+}
+
 // smem_addr is the shared-space address of a generic pointer into shared
 // memory, for ldmatrix.
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -604,10 +615,8 @@ __device__ __forceinline__ void attention_fwd_mma_body(const T* __restrict__ q,
     // A fragment of one 16-key chunk.
 #pragma unroll
     for (int kc = 0; kc < ATT_MMA_KEYS / 16; ++kc) {
-      const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                              pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+      unsigned pa[4];
+      a_frag<T>(s, kc, pa);
 #pragma unroll
       for (int t = 0; t < DT; t += 2) {
         unsigned bf[4];
@@ -904,10 +913,8 @@ __device__ __forceinline__ void attention_dq_mma_body(const T* __restrict__ g,
       // fragment of one 16-key chunk (ds rounded to T).
 #pragma unroll
       for (int kc = 0; kc < SUB / 16; ++kc) {
-        const unsigned da[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                                pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                                pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+        unsigned da[4];
+        a_frag<T>(s, kc, da);
 #pragma unroll
         for (int t = 0; t < DT; t += 2) {
           unsigned bf[4];
@@ -1082,14 +1089,10 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
     // fragment of one 16-query chunk (p and ds rounded to T).
 #pragma unroll
     for (int kc = 0; kc < BQ / 16; ++kc) {
-      const unsigned pa[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                              pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                              pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                              pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-      const unsigned da[4] = {pack2<T>(dp[2 * kc][0], dp[2 * kc][1]),
-                              pack2<T>(dp[2 * kc][2], dp[2 * kc][3]),
-                              pack2<T>(dp[2 * kc + 1][0], dp[2 * kc + 1][1]),
-                              pack2<T>(dp[2 * kc + 1][2], dp[2 * kc + 1][3])};
+      unsigned pa[4];
+      a_frag<T>(s, kc, pa);
+      unsigned da[4];
+      a_frag<T>(dp, kc, da);
 #pragma unroll
       for (int t = 0; t < DT; t += 2) {
         const unsigned off = cur + (unsigned)((kc * 16 * LD + t * 8) * 2);
