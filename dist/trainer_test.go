@@ -261,29 +261,16 @@ func TestTrainerRankFailureIsTypedError(t *testing.T) {
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(7, 8))
 	x, y := batch(rng, n)
-	comms := dist.NewLocal(world, 300*time.Millisecond)
-	errs := make([]error, world)
-	var wg sync.WaitGroup
 	start := time.Now()
-	for r := range world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			m := newModel(1)
-			tr, err := dist.New(comms[r], dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCPU}})
-			if err != nil {
-				errs[r] = err
-				return
-			}
-			defer tr.Close()
-			if r == 2 {
-				return // dies before its first collective, without a word
-			}
-			lo, hi, _ := tr.Shard(n)
-			_, errs[r] = tr.Step(ctx, n, m.loss(x, y, lo, hi), m.params, optim.NewSGD(0.1, 0))
-		}()
-	}
-	wg.Wait()
+	errs := stepRanks(dist.NewLocal(world, 300*time.Millisecond), func(r int, tr *dist.Trainer) error {
+		if r == 2 {
+			return nil // dies before its first collective, without a word
+		}
+		m := newModel(1)
+		lo, hi, _ := tr.Shard(n)
+		_, err := tr.Step(ctx, n, m.loss(x, y, lo, hi), m.params, optim.NewSGD(0.1, 0))
+		return err
+	})
 	require.Less(t, time.Since(start), 5*time.Second)
 	for r := range 2 {
 		require.Error(t, errs[r], "rank %d", r)
@@ -316,32 +303,41 @@ func TestTrainerFailingRankAbortsPeers(t *testing.T) {
 	const world, n = 3, 6
 	ctx := context.Background()
 	x, y := batch(rand.New(rand.NewPCG(9, 9)), n)
-	comms := dist.NewLocal(world, time.Minute)
-	errs := make([]error, world)
-	var wg sync.WaitGroup
 	start := time.Now()
-	for r := range world {
+	errs := stepRanks(dist.NewLocal(world, time.Minute), func(r int, tr *dist.Trainer) error {
+		var opt optim.Optimizer = optim.NewSGD(0.1, 0)
+		if r == 2 {
+			opt = nil
+		}
+		m := newModel(1)
+		lo, hi, _ := tr.Shard(n)
+		_, err := tr.Step(ctx, n, m.loss(x, y, lo, hi), m.params, opt)
+		return err
+	})
+	require.Less(t, time.Since(start), 10*time.Second)
+	require.Error(t, errs[2])
+	require.ErrorIs(t, errs[0], dist.ErrAborted)
+	require.ErrorIs(t, errs[1], dist.ErrAborted)
+}
+
+// stepRanks runs body for every rank of comms concurrently, each on a CPU
+// Trainer of its own, and returns each rank's error (New's, or body's).
+func stepRanks(comms []dist.Communicator, body func(r int, tr *dist.Trainer) error) []error {
+	errs := make([]error, len(comms))
+	var wg sync.WaitGroup
+	for r := range comms {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			m := newModel(1)
 			tr, err := dist.New(comms[r], dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCPU}})
 			if err != nil {
 				errs[r] = err
 				return
 			}
 			defer tr.Close()
-			var opt optim.Optimizer = optim.NewSGD(0.1, 0)
-			if r == 2 {
-				opt = nil
-			}
-			lo, hi, _ := tr.Shard(n)
-			_, errs[r] = tr.Step(ctx, n, m.loss(x, y, lo, hi), m.params, opt)
+			errs[r] = body(r, tr)
 		}()
 	}
 	wg.Wait()
-	require.Less(t, time.Since(start), 10*time.Second)
-	require.Error(t, errs[2])
-	require.ErrorIs(t, errs[0], dist.ErrAborted)
-	require.ErrorIs(t, errs[1], dist.ErrAborted)
+	return errs
 }
