@@ -391,6 +391,12 @@ func (s *Session) SyncParams() error {
 // "cpu: no GPU (cuda: ...)" with the reason CUDA was not usable.
 func (s *Session) Device() string { return s.device }
 
+// OnCUDA reports whether the session runs on the CUDA executor.
+func (s *Session) OnCUDA() bool {
+	_, ok := s.be.(cudaOwner)
+	return ok
+}
+
 // Overhead is the memory the executor holds outside every plan (CUDA's
 // cuBLAS workspace; 0 on the CPU): measured peaks are the plan's plus
 // Overhead, and Options.Budget counts it.
@@ -538,7 +544,8 @@ func (s *Session) compileOptions(kept, trained []int, slots int, unscale bool) p
 // failed run changes nothing: the optimizer updates only after the last
 // chunk, and the executor frees what the run held, so no chunk is lost or
 // counted twice.
-func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer, scale float32) (outs []*tensor.Dense, skipped bool, err error) {
+func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer, scale float32,
+	reduce exec.Reducer) (outs []*tensor.Dense, skipped bool, err error) {
 	var (
 		pl *planner.Plan
 		u  planner.Usage
@@ -580,7 +587,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		// SyncParams brings the host tensors up to date.
 		var res *exec.Result
 		res, err = s.be.Execute(ctx, p, pl.Chunks, exec.Options{Resident: true, Timeline: s.opts.Timeline,
-			Optimizer: opt, KeptOnDevice: opt != nil, LossScale: scale})
+			Optimizer: opt, KeptOnDevice: opt != nil, LossScale: scale, Reduce: reduce})
 		if err == nil {
 			outs, u, skipped = res.Outputs, res.Usage, res.Skipped
 			break
@@ -754,7 +761,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	if err != nil {
 		return nil, err
 	}
-	outs, _, err := s.run(ctx, p, nil, 0)
+	outs, _, err := s.run(ctx, p, nil, 0, nil)
 	return outs, err
 }
 
@@ -789,6 +796,21 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // then updates nothing (no error: LossScale counts it) and lowers the
 // scale. The returned loss is the unscaled one either way.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
+	return s.StepWith(ctx, loss, params, opt, StepOptions{})
+}
+
+// StepOptions are what a step may take beyond Session.Step's arguments.
+type StepOptions struct {
+	// Reduce, when set, sums the step's gradients over data-parallel
+	// ranks on the device before the loss scale's check and the
+	// optimizer, overlapping backward when the step runs in one chunk
+	// (exec.Options.Reduce): package dist sets it to NCCL's. A CPU session
+	// refuses it.
+	Reduce exec.Reducer
+}
+
+// StepWith is Step with StepOptions.
+func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, so StepOptions) (float32, error) {
 	if _, err := s.executor(); err != nil {
 		return 0, err
 	}
@@ -860,7 +882,7 @@ func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Te
 	if err != nil {
 		return 0, err
 	}
-	vals, skipped, err := s.run(ctx, prog, opt, scale)
+	vals, skipped, err := s.run(ctx, prog, opt, scale, so.Reduce)
 	if err != nil {
 		return 0, err
 	}

@@ -13,8 +13,10 @@ const DefaultTimeout = 5 * time.Minute
 // Communicator is a group of ranks that reduce and broadcast float32
 // buffers. NCCL (NewNCCL) and the in-process fake (NewLocal) implement it.
 //
-// Buffers are host slices: the data-parallel Trainer reduces the
-// gradients that a host-side optimizer step sees (see Trainer). Every rank
+// Buffers are host slices: parameters at the start (BroadcastParams), the
+// loss, and the gradients of a step whose optimizer runs on the host. A
+// CUDA session's gradients are summed on the device instead, through the
+// NCCL communicator's device reduction (see Trainer.Step). Every rank
 // must call the same collectives in the same order with the same lengths
 // (and root); a call waits for all ranks, at most the communicator's
 // timeout, then returns an error wrapping ErrTimeout and aborts the group.

@@ -1,5 +1,5 @@
-// Package dist is data-parallel training over several ranks (issue 16,
-// phase 1): one process per GPU, the global batch split into contiguous
+// Package dist is data-parallel training over several ranks: one process
+// per GPU, the global batch split into contiguous
 // shards, gradients made the whole batch's by an all-reduce before every
 // optimizer step.
 //
@@ -36,10 +36,15 @@
 // within it; on NCCL a watchdog polls ncclCommGetAsyncError while a
 // collective runs and calls ncclCommAbort at the deadline.
 //
-// What this phase does not do: the all-reduce runs after backward, not
-// overlapped with it, and on host copies of the gradients (the session
-// runs the optimizer on the host beside it; on CUDA gradients go down and
-// parameters up once per step, and NCCL reduces through a device staging
-// buffer). Overlap and device-resident reduction are later work. See the
+// Where gradients are summed: over NCCL with a CUDA session, on the
+// device, in place, overlapping backward. The session's executor hands
+// each gradient to the communicator's Reduction as soon as the launch
+// that makes it is queued (exec.Options.Reduce; when the rank's step runs
+// in several chunks, after the last one's accumulation); full buckets go
+// to NCCL as one group on the communicator's own stream, ordered after
+// the gradients by an event, and each rank's gradients are multiplied by
+// n_r/N inside the sum (NCCL's PreMulSum). The optimizer then runs on the
+// device. With the in-process fake, or a CPU session, the sums run on
+// host copies of the gradients inside the optimizer step. See the
 // README's "Data parallel" section for what has run where.
 package dist

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"os"
 	"strconv"
 	"strings"
@@ -113,6 +115,23 @@ func (n *ncclComm) AllReduceSum(ctx context.Context, buf []float32) error {
 func (n *ncclComm) Broadcast(ctx context.Context, buf []float32, root int) error {
 	return n.wrap("broadcast", n.c.Broadcast(ctx, buf, root))
 }
+
+// reduction is one step's exec.Reducer: NCCL sums on the device, each
+// rank's gradients scaled by scale, with the package's errors.
+func (n *ncclComm) reduction(ctx context.Context, scale float32) exec.Reducer {
+	return &ncclReduction{n: n, r: n.c.NewReduction(ctx, scale)}
+}
+
+type ncclReduction struct {
+	n *ncclComm
+	r *cuda.Reduction
+}
+
+func (r *ncclReduction) Add(buf alloc.Ptr, count int64) error {
+	return r.n.wrap("all-reduce", r.r.Add(buf, count))
+}
+
+func (r *ncclReduction) Wait() error { return r.n.wrap("all-reduce", r.r.Wait()) }
 
 // Close destroys the communicator and closes its device handle (the
 // primary context stays while a session holds it).

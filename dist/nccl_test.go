@@ -52,11 +52,6 @@ func requireNCCL(t *testing.T) {
 	}
 }
 
-// hostSGD is SGD run on the host: the path a Trainer's step takes on CUDA
-// (the all-reduce sits in the optimizer step), so a single-GPU session
-// compared with it runs the same arithmetic.
-type hostSGD struct{ optim.Optimizer }
-
 func freeLoopbackPort(t *testing.T) int { return freePort(t) }
 
 // World size 1 on one GPU through real NCCL (the H100): a Trainer's steps
@@ -78,7 +73,7 @@ func TestNCCLWorldOneEqualsSession(t *testing.T) {
 	ref := newWide(1, 256)
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
 	require.NoError(t, sess.Err())
-	refOpt := hostSGD{optim.NewSGD(0.1, 0.9)}
+	refOpt := optim.NewSGD(0.1, 0.9) // on the device, as the Trainer's
 	var refLoss []float32
 	var refPlan, refUsed []int64
 	for s := range steps {
@@ -203,7 +198,7 @@ func TestNCCLTwoGPUDataParallel(t *testing.T) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
 	defer sess.Close()
 	xs, ys := childBatches(n, steps)
-	refOpt := hostSGD{optim.NewSGD(0.1, 0.9)} // one optimizer, so its momentum carries over as the ranks' does
+	refOpt := optim.NewSGD(0.1, 0.9) // one optimizer, so its momentum carries over as the ranks' does
 	for s := range steps {
 		_, err := sess.Step(context.Background(), ref.loss(xs[s], ys[s], 0, n), ref.params, refOpt)
 		require.NoError(t, err)

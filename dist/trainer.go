@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/batchfit/batchfit/exec"
+	"time"
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/lazy"
@@ -53,7 +55,15 @@ type Trainer struct {
 	comm Communicator
 	sess *batchfit.Session
 	opts Options
+	wait time.Duration // the last step's time blocked on communication
 }
+
+// LastWait is how long the last Step waited on communication after its
+// session's own work was queued: the device reduction's Wait (the sums
+// that did not finish beside backward) plus the loss's all-reduce; with a
+// host reduction, the whole of it. A data-parallel step costs a single
+// GPU's step of the shard plus about this.
+func (t *Trainer) LastWait() time.Duration { return t.wait }
 
 // New makes the rank's session. With Options.Session.Budget set, the
 // session gets Budget − comm.Overhead(): NCCL's device buffers lie outside
@@ -133,11 +143,16 @@ func hostData(params []*lazy.Tensor) ([][]float32, error) {
 // (TestGradientsEqualWholeBatch holds it to 1e-6). A summed loss
 // (Options.SumLoss) needs no scale. The loss is reduced the same way.
 //
-// The all-reduce runs after backward, bucket by bucket in reverse
-// parameter order: it does not overlap backward yet. It runs inside the
-// optimizer step on the host copies of the gradients, so on CUDA the
-// session runs the optimizer on the host (gradients down, parameters up)
-// in this version.
+// Where the gradients are summed: with an NCCL communicator and a CUDA
+// session, on the device, where the gradients are. The session hands
+// each gradient to NCCL as soon as the launch that makes it is queued
+// (when the rank's step runs in one chunk; after the last chunk's
+// accumulation otherwise), in buckets of Options.BucketBytes, each summed
+// on NCCL's own stream while backward goes on; the optimizer then runs on
+// the device as in a single-GPU session (exec.Options.Reduce). Otherwise
+// (the in-process fake, a CPU session) the sums run in the optimizer
+// step, on the host copies of the gradients, bucket by bucket in reverse
+// parameter order.
 //
 // A step that fails on this rank for a reason of its own (its graph, its
 // memory) aborts the communicator, so the other ranks' steps return
@@ -162,16 +177,49 @@ func (t *Trainer) step(ctx context.Context, globalN int, loss *lazy.Tensor, para
 	if !t.opts.SumLoss {
 		scale = float32(hi-lo) / float32(globalN)
 	}
-	r := &reducer{Optimizer: opt, ctx: ctx, t: t, scale: scale}
-	l, err := t.sess.Step(ctx, loss, params, r)
+	var l float32
+	if dc, ok := t.comm.(deviceComm); ok && t.sess.OnCUDA() {
+		// The gradients stay on the device: NCCL sums them in place
+		// between backward and the optimizer, which the session runs there
+		// (or on the host after a download, for optimizers without device
+		// kernels).
+		red := &timedReducer{Reducer: dc.reduction(ctx, scale)}
+		l, err = t.sess.StepWith(ctx, loss, params, opt, batchfit.StepOptions{Reduce: red})
+		t.wait = red.wait
+	} else {
+		r := &reducer{Optimizer: opt, ctx: ctx, t: t, scale: scale}
+		l, err = t.sess.Step(ctx, loss, params, r)
+		t.wait = r.wait
+	}
 	if err != nil {
 		return 0, err
 	}
 	buf := []float32{l * scale}
+	start := time.Now()
 	if err := t.comm.AllReduceSum(ctx, buf); err != nil {
 		return 0, err
 	}
+	t.wait += time.Since(start)
 	return buf[0], nil
+}
+
+// deviceComm is a Communicator that also sums buffers on the device
+// (NCCL): a CUDA session's gradients are reduced where they are.
+type deviceComm interface {
+	reduction(ctx context.Context, scale float32) exec.Reducer
+}
+
+// timedReducer times an exec.Reducer's Wait.
+type timedReducer struct {
+	exec.Reducer
+	wait time.Duration
+}
+
+func (r *timedReducer) Wait() error {
+	start := time.Now()
+	err := r.Reducer.Wait()
+	r.wait = time.Since(start)
+	return err
 }
 
 // reducer is the optimizer the session runs: it makes the gradients the
@@ -181,6 +229,7 @@ type reducer struct {
 	ctx   context.Context
 	t     *Trainer
 	scale float32
+	wait  time.Duration
 }
 
 func (r *reducer) Step(params []optim.Param) error {
@@ -188,8 +237,10 @@ func (r *reducer) Step(params []optim.Param) error {
 	for i, p := range params {
 		grads[i] = p.Grad
 	}
+	start := time.Now()
 	if err := reduceBuckets(r.ctx, r.t.comm, grads, r.scale, r.t.opts.BucketBytes); err != nil {
 		return err
 	}
+	r.wait = time.Since(start)
 	return r.Optimizer.Step(params)
 }

@@ -113,6 +113,16 @@ type Options struct {
 	// Timeline records the allocator's state after every program step in
 	// Result.Usage.Timeline: the measured counterpart of a plan's timeline.
 	Timeline bool
+	// Reduce, when set, sums the final kept outputs (float32 gradients)
+	// over data-parallel ranks in place on the device, before the loss
+	// scale's unscale and check and before Update or Optimizer (package
+	// dist, through NCCL). With one chunk each gradient is handed to
+	// Reduce.Add as soon as the launch that makes it is queued, so the
+	// sums overlap the rest of backward; with several, after the last
+	// chunk's accumulation. Finish then calls Reduce.Wait. Only the CUDA
+	// executor takes it; the CPU executor refuses a call that sets it
+	// (dist reduces host gradients in the optimizer step instead).
+	Reduce Reducer
 	// LossScale, when not 0, is the loss scale S of dynamic loss scaling
 	// (precision.Scaler): the kept outputs are gradients of the loss
 	// multiplied by S. After the last chunk, before Update or Optimizer,
@@ -127,6 +137,20 @@ type Options struct {
 	// is planned like any buffer. Kept outputs returned to the host hold
 	// the unscaled values.
 	LossScale float32
+}
+
+// Reducer sums gradients over the ranks of a data-parallel job, on the
+// device, in place (Options.Reduce; dist's NCCL communicator makes one per
+// step).
+type Reducer interface {
+	// Add hands over one final gradient: count float32 elements at buf.
+	// The reducer may start summing it once the work queued so far on the
+	// executor's stream is done, and returns without waiting for that.
+	Add(buf alloc.Ptr, count int64) error
+	// Wait starts whatever Add handed over that is not started yet and
+	// returns when every sum is in place: the executor's next launches
+	// (the optimizer) see the summed values.
+	Wait() error
 }
 
 // UnscaleBytes is the finish workspace (planner.CompileOptions.

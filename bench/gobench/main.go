@@ -55,6 +55,7 @@ type config struct {
 	precision     string // the precision policy (package precision); -tf32 is -precision tf32
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
+	dist          bool   // one rank of a data-parallel job: time Trainer steps only
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -77,6 +78,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the same as -precision tf32; PyTorch's allow_tf32)")
 	fs.StringVar(&c.precision, "precision", "fp32", "precision `policy`: "+precision.Names()+" (as Options.Precision)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
+	fs.BoolVar(&c.dist, "dist", false, "run as one rank of a data-parallel job started by `batchfit launch -n N` or torchrun: time the models' training loops through package dist (NCCL) at a global batch of -gpt-batch, -mlp-batch or -conv-batch, and nothing else; rank 0 writes the records")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 
@@ -90,7 +92,9 @@ func main() {
 	}
 
 	var sinks []io.Writer = []io.Writer{os.Stdout}
-	if dir := os.Getenv("OUT"); dir != "" {
+	if c.dist && os.Getenv("RANK") != "0" {
+		sinks = []io.Writer{io.Discard} // rank 0 speaks for the job
+	} else if dir := os.Getenv("OUT"); dir != "" {
 		f, err := os.Create(filepath.Join(dir, "gobench.json"))
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "gobench:", err)
@@ -277,6 +281,20 @@ func run(c config, w io.Writer) error {
 	ms, err := benchModels(c)
 	if err != nil {
 		return err
+	}
+	if c.dist {
+		var errs []error
+		for _, m := range ms {
+			r, err := distThroughput(c, m)
+			if err != nil {
+				r.Error = err.Error()
+				errs = append(errs, err)
+			}
+			if err := writeRecord(w, r); err != nil {
+				return err
+			}
+		}
+		return errors.Join(errs...)
 	}
 	d, err := cuda.Open(cuda.Options{})
 	if err != nil {

@@ -8,7 +8,8 @@ import (
 // Record is one JSON line of gobench's output. Kind says which fields are
 // set: "device" (the card), "throughput" (a timed training run), "maxbatch"
 // (the planner's largest whole batch for the card's free memory, and a
-// step run at it), "tightness" (a batch too large for -budget: the
+// step run at it), "dist" (one data-parallel job's timed training run:
+// World ranks, Batch the global batch), "tightness" (a batch too large for -budget: the
 // planner's chunks, a step run in them, and the next larger chunk size's
 // simulated need) or "error".
 type Record struct {
@@ -28,6 +29,7 @@ type Record struct {
 	Params    int64  `json:"params,omitempty"`
 	TF32      bool   `json:"tf32,omitempty"`      // float32 GEMMs on TF32 tensor cores
 	Precision string `json:"precision,omitempty"` // the precision policy (fp32, tf32, bf16-mixed, fp16-mixed)
+	World     int    `json:"world,omitempty"`     // dist: ranks (GPUs) of the job
 
 	// throughput
 	BuildModelSeconds float64   `json:"build_model_seconds,omitempty"` // parameter initialisation
@@ -36,11 +38,13 @@ type Record struct {
 	Steps             int       `json:"steps,omitempty"`
 	StepSeconds       []float64 `json:"step_seconds,omitempty"` // each timed step, synchronised
 	MedianStepSeconds float64   `json:"median_step_seconds,omitempty"`
-	StepsPerSecond    float64   `json:"steps_per_second,omitempty"`
-	SamplesPerSecond  float64   `json:"samples_per_second,omitempty"`
-	FirstLoss         float64   `json:"first_loss,omitempty"`
-	LastLoss          float64   `json:"last_loss,omitempty"`
-	Chunks            int       `json:"chunks,omitempty"`
+	// dist: each timed step's wait on communication (dist.Trainer.LastWait)
+	CommWaitSeconds  []float64 `json:"comm_wait_seconds,omitempty"`
+	StepsPerSecond   float64   `json:"steps_per_second,omitempty"`
+	SamplesPerSecond float64   `json:"samples_per_second,omitempty"`
+	FirstLoss        float64   `json:"first_loss,omitempty"`
+	LastLoss         float64   `json:"last_loss,omitempty"`
+	Chunks           int       `json:"chunks,omitempty"`
 	// Predicted peaks are planner.Make's; measured ones the executor's
 	// allocator over the run, Overhead (cuBLAS's workspace) included.
 	PredictedPeakReserved  int64 `json:"predicted_peak_reserved,omitempty"`

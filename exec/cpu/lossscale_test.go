@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
@@ -143,4 +144,18 @@ func TestUnscale(t *testing.T) {
 	require.False(t, exec.Unscale([][]float32{{float32(math.NaN())}}, 1))
 	require.False(t, exec.Unscale([][]float32{{0}, {float32(math.Inf(-1))}}, 1))
 	require.True(t, exec.Unscale(nil, 2))
+}
+
+// nopReducer is an exec.Reducer that does nothing.
+type nopReducer struct{}
+
+func (nopReducer) Add(alloc.Ptr, int64) error { return nil }
+func (nopReducer) Wait() error                { return nil }
+
+// ExecOptions.Reduce sums device gradients; the CPU executor has none and
+// says so before running anything.
+func TestReduceRefused(t *testing.T) {
+	p, _ := scaledStep(t, 8, false)
+	_, err := cpu.New().Execute(context.Background(), p, planner.Chunks(8, 1), cpu.ExecOptions{Reduce: nopReducer{}})
+	require.ErrorIs(t, err, graph.ErrAttr)
 }

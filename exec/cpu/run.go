@@ -37,6 +37,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err := exec.CheckLossScale(p, o.LossScale); err != nil {
 		return nil, err
 	}
+	if o.Reduce != nil {
+		return nil, graph.Errorf(graph.ErrAttr, "cpu: ExecOptions.Reduce sums device gradients; the CPU executor has none (reduce the host gradients in the optimizer step)")
+	}
 	call, err := exec.NewCall(p, o, &e.resident)
 	if err != nil {
 		return nil, err

@@ -162,6 +162,12 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		return nil, err
 	}
 	r := &runner{e: e, ctx: ctx, p: p, o: o, c: call, persist: map[persistKey]*alloc.Block{}, inputs: map[int]*exec.HostBuf{}}
+	if o.Reduce != nil {
+		r.oneChunk, r.kept = len(chunks) == 1, map[int]bool{}
+		for _, id := range p.Kept {
+			r.kept[id] = true
+		}
+	}
 	var u planner.Usage
 	err = e.d.do(func() error {
 		if o.Resident { // the step restores what Yield gave back
@@ -171,6 +177,12 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		}
 		var err error
 		u, err = planner.Replay(p, chunks, e.a, r, o.Timeline)
+		if len(r.reduced) > 0 && !r.reduceWaited {
+			// A step that failed after handing gradients to Reduce waits
+			// for their sums (or their failure) before its blocks go back
+			// to the allocator for other buffers.
+			err = errors.Join(err, o.Reduce.Wait())
+		}
 		if !o.Resident {
 			err = call.Free(e.a, err)
 		}
@@ -234,6 +246,13 @@ type runner struct {
 		blk     *alloc.Block
 	}
 	early map[int]bool
+	// ExecOptions.Reduce's state: the program runs in one chunk (its kept
+	// outputs are final when made), the kept nodes, the blocks handed to
+	// Reduce.Add, and whether Reduce.Wait was called.
+	oneChunk     bool
+	kept         map[int]bool
+	reduced      map[alloc.Ptr]bool
+	reduceWaited bool
 }
 
 // Companion takes the block of nd's companion output m for nd's next Run.
@@ -327,7 +346,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		}
 		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, nd, c, err)}
 	}
-	return nil
+	return r.reduceReady(nd.ID, out)
 }
 
 func (r *runner) Freed(planner.Buffer, *alloc.Block) {}
@@ -378,6 +397,11 @@ func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
 			len(r.p.Trained), len(kept))
 	}
 	onDevice := r.o.Update == nil && (r.o.Optimizer == nil || deviceOptimizer(r.o.Optimizer))
+	if r.o.Reduce != nil && len(kept) > 0 {
+		if err := r.reduce(kept); err != nil {
+			return err
+		}
+	}
 	if r.o.LossScale != 0 && len(kept) > 0 {
 		finite, err := r.unscale(kept, ws)
 		if err != nil {
@@ -415,6 +439,47 @@ func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
 		return r.hostStep(grads)
 	}
 	return nil
+}
+
+// reduceReady hands kept output node id's block to ExecOptions.Reduce
+// when it is final as soon as its launch is queued: with a single chunk
+// (several accumulate at ChunkDone), each block once. It does nothing
+// for other nodes.
+func (r *runner) reduceReady(id int, blk *alloc.Block) error {
+	if r.o.Reduce == nil || !r.oneChunk || !r.kept[id] || r.reduced[blk.Ptr()] {
+		return nil
+	}
+	return r.reduceAdd(id, blk)
+}
+
+func (r *runner) reduceAdd(id int, blk *alloc.Block) error {
+	nd := r.node(id)
+	if nd.Type.DType != graph.Float32 {
+		return graph.Errorf(graph.ErrDType, "kept output %d is %s: the gradient reduction sums float32", nd.ID, nd.Type.DType)
+	}
+	if r.reduced == nil {
+		r.reduced = map[alloc.Ptr]bool{}
+	}
+	r.reduced[blk.Ptr()] = true
+	if n := int64(nd.Type.Numel()); n > 0 {
+		return r.o.Reduce.Add(blk.Ptr(), n)
+	}
+	return nil
+}
+
+// reduce hands ExecOptions.Reduce the final kept outputs it has not had
+// yet and waits for every sum.
+func (r *runner) reduce(kept []*alloc.Block) error {
+	for j, blk := range kept {
+		if r.reduced[blk.Ptr()] {
+			continue
+		}
+		if err := r.reduceAdd(r.p.Kept[j], blk); err != nil {
+			return err
+		}
+	}
+	r.reduceWaited = true
+	return r.o.Reduce.Wait()
 }
 
 // downloadKept copies the final kept outputs to the host as the call's

@@ -489,3 +489,85 @@ func TestSplitReductions(t *testing.T) {
 		}
 	}
 }
+
+// doubler is an exec.Reducer for one rank that "sums" by doubling: it
+// records what Add hands over, and Wait doubles every buffer in place, as
+// an all-reduce over two identical ranks would.
+type doubler struct {
+	d      *cuda.Device
+	bufs   []alloc.Ptr
+	counts []int64
+	waits  int
+}
+
+func (r *doubler) Add(buf alloc.Ptr, count int64) error {
+	r.bufs, r.counts = append(r.bufs, buf), append(r.counts, count)
+	return nil
+}
+
+func (r *doubler) Wait() error {
+	r.waits++
+	for i, p := range r.bufs {
+		v := make([]float32, r.counts[i])
+		if err := cuda.CopyDtoH(r.d, v, p); err != nil {
+			return err
+		}
+		for j := range v {
+			v[j] *= 2
+		}
+		if err := cuda.CopyHtoD(r.d, p, v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TestReduceSeesFinalGradients: ExecOptions.Reduce gets every kept
+// gradient once, whole (its element count), in one chunk or several, and
+// what Wait leaves in them is what the optimizer and the returned outputs
+// see: with a reducer that doubles them, the gradients are exactly twice
+// a plain run's and SGD (no momentum) at lr moves the parameters exactly
+// as the plain run at 2·lr.
+func TestReduceSeesFinalGradients(t *testing.T) {
+	const n = 24
+	ctx := context.Background()
+	for _, chunks := range []int{1, 3} {
+		t.Run(fmt.Sprintf("chunks=%d", chunks), func(t *testing.T) {
+			e := freshExecutor(t, cuda.ExecutorOptions{})
+			redModel, refModel := testutil.MLPModel(32, 16, false), testutil.MLPModel(32, 16, false)
+			redRng, refRng := rand.New(rand.NewPCG(47, 48)), rand.New(rand.NewPCG(47, 48))
+
+			loss, redParams := redModel.Build(redRng, n)
+			p := stepProgram(t, loss, redParams, 0)
+			r := &doubler{d: e.Device()}
+			red, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: optim.NewSGD(0.05, 0),
+				SyncParams: true, Reduce: r})
+			require.NoError(t, err)
+			require.Equal(t, 1, r.waits)
+			require.Len(t, r.bufs, len(p.Kept), "every gradient once")
+			// In one chunk they come in the order backward makes them.
+			var sizes []int64
+			for _, id := range p.Kept {
+				sizes = append(sizes, int64(p.Graph.Node(id).Type.Numel()))
+			}
+			require.ElementsMatch(t, sizes, r.counts, "the gradients' elements")
+
+			loss, refParams := refModel.Build(refRng, n)
+			ref, err := e.Execute(ctx, stepProgram(t, loss, refParams, 0), planner.Chunks(n, chunks),
+				cuda.ExecOptions{Resident: true, Optimizer: optim.NewSGD(0.1, 0), SyncParams: true})
+			require.NoError(t, err)
+			require.Equal(t, scalarOf(t, ref.Outputs[0]), scalarOf(t, red.Outputs[0]), "loss")
+			for i := 1; i < len(ref.Outputs); i++ {
+				want := ref.Outputs[i].Float32s()
+				got := red.Outputs[i].Float32s()
+				for k := range want {
+					require.Equal(t, 2*want[k], got[k], "gradient %d [%d]", i, k)
+				}
+			}
+			want, got := hostParams(t, refParams), hostParams(t, redParams)
+			for i := range want {
+				require.Equal(t, want[i], got[i], "parameter %d", i)
+			}
+		})
+	}
+}

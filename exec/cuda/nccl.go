@@ -35,6 +35,8 @@ const (
 	ncclFloat32 = 7
 	ncclSum     = 0
 
+	ncclScalarHostImmediate = 1 // ncclScalarResidence_t: the scalar is read from host memory at the call
+
 	ncclSuccess    = 0
 	ncclInProgress = 7
 
@@ -96,15 +98,31 @@ type ncclLib struct {
 	// ncclResult_t ncclGroupStart(void), ncclGroupEnd(void)
 	ncclGroupStart func() ncclResult
 	ncclGroupEnd   func() ncclResult
+	// ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar,
+	//     ncclDataType_t datatype, ncclScalarResidence_t residence, ncclComm_t comm)
+	ncclRedOpCreatePreMulSum func(op *int32, scalar *float32, dtype, residence int32, comm ncclComm) ncclResult
+	// ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm)
+	ncclRedOpDestroy func(op int32, comm ncclComm) ncclResult
 	// const char *ncclGetErrorString(ncclResult_t result)
 	ncclGetErrorString func(r ncclResult) *byte
 	// const char *ncclGetLastError(ncclComm_t comm)
 	ncclGetLastError func(comm ncclComm) *byte
 
-	// CUresult cuStreamQuery(CUstream hStream), from libcuda: the watchdog
-	// polls the stream instead of blocking in cuStreamSynchronize.
-	cuStreamQuery func(stream uintptr) cuResult
+	// From libcuda: CUresult cuStreamQuery(CUstream hStream), which the
+	// watchdog polls instead of blocking in cuStreamSynchronize; and the
+	// communicator's own stream: cuStreamCreate(CUstream *phStream,
+	// unsigned int Flags), cuStreamDestroy_v2(CUstream hStream),
+	// cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags).
+	cuStreamQuery     func(stream uintptr) cuResult
+	cuStreamCreate    func(stream *uintptr, flags uint32) cuResult
+	cuStreamDestroy   func(stream uintptr) cuResult
+	cuStreamWaitEvent func(stream uintptr, ev CUevent, flags uint32) cuResult
 }
+
+const (
+	cuStreamNonBlocking  = 0x1 // CU_STREAM_NON_BLOCKING: no implicit sync with stream 0
+	cuEventDisableTiming = 0x2 // CU_EVENT_DISABLE_TIMING
+)
 
 func (n *ncclLib) symbols() []symbol {
 	return []symbol{
@@ -118,6 +136,8 @@ func (n *ncclLib) symbols() []symbol {
 		sym(&n.ncclBroadcast, "ncclBroadcast"),
 		sym(&n.ncclGroupStart, "ncclGroupStart"),
 		sym(&n.ncclGroupEnd, "ncclGroupEnd"),
+		sym(&n.ncclRedOpCreatePreMulSum, "ncclRedOpCreatePreMulSum"),
+		sym(&n.ncclRedOpDestroy, "ncclRedOpDestroy"),
 		sym(&n.ncclGetErrorString, "ncclGetErrorString"),
 		sym(&n.ncclGetLastError, "ncclGetLastError"),
 	}
@@ -175,7 +195,8 @@ func loadNCCL() (*ncclLib, error) {
 		}
 		cu, err := dlopen("libcuda.so.1")
 		if err == nil {
-			err = bind(cu, []symbol{sym(&n.cuStreamQuery, "cuStreamQuery")})
+			err = bind(cu, []symbol{sym(&n.cuStreamQuery, "cuStreamQuery"), sym(&n.cuStreamCreate, "cuStreamCreate"),
+				sym(&n.cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy"), sym(&n.cuStreamWaitEvent, "cuStreamWaitEvent")})
 		}
 		if err != nil {
 			ncclOnce.err = fmt.Errorf("%w: libcuda.so.1: %v", ErrNoGPU, err)
@@ -235,7 +256,8 @@ type NCCL struct {
 	size     int
 	timeout  time.Duration
 	staging  CUdeviceptr
-	stageN   int // float32 elements in staging
+	stageN   int     // float32 elements in staging
+	stream   uintptr // every collective runs here (non-blocking: no implicit sync with stream 0)
 	overhead int64
 
 	abortReq atomic.Bool // Abort asked the polling loop to abort
@@ -288,6 +310,9 @@ func (d *Device) NewNCCL(id []byte, rank, size int, o NCCLOptions) (*NCCL, error
 		return nil, fmt.Errorf("%w: ncclCommInitRank (rank %d of %d) waited %v for its peers", ErrNCCLTimeout, rank, size, o.Timeout)
 	}
 	err = d.do(func() error {
+		if err := d.drv.check("cuStreamCreate", n.cuStreamCreate(&c.stream, cuStreamNonBlocking)); err != nil {
+			return err
+		}
 		return d.drv.check("cuMemAlloc_v2", d.drv.cuMemAlloc(&c.staging, uintptr(c.stageN)*4))
 	})
 	if err == nil { // warm-up: NCCL connects its channels and allocates its buffers
@@ -326,20 +351,32 @@ func (c *NCCL) Size() int { return c.size }
 // from cuMemGetInfo: outside every allocator.
 func (c *NCCL) Overhead() int64 { return c.overhead }
 
-// run enqueues a collective on stream 0 from the device thread and polls
-// it until it completes, failing on an asynchronous error, the deadline,
-// ctx or Abort, in which case it aborts the communicator.
+// run enqueues a collective on the communicator's stream from the device
+// thread and waits for it (wait).
 func (c *NCCL) run(ctx context.Context, fn string, enqueue func(stream uintptr) ncclResult) error {
 	if err := c.usable(); err != nil {
 		return err
 	}
-	deadline := time.Now().Add(c.timeout)
-	return c.d.do(func() error {
-		if err := c.n.check(fn, enqueue(0), c.comm); err != nil {
+	if err := c.d.do(func() error {
+		if err := c.n.check(fn, enqueue(c.stream), c.comm); err != nil {
 			return errors.Join(err, c.abortNow())
 		}
-		for wait := time.Microsecond; ; wait = min(2*wait, time.Millisecond) {
-			switch r := c.n.cuStreamQuery(0); r {
+		return nil
+	}); err != nil {
+		return err
+	}
+	return c.wait(ctx, fn)
+}
+
+// wait polls the communicator's stream until what it holds is done,
+// failing on an asynchronous error, the deadline, ctx or Abort, in which
+// case it aborts the communicator. The polls back off from 1 µs to
+// 100 µs, so a collective's end is seen within about 100 µs.
+func (c *NCCL) wait(ctx context.Context, fn string) error {
+	deadline := time.Now().Add(c.timeout)
+	return c.d.do(func() error {
+		for wait := time.Microsecond; ; wait = min(2*wait, 100*time.Microsecond) {
+			switch r := c.n.cuStreamQuery(c.stream); r {
 			case cudaSuccess:
 				return nil
 			case cudaErrorNotReady:
@@ -400,6 +437,132 @@ func (c *NCCL) Broadcast(ctx context.Context, buf []float32, root int) error {
 	})
 }
 
+// Reduction sums device buffers over the ranks in place, each rank's
+// values multiplied by its own scale first (NCCL's PreMulSum; a plain sum
+// when the scale is 1), on the communicator's own stream so the sums run
+// beside the executor's work: it implements exec.Reducer. Add gathers
+// buffers into buckets of the communicator's StagingBytes; a full bucket
+// goes out as one NCCL group, ordered after everything queued on stream 0
+// so far (an event the communicator's stream waits on). Wait sends the
+// rest and polls the stream until every sum is in place, with the
+// deadline, abort and asynchronous-error checks of every collective. One
+// Reduction serves one step, from one goroutine.
+type Reduction struct {
+	c       *NCCL
+	ctx     context.Context
+	scale   float32
+	op      int32
+	opMade  bool
+	bufs    []alloc.Ptr
+	counts  []int64
+	bytes   int64
+	started bool
+	done    bool
+}
+
+// NewReduction starts a reduction whose buffers are scaled by scale.
+func (c *NCCL) NewReduction(ctx context.Context, scale float32) *Reduction {
+	return &Reduction{c: c, ctx: ctx, scale: scale, op: ncclSum}
+}
+
+// Add queues count float32 elements at buf; a full bucket is enqueued.
+func (r *Reduction) Add(buf alloc.Ptr, count int64) error {
+	if r.done {
+		return &NCCLError{Func: "ncclAllReduce", Code: 5, Name: ncclResultNames[5], Msg: "Add after Wait"}
+	}
+	r.bufs, r.counts, r.bytes = append(r.bufs, buf), append(r.counts, count), r.bytes+4*count
+	if r.bytes >= 4*int64(r.c.stageN) {
+		return r.flush()
+	}
+	return nil
+}
+
+// flush enqueues the gathered buffers as one group on the communicator's
+// stream, after the work queued on stream 0 so far.
+func (r *Reduction) flush() error {
+	if len(r.bufs) == 0 {
+		return nil
+	}
+	if err := r.c.usable(); err != nil {
+		return err
+	}
+	bufs, counts := r.bufs, r.counts
+	r.bufs, r.counts, r.bytes = nil, nil, 0
+	c := r.c
+	err := c.d.do(func() error {
+		if r.scale != 1 && !r.opMade {
+			s := r.scale
+			if err := c.n.check("ncclRedOpCreatePreMulSum", c.n.ncclRedOpCreatePreMulSum(&r.op, &s, ncclFloat32, ncclScalarHostImmediate, c.comm), c.comm); err != nil {
+				return err
+			}
+			r.opMade = true
+		}
+		// The sums must see the gradients: the communicator's stream waits
+		// for what stream 0 holds now.
+		var ev CUevent
+		if err := c.d.drv.check("cuEventCreate", c.d.drv.cuEventCreate(&ev, cuEventDisableTiming)); err != nil {
+			return err
+		}
+		err := c.d.drv.check("cuEventRecord", c.d.drv.cuEventRecord(ev, 0))
+		if err == nil {
+			err = c.d.drv.check("cuStreamWaitEvent", c.n.cuStreamWaitEvent(c.stream, ev, 0))
+		}
+		// Destroying an event a stream still waits on is allowed: its
+		// resources go when the wait is over.
+		err = errors.Join(err, c.d.drv.check("cuEventDestroy", c.d.drv.cuEventDestroy(ev)))
+		if err != nil {
+			return err
+		}
+		r.started = true
+		if err := c.n.check("ncclAllReduce", allReduceGroup(c, bufs, counts, r.op), c.comm); err != nil {
+			return errors.Join(err, c.abortNow())
+		}
+		return nil
+	})
+	return err
+}
+
+// allReduceGroup enqueues one in-place all-reduce per buffer on the
+// communicator's stream, in one NCCL group; the first failure's code.
+func allReduceGroup(c *NCCL, bufs []alloc.Ptr, counts []int64, op int32) ncclResult {
+	if r := c.n.ncclGroupStart(); r != ncclSuccess {
+		return r
+	}
+	var first ncclResult
+	for i, p := range bufs {
+		if counts[i] <= 0 {
+			continue
+		}
+		if r := c.n.ncclAllReduce(CUdeviceptr(p), CUdeviceptr(p), uintptr(counts[i]), ncclFloat32, op, c.comm, c.stream); r != ncclSuccess && first == ncclSuccess {
+			first = r
+		}
+	}
+	// The group must be closed even after a failed call in it.
+	if r := c.n.ncclGroupEnd(); first == ncclSuccess {
+		first = r
+	}
+	return first
+}
+
+// Wait enqueues the last bucket and returns when every sum is in place.
+// The executor's later launches on stream 0 come after it returns, so
+// they see the sums.
+func (r *Reduction) Wait() error {
+	if r.done {
+		return nil
+	}
+	err := r.flush()
+	r.done = true
+	if err == nil && r.started {
+		err = r.c.wait(r.ctx, "ncclAllReduce")
+	}
+	if r.opMade && !r.c.aborted.Load() { // an abort freed the communicator and its ops
+		c := r.c
+		err = errors.Join(err, c.d.do(func() error { return c.n.check("ncclRedOpDestroy", c.n.ncclRedOpDestroy(r.op, c.comm), c.comm) }))
+	}
+	return err
+}
+
 func (c *NCCL) staged(ctx context.Context, buf []float32, fn string, op func(count, stream uintptr) ncclResult) error {
 	// Before any copy: after Close the staging buffer is gone.
 	if err := c.usable(); err != nil {
@@ -446,6 +609,10 @@ func (c *NCCL) Close() error {
 		if c.staging != 0 {
 			err = errors.Join(err, c.d.drv.check("cuMemFree_v2", c.d.drv.cuMemFree(c.staging)))
 			c.staging = 0
+		}
+		if c.stream != 0 {
+			err = errors.Join(err, c.d.drv.check("cuStreamDestroy", c.n.cuStreamDestroy(c.stream)))
+			c.stream = 0
 		}
 		return err
 	})
