@@ -15,6 +15,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/recompute"
 )
 
 // These tests need no GPU: they check the pieces between Go and C.
@@ -90,7 +91,7 @@ func TestKernelStructs(t *testing.T) {
 // TestListStructs: the multi-tensor kernels' lists have the C structs'
 // sizes and lengths (OPTIM_TENSORS and UNSCALE_TENSORS in optim.cu), stay
 // well under the 4 KiB kernel parameter limit with their scalars, and
-// Launch passes a copy.
+// Launch passes a copy. The cost model's UpdateTensors is OPTIM_TENSORS.
 func TestListStructs(t *testing.T) {
 	assert.Equal(t, uintptr(4*64*8+65*8), unsafe.Sizeof(optimList{}))
 	assert.Equal(t, uintptr(4*64*8), unsafe.Offsetof(optimList{}.off), "off follows the four pointer arrays")
@@ -103,6 +104,7 @@ func TestListStructs(t *testing.T) {
 		require.NotNil(t, m, name)
 		assert.Equal(t, strconv.Itoa(n), m[1], name)
 	}
+	assert.Equal(t, optimTensors, recompute.UpdateTensors, "the cost model prices one update launch per list")
 	var l optimList
 	l.p[3], l.off[64] = 7, 9
 	p, err := packParams([]any{l, int64(4)})
