@@ -80,7 +80,8 @@ type Options struct {
 	// Optimizer, when set, updates the program's trained parameters from
 	// their gradients (p.Trained[i] from p.Kept[i]) after the last chunk.
 	// On the CPU it updates the host tensors. On CUDA *optim.SGD and
-	// *optim.Adam run on the device with the sgd_f32 and adam_f32 kernels:
+	// *optim.Adam run on the device with the sgd_multi_f32 and
+	// adam_multi_f32 kernels (one launch per 64 parameters):
 	// parameters and their state stay there (state in the program's
 	// BufState buffers; the optimizer's host State stays empty), and the
 	// optimizer's step count advances through Step(nil), which checks its

@@ -171,6 +171,15 @@ func (p Profile) rate(kind rateKind, tf32 bool) float64 {
 	return p.VectorFLOPS
 }
 
+// UpdateTensors is how many parameters one launch of the optimizer's update
+// takes: exec/cuda's sgd_multi_f32 and adam_multi_f32 update a list of up
+// to 64 parameters each (OPTIM_TENSORS in exec/cuda/kernels/optim.cu).
+const UpdateTensors = 64
+
+// UpdateLaunches is the launches of the optimizer's update over trained
+// parameters: one per UpdateTensors.
+func UpdateLaunches(trained int) int { return (trained + UpdateTensors - 1) / UpdateTensors }
+
 // Cost prices a program's step.
 type Cost struct {
 	prof    Profile
@@ -223,7 +232,7 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 	}
 	// The update reads gradients, parameters and state and writes
 	// parameters and state; accumulation reads and writes the sums.
-	c.perStep = (3*kept+2*state)/prof.Bandwidth + float64(len(p.Trained))*prof.Launch
+	c.perStep = (3*kept+2*state)/prof.Bandwidth + float64(UpdateLaunches(len(p.Trained)))*prof.Launch
 	c.accum = 3*kept/prof.Bandwidth + float64(len(p.Kept))*prof.Launch
 	return c
 }

@@ -753,44 +753,76 @@ def test_dropout():
 
 
 # ---------------------------------------------------------------- optim
+OPTIM_TENSORS = 64  # optim.cu's OptimList
+
+
+def optim_list(ps, gs, s0, s1):
+    """optim.cu's OptimList (by value) over the device arrays ps with
+    gradients gs and state slots s0, s1 (None: a null pointer); its count
+    and flat size."""
+    n = len(ps)
+    assert n <= OPTIM_TENSORS
+    def ptrs(v): return [0 if a is None else a.data.ptr for a in v] + [0] * (OPTIM_TENSORS - n)
+    off = [0]
+    for a in ps:
+        off.append(off[-1] + a.size)
+    off += [0] * (OPTIM_TENSORS - n)
+    return S(struct.pack(f'<{4 * OPTIM_TENSORS}Q{OPTIM_TENSORS + 1}q', *ptrs(ps), *ptrs(gs), *ptrs(s0), *ptrs(s1), *off)), n, off[n]
+
+
 def test_optim():
     O = 'optim.cu'
-    n = 4099
-    for mom, damp, wd, nest, first in [(0, 0, 0.01, 0, 1), (0.9, 0, 0, 0, 1), (0.9, 0.1, 0.01, 0, 0), (0.9, 0, 0.01, 1, 0)]:
-        p = rng.standard_normal(n).astype(f32)
-        g = rng.standard_normal(n).astype(f32)
-        buf = rng.standard_normal(n).astype(f32)
-        lr = 0.05
-        pd, bd = dev(p), dev(buf)
-        launch(O, 'sgd_f32', *flat(n), pd, dev(g), bd if mom else None, L(n), D(lr), D(mom), D(damp), D(wd), L(nest), L(first))
-        w, gr = p.astype(f64), g.astype(f64)
-        gr = gr + wd * w
-        bref = buf
-        if mom:
-            b = gr if first else mom * buf.astype(f64) + (1 - damp) * gr
-            bref = b.astype(f32)
-            gr = gr + mom * b if nest else b
-        same_bits(f'sgd p mom{mom} nest{nest} first{first}', pd, (w - lr * gr).astype(f32))
-        same_bits(f'sgd buf mom{mom} nest{nest} first{first}', bd, bref)
-    for dec, wd in [(0, 0.0), (0, 0.01), (1, 0.01)]:
-        p = rng.standard_normal(n).astype(f32)
-        g = rng.standard_normal(n).astype(f32)
-        m = (rng.standard_normal(n) * 0.1).astype(f32)
-        v = (rng.random(n) * 0.01).astype(f32)
-        lr, b1, b2, eps, t = 1e-3, 0.9, 0.999, 1e-8, 3
-        c1, c2 = 1 - math.pow(b1, t), 1 - math.pow(b2, t)
-        pd, md, vd = dev(p), dev(m), dev(v)
-        launch(O, 'adam_f32', *flat(n), pd, dev(g), md, vd, L(n), D(lr), D(b1), D(b2), D(eps), D(wd), D(c1), D(c2), L(dec))
-        w, gr = p.astype(f64), g.astype(f64)
-        if dec:
-            w = w * (1 - lr * wd)
-        else:
-            gr = gr + wd * w
-        mi = b1 * m.astype(f64) + (1 - b1) * gr
-        vi = b2 * v.astype(f64) + (1 - b2) * gr * gr
-        same_bits(f'adam m dec{dec} wd{wd}', md, mi.astype(f32))
-        same_bits(f'adam v dec{dec} wd{wd}', vd, vi.astype(f32))
-        same_bits(f'adam p dec{dec} wd{wd}', pd, (w - lr * (mi / c1) / (np.sqrt(vi / c2) + eps)).astype(f32))
+    # One launch over tensors of assorted sizes (an empty one among them;
+    # the last two share a gradient), with a grid of one element a thread
+    # and one of 3 blocks (a grid-stride loop crossing several tensors).
+    sizes = [1, 3, 4099, 0, 13, 256, 257, 7, 1000, 5, 5]
+    for grid in [None, 3]:
+        shape = ((grid,), (256,)) if grid else None
+        for mom, damp, wd, nest, first in [(0, 0, 0.01, 0, 1), (0.9, 0, 0, 0, 1), (0.9, 0.1, 0.01, 0, 0), (0.9, 0, 0.01, 1, 0)]:
+            p = [rng.standard_normal(n).astype(f32) for n in sizes]
+            g = [rng.standard_normal(n).astype(f32) for n in sizes]
+            g[-1] = g[-2]
+            buf = [rng.standard_normal(n).astype(f32) for n in sizes]
+            lr = 0.05
+            pd, bd = [dev(a) for a in p], [dev(a) for a in buf]
+            gd = [dev(a) for a in g]
+            gd[-1] = gd[-2]
+            l, cnt, n = optim_list(pd, gd, bd if mom else [None] * len(sizes), [None] * len(sizes))
+            launch(O, 'sgd_multi_f32', *(shape or flat(n)), l, L(cnt), D(lr), D(mom), D(damp), D(wd), L(nest), L(first))
+            for t in range(len(sizes)):
+                w, gr = p[t].astype(f64), g[t].astype(f64)
+                gr = gr + wd * w
+                bref = buf[t]
+                if mom:
+                    b = gr if first else mom * buf[t].astype(f64) + (1 - damp) * gr
+                    bref = b.astype(f32)
+                    gr = gr + mom * b if nest else b
+                same_bits(f'sgd p[{t}] grid{grid} mom{mom} nest{nest} first{first}', pd[t], (w - lr * gr).astype(f32))
+                same_bits(f'sgd buf[{t}] grid{grid} mom{mom} nest{nest} first{first}', bd[t], bref)
+        for dec, wd in [(0, 0.0), (0, 0.01), (1, 0.01)]:
+            p = [rng.standard_normal(n).astype(f32) for n in sizes]
+            g = [rng.standard_normal(n).astype(f32) for n in sizes]
+            g[-1] = g[-2]
+            m = [(rng.standard_normal(n) * 0.1).astype(f32) for n in sizes]
+            v = [(rng.random(n) * 0.01).astype(f32) for n in sizes]
+            lr, b1, b2, eps, st = 1e-3, 0.9, 0.999, 1e-8, 3
+            c1, c2 = 1 - math.pow(b1, st), 1 - math.pow(b2, st)
+            pd, md, vd = [dev(a) for a in p], [dev(a) for a in m], [dev(a) for a in v]
+            gd = [dev(a) for a in g]
+            gd[-1] = gd[-2]
+            l, cnt, n = optim_list(pd, gd, md, vd)
+            launch(O, 'adam_multi_f32', *(shape or flat(n)), l, L(cnt), D(lr), D(b1), D(b2), D(eps), D(wd), D(c1), D(c2), L(dec))
+            for t in range(len(sizes)):
+                w, gr = p[t].astype(f64), g[t].astype(f64)
+                if dec:
+                    w = w * (1 - lr * wd)
+                else:
+                    gr = gr + wd * w
+                mi = b1 * m[t].astype(f64) + (1 - b1) * gr
+                vi = b2 * v[t].astype(f64) + (1 - b2) * gr * gr
+                same_bits(f'adam m[{t}] grid{grid} dec{dec} wd{wd}', md[t], mi.astype(f32))
+                same_bits(f'adam v[{t}] grid{grid} dec{dec} wd{wd}', vd[t], vi.astype(f32))
+                same_bits(f'adam p[{t}] grid{grid} dec{dec} wd{wd}', pd[t], (w - lr * (mi / c1) / (np.sqrt(vi / c2) + eps)).astype(f32))
 
 
 # ---------------------------------------------------------------- accumulate
@@ -920,7 +952,11 @@ def timings():
     bench('reduce_mid sum [1, 1M, 64], no split', 4 * n, rawlaunch('reduce.cu', 'reduce_mid_f32', (2, 1, 1), (32, 8), x, y, None, L(1), L(1 << 20), L(64), L(0), D(1)))
     bench('transpose 8192x8192', 8 * n, rawlaunch('movement.cu', 'transpose_f32', (256, 256, 1), (32, 8), x, y, L(1), L(8192), L(8192)))
     bench('gather transpose 8192x8192', 8 * n, rawlaunch('movement.cu', 'gather_f32', (1 << 16,), (256,), x, y, L(n), L(0), strided([8192, 8192], [1, 8192])))
-    bench('adam 64M', 28 * n, rawlaunch('optim.cu', 'adam_f32', (1 << 16,), (256,), y, x, x, x, L(n), D(1e-3), D(.9), D(.999), D(1e-8), D(0.01), D(.1), D(.01), L(1)))
+    l1, k1, _ = optim_list([y], [x], [x], [x])
+    bench('adam_multi 64M, one tensor', 28 * n, rawlaunch('optim.cu', 'adam_multi_f32', (1 << 16,), (256,), l1, L(k1), D(1e-3), D(.9), D(.999), D(1e-8), D(0.01), D(.1), D(.01), L(1)))
+    py, px = ([a[i * (n // 64):(i + 1) * (n // 64)] for i in range(64)] for a in (y, x))
+    l64, c64, _ = optim_list(py, px, px, px)
+    bench('adam_multi 64M, 64 tensors', 28 * n, rawlaunch('optim.cu', 'adam_multi_f32', (1 << 16,), (256,), l64, L(c64), D(1e-3), D(.9), D(.999), D(1e-8), D(0.01), D(.1), D(.01), L(1)))
     nb, ch, hw = 64, 64, 128
     wd = window(nb, ch, hw, hw, 3, 3, 2, 2, 1, 1, 1, 1, 64, 64)
     bench('max_pool2d 3x3 s2 [64,64,128,128]', 4 * n * 1.25, rawlaunch('pool.cu', 'max_pool2d_f32', (1 << 16,), (256,), x, y, wd))
@@ -985,7 +1021,8 @@ def variants():
     for v in ['__launch_bounds__(1024, 1)', '__launch_bounds__(1024)', '', '__launch_bounds__(1024, 2)']:
         VARIANT[0] = v
         print('variant', repr(v))
-        bench('adam 64M', 28 * n, rawlaunch('optim.cu', 'adam_f32', (1 << 16,), (256,), y, x, x, x, L(n), D(1e-3), D(.9), D(.999), D(1e-8), D(0.01), D(.1), D(.01), L(1)))
+        l1, k1, _ = optim_list([y], [x], [x], [x])
+        bench('adam_multi 64M', 28 * n, rawlaunch('optim.cu', 'adam_multi_f32', (1 << 16,), (256,), l1, L(k1), D(1e-3), D(.9), D(.999), D(1e-8), D(0.01), D(.1), D(.01), L(1)))
         bench('unary gelu', 8 * n, rawlaunch('elementwise.cu', 'unary_f32', (1 << 16,), (256,), x, y, L(n), L(8)))
         for rows, c, blk in [(1 << 19, 128, (32, 8)), (1 << 16, 1024, (256, 1)), (1 << 14, 4096, (256, 1)), (1 << 14, 4096, (512, 1))]:
             if v == '' and blk[0] * blk[1] > 256:

@@ -34,7 +34,8 @@
 // primitives; elementwise.go, matmul.go, reduce.go, norm.go, movement.go,
 // conv.go and loss.go each hold their ops' entries of the kernel table
 // (table.go), their launches and their workspace rules; optimizer.go holds
-// the SGD and Adam launches.
+// the SGD and Adam launches (multi-tensor kernels: one launch per 64
+// parameters) and loss scaling's unscale.
 // The host side reaches the kernels through runner.eval, one table lookup
 // per node; Workspace is derived from the same table. A test ranges over
 // every op and fails when one has no kernel.

@@ -170,11 +170,11 @@ func TestTrainingMatchesCPU(t *testing.T) {
 	}
 }
 
-// TestDeviceOptimizerMatchesHost: the sgd_f32 and adam_f32 updates equal
-// optim.go's bit for bit (kernels/README.md). Two identical MLPs train on
-// one executor, one with the optimizer on the device, one with it on the
-// host through ExecOptions.Update (gradients downloaded, host parameters
-// updated and uploaded). The kernels that compute the gradients are
+// TestDeviceOptimizerMatchesHost: the sgd_multi_f32 and adam_multi_f32
+// updates equal optim.go's bit for bit (kernels/README.md). Two identical
+// MLPs train on one executor, one with the optimizer on the device, one
+// with it on the host through ExecOptions.Update (gradients downloaded,
+// host parameters updated and uploaded). The kernels that compute the gradients are
 // deterministic, so the parameters stay bitwise equal step after step.
 func TestDeviceOptimizerMatchesHost(t *testing.T) {
 	const steps, n = 4, 24

@@ -4,6 +4,9 @@ import (
 	"errors"
 	"math"
 	"os"
+	"regexp"
+	"slices"
+	"strconv"
 	"testing"
 	"unsafe"
 
@@ -12,6 +15,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/recompute"
 )
 
 // These tests need no GPU: they check the pieces between Go and C.
@@ -82,6 +86,101 @@ func TestKernelStructs(t *testing.T) {
 	assert.Equal(t, int64(1), *(*int64)(p.ptrs[4]))
 	s.Rank = 9
 	assert.Equal(t, int64(2), (*Strided)(p.ptrs[1]).Rank, "the argument is a copy")
+}
+
+// TestListStructs: the multi-tensor kernels' lists have the C structs'
+// sizes and lengths (OPTIM_TENSORS and UNSCALE_TENSORS in optim.cu), stay
+// well under the 4 KiB kernel parameter limit with their scalars, and
+// Launch passes a copy. The cost model's UpdateTensors is OPTIM_TENSORS.
+func TestListStructs(t *testing.T) {
+	assert.Equal(t, uintptr(4*64*8+65*8), unsafe.Sizeof(optimList{}))
+	assert.Equal(t, uintptr(4*64*8), unsafe.Offsetof(optimList{}.off), "off follows the four pointer arrays")
+	assert.Equal(t, uintptr(64*8+65*8), unsafe.Sizeof(unscaleList{}))
+	assert.Less(t, unsafe.Sizeof(optimList{})+9*8, uintptr(3<<10), "adam_multi_f32's parameters")
+	src, err := Source("optim.cu")
+	require.NoError(t, err)
+	for name, n := range map[string]int{"OPTIM_TENSORS": optimTensors, "UNSCALE_TENSORS": unscaleTensors} {
+		m := regexp.MustCompile(`(?m)^#define ` + name + ` (\d+)$`).FindStringSubmatch(src)
+		require.NotNil(t, m, name)
+		assert.Equal(t, strconv.Itoa(n), m[1], name)
+	}
+	assert.Equal(t, optimTensors, recompute.UpdateTensors, "the cost model prices one update launch per list")
+	var l optimList
+	l.p[3], l.off[64] = 7, 9
+	p, err := packParams([]any{l, int64(4)})
+	require.NoError(t, err)
+	l.p[3] = 8
+	assert.Equal(t, alloc.Ptr(7), (*optimList)(p.ptrs[0]).p[3], "the argument is a copy")
+	assert.Equal(t, int64(9), *(*int64)(unsafe.Add(p.ptrs[0], 4*64*8+64*8)), "off[64] is the last field")
+}
+
+// TestOptimLists: the device optimizer lists its parameters in order,
+// optimTensors a launch, each list's offsets the running sum of its
+// parameters' sizes; parameters without elements are left out, a shared
+// gradient stays in one list, and a parameter listed twice starts a new
+// list.
+func TestOptimLists(t *testing.T) {
+	type launch struct {
+		p, g, s0, s1 []alloc.Ptr
+		off          []int64
+	}
+	lists := func(ps []trained) []launch {
+		var got []launch
+		require.NoError(t, optimLists(ps, func(l *optimList, count int) error {
+			require.Positive(t, count)
+			require.LessOrEqual(t, count, optimTensors)
+			for i := count; i < optimTensors; i++ {
+				require.Zero(t, l.p[i], "unused entries are zero")
+				require.Zero(t, l.off[i+1])
+			}
+			got = append(got, launch{slices.Clone(l.p[:count]), slices.Clone(l.g[:count]), slices.Clone(l.s0[:count]),
+				slices.Clone(l.s1[:count]), slices.Clone(l.off[:count+1])})
+			return nil
+		}))
+		return got
+	}
+	var ps []trained
+	for i := range 150 {
+		ps = append(ps, trained{param: alloc.Ptr(0x1000 * (i + 1)), grad: alloc.Ptr(0x1000*(i+1) + 1),
+			state: []alloc.Ptr{alloc.Ptr(0x1000*(i+1) + 2), alloc.Ptr(0x1000*(i+1) + 3)}, n: int64(i%7 + 1)})
+	}
+	ps[10].n = 0
+	ps[11].grad = ps[12].grad // a shared gradient
+	got := lists(ps)
+	require.Len(t, got, 3)
+	assert.Len(t, got[0].p, 64)
+	assert.Len(t, got[1].p, 64)
+	assert.Len(t, got[2].p, 149-128)
+	var j int
+	for _, l := range got {
+		assert.Zero(t, l.off[0])
+		for i, p := range l.p {
+			if j == 10 {
+				j++ // left out
+			}
+			assert.Equal(t, ps[j].param, p)
+			assert.Equal(t, ps[j].grad, l.g[i])
+			assert.Equal(t, ps[j].state, []alloc.Ptr{l.s0[i], l.s1[i]})
+			assert.Equal(t, ps[j].n, l.off[i+1]-l.off[i])
+			j++
+		}
+	}
+	assert.Equal(t, 150, j)
+	assert.Equal(t, got[0].g[10], got[0].g[11], "both read the shared gradient")
+
+	sgd := []trained{{param: 1, grad: 2, state: []alloc.Ptr{3}, n: 5}, {param: 4, grad: 2, n: 3}, {param: 1, grad: 6, state: []alloc.Ptr{3}, n: 5}}
+	got = lists(sgd)
+	require.Len(t, got, 2, "the parameter listed twice starts a second list")
+	assert.Equal(t, launch{[]alloc.Ptr{1, 4}, []alloc.Ptr{2, 2}, []alloc.Ptr{3, 0}, []alloc.Ptr{0, 0}, []int64{0, 5, 8}}, got[0])
+	assert.Equal(t, launch{[]alloc.Ptr{1}, []alloc.Ptr{6}, []alloc.Ptr{3}, []alloc.Ptr{0}, []int64{0, 5}}, got[1])
+	assert.Empty(t, lists([]trained{{param: 1, n: 0}}), "no elements, no launch")
+	assert.Empty(t, lists(nil))
+
+	stop := errors.New("launch failed")
+	calls := 0
+	err := optimLists(ps, func(*optimList, int) error { calls++; return stop })
+	assert.ErrorIs(t, err, stop)
+	assert.Equal(t, 1, calls, "the first failure ends the step")
 }
 
 func TestCheckGemm(t *testing.T) {

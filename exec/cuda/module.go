@@ -312,6 +312,9 @@ func packParams(args []any) (*kernelParams, error) {
 		case unscaleList:
 			p.ptrs[i] = unsafe.Pointer(&v)
 			continue
+		case optimList:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
 		default:
 			return nil, graph.Errorf(graph.ErrDType, "cuda: kernel argument %d has unsupported type %T", i, a)
 		}

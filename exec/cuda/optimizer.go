@@ -48,6 +48,9 @@ func (r *runner) markUpdated() error {
 	return nil
 }
 
+// deviceUpdate runs the step's SGD or Adam update on the device: the
+// trained parameters are listed optimTensors at a time, one sgd_multi_f32 or
+// adam_multi_f32 launch per list (optimLists).
 func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 	switch opt := r.o.Optimizer.(type) {
 	case *optim.SGD:
@@ -64,12 +67,10 @@ func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 			return err
 		}
 		k := r.kernels()
-		for _, t := range ps {
-			if err := k.sgd(opt, t, first); err != nil {
-				return err
-			}
-		}
-		return nil
+		return optimLists(ps, func(l *optimList, count int) error {
+			return k.flat(kSGD, l.off[count], *l, int64(count), opt.LR, opt.Momentum, opt.Dampening,
+				opt.WeightDecay, boolInt(opt.Nesterov), boolInt(first))
+		})
 	case *optim.Adam:
 		ps, err := r.trainedBlocks(kept, 2)
 		if err != nil {
@@ -91,32 +92,63 @@ func (r *runner) deviceUpdate(kept []*alloc.Block) error {
 		tt := float64(steps + 1)
 		c1, c2 := 1-math.Pow(opt.Beta1, tt), 1-math.Pow(opt.Beta2, tt) // as optim.Adam.Step
 		k := r.kernels()
-		for _, t := range ps {
-			if err := k.adam(opt, t, c1, c2); err != nil {
-				return err
-			}
-		}
-		return nil
+		return optimLists(ps, func(l *optimList, count int) error {
+			return k.flat(kAdam, l.off[count], *l, int64(count), opt.LR, opt.Beta1, opt.Beta2,
+				opt.Eps, opt.WeightDecay, c1, c2, boolInt(opt.Decoupled))
+		})
 	}
 	return graph.Errorf(graph.ErrAttr, "cuda: no device kernels for optimizer %T", r.o.Optimizer)
 }
 
-// sgd launches sgd_f32 on one parameter; the momentum buffer is its state
-// slot when it has one. first marks the optimizer's first step.
-func (k *kctx) sgd(opt *optim.SGD, t trained, first bool) error {
-	var buf alloc.Ptr
-	if len(t.state) == 1 {
-		buf = t.state[0]
-	}
-	return k.flat(kSGD, t.n, t.param, t.grad, buf, t.n, opt.LR, opt.Momentum, opt.Dampening,
-		opt.WeightDecay, boolInt(opt.Nesterov), boolInt(first))
+// optimTensors is how many parameters one sgd_multi_f32 or adam_multi_f32
+// launch takes (OPTIM_TENSORS in kernels/optim.cu).
+const optimTensors = 64
+
+// optimList is kernels/optim.cu's OptimList, passed by value: parameter t
+// is p[t] with gradient g[t] and state slots s0[t], s1[t] (0 where it has
+// fewer), elements off[t] to off[t+1]−1 of the launch's flat range.
+type optimList struct {
+	p, g, s0, s1 [optimTensors]alloc.Ptr
+	off          [optimTensors + 1]int64
 }
 
-// adam launches adam_f32 on one parameter with its two moments; c1 and c2
-// are the step's bias corrections.
-func (k *kctx) adam(opt *optim.Adam, t trained, c1, c2 float64) error {
-	return k.flat(kAdam, t.n, t.param, t.grad, t.state[0], t.state[1], t.n, opt.LR, opt.Beta1, opt.Beta2,
-		opt.Eps, opt.WeightDecay, c1, c2, boolInt(opt.Decoupled))
+// optimLists lists ps in order, optimTensors at a time, and calls launch
+// on each list with its count. Parameters without elements are left out. A
+// parameter block already in the list (a parameter trained twice) starts a
+// new one, so its updates run one after the other as they would one launch
+// each; a gradient shared by two parameters is only read, and may appear
+// in one list twice.
+func optimLists(ps []trained, launch func(l *optimList, count int) error) error {
+	var l optimList
+	count := 0
+	flush := func() error {
+		if count == 0 {
+			return nil
+		}
+		err := launch(&l, count)
+		l, count = optimList{}, 0
+		return err
+	}
+	for _, t := range ps {
+		if t.n == 0 {
+			continue
+		}
+		if count == optimTensors || slices.Contains(l.p[:count], t.param) {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		l.p[count], l.g[count] = t.param, t.grad
+		if len(t.state) > 0 {
+			l.s0[count] = t.state[0]
+		}
+		if len(t.state) > 1 {
+			l.s1[count] = t.state[1]
+		}
+		l.off[count+1] = l.off[count] + t.n
+		count++
+	}
+	return flush()
 }
 
 // trained is one parameter's update: its block, gradient and state slots.

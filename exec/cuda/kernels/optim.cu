@@ -1,4 +1,5 @@
-// optim.cu: the optimizer updates of optim/optim.go, one thread per element.
+// optim.cu: the optimizer updates of optim/optim.go, one thread per element
+// and many parameters per launch.
 //
 // The arithmetic runs in double, as optim.go does, with products and sums
 // through __dmul_rn / __dadd_rn / __dsub_rn so the compiler cannot fuse them
@@ -12,53 +13,99 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
 
-// sgd_f32: SGD with momentum, dampening, Nesterov and L2 weight decay
-// (torch.optim.SGD), for n elements of parameter p, gradient g and momentum
-// buffer buf (null when momentum = 0):
+// The optimizers' kernels update many parameters in one launch
+// (PyTorch's multi-tensor apply): up to OPTIM_TENSORS parameters are listed
+// by value in the parameter buffer (no device table to allocate), each
+// with its gradient and state slots. Parameter t of a launch is p[t], its
+// gradient g[t] and state s0[t], s1[t], elements off[t] to off[t+1] − 1 of
+// the launch's flat range [0, off[count]). A thread finds the tensor of its
+// first index by binary search; its indices grow, so after that the
+// tensor index only moves forward. The struct is 2568 bytes, with the
+// scalars 2640: well under the 4 KiB kernel parameter limit.
+#define OPTIM_TENSORS 64
+struct OptimList {
+  float* p[OPTIM_TENSORS];
+  const float* g[OPTIM_TENSORS];
+  float* s0[OPTIM_TENSORS];  // SGD: the momentum buffer (null without momentum); Adam: m
+  float* s1[OPTIM_TENSORS];  // Adam: v; SGD: unused
+  i64 off[OPTIM_TENSORS + 1];
+};
+
+// optim_first is the tensor of this thread's first index of a grid-stride
+// loop over [0, off[count]): the largest t < count with off[t] ≤ i, so an
+// empty tensor (off[t] = off[t+1]) is never chosen; 0 when the thread has
+// no index.
+__device__ __forceinline__ int optim_first(const OptimList& l, i64 count) {
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= l.off[count]) return 0;
+  int lo = 0, hi = (int)count - 1;  // off[lo] ≤ i < off[hi + 1]
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (l.off[mid] <= i) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// sgd_multi_f32: SGD with momentum, dampening, Nesterov and L2 weight decay
+// (torch.optim.SGD), for the count ≤ OPTIM_TENSORS parameters of l: each
+// element of parameter p, gradient g and momentum buffer b = s0 (null when
+// momentum = 0):
 //   g ← g + wd·p;  b ← first ? g : μ·b + (1−τ)·g;  g ← nesterov ? g + μ·b : b;
 //   p ← p − lr·g.
 // first ≠ 0 on the optimizer's first step (optim.SGD's steps == 0). 1-D
 // blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
-sgd_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf, i64 n,
-        double lr, double momentum, double dampening, double wd, i64 nesterov, i64 first) {
+sgd_multi_f32(OptimList l, i64 count, double lr, double momentum, double dampening, double wd,
+              i64 nesterov, i64 first) {
   const double damp = 1.0 - dampening;
-  GRID_LOOP(i, n) {
-    const double w = (double)p[i];
-    double gr = add_rn((double)g[i], mul_rn(wd, w));
+  int t = optim_first(l, count);
+  GRID_LOOP(i, l.off[count]) {
+    while (i >= l.off[t + 1]) ++t;
+    const i64 j = i - l.off[t];
+    float* p = l.p[t] + j;
+    const double w = (double)*p;
+    double gr = add_rn((double)l.g[t][j], mul_rn(wd, w));
     if (momentum != 0.0) {
+      float* buf = l.s0[t] + j;
       double b = gr;
-      if (!first) b = add_rn(mul_rn(momentum, (double)buf[i]), mul_rn(damp, gr));
-      buf[i] = (float)b;
+      if (!first) b = add_rn(mul_rn(momentum, (double)*buf), mul_rn(damp, gr));
+      *buf = (float)b;
       gr = nesterov ? add_rn(gr, mul_rn(momentum, b)) : b;
     }
-    p[i] = (float)sub_rn(w, mul_rn(lr, gr));
+    *p = (float)sub_rn(w, mul_rn(lr, gr));
   }
 }
 
-// adam_f32: Adam (decoupled = 0: L2 decay added to the gradient,
+// adam_multi_f32: Adam (decoupled = 0: L2 decay added to the gradient,
 // torch.optim.Adam) or AdamW (decoupled ≠ 0: p ← p·(1 − lr·wd) first), for
-// n elements of p, g and the moment buffers m, v:
+// the count ≤ OPTIM_TENSORS parameters of l: each element of parameter p,
+// gradient g and moments m = s0, v = s1:
 //   m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
 //   p ← p − lr·(m/c1) / (√(v/c2) + eps)
 // with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for step t (1-based), computed by the
 // caller as optim.go does (math.Pow in float64). 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
-adam_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-         float* __restrict__ v, i64 n, double lr, double beta1, double beta2, double eps, double wd,
-         double c1, double c2, i64 decoupled) {
+adam_multi_f32(OptimList l, i64 count, double lr, double beta1, double beta2, double eps, double wd,
+               double c1, double c2, i64 decoupled) {
   const double decay = sub_rn(1.0, mul_rn(lr, wd));
   const double b1c = 1.0 - beta1, b2c = 1.0 - beta2;
-  GRID_LOOP(i, n) {
-    double w = (double)p[i];
-    double gr = (double)g[i];
+  int t = optim_first(l, count);
+  GRID_LOOP(i, l.off[count]) {
+    while (i >= l.off[t + 1]) ++t;
+    const i64 j = i - l.off[t];
+    float* p = l.p[t] + j;
+    float* m = l.s0[t] + j;
+    float* v = l.s1[t] + j;
+    double w = (double)*p;
+    double gr = (double)l.g[t][j];
     if (decoupled) w = mul_rn(w, decay);
     else gr = add_rn(gr, mul_rn(wd, w));
-    const double mi = add_rn(mul_rn(beta1, (double)m[i]), mul_rn(b1c, gr));
-    const double vi = add_rn(mul_rn(beta2, (double)v[i]), mul_rn(mul_rn(b2c, gr), gr));
-    m[i] = (float)mi;
-    v[i] = (float)vi;
-    p[i] = (float)sub_rn(w, mul_rn(lr, mi / c1) / (add_rn(sqrt(vi / c2), eps)));
+    const double mi = add_rn(mul_rn(beta1, (double)*m), mul_rn(b1c, gr));
+    const double vi = add_rn(mul_rn(beta2, (double)*v), mul_rn(mul_rn(b2c, gr), gr));
+    *m = (float)mi;
+    *v = (float)vi;
+    *p = (float)sub_rn(w, mul_rn(lr, mi / c1) / (add_rn(sqrt(vi / c2), eps)));
   }
 }
 
