@@ -23,6 +23,11 @@ type Graph struct {
 	inputs   int           // batched inputs (Wrap, Placeholder)
 	imported map[*Graph][]int
 	updates  []StepUpdate // OnStep's, in order
+	// scopeSites parallels the module scopes: the call site recorded on
+	// entering an internal module's scope (PushInternalScope), "" for
+	// other scopes. Ops made inside an internal module take it instead of
+	// walking the stack again.
+	scopeSites []string
 }
 
 // StepUpdate is a value a training step of its graph computes alongside
@@ -70,10 +75,47 @@ func NewGraph() *Graph {
 func (g *Graph) IR() *graph.Graph { return g.ir }
 
 // PushScope enters a module scope (nn modules name their nodes with it).
-func (g *Graph) PushScope(name string) { g.ir.PushScope(name) }
+func (g *Graph) PushScope(name string) {
+	g.ir.PushScope(name)
+	g.scopeSites = append(g.scopeSites, "")
+}
+
+// PushInternalScope enters the scope of one of batchfit's own modules
+// (packages nn and models), whose Forward calls no user code except
+// through other modules' scopes. The user's call site is found once,
+// here (or taken from an enclosing internal scope), and every op made
+// directly inside the scope takes it: the site
+// each op would find by walking its own stack, since every frame between
+// such an op and this call is batchfit's. A training loop that rebuilds
+// GPT-2 small's graph each step walks the stack once per module instead
+// of once per op.
+func (g *Graph) PushInternalScope(name string) {
+	g.ir.PushScope(name)
+	// Inside another internal module's scope the caller is that module's
+	// code, so the site is its scope's.
+	at := g.scopeSite()
+	if at == "" {
+		at = site()
+	}
+	g.scopeSites = append(g.scopeSites, at)
+}
 
 // PopScope leaves the innermost module scope.
-func (g *Graph) PopScope() { g.ir.PopScope() }
+func (g *Graph) PopScope() {
+	g.ir.PopScope()
+	if n := len(g.scopeSites); n > 0 {
+		g.scopeSites = g.scopeSites[:n-1]
+	}
+}
+
+// scopeSite is the innermost scope's recorded site, "" when the scope is
+// not an internal module's (or there is none).
+func (g *Graph) scopeSite() string {
+	if n := len(g.scopeSites); n > 0 {
+		return g.scopeSites[n-1]
+	}
+	return ""
+}
 
 // leaf is a parameter or constant not tied to any graph.
 type leaf struct {
@@ -466,18 +508,17 @@ func (g *Graph) importNode(src *Graph, id int) (int, error) {
 
 // apply appends op over inputs, returning an error tensor on any failure.
 func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
-	at := site()
 	shapes := make([][]int, len(inputs))
 	var g *Graph
 	for i, in := range inputs {
 		if in == nil {
-			return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor, "input %d is nil", i), shapes[:i]...)
+			return errTensor(op.String(), site(), graph.Errorf(graph.ErrNilTensor, "input %d is nil", i), shapes[:i]...)
 		}
 		if in.err != nil {
 			return &Tensor{id: -1, err: in.err} // sticky: the first error wins
 		}
 		if in.zero() {
-			return errTensor(op.String(), at, graph.Errorf(graph.ErrNilTensor,
+			return errTensor(op.String(), site(), graph.Errorf(graph.ErrNilTensor,
 				"input %d is a zero lazy.Tensor, not made by Wrap, Param or an op", i), shapes[:i]...)
 		}
 		shapes[i] = in.Shape()
@@ -492,12 +533,16 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 	}
 	for i, in := range inputs {
 		if in.g != nil && in.g != g && in.g.inputs > 0 {
-			return errTensor(op.String(), at, graph.Errorf(graph.ErrMixedGraphs,
+			return errTensor(op.String(), site(), graph.Errorf(graph.ErrMixedGraphs,
 				"input %d belongs to another graph", i), shapes...)
 		}
 	}
 	if g == nil {
 		g = NewGraph()
+	}
+	at := g.scopeSite()
+	if at == "" {
+		at = site()
 	}
 	if err := g.precheck(op, attrs, inputs); err != nil {
 		return errTensor(op.String(), at, err, shapes...)

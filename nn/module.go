@@ -2,7 +2,9 @@ package nn
 
 import (
 	"math/rand/v2"
+	"reflect"
 	"slices"
+	"sync"
 
 	"gorgonia.org/tensor"
 
@@ -177,9 +179,34 @@ func call(name string, m Module, x *lazy.Tensor) *lazy.Tensor {
 	if g == nil { // an error (it just propagates) or a free leaf (no scope yet)
 		return m.Forward(x)
 	}
-	g.PushScope(name)
+	if internalModule(m) {
+		g.PushInternalScope(name)
+	} else {
+		g.PushScope(name)
+	}
 	defer g.PopScope()
 	return m.Forward(x)
+}
+
+// internalModules caches internalModule's answer by module type.
+var internalModules sync.Map // reflect.Type → bool
+
+// internalModule reports whether m is one of batchfit's own modules
+// (packages nn and models), whose ops may take their scope's call site
+// (lazy.Graph.PushInternalScope): their Forward methods call user code
+// only through other modules, which get scopes of their own.
+func internalModule(m Module) bool {
+	t := reflect.TypeOf(m)
+	if v, ok := internalModules.Load(t); ok {
+		return v.(bool)
+	}
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	p := t.PkgPath()
+	in := p == "github.com/batchfit/batchfit/nn" || p == "github.com/batchfit/batchfit/models"
+	internalModules.Store(reflect.TypeOf(m), in)
+	return in
 }
 
 // ParamTensors lists m's parameters as lazy tensors, in Params order, for
