@@ -105,25 +105,30 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 		}
 		return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(v))
 	}
+	x1 := uniform(1, 1, 1)
+	// The chains start from parameters, which stay on the device between
+	// runs: an input would be uploaded every run, and its upload (tens of
+	// ms for these sizes) would drown the difference between chains. A
+	// one-element input gives each run its batch.
+	anchored := func(s *lazy.Tensor) *lazy.Tensor { return s.Add(lazy.Wrap(x1, 0).Sum()) }
 	w := lazy.Param(uniform(1/math.Sqrt(float64(sz.n)), sz.n, sz.n), "calibrate.w")
 	xg := uniform(1, sz.n, sz.n)
 	gemm := func(k int) *lazy.Tensor {
-		y := lazy.Wrap(xg, 0)
+		y := lazy.Param(xg, "calibrate.x")
 		for range k {
 			y = y.MatMul(w)
 		}
-		return y.Sum()
+		return anchored(y.Sum())
 	}
 	rows := 1024
 	xe := uniform(1, rows, max(sz.elems/rows, 1))
 	elementwise := func(k int) *lazy.Tensor {
-		y := lazy.Wrap(xe, 0)
+		y := lazy.Param(xe, "calibrate.elems")
 		for range k {
 			y = y.MulScalar(1)
 		}
-		return y.Sum()
+		return anchored(y.Sum())
 	}
-	x1 := uniform(1, 1, 1)
 	tiny := func(k int) *lazy.Tensor {
 		y := lazy.Wrap(x1, 0)
 		for range k {
@@ -179,11 +184,11 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 	const heads, hd = 16, 64
 	xa := uniform(1, 1, heads, sz.attnT, hd)
 	attention := func(k int) *lazy.Tensor {
-		y := lazy.Wrap(xa, 0)
+		y := lazy.Param(xa, "calibrate.qkv")
 		for range k {
 			y = y.Attention(y, y, lazy.AttentionOptions{Causal: true})
 		}
-		return y.Sum()
+		return anchored(y.Sum())
 	}
 	attnFlops := 4 * heads * float64(sz.attnT) * float64(sz.attnT) * hd / 2
 	ta, err := perOp(ctx, sess, attention, sz)
@@ -205,12 +210,12 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 	// independent products of x by a [n, n+1] weight.
 	wu := lazy.Param(uniform(1/math.Sqrt(float64(sz.n)), sz.n, sz.n+1), "calibrate.w_unaligned")
 	unaligned := func(k int) *lazy.Tensor {
-		x := lazy.Wrap(xg, 0)
+		x := lazy.Param(xg, "calibrate.x")
 		s := x.MatMul(wu).Sum()
 		for range k - 1 {
 			s = s.Add(x.MatMul(wu).Sum())
 		}
-		return s
+		return anchored(s)
 	}
 	tuh, err := perOp(ctx, hsess, unaligned, sz)
 	if err != nil {
