@@ -32,12 +32,13 @@ func distThroughput(c config, m benchModel) (Record, error) {
 		return r, err
 	}
 	r.World = env.WorldSize
-	comm, err := dist.NewNCCL(ctx, env, dist.NCCLOptions{RendezvousTimeout: 5 * time.Minute})
+	comm, err := dist.NewNCCL(ctx, env, dist.NCCLOptions{RendezvousTimeout: 5 * time.Minute, BucketBytes: c.bucket})
 	if err != nil {
 		return r, err
 	}
 	defer comm.Close()
-	tr, err := dist.New(comm, dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision}})
+	tr, err := dist.New(comm, dist.Options{BucketBytes: c.bucket,
+		Session: batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision}})
 	if err != nil {
 		return r, err
 	}

@@ -56,6 +56,7 @@ type config struct {
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
 	dist          bool   // one rank of a data-parallel job: time Trainer steps only
+	bucket        int64  // -dist: gradient bytes per all-reduce bucket (0: dist's default)
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -79,6 +80,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.StringVar(&c.precision, "precision", "fp32", "precision `policy`: "+precision.Names()+" (as Options.Precision)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
 	fs.BoolVar(&c.dist, "dist", false, "run as one rank of a data-parallel job started by `batchfit launch -n N` or torchrun: time the models' training loops through package dist (NCCL) at a global batch of -gpt-batch, -mlp-batch or -conv-batch, and nothing else; rank 0 writes the records")
+	fs.Var(bytesFlag{&c.bucket}, "bucket", "with -dist: gradient `size` summed per NCCL group (dist.Options.BucketBytes; 0: 25 MiB)")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 

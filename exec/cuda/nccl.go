@@ -110,13 +110,18 @@ type ncclLib struct {
 
 	// From libcuda: CUresult cuStreamQuery(CUstream hStream), which the
 	// watchdog polls instead of blocking in cuStreamSynchronize; and the
-	// communicator's own stream: cuStreamCreate(CUstream *phStream,
-	// unsigned int Flags), cuStreamDestroy_v2(CUstream hStream),
+	// communicator's own stream: cuStreamDestroy_v2(CUstream hStream),
 	// cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags).
 	cuStreamQuery     func(stream uintptr) cuResult
-	cuStreamCreate    func(stream *uintptr, flags uint32) cuResult
 	cuStreamDestroy   func(stream uintptr) cuResult
 	cuStreamWaitEvent func(stream uintptr, ev CUevent, flags uint32) cuResult
+	// CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int
+	// flags, int priority) and cuCtxGetStreamPriorityRange(int
+	// *leastPriority, int *greatestPriority): the communicator's stream
+	// gets the greatest priority, so the sums' blocks are scheduled ahead
+	// of backward's as SMs free up.
+	cuStreamCreateWithPriority  func(stream *uintptr, flags uint32, priority int32) cuResult
+	cuCtxGetStreamPriorityRange func(least, greatest *int32) cuResult
 }
 
 const (
@@ -195,8 +200,10 @@ func loadNCCL() (*ncclLib, error) {
 		}
 		cu, err := dlopen("libcuda.so.1")
 		if err == nil {
-			err = bind(cu, []symbol{sym(&n.cuStreamQuery, "cuStreamQuery"), sym(&n.cuStreamCreate, "cuStreamCreate"),
-				sym(&n.cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy"), sym(&n.cuStreamWaitEvent, "cuStreamWaitEvent")})
+			err = bind(cu, []symbol{sym(&n.cuStreamQuery, "cuStreamQuery"),
+				sym(&n.cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy"), sym(&n.cuStreamWaitEvent, "cuStreamWaitEvent"),
+				sym(&n.cuStreamCreateWithPriority, "cuStreamCreateWithPriority"),
+				sym(&n.cuCtxGetStreamPriorityRange, "cuCtxGetStreamPriorityRange")})
 		}
 		if err != nil {
 			ncclOnce.err = fmt.Errorf("%w: libcuda.so.1: %v", ErrNoGPU, err)
@@ -257,7 +264,7 @@ type NCCL struct {
 	timeout  time.Duration
 	staging  CUdeviceptr
 	stageN   int     // float32 elements in staging
-	stream   uintptr // every collective runs here (non-blocking: no implicit sync with stream 0)
+	stream   uintptr // every collective runs here (non-blocking: no implicit sync with stream 0; the greatest priority)
 	overhead int64
 
 	abortReq atomic.Bool // Abort asked the polling loop to abort
@@ -310,7 +317,11 @@ func (d *Device) NewNCCL(id []byte, rank, size int, o NCCLOptions) (*NCCL, error
 		return nil, fmt.Errorf("%w: ncclCommInitRank (rank %d of %d) waited %v for its peers", ErrNCCLTimeout, rank, size, o.Timeout)
 	}
 	err = d.do(func() error {
-		if err := d.drv.check("cuStreamCreate", n.cuStreamCreate(&c.stream, cuStreamNonBlocking)); err != nil {
+		var least, greatest int32
+		if err := d.drv.check("cuCtxGetStreamPriorityRange", n.cuCtxGetStreamPriorityRange(&least, &greatest)); err != nil {
+			return err
+		}
+		if err := d.drv.check("cuStreamCreateWithPriority", n.cuStreamCreateWithPriority(&c.stream, cuStreamNonBlocking, greatest)); err != nil {
 			return err
 		}
 		return d.drv.check("cuMemAlloc_v2", d.drv.cuMemAlloc(&c.staging, uintptr(c.stageN)*4))
