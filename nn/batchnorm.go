@@ -48,8 +48,7 @@ type BatchNorm2d struct {
 	// model with batch norm trains at any batch under a budget; its
 	// gradients are those of the per-chunk forward, summed over chunks. In
 	// one chunk it is the plain training mode. Plans say which statistics
-	// are in force (planner.Plan.BatchStats). The CUDA executor refuses it
-	// for now (cuda.ErrUnverified); the CPU executor runs it.
+	// are in force (planner.Plan.BatchStats). Both executors run it.
 	//
 	// Running statistics are then updated by the training step, once per
 	// step: Forward registers the layer's update with the graph

@@ -252,9 +252,6 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err != nil {
 		return nil, err
 	}
-	if d != nil && c.perChunk {
-		return nil, usagef(errNotApplicable, "--batchnorm per-chunk with --gpu or --gpu-memory: the CUDA executor refuses per-chunk batch statistics for now (cuda.ErrUnverified); plan with --budget, as the CPU executor runs it")
-	}
 	c.table, c.top, c.json, c.device = v.table, v.top, v.json, d
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)

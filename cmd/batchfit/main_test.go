@@ -63,7 +63,6 @@ func TestUsageErrors(t *testing.T) {
 		{"dtype int64", with("--dtype", "int64"), errUnknown},
 		{"dtype float64", with("--dtype", "float64"), errUnknown},
 		{"unknown batchnorm", with("--batchnorm", "chunked"), errUnknown},
-		{"per-chunk batch norm on a gpu", []string{"--model", "mlp", "--batch", "8", "--gpu", "l4", "--batchnorm", "per-chunk"}, errNotApplicable},
 		{"negative top", with("--top", "-1"), errRange},
 		{"unknown gpu", []string{"--model", "mlp", "--batch", "8", "--gpu", "h100"}, errUnknown},
 		{"gpu and gpu-memory", []string{"--model", "mlp", "--batch", "8", "--gpu", "l4", "--gpu-memory", "24GiB"}, errConflict},

@@ -139,14 +139,9 @@ type Result = exec.Result
 // Execute runs program p for chunks through the executor's allocator: the
 // same planner.Replay the planner simulates, with hooks that upload, launch
 // kernels and download, all in one call on the device thread. Program p
-// must be compiled with Workspace. A program with per-chunk batch
-// statistics (graph.Attrs.PerChunk, batch_norm_stats) is refused before
-// anything runs, with an error wrapping graph.ErrAttr and ErrUnverified.
+// must be compiled with Workspace.
 func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o ExecOptions) (*Result, error) {
 	if err := exec.CheckChunks(p, chunks); err != nil {
-		return nil, err
-	}
-	if err := checkPerChunk(p); err != nil {
 		return nil, err
 	}
 	e.mu.Lock()

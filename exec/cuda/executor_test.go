@@ -65,18 +65,7 @@ func TestConformanceFloat16(t *testing.T) {
 }
 
 // runOn adapts an executor to the conformance suite, as exec/cpu's runCPU.
-// runOn runs the conformance suite on e; cases the executor refuses by
-// design (cuda.ErrUnverified: per-chunk batch statistics) are skipped.
-func runOn(e *cuda.Executor) conformance.Runner {
-	run := conformance.RunnerOf(e.RunBatch)
-	return func(g *graph.Graph, feeds map[int]ref.Value, outputs ...int) ([]ref.Value, error) {
-		vals, err := run(g, feeds, outputs...)
-		if errors.Is(err, cuda.ErrUnverified) {
-			return nil, &conformance.Refused{Err: err}
-		}
-		return vals, err
-	}
-}
+func runOn(e *cuda.Executor) conformance.Runner { return conformance.RunnerOf(e.RunBatch) }
 
 // stepProgram compiles a training step as batchfit.Session.Step does on
 // CUDA: testutil.StepProgram with the CUDA kernels' workspaces.

@@ -20,6 +20,7 @@ const (
 	kBatchNormGradX  = "batch_norm_grad_x_f32"
 	kBatchNormStats  = "batch_norm_stats_f32"
 	kBatchNormRunSt  = "batch_norm_stats_running_f32"
+	kBatchNormMoment = "batch_norm_moments_f32"
 	kIm2col          = "im2col_f32"
 	kRegroup         = "regroup_f32"
 	kCol2im          = "col2im_f32"
@@ -80,7 +81,7 @@ const (
 var kernelFiles = map[string][]string{
 	"attention.cu":  slices.Concat(allTyped(kAttentionFwd, kAttentionGradQ, kAttentionGradKV), attnMMAKernels()),
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
-	"batchnorm.cu":  allTyped(kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt),
+	"batchnorm.cu":  allTyped(kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt, kBatchNormMoment),
 	"conv.cu":       allTyped(kIm2col, kCol2im, kRegroup),
 	"dropout.cu":    allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,

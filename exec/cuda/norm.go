@@ -1,12 +1,8 @@
 package cuda
 
 import (
-	"errors"
-	"fmt"
-
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/planner"
 )
 
 // Normalisation family (kernels/softmax.cu, layernorm.cu, batchnorm.cu):
@@ -22,8 +18,7 @@ var normKernels = family{
 	graph.OpBatchNorm: {run: func(k *kctx, in []operand, out operand) error {
 		return k.batchNorm(k.attrs(), in, out)
 	}, ws: bnWorkspace},
-	// No kernel yet: Execute refuses the op before running anything.
-	graph.OpBatchNormStats: {run: func(k *kctx, _ []operand, _ operand) error { return refusePerChunk(k.nd) }},
+	graph.OpBatchNormStats: {run: func(k *kctx, in []operand, out operand) error { return k.batchNormMoments(in[0], out) }},
 
 	graph.OpSoftmaxGrad:    {run: typedGradOf(softmaxGrad)},
 	graph.OpLogSoftmaxGrad: {run: typedGradOf(softmaxGrad)},
@@ -39,52 +34,6 @@ var normKernels = family{
 	graph.OpBatchNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, _ operand, in []operand, out operand) error {
 		return k.batchNormGradW(dt, k.attrs(), in, out)
 	}), ws: bnWorkspace},
-}
-
-// ErrUnverified marks what the CUDA executor refuses because its device
-// code has not run on a GPU yet: per-chunk batch statistics. Errors
-// wrapping it wrap graph.ErrAttr too.
-var ErrUnverified = errors.New("not verified on a GPU")
-
-// refusePerChunk is the CUDA executor's answer to per-chunk batch
-// statistics (graph.Attrs.PerChunk on batch_norm and its gradients) and
-// to batch_norm_stats, which a step updating running statistics from
-// per-chunk batch norm runs: an error naming node nd that wraps
-// graph.ErrAttr and ErrUnverified. The per-chunk forward and backward
-// would run today's kernels on each chunk, but batch_norm_stats needs a
-// kernel of its own, and none of it has been run on a GPU yet; rather
-// than ship device code nobody has checked, the opt-in runs on the CPU
-// executor for now.
-func refusePerChunk(nd *graph.Node) error {
-	what := "per-chunk batch statistics (graph.Attrs.PerChunk, nn.BatchNorm2d.PerChunkStats)"
-	if nd.Op == graph.OpBatchNormStats {
-		what = "batch_norm_stats (the running statistics of per-chunk batch norm)"
-	}
-	where := ""
-	if nd.Scope != "" {
-		where = " in " + nd.Scope
-	}
-	return &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: fmt.Errorf(
-		"%w: node %d (%s%s): the CUDA executor does not run %s yet (%w); use the CPU executor (batchfit.Options.Device \"cpu\") or whole-batch statistics",
-		graph.ErrAttr, nd.ID, nd.Op, where, what, ErrUnverified)}
-}
-
-// checkPerChunk refuses a program running a node refusePerChunk refuses,
-// before anything is allocated or launched.
-func checkPerChunk(p *planner.Program) error {
-	for _, st := range p.Steps {
-		if st.Kind != planner.StepRun {
-			continue
-		}
-		if nd := p.Graph.Node(st.Node); nd.Op == graph.OpBatchNormStats || nd.Attrs.PerChunk && isBatchNorm(nd.Op) {
-			return refusePerChunk(nd)
-		}
-	}
-	return nil
-}
-
-func isBatchNorm(op graph.Op) bool {
-	return op == graph.OpBatchNorm || op == graph.OpBatchNormGradX || op == graph.OpBatchNormGradW
 }
 
 func softmax(k *kctx, in []operand, out operand) error {
@@ -328,6 +277,28 @@ func (k *kctx) bnStats(dt graph.DType, a *graph.Attrs, x operand, runMean, runVa
 		return stats, k.perChannel(typed(kBatchNormStats, dt), c, x.p, stats, n, c, inner, a.Eps)
 	}
 	return stats, k.flat(typed(kBatchNormRunSt, dt), c, runMean.p, runVar.p, stats, c, a.Eps)
+}
+
+// batchNormMoments is batch_norm_stats: x [N, C, ...]'s per-channel mean
+// and unbiased variance as out [2, C]. A chunk's value; the host merges
+// chunks (graph.CombineMoments). Per-chunk batch_norm and its gradients
+// need nothing else: they are today's kernels run on each chunk.
+func (k *kctx) batchNormMoments(x, out operand) error {
+	dt, err := floatsOf(x, out)
+	if err != nil {
+		return err
+	}
+	n, c, inner, err := channels("batch_norm_stats", x)
+	if err != nil {
+		return err
+	}
+	if out.n() != 2*c {
+		return graph.Errorf(graph.ErrShape, "batch_norm_stats: input %v, output %v", x.shape, out.shape)
+	}
+	if n*inner <= 1 {
+		return graph.Errorf(graph.ErrShape, "batch_norm_stats needs more than one value per channel, got x %v", x.shape)
+	}
+	return k.perChannel(typed(kBatchNormMoment, dt), c, x.p, out.p, n, c, inner)
 }
 
 func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {

@@ -17,7 +17,7 @@ func TestRowsKernelsTyped(t *testing.T) {
 		"reduce.cu":    {kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad},
 		"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
 		"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
-		"batchnorm.cu": {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt},
+		"batchnorm.cu": {kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt, kBatchNormMoment},
 		"loss.cu":      {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
 	}
 	for file, names := range files {

@@ -7,7 +7,6 @@ package conformance
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -65,15 +64,6 @@ func RunnerOf(run RunBatch) Runner {
 	}
 }
 
-// Refused is what a Runner returns for a case its executor refuses by
-// design, not by mistake (the CUDA executor's per-chunk batch statistics,
-// cuda.ErrUnverified): RunAll skips the case, saying why, where any other
-// error fails it.
-type Refused struct{ Err error }
-
-func (r *Refused) Error() string { return "refused: " + r.Err.Error() }
-func (r *Refused) Unwrap() error { return r.Err }
-
 // Tolerance bounds |got − want| by ATol + RTol·|want| per element.
 type Tolerance struct{ RTol, ATol float64 }
 
@@ -118,9 +108,6 @@ func RunAllAs(t *testing.T, run Runner, dt graph.DType, tol Tolerance) {
 				t.Fatalf("reference: %v", err)
 			}
 			got, err := run(b.Graph, b.Vals, outs...)
-			if r := (*Refused)(nil); errors.As(err, &r) {
-				t.Skipf("refused by design: %v", r.Err)
-			}
 			if err != nil {
 				t.Fatalf("executor: %v", err)
 			}

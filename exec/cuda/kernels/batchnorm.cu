@@ -66,6 +66,43 @@ __device__ __forceinline__ void batch_norm_stats_t(const T* __restrict__ x,
 FOR_FLOATS(K)
 #undef K
 
+// batch_norm_moments_{f32,bf16,f16}: batch_norm_stats's value, the [2, c]
+// output out: out[k] the mean and out[c + k] the unbiased variance
+// Σ(x − mean)²/(m − 1) of channel k's m = n·inner values, both in double
+// (two passes, as batch_norm_stats_*) and rounded once, as the CPU's
+// float64 → float32 (→ 16-bit) stores. The host refuses m ≤ 1. One block
+// per channel (blocks loop over channels): blockDim.x a multiple of 32 up
+// to 1024, blockDim.y = 1, any grid.
+template <typename T>
+__device__ __forceinline__ void batch_norm_moments_t(const T* __restrict__ x, T* __restrict__ out,
+                                                     i64 n, i64 c, i64 inner) {
+  __shared__ double sd[32];
+  const i64 m = n * inner;
+  for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
+    double s = 0;
+    for (i64 t = threadIdx.x; t < m; t += blockDim.x) s += bn_ld(x, bn_at(t, k, c, inner));
+    s = row_allreduce(s, SumOp(), sd);
+    const double mean = s / (double)m;
+    double q = 0;
+    for (i64 t = threadIdx.x; t < m; t += blockDim.x) {
+      const double d = bn_ld(x, bn_at(t, k, c, inner)) - mean;
+      q += d * d;
+    }
+    q = row_allreduce(q, SumOp(), sd);
+    if (threadIdx.x == 0) {
+      out[k] = (float)mean;
+      out[c + k] = (float)(q / (double)(m - 1));
+    }
+  }
+}
+#define K(T, S)                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024) batch_norm_moments_##S(       \
+      const T* x, T* out, i64 n, i64 c, i64 inner) {                               \
+    batch_norm_moments_t(x, out, n, c, inner);                                     \
+  }
+FOR_FLOATS(K)
+#undef K
+
 // batch_norm_stats_running_{f32,bf16,f16}: stats from running statistics
 // [c]: mean = rmean[k], rstd = 1/√(rvar[k] + eps). 1-D blocks over c, any
 // grid.
