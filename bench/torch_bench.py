@@ -111,6 +111,58 @@ class ConvNet(nn.Module):
         return self.net(x)
 
 
+class Bottleneck(nn.Module):
+    # torchvision's Bottleneck (v1.5: the stride on the 3×3 conv), as
+    # models.newBottleneck: 1×1 → 3×3 → 1×1 convs without bias, each
+    # followed by batch norm, ReLU after the first two and after the sum
+    # with the shortcut (a 1×1 conv + batch norm where the shape changes).
+    def __init__(self, cin, planes, stride):
+        super().__init__()
+        out = 4 * planes
+        self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.downsample = None
+        if stride != 1 or cin != out:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        s = x if self.downsample is None else self.downsample(x)
+        return F.relu(y + s)
+
+
+class ResNet50(nn.Module):
+    # torchvision.models.resnet50's layout (models.ResNet50(1000) in
+    # batchfit): stem conv 7×7/2 + batch norm + ReLU + max-pool 3×3/2,
+    # stages of 3, 4, 6, 3 Bottlenecks, global average pool, linear.
+    def __init__(self, classes=1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        layers, cin = [], 64
+        for i, n in enumerate((3, 4, 6, 3)):
+            planes = 64 << i
+            blocks = []
+            for j in range(n):
+                blocks.append(Bottleneck(cin, planes, 2 if (i > 0 and j == 0) else 1))
+                cin = 4 * planes
+            layers.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
 class Attention(nn.Module):
     # Causal self-attention. With sdpa False it is written out (q·kᵀ, mask,
     # softmax, ·v) as batchfit's models.GPT computes it, so activations are
@@ -219,11 +271,17 @@ def specs(a):
     def conv_data(n, device):
         return torch.randn(n, 3, 32, 32, device=device), torch.randint(0, 10, (n,), device=device)
 
+    def resnet_data(n, device):
+        return (torch.randn(n, 3, a.resnet_size, a.resnet_size, device=device),
+                torch.randint(0, 1000, (n,), device=device))
+
     return {
         "mlp": Spec("mlp", a.mlp_batch, 0, lambda sdpa=False: MLP(), adam, "adam(lr=1e-3)", mlp_data),
         "gpt": Spec("gpt", a.gpt_batch, a.gpt_seq, lambda sdpa=False: GPT(a.gpt_layers, sdpa=sdpa),
                     adamw, "adamw(lr=3e-4, wd=0.01)", gpt_data),
         "conv": Spec("conv", a.conv_batch, 0, lambda sdpa=False: ConvNet(), adam, "adam(lr=1e-3)", conv_data),
+        "resnet50": Spec("resnet50", a.resnet_batch, 0, lambda sdpa=False: ResNet50(), adam, "adam(lr=1e-3)",
+                         resnet_data),
     }
 
 
@@ -253,6 +311,10 @@ def _alarm(signum, frame):
     raise Budget("compile budget exceeded")
 
 
+# Conv nets: channels_last in the fast configurations.
+CONV_MODELS = ("conv", "resnet50")
+
+
 class Config:
     """One configuration of --configs: how the model is built, what runs in
     each step, and how it is timed."""
@@ -269,7 +331,7 @@ class Config:
         d = {"tf32": self.fast, "autocast": "bfloat16" if self.fast else None,
              "attention": ("sdpa(is_causal=True)" if self.sdpa else "written out") if s.name == "gpt" else None,
              "fused_optimizer": self.fast, "cudnn_benchmark": self.fast,
-             "channels_last": self.fast and s.name == "conv", "compiled": self.compiled}
+             "channels_last": self.fast and s.name in CONV_MODELS, "compiled": self.compiled}
         return {k: v for k, v in d.items() if v is not None}
 
 
@@ -280,7 +342,7 @@ def make_runner(s, cfg, a, rec):
     set_precision(cfg.fast)
     torch.manual_seed(1)
     model = s.make(sdpa=cfg.sdpa)
-    mf = torch.channels_last if cfg.fast and s.name == "conv" else None
+    mf = torch.channels_last if cfg.fast and s.name in CONV_MODELS else None
     model = model.to(DEV)
     if mf is not None:
         model = model.to(memory_format=mf)
@@ -540,7 +602,7 @@ def largest_batch(s, cfg, a, start):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv")
+    ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv, resnet50")
     ap.add_argument("--configs", default="fp32,bf16,compile",
                     help="comma list of fp32 (TF32 off, attention written out: the weak extra column), "
                          "bf16 (autocast bf16, TF32, SDPA, fused optimizer, channels_last for conv), "
@@ -552,6 +614,8 @@ def main():
     ap.add_argument("--gpt-seq", type=int, default=256, help="as gobench's -gpt-seq (default 256)")
     ap.add_argument("--gpt-layers", type=int, default=12)
     ap.add_argument("--conv-batch", type=int, default=256)
+    ap.add_argument("--resnet-batch", type=int, default=64)
+    ap.add_argument("--resnet-size", type=int, default=224, help="ResNet-50 image height and width")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile mode: default, reduce-overhead, max-autotune, ...")
     ap.add_argument("--compile-budget", type=float, default=300,

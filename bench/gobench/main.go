@@ -47,6 +47,8 @@ type config struct {
 	mlpBatch      int
 	session       bool // also time the steps through batchfit.Session, graph rebuilt each step
 	convBatch     int
+	resnetBatch   int
+	resnetSize    int
 	budget        int64 // tightness records within this many bytes; 0: none
 	tightGPT      int
 	tightMLP      int
@@ -61,7 +63,7 @@ type config struct {
 
 // registerFlags defines gobench's flags on fs, setting c.
 func registerFlags(fs *flag.FlagSet, c *config) {
-	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv")
+	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv, resnet50")
 	fs.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
 	fs.IntVar(&c.steps, "steps", 20, "timed steps")
 	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
@@ -72,6 +74,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
 	fs.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
 	fs.IntVar(&c.convBatch, "conv-batch", 256, "ConvNet batch (3×32×32 images) for the timed run")
+	fs.IntVar(&c.resnetBatch, "resnet-batch", 64, "ResNet-50 batch for the timed run")
+	fs.IntVar(&c.resnetSize, "resnet-size", 224, "ResNet-50 image height and width (3 channels, 1000 classes)")
 	fs.Var(bytesFlag{&c.budget}, "budget", "plan each model at its -tight-batch-* within this `size` (8GiB, 512MiB, 8GB or bytes), run two steps in the planned chunks, and simulate the next larger chunk size; 0: off")
 	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
@@ -203,6 +207,18 @@ func benchModels(c config) ([]benchModel, error) {
 			y := source(x.Graph(), data, []int{n}, graph.Int64, convCfg.Classes)
 			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
 		}}
+	rcfg := models.ResNet50(1000)
+	rcfg.ImageSize = c.resnetSize
+	resnet := benchModel{name: "resnet50", batch: c.resnetBatch, tight: c.resnetBatch, upper: 4096,
+		about: fmt.Sprintf("ResNet-50 (torchvision layout, batch norm in training mode) over 3×%d×%d images, 1000 classes, mean cross-entropy",
+			c.resnetSize, c.resnetSize),
+		optName: "adam(lr=1e-3)", optimizer: func() *optim.Adam { return optim.NewAdam(1e-3) },
+		module: func(opt nn.Options) nn.Module { return models.NewResNet(opt, rcfg) },
+		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+			x := source(nil, data, []int{n, 3, c.resnetSize, c.resnetSize}, graph.Float32, 0)
+			y := source(x.Graph(), data, []int{n}, graph.Int64, 1000)
+			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
+		}}
 	var out []benchModel
 	for _, name := range strings.Split(c.models, ",") {
 		switch strings.TrimSpace(name) {
@@ -214,8 +230,10 @@ func benchModels(c config) ([]benchModel, error) {
 			out = append(out, gptOf("gpt-written", true))
 		case "conv":
 			out = append(out, conv)
+		case "resnet50":
+			out = append(out, resnet)
 		default:
-			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv)", name)
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv, resnet50)", name)
 		}
 	}
 	return out, nil

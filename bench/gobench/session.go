@@ -20,7 +20,7 @@ import (
 func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor, error) {
 	var loss *lazy.Tensor
 	switch m.name {
-	case "mlp", "conv":
+	case "mlp", "conv", "resnet50":
 		x := lazy.Wrap(inputs[0], 0)
 		y := x.Graph().Wrap(inputs[1], 0)
 		loss = mod.Forward(x).CrossEntropy(y, graph.ReduceMean)

@@ -13,7 +13,8 @@ import (
 // rebuild makes the graph build makes, over the given data: same
 // signature (ops, shapes, attributes), and the data in the input nodes.
 func TestRebuildMatchesBuild(t *testing.T) {
-	ms, err := benchModels(config{models: "mlp,gpt,conv", gptLayers: 1, gptSeq: 8, gptBatch: 2, mlpBatch: 4, convBatch: 2})
+	ms, err := benchModels(config{models: "mlp,gpt,conv,resnet50", gptLayers: 1, gptSeq: 8, gptBatch: 2, mlpBatch: 4, convBatch: 2,
+		resnetBatch: 2, resnetSize: 32})
 	require.NoError(t, err)
 	for _, m := range ms {
 		mod := m.module(nn.Seed(1))
