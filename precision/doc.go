@@ -40,6 +40,16 @@
 //     planner counts its 2 bytes per element once and frees it after its
 //     last reader, backward included; its gradient is cast back to float32
 //     once (Cast's VJP) and accumulates into the parameter's.
+//   - Aligned wide linears: a 16-bit linear with at least 1024 outputs,
+//     not a multiple of 8 (GPT-2's tied head, 50,257), has its weight (and
+//     bias) padded with zero rows to a multiple of 64 (a concat with a
+//     zero fill) and its output sliced back to the real columns. Rows of
+//     an odd count of 16-bit values are not whole 16-byte vectors, and
+//     cuBLAS runs such products and both their gradients on slow kernels;
+//     torch.compile pads them the same way (inductor's pad_mm), llm.c by
+//     padding the vocabulary. The real outputs are the same dot products,
+//     and the padded rows get zero gradient and are sliced off. The
+//     planner counts the padded weight, the wider output and the slice.
 //   - Parameters, their gradients and optimizer state stay float32 (master
 //     weights); so do the loss and every value of the float32 class.
 //     Gradients have their value's dtype (autodiff casts a contribution of

@@ -1,0 +1,13 @@
+package precision
+
+// SetAlignLinears turns the alignment of wide 16-bit linear layers
+// (alignedLinear) on or off, for tests that compare the two graphs; it
+// returns the previous setting.
+func SetAlignLinears(on bool) bool {
+	prev := alignLinears
+	alignLinears = on
+	return prev
+}
+
+// AlignOutputs is the multiple a wide linear's outputs are padded to.
+const AlignOutputs = alignOutputs
