@@ -324,6 +324,9 @@ def cap_table(go, th, go_failed):
         if choice and chunked:
             q = choice["samples_per_second"] / chunked["samples_per_second"]
             parts.append(f"planner's choice / chunks only = {q:.3f} (>= 1: {yes(q >= 1)})")
+            if choice.get("recompute") == "none" and choice.get("chunk_sizes") == chunked.get("chunk_sizes"):
+                parts.append(f"the same plan ({chunks(choice.get('chunk_sizes'))}, no recomputation): "
+                             f"that ratio is run-to-run noise")
         if choice and torch_best:
             q = choice["samples_per_second"] / torch_best["samples_per_second"]
             best = "bf16 + checkpoint" if torch_best.get("config") == "bf16-ckpt" else "bf16"
