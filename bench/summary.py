@@ -97,10 +97,12 @@ def main():
         side = "gobench" if r in go else "torch"
         if r.get("kind") == "device":
             print(f"device: {r.get('device')}  free {mib(r.get('device_free'))} of {mib(r.get('device_total'))}"
-                  + (f"  torch {r.get('torch')} CUDA {r.get('cuda')} configs {','.join(r.get('configs') or ['fp32'])}"
-                     if "torch" in r else ""))
+                  + (f"  torch {r.get('torch')} CUDA {r.get('cuda')} configs {','.join(r.get('configs', ['fp32'])) or 'none'}"
+                     if "torch" in r else "")
+                  + (f"  cap {r.get('cap_gib')} GiB: {','.join(r.get('cap_configs') or [])}" if r.get("cap_gib") else ""))
         if r.get("kind") == "error" or r.get("error"):
-            what = " ".join(str(r[k]) for k in ("model", "config", "tool") if r.get(k))
+            what = " ".join(str(r[k]) for k in ("kind", "model", "config", "tool", "recompute_mode")
+                            if r.get(k) and (k != "kind" or r[k] == "cap"))
             print(f"ERROR ({side}) {what}: {r.get('error')}")
             if side == "gobench" and not r.get("model"):
                 go_failed = True
@@ -124,6 +126,16 @@ def main():
         if c != "fp32" and "failed" in impl:
             print(f"WARNING: torch {m} {c} ran without the fused optimizer: {impl}")
 
+    caps = [r for r in go + th if r.get("kind") == "cap" or (r.get("kind") == "error" and r.get("tool") == "cap")]
+    if models or not caps:
+        throughput_tables(go, go_failed, gt, st, tt, terr, models)
+    time_to_batch(go, th, caps)
+    tightness(go)
+    if caps:
+        cap_table(go, th, go_failed)
+
+
+def throughput_tables(go, go_failed, gt, st, tt, terr, models):
     print("\nThroughput, headline (median ms/step of the timed steps, each synchronised, host batch uploaded every step):")
     prec = sorted({r.get("precision") or ("tf32" if r.get("tf32") else "fp32") for r in go if r.get("kind") == "throughput"})
     print(f"  batchfit executor: the program compiled once, precision {', '.join(prec) or '-'}; batchfit Session: the graph built again")
@@ -183,7 +195,9 @@ def main():
                     row[k] = mib(int(row[k]))
         rows.append(row)
     table(rows)
-    print("\nTime to a usable batch (the largest batch whose whole training step fits the card):")
+
+
+def time_to_batch(go, th, caps):
     rows = [["model", "method", "batch found", "time", "notes"]]
     for r in go:
         if r.get("kind") == "maxbatch":
@@ -206,7 +220,13 @@ def main():
             else:
                 note += f", init {r.get('init')}, max_trials {r.get('max_trials')}"
             rows.append([r.get("model"), r.get("tool"), r.get("batch"), num(r.get("search_seconds"), "{:.1f} s"), note])
+    if len(rows) == 1 and caps:
+        return
+    print("\nTime to a usable batch (the largest batch whose whole training step fits the card):")
     table(rows)
+
+
+def tightness(go):
     tight = [r for r in go if r.get("kind") == "tightness"]
     if tight:
         print("\nTightness (gobench -budget: a batch too large for the budget, planned in chunks and run in them;"
@@ -227,6 +247,97 @@ def main():
                          yes(nxt > budget and r.get("next_out_of_memory", False) if nxt is not None and budget else None),
                          num(r.get("verify_seconds"), "{:.1f} s")])
         table(rows)
+
+
+CAP_RUNS = (("gobench", "auto", "batchfit (planner's choice)"), ("gobench", "off", "batchfit (chunks only)"),
+            ("torch", "bf16", "torch bf16 (accumulation)"), ("torch", "bf16-ckpt", "torch bf16 + checkpoint"))
+
+
+def cap_table(go, th, go_failed):
+    """Issue 15's acceptance: a step of one batch within one memory cap,
+    batchfit's plans beside PyTorch's gradient accumulation."""
+    recs, failed = {}, set()
+    for r in go:
+        if r.get("kind") == "cap":
+            recs[(r.get("model"), "gobench", r.get("recompute_mode"))] = r
+    for r in th:
+        if r.get("kind") == "cap":
+            recs[(r.get("model"), "torch", r.get("config"))] = r
+        elif r.get("kind") == "error" and r.get("tool") == "cap":
+            failed.add((r.get("model"), "torch", r.get("config")))
+    models = sorted({k[0] for k in recs} | {k[0] for k in failed} - {None})
+    print("\nUnder a memory cap (gobench -cap, torch_bench --cap-gib): a training step of the batch, peak reserved within the cap.")
+    print("  batchfit: batchfit.Session with Options.Budget = the cap (Overhead inside), the graph built again every step;")
+    print("  planner's choice = Recompute auto (chunks and recomputation for the most predicted samples/s), chunks only = Recompute off.")
+    print("  torch: the bf16 configuration under set_per_process_memory_fraction(cap), gradient accumulation over the fewest")
+    print("  balanced micro-batches whose steps run (their largest is the largest micro-batch that runs); + checkpoint wraps")
+    print("  every transformer block in torch.utils.checkpoint (use_reentrant=False). Peaks: the allocator's reserved bytes.")
+    rows = [["model", "batch", "cap", "run", "samples/s", "ms/step", "chunks / micro-batches", "recompute",
+             "peak reserved", "within cap", "predicted peak+ovh", "predicted samples/s", "first step / search"]]
+    notes = []
+    for m in models:
+        for side, key, label in CAP_RUNS:
+            r = recs.get((m, side, key))
+            fail = (m, side, key) in failed or (side == "gobench" and go_failed and not r)
+            if not r:
+                rows.append([m, "-", "-", label, "failed" if fail else "not run"] + ["-"] * 8)
+                continue
+            if r.get("error"):
+                rows.append([m, r.get("batch", "-"), mib(r.get("budget")), label, "failed"] + ["-"] * 8)
+                continue
+            if side == "gobench":
+                cap, split, rec = r.get("budget"), chunks(r.get("chunk_sizes")), r.get("recompute", "-")
+                pred = r["predicted_peak_reserved"] + r.get("overhead", 0) if r.get("predicted_peak_reserved") else None
+                extra = [mib(pred), num(r.get("predicted_samples_per_second"), "{:,.1f}"),
+                         num(r.get("first_step_seconds"), "{:.1f} s")]
+                within = r.get("within_budget")
+                if r.get("plan_changed"):
+                    notes.append(f"{m} {label}: the plan changed between timed steps")
+            else:
+                cap, split = r.get("cap_bytes"), chunks(r.get("micro_batch_sizes"))
+                rec = "every block" if r.get("config") == "bf16-ckpt" else "none"
+                extra = ["-", "-", num(r.get("search_seconds"), "{:.1f} s")]
+                within = r.get("within_cap")
+                if r.get("timed_out_of_memory"):
+                    notes.append(f"{m} {label}: timed steps ran out of memory in {r['timed_out_of_memory']} micro-batches first")
+            rows.append([m, r.get("batch", "-"), mib(cap), label, num(r.get("samples_per_second"), "{:,.1f}"),
+                         num(ms(r), "{:,.1f}"), split, rec, mib(r.get("max_memory_reserved", r.get("measured_peak_reserved"))),
+                         yes(within)] + extra)
+    table(rows)
+    for m in models:
+        got = {(side, key): recs.get((m, side, key)) for side, key, _ in CAP_RUNS}
+        ok = {k: r for k, r in got.items() if r and not r.get("error") and r.get("samples_per_second")}
+        batches = {r.get("batch") for r in ok.values()}
+        caps = {r.get("budget") if side == "gobench" else r.get("cap_bytes") for (side, _), r in ok.items()}
+        if len(batches) > 1 or len(caps) > 1:
+            print(f"  WARNING: {m}: the runs differ in batch {sorted(batches)} or cap {sorted(caps)}: "
+                  f"pass the same -cap/--cap-gib and -cap-batch/--cap-batch to both")
+        prec = {r.get("precision") for (side, _), r in ok.items() if side == "gobench"}
+        if prec and prec != {"bf16-mixed"}:
+            print(f"  WARNING: {m}: batchfit ran precision {', '.join(sorted(map(str, prec)))}, torch bf16 autocast: "
+                  f"pass -precision bf16-mixed to gobench")
+        choice = ok.get(("gobench", "auto"))
+        chunked = ok.get(("gobench", "off"))
+        torch_best = max((r for (side, _), r in ok.items() if side == "torch"),
+                         key=lambda r: r["samples_per_second"], default=None)
+        parts = []
+        if choice and chunked:
+            q = choice["samples_per_second"] / chunked["samples_per_second"]
+            parts.append(f"planner's choice / chunks only = {q:.3f} (>= 1: {yes(q >= 1)})")
+            if choice.get("recompute") == "none" and choice.get("chunk_sizes") == chunked.get("chunk_sizes"):
+                parts.append(f"the same plan ({chunks(choice.get('chunk_sizes'))}, no recomputation): "
+                             f"that ratio is run-to-run noise")
+        if choice and torch_best:
+            q = choice["samples_per_second"] / torch_best["samples_per_second"]
+            best = "bf16 + checkpoint" if torch_best.get("config") == "bf16-ckpt" else "bf16"
+            parts.append(f"planner's choice / best torch ({best}) = {q:.3f} (>= 1.1: {yes(q >= 1.1)})")
+            missing = [label for side, key, label in CAP_RUNS if side == "torch" and ("torch", key) not in ok]
+            if missing:
+                parts.append(f"best torch of those that ran, not {', '.join(missing)}")
+        if parts:
+            print(f"  {m}: " + "; ".join(parts))
+    for n in notes:
+        print(f"  NOTE: {n}")
 
 
 if __name__ == "__main__":

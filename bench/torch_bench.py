@@ -38,6 +38,7 @@ import traceback
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 CONFIGS = ("fp32", "bf16", "compile", "bf16-written")
 
@@ -212,6 +213,9 @@ class GPT(nn.Module):
         self.wpe = nn.Parameter(torch.zeros(context, d))
         self.h = nn.Sequential(*[Block(d, heads, sdpa) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
+        # Set by the cap's bf16-ckpt configuration: each block's activations
+        # are recomputed in backward (torch.utils.checkpoint, non-reentrant).
+        self.checkpoint_blocks = False
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, 0, 0.02)
@@ -223,7 +227,12 @@ class GPT(nn.Module):
     def forward(self, tok):
         t = tok.shape[1]
         x = self.wte(tok) + self.wpe[:t]
-        x = self.ln_f(self.h(x))
+        if self.checkpoint_blocks and torch.is_grad_enabled():
+            for block in self.h:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        else:
+            x = self.h(x)
+        x = self.ln_f(x)
         return x @ self.wte.weight.t()  # tied head, as models.GPT
 
 
@@ -600,6 +609,215 @@ def largest_batch(s, cfg, a, start):
     return rec
 
 
+# Under a memory cap (issue 15's acceptance measurement, beside gobench -cap):
+# what a PyTorch user does when a batch does not fit, gradient accumulation
+# at the largest micro-batch that runs, with or without activation
+# checkpointing.
+
+CAP_CONFIGS = ("bf16", "bf16-ckpt")
+
+
+def balanced(n, k):
+    """n samples in k micro-batches whose sizes differ by at most one,
+    larger ones first (as batchfit's chunks): balanced(32, 3) = [11, 11, 10]."""
+    q, r = divmod(n, k)
+    return [q + 1] * r + [q] * (k - r)
+
+
+def fewer_samples(n, k):
+    """The fewest micro-batches above k whose largest is smaller than
+    k's, or None when k's are single samples."""
+    m = balanced(n, k)[0]
+    if m <= 1:
+        return None
+    return -(-n // (m - 1))
+
+
+def is_oom(e):
+    """Whether e is the device running out of memory: the caching
+    allocator's OutOfMemoryError, or a library's CUDA out-of-memory error."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def cap_run(s, name, a):
+    """A training step of the cap batch (--cap-batch, or the model's batch)
+    under a cap of --cap-gib GiB on the caching allocator
+    (set_per_process_memory_fraction), in configuration name: bf16 (the
+    bf16 configuration: autocast, TF32, SDPA, fused optimizer) or
+    bf16-ckpt (the same with torch.utils.checkpoint around every
+    transformer block; GPT only). The fewest micro-batches k whose step
+    runs under the cap is found by trial (k = 1, 2, 4, ... until two whole
+    accumulation steps run, then bisection between the last k that failed
+    and the first that ran), the micro-batches balanced as batchfit's
+    chunks (their largest is then the largest micro-batch that runs:
+    any larger needs fewer micro-batches). Then --warmup and --steps timed
+    steps of gradient accumulation over those k micro-batches, each
+    micro-batch's mean loss scaled by its size / batch, so the gradient is
+    the whole batch's mean, one optimizer step per step."""
+    if name not in CAP_CONFIGS:
+        raise ValueError(f"unknown cap config {name!r} (want one of {', '.join(CAP_CONFIGS)})")
+    ckpt = name == "bf16-ckpt"
+    if ckpt and s.name != "gpt":
+        raise ValueError(f"bf16-ckpt checkpoints transformer blocks: gpt only, not {s.name}")
+    n = a.cap_batch if a.cap_batch > 0 else s.batch
+    cfg = Config("bf16")
+    rec = {"kind": "cap", "model": s.name, "config": name, "batch": n, "seq": s.seq, "optimizer": s.opt_name,
+           "warmup": a.warmup, "steps": a.steps}
+    rec.update(cfg.describe(s))
+    rec["checkpoint"] = ("every transformer block: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)"
+                         if ckpt else "none")
+    free_cuda()
+    total = torch.cuda.mem_get_info()[1]
+    cap = int(a.cap_gib * 2**30)
+    if cap <= 0 or cap > total:
+        raise ValueError(f"--cap-gib {a.cap_gib}: want more than 0 and at most the card's {total / 2**30:.2f} GiB")
+    rec.update(cap_bytes=cap, cap_gib=a.cap_gib, device_total=total, memory_fraction=cap / total,
+               reserved_before=torch.cuda.memory_reserved())
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        return cap_measure(s, cfg, ckpt, n, cap, a, rec)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def cap_measure(s, cfg, ckpt, n, cap, a, rec):
+    set_precision(True)
+    torch.manual_seed(1)
+    model = s.make(sdpa=True)
+    if ckpt:
+        model.checkpoint_blocks = True
+    mf = torch.channels_last if s.name in CONV_MODELS else None
+    model = model.to(DEV)
+    if mf is not None:
+        model = model.to(memory_format=mf)
+    rec["params"] = sum(p.numel() for p in model.parameters())
+    try:
+        opt = s.opt(model.parameters(), fused=True)
+        rec["optimizer_impl"] = "fused"
+    except Exception as e:  # fused needs CUDA float params; should not happen
+        opt = s.opt(model.parameters())
+        rec["optimizer_impl"] = f"foreach (fused failed: {type(e).__name__}: {e})"
+    rec["float32_matmul_precision"] = matmul_precision()
+    fn = WithLoss(s.name, model)
+    # Four host batches of n, cycled, each micro-batch uploaded as it runs.
+    torch.manual_seed(2)
+    batches = [s.data(n, "cpu") for _ in range(4)]
+
+    def step(xb, yb, sizes):
+        # One optimizer step over the micro-batches of sizes; returns the
+        # whole batch's mean loss (a device tensor).
+        opt.zero_grad(set_to_none=True)
+        total, start = None, 0
+        for size in sizes:
+            x, y = xb[start:start + size].to(DEV), yb[start:start + size].to(DEV)
+            if mf is not None:
+                x = x.contiguous(memory_format=mf)
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                loss = fn(x, y)
+            part = loss.float() * (size / n)
+            part.backward()
+            total = part.detach() if total is None else total + part.detach()
+            start += size
+        opt.step()
+        return total
+
+    def clean(oom):
+        # After a trial: gradients dropped; after an out-of-memory error
+        # also the optimizer state (an error inside its first step could
+        # leave it half made; the next trial's steps make it again).
+        opt.zero_grad(set_to_none=True)
+        if oom:
+            opt.state.clear()
+        free_cuda()
+
+    tried = []
+
+    def fits(k):
+        # Two whole steps, so the second runs with the optimizer state made.
+        sizes = balanced(n, k)
+        ok = True
+        try:
+            for i in range(2):
+                xb, yb = batches[i % 4]
+                step(xb, yb, sizes).item()
+            torch.cuda.synchronize()
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            if not is_oom(e):
+                raise
+            ok = False
+        clean(not ok)
+        tried.append({"micro_batches": k, "micro_batch": sizes[0], "ok": ok})
+        print(f"torch_bench: cap {s.name} {rec['config']}: {k} micro-batches of up to {sizes[0]}: "
+              f"{'runs' if ok else 'out of memory'}", file=sys.stderr)
+        return ok
+
+    t0 = time.perf_counter()
+    lo, k = 0, 1  # lo: the most micro-batches known not to run (0: none tried)
+    while not fits(k):
+        lo = k
+        if k >= n:
+            raise RuntimeError(f"{s.name} {rec['config']}: micro-batches of one sample do not run "
+                               f"under the cap of {cap / 2**30:.2f} GiB")
+        k = min(2 * k, n)
+    hi = k  # runs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    k = hi
+    rec.update(search_seconds=time.perf_counter() - t0, tried=tried)
+
+    # The timed steps; should one run out of memory after all (the search
+    # ran two steps per trial), the next smaller micro-batch is timed
+    # instead, and the record says so.
+    while True:
+        sizes = balanced(n, k)
+        free_cuda()
+        torch.cuda.reset_peak_memory_stats()
+        times, used_peak, losses = [], 0, []
+        ok = True
+        try:
+            for i in range(a.warmup + a.steps):
+                xb, yb = batches[i % 4]
+                t0 = time.perf_counter()
+                l = step(xb, yb, sizes).item()  # downloads the loss, as gobench does
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                losses.append(l)
+                free, total = torch.cuda.mem_get_info()
+                used_peak = max(used_peak, total - free)
+                if i >= a.warmup:
+                    times.append(dt)
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
+            ok = False
+        if ok:
+            break
+        clean(True)
+        rec.setdefault("timed_out_of_memory", []).append(k)
+        print(f"torch_bench: cap {s.name} {rec['config']}: a timed step in {k} micro-batches ran out of memory",
+              file=sys.stderr)
+        k = fewer_samples(n, k)
+        if k is None:
+            raise RuntimeError(f"{s.name} {rec['config']}: timed steps of one-sample micro-batches ran out of memory")
+    med = statistics.median(times)
+    reserved = torch.cuda.max_memory_reserved()
+    rec.update(micro_batch=sizes[0], micro_batches=len(sizes), micro_batch_sizes=sizes,
+               first_loss=losses[0], last_loss=losses[-1],
+               step_seconds=times, median_step_seconds=med, median_ms_per_step=med * 1e3,
+               steps_per_second=1 / med, samples_per_second=n / med,
+               max_memory_reserved=reserved, max_memory_allocated=torch.cuda.max_memory_allocated(),
+               device_used_peak=used_peak, within_cap=reserved <= cap)
+    print(f"torch_bench: cap {s.name} {rec['config']}: batch {n} in {len(sizes)} micro-batches of up to {sizes[0]}, "
+          f"{n / med:.1f} samples/s, peak reserved {reserved / 2**20:.0f} MiB of {cap / 2**20:.0f} MiB", file=sys.stderr)
+    model = opt = fn = batches = None
+    free_cuda()
+    return rec
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv, resnet50")
@@ -626,6 +844,15 @@ def main():
                                                  "exactly (doubling, then bisection) in each of --largest-configs")
     ap.add_argument("--largest-configs", default="bf16", help="eager configurations for --largest")
     ap.add_argument("--largest-start", default="mlp=65536,gpt=16,conv=4096", help="first batch tried per model")
+    ap.add_argument("--cap-gib", type=float, default=0,
+                    help="time each model of --models in each of --cap-configs under this many GiB "
+                         "(set_per_process_memory_fraction), by gradient accumulation at the largest micro-batch "
+                         "that runs (the cap records, beside gobench -cap); 0: off")
+    ap.add_argument("--cap-batch", type=int, default=0,
+                    help="the batch of --cap-gib's steps (0: each model's timed batch, --gpt-batch, ...)")
+    ap.add_argument("--cap-configs", default="bf16,bf16-ckpt",
+                    help="comma list of bf16 (the bf16 configuration) and bf16-ckpt (the same with "
+                         "torch.utils.checkpoint around every transformer block; gpt only, skipped for other models)")
     ap.add_argument("--finder-models", default="mlp,gpt", help="models the finders run on (of --models)")
     ap.add_argument("--finder-init", type=int, default=2, help="Lightning's init_val")
     ap.add_argument("--finder-trials", type=int, default=25, help="Lightning's max_trials")
@@ -634,17 +861,28 @@ def main():
     a = ap.parse_args()
     names = [n.strip() for n in a.models.split(",") if n.strip()]
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    cap_configs = [c.strip() for c in a.cap_configs.split(",") if c.strip()] if a.cap_gib > 0 else []
     free, total = torch.cuda.mem_get_info()
-    emit({"kind": "device", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-          "cuda": torch.version.cuda, "device_total": total, "device_free": free,
-          "tf32": False, "configs": configs,
-          "bf16_supported": torch.cuda.is_bf16_supported()})
+    dev = {"kind": "device", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "device_total": total, "device_free": free,
+           "tf32": False, "configs": configs,
+           "bf16_supported": torch.cuda.is_bf16_supported()}
+    if cap_configs:
+        dev.update(cap_gib=a.cap_gib, cap_configs=cap_configs)
+    emit(dev)
     sp = specs(a)
     starts = dict(kv.split("=") for kv in a.accelerate_start.split(",") if "=" in kv)
     jobs = []
     for n in names:
         for c in configs:
             jobs.append(({"model": n, "config": c}, lambda n=n, c=c: throughput(sp[n], Config(c), a)))
+    for n in names:
+        for c in cap_configs:
+            if c == "bf16-ckpt" and n != "gpt":
+                print(f"torch_bench: cap {n} bf16-ckpt skipped: it checkpoints transformer blocks (gpt only)",
+                      file=sys.stderr)
+                continue
+            jobs.append(({"model": n, "config": c, "tool": "cap"}, lambda n=n, c=c: cap_run(sp[n], c, a)))
     finders = [f.strip() for f in a.finders.split(",") if f.strip() and f.strip() not in ('""', "''", "none")]
     for f in finders:
         if f not in ("lightning", "accelerate"):

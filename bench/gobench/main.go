@@ -4,7 +4,10 @@
 // whole batch that fits the card's free memory, then runs a step at that
 // batch. With -budget it also plans each model at a batch too large for
 // the budget, runs a step in the planned chunks and shows that the next
-// larger chunk size would not fit. It writes JSON lines (Record) to stdout
+// larger chunk size would not fit. With -cap it trains each model at
+// -cap-batch through batchfit.Session within the cap, the planner's choice
+// of chunks and recomputation against chunks only (issue 15's acceptance
+// measurement). It writes JSON lines (Record) to stdout
 // and, when $OUT is set, to $OUT/gobench.json; bench/run-gpu compares them
 // with bench/torch_bench.py. See bench/README.md.
 package main
@@ -24,6 +27,7 @@ import (
 
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
@@ -59,6 +63,10 @@ type config struct {
 	cpuProfile    string // Go CPU profile of the timed steps
 	dist          bool   // one rank of a data-parallel job: time Trainer steps only
 	bucket        int64  // -dist: gradient bytes per all-reduce bucket (0: dist's default)
+	throughput    bool   // time each model's step on the executor (the throughput records)
+	cap           int64  // cap records within this many bytes; 0: none
+	capBatch      int    // the cap records' batch; 0: each model's timed batch
+	costProfile   string // the recompute cost model's profile for the cap records
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -85,6 +93,10 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
 	fs.BoolVar(&c.dist, "dist", false, "run as one rank of a data-parallel job started by `batchfit launch -n N` or torchrun: time the models' training loops through package dist (NCCL) at a global batch of -gpt-batch, -mlp-batch or -conv-batch, and nothing else; rank 0 writes the records")
 	fs.Var(bytesFlag{&c.bucket}, "bucket", "with -dist: gradient `size` summed per NCCL group (dist.Options.BucketBytes; 0: 25 MiB)")
+	fs.BoolVar(&c.throughput, "throughput", true, "time each model's training step on the executor (the throughput records; -session's records come with them or alone)")
+	fs.Var(bytesFlag{&c.cap}, "cap", "train each model at -cap-batch through batchfit.Session within this `size` (Options.Budget: 24GiB, 512MiB, 24GB or bytes), once with the planner's choice (recompute auto) and once in chunks only, and time both (the cap records); 0: off")
+	fs.IntVar(&c.capBatch, "cap-batch", 0, "the batch of -cap's steps (0: each model's timed batch, -gpt-batch, -mlp-batch, ...)")
+	fs.StringVar(&c.costProfile, "cost-profile", "h100", "the recompute cost model's `profile` for -cap (Options.Profile): default, h100 or a JSON file as batchfit calibrate writes it")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 
@@ -93,6 +105,10 @@ func main() {
 	registerFlags(flag.CommandLine, &c)
 	flag.Parse()
 	if err := c.resolvePrecision(); err != nil {
+		fmt.Fprintln(os.Stderr, "gobench:", err)
+		os.Exit(2)
+	}
+	if err := c.checkCap(); err != nil {
 		fmt.Fprintln(os.Stderr, "gobench:", err)
 		os.Exit(2)
 	}
@@ -329,21 +345,41 @@ func run(c config, w io.Writer) error {
 		return err
 	}
 	for _, m := range ms {
-		r, err := throughput(d, c, m)
+		if c.throughput {
+			r, err := throughput(d, c, m)
+			if err != nil {
+				r.Error = err.Error()
+			}
+			if err := writeRecord(w, r); err != nil {
+				return err
+			}
+		}
+		if !c.session {
+			continue
+		}
+		r, err := sessionThroughput(c, m)
 		if err != nil {
 			r.Error = err.Error()
 		}
 		if err := writeRecord(w, r); err != nil {
 			return err
 		}
-		if !c.session {
-			continue
+	}
+	if c.cap > 0 {
+		deviceUsed := func() (int64, error) {
+			u, _, err := used(d)
+			return u, err
 		}
-		if r, err = sessionThroughput(c, m); err != nil {
-			r.Error = err.Error()
-		}
-		if err := writeRecord(w, r); err != nil {
-			return err
+		for _, m := range ms {
+			for _, mode := range capModes {
+				r, err := capThroughput(c, m, mode, batchfit.DeviceCUDA, deviceUsed)
+				if err != nil {
+					r.Error = err.Error()
+				}
+				if err := writeRecord(w, r); err != nil {
+					return err
+				}
+			}
 		}
 	}
 	if c.maxBatch {

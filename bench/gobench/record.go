@@ -11,7 +11,9 @@ import (
 // step run at it), "dist" (one data-parallel job's timed training run:
 // World ranks, Batch the global batch), "tightness" (a batch too large for -budget: the
 // planner's chunks, a step run in them, and the next larger chunk size's
-// simulated need) or "error".
+// simulated need), "cap" (a training loop through batchfit.Session within
+// -cap at -cap-batch: the planner's choice of chunks and recomputation, or
+// chunks only, timed) or "error".
 type Record struct {
 	Kind  string `json:"kind"`
 	Model string `json:"model,omitempty"`
@@ -58,7 +60,7 @@ type Record struct {
 	DeviceUsedPeak   int64 `json:"device_used_peak,omitempty"`
 
 	// maxbatch (and Budget, Verified, VerifySeconds for tightness)
-	Budget        int64   `json:"budget,omitempty"` // maxbatch: the card's free memory after the executor was made; tightness: -budget
+	Budget        int64   `json:"budget,omitempty"` // maxbatch: the card's free memory after the executor was made; tightness: -budget; cap: -cap
 	SearchSeconds float64 `json:"search_seconds,omitempty"`
 	Replays       int     `json:"replays,omitempty"`
 	Upper         int     `json:"upper,omitempty"` // the batch the shape-only program was built at
@@ -79,6 +81,30 @@ type Record struct {
 	NextChunkSizes   []int `json:"next_chunk_sizes,omitempty"`
 	NextPeakReserved int64 `json:"next_peak_reserved,omitempty"`
 	NextOutOfMemory  bool  `json:"next_out_of_memory,omitempty"`
+
+	// cap: Batch samples a step through batchfit.Session with
+	// Options.Budget = Budget (-cap), Overhead inside it, and
+	// Options.Recompute RecomputeMode ("auto": the planner's choice of
+	// chunks and recomputation; "off": chunks only). Chunks, ChunkSizes
+	// and Recompute (Session.LastRecompute().Strategy, "none" when nothing
+	// is recomputed; RecomputedNodes forward nodes, RecomputeCopies nodes
+	// appended) are the last step's plan; PlanChanged says a timed step ran
+	// another. PredictedStepSeconds is the cost model's (CostProfile) price
+	// of that plan. The predicted (plan's, Overhead not included) and
+	// measured (Overhead included) peaks are the largest over all steps,
+	// warm-up included; WithinBudget is measured peak reserved ≤ Budget.
+	// FirstStepSeconds is the first step's, which builds, differentiates,
+	// searches, plans and compiles.
+	RecomputeMode             string  `json:"recompute_mode,omitempty"`
+	Recompute                 string  `json:"recompute,omitempty"`
+	RecomputedNodes           int     `json:"recomputed_nodes,omitempty"`
+	RecomputeCopies           int     `json:"recompute_copies,omitempty"`
+	PlanChanged               bool    `json:"plan_changed,omitempty"`
+	CostProfile               string  `json:"cost_profile,omitempty"`
+	PredictedStepSeconds      float64 `json:"predicted_step_seconds,omitempty"`
+	PredictedSamplesPerSecond float64 `json:"predicted_samples_per_second,omitempty"`
+	FirstStepSeconds          float64 `json:"first_step_seconds,omitempty"`
+	WithinBudget              *bool   `json:"within_budget,omitempty"`
 
 	Error string `json:"error,omitempty"`
 }
