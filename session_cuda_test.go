@@ -369,8 +369,8 @@ func withOverhead(planBudget int64) int64 {
 	return planBudget + cuda.DefaultWorkspace
 }
 
-// TestSessionCUDAGPTFusedAttention: a GPT step through the fused attention
-// kernels (attention_fwd_f32, attention_grad_q_f32, attention_grad_kv_f32)
+// TestSessionCUDAGPTFusedAttention: a GPT step through fused attention
+// (float32: cuBLAS over query blocks, attention_rows_{fwd,bwd}_f32)
 // trains like the CPU's (losses and parameters over 5 SGD steps), and its
 // plan's peaks plus Overhead are the measured ones, in one chunk and in
 // two.

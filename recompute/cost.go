@@ -17,7 +17,11 @@ import (
 //     the result is not a whole number of 16-byte vectors (cuBLAS then
 //     picks alignment-1 kernels: GPT-2's vocabulary of 50,257);
 //   - fused attention: HalfAttentionFLOPS on the tensor-core path (16-bit,
-//     head dim 64 or 128, no mask), AttentionFLOPS on the plain kernels;
+//     head dim 64 or 128, no mask), AttentionFLOPS on the plain kernels
+//     (16-bit otherwise); in float32 the GEMM rate (MatMulFLOPS, or
+//     TF32FLOPS under TF32): exec/cuda runs it as cuBLAS GEMMs over blocks
+//     of queries, and the scores those GEMMs write and the row kernels
+//     between them read and write count as bytes (work);
 //   - every other op: VectorFLOPS.
 //
 // A rate the profile leaves at 0 falls back: HalfFLOPS to TF32FLOPS, then
@@ -33,7 +37,9 @@ type Profile struct {
 	HalfUnalignedFLOPS float64 `json:"half_unaligned_flops,omitempty"`
 	// AttentionFLOPS and HalfAttentionFLOPS are fused attention's flop/s
 	// (FlashAttention's count: the matrix products, halved under causal) on
-	// the plain kernels and on the tensor-core ones.
+	// the plain kernels (16-bit with a mask or a head dim other than 64 and
+	// 128) and on the tensor-core ones. float32 attention runs on cuBLAS
+	// at the GEMM rate.
 	AttentionFLOPS     float64 `json:"attention_flops,omitempty"`
 	HalfAttentionFLOPS float64 `json:"half_attention_flops,omitempty"`
 	VectorFLOPS        float64 `json:"vector_flops"` // non-GEMM flop/s
@@ -73,7 +79,7 @@ func H100Profile() Profile {
 			"tf32_flops":           "measured: cuBLAS TF32 GEMM from Go",
 			"half_flops":           "measured: GPT-2 small's bf16 GEMMs (8192 rows, 768–3072 wide) in the executor's node profile, 356–704 TFLOP/s",
 			"half_unaligned_flops": "measured: GPT-2's bf16 LM head and its gradients (50,257 columns), 95–147 TFLOP/s",
-			"attention_flops":      "measured: the plain float32-FMA attention kernels, 1.6–4.2 TFLOP/s",
+			"attention_flops":      "measured: the plain-FMA attention kernels, float32 1.6–4.2 TFLOP/s and bf16 forward 2–4 (they now serve 16-bit attention with a mask or an odd head dim only)",
 			"half_attention_flops": "measured: bf16 tensor-core attention forward + backward, [8, 12, 1024, 64] causal, 66 TFLOP/s (91 at T = 4096)",
 			"vector_flops":         "nominal: H100 SXM FP32 non-tensor peak",
 			"bandwidth":            "measured: elementwise kernels (HBM3 nominal 3.35 TB/s)",
@@ -133,6 +139,9 @@ func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
 			q, masked = nd.Inputs[1], len(nd.Inputs) > 6
 		}
 		t := g.Node(q).Type
+		if t.DType == graph.Float32 { // cuBLAS over blocks of queries (exec/cuda's attention32.go)
+			return rateGEMM
+		}
 		if d := t.Shape[len(t.Shape)-1]; t.DType.IsHalf() && (d == 64 || d == 128) && !masked {
 			return rateHalfAttention
 		}
@@ -337,6 +346,21 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 		flops = products * 2 * float64(graph.Numel(qs)) * float64(k.Shape[2])
 		if nd.Attrs.Causal {
 			flops /= 2
+		}
+		if q.DType == graph.Float32 && len(qs) == 4 {
+			// float32 runs on cuBLAS over blocks of queries: the float32
+			// scores of every (query, key) pair pass through memory,
+			// written by a GEMM, read and rewritten by the row kernel, read
+			// by the next GEMM: 4 passes for attention (s, p), 2 for
+			// attention_lse, 6 for dq (s, dp, ds), 8 for dk|dv (s, dp, p,
+			// ds). Halved under causal, as the flops.
+			passes := map[graph.Op]float64{graph.OpAttention: 4, graph.OpAttentionLSE: 2,
+				graph.OpAttentionGradQ: 6, graph.OpAttentionGradKV: 8}[nd.Op]
+			scores := float64(graph.Numel(qs[:3])) * float64(k.Shape[2])
+			if nd.Attrs.Causal {
+				scores /= 2
+			}
+			bytes += passes * 4 * scores
 		}
 	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradW,
 		graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad, graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpGelu, graph.OpGeluGrad:

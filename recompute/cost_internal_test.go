@@ -13,7 +13,8 @@ import (
 // (Profile): float32 GEMMs at MatMulFLOPS (TF32FLOPS under TF32), 16-bit
 // ones at HalfFLOPS, or HalfUnalignedFLOPS when a row is not a whole
 // number of 16-byte vectors; fused attention at HalfAttentionFLOPS on the
-// tensor-core path and AttentionFLOPS otherwise; everything else at
+// tensor-core path, at the GEMM rate in float32 (cuBLAS) and
+// AttentionFLOPS otherwise; everything else at
 // VectorFLOPS. A rate left at 0 falls back as Profile says.
 func TestRatesFollowDTypes(t *testing.T) {
 	bf, f32 := graph.BFloat16, graph.Float32
@@ -45,13 +46,27 @@ func TestRatesFollowDTypes(t *testing.T) {
 		{"float32 GEMM under TF32", func() (*graph.Graph, *graph.Node) { return linear(f32, 16, 24) }, true, 2},
 		{"bf16 GEMM, rows of 16-byte vectors", func() (*graph.Graph, *graph.Node) { return linear(bf, 16, 24) }, false, 3},
 		{"bf16 GEMM, 50,257-wide rows", func() (*graph.Graph, *graph.Node) { return linear(bf, 16, 50257) }, false, 4},
-		{"float32 attention (plain kernels)", func() (*graph.Graph, *graph.Node) { return attention(f32, 64) }, false, 5},
+		{"float32 attention (cuBLAS GEMMs)", func() (*graph.Graph, *graph.Node) { return attention(f32, 64) }, false, 1},
+		{"float32 attention under TF32", func() (*graph.Graph, *graph.Node) { return attention(f32, 64) }, true, 2},
 		{"bf16 attention at head dim 32 (plain kernels)", func() (*graph.Graph, *graph.Node) { return attention(bf, 32) }, false, 5},
 		{"bf16 attention at head dim 64 (tensor cores)", func() (*graph.Graph, *graph.Node) { return attention(bf, 64) }, false, 6},
 		{"elementwise", relu, false, 7},
 	} {
 		g, nd := c.node()
 		assert.Equal(t, c.want, p.rate(kindOf(g, nd), c.tf32), c.name)
+	}
+	// float32 attention's bytes add its scores' passes through memory: 4
+	// float32 writes or reads of each (query, key) pair, halved under
+	// causal, beyond its inputs and output; bf16's do not.
+	for _, dt := range []graph.DType{f32, bf} {
+		g, nd := attention(dt, 64)
+		_, bytes := work(g, nd, 2)
+		io := float64(4 * 2 * 3 * 8 * 64 * dt.Size()) // q, k, v and o at 2 samples
+		want := io
+		if dt == f32 {
+			want += 4 * 4 * 2 * 3 * 8 * 8 / 2
+		}
+		assert.Equal(t, want, bytes, "%s attention's bytes", dt)
 	}
 	// Fallbacks: without the 16-bit and attention rates, a bf16 GEMM is
 	// priced as TF32 (then float32), attention at the vector rate.

@@ -875,12 +875,47 @@ def attention64(q, k, v, g, mask, scale, causal):
     return o, lse, dq, np.concatenate([dk, dv], -1)
 
 
-def test_attention():
+def attention_blocked(q, k, v, g, dm, ms, scale, causal, bq):
+    """The float32 path as exec/cuda runs it (attention32.go): per block of
+    bq query rows, the GEMMs (CuPy's, float32) around attention.cu's row
+    kernels, on a [B·H, nq, ld] workspace with ld = S rounded up to 4."""
     A = 'attention.cu'
-    for B, H, Hkv, T, S, d, causal, mk in [(2, 2, 2, 1, 1, 8, 0, None), (1, 4, 2, 17, 17, 64, 1, None),
-                                           (2, 2, 1, 70, 100, 128, 0, 'ts'), (2, 3, 1, 100, 70, 32, 1, 'b'),
-                                           (1, 1, 1, 130, 130, 3, 1, 'ts'), (1, 2, 2, 65, 65, 128, 1, None),
-                                           (1, 2, 1, 300, 300, 64, 1, 'ts')]:
+    B, H, T, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G, ld = H // Hkv, (S + 3) // 4 * 4
+    kk, vv = cp.repeat(k, G, axis=1), cp.repeat(v, G, axis=1)
+    o, lse = cp.zeros((B, H, T, d), f32), cp.empty((B, H, T), f32)
+    dq, dk, dv = cp.zeros((B, H, T, d), f32), cp.zeros((B, H, S, d), f32), cp.zeros((B, H, S, d), f32)
+    tail = lambda i0, n, nq: (L(B * H * nq), L(nq), L(n), L(ld), L(H), L(T))
+    for i0 in range(0, T, bq):
+        nq = min(bq, T - i0)
+        n = min(S, i0 + nq) if causal else S
+        sw = cp.full((B * H, nq, ld), np.nan, f32)
+        sw[:, :, :n] = (scale * q[:, :, i0:i0 + nq] @ kk[:, :, :n].transpose(0, 1, 3, 2)).reshape(B * H, nq, n)
+        launch(A, 'attention_rows_fwd_f32', *flat(32 * B * H * nq), sw, dm, lse, L(1), *tail(i0, n, nq),
+               L(i0), *ms, L(causal), L(0))
+        o[:, :, i0:i0 + nq] = sw[:, :, :n].reshape(B, H, nq, n) @ vv[:, :, :n]
+    for i0 in range(0, T, bq):
+        nq = min(bq, T - i0)
+        n = min(S, i0 + nq) if causal else S
+        sw, dw = cp.full((B * H, nq, ld), np.nan, f32), cp.full((B * H, nq, ld), np.nan, f32)
+        sw[:, :, :n] = (scale * q[:, :, i0:i0 + nq] @ kk[:, :, :n].transpose(0, 1, 3, 2)).reshape(B * H, nq, n)
+        dw[:, :, :n] = (g[:, :, i0:i0 + nq] @ vv[:, :, :n].transpose(0, 1, 3, 2)).reshape(B * H, nq, n)
+        launch(A, 'attention_rows_bwd_f32', *flat(32 * B * H * nq), sw, dw, g, o, lse, dm, L(1), *tail(i0, n, nq),
+               L(d), L(i0), *ms, F(scale), L(causal), L(0))
+        p4, ds4 = sw[:, :, :n].reshape(B, H, nq, n), dw[:, :, :n].reshape(B, H, nq, n)
+        dq[:, :, i0:i0 + nq] = ds4 @ kk[:, :, :n]
+        dk[:, :, :n] += ds4.transpose(0, 1, 3, 2) @ q[:, :, i0:i0 + nq]
+        dv[:, :, :n] += p4.transpose(0, 1, 3, 2) @ g[:, :, i0:i0 + nq]
+    dk, dv = dk.reshape(B, Hkv, G, S, d).sum(2), dv.reshape(B, Hkv, G, S, d).sum(2)
+    return o, lse, dq, cp.concatenate([dk, dv], -1)
+
+
+def test_attention():
+    for B, H, Hkv, T, S, d, causal, mk, bq in [(2, 2, 2, 1, 1, 8, 0, None, 128), (1, 4, 2, 17, 17, 64, 1, None, 128),
+                                               (2, 2, 1, 70, 100, 128, 0, 'ts', 32), (2, 3, 1, 100, 70, 32, 1, 'b', 48),
+                                               (1, 1, 1, 130, 130, 3, 1, 'ts', 64), (1, 2, 2, 65, 65, 128, 1, None, 16),
+                                               (1, 2, 1, 300, 300, 64, 1, 'ts', 128), (1, 6, 2, 300, 257, 64, 0, None, 128)]:
         q = rng.uniform(-1, 1, (B, H, T, d)).astype(f32)
         k = rng.uniform(-1, 1, (B, Hkv, S, d)).astype(f32)
         v = rng.uniform(-1, 1, (B, Hkv, S, d)).astype(f32)
@@ -896,18 +931,11 @@ def test_attention():
         scale = 1 / math.sqrt(d)
         o64, lse64, dq64, dkv64 = attention64(*(x.astype(f64) for x in (q, k, v, g)),
                                                None if mask is None else mask.astype(f64), scale, causal)
-        geom = (L(B), L(H), L(Hkv), L(T), L(S), L(d), L(ms[0]), L(ms[1]), L(ms[2]), L(ms[3]), F(scale), L(causal))
-        dq_, dk_, dv_, dg, dm = dev(q), dev(k), dev(v), dev(g), None if mask is None else dev(mask)
-        o, lse = cp.empty((B, H, T, d), f32), cp.empty((B, H, T), f32)
-        gq, gk = (B * H * -(-T // 64),), (B * Hkv * -(-S // 64),)
-        name = f'attention B{B} H{H} Hkv{Hkv} T{T} S{S} d{d} causal{causal} mask{mk}'
-        launch(A, 'attention_fwd_f32', gq, (64,), dq_, dk_, dv_, dm, o, None, *geom)
-        launch(A, 'attention_fwd_f32', gq, (64,), dq_, dk_, dk_, dm, None, lse, *geom)
+        o, lse, dq, dkv = attention_blocked(dev(q), dev(k), dev(v), dev(g), None if mask is None else dev(mask),
+                                            tuple(L(x) for x in ms), scale, causal, bq)
+        name = f'attention B{B} H{H} Hkv{Hkv} T{T} S{S} d{d} causal{causal} mask{mk} bq{bq}'
         close(name + ' o', o, o64, 1e-5, 1e-6)
         close(name + ' lse', lse, lse64, 1e-5, 1e-6)
-        dq, dkv = cp.empty((B, H, T, d), f32), cp.empty((B, Hkv, S, 2 * d), f32)
-        launch(A, 'attention_grad_q_f32', gq, (64,), dg, dq_, dk_, dv_, o, lse, dm, dq, *geom)
-        launch(A, 'attention_grad_kv_f32', gk, (64,), dg, dq_, dk_, dv_, o, lse, dm, dkv, *geom)
         close(name + ' dq', dq, dq64, 1e-4, 1e-5)
         close(name + ' dk|dv', dkv, dkv64, 1e-4, 1e-5)
 

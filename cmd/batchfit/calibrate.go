@@ -40,7 +40,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	out := fs.String("out", "-", "write the profile (JSON) to `FILE`; - is stdout")
 	name := fs.String("name", "", "the profile's `name` (default: the device's)")
 	tf32 := fs.Bool("tf32", true, "also time TF32 GEMMs (tf32_flops)")
-	half := fs.Bool("half", true, "also time bf16 GEMMs and tensor-core attention in bf16-mixed (half_flops, half_unaligned_flops, half_attention_flops)")
+	half := fs.Bool("half", true, "also time bf16 GEMMs and attention in bf16-mixed (half_flops, half_unaligned_flops, half_attention_flops, and attention_flops: the plain kernels, with a mask)")
 	if _, _, err := parseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintf(stdout, "Usage:\n  batchfit calibrate [--out FILE] [--name NAME] [--tf32=false] [--half=false]\n\n"+
@@ -180,26 +180,37 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 	p.Sources["host_bandwidth"] = fmt.Sprintf("measured: %d float32s uploaded as a step's input", xe.Shape().TotalSize())
 
 	// Fused attention, causal, over [1, 16, attnT, 64]: FlashAttention's
-	// count, 4·H·T²·d halved.
+	// count, 4·H·T²·d halved. float32 attention runs on cuBLAS and is
+	// priced at the GEMM rate; attention_flops is the plain kernels',
+	// which serve 16-bit attention with a mask (or a head dim other than 64
+	// and 128), so it is timed below in bf16-mixed with a zero mask.
 	const heads, hd = 16, 64
 	xa := uniform(1, 1, heads, sz.attnT, hd)
-	attention := func(k int) *lazy.Tensor {
-		y := lazy.Param(xa, "calibrate.qkv")
-		for range k {
-			y = y.Attention(y, y, lazy.AttentionOptions{Causal: true})
+	attentionWith := func(mask *tensor.Dense) func(k int) *lazy.Tensor {
+		return func(k int) *lazy.Tensor {
+			o := lazy.AttentionOptions{Causal: true}
+			if mask != nil {
+				o.Mask = lazy.Const(mask)
+			}
+			y := lazy.Param(xa, "calibrate.qkv")
+			for range k {
+				y = y.Attention(y, y, o)
+			}
+			return anchored(y.Sum())
 		}
-		return anchored(y.Sum())
 	}
+	attention := attentionWith(nil)
 	attnFlops := 4 * heads * float64(sz.attnT) * float64(sz.attnT) * hd / 2
-	ta, err := perOp(ctx, sess, attention, sz)
-	if err != nil {
-		return p, fmt.Errorf("timing attention: %w", err)
-	}
-	p.AttentionFLOPS = attnFlops / ta
-	p.Sources["attention_flops"] = fmt.Sprintf("measured: float32 causal attention over [1, %d, %d, %d], forward", heads, sz.attnT, hd)
 	if hsess == nil {
 		return p, p.Validate()
 	}
+	tp, err := perOp(ctx, hsess, attentionWith(tensor.New(tensor.WithShape(sz.attnT, sz.attnT), tensor.WithBacking(make([]float32, sz.attnT*sz.attnT)))), sz)
+	if err != nil {
+		return p, fmt.Errorf("timing masked bf16 attention: %w", err)
+	}
+	p.AttentionFLOPS = attnFlops / tp
+	p.Sources["attention_flops"] = fmt.Sprintf("measured: bf16-mixed causal attention with a [%d, %d] mask over [1, %d, %d, %d] (the plain kernels), forward",
+		sz.attnT, sz.attnT, heads, sz.attnT, hd)
 	th, err := perOp(ctx, hsess, gemm, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing bf16 GEMMs: %w", err)

@@ -9,17 +9,20 @@ import (
 )
 
 // Attention family (kernels/attention.cu): fused attention forward, the
-// log-sum-exp its backward recomputes, dq and packed dk|dv. One thread per
-// row, attRows rows a block, the other operand staged tile by tile in
-// shared memory; nothing [T, S]-sized is stored. Head dims up to attMaxD;
-// larger ones are refused with a typed error naming the shapes. q, k, v,
-// g, o and the output of dq or dk|dv share one float dtype, which picks the
-// kernels' instantiation; lse is float32, and the mask may be of any float
-// dtype (passed as a code). 16-bit values at head dim 64 or 128 without a
-// mask run on tensor cores (attnMMA: attention_fwd_mma for the forward
-// pass and the log-sum-exp, attention_grad_q_mma and attention_grad_kv_mma
-// for the gradients; 16-bit products, float32 sums); everything else on
-// the plain-FMA kernels. The plain gradient kernels and the tensor-core dq
+// log-sum-exp its backward recomputes, dq and packed dk|dv. q, k, v, g, o
+// and the output of dq or dk|dv share one float dtype; lse is float32, and
+// the mask may be of any float dtype (passed as a code). float32 runs on
+// cuBLAS over blocks of queries (attention32.go: strided-batched SGEMMs,
+// TF32 under the executor's TF32 option, with row kernels between them and
+// a workspace of one block's scores), any head dim. 16-bit values at head
+// dim 64 or 128 without a mask run on tensor cores (attnMMA:
+// attention_fwd_mma for the forward pass and the log-sum-exp,
+// attention_grad_q_mma and attention_grad_kv_mma for the gradients; 16-bit
+// products, float32 sums); other 16-bit attention on the plain-FMA kernels
+// (one thread per row, attRows rows a block, the other operand staged tile
+// by tile in shared memory; nothing [T, S]-sized is stored), head dims up
+// to attMaxD: larger ones are refused with a typed error naming the
+// shapes. The plain gradient kernels and the tensor-core dq
 // kernel recompute the row term D = Σ g∘o from g and o; the tensor-core
 // dk|dv kernel reads it from its workspace, where attention_grad_dot
 // writes it first (attnGradKVWorkspace).
@@ -31,11 +34,11 @@ var attentionKernels = family{
 		err := k.attentionFwd(in[0], in[1], in[2], optional(in, 3), &out, k.co)
 		k.coDone = k.co != nil
 		return err
-	}},
+	}, ws: attnF32Workspace},
 	graph.OpAttentionLSE: {run: func(k *kctx, in []operand, out operand) error {
 		return k.attentionFwd(in[0], in[1], in[1], optional(in, 2), nil, &out)
-	}},
-	graph.OpAttentionGradQ:  {run: attentionGrad},
+	}, ws: attnF32Workspace},
+	graph.OpAttentionGradQ:  {run: attentionGrad, ws: attnF32Workspace},
 	graph.OpAttentionGradKV: {run: attentionGrad, ws: attnGradKVWorkspace},
 }
 
@@ -64,6 +67,18 @@ func attnMMAKernel(pass string, d int, dt graph.DType) string {
 // attnDotKernel computes D = Σ g∘o per query row for the tensor-core dk|dv
 // pass (attention_grad_dot_{bf16,f16}).
 func attnDotKernel(dt graph.DType) string { return "attention_grad_dot_" + suffixes[dt] }
+
+// attnPlainKernels lists the plain-FMA kernels, for registration: 16-bit
+// only, float32 runs on cuBLAS (attention32.go).
+func attnPlainKernels() []string {
+	var out []string
+	for _, n := range []string{kAttentionFwd, kAttentionGradQ, kAttentionGradKV} {
+		for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
+			out = append(out, typed(n, dt))
+		}
+	}
+	return out
+}
 
 // attnMMAKernels lists the tensor-core kernels, for registration.
 func attnMMAKernels() []string {
@@ -103,10 +118,14 @@ func attnMMA(dt graph.DType, d int, mask *operand, ptrs ...alloc.Ptr) bool {
 
 // attnGradKVWorkspace is attention_grad_kv's workspace at chunk size b:
 // on the tensor-core path (attnMMAShape; inputs g, q, k, v, o, lse[,
-// mask]), the float32 row term D of every query row, 4·B·H·T bytes; none
+// mask]), the float32 row term D of every query row, 4·B·H·T bytes; for
+// float32, the float32 path's two arrays (attnF32Workspace); none
 // otherwise. It is declared from the types alone: a run whose arrays turn
 // out misaligned falls back to the plain kernel and leaves it unused.
 func attnGradKVWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	if ws := attnF32Workspace(g, nd, b); ws > 0 {
+		return ws
+	}
 	q := inputAt(g, nd, 1, b)
 	if len(q) != 4 || !attnMMAShape(g.Node(nd.Inputs[1]).Type.DType, q[3], len(nd.Inputs) > 6) {
 		return 0
@@ -143,36 +162,55 @@ func attnMaskCode(op graph.Op, mask *operand) (int64, error) {
 	return int64(i), nil
 }
 
-// attnGeom checks q, k, v[, mask] and returns their one dtype and the
-// shape arguments every attention kernel takes after its pointers: B, H,
-// Hkv, T, S, d, the mask's four strides, scale, causal and the mask's
-// dtype code.
-func (k *kctx) attnGeom(q, kk, v operand, mask *operand) (graph.DType, []any, error) {
+// attnShape is an attention problem's geometry: q [b, h, t, d], k and v
+// [b, hkv, s, d], the mask's strides over [b, h, t, s] (0 on broadcast
+// axes), the scale, causality and the mask's dtype code.
+type attnShape struct {
+	b, h, hkv, t, s, d int
+	ms                 [4]int64
+	scale              float32
+	causal             bool
+	mdt                int64
+}
+
+// args is the shape arguments every plain and tensor-core kernel takes
+// after its pointers: B, H, Hkv, T, S, d, the mask's four strides, scale,
+// causal and the mask's dtype code.
+func (sh attnShape) args() []any {
+	return []any{int64(sh.b), int64(sh.h), int64(sh.hkv), int64(sh.t), int64(sh.s), int64(sh.d),
+		sh.ms[0], sh.ms[1], sh.ms[2], sh.ms[3], sh.scale, boolInt(sh.causal), sh.mdt}
+}
+
+// attnGeom checks q, k, v[, mask] and returns their one dtype and their
+// geometry. Head dims above attMaxD are refused for 16-bit values (the
+// plain and tensor-core kernels hold rows in registers); float32 runs on
+// cuBLAS and takes any.
+func (k *kctx) attnGeom(q, kk, v operand, mask *operand) (graph.DType, attnShape, error) {
 	op := k.nd.Op
 	dt, err := floatsOf(q, kk, v)
 	if err != nil {
-		return 0, nil, err
+		return 0, attnShape{}, err
 	}
 	mdt, err := attnMaskCode(op, mask)
 	if err != nil {
-		return 0, nil, err
+		return 0, attnShape{}, err
 	}
 	if len(q.shape) != 4 || len(kk.shape) != 4 || len(v.shape) != 4 {
-		return 0, nil, graph.Errorf(graph.ErrShape, "%s: q %v, k %v, v %v must be [B, H, T, d]", op, q.shape, kk.shape, v.shape)
+		return 0, attnShape{}, graph.Errorf(graph.ErrShape, "%s: q %v, k %v, v %v must be [B, H, T, d]", op, q.shape, kk.shape, v.shape)
 	}
 	b, h, t, d := q.shape[0], q.shape[1], q.shape[2], q.shape[3]
 	hkv, s := kk.shape[1], kk.shape[2]
 	if kk.shape[0] != b || kk.shape[3] != d || hkv == 0 || h%hkv != 0 || v.shape[0] != b || v.shape[1] != hkv || v.shape[2] != s || v.shape[3] != d {
-		return 0, nil, graph.Errorf(graph.ErrShape, "%s: q %v, k %v, v %v do not line up", op, q.shape, kk.shape, v.shape)
+		return 0, attnShape{}, graph.Errorf(graph.ErrShape, "%s: q %v, k %v, v %v do not line up", op, q.shape, kk.shape, v.shape)
 	}
-	if d > attMaxD {
-		return 0, nil, graph.Errorf(graph.ErrShape, "%s: head dim %d (q %v) is larger than the CUDA kernels' %d", op, d, q.shape, attMaxD)
+	if d > attMaxD && dt != graph.Float32 {
+		return 0, attnShape{}, graph.Errorf(graph.ErrShape, "%s: head dim %d (q %v) is larger than the CUDA kernels' %d", op, d, q.shape, attMaxD)
 	}
 	var ms [4]int64
 	if mask != nil {
 		r, st := len(mask.shape), int64(1)
 		if r > 4 {
-			return 0, nil, graph.Errorf(graph.ErrShape, "%s: mask %v has rank > 4", op, mask.shape)
+			return 0, attnShape{}, graph.Errorf(graph.ErrShape, "%s: mask %v has rank > 4", op, mask.shape)
 		}
 		full := []int{b, h, t, s}
 		for i := r - 1; i >= 0; i-- {
@@ -180,21 +218,20 @@ func (k *kctx) attnGeom(q, kk, v operand, mask *operand) (graph.DType, []any, er
 			case m == full[4-r+i]:
 				ms[4-r+i] = st
 			case m != 1:
-				return 0, nil, graph.Errorf(graph.ErrShape, "%s: mask %v does not broadcast to %v", op, mask.shape, full)
+				return 0, attnShape{}, graph.Errorf(graph.ErrShape, "%s: mask %v does not broadcast to %v", op, mask.shape, full)
 			}
 			st *= int64(mask.shape[i])
 		}
 	}
 	a := k.attrs()
-	return dt, []any{int64(b), int64(h), int64(hkv), int64(t), int64(s), int64(d),
-		ms[0], ms[1], ms[2], ms[3], float32(a.Scalar), boolInt(a.Causal), mdt}, nil
+	return dt, attnShape{b: b, h: h, hkv: hkv, t: t, s: s, d: d, ms: ms, scale: float32(a.Scalar), causal: a.Causal, mdt: mdt}, nil
 }
 
 // attentionFwd launches attention_fwd (or attention_fwd_mma, see attnMMA)
-// for o or lse (the other nil): one block per (b, h, tile of 64 query
-// rows). o has q's dtype, lse is float32.
+// for o and/or lse (either may be nil): one block per (b, h, tile of 64
+// query rows); float32 runs attnFwd32. o has q's dtype, lse is float32.
 func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
-	dt, geom, err := k.attnGeom(q, kk, v, mask)
+	dt, sh, err := k.attnGeom(q, kk, v, mask)
 	if err != nil {
 		return err
 	}
@@ -217,6 +254,10 @@ func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 		}
 		pl = lse.p
 	}
+	if dt == graph.Float32 {
+		return attnFwd32(k, sh, q, kk, v, mask, po, pl)
+	}
+	geom := sh.args()
 	if d := q.shape[3]; attnMMA(dt, d, mask, q.p, kk.p, v.p, po) {
 		blocks := int64(q.shape[0]*q.shape[1]) * ceilDiv(int64(q.shape[2]), attMMARows)
 		// H, Hkv, T, S, scale, causal of geom.
@@ -231,11 +272,11 @@ func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 // tile)) or attention_grad_kv (one per (b, hkv, key tile)) on g, q, k, v,
 // o, lse[, mask]: g, o and the output have q's dtype, lse is float32. On
 // the tensor-core path (attnMMA), dk|dv first has attention_grad_dot write
-// D into the workspace.
+// D into the workspace; float32 runs attnGrad32.
 func attentionGrad(k *kctx, in []operand, out operand) error {
 	g, q, kk, v, o, lse := in[0], in[1], in[2], in[3], in[4], in[5]
 	mask := optional(in, 6)
-	dt, geom, err := k.attnGeom(q, kk, v, mask)
+	dt, sh, err := k.attnGeom(q, kk, v, mask)
 	if err != nil {
 		return err
 	}
@@ -255,6 +296,10 @@ func attentionGrad(k *kctx, in []operand, out operand) error {
 	} else if !kv && out.n() != q.n() {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for q %v", k.nd.Op, out.shape, q.shape)
 	}
+	if dt == graph.Float32 {
+		return attnGrad32(k, sh, kv, g, q, kk, v, o, lse, mask, out)
+	}
+	geom := sh.args()
 	bh, bhkv := int64(q.shape[0]*q.shape[1]), int64(kk.shape[0]*kk.shape[1])
 	t, s := int64(q.shape[2]), int64(kk.shape[2])
 	if d := q.shape[3]; attnMMA(dt, d, mask, g.p, q.p, kk.p, v.p, o.p, out.p) {

@@ -15,6 +15,7 @@ import (
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/half"
+	"github.com/batchfit/batchfit/internal/ref"
 )
 
 // attnCase is one attention problem: q [B, H, T, D], k and v [B, Hkv, S,
@@ -56,6 +57,15 @@ func roundTo(dt graph.DType, d []float32) []float32 {
 // attnGraph builds the four attention ops of c on inputs of dtype dt, with
 // an upstream gradient g of q's shape: outputs o, lse, dq and dk|dv.
 func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph.Graph, []int) {
+	t.Helper()
+	return attnGraphOrder(t, c, dt, rng, false)
+}
+
+// attnGraphOrder is attnGraph, with the attention_lse node before the
+// forward one when lseFirst: it is then no companion of the forward pass
+// (graph.LSEProducer looks back), and its own kernels compute it. The
+// inputs draw the same data either way.
+func attnGraphOrder(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand, lseFirst bool) (*graph.Graph, []int) {
 	t.Helper()
 	g := graph.New()
 	uni := func(n int, lo, hi float64) []float32 {
@@ -103,8 +113,14 @@ func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph
 		mask = []int{add(n)}
 	}
 	a := graph.Attrs{Scalar: c.scale, Causal: c.causal}
-	o := add(graph.Node{Op: graph.OpAttention, Inputs: append([]int{q, k, v}, mask...), Attrs: a})
-	lse := add(graph.Node{Op: graph.OpAttentionLSE, Inputs: append([]int{q, k}, mask...), Attrs: a})
+	var o, lse int
+	if lseFirst {
+		lse = add(graph.Node{Op: graph.OpAttentionLSE, Inputs: append([]int{q, k}, mask...), Attrs: a})
+	}
+	o = add(graph.Node{Op: graph.OpAttention, Inputs: append([]int{q, k, v}, mask...), Attrs: a})
+	if !lseFirst {
+		lse = add(graph.Node{Op: graph.OpAttentionLSE, Inputs: append([]int{q, k}, mask...), Attrs: a})
+	}
 	args := append([]int{gr, q, k, v, o, lse}, mask...)
 	dq := add(graph.Node{Op: graph.OpAttentionGradQ, Inputs: args, Attrs: a})
 	dkv := add(graph.Node{Op: graph.OpAttentionGradKV, Inputs: args, Attrs: a})
@@ -253,6 +269,122 @@ func TestAttentionMMA(t *testing.T) {
 			checkAttn(t, c, graph.BFloat16, attnTolMMABF16, attnTolF32)
 			checkAttn(t, c, graph.Float16, attnTolMMAF16, attnTolF32)
 		})
+	}
+}
+
+// attnF32Cases are the float32 path's problems (cuBLAS over query blocks
+// of 128 rows, attention32.go): T from 1 to 1000, not multiples of the
+// block and several blocks long, S ≠ T both ways, causal or not,
+// grouped-query heads (H = 6 over Hkv = 2: one GEMM per group member;
+// H = 4 over Hkv = 1 at batch 1: one per (b, hkv) pair, k and v
+// broadcast), additive masks broadcast several ways (float32 and
+// bfloat16, with hidden keys and a row with every key hidden), head dims
+// 4, 64, 128 and 160 (above the 16-bit kernels' 128).
+var attnF32Cases = []attnCase{
+	{B: 2, H: 2, Hkv: 2, T: 1, S: 1, D: 64},
+	{B: 2, H: 6, Hkv: 2, T: 17, S: 17, D: 64, causal: true},
+	{B: 1, H: 6, Hkv: 2, T: 300, S: 300, D: 64, causal: true},
+	{B: 1, H: 6, Hkv: 2, T: 300, S: 300, D: 128},
+	{B: 2, H: 6, Hkv: 2, T: 300, S: 200, D: 64, mask: []int{2, 1, 300, 200}},
+	{B: 1, H: 6, Hkv: 2, T: 200, S: 300, D: 128, causal: true, mask: []int{200, 300}},
+	{B: 1, H: 4, Hkv: 1, T: 129, S: 129, D: 64, causal: true},
+	{B: 1, H: 3, Hkv: 1, T: 17, S: 29, D: 4, mask: []int{17, 29}, scale: 0.3},
+	{B: 3, H: 2, Hkv: 1, T: 29, S: 17, D: 4, causal: true, mask: []int{3, 1, 1, 17}, mdt: graph.BFloat16},
+	{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 64, causal: true},
+	{B: 1, H: 2, Hkv: 2, T: 1000, S: 1000, D: 128},
+	{B: 1, H: 2, Hkv: 1, T: 1000, S: 1000, D: 64, mask: []int{1000, 1000}},
+	{B: 1, H: 2, Hkv: 1, T: 65, S: 130, D: 160, causal: true},
+}
+
+// graphRunner runs a graph: cuda.Executor, or exec/cpu's.
+type graphRunner interface {
+	Run(ctx context.Context, g *graph.Graph, outputs ...int) ([]*tensor.Dense, error)
+}
+
+// checkAttnRef runs c's float32 graph on e, with attention_lse computed in
+// the forward pass (its companion) and on its own, and holds o, lse, dq
+// and dk|dv to the float64 reference within tol.atol of each output's
+// largest magnitude plus tol.abs.
+func checkAttnRef(t *testing.T, e graphRunner, c attnCase, tol attnTol) {
+	t.Helper()
+	ctx := context.Background()
+	var want []ref.Value
+	for _, lseFirst := range []bool{false, true} {
+		g, ids := attnGraphOrder(t, c, graph.Float32, rand.New(rand.NewPCG(uint64(c.T*131+c.D), 11)), lseFirst)
+		if want == nil { // the same data either way
+			var err error
+			want, err = ref.Eval(g, nil, ids...)
+			require.NoError(t, err)
+		}
+		got, err := e.Run(ctx, g, ids...)
+		require.NoError(t, err)
+		for i, name := range []string{"o", "lse", "dq", "dkv"} {
+			w, gd := want[i].Data, got[i].Data().([]float32)
+			require.Len(t, gd, len(w), name)
+			m := 0.0
+			for _, x := range w {
+				if !math.IsInf(x, 0) {
+					m = math.Max(m, math.Abs(x))
+				}
+			}
+			worst := 0.0
+			for j, x := range w {
+				y := float64(gd[j])
+				require.False(t, math.IsNaN(y), "%s[%d] is NaN", name, j)
+				if math.IsInf(x, 0) {
+					require.Equal(t, x, y, "%s[%d]", name, j)
+					continue
+				}
+				d := math.Abs(y - x)
+				if m > 0 {
+					worst = max(worst, d/m)
+				}
+				if d > tol.atol*m+tol.abs {
+					require.Failf(t, "attention differs", "lseFirst %v %s[%d]: float64 %g, cuda %g (diff %.3g > %.3g·%.3g + %.3g)",
+						lseFirst, name, j, x, y, d, tol.atol, m, tol.abs)
+				}
+			}
+			t.Logf("lseFirst %v %s: largest |cuda − float64| / max|float64| = %.3g", lseFirst, name, worst)
+		}
+	}
+}
+
+// Float32 and TF32 attention against the float64 reference.
+//
+// float32: cuBLAS sums the products in float32 (d terms for the scores,
+// at most S or T for the others), the row kernels take expf and float32
+// sums: a few 1e-7 of each output's largest magnitude. atol 1e-5; abs
+// 1e-6 covers gradients that cancel to 0 (one visible key: ds = p·(g·v −
+// g·o) with o = v), where the float64 reference is exactly 0 and float32
+// sums of different orders leave ~1e-8.
+//
+// TF32: the GEMMs round their operands to a 10-bit mantissa (2⁻¹¹
+// relative, 2⁻¹⁰ if truncated), so the scores move by ~1e-4, p and o by
+// ~1e-3 relative, and the gradients as much: atol 1e-2 of each output's
+// largest magnitude. Where a gradient cancels to 0 the rounding of g·v
+// against D = Σ g∘o (o itself from TF32 products) leaves up to ~3e-4: abs
+// 1e-3.
+var (
+	attnTolF32Ref  = attnTol{atol: 1e-5, abs: 1e-6}
+	attnTolTF32Ref = attnTol{atol: 1e-2, abs: 1e-3}
+)
+
+// TestAttentionF32Blocked runs float32 attention (attention32.go: cuBLAS
+// over query blocks, forward, attention_lse alone, dq and dk|dv) over
+// attnF32Cases against the float64 reference.
+func TestAttentionF32Blocked(t *testing.T) {
+	e := executor(t)
+	for _, c := range attnF32Cases {
+		t.Run(c.String(), func(t *testing.T) { checkAttnRef(t, e, c, attnTolF32Ref) })
+	}
+}
+
+// TestAttentionTF32Blocked is TestAttentionF32Blocked on an executor with
+// TF32 on: the same GEMMs on TF32 tensor cores.
+func TestAttentionTF32Blocked(t *testing.T) {
+	e := freshExecutor(t, cuda.ExecutorOptions{TF32: true})
+	for _, c := range attnF32Cases {
+		t.Run(c.String(), func(t *testing.T) { checkAttnRef(t, e, c, attnTolTF32Ref) })
 	}
 }
 

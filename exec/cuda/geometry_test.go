@@ -397,8 +397,8 @@ func TestPlanMatmulEmulated(t *testing.T) {
 
 // TestKernelTable: kernelFiles lists every kernel file but the smoke test's,
 // every extern "C" kernel of each, and nothing else. A kernel declared in a
-// macro K(T, S) is instantiated with the suffixes of the FOR_FLOATS or
-// MIXED_FLOATS expansions of K before its #undef K (kernels/common.cuh),
+// macro K(T, S) is instantiated with the suffixes of the FOR_FLOATS,
+// FOR_HALVES or MIXED_FLOATS expansions of K before its #undef K (kernels/common.cuh),
 // and attention.cu's name_d##D##_##S with those of ATT_MMA_INSTANCES.
 func TestKernelTable(t *testing.T) {
 	decl := regexp.MustCompile(`extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+([a-z0-9_]+)\(`)
@@ -431,6 +431,11 @@ func TestKernelTable(t *testing.T) {
 			for _, m := range typedDecl.FindAllStringSubmatch(seg, -1) {
 				if strings.Contains(seg, "FOR_FLOATS(K") {
 					for _, sfx := range floatsSfx {
+						found = append(found, m[1]+"_"+sfx)
+					}
+				}
+				if strings.Contains(seg, "FOR_HALVES(K)") {
+					for _, sfx := range floatsSfx[1:] {
 						found = append(found, m[1]+"_"+sfx)
 					}
 				}

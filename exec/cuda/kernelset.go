@@ -79,7 +79,7 @@ const (
 // module each. Every kernel file but smoke.cu (the foundation's test
 // kernel) is here.
 var kernelFiles = map[string][]string{
-	"attention.cu":  slices.Concat(allTyped(kAttentionFwd, kAttentionGradQ, kAttentionGradKV), attnMMAKernels()),
+	"attention.cu":  slices.Concat(attnPlainKernels(), attnMMAKernels(), []string{kAttnRowsFwd, kAttnRowsBwd}),
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
 	"batchnorm.cu":  allTyped(kBatchNorm, kBatchNormGradW, kBatchNormGradX, kBatchNormStats, kBatchNormRunSt, kBatchNormMoment),
 	"conv.cu":       allTyped(kIm2col, kCol2im, kRegroup),

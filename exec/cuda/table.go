@@ -75,7 +75,10 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block
 //     of a split reduction (reduce.go);
 //   - attention_grad_kv on tensor cores (16-bit, head dim 64 or 128, no
 //     mask): the float32 row term D = Σ g∘o of every query row
-//     (attention.go).
+//     (attention.go);
+//   - float32 attention, attention_lse and their gradients: one block of
+//     queries' float32 scores for every head, [B·H, bq, ld], once for the
+//     forward pass and twice for the gradients (attention32.go).
 //
 // The kernels compute in float32, so partials and sums count 4-byte floats
 // (or 8-byte doubles) whatever the node's dtype; copies of values (conv2d's

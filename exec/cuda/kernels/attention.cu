@@ -1,9 +1,11 @@
 // attention.cu: fused scaled dot-product attention, FlashAttention-2 style,
-// with plain fp32 FMAs, and tensor-core kernels for 16-bit values at head
+// with plain fp32 FMAs, tensor-core kernels for 16-bit values at head
 // dims 64 and 128 without a mask (attention_fwd_mma, attention_grad_q_mma,
-// attention_grad_kv_mma, at the end). Every plain kernel is
-// templated on the storage type T of q, k, v, o, g and the outputs o, dq,
-// dk|dv, and instantiated for float32, bfloat16 and float16 (FOR_FLOATS):
+// attention_grad_kv_mma), and the row kernels of the float32 path, which
+// runs on cuBLAS (attention_rows_{fwd,bwd}_f32, at the end). Every plain
+// kernel is templated on the storage type T of q, k, v, o, g and the
+// outputs o, dq, dk|dv, and instantiated for bfloat16 and float16
+// (FOR_HALVES; float32 no longer uses them):
 // 16-bit values are widened as they are staged, all arithmetic is float32,
 // and each output element rounds once when stored. lse is float32
 // whatever T is; the mask may be any float dtype (mdt: 0 float32,
@@ -154,7 +156,7 @@ __device__ __forceinline__ void attention_fwd_t(const AttnArgs<T>& a, T* o, floa
                         (int)causal, (int)mdt},                                                 \
                        o, lse);                                                                 \
   }
-FOR_FLOATS(K)
+FOR_HALVES(K)
 #undef K
 
 // dq for one tile of query rows: D = Σ g∘o, p = exp(s − lse), dq = scale·
@@ -236,7 +238,7 @@ __device__ __forceinline__ void attention_grad_q_t(const AttnArgs<T>& a, const T
                            (int)causal, (int)mdt},                                              \
                           g, o, lse, dq);                                                       \
   }
-FOR_FLOATS(K)
+FOR_HALVES(K)
 #undef K
 
 // dk and dv for one tile of key rows of one (b, hk), summed over the H/Hkv
@@ -344,7 +346,7 @@ __device__ __forceinline__ void attention_grad_kv_t(const AttnArgs<T>& a, const 
                             (int)causal, (int)mdt},                                             \
                            g, o, lse, dkv);                                                     \
   }
-FOR_FLOATS(K)
+FOR_HALVES(K)
 #undef K
 
 // ---------------------------------------------------------------------------
@@ -1146,3 +1148,110 @@ ATT_MMA_INSTANCES(K)
   }
 ATT_MMA_INSTANCES(K)
 #undef K
+
+// ---------------------------------------------------------------------------
+// float32 attention on cuBLAS. exec/cuda (attention32.go) runs float32
+// attention as strided-batched SGEMMs over one block of query rows
+// [i0, i0 + nq) of every (b, h) at a time: s = scale·q·kᵀ (and dp = g·vᵀ
+// for the gradients) into a float32 workspace of [B·H, nq, ld] values
+// (keys [0, n), n ≤ ld; under causal n stops at the block's last query),
+// then o = p·v, dq = ds·k, dk += dsᵀ·q, dv += pᵀ·g. These kernels do the
+// row work between the GEMMs. Row r = bh·nq + (i − i0) of the block is
+// query i of flat head bh = b·H + h. One warp per row, rows in a
+// warp-stride loop (flat launch, block 256, any grid); every branch that
+// precedes a shuffle is uniform over the warp.
+
+#define ATT_ROW_LOOP(r, rows)                                                        \
+  for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < (i64)(rows); \
+       r += ((i64)gridDim.x * blockDim.x) >> 5)
+
+// att_row_s is score j of a workspace row: the GEMM's scale·q·k plus the
+// mask (moff: the row's offset into it).
+__device__ __forceinline__ float att_row_s(const float* row, const void* mask, int mdt, i64 moff,
+                                           i64 ms3, i64 j) {
+  return row[j] + (mask ? att_mask_at(mask, mdt, moff + j * ms3) : 0.f);
+}
+
+// attention_rows_fwd_f32: per row, the softmax of the scores over the
+// visible keys (j < n, and j ≤ i under causal; a −Inf score is hidden):
+// running max and sum per lane (expf, as attention_fwd), combined over the
+// warp; lse[bh·T + i] = m + log l (−Inf when every key is hidden) when lse
+// is not null; with writep ≠ 0, the row becomes p = exp(s − m)/l, 0 for
+// hidden keys and for a row with every key hidden.
+extern "C" __global__ void __launch_bounds__(256) attention_rows_fwd_f32(
+    float* sp, const void* mask, float* lse, i64 writep, i64 rows, i64 nq, i64 n, i64 ld, i64 H,
+    i64 T, i64 i0, i64 ms0, i64 ms1, i64 ms2, i64 ms3, i64 causal, i64 mdt) {
+  const int lane = threadIdx.x & 31;
+  const float ninf = neg_inf_f();
+  ATT_ROW_LOOP(r, rows) {
+    const i64 bh = r / nq, i = i0 + r % nq;
+    const i64 moff = (bh / H) * ms0 + (bh % H) * ms1 + i * ms2;
+    const i64 jend = causal ? imin(n, i + 1) : n;
+    float* row = sp + r * ld;
+    float m = ninf, l = 0.f;
+    for (i64 j = lane; j < jend; j += 32) {
+      const float s = att_row_s(row, mask, (int)mdt, moff, ms3, j);
+      if (s == ninf) continue;
+      if (s > m) {
+        l *= expf(m - s);  // 0 while m is −Inf
+        m = s;
+      }
+      l += expf(s - m);
+    }
+    // Both lanes of a pair compute the same two terms and add them in
+    // either order, so every lane ends with the same m and l.
+    for (int off = 16; off > 0; off >>= 1) {
+      const float m2 = __shfl_xor_sync(FULL_MASK, m, off);
+      const float l2 = __shfl_xor_sync(FULL_MASK, l, off);
+      const float mm = fmaxf(m, m2);
+      const float a = m == ninf ? 0.f : l * expf(m - mm);
+      const float b = m2 == ninf ? 0.f : l2 * expf(m2 - mm);
+      m = mm;
+      l = a + b;
+    }
+    // l is 0 only when every key is hidden (NaN scores make it NaN, which
+    // then reaches lse and p).
+    const bool empty = l == 0.f;
+    if (lse != nullptr && lane == 0) lse[bh * T + i] = empty ? ninf : m + logf(l);
+    if (writep) {
+      const float inv = empty ? 0.f : 1.f / l;
+      for (i64 j = lane; j < n; j += 32) {
+        float p = 0.f;
+        if (j < jend && !empty) p = expf(att_row_s(row, mask, (int)mdt, moff, ms3, j) - m) * inv;
+        row[j] = p;
+      }
+    }
+  }
+}
+
+// attention_rows_bwd_f32: per row, D = Σ_c g·o over the head dim (float32,
+// lanes then the warp), and for every key j < n: p = exp(s − lse) (0 for a
+// hidden key or a row whose lse is −Inf), dp (from g·vᵀ) becomes ds =
+// p·(dp − D)·scale and, with keepp ≠ 0, s becomes p.
+extern "C" __global__ void __launch_bounds__(256) attention_rows_bwd_f32(
+    float* sp, float* dp, const float* g, const float* o, const float* lse, const void* mask,
+    i64 keepp, i64 rows, i64 nq, i64 n, i64 ld, i64 H, i64 T, i64 d, i64 i0, i64 ms0, i64 ms1,
+    i64 ms2, i64 ms3, float scale, i64 causal, i64 mdt) {
+  const int lane = threadIdx.x & 31;
+  const float ninf = neg_inf_f();
+  ATT_ROW_LOOP(r, rows) {
+    const i64 bh = r / nq, i = i0 + r % nq, q = bh * T + i;
+    const float* gr = g + q * d;
+    const float* orow = o + q * d;
+    float D = 0.f;
+    for (i64 c = lane; c < d; c += 32) D = fmaf(gr[c], orow[c], D);
+    for (int off = 16; off > 0; off >>= 1) D += __shfl_xor_sync(FULL_MASK, D, off);
+    const float li = lse[q];
+    const i64 moff = (bh / H) * ms0 + (bh % H) * ms1 + i * ms2;
+    const i64 jend = causal ? imin(n, i + 1) : n;
+    float* srow = sp + r * ld;
+    float* drow = dp + r * ld;
+    for (i64 j = lane; j < n; j += 32) {
+      float p = 0.f;
+      if (j < jend && li != ninf) p = expf(att_row_s(srow, mask, (int)mdt, moff, ms3, j) - li);
+      const float ds = p * (drow[j] - D) * scale;
+      if (keepp) srow[j] = p;
+      drow[j] = ds;
+    }
+  }
+}

@@ -65,6 +65,11 @@ struct f16 {
 //   FOR_FLOATS(K)
 #define FOR_FLOATS(X) X(float, f32) X(bf16, bf16) X(f16, f16)
 
+// FOR_HALVES(X) expands X(T, S) for the 16-bit storage types only: kernels
+// whose float32 instantiation another path replaced (attention.cu's plain
+// kernels, float32 attention running on cuBLAS).
+#define FOR_HALVES(X) X(bf16, bf16) X(f16, f16)
+
 // MIXED_FLOATS(X) expands X(TA, TB, TY, S) for the promoting binary forms:
 // operands of two float dtypes give a float32 result (graph.Promote).
 #define MIXED_FLOATS(X)                                                 \
