@@ -18,10 +18,28 @@ __device__ __forceinline__ double bn_mul(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ double bn_add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double bn_sub(double a, double b) { return __dsub_rn(a, b); }
 
-// bn_at is the t-th of channel k's n·inner values.
-__device__ __forceinline__ i64 bn_at(i64 t, i64 k, i64 c, i64 inner) {
-  const i64 i = t / inner, j = t - i * inner;
-  return (i * c + k) * inner + j;
+// bn_each calls f(i) with the flat index i = (i_n·c + k)·inner + j of each
+// of channel k's n·inner values this thread takes: the t-th value, t =
+// i_n·inner + j, for t = threadIdx.x, threadIdx.x + blockDim.x, …, in that
+// order. It walks image
+// by image, (i, j) with t = i·inner + j, so it divides once, not once per
+// value (a 64-bit division per value made these kernels slow on large
+// channels: 6.7 ms for one [64, 64, 112, 112] gradient on the H100).
+template <typename F>
+__device__ __forceinline__ void bn_each(i64 k, i64 n, i64 c, i64 inner, F f) {
+  if (inner <= 0) return;
+  const i64 bd = blockDim.x;
+  const i64 di = bd / inner, dj = bd - di * inner;
+  i64 i = threadIdx.x / inner, j = threadIdx.x - i * inner;
+  while (i < n) {
+    f((i * c + k) * inner + j);
+    i += di;
+    j += dj;
+    if (j >= inner) {
+      j -= inner;
+      ++i;
+    }
+  }
 }
 
 // bn_ld widens a stored value to double.
@@ -38,14 +56,14 @@ __device__ __forceinline__ void batch_norm_stats_t(const T* __restrict__ x,
   const i64 m = n * inner;
   for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
     double s = 0;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) s += bn_ld(x, bn_at(t, k, c, inner));
+    bn_each(k, n, c, inner, [&](i64 i) { s += bn_ld(x, i); });
     s = row_allreduce(s, SumOp(), sd);
     const double mean = m > 0 ? s / (double)m : 0.0;
     double q = 0;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) {
-      const double d = bn_ld(x, bn_at(t, k, c, inner)) - mean;
+    bn_each(k, n, c, inner, [&](i64 i) {
+      const double d = bn_ld(x, i) - mean;
       q += d * d;
-    }
+    });
     q = row_allreduce(q, SumOp(), sd);
     if (threadIdx.x == 0) {
       stats[2 * k] = mean;
@@ -80,14 +98,14 @@ __device__ __forceinline__ void batch_norm_moments_t(const T* __restrict__ x, T*
   const i64 m = n * inner;
   for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
     double s = 0;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) s += bn_ld(x, bn_at(t, k, c, inner));
+    bn_each(k, n, c, inner, [&](i64 i) { s += bn_ld(x, i); });
     s = row_allreduce(s, SumOp(), sd);
     const double mean = s / (double)m;
     double q = 0;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) {
-      const double d = bn_ld(x, bn_at(t, k, c, inner)) - mean;
+    bn_each(k, n, c, inner, [&](i64 i) {
+      const double d = bn_ld(x, i) - mean;
       q += d * d;
-    }
+    });
     q = row_allreduce(q, SumOp(), sd);
     if (threadIdx.x == 0) {
       out[k] = (float)mean;
@@ -159,22 +177,20 @@ __device__ __forceinline__ void batch_norm_grad_x_t(const T* __restrict__ g,
     const double wk = w ? bn_ld(w, k) : 1.0;
     const double mean = stats[2 * k], rstd = stats[2 * k + 1];
     double sg = 0, sgx = 0;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) {
-      const i64 i = bn_at(t, k, c, inner);
+    bn_each(k, n, c, inner, [&](i64 i) {
       const double gh = bn_mul(bn_ld(g, i), wk);
       sg += gh;
       sgx += bn_mul(bn_mul(gh, bn_sub(bn_ld(x, i), mean)), rstd);
-    }
+    });
     sg = row_allreduce(sg, SumOp(), sd);
     sgx = row_allreduce(sgx, SumOp(), sd);
     sg /= (double)m;
     sgx /= (double)m;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) {
-      const i64 i = bn_at(t, k, c, inner);
+    bn_each(k, n, c, inner, [&](i64 i) {
       const double xh = bn_mul(bn_sub(bn_ld(x, i), mean), rstd);
       const double v = bn_sub(bn_sub(bn_mul(bn_ld(g, i), wk), sg), bn_mul(xh, sgx));
       out[i] = (float)bn_mul(rstd, v);
-    }
+    });
   }
 }
 
@@ -198,14 +214,10 @@ __device__ __forceinline__ void batch_norm_grad_w_t(const T* __restrict__ g,
                                                     T* __restrict__ out, i64 n, i64 c,
                                                     i64 inner) {
   __shared__ double sd[32];
-  const i64 m = n * inner;
   for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
     const double mean = stats[2 * k];
     double s = 0;
-    for (i64 t = threadIdx.x; t < m; t += blockDim.x) {
-      const i64 i = bn_at(t, k, c, inner);
-      s += bn_mul(bn_ld(g, i), bn_sub(bn_ld(x, i), mean));
-    }
+    bn_each(k, n, c, inner, [&](i64 i) { s += bn_mul(bn_ld(g, i), bn_sub(bn_ld(x, i), mean)); });
     s = row_allreduce(s, SumOp(), sd);
     if (threadIdx.x == 0) out[k] = (float)bn_mul(s, stats[2 * k + 1]);
   }
