@@ -162,7 +162,7 @@ type estimateConfig struct {
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
 	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm string
-	batch, seq                                                            int
+	batch, seq, context                                                   int
 }
 
 // addStepFlags defines the step flags on fs.
@@ -170,6 +170,7 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 	fs.StringVar(&v.model, "model", "", "zoo `model`: "+strings.Join(zooNames(), ", ")+" (required)")
 	fs.IntVar(&v.batch, "batch", 0, "samples per step, `N` (required)")
 	fs.IntVar(&v.seq, "seq", 0, "tokens per sequence, `T`, for GPT models (default: the model's context)")
+	fs.IntVar(&v.context, "context", 0, "positions of a GPT model, `P`: its learned position embedding gets P rows, so --seq may go up to P (default: the zoo's, 1024 for GPT-2)")
 	fs.StringVar(&v.budget, "budget", "", "device memory the step may reserve, a `SIZE`: 24GiB, 24 GiB, 8GB (8·10⁹), 1.5GiB, 512MiB or bytes (required)")
 	fs.StringVar(&v.headroom, "headroom", alloc.FormatBytes(planner.DefaultHeadroom), "`SIZE` kept back from the budget")
 	fs.StringVar(&v.optimizer, "optimizer", "adamw", "`optimizer` whose state is held: "+strings.Join(optimizerNames(), ", "))
@@ -271,6 +272,15 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	m, ok := findModel(v.model)
 	if !ok {
 		return nil, usagef(errUnknown, "unknown model %q (want one of %s)", v.model, strings.Join(zooNames(), ", "))
+	}
+	if set["context"] {
+		switch {
+		case m.withContext == nil:
+			return nil, usagef(errNotApplicable, "--context applies to GPT models only, not %s", m.name)
+		case v.context < 1:
+			return nil, usagef(errRange, "--context must be positive, got %d", v.context)
+		}
+		m = m.withContext(v.context)
 	}
 	c.model = m
 	switch {

@@ -420,3 +420,36 @@ func TestPrecisionFlag(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, precision.BF16Mixed, c.policy)
 }
+
+// --context gives a GPT model more positions, so --seq may go past the
+// zoo's context: GPT-2 small with attention written out at seq 8192 fits
+// a 24 GiB budget only with recomputation (its [12, T, T] scores), and
+// the position embedding grows by 7,168 × 768 parameters. Other models
+// refuse the flag, and a context must be positive.
+func TestEstimateContext(t *testing.T) {
+	code, _, stderr := runCLI("estimate", "--model", "gpt2-small", "--batch", "1", "--seq", "8192", "--budget", "24GiB")
+	require.Equal(t, exitUsage, code)
+	assert.Contains(t, stderr, "--seq must lie in 1…1024")
+
+	args := []string{"estimate", "--model", "gpt2-small-written", "--batch", "1", "--seq", "8192", "--context", "8192",
+		"--budget", "24GiB", "--json"}
+	code, stdout, stderr := runCLI(args...)
+	require.Equal(t, exitPlan, code, "without recompute the sample does not fit: %s", stderr)
+	code, stdout, stderr = runCLI(append(args, "--recompute", "auto")...)
+	require.Equal(t, exitOK, code, stderr)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Equal(t, int64(124439808+7168*768), r.Params)
+	require.NotNil(t, r.Plan)
+	assert.LessOrEqual(t, r.Plan.PeakReserved, int64(24<<30))
+	require.NotNil(t, r.Recompute)
+	assert.NotEqual(t, "none", r.Recompute.Chosen, "recomputation makes it fit")
+
+	for _, bad := range [][]string{
+		{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--context", "64"},
+		{"--model", "gpt-tiny", "--batch", "8", "--budget", "1GiB", "--context", "0"},
+	} {
+		code, _, _ := runCLI(append([]string{"estimate"}, bad...)...)
+		assert.Equal(t, exitUsage, code, "%v", bad)
+	}
+}

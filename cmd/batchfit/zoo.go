@@ -30,6 +30,9 @@ type zooModel struct {
 	// default; 0 for models without a sequence axis.
 	context int
 	input   string // per sample, for the model list
+	// withContext is the same model with n positions (--context); nil
+	// for models without a sequence axis.
+	withContext func(n int) zooModel
 	// build makes the model and its graph. With data nil the inputs and
 	// labels are placeholders (shape-only); otherwise they hold values
 	// drawn from data, so the step can run: float features from N(0, 1),
@@ -67,8 +70,14 @@ func source(g *lazy.Graph, data *rand.Rand, shape []int, dt graph.DType, k int) 
 }
 
 func zoo() []zooModel {
-	gpt := func(name, about string, cfg models.GPTConfig) zooModel {
-		return zooModel{name: name, about: about, context: cfg.Context,
+	var gpt func(name, about string, cfg models.GPTConfig) zooModel
+	gpt = func(name, about string, cfg models.GPTConfig) zooModel {
+		withContext := func(n int) zooModel {
+			c := cfg
+			c.Context = n
+			return gpt(name, fmt.Sprintf("%s; %d positions (--context)", about, n), c)
+		}
+		return zooModel{name: name, about: about, context: cfg.Context, withContext: withContext,
 			input: fmt.Sprintf("tokens [≤%d] int64", cfg.Context),
 			build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
 				m := models.NewGPT(opt, cfg)
