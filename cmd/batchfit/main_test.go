@@ -433,9 +433,9 @@ func TestEstimateContext(t *testing.T) {
 
 	args := []string{"estimate", "--model", "gpt2-small-written", "--batch", "1", "--seq", "8192", "--context", "8192",
 		"--budget", "24GiB", "--json"}
-	code, stdout, stderr := runCLI(args...)
+	code, _, stderr = runCLI(args...)
 	require.Equal(t, exitPlan, code, "without recompute the sample does not fit: %s", stderr)
-	code, stdout, stderr = runCLI(append(args, "--recompute", "auto")...)
+	code, stdout, stderr := runCLI(append(args, "--recompute", "auto")...)
 	require.Equal(t, exitOK, code, stderr)
 	var r report
 	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
