@@ -197,6 +197,9 @@ var internalModules sync.Map // reflect.Type → bool
 // only through other modules, which get scopes of their own.
 func internalModule(m Module) bool {
 	t := reflect.TypeOf(m)
+	if t == nil {
+		return false
+	}
 	if v, ok := internalModules.Load(t); ok {
 		return v.(bool)
 	}
