@@ -13,9 +13,11 @@ import (
 // by the node's op and dtype:
 //   - matrix products and convolutions: MatMulFLOPS for float32
 //     (TF32FLOPS when TF32 is on and the profile has it); for 16-bit
-//     operands HalfFLOPS, or HalfUnalignedFLOPS when a row of an operand or
-//     the result is not a whole number of 16-byte vectors (cuBLAS then
-//     picks alignment-1 kernels: GPT-2's vocabulary of 50,257);
+//     matrix products HalfFLOPS, or HalfUnalignedFLOPS when a row of an
+//     operand or the result is not a whole number of 16-byte vectors
+//     (cuBLAS then picks alignment-1 kernels: GPT-2's vocabulary of
+//     50,257); for 16-bit convolutions and their gradients HalfConvFLOPS
+//     (im2col and GEMMs of a few hundred rows run far below HalfFLOPS);
 //   - fused attention: HalfAttentionFLOPS on the tensor-core path (16-bit,
 //     head dim 64 or 128, no mask), AttentionFLOPS on the plain kernels
 //     (16-bit otherwise); in float32 the GEMM rate (MatMulFLOPS, or
@@ -25,8 +27,8 @@ import (
 //   - every other op: VectorFLOPS.
 //
 // A rate the profile leaves at 0 falls back: HalfFLOPS to TF32FLOPS, then
-// MatMulFLOPS; HalfUnalignedFLOPS to HalfFLOPS; HalfAttentionFLOPS to
-// AttentionFLOPS; AttentionFLOPS to VectorFLOPS.
+// MatMulFLOPS; HalfUnalignedFLOPS and HalfConvFLOPS to HalfFLOPS;
+// HalfAttentionFLOPS to AttentionFLOPS; AttentionFLOPS to VectorFLOPS.
 type Profile struct {
 	Name        string  `json:"name"`
 	MatMulFLOPS float64 `json:"matmul_flops"`         // FP32 GEMM, flop/s
@@ -35,6 +37,8 @@ type Profile struct {
 	// HalfUnalignedFLOPS the same with rows not a multiple of 16 bytes.
 	HalfFLOPS          float64 `json:"half_flops,omitempty"`
 	HalfUnalignedFLOPS float64 `json:"half_unaligned_flops,omitempty"`
+	// HalfConvFLOPS is a 16-bit convolution's (or its gradient's) flop/s.
+	HalfConvFLOPS float64 `json:"half_conv_flops,omitempty"`
 	// AttentionFLOPS and HalfAttentionFLOPS are fused attention's flop/s
 	// (FlashAttention's count: the matrix products, halved under causal) on
 	// the plain kernels (16-bit with a mask or a head dim other than 64 and
@@ -73,12 +77,13 @@ func DefaultProfile() Profile {
 // (bench/RESULTS.md, 2026-11-23, third session).
 func H100Profile() Profile {
 	return Profile{Name: "NVIDIA H100 80GB HBM3", MatMulFLOPS: 51.7e12, TF32FLOPS: 338e12,
-		HalfFLOPS: 600e12, HalfUnalignedFLOPS: 120e12, AttentionFLOPS: 2e12, HalfAttentionFLOPS: 70e12,
+		HalfFLOPS: 600e12, HalfUnalignedFLOPS: 120e12, HalfConvFLOPS: 37e12, AttentionFLOPS: 2e12, HalfAttentionFLOPS: 70e12,
 		VectorFLOPS: 67e12, Bandwidth: 2.3e12, Launch: 5e-6, HostBandwidth: 7e9, Sources: map[string]string{
 			"matmul_flops":         "measured: FP32 cuBLAS SGEMM from Go, no TF32",
 			"tf32_flops":           "measured: cuBLAS TF32 GEMM from Go",
 			"half_flops":           "measured: GPT-2 small's bf16 GEMMs (8192 rows, 768–3072 wide) in the executor's node profile, 356–704 TFLOP/s",
 			"half_unaligned_flops": "measured: GPT-2's bf16 LM head and its gradients (50,257 columns), 95–147 TFLOP/s",
+			"half_conv_flops":      "measured: ResNet-50's bf16 convolutions at 224², batch 64 (im2col + cuBLAS), 37.2 TFLOP/s over the step: forward 35.0, input gradient 48.1, weight gradient 32.2 (bench/RESULTS.md, 2026-11-23, fourth session)",
 			"attention_flops":      "measured: the plain-FMA attention kernels, float32 1.6–4.2 TFLOP/s and bf16 forward 2–4 (they now serve 16-bit attention with a mask or an odd head dim only)",
 			"half_attention_flops": "measured: bf16 tensor-core attention forward + backward, [8, 12, 1024, 64] causal, 66 TFLOP/s (91 at T = 4096)",
 			"vector_flops":         "nominal: H100 SXM FP32 non-tensor peak",
@@ -109,6 +114,7 @@ const (
 	rateGEMM
 	rateHalfGEMM
 	rateHalfUnalignedGEMM
+	rateHalfConv
 	rateAttention
 	rateHalfAttention
 )
@@ -119,6 +125,9 @@ func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
 	case graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
 		if !g.Node(nd.Inputs[0]).Type.DType.IsHalf() {
 			return rateGEMM
+		}
+		if nd.Op != graph.OpMatMul && nd.Op != graph.OpLinear {
+			return rateHalfConv
 		}
 		// A row of 16 bytes or a multiple: the last axis of every operand
 		// and of the result, in elements of 2 bytes.
@@ -172,6 +181,8 @@ func (p Profile) rate(kind rateKind, tf32 bool) float64 {
 		return half
 	case rateHalfUnalignedGEMM:
 		return or(p.HalfUnalignedFLOPS, half)
+	case rateHalfConv:
+		return or(p.HalfConvFLOPS, half)
 	case rateAttention:
 		return attention
 	case rateHalfAttention:

@@ -12,7 +12,8 @@ import (
 // TestRatesFollowDTypes: a node is priced at the rate of its op and dtype
 // (Profile): float32 GEMMs at MatMulFLOPS (TF32FLOPS under TF32), 16-bit
 // ones at HalfFLOPS, or HalfUnalignedFLOPS when a row is not a whole
-// number of 16-byte vectors; fused attention at HalfAttentionFLOPS on the
+// number of 16-byte vectors; 16-bit convolutions at HalfConvFLOPS (float32
+// ones at the GEMM rate); fused attention at HalfAttentionFLOPS on the
 // tensor-core path, at the GEMM rate in float32 (cuBLAS) and
 // AttentionFLOPS otherwise; everything else at
 // VectorFLOPS. A rate left at 0 falls back as Profile says.
@@ -30,12 +31,19 @@ func TestRatesFollowDTypes(t *testing.T) {
 		g := y.Graph().IR()
 		return g, g.Node(y.ID())
 	}
+	conv := func(dt graph.DType) (*graph.Graph, *graph.Node) {
+		x := lazy.Placeholder([]int{2, 3, 8, 8}, dt, 0)
+		y := x.Conv2d(lazy.ParamSpec([]int{8, 3, 3, 3}, dt, "w"), nil, lazy.ConvOptions{Padding: [2]int{1, 1}})
+		g := y.Graph().IR()
+		return g, g.Node(y.ID())
+	}
 	relu := func() (*graph.Graph, *graph.Node) {
 		y := lazy.Placeholder([]int{4, 8}, bf, 0).Relu()
 		g := y.Graph().IR()
 		return g, g.Node(y.ID())
 	}
-	p := Profile{MatMulFLOPS: 1, TF32FLOPS: 2, HalfFLOPS: 3, HalfUnalignedFLOPS: 4, AttentionFLOPS: 5, HalfAttentionFLOPS: 6, VectorFLOPS: 7}
+	p := Profile{MatMulFLOPS: 1, TF32FLOPS: 2, HalfFLOPS: 3, HalfUnalignedFLOPS: 4, AttentionFLOPS: 5, HalfAttentionFLOPS: 6, VectorFLOPS: 7,
+		HalfConvFLOPS: 8}
 	for _, c := range []struct {
 		name string
 		node func() (*graph.Graph, *graph.Node)
@@ -50,6 +58,8 @@ func TestRatesFollowDTypes(t *testing.T) {
 		{"float32 attention under TF32", func() (*graph.Graph, *graph.Node) { return attention(f32, 64) }, true, 2},
 		{"bf16 attention at head dim 32 (plain kernels)", func() (*graph.Graph, *graph.Node) { return attention(bf, 32) }, false, 5},
 		{"bf16 attention at head dim 64 (tensor cores)", func() (*graph.Graph, *graph.Node) { return attention(bf, 64) }, false, 6},
+		{"float32 convolution", func() (*graph.Graph, *graph.Node) { return conv(f32) }, false, 1},
+		{"bf16 convolution", func() (*graph.Graph, *graph.Node) { return conv(bf) }, false, 8},
 		{"elementwise", relu, false, 7},
 	} {
 		g, nd := c.node()
@@ -74,4 +84,5 @@ func TestRatesFollowDTypes(t *testing.T) {
 	assert.Equal(t, 2.0, bare.rate(rateHalfUnalignedGEMM, false))
 	assert.Equal(t, 7.0, bare.rate(rateHalfAttention, false))
 	assert.Equal(t, 1.0, Profile{MatMulFLOPS: 1, VectorFLOPS: 7}.rate(rateHalfGEMM, false))
+	assert.Equal(t, 3.0, Profile{MatMulFLOPS: 1, HalfFLOPS: 3, VectorFLOPS: 7}.rate(rateHalfConv, false), "16-bit convolutions fall back to HalfFLOPS")
 }

@@ -25,6 +25,7 @@ func (p Profile) Validate() error {
 		opt  bool
 	}{{"matmul_flops", p.MatMulFLOPS, false}, {"tf32_flops", p.TF32FLOPS, true},
 		{"half_flops", p.HalfFLOPS, true}, {"half_unaligned_flops", p.HalfUnalignedFLOPS, true},
+		{"half_conv_flops", p.HalfConvFLOPS, true},
 		{"attention_flops", p.AttentionFLOPS, true}, {"half_attention_flops", p.HalfAttentionFLOPS, true},
 		{"vector_flops", p.VectorFLOPS, false},
 		{"bandwidth", p.Bandwidth, false}, {"launch", p.Launch, true}, {"host_bandwidth", p.HostBandwidth, true}} {

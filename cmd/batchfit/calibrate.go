@@ -20,16 +20,21 @@ import (
 
 // calibrateSizes are the kernels calibrate times: an n×n GEMM chain, an
 // elementwise chain over elems float32s, a chain of one-element ops
-// (launch overhead), and causal attention over [1, 16, attnT, 64]; each
+// (launch overhead), causal attention over [1, 16, attnT, 64], and (with
+// --half) 3×3 convolutions of 64 channels over [convBatch, 64, convSize,
+// convSize] images; each
 // chain runs at 1 and at chain ops, so the difference divided by chain−1
 // cancels the step's fixed costs (upload, download, graph building). The
 // input upload is timed as the difference between summing elems float32s
 // uploaded from the host and summing one.
 type calibrateSizes struct {
 	n, elems, chain, repeat, attnT int
+	// convBatch images of 64 channels, convSize × convSize, through 3×3
+	// convolutions (half_conv_flops).
+	convBatch, convSize int
 }
 
-var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3, attnT: 4096}
+var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3, attnT: 4096, convBatch: 32, convSize: 56}
 
 // ErrNoGPU is calibrate's error without a usable CUDA device.
 var ErrNoGPU = errors.New("no GPU: batchfit calibrate times kernels through the CUDA executor")
@@ -40,7 +45,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	out := fs.String("out", "-", "write the profile (JSON) to `FILE`; - is stdout")
 	name := fs.String("name", "", "the profile's `name` (default: the device's)")
 	tf32 := fs.Bool("tf32", true, "also time TF32 GEMMs (tf32_flops)")
-	half := fs.Bool("half", true, "also time bf16 GEMMs and attention in bf16-mixed (half_flops, half_unaligned_flops, half_attention_flops, and attention_flops: the plain kernels, with a mask)")
+	half := fs.Bool("half", true, "also time bf16 GEMMs, convolutions and attention in bf16-mixed (half_flops, half_unaligned_flops, half_conv_flops, half_attention_flops, and attention_flops: the plain kernels, with a mask)")
 	if _, _, err := parseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintf(stdout, "Usage:\n  batchfit calibrate [--out FILE] [--name NAME] [--tf32=false] [--half=false]\n\n"+
@@ -233,6 +238,26 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 		return p, fmt.Errorf("timing unaligned bf16 GEMMs: %w", err)
 	}
 	p.HalfUnalignedFLOPS = 2 * float64(sz.n) * float64(sz.n) * float64(sz.n+1) / tuh
+	if sz.convBatch > 0 {
+		// 3×3 convolutions of 64 channels, padding 1, chained: ResNet's
+		// first stage at convSize².
+		const ch = 64
+		xc := uniform(1, sz.convBatch, ch, sz.convSize, sz.convSize)
+		wc := lazy.Param(uniform(1/math.Sqrt(9*ch), ch, ch, 3, 3), "calibrate.conv_w")
+		conv := func(k int) *lazy.Tensor {
+			y := lazy.Param(xc, "calibrate.conv_x")
+			for range k {
+				y = y.Conv2d(wc, nil, lazy.ConvOptions{Padding: [2]int{1, 1}})
+			}
+			return anchored(y.Sum())
+		}
+		tc, err := perOp(ctx, hsess, conv, sz)
+		if err != nil {
+			return p, fmt.Errorf("timing bf16 convolutions: %w", err)
+		}
+		p.HalfConvFLOPS = 2 * float64(sz.convBatch) * float64(sz.convSize*sz.convSize) * ch * ch * 9 / tc
+		p.Sources["half_conv_flops"] = fmt.Sprintf("measured: chained bf16 3×3 convolutions of [%d, %d, %d, %d], forward", sz.convBatch, ch, sz.convSize, sz.convSize)
+	}
 	p.Sources["half_unaligned_flops"] = fmt.Sprintf("measured: bf16 products of [%d, %d] by [%d, %d]", sz.n, sz.n, sz.n, sz.n+1)
 	tha, err := perOp(ctx, hsess, attention, sz)
 	if err != nil {

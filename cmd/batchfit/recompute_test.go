@@ -122,11 +122,11 @@ func TestCalibrateWithoutGPU(t *testing.T) {
 func TestMeasureProfileOnCPU(t *testing.T) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	hsess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed"})
-	p, err := measureProfile(context.Background(), sess, nil, hsess, calibrateSizes{n: 64, elems: 1 << 14, chain: 3, repeat: 1, attnT: 16})
+	p, err := measureProfile(context.Background(), sess, nil, hsess, calibrateSizes{n: 64, elems: 1 << 14, chain: 3, repeat: 1, attnT: 16, convBatch: 2, convSize: 8})
 	require.NoError(t, err)
 	for name, v := range map[string]float64{"matmul": p.MatMulFLOPS, "bandwidth": p.Bandwidth, "launch": p.Launch,
 		"host bandwidth": p.HostBandwidth, "attention": p.AttentionFLOPS, "half": p.HalfFLOPS,
-		"half unaligned": p.HalfUnalignedFLOPS, "half attention": p.HalfAttentionFLOPS} {
+		"half unaligned": p.HalfUnalignedFLOPS, "half conv": p.HalfConvFLOPS, "half attention": p.HalfAttentionFLOPS} {
 		assert.Positive(t, v, name)
 	}
 	assert.True(t, strings.HasPrefix(p.Sources["matmul_flops"], "measured"))
