@@ -32,7 +32,7 @@ func chooseExecutor(o Options) (exec.Executor, string, error) {
 	}
 	e, err := newCUDA(o)
 	if err == nil {
-		return e, e.Device().Describe(), nil
+		return e, e.Device().Describe() + "; convolutions: " + e.Convolutions(), nil
 	}
 	if o.Device == DeviceCUDA {
 		return nil, "", err

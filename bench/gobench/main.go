@@ -58,6 +58,7 @@ type config struct {
 	tightMLP      int
 	tightConv     int
 	tf32          bool   // GEMMs on TF32 tensor cores (-precision tf32)
+	cudnn         bool   // convolutions on cuDNN when it loads (-cudnn)
 	precision     string // the precision policy (package precision); -tf32 is -precision tf32
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
@@ -88,6 +89,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.tightGPT, "tight-batch-gpt", 64, "transformer batch for -budget (4 chunks of 16 within 8GiB at 12 layers, seq 256)")
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (4 chunks within 8GiB)")
+	fs.BoolVar(&c.cudnn, "cudnn", true, "run the executor's convolutions on cuDNN when it loads (false: im2col + cuBLAS, to compare)")
 	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the same as -precision tf32; PyTorch's allow_tf32)")
 	fs.StringVar(&c.precision, "precision", "fp32", "precision `policy`: "+precision.Names()+" (as Options.Precision)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
@@ -449,12 +451,13 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		return r, err
 	}
 	r.DeviceUsedBefore = before
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: c.tf32})
+	e, err := cuda.NewExecutor(d, c.executorOptions())
 	if err != nil {
 		return r, err
 	}
 	defer e.Close()
 	r.Overhead = e.Overhead()
+	r.Convolutions = e.Convolutions()
 
 	// Planning: the graph was built above with the data; time a fresh
 	// build of the same step, as a training loop makes one every step.
@@ -552,7 +555,7 @@ func (r *Record) setRates(batch int) {
 // then runs one step at that batch on the card.
 func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper}
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: c.tf32})
+	e, err := cuda.NewExecutor(d, c.executorOptions())
 	if err != nil {
 		return r, err
 	}
@@ -636,4 +639,9 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 		return r, err
 	}
 	return r, nil
+}
+
+// executorOptions are the CUDA executor's options the flags ask for.
+func (c config) executorOptions() cuda.ExecutorOptions {
+	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn}
 }

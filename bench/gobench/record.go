@@ -18,6 +18,9 @@ type Record struct {
 	Kind  string `json:"kind"`
 	Model string `json:"model,omitempty"`
 	About string `json:"about,omitempty"`
+	// Convolutions is what ran the executor's convolutions
+	// (cuda.Executor.Convolutions).
+	Convolutions string `json:"convolutions,omitempty"`
 
 	// device
 	Device      string `json:"device,omitempty"`

@@ -142,7 +142,7 @@ func tightness(d *cuda.Device, c config, m benchModel) (Record, error) {
 	}
 	r.Params = int64(nn.NumParams(mod))
 	loss, _ := m.build(mod, m.tight, rand.New(rand.NewPCG(6, 7)))
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: c.tf32})
+	e, err := cuda.NewExecutor(d, c.executorOptions())
 	if err != nil {
 		return r, err
 	}

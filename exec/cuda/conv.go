@@ -7,15 +7,20 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
-// Convolution family (kernels/conv.cu, pool.cu, and cuBLAS for the GEMMs):
-// conv2d as im2col + GEMM, max and average pooling, and their gradients,
-// for float32, bfloat16 and float16 (all operands of one dtype; 16-bit
-// GEMMs accumulate in float32).
+// Convolution family (cuDNN; kernels/conv.cu, pool.cu, and cuBLAS for the
+// GEMMs): conv2d and its gradients on cuDNN when the executor has it (DNN),
+// else, or for a shape no cuDNN algorithm takes within its workspace, as
+// im2col + GEMM; max and average pooling, and their gradients; for
+// float32, bfloat16 and float16 (all operands of one dtype; 16-bit sums in
+// float32). Each convolution declares the im2col path's workspace (fixed)
+// plus convDNNBytes (affine in the chunk's batch, as the planner's rules
+// require), and cuDNN may use all of it.
 var convKernels = family{
 	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(inputAt(g, nd, 1, b), nd.Type.AtBatch(b), convImages(g, nd), &nd.Attrs, elemSize(nd.Type.DType))
+		w, y, size := inputAt(g, nd, 1, b), nd.Type.AtBatch(b), elemSize(nd.Type.DType)
+		return convColBytes(w, y, convImages(g, nd), &nd.Attrs, size) + convDNNBytes(inputAt(g, nd, 0, b), y, w, size)
 	}},
 	graph.OpMaxPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.maxPool2d(k.attrs(), in[0], out) }},
 	graph.OpAvgPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.avgPool2d(k.attrs(), in[0], out) }},
@@ -25,12 +30,15 @@ var convKernels = family{
 	graph.OpConv2dGradInput: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2dGradInput(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return convColBytes(inputAt(g, nd, 1, b), inputAt(g, nd, 0, b), convImages(g, nd), &nd.Attrs, 4)
+		w, y := inputAt(g, nd, 1, b), inputAt(g, nd, 0, b)
+		return convColBytes(w, y, convImages(g, nd), &nd.Attrs, 4) + convDNNBytes(nd.Type.AtBatch(b), y, w, elemSize(nd.Type.DType))
 	}},
 	graph.OpConv2dGradWeight: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2dGradWeight(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		return newGradWeightLayout(nd.Type.AtBatch(b), inputAt(g, nd, 0, b), convImages(g, nd), nd.Attrs.Groups, nd.Type.DType).bytes
+		w, y := nd.Type.AtBatch(b), inputAt(g, nd, 0, b)
+		return newGradWeightLayout(w, y, convImages(g, nd), nd.Attrs.Groups, nd.Type.DType).bytes +
+			convDNNBytes(inputAt(g, nd, 1, b), y, w, elemSize(nd.Type.DType))
 	}},
 	graph.OpMaxPool2dGrad: {run: func(k *kctx, in []operand, out operand) error {
 		return k.maxPool2dGrad(k.attrs(), in[0], in[1], out)
@@ -235,6 +243,9 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 	if out.n() == 0 {
 		return nil
 	}
+	if done, err := k.dnnConv(convForward, dt, geo, x, w, out, beta); done || err != nil {
+		return err
+	}
 	if wd.direct() {
 		for gi := range groups {
 			if err := k.blas.GemmStridedBatchedOf(dt, false, false, int(og), int(howo), int(kk), 1,
@@ -283,6 +294,9 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
 	if out.n() == 0 {
 		return nil
+	}
+	if done, err := k.dnnConv(convGradInput, dt, geo, g, w, out, 0); done || err != nil {
+		return err
 	}
 	if wd.direct() {
 		for gi := range groups {
@@ -337,6 +351,9 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	kk, howo, hw, chw := geo.kk, geo.howo, geo.hw, geo.chw
 	if out.n() == 0 {
 		return nil
+	}
+	if done, err := k.dnnConv(convGradWeight, dt, geo, x, g, out, 0); done || err != nil {
+		return err
 	}
 	l := newGradWeightLayout(out.shape, g.shape, convImages(k.g, k.nd), int(groups), dt)
 	ws, err := k.workspace(l.bytes)

@@ -30,6 +30,9 @@ type ExecutorOptions struct {
 	BLASWorkspace int64
 	// TraceEntries keeps the allocator's last TraceEntries events.
 	TraceEntries int
+	// NoCuDNN runs convolutions on the im2col kernels even when cuDNN 9
+	// loads (to compare the two, or to leave cuDNN's libraries unloaded).
+	NoCuDNN bool
 }
 
 // NoBLASWorkspace gives cuBLAS no workspace (ExecutorOptions.BLASWorkspace).
@@ -49,6 +52,8 @@ type Executor struct {
 	d    *Device
 	a    *alloc.Allocator
 	blas *BLAS
+	dnn  *DNN  // nil: convolutions on im2col
+	why  error // why dnn is nil: ErrNoLibrary, or NoCuDNN
 	ks   *kernelSet
 
 	mu       sync.Mutex
@@ -90,8 +95,31 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 			return nil, errors.Join(err, b.Close(), ks.close(), a.EmptyCache())
 		}
 	}
-	return &Executor{d: d, a: a, blas: b, ks: ks}, nil
+	e := &Executor{d: d, a: a, blas: b, ks: ks, why: errNoCuDNNAsked}
+	if !o.NoCuDNN {
+		// cuDNN is optional: without it (not installed, or its handle
+		// failed) convolutions run on im2col, and Convolutions says why.
+		e.dnn, e.why = d.newDNN(o.TF32)
+	}
+	return e, nil
 }
+
+// errNoCuDNNAsked is why an executor made with ExecutorOptions.NoCuDNN has
+// no cuDNN.
+var errNoCuDNNAsked = errors.New("ExecutorOptions.NoCuDNN")
+
+// Convolutions says what runs the executor's convolutions: "cuDNN 9.14.0",
+// or "im2col + cuBLAS (no cuDNN: reason)".
+func (e *Executor) Convolutions() string {
+	if e.dnn != nil {
+		return "cuDNN " + e.dnn.Version()
+	}
+	return "im2col + cuBLAS (no cuDNN: " + e.why.Error() + ")"
+}
+
+// DNN is the executor's cuDNN handle, nil when its convolutions run on
+// im2col (Convolutions says why).
+func (e *Executor) DNN() *DNN { return e.dnn }
 
 // Device is the executor's device.
 func (e *Executor) Device() *Device { return e.d }
@@ -111,8 +139,14 @@ func (e *Executor) Overhead() int64 {
 	return 0
 }
 
-// Reserve is DriverReserve, which plans leave free (exec.Executor).
-func (e *Executor) Reserve() int64 { return DriverReserve }
+// Reserve is the memory plans leave free (exec.Executor): DriverReserve,
+// and the device memory the cuDNN handle took outside every allocator.
+func (e *Executor) Reserve() int64 {
+	if e.dnn != nil {
+		return DriverReserve + e.dnn.Overhead()
+	}
+	return DriverReserve
+}
 
 // Close frees the resident buffers, destroys the cuBLAS handle (returning
 // its workspace), unloads the kernels and gives the allocator's cache back
@@ -124,7 +158,11 @@ func (e *Executor) Close() error {
 		return nil
 	}
 	e.closed = true
-	return errors.Join(e.resident.Release(e.a), e.blas.Close(), e.ks.close(), e.a.EmptyCache())
+	var dnn error
+	if e.dnn != nil {
+		dnn = e.dnn.Close()
+	}
+	return errors.Join(e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
 // Workspace is the kernels' workspace rule (exec.Executor).

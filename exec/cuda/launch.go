@@ -21,6 +21,7 @@ type kctx struct {
 	d    *Device
 	ks   *kernelSet
 	blas *BLAS
+	dnn  *DNN // nil without cuDNN
 	g    *graph.Graph
 	nd   *graph.Node
 	c    planner.Chunk
@@ -38,7 +39,7 @@ func (k *kctx) attrs() *graph.Attrs { return &k.nd.Attrs }
 // kernels is the launch context of the executor's device, for launches of
 // the host side.
 func (r *runner) kernels() *kctx {
-	return &kctx{d: r.e.d, ks: r.e.ks, blas: r.e.blas, g: r.p.Graph}
+	return &kctx{d: r.e.d, ks: r.e.ks, blas: r.e.blas, dnn: r.e.dnn, g: r.p.Graph}
 }
 
 // flat is kctx.flat for the host side (accumulate, the optimizers).

@@ -166,6 +166,10 @@ var Cases = []Case{
 	{Name: "conv2d_1x1", Shapes: [][]int{{3, 4, 4, 4}, {6, 2, 1, 1}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Conv2d(p[1], nil, lazy.ConvOptions{Groups: 2})
 	}},
+	// Depthwise: a group per channel, strided and padded.
+	{Name: "conv2d_depthwise", Shapes: [][]int{{2, 4, 7, 7}, {4, 1, 3, 3}, {4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Stride: [2]int{2, 2}, Padding: [2]int{1, 1}, Groups: 4})
+	}},
 	{Name: "max_pool2d", Shapes: [][]int{{2, 2, 5, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxPool2d(lazy.PoolOptions{Kernel: [2]int{3, 2}, Stride: [2]int{2, 1}, Padding: [2]int{1, 1}})
 	}},

@@ -1,0 +1,366 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// DNN is a cuDNN handle on a device and the convolution plans it has made.
+//
+// The planner fixes every workspace before a step runs, and cuDNN must not
+// allocate behind the allocator's back, so a convolution's workspace is
+// declared by a formula of its shapes (the im2col kernels' workspace plus
+// convDNNBytes: its input, output and weight in bytes) and cuDNN's own
+// ranking (the _v7 heuristics, no
+// timing, so the choice is the same on every run of a device and cuDNN
+// version) is searched for the best deterministic algorithm that needs no
+// more. A shape no such algorithm takes runs on the im2col kernels, whose
+// workspace the declaration also covers.
+type DNN struct {
+	d        *Device
+	lib      *cudnnLib
+	h        cudnnHandle
+	tf32     bool
+	overhead int64
+
+	mu        sync.Mutex
+	plans     map[convKey]*convPlan
+	fallbacks int
+	closed    bool
+}
+
+// convPass is one of a convolution's three passes.
+type convPass int8
+
+const (
+	convForward convPass = iota
+	convGradInput
+	convGradWeight
+)
+
+func (p convPass) String() string {
+	return [...]string{"forward", "grad_input", "grad_weight"}[p]
+}
+
+// convKey is everything a convolution plan depends on: the pass, dtype,
+// the input x [N, C, H, W], weight w [O, C/g, kh, kw] and output y [N, O,
+// Ho, Wo] of the forward convolution, and the window.
+type convKey struct {
+	pass             convPass
+	dt               graph.DType
+	x, w, y          [4]int64
+	pad, stride, dil [2]int64
+	groups           int64
+	budget           int64 // the workspace's bytes
+}
+
+// convPlan is a plan's descriptors and algorithm; ok is false when no
+// algorithm fits the budget (the convolution runs on im2col instead).
+type convPlan struct {
+	xd, yd cudnnTensorDesc
+	wd     cudnnFilterDesc
+	cd     cudnnConvDesc
+	algo   int32
+	ws     int64
+	ok     bool
+}
+
+// newDNN loads cuDNN and creates a handle on d, measuring the device
+// memory the handle took (cuMemGetInfo before and after): Overhead.
+func (d *Device) newDNN(tf32 bool) (*DNN, error) {
+	lib, err := loadCUDNN()
+	if err != nil {
+		return nil, err
+	}
+	n := &DNN{d: d, lib: lib, tf32: tf32, plans: map[convKey]*convPlan{}}
+	err = d.do(func() error {
+		var before, after, total uintptr
+		if err := d.drv.check("cuMemGetInfo_v2", d.drv.cuMemGetInfo(&before, &total)); err != nil {
+			return err
+		}
+		if err := lib.check("cudnnCreate", lib.cudnnCreate(&n.h)); err != nil {
+			return err
+		}
+		if err := d.drv.check("cuMemGetInfo_v2", d.drv.cuMemGetInfo(&after, &total)); err != nil {
+			return errors.Join(err, lib.check("cudnnDestroy", lib.cudnnDestroy(n.h)))
+		}
+		n.overhead = max(0, int64(before)-int64(after))
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+// Version is cuDNN's version, "9.14.0".
+func (n *DNN) Version() string { return formatCUDNNVersion(n.lib.version) }
+
+// Overhead is the device memory the cuDNN handle took when it was
+// created, outside every allocator.
+func (n *DNN) Overhead() int64 { return n.overhead }
+
+// ConvStats counts the convolution plans made, and the fallbacks to im2col:
+// plans that found no cuDNN algorithm within their workspace, and calls
+// cuDNN refused as not supported.
+func (n *DNN) ConvStats() (plans, fallbacks int) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return len(n.plans), n.fallbacks
+}
+
+// Close destroys the plans' descriptors and the handle.
+func (n *DNN) Close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		return nil
+	}
+	n.closed = true
+	return n.d.do(func() error {
+		var errs []error
+		for _, p := range n.plans {
+			errs = append(errs, n.destroy(p))
+		}
+		n.plans = nil
+		errs = append(errs, n.lib.check("cudnnDestroy", n.lib.cudnnDestroy(n.h)))
+		return errors.Join(errs...)
+	})
+}
+
+func (n *DNN) destroy(p *convPlan) error {
+	l := n.lib
+	var errs []error
+	if p.xd != 0 {
+		errs = append(errs, l.check("cudnnDestroyTensorDescriptor", l.cudnnDestroyTensorDescriptor(p.xd)))
+	}
+	if p.yd != 0 {
+		errs = append(errs, l.check("cudnnDestroyTensorDescriptor", l.cudnnDestroyTensorDescriptor(p.yd)))
+	}
+	if p.wd != 0 {
+		errs = append(errs, l.check("cudnnDestroyFilterDescriptor", l.cudnnDestroyFilterDescriptor(p.wd)))
+	}
+	if p.cd != 0 {
+		errs = append(errs, l.check("cudnnDestroyConvolutionDescriptor", l.cudnnDestroyConvolutionDescriptor(p.cd)))
+	}
+	return errors.Join(errs...)
+}
+
+// cudnnDType is dt's cudnnDataType_t.
+func cudnnDType(dt graph.DType) (int32, bool) {
+	switch dt {
+	case graph.Float32:
+		return cudnnDataFloat, true
+	case graph.BFloat16:
+		return cudnnDataBFloat16, true
+	case graph.Float16:
+		return cudnnDataHalf, true
+	}
+	return 0, false
+}
+
+// convDNNBytes is what a convolution adds to its im2col workspace for
+// cuDNN: the bytes of its input x, output y and weight w, room for the
+// algorithms that transpose their operands. It grows with the chunk as
+// the tensors do (affine in the batch, as the planner requires); cuDNN
+// may use the whole declared workspace.
+func convDNNBytes(x, y, w []int, size int64) int64 {
+	return size * int64(graph.Numel(x)+graph.Numel(y)+graph.Numel(w))
+}
+
+// newConvKey is the key of pass over geometry geo in dtype dt within
+// budget bytes of workspace.
+func newConvKey(pass convPass, dt graph.DType, geo convGeom, budget int64) convKey {
+	wd := geo.Window
+	return convKey{pass: pass, dt: dt, budget: budget,
+		x:   [4]int64{wd.N, wd.C, wd.H, wd.W},
+		w:   [4]int64{geo.o, geo.cg, wd.KH, wd.KW},
+		y:   [4]int64{wd.N, geo.o, wd.HO, wd.WO},
+		pad: [2]int64{wd.PH, wd.PW}, stride: [2]int64{wd.SH, wd.SW}, dil: [2]int64{wd.DH, wd.DW},
+		groups: geo.groups}
+}
+
+// fftAlgo reports whether algo of pass is an FFT algorithm, whose float32
+// results stray further from the direct sums than the float32 tolerance;
+// plain float32 (no TF32) leaves them out.
+func fftAlgo(pass convPass, algo int32) bool {
+	switch pass {
+	case convForward:
+		return algo == 4 || algo == 5
+	case convGradInput:
+		return algo == 2 || algo == 3
+	default:
+		return algo == 2 || algo == 6
+	}
+}
+
+// plan returns the plan of key, making it on first use. It runs on the
+// device thread.
+func (n *DNN) plan(key convKey) (*convPlan, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		return nil, fmt.Errorf("%w: cudnn handle", ErrClosed)
+	}
+	if p, ok := n.plans[key]; ok {
+		return p, nil
+	}
+	p, err := n.makePlan(key)
+	if err != nil {
+		return nil, err
+	}
+	n.plans[key] = p
+	if !p.ok {
+		n.fallbacks++
+	}
+	return p, nil
+}
+
+func (n *DNN) makePlan(key convKey) (p *convPlan, err error) {
+	l := n.lib
+	dt, ok := cudnnDType(key.dt)
+	if !ok {
+		return &convPlan{}, nil
+	}
+	p = &convPlan{}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, n.destroy(p))
+		}
+	}()
+	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.xd)); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.yd)); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnCreateFilterDescriptor", l.cudnnCreateFilterDescriptor(&p.wd)); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnCreateConvolutionDescriptor", l.cudnnCreateConvolutionDescriptor(&p.cd)); err != nil {
+		return nil, err
+	}
+	x, w, y := key.x, key.w, key.y
+	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, cudnnNCHW, dt,
+		int32(x[0]), int32(x[1]), int32(x[2]), int32(x[3]))); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.yd, cudnnNCHW, dt,
+		int32(y[0]), int32(y[1]), int32(y[2]), int32(y[3]))); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnSetFilter4dDescriptor", l.cudnnSetFilter4dDescriptor(p.wd, dt, cudnnNCHW,
+		int32(w[0]), int32(w[1]), int32(w[2]), int32(w[3]))); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnSetConvolution2dDescriptor", l.cudnnSetConvolution2dDescriptor(p.cd,
+		int32(key.pad[0]), int32(key.pad[1]), int32(key.stride[0]), int32(key.stride[1]),
+		int32(key.dil[0]), int32(key.dil[1]), cudnnCrossCorrelation, cudnnDataFloat)); err != nil {
+		return nil, err
+	}
+	if err := l.check("cudnnSetConvolutionGroupCount", l.cudnnSetConvolutionGroupCount(p.cd, int32(key.groups))); err != nil {
+		return nil, err
+	}
+	strict := key.dt == graph.Float32 && !n.tf32
+	math := int32(cudnnTensorOpMath)
+	if strict {
+		math = cudnnFMAMath
+	}
+	if err := l.check("cudnnSetConvolutionMathType", l.cudnnSetConvolutionMathType(p.cd, math)); err != nil {
+		return nil, err
+	}
+	var perf [16]cudnnAlgoPerf
+	var got int32
+	var fn string
+	var s cudnnStatus
+	switch key.pass {
+	case convForward:
+		fn, s = "cudnnGetConvolutionForwardAlgorithm_v7", l.cudnnGetConvolutionForwardAlgorithm(n.h, p.xd, p.wd, p.cd, p.yd, int32(len(perf)), &got, &perf[0])
+	case convGradInput:
+		fn, s = "cudnnGetConvolutionBackwardDataAlgorithm_v7", l.cudnnGetConvolutionBackwardDataAlgorithm(n.h, p.wd, p.yd, p.cd, p.xd, int32(len(perf)), &got, &perf[0])
+	default:
+		fn, s = "cudnnGetConvolutionBackwardFilterAlgorithm_v7", l.cudnnGetConvolutionBackwardFilterAlgorithm(n.h, p.xd, p.yd, p.cd, p.wd, int32(len(perf)), &got, &perf[0])
+	}
+	if err := l.check(fn, s); err != nil {
+		var ce *CUDNNError
+		if errors.As(err, &ce) && ce.NotSupported() {
+			return p, nil // im2col takes it
+		}
+		return nil, err
+	}
+	for _, c := range perf[:min(int(got), len(perf))] {
+		switch {
+		case c.Status != 0, c.Determinism != cudnnDeterministic, int64(c.Memory) > key.budget:
+			continue
+		case key.dt == graph.Float32 && c.MathType == cudnnTensorOpAllowConversion:
+			continue // float32 rounded to 16 bits: never
+		case strict && (c.MathType == cudnnTensorOpMath || fftAlgo(key.pass, c.Algo)):
+			continue
+		}
+		if !strict {
+			if err := l.check("cudnnSetConvolutionMathType", l.cudnnSetConvolutionMathType(p.cd, c.MathType)); err != nil {
+				return nil, err
+			}
+		}
+		p.algo, p.ws, p.ok = c.Algo, int64(c.Memory), true
+		return p, nil
+	}
+	return p, nil
+}
+
+// dnnConv runs pass on cuDNN when the executor has it and an algorithm
+// fits the node's workspace: done reports whether it ran (else the im2col
+// kernels run it). For the forward pass a, b, out are
+// x, w, y; for grad_input g (dy), w, dx; for grad_weight x, g (dy), dw.
+// beta is 1 to add to out (the forward pass's bias), 0 to overwrite it.
+func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, a, b, out operand, beta float32) (done bool, err error) {
+	n := k.dnn
+	if n == nil || out.n() == 0 || (a.p|b.p|out.p)%16 != 0 {
+		// cuDNN's tensor-core kernels want 16-byte aligned operands; a
+		// chunk that starts mid-vector runs on im2col.
+		return false, nil
+	}
+	// The plan's workspace is the node's, which Workspace sized.
+	var budget int64
+	if k.ws != nil {
+		budget = k.ws.Requested()
+	}
+	p, err := n.plan(newConvKey(pass, dt, geo, budget))
+	if err != nil || !p.ok {
+		return false, err
+	}
+	ws, err := k.workspace(p.ws)
+	if err != nil {
+		return false, err
+	}
+	l, one := n.lib, float32(1)
+	pa, pb, po := CUdeviceptr(a.p), CUdeviceptr(b.p), CUdeviceptr(out.p)
+	var fn string
+	var s cudnnStatus
+	switch pass {
+	case convForward:
+		fn, s = "cudnnConvolutionForward", l.cudnnConvolutionForward(n.h, &one, p.xd, pa, p.wd, pb, p.cd, p.algo,
+			CUdeviceptr(ws), uintptr(p.ws), &beta, p.yd, po)
+	case convGradInput:
+		fn, s = "cudnnConvolutionBackwardData", l.cudnnConvolutionBackwardData(n.h, &one, p.wd, pb, p.yd, pa, p.cd, p.algo,
+			CUdeviceptr(ws), uintptr(p.ws), &beta, p.xd, po)
+	default:
+		fn, s = "cudnnConvolutionBackwardFilter", l.cudnnConvolutionBackwardFilter(n.h, &one, p.xd, pa, p.yd, pb, p.cd, p.algo,
+			CUdeviceptr(ws), uintptr(p.ws), &beta, p.wd, po)
+	}
+	if err := l.check(fn, s); err != nil {
+		var ce *CUDNNError
+		if errors.As(err, &ce) && ce.NotSupported() {
+			n.mu.Lock()
+			n.fallbacks++
+			n.mu.Unlock()
+			return false, nil // im2col takes it
+		}
+		key := newConvKey(pass, dt, geo, 0)
+		return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s: %w", pass, key.x, key.w, dt, err)
+	}
+	return true, nil
+}

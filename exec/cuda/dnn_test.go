@@ -1,0 +1,142 @@
+package cuda_test
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/exec/cpu"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/conformance"
+	"github.com/batchfit/batchfit/internal/ref"
+)
+
+// dnnExecutor is an executor whose convolutions run on cuDNN: the shared
+// one, or a fresh one with o. It skips when cuDNN does not load, and fails
+// instead under BATCHFIT_REQUIRE_GPU (the GPU machine has cuDNN 9).
+func dnnExecutor(t *testing.T, o *cuda.ExecutorOptions) *cuda.Executor {
+	t.Helper()
+	e := executor(t)
+	if o != nil {
+		e = freshExecutor(t, *o)
+	}
+	if e.DNN() == nil {
+		if os.Getenv("BATCHFIT_REQUIRE_GPU") != "" {
+			t.Fatalf("convolutions: %s", e.Convolutions())
+		}
+		t.Skipf("convolutions: %s", e.Convolutions())
+	}
+	return e
+}
+
+func TestCuDNNLoads(t *testing.T) {
+	e := dnnExecutor(t, nil)
+	t.Logf("convolutions: %s; the handle took %d bytes of device memory (Reserve %d)", e.Convolutions(), e.DNN().Overhead(), e.Reserve())
+	require.Equal(t, cuda.DriverReserve+e.DNN().Overhead(), e.Reserve())
+}
+
+// TestConformanceIm2col runs the suite with cuDNN off: the im2col
+// convolutions stay the fallback (no cuDNN, or a shape no algorithm takes
+// within its workspace), so they keep their own check.
+func TestConformanceIm2col(t *testing.T) {
+	e := freshExecutor(t, cuda.ExecutorOptions{NoCuDNN: true})
+	require.Nil(t, e.DNN())
+	require.Contains(t, e.Convolutions(), "ExecutorOptions.NoCuDNN")
+	conformance.RunAll(t, runOn(e), fp32Tolerance)
+	conformance.RunAllAs(t, runOn(e), graph.BFloat16, conformance.BFloat16Tol)
+}
+
+// TestCuDNNConvMatchesCPU runs convolutions of the shapes conv nets train
+// (ResNet's 7×7/2 stem, 3×3 and strided 3×3, 1×1, depthwise, grouped and
+// dilated, odd channel counts) forward with a bias, and both gradients,
+// on cuDNN in float32, TF32, bfloat16 and float16, against the CPU
+// executor on the same values (float32 sums; 16-bit operands rounded as
+// the GPU's are, the result rounded once).
+//
+// Tolerance, on the error's norm relative to the reference's (sums of up
+// to 3,136 products in another order, and algorithms that transform their
+// operands): 1e-5 in float32, 5e-3 in TF32 (10-bit products), 1e-2 in
+// 16-bit (one rounding of every output, 2⁻⁹ relative on average, and
+// 16-bit intermediates in some algorithms).
+func TestCuDNNConvMatchesCPU(t *testing.T) {
+	type ccase struct {
+		name string
+		x, w []int
+		a    graph.Attrs
+	}
+	cases := []ccase{
+		{"stem_7x7_s2", []int{2, 3, 64, 64}, []int{64, 3, 7, 7}, graph.Attrs{Stride: [2]int{2, 2}, Padding: [2]int{3, 3}, Groups: 1}},
+		{"3x3", []int{4, 64, 28, 28}, []int{64, 64, 3, 3}, graph.Attrs{Stride: [2]int{1, 1}, Padding: [2]int{1, 1}, Groups: 1}},
+		{"3x3_s2", []int{4, 128, 28, 28}, []int{128, 128, 3, 3}, graph.Attrs{Stride: [2]int{2, 2}, Padding: [2]int{1, 1}, Groups: 1}},
+		{"1x1", []int{4, 256, 14, 14}, []int{64, 256, 1, 1}, graph.Attrs{Stride: [2]int{1, 1}, Groups: 1}},
+		{"1x1_s2", []int{4, 256, 14, 14}, []int{512, 256, 1, 1}, graph.Attrs{Stride: [2]int{2, 2}, Groups: 1}},
+		{"depthwise", []int{4, 32, 16, 16}, []int{32, 1, 3, 3}, graph.Attrs{Stride: [2]int{1, 1}, Padding: [2]int{1, 1}, Groups: 32}},
+		{"grouped_dilated", []int{2, 16, 15, 13}, []int{24, 4, 3, 3}, graph.Attrs{Stride: [2]int{1, 2}, Padding: [2]int{2, 2}, Dilation: [2]int{2, 2}, Groups: 4}},
+		{"odd_channels", []int{3, 5, 9, 9}, []int{7, 5, 3, 3}, graph.Attrs{Stride: [2]int{1, 1}, Padding: [2]int{1, 1}, Groups: 1}},
+	}
+	runs := []struct {
+		name string
+		dt   graph.DType
+		o    *cuda.ExecutorOptions
+		tol  float64
+	}{
+		{"fp32", graph.Float32, nil, 1e-5},
+		{"tf32", graph.Float32, &cuda.ExecutorOptions{TF32: true}, 5e-3},
+		{"bf16", graph.BFloat16, nil, 1e-2},
+		{"fp16", graph.Float16, nil, 1e-2},
+	}
+	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
+		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
+	})
+	rng := rand.New(rand.NewPCG(5, 11))
+	for _, r := range runs {
+		e := dnnExecutor(t, r.o)
+		gpu := runOn(e)
+		for _, c := range cases {
+			t.Run(r.name+"/"+c.name, func(t *testing.T) {
+				h := &halfGraph{t: t, g: graph.New(), dt: r.dt}
+				x, w, b := h.input(c.x...), h.param(c.w...), h.param(c.w[0])
+				y := h.op(graph.OpConv2d, c.a, x, w, b)
+				ys := h.g.Node(y).Type.Shape
+				gi, gw := c.a, c.a
+				gi.Target = h.target(c.x...)
+				gw.Target = graph.Type{Shape: c.w, DType: r.dt, BatchAxis: -1, PerSample: 1}
+				g := h.input(ys...)
+				outs := []int{y, h.op(graph.OpConv2dGradInput, gi, g, w), h.op(graph.OpConv2dGradWeight, gw, g, x)}
+				feeds := map[int]ref.Value{}
+				for _, id := range []int{x, w, b, g} {
+					v := ref.Zeros(h.g.Node(id).Type.Shape...)
+					for i := range v.Data {
+						v.Data[i] = 2*rng.Float64() - 1
+					}
+					feeds[id] = v
+				}
+				want, err := cpuRun(h.g, feeds, outs...)
+				require.NoError(t, err)
+				got, err := gpu(h.g, feeds, outs...)
+				require.NoError(t, err)
+				for k, name := range []string{"conv2d", "conv2d_grad_input", "conv2d_grad_weight"} {
+					require.Equal(t, want[k].Shape, got[k].Shape, name)
+					var diff, norm float64
+					for i, wv := range want[k].Data {
+						d := got[k].Data[i] - wv
+						diff += d * d
+						norm += wv * wv
+					}
+					rel := math.Sqrt(diff / norm)
+					require.Greater(t, norm, 0.0, name)
+					require.LessOrEqual(t, rel, r.tol, "%s: relative error %.3g in norm", name, rel)
+				}
+			})
+		}
+		plans, fallbacks := e.DNN().ConvStats()
+		t.Logf("%s: %d convolution plans, %d on im2col for want of an algorithm within the workspace", r.name, plans, fallbacks)
+		require.Positive(t, plans)
+	}
+}
