@@ -25,6 +25,12 @@ func gibs(x float64) int64 { return int64(x*1024+0.5) * mib }
 // No other card was measured; every card is assumed to need as much.
 const contextOverhead = 594 * mib
 
+// cudnnHandle is the device memory a CUDA session's cuDNN handle takes
+// outside its allocator (cuDNN 9.14 on the H100: cuMemGetInfo around
+// cudnnCreate, exec/cuda's TestCuDNNLoads), which the session leaves free
+// (Executor.Reserve).
+const cudnnHandle = 8 * mib
+
 // contextNote says where contextOverhead comes from, for the output.
 const contextNote = "≈0.58 GiB measured on an H100 80GB; assumed equal on other cards"
 
@@ -80,13 +86,15 @@ type device struct {
 	ContextMeasured bool   `json:"context_measured"`
 	Workspace       int64  `json:"cublas_workspace"`
 	DriverReserve   int64  `json:"driver_reserve"` // left free for the driver's mappings (cuda.DriverReserve)
-	Budget          int64  `json:"budget"`         // Total − Context − Workspace − DriverReserve
+	CuDNN           int64  `json:"cudnn_handle"`   // the cuDNN handle's own memory, left free too
+	Budget          int64  `json:"budget"`         // Total − Context − Workspace − DriverReserve − CuDNN
 }
 
 func newDevice(name string, total int64, source string) *device {
 	d := &device{Card: name, Total: total, TotalSource: source, Context: contextOverhead,
-		ContextMeasured: name == "h100-80gb", Workspace: cuda.DefaultWorkspace, DriverReserve: cuda.DriverReserve}
-	d.Budget = d.Total - d.Context - d.Workspace - d.DriverReserve
+		ContextMeasured: name == "h100-80gb", Workspace: cuda.DefaultWorkspace, DriverReserve: cuda.DriverReserve,
+		CuDNN: cudnnHandle}
+	d.Budget = d.Total - d.Context - d.Workspace - d.DriverReserve - d.CuDNN
 	return d
 }
 
@@ -100,9 +108,9 @@ func (d *device) describe() string {
 	if !d.ContextMeasured {
 		note = "estimate: " + contextNote
 	}
-	return fmt.Sprintf("%s: %s total − %s CUDA context and libraries (%s) − %s cuBLAS workspace − %s left free for the driver = %s; CUDA executor's workspaces",
+	return fmt.Sprintf("%s: %s total − %s CUDA context and libraries (%s) − %s cuBLAS workspace − %s left free for the driver − %s cuDNN handle = %s; CUDA executor's workspaces",
 		name, alloc.FormatBytes(d.Total), alloc.FormatBytes(d.Context), note, alloc.FormatBytes(d.Workspace),
-		alloc.FormatBytes(d.DriverReserve), alloc.FormatBytes(d.Budget))
+		alloc.FormatBytes(d.DriverReserve), alloc.FormatBytes(d.CuDNN), alloc.FormatBytes(d.Budget))
 }
 
 // deviceFlagValues are estimate's flags naming the card to plan for.
@@ -150,8 +158,8 @@ func (v *deviceFlagValues) resolve(set map[string]bool) (*device, error) {
 		return nil, nil
 	}
 	if d.Budget <= 0 {
-		return nil, usagef(errRange, "--gpu-memory %s leaves nothing after the CUDA context (%s), the cuBLAS workspace (%s) and the driver reserve (%s)",
-			alloc.FormatBytes(d.Total), alloc.FormatBytes(d.Context), alloc.FormatBytes(d.Workspace), alloc.FormatBytes(d.DriverReserve))
+		return nil, usagef(errRange, "--gpu-memory %s leaves nothing after the CUDA context (%s), the cuBLAS workspace (%s), the driver reserve (%s) and the cuDNN handle (%s)",
+			alloc.FormatBytes(d.Total), alloc.FormatBytes(d.Context), alloc.FormatBytes(d.Workspace), alloc.FormatBytes(d.DriverReserve), alloc.FormatBytes(d.CuDNN))
 	}
 	return d, nil
 }

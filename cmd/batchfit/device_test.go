@@ -29,7 +29,7 @@ func TestEstimateOnCard(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.gpu, func(t *testing.T) {
-			budget := c.total - context - 32<<20 - 4<<20
+			budget := c.total - context - 32<<20 - 4<<20 - 8<<20
 			require.Equal(t, int64(32<<20), int64(cuda.DefaultWorkspace), "the session's cuBLAS workspace")
 			require.Equal(t, int64(4<<20), int64(cuda.DriverReserve), "what a CUDA session leaves free for the driver")
 			_, want, err := gpt2PlanWith(t, 8, budget, cuda.Workspace)
@@ -50,6 +50,7 @@ func TestEstimateOnCard(t *testing.T) {
 			assert.Equal(t, c.measured, r.Device.ContextMeasured)
 			assert.Equal(t, int64(cuda.DefaultWorkspace), r.Device.Workspace)
 			assert.Equal(t, int64(cuda.DriverReserve), r.Device.DriverReserve)
+			assert.Equal(t, int64(8<<20), r.Device.CuDNN, "the cuDNN handle, measured on the H100")
 			assert.Equal(t, budget, r.Device.Budget)
 			assert.Equal(t, budget, r.Budget)
 			assert.NotEmpty(t, r.Device.TotalSource)
@@ -64,14 +65,15 @@ func TestEstimateOnCard(t *testing.T) {
 				note = "estimate: ≈0.58 GiB measured on an H100 80GB; assumed equal on other cards"
 			}
 			assert.Contains(t, stdout, c.gpu+": "+alloc.FormatBytes(c.total)+" total − 594.00 MiB CUDA context and libraries ("+
-				note+") − 32.00 MiB cuBLAS workspace − 4.00 MiB left free for the driver = "+alloc.FormatBytes(budget)+"; CUDA executor's workspaces")
+				note+") − 32.00 MiB cuBLAS workspace − 4.00 MiB left free for the driver − 8.00 MiB cuDNN handle = "+alloc.FormatBytes(budget)+"; CUDA executor's workspaces")
 			assert.Contains(t, stdout, alloc.FormatBytes(budget)+" − headroom 0 B = "+alloc.FormatBytes(budget)+" available")
 		})
 	}
 }
 
 // "Will it fit on a 1 GiB card?" is not "will it fit in 1 GiB": the CUDA
-// context, the cuBLAS workspace and the driver reserve take 630 MiB of it first.
+// context, the cuBLAS workspace, the driver reserve and the cuDNN handle
+// take 638 MiB of it first.
 func TestEstimateGPUMemory(t *testing.T) {
 	args := []string{"estimate", "--model", "convnet", "--batch", "1024", "--json"}
 	code, stdout, stderr := runCLI(append(args, "--budget", "1GiB")...)
@@ -87,7 +89,7 @@ func TestEstimateGPUMemory(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(stdout), &card))
 	require.NotNil(t, card.Device)
 	assert.Empty(t, card.Device.Card)
-	assert.Equal(t, int64(1<<30-630<<20), card.Budget) // less the context, the cuBLAS workspace and the driver reserve
+	assert.Equal(t, int64(1<<30-638<<20), card.Budget) // less the context, the cuBLAS workspace, the driver reserve and the cuDNN handle
 	assert.False(t, card.Plan.WholeBatch, "a 1 GiB card does not: %+v", card.Plan)
 	assert.LessOrEqual(t, card.Plan.PeakReserved, card.Budget)
 }
