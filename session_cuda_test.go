@@ -475,6 +475,43 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 	}
 }
 
+// TestSessionCUDAMixedResNet: a ResNet (Bottleneck blocks, training-mode
+// batch norm, the running statistics updated) under bf16-mixed and
+// fp16-mixed on CUDA, where its batch norms read 16-bit activations with
+// float32 weights (on cuDNN), against the CPU session for three SGD steps:
+// losses within the policy's tolerance (as TestSessionCUDAMixedPrecision),
+// and predicted = measured at every step.
+func TestSessionCUDAMixedResNet(t *testing.T) {
+	ctx := context.Background()
+	for _, pc := range []struct {
+		precision string
+		rtol      float64
+	}{{"bf16-mixed", 2e-2}, {"fp16-mixed", 5e-3}} {
+		t.Run(pc.precision, func(t *testing.T) {
+			gpu := cudaSession(t, batchfit.Options{Precision: pc.precision})
+			t.Log(gpu.Device())
+			cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: pc.precision})
+			defer cpu.Close()
+			gm, cm := resnetModel(false), resnetModel(false)
+			grng, crng := rand.New(rand.NewPCG(93, 94)), rand.New(rand.NewPCG(93, 94))
+			gopt, copt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+			for step := range 3 {
+				loss, params := cm.Build(crng, 64)
+				want, err := cpu.Step(ctx, loss, params, copt)
+				require.NoError(t, err, "cpu step %d", step)
+				loss, params = gm.Build(grng, 64)
+				got, err := gpu.Step(ctx, loss, params, gopt)
+				require.NoError(t, err, "cuda step %d", step)
+				pl, used := gpu.LastPlan(), gpu.LastUsage()
+				t.Logf("step %d: loss cpu %.6f cuda %.6f", step, want, got)
+				assert.InEpsilon(t, want, got, pc.rtol, "step %d loss", step)
+				assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
+				assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+			}
+		})
+	}
+}
+
 // TestSessionCUDALossScale: fp16-mixed on CUDA scales its loss as on the
 // CPU: from 2⁴⁰ the first steps overflow and are skipped (parameters and
 // the device's Adam untouched, the scale halving) until the scale fits,

@@ -15,8 +15,10 @@ const (
 	// biased variance over every axis but 1 and takes x[, weight[, bias]];
 	// otherwise it uses running statistics and takes x, running_mean,
 	// running_var[, weight[, bias]], all [C] (BatchNormAffine says where the
-	// weight is). Attrs.Eps. It updates no running statistics: graphs have
-	// no side effects.
+	// weight is). Attrs.Eps. The [C] inputs have x's dtype, or float32
+	// when x is 16-bit (mixed precision: arithmetic in float32, output in
+	// x's dtype). It updates no running statistics: graphs have no side
+	// effects.
 	//
 	// Attrs.PerChunk (training mode only) is the opt-in to per-chunk
 	// statistics: the node normalises with the mean and variance of the
@@ -170,8 +172,11 @@ func batchNorm(attrs *Attrs, in []Type) (Type, error) {
 		if !slices.Equal(p.Shape, []int{c}) {
 			return Type{}, Errorf(ErrShape, "batch_norm %s shape %v, want [%d] (the channels of x %v)", names[i], p.Shape, c, x.Shape)
 		}
-		if p.DType != x.DType {
-			return Type{}, Errorf(ErrDType, "batch_norm of %s with %s %s", x.DType, names[i], p.DType)
+		// 16-bit x with float32 per-channel values is autocast's batch
+		// norm (cuDNN's, as PyTorch calls it): float32 weights and
+		// running statistics, arithmetic in float32, x's dtype out.
+		if p.DType != x.DType && !(x.DType.IsHalf() && p.DType == Float32) {
+			return Type{}, Errorf(ErrDType, "batch_norm of %s with %s %s (want %s, or float32 for 16-bit x)", x.DType, names[i], p.DType, x.DType)
 		}
 	}
 	// PyTorch refuses the same: one value per channel has no variance.

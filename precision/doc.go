@@ -15,9 +15,14 @@
 //     every float input is cast to the policy's 16-bit dtype, so the op
 //     computes from 16-bit inputs, accumulates in float32 and stores a
 //     16-bit result;
-//     – float32 class (softmax, log_softmax, layer_norm, batch_norm,
-//     batch_norm_stats, mse, sum, mean, exp, log, pow, pow_scalar,
-//     rdiv_scalar): every 16-bit input is cast to float32;
+//     – float32 class (softmax, log_softmax, layer_norm, mse, sum, mean,
+//     exp, log, pow, pow_scalar, rdiv_scalar): every 16-bit input is cast
+//     to float32;
+//     – batch_norm reads x as it is and its weight, bias and running
+//     statistics in float32 (casting any that are not), computes in
+//     float32 and gives x's dtype, as autocast's call of cuDNN's batch
+//     norm does: a ResNet's activations stay 16-bit from the stem's
+//     convolution to the global pool, with no float32 copy of any;
 //     – cross_entropy takes 16-bit logits as they are: it reads them
 //     widened, computes in float32 and returns a float32 loss, the values
 //     autocast's float32 cross-entropy gives (widening is exact), and its

@@ -85,10 +85,11 @@ func (p Policy) TF32() bool { return p == TF32 }
 type class uint8
 
 const (
-	keep   class = iota // run in the input's dtype
-	lower               // GEMM class: float inputs cast to the 16-bit dtype
-	widen               // float32 class: float inputs cast to float32
-	common              // concat: mixed float inputs cast to float32
+	keep       class = iota // run in the input's dtype
+	lower                   // GEMM class: float inputs cast to the 16-bit dtype
+	widen                   // float32 class: float inputs cast to float32
+	common                  // concat: mixed float inputs cast to float32
+	perChannel              // batch_norm: x as it is, its [C] inputs cast to float32
 )
 
 var classes = func() [graph.NumOps]class {
@@ -99,12 +100,13 @@ var classes = func() [graph.NumOps]class {
 	// cross_entropy is not among them: it reads 16-bit logits widened and
 	// computes in float32 itself (graph's rule), which spares the float32
 	// copy of the logits and of their gradient.
-	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpBatchNorm,
+	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm,
 		graph.OpMSE, graph.OpSum, graph.OpMean,
 		graph.OpExp, graph.OpLog, graph.OpPow, graph.OpPowScalar, graph.OpRDivScalar} {
 		c[op] = widen
 	}
 	c[graph.OpConcat] = common
+	c[graph.OpBatchNorm] = perChannel
 	return c
 }()
 
@@ -264,6 +266,15 @@ func castInputs(out *graph.Graph, nd *graph.Node, c class, dt graph.DType, ins [
 				to = graph.Float32
 			}
 		}
+	case perChannel:
+		for k, in := range nd.Inputs[1:] {
+			id, err := cast(in, graph.Float32, nd)
+			if err != nil {
+				return &graph.OpError{Op: "cast (before " + nd.Op.String() + ")", Site: nd.Site, Err: err}
+			}
+			ins[k+1] = id
+		}
+		return nil
 	}
 	if to == graph.InvalidDType {
 		return nil

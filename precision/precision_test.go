@@ -80,7 +80,12 @@ func checkAutocast(t *testing.T, s *precision.Step, half graph.DType) (casts map
 			assert.Equal(t, graph.Float32, nd.Type.DType, "node %d (%s) output", i, nd.Op)
 			assert.Equal(t, half, dt(nd.Inputs[0]), "node %d (%s) logits: no float32 copy", i, nd.Op)
 			assert.NotEqual(t, graph.OpCast, g.Node(nd.Inputs[0]).Op, "node %d (%s) logits", i, nd.Op)
-		case graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpBatchNorm, graph.OpMSE, graph.OpSum, graph.OpMean:
+		case graph.OpBatchNorm: // x as it is, float32 weight and statistics, x's dtype out
+			assert.Equal(t, dt(nd.Inputs[0]), nd.Type.DType, "node %d (%s) output", i, nd.Op)
+			for _, in := range nd.Inputs[1:] {
+				assert.Equal(t, graph.Float32, dt(in), "node %d (%s) input %d", i, nd.Op, in)
+			}
+		case graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpMSE, graph.OpSum, graph.OpMean:
 			assert.Equal(t, graph.Float32, nd.Type.DType, "node %d (%s) output", i, nd.Op)
 			for _, in := range nd.Inputs {
 				if dt(in) != graph.Int64 {
@@ -189,6 +194,36 @@ func TestAutocastConvNet(t *testing.T) {
 			assert.Equal(t, graph.BFloat16, nd.Type.DType, "%s runs in its input's dtype", nd.Op)
 		}
 	}
+}
+
+// A ResNet's batch norms read their convolution's 16-bit output as it is
+// and give a 16-bit output, which the ReLU and the next convolution read
+// as it is (PyTorch's autocast calls cuDNN's batch norm the same way): no
+// activation is cast between the stem and the global pool.
+func TestAutocastResNet(t *testing.T) {
+	m := models.NewResNet(nn.Options{ShapeOnly: true}, models.ResNetConfig{Blocks: []int{1, 1, 1, 1}, Bottleneck: true,
+		Width: 4, CIFARStem: true, ImageSize: 8, Classes: 5})
+	x := lazy.Placeholder([]int{2, 3, 8, 8}, graph.Float32, 0)
+	y := x.Graph().Placeholder([]int{2}, graph.Int64, 0)
+	loss := m.Forward(x).CrossEntropy(y, graph.ReduceMean)
+	require.NoError(t, loss.Err())
+	s := train(t, model{loss, nn.ParamTensors(m)}, precision.BF16Mixed)
+	checkAutocast(t, s, graph.BFloat16)
+	g := s.Graph
+	norms := 0
+	for _, nd := range g.Nodes()[:s.Loss] {
+		switch nd.Op {
+		case graph.OpBatchNorm:
+			norms++
+			assert.Equal(t, graph.OpConv2d, g.Node(nd.Inputs[0]).Op, "batch norm %d reads its convolution's output, not a cast", nd.ID)
+			assert.Equal(t, graph.BFloat16, nd.Type.DType, "batch norm %d", nd.ID)
+		case graph.OpConv2d: // reads a 16-bit activation as it is (the stem's fp32 image is cast)
+			if in := g.Node(nd.Inputs[0]); in.Op == graph.OpCast {
+				assert.Equal(t, graph.OpInput, g.Node(in.Inputs[0]).Op, "convolution %d reads a cast activation", nd.ID)
+			}
+		}
+	}
+	assert.Positive(t, norms)
 }
 
 // fp32 and tf32 leave the graph as it is: the same signature.

@@ -51,6 +51,12 @@ func fp(ax, per int, d ...int) graph.Type {
 
 func ts(t ...graph.Type) []graph.Type { return t }
 
+// withDType is t in dtype dt.
+func withDType(t graph.Type, dt graph.DType) graph.Type {
+	t.DType = dt
+	return t
+}
+
 type ruleCase struct {
 	name  string
 	op    graph.Op
@@ -115,8 +121,8 @@ func validCases() []ruleCase {
 	add(ruleCase{name: "float32 to bfloat16", op: graph.OpCast, attrs: to(graph.BFloat16), in: ts(fb(0, 4, 3)), want: as(fb(0, 4, 3), graph.BFloat16)},
 		ruleCase{name: "float16 to float32", op: graph.OpCast, attrs: to(graph.Float32), in: ts(as(f(3), graph.Float16)), want: f(3)},
 		ruleCase{name: "bfloat16 + float32 promotes", op: graph.OpAdd, in: ts(as(fb(0, 4, 3), graph.BFloat16), f(3)), want: fb(0, 4, 3)},
-		ruleCase{name: "bfloat16 · float16 promotes", op: graph.OpMul, in: ts(as(f(3), graph.BFloat16), as(f(3), graph.Float16)), want: f(3)},
-		ruleCase{name: "bfloat16 stays", op: graph.OpSub, in: ts(as(f(3), graph.BFloat16), as(f(3), graph.BFloat16)), want: as(f(3), graph.BFloat16)})
+		ruleCase{name: "bfloat16 · float16 promotes", op: graph.OpMul, in: ts(withDType(f(3), graph.BFloat16), as(f(3), graph.Float16)), want: f(3)},
+		ruleCase{name: "bfloat16 stays", op: graph.OpSub, in: ts(withDType(f(3), graph.BFloat16), withDType(f(3), graph.BFloat16)), want: withDType(f(3), graph.BFloat16)})
 	add(
 		// The lower-rank operand's batch axis moves right by the rank difference.
 		ruleCase{name: "batch axis shifts under broadcasting", op: graph.OpAdd, in: ts(f(2, 1, 1), fb(0, 4, 3)), want: fb(1, 2, 4, 3)},
@@ -193,6 +199,12 @@ func validCases() []ruleCase {
 		ruleCase{name: "eval, one value per channel", op: graph.OpBatchNorm, attrs: bnEval, batch: 1, in: ts(fp(0, 1, 1, 3), f(3), f(3)), want: fp(0, 1, 1, 3)},
 		ruleCase{name: "training, per-chunk statistics", op: graph.OpBatchNorm, attrs: graph.Attrs{Training: true, PerChunk: true, Eps: 1e-5},
 			in: ts(fb(0, 4, 3, 5, 5), f(3), f(3)), want: fb(0, 4, 3, 5, 5)},
+		// Mixed precision: 16-bit x, float32 weight, bias and running
+		// statistics, x's dtype out.
+		ruleCase{name: "bfloat16 x, float32 weight and bias", op: graph.OpBatchNorm, attrs: bnTrain,
+			in: ts(as(fb(0, 4, 3, 5, 5), graph.BFloat16), f(3), f(3)), want: as(fb(0, 4, 3, 5, 5), graph.BFloat16)},
+		ruleCase{name: "float16 x, float32 running statistics", op: graph.OpBatchNorm, attrs: bnEval,
+			in: ts(as(fb(0, 4, 3, 5, 5), graph.Float16), f(3), f(3)), want: as(fb(0, 4, 3, 5, 5), graph.Float16)},
 		ruleCase{name: "NCHW", op: graph.OpBatchNormStats, in: ts(fb(0, 4, 3, 5, 5)), want: f(2, 3)},
 		ruleCase{name: "[N, C]", op: graph.OpBatchNormStats, in: ts(fb(0, 4, 3)), want: f(2, 3)},
 		ruleCase{name: "batch on the channels stays", op: graph.OpBatchNormStats, in: ts(fp(1, 2, 3, 8, 5)), want: fp(1, 2, 2, 8)},
@@ -441,6 +453,9 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "eps NaN", op: graph.OpBatchNorm, attrs: graph.Attrs{Eps: math.NaN()}, in: ts(x4, f(3), f(3)), want: graph.ErrAttr},
 		rejectCase{name: "rank 1", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(fb(0, 4)), want: graph.ErrShape},
 		rejectCase{name: "weight shape", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(x4, f(5)), want: graph.ErrShape},
+		rejectCase{name: "float32 x, bfloat16 weight", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(x4, withDType(f(3), graph.BFloat16)), want: graph.ErrDType},
+		rejectCase{name: "bfloat16 x, float16 weight", op: graph.OpBatchNorm, attrs: bnTrain,
+			in: ts(withDType(x4, graph.BFloat16), withDType(f(3), graph.Float16)), want: graph.ErrDType},
 		rejectCase{name: "bias shape", op: graph.OpBatchNorm, attrs: bnTrain, in: ts(x4, f(3), f(1, 3)), want: graph.ErrShape},
 		rejectCase{name: "running_var shape", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4, f(3), f(4)), want: graph.ErrShape},
 		rejectCase{name: "int64 running_mean", op: graph.OpBatchNorm, attrs: bnEval, in: ts(x4, i(3), f(3)), want: graph.ErrDType},

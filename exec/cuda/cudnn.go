@@ -130,6 +130,7 @@ type cudnnLib struct {
 		dwd cudnnFilterDesc, dw CUdeviceptr) cudnnStatus
 
 	version int
+	bn      *cudnnBNLib // nil when these libraries lack the batch norm
 }
 
 func (c *cudnnLib) symbols() []symbol {
@@ -224,6 +225,9 @@ func loadCUDNN() (*cudnnLib, error) {
 		if err := bindAny(libs, c.symbols()); err != nil {
 			cudnnOnce.err = fmt.Errorf("%w: cudnn: %v", ErrNoLibrary, err)
 			return
+		}
+		if bn := new(cudnnBNLib); bindAny(libs, bn.symbols()) == nil {
+			c.bn = bn
 		}
 		c.version = int(c.cudnnGetVersion())
 		if c.version < 90000 {

@@ -28,8 +28,10 @@ type DNN struct {
 
 	mu        sync.Mutex
 	plans     map[convKey]*convPlan
+	bnPlans   map[bnKey]*bnPlan
 	fallbacks int
 	closed    bool
+	bn        *cudnnBNLib // nil when cuDNN lacks its batch norm
 }
 
 // convPass is one of a convolution's three passes.
@@ -75,7 +77,7 @@ func (d *Device) newDNN(tf32 bool) (*DNN, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := &DNN{d: d, lib: lib, tf32: tf32, plans: map[convKey]*convPlan{}}
+	n := &DNN{d: d, lib: lib, bn: lib.bn, tf32: tf32, plans: map[convKey]*convPlan{}, bnPlans: map[bnKey]*bnPlan{}}
 	err = d.do(func() error {
 		var before, after, total uintptr
 		if err := d.drv.check("cuMemGetInfo_v2", d.drv.cuMemGetInfo(&before, &total)); err != nil {
@@ -125,7 +127,10 @@ func (n *DNN) Close() error {
 		for _, p := range n.plans {
 			errs = append(errs, n.destroy(p))
 		}
-		n.plans = nil
+		for _, p := range n.bnPlans {
+			errs = append(errs, n.destroyBN(p))
+		}
+		n.plans, n.bnPlans = nil, nil
 		errs = append(errs, n.lib.check("cudnnDestroy", n.lib.cudnnDestroy(n.h)))
 		return errors.Join(errs...)
 	})

@@ -2,6 +2,7 @@ package cuda_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -138,5 +139,84 @@ func TestCuDNNConvMatchesCPU(t *testing.T) {
 		plans, fallbacks := e.DNN().ConvStats()
 		t.Logf("%s: %d convolution plans, %d on im2col for want of an algorithm within the workspace", r.name, plans, fallbacks)
 		require.Positive(t, plans)
+	}
+}
+
+// TestCuDNNBatchNormMatchesCPU runs batch norm in training mode (forward,
+// batch_norm_grad_x, batch_norm_grad_w and the bias's sum) and evaluation
+// mode on cuDNN, in float32 and in mixed precision (16-bit x, float32
+// weight, bias and running statistics, as autocast runs it), against the
+// CPU executor on the same values.
+//
+// Tolerance, on the error's norm relative to the reference's: 1e-4 in
+// float32 (cuDNN sums in float32, the CPU in float64), 1e-2 in 16-bit (one
+// rounding of every output, 2⁻⁹ relative on average).
+func TestCuDNNBatchNormMatchesCPU(t *testing.T) {
+	e := dnnExecutor(t, nil)
+	gpu := runOn(e)
+	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
+		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
+	})
+	shapes := [][]int{{8, 64, 28, 28}, {4, 256, 7, 7}, {16, 10}, {3, 5, 9, 11}}
+	rng := rand.New(rand.NewPCG(17, 19))
+	for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16} {
+		tol := 1e-2
+		if dt == graph.Float32 {
+			tol = 1e-4
+		}
+		for _, shape := range shapes {
+			t.Run(fmt.Sprintf("%s/%v", dt, shape), func(t *testing.T) {
+				h := &halfGraph{t: t, g: graph.New(), dt: dt}
+				c := shape[1]
+				f32 := func(op graph.Op) int {
+					return h.add(graph.Node{Op: op, Name: fmt.Sprintf("p%d", h.g.Len()), Type: graph.Type{Shape: []int{c}, DType: graph.Float32}})
+				}
+				x, w, b := h.input(shape...), f32(graph.OpParam), f32(graph.OpParam)
+				mean, vr := f32(graph.OpParam), f32(graph.OpParam)
+				g := h.input(shape...)
+				train := graph.Attrs{Training: true, Eps: 1e-5}
+				axes := []int{0}
+				for i := 2; i < len(shape); i++ {
+					axes = append(axes, i)
+				}
+				outs := []int{
+					h.op(graph.OpBatchNorm, train, x, w, b),
+					h.op(graph.OpBatchNormGradX, train, g, x, w),
+					h.op(graph.OpBatchNormGradW, train, g, x),
+					h.op(graph.OpSum, graph.Attrs{Axes: axes}, g),
+					h.op(graph.OpBatchNorm, graph.Attrs{Eps: 1e-5}, x, mean, vr, w, b),
+					h.op(graph.OpBatchNorm, train, x), // no weight or bias: cuDNN's ones and zeros
+				}
+				feeds := map[int]ref.Value{}
+				for _, id := range []int{x, w, b, mean, vr, g} {
+					v := ref.Zeros(h.g.Node(id).Type.Shape...)
+					for i := range v.Data {
+						v.Data[i] = 2*rng.Float64() - 1 + 0.5*float64(i%3)
+					}
+					if id == vr {
+						for i := range v.Data {
+							v.Data[i] = 0.5 + rng.Float64()
+						}
+					}
+					feeds[id] = v
+				}
+				want, err := cpuRun(h.g, feeds, outs...)
+				require.NoError(t, err)
+				got, err := gpu(h.g, feeds, outs...)
+				require.NoError(t, err)
+				for k := range outs {
+					require.Equal(t, want[k].Shape, got[k].Shape, "output %d", k)
+					var diff, norm float64
+					for i, wv := range want[k].Data {
+						d := got[k].Data[i] - wv
+						diff += d * d
+						norm += wv * wv
+					}
+					require.Greater(t, norm, 0.0, "output %d", k)
+					rel := math.Sqrt(diff / norm)
+					require.LessOrEqual(t, rel, tol, "output %d (%s): relative error %.3g in norm", k, h.g.Node(outs[k]).Op, rel)
+				}
+			})
+		}
 	}
 }

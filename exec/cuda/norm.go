@@ -17,7 +17,7 @@ var normKernels = family{
 	}},
 	graph.OpBatchNorm: {run: func(k *kctx, in []operand, out operand) error {
 		return k.batchNorm(k.attrs(), in, out)
-	}, ws: bnWorkspace},
+	}, ws: bnDNNWorkspace},
 	graph.OpBatchNormStats: {run: func(k *kctx, in []operand, out operand) error { return k.batchNormMoments(in[0], out) }},
 
 	graph.OpSoftmaxGrad:    {run: typedGradOf(softmaxGrad)},
@@ -30,7 +30,7 @@ var normKernels = family{
 	}), ws: lnGradWWorkspace},
 	graph.OpBatchNormGradX: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 		return k.batchNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), out)
-	}), ws: bnWorkspace},
+	}), ws: bnDNNWorkspace},
 	graph.OpBatchNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, _ operand, in []operand, out operand) error {
 		return k.batchNormGradW(dt, k.attrs(), in, out)
 	}), ws: bnWorkspace},
@@ -183,6 +183,19 @@ func lnGradWWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 
 // bnWorkspace: the per-channel statistics of x [N, C, ...], the first
 // input of batch_norm and the second of its gradients.
+// bnDNNWorkspace is bnWorkspace plus the cuDNN batch norm's (dnnBNBytes),
+// for batch_norm and batch_norm_grad_x.
+func bnDNNWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	i := 1
+	if nd.Op == graph.OpBatchNorm {
+		i = 0
+	}
+	if x := inputAt(g, nd, i, b); len(x) >= 2 {
+		return bnWorkspace(g, nd, b) + dnnBNBytes(int64(x[1]))
+	}
+	return bnWorkspace(g, nd, b)
+}
+
 func bnWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	i := 1
 	if nd.Op == graph.OpBatchNorm {
@@ -302,6 +315,9 @@ func (k *kctx) batchNormMoments(x, out operand) error {
 }
 
 func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
+	if done, err := k.dnnBatchNorm(a, in, out); done || err != nil {
+		return err
+	}
 	x := in[0]
 	dt, err := floatsOf(x, out)
 	if err != nil {
@@ -340,6 +356,9 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 
 // batchNormGradX is the training-mode gradient of batch_norm's input.
 func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
+	if done, err := k.dnnBatchNormGradX(a, g, x, w, out); done || err != nil {
+		return err
+	}
 	ops := []operand{g, x, out}
 	if w != nil {
 		ops = append(ops, *w)
