@@ -101,6 +101,9 @@ const (
 	reduceRows    reduceKind = iota // [rows, n], last axis reduced
 	reduceMid                       // [outer, n, inner], middle axis reduced
 	reduceStrided                   // anything else, through a ReduceGeom
+	// [outer, n, inner] with outer and inner reduced (a bias or batch
+	// norm gradient over [N, C, H, W]): rows then partials, see reduce.
+	reduceOuterInner
 )
 
 // reduceLayout is a reduction of a contiguous x over some axes after
@@ -181,6 +184,8 @@ func planReduce(shape, axes []int) (reduceLayout, error) {
 	case len(red) == 1 && len(merged) <= 3 && !merged[last].red: // [n, inner] or [outer, n, inner]
 		l.kind, l.n, l.inner = reduceMid, l.nred, int64(merged[last].size)
 		l.outer = l.nout / l.inner
+	case len(merged) == 3 && merged[0].red && !merged[1].red && merged[2].red: // [outer, n, inner], n kept
+		l.kind, l.outer, l.n, l.inner = reduceOuterInner, int64(merged[0].size), int64(merged[1].size), int64(merged[2].size)
 	default:
 		l.kind = reduceStrided
 	}

@@ -133,6 +133,19 @@ func TestPlanReduceEmulated(t *testing.T) {
 					}
 				}
 			}
+		case reduceOuterInner: // rows of inner values, then the [outer, n] partials over outer
+			require.Equal(t, l.nout, l.n)
+			part := make([]float64, l.outer*l.n)
+			for r := range l.outer * l.n {
+				for j := range l.inner {
+					part[r] += x[r*l.inner+j]
+				}
+			}
+			for o := range l.outer {
+				for c := range l.n {
+					got[c] += part[o*l.n+c]
+				}
+			}
 		default:
 			for r := range l.nout {
 				base := offsetOf(r, l.geom.KeptRank, l.geom.KeptShape, l.geom.KeptStride)
@@ -153,7 +166,7 @@ func TestPlanReduceEmulated(t *testing.T) {
 			require.InDelta(t, want[i], viaGeom[i], 1e-12, "trial %d: geom of %v over %v", trial, shape, axes)
 		}
 	}
-	for _, k := range []reduceKind{reduceRows, reduceMid, reduceStrided} {
+	for _, k := range []reduceKind{reduceRows, reduceMid, reduceStrided, reduceOuterInner} {
 		assert.Positive(t, kinds[k], "kind %d never chosen", k)
 	}
 }
@@ -179,9 +192,30 @@ func TestPlanReduceKinds(t *testing.T) {
 	}
 	l, err := planReduce([]int{2, 3, 4}, []int{0, 2})
 	require.NoError(t, err)
+	assert.Equal(t, reduceOuterInner, l.kind)
+	assert.Equal(t, [3]int64{2, 3, 4}, [3]int64{l.outer, l.n, l.inner})
+	l, err = planReduce([]int{2, 3, 4, 5}, []int{0, 2})
+	require.NoError(t, err)
 	assert.Equal(t, reduceStrided, l.kind)
 	_, err = planReduce([]int{2, 3}, []int{2})
 	assert.ErrorIs(t, err, graph.ErrAttr)
+}
+
+// TestOuterInnerWorkspace: the partials of a [N, C, H, W] reduction over
+// (0, 2, 3) are counted per chunk, affine in it, and cover the layout each
+// chunk runs; another layout declares none.
+func TestOuterInnerWorkspace(t *testing.T) {
+	full, axes := []int{8, 5, 3, 4}, []int{0, 2, 3}
+	for _, b := range []int{0, 1, 2, 8} {
+		x := []int{b, 5, 3, 4}
+		got := outerInnerBytes(full, x, axes)
+		assert.Equal(t, int64(4*b*5), got, "chunk of %d", b)
+		if l, err := planReduce(x, axes); err == nil && l.kind == reduceOuterInner {
+			assert.LessOrEqual(t, splitBytes(l.outer, l.n), got, "chunk of %d", b)
+		}
+	}
+	assert.Zero(t, outerInnerBytes([]int{8, 5}, []int{8, 5}, []int{0}))
+	assert.Zero(t, outerInnerBytes([]int{2, 3, 4, 5}, []int{2, 3, 4, 5}, []int{0, 2}))
 }
 
 // TestBroadcastGeomEmulated: binary_bcast_f32's offset_of2 through the

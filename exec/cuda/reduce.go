@@ -4,6 +4,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
 	"github.com/batchfit/batchfit/graph"
+	"slices"
 )
 
 // reduceCodes are the reduce_* kernels' op codes (R_SUM, R_MAX),
@@ -61,10 +62,31 @@ func splitBytes(splits, nout int64) int64 { return 4 * splits * nout }
 // reduceWorkspace: the partials of a split reduction, for a node that may
 // split.
 func reduceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
-	if !reduceSplittable(g, nd) {
+	var ws int64
+	if reduceSplittable(g, nd) {
+		ws = splitBytes(maxSplits, int64(graph.Numel(nd.Type.AtBatch(b))))
+	}
+	if len(nd.Inputs) > 0 {
+		ws += outerInnerBytes(g.Node(nd.Inputs[0]).Type.Shape, inputAt(g, nd, 0, b), nd.Attrs.Axes)
+	}
+	return ws
+}
+
+// outerInnerBytes is the float partials [outer, n] of a reduceOuterInner
+// reduction of x (full, at the graph's batch; x, at the chunk's), 0 for
+// another layout. The layout is the full batch's, and the partials are
+// counted as the rows in front of the trailing reduced axes, so that the
+// bytes are affine in the chunk (a chunk of one, whose batch axis drops
+// out, may run another kernel and use less).
+func outerInnerBytes(full, x []int, axes []int) int64 {
+	if l, err := planReduce(full, axes); err != nil || l.kind != reduceOuterInner || len(x) != len(full) {
 		return 0
 	}
-	return splitBytes(maxSplits, int64(graph.Numel(nd.Type.AtBatch(b))))
+	k := len(full) // the trailing run of reduced (or size-1) axes starts at k
+	for k > 0 && (full[k-1] == 1 || slices.Contains(axes, k-1)) {
+		k--
+	}
+	return 4 * int64(graph.Numel(x[:k]))
 }
 
 // reduce computes sum, mean or max over a.Axes: rows, middle-axis or
@@ -97,6 +119,27 @@ func reduce(k *kctx, in []operand, out operand) error {
 	case l.nred == 0: // empty reductions: rows of none give the sum's 0, the max's −inf, as on the CPU
 		block := rowBlock(0)
 		return k.launch(typed(kReduceRows, dt), rowGrid(l.nout, block, 1), block, x.p, out.p, alloc.Ptr(0), l.nout, int64(0), op, scale)
+	}
+	if l.kind == reduceOuterInner && (k.ws == nil || k.ws.Requested() < splitBytes(l.outer, l.n)) {
+		// A chunk whose layout differs from the full batch's (its batch
+		// axis dropped out) has no partials planned: the strided kernel.
+		l.kind = reduceStrided
+	}
+	if l.kind == reduceOuterInner {
+		// Two coalesced passes instead of the strided kernel's one: each
+		// of the outer·n rows of inner contiguous values into float
+		// partials [outer, n] (reduce_rows), then the partials over outer
+		// (reduce_splits, which scales). A [64, 1024, 14, 14] bias
+		// gradient took 0.78 ms on the strided kernel on the H100.
+		part, err := k.workspace(splitBytes(l.outer, l.n))
+		if err != nil {
+			return err
+		}
+		rows, block := l.outer*l.n, rowBlock(l.inner)
+		if err := k.launch(typed(kReduceRows, dt), rowGrid(rows, block, 1), block, x.p, out.p, part, rows, l.inner, op, 1.0); err != nil {
+			return err
+		}
+		return k.combineSplits(dt, part, out.p, l.outer, l.n, op, scale)
 	}
 	splits := int64(1)
 	if reduceSplittable(k.g, nd) {
