@@ -33,3 +33,32 @@ func TestLSEProducerNeedsTheSameScores(t *testing.T) {
 	assert.Equal(t, -1, graph.LSEProducer(g, att), "an attention node")
 	assert.Equal(t, -1, graph.LSEProducer(g, -1))
 }
+
+// TestBatchNormGradWProducer: a training-mode batch_norm_grad_w pairs with
+// the batch_norm_grad_x over the same g and x with the same attributes;
+// CompanionProducer dispatches on the op.
+func TestBatchNormGradWProducer(t *testing.T) {
+	g := graph.New()
+	in := func(shape ...int) int {
+		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
+		require.NoError(t, err)
+		return id
+	}
+	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
+		require.NoError(t, err)
+		return id
+	}
+	x, dy, other := in(4, 3, 5, 5), in(4, 3, 5, 5), in(4, 3, 5, 5)
+	train := graph.Attrs{Training: true, Eps: 1e-5}
+	gx := node(graph.OpBatchNormGradX, train, dy, x)
+	gw := node(graph.OpBatchNormGradW, train, dy, x)
+	assert.Equal(t, gx, graph.BatchNormGradWProducer(g, gw))
+	assert.Equal(t, gx, graph.CompanionProducer(g, gw))
+	assert.Equal(t, -1, graph.BatchNormGradWProducer(g, node(graph.OpBatchNormGradW, train, other, x)), "another g")
+	assert.Equal(t, -1, graph.BatchNormGradWProducer(g, node(graph.OpBatchNormGradW, graph.Attrs{Training: true, Eps: 1e-3}, dy, x)), "another eps")
+	assert.Equal(t, -1, graph.BatchNormGradWProducer(g, node(graph.OpBatchNormGradW, graph.Attrs{Training: true, PerChunk: true, Eps: 1e-5}, dy, x)), "per-chunk statistics")
+	assert.Equal(t, -1, graph.BatchNormGradWProducer(g, gx), "a batch_norm_grad_x node")
+	assert.Equal(t, -1, graph.CompanionProducer(g, gx))
+	assert.Equal(t, -1, graph.CompanionProducer(g, -1))
+}

@@ -78,9 +78,11 @@ type Program struct {
 	Trained   []int
 	OutputBuf []int // buffer of each node's output, −1 if none
 	// Companion[id] is the node whose output node id's kernel may compute
-	// in the same pass, −1 for none: the log-sum-exp an attention_lse node
-	// recomputes for attention's backward comes out of the attention
-	// forward pass over the same q, k and mask (graph.LSEProducer). The
+	// in the same pass, −1 for none (graph.CompanionProducer): the
+	// log-sum-exp an attention_lse node recomputes for attention's
+	// backward comes out of the attention forward pass over the same q, k
+	// and mask, and batch_norm_grad_w's Σ g·x̂ out of batch_norm_grad_x's
+	// pass over the same g and x (cuDNN's backward gives both). The
 	// companion's output is allocated with id's, before id runs, so every
 	// plan counts it from there; Replay hands its block to hooks that
 	// implement CompanionHooks, and the companion's own run step stays, for
@@ -180,7 +182,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 	early := make([]bool, n) // allocated with its producer's output
 	for id := range nodes {
 		p.Companion[id] = -1
-		if pr := graph.LSEProducer(g, id); pr >= 0 && info.LastUse[id] >= 0 && info.LastUse[pr] >= 0 {
+		if pr := graph.CompanionProducer(g, id); pr >= 0 && info.LastUse[id] >= 0 && info.LastUse[pr] >= 0 {
 			p.Companion[pr] = id
 		}
 	}

@@ -1,0 +1,44 @@
+package graph
+
+// CompanionProducer returns the node whose kernel can also compute node
+// m's output in the same pass, −1 for none: an attention_lse's attention
+// (LSEProducer), or a training-mode batch_norm_grad_w's batch_norm_grad_x
+// (BatchNormGradWProducer). planner.Compile allocates m's output with the
+// producer's, so an executor may compute both at once
+// (planner.Program.Companion); one that does not runs m as usual.
+func CompanionProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	switch g.Node(m).Op {
+	case OpAttentionLSE:
+		return LSEProducer(g, m)
+	case OpBatchNormGradW:
+		return BatchNormGradWProducer(g, m)
+	}
+	return -1
+}
+
+// BatchNormGradWProducer returns the batch_norm_grad_x node whose pass over
+// g and x can give Σ g·x̂, which training-mode batch_norm_grad_w node m
+// computes: an earlier batch_norm_grad_x of the same g, x and attributes
+// (the one the backward pass emitted beside m; a backward pass over x's
+// statistics sums g·x̂ on its way to dx, as cuDNN's does); −1 when m is no
+// such node or none qualifies.
+func BatchNormGradWProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	w := g.Node(m)
+	if w.Op != OpBatchNormGradW || !w.Attrs.Training || len(w.Inputs) != 2 {
+		return -1
+	}
+	for id := m - 1; id >= 0; id-- {
+		n := g.Node(id)
+		if n.Op == OpBatchNormGradX && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
+			n.Attrs.Training == w.Attrs.Training && n.Attrs.PerChunk == w.Attrs.PerChunk && n.Attrs.Eps == w.Attrs.Eps {
+			return id
+		}
+	}
+	return -1
+}
