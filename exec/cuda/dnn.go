@@ -31,7 +31,7 @@ type DNN struct {
 	bnPlans   map[bnKey]*bnPlan
 	fallbacks int
 	closed    bool
-	bn        *cudnnBNLib // nil when cuDNN lacks its batch norm
+	bn        *cudnnBNLib // nil when cuDNN lacks its batch norm, or it is not asked for
 }
 
 // convPass is one of a convolution's three passes.

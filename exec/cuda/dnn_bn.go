@@ -8,13 +8,14 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
-// cuDNN's batch norm (libcudnn_ops.so.9's legacy API): batch_norm's forward
-// pass in both modes and batch_norm_grad_x, over x [N, C, ...] viewed as
-// NCHW [N, C, inner, 1] in SPATIAL mode (statistics over every axis but
-// the channels). It runs where its per-channel values are float32: float32
-// models, and 16-bit x under mixed precision (float32 weight, bias and
-// running statistics, as autocast calls it); other graphs, or a cuDNN
-// without these symbols, run on kernels/batchnorm.cu.
+// cuDNN's batch norm (libcudnn_ops.so.9's legacy API), unless
+// ExecutorOptions.NoCuDNNBatchNorm: batch_norm's forward pass in both modes
+// and batch_norm_grad_x, over x [N, C, ...] viewed as NCHW [N, C, inner,
+// 1] in SPATIAL mode (statistics over every axis but the channels). It
+// runs where its per-channel values are float32: float32 models, and
+// 16-bit x under mixed precision (float32 weight, bias and running
+// statistics, as autocast calls it); other graphs, or a cuDNN without
+// these symbols, run on kernels/batchnorm.cu.
 //
 // Its scale and bias must exist: a batch norm without weight (bias) hands
 // it ones (zeros) from the workspace. The backward pass's scale gradient

@@ -142,17 +142,26 @@ func TestCuDNNConvMatchesCPU(t *testing.T) {
 	}
 }
 
-// TestCuDNNBatchNormMatchesCPU runs batch norm in training mode (forward,
+// TestBatchNormMatchesCPU runs batch norm in training mode (forward,
 // batch_norm_grad_x, batch_norm_grad_w and the bias's sum) and evaluation
-// mode on cuDNN, in float32 and in mixed precision (16-bit x, float32
-// weight, bias and running statistics, as autocast runs it), against the
-// CPU executor on the same values.
+// mode (forward, and the weight gradient with the running statistics), in
+// float32 and in mixed precision (16-bit x, float32 weight, bias and
+// running statistics, as autocast runs it), on batchfit's kernels and on
+// cuDNN's, against the CPU executor on the same values. Values have a
+// channel-dependent offset, so the statistics are not those of centred
+// data.
 //
 // Tolerance, on the error's norm relative to the reference's: 1e-4 in
-// float32 (cuDNN sums in float32, the CPU in float64), 1e-2 in 16-bit (one
-// rounding of every output, 2⁻⁹ relative on average).
-func TestCuDNNBatchNormMatchesCPU(t *testing.T) {
-	e := dnnExecutor(t, nil)
+// float32 (the GPU sums in another order, cuDNN in float32), 1e-2 in
+// 16-bit (one rounding of every output, 2⁻⁹ relative on average).
+func TestBatchNormMatchesCPU(t *testing.T) {
+	t.Run("kernels", func(t *testing.T) {
+		testBatchNormMatchesCPU(t, freshExecutor(t, cuda.ExecutorOptions{NoCuDNNBatchNorm: true}))
+	})
+	t.Run("cudnn", func(t *testing.T) { testBatchNormMatchesCPU(t, dnnExecutor(t, nil)) })
+}
+
+func testBatchNormMatchesCPU(t *testing.T, e *cuda.Executor) {
 	gpu := runOn(e)
 	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
 		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
@@ -185,13 +194,23 @@ func TestCuDNNBatchNormMatchesCPU(t *testing.T) {
 					h.op(graph.OpBatchNormGradW, train, g, x),
 					h.op(graph.OpSum, graph.Attrs{Axes: axes}, g),
 					h.op(graph.OpBatchNorm, graph.Attrs{Eps: 1e-5}, x, mean, vr, w, b),
+					h.op(graph.OpBatchNormGradW, graph.Attrs{Eps: 1e-5}, g, x, mean, vr),
 					h.op(graph.OpBatchNorm, train, x), // no weight or bias: cuDNN's ones and zeros
+					h.op(graph.OpBatchNormStats, graph.Attrs{}, x),
 				}
 				feeds := map[int]ref.Value{}
 				for _, id := range []int{x, w, b, mean, vr, g} {
 					v := ref.Zeros(h.g.Node(id).Type.Shape...)
 					for i := range v.Data {
 						v.Data[i] = 2*rng.Float64() - 1 + 0.5*float64(i%3)
+					}
+					if id == x { // a mean of 3 in channel 1
+						inner := len(v.Data) / (shape[0] * c)
+						for i := range v.Data {
+							if i/inner%c == 1 {
+								v.Data[i] += 3
+							}
+						}
 					}
 					if id == vr {
 						for i := range v.Data {

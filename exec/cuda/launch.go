@@ -234,19 +234,6 @@ func (k *kctx) packs(name string, n, per int64, args ...any) error {
 	return k.launch(name, flatGrid(ceilDiv(n, per)), flatBlockDim, args...)
 }
 
-// perChannel launches a batchnorm kernel with one block per channel, of
-// bnBlock threads: a layer of few channels (ResNet's 64) has few blocks, so
-// each gets as many threads as a block may have.
-func (k *kctx) perChannel(name string, c int64, args ...any) error {
-	if c <= 0 {
-		return nil
-	}
-	return k.launch(name, [3]uint32{uint32(min(c, maxGridYZ)), 1, 1}, [3]uint32{bnBlock, 1, 1}, args...)
-}
-
-// bnBlock is perChannel's block size (the kernels' __launch_bounds__).
-const bnBlock = 1024
-
 // workspace is the first bytes of the node's workspace block.
 func (k *kctx) workspace(bytes int64) (alloc.Ptr, error) {
 	if bytes == 0 {

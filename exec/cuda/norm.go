@@ -17,8 +17,8 @@ var normKernels = family{
 	}},
 	graph.OpBatchNorm: {run: func(k *kctx, in []operand, out operand) error {
 		return k.batchNorm(k.attrs(), in, out)
-	}, ws: bnDNNWorkspace},
-	graph.OpBatchNormStats: {run: func(k *kctx, in []operand, out operand) error { return k.batchNormMoments(in[0], out) }},
+	}, ws: bnWorkspace},
+	graph.OpBatchNormStats: {run: func(k *kctx, in []operand, out operand) error { return k.batchNormMoments(in[0], out) }, ws: bnWorkspace},
 
 	graph.OpSoftmaxGrad:    {run: typedGradOf(softmaxGrad)},
 	graph.OpLogSoftmaxGrad: {run: typedGradOf(softmaxGrad)},
@@ -30,7 +30,7 @@ var normKernels = family{
 	}), ws: lnGradWWorkspace},
 	graph.OpBatchNormGradX: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 		return k.batchNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), out)
-	}), ws: bnDNNWorkspace},
+	}), ws: bnWorkspace},
 	graph.OpBatchNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, _ operand, in []operand, out operand) error {
 		return k.batchNormGradW(dt, k.attrs(), in, out)
 	}), ws: bnWorkspace},
@@ -181,32 +181,6 @@ func lnGradWWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	return lnGradWBytes(rows, d, splits)
 }
 
-// bnWorkspace: the per-channel statistics of x [N, C, ...], the first
-// input of batch_norm and the second of its gradients.
-// bnDNNWorkspace is bnWorkspace plus the cuDNN batch norm's (dnnBNBytes),
-// for batch_norm and batch_norm_grad_x.
-func bnDNNWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
-	i := 1
-	if nd.Op == graph.OpBatchNorm {
-		i = 0
-	}
-	if x := inputAt(g, nd, i, b); len(x) >= 2 {
-		return bnWorkspace(g, nd, b) + dnnBNBytes(int64(x[1]))
-	}
-	return bnWorkspace(g, nd, b)
-}
-
-func bnWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
-	i := 1
-	if nd.Op == graph.OpBatchNorm {
-		i = 0
-	}
-	if x := inputAt(g, nd, i, b); len(x) >= 2 {
-		return statsBytes(int64(x[1]))
-	}
-	return 0
-}
-
 // lnSplittable reports whether layer_norm_grad_w may split its column
 // reduction: many rows at the full batch.
 func lnSplittable(g *graph.Graph, nd *graph.Node) bool {
@@ -264,141 +238,4 @@ func channels(op string, x operand) (n, c, inner int64, err error) {
 		return 0, 0, 0, graph.Errorf(graph.ErrShape, "%s needs [N, C, ...], got %v", op, x.shape)
 	}
 	return int64(x.shape[0]), int64(x.shape[1]), int64(graph.Numel(x.shape[2:])), nil
-}
-
-// bnStats computes the statistics of x (dtype dt) into the workspace;
-// runMean and runVar are the running statistics, of x's dtype, needed (and
-// only read) in evaluation mode.
-func (k *kctx) bnStats(dt graph.DType, a *graph.Attrs, x operand, runMean, runVar *operand) (alloc.Ptr, error) {
-	n, c, inner, err := channels("batch_norm", x)
-	if err != nil {
-		return 0, err
-	}
-	if !a.Training {
-		if runMean == nil || runVar == nil || runMean.n() != c || runVar.n() != c {
-			return 0, graph.Errorf(graph.ErrShape, "batch_norm in evaluation mode needs running statistics of [%d]", c)
-		}
-		if _, err := floatsOf(x, *runMean, *runVar); err != nil {
-			return 0, err
-		}
-	}
-	stats, err := k.workspace(statsBytes(c))
-	if err != nil {
-		return 0, err
-	}
-	if a.Training {
-		return stats, k.perChannel(typed(kBatchNormStats, dt), c, x.p, stats, n, c, inner, a.Eps)
-	}
-	return stats, k.flat(typed(kBatchNormRunSt, dt), c, runMean.p, runVar.p, stats, c, a.Eps)
-}
-
-// batchNormMoments is batch_norm_stats: x [N, C, ...]'s per-channel mean
-// and unbiased variance as out [2, C]. A chunk's value; the host merges
-// chunks (graph.CombineMoments). Per-chunk batch_norm and its gradients
-// need nothing else: they are today's kernels run on each chunk.
-func (k *kctx) batchNormMoments(x, out operand) error {
-	dt, err := floatsOf(x, out)
-	if err != nil {
-		return err
-	}
-	n, c, inner, err := channels("batch_norm_stats", x)
-	if err != nil {
-		return err
-	}
-	if out.n() != 2*c {
-		return graph.Errorf(graph.ErrShape, "batch_norm_stats: input %v, output %v", x.shape, out.shape)
-	}
-	if n*inner <= 1 {
-		return graph.Errorf(graph.ErrShape, "batch_norm_stats needs more than one value per channel, got x %v", x.shape)
-	}
-	return k.perChannel(typed(kBatchNormMoment, dt), c, x.p, out.p, n, c, inner)
-}
-
-func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
-	if done, err := k.dnnBatchNorm(a, in, out); done || err != nil {
-		return err
-	}
-	x := in[0]
-	dt, err := floatsOf(x, out)
-	if err != nil {
-		return err
-	}
-	n, c, inner, err := channels("batch_norm", x)
-	if err != nil {
-		return err
-	}
-	aff := graph.BatchNormAffine(a.Training)
-	w, b := optional(in, aff), optional(in, aff+1)
-	for _, p := range []*operand{w, b} {
-		if p == nil {
-			continue
-		}
-		if _, err := floatsOf(x, *p); err != nil {
-			return err
-		}
-		if p.n() != c {
-			return graph.Errorf(graph.ErrShape, "batch_norm parameter %v, want [%d]", p.shape, c)
-		}
-	}
-	if out.n() != x.n() {
-		return graph.Errorf(graph.ErrShape, "batch_norm: input %v, output %v", x.shape, out.shape)
-	}
-	var runMean, runVar *operand
-	if !a.Training {
-		runMean, runVar = optional(in, 1), optional(in, 2)
-	}
-	stats, err := k.bnStats(dt, a, x, runMean, runVar)
-	if err != nil {
-		return err
-	}
-	return k.flat(typed(kBatchNorm, dt), x.n(), x.p, stats, ptrOf(w), ptrOf(b), out.p, n, c, inner)
-}
-
-// batchNormGradX is the training-mode gradient of batch_norm's input.
-func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
-	if done, err := k.dnnBatchNormGradX(a, g, x, w, out); done || err != nil {
-		return err
-	}
-	ops := []operand{g, x, out}
-	if w != nil {
-		ops = append(ops, *w)
-	}
-	if _, err := floatsOf(ops...); err != nil {
-		return err
-	}
-	if !a.Training {
-		return graph.Errorf(graph.ErrAttr, "batch_norm_grad_x exists in training mode only")
-	}
-	n, c, inner, err := channels("batch_norm_grad_x", x)
-	if err != nil {
-		return err
-	}
-	if g.n() != x.n() || out.n() != x.n() || w != nil && w.n() != c {
-		return graph.Errorf(graph.ErrShape, "batch_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
-	}
-	stats, err := k.bnStats(dt, a, x, nil, nil)
-	if err != nil {
-		return err
-	}
-	return k.perChannel(typed(kBatchNormGradX, dt), c, g.p, x.p, ptrOf(w), stats, out.p, n, c, inner)
-}
-
-// batchNormGradW is Σ g·x̂ per channel, x̂ normalised as the forward op did.
-func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out operand) error {
-	g, x := in[0], in[1]
-	if _, err := floatsOf(g, x, out); err != nil {
-		return err
-	}
-	n, c, inner, err := channels("batch_norm_grad_w", x)
-	if err != nil {
-		return err
-	}
-	if g.n() != x.n() || out.n() != c {
-		return graph.Errorf(graph.ErrShape, "batch_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
-	}
-	stats, err := k.bnStats(dt, a, x, optional(in, 2), optional(in, 3))
-	if err != nil {
-		return err
-	}
-	return k.perChannel(typed(kBatchNormGradW, dt), c, g.p, x.p, stats, out.p, n, c, inner)
 }

@@ -1,235 +1,254 @@
-// batchnorm.cu: batch_norm per channel over [n, c, inner] data (x [N, C, ...]
-// with inner the product of the trailing axes), and its gradients. Every
-// kernel is templated on its storage type and instantiated for float32,
-// bfloat16 and float16 (FOR_FLOATS, common.cuh): x, g, the per-channel
-// inputs and the outputs have that type, are read widened, and each output
-// rounds once from the float the float32 kernel would store.
+// batchnorm.cu: batch_norm per channel over x [N, C, ...] viewed as rows
+// [n·c, inner] (inner the product of the trailing axes; row r = i·c + k
+// holds image i's channel k), its gradients and batch_norm_stats.
 //
-// Statistics follow exec/cpu: per channel, the mean and then the biased
-// variance of the centred values (two passes), accumulated in double;
-// rstd = 1/√(var + eps) in double. They go to a double workspace stats
-// [2·c] (mean, rstd per channel), made by batch_norm_stats_* from the batch
-// (training mode) or by batch_norm_stats_running_* from the running
-// statistics (evaluation mode). The per-element maps run in double with
-// non-fusing intrinsics, as the CPU computes them.
+// Every pass is spread over all rows, not one block per channel (a
+// [64, 64, 112, 112] tensor has 64 channels for 132 SMs):
+//   batch_norm_rows_*        per row, the double sums Σx, Σx², and with g
+//                            Σg and Σg·x, into a [rows, 4] workspace;
+//   batch_norm_coef          per channel, from those sums (training mode) or
+//                            the running statistics (evaluation mode), the
+//                            forward map's scale and shift (double);
+//   batch_norm_*             y = x·scale + shift, every element;
+//   batch_norm_grad_coef     per channel, the input gradient's map dx =
+//                            A·g + B·x + C and the weight gradient;
+//   batch_norm_grad_x_*      dx, every element;
+//   batch_norm_moments       batch_norm_stats's [2, c] output.
+// The element kernels are templated on the storage type T of x, g, y and
+// dx (FOR_FLOATS): 16-bit values are read widened and each output rounds
+// once. The per-channel kernels read the weight, bias and running
+// statistics, and write the weight gradient and the moments, in a dtype
+// given at run time (pdt, odt: 0 float32, 1 bfloat16, 2 float16): float32
+// per-channel values beside 16-bit x are mixed precision's batch norm.
+//
+// Statistics are the batch's mean and biased variance, from double sums:
+// var = Σx²/m − mean² (clamped at 0), rstd = 1/√(var + eps). The CPU
+// subtracts the mean first (two passes); in double the two agree to
+// ~1e-16·mean²/var relative, far below float32's resolution for any
+// activations a network makes. The maps run in double with non-fusing
+// intrinsics, as the CPU computes them.
 #include "common.cuh"
 
 __device__ __forceinline__ double bn_mul(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double bn_add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ double bn_sub(double a, double b) { return __dsub_rn(a, b); }
 
-// bn_each calls f(i) with the flat index i = (i_n·c + k)·inner + j of each
-// of channel k's n·inner values this thread takes: the t-th value, t =
-// i_n·inner + j, for t = threadIdx.x, threadIdx.x + blockDim.x, …, in that
-// order. It walks image
-// by image, (i, j) with t = i·inner + j, so it divides once, not once per
-// value (a 64-bit division per value made these kernels slow on large
-// channels: 6.7 ms for one [64, 64, 112, 112] gradient on the H100).
-template <typename F>
-__device__ __forceinline__ void bn_each(i64 k, i64 n, i64 c, i64 inner, F f) {
-  if (inner <= 0) return;
-  const i64 bd = blockDim.x;
-  const i64 di = bd / inner, dj = bd - di * inner;
-  i64 i = threadIdx.x / inner, j = threadIdx.x - i * inner;
-  while (i < n) {
-    f((i * c + k) * inner + j);
-    i += di;
-    j += dj;
-    if (j >= inner) {
-      j -= inner;
-      ++i;
-    }
+// bn_load widens element k of a per-channel array of dtype dt.
+__device__ __forceinline__ double bn_load(const void* p, i64 dt, i64 k) {
+  switch (dt) {
+    case 1:
+      return (double)(float)((const bf16*)p)[k];
+    case 2:
+      return (double)(float)((const f16*)p)[k];
   }
+  return (double)((const float*)p)[k];
 }
 
-// bn_ld widens a stored value to double.
-template <typename T>
-__device__ __forceinline__ double bn_ld(const T* p, i64 i) {
-  return (double)(float)p[i];
+// bn_store rounds v into element k of an array of dtype dt (float64 →
+// float32 → 16-bit, as the CPU's stores).
+__device__ __forceinline__ void bn_store(void* p, i64 dt, i64 k, double v) {
+  const float f = (float)v;
+  switch (dt) {
+    case 1:
+      ((bf16*)p)[k] = f;
+      return;
+    case 2:
+      ((f16*)p)[k] = f;
+      return;
+  }
+  ((float*)p)[k] = f;
 }
 
 template <typename T>
-__device__ __forceinline__ void batch_norm_stats_t(const T* __restrict__ x,
-                                                   double* __restrict__ stats, i64 n, i64 c,
-                                                   i64 inner, double eps) {
+__device__ __forceinline__ void batch_norm_rows_t(const T* __restrict__ x, const T* __restrict__ g,
+                                                  double* __restrict__ part, i64 rows, i64 inner) {
   __shared__ double sd[32];
-  const i64 m = n * inner;
-  for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
-    double s = 0;
-    bn_each(k, n, c, inner, [&](i64 i) { s += bn_ld(x, i); });
-    s = row_allreduce(s, SumOp(), sd);
-    const double mean = m > 0 ? s / (double)m : 0.0;
-    double q = 0;
-    bn_each(k, n, c, inner, [&](i64 i) {
-      const double d = bn_ld(x, i) - mean;
-      q += d * d;
-    });
-    q = row_allreduce(q, SumOp(), sd);
-    if (threadIdx.x == 0) {
-      stats[2 * k] = mean;
-      stats[2 * k + 1] = m > 0 ? 1.0 / sqrt(q / (double)m + eps) : 0.0;
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < rows;
+    double sx = 0, sxx = 0, sg = 0, sgx = 0;
+    if (live) {
+      const T* px = x + row * inner;
+      if (g) {
+        const T* pg = g + row * inner;
+        for (i64 j = threadIdx.x; j < inner; j += blockDim.x) {
+          const double v = (double)(float)px[j], w = (double)(float)pg[j];
+          sx += v;
+          sxx += v * v;
+          sg += w;
+          sgx += w * v;
+        }
+      } else {
+        for (i64 j = threadIdx.x; j < inner; j += blockDim.x) {
+          const double v = (double)(float)px[j];
+          sx += v;
+          sxx += v * v;
+        }
+      }
+    }
+    sx = row_allreduce(sx, SumOp(), sd);
+    sxx = row_allreduce(sxx, SumOp(), sd);
+    if (g) {
+      sg = row_allreduce(sg, SumOp(), sd);
+      sgx = row_allreduce(sgx, SumOp(), sd);
+    }
+    if (live && threadIdx.x == 0) {
+      double* p = part + 4 * row;
+      p[0] = sx;
+      p[1] = sxx;
+      p[2] = sg;
+      p[3] = sgx;
     }
   }
 }
 
-// batch_norm_stats_{f32,bf16,f16}: stats[2k] = mean and stats[2k+1] = rstd
-// (double) of channel k's n·inner values (both 0 when there are none, as on
-// the CPU). One block per channel (blocks loop over channels): blockDim.x a
-// multiple of 32 up to 1024, blockDim.y = 1, any grid.
-#define K(T, S)                                                                    \
-  extern "C" __global__ void __launch_bounds__(1024) batch_norm_stats_##S(         \
-      const T* x, double* stats, i64 n, i64 c, i64 inner, double eps) {            \
-    batch_norm_stats_t(x, stats, n, c, inner, eps);                                \
+// batch_norm_rows_{f32,bf16,f16}: part[4r..4r+3] = Σx, Σx², Σg, Σg·x over
+// row r's inner values (the last two 0 when g is null). Row layout:
+// blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024; each threadIdx.y
+// group takes one row; any grid.
+#define K(T, S)                                                                     \
+  extern "C" __global__ void __launch_bounds__(1024) batch_norm_rows_##S(           \
+      const T* x, const T* g, double* part, i64 rows, i64 inner) {                  \
+    batch_norm_rows_t(x, g, part, rows, inner);                                     \
   }
 FOR_FLOATS(K)
 #undef K
 
-// batch_norm_moments_{f32,bf16,f16}: batch_norm_stats's value, the [2, c]
-// output out: out[k] the mean and out[c + k] the unbiased variance
-// Σ(x − mean)²/(m − 1) of channel k's m = n·inner values, both in double
-// (two passes, as batch_norm_stats_*) and rounded once, as the CPU's
-// float64 → float32 (→ 16-bit) stores. The host refuses m ≤ 1. One block
-// per channel (blocks loop over channels): blockDim.x a multiple of 32 up
-// to 1024, blockDim.y = 1, any grid.
-template <typename T>
-__device__ __forceinline__ void batch_norm_moments_t(const T* __restrict__ x, T* __restrict__ out,
-                                                     i64 n, i64 c, i64 inner) {
-  __shared__ double sd[32];
-  const i64 m = n * inner;
-  for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
-    double s = 0;
-    bn_each(k, n, c, inner, [&](i64 i) { s += bn_ld(x, i); });
-    s = row_allreduce(s, SumOp(), sd);
-    const double mean = s / (double)m;
-    double q = 0;
-    bn_each(k, n, c, inner, [&](i64 i) {
-      const double d = bn_ld(x, i) - mean;
-      q += d * d;
-    });
-    q = row_allreduce(q, SumOp(), sd);
-    if (threadIdx.x == 0) {
-      out[k] = (float)mean;
-      out[c + k] = (float)(q / (double)(m - 1));
-    }
+// bn_channel sums channel k's row sums over the n images: Σx, Σx², Σg, Σgx.
+__device__ __forceinline__ void bn_channel(const double* part, i64 n, i64 c, i64 k, double s[4]) {
+  s[0] = s[1] = s[2] = s[3] = 0;
+  for (i64 i = 0; i < n; ++i) {
+    const double* p = part + 4 * (i * c + k);
+    s[0] += p[0];
+    s[1] += p[1];
+    s[2] += p[2];
+    s[3] += p[3];
   }
 }
-#define K(T, S)                                                                    \
-  extern "C" __global__ void __launch_bounds__(1024) batch_norm_moments_##S(       \
-      const T* x, T* out, i64 n, i64 c, i64 inner) {                               \
-    batch_norm_moments_t(x, out, n, c, inner);                                     \
-  }
-FOR_FLOATS(K)
-#undef K
 
-// batch_norm_stats_running_{f32,bf16,f16}: stats from running statistics
-// [c]: mean = rmean[k], rstd = 1/√(rvar[k] + eps). 1-D blocks over c, any
+// bn_stats gives channel k's mean and rstd: the batch's from its sums s
+// over m values (training), or the running statistics' (rmean non-null).
+__device__ __forceinline__ void bn_stats(const double s[4], double m, const void* rmean,
+                                         const void* rvar, i64 pdt, i64 k, double eps,
+                                         double* mean, double* rstd) {
+  if (rmean) {
+    *mean = bn_load(rmean, pdt, k);
+    *rstd = 1.0 / sqrt(bn_load(rvar, pdt, k) + eps);
+    return;
+  }
+  if (m <= 0) {
+    *mean = *rstd = 0;  // no values: as the CPU
+    return;
+  }
+  *mean = s[0] / m;
+  double var = s[1] / m - *mean * *mean;
+  if (var < 0) var = 0;
+  *rstd = 1.0 / sqrt(var + eps);
+}
+
+// batch_norm_coef: coef[2k], coef[2k+1] = scale, shift of channel k with
+// scale = rstd (· w[k]) and shift = −mean·scale (+ b[k]); mean and rstd
+// from part (training: rmean null) or the running statistics rmean, rvar.
+// w, b, rmean, rvar are [c] of dtype pdt, or null. 1-D blocks over c, any
 // grid.
-#define K(T, S)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) batch_norm_stats_running_##S(        \
-      const T* __restrict__ rmean, const T* __restrict__ rvar, double* __restrict__ stats, \
-      i64 c, double eps) {                                                               \
-    GRID_LOOP(k, c) {                                                                    \
-      stats[2 * k] = bn_ld(rmean, k);                                                       \
-      stats[2 * k + 1] = 1.0 / sqrt(bn_ld(rvar, k) + eps);                                  \
-    }                                                                                    \
-  }
-FOR_FLOATS(K)
-#undef K
-
-template <typename T>
-__device__ __forceinline__ void batch_norm_t(const T* __restrict__ x,
-                                             const double* __restrict__ stats,
-                                             const T* __restrict__ w, const T* __restrict__ b,
-                                             T* __restrict__ y, i64 n, i64 c, i64 inner) {
-  const i64 total = n * c * inner;
-  GRID_LOOP(t, total) {
-    const i64 k = (t / inner) % c;
-    double scale = stats[2 * k + 1];
-    if (w) scale = bn_mul(scale, bn_ld(w, k));
-    double shift = bn_mul(-stats[2 * k], scale);
-    if (b) shift = bn_add(shift, bn_ld(b, k));
-    y[t] = (float)bn_add(bn_mul(bn_ld(x, t), scale), shift);
+extern "C" __global__ void __launch_bounds__(256)
+    batch_norm_coef(const double* part, const void* w, const void* b, const void* rmean,
+                    const void* rvar, i64 pdt, double* coef, i64 n, i64 c, i64 inner, double eps) {
+  GRID_LOOP(k, c) {
+    double s[4] = {0, 0, 0, 0};
+    if (!rmean) bn_channel(part, n, c, k, s);
+    double mean, rstd;
+    bn_stats(s, (double)(n * inner), rmean, rvar, pdt, k, eps, &mean, &rstd);
+    double scale = rstd;
+    if (w) scale = bn_mul(scale, bn_load(w, pdt, k));
+    double shift = bn_mul(-mean, scale);
+    if (b) shift = bn_add(shift, bn_load(b, pdt, k));
+    coef[2 * k] = scale;
+    coef[2 * k + 1] = shift;
   }
 }
 
-// batch_norm_{f32,bf16,f16}: y = x·scale + shift per channel with scale =
-// rstd (· w[k]) and shift = −mean·scale (+ b[k]); w and b are [c] or null.
-// 1-D blocks over n·c·inner, any grid.
-#define K(T, S)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) batch_norm_##S(                      \
-      const T* x, const double* stats, const T* w, const T* b, T* y, i64 n, i64 c,       \
-      i64 inner) {                                                                       \
-    batch_norm_t(x, stats, w, b, y, n, c, inner);                                        \
+// bn_rows2 walks rows [0, rows) of inner elements with a 2-D grid: y (and
+// its loop) over rows, x over each row's elements, so an element's channel
+// costs no division.
+#define BN_ROWS2(r, j, rows, inner)                                                          \
+  for (i64 r = blockIdx.y; r < (rows); r += gridDim.y)                                      \
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < (inner); j += (i64)gridDim.x * blockDim.x)
+
+// batch_norm_{f32,bf16,f16}: y = x·scale + shift with channel k's coef
+// (batch_norm_coef). Blocks of 1-D threads; grid.x over a row's inner
+// elements, grid.y over the rows (both loop, so any grid is correct).
+#define K(T, S)                                                                             \
+  extern "C" __global__ void __launch_bounds__(256) batch_norm_##S(                         \
+      const T* __restrict__ x, const double* __restrict__ coef, T* __restrict__ y, i64 rows, \
+      i64 c, i64 inner) {                                                                   \
+    BN_ROWS2(r, j, rows, inner) {                                                           \
+      const i64 k = r % c, i = r * inner + j;                                               \
+      y[i] = (float)bn_add(bn_mul((double)(float)x[i], coef[2 * k]), coef[2 * k + 1]);      \
+    }                                                                                       \
   }
 FOR_FLOATS(K)
 #undef K
 
-template <typename T>
-__device__ __forceinline__ void batch_norm_grad_x_t(const T* __restrict__ g,
-                                                    const T* __restrict__ x,
-                                                    const T* __restrict__ w,
-                                                    const double* __restrict__ stats,
-                                                    T* __restrict__ out, i64 n, i64 c,
-                                                    i64 inner) {
-  __shared__ double sd[32];
-  const i64 m = n * inner;
-  for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
-    const double wk = w ? bn_ld(w, k) : 1.0;
-    const double mean = stats[2 * k], rstd = stats[2 * k + 1];
-    double sg = 0, sgx = 0;
-    bn_each(k, n, c, inner, [&](i64 i) {
-      const double gh = bn_mul(bn_ld(g, i), wk);
-      sg += gh;
-      sgx += bn_mul(bn_mul(gh, bn_sub(bn_ld(x, i), mean)), rstd);
-    });
-    sg = row_allreduce(sg, SumOp(), sd);
-    sgx = row_allreduce(sgx, SumOp(), sd);
-    sg /= (double)m;
-    sgx /= (double)m;
-    bn_each(k, n, c, inner, [&](i64 i) {
-      const double xh = bn_mul(bn_sub(bn_ld(x, i), mean), rstd);
-      const double v = bn_sub(bn_sub(bn_mul(bn_ld(g, i), wk), sg), bn_mul(xh, sgx));
-      out[i] = (float)bn_mul(rstd, v);
-    });
+// batch_norm_grad_coef: for channel k with M = n·inner values, mean and
+// rstd as batch_norm_coef's, w = w[k] (1 when null) and D = Σg·x − mean·Σg
+// (= Σg·(x − mean)):
+//   the weight gradient Σg·x̂ = rstd·D, into dw[k] (dtype odt) unless null;
+//   with coef non-null (training mode), the input gradient
+//   rstd·(ĝ − Σĝ/M − x̂·Σ(ĝ·x̂)/M), ĝ = g·w, as dx = A·g + B·x + C:
+//   A = rstd·w, B = −rstd³·w·D/M, C = −A·Σg/M − B·mean, at coef[3k..3k+2].
+// 1-D blocks over c, any grid.
+extern "C" __global__ void __launch_bounds__(256)
+    batch_norm_grad_coef(const double* part, const void* w, const void* rmean, const void* rvar,
+                         i64 pdt, double* coef, void* dw, i64 odt, i64 n, i64 c, i64 inner,
+                         double eps) {
+  GRID_LOOP(k, c) {
+    double s[4];
+    bn_channel(part, n, c, k, s);
+    const double m = (double)(n * inner);
+    double mean, rstd;
+    bn_stats(s, m, rmean, rvar, pdt, k, eps, &mean, &rstd);
+    const double d = s[3] - mean * s[2];
+    if (dw) bn_store(dw, odt, k, bn_mul(rstd, d));
+    if (coef) {
+      const double wk = w ? bn_load(w, pdt, k) : 1.0;
+      const double a = rstd * wk;
+      const double bb = m > 0 ? -(rstd * rstd * a * d) / m : 0.0;
+      const double cc = m > 0 ? -(a * s[2]) / m - bb * mean : 0.0;
+      coef[3 * k] = a;
+      coef[3 * k + 1] = bb;
+      coef[3 * k + 2] = cc;
+    }
   }
 }
 
-// batch_norm_grad_x_{f32,bf16,f16}: the training-mode gradient of the
-// input: with ĝ = g·w[k] (g when w is null), x̂ = (x − mean)·rstd and M =
-// n·inner values per channel, out = rstd·(ĝ − Σĝ/M − x̂·Σ(ĝ·x̂)/M). stats
-// from batch_norm_stats_*. One block per channel as batch_norm_stats_*.
-#define K(T, S)                                                                          \
-  extern "C" __global__ void __launch_bounds__(1024) batch_norm_grad_x_##S(              \
-      const T* g, const T* x, const T* w, const double* stats, T* out, i64 n, i64 c,     \
-      i64 inner) {                                                                       \
-    batch_norm_grad_x_t(g, x, w, stats, out, n, c, inner);                               \
+// batch_norm_grad_x_{f32,bf16,f16}: dx = A·g + B·x + C with channel k's
+// coef (batch_norm_grad_coef). Launched as batch_norm_*.
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) batch_norm_grad_x_##S(                      \
+      const T* __restrict__ g, const T* __restrict__ x, const double* __restrict__ coef,        \
+      T* __restrict__ out, i64 rows, i64 c, i64 inner) {                                        \
+    BN_ROWS2(r, j, rows, inner) {                                                               \
+      const i64 k = r % c, i = r * inner + j;                                                   \
+      const double* q = coef + 3 * k;                                                           \
+      out[i] = (float)bn_add(bn_add(bn_mul(q[0], (double)(float)g[i]), bn_mul(q[1], (double)(float)x[i])), q[2]); \
+    }                                                                                           \
   }
 FOR_FLOATS(K)
 #undef K
 
-template <typename T>
-__device__ __forceinline__ void batch_norm_grad_w_t(const T* __restrict__ g,
-                                                    const T* __restrict__ x,
-                                                    const double* __restrict__ stats,
-                                                    T* __restrict__ out, i64 n, i64 c,
-                                                    i64 inner) {
-  __shared__ double sd[32];
-  for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
-    const double mean = stats[2 * k];
-    double s = 0;
-    bn_each(k, n, c, inner, [&](i64 i) { s += bn_mul(bn_ld(g, i), bn_sub(bn_ld(x, i), mean)); });
-    s = row_allreduce(s, SumOp(), sd);
-    if (threadIdx.x == 0) out[k] = (float)bn_mul(s, stats[2 * k + 1]);
+// batch_norm_moments: batch_norm_stats's [2, c] output out (dtype odt):
+// out[k] the mean and out[c + k] the unbiased variance (Σx² − m·mean²)/(m −
+// 1) of channel k's m = n·inner values (the host refuses m ≤ 1), each
+// rounded once. 1-D blocks over c, any grid.
+extern "C" __global__ void __launch_bounds__(256)
+    batch_norm_moments(const double* part, void* out, i64 odt, i64 n, i64 c, i64 inner) {
+  GRID_LOOP(k, c) {
+    double s[4];
+    bn_channel(part, n, c, k, s);
+    const double m = (double)(n * inner), mean = s[0] / m;
+    double q = s[1] - m * mean * mean;
+    if (q < 0) q = 0;
+    bn_store(out, odt, k, mean);
+    bn_store(out, odt, c + k, q / (m - 1));
   }
 }
-
-// batch_norm_grad_w_{f32,bf16,f16}: out[k] = (Σ g·(x − mean))·rstd over
-// channel k's values, with stats of either mode. One block per channel as
-// batch_norm_stats_*.
-#define K(T, S)                                                                              \
-  extern "C" __global__ void __launch_bounds__(1024) batch_norm_grad_w_##S(                  \
-      const T* g, const T* x, const double* stats, T* out, i64 n, i64 c, i64 inner) {        \
-    batch_norm_grad_w_t(g, x, stats, out, n, c, inner);                                      \
-  }
-FOR_FLOATS(K)
-#undef K
