@@ -60,7 +60,16 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	defer sess.Close()
 	opt := m.optimizer()
 	params := nn.ParamTensors(mod)
+	stopProfile := func() {}
+	defer func() { stopProfile() }()
 	for i := range c.warmup + c.steps {
+		if i == c.warmup && c.cpuProfile != "" {
+			stop, err := startCPUProfile(c.cpuProfile, m.name+"-session")
+			if err != nil {
+				return r, err
+			}
+			stopProfile = stop
+		}
 		t0 := time.Now()
 		loss, err := rebuild(m, mod, feeds[i%len(feeds)])
 		if err != nil {
