@@ -53,6 +53,13 @@ type Options struct {
 	Budget int64
 	// Headroom is kept back from Budget (planner.DefaultHeadroom if 0).
 	Headroom int64
+	// MaxChunk caps the samples per chunk (0: none): a fixed micro-batch,
+	// the batch run as gradient accumulation over chunks of at most
+	// MaxChunk samples even where memory holds more (planner.Options.MaxChunk).
+	// Results are the whole batch's either way; the order of float sums
+	// is the micro-batches'. A graph that cannot be chunked (batch norm
+	// with whole-batch statistics) refuses it with planner.ErrBudget.
+	MaxChunk int
 	// TraceEntries keeps the allocator's last TraceEntries events, so its
 	// snapshots carry their history (memviz exports them); 0 keeps none.
 	// Outside 0…alloc.MaxTraceEntries the session holds an error wrapping
@@ -297,6 +304,8 @@ func NewSession(opts Options) *Session {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)
 	} else if opts.Budget < 0 {
 		s.err = fmt.Errorf("%w: Options.Budget is %d bytes", planner.ErrBudget, opts.Budget)
+	} else if opts.MaxChunk < 0 {
+		s.err = fmt.Errorf("%w: Options.MaxChunk is %d", planner.ErrBudget, opts.MaxChunk)
 	} else if _, err := recompute.ParseMode(string(opts.Recompute)); err != nil {
 		s.err = err
 	} else if opts.Profile.Bandwidth > 0 && opts.Profile.Validate() != nil {
@@ -563,7 +572,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		if err != nil {
 			return nil, false, err
 		}
-		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, Resident: held}); err != nil {
+		if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, MaxChunk: s.opts.MaxChunk, Resident: held}); err != nil {
 			return nil, false, err
 		}
 		// The plan was simulated on a device holding only the residents,
@@ -669,7 +678,7 @@ func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trai
 	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:1+len(trained)], trained, slots, unscale)}
 	if !ok {
 		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32 || s.policy.TF32(),
-			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom},
+			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom, MaxChunk: s.opts.MaxChunk},
 			Resident: func(p *planner.Program) []planner.Held { return exec.PlanResidents(p, held) }})
 		if err != nil {
 			return nil, none, err

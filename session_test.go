@@ -19,6 +19,7 @@ import (
 	"github.com/batchfit/batchfit/internal/ref"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 )
 
 const (
@@ -424,4 +425,48 @@ func TestFailedUploadHoldsNoBlock(t *testing.T) {
 	st := sess.Allocator().Stats()
 	assert.Zero(t, st.AllocatedBytes[alloc.All].Current, "allocated bytes after the failed run")
 	assert.Zero(t, st.Allocation[alloc.All].Current, "live blocks after the failed run")
+}
+
+// Options.MaxChunk runs the batch as micro-batches of at most MaxChunk
+// samples (here 6 as 2 + 2 + 2) where memory holds it whole; after three
+// SGD steps the parameters equal the whole batch's within float32 sums'
+// reordering (atol 1e-6 + rtol 1e-6). A negative MaxChunk is ErrBudget.
+func TestMaxChunkMicroBatches(t *testing.T) {
+	const atol, rtol = 1e-6, 1e-6
+	rng := rand.New(rand.NewPCG(5, 6))
+	whole := newMLP(rand.New(rand.NewPCG(7, 8)))
+	micro := newMLP(rand.New(rand.NewPCG(7, 8)))
+	sw := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	sm := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, MaxChunk: 2})
+	defer sw.Close()
+	defer sm.Close()
+	ow, om := optim.NewSGD(0.1, 0.9), optim.NewSGD(0.1, 0.9)
+	ctx := context.Background()
+	for step := range 3 {
+		x, y := batchOf(rng, batch)
+		_, lw := whole.loss(x, y)
+		_, lm := micro.loss(x, y)
+		a, err := sw.Step(ctx, lw, whole.params, ow)
+		require.NoError(t, err)
+		b, err := sm.Step(ctx, lm, micro.params, om)
+		require.NoError(t, err)
+		assert.InDelta(t, a, b, atol+rtol*math.Abs(float64(a)), "loss at step %d", step)
+		assert.Equal(t, []int{2, 2, 2}, sizesOf(sm.LastPlan().Chunks), "step %d", step)
+		assert.Len(t, sw.LastPlan().Chunks, 1, "step %d: the session without MaxChunk", step)
+	}
+	for i := range whole.data {
+		for k, want := range whole.data[i] {
+			assert.InDelta(t, want, micro.data[i][k], atol+rtol*math.Abs(float64(want)), "%s[%d]", whole.names[i], k)
+		}
+	}
+	bad := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, MaxChunk: -1})
+	assert.ErrorIs(t, bad.Err(), planner.ErrBudget)
+}
+
+func sizesOf(cs []planner.Chunk) []int {
+	out := make([]int, len(cs))
+	for i, c := range cs {
+		out[i] = c.Size
+	}
+	return out
 }

@@ -191,4 +191,12 @@ func TestPerChunkBatchNormMinChunk(t *testing.T) {
 	// Executors refuse chunks below MinChunk, as the planner never makes them.
 	require.ErrorIs(t, exec.CheckChunks(p, planner.ChunksOf(n, 1)), graph.ErrShape)
 	require.NoError(t, exec.CheckChunks(p, planner.ChunksOf(n, 3)))
+
+	// A micro-batch (MaxChunk) below the least chunk is refused; at it, the
+	// plan runs 3 + 2.
+	_, err = planner.Make(p, planner.Options{Budget: 1 << 40, MaxChunk: 2})
+	require.ErrorIs(t, err, planner.ErrBudget)
+	pl, err := planner.Make(p, planner.Options{Budget: 1 << 40, MaxChunk: 3})
+	require.NoError(t, err)
+	assert.Equal(t, []int{3, 2}, planner.Sizes(pl.Chunks))
 }

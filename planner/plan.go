@@ -90,6 +90,13 @@ type Options struct {
 	// runs): Plan.Split describes the chunks either way, in memory that does
 	// not grow with the batch, where the list holds one Chunk per chunk.
 	NoChunkList bool
+	// MaxChunk caps the chunk size (0: the whole batch may run at once): a
+	// fixed micro-batch, as gradient accumulation over micro-batches of at
+	// most MaxChunk samples gives, where memory would allow more. The plan
+	// still picks smaller chunks when MaxChunk samples do not fit. Below
+	// the graph's least chunk (per-chunk batch statistics' MinChunk) it is
+	// an ErrBudget error.
+	MaxChunk int
 	// Resident lists the buffers the device already holds when the run
 	// starts, in the order they were allocated (an executor's resident
 	// parameters, constants and optimizer state, whichever program made
@@ -282,9 +289,23 @@ func Make(p *Program, o Options) (*Plan, error) {
 	if o.Budget < 0 || head < 0 || head > o.Budget {
 		return nil, fmt.Errorf("%w: budget %d bytes with headroom %d", ErrBudget, o.Budget, head)
 	}
+	if o.MaxChunk < 0 {
+		return nil, fmt.Errorf("%w: MaxChunk %d is negative", ErrBudget, o.MaxChunk)
+	}
 	n := p.Batch
 	if n <= 0 {
 		return nil, fmt.Errorf("%w: the graph has no batched input", ErrNoBatch)
+	}
+	least := p.leastChunk()
+	top := n // the largest chunk allowed
+	if o.MaxChunk > 0 && o.MaxChunk < n {
+		if p.Info.NotChunkable != nil {
+			return nil, fmt.Errorf("%w: MaxChunk %d asks for chunks of a batch of %d that cannot be chunked: %w", ErrBudget, o.MaxChunk, n, p.Info.NotChunkable)
+		}
+		if top = o.MaxChunk; top < least {
+			return nil, fmt.Errorf("%w: MaxChunk %d is below the least chunk %d that a batch of %d allows (per-chunk batch statistics need chunks of at least %d)",
+				ErrBudget, o.MaxChunk, least, n, p.Info.MinChunk)
+		}
 	}
 	avail := o.Budget - head
 	held := o.Resident
@@ -300,13 +321,15 @@ func Make(p *Program, o Options) (*Plan, error) {
 		return simulate(p, SplitOf(n, b), avail, 0, held)
 	}
 	// One chunk needs no gradient accumulators, so it can fit where a
-	// chunked run of the same batch does not: try it first.
+	// chunked run of the same batch does not: try it first (or the largest
+	// chunk MaxChunk allows).
 	var chosen int
-	least := p.leastChunk()
-	if _, ok, err := fits(n); err != nil {
+	if _, ok, err := fits(top); err != nil {
 		return nil, err
 	} else if ok {
-		chosen = n
+		chosen = top
+	} else if top < n {
+		// MaxChunk samples do not fit: search below it.
 	} else if p.Info.NotChunkable != nil {
 		return nil, p.doesNotFit(n, avail, held, p.Info.NotChunkable)
 	} else if least == n {
@@ -339,7 +362,7 @@ func Make(p *Program, o Options) (*Plan, error) {
 		} else if !ok {
 			return nil, p.doesNotFit(least, avail, held, nil)
 		}
-		lo, hi := least, n    // lo fits, hi does not
+		lo, hi := least, top  // lo fits, hi does not
 		if pl.PerSample > 0 { // first guess from the affine fit
 			if g := int((avail - pl.Fixed) / pl.PerSample); g > lo && g < hi {
 				if _, ok, err := fits(g); err != nil {
@@ -458,6 +481,7 @@ type cacheKey struct {
 	budget, headroom int64
 	noHeadroom       bool
 	noChunkList      bool
+	maxChunk         int
 	held             string
 }
 
@@ -491,7 +515,7 @@ func (p *Program) signature() uint64 {
 // Plan returns the cached plan for p and o, making it on a miss.
 func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	key := cacheKey{sig: p.Signature(), kept: fmt.Sprint(p.Kept), trained: fmt.Sprint(len(p.Persistent)),
-		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom, noChunkList: o.NoChunkList}
+		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom, noChunkList: o.NoChunkList, maxChunk: o.MaxChunk}
 	if !p.fresh(o.Resident) {
 		key.held = heldKey(o.Resident)
 	}

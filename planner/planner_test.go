@@ -434,3 +434,45 @@ func TestCacheTellsOutputsApart(t *testing.T) {
 		assert.Equal(t, want.PeakReserved, pl.PeakReserved, "outputs %v", p.Outputs)
 	}
 }
+
+// MaxChunk fixes a micro-batch: chunks of at most MaxChunk samples where
+// memory holds the whole batch, and still smaller ones where MaxChunk
+// samples do not fit; the plan's peak is that split's replay. Graphs that
+// cannot be chunked, MaxChunk below the least chunk and a negative
+// MaxChunk are ErrBudget errors.
+func TestMaxChunk(t *testing.T) {
+	const n = 100
+	p := wide(t, n)
+	pl, err := planner.Make(p, planner.Options{Budget: 1 << 40, MaxChunk: 30})
+	require.NoError(t, err)
+	assert.Equal(t, []int{25, 25, 25, 25}, sizes(pl.Chunks), "balanced chunks of at most 30")
+	assert.Equal(t, peak(t, p, planner.Chunks(n, 4)).PeakReserved, pl.PeakReserved)
+
+	whole, err := planner.Make(p, planner.Options{Budget: 1 << 40, MaxChunk: n})
+	require.NoError(t, err)
+	assert.Equal(t, []int{n}, sizes(whole.Chunks), "MaxChunk = the batch: one chunk")
+
+	// A budget in which only chunks of 10 or fewer fit wins over MaxChunk 30.
+	budget := peak(t, p, planner.Chunks(n, 10)).PeakReserved
+	tight, err := planner.Make(p, planner.Options{Budget: budget, MaxChunk: 30})
+	require.NoError(t, err)
+	free, err := planner.Make(p, planner.Options{Budget: budget})
+	require.NoError(t, err)
+	assert.Equal(t, sizes(free.Chunks), sizes(tight.Chunks))
+	assert.LessOrEqual(t, tight.Chunk, 30)
+
+	// The cache tells MaxChunk apart.
+	var c planner.Cache
+	a, err := c.Plan(p, planner.Options{Budget: 1 << 40, MaxChunk: 30})
+	require.NoError(t, err)
+	b, err := c.Plan(p, planner.Options{Budget: 1 << 40, MaxChunk: 50})
+	require.NoError(t, err)
+	assert.Equal(t, []int{25, 25, 25, 25}, sizes(a.Chunks))
+	assert.Equal(t, []int{50, 50}, sizes(b.Chunks))
+
+	_, err = planner.Make(p, planner.Options{Budget: 1 << 40, MaxChunk: -1})
+	assert.ErrorIs(t, err, planner.ErrBudget)
+	_, err = planner.Make(centered(t, 16), planner.Options{Budget: 1 << 40, MaxChunk: 4})
+	assert.ErrorIs(t, err, planner.ErrBudget)
+	assert.ErrorIs(t, err, graph.ErrNotChunkable, "the reason it cannot be chunked")
+}
