@@ -43,6 +43,8 @@ type Device struct {
 	stopped   chan struct{}
 	closeOnce sync.Once
 	closeErr  error // set by the worker before it closes stopped
+
+	stage *stager // pinned upload buffers, made on first large upload (staging.go)
 }
 
 // request is a closure for the device goroutine and where its result goes.
@@ -143,6 +145,7 @@ func (d *Device) worker(ready chan<- error) {
 			r.done <- r.fn()
 		case <-d.quit:
 			d.closeErr = errors.Join(
+				d.freeStager(d.stage),
 				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
 				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
 				drv.check("cuDevicePrimaryCtxRelease_v2", drv.cuDevicePrimaryCtxRelease(d.dev)))

@@ -66,6 +66,12 @@ type driver struct {
 	cuMemcpyHtoD func(dst CUdeviceptr, src unsafe.Pointer, n uintptr) cuResult
 	// CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
 	cuMemcpyDtoH func(dst unsafe.Pointer, src CUdeviceptr, n uintptr) cuResult
+	// CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream)
+	cuMemcpyHtoDAsync func(dst CUdeviceptr, src unsafe.Pointer, n uintptr, stream uintptr) cuResult
+	// CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
+	cuMemHostAlloc func(p *unsafe.Pointer, size uintptr, flags uint32) cuResult
+	// CUresult cuMemFreeHost(void *p)
+	cuMemFreeHost func(p unsafe.Pointer) cuResult
 	// CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
 	cuMemsetD8 func(dst CUdeviceptr, v uint8, n uintptr) cuResult
 	// CUresult cuModuleLoadData(CUmodule *module, const void *image)
@@ -92,6 +98,8 @@ type driver struct {
 	cuEventRecord func(ev CUevent, stream uintptr) cuResult
 	// CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
 	cuEventElapsedTime func(ms *float32, start, end CUevent) cuResult
+	// CUresult cuEventSynchronize(CUevent hEvent)
+	cuEventSynchronize func(ev CUevent) cuResult
 	// CUresult cuEventDestroy_v2(CUevent hEvent)
 	cuEventDestroy func(ev CUevent) cuResult
 }
@@ -124,6 +132,10 @@ func (d *driver) symbols() []symbol {
 		sym(&d.cuEventRecord, "cuEventRecord"),
 		sym(&d.cuEventElapsedTime, "cuEventElapsedTime_v2", "cuEventElapsedTime"),
 		sym(&d.cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy"),
+		sym(&d.cuEventSynchronize, "cuEventSynchronize"),
+		sym(&d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
+		sym(&d.cuMemHostAlloc, "cuMemHostAlloc"),
+		sym(&d.cuMemFreeHost, "cuMemFreeHost"),
 	}
 }
 

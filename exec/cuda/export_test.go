@@ -3,6 +3,7 @@ package cuda
 import (
 	"unsafe"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 )
 
@@ -29,4 +30,25 @@ func (e *Executor) ResidentData() ([][]uint32, error) {
 		}
 	}
 	return out, nil
+}
+
+// The staging sizes (staging.go), for tests.
+const (
+	StageMin   = stageMin
+	StagePiece = stagePiece
+)
+
+// CopyHtoDNoWait is the executor's upload: a large copy may still be
+// moving when it returns, ordered before later stream-0 work.
+func CopyHtoDNoWait[T Elem](d *Device, dst alloc.Ptr, src []T) error {
+	return copyHtoD(d, dst, src, false)
+}
+
+// CopyHtoDPageable is one cuMemcpyHtoD from src, unstaged: the baseline
+// of BenchmarkUpload.
+func CopyHtoDPageable[T Elem](d *Device, dst alloc.Ptr, src []T) error {
+	n := uintptr(len(src)) * unsafe.Sizeof(src[0])
+	return d.do(func() error {
+		return d.drv.check("cuMemcpyHtoD_v2", d.drv.cuMemcpyHtoD(CUdeviceptr(dst), unsafe.Pointer(&src[0]), n))
+	})
 }

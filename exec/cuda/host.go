@@ -33,14 +33,17 @@ func hostData(nd *graph.Node, t tensor.Tensor, shape []int) (*exec.HostBuf, erro
 // upload copies v, a value of dtype dt, to device memory at p. Host data
 // of a 16-bit value is float32 (exec.HostBuf); it is rounded to nearest
 // even as it is encoded, as the CPU executor rounds it on entry.
+//
+// Only stream-0 work reads what it uploads, so a large upload returns
+// once the host data is staged, its last pieces still moving (copyHtoD).
 func (r *runner) upload(p alloc.Ptr, v *exec.HostBuf, dt graph.DType) error {
 	switch {
 	case v.F == nil:
-		return CopyHtoD(r.e.d, p, v.I)
+		return copyHtoD(r.e.d, p, v.I, false)
 	case dt.IsHalf():
-		return CopyHtoD(r.e.d, p, encodeHalf(dt, v.F))
+		return copyHtoD(r.e.d, p, encodeHalf(dt, v.F), false)
 	}
-	return CopyHtoD(r.e.d, p, v.F)
+	return copyHtoD(r.e.d, p, v.F, false)
 }
 
 // download copies node id's value at chunk size b from blk to the host; a

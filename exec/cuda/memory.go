@@ -51,11 +51,21 @@ type Elem interface{ ~float32 | ~int64 | ~uint16 }
 // nothing. The copy is complete when CopyHtoD returns, so src may be
 // reused at once.
 func CopyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T) error {
+	return copyHtoD(d, dst, src, true)
+}
+
+// copyHtoD is CopyHtoD; without wait, a large copy (stageHtoD) may still be
+// moving when it returns, ahead of the work queued on stream 0 after it:
+// for uploads that only stream-0 work reads.
+func copyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T, wait bool) error {
 	if len(src) == 0 {
 		return nil
 	}
 	n := uintptr(len(src)) * unsafe.Sizeof(src[0])
 	return d.do(func() error {
+		if n >= stageMin {
+			return d.stageHtoD(dst, unsafe.Pointer(&src[0]), n, wait)
+		}
 		return d.drv.check("cuMemcpyHtoD_v2", d.drv.cuMemcpyHtoD(CUdeviceptr(dst), unsafe.Pointer(&src[0]), n))
 	})
 }

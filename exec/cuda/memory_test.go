@@ -2,6 +2,7 @@ package cuda_test
 
 import (
 	"errors"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -175,4 +176,40 @@ func TestMemzero(t *testing.T) {
 	require.NoError(t, d.Memzero(b.Ptr(), 0))
 	assert.ErrorIs(t, d.Memzero(b.Ptr(), -1), alloc.ErrInvalid)
 	require.NoError(t, a.Free(b))
+}
+
+// Uploads at and above the staging threshold go through the pinned
+// buffers in pieces; below it straight through. Each size (below the
+// threshold, at it, several pieces with an odd tail) comes back bit for
+// bit, also when several staged uploads follow one another before any
+// download (each pinned buffer reused only after its DMA), and the
+// executor's no-wait uploads (exported for tests as CopyHtoDNoWait) are
+// ordered before later stream-0 work.
+func TestStagedUploads(t *testing.T) {
+	d := device(t)
+	be := d.Backend()
+	rng := rand.New(rand.NewPCG(9, 10))
+	sizes := []int{cuda.StageMin/4 - 3, cuda.StageMin / 4, 3*cuda.StagePiece/4 + 5, 5 * cuda.StagePiece / 4}
+	var ptrs []alloc.Ptr
+	var want [][]float32
+	for k, n := range sizes {
+		src := make([]float32, n)
+		for i := range src {
+			src[i] = rng.Float32()*2 - 1
+		}
+		p, err := be.Malloc(int64(4 * n))
+		require.NoError(t, err)
+		defer be.Free(p)
+		if k%2 == 0 {
+			require.NoError(t, cuda.CopyHtoD(d, p, src))
+		} else {
+			require.NoError(t, cuda.CopyHtoDNoWait(d, p, src))
+		}
+		ptrs, want = append(ptrs, p), append(want, src)
+	}
+	for k, p := range ptrs {
+		got := make([]float32, len(want[k]))
+		require.NoError(t, cuda.CopyDtoH(d, got, p))
+		require.Equal(t, want[k], got, "upload of %d floats", len(want[k]))
+	}
 }
