@@ -157,7 +157,8 @@ func BenchmarkExecutorStep(b *testing.B) {
 // BenchmarkUpload uploads a ResNet-50 batch (64 × 3 × 224 × 224 float32,
 // 38.5 MB) from Go memory: "staged" through the pinned buffers, as
 // CopyHtoD does (waiting for the last piece), and "pageable", one
-// cuMemcpyHtoD from the Go slice, as it did before. It reports GB/s.
+// cuMemcpyHtoD from the Go slice, as it did before; then staged with 1, 2
+// and 8 goroutines copying each piece instead of 4. It reports bytes/s.
 func BenchmarkUpload(b *testing.B) {
 	d := device(b)
 	src := make([]float32, 64*3*224*224)
@@ -179,6 +180,18 @@ func BenchmarkUpload(b *testing.B) {
 			b.SetBytes(int64(4 * len(src)))
 			for b.Loop() {
 				if err := c.copy(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+	// The staged copy with other numbers of copying goroutines.
+	for _, n := range []int{1, 2, 8} {
+		b.Run(fmt.Sprintf("staged-copiers-%d", n), func(b *testing.B) {
+			defer cuda.SetStageCopiers(cuda.SetStageCopiers(n))
+			b.SetBytes(int64(4 * len(src)))
+			for b.Loop() {
+				if err := cuda.CopyHtoD(d, p, src); err != nil {
 					b.Fatal(err)
 				}
 			}

@@ -52,3 +52,11 @@ func CopyHtoDPageable[T Elem](d *Device, dst alloc.Ptr, src []T) error {
 		return d.drv.check("cuMemcpyHtoD_v2", d.drv.cuMemcpyHtoD(CUdeviceptr(dst), unsafe.Pointer(&src[0]), n))
 	})
 }
+
+// SetStageCopiers sets the goroutines that copy each staged piece and
+// returns the previous number.
+func SetStageCopiers(n int) int {
+	old := stageCopiers
+	stageCopiers = n
+	return old
+}

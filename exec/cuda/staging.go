@@ -20,10 +20,13 @@ import (
 // memory bandwidth and PCIe's. Pinned host memory is no device memory: the
 // allocator and the plans do not see it.
 const (
-	stagePiece   = 4 << 20 // bytes per pinned buffer
-	stageMin     = 1 << 20 // smaller uploads go straight through cuMemcpyHtoD
-	stageCopiers = 4       // goroutines copying one piece
+	stagePiece = 4 << 20 // bytes per pinned buffer
+	stageMin   = 1 << 20 // smaller uploads go straight through cuMemcpyHtoD
 )
+
+// stageCopiers is the number of goroutines copying one piece (a variable
+// for BenchmarkUpload's comparisons).
+var stageCopiers = 4
 
 // stager is a device's two pinned buffers and the events that say when
 // the DMA reading each is done. Only the device goroutine uses it.
