@@ -7,6 +7,11 @@
 // the logits' type (graph: a 16-bit cross_entropy computes in float32).
 // Labels are int64.
 //
+// cross_entropy reads logits rows ld apart and scores their first c
+// columns (c ≤ ld): with c < ld the columns past c, a padded linear's
+// extra outputs (graph's Attrs.End), are never read and get exactly zero
+// gradient.
+//
 // The forward losses reduce deterministically in two steps through a small
 // double workspace: per-row (cross_entropy) or per-block (mse) partials,
 // then sum_f64_* in a single block. Attrs.Scalar (1/N of the full batch
@@ -99,13 +104,13 @@ template <bool C, typename T>
 __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
                                                         double* __restrict__ loss, i64 n, i64 c,
-                                                        u64* bad) {
+                                                        i64 ld, u64* bad) {
   __shared__ double sd[32];
   __shared__ float sf[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
-    const T* p = logits + row * c;
+    const T* p = logits + row * ld;
     float v[ROW_VPT];
     float m;
     double z;
@@ -121,17 +126,18 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
   }
 }
 
-// cross_entropy_rows_{f32,bf16,f16}: loss[r] = logsumexp(logits[r, :]) −
-// logits[r, label[r]] in double, for contiguous logits [n, c] and int64
-// labels [n]; an out-of-range label gives NaN and is reported in bad. Row
+// cross_entropy_rows_{f32,bf16,f16}: loss[r] = logsumexp(logits[r, :c]) −
+// logits[r, label[r]] in double, for logits [n, ld] (rows ld apart, c ≤ ld
+// classes each) and int64 labels [n]; a label outside [0, c) gives NaN and
+// is reported in bad. Row
 // layout: blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid
 // (rows of up to ROW_VPT·bx classes are read once). Then sum_f64_*(loss,
 // out, n, Scalar) gives the loss.
 #define K(T, S)                                                                          \
   extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_##S(          \
-      const T* logits, const i64* labels, double* loss, i64 n, i64 c, u64* bad) {        \
-    if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, bad);     \
-    else cross_entropy_rows_body<false>(logits, labels, loss, n, c, bad);                \
+      const T* logits, const i64* labels, double* loss, i64 n, i64 c, i64 ld, u64* bad) {\
+    if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, ld, bad); \
+    else cross_entropy_rows_body<false>(logits, labels, loss, n, c, ld, bad);            \
   }
 FOR_FLOATS(K)
 #undef K
@@ -156,7 +162,7 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
                                                         const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
                                                         T* __restrict__ out, i64 n, i64 c,
-                                                        double scalar, u64* bad) {
+                                                        i64 ld, double scalar, u64* bad) {
   constexpr int N = 16 / sizeof(T);
   __shared__ double sd[32];
   __shared__ float sf[32];
@@ -164,13 +170,14 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
-    const T* p = logits + row * c;
+    const T* p = logits + row * ld;
     float v[ROW_VPT];
     float m;
     double z;
     row_lse<C>(p, v, c, live, sf, sd, &m, &z);
     if (!live) continue;
-    T* q = out + row * c;
+    T* q = out + row * ld;
+    for (i64 k = c + threadIdx.x; k < ld; k += blockDim.x) q[k] = 0.0f;  // padding: no class
     const i64 label = labels[row];
     if (label < 0 || label >= c) {
       row_each<C>(c, [&](i64 k, int) { q[k] = nan_f(); });
@@ -203,16 +210,18 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
 }
 
 // cross_entropy_grad_{f32,bf16,f16}: out[r, j] = float(s·(softmax(logits[r,
-// :])_j − [j = label[r]])) with s = scalar·g[0] in double (g the upstream
-// float32 scalar gradient, scalar = Attrs.Scalar). Row layout as
-// cross_entropy_rows_*; a row with an out-of-range label is NaN and
-// reported.
+// :c])_j − [j = label[r]])) for j < c and 0 for c ≤ j < ld, with s =
+// scalar·g[0] in double (g the upstream float32 scalar gradient, scalar =
+// Attrs.Scalar); logits and out are [n, ld]. Row layout as
+// cross_entropy_rows_*; a row with a label outside [0, c) is NaN in its
+// first c columns and reported.
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_##S(                   \
-      const float* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, double scalar, \
-      u64* bad) {                                                                              \
-    if (row_fits(c)) cross_entropy_grad_body<true>(g, logits, labels, out, n, c, scalar, bad); \
-    else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, scalar, bad);            \
+      const float* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, i64 ld,        \
+      double scalar, u64* bad) {                                                               \
+    if (row_fits(c))                                                                           \
+      cross_entropy_grad_body<true>(g, logits, labels, out, n, c, ld, scalar, bad);            \
+    else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, ld, scalar, bad);        \
   }
 FOR_FLOATS(K)
 #undef K
