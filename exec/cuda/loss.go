@@ -37,6 +37,20 @@ const (
 	mseBytes = 8 * mseGrid
 )
 
+// ceBlock is the cross_entropy kernels' row block for rows of c classes:
+// rowBlock's while a row fits the registers of a 1,024-thread block, and
+// for longer rows (a GPT vocabulary) one block of ceLongBlock threads a
+// row, so that several blocks share an SM and one's reductions overlap
+// the others' loads.
+func ceBlock(c int64) [3]uint32 {
+	if c > 8*1024 {
+		return [3]uint32{ceLongBlock, 1, 1}
+	}
+	return rowBlock(c)
+}
+
+const ceLongBlock = 256
+
 // ceBytes is cross_entropy's workspace for n rows: the per-row losses in
 // double, then the bad-label flag.
 func ceBytes(n int64) int64 { return 8*n + flagBytes }
@@ -88,7 +102,7 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 		return err
 	}
 	if n > 0 {
-		block := rowBlock(c)
+		block := ceBlock(c)
 		if err := k.launch(typed(kCrossEntropy, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, ld, bad); err != nil {
 			return err
 		}
@@ -122,7 +136,7 @@ func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) 
 	if err != nil {
 		return err
 	}
-	block := rowBlock(c)
+	block := ceBlock(c)
 	if err := k.launch(typed(kCrossEntGrad, dt), rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, ld, a.Scalar, bad); err != nil {
 		return err
 	}

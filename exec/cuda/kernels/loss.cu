@@ -21,53 +21,74 @@
 
 // row_split visits a row p[0:c] with the block's threads: the elements
 // before its first 16-byte boundary and after its last one one at a time,
-// as scalar(k), and the 16-byte packs between as pack(k0), k0 the pack's
-// first element, two packs per thread at a time so that two loads are in
-// flight. A row of 16-bit values with an odd length (a vocabulary of
+// as scalar(k), and the 16-byte packs between as pack(k0, u), k0 the
+// pack's first element and u its values, four packs per thread at a time,
+// all four loaded before any is used, so that 64 bytes a thread are in
+// flight (a long row is bound by memory latency, not bandwidth, with
+// fewer). A row of 16-bit values with an odd length (a vocabulary of
 // 50,257) starts at a different offset in each row; its packs still are
-// whole 16-byte loads and stores.
+// whole 16-byte loads.
 template <typename T, typename FS, typename FP>
 __device__ __forceinline__ void row_split(const T* p, i64 c, FS scalar, FP pack) {
   constexpr int N = 16 / sizeof(T);
   const i64 head = imin((i64)(((16 - ((u64)p & 15)) & 15) / sizeof(T)), c);
   const i64 packs = (c - head) / N;
   const i64 b = blockDim.x;
+  const Vec<T, N>* v = reinterpret_cast<const Vec<T, N>*>(p + head);
   for (i64 k = threadIdx.x; k < head; k += b) scalar(k);
   i64 q = threadIdx.x;
-  for (; q + b < packs; q += 2 * b) {
-    pack(head + q * N);
-    pack(head + (q + b) * N);
+  for (; q + 3 * b < packs; q += 4 * b) {
+    Vec<T, N> u[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u[j] = v[q + j * b];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pack(head + (q + j * b) * N, u[j]);
   }
-  if (q < packs) pack(head + q * N);
+  for (; q < packs; q += b) pack(head + q * N, v[q]);
   for (i64 k = head + packs * N + threadIdx.x; k < c; k += b) scalar(k);
 }
 
 // row_lse_online gives a row's max and Σ exp(v − max) in one pass over
 // memory, for rows too long for registers: each thread keeps a running max
-// and a sum rescaled whenever the max grows, and the threads' sums are
-// rescaled to the row's max before they are added. A NaN makes both NaN.
+// and a sum in double rescaled whenever the max grows, a pack at a time
+// (its max first, then its terms summed in float, at most 8 of them, each
+// at most 1), and the threads' sums are rescaled to the row's max before
+// they are added. A NaN makes both NaN.
 template <typename T>
 __device__ __forceinline__ void row_lse_online(const T* p, i64 c, bool live, float* sf,
                                                double* sd, float* m, double* z) {
   constexpr int N = 16 / sizeof(T);
   float mx = neg_inf_f();
   double s = 0;
-  auto add = [&](float xv) {
-    if (xv > mx) {
-      s = s * (double)expf(mx - xv) + 1.0;
-      mx = xv;
-    } else {
-      if (xv != xv) mx = xv;
-      s += (double)expf(xv - mx);
+  auto grow = [&](float top) {  // top: the max of the values about to be added
+    if (top > mx) {
+      s *= (double)expf(mx - top);  // 0 while mx is −inf
+      mx = top;
+    } else if (top != top) {
+      mx = top;
     }
   };
   if (live) {
     row_split(
-        p, c, [&](i64 k) { add((float)p[k]); },
-        [&](i64 k0) {
-          const Vec<T, N> u = *reinterpret_cast<const Vec<T, N>*>(p + k0);
+        p, c,
+        [&](i64 k) {
+          const float x = (float)p[k];
+          grow(x);
+          s += (double)expf(x - mx);
+        },
+        [&](i64, const Vec<T, N>& u) {
+          float x[N];
+          float top = neg_inf_f();
 #pragma unroll
-          for (int e = 0; e < N; ++e) add((float)u.v[e]);
+          for (int e = 0; e < N; ++e) {
+            x[e] = (float)u.v[e];
+            top = go_max(top, x[e]);
+          }
+          grow(top);
+          float t = 0;
+#pragma unroll
+          for (int e = 0; e < N; ++e) t += expf(x[e] - mx);
+          s += (double)t;
         });
   }
   const float row_max = row_allreduce(mx, MaxOp(), sf);
@@ -196,8 +217,7 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
     } else if (((u64)p & 15) == ((u64)q & 15)) {  // logits and gradient rows share their packs
       row_split(
           p, c, [&](i64 k) { q[k] = grad(k, (float)p[k]); },
-          [&](i64 k0) {
-            const Vec<T, N> x = *reinterpret_cast<const Vec<T, N>*>(p + k0);
+          [&](i64 k0, const Vec<T, N>& x) {
             Vec<T, N> r;
 #pragma unroll
             for (int e = 0; e < N; ++e) r.v[e] = grad(k0 + e, (float)x.v[e]);
