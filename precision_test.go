@@ -64,6 +64,7 @@ func TestMixedPlannedPeaksAreMeasured(t *testing.T) {
 	}{
 		{mlpModel, 1000},
 		{gptModel(512), 40},
+		{func(bool) testutil.TrainModel { return testutil.PaddedHeadGPTModel() }, 40}, // its loss reads the padded head
 		{convModel(32), 30},
 	} {
 		name := c.model(false).Name

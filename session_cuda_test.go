@@ -414,6 +414,8 @@ func TestSessionCUDAGPTFusedAttention(t *testing.T) {
 // cuBLAS and the CPU sum products in different orders, so a value may land
 // one 16-bit ulp apart (2⁻⁸ relative for bfloat16, 2⁻¹¹ for float16) and
 // carry that into the loss: rtol 2e-2 for bf16-mixed, 5e-3 for fp16-mixed.
+// The padded-head GPT's loss reads its head's padded logits (precision's
+// fused loss: cross_entropy with Attrs.End, no slice).
 func TestSessionCUDAMixedPrecision(t *testing.T) {
 	const steps = 3
 	ctx := context.Background()
@@ -428,6 +430,7 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 			{func() testutil.TrainModel { return testutil.MLPModel(784, 64, true) }, 512},
 			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 512},
 			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 512},
+			{testutil.PaddedHeadGPTModel, 256},
 			// The convolutions' patch workspace is sized from the full batch
 			// (up to 64 MiB, conv.go), so only a batch past that cap leaves
 			// chunks anything to save.

@@ -28,7 +28,7 @@ const (
 	OpConv2dGradWeight                         // g, x; conv attrs, Target = weight type
 	OpMaxPool2dGrad                            // g, x; pool attrs: g routed to the first maximum of each window
 	OpAvgPool2dGrad                            // g; pool attrs, Target = input type
-	OpCrossEntropyGrad                         // g, logits, labels; Scalar: g·Scalar·(softmax − onehot)
+	OpCrossEntropyGrad                         // g, logits, labels; Scalar, End: g·Scalar·(softmax − onehot), 0 past End
 	OpMSEGrad                                  // g, pred, target; Scalar: g·Scalar·2·(pred − target)
 	numOps
 )
@@ -216,7 +216,7 @@ var gradOps = []OpInfo{
 			fwd, err := pool2d(OpAvgPool2d, attrs, t)
 			return t, expect(op, "gradient", in[0], fwd, err)
 		})},
-	OpCrossEntropyGrad: {Name: "cross_entropy_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"scalar"}, NoVJP: noVJPGrad,
+	OpCrossEntropyGrad: {Name: "cross_entropy_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"scalar", "end"}, NoVJP: noVJPGrad,
 		Chunk: plainChunk,
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			a := *attrs

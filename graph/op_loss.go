@@ -6,7 +6,7 @@ import (
 )
 
 const (
-	OpCrossEntropy Op = endAttentionOps + iota // inputs logits [N, C], labels int64 [N]; Reduction
+	OpCrossEntropy Op = endAttentionOps + iota // inputs logits [N, C], labels int64 [N]; Reduction, End (classes, 0 = C)
 	OpMSE                                      // inputs pred, target (same shape); Reduction
 	endLossOps
 )
@@ -15,7 +15,10 @@ const (
 // at the full batch, so chunk partials add.
 var lossOps = []OpInfo{
 	// cross_entropy's gradient recomputes the softmax from the logits.
-	OpCrossEntropy: {Name: "cross_entropy", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"},
+	// With Attrs.End = C' in (0, C) only the first C' columns are classes:
+	// the rest (a padded linear's extra outputs, precision's alignedLinear)
+	// take no part in the loss and get exactly zero gradient.
+	OpCrossEntropy: {Name: "cross_entropy", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction", "end"},
 		Rule: crossEntropyRule, Saves: SavesInput(0, 1),
 		Chunk: &Chunk{Consume: func(n *Node, in []Type) (Combine, string) {
 			// Per-sample losses summed, times 1/count fixed at the full
@@ -28,7 +31,7 @@ var lossOps = []OpInfo{
 		}},
 		VJP: func(b VJPBuilder, n *Node, g int) {
 			x := n.Inputs[0]
-			b.Accumulate(x, b.Emit(OpCrossEntropyGrad, Attrs{Scalar: n.Attrs.Scalar}, g, x, n.Inputs[1]))
+			b.Accumulate(x, b.Emit(OpCrossEntropyGrad, Attrs{Scalar: n.Attrs.Scalar, End: n.Attrs.End}, g, x, n.Inputs[1]))
 		}},
 	OpMSE: {Name: "mse", Category: CatLoss, MinArity: 2, Arity: 2, Attrs: []string{"reduction"},
 		Rule: mseRule, Saves: SavesInput(0, 1),
@@ -74,6 +77,9 @@ func crossEntropy(attrs *Attrs, logits, labels Type) (Type, error) {
 	if logits.Shape[0] == 0 || logits.Shape[1] == 0 {
 		return Type{}, Errorf(ErrShape, "cross_entropy of an empty batch or zero classes: %v", logits.Shape)
 	}
+	if attrs.End < 0 || attrs.End > logits.Shape[1] {
+		return Type{}, Errorf(ErrShape, "cross_entropy of %d classes (end) out of logits %v: want 0 (all columns) up to %d", attrs.End, logits.Shape, logits.Shape[1])
+	}
 	lossScale(attrs, logits.Shape[0])
 	return Type{Shape: []int{}, DType: crossEntropyDType(logits.DType), BatchAxis: -1, PerSample: 1}, nil
 }
@@ -83,6 +89,16 @@ func crossEntropy(attrs *Attrs, logits, labels Type) (Type, error) {
 // loss is float32 (the values autocast's cast-then-fp32 loss gives, since
 // widening is exact, without the float32 copy of the logits); its gradient
 // has the logits' dtype, rounded once.
+// CrossEntropyClasses is the number of classes a cross_entropy or
+// cross_entropy_grad with attributes a scores in logits of c columns:
+// a.End, or c when End is 0.
+func CrossEntropyClasses(a *Attrs, c int) int {
+	if a.End > 0 {
+		return a.End
+	}
+	return c
+}
+
 func crossEntropyDType(dt DType) DType {
 	if dt == BFloat16 || dt == Float16 {
 		return Float32

@@ -312,6 +312,19 @@ func (t *Tensor) CrossEntropy(labels *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r}, t, labels)
 }
 
+// CrossEntropyClasses is CrossEntropy over the first classes columns of
+// logits t [N, C] (0 < classes ≤ C): the columns past them, such as a
+// linear layer's padding outputs, are ignored by the loss and get exactly
+// zero gradient. Labels must be below classes. It is what
+// t.Slice(1, 0, classes).CrossEntropy(labels, r) computes, without the
+// slice's copy of the logits and its gradient's scatter.
+func (t *Tensor) CrossEntropyClasses(labels *Tensor, classes int, r graph.Reduction) *Tensor {
+	if classes <= 0 && t.Err() == nil { // an earlier error sticks: apply returns it
+		return errTensor("cross_entropy", site(), graph.Errorf(graph.ErrShape, "cross_entropy of %d classes out of logits %v: want at least 1", classes, t.Shape()), t.Shape())
+	}
+	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r, End: classes}, t, labels)
+}
+
 // MSE is the mean (or sum) of squared differences between t and target.
 func (t *Tensor) MSE(target *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpMSE, graph.Attrs{Reduction: r}, t, target)

@@ -55,6 +55,15 @@
 //     padding the vocabulary. The real outputs are the same dot products,
 //     and the padded rows get zero gradient and are sliced off. The
 //     planner counts the padded weight, the wider output and the slice.
+//   - Fused padded loss: when nothing but a cross_entropy reads such a
+//     linear's output (alone, or through a reshape to [M, V]: the GPT
+//     head's models.Loss), the cross_entropy reads the padded logits
+//     with Attrs.End = V instead of their slice, so the slice's [M, V]
+//     copy and its gradient's scatter into zeros never run; the padded
+//     columns take no part in the loss and get zero gradient, as the
+//     slice's gradient gave them. The slice stays in the graph, read by
+//     nothing, so Apply's ids keep naming values of their original
+//     shapes (an Eval of the logits runs it).
 //   - Parameters, their gradients and optimizer state stay float32 (master
 //     weights); so do the loss and every value of the float32 class.
 //     Gradients have their value's dtype (autodiff casts a contribution of

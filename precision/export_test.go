@@ -9,5 +9,14 @@ func SetAlignLinears(on bool) bool {
 	return prev
 }
 
+// SetFusePaddedLoss turns the fusion of a padded linear's slice into the
+// cross_entropy it feeds (fusedLoss) on or off, for tests that compare the
+// two graphs; it returns the previous setting.
+func SetFusePaddedLoss(on bool) bool {
+	prev := fusePaddedLoss
+	fusePaddedLoss = on
+	return prev
+}
+
 // AlignOutputs is the multiple a wide linear's outputs are padded to.
 const AlignOutputs = alignOutputs

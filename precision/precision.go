@@ -125,6 +125,12 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 		dt graph.DType
 	}
 	cache := map[key]int{} // parameters' casts: one per parameter and dtype
+	users := consumers(g)
+	// padded maps a node of g on a fused loss's chain (fusedLoss) to its
+	// counterpart in out, which keeps the padded columns, and the class
+	// count the chain's cross_entropy scores.
+	type counterpart struct{ id, classes int }
+	padded := map[int]counterpart{}
 	cast := func(id int, dt graph.DType, at *graph.Node) (int, error) {
 		src := g.Node(id)
 		if have := out.Node(ids[id]).Type.DType; !have.IsFloat() || have == dt {
@@ -165,13 +171,32 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 			}
 		}
 		if dt := p.Half(); dt != graph.InvalidDType && nd.Op == graph.OpLinear && alignLinears {
-			id, ok, err := alignedLinear(out, n, dt)
+			id, lin, ok, err := alignedLinear(out, n, dt)
 			if err != nil {
 				return nil, nil, &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: err}
 			}
 			if ok {
 				ids[i] = id
+				if c, fuse := fusedLoss(g, users, i); fuse && fusePaddedLoss {
+					padded[i] = counterpart{lin, c}
+				}
 				continue
+			}
+		}
+		if len(nd.Inputs) > 0 {
+			if src, ok := padded[nd.Inputs[0]]; ok {
+				switch nd.Op {
+				case graph.OpReshape: // [.., Vp] → [M, Vp], beside the (unread) reshape of the slice
+					s := out.Node(src.id).Type.Shape
+					r, err := out.Append(graph.Node{Op: graph.OpReshape, Inputs: []int{src.id},
+						Attrs: graph.Attrs{Shape: []int{nd.Type.Shape[0], s[len(s)-1]}}, Scope: nd.Scope, Site: nd.Site})
+					if err != nil {
+						return nil, nil, &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: err}
+					}
+					padded[i] = counterpart{r, src.classes}
+				case graph.OpCrossEntropy:
+					n.Inputs[0], n.Attrs.End = src.id, src.classes
+				}
 			}
 		}
 		id, err := out.Append(n)
@@ -185,6 +210,55 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 
 // alignLinears turns alignedLinear on; tests turn it off to compare.
 var alignLinears = true
+
+// fusePaddedLoss turns fusedLoss's rewrite on; tests turn it off to compare.
+var fusePaddedLoss = true
+
+// consumers lists, for each node of g, the ids of the nodes that read it,
+// once per input that names it.
+func consumers(g *graph.Graph) [][]int {
+	users := make([][]int, g.Len())
+	for i := range g.Len() {
+		for _, in := range g.Node(i).Inputs {
+			users[in] = append(users[in], i)
+		}
+	}
+	return users
+}
+
+// fusedLoss reports whether linear node lin of g, which alignedLinear
+// pads, feeds nothing but a cross_entropy's logits: lin [N, V] read by it
+// alone, or lin [.., V] read only by a reshape to [M, V] that only the
+// cross_entropy reads (models.Loss's GPT head). Then Apply gives the
+// cross_entropy the padded logits, reshaped to [M, Vp] where there was a
+// reshape, with Attrs.End = the classes it scored (V, or its own End), so
+// the slice and its gradient, each an [M, V] copy, never run: the padded
+// columns take no part in the loss and get zero gradient, as the slice's
+// gradient gave them. The slice (and the reshape of it) stay in the graph
+// read by nothing, so Apply's ids still name values of the original shapes
+// (a logits output an Eval asks for), and a program runs them only when
+// asked. classes is the cross_entropy's class count.
+func fusedLoss(g *graph.Graph, users [][]int, lin int) (classes int, ok bool) {
+	v := g.Node(lin).Type.Shape
+	logits := lin
+	if u := users[lin]; len(u) != 1 {
+		return 0, false
+	} else if r := g.Node(u[0]); r.Op == graph.OpReshape {
+		if len(r.Type.Shape) != 2 || r.Type.Shape[1] != v[len(v)-1] {
+			return 0, false
+		}
+		logits = u[0]
+	}
+	u := users[logits]
+	if len(u) != 1 {
+		return 0, false
+	}
+	ce := g.Node(u[0])
+	if ce.Op != graph.OpCrossEntropy || ce.Inputs[0] != logits || len(g.Node(logits).Type.Shape) != 2 {
+		return 0, false
+	}
+	return graph.CrossEntropyClasses(&ce.Attrs, v[len(v)-1]), true
+}
 
 // Linear layers with this many outputs or more get aligned (alignedLinear):
 // below it the padding's extra launches cost more than the faster GEMMs
@@ -205,20 +279,20 @@ const (
 // V outputs. The real outputs are the same dot products; in backward the
 // slice's gradient is 0 in the padded columns, so the padded rows add
 // nothing, and autodiff gives the weight's gradient as the padded one's
-// first V rows. It returns the slice's id, or ok false (nothing appended)
-// when n is not such a node.
-func alignedLinear(out *graph.Graph, n graph.Node, dt graph.DType) (id int, ok bool, err error) {
+// first V rows. It returns the slice's id and the padded linear's, or ok
+// false (nothing appended) when n is not such a node.
+func alignedLinear(out *graph.Graph, n graph.Node, dt graph.DType) (id, lin int, ok bool, err error) {
 	w := out.Node(n.Inputs[1]).Type
 	if len(w.Shape) != 2 || w.DType != dt {
-		return 0, false, nil
+		return 0, 0, false, nil
 	}
 	v, c := w.Shape[0], w.Shape[1]
 	if v < alignMinOutputs || v%8 == 0 {
-		return 0, false, nil
+		return 0, 0, false, nil
 	}
 	if len(n.Inputs) > 2 {
 		if b := out.Node(n.Inputs[2]).Type; len(b.Shape) != 1 || b.DType != dt {
-			return 0, false, nil
+			return 0, 0, false, nil
 		}
 	}
 	vp := (v + alignOutputs - 1) / alignOutputs * alignOutputs
@@ -232,22 +306,22 @@ func alignedLinear(out *graph.Graph, n graph.Node, dt graph.DType) (id int, ok b
 	}
 	ins := slices.Clone(n.Inputs)
 	if ins[1], err = pad(ins[1], []int{vp - v, c}); err != nil {
-		return 0, false, err
+		return 0, 0, false, err
 	}
 	if len(ins) > 2 {
 		if ins[2], err = pad(ins[2], []int{vp - v}); err != nil {
-			return 0, false, err
+			return 0, 0, false, err
 		}
 	}
 	n.Inputs = ins
-	lin, err := out.Append(n)
+	lin, err = out.Append(n)
 	if err != nil {
-		return 0, false, err
+		return 0, 0, false, err
 	}
 	last := len(out.Node(lin).Type.Shape) - 1
 	id, err = out.Append(graph.Node{Op: graph.OpSlice, Inputs: []int{lin},
 		Attrs: graph.Attrs{Axis: last, Start: 0, End: v, Step: 1}, Scope: n.Scope, Site: n.Site})
-	return id, err == nil, err
+	return id, lin, err == nil, err
 }
 
 // castInputs replaces the inputs of old node nd (already mapped into the

@@ -693,21 +693,21 @@ def test_loss():
         lse = (m + np.log(np.exp(x6 - m).sum(1, keepdims=True)))[:, 0]
         rl = cp.empty(N, f64)
         bad = cp.full(1, -1, i64)
-        launch(Lf, 'cross_entropy_rows_f32', (-(-N // blk[1]),), blk, dev(x), dev(lab), rl, L(N), L(Cn), bad)
+        launch(Lf, 'cross_entropy_rows_f32', (-(-N // blk[1]),), blk, dev(x), dev(lab), rl, L(N), L(Cn), L(Cn), bad)
         out = cp.empty(1, f32)
         launch(Lf, 'sum_f64_f32', (1,), (256,), rl, out, L(N), D(1.0 / N))
         close(f'cross_entropy {N}x{Cn}', out, [(lse - x6[np.arange(N), lab]).sum() / N], 1e-6, 0)
         record('cross_entropy bad none', int(bad.get()[0]) == -1)
         g = np.array([0.7], f32)
         o = cp.empty((N, Cn), f32)
-        launch(Lf, 'cross_entropy_grad_f32', (-(-N // blk[1]),), blk, dev(g), dev(x), dev(lab), o, L(N), L(Cn), D(1.0 / N), bad)
+        launch(Lf, 'cross_entropy_grad_f32', (-(-N // blk[1]),), blk, dev(g), dev(x), dev(lab), o, L(N), L(Cn), L(Cn), D(1.0 / N), bad)
         sm = np.exp(x6 - lse[:, None])
         sm[np.arange(N), lab] -= 1
         close(f'cross_entropy_grad {N}x{Cn}', o, 0.7 / N * sm, 2e-6, 1e-10)
         lab2 = lab.copy()
         lab2[3] = Cn
         bad = cp.full(1, -1, i64)
-        launch(Lf, 'cross_entropy_rows_f32', (-(-N // blk[1]),), blk, dev(x), dev(lab2), rl, L(N), L(Cn), bad)
+        launch(Lf, 'cross_entropy_rows_f32', (-(-N // blk[1]),), blk, dev(x), dev(lab2), rl, L(N), L(Cn), L(Cn), bad)
         record('cross_entropy bad label', int(bad.get()[0]) == 3, str(bad.get()))
     n = 100001
     pr = rng.standard_normal(n).astype(f32)
@@ -1000,7 +1000,7 @@ def timings():
         bench(f'softmax_grad_rows {rows}x{c} {blk}', 12 * rows * c, rawlaunch('softmax.cu', 'softmax_grad_rows_f32', (rows // blk[1],), blk, x, x, y, L(rows), L(c), L(0)))
         bench(f'layer_norm {rows}x{c} {blk}', 8 * rows * c, rawlaunch('layernorm.cu', 'layer_norm_f32', (rows // blk[1],), blk, x, x[:c], x[:c], y, L(rows), L(c), D(1e-5)))
         bench(f'layer_norm_grad_x {rows}x{c} {blk}', 12 * rows * c, rawlaunch('layernorm.cu', 'layer_norm_grad_x_f32', (rows // blk[1],), blk, x, x, x[:c], y, L(rows), L(c), D(1e-5)))
-    bench('cross_entropy_rows 65536x1000', 4 * 65536 * 1000, rawlaunch('loss.cu', 'cross_entropy_rows_f32', (65536 // 2,), (128, 2), x, cp.zeros(65536, i64), y, L(65536), L(1000), None))
+    bench('cross_entropy_rows 65536x1000', 4 * 65536 * 1000, rawlaunch('loss.cu', 'cross_entropy_rows_f32', (65536 // 2,), (128, 2), x, cp.zeros(65536, i64), y, L(65536), L(1000), L(1000), None))
     bench('dropout 64M', 8 * n, rawlaunch('dropout.cu', 'dropout_f32', (1 << 16,), (256,), x, y, L(1), L(1), L(n), L(0), U(1), U(2), D(0.1), F(1 / 0.9)))
     bench('binary_bcast add [8192,8192]+[8192]', 8 * n, rawlaunch('elementwise.cu', 'binary_bcast_f32', (1 << 16,), (256,), x, x, y, L(n), L(0), strided2([8192, 8192], [8192, 1], [0, 1])))
 

@@ -300,6 +300,8 @@ func validCases() []ruleCase {
 		ruleCase{name: "mean", op: graph.OpCrossEntropy, in: ts(fb(0, 4, 10), ib(0, 4)), want: f(), check: scalarIs(1.0 / 4)},
 		ruleCase{name: "sum", op: graph.OpCrossEntropy, attrs: graph.Attrs{Reduction: graph.ReduceSum}, in: ts(fb(0, 4, 10), ib(0, 4)), want: f(), check: scalarIs(1)},
 		ruleCase{name: "folded batch: 1/(N·T)", op: graph.OpCrossEntropy, in: ts(fp(0, 2, 8, 10), ib(0, 8)), want: f(), check: scalarIs(1.0 / 8)},
+		ruleCase{name: "7 of 10 columns are classes", op: graph.OpCrossEntropy, attrs: graph.Attrs{End: 7}, in: ts(fb(0, 4, 10), ib(0, 4)), want: f(), check: scalarIs(1.0 / 4)},
+		ruleCase{name: "end = every column", op: graph.OpCrossEntropy, attrs: graph.Attrs{End: 10}, in: ts(fb(0, 4, 10), ib(0, 4)), want: f(), check: scalarIs(1.0 / 4)},
 		ruleCase{name: "mean", op: graph.OpMSE, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: f(), check: scalarIs(1.0 / 12)},
 		ruleCase{name: "sum", op: graph.OpMSE, attrs: graph.Attrs{Reduction: graph.ReduceSum}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: f(), check: scalarIs(1)},
 		ruleCase{name: "scalars", op: graph.OpMSE, in: ts(f(), f()), want: f(), check: scalarIs(1)},
@@ -538,6 +540,9 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "logits rank 3", op: graph.OpCrossEntropy, in: ts(fb(0, 4, 2, 10), ib(0, 4)), want: graph.ErrShape},
 		rejectCase{name: "labels rank 2", op: graph.OpCrossEntropy, in: ts(fb(0, 4, 10), ib(0, 4, 1)), want: graph.ErrShape},
 		rejectCase{name: "zero classes", op: graph.OpCrossEntropy, in: ts(fb(0, 4, 0), ib(0, 4)), want: graph.ErrShape},
+		rejectCase{name: "end past the columns", op: graph.OpCrossEntropy, attrs: graph.Attrs{End: 11}, in: ts(fb(0, 4, 10), ib(0, 4)), want: graph.ErrShape},
+		rejectCase{name: "negative end", op: graph.OpCrossEntropy, attrs: graph.Attrs{End: -1}, in: ts(fb(0, 4, 10), ib(0, 4)), want: graph.ErrShape},
+		rejectCase{name: "gradient's end past the columns", op: graph.OpCrossEntropyGrad, attrs: graph.Attrs{End: 11}, in: ts(f(), fb(0, 4, 10), ib(0, 4)), want: graph.ErrShape},
 
 		rejectCase{name: "shape mismatch", op: graph.OpMSE, in: ts(fb(0, 4, 3), fb(0, 4, 1)), want: graph.ErrShape},
 		rejectCase{name: "int64 target", op: graph.OpMSE, in: ts(fb(0, 4, 3), ib(0, 4, 3)), want: graph.ErrDType},

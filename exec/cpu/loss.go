@@ -31,18 +31,20 @@ func mseGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
 
 // crossEntropyKernel sums −log_softmax(logits)[n, labels[n]] over the rows
 // and multiplies by a.Scalar: 1/N of the full batch for a mean (fixed when the
-// graph was built, so chunk results add up), 1 for a sum.
+// graph was built, so chunk results add up), 1 for a sum. A row's classes
+// are its first a.End columns (all when 0): a row of logits is ld long.
 func crossEntropyKernel(a *graph.Attrs, logits, labels, out *buf) error {
 	if len(logits.shape) != 2 || labels.i == nil || len(labels.i) != logits.shape[0] || len(out.f) != 1 {
 		return graph.Errorf(graph.ErrShape, "cross_entropy needs logits [N, C], int64 labels [N] and a scalar output, got %v, %v, %v", logits.shape, labels.shape, out.shape)
 	}
-	c := logits.shape[1]
+	ld := logits.shape[1]
+	c := graph.CrossEntropyClasses(a, ld)
 	var total float64
 	for n, label := range labels.i {
 		if label < 0 || label >= int64(c) {
 			return exec.BadValue("cross_entropy", "label", 1, labels.shape, n, label, c)
 		}
-		row := logits.f[n*c : (n+1)*c]
+		row := logits.f[n*ld : n*ld+c]
 		m := math.Inf(-1)
 		for _, v := range row {
 			m = max(m, float64(v))
@@ -73,16 +75,18 @@ func mseKernel(a *graph.Attrs, pred, target, out *buf) error {
 	return nil
 }
 
-// crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)).
+// crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)) over a
+// row's first a.End columns (all when 0), exactly 0 past them.
 func crossEntropyGrad(a *graph.Attrs, g, logits, labels, out *buf) error {
-	n, c := logits.shape[0], logits.shape[1]
+	n, ld := logits.shape[0], logits.shape[1]
+	c := graph.CrossEntropyClasses(a, ld)
 	s := a.Scalar * float64(g.f[0])
 	for r := range n {
 		k := labels.i[r]
 		if k < 0 || int(k) >= c {
 			return exec.BadValue("cross_entropy", "label", 2, labels.shape, r, k, c)
 		}
-		row := logits.f[r*c : (r+1)*c]
+		row := logits.f[r*ld : r*ld+c]
 		m := math.Inf(-1)
 		for _, v := range row {
 			m = math.Max(m, float64(v))
@@ -96,8 +100,9 @@ func crossEntropyGrad(a *graph.Attrs, g, logits, labels, out *buf) error {
 			if j == int(k) {
 				p--
 			}
-			out.f[r*c+j] = float32(s * p)
+			out.f[r*ld+j] = float32(s * p)
 		}
+		clear(out.f[r*ld+c : (r+1)*ld])
 	}
 	return nil
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/conformance"
@@ -395,6 +396,17 @@ func TestIndexErrorsAreTyped(t *testing.T) {
 	require.ErrorIs(t, err, graph.ErrAttr)
 	require.True(t, errors.As(err, &oe), "got %v", err)
 	assert.Equal(t, "cross_entropy", oe.Op)
+
+	// With 3 classes of 4 columns (Attrs.End), label 3 is out of range.
+	labels = logits.Graph().Wrap(tensor.New(tensor.WithShape(3), tensor.WithBacking([]int64{1, 3, 0})), 0)
+	loss = logits.CrossEntropyClasses(labels, 3, graph.ReduceMean)
+	require.NoError(t, loss.Err())
+	_, err = e.Run(ctx, loss.Graph().IR(), loss.ID())
+	require.ErrorIs(t, err, graph.ErrAttr)
+	var re *exec.RowError
+	require.True(t, errors.As(err, &re), "got %v", err)
+	assert.Equal(t, int64(3), re.Value)
+	assert.Equal(t, 3, re.Limit, "labels must be below the class count")
 }
 
 // TestWorkspaceMissing: a program compiled without cuda.Workspace is

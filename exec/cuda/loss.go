@@ -37,6 +37,20 @@ const (
 	mseBytes = 8 * mseGrid
 )
 
+// ceBlock is the cross_entropy kernels' row block for rows of c classes:
+// rowBlock's while a row fits the registers of a 1,024-thread block, and
+// for longer rows (a GPT vocabulary) one block of ceLongBlock threads a
+// row, so that several blocks share an SM and one's reductions overlap
+// the others' loads.
+func ceBlock(c int64) [3]uint32 {
+	if c > 8*1024 {
+		return [3]uint32{ceLongBlock, 1, 1}
+	}
+	return rowBlock(c)
+}
+
+const ceLongBlock = 256
+
 // ceBytes is cross_entropy's workspace for n rows: the per-row losses in
 // double, then the bad-label flag.
 func ceBytes(n int64) int64 { return 8*n + flagBytes }
@@ -62,7 +76,9 @@ func (k *kctx) sumF64(dt graph.DType, src, out alloc.Ptr, n int64, scale float64
 }
 
 // crossEntropy: per-row losses in double into the workspace, then their
-// sum times a.Scalar; a bad label is an error, as on the CPU.
+// sum times a.Scalar; a bad label is an error, as on the CPU. The kernel
+// reads rows ld apart and scores their first c columns (graph's
+// Attrs.End), so padded logits need no slice first.
 func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 	dt, err := floatsOf(logits)
 	if err != nil {
@@ -75,7 +91,8 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 		return graph.Errorf(graph.ErrShape, "cross_entropy needs logits [N, C], int64 labels [N] and a scalar output, got %v, %v, %v",
 			logits.shape, labels.shape, out.shape)
 	}
-	n, c := int64(logits.shape[0]), int64(logits.shape[1])
+	n, ld := int64(logits.shape[0]), int64(logits.shape[1])
+	c := int64(graph.CrossEntropyClasses(a, int(ld)))
 	loss, err := k.workspace(ceBytes(n))
 	if err != nil {
 		return err
@@ -85,8 +102,8 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 		return err
 	}
 	if n > 0 {
-		block := rowBlock(c)
-		if err := k.launch(typed(kCrossEntropy, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, bad); err != nil {
+		block := ceBlock(c)
+		if err := k.launch(typed(kCrossEntropy, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, ld, bad); err != nil {
 			return err
 		}
 	}
@@ -97,7 +114,7 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 }
 
 // crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)), g float32,
-// the gradient in the logits' dtype.
+// the gradient in the logits' dtype; the columns past Attrs.End get 0.
 func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) error {
 	dt, err := floatsOf(logits, out)
 	if err != nil {
@@ -110,7 +127,8 @@ func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) 
 		return graph.Errorf(graph.ErrShape, "cross_entropy_grad needs a scalar g, logits [N, C] and int64 labels [N], got %v, %v, %v",
 			g.shape, logits.shape, labels.shape)
 	}
-	n, c := int64(logits.shape[0]), int64(logits.shape[1])
+	n, ld := int64(logits.shape[0]), int64(logits.shape[1])
+	c := int64(graph.CrossEntropyClasses(a, int(ld)))
 	if out.n() == 0 {
 		return nil
 	}
@@ -118,8 +136,8 @@ func (k *kctx) crossEntropyGrad(a *graph.Attrs, g, logits, labels, out operand) 
 	if err != nil {
 		return err
 	}
-	block := rowBlock(c)
-	if err := k.launch(typed(kCrossEntGrad, dt), rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, a.Scalar, bad); err != nil {
+	block := ceBlock(c)
+	if err := k.launch(typed(kCrossEntGrad, dt), rowGrid(n, block, 1), block, g.p, logits.p, labels.p, out.p, n, c, ld, a.Scalar, bad); err != nil {
 		return err
 	}
 	return k.firstBad(bad, labels, "cross_entropy", "label", 2, c)

@@ -180,6 +180,12 @@ var Cases = []Case{
 		y := lazy.Const(i64([]int{4}, 2, 0, 1, 2))
 		return p[0].CrossEntropy(y, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceSum))
 	}},
+	// Classes 0..4 of 7 columns (Attrs.End): the last two, a padded
+	// linear's extra outputs, take no part and get zero gradient.
+	{Name: "cross_entropy_classes", Shapes: [][]int{{4, 7}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{4}, 4, 0, 1, 2))
+		return p[0].CrossEntropyClasses(y, 5, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropyClasses(y, 5, graph.ReduceSum))
+	}},
 	{Name: "mse", Shapes: [][]int{{3, 2}, {3, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MSE(p[1], graph.ReduceMean).Add(p[0].Tanh().MSE(p[1], graph.ReduceSum))
 	}},

@@ -9,14 +9,14 @@ import (
 // Loss family: cross_entropy and mse, and their gradients.
 var lossKernels = family{
 	graph.OpCrossEntropy: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		return crossEntropy(out, in[0], in[1], a.Scalar)
+		return crossEntropy(out, in[0], in[1], a)
 	},
 	graph.OpMSE: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		mse(out, in[0], in[1], a.Scalar)
 		return nil
 	},
 	graph.OpCrossEntropyGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		return crossEntropyGrad(out, in[0], in[1], in[2], a.Scalar)
+		return crossEntropyGrad(out, in[0], in[1], in[2], a)
 	},
 	graph.OpMSEGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		mseGrad(out, in[0], in[1], in[2], a.Scalar)
@@ -24,38 +24,45 @@ var lossKernels = family{
 	},
 }
 
-// crossEntropy is Scalar·Σ_rows −log_softmax(logits)[row, label].
-func crossEntropy(out, logits, labels Value, scale float64) error {
-	n, c := logits.Shape[0], logits.Shape[1]
+// crossEntropy is Scalar·Σ_rows −log_softmax(logits[row, :classes])[label],
+// classes = End (all columns when 0).
+func crossEntropy(out, logits, labels Value, a *graph.Attrs) error {
+	n, ld := logits.Shape[0], logits.Shape[1]
+	c := graph.CrossEntropyClasses(a, ld)
 	total := 0.0
 	for r := range n {
 		k, err := index(labels.Data[r], c, "cross_entropy label")
 		if err != nil {
 			return err
 		}
-		row := logits.Data[r*c : (r+1)*c]
+		row := logits.Data[r*ld : r*ld+c]
 		total += logSumExp(row) - row[k]
 	}
-	out.Data[0] = scale * total
+	out.Data[0] = a.Scalar * total
 	return nil
 }
 
-// crossEntropyGrad is g·Scalar·(softmax(logits) − onehot(labels)).
-func crossEntropyGrad(out, g, logits, labels Value, scale float64) error {
-	n, c := logits.Shape[0], logits.Shape[1]
+// crossEntropyGrad is g·Scalar·(softmax(logits[:, :classes]) −
+// onehot(labels)), and 0 in the columns past classes.
+func crossEntropyGrad(out, g, logits, labels Value, a *graph.Attrs) error {
+	n, ld := logits.Shape[0], logits.Shape[1]
+	c := graph.CrossEntropyClasses(a, ld)
 	for r := range n {
 		k, err := index(labels.Data[r], c, "cross_entropy label")
 		if err != nil {
 			return err
 		}
-		row := logits.Data[r*c : (r+1)*c]
+		row := logits.Data[r*ld : r*ld+c]
 		lse := logSumExp(row)
-		for j := range c {
-			p := math.Exp(row[j] - lse)
+		for j := range ld {
+			p := 0.0
+			if j < c {
+				p = math.Exp(row[j] - lse)
+			}
 			if j == k {
 				p--
 			}
-			out.Data[r*c+j] = g.Data[0] * scale * p
+			out.Data[r*ld+j] = g.Data[0] * a.Scalar * p
 		}
 	}
 	return nil

@@ -81,6 +81,12 @@ func FusedGPTModel(vocab int, dropout bool) TrainModel {
 	return gptModel("gpt-fused", vocab, dropout, true)
 }
 
+// PaddedHeadGPTModel is FusedGPTModel without dropout over a vocabulary of
+// 1,030 tokens: under bf16-mixed and fp16-mixed its head is padded to a
+// multiple of precision's AlignOutputs, and its loss reads the padded
+// logits (precision's fused loss, cross_entropy with Attrs.End).
+func PaddedHeadGPTModel() TrainModel { return gptModel("gpt-padded-head", 1030, false, true) }
+
 func gptModel(name string, vocab int, dropout, fused bool) TrainModel {
 	const seq = 16
 	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16, WrittenOutAttention: !fused})

@@ -7,6 +7,11 @@
 // the logits' type (graph: a 16-bit cross_entropy computes in float32).
 // Labels are int64.
 //
+// cross_entropy reads logits rows ld apart and scores their first c
+// columns (c ≤ ld): with c < ld the columns past c, a padded linear's
+// extra outputs (graph's Attrs.End), are never read and get exactly zero
+// gradient.
+//
 // The forward losses reduce deterministically in two steps through a small
 // double workspace: per-row (cross_entropy) or per-block (mse) partials,
 // then sum_f64_* in a single block. Attrs.Scalar (1/N of the full batch
@@ -16,53 +21,74 @@
 
 // row_split visits a row p[0:c] with the block's threads: the elements
 // before its first 16-byte boundary and after its last one one at a time,
-// as scalar(k), and the 16-byte packs between as pack(k0), k0 the pack's
-// first element, two packs per thread at a time so that two loads are in
-// flight. A row of 16-bit values with an odd length (a vocabulary of
+// as scalar(k), and the 16-byte packs between as pack(k0, u), k0 the
+// pack's first element and u its values, four packs per thread at a time,
+// all four loaded before any is used, so that 64 bytes a thread are in
+// flight (a long row is bound by memory latency, not bandwidth, with
+// fewer). A row of 16-bit values with an odd length (a vocabulary of
 // 50,257) starts at a different offset in each row; its packs still are
-// whole 16-byte loads and stores.
+// whole 16-byte loads.
 template <typename T, typename FS, typename FP>
 __device__ __forceinline__ void row_split(const T* p, i64 c, FS scalar, FP pack) {
   constexpr int N = 16 / sizeof(T);
   const i64 head = imin((i64)(((16 - ((u64)p & 15)) & 15) / sizeof(T)), c);
   const i64 packs = (c - head) / N;
   const i64 b = blockDim.x;
+  const Vec<T, N>* v = reinterpret_cast<const Vec<T, N>*>(p + head);
   for (i64 k = threadIdx.x; k < head; k += b) scalar(k);
   i64 q = threadIdx.x;
-  for (; q + b < packs; q += 2 * b) {
-    pack(head + q * N);
-    pack(head + (q + b) * N);
+  for (; q + 3 * b < packs; q += 4 * b) {
+    Vec<T, N> u[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u[j] = v[q + j * b];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pack(head + (q + j * b) * N, u[j]);
   }
-  if (q < packs) pack(head + q * N);
+  for (; q < packs; q += b) pack(head + q * N, v[q]);
   for (i64 k = head + packs * N + threadIdx.x; k < c; k += b) scalar(k);
 }
 
 // row_lse_online gives a row's max and Σ exp(v − max) in one pass over
 // memory, for rows too long for registers: each thread keeps a running max
-// and a sum rescaled whenever the max grows, and the threads' sums are
-// rescaled to the row's max before they are added. A NaN makes both NaN.
+// and a sum in double rescaled whenever the max grows, a pack at a time
+// (its max first, then its terms summed in float, at most 8 of them, each
+// at most 1), and the threads' sums are rescaled to the row's max before
+// they are added. A NaN makes both NaN.
 template <typename T>
 __device__ __forceinline__ void row_lse_online(const T* p, i64 c, bool live, float* sf,
                                                double* sd, float* m, double* z) {
   constexpr int N = 16 / sizeof(T);
   float mx = neg_inf_f();
   double s = 0;
-  auto add = [&](float xv) {
-    if (xv > mx) {
-      s = s * (double)expf(mx - xv) + 1.0;
-      mx = xv;
-    } else {
-      if (xv != xv) mx = xv;
-      s += (double)expf(xv - mx);
+  auto grow = [&](float top) {  // top: the max of the values about to be added
+    if (top > mx) {
+      s *= (double)expf(mx - top);  // 0 while mx is −inf
+      mx = top;
+    } else if (top != top) {
+      mx = top;
     }
   };
   if (live) {
     row_split(
-        p, c, [&](i64 k) { add((float)p[k]); },
-        [&](i64 k0) {
-          const Vec<T, N> u = *reinterpret_cast<const Vec<T, N>*>(p + k0);
+        p, c,
+        [&](i64 k) {
+          const float x = (float)p[k];
+          grow(x);
+          s += (double)expf(x - mx);
+        },
+        [&](i64, const Vec<T, N>& u) {
+          float x[N];
+          float top = neg_inf_f();
 #pragma unroll
-          for (int e = 0; e < N; ++e) add((float)u.v[e]);
+          for (int e = 0; e < N; ++e) {
+            x[e] = (float)u.v[e];
+            top = go_max(top, x[e]);
+          }
+          grow(top);
+          float t = 0;
+#pragma unroll
+          for (int e = 0; e < N; ++e) t += expf(x[e] - mx);
+          s += (double)t;
         });
   }
   const float row_max = row_allreduce(mx, MaxOp(), sf);
@@ -99,13 +125,13 @@ template <bool C, typename T>
 __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
                                                         double* __restrict__ loss, i64 n, i64 c,
-                                                        u64* bad) {
+                                                        i64 ld, u64* bad) {
   __shared__ double sd[32];
   __shared__ float sf[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
-    const T* p = logits + row * c;
+    const T* p = logits + row * ld;
     float v[ROW_VPT];
     float m;
     double z;
@@ -121,17 +147,18 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
   }
 }
 
-// cross_entropy_rows_{f32,bf16,f16}: loss[r] = logsumexp(logits[r, :]) −
-// logits[r, label[r]] in double, for contiguous logits [n, c] and int64
-// labels [n]; an out-of-range label gives NaN and is reported in bad. Row
+// cross_entropy_rows_{f32,bf16,f16}: loss[r] = logsumexp(logits[r, :c]) −
+// logits[r, label[r]] in double, for logits [n, ld] (rows ld apart, c ≤ ld
+// classes each) and int64 labels [n]; a label outside [0, c) gives NaN and
+// is reported in bad. Row
 // layout: blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid
 // (rows of up to ROW_VPT·bx classes are read once). Then sum_f64_*(loss,
 // out, n, Scalar) gives the loss.
 #define K(T, S)                                                                          \
   extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_##S(          \
-      const T* logits, const i64* labels, double* loss, i64 n, i64 c, u64* bad) {        \
-    if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, bad);     \
-    else cross_entropy_rows_body<false>(logits, labels, loss, n, c, bad);                \
+      const T* logits, const i64* labels, double* loss, i64 n, i64 c, i64 ld, u64* bad) {\
+    if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, ld, bad); \
+    else cross_entropy_rows_body<false>(logits, labels, loss, n, c, ld, bad);            \
   }
 FOR_FLOATS(K)
 #undef K
@@ -156,7 +183,7 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
                                                         const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
                                                         T* __restrict__ out, i64 n, i64 c,
-                                                        double scalar, u64* bad) {
+                                                        i64 ld, double scalar, u64* bad) {
   constexpr int N = 16 / sizeof(T);
   __shared__ double sd[32];
   __shared__ float sf[32];
@@ -164,13 +191,14 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
     const bool live = row < n;
-    const T* p = logits + row * c;
+    const T* p = logits + row * ld;
     float v[ROW_VPT];
     float m;
     double z;
     row_lse<C>(p, v, c, live, sf, sd, &m, &z);
     if (!live) continue;
-    T* q = out + row * c;
+    T* q = out + row * ld;
+    for (i64 k = c + threadIdx.x; k < ld; k += blockDim.x) q[k] = 0.0f;  // padding: no class
     const i64 label = labels[row];
     if (label < 0 || label >= c) {
       row_each<C>(c, [&](i64 k, int) { q[k] = nan_f(); });
@@ -189,8 +217,7 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
     } else if (((u64)p & 15) == ((u64)q & 15)) {  // logits and gradient rows share their packs
       row_split(
           p, c, [&](i64 k) { q[k] = grad(k, (float)p[k]); },
-          [&](i64 k0) {
-            const Vec<T, N> x = *reinterpret_cast<const Vec<T, N>*>(p + k0);
+          [&](i64 k0, const Vec<T, N>& x) {
             Vec<T, N> r;
 #pragma unroll
             for (int e = 0; e < N; ++e) r.v[e] = grad(k0 + e, (float)x.v[e]);
@@ -203,16 +230,18 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
 }
 
 // cross_entropy_grad_{f32,bf16,f16}: out[r, j] = float(s·(softmax(logits[r,
-// :])_j − [j = label[r]])) with s = scalar·g[0] in double (g the upstream
-// float32 scalar gradient, scalar = Attrs.Scalar). Row layout as
-// cross_entropy_rows_*; a row with an out-of-range label is NaN and
-// reported.
+// :c])_j − [j = label[r]])) for j < c and 0 for c ≤ j < ld, with s =
+// scalar·g[0] in double (g the upstream float32 scalar gradient, scalar =
+// Attrs.Scalar); logits and out are [n, ld]. Row layout as
+// cross_entropy_rows_*; a row with a label outside [0, c) is NaN in its
+// first c columns and reported.
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_##S(                   \
-      const float* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, double scalar, \
-      u64* bad) {                                                                              \
-    if (row_fits(c)) cross_entropy_grad_body<true>(g, logits, labels, out, n, c, scalar, bad); \
-    else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, scalar, bad);            \
+      const float* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, i64 ld,        \
+      double scalar, u64* bad) {                                                               \
+    if (row_fits(c))                                                                           \
+      cross_entropy_grad_body<true>(g, logits, labels, out, n, c, ld, scalar, bad);            \
+    else cross_entropy_grad_body<false>(g, logits, labels, out, n, c, ld, scalar, bad);        \
   }
 FOR_FLOATS(K)
 #undef K
