@@ -181,7 +181,8 @@ type bgraph struct {
 	err   error
 	descs []uintptr
 	ops   []uintptr
-	uid   int64 // the next virtual tensor's unique id
+	uid   int64   // the next virtual tensor's unique id
+	byVal []int64 // the by-value tensors' unique ids, in creation order
 }
 
 // create makes a descriptor of type t (0 once an error happened).
@@ -253,6 +254,9 @@ func (b *bgraph) tensor(uid int64, dt int32, dims, strides []int64, virtual, byV
 	b.set(d, cudnnAttrTensorIsVirtual, cudnnTypeBoolean, 1, unsafe.Pointer(&v))
 	b.set(d, cudnnAttrTensorIsByValue, cudnnTypeBoolean, 1, unsafe.Pointer(&bv))
 	b.finalize(d, "tensor")
+	if byValue {
+		b.byVal = append(b.byVal, uid)
+	}
 	return btensor{d: d, uid: uid}
 }
 

@@ -64,7 +64,7 @@ type sdpaPlan struct {
 	engine  int64 // cuDNN's global engine index
 	ok      bool
 	why     string
-	scalars *[3]float32 // by-value tensors: the scale, −Inf and 1
+	scalars *[3]float32 // by-value tensors sdpaScale, sdpaNegInf and sdpaOne: the scale, −Inf and 1
 }
 
 // Non-virtual tensors' unique ids (virtual ones count from sdpaVirtual).
@@ -152,20 +152,21 @@ func sdpaBwdBytes(b, h, t, s, d int64) int64 {
 	return 4*b*h*t*(d+1) + 256 + sdpaPlanBytes(sdpaBackward, b, h, t, s, d)
 }
 
-// sdpaPlanBytes bounds the workspace cuDNN's plan asks for. Measured on
-// the H100 with cuDNN 9.14 (TestCuDNNAttentionWorkspace prints them):
-// see the comment of sdpaPlanFixed. The bound is the largest measured
-// figure's per-row rate with a margin of 2×, plus a fixed 4 MiB.
+// sdpaPlanBytes bounds the workspace cuDNN's plan asks for: a fixed 1 MiB
+// for either pass, whatever the shape. Measured (TestCuDNNAttentionWorkspace
+// prints each plan's) on an H200 with cuDNN 9.19.0, bfloat16 and float16,
+// d 64 and 128, causal or not, T = S ∈ {1, 17, 64, 1000, 1024, 2048, 4096,
+// 8192} at (B, H) ∈ {(1, 1), (1, 16), (8, 12), (32, 16)}: 288 plans, every
+// one 256 bytes (engine 2, the fused flash kernels) but T = 1's forward,
+// 0 bytes (engine 1). The dQ accumulator and softmax_sum, which grow with
+// the shape, are the frontend's and ours (sdpaBwdBytes), not the plan's.
+// The bound is 4096× the largest figure: a later cuDNN whose plans want
+// more falls back to the kernels, counted, rather than overrun.
 func sdpaPlanBytes(pass sdpaPass, b, h, t, s, d int64) int64 {
-	return sdpaPlanFixed + sdpaPlanPerRow*b*h*t
+	return sdpaPlanFixed
 }
 
-// sdpaPlanFixed and sdpaPlanPerRow: first-run placeholder bound, generous
-// until measured.
-const (
-	sdpaPlanFixed  = 4 << 20
-	sdpaPlanPerRow = 8
-)
+const sdpaPlanFixed = 1 << 20
 
 // sdpaLayout splits a node's workspace for pass: the arrays, then the
 // plan's workspace at a 256-byte boundary.
@@ -483,8 +484,12 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 // added here) with workspace ws.
 func (n *DNN) sdpaExecute(p *sdpaPlan, uids []int64, ptrs []uintptr, ws alloc.Ptr) error {
 	l, be := n.lib, n.lib.backend
-	uids = append(uids, sdpaScale, sdpaNegInf, sdpaOne)
-	ptrs = append(ptrs, uintptr(unsafe.Pointer(&p.scalars[0])), uintptr(unsafe.Pointer(&p.scalars[1])), uintptr(unsafe.Pointer(&p.scalars[2])))
+	// Exactly the graph's by-value tensors: cuDNN refuses a variant pack
+	// naming a tensor its graph lacks (CUDNN_STATUS_BAD_PARAM_NULL_POINTER).
+	for _, uid := range p.bg.byVal {
+		uids = append(uids, uid)
+		ptrs = append(ptrs, uintptr(unsafe.Pointer(&p.scalars[uid-sdpaScale])))
+	}
 	var vp uintptr
 	if err := l.check("cudnnBackendCreateDescriptor", be.cudnnBackendCreateDescriptor(cudnnBackendVariantPackDesc, &vp)); err != nil {
 		return err
