@@ -154,7 +154,7 @@ func sdpaBwdBytes(b, h, t, s, d int64) int64 {
 
 // sdpaPlanBytes bounds the workspace cuDNN's plan asks for: a fixed 1 MiB
 // for either pass, whatever the shape. Measured (TestCuDNNAttentionWorkspace
-// prints each plan's) on an H200 with cuDNN 9.19.0, bfloat16 and float16,
+// prints each plan's) on an H200 with cuDNN 9.14.0, bfloat16 and float16,
 // d 64 and 128, causal or not, T = S ∈ {1, 17, 64, 1000, 1024, 2048, 4096,
 // 8192} at (B, H) ∈ {(1, 1), (1, 16), (8, 12), (32, 16)}: 288 plans, every
 // one 256 bytes (engine 2, the fused flash kernels) but T = 1's forward,
@@ -371,7 +371,11 @@ func sdpaCausal(bg *bgraph, key sdpaKey, x, negInf btensor) btensor {
 	return y
 }
 
-// scalarTensor is a by-value float32 host scalar.
+// scalarTensor is a by-value float32 host scalar. Make one only for an
+// operation that reads it: the variant pack names every by-value tensor
+// made (bgraph.byVal), and cuDNN refuses a pack naming a tensor no
+// operation reads (CUDNN_STATUS_BAD_PARAM_NULL_POINTER,
+// isCompatibleVariantPack).
 func scalarTensor(bg *bgraph, uid int64) btensor {
 	one := []int64{1, 1, 1, 1}
 	return bg.tensor(uid, cudnnDataFloat, one, one, false, true)
@@ -384,10 +388,9 @@ func sdpaForwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	q := bg.tensor(sdpaQ, dt, []int64{b, h, t, d}, contiguous(b, h, t, d), false, false)
 	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, []int64{h * s * d, s * d, 1, d}, false, false)
 	v := bg.tensor(sdpaV, dt, []int64{b, h, s, d}, contiguous(b, h, s, d), false, false)
-	scale, negInf := scalarTensor(bg, sdpaScale), scalarTensor(bg, sdpaNegInf)
-	x := sdpaScores(bg, key, q, kt, scale)
+	x := sdpaScores(bg, key, q, kt, scalarTensor(bg, sdpaScale))
 	if key.causal {
-		x = sdpaCausal(bg, key, x, negInf)
+		x = sdpaCausal(bg, key, x, scalarTensor(bg, sdpaNegInf))
 	}
 	// Softmax as the frontend composes it, with Stats.
 	st, ss := []int64{b, h, t, s}, contiguous(b, h, t, s)
@@ -425,7 +428,7 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	dO := bg.tensor(sdpaDO, dt, qd, qs, false, false)
 	rt, rs := []int64{b, h, t, 1}, []int64{h * t, t, 1, 1}
 	stats := bg.tensor(sdpaStats, cudnnDataFloat, rt, rs, false, false)
-	scale, negInf, one := scalarTensor(bg, sdpaScale), scalarTensor(bg, sdpaNegInf), scalarTensor(bg, sdpaOne)
+	scale, one := scalarTensor(bg, sdpaScale), scalarTensor(bg, sdpaOne)
 
 	// softmax_sum = Σ dO∘o per row (times 1: no dropout), in the workspace.
 	dOo := bg.virt(cudnnDataFloat, qd, []int64{h * t * d, t * d, h * d, 1})
@@ -440,7 +443,7 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	sub := bg.virt(cudnnDataFloat, st, ss)
 	bg.pointwise(cudnnPointwiseSub, cudnnDataFloat, -1, sub, x, stats)
 	if key.causal {
-		sub = sdpaCausal(bg, key, sub, negInf)
+		sub = sdpaCausal(bg, key, sub, scalarTensor(bg, sdpaNegInf))
 	}
 	p := bg.virt(cudnnDataFloat, st, ss)
 	bg.pointwise(cudnnPointwiseExp, cudnnDataFloat, -1, p, sub)
@@ -484,8 +487,7 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 // added here) with workspace ws.
 func (n *DNN) sdpaExecute(p *sdpaPlan, uids []int64, ptrs []uintptr, ws alloc.Ptr) error {
 	l, be := n.lib, n.lib.backend
-	// Exactly the graph's by-value tensors: cuDNN refuses a variant pack
-	// naming a tensor its graph lacks (CUDNN_STATUS_BAD_PARAM_NULL_POINTER).
+	// Exactly the graph's by-value tensors (see scalarTensor).
 	for _, uid := range p.bg.byVal {
 		uids = append(uids, uid)
 		ptrs = append(ptrs, uintptr(unsafe.Pointer(&p.scalars[uid-sdpaScale])))
