@@ -15,7 +15,11 @@ import (
 // cuBLAS over blocks of queries (attention32.go: strided-batched SGEMMs,
 // TF32 under the executor's TF32 option, with row kernels between them and
 // a workspace of one block's scores), any head dim. 16-bit values at head
-// dim 64 or 128 without a mask run on tensor cores (attnMMA:
+// dim 64 or 128 without a mask and with as many key/value heads as query
+// heads run on cuDNN's fused attention where it loads (dnn_sdpa.go: the
+// forward pass with the log-sum-exp, and dq with dk|dv in one backward
+// call), unless ExecutorOptions.NoCuDNNAttention; otherwise they run on
+// tensor cores (attnMMA:
 // attention_fwd_mma for the forward pass and the log-sum-exp,
 // attention_grad_q_mma and attention_grad_kv_mma for the gradients; 16-bit
 // products, float32 sums); other 16-bit attention on the plain-FMA kernels
