@@ -1,9 +1,12 @@
 package graph
 
+import "slices"
+
 // CompanionProducer returns the node whose kernel can also compute node
 // m's output in the same pass, −1 for none: an attention_lse's attention
-// (LSEProducer), or a training-mode batch_norm_grad_w's batch_norm_grad_x
-// (BatchNormGradWProducer). planner.Compile allocates m's output with the
+// (LSEProducer), an attention_grad_kv's attention_grad_q
+// (AttentionGradKVProducer), or a training-mode batch_norm_grad_w's
+// batch_norm_grad_x (BatchNormGradWProducer). planner.Compile allocates m's output with the
 // producer's, so an executor may compute both at once
 // (planner.Program.Companion); one that does not runs m as usual.
 func CompanionProducer(g *Graph, m int) int {
@@ -13,8 +16,31 @@ func CompanionProducer(g *Graph, m int) int {
 	switch g.Node(m).Op {
 	case OpAttentionLSE:
 		return LSEProducer(g, m)
+	case OpAttentionGradKV:
+		return AttentionGradKVProducer(g, m)
 	case OpBatchNormGradW:
 		return BatchNormGradWProducer(g, m)
+	}
+	return -1
+}
+
+// AttentionGradKVProducer returns the attention_grad_q node whose pass can
+// also give the dk|dv that attention_grad_kv node m computes: an earlier
+// attention_grad_q of the same g, q, k, v, o, lse and mask with the same
+// scale and causality (the one attention's backward pass emitted beside
+// m; cuDNN's fused backward pass gives dq, dk and dv at once); −1 when m
+// is no attention_grad_kv or none qualifies.
+func AttentionGradKVProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() || g.Node(m).Op != OpAttentionGradKV {
+		return -1
+	}
+	kv := g.Node(m)
+	for id := m - 1; id >= 0; id-- {
+		n := g.Node(id)
+		if n.Op == OpAttentionGradQ && slices.Equal(n.Inputs, kv.Inputs) &&
+			n.Attrs.Scalar == kv.Attrs.Scalar && n.Attrs.Causal == kv.Attrs.Causal && n.Attrs.Axis == kv.Attrs.Axis {
+			return id
+		}
 	}
 	return -1
 }

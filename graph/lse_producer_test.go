@@ -62,3 +62,38 @@ func TestBatchNormGradWProducer(t *testing.T) {
 	assert.Equal(t, -1, graph.CompanionProducer(g, gx))
 	assert.Equal(t, -1, graph.CompanionProducer(g, -1))
 }
+
+// TestAttentionGradKVProducer: attention_grad_kv pairs with the earlier
+// attention_grad_q over the same g, q, k, v, o, lse (and mask) with the
+// same scale and causality; CompanionProducer dispatches on the op.
+func TestAttentionGradKVProducer(t *testing.T) {
+	g := graph.New()
+	in := func(dt graph.DType, shape ...int) int {
+		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
+		require.NoError(t, err)
+		return id
+	}
+	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
+		require.NoError(t, err)
+		return id
+	}
+	q, k, v := in(graph.BFloat16, 2, 2, 4, 8), in(graph.BFloat16, 2, 2, 4, 8), in(graph.BFloat16, 2, 2, 4, 8)
+	gr, o, other := in(graph.BFloat16, 2, 2, 4, 8), in(graph.BFloat16, 2, 2, 4, 8), in(graph.BFloat16, 2, 2, 4, 8)
+	lse := in(graph.Float32, 2, 2, 4)
+	mask := in(graph.BFloat16, 2, 1, 4, 4)
+	causal := graph.Attrs{Scalar: 0.5, Causal: true}
+	dq := node(graph.OpAttentionGradQ, causal, gr, q, k, v, o, lse)
+	dkv := node(graph.OpAttentionGradKV, causal, gr, q, k, v, o, lse)
+	assert.Equal(t, dq, graph.AttentionGradKVProducer(g, dkv))
+	assert.Equal(t, dq, graph.CompanionProducer(g, dkv))
+	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, node(graph.OpAttentionGradKV, graph.Attrs{Scalar: 0.5}, gr, q, k, v, o, lse)), "not causal")
+	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, node(graph.OpAttentionGradKV, graph.Attrs{Scalar: 0.25, Causal: true}, gr, q, k, v, o, lse)), "another scale")
+	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, node(graph.OpAttentionGradKV, causal, other, q, k, v, o, lse)), "another g")
+	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, node(graph.OpAttentionGradKV, causal, gr, q, k, v, o, lse, mask)), "a mask dq does not have")
+	masked := node(graph.OpAttentionGradQ, causal, gr, q, k, v, o, lse, mask)
+	assert.Equal(t, masked, graph.AttentionGradKVProducer(g, node(graph.OpAttentionGradKV, causal, gr, q, k, v, o, lse, mask)), "the same mask")
+	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, dq), "an attention_grad_q node")
+	assert.Equal(t, -1, graph.CompanionProducer(g, dq))
+	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, -1))
+}

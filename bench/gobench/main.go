@@ -60,6 +60,7 @@ type config struct {
 	tf32          bool   // GEMMs on TF32 tensor cores (-precision tf32)
 	cudnn         bool   // convolutions on cuDNN when it loads (-cudnn)
 	cudnnBN       bool   // batch norm on cuDNN (-cudnn-bn)
+	cudnnAttn     bool   // fused attention on cuDNN (-cudnn-attn)
 	precision     string // the precision policy (package precision); -tf32 is -precision tf32
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
@@ -92,6 +93,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (4 chunks within 8GiB)")
 	fs.BoolVar(&c.cudnn, "cudnn", true, "run the executor's convolutions on cuDNN when it loads (false: im2col + cuBLAS, to compare)")
 	fs.BoolVar(&c.cudnnBN, "cudnn-bn", true, "run the executor's batch norms on cuDNN where it takes them (false: ExecutorOptions.NoCuDNNBatchNorm, batchfit's kernels, to compare)")
+	fs.BoolVar(&c.cudnnAttn, "cudnn-attn", true, "run the executor's 16-bit fused attention on cuDNN's SDPA where it takes it (false: ExecutorOptions.NoCuDNNAttention, batchfit's kernels, to compare)")
 	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the same as -precision tf32; PyTorch's allow_tf32)")
 	fs.StringVar(&c.precision, "precision", "fp32", "precision `policy`: "+precision.Names()+" (as Options.Precision)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
@@ -645,5 +647,5 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 // executorOptions are the CUDA executor's options the flags ask for.
 func (c config) executorOptions() cuda.ExecutorOptions {
-	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, NoCuDNNBatchNorm: !c.cudnnBN}
+	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, NoCuDNNBatchNorm: !c.cudnnBN, NoCuDNNAttention: !c.cudnnAttn}
 }

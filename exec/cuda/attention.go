@@ -15,7 +15,11 @@ import (
 // cuBLAS over blocks of queries (attention32.go: strided-batched SGEMMs,
 // TF32 under the executor's TF32 option, with row kernels between them and
 // a workspace of one block's scores), any head dim. 16-bit values at head
-// dim 64 or 128 without a mask run on tensor cores (attnMMA:
+// dim 64 or 128 without a mask and with as many key/value heads as query
+// heads run on cuDNN's fused attention where it loads (dnn_sdpa.go: the
+// forward pass with the log-sum-exp, and dq with dk|dv in one backward
+// call), unless ExecutorOptions.NoCuDNNAttention; otherwise they run on
+// tensor cores (attnMMA:
 // attention_fwd_mma for the forward pass and the log-sum-exp,
 // attention_grad_q_mma and attention_grad_kv_mma for the gradients; 16-bit
 // products, float32 sums); other 16-bit attention on the plain-FMA kernels
@@ -34,11 +38,13 @@ var attentionKernels = family{
 		err := k.attentionFwd(in[0], in[1], in[2], optional(in, 3), &out, k.co)
 		k.coDone = k.co != nil
 		return err
-	}, ws: attnF32Workspace},
+	}, ws: attnFwdWorkspace},
 	graph.OpAttentionLSE: {run: func(k *kctx, in []operand, out operand) error {
 		return k.attentionFwd(in[0], in[1], in[1], optional(in, 2), nil, &out)
 	}, ws: attnF32Workspace},
-	graph.OpAttentionGradQ:  {run: attentionGrad, ws: attnF32Workspace},
+	// On cuDNN (dnn_sdpa.go) dq's pass also gives dk|dv, the output of its
+	// attention_grad_kv companion (graph.AttentionGradKVProducer).
+	graph.OpAttentionGradQ:  {run: attentionGrad, ws: attnGradQWorkspace},
 	graph.OpAttentionGradKV: {run: attentionGrad, ws: attnGradKVWorkspace},
 }
 
@@ -114,6 +120,32 @@ func attnMMA(dt graph.DType, d int, mask *operand, ptrs ...alloc.Ptr) bool {
 		}
 	}
 	return true
+}
+
+// attnFwdWorkspace is attention's workspace at chunk size b: the float32
+// path's (attnF32Workspace), or for the shapes cuDNN's fused attention
+// takes (sdpaShape) what its forward pass needs (sdpaFwdBytes); the
+// kernels of attention.cu need none then, so a call cuDNN does not take
+// fits too.
+func attnFwdWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	ws := attnF32Workspace(g, nd, b)
+	q, kk := inputAt(g, nd, 0, b), inputAt(g, nd, 1, b)
+	if len(q) == 4 && len(kk) == 4 && sdpaShape(g.Node(nd.Inputs[0]).Type.DType, q[3], len(nd.Inputs) > 3, q[1], kk[1]) {
+		ws = max(ws, sdpaFwdBytes(int64(q[0]), int64(q[1]), int64(q[2]), int64(kk[2]), int64(q[3])))
+	}
+	return ws
+}
+
+// attnGradQWorkspace is attention_grad_q's workspace at chunk size b: the
+// float32 path's, or for cuDNN's shapes its backward pass's (sdpaBwdBytes:
+// the dQ accumulator, softmax_sum and the plan's workspace).
+func attnGradQWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	ws := attnF32Workspace(g, nd, b)
+	q, kk := inputAt(g, nd, 1, b), inputAt(g, nd, 2, b)
+	if len(q) == 4 && len(kk) == 4 && sdpaShape(g.Node(nd.Inputs[1]).Type.DType, q[3], len(nd.Inputs) > 6, q[1], kk[1]) {
+		ws = max(ws, sdpaBwdBytes(int64(q[0]), int64(q[1]), int64(q[2]), int64(kk[2]), int64(q[3])))
+	}
+	return ws
 }
 
 // attnGradKVWorkspace is attention_grad_kv's workspace at chunk size b:
@@ -254,6 +286,11 @@ func (k *kctx) attentionFwd(q, kk, v operand, mask, o, lse *operand) error {
 		}
 		pl = lse.p
 	}
+	if dt.IsHalf() && o != nil {
+		if done, err := k.dnnAttnFwd(dt, sh, q, kk, v, mask != nil, o, lse); done || err != nil {
+			return err
+		}
+	}
 	if dt == graph.Float32 {
 		return attnFwd32(k, sh, q, kk, v, mask, po, pl)
 	}
@@ -295,6 +332,18 @@ func attentionGrad(k *kctx, in []operand, out operand) error {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for k %v", k.nd.Op, out.shape, kk.shape)
 	} else if !kv && out.n() != q.n() {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for q %v", k.nd.Op, out.shape, q.shape)
+	}
+	if !kv && dt.IsHalf() && k.dnn != nil {
+		// One cuDNN call gives dq and its companion's dk|dv; without the
+		// companion there is nowhere to put dk|dv, and the kernels run.
+		if co := k.co; co == nil || co.dt != dt || co.n() != 2*kk.n() {
+			if !k.dnn.noSDPA && sdpaShape(dt, sh.d, mask != nil, sh.h, sh.hkv) {
+				k.dnn.fallback("no attention_grad_kv companion")
+			}
+		} else if done, err := k.dnnAttnBwd(dt, sh, g, q, kk, v, o, lse, out, *co, mask != nil); done || err != nil {
+			k.coDone = done && err == nil
+			return err
+		}
 	}
 	if dt == graph.Float32 {
 		return attnGrad32(k, sh, kv, g, q, kk, v, o, lse, mask, out)

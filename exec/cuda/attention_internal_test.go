@@ -121,3 +121,79 @@ func TestAttentionGradWorkspace(t *testing.T) {
 		}
 	}
 }
+
+// attention and attention_grad_q declare cuDNN's workspace (sdpaFwdBytes,
+// sdpaBwdBytes) exactly for the shapes cuDNN's fused attention takes
+// (16-bit, d 64 or 128, no mask, H = Hkv), affine in the chunk size as
+// the planner needs; other 16-bit shapes declare none, and float32 keeps
+// its cuBLAS path's score blocks.
+func TestSDPAWorkspace(t *testing.T) {
+	build := func(dt graph.DType, h, hkv, d int, masked bool) (*graph.Graph, []graph.Node) {
+		g := graph.New()
+		in := func(dt graph.DType, shape ...int) int {
+			id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
+			require.NoError(t, err)
+			return id
+		}
+		q, k, v := in(dt, 3, h, 10, d), in(dt, 3, hkv, 7, d), in(dt, 3, hkv, 7, d)
+		var mask []int
+		if masked {
+			mask = []int{in(dt, 3, 1, 10, 7)}
+		}
+		a := graph.Attrs{Causal: true}
+		o, err := g.Append(graph.Node{Op: graph.OpAttention, Inputs: append([]int{q, k, v}, mask...), Attrs: a})
+		require.NoError(t, err)
+		grad, lse := in(dt, 3, h, 10, d), in(graph.Float32, 3, h, 10)
+		dq, err := g.Append(graph.Node{Op: graph.OpAttentionGradQ, Inputs: append([]int{grad, q, k, v, o, lse}, mask...), Attrs: a})
+		require.NoError(t, err)
+		return g, []graph.Node{*g.Node(o), *g.Node(dq)}
+	}
+	for _, c := range []struct {
+		dt       graph.DType
+		h, hkv   int
+		d        int
+		masked   bool
+		eligible bool
+	}{
+		{graph.BFloat16, 4, 4, 64, false, true},
+		{graph.Float16, 2, 2, 128, false, true},
+		{graph.BFloat16, 4, 2, 64, false, false}, // grouped-query heads
+		{graph.BFloat16, 4, 4, 64, true, false},
+		{graph.BFloat16, 4, 4, 32, false, false},
+		{graph.Float32, 4, 4, 64, false, false},
+	} {
+		g, nds := build(c.dt, c.h, c.hkv, c.d, c.masked)
+		for i, nd := range nds {
+			w0, w1 := Workspace(g, &nd, 0), Workspace(g, &nd, 1)
+			for _, b := range []int{0, 1, 2, 5} {
+				got := Workspace(g, &nd, b)
+				require.Equal(t, w0+int64(b)*(w1-w0), got, "%s %v affine at b = %d", nd.Op, c, b)
+				want := attnF32Workspace(g, &nd, b)
+				if c.eligible {
+					bb, h, d := int64(b), int64(c.h), int64(c.d)
+					if i == 0 {
+						want = sdpaFwdBytes(bb, h, 10, 7, d)
+					} else {
+						want = sdpaBwdBytes(bb, h, 10, 7, d)
+					}
+				}
+				require.Equal(t, want, got, "%s %+v at b = %d", nd.Op, c, b)
+			}
+		}
+	}
+	// The plan's workspace goes after the arrays at a 256-byte boundary,
+	// within the 256 bytes of slack the declaration adds.
+	for _, b := range []int64{1, 3, 7} {
+		for _, pass := range []sdpaPass{sdpaForward, sdpaBackward} {
+			l, off := sdpaLayoutAt(4096, pass, b, 3, 17, 64)
+			require.Zero(t, off%256)
+			require.Equal(t, alloc.Ptr(4096+off), l.plan)
+			declared := sdpaFwdBytes(b, 3, 17, 17, 64)
+			if pass == sdpaBackward {
+				declared = sdpaBwdBytes(b, 3, 17, 17, 64)
+				require.Equal(t, l.dqAcc+alloc.Ptr(4*b*3*17*64), l.sum)
+			}
+			require.GreaterOrEqual(t, declared-off, sdpaPlanBytes(pass, b, 3, 17, 17, 64))
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -388,11 +389,14 @@ func TestAttentionTF32Blocked(t *testing.T) {
 	}
 }
 
-// BenchmarkAttentionForward times the bfloat16 forward kernels on one
-// [1, 16, 4096, d] problem: the tensor-core kernel and the plain-FMA one,
-// causal or not, in TFLOP/s (4·B·H·T·S·d, halved under causal).
+// BenchmarkAttentionForward times the bfloat16 forward pass on one
+// [1, 16, 4096, d] problem: cuDNN's fused attention (the executor's path
+// for these shapes, o and the log-sum-exp), the tensor-core kernel and
+// the plain-FMA one, causal or not, in TFLOP/s (4·B·H·T·S·d, halved under
+// causal).
 func BenchmarkAttentionForward(b *testing.B) {
 	d, a, m := attentionModule(b)
+	dnn := benchDNN(b)
 	var err error
 	const B, H, T = 1, 16, 4096
 	r := newRand(9)
@@ -406,6 +410,31 @@ func BenchmarkAttentionForward(b *testing.B) {
 		lse := upload(b, d, a, make([]float32, B*H*T))
 		scale := float32(1 / math.Sqrt(float64(hd)))
 		for _, causal := range []int64{0, 1} {
+			b.Run(fmt.Sprintf("d%d_causal%d_cudnn", hd, causal), func(b *testing.B) {
+				sh := cuda.SDPAShape{DT: graph.BFloat16, B: B, H: H, T: T, S: T, D: hd, Causal: causal != 0, Scale: scale}
+				ws, n := benchWorkspace(b, a, false, sh)
+				run := func() error {
+					done, err := dnn.SDPAForward(sh, q.Ptr(), k.Ptr(), v.Ptr(), o.Ptr(), lse.Ptr(), ws, n)
+					if err == nil && !done {
+						err = fmt.Errorf("cuDNN did not take it: %s", dnn.AttnStats())
+					}
+					return err
+				}
+				require.NoError(b, run())
+				require.NoError(b, d.Synchronize())
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if err := run(); err != nil {
+						b.Fatal(err)
+					}
+				}
+				require.NoError(b, d.Synchronize())
+				flops := 4.0 * B * H * T * T * float64(hd)
+				if causal != 0 {
+					flops /= 2
+				}
+				b.ReportMetric(flops*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+			})
 			for _, kind := range []string{"mma", "fma"} {
 				b.Run(fmt.Sprintf("d%d_causal%d_%s", hd, causal, kind), func(b *testing.B) {
 					var fn cuda.CUfunction
@@ -453,11 +482,41 @@ func BenchmarkAttentionForward(b *testing.B) {
 // for the backward pass (q·kᵀ, g·vᵀ, pᵀ·g, dsᵀ·q, ds·k); the work the
 // kernels redo (the log-sum-exp pass; q·kᵀ and g·vᵀ in both the dq and the
 // dk|dv pass) is not counted.
+//
+// The "_cudnn" cases run cuDNN's fused attention, the executor's path for
+// these shapes: "bwd_cudnn" its backward pass (dq, dk and dv in one
+// call), "fwdbwd_cudnn" its forward pass (o with the log-sum-exp) and
+// then the backward pass.
 func BenchmarkAttentionBackward(b *testing.B) {
 	d, a, m := attentionModule(b)
+	dnn := benchDNN(b)
 	for _, T := range []int{1024, 4096} {
-		b.Run(fmt.Sprintf("T%d", T), func(b *testing.B) { attentionBackwardAt(b, d, a, m, T) })
+		b.Run(fmt.Sprintf("T%d", T), func(b *testing.B) { attentionBackwardAt(b, d, a, m, dnn, T) })
 	}
+}
+
+// benchDNN is the cuDNN handle of a fresh executor, for the cuDNN
+// sub-benchmarks; it skips without cuDNN (fails under
+// BATCHFIT_REQUIRE_GPU).
+func benchDNN(b *testing.B) *cuda.DNN {
+	e := freshExecutor(b, cuda.ExecutorOptions{})
+	if e.DNN() == nil {
+		if os.Getenv("BATCHFIT_REQUIRE_GPU") != "" {
+			b.Fatalf("no cuDNN: %s", e.Convolutions())
+		}
+		b.Skipf("no cuDNN: %s", e.Convolutions())
+	}
+	return e.DNN()
+}
+
+// benchWorkspace allocates the workspace a node of sh declares for cuDNN's
+// pass, freed when the benchmark ends.
+func benchWorkspace(b *testing.B, a *alloc.Allocator, backward bool, sh cuda.SDPAShape) (alloc.Ptr, int64) {
+	n := cuda.SDPAWorkspaceBytes(backward, sh)
+	blk, err := a.Malloc(n, alloc.Tag{Node: -1, Op: "bench"})
+	require.NoError(b, err)
+	b.Cleanup(func() { require.NoError(b, a.Free(blk)) })
+	return blk.Ptr(), n
 }
 
 // attentionModule is the device, an allocator and attention.cu compiled,
@@ -473,7 +532,7 @@ func attentionModule(b *testing.B) (*cuda.Device, *alloc.Allocator, *cuda.Module
 	return d, a, m
 }
 
-func attentionBackwardAt(b *testing.B, d *cuda.Device, a *alloc.Allocator, m *cuda.Module, T int) {
+func attentionBackwardAt(b *testing.B, d *cuda.Device, a *alloc.Allocator, m *cuda.Module, dnn *cuda.DNN, T int) {
 	const B, H, hd, causal = 8, 12, 64, int64(1)
 	r := newRand(uint64(10 + T))
 	rnd := func(n int) *alloc.Block {
@@ -536,6 +595,43 @@ func attentionBackwardAt(b *testing.B, d *cuda.Device, a *alloc.Allocator, m *cu
 	require.NoError(b, run([]launch{fwdMMA(o.Ptr(), lse.Ptr())}))
 	require.NoError(b, d.Synchronize())
 	flops := map[string]float64{"bwd": 10.0 * B * H * float64(T*T) * hd / 2, "fwdbwd": 14.0 * B * H * float64(T*T) * hd / 2}
+	sh := cuda.SDPAShape{DT: graph.BFloat16, B: B, H: H, T: T, S: T, D: hd, Causal: true, Scale: scale}
+	fws, fn1 := benchWorkspace(b, a, false, sh)
+	bws, bn1 := benchWorkspace(b, a, true, sh)
+	taken := func(done bool, err error) error {
+		if err == nil && !done {
+			err = fmt.Errorf("cuDNN did not take it: %s", dnn.AttnStats())
+		}
+		return err
+	}
+	dnnBwd := func() error {
+		return taken(dnn.SDPABackward(sh, g.Ptr(), q.Ptr(), k.Ptr(), v.Ptr(), o.Ptr(), lse.Ptr(), dq.Ptr(), dkv.Ptr(), bws, bn1))
+	}
+	// cuDNN's forward pass writes its o and log-sum-exp to spare blocks, as
+	// the kernels' fwdbwd does, so the backward pass reads the real ones.
+	dnnFwdBwd := func() error {
+		if err := taken(dnn.SDPAForward(sh, q.Ptr(), k.Ptr(), v.Ptr(), dq.Ptr(), dot.Ptr(), fws, fn1)); err != nil {
+			return err
+		}
+		return dnnBwd()
+	}
+	for _, c := range []struct {
+		name string
+		fn   func() error
+	}{{"bwd_cudnn", dnnBwd}, {"fwdbwd_cudnn", dnnFwdBwd}} {
+		b.Run(c.name, func(b *testing.B) {
+			require.NoError(b, c.fn())
+			require.NoError(b, d.Synchronize())
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := c.fn(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			require.NoError(b, d.Synchronize())
+			b.ReportMetric(flops[c.name[:len(c.name)-6]]*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
+		})
+	}
 	for _, c := range []struct {
 		name string
 		ls   []launch

@@ -130,7 +130,8 @@ type cudnnLib struct {
 		dwd cudnnFilterDesc, dw CUdeviceptr) cudnnStatus
 
 	version int
-	bn      *cudnnBNLib // nil when these libraries lack the batch norm
+	bn      *cudnnBNLib      // nil when these libraries lack the batch norm
+	backend *cudnnBackendLib // nil when they lack the backend (graph) API
 }
 
 func (c *cudnnLib) symbols() []symbol {
@@ -228,6 +229,9 @@ func loadCUDNN() (*cudnnLib, error) {
 		}
 		if bn := new(cudnnBNLib); bindAny(libs, bn.symbols()) == nil {
 			c.bn = bn
+		}
+		if be := new(cudnnBackendLib); bindAny(libs, be.symbols()) == nil {
+			c.backend = be
 		}
 		c.version = int(c.cudnnGetVersion())
 		if c.version < 90000 {

@@ -32,6 +32,17 @@ type DNN struct {
 	fallbacks int
 	closed    bool
 	bn        *cudnnBNLib // nil when cuDNN lacks its batch norm, or it is not asked for
+
+	// Fused attention (dnn_sdpa.go): plans by key, calls run per pass,
+	// calls left to the kernels by reason; noSDPA is
+	// ExecutorOptions.NoCuDNNAttention; sdpaWSCap, when sdpaWSCapped,
+	// caps the plan workspace a call may use (tests).
+	sdpaPlans     map[sdpaKey]*sdpaPlan
+	sdpaRuns      [2]int
+	sdpaFallbacks map[string]int
+	noSDPA        bool
+	sdpaWSCap     int64
+	sdpaWSCapped  bool
 }
 
 // convPass is one of a convolution's three passes.
@@ -77,7 +88,8 @@ func (d *Device) newDNN(tf32 bool) (*DNN, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := &DNN{d: d, lib: lib, bn: lib.bn, tf32: tf32, plans: map[convKey]*convPlan{}, bnPlans: map[bnKey]*bnPlan{}}
+	n := &DNN{d: d, lib: lib, bn: lib.bn, tf32: tf32, plans: map[convKey]*convPlan{}, bnPlans: map[bnKey]*bnPlan{},
+		sdpaPlans: map[sdpaKey]*sdpaPlan{}, sdpaFallbacks: map[string]int{}}
 	err = d.do(func() error {
 		var before, after, total uintptr
 		if err := d.drv.check("cuMemGetInfo_v2", d.drv.cuMemGetInfo(&before, &total)); err != nil {
@@ -130,7 +142,10 @@ func (n *DNN) Close() error {
 		for _, p := range n.bnPlans {
 			errs = append(errs, n.destroyBN(p))
 		}
-		n.plans, n.bnPlans = nil, nil
+		for _, p := range n.sdpaPlans {
+			errs = append(errs, p.destroy())
+		}
+		n.plans, n.bnPlans, n.sdpaPlans = nil, nil, nil
 		errs = append(errs, n.lib.check("cudnnDestroy", n.lib.cudnnDestroy(n.h)))
 		return errors.Join(errs...)
 	})

@@ -13,6 +13,11 @@
 //     package alloc: Backend serves it segments, and cuBLAS takes its
 //     workspace from it (cublasSetWorkspace_v2), so the planner's replay of
 //     the same allocator predicts what the executor reserves.
+//   - cuDNN 9, when it loads, runs convolutions, batch norm and 16-bit fused
+//     attention (dnn.go, dnn_bn.go, dnn_sdpa.go: the legacy API, and the
+//     backend graph API for attention), each workspace declared per node
+//     and carved from the allocator, the handle's own memory measured once
+//     as overhead; what cuDNN refuses runs on the kernels, counted.
 //   - Kernels are CUDA C sources embedded in the binary (kernels/*.cu),
 //     compiled by NVRTC for the device's sm_XY and cached on disk as cubins.
 //
@@ -32,7 +37,7 @@
 // the launch context (kctx: device, kernels, cuBLAS, the node, its chunk
 // and workspace, and nothing else of the executor) with the launch
 // primitives; elementwise.go, matmul.go, reduce.go, norm.go, movement.go,
-// conv.go and loss.go each hold their ops' entries of the kernel table
+// conv.go, attention.go and loss.go each hold their ops' entries of the kernel table
 // (table.go), their launches and their workspace rules; optimizer.go holds
 // the SGD and Adam launches (multi-tensor kernels: one launch per 64
 // parameters) and loss scaling's unscale.

@@ -38,6 +38,10 @@ type ExecutorOptions struct {
 	// (cuDNN's measured faster on the H100: ResNet-50 bf16 39.9 against
 	// 48.4 ms a step; this is for comparing).
 	NoCuDNNBatchNorm bool
+	// NoCuDNNAttention runs fused attention on kernels/attention.cu even
+	// where cuDNN's fused attention (SDPA, dnn_sdpa.go) takes it: 16-bit,
+	// head dim 64 or 128, no mask, no grouped-query heads. For comparing.
+	NoCuDNNAttention bool
 }
 
 // NoBLASWorkspace gives cuBLAS no workspace (ExecutorOptions.BLASWorkspace).
@@ -107,6 +111,9 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 		e.dnn, e.why = d.newDNN(o.TF32)
 		if e.dnn != nil && o.NoCuDNNBatchNorm {
 			e.dnn.bn = nil
+		}
+		if e.dnn != nil {
+			e.dnn.noSDPA = o.NoCuDNNAttention
 		}
 	}
 	return e, nil

@@ -5,6 +5,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
+	"github.com/batchfit/batchfit/graph"
 )
 
 // keptOutputs is exec.KeptOutputs, as the tests of the output mapping name it.
@@ -59,4 +60,77 @@ func SetStageCopiers(n int) int {
 	old := stageCopiers
 	stageCopiers = n
 	return old
+}
+
+// SDPAShape is a cuDNN attention problem (q [B, H, T, D], k and v [B, H,
+// S, D]) for the tests and benchmarks of dnn_sdpa.go.
+type SDPAShape struct {
+	DT            graph.DType
+	B, H, T, S, D int
+	Causal        bool
+	Scale         float32
+}
+
+func (s SDPAShape) geom() attnShape {
+	return attnShape{b: s.B, h: s.H, hkv: s.H, t: s.T, s: s.S, d: s.D, scale: s.Scale, causal: s.Causal}
+}
+
+func sdpaPassOf(backward bool) sdpaPass {
+	if backward {
+		return sdpaBackward
+	}
+	return sdpaForward
+}
+
+// SDPAPlan makes (or finds) the plan of s's forward or backward pass: ok
+// when cuDNN gave one, its workspace, the bound nodes declare for it
+// (sdpaPlanBytes), cuDNN's engine index and, without a plan, why.
+func (n *DNN) SDPAPlan(backward bool, s SDPAShape) (ok bool, ws, bound, engine int64, why string, err error) {
+	pass := sdpaPassOf(backward)
+	err = n.d.do(func() error {
+		key := sdpaKey{pass: pass, dt: s.DT, b: int64(s.B), h: int64(s.H), hkv: int64(s.H), t: int64(s.T), s: int64(s.S), d: int64(s.D), causal: s.Causal, scale: s.Scale}
+		p, err := n.sdpaPlanFor(key)
+		if err != nil {
+			return err
+		}
+		ok, ws, engine, why = p.ok, p.ws, p.engine, p.why
+		return nil
+	})
+	return ok, ws, sdpaPlanBytes(pass, int64(s.B), int64(s.H), int64(s.T), int64(s.S), int64(s.D)), engine, why, err
+}
+
+// SDPAWorkspaceBytes is the workspace an attention (forward) or
+// attention_grad_q (backward) node of s declares for cuDNN.
+func SDPAWorkspaceBytes(backward bool, s SDPAShape) int64 {
+	if backward {
+		return sdpaBwdBytes(int64(s.B), int64(s.H), int64(s.T), int64(s.S), int64(s.D))
+	}
+	return sdpaFwdBytes(int64(s.B), int64(s.H), int64(s.T), int64(s.S), int64(s.D))
+}
+
+// SDPAForward runs s's forward pass on cuDNN with a workspace of wsBytes
+// at ws (lse 0: Stats in the workspace); false when cuDNN did not take it.
+func (n *DNN) SDPAForward(s SDPAShape, q, k, v, o, lse, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
+	err = n.d.do(func() error {
+		done, err = n.sdpaForward(s.DT, s.geom(), false, q, k, v, o, lse, ws, wsBytes)
+		return err
+	})
+	return done, err
+}
+
+// SDPABackward runs s's backward pass on cuDNN: dq, and dk|dv packed.
+func (n *DNN) SDPABackward(s SDPAShape, g, q, k, v, o, lse, dq, dkv, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
+	err = n.d.do(func() error {
+		done, err = n.sdpaBackward(s.DT, s.geom(), false, g, q, k, v, o, lse, dq, dkv, ws, wsBytes)
+		return err
+	})
+	return done, err
+}
+
+// CapSDPAWorkspace caps the plan workspace every later call may use at
+// bytes (below what the nodes declare: the refusal path).
+func (n *DNN) CapSDPAWorkspace(bytes int64) {
+	n.mu.Lock()
+	n.sdpaWSCap, n.sdpaWSCapped = bytes, true
+	n.mu.Unlock()
 }
