@@ -217,9 +217,13 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 	c := &Cost{prof: prof, tf32: tf32}
 	g := p.Graph
 	nodes := g.Nodes()
-	companion := make([]bool, len(nodes)) // computed in its producer's pass (Program.Companion)
+	// A companion computed in its producer's pass (Program.Companion) costs
+	// nothing of its own when it falls out of that pass (attention_lse,
+	// batch_norm_grad_w); attention_grad_kv's products are done whoever
+	// does them (cuDNN's backward call, or its own kernels), so it is priced.
+	companion := make([]bool, len(nodes))
 	for _, m := range p.Companion {
-		if m >= 0 {
+		if m >= 0 && nodes[m].Op != graph.OpAttentionGradKV {
 			companion[m] = true
 		}
 	}
