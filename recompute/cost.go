@@ -18,8 +18,9 @@ import (
 //     (cuBLAS then picks alignment-1 kernels: GPT-2's vocabulary of
 //     50,257); for 16-bit convolutions and their gradients HalfConvFLOPS
 //     (im2col and GEMMs of a few hundred rows run far below HalfFLOPS);
-//   - fused attention: HalfAttentionFLOPS on the tensor-core path (16-bit,
-//     head dim 64 or 128, no mask), AttentionFLOPS on the plain kernels
+//   - fused attention: HalfAttentionFLOPS on the fast path (16-bit, head
+//     dim 64 or 128, no mask: cuDNN's fused attention, or the tensor-core
+//     kernels), AttentionFLOPS on the plain kernels
 //     (16-bit otherwise); in float32 the GEMM rate (MatMulFLOPS, or
 //     TF32FLOPS under TF32): exec/cuda runs it as cuBLAS GEMMs over blocks
 //     of queries, and the scores those GEMMs write and the row kernels
@@ -72,24 +73,25 @@ func DefaultProfile() Profile {
 // in this project; elementwise kernels stream about 2.3 TB/s (measured;
 // HBM3's nominal figure is 3.35 TB/s); non-GEMM FP32 is the nominal
 // 67 TFLOP/s; a launch costs about 5 µs (measured order of magnitude).
-// The 16-bit and attention rates are the CUDA executor's per-node profile
-// of GPT-2 small in bf16-mixed and its attention benchmarks
-// (bench/RESULTS.md, 2026-11-23, third session).
+// The 16-bit, convolution, attention and upload rates are the CUDA
+// executor's per-node profiles of GPT-2 small and ResNet-50 in bf16-mixed
+// and its attention benchmarks (bench/RESULTS.md, third and sixth
+// sessions).
 func H100Profile() Profile {
 	return Profile{Name: "NVIDIA H100 80GB HBM3", MatMulFLOPS: 51.7e12, TF32FLOPS: 338e12,
-		HalfFLOPS: 600e12, HalfUnalignedFLOPS: 120e12, HalfConvFLOPS: 37e12, AttentionFLOPS: 2e12, HalfAttentionFLOPS: 70e12,
-		VectorFLOPS: 67e12, Bandwidth: 2.3e12, Launch: 5e-6, HostBandwidth: 7e9, Sources: map[string]string{
+		HalfFLOPS: 600e12, HalfUnalignedFLOPS: 120e12, HalfConvFLOPS: 81e12, AttentionFLOPS: 2e12, HalfAttentionFLOPS: 200e12,
+		VectorFLOPS: 67e12, Bandwidth: 2.3e12, Launch: 5e-6, HostBandwidth: 13.6e9, Sources: map[string]string{
 			"matmul_flops":         "measured: FP32 cuBLAS SGEMM from Go, no TF32",
 			"tf32_flops":           "measured: cuBLAS TF32 GEMM from Go",
 			"half_flops":           "measured: GPT-2 small's bf16 GEMMs (8192 rows, 768–3072 wide) in the executor's node profile, 356–704 TFLOP/s",
 			"half_unaligned_flops": "measured: GPT-2's bf16 LM head and its gradients (50,257 columns), 95–147 TFLOP/s",
-			"half_conv_flops":      "measured: ResNet-50's bf16 convolutions at 224², batch 64 (im2col + cuBLAS), 37.2 TFLOP/s over the step: forward 35.0, input gradient 48.1, weight gradient 32.2 (bench/RESULTS.md, 2026-11-23, fourth session)",
+			"half_conv_flops":      "measured: ResNet-50's bf16 convolutions at 224², batch 64, on cuDNN: 19.4 ms a step (forward 6.0, input gradient 6.5, weight gradient 6.9) for about 1.57 TFLOP (bench/RESULTS.md, 2026-11-27, sixth session)",
 			"attention_flops":      "measured: the plain-FMA attention kernels, float32 1.6–4.2 TFLOP/s and bf16 forward 2–4 (they now serve 16-bit attention with a mask or an odd head dim only)",
-			"half_attention_flops": "measured: bf16 tensor-core attention forward + backward, [8, 12, 1024, 64] causal, 66 TFLOP/s (91 at T = 4096)",
+			"half_attention_flops": "measured: bf16 attention forward + backward on cuDNN's fused attention, [8, 12, 1024, 64] causal, 207 TFLOP/s (396 at T = 4096); batchfit's own tensor-core kernels (ExecutorOptions.NoCuDNNAttention, grouped-query heads) 65",
 			"vector_flops":         "nominal: H100 SXM FP32 non-tensor peak",
 			"bandwidth":            "measured: elementwise kernels (HBM3 nominal 3.35 TB/s)",
 			"launch":               "measured: kernel launch and return through the driver API, about 5 µs",
-			"host_bandwidth":       "measured: the ConvNet's 3 MiB float32 input batch uploaded from pageable memory in 0.45 ms",
+			"host_bandwidth":       "measured: ResNet-50's 38.5 MB float32 input batch uploaded through the pinned staging buffers in 2.83 ms",
 		}}
 }
 
