@@ -23,7 +23,9 @@
 //
 // Executor runs planner programs on a device, as exec/cpu's executor does on
 // the host: Execute walks the same planner.Replay the planner simulates,
-// with hooks that upload parameters and each chunk's input rows, launch
+// with hooks that upload parameters and each chunk's input rows (large
+// ones through two pinned buffers, staging.go, the DMA of one piece beside
+// the host's copy of the next), launch
 // each op's kernels (kernels/README.md) or cuBLAS GEMMs, add kept outputs
 // into their accumulators on the device, download and combine the other
 // outputs on the host, and run SGD or Adam on the device. Workspace
