@@ -59,3 +59,35 @@ func ExampleSession_Step() {
 	// 4096 samples in 4 chunks of at most 1024 within the 8 MiB budget
 	// loss fell from 1.4: true
 }
+
+// A fixed micro-batch: Options.MaxChunk runs every step as gradient
+// accumulation over chunks of at most MaxChunk samples, whatever memory
+// would hold, with the whole batch's gradients.
+func ExampleOptions_maxChunk() {
+	const n, in, classes = 1000, 16, 4
+	rng := rand.New(rand.NewPCG(3, 4))
+	data, labels := make([]float32, n*in), make([]int64, n)
+	for i := range labels {
+		labels[i] = int64(rng.IntN(classes))
+		for j := range in {
+			data[i*in+j] = float32(rng.NormFloat64())
+		}
+	}
+	model := nn.MLP(nn.Seed(1), []int{in, 32, classes}, nn.ReLU{})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, MaxChunk: 256})
+	defer sess.Close()
+	x := lazy.Wrap(tensor.New(tensor.WithShape(n, in), tensor.WithBacking(data)), 0)
+	y := x.Graph().Wrap(tensor.New(tensor.WithShape(n), tensor.WithBacking(labels)), 0)
+	loss := model.Forward(x).CrossEntropy(y, graph.ReduceMean)
+	if _, err := sess.Step(context.Background(), loss, nn.ParamTensors(model), optim.NewSGD(0.1, 0)); err != nil {
+		fmt.Println(err)
+		return
+	}
+	var sizes []int
+	for _, c := range sess.LastPlan().Chunks {
+		sizes = append(sizes, c.Size)
+	}
+	fmt.Println("chunks:", sizes)
+	// Output:
+	// chunks: [250 250 250 250]
+}
