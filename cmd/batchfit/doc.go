@@ -22,7 +22,9 @@
 // the whole batch fits, the chunks, the predicted peak reserved and
 // allocated bytes, the affine fit fixed + per-sample·chunk, and on request
 // the per-op timeline of the first chunk (--table), the largest buffers
-// (--top N) or all of it as JSON (--json). A step that cannot run in
+// (--top N) or all of it as JSON (--json). --micro-batch N caps the chunk
+// at N samples (batchfit.Options.MaxChunk), for a fixed gradient
+// accumulation micro-batch. A step that cannot run in
 // chunks, as the ResNets' in training mode (their batch norms normalise
 // with the batch's statistics; --mode infer uses the running ones), runs
 // its batch whole: estimate names the node that prevents chunking and,

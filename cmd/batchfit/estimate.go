@@ -35,6 +35,7 @@ type report struct {
 	Optimizer  string `json:"optimizer,omitempty"`
 	StateSlots int    `json:"state_slots"`
 	Batch      int    `json:"batch"`
+	MicroBatch int    `json:"micro_batch,omitempty"` // --micro-batch: the largest chunk allowed
 	Seq        int    `json:"seq,omitempty"`
 	Params     int64  `json:"params"`
 	ParamBytes int64  `json:"param_bytes"`
@@ -233,7 +234,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 
 // planOptions are the planner options of c.
 func planOptions(c *estimateConfig) planner.Options {
-	return planner.Options{Budget: c.budget, Headroom: c.headroom, NoHeadroom: c.headroom == 0, Timeline: c.table}
+	return planner.Options{Budget: c.budget, Headroom: c.headroom, NoHeadroom: c.headroom == 0, Timeline: c.table, MaxChunk: c.microBatch}
 }
 
 // estimate plans c. On a planning failure it returns the report so far
@@ -245,7 +246,7 @@ func estimate(c *estimateConfig) (*report, error) {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
 	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(), Precision: string(c.policy),
-		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, Seq: c.seq,
+		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, MicroBatch: c.microBatch, Seq: c.seq,
 		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
 		Device: c.device, Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
 		BuildSeconds: time.Since(start).Seconds()}
@@ -455,9 +456,13 @@ func writeText(w io.Writer, r *report, planned bool) {
 	line("budget", "%s − headroom %s = %s available", alloc.FormatBytes(r.Budget), alloc.FormatBytes(r.Headroom),
 		alloc.FormatBytes(r.Available))
 	if p := r.Plan; planned && p != nil {
-		if p.WholeBatch {
+		switch {
+		case p.WholeBatch:
 			line("fits", "yes: the whole batch of %d runs in one chunk", r.Batch)
-		} else {
+		case r.MicroBatch > 0 && p.WholePeakReserved >= 0 && p.WholePeakReserved <= r.Available:
+			line("fits", "in micro-batches of at most %d (--micro-batch): %s; the whole batch of %d would fit in one chunk (%s)",
+				r.MicroBatch, planner.Split{N: r.Batch, K: p.NumChunks}, r.Batch, planner.FormatPeak(p.WholePeakReserved))
+		default:
 			line("fits", "in chunks: the whole batch of %d would need %s; it runs as %s", r.Batch,
 				planner.FormatPeak(p.WholePeakReserved), planner.Split{N: r.Batch, K: p.NumChunks})
 		}

@@ -142,6 +142,7 @@ func optimizerNames() []string {
 type estimateConfig struct {
 	model            zooModel
 	batch, seq       int
+	microBatch       int // --micro-batch: planner.Options.MaxChunk
 	budget, headroom int64
 	optimizer        string // "" in inference mode
 	slots            int    // optimizer state tensors per parameter
@@ -162,13 +163,14 @@ type estimateConfig struct {
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
 	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm string
-	batch, seq, context                                                   int
+	batch, seq, context, microBatch                                       int
 }
 
 // addStepFlags defines the step flags on fs.
 func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 	fs.StringVar(&v.model, "model", "", "zoo `model`: "+strings.Join(zooNames(), ", ")+" (required)")
 	fs.IntVar(&v.batch, "batch", 0, "samples per step, `N` (required)")
+	fs.IntVar(&v.microBatch, "micro-batch", 0, "largest chunk, `N` samples, the plan may use, as batchfit.Options.MaxChunk: a fixed micro-batch, gradient accumulation over chunks of at most N even where the budget holds more (0: as large as the budget allows)")
 	fs.IntVar(&v.seq, "seq", 0, "tokens per sequence, `T`, for GPT models (default: the model's context)")
 	fs.IntVar(&v.context, "context", 0, "positions of a GPT model, `P`: its learned position embedding gets P rows, so --seq may go up to P (default: the zoo's, 1024 for GPT-2)")
 	fs.StringVar(&v.budget, "budget", "", "device memory the step may reserve, a `SIZE`: 24GiB, 24 GiB, 8GB (8·10⁹), 1.5GiB, 512MiB or bytes (required)")
@@ -288,7 +290,10 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 		return nil, usagef(errMissing, "missing --batch")
 	case v.batch <= 0:
 		return nil, usagef(errRange, "--batch must be positive, got %d", v.batch)
+	case v.microBatch < 0:
+		return nil, usagef(errRange, "--micro-batch must be 0 or positive, got %d", v.microBatch)
 	}
+	c.microBatch = v.microBatch
 	switch {
 	case m.context == 0 && set["seq"]:
 		return nil, usagef(errNotApplicable, "--seq applies to sequence models only, not %s", m.name)

@@ -42,6 +42,7 @@ func TestUsageErrors(t *testing.T) {
 		{"missing batch", []string{"--model", "mlp", "--budget", "1GiB"}, errMissing},
 		{"zero batch", []string{"--model", "mlp", "--batch", "0", "--budget", "1GiB"}, errRange},
 		{"negative batch", []string{"--model", "mlp", "--batch", "-3", "--budget", "1GiB"}, errRange},
+		{"negative micro-batch", []string{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--micro-batch", "-1"}, errRange},
 		{"batch not a number", []string{"--model", "mlp", "--batch", "x", "--budget", "1GiB"}, errFlag},
 		{"unknown flag", with("--foo"), errFlag},
 		{"flag without value", with("--top"), errFlag},
@@ -452,4 +453,32 @@ func TestEstimateContext(t *testing.T) {
 		code, _, _ := runCLI(append([]string{"estimate"}, bad...)...)
 		assert.Equal(t, exitUsage, code, "%v", bad)
 	}
+}
+
+// --micro-batch caps the chunk (planner.Options.MaxChunk): 1000 samples
+// that fit whole in 1 GiB run as 4 micro-batches of 250 under a cap of
+// 300, the report says the batch would fit whole, and the JSON carries
+// the cap; without the flag the batch runs whole.
+func TestEstimateMicroBatch(t *testing.T) {
+	args := []string{"estimate", "--model", "mlp", "--batch", "1000", "--budget", "1GiB"}
+	code, stdout, stderr := runCLI(append(args, "--micro-batch", "300", "--json")...)
+	require.Equal(t, exitOK, code, stderr)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Equal(t, 300, r.MicroBatch)
+	require.NotNil(t, r.Plan)
+	assert.Equal(t, 250, r.Plan.Chunk)
+	assert.Equal(t, 4, r.Plan.NumChunks)
+	assert.False(t, r.Plan.WholeBatch)
+
+	code, stdout, stderr = runCLI(append(args, "--micro-batch", "300")...)
+	require.Equal(t, exitOK, code, stderr)
+	assert.Contains(t, stdout, "in micro-batches of at most 300 (--micro-batch): 4 × 250")
+
+	code, stdout, stderr = runCLI(append(args, "--json")...)
+	require.Equal(t, exitOK, code, stderr)
+	r = report{}
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	assert.Zero(t, r.MicroBatch)
+	assert.True(t, r.Plan.WholeBatch)
 }
