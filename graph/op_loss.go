@@ -84,11 +84,6 @@ func crossEntropy(attrs *Attrs, logits, labels Type) (Type, error) {
 	return Type{Shape: []int{}, DType: crossEntropyDType(logits.DType), BatchAxis: -1, PerSample: 1}, nil
 }
 
-// crossEntropyDType is the loss's dtype for logits of dtype dt: a 16-bit
-// cross_entropy reads its logits widened and computes in float32, and its
-// loss is float32 (the values autocast's cast-then-fp32 loss gives, since
-// widening is exact, without the float32 copy of the logits); its gradient
-// has the logits' dtype, rounded once.
 // CrossEntropyClasses is the number of classes a cross_entropy or
 // cross_entropy_grad with attributes a scores in logits of c columns:
 // a.End, or c when End is 0.
@@ -99,6 +94,11 @@ func CrossEntropyClasses(a *Attrs, c int) int {
 	return c
 }
 
+// crossEntropyDType is the loss's dtype for logits of dtype dt: a 16-bit
+// cross_entropy reads its logits widened and computes in float32, and its
+// loss is float32 (the values autocast's cast-then-fp32 loss gives, since
+// widening is exact, without the float32 copy of the logits); its gradient
+// has the logits' dtype, rounded once.
 func crossEntropyDType(dt DType) DType {
 	if dt == BFloat16 || dt == Float16 {
 		return Float32
