@@ -1,14 +1,12 @@
 package precision_test
 
 import (
-	"context"
 	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
@@ -95,26 +93,11 @@ func TestFusedLossValues(t *testing.T) {
 	fwd := m.loss.Graph().IR()
 	run := func(on bool) [][]float32 {
 		st := withFusion(t, on, fwd, m.loss.ID(), wrt)
-		outs, err := cpu.New().Run(context.Background(), st.Graph, append([]int{st.Loss}, st.Grads...)...)
-		require.NoError(t, err)
-		vals := make([][]float32, len(outs))
-		for i, o := range outs {
-			vals[i] = o.Float32s()
-		}
-		return vals
+		return stepValues(t, st)
 	}
 	want, got := run(false), run(true)
 	require.Len(t, got, len(want))
-	for i := range want {
-		scale := float32(0)
-		for _, v := range want[i] {
-			scale = max(scale, abs32(v))
-		}
-		require.Positive(t, scale, "output %d is not all zero", i)
-		for j := range want[i] {
-			require.InDelta(t, want[i][j], got[i][j], 1e-6*float64(scale), "output %d [%d]", i, j)
-		}
-	}
+	requireCloseToScale(t, want, got)
 }
 
 // The fusion leaves a graph as it was when the padded logits or their
@@ -220,23 +203,8 @@ func TestFusedLossDirectHead(t *testing.T) {
 		} else {
 			require.Equal(t, graph.OpSlice, st.Graph.Node(ce.Inputs[0]).Op)
 		}
-		outs, err := cpu.New().Run(context.Background(), st.Graph, append([]int{st.Loss}, st.Grads...)...)
-		require.NoError(t, err)
-		vals := make([][]float32, len(outs))
-		for i, o := range outs {
-			vals[i] = o.Float32s()
-		}
-		return vals
+		return stepValues(t, st)
 	}
 	want, got := run(false), run(true)
-	for i := range want {
-		scale := float32(0)
-		for _, v := range want[i] {
-			scale = max(scale, abs32(v))
-		}
-		require.Positive(t, scale, "output %d is not all zero", i)
-		for j := range want[i] {
-			require.InDelta(t, want[i][j], got[i][j], 1e-6*float64(scale), "output %d [%d]", i, j)
-		}
-	}
+	requireCloseToScale(t, want, got)
 }

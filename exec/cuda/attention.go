@@ -128,22 +128,24 @@ func attnMMA(dt graph.DType, d int, mask *operand, ptrs ...alloc.Ptr) bool {
 // kernels of attention.cu need none then, so a call cuDNN does not take
 // fits too.
 func attnFwdWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
-	ws := attnF32Workspace(g, nd, b)
-	q, kk := inputAt(g, nd, 0, b), inputAt(g, nd, 1, b)
-	if len(q) == 4 && len(kk) == 4 && sdpaShape(g.Node(nd.Inputs[0]).Type.DType, q[3], len(nd.Inputs) > 3, q[1], kk[1]) {
-		ws = max(ws, sdpaFwdBytes(int64(q[0]), int64(q[1]), int64(q[2]), int64(kk[2]), int64(q[3])))
-	}
-	return ws
+	return attnSDPAWorkspace(g, nd, b, 0, 3, sdpaFwdBytes)
 }
 
 // attnGradQWorkspace is attention_grad_q's workspace at chunk size b: the
 // float32 path's, or for cuDNN's shapes its backward pass's (sdpaBwdBytes:
 // the dQ accumulator, softmax_sum and the plan's workspace).
 func attnGradQWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	return attnSDPAWorkspace(g, nd, b, 1, 6, sdpaBwdBytes)
+}
+
+// attnSDPAWorkspace is the larger of the float32 path's workspace and, when
+// q (input qi, k the next) and the mask (an input past the first unmasked
+// arity) make a shape cuDNN's fused attention takes, bytes of its shape.
+func attnSDPAWorkspace(g *graph.Graph, nd *graph.Node, b, qi, unmasked int, bytes func(b, h, t, s, d int64) int64) int64 {
 	ws := attnF32Workspace(g, nd, b)
-	q, kk := inputAt(g, nd, 1, b), inputAt(g, nd, 2, b)
-	if len(q) == 4 && len(kk) == 4 && sdpaShape(g.Node(nd.Inputs[1]).Type.DType, q[3], len(nd.Inputs) > 6, q[1], kk[1]) {
-		ws = max(ws, sdpaBwdBytes(int64(q[0]), int64(q[1]), int64(q[2]), int64(kk[2]), int64(q[3])))
+	q, kk := inputAt(g, nd, qi, b), inputAt(g, nd, qi+1, b)
+	if len(q) == 4 && len(kk) == 4 && sdpaShape(g.Node(nd.Inputs[qi]).Type.DType, q[3], len(nd.Inputs) > unmasked, q[1], kk[1]) {
+		ws = max(ws, bytes(int64(q[0]), int64(q[1]), int64(q[2]), int64(kk[2]), int64(q[3])))
 	}
 	return ws
 }

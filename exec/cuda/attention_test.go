@@ -322,34 +322,11 @@ func checkAttnRef(t *testing.T, e graphRunner, c attnCase, tol attnTol) {
 		}
 		got, err := e.Run(ctx, g, ids...)
 		require.NoError(t, err)
-		for i, name := range []string{"o", "lse", "dq", "dkv"} {
-			w, gd := want[i].Data, got[i].Data().([]float32)
-			require.Len(t, gd, len(w), name)
-			m := 0.0
-			for _, x := range w {
-				if !math.IsInf(x, 0) {
-					m = math.Max(m, math.Abs(x))
-				}
-			}
-			worst := 0.0
-			for j, x := range w {
-				y := float64(gd[j])
-				require.False(t, math.IsNaN(y), "%s[%d] is NaN", name, j)
-				if math.IsInf(x, 0) {
-					require.Equal(t, x, y, "%s[%d]", name, j)
-					continue
-				}
-				d := math.Abs(y - x)
-				if m > 0 {
-					worst = max(worst, d/m)
-				}
-				if d > tol.atol*m+tol.abs {
-					require.Failf(t, "attention differs", "lseFirst %v %s[%d]: float64 %g, cuda %g (diff %.3g > %.3g·%.3g + %.3g)",
-						lseFirst, name, j, x, y, d, tol.atol, m, tol.abs)
-				}
-			}
-			t.Logf("lseFirst %v %s: largest |cuda − float64| / max|float64| = %.3g", lseFirst, name, worst)
+		gd := make([][]float32, len(got))
+		for i, v := range got {
+			gd[i] = v.Data().([]float32)
 		}
+		compareAttn(t, fmt.Sprintf("lseFirst %v", lseFirst), want, gd, tol, tol)
 	}
 }
 
