@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -174,6 +175,42 @@ func TestSignatureSeesTraining(t *testing.T) {
 	}
 	assert.Equal(t, build(true).Signature(), build(true).Signature())
 	assert.NotEqual(t, build(true).Signature(), build(false).Signature())
+}
+
+// Signature streams words through its hash: graphs that differ in one
+// field anywhere (an attribute, a name, a shape, the wiring) differ, and
+// the data (Value) is not part of it.
+func TestSignatureSeesEachField(t *testing.T) {
+	typ := graph.Type{Shape: []int{2, 3, 8, 8}, DType: graph.Float32, BatchAxis: 0, PerSample: 3 * 8 * 8}
+	build := func(name string, kernel, pad int, perm []int, val tensor.Tensor) *graph.Graph {
+		g := graph.New()
+		x, err := g.Append(graph.Node{Op: graph.OpInput, Type: typ})
+		require.NoError(t, err)
+		w, err := g.Append(graph.Node{Op: graph.OpParam, Name: name, Value: val,
+			Type: graph.Type{Shape: []int{4, 3, kernel, kernel}, DType: graph.Float32, BatchAxis: -1}})
+		require.NoError(t, err)
+		y, err := g.Append(graph.Node{Op: graph.OpConv2d, Inputs: []int{x, w},
+			Attrs: graph.Attrs{Stride: [2]int{1, 1}, Padding: [2]int{pad, pad}, Dilation: [2]int{1, 1}, Groups: 1}})
+		require.NoError(t, err)
+		_, err = g.Append(graph.Node{Op: graph.OpPermute, Inputs: []int{y}, Attrs: graph.Attrs{Perm: perm}})
+		require.NoError(t, err)
+		return g
+	}
+	base := build("w", 3, 1, []int{0, 2, 3, 1}, nil)
+	data := tensor.New(tensor.WithShape(4, 3, 3, 3), tensor.Of(tensor.Float32))
+	assert.Equal(t, base.Signature(), build("w", 3, 1, []int{0, 2, 3, 1}, data).Signature(), "data is not part of it")
+	seen := map[uint64]string{base.Signature(): "base"}
+	for what, g := range map[string]*graph.Graph{
+		"name":    build("v", 3, 1, []int{0, 2, 3, 1}, nil),
+		"kernel":  build("w", 1, 0, []int{0, 2, 3, 1}, nil),
+		"padding": build("w", 3, 0, []int{0, 2, 3, 1}, nil),
+		"perm":    build("w", 3, 1, []int{0, 3, 2, 1}, nil),
+	} {
+		sig := g.Signature()
+		_, dup := seen[sig]
+		assert.False(t, dup, "%s: same signature as %s", what, seen[sig])
+		seen[sig] = what
+	}
 }
 
 func TestBatchNormAffine(t *testing.T) {
