@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -477,7 +478,8 @@ type Cache struct {
 
 type cacheKey struct {
 	sig              uint64
-	kept, trained    string
+	kept             string
+	trained          int
 	budget, headroom int64
 	noHeadroom       bool
 	noChunkList      bool
@@ -514,7 +516,7 @@ func (p *Program) signature() uint64 {
 
 // Plan returns the cached plan for p and o, making it on a miss.
 func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
-	key := cacheKey{sig: p.Signature(), kept: fmt.Sprint(p.Kept), trained: fmt.Sprint(len(p.Persistent)),
+	key := cacheKey{sig: p.Signature(), kept: lru.Ints(p.Kept), trained: len(p.Persistent),
 		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom, noChunkList: o.NoChunkList, maxChunk: o.MaxChunk}
 	if !p.fresh(o.Resident) {
 		key.held = heldKey(o.Resident)
@@ -554,9 +556,12 @@ func (c *Cache) Hits() int {
 // heldKey identifies what a device holding held means to a replay: the
 // sizes, in order, and which program buffer each stands for.
 func heldKey(held []Held) string {
-	var b strings.Builder
+	b := make([]byte, 0, 16*len(held))
 	for _, h := range held {
-		fmt.Fprintf(&b, "%d:%d,", h.Bytes, h.Buffer)
+		b = strconv.AppendInt(b, h.Bytes, 10)
+		b = append(b, ':')
+		b = strconv.AppendInt(b, int64(h.Buffer), 10)
+		b = append(b, ',')
 	}
-	return b.String()
+	return string(b)
 }

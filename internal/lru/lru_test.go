@@ -24,3 +24,11 @@ func TestEvictsLeastRecentlyUsed(t *testing.T) {
 	v, _ = c.Get(1)
 	require.Equal(t, "A", v)
 }
+
+func TestInts(t *testing.T) {
+	require.Equal(t, "", Ints(nil))
+	require.Equal(t, "3,-1,40,", Ints([]int{3, -1, 40}))
+	// Exact: neither a split nor a join of values gives the same key.
+	require.NotEqual(t, Ints([]int{1, 23}), Ints([]int{12, 3}))
+	require.NotEqual(t, Ints([]int{1}), Ints([]int{1, 0}))
+}
