@@ -2,6 +2,7 @@ package exec
 
 import (
 	"errors"
+	"slices"
 
 	"gorgonia.org/tensor"
 
@@ -143,6 +144,9 @@ func (rs *Residents[V]) Held() []Held {
 // allocating the remaining residents in order on an empty device leaves,
 // which is what the planner simulates.
 func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, save, load func(*Resident[V]) error) (bool, error) {
+	if !slices.ContainsFunc(rs.list, func(rb *Resident[V]) bool { return rb.konst }) {
+		return false, nil // no constants: nothing to look up (every training step asks)
+	}
 	read := map[ResidentKey]bool{}
 	for _, bi := range p.Persistent {
 		b := p.Buffers[bi]
@@ -256,6 +260,26 @@ func keyOf(b planner.Buffer, t tensor.Tensor) ResidentKey {
 // order, to the planner for program p: each stands for the persistent
 // buffer of p with its key (from the nodes' own values), if any.
 func PlanResidents(p *planner.Program, held []Held) []planner.Held {
+	out := make([]planner.Held, len(held))
+	// A steady loop holds exactly the program's persistent buffers, in the
+	// program's order: when every pair matches (the residents' keys are
+	// distinct, so the persistent buffers' are too) that is the answer,
+	// found without building a map.
+	if len(held) == len(p.Persistent) {
+		i := 0
+		for ; i < len(held); i++ {
+			bi := p.Persistent[i]
+			b := p.Buffers[bi]
+			t := p.Graph.Node(b.Node).Value
+			if t == nil || keyOf(b, t) != held[i].Key {
+				break
+			}
+			out[i] = planner.Held{Bytes: held[i].Bytes, Tag: held[i].Tag, Buffer: bi}
+		}
+		if i == len(held) {
+			return out
+		}
+	}
 	buf := map[ResidentKey]int{}
 	for _, bi := range p.Persistent {
 		b := p.Buffers[bi]
@@ -263,7 +287,6 @@ func PlanResidents(p *planner.Program, held []Held) []planner.Held {
 			buf[keyOf(b, t)] = bi
 		}
 	}
-	out := make([]planner.Held, len(held))
 	for i, h := range held {
 		bi, ok := buf[h.Key]
 		if !ok {
