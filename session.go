@@ -8,6 +8,7 @@ import (
 	"hash/fnv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"gorgonia.org/tensor"
 
@@ -137,6 +138,8 @@ type Session struct {
 	stepHits int
 	lastRe   Recomputed
 
+	hostTime time.Duration // the latest step's, StepHostTime
+
 	beforeRun    func() // tests: called between planning and running a step
 	stepCacheOff bool   // tests: differentiate every step (no step templates)
 }
@@ -211,6 +214,14 @@ type stepTemplate struct {
 	// and the random seeds it patches in are not part of a signature):
 	// the program cache then needs no hash of the step graph per step.
 	sig uint64
+	// inst is the graph the latest step ran, reused by the next one: a
+	// step patches its data and seeds into it instead of copying the
+	// template's thousands of nodes. busy (guarded by Session.mu) marks
+	// it taken by a step in flight; a second, concurrent step gets a copy.
+	// Like Session.LastProgram's graph, it holds the latest step's data
+	// until the next step replaces it.
+	inst *graph.Graph
+	busy bool
 }
 
 // newTemplate keeps st without fwd's data.
@@ -256,10 +267,11 @@ func newTemplate(st *precision.Step, fwd *graph.Graph) *stepTemplate {
 }
 
 // instantiate is the template's step over fwd's data and random seeds,
-// with scale the loss scale's (nil without loss scaling).
-func (t *stepTemplate) instantiate(fwd *graph.Graph, scale tensor.Tensor) *precision.Step {
+// with scale the loss scale's (nil without loss scaling), in g: t's
+// reusable instance or a fresh copy of its graph.
+func (t *stepTemplate) instantiate(g *graph.Graph, fwd *graph.Graph, scale tensor.Tensor) *precision.Step {
 	st := t.st
-	st.Graph = t.st.Graph.Clone()
+	st.Graph = g
 	for _, i := range t.sources {
 		st.Graph.Node(st.IDs[i]).Value = fwd.Node(i).Value
 	}
@@ -271,6 +283,18 @@ func (t *stepTemplate) instantiate(fwd *graph.Graph, scale tensor.Tensor) *preci
 		to.Seed, to.Counter = from.Seed, from.Counter
 	}
 	return &st
+}
+
+// StepHostTime is the host time of the latest training step before its
+// executor started: the checks of Step's arguments, the step graph (from
+// its template, or the precision pass and autodiff on a miss), the
+// program and the plan (cache lookups in a steady loop). Building the
+// forward graph, which the caller does before Step, is not in it; nor is
+// the executor's own work (launches, uploads, the optimizer).
+func (s *Session) StepHostTime() time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.hostTime
 }
 
 // StepGraphHits counts training steps whose graph came from the step
@@ -502,8 +526,8 @@ func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 // analysis and schedule once per graph signature (while it stays cached).
 // A loss-scaled step (unscale) gets the finish workspace of its flag.
 func (s *Session) program(g *graph.Graph, sig uint64, outputs, kept, trained []int, slots int, unscale bool) (*planner.Program, error) {
-	key := programKey{sig: signatureOf(g, sig), outputs: fmt.Sprint(outputs), kept: fmt.Sprint(kept),
-		trained: fmt.Sprint(trained), slots: slots, unscale: unscale}
+	key := programKey{sig: signatureOf(g, sig), outputs: lru.Ints(outputs), kept: lru.Ints(kept),
+		trained: lru.Ints(trained), slots: slots, unscale: unscale}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p, ok := s.programs.Get(key); ok {
@@ -553,8 +577,11 @@ func (s *Session) compileOptions(kept, trained []int, slots int, unscale bool) p
 // failed run changes nothing: the optimizer updates only after the last
 // chunk, and the executor frees what the run held, so no chunk is lost or
 // counted twice.
+//
+// start is when the training step began (zero for Eval): the time from it
+// to the executor's start is the step's host time (StepHostTime).
 func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimizer, scale float32,
-	reduce exec.Reducer) (outs []*tensor.Dense, skipped bool, err error) {
+	reduce exec.Reducer, start time.Time) (outs []*tensor.Dense, skipped bool, err error) {
 	var (
 		pl *planner.Plan
 		u  planner.Usage
@@ -591,6 +618,12 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		s.be.Allocator().SetLimit(pl.Available() + s.be.Overhead())
 		if s.beforeRun != nil {
 			s.beforeRun()
+		}
+		if attempt == 0 && !start.IsZero() {
+			host := time.Since(start)
+			s.mu.Lock()
+			s.hostTime = host
+			s.mu.Unlock()
 		}
 		// Parameters, gradients and optimizer state stay on the device;
 		// SyncParams brings the host tensors up to date.
@@ -670,7 +703,7 @@ func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trai
 		return nil, none, err
 	}
 	held := s.be.Held()
-	key := chosenKey{programKey: programKey{sig: signatureOf(g, sig), outputs: fmt.Sprint(ids), trained: fmt.Sprint(trained), slots: slots, unscale: unscale},
+	key := chosenKey{programKey: programKey{sig: signatureOf(g, sig), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
 		budget: budget, held: fmt.Sprint(held)}
 	s.mu.Lock()
 	ch, ok := s.chosen.Get(key)
@@ -770,7 +803,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	if err != nil {
 		return nil, err
 	}
-	outs, _, err := s.run(ctx, p, nil, 0, nil)
+	outs, _, err := s.run(ctx, p, nil, 0, nil, time.Time{})
 	return outs, err
 }
 
@@ -820,6 +853,7 @@ type StepOptions struct {
 
 // StepWith is Step with StepOptions.
 func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, so StepOptions) (float32, error) {
+	start := time.Now()
 	if _, err := s.executor(); err != nil {
 		return 0, err
 	}
@@ -846,10 +880,11 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 		scale, data = s.scaler.Scale(), s.scaler.Data()
 		s.mu.Unlock()
 	}
-	st, sig, err := s.backward(loss, params, data)
+	st, sig, release, err := s.backward(loss, params, data)
 	if err != nil {
 		return 0, err
 	}
+	defer release()
 	// A parameter the loss does not depend on gets a zero-filled gradient;
 	// like PyTorch's parameters whose grad is None, it is not updated (no
 	// weight decay, no momentum) and gets no optimizer state.
@@ -891,7 +926,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	if err != nil {
 		return 0, err
 	}
-	vals, skipped, err := s.run(ctx, prog, opt, scale, so.Reduce)
+	vals, skipped, err := s.run(ctx, prog, opt, scale, so.Reduce, start)
 	if err != nil {
 		return 0, err
 	}
@@ -923,20 +958,23 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 // (precision.TrainWith), which leaves the caller's graph as it was. With
 // scale (the loss scale's data, only under a mixed policy) the backward
 // pass starts from the loss times that constant. It also returns the step
-// graph's signature, which its step template holds.
-func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, uint64, error) {
+// graph's signature, which its step template holds, and a release to call
+// once the step no longer runs its graph (a template's instance is then
+// free for the next step).
+func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, uint64, func(), error) {
 	g, err := sameGraph("step", []*lazy.Tensor{loss})
 	if err != nil {
-		return nil, 0, err
+		return nil, 0, nil, err
 	}
 	wrt, err := lazy.ParamIDs(loss, params...) // binds free parameters, as Grad would
 	if err != nil {
-		return nil, 0, err
+		return nil, 0, nil, err
 	}
 	fwd := g.IR()
-	key := stepKey{sig: fwd.Signature(), loss: loss.ID(), wrt: fmt.Sprint(wrt), scaled: scale != nil}
+	key := stepKey{sig: fwd.Signature(), loss: loss.ID(), wrt: lru.Ints(wrt), scaled: scale != nil}
 	seeded := key
 	seeded.seeds = randomSeeds(fwd)
+	var inst *graph.Graph // t's instance when this step takes it
 	s.mu.Lock()
 	t, ok := s.steps.Get(key) // a template taking each step's seeds
 	if !ok {
@@ -945,6 +983,13 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	ok = ok && !s.stepCacheOff
 	if ok {
 		s.stepHits++
+		if !t.busy {
+			t.busy = true
+			if t.inst == nil {
+				t.inst = t.st.Graph.Clone()
+			}
+			inst = t.inst
+		}
 	}
 	s.mu.Unlock()
 	if ok {
@@ -952,11 +997,22 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		if scale != nil {
 			data = scale
 		}
-		return t.instantiate(fwd, data), t.sig, nil
+		release := func() {}
+		g := inst
+		if g != nil {
+			release = func() {
+				s.mu.Lock()
+				t.busy = false
+				s.mu.Unlock()
+			}
+		} else {
+			g = t.st.Graph.Clone()
+		}
+		return t.instantiate(g, fwd, data), t.sig, release, nil
 	}
 	st, err := s.differentiate(loss, params, wrt, scale)
 	if err != nil {
-		return nil, 0, err
+		return nil, 0, nil, err
 	}
 	t = newTemplate(st, fwd)
 	if !t.seedsKnown {
@@ -965,7 +1021,7 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	s.mu.Lock()
 	s.steps.Put(key, t)
 	s.mu.Unlock()
-	return st, t.sig, nil
+	return st, t.sig, func() {}, nil
 }
 
 // differentiate builds a training step's graph: under a mixed policy the

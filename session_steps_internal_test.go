@@ -78,8 +78,9 @@ func TestStepTemplatesReuseTheGraphWithEachStepsData(t *testing.T) {
 				// agree (the data and seeds an instance patches in are not
 				// part of a signature).
 				loss, params := cm.Build(crng, 8)
-				st, sig, err := cached.backward(loss, params, nil)
+				st, sig, release, err := cached.backward(loss, params, nil)
 				require.NoError(t, err)
+				defer release()
 				require.Equal(t, st.Graph.Signature(), sig, "the template's signature is its instances'")
 				require.Zero(t, fresh.StepGraphHits())
 				if prec == "fp16-mixed" {
