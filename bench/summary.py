@@ -169,6 +169,11 @@ def throughput_tables(go, go_failed, gt, st, tt, terr, models):
     if comp:
         print("  torch.compile time (first step, excluded above): "
               + ", ".join(f"{m} {num(r.get('compile_seconds'), '{:.1f} s')}" for m, r in comp))
+    hosts = [(m, st[m]) for m in models if m in st and st[m].get("median_host_seconds") is not None]
+    if hosts:
+        print("  batchfit Session host time per step (medians: the caller's graph build / Step's own work before the executor starts): "
+              + ", ".join(f"{m} {num(1e6 * (r.get('median_build_seconds') or 0), '{:.0f}')} / "
+                          f"{num(1e6 * r.get('median_host_seconds'), '{:.0f} µs')}" for m, r in hosts))
     plans = [(m, gt[m]) for m in models if m in gt and gt[m].get("plan_seconds") is not None]
     if plans:
         print("  batchfit plan time (graph build, autodiff, compile, planner.Make): "

@@ -537,15 +537,24 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 // setRates fills the median step time and the rates it gives from
 // StepSeconds, when there are any.
+// median is the middle of xs (the mean of the two middle ones for an even
+// count), 0 for none.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(xs))
+	if len(s)%2 == 0 {
+		return (s[len(s)/2-1] + s[len(s)/2]) / 2
+	}
+	return s[len(s)/2]
+}
+
 func (r *Record) setRates(batch int) {
 	if len(r.StepSeconds) == 0 {
 		return
 	}
-	s := slices.Sorted(slices.Values(r.StepSeconds))
-	med := s[len(s)/2]
-	if len(s)%2 == 0 {
-		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
-	}
+	med := median(r.StepSeconds)
 	r.MedianStepSeconds = med
 	r.StepsPerSecond = 1 / med
 	r.SamplesPerSecond = float64(batch) / med

@@ -43,6 +43,11 @@ type Record struct {
 	Steps             int       `json:"steps,omitempty"`
 	StepSeconds       []float64 `json:"step_seconds,omitempty"` // each timed step, synchronised
 	MedianStepSeconds float64   `json:"median_step_seconds,omitempty"`
+	// session: each timed step's graph build (the model's forward over the
+	// step's data, before Step) and Session.StepHostTime (Step's own host
+	// work before the executor starts), medians of the timed steps.
+	MedianBuildSeconds float64 `json:"median_build_seconds,omitempty"`
+	MedianHostSeconds  float64 `json:"median_host_seconds,omitempty"`
 	// dist: each timed step's wait on communication (dist.Trainer.LastWait)
 	CommWaitSeconds  []float64 `json:"comm_wait_seconds,omitempty"`
 	StepsPerSecond   float64   `json:"steps_per_second,omitempty"`

@@ -62,6 +62,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	params := nn.ParamTensors(mod)
 	stopProfile := func() {}
 	defer func() { stopProfile() }()
+	var builds, hosts []float64
 	for i := range c.warmup + c.steps {
 		if i == c.warmup && c.cpuProfile != "" {
 			stop, err := startCPUProfile(c.cpuProfile, m.name+"-session")
@@ -75,6 +76,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		if err != nil {
 			return r, err
 		}
+		built := time.Since(t0).Seconds()
 		l, err := sess.Step(context.Background(), loss, params, opt)
 		dt := time.Since(t0).Seconds()
 		if err != nil {
@@ -86,8 +88,11 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		r.LastLoss = float64(l)
 		if i >= c.warmup {
 			r.StepSeconds = append(r.StepSeconds, dt)
+			builds = append(builds, built)
+			hosts = append(hosts, sess.StepHostTime().Seconds())
 		}
 	}
+	r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
 	r.Chunks = len(sess.LastPlan().Chunks)
 	r.setRates(m.batch)
 	return r, nil
