@@ -142,6 +142,78 @@ __device__ __forceinline__ void reduce_mid_t(const TX* __restrict__ x, TY* __res
 FOR_FLOATS(K)
 #undef K
 
+// reduce_mid_sum_vec_t is reduce_mid_t's sum with 16-byte loads, for inner
+// a multiple of N = 16/sizeof(T) and x 16-byte aligned (the Go side checks
+// both): each thread sums N neighbouring columns of a pack, four packs
+// loaded before any is added (a column sum over thousands of rows, as a
+// GPT bias gradient, is bound by loads in flight; one 2-byte load a thread
+// at a time left the H100 at a fraction of its bandwidth). The threads
+// along y then meet in shared memory, one column per thread. Sums are in
+// double as everywhere in this file.
+template <typename T>
+__device__ __forceinline__ void reduce_mid_sum_vec_t(const T* __restrict__ x, T* __restrict__ out,
+                                                     float* __restrict__ part, i64 outer, i64 n,
+                                                     i64 inner, double scale) {
+  constexpr int N = 16 / sizeof(T);
+  constexpr int BX = 32, BY = 16;  // the launch's block; shared memory is sized by it
+  __shared__ double sd[N * BX * BY];
+  i64 lo, hi;
+  split_range(n, blockIdx.z, gridDim.z, &lo, &hi);
+  const i64 packs = inner / N;  // packs per row
+  const unsigned t = threadIdx.y * BX + threadIdx.x;
+  for (i64 j0 = (i64)blockIdx.x * BX; j0 < packs; j0 += (i64)gridDim.x * BX) {
+    const i64 j = j0 + threadIdx.x;
+    const bool live = j < packs;
+    for (i64 o = blockIdx.y; o < outer; o += gridDim.y) {
+      const Vec<T, N>* p = reinterpret_cast<const Vec<T, N>*>(x + o * n * inner) + j;
+      double s[N];
+#pragma unroll
+      for (int e = 0; e < N; ++e) s[e] = 0;
+      if (live) {
+        i64 k = lo + threadIdx.y;
+        for (; k + 3 * BY < hi; k += 4 * BY) {
+          Vec<T, N> u[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) u[q] = p[(k + q * BY) * packs];
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < N; ++e) s[e] += (double)(float)u[q].v[e];
+        }
+        for (; k < hi; k += BY) {
+          const Vec<T, N> u = p[k * packs];
+#pragma unroll
+          for (int e = 0; e < N; ++e) s[e] += (double)(float)u.v[e];
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < N; ++e) sd[(threadIdx.y * BX + threadIdx.x) * N + e] = s[e];
+      __syncthreads();
+      // Thread t sums column c = t of the tile's BX·N columns over the BY rows.
+      for (unsigned c = t; c < BX * N; c += BX * BY) {
+        const i64 col = j0 * N + c;
+        if (col < inner) {
+          double v = 0;
+          for (unsigned r = 0; r < BY; ++r) v += sd[r * BX * N + c];
+          reduce_put(out, part, ((i64)blockIdx.z * outer + o) * inner + col, (float)(v * scale));
+        }
+      }
+      __syncthreads();  // shared memory is reused by the next output
+    }
+  }
+}
+
+// reduce_mid_sum_vec_{f32,bf16,f16}: reduce_mid_*'s sum (same outputs,
+// partials and grid: x over packs of 16 bytes in tiles of 32, y over
+// outer, z splits) with blockDim = (32, 16) exactly.
+#define K(T, S)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(512) reduce_mid_sum_vec_##S(                       \
+      const T* x, T* out, float* part, i64 outer, i64 n, i64 inner, double scale) {               \
+    reduce_mid_sum_vec_t(x, out, part, outer, n, inner, scale);                                   \
+  }
+FOR_FLOATS(K)
+#undef K
+
 // reduce_splits_{f32,bf16,f16}: out[j] = op over the float partials
 // part[s·nout + j], s < splits, of a split reduction, times scale for a
 // sum (reduce_mid_* over [1, splits, nout] with float input). Tile layout
