@@ -5,10 +5,12 @@ import "slices"
 // CompanionProducer returns the node whose kernel can also compute node
 // m's output in the same pass, −1 for none: an attention_lse's attention
 // (LSEProducer), an attention_grad_kv's attention_grad_q
-// (AttentionGradKVProducer), or a training-mode batch_norm_grad_w's
-// batch_norm_grad_x (BatchNormGradWProducer). planner.Compile allocates m's output with the
-// producer's, so an executor may compute both at once
-// (planner.Program.Companion); one that does not runs m as usual.
+// (AttentionGradKVProducer), a training-mode batch_norm_grad_w's
+// batch_norm_grad_x (BatchNormGradWProducer), or a cross_entropy_grad's
+// cross_entropy when its seed is constant (CrossEntropyGradProducer).
+// planner.Compile allocates m's output with the producer's, so an executor
+// may compute both at once (planner.Program.Companion); one that does not
+// runs m as usual.
 func CompanionProducer(g *Graph, m int) int {
 	if m < 0 || m >= g.Len() {
 		return -1
@@ -20,6 +22,37 @@ func CompanionProducer(g *Graph, m int) int {
 		return AttentionGradKVProducer(g, m)
 	case OpBatchNormGradW:
 		return BatchNormGradWProducer(g, m)
+	case OpCrossEntropyGrad:
+		return CrossEntropyGradProducer(g, m)
+	}
+	return -1
+}
+
+// CrossEntropyGradProducer returns the cross_entropy node whose pass over
+// the logits can also give cross_entropy_grad node m: an earlier
+// cross_entropy of the same logits and labels with the same Scalar and
+// End, when m's upstream gradient is a fill (a constant, the backward
+// pass's seed: its value is known before the forward pass runs, which a
+// loss-scaled seed's is not); −1 otherwise. The pass that finds each row's
+// log-sum-exp then writes its gradient too, instead of a second kernel
+// reading the [N, C] logits twice more.
+func CrossEntropyGradProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	gr := g.Node(m)
+	if gr.Op != OpCrossEntropyGrad || len(gr.Inputs) != 3 {
+		return -1
+	}
+	if seed := g.Node(gr.Inputs[0]); seed.Op != OpFill || len(seed.Inputs) != 0 {
+		return -1
+	}
+	for id := m - 1; id >= 0; id-- {
+		n := g.Node(id)
+		if n.Op == OpCrossEntropy && len(n.Inputs) == 2 && n.Inputs[0] == gr.Inputs[1] && n.Inputs[1] == gr.Inputs[2] &&
+			n.Attrs.Scalar == gr.Attrs.Scalar && n.Attrs.End == gr.Attrs.End {
+			return id
+		}
 	}
 	return -1
 }

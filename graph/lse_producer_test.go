@@ -97,3 +97,35 @@ func TestAttentionGradKVProducer(t *testing.T) {
 	assert.Equal(t, -1, graph.CompanionProducer(g, dq))
 	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, -1))
 }
+
+// TestCrossEntropyGradProducer: a cross_entropy_grad whose seed is a fill
+// pairs with the cross_entropy over the same logits and labels with the
+// same Scalar and End; a computed seed (loss scaling) pairs with nothing.
+func TestCrossEntropyGradProducer(t *testing.T) {
+	g := graph.New()
+	node := func(n graph.Node) int {
+		id, err := g.Append(n)
+		require.NoError(t, err)
+		return id
+	}
+	logits := node(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{4, 10}, DType: graph.Float32, BatchAxis: 0, PerSample: 10}})
+	other := node(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{4, 10}, DType: graph.Float32, BatchAxis: 0, PerSample: 10}})
+	labels := node(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{4}, DType: graph.Int64, BatchAxis: 0, PerSample: 1}})
+	mean := graph.Attrs{Scalar: 0.25, End: 8}
+	ce := node(graph.Node{Op: graph.OpCrossEntropy, Inputs: []int{logits, labels}, Attrs: mean})
+	seed := node(graph.Node{Op: graph.OpFill, Attrs: graph.Attrs{Scalar: 1, Target: g.Node(ce).Type}})
+	grad := func(a graph.Attrs, seed, logits int) int {
+		return node(graph.Node{Op: graph.OpCrossEntropyGrad, Inputs: []int{seed, logits, labels}, Attrs: a})
+	}
+	gr := grad(mean, seed, logits)
+	assert.Equal(t, ce, graph.CrossEntropyGradProducer(g, gr))
+	assert.Equal(t, ce, graph.CompanionProducer(g, gr))
+	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, grad(graph.Attrs{Scalar: 1, End: 8}, seed, logits)), "another scale")
+	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, grad(graph.Attrs{Scalar: 0.25}, seed, logits)), "every class")
+	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, grad(mean, seed, other)), "other logits")
+	scale := node(graph.Node{Op: graph.OpParam, Type: graph.Type{Shape: []int{}, DType: graph.Float32, BatchAxis: -1}})
+	scaled := node(graph.Node{Op: graph.OpMul, Inputs: []int{seed, scale}})
+	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, grad(mean, scaled, logits)), "a computed seed")
+	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, ce), "a cross_entropy node")
+	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, g.Len()))
+}

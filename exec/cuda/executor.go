@@ -380,7 +380,7 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		co = &v
 	}
 	r.companion.blk = nil
-	coDone, err := r.eval(nd, in, y, ws, c, co)
+	coDone, err := r.eval(nd, in, y, ws, c, co, r.companion.m)
 	if coDone {
 		if r.early == nil {
 			r.early = map[int]bool{}

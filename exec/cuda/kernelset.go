@@ -44,6 +44,7 @@ const (
 	kLayerNormStats    = "layer_norm_stats_f32"
 	kLayerNormGradW    = "layer_norm_grad_w_f32"
 	kCrossEntropy      = "cross_entropy_rows_f32"
+	kCrossEntFused     = "cross_entropy_fused_f32"
 	kCrossEntGrad      = "cross_entropy_grad_f32"
 	kMSEPartial        = "mse_partial_f32"
 	kMSEGrad           = "mse_grad_f32"
@@ -90,7 +91,7 @@ var kernelFiles = map[string][]string{
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu":     allTyped(kEmbedding, kEmbeddingGrad),
 	"layernorm.cu": allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
-	"loss.cu":      allTyped(kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
+	"loss.cu":      allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":     {kSGD, kAdam, kUnscale},
 	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),

@@ -30,6 +30,7 @@ type kctx struct {
 	// when the kernel may compute it in the same pass, else nil; a kernel
 	// that does sets coDone.
 	co     *operand
+	coNode int // co's node, when co is set
 	coDone bool
 }
 

@@ -1,6 +1,9 @@
 package cuda
 
 import (
+	"slices"
+	"sync/atomic"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -103,7 +106,15 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 	}
 	if n > 0 {
 		block := ceBlock(c)
-		if err := k.launch(typed(kCrossEntropy, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, ld, bad); err != nil {
+		if s, grad, ok := k.fusedCEGrad(logits); ok {
+			// The gradient too (graph.CrossEntropyGradProducer); its own
+			// run step is then skipped.
+			if err := k.launch(typed(kCrossEntFused, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, grad.p, n, c, ld, s, bad); err != nil {
+				return err
+			}
+			k.coDone = true
+			fusedCrossEntropies.Add(1)
+		} else if err := k.launch(typed(kCrossEntropy, dt), rowGrid(n, block, 1), block, logits.p, labels.p, loss, n, c, ld, bad); err != nil {
 			return err
 		}
 	}
@@ -111,6 +122,26 @@ func (k *kctx) crossEntropy(a *graph.Attrs, logits, labels, out operand) error {
 		return err
 	}
 	return k.firstBad(bad, labels, "cross_entropy", "label", 1, c)
+}
+
+// fusedCrossEntropies counts cross_entropy launches that wrote their
+// gradient too (tests read it).
+var fusedCrossEntropies atomic.Int64
+
+// fusedCEGrad is the companion cross_entropy_grad output the forward pass
+// over logits writes too, with its scale Scalar·seed, when the program has
+// one (its seed a fill, graph.CrossEntropyGradProducer) of logits' dtype
+// and shape.
+func (k *kctx) fusedCEGrad(logits operand) (s float64, grad operand, ok bool) {
+	if k.co == nil || k.co.dt != logits.dt || !slices.Equal(k.co.shape, logits.shape) {
+		return 0, operand{}, false
+	}
+	gr := k.g.Node(k.coNode)
+	if gr.Op != graph.OpCrossEntropyGrad || graph.CrossEntropyGradProducer(k.g, k.coNode) != k.nd.ID {
+		return 0, operand{}, false
+	}
+	seed := k.g.Node(gr.Inputs[0])
+	return gr.Attrs.Scalar * seed.Attrs.Scalar, *k.co, true
 }
 
 // crossEntropyGrad: g·Scalar·(softmax(logits) − onehot(label)), g float32,

@@ -18,7 +18,7 @@ func TestRowsKernelsTyped(t *testing.T) {
 		"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
 		"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
 		"batchnorm.cu": {kBatchNorm, kBatchNormRows, kBatchNormGradX},
-		"loss.cu":      {kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
+		"loss.cu":      {kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
 	}
 	for file, names := range files {
 		for _, n := range names {

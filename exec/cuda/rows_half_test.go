@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/conformance"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -196,14 +197,23 @@ func TestCrossEntropyLongRows(t *testing.T) {
 		dt          graph.DType
 		rtol, floor float64
 	}{{graph.Float32, 1e-5, 1e-6}, {graph.BFloat16, 1.0 / 256, 1e-3}, {graph.Float16, 1.0 / 2048, 1e-3}} {
-		for _, l := range []struct{ classes, cols int }{{10007, 10007}, {10007, 10048}, {9990, 10007}} {
-			t.Run(fmt.Sprintf("%s/%d_of_%d", c.dt, l.classes, l.cols), func(t *testing.T) {
+		for _, l := range []struct {
+			classes, cols int
+			fused         bool
+		}{{10007, 10007, true}, {10007, 10048, true}, {9990, 10007, true}, {10007, 10048, false}} {
+			t.Run(fmt.Sprintf("%s/%d_of_%d/fused=%v", c.dt, l.classes, l.cols, l.fused), func(t *testing.T) {
 				logits := lazy.ParamSpec([]int{rows, l.cols}, c.dt, "logits")
 				labels := lazy.Const(tensor.New(tensor.WithShape(rows), tensor.WithBacking([]int64{0, int64(l.classes - 1), 5003, 17, 9989})))
 				loss := logits.CrossEntropy(labels, graph.ReduceSum)
 				if l.classes < l.cols {
 					loss = logits.CrossEntropyClasses(labels, l.classes, graph.ReduceSum)
 				}
+				if !l.fused {
+					// The seed of cross_entropy_grad is then computed, not a
+					// fill: its own kernel runs (graph.CrossEntropyGradProducer).
+					loss = loss.MulScalar(0.75)
+				}
+				fusedBefore := cuda.FusedCrossEntropies()
 				grads := lazy.Grad(loss, logits)
 				require.NoError(t, grads[0].Err())
 				require.Equal(t, graph.Float32, loss.DType(), "a 16-bit cross_entropy's loss is float32")
@@ -229,6 +239,11 @@ func TestCrossEntropyLongRows(t *testing.T) {
 				got, err := run(ir, feeds, ids...)
 				require.NoError(t, err)
 				require.InDelta(t, want[0].Data[0], got[0].Data[0], 1e-5*math.Abs(want[0].Data[0]), "loss")
+				fusedRuns := int64(0)
+				if l.fused {
+					fusedRuns = 1
+				}
+				require.Equal(t, fusedRuns, cuda.FusedCrossEntropies()-fusedBefore, "cross_entropy passes that wrote the gradient too")
 				largest := 0.0
 				for _, w := range want[1].Data {
 					largest = max(largest, math.Abs(w))

@@ -121,11 +121,48 @@ __device__ __forceinline__ void row_lse(const T* p, float (&v)[ROW_VPT], i64 c, 
   *m = mx;
 }
 
+// ce_write_grad writes a row's gradient q[0:ld] = s·(softmax(p[0:c]) −
+// onehot(label)) from its max m and Σ exp(v − m) z, and 0 past c; label is
+// in [0, c). Every thread of the row group calls it.
 template <bool C, typename T>
+__device__ __forceinline__ void ce_write_grad(const T* p, T* q, const float (&v)[ROW_VPT], i64 c,
+                                              i64 ld, i64 label, float m, double z, double s) {
+  constexpr int N = 16 / sizeof(T);
+  for (i64 k = c + threadIdx.x; k < ld; k += blockDim.x) q[k] = 0.0f;  // padding: no class
+  // s·softmax_j = exp(x_j − m)·(s/z), one float multiply per element;
+  // the label's s·(softmax − 1) in double, as it may cancel.
+  const float sz = (float)(s / z);
+  auto grad = [&](i64 k, float x) -> float {
+    const float e = expf(x - m);
+    return k == label ? (float)((double)e * (s / z) - s) : e * sz;
+  };
+  if (C) {
+    row_each<C>(c, [&](i64 k, int u) { q[k] = grad(k, v[u]); });
+  } else if (((u64)p & 15) == ((u64)q & 15)) {  // logits and gradient rows share their packs
+    row_split(
+        p, c, [&](i64 k) { q[k] = grad(k, (float)p[k]); },
+        [&](i64 k0, const Vec<T, N>& x) {
+          Vec<T, N> r;
+#pragma unroll
+          for (int e = 0; e < N; ++e) r.v[e] = grad(k0 + e, (float)x.v[e]);
+          *reinterpret_cast<Vec<T, N>*>(q + k0) = r;
+        });
+  } else {
+    row_each<C>(c, [&](i64 k, int) { q[k] = grad(k, (float)p[k]); });
+  }
+}
+
+// cross_entropy_rows_body: each row's loss into loss[row]; with G also its
+// gradient into gout (s the gradient's scale), from the same pass's max and
+// sum, so the row is read from memory once more at most (for long rows,
+// right after the first pass, from L2) instead of twice by a kernel of its
+// own.
+template <bool C, bool G, typename T>
 __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ logits,
                                                         const i64* __restrict__ labels,
-                                                        double* __restrict__ loss, i64 n, i64 c,
-                                                        i64 ld, u64* bad) {
+                                                        double* __restrict__ loss,
+                                                        T* __restrict__ gout, i64 n, i64 c,
+                                                        i64 ld, double s, u64* bad) {
   __shared__ double sd[32];
   __shared__ float sf[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
@@ -136,14 +173,24 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
     float m;
     double z;
     row_lse<C>(p, v, c, live, sf, sd, &m, &z);
-    if (!live || threadIdx.x != 0) continue;
+    if (!live) continue;
     const i64 label = labels[row];
-    if (label < 0 || label >= c) {
-      loss[row] = __longlong_as_double(0x7ff8000000000000LL);
-      report_bad(bad, row);
-      continue;
+    const bool ok = label >= 0 && label < c;
+    if (threadIdx.x == 0) {
+      if (ok) {
+        loss[row] = (double)m + log(z) - (double)(float)p[label];
+      } else {
+        loss[row] = __longlong_as_double(0x7ff8000000000000LL);
+        report_bad(bad, row);
+      }
     }
-    loss[row] = (double)m + log(z) - (double)(float)p[label];
+    if (!G) continue;
+    T* q = gout + row * ld;
+    if (ok) {
+      ce_write_grad<C>(p, q, v, c, ld, label, m, z, s);
+    } else {
+      for (i64 k = threadIdx.x; k < ld; k += blockDim.x) q[k] = k < c ? nan_f() : 0.0f;
+    }
   }
 }
 
@@ -157,8 +204,25 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
 #define K(T, S)                                                                          \
   extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_##S(          \
       const T* logits, const i64* labels, double* loss, i64 n, i64 c, i64 ld, u64* bad) {\
-    if (row_fits(c)) cross_entropy_rows_body<true>(logits, labels, loss, n, c, ld, bad); \
-    else cross_entropy_rows_body<false>(logits, labels, loss, n, c, ld, bad);            \
+    if (row_fits(c))                                                                     \
+      cross_entropy_rows_body<true, false>(logits, labels, loss, (T*)nullptr, n, c, ld, 0, bad); \
+    else cross_entropy_rows_body<false, false>(logits, labels, loss, (T*)nullptr, n, c, ld, 0, bad); \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// cross_entropy_fused_{f32,bf16,f16}: cross_entropy_rows_* and, in the same
+// pass, gout[r, j] = float(s·(softmax(logits[r, :c])_j − [j = label[r]]))
+// for j < c and 0 for c ≤ j < ld, as cross_entropy_grad_* with s =
+// Attrs.Scalar·g given in double (the executor runs it when the gradient's
+// g is a constant, graph.CrossEntropyGradProducer). A row with a bad label
+// is NaN in its first c gradient columns. Row layout as cross_entropy_rows_*.
+#define K(T, S)                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fused_##S(             \
+      const T* logits, const i64* labels, double* loss, T* gout, i64 n, i64 c, i64 ld,       \
+      double s, u64* bad) {                                                                  \
+    if (row_fits(c)) cross_entropy_rows_body<true, true>(logits, labels, loss, gout, n, c, ld, s, bad); \
+    else cross_entropy_rows_body<false, true>(logits, labels, loss, gout, n, c, ld, s, bad);            \
   }
 FOR_FLOATS(K)
 #undef K
@@ -184,7 +248,6 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
                                                         const i64* __restrict__ labels,
                                                         T* __restrict__ out, i64 n, i64 c,
                                                         i64 ld, double scalar, u64* bad) {
-  constexpr int N = 16 / sizeof(T);
   __shared__ double sd[32];
   __shared__ float sf[32];
   const double s = scalar * (double)g[0];
@@ -198,34 +261,13 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
     row_lse<C>(p, v, c, live, sf, sd, &m, &z);
     if (!live) continue;
     T* q = out + row * ld;
-    for (i64 k = c + threadIdx.x; k < ld; k += blockDim.x) q[k] = 0.0f;  // padding: no class
     const i64 label = labels[row];
     if (label < 0 || label >= c) {
-      row_each<C>(c, [&](i64 k, int) { q[k] = nan_f(); });
+      for (i64 k = threadIdx.x; k < ld; k += blockDim.x) q[k] = k < c ? nan_f() : 0.0f;
       if (threadIdx.x == 0) report_bad(bad, row);
       continue;
     }
-    // s·softmax_j = exp(x_j − m)·(s/z), one float multiply per element;
-    // the label's s·(softmax − 1) in double, as it may cancel.
-    const float sz = (float)(s / z);
-    auto grad = [&](i64 k, float x) -> float {
-      const float e = expf(x - m);
-      return k == label ? (float)((double)e * (s / z) - s) : e * sz;
-    };
-    if (C) {
-      row_each<C>(c, [&](i64 k, int u) { q[k] = grad(k, v[u]); });
-    } else if (((u64)p & 15) == ((u64)q & 15)) {  // logits and gradient rows share their packs
-      row_split(
-          p, c, [&](i64 k) { q[k] = grad(k, (float)p[k]); },
-          [&](i64 k0, const Vec<T, N>& x) {
-            Vec<T, N> r;
-#pragma unroll
-            for (int e = 0; e < N; ++e) r.v[e] = grad(k0 + e, (float)x.v[e]);
-            *reinterpret_cast<Vec<T, N>*>(q + k0) = r;
-          });
-    } else {
-      row_each<C>(c, [&](i64 k, int) { q[k] = grad(k, (float)p[k]); });
-    }
+    ce_write_grad<C>(p, q, v, c, ld, label, m, z, s);
   }
 }
 
