@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
 	"github.com/batchfit/batchfit/lazy"
@@ -581,33 +580,4 @@ func TestWorkspaceAffine(t *testing.T) {
 		}
 	}
 	assert.Positive(t, nonzero)
-}
-
-// sumPacks takes the 16-byte-pack kernel only for a sum over whole packs
-// from an aligned address.
-func TestSumPacks(t *testing.T) {
-	for _, c := range []struct {
-		dt    graph.DType
-		op    string
-		inner int64
-		x     uint64
-		packs int64
-		ok    bool
-	}{
-		{graph.BFloat16, "sum", 768, 4096, 96, true},
-		{graph.Float32, "sum", 768, 4096, 192, true},
-		{graph.Float16, "sum", 16, 512, 2, true},
-		{graph.BFloat16, "sum", 12, 4096, 0, false}, // not whole packs
-		{graph.Float32, "sum", 768, 4100, 0, false}, // misaligned
-		{graph.Float32, "max", 768, 4096, 0, false}, // not a sum
-	} {
-		op := rSum
-		if c.op == "max" {
-			op = rMax
-		}
-		packs, ok := sumPacks(c.dt, op, c.inner, alloc.Ptr(c.x))
-		if packs != c.packs || ok != c.ok {
-			t.Errorf("sumPacks(%s, %s, %d, %d) = %d, %v; want %d, %v", c.dt, c.op, c.inner, c.x, packs, ok, c.packs, c.ok)
-		}
-	}
 }

@@ -65,7 +65,6 @@ const (
 	kAvgPoolGrad       = "avg_pool2d_grad_f32"
 	kReduceRows        = "reduce_rows_f32"
 	kReduceMid         = "reduce_mid_f32"
-	kReduceMidSumVec   = "reduce_mid_sum_vec_f32"
 	kReduceSplits      = "reduce_splits_f32"
 	kReduceStrided     = "reduce_strided_f32"
 	kMaxGrad           = "max_grad_f32"
@@ -95,7 +94,7 @@ var kernelFiles = map[string][]string{
 	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":     {kSGD, kAdam, kUnscale},
 	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
-	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceMidSumVec, kReduceSplits, kReduceStrided, kMaxGrad),
+	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
 	"softmax.cu":   allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }
 

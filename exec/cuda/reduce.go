@@ -158,11 +158,6 @@ func reduce(k *kctx, in []operand, out operand) error {
 		block := rowBlock(l.n)
 		err = k.launch(typed(kReduceRows, dt), rowGrid(l.outer, block, splits), block, x.p, out.p, part, l.outer, l.n, op, first)
 	case reduceMid:
-		if packs, ok := sumPacks(dt, op, l.inner, x.p); ok {
-			grid := [3]uint32{tileGridX(packs), uint32(min(l.outer, maxGridYZ)), uint32(splits)}
-			err = k.launch(typed(kReduceMidSumVec, dt), grid, sumVecBlock, x.p, out.p, part, l.outer, l.n, l.inner, first)
-			break
-		}
 		grid := [3]uint32{tileGridX(l.inner), uint32(min(l.outer, maxGridYZ)), uint32(splits)}
 		err = k.launch(typed(kReduceMid, dt), grid, tileBlock, x.p, out.p, part, l.outer, l.n, l.inner, op, first)
 	default:
@@ -173,21 +168,6 @@ func reduce(k *kctx, in []operand, out operand) error {
 		return err
 	}
 	return k.combineSplits(dt, part, out.p, splits, l.nout, op, scale)
-}
-
-// sumVecBlock is reduce_mid_sum_vec_*'s block, which its shared memory is
-// sized for.
-var sumVecBlock = [3]uint32{32, 16, 1}
-
-// sumPacks says whether a middle-axis reduction runs on 16-byte packs
-// (reduce_mid_sum_vec_*): a sum whose inner length is whole packs of dt,
-// x 16-byte aligned; packs is the packs per row.
-func sumPacks(dt graph.DType, op opcode.Code, inner int64, x alloc.Ptr) (packs int64, ok bool) {
-	per := int64(16 / dt.Size())
-	if op != rSum || inner%per != 0 || uint64(x)%16 != 0 {
-		return 0, false
-	}
-	return inner / per, true
 }
 
 // combineSplits reduces the float32 partials [splits, nout] at part into

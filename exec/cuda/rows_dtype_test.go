@@ -14,7 +14,7 @@ import (
 // file.
 func TestRowsKernelsTyped(t *testing.T) {
 	files := map[string][]string{
-		"reduce.cu":    {kReduceRows, kReduceMid, kReduceMidSumVec, kReduceSplits, kReduceStrided, kMaxGrad},
+		"reduce.cu":    {kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad},
 		"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
 		"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
 		"batchnorm.cu": {kBatchNorm, kBatchNormRows, kBatchNormGradX},

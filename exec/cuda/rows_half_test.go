@@ -116,58 +116,6 @@ func TestSplitReductionsHalf(t *testing.T) {
 	}
 }
 
-// TestColumnSums runs sums and means over a middle axis whose inner length
-// is whole 16-byte packs (reduce_mid_sum_vec_*), GPT-2's bias gradients
-// among them, split and unsplit, with an outer axis, in every float dtype
-// against the float64 reference; and one whose inner length is not (the
-// scalar kernel). float32 is held to 1e-5 relative (a sum in double rounded
-// once), 16-bit dtypes to their conformance tolerance.
-func TestColumnSums(t *testing.T) {
-	run := runOn(executor(t))
-	dts := append([]struct {
-		dt  graph.DType
-		tol conformance.Tolerance
-	}{{graph.Float32, conformance.Tolerance{RTol: 1e-5, ATol: 1e-5}}}, halfDTypes...)
-	specs := []struct {
-		name  string
-		shape []int
-		fn    func(x *lazy.Tensor) []*lazy.Tensor
-	}{
-		{"gpt2_bias_grads", []int{8, 1024, 768}, func(x *lazy.Tensor) []*lazy.Tensor { return []*lazy.Tensor{x.Sum(0, 1), x.Mean(0, 1)} }},
-		{"mlp_bias_grad", []int{8192, 3072}, func(x *lazy.Tensor) []*lazy.Tensor { return []*lazy.Tensor{x.Sum(0)} }},
-		{"outer", []int{3, 1000, 16}, func(x *lazy.Tensor) []*lazy.Tensor { return []*lazy.Tensor{x.Sum(1)} }},
-		{"short", []int{7, 24}, func(x *lazy.Tensor) []*lazy.Tensor { return []*lazy.Tensor{x.Sum(0), x.Mean(0)} }},
-		{"odd_inner", []int{2000, 12}, func(x *lazy.Tensor) []*lazy.Tensor { return []*lazy.Tensor{x.Sum(0)} }},
-	}
-	for _, h := range dts {
-		for _, sp := range specs {
-			t.Run(h.dt.String()+"/"+sp.name, func(t *testing.T) {
-				x := lazy.Placeholder(sp.shape, h.dt, 0)
-				outs := sp.fn(x)
-				ids := make([]int, len(outs))
-				for i, o := range outs {
-					require.NoError(t, o.Err())
-					ids[i] = o.ID()
-				}
-				ir := x.Graph().IR()
-				rng := rand.New(rand.NewPCG(61, 62))
-				v := ref.Zeros(sp.shape...)
-				for i := range v.Data {
-					v.Data[i] = 0.5 + rng.Float64() // one sign: no cancellation, so a relative bound holds
-				}
-				feeds := map[int]ref.Value{x.ID(): v}
-				want, err := ref.Eval(ir, feeds, ids...)
-				require.NoError(t, err)
-				got, err := run(ir, feeds, ids...)
-				require.NoError(t, err)
-				for k, id := range ids {
-					requireHalfClose(t, want[k], got[k], h.tol, fmt.Sprintf("output %d (%s)", k, ir.Node(id).Op))
-				}
-			})
-		}
-	}
-}
-
 func requireHalfClose(t *testing.T, want, got ref.Value, tol conformance.Tolerance, what string) {
 	t.Helper()
 	require.Equal(t, want.Shape, got.Shape, what)
