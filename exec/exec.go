@@ -38,7 +38,8 @@ type Executor interface {
 	// SyncParams brings trained parameters' host tensors up to date.
 	SyncParams() error
 	// Held lists the buffers the executor keeps resident, in allocation
-	// order (PlanResidents tells a plan about them).
+	// order (PlanResidents tells a plan about them). The slice may be
+	// shared with later calls: callers must not modify it.
 	Held() []Held
 	// ReleaseUnread frees the resident constants that p does not read,
 	// before p runs; it reports whether it freed any.

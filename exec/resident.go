@@ -46,6 +46,9 @@ type Residents[V any] struct {
 	byKey   map[ResidentKey]*Resident[V]
 	list    []*Resident[V]
 	yielded bool
+	// held is Held's answer while the list is unchanged (nil after a
+	// change): every training step asks, and the list changes rarely.
+	held []Held
 }
 
 // Find is the resident buffer of k, nil when there is none.
@@ -65,6 +68,7 @@ func (rs *Residents[V]) keep(k ResidentKey, pb planner.Buffer, blk *alloc.Block,
 	rb := &Resident[V]{Blk: blk, Size: pb.Bytes(0), Tag: pb.Tag, Val: v, key: k, konst: konst}
 	rs.byKey[k] = rb
 	rs.list = append(rs.list, rb)
+	rs.held = nil
 }
 
 // Yield frees every resident block, calling save first on each (to keep a
@@ -127,13 +131,16 @@ func (rs *Residents[V]) Restore(a *alloc.Allocator, load func(*Resident[V]) erro
 	return nil
 }
 
-// Held lists the resident buffers, in allocation order.
+// Held lists the resident buffers, in allocation order. The slice is
+// shared by every call until the list changes: callers must not modify it.
 func (rs *Residents[V]) Held() []Held {
-	h := make([]Held, len(rs.list))
-	for i, rb := range rs.list {
-		h[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag}
+	if rs.held == nil && len(rs.list) > 0 {
+		rs.held = make([]Held, len(rs.list))
+		for i, rb := range rs.list {
+			rs.held[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag}
+		}
 	}
-	return h
+	return rs.held
 }
 
 // ReleaseUnread frees the resident constants that p does not read (a
@@ -174,6 +181,7 @@ func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, sa
 		}
 	}
 	rs.list = kept
+	rs.held = nil
 	for _, rb := range freed {
 		delete(rs.byKey, rb.key)
 		if rb.Blk != nil {
@@ -198,7 +206,7 @@ func (rs *Residents[V]) Release(a *alloc.Allocator) error {
 			errs = append(errs, a.Free(rb.Blk))
 		}
 	}
-	rs.byKey, rs.list, rs.yielded = nil, nil, false
+	rs.byKey, rs.list, rs.yielded, rs.held = nil, nil, false, nil
 	return errors.Join(errs...)
 }
 
@@ -269,12 +277,12 @@ func PlanResidents(p *planner.Program, held []Held) []planner.Held {
 		i := 0
 		for ; i < len(held); i++ {
 			bi := p.Persistent[i]
-			b := p.Buffers[bi]
+			b, h := &p.Buffers[bi], &held[i]
 			t := p.Graph.Node(b.Node).Value
-			if t == nil || keyOf(b, t) != held[i].Key {
+			if t == nil || h.Key.data != t || h.Key.kind != b.Kind || h.Key.slot != b.Slot {
 				break
 			}
-			out[i] = planner.Held{Bytes: held[i].Bytes, Tag: held[i].Tag, Buffer: bi}
+			out[i] = planner.Held{Bytes: h.Bytes, Tag: h.Tag, Buffer: bi}
 		}
 		if i == len(held) {
 			return out
