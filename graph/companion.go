@@ -4,7 +4,7 @@ import "slices"
 
 // CompanionProducer returns the node whose kernel can also compute node
 // m's output in the same pass, −1 for none: an attention_lse's attention
-// (LSEProducer), an attention_grad_kv's attention_grad_q
+// or an attention_qkv_lse's attention_qkv (LSEProducer), an attention_grad_kv's attention_grad_q
 // (AttentionGradKVProducer), or a training-mode batch_norm_grad_w's
 // batch_norm_grad_x (BatchNormGradWProducer). planner.Compile allocates m's output with the
 // producer's, so an executor may compute both at once
@@ -14,7 +14,7 @@ func CompanionProducer(g *Graph, m int) int {
 		return -1
 	}
 	switch g.Node(m).Op {
-	case OpAttentionLSE:
+	case OpAttentionLSE, OpAttentionQKVLSE:
 		return LSEProducer(g, m)
 	case OpAttentionGradKV:
 		return AttentionGradKVProducer(g, m)
