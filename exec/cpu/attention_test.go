@@ -132,3 +132,61 @@ func TestAttentionRejects(t *testing.T) {
 		})
 	}
 }
+
+// TestAttentionQKVAgainstReference runs attention_qkv and d qkv (through
+// loss = Σ out·r) on the CPU, against the float64 reference (tolerance as
+// TestAttentionAgainstReference's) and against the same attention built
+// from q, k, v sliced out of qkv and permuted to [B, H, T, d], its output
+// permuted back: the same float32 sums in the same order, so within
+// 1e-6 of each output's largest magnitude.
+func TestAttentionQKVAgainstReference(t *testing.T) {
+	type tc struct {
+		B, H, T, D int
+		causal     bool
+		scale      float64
+	}
+	cases := []tc{
+		{B: 2, H: 1, T: 1, D: 8},
+		{B: 2, H: 3, T: 17, D: 8, causal: true},
+		{B: 1, H: 2, T: 64, D: 64, scale: 0.3},
+		{B: 2, H: 2, T: 200, D: 16, causal: true},
+	}
+	for n, c := range cases {
+		t.Run(fmt.Sprintf("B%d_H%d_T%d_d%d_causal%v", c.B, c.H, c.T, c.D, c.causal), func(t *testing.T) {
+			rng := newRNG(uint64(100 + n))
+			gr := lazy.NewGraph()
+			cc := c.H * c.D
+			qkv := gr.Wrap(dense([]int{c.B, c.T, 3 * cc}, uniform(rng, c.B*c.T*3*cc, -1, 1)), 0)
+			r := gr.Wrap(dense([]int{c.B, c.T, cc}, uniform(rng, c.B*c.T*cc, -1, 1)), 0)
+			o := lazy.AttentionOptions{Causal: c.causal, Scale: c.scale}
+			packed := qkv.AttentionQKV(c.H, o)
+			head := func(i int) *lazy.Tensor {
+				return qkv.Slice(2, i*cc, (i+1)*cc).Reshape(c.B, c.T, c.H, c.D).Permute(0, 2, 1, 3)
+			}
+			unpacked := head(0).Attention(head(1), head(2), o).Permute(0, 2, 1, 3).Reshape(c.B, c.T, cc)
+			dp := lazy.Grad(packed.Mul(r).Sum(), qkv)[0]
+			du := lazy.Grad(unpacked.Mul(r).Sum(), qkv)[0]
+			require.NoError(t, errors.Join(packed.Err(), unpacked.Err(), dp.Err(), du.Err()))
+			ids := []int{packed.ID(), dp.ID(), unpacked.ID(), du.ID()}
+			g := packed.Graph().IR()
+			want, err := ref.Eval(g, nil, ids[:2]...)
+			require.NoError(t, err)
+			got, err := cpu.New().Run(context.Background(), g, ids...)
+			require.NoError(t, err)
+			for i, name := range []string{"out", "dqkv"} {
+				gd, gu := got[i].Data().([]float32), got[i+2].Data().([]float32)
+				require.Len(t, gd, len(want[i].Data), name)
+				scale := 0.0
+				for _, x := range want[i].Data {
+					scale = math.Max(scale, math.Abs(x))
+				}
+				require.Positive(t, scale, name)
+				for j, w := range want[i].Data {
+					require.False(t, math.IsNaN(float64(gd[j])), "%s[%d] is NaN", name, j)
+					require.InDelta(t, w, float64(gd[j]), 1e-4*math.Abs(w)+2e-5*math.Max(scale, 1), "%s[%d]", name, j)
+					require.InDelta(t, float64(gu[j]), float64(gd[j]), 1e-6*scale, "%s[%d] packed vs unpacked", name, j)
+				}
+			}
+		})
+	}
+}
