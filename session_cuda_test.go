@@ -431,7 +431,7 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 512},
 			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 512},
 			{testutil.PaddedHeadGPTModel, 256},
-			{testutil.HeadDim64GPTModel, 64},
+			{testutil.HeadDim64GPTModel, 128},
 			// The convolutions' patch workspace is sized from the full batch
 			// (up to 64 MiB, conv.go), so only a batch past that cap leaves
 			// chunks anything to save.

@@ -180,59 +180,64 @@ func TestAttentionQKV(t *testing.T) {
 func TestAttentionQKVMatchesUnpacked(t *testing.T) {
 	e, _ := sdpaExecutor(t)
 	for _, c := range []qkvCase{{B: 2, H: 3, T: 64, D: 64, causal: true}, {B: 1, H: 2, T: 1024, D: 128}} {
-		t.Run(c.String(), func(t *testing.T) {
-			g, ids := qkvGraph(t, c, graph.BFloat16, rand.New(rand.NewPCG(3, 4)))
-			packed, err := e.Run(context.Background(), g, ids[0], ids[2])
-			require.NoError(t, err)
-			// The same graph's inputs, unpacked by hand.
-			qkvIn, gIn := g.Node(ids[2]).Inputs[1], g.Node(ids[2]).Inputs[0]
-			cc := c.H * c.D
-			add := func(op graph.Op, a graph.Attrs, in ...int) int {
-				id, err := g.Append(graph.Node{Op: op, Inputs: in, Attrs: a})
-				require.NoError(t, err)
-				return id
+		t.Run(c.String(), func(t *testing.T) { matchUnpacked(t, e, c) })
+	}
+}
+
+// matchUnpacked runs c's packed graph and the unpacked composition on e and
+// compares them (TestAttentionQKVMatchesUnpacked).
+func matchUnpacked(t *testing.T, e graphRunner, c qkvCase) {
+	t.Helper()
+	g, ids := qkvGraph(t, c, graph.BFloat16, rand.New(rand.NewPCG(3, 4)))
+	packed, err := e.Run(context.Background(), g, ids[0], ids[2])
+	require.NoError(t, err)
+	// The same graph's inputs, unpacked by hand.
+	qkvIn, gIn := g.Node(ids[2]).Inputs[1], g.Node(ids[2]).Inputs[0]
+	cc := c.H * c.D
+	add := func(op graph.Op, a graph.Attrs, in ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Inputs: in, Attrs: a})
+		require.NoError(t, err)
+		return id
+	}
+	toHeads := func(x, i int) int { // third i of x [B, T, k·C] → [B, H, T, d]
+		s := add(graph.OpSlice, graph.Attrs{Axis: 2, Start: i * cc, End: (i + 1) * cc, Step: 1}, x)
+		r := add(graph.OpReshape, graph.Attrs{Shape: []int{-1, c.T, c.H, c.D}}, s)
+		return add(graph.OpPermute, graph.Attrs{Perm: []int{0, 2, 1, 3}}, r)
+	}
+	fromHeads := func(x int) int { // [B, H, T, d] → [B, T, C]
+		p := add(graph.OpPermute, graph.Attrs{Perm: []int{0, 2, 1, 3}}, x)
+		return add(graph.OpReshape, graph.Attrs{Shape: []int{-1, c.T, cc}}, p)
+	}
+	q, k, v, gh := toHeads(qkvIn, 0), toHeads(qkvIn, 1), toHeads(qkvIn, 2), toHeads(gIn, 0)
+	a := graph.Attrs{Causal: c.causal}
+	o := add(graph.OpAttention, a, q, k, v)
+	lse := add(graph.OpAttentionLSE, a, q, k)
+	args := []int{gh, q, k, v, o, lse}
+	dq := add(graph.OpAttentionGradQ, a, args...)
+	dkv := add(graph.OpAttentionGradKV, a, args...)
+	dk := add(graph.OpSlice, graph.Attrs{Axis: 3, Start: 0, End: c.D, Step: 1}, dkv)
+	dv := add(graph.OpSlice, graph.Attrs{Axis: 3, Start: c.D, End: 2 * c.D, Step: 1}, dkv)
+	d := add(graph.OpConcat, graph.Attrs{Axis: 2}, fromHeads(dq), fromHeads(dk), fromHeads(dv))
+	unpacked, err := e.Run(context.Background(), g, fromHeads(o), d)
+	require.NoError(t, err)
+	for i, what := range []string{"o", "dqkv"} {
+		w, gd := unpacked[i].Data().([]float32), packed[i].Data().([]float32)
+		require.Len(t, gd, len(w))
+		m := 0.0
+		for _, x := range w {
+			m = math.Max(m, math.Abs(float64(x)))
+		}
+		require.Positive(t, m, what)
+		same := 0
+		for j := range w {
+			x, y := float64(w[j]), float64(gd[j])
+			if x == y {
+				same++
 			}
-			toHeads := func(x, i int) int { // third i of x [B, T, k·C] → [B, H, T, d]
-				s := add(graph.OpSlice, graph.Attrs{Axis: 2, Start: i * cc, End: (i + 1) * cc, Step: 1}, x)
-				r := add(graph.OpReshape, graph.Attrs{Shape: []int{c.B, c.T, c.H, c.D}}, s)
-				return add(graph.OpPermute, graph.Attrs{Perm: []int{0, 2, 1, 3}}, r)
+			if math.Abs(x-y) > math.Abs(x)/128+1e-3*m {
+				require.Failf(t, "packed differs", "%s[%d]: unpacked %g, packed %g", what, j, x, y)
 			}
-			fromHeads := func(x int) int { // [B, H, T, d] → [B, T, C]
-				p := add(graph.OpPermute, graph.Attrs{Perm: []int{0, 2, 1, 3}}, x)
-				return add(graph.OpReshape, graph.Attrs{Shape: []int{c.B, c.T, cc}}, p)
-			}
-			q, k, v, gh := toHeads(qkvIn, 0), toHeads(qkvIn, 1), toHeads(qkvIn, 2), toHeads(gIn, 0)
-			a := graph.Attrs{Causal: c.causal}
-			o := add(graph.OpAttention, a, q, k, v)
-			lse := add(graph.OpAttentionLSE, a, q, k)
-			args := []int{gh, q, k, v, o, lse}
-			dq := add(graph.OpAttentionGradQ, a, args...)
-			dkv := add(graph.OpAttentionGradKV, a, args...)
-			dk := add(graph.OpSlice, graph.Attrs{Axis: 3, Start: 0, End: c.D, Step: 1}, dkv)
-			dv := add(graph.OpSlice, graph.Attrs{Axis: 3, Start: c.D, End: 2 * c.D, Step: 1}, dkv)
-			d := add(graph.OpConcat, graph.Attrs{Axis: 2}, fromHeads(dq), fromHeads(dk), fromHeads(dv))
-			unpacked, err := e.Run(context.Background(), g, fromHeads(o), d)
-			require.NoError(t, err)
-			for i, what := range []string{"o", "dqkv"} {
-				w, gd := unpacked[i].Data().([]float32), packed[i].Data().([]float32)
-				require.Len(t, gd, len(w))
-				m := 0.0
-				for _, x := range w {
-					m = math.Max(m, math.Abs(float64(x)))
-				}
-				require.Positive(t, m, what)
-				same := 0
-				for j := range w {
-					x, y := float64(w[j]), float64(gd[j])
-					if x == y {
-						same++
-					}
-					if math.Abs(x-y) > math.Abs(x)/128+1e-3*m {
-						require.Failf(t, "packed differs", "%s[%d]: unpacked %g, packed %g", what, j, x, y)
-					}
-				}
-				t.Logf("%s: %d of %d bit-identical", what, same, len(w))
-			}
-		})
+		}
+		t.Logf("%s: %d of %d bit-identical", what, same, len(w))
 	}
 }
