@@ -125,3 +125,15 @@ func TestAttentionGradKVProducer(t *testing.T) {
 	assert.Equal(t, -1, graph.CompanionProducer(g, dq))
 	assert.Equal(t, -1, graph.AttentionGradKVProducer(g, -1))
 }
+
+// TestFuseAttentionQKVRefusesBackward: the pass runs before autodiff; a
+// graph holding a gradient op is refused with ErrAttr.
+func TestFuseAttentionQKVRefusesBackward(t *testing.T) {
+	g := graph.New()
+	x, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{2, 4, 24}, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
+	require.NoError(t, err)
+	_, err = g.Append(graph.Node{Op: graph.OpAttentionQKVLSE, Attrs: graph.Attrs{Groups: 2}, Inputs: []int{x}})
+	require.NoError(t, err)
+	_, _, err = graph.FuseAttentionQKV(g)
+	require.ErrorIs(t, err, graph.ErrAttr)
+}
