@@ -17,9 +17,11 @@ import (
 	"github.com/batchfit/batchfit/optim"
 )
 
-// Training a small GPT with the fused attention op gives the losses of the
-// written-out form (q·kᵀ, scale, causal_mask, softmax, ·v): 30 Adam steps
-// from the same initialisation on the same batch (which the model learns).
+// Training a small GPT with the fused attention op, packed (attention_qkv,
+// the default) or on q, k, v sliced out (UnpackedAttention), gives the
+// losses of the written-out form (q·kᵀ, scale, causal_mask, softmax, ·v):
+// 30 Adam steps from the same initialisation on the same batch (which the
+// model learns).
 // Both run float32; they differ in summation order only, and 30 steps of
 // Adam at lr 1e-2 keep the losses within 1e-5 relative of each other
 // (measured: 8e-8).
@@ -29,9 +31,9 @@ func TestFusedAttentionTrainsLikeWrittenOut(t *testing.T) {
 	const steps, n, seq, vocab = 30, 12, 16, 64
 	ctx := context.Background()
 	cfg := models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16}
-	run := func(writtenOut bool) []float32 {
+	run := func(writtenOut, unpacked bool) []float32 {
 		c := cfg
-		c.WrittenOutAttention = writtenOut
+		c.WrittenOutAttention, c.UnpackedAttention = writtenOut, unpacked
 		m := models.NewGPT(nn.Seed(22), c)
 		sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 		opt := optim.NewAdam(1e-2)
@@ -46,16 +48,18 @@ func TestFusedAttentionTrainsLikeWrittenOut(t *testing.T) {
 		}
 		return losses
 	}
-	want := run(true)
-	fused := run(false)
-	var worst float64
-	for i := range want {
-		rel := math.Abs(float64(fused[i]-want[i])) / math.Abs(float64(want[i]))
-		worst = max(worst, rel)
-		require.InEpsilon(t, want[i], fused[i], 1e-5, "step %d", i)
+	want := run(true, false)
+	for _, unpacked := range []bool{false, true} {
+		fused := run(false, unpacked)
+		var worst float64
+		for i := range want {
+			rel := math.Abs(float64(fused[i]-want[i])) / math.Abs(float64(want[i]))
+			worst = max(worst, rel)
+			require.InEpsilon(t, want[i], fused[i], 1e-5, "step %d (unpacked %v)", i, unpacked)
+		}
+		t.Logf("losses %.5f → %.5f; fused (unpacked %v) vs written out: worst relative difference %.2g", want[0], want[steps-1], unpacked, worst)
 	}
 	require.Less(t, float64(want[steps-1]), 0.9*float64(want[0]), "the model learns")
-	t.Logf("losses %.5f → %.5f; fused vs written out: worst relative difference %.2g", want[0], want[steps-1], worst)
 }
 
 // The fused GPT-2 small step keeps nothing [T, T]-sized: no node of the
@@ -78,8 +82,14 @@ func TestFusedAttentionHasNoTxTValue(t *testing.T) {
 			if len(s) >= 2 && s[len(s)-1] == 1024 && s[len(s)-2] == 1024 {
 				tt++
 			}
-			if nd.Op == graph.OpAttention {
+			if nd.Op == graph.OpAttention || nd.Op == graph.OpAttentionQKV {
 				fused++
+			}
+			if !writtenOut {
+				// attention_qkv reads the projection in place: no permute
+				// or concat, forward or backward (the one slice left is
+				// the position embedding's).
+				require.NotContains(t, []graph.Op{graph.OpPermute, graph.OpConcat}, nd.Op)
 			}
 		}
 		return tt, fused

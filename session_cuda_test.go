@@ -431,6 +431,10 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 512},
 			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 512},
 			{testutil.PaddedHeadGPTModel, 256},
+			// Head dim 64: attention_qkv on cuDNN, whose 1 MiB plan
+			// workspaces put a 20 MiB segment in the large pool; 512
+			// sequences make half the whole step's peak hold a chunk.
+			{testutil.HeadDim64GPTModel, 512},
 			// The convolutions' patch workspace is sized from the full batch
 			// (up to 64 MiB, conv.go), so only a batch past that cap leaves
 			// chunks anything to save.

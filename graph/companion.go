@@ -4,19 +4,20 @@ import "slices"
 
 // CompanionProducer returns the node whose kernel can also compute node
 // m's output in the same pass, −1 for none: an attention_lse's attention
-// (LSEProducer), an attention_grad_kv's attention_grad_q
-// (AttentionGradKVProducer), a training-mode batch_norm_grad_w's
-// batch_norm_grad_x (BatchNormGradWProducer), or a cross_entropy_grad's
-// cross_entropy when its seed is constant (CrossEntropyGradProducer).
-// planner.Compile allocates m's output with the producer's, so an executor
-// may compute both at once (planner.Program.Companion); one that does not
-// runs m as usual.
+// or an attention_qkv_lse's attention_qkv (LSEProducer), an
+// attention_grad_kv's attention_grad_q (AttentionGradKVProducer), a
+// training-mode batch_norm_grad_w's batch_norm_grad_x
+// (BatchNormGradWProducer), or a cross_entropy_grad's cross_entropy when
+// its seed is constant (CrossEntropyGradProducer). planner.Compile
+// allocates m's output with the producer's, so an executor may compute
+// both at once (planner.Program.Companion); one that does not runs m as
+// usual.
 func CompanionProducer(g *Graph, m int) int {
 	if m < 0 || m >= g.Len() {
 		return -1
 	}
 	switch g.Node(m).Op {
-	case OpAttentionLSE:
+	case OpAttentionLSE, OpAttentionQKVLSE:
 		return LSEProducer(g, m)
 	case OpAttentionGradKV:
 		return AttentionGradKVProducer(g, m)

@@ -34,6 +34,34 @@ func TestLSEProducerNeedsTheSameScores(t *testing.T) {
 	assert.Equal(t, -1, graph.LSEProducer(g, -1))
 }
 
+// TestQKVLSEProducer: attention_qkv_lse pairs with an attention_qkv over
+// the same qkv with the same heads, scale and causality; CompanionProducer
+// dispatches on the op.
+func TestQKVLSEProducer(t *testing.T) {
+	g := graph.New()
+	in := func() int {
+		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{2, 4, 24}, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
+		require.NoError(t, err)
+		return id
+	}
+	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
+		require.NoError(t, err)
+		return id
+	}
+	qkv, other := in(), in()
+	a := graph.Attrs{Groups: 2, Scalar: 0.5, Causal: true}
+	att := node(graph.OpAttentionQKV, a, qkv)
+	lse := node(graph.OpAttentionQKVLSE, a, qkv)
+	assert.Equal(t, att, graph.LSEProducer(g, lse))
+	assert.Equal(t, att, graph.CompanionProducer(g, lse))
+	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, graph.Attrs{Groups: 4, Scalar: 0.5, Causal: true}, qkv)), "other heads")
+	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, graph.Attrs{Groups: 2, Scalar: 0.5}, qkv)), "not causal")
+	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, graph.Attrs{Groups: 2, Scalar: 0.25, Causal: true}, qkv)), "another scale")
+	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, a, other)), "another qkv")
+	assert.Equal(t, -1, graph.LSEProducer(g, att), "an attention_qkv node")
+}
+
 // TestBatchNormGradWProducer: a training-mode batch_norm_grad_w pairs with
 // the batch_norm_grad_x over the same g and x with the same attributes;
 // CompanionProducer dispatches on the op.
@@ -128,4 +156,16 @@ func TestCrossEntropyGradProducer(t *testing.T) {
 	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, grad(mean, scaled, logits)), "a computed seed")
 	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, ce), "a cross_entropy node")
 	assert.Equal(t, -1, graph.CrossEntropyGradProducer(g, g.Len()))
+}
+
+// TestFuseAttentionQKVRefusesBackward: the pass runs before autodiff; a
+// graph holding a gradient op is refused with ErrAttr.
+func TestFuseAttentionQKVRefusesBackward(t *testing.T) {
+	g := graph.New()
+	x, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{2, 4, 24}, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
+	require.NoError(t, err)
+	_, err = g.Append(graph.Node{Op: graph.OpAttentionQKVLSE, Attrs: graph.Attrs{Groups: 2}, Inputs: []int{x}})
+	require.NoError(t, err)
+	_, _, err = graph.FuseAttentionQKV(g)
+	require.ErrorIs(t, err, graph.ErrAttr)
 }

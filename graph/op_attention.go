@@ -26,6 +26,21 @@ const (
 	// q, k, v, o, lse[, mask]; output [B, Hkv, S, 2d] (dk then dv), summed
 	// over the query heads that share each key/value head.
 	OpAttentionGradKV
+	// OpAttentionQKV is OpAttention reading q, k and v straight from the
+	// packed projection of a transformer block: input qkv [B, T, 3C], read
+	// as [B, T, 3, H, d] (q, k, v in that order, H = Attrs.Groups heads of
+	// d = C/H); output [B, T, C], read as [B, T, H, d]. Same Scalar and
+	// Causal as OpAttention. It stands for slicing qkv, permuting each
+	// third to [B, H, T, d], attending and permuting back, without the
+	// copies: cuDNN reads and writes those layouts through strides.
+	OpAttentionQKV
+	// OpAttentionQKVLSE is attention_qkv's log-sum-exp: input qkv; output
+	// [B, H, T] float32 (as OpAttentionLSE).
+	OpAttentionQKVLSE
+	// OpAttentionQKVGrad is d qkv in one op: inputs g [B, T, C], qkv, o
+	// [B, T, C], lse [B, H, T]; output [B, T, 3C] (dq, dk, dv packed as qkv
+	// is).
+	OpAttentionQKVGrad
 	endAttentionOps
 )
 
@@ -54,6 +69,13 @@ var attentionOps = []OpInfo{
 		Attrs: []string{"scalar", "causal"}, Rule: attentionGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 	OpAttentionGradKV: {Name: "attention_grad_kv", Category: CatGrad, MinArity: 6, Arity: 6, MaxArity: 7,
 		Attrs: []string{"scalar", "causal"}, Rule: attentionGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+	OpAttentionQKV: {Name: "attention_qkv", Category: CatContraction, MinArity: 1, Arity: 1,
+		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk,
+		Saves: SavesInput(0) | SavesOutput, VJP: attentionQKVVJP},
+	OpAttentionQKVLSE: {Name: "attention_qkv_lse", Category: CatGrad, MinArity: 1, Arity: 1,
+		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+	OpAttentionQKVGrad: {Name: "attention_qkv_grad", Category: CatGrad, MinArity: 4, Arity: 4,
+		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 }
 
 // attentionChunk: the rules admit only inputs batched on axis 0 (or
@@ -240,14 +262,107 @@ func attentionVJP(b VJPBuilder, n *Node, g int) {
 	}
 }
 
+// QKVShape is what attention_qkv's rule reads off qkv [B, T, 3C] and its
+// head count: batch B, heads H, length T, head dim D (C = H·D).
+type QKVShape struct{ B, H, T, D int }
+
+// C is the model width H·D.
+func (a QKVShape) C() int { return a.H * a.D }
+
+// Attention is the shape of the unpacked attention it stands for: q, k
+// and v [B, H, T, D].
+func (a QKVShape) Attention() AttentionShape {
+	return AttentionShape{B: a.B, H: a.H, Hkv: a.H, T: a.T, S: a.T, D: a.D}
+}
+
+// QKVDims checks the packed projection qkv [B, T, 3C] (batch on axis 0,
+// or unbatched) for heads heads and returns its sizes.
+func QKVDims(op Op, heads int, qkv Type) (QKVShape, error) {
+	if err := needFloat(op, qkv); err != nil {
+		return QKVShape{}, err
+	}
+	if len(qkv.Shape) != 3 {
+		return QKVShape{}, Errorf(ErrShape, "%s: qkv must be [B, T, 3C], got %v", op, qkv.Shape)
+	}
+	if heads < 1 || qkv.Shape[2]%(3*heads) != 0 {
+		return QKVShape{}, Errorf(ErrAttr, "%s: %d heads do not split qkv %v into q, k and v of whole heads (3·heads must divide the last axis)", op, heads, qkv.Shape)
+	}
+	if qkv.Batched() && qkv.BatchAxis != 0 {
+		return QKVShape{}, Errorf(ErrShape, "%s: qkv %v carries the batch on axis %d, not 0", op, qkv.Shape, qkv.BatchAxis)
+	}
+	return QKVShape{B: qkv.Shape[0], H: heads, T: qkv.Shape[1], D: qkv.Shape[2] / (3 * heads)}, nil
+}
+
+// attentionQKVRule types attention_qkv ([B, T, C], qkv's dtype) and
+// attention_qkv_lse ([B, H, T] float32) from qkv.
+func attentionQKVRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	a, err := QKVDims(op, attrs.Groups, in[0])
+	if err != nil {
+		return Type{}, err
+	}
+	if err := attentionScale(op, attrs, a.D); err != nil {
+		return Type{}, err
+	}
+	qkv := in[0]
+	if op == OpAttentionQKVLSE {
+		return Type{Shape: []int{a.B, a.H, a.T}, DType: Float32, BatchAxis: qkv.BatchAxis, PerSample: qkv.PerSample}, nil
+	}
+	return Type{Shape: []int{a.B, a.T, a.C()}, DType: qkv.DType, BatchAxis: qkv.BatchAxis, PerSample: qkv.PerSample}, nil
+}
+
+// attentionQKVGradRule types d qkv (qkv's type) from g, qkv, o, lse.
+func attentionQKVGradRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	g, qkv, o, lse := in[0], in[1], in[2], in[3]
+	a, err := QKVDims(op, attrs.Groups, qkv)
+	if err != nil {
+		return Type{}, err
+	}
+	if err := attentionScale(op, attrs, a.D); err != nil {
+		return Type{}, err
+	}
+	want := []int{a.B, a.T, a.C()}
+	for i, t := range []Type{g, o} {
+		if !slices.Equal(t.Shape, want) || t.DType != qkv.DType {
+			return Type{}, Errorf(ErrShape, "%s: %s is %s%v, attention_qkv's output is %s%v", op, []string{"g", "o"}[i], t.DType, t.Shape, qkv.DType, want)
+		}
+		if t.Batched() && t.BatchAxis != 0 {
+			return Type{}, Errorf(ErrShape, "%s: %s %v carries the batch on axis %d, not 0", op, []string{"g", "o"}[i], t.Shape, t.BatchAxis)
+		}
+	}
+	if !slices.Equal(lse.Shape, []int{a.B, a.H, a.T}) || lse.DType != Float32 {
+		return Type{}, Errorf(ErrShape, "%s: lse is %s%v, want float32%v", op, lse.DType, lse.Shape, []int{a.B, a.H, a.T})
+	}
+	out := Type{Shape: slices.Clone(qkv.Shape), DType: qkv.DType, BatchAxis: qkv.BatchAxis, PerSample: qkv.PerSample}
+	if !qkv.Batched() && g.Batched() { // g may be batched alone
+		out.BatchAxis, out.PerSample = g.BatchAxis, g.PerSample
+	}
+	return out, nil
+}
+
+// attentionQKVVJP recomputes the log-sum-exp (the forward pass gives it
+// where the executor can: LSEProducer), then d qkv in one op: no slices
+// of the gradient to concatenate.
+func attentionQKVVJP(b VJPBuilder, n *Node, g int) {
+	if !b.Wants(0) {
+		return
+	}
+	a := Attrs{Groups: n.Attrs.Groups, Scalar: n.Attrs.Scalar, Causal: n.Attrs.Causal}
+	lse := b.Emit(OpAttentionQKVLSE, a, n.Inputs[0])
+	b.Accumulate(n.Inputs[0], b.Emit(OpAttentionQKVGrad, a, g, n.Inputs[0], n.ID, lse))
+}
+
 // LSEProducer returns the attention node whose forward pass can give the
 // log-sum-exp that attention_lse node m recomputes: an earlier attention
 // over the same q, k and mask with the same scale and causality (the
-// forward node the backward pass emitted m for); −1 when m is no
-// attention_lse or none qualifies. planner.Compile allocates m's output
+// forward node the backward pass emitted m for); for an attention_qkv_lse,
+// an earlier attention_qkv of the same qkv and attributes; −1 when m is no
+// attention_lse or attention_qkv_lse, or none qualifies. planner.Compile allocates m's output
 // with that node's, so an executor may compute both in one pass
 // (planner.Program.Companion).
 func LSEProducer(g *Graph, m int) int {
+	if m >= 0 && m < g.Len() && g.Node(m).Op == OpAttentionQKVLSE {
+		return qkvLSEProducer(g, m)
+	}
 	if m < 0 || m >= g.Len() || g.Node(m).Op != OpAttentionLSE {
 		return -1
 	}
@@ -261,6 +376,20 @@ func LSEProducer(g *Graph, m int) int {
 		// attention: q, k, v[, mask]; attention_lse: q, k[, mask].
 		if n.Inputs[0] == lse.Inputs[0] && n.Inputs[1] == lse.Inputs[1] &&
 			(len(lse.Inputs) == 2 || n.Inputs[3] == lse.Inputs[2]) {
+			return id
+		}
+	}
+	return -1
+}
+
+// qkvLSEProducer is LSEProducer for attention_qkv_lse node m: an earlier
+// attention_qkv of the same qkv, heads, scale and causality.
+func qkvLSEProducer(g *Graph, m int) int {
+	lse := g.Node(m)
+	for id := m - 1; id >= 0; id-- {
+		n := g.Node(id)
+		if n.Op == OpAttentionQKV && n.Inputs[0] == lse.Inputs[0] && n.Attrs.Groups == lse.Attrs.Groups &&
+			n.Attrs.Scalar == lse.Attrs.Scalar && n.Attrs.Causal == lse.Attrs.Causal {
 			return id
 		}
 	}

@@ -261,3 +261,16 @@ func TestGradOfUnusedParam(t *testing.T) {
 	assert.Equal(t, graph.OpFill, nd.Op)
 	assert.Zero(t, nd.Attrs.Scalar)
 }
+
+// AttentionQKV refuses a mask and heads that do not split qkv into whole
+// heads, with typed errors; a good call gives [B, T, C].
+func TestAttentionQKVMisuse(t *testing.T) {
+	qkv := lazy.Placeholder([]int{4, 5, 24}, f32, 0)
+	m := lazy.Placeholder([]int{5, 5}, f32, -1)
+	assert.ErrorIs(t, qkv.AttentionQKV(2, lazy.AttentionOptions{Mask: m}).Err(), graph.ErrAttr)
+	assert.ErrorIs(t, qkv.AttentionQKV(3, lazy.AttentionOptions{}).Err(), graph.ErrAttr)
+	assert.ErrorIs(t, qkv.AttentionQKV(0, lazy.AttentionOptions{}).Err(), graph.ErrAttr)
+	y := qkv.AttentionQKV(2, lazy.AttentionOptions{Causal: true})
+	require.NoError(t, y.Err())
+	assert.Equal(t, []int{4, 5, 8}, y.Shape())
+}

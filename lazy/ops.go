@@ -360,3 +360,18 @@ func (t *Tensor) Attention(k, v *Tensor, o AttentionOptions) *Tensor {
 	}
 	return apply(graph.OpAttention, attrs, t, k, v, o.Mask)
 }
+
+// AttentionQKV is Attention over q, k and v packed in one projection, as a
+// transformer block's qkv = x·W_qkv gives them: t is [B, T, 3C], read as
+// [B, T, 3, H, d] with H = heads and d = C/H; the result is [B, T, C],
+// the heads side by side. It equals slicing t in three, reshaping each to
+// [B, T, H, d], permuting to [B, H, T, d], Attention, and permuting back
+// to [B, T, C], without those copies (or their gradients' copies): cuDNN
+// reads q, k, v and writes o and d qkv through strides. A mask is not
+// taken (o.Mask must be nil).
+func (t *Tensor) AttentionQKV(heads int, o AttentionOptions) *Tensor {
+	if o.Mask != nil && t.Err() == nil {
+		return errTensor("attention_qkv", site(), graph.Errorf(graph.ErrAttr, "attention_qkv takes no mask (qkv %v); use Attention", t.Shape()), t.Shape())
+	}
+	return apply(graph.OpAttentionQKV, graph.Attrs{Groups: heads, Scalar: o.Scale, Causal: o.Causal}, t)
+}

@@ -18,12 +18,22 @@ type GPTConfig struct {
 	// WrittenOutAttention builds each block's attention as PyTorch's eager
 	// code writes it (q·kᵀ, scale, causal_mask, softmax, ·v, each a
 	// [B, H, T, T] value kept for backward), for comparison. By default
-	// attention is the fused op (lazy.Tensor.Attention), which keeps nothing
-	// [T, T]-sized: GPT-2 small's batch-8 step at seq 1024 plans 9.4 GiB
-	// instead of 13.8 GiB in fp32. Its CUDA kernels run on tensor cores for
-	// 16-bit head dims 64 and 128 (bf16-mixed, fp16-mixed); in fp32 they are
-	// FMA loops, slower than the written-out GEMMs (bench/RESULTS.md).
+	// attention is fused (lazy.Tensor.AttentionQKV, see UnpackedAttention),
+	// which keeps nothing [T, T]-sized: GPT-2 small's batch-8 step at seq
+	// 1024 plans 9.4 GiB instead of 13.8 GiB in fp32 (measured with the
+	// unpacked fused op). In 16 bits at head dims 64 and 128 (bf16-mixed,
+	// fp16-mixed) it runs on cuDNN's fused attention or tensor cores; in
+	// fp32 on cuBLAS over blocks of queries (bench/RESULTS.md).
 	WrittenOutAttention bool
+	// UnpackedAttention builds the fused attention from q, k and v sliced
+	// out of the projection and permuted to [B, H, T, d] (and the output
+	// permuted back), as PyTorch code writes it. By default attention
+	// reads them in place from the projection (lazy.Tensor.AttentionQKV),
+	// which saves those copies and their gradients' slices and concat:
+	// 2.4 ms of GPT-2 small's 27.9 ms bf16-mixed step at batch 8, seq 1024
+	// on an H100 (25.6 ms without them). WrittenOutAttention takes
+	// precedence.
+	UnpackedAttention bool
 }
 
 // GPT2Small is GPT-2 small: 12 layers, width 768, 12 heads, 1024 positions,
@@ -124,7 +134,7 @@ type block struct{ nn.Children }
 
 func newBlock(opt nn.Options, cfg GPTConfig) *block {
 	d := cfg.Dim
-	attn := &attention{heads: cfg.Heads, writtenOut: cfg.WrittenOutAttention, Children: nn.NewChildren(
+	attn := &attention{heads: cfg.Heads, writtenOut: cfg.WrittenOutAttention, unpacked: cfg.UnpackedAttention, Children: nn.NewChildren(
 		nn.Child{Name: "c_attn", Module: linear(opt, d, 3*d)},
 		nn.Child{Name: "c_proj", Module: linear(opt, d, d)},
 	)}
@@ -156,10 +166,12 @@ type attention struct {
 	nn.Children
 	heads      int
 	writtenOut bool // GPTConfig.WrittenOutAttention
+	unpacked   bool // GPTConfig.UnpackedAttention
 }
 
 // Forward: q, k, v from one projection, softmax(q·kᵀ/√d + causal mask)·v per
-// head (the fused op, or written out), heads concatenated and projected.
+// head (the packed fused op, the fused op on q, k, v sliced out, or
+// written out), heads concatenated and projected.
 func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if err := firstErr(x); err != nil {
 		return lazy.ErrorTensor("attention", err)
@@ -171,6 +183,10 @@ func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
 	t, c := s[1], s[2]
 	d := c / a.heads
 	qkv := a.Call("c_attn", x)
+	opts := lazy.AttentionOptions{Causal: true, Scale: 1 / math.Sqrt(float64(d))}
+	if !a.writtenOut && !a.unpacked {
+		return a.Call("c_proj", qkv.AttentionQKV(a.heads, opts))
+	}
 	head := func(i int) *lazy.Tensor { // [B, H, T, d]
 		return qkv.Slice(2, i*c, (i+1)*c).Reshape(-1, t, a.heads, d).Permute(0, 2, 1, 3)
 	}
@@ -180,7 +196,7 @@ func (a *attention) Forward(x *lazy.Tensor) *lazy.Tensor {
 		att := q.MatMulT(k, false, true).MulScalar(1 / math.Sqrt(float64(d))).CausalMask().Softmax(-1)
 		y = att.MatMul(v)
 	} else {
-		y = q.Attention(k, v, lazy.AttentionOptions{Causal: true, Scale: 1 / math.Sqrt(float64(d))})
+		y = q.Attention(k, v, opts)
 	}
 	y = y.Permute(0, 2, 1, 3).Reshape(-1, t, c)
 	return a.Call("c_proj", y)

@@ -11,7 +11,8 @@
 //     the new graph. Sources are copied with their data (shared, not
 //     copied); every other node is appended again, with Cast nodes
 //     inserted before it as its op's class asks:
-//     – GEMM class (matmul, linear, conv2d, attention, whose mask is cast too):
+//     – GEMM class (matmul, linear, conv2d, attention, whose mask is cast too,
+//     attention_qkv):
 //     every float input is cast to the policy's 16-bit dtype, so the op
 //     computes from 16-bit inputs, accumulates in float32 and stores a
 //     16-bit result;

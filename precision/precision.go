@@ -94,7 +94,7 @@ const (
 
 var classes = func() [graph.NumOps]class {
 	var c [graph.NumOps]class
-	for _, op := range []graph.Op{graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpAttention} {
+	for _, op := range []graph.Op{graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpAttention, graph.OpAttentionQKV} {
 		c[op] = lower
 	}
 	// cross_entropy is not among them: it reads 16-bit logits widened and

@@ -151,7 +151,7 @@ func autocastGPT(t *testing.T, writtenOut bool) {
 			assert.Equal(t, graph.Float32, nd.Type.DType, "embedding")
 		case graph.OpCausalMask, graph.OpGelu: // on the bf16 scores / projection
 			assert.Equal(t, graph.BFloat16, nd.Type.DType, "%s", nd.Op)
-		case graph.OpAttention: // GEMM class: bf16 q, k, v (from the bf16 projection)
+		case graph.OpAttention, graph.OpAttentionQKV: // GEMM class: bf16 q, k, v (from the bf16 projection)
 			assert.Equal(t, graph.BFloat16, nd.Type.DType, "%s", nd.Op)
 			attention++
 		case graph.OpAdd: // residual: float32 stream + bf16 branch promotes

@@ -150,15 +150,32 @@ func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
 			q, masked = nd.Inputs[1], len(nd.Inputs) > 6
 		}
 		t := g.Node(q).Type
-		if t.DType == graph.Float32 { // cuBLAS over blocks of queries (exec/cuda's attention32.go)
-			return rateGEMM
+		return attentionRate(t.DType, t.Shape[len(t.Shape)-1], masked)
+	case graph.OpAttentionQKV, graph.OpAttentionQKVLSE, graph.OpAttentionQKVGrad:
+		t := g.Node(nd.Inputs[0]).Type // attention_qkv, attention_qkv_lse: qkv
+		if nd.Op == graph.OpAttentionQKVGrad {
+			t = g.Node(nd.Inputs[1]).Type
 		}
-		if d := t.Shape[len(t.Shape)-1]; t.DType.IsHalf() && (d == 64 || d == 128) && !masked {
-			return rateHalfAttention
+		d := 0
+		if len(t.Shape) == 3 && nd.Attrs.Groups > 0 {
+			d = t.Shape[2] / (3 * nd.Attrs.Groups)
 		}
-		return rateAttention
+		return attentionRate(t.DType, d, false)
 	}
 	return rateVector
+}
+
+// attentionRate is the rate of fused attention of dtype dt at head dim d:
+// cuBLAS for float32, tensor cores (or cuDNN) for 16-bit d 64 or 128
+// without a mask, the plain kernels otherwise.
+func attentionRate(dt graph.DType, d int, masked bool) rateKind {
+	if dt == graph.Float32 { // cuBLAS over blocks of queries (exec/cuda's attention32.go)
+		return rateGEMM
+	}
+	if dt.IsHalf() && (d == 64 || d == 128) && !masked {
+		return rateHalfAttention
+	}
+	return rateAttention
 }
 
 // rate is the flop/s of kind under p (tf32: float32 GEMMs on TF32 tensor
@@ -374,6 +391,33 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 			passes := map[graph.Op]float64{graph.OpAttention: 4, graph.OpAttentionLSE: 2,
 				graph.OpAttentionGradQ: 6, graph.OpAttentionGradKV: 8}[nd.Op]
 			scores := float64(graph.Numel(qs[:3])) * float64(k.Shape[2])
+			if nd.Attrs.Causal {
+				scores /= 2
+			}
+			bytes += passes * 4 * scores
+		}
+	case graph.OpAttentionQKV, graph.OpAttentionQKVLSE, graph.OpAttentionQKVGrad:
+		// As attention's (above) on q [B, H, T, d] of B·T·C elements: 2
+		// products forward, 1 for the log-sum-exp, 7 for d qkv (dq's 3
+		// and dk|dv's 4); the float32 fallback's score passes likewise
+		// (4, 2, 14).
+		qkv := in[0]
+		if nd.Op == graph.OpAttentionQKVGrad {
+			qkv = in[1]
+		}
+		qs := qkv.AtBatch(b)
+		if len(qs) != 3 {
+			break
+		}
+		products := map[graph.Op]float64{graph.OpAttentionQKV: 2, graph.OpAttentionQKVLSE: 1, graph.OpAttentionQKVGrad: 7}[nd.Op]
+		elems := float64(graph.Numel(qs)) / 3 // q's
+		flops = products * 2 * elems * float64(qs[1])
+		if nd.Attrs.Causal {
+			flops /= 2
+		}
+		if qkv.DType == graph.Float32 && nd.Attrs.Groups > 0 {
+			passes := map[graph.Op]float64{graph.OpAttentionQKV: 4, graph.OpAttentionQKVLSE: 2, graph.OpAttentionQKVGrad: 14}[nd.Op]
+			scores := float64(qs[0]*nd.Attrs.Groups*qs[1]) * float64(qs[1])
 			if nd.Attrs.Causal {
 				scores /= 2
 			}

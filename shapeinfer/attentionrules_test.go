@@ -31,6 +31,11 @@ func attentionValidCases() []ruleCase {
 		{name: "dq", op: graph.OpAttentionGradQ, in: ts(q, q, kv, kv, q, lse), want: q},
 		{name: "dq with mask", op: graph.OpAttentionGradQ, in: ts(q, q, kv, kv, q, lse, f(5, 7)), want: q},
 		{name: "dk|dv packed", op: graph.OpAttentionGradKV, attrs: causal, in: ts(q, q, kv, kv, q, lse), want: dkv},
+		// qkv [B, T, 3C] with 4 heads of 8: C = 32.
+		{name: "attention_qkv, default scale", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, Causal: true}, in: ts(fb(0, 2, 5, 96)), want: fb(0, 2, 5, 32), check: scalarIs(1 / math.Sqrt(8))},
+		{name: "attention_qkv unbatched", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, Scalar: 0.5}, in: ts(f(2, 5, 96)), want: f(2, 5, 32), check: scalarIs(0.5)},
+		{name: "attention_qkv_lse", op: graph.OpAttentionQKVLSE, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 96)), want: fb(0, 2, 4, 5)},
+		{name: "attention_qkv_grad", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 32), fb(0, 2, 5, 96), fb(0, 2, 5, 32), fb(0, 2, 4, 5)), want: fb(0, 2, 5, 96)},
 	}
 }
 
@@ -52,6 +57,13 @@ func attentionRejectCases() []rejectCase {
 		{name: "head dims differ", op: graph.OpAttentionLSE, in: ts(q, fb(0, 4, 2, 7, 8)), want: graph.ErrShape},
 		{name: "lse shape", op: graph.OpAttentionGradQ, in: ts(q, q, kv, kv, q, fb(0, 4, 8, 7)), want: graph.ErrShape},
 		{name: "g shape", op: graph.OpAttentionGradKV, in: ts(kv, q, kv, kv, q, lse), want: graph.ErrShape},
+		{name: "qkv rank 4", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 3, 32)), want: graph.ErrShape},
+		{name: "heads do not split qkv", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 5}, in: ts(fb(0, 2, 5, 96)), want: graph.ErrAttr},
+		{name: "no heads", op: graph.OpAttentionQKV, in: ts(fb(0, 2, 5, 96)), want: graph.ErrAttr},
+		{name: "qkv batch on axis 1", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4}, in: ts(fb(1, 2, 5, 96)), want: graph.ErrShape},
+		{name: "int64 qkv", op: graph.OpAttentionQKVLSE, attrs: graph.Attrs{Groups: 4}, in: ts(ib(0, 2, 5, 96)), want: graph.ErrDType},
+		{name: "g shape", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 96), fb(0, 2, 5, 96), fb(0, 2, 5, 32), fb(0, 2, 4, 5)), want: graph.ErrShape},
+		{name: "lse shape", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 32), fb(0, 2, 5, 96), fb(0, 2, 5, 32), fb(0, 2, 5, 4)), want: graph.ErrShape},
 		{name: "mask gradient", op: graph.OpAttentionGradQ, attrs: graph.Attrs{Axis: 1}, in: ts(q, q, kv, kv, q, q), want: graph.ErrAttr},
 	}
 }

@@ -13,43 +13,66 @@ import (
 // workspace to declare. Sums accumulate in float64.
 var attentionKernels = family{
 	graph.OpAttention: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
-		at := newAttn(&nd.Attrs, in[0], in[1], in[2], optional(in, 3))
-		acc := make([]float64, at.D)
-		at.forEachRow(func(b, h, i int) {
-			clear(acc)
-			lse := at.online(b, h, i, func(j int, w float64, rescale float64) {
-				if rescale != 1 {
-					for c := range acc {
-						acc[c] *= rescale
-					}
-				}
-				v := at.v.f[at.kvoff(b, h, j):][:at.D]
-				for c := range acc {
-					acc[c] += w * float64(v[c])
-				}
-			})
-			o := out.f[at.qoff(b, h, i):][:at.D]
-			if math.IsInf(lse, -1) { // every key hidden: 0
-				clear(o)
-				return
-			}
-			// acc holds Σ exp(s − m)·v and lse = m + log l: divide by l.
-			inv := 1 / at.lastSum
-			for c := range o {
-				o[c] = float32(acc[c] * inv)
-			}
-		})
+		attentionFwd(newAttn(&nd.Attrs, in[0], in[1], in[2], optional(in, 3)), out)
 		return nil
 	}},
 	graph.OpAttentionLSE: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
-		at := newAttn(&nd.Attrs, in[0], in[1], in[1], optional(in, 2))
-		at.forEachRow(func(b, h, i int) {
-			out.f[(b*at.H+h)*at.T+i] = float32(at.online(b, h, i, nil))
-		})
+		attentionLSE(newAttn(&nd.Attrs, in[0], in[1], in[1], optional(in, 2)), out)
 		return nil
 	}},
 	graph.OpAttentionGradQ:  {run: attentionGrad},
 	graph.OpAttentionGradKV: {run: attentionGrad},
+	// attention_qkv and its gradients read q, k, v (and write o, d qkv) in
+	// place through the packed layout's strides (newAttnQKV).
+	graph.OpAttentionQKV: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		attentionFwd(newAttnQKV(&nd.Attrs, in[0]), out)
+		return nil
+	}},
+	graph.OpAttentionQKVLSE: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		attentionLSE(newAttnQKV(&nd.Attrs, in[0]), out)
+		return nil
+	}},
+	graph.OpAttentionQKVGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		at := newAttnQKV(&nd.Attrs, in[1])
+		at.gradInto(in[0], in[2], in[3], out, true, true)
+		return nil
+	}},
+}
+
+// attentionFwd writes attention's output o.
+func attentionFwd(at *attn, out *buf) {
+	acc := make([]float64, at.D)
+	at.forEachRow(func(b, h, i int) {
+		clear(acc)
+		lse := at.online(b, h, i, func(j int, w float64, rescale float64) {
+			if rescale != 1 {
+				for c := range acc {
+					acc[c] *= rescale
+				}
+			}
+			v := at.v.f[at.v0+at.kvoff(b, h, j):][:at.D]
+			for c := range acc {
+				acc[c] += w * float64(v[c])
+			}
+		})
+		o := out.f[at.ooff(b, h, i):][:at.D]
+		if math.IsInf(lse, -1) { // every key hidden: 0
+			clear(o)
+			return
+		}
+		// acc holds Σ exp(s − m)·v and lse = m + log l: divide by l.
+		inv := 1 / at.lastSum
+		for c := range o {
+			o[c] = float32(acc[c] * inv)
+		}
+	})
+}
+
+// attentionLSE writes each query row's log-sum-exp, [B, H, T].
+func attentionLSE(at *attn, out *buf) {
+	at.forEachRow(func(b, h, i int) {
+		out.f[(b*at.H+h)*at.T+i] = float32(at.online(b, h, i, nil))
+	})
 }
 
 // attnBlock is the number of keys scored at once.
@@ -63,11 +86,20 @@ type attn struct {
 	causal             bool
 	s                  [attnBlock]float64
 	lastSum            float64
+	// Layout: q's strides over (b, h, row) and k's and v's (shared) over
+	// (b, key/value head, row); k and v start at k0 and v0 of their
+	// buffers. oc is 0 when o and g are laid out as q ([B, H, T, d]), else
+	// the width C of their [B, T, C] rows (attention_qkv).
+	qs, ks [3]int
+	k0, v0 int
+	oc     int
 }
 
 func newAttn(a *graph.Attrs, q, k, v, m *buf) *attn {
 	at := &attn{q: q, k: k, v: v, m: m, scale: float32(a.Scalar), causal: a.Causal,
 		B: q.shape[0], H: q.shape[1], T: q.shape[2], D: q.shape[3], Hkv: k.shape[1], S: k.shape[2]}
+	at.qs = [3]int{at.H * at.T * at.D, at.T * at.D, at.D}
+	at.ks = [3]int{at.Hkv * at.S * at.D, at.S * at.D, at.D}
 	if m != nil {
 		r, st := len(m.shape), 1
 		for i := r - 1; i >= 0; i-- {
@@ -80,10 +112,33 @@ func newAttn(a *graph.Attrs, q, k, v, m *buf) *attn {
 	return at
 }
 
-func (at *attn) qoff(b, h, i int) int { return ((b*at.H+h)*at.T + i) * at.D }
+// newAttnQKV reads q, k, v in place from qkv [B, T, 3C] ([B, T, 3, H,
+// d]): every row 3C apart, head h d further on, k and v C and 2C after q;
+// o and g are [B, T, C].
+func newAttnQKV(a *graph.Attrs, qkv *buf) *attn {
+	h := a.Groups
+	b, t, c := qkv.shape[0], qkv.shape[1], qkv.shape[2]/3
+	st := [3]int{t * 3 * c, c / h, 3 * c}
+	return &attn{q: qkv, k: qkv, v: qkv, scale: float32(a.Scalar), causal: a.Causal,
+		B: b, H: h, Hkv: h, T: t, S: t, D: c / h, qs: st, ks: st, k0: c, v0: 2 * c, oc: c}
+}
 
+// qoff is the offset of query row i of head h in q (and of dq in its
+// gradient).
+func (at *attn) qoff(b, h, i int) int { return b*at.qs[0] + h*at.qs[1] + i*at.qs[2] }
+
+// ooff is the offset of row i of head h in o and g.
+func (at *attn) ooff(b, h, i int) int {
+	if at.oc == 0 {
+		return at.qoff(b, h, i)
+	}
+	return (b*at.T+i)*at.oc + h*at.D
+}
+
+// kvoff is the offset of key/value row j read by query head h, from k0
+// (in k) or v0 (in v).
 func (at *attn) kvoff(b, h, j int) int {
-	return ((b*at.Hkv+h/(at.H/at.Hkv))*at.S + j) * at.D
+	return b*at.ks[0] + h/(at.H/at.Hkv)*at.ks[1] + j*at.ks[2]
 }
 
 func (at *attn) forEachRow(f func(b, h, i int)) {
@@ -107,7 +162,7 @@ func (at *attn) keys(i int) int {
 // score is query i's scaled, masked score for key j (−Inf when hidden).
 func (at *attn) score(b, h, i, j int) float64 {
 	q := at.q.f[at.qoff(b, h, i):][:at.D]
-	k := at.k.f[at.kvoff(b, h, j):][:at.D]
+	k := at.k.f[at.k0+at.kvoff(b, h, j):][:at.D]
 	var dot float32
 	for c := range q {
 		dot += q[c] * k[c]
@@ -161,12 +216,21 @@ func (at *attn) online(b, h, i int, emit func(j int, w, rescale float64)) float6
 }
 
 // attentionGrad computes dq or dk|dv (the op says which) from g, q, k, v,
-// o, lse[, mask], recomputing each probability p = exp(s − lse): with D =
-// Σ g∘o per query row and dS = p·(g·v − D), dq = scale·Σ dS·k, dk =
-// scale·Σ dS·q and dv = Σ p·g. Rows with lse = −Inf contribute nothing.
+// o, lse[, mask].
 func attentionGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
-	g, q, o, lse := in[0], in[1], in[4], in[5]
-	at := newAttn(&nd.Attrs, q, in[2], in[3], optional(in, 6))
+	at := newAttn(&nd.Attrs, in[1], in[2], in[3], optional(in, 6))
+	q := nd.Op == graph.OpAttentionGradQ
+	at.gradInto(in[0], in[4], in[5], out, q, !q)
+	return nil
+}
+
+// gradInto computes dq (wantQ) and/or dk and dv (wantKV) into out,
+// recomputing each probability p = exp(s − lse): with D = Σ g∘o per query
+// row and dS = p·(g·v − D), dq = scale·Σ dS·k, dk = scale·Σ dS·q and dv =
+// Σ p·g. Rows with lse = −Inf contribute nothing. Unpacked (oc = 0), out
+// is dq [B, H, T, d] or dk|dv [B, Hkv, S, 2d]; packed, d qkv laid out as
+// qkv.
+func (at *attn) gradInto(g, o, lse, out *buf, wantQ, wantKV bool) {
 	d := at.D
 	clear(out.f)
 	at.forEachRow(func(b, h, i int) {
@@ -174,8 +238,8 @@ func attentionGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		if math.IsInf(li, -1) {
 			return
 		}
-		qo := at.qoff(b, h, i)
-		gi, oi, qi := g.f[qo:][:d], o.f[qo:][:d], q.f[qo:][:d]
+		qo, oo := at.qoff(b, h, i), at.ooff(b, h, i)
+		gi, oi, qi := g.f[oo:][:d], o.f[oo:][:d], at.q.f[qo:][:d]
 		var dd float64
 		for c := range gi {
 			dd += float64(gi[c]) * float64(oi[c])
@@ -187,26 +251,31 @@ func attentionGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
 			}
 			p := math.Exp(s - li)
 			ko := at.kvoff(b, h, j)
-			k, v := at.k.f[ko:][:d], at.v.f[ko:][:d]
+			k, v := at.k.f[at.k0+ko:][:d], at.v.f[at.v0+ko:][:d]
 			var dp float64
 			for c := range gi {
 				dp += float64(gi[c]) * float64(v[c])
 			}
 			ds := float32(p * (dp - dd) * float64(at.scale))
-			if nd.Op == graph.OpAttentionGradQ {
+			if wantQ {
 				dq := out.f[qo:][:d]
 				for c := range dq {
 					dq[c] += ds * k[c]
 				}
+			}
+			if !wantKV {
 				continue
 			}
-			dkv := out.f[2*ko:][:2*d]
+			k0, v0 := 2*ko, 2*ko+d // dk|dv
+			if at.oc != 0 {
+				k0, v0 = at.k0+ko, at.v0+ko
+			}
+			dk, dv := out.f[k0:][:d], out.f[v0:][:d]
 			pf := float32(p)
 			for c := range d {
-				dkv[c] += ds * qi[c]
-				dkv[d+c] += pf * gi[c]
+				dk[c] += ds * qi[c]
+				dv[c] += pf * gi[c]
 			}
 		}
 	})
-	return nil
 }

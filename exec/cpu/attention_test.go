@@ -8,7 +8,9 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -129,6 +131,159 @@ func TestAttentionRejects(t *testing.T) {
 			err := p(c.q).Attention(p(c.k), p(c.v), lazy.AttentionOptions{}).Err()
 			require.ErrorIs(t, err, graph.ErrShape)
 			require.Contains(t, err.Error(), c.want)
+		})
+	}
+}
+
+// TestAttentionQKVAgainstReference runs attention_qkv and d qkv (through
+// loss = Σ out·r) on the CPU, against the float64 reference (tolerance as
+// TestAttentionAgainstReference's) and against the same attention built
+// from q, k, v sliced out of qkv and permuted to [B, H, T, d], its output
+// permuted back: the same float32 sums in the same order, so within
+// 1e-6 of each output's largest magnitude.
+func TestAttentionQKVAgainstReference(t *testing.T) {
+	type tc struct {
+		B, H, T, D int
+		causal     bool
+		scale      float64
+	}
+	cases := []tc{
+		{B: 2, H: 1, T: 1, D: 8},
+		{B: 2, H: 3, T: 17, D: 8, causal: true},
+		{B: 1, H: 2, T: 64, D: 64, scale: 0.3},
+		{B: 2, H: 2, T: 200, D: 16, causal: true},
+	}
+	for n, c := range cases {
+		t.Run(fmt.Sprintf("B%d_H%d_T%d_d%d_causal%v", c.B, c.H, c.T, c.D, c.causal), func(t *testing.T) {
+			rng := newRNG(uint64(100 + n))
+			gr := lazy.NewGraph()
+			cc := c.H * c.D
+			qkv := gr.Wrap(dense([]int{c.B, c.T, 3 * cc}, uniform(rng, c.B*c.T*3*cc, -1, 1)), 0)
+			r := gr.Wrap(dense([]int{c.B, c.T, cc}, uniform(rng, c.B*c.T*cc, -1, 1)), 0)
+			o := lazy.AttentionOptions{Causal: c.causal, Scale: c.scale}
+			packed := qkv.AttentionQKV(c.H, o)
+			head := func(i int) *lazy.Tensor {
+				return qkv.Slice(2, i*cc, (i+1)*cc).Reshape(c.B, c.T, c.H, c.D).Permute(0, 2, 1, 3)
+			}
+			unpacked := head(0).Attention(head(1), head(2), o).Permute(0, 2, 1, 3).Reshape(c.B, c.T, cc)
+			dp := lazy.Grad(packed.Mul(r).Sum(), qkv)[0]
+			du := lazy.Grad(unpacked.Mul(r).Sum(), qkv)[0]
+			require.NoError(t, errors.Join(packed.Err(), unpacked.Err(), dp.Err(), du.Err()))
+			ids := []int{packed.ID(), dp.ID(), unpacked.ID(), du.ID()}
+			g := packed.Graph().IR()
+			want, err := ref.Eval(g, nil, ids[:2]...)
+			require.NoError(t, err)
+			got, err := cpu.New().Run(context.Background(), g, ids...)
+			require.NoError(t, err)
+			for i, name := range []string{"out", "dqkv"} {
+				gd, gu := got[i].Data().([]float32), got[i+2].Data().([]float32)
+				require.Len(t, gd, len(want[i].Data), name)
+				scale := 0.0
+				for _, x := range want[i].Data {
+					scale = math.Max(scale, math.Abs(x))
+				}
+				require.Positive(t, scale, name)
+				for j, w := range want[i].Data {
+					require.False(t, math.IsNaN(float64(gd[j])), "%s[%d] is NaN", name, j)
+					require.InDelta(t, w, float64(gd[j]), 1e-4*math.Abs(w)+2e-5*math.Max(scale, 1), "%s[%d]", name, j)
+					require.InDelta(t, float64(gu[j]), float64(gd[j]), 1e-6*scale, "%s[%d] packed vs unpacked", name, j)
+				}
+			}
+		})
+	}
+}
+
+// TestFuseAttentionQKV: graph.FuseAttentionQKV rewrites attention over q,
+// k, v sliced from one projection (a GPT block as PyTorch code writes it)
+// into attention_qkv, with no slice, permute or attention left, and the
+// fused graph gives the unfused one's loss and gradients (of the
+// projection's weight and of the input) on the CPU, within 1e-6 of each
+// value's largest magnitude (the same float32 sums in the same order).
+// Graphs that differ from the pattern come back unchanged (the same
+// signature): a mask, k and q swapped, and a permute other than
+// [0, 2, 1, 3].
+func TestFuseAttentionQKV(t *testing.T) {
+	const B, T, H, D = 2, 9, 3, 4
+	const C = H * D
+	type variant struct {
+		name  string
+		fused bool
+		heads func(qkv *lazy.Tensor, mask *lazy.Tensor) *lazy.Tensor
+	}
+	head := func(qkv *lazy.Tensor, i int, perm ...int) *lazy.Tensor {
+		return qkv.Slice(2, i*C, (i+1)*C).Reshape(-1, T, H, D).Permute(perm...)
+	}
+	back := func(y *lazy.Tensor) *lazy.Tensor { return y.Permute(0, 2, 1, 3).Reshape(-1, T, C) }
+	opts := lazy.AttentionOptions{Causal: true, Scale: 0.4}
+	variants := []variant{
+		{"gpt block", true, func(qkv, _ *lazy.Tensor) *lazy.Tensor {
+			return back(head(qkv, 0, 0, 2, 1, 3).Attention(head(qkv, 1, 0, 2, 1, 3), head(qkv, 2, 0, 2, 1, 3), opts))
+		}},
+		{"mask", false, func(qkv, m *lazy.Tensor) *lazy.Tensor {
+			o := opts
+			o.Mask = m
+			return back(head(qkv, 0, 0, 2, 1, 3).Attention(head(qkv, 1, 0, 2, 1, 3), head(qkv, 2, 0, 2, 1, 3), o))
+		}},
+		{"k and q swapped", false, func(qkv, _ *lazy.Tensor) *lazy.Tensor {
+			return back(head(qkv, 1, 0, 2, 1, 3).Attention(head(qkv, 0, 0, 2, 1, 3), head(qkv, 2, 0, 2, 1, 3), opts))
+		}},
+		{"other permute", false, func(qkv, _ *lazy.Tensor) *lazy.Tensor {
+			return back(head(qkv, 0, 2, 0, 1, 3).Permute(1, 0, 2, 3).Attention(head(qkv, 1, 0, 2, 1, 3), head(qkv, 2, 0, 2, 1, 3), opts))
+		}},
+	}
+	for n, v := range variants {
+		t.Run(v.name, func(t *testing.T) {
+			rng := newRNG(uint64(200 + n))
+			gr := lazy.NewGraph()
+			x := gr.Wrap(dense([]int{B, T, C}, uniform(rng, B*T*C, -1, 1)), 0)
+			w := lazy.Param(dense([]int{3 * C, C}, uniform(rng, 3*C*C, -0.5, 0.5)), "w")
+			r := gr.Wrap(dense([]int{B, T, C}, uniform(rng, B*T*C, -1, 1)), 0)
+			m := lazy.Const(dense([]int{T, T}, uniform(rng, T*T, -1, 1)))
+			loss := v.heads(x.Linear(w, nil), m).Mul(r).Sum()
+			require.NoError(t, loss.Err())
+			g := loss.Graph().IR()
+			fg, ids, err := graph.FuseAttentionQKV(g)
+			require.NoError(t, err)
+			if !v.fused {
+				require.Equal(t, g.Signature(), fg.Signature(), "unmatched graph unchanged")
+				return
+			}
+			count := map[graph.Op]int{}
+			for _, nd := range fg.Nodes() {
+				count[nd.Op]++
+			}
+			require.Equal(t, 1, count[graph.OpAttentionQKV])
+			for _, op := range []graph.Op{graph.OpAttention, graph.OpSlice, graph.OpPermute} {
+				require.Zero(t, count[op], "%s left", op)
+			}
+			values := func(g *graph.Graph, loss, w, x int) []*tensor.Dense {
+				grads, err := autodiff.Backward(g, loss, []int{w, x})
+				require.NoError(t, err)
+				out, err := cpu.New().Run(context.Background(), g, append([]int{loss}, grads...)...)
+				require.NoError(t, err)
+				return out
+			}
+			wi, xi := loss.Graph().NodeOf(w), loss.Graph().NodeOf(x)
+			want := values(g, loss.ID(), wi, xi)
+			got := values(fg, ids[loss.ID()], ids[wi], ids[xi])
+			flat := func(d *tensor.Dense) []float32 {
+				if v, ok := d.Data().(float32); ok { // the loss, a scalar
+					return []float32{v}
+				}
+				return d.Data().([]float32)
+			}
+			for i, name := range []string{"loss", "dw", "dx"} {
+				wd, gd := flat(want[i]), flat(got[i])
+				require.Len(t, gd, len(wd))
+				scale := 0.0
+				for _, x := range wd {
+					scale = math.Max(scale, math.Abs(float64(x)))
+				}
+				require.Positive(t, scale, name)
+				for j := range wd {
+					require.InDelta(t, float64(wd[j]), float64(gd[j]), 1e-6*scale, "%s[%d]", name, j)
+				}
+			}
 		})
 	}
 }

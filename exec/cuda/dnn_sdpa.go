@@ -44,15 +44,40 @@ const (
 func (p sdpaPass) String() string { return [...]string{"forward", "backward"}[p] }
 
 // sdpaKey is everything an SDPA plan depends on. The layouts are fixed by
-// the shapes: q, k, v, o, dO and dq contiguous, lse [B, H, T], dk and dv
-// the halves of one [B, Hkv, S, 2d] array.
+// the shapes and packed (sdpaKey.strides): unpacked, q, k, v, o, dO and dq
+// contiguous, dk and dv the halves of one [B, Hkv, S, 2d] array; packed
+// (attention_qkv), q, k and v read in place from qkv [B, T, 3, H, d], dq,
+// dk and dv written likewise into d qkv, o and dO [B, T, H, d]. lse is
+// [B, H, T] either way.
 type sdpaKey struct {
 	pass               sdpaPass
 	dt                 graph.DType
 	b, h, hkv, t, s, d int64
 	causal             bool
 	scale              float32
+	packed             bool
 }
+
+// sdpaStrides are a plan's tensors' strides over [b, h, row, d]: q, k, v,
+// o (and dO), dq, dk, dv.
+type sdpaStrides struct{ q, k, v, o, dq, dk, dv []int64 }
+
+// strides lays out key's tensors (see sdpaKey). Packed needs t = s.
+func (key sdpaKey) strides() sdpaStrides {
+	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
+	if key.packed {
+		p := 3 * h * d // row pitch of qkv and d qkv
+		qkv := []int64{t * p, d, p, 1}
+		o := []int64{t * h * d, d, h * d, 1}
+		return sdpaStrides{q: qkv, k: qkv, v: qkv, o: o, dq: qkv, dk: qkv, dv: qkv}
+	}
+	q, kv := contiguous(b, h, t, d), contiguous(b, h, s, d)
+	dkv := []int64{h * s * 2 * d, s * 2 * d, 2 * d, 1}
+	return sdpaStrides{q: q, k: kv, v: kv, o: q, dq: q, dk: dkv, dv: dkv}
+}
+
+// transposed is strides st of [b, h, r, c] read as [b, h, c, r].
+func transposed(st []int64) []int64 { return []int64{st[0], st[1], st[3], st[2]} }
 
 // sdpaPlan is a finalized execution plan with the descriptors it was built
 // from; ok is false when cuDNN gave none (why says why), and the kernels
@@ -385,9 +410,10 @@ func scalarTensor(bg *bgraph, uid int64) btensor {
 // [causal]) · v and Stats = max + log Σ exp(scores − max).
 func sdpaForwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
-	q := bg.tensor(sdpaQ, dt, []int64{b, h, t, d}, contiguous(b, h, t, d), false, false)
-	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, []int64{h * s * d, s * d, 1, d}, false, false)
-	v := bg.tensor(sdpaV, dt, []int64{b, h, s, d}, contiguous(b, h, s, d), false, false)
+	ls := key.strides()
+	q := bg.tensor(sdpaQ, dt, []int64{b, h, t, d}, ls.q, false, false)
+	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, transposed(ls.k), false, false)
+	v := bg.tensor(sdpaV, dt, []int64{b, h, s, d}, ls.v, false, false)
 	x := sdpaScores(bg, key, q, kt, scalarTensor(bg, sdpaScale))
 	if key.causal {
 		x = sdpaCausal(bg, key, x, scalarTensor(bg, sdpaNegInf))
@@ -410,22 +436,23 @@ func sdpaForwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	// p·v takes p in the inputs' dtype.
 	p := bg.virt(dt, st, ss)
 	bg.pointwise(cudnnPointwiseDiv, cudnnDataFloat, -1, p, e, sum)
-	o := bg.tensor(sdpaO, dt, []int64{b, h, t, d}, contiguous(b, h, t, d), false, false)
+	o := bg.tensor(sdpaO, dt, []int64{b, h, t, d}, ls.o, false, false)
 	bg.matmul(p, v, o)
 }
 
 // sdpaBackwardGraph is the backward pass: with p = exp(scores − Stats),
 // dv = pᵀ·dO, ds = scale·p∘(dO·vᵀ − Σ dO∘o), dk = dsᵀ·q and dq = ds·k (summed
 // in float32 in the dQ accumulator, then cast). dk and dv are the halves
-// of one [b, h, s, 2d] array.
+// of one [b, h, s, 2d] array, or (packed) thirds of d qkv with dq.
 func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
 	qd, qs := []int64{b, h, t, d}, contiguous(b, h, t, d)
-	q := bg.tensor(sdpaQ, dt, qd, qs, false, false)
-	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, []int64{h * s * d, s * d, 1, d}, false, false)
-	vt := bg.tensor(sdpaV, dt, []int64{b, h, d, s}, []int64{h * s * d, s * d, 1, d}, false, false)
-	o := bg.tensor(sdpaO, dt, qd, qs, false, false)
-	dO := bg.tensor(sdpaDO, dt, qd, qs, false, false)
+	ls := key.strides()
+	q := bg.tensor(sdpaQ, dt, qd, ls.q, false, false)
+	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, transposed(ls.k), false, false)
+	vt := bg.tensor(sdpaV, dt, []int64{b, h, d, s}, transposed(ls.v), false, false)
+	o := bg.tensor(sdpaO, dt, qd, ls.o, false, false)
+	dO := bg.tensor(sdpaDO, dt, qd, ls.o, false, false)
 	rt, rs := []int64{b, h, t, 1}, []int64{h * t, t, 1, 1}
 	stats := bg.tensor(sdpaStats, cudnnDataFloat, rt, rs, false, false)
 	scale, one := scalarTensor(bg, sdpaScale), scalarTensor(bg, sdpaOne)
@@ -452,8 +479,8 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	tt, ts := []int64{b, h, s, t}, []int64{h * t * s, t * s, 1, s}
 	pt := bg.virt(dt, tt, ts)
 	bg.reshape(p, pt)
-	kvd, kvs := []int64{b, h, s, d}, []int64{h * s * 2 * d, s * 2 * d, 2 * d, 1}
-	dv := bg.tensor(sdpaDV, dt, kvd, kvs, false, false)
+	kvd := []int64{b, h, s, d}
+	dv := bg.tensor(sdpaDV, dt, kvd, ls.dv, false, false)
 	bg.matmul(pt, dO, dv)
 
 	// ds = scale·p∘(dO·vᵀ − softmax_sum).
@@ -469,7 +496,7 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	// dk = dsᵀ·q.
 	dst := bg.virt(dt, tt, ts)
 	bg.reshape(ds, dst)
-	dk := bg.tensor(sdpaDK, dt, kvd, kvs, false, false)
+	dk := bg.tensor(sdpaDK, dt, kvd, ls.dk, false, false)
 	bg.matmul(dst, q, dk)
 
 	// dq = ds·k, summed in the float32 accumulator; k seen untransposed (a
@@ -478,7 +505,7 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	bg.reshape(kt, k)
 	acc := bg.tensor(sdpaDQAccum, cudnnDataFloat, qd, qs, false, false)
 	bg.matmul(ds, k, acc)
-	dq := bg.tensor(sdpaDQ, dt, qd, qs, false, false)
+	dq := bg.tensor(sdpaDQ, dt, qd, ls.dq, false, false)
 	bg.pointwise(cudnnPointwiseIdentity, cudnnDataFloat, -1, dq, acc)
 }
 
@@ -527,7 +554,7 @@ func (p *sdpaPlan) destroy() error {
 // and then its plan and the workspace at ws (wsBytes long, as the node
 // declared it) split for it. A call it does not take is counted with its
 // reason. It runs on the device thread.
-func (n *DNN) sdpaPrepare(pass sdpaPass, dt graph.DType, sh attnShape, masked bool, ws alloc.Ptr, wsBytes int64, ptrs ...alloc.Ptr) (*sdpaPlan, sdpaLayout, bool, error) {
+func (n *DNN) sdpaPrepare(pass sdpaPass, dt graph.DType, sh attnShape, masked, packed bool, ws alloc.Ptr, wsBytes int64, ptrs ...alloc.Ptr) (*sdpaPlan, sdpaLayout, bool, error) {
 	if n == nil || n.noSDPA {
 		return nil, sdpaLayout{}, false, nil
 	}
@@ -557,7 +584,7 @@ func (n *DNN) sdpaPrepare(pass sdpaPass, dt graph.DType, sh attnShape, masked bo
 		n.fallback("empty")
 		return nil, sdpaLayout{}, false, nil
 	}
-	key := sdpaKey{pass: pass, dt: dt, b: b, h: h, hkv: int64(sh.hkv), t: t, s: s, d: d, causal: sh.causal, scale: sh.scale}
+	key := sdpaKey{pass: pass, dt: dt, b: b, h: h, hkv: int64(sh.hkv), t: t, s: s, d: d, causal: sh.causal, scale: sh.scale, packed: packed}
 	p, err := n.sdpaPlanFor(key)
 	if err != nil {
 		return nil, sdpaLayout{}, false, err
@@ -597,13 +624,14 @@ func (k *kctx) dnnAttnFwd(dt graph.DType, sh attnShape, q, kk, v operand, masked
 		pl = lse.p
 	}
 	ws, n := k.nodeWorkspace()
-	return k.dnn.sdpaForward(dt, sh, masked, q.p, kk.p, v.p, o.p, pl, ws, n)
+	return k.dnn.sdpaForward(dt, sh, masked, false, q.p, kk.p, v.p, o.p, pl, ws, n)
 }
 
 // sdpaForward is dnnAttnFwd on addresses: lse 0 puts the log-sum-exp in
-// the workspace.
-func (n *DNN) sdpaForward(dt graph.DType, sh attnShape, masked bool, q, k, v, o, lse, ws alloc.Ptr, wsBytes int64) (bool, error) {
-	p, l, ok, err := n.sdpaPrepare(sdpaForward, dt, sh, masked, ws, wsBytes, q, k, v, o, lse)
+// the workspace. packed reads q, k, v at their addresses with qkv's
+// strides and writes o [B, T, H, d] (sdpaKey.strides).
+func (n *DNN) sdpaForward(dt graph.DType, sh attnShape, masked, packed bool, q, k, v, o, lse, ws alloc.Ptr, wsBytes int64) (bool, error) {
+	p, l, ok, err := n.sdpaPrepare(sdpaForward, dt, sh, masked, packed, ws, wsBytes, q, k, v, o, lse)
 	if !ok || err != nil {
 		return false, err
 	}
@@ -623,13 +651,14 @@ func (n *DNN) sdpaForward(dt graph.DType, sh attnShape, masked bool, q, k, v, o,
 // into dq, dk and dv into the halves of dkv.
 func (k *kctx) dnnAttnBwd(dt graph.DType, sh attnShape, g, q, kk, v, o, lse, dq, dkv operand, masked bool) (bool, error) {
 	ws, n := k.nodeWorkspace()
-	return k.dnn.sdpaBackward(dt, sh, masked, g.p, q.p, kk.p, v.p, o.p, lse.p, dq.p, dkv.p, ws, n)
+	dv := dkv.p + alloc.Ptr(sh.d*dt.Size())
+	return k.dnn.sdpaBackward(dt, sh, masked, false, g.p, q.p, kk.p, v.p, o.p, lse.p, dq.p, dkv.p, dv, ws, n)
 }
 
-// sdpaBackward is dnnAttnBwd on addresses.
-func (n *DNN) sdpaBackward(dt graph.DType, sh attnShape, masked bool, g, q, k, v, o, lse, dq, dkv, ws alloc.Ptr, wsBytes int64) (bool, error) {
-	dv := dkv + alloc.Ptr(sh.d*dt.Size())
-	p, l, ok, err := n.sdpaPrepare(sdpaBackward, dt, sh, masked, ws, wsBytes, g, q, k, v, o, lse, dq, dkv, dv)
+// sdpaBackward is dnnAttnBwd on addresses: dk and dv where they start
+// (unpacked, the halves of dk|dv; packed, the thirds of d qkv with dq).
+func (n *DNN) sdpaBackward(dt graph.DType, sh attnShape, masked, packed bool, g, q, k, v, o, lse, dq, dk, dv, ws alloc.Ptr, wsBytes int64) (bool, error) {
+	p, l, ok, err := n.sdpaPrepare(sdpaBackward, dt, sh, masked, packed, ws, wsBytes, g, q, k, v, o, lse, dq, dk, dv)
 	if !ok || err != nil {
 		return false, err
 	}
@@ -642,7 +671,7 @@ func (n *DNN) sdpaBackward(dt graph.DType, sh attnShape, masked bool, g, q, k, v
 	}
 	uids := []int64{sdpaQ, sdpaK, sdpaV, sdpaO, sdpaDO, sdpaStats, sdpaDQ, sdpaDK, sdpaDV, sdpaDQAccum, sdpaSoftmaxSum}
 	ptrs := []uintptr{uintptr(q), uintptr(k), uintptr(v), uintptr(o), uintptr(g), uintptr(lse),
-		uintptr(dq), uintptr(dkv), uintptr(dv), uintptr(l.dqAcc), uintptr(l.sum)}
+		uintptr(dq), uintptr(dk), uintptr(dv), uintptr(l.dqAcc), uintptr(l.sum)}
 	if err := n.sdpaExecute(p, uids, ptrs, l.plan); err != nil {
 		return true, fmt.Errorf("cuDNN attention backward (engine %d): %w", p.engine, err)
 	}

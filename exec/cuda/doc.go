@@ -39,7 +39,8 @@
 // the launch context (kctx: device, kernels, cuBLAS, the node, its chunk
 // and workspace, and nothing else of the executor) with the launch
 // primitives; elementwise.go, matmul.go, reduce.go, norm.go, movement.go,
-// conv.go, attention.go and loss.go each hold their ops' entries of the kernel table
+// conv.go, attention.go, attention_qkv.go (attention reading q, k, v in
+// place from a packed projection) and loss.go each hold their ops' entries of the kernel table
 // (table.go), their launches and their workspace rules; optimizer.go holds
 // the SGD and Adam launches (multi-tensor kernels: one launch per 64
 // parameters) and loss scaling's unscale.

@@ -116,7 +116,7 @@ func SDPAWorkspaceBytes(backward bool, s SDPAShape) int64 {
 // at ws (lse 0: Stats in the workspace); false when cuDNN did not take it.
 func (n *DNN) SDPAForward(s SDPAShape, q, k, v, o, lse, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
 	err = n.d.do(func() error {
-		done, err = n.sdpaForward(s.DT, s.geom(), false, q, k, v, o, lse, ws, wsBytes)
+		done, err = n.sdpaForward(s.DT, s.geom(), false, false, q, k, v, o, lse, ws, wsBytes)
 		return err
 	})
 	return done, err
@@ -125,7 +125,7 @@ func (n *DNN) SDPAForward(s SDPAShape, q, k, v, o, lse, ws alloc.Ptr, wsBytes in
 // SDPABackward runs s's backward pass on cuDNN: dq, and dk|dv packed.
 func (n *DNN) SDPABackward(s SDPAShape, g, q, k, v, o, lse, dq, dkv, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
 	err = n.d.do(func() error {
-		done, err = n.sdpaBackward(s.DT, s.geom(), false, g, q, k, v, o, lse, dq, dkv, ws, wsBytes)
+		done, err = n.sdpaBackward(s.DT, s.geom(), false, false, g, q, k, v, o, lse, dq, dkv, dkv+alloc.Ptr(s.D*s.DT.Size()), ws, wsBytes)
 		return err
 	})
 	return done, err

@@ -67,11 +67,16 @@ func sdpaCases() []sdpaCase {
 // |cuda − ref| ≤ rtol·|ref| + atol·max|ref| + abs, lse with lseTol.
 func compareAttn(t *testing.T, name string, want []ref.Value, got [][]float32, tol, lseTol attnTol) {
 	t.Helper()
-	for i, what := range []string{"o", "lse", "dq", "dkv"} {
-		tl := tol
-		if i == 1 {
-			tl = lseTol
-		}
+	compareOutputs(t, name, []string{"o", "lse", "dq", "dkv"}, want, got, []attnTol{tol, lseTol, tol, tol})
+}
+
+// compareOutputs holds cuda's outputs (named what) to the float64
+// reference: |cuda − ref| ≤ rtol·|ref| + atol·max|ref| + abs, each output
+// with its tolerance of tols.
+func compareOutputs(t *testing.T, name string, what []string, want []ref.Value, got [][]float32, tols []attnTol) {
+	t.Helper()
+	for i, what := range what {
+		tl := tols[i]
 		w, gd := want[i].Data, got[i]
 		require.Len(t, gd, len(w), what)
 		m := 0.0

@@ -162,3 +162,77 @@ func (at *attn) rows(f func(b, h, i int, p []float64, lse float64)) {
 		}
 	}
 }
+
+// Packed attention (attention_qkv): the unpacked kernels above on q, k, v
+// gathered from qkv [B, T, 3C] into [B, H, T, d], the results scattered
+// back; the reference spends the copies the executors avoid.
+var attentionQKVKernels = family{
+	graph.OpAttentionQKV: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		s, q, k, v := unpackQKV(in[0], a.Groups)
+		o := Zeros(s.B, s.H, s.T, s.D)
+		if err := attentionKernels[graph.OpAttention](nil, a, []Value{q, k, v}, o); err != nil {
+			return err
+		}
+		headsMove(out.Data, o.Data, s, s.C(), 0, false)
+		return nil
+	},
+	graph.OpAttentionQKVLSE: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		_, q, k, _ := unpackQKV(in[0], a.Groups)
+		return attentionKernels[graph.OpAttentionLSE](nil, a, []Value{q, k}, out)
+	},
+	graph.OpAttentionQKVGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		s, q, k, v := unpackQKV(in[1], a.Groups)
+		g, o := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, s.D)
+		headsMove(g.Data, in[0].Data, s, s.C(), 0, true)
+		headsMove(o.Data, in[2].Data, s, s.C(), 0, true)
+		args := []Value{g, q, k, v, o, in[3]}
+		dq, dkv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, 2*s.D)
+		if err := attentionGrad(&graph.Node{Op: graph.OpAttentionGradQ}, a, args, dq); err != nil {
+			return err
+		}
+		if err := attentionGrad(&graph.Node{Op: graph.OpAttentionGradKV}, a, args, dkv); err != nil {
+			return err
+		}
+		c := s.C()
+		headsMove(out.Data, dq.Data, s, 3*c, 0, false)
+		// dk|dv is [B, H, T, 2d]: read it as two [B, H, T, d] halves.
+		dk, dv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, s.D)
+		for r := range s.B * s.H * s.T {
+			copy(dk.Data[r*s.D:][:s.D], dkv.Data[r*2*s.D:])
+			copy(dv.Data[r*s.D:][:s.D], dkv.Data[r*2*s.D+s.D:])
+		}
+		headsMove(out.Data, dk.Data, s, 3*c, c, false)
+		headsMove(out.Data, dv.Data, s, 3*c, 2*c, false)
+		return nil
+	},
+}
+
+// unpackQKV gathers q, k and v [B, H, T, d] from qkv [B, T, 3C].
+func unpackQKV(qkv Value, heads int) (s graph.QKVShape, q, k, v Value) {
+	s = graph.QKVShape{B: qkv.Shape[0], H: heads, T: qkv.Shape[1], D: qkv.Shape[2] / (3 * heads)}
+	var qkvs [3]Value
+	for i := range qkvs {
+		qkvs[i] = Zeros(s.B, s.H, s.T, s.D)
+		headsMove(qkvs[i].Data, qkv.Data, s, 3*s.C(), i*s.C(), true)
+	}
+	return s, qkvs[0], qkvs[1], qkvs[2]
+}
+
+// headsMove moves between heads [B, H, T, d] (contiguous) and rows [B, T,
+// ·] of pitch elements whose columns off to off + C hold [H, d]: into the
+// heads when toHeads, else into the rows.
+func headsMove(dst, src []float64, s graph.QKVShape, pitch, off int, toHeads bool) {
+	for b := range s.B {
+		for h := range s.H {
+			for t := range s.T {
+				hi := ((b*s.H+h)*s.T + t) * s.D
+				ri := (b*s.T+t)*pitch + off + h*s.D
+				if toHeads {
+					copy(dst[hi:hi+s.D], src[ri:ri+s.D])
+				} else {
+					copy(dst[ri:ri+s.D], src[hi:hi+s.D])
+				}
+			}
+		}
+	}
+}

@@ -216,6 +216,14 @@ var Cases = []Case{
 		q := p[0].Slice(1, 0, 2)
 		return q.Attention(p[0].Slice(1, 2, 4), p[0].Slice(1, 4, 6), lazy.AttentionOptions{Scale: 0.7, Mask: m}).Mul(p[1])
 	}},
+	// Packed attention: qkv [2, 5, 3·2·4] (2 heads of 4), causal and
+	// not, default scale and a given one.
+	{Name: "attention_qkv_causal", Shapes: [][]int{{2, 5, 24}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].AttentionQKV(2, lazy.AttentionOptions{Causal: true})
+	}},
+	{Name: "attention_qkv", Shapes: [][]int{{2, 3, 12}, {3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].AttentionQKV(1, lazy.AttentionOptions{Scale: 0.7}).Mul(p[1])
+	}},
 	{Name: "dropout", Shapes: [][]int{{4, 3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Dropout(0.4, 7, 3).Tanh().Dropout(0.25, 7, 4)
 	}},

@@ -87,9 +87,21 @@ func FusedGPTModel(vocab int, dropout bool) TrainModel {
 // logits (precision's fused loss, cross_entropy with Attrs.End).
 func PaddedHeadGPTModel() TrainModel { return gptModel("gpt-padded-head", 1030, false, true) }
 
+// HeadDim64GPTModel is FusedGPTModel without dropout at width 128 over 2
+// heads: head dim 64, which cuDNN's fused attention takes in 16 bits, so
+// attention_qkv runs there (strided, in place) rather than on copies.
+func HeadDim64GPTModel() TrainModel {
+	return gptModelOf("gpt-fused-d64", models.GPTConfig{Vocab: 64, Context: 16, Layers: 2, Heads: 2, Dim: 128}, false)
+}
+
 func gptModel(name string, vocab int, dropout, fused bool) TrainModel {
-	const seq = 16
-	m := models.NewGPT(nn.Seed(22), models.GPTConfig{Vocab: vocab, Context: seq, Layers: 2, Heads: 2, Dim: 16, WrittenOutAttention: !fused})
+	return gptModelOf(name, models.GPTConfig{Vocab: vocab, Context: 16, Layers: 2, Heads: 2, Dim: 16, WrittenOutAttention: !fused}, dropout)
+}
+
+// gptModelOf is a GPT of cfg over sequences of cfg.Context tokens.
+func gptModelOf(name string, cfg models.GPTConfig, dropout bool) TrainModel {
+	seq, vocab := cfg.Context, cfg.Vocab
+	m := models.NewGPT(nn.Seed(22), cfg)
 	var step uint64
 	return TrainModel{name, func(rng *rand.Rand, n int) (*lazy.Tensor, []*lazy.Tensor) {
 		tokens := lazy.Wrap(Classes(rng, vocab, n, seq), 0)
