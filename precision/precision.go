@@ -214,6 +214,9 @@ var alignLinears = true
 // fusePaddedLoss turns fusedLoss's rewrite on; tests turn it off to compare.
 var fusePaddedLoss = true
 
+// foldCasts turns foldWideningCasts on; tests turn it off to compare.
+var foldCasts = true
+
 // consumers lists, for each node of g, the ids of the nodes that read it,
 // once per input that names it.
 func consumers(g *graph.Graph) [][]int {
@@ -437,6 +440,11 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	}
 	if s.Grads, err = autodiff.Backward(ng, s.Scaled, s.Params); err != nil {
 		return nil, err
+	}
+	if p.Mixed() && foldCasts {
+		if err := s.foldWideningCasts(); err != nil {
+			return nil, err
+		}
 	}
 	return s, nil
 }
