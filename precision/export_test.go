@@ -29,3 +29,12 @@ func SetFoldCasts(on bool) bool {
 	foldCasts = on
 	return prev
 }
+
+// SetFoldNorms turns the 16-bit layer norms that GEMMs read (halfNorm) on
+// or off, for tests that compare the two graphs; it returns the previous
+// setting.
+func SetFoldNorms(on bool) bool {
+	prev := foldNorms
+	foldNorms = on
+	return prev
+}

@@ -161,3 +161,117 @@ func TestMatmulTarget(t *testing.T) {
 	_, err = g.Append(graph.Node{Op: graph.OpMatMul, Inputs: []int{a, b}, Attrs: graph.Attrs{Target: graph.Type{DType: graph.Float16}}})
 	require.ErrorIs(t, err, graph.ErrDType)
 }
+
+// withNorms builds a step under p with the 16-bit layer norms (halfNorm)
+// on or off, widening casts folded into matmuls either way.
+func withNorms(t *testing.T, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
+	t.Helper()
+	prev := precision.SetFoldNorms(on)
+	defer precision.SetFoldNorms(prev)
+	st, err := precision.Train(fwd, p, loss, wrt)
+	require.NoError(t, err)
+	return st
+}
+
+// liveReaders lists, for each node of st's graph, the nodes that read it
+// among those the loss and gradients depend on.
+func liveReaders(st *precision.Step) [][]int {
+	g := st.Graph
+	live := make([]bool, g.Len())
+	for _, o := range append([]int{st.Loss}, st.Grads...) {
+		live[o] = true
+	}
+	users := make([][]int, g.Len())
+	for i := g.Len() - 1; i >= 0; i-- {
+		if live[i] {
+			for _, in := range g.Node(i).Inputs {
+				live[in] = true
+				users[in] = append(users[in], i)
+			}
+		}
+	}
+	return users
+}
+
+// A small GPT's layer norms all feed linears: under both mixed policies
+// each gets a 16-bit counterpart that the linears read, no cast of a
+// layer norm runs, and the float32 layer norms stay in the graph (Apply's
+// ids name them) read by nothing the step runs.
+func TestHalfNormRewrite(t *testing.T) {
+	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
+		t.Run(string(p), func(t *testing.T) {
+			m := gptVocab(t, 1030)
+			wrt, err := lazy.ParamIDs(m.loss, m.params...)
+			require.NoError(t, err)
+			fwd := m.loss.Graph().IR()
+			st := withNorms(t, true, p, fwd, m.loss.ID(), wrt)
+			users := liveReaders(st)
+			g := st.Graph
+			half, wide := 0, 0
+			for _, nd := range g.Nodes() {
+				if nd.Op != graph.OpLayerNorm {
+					continue
+				}
+				if nd.Type.DType == graph.Float32 {
+					wide++
+					assert.Empty(t, users[nd.ID], "float32 layer norm %d", nd.ID)
+					continue
+				}
+				half++
+				assert.Equal(t, p.Half(), nd.Type.DType)
+				assert.Equal(t, graph.Float32, g.Node(nd.Inputs[0]).Type.DType)
+				require.NotEmpty(t, users[nd.ID])
+				for _, u := range users[nd.ID] {
+					op := g.Node(u).Op
+					assert.True(t, op == graph.OpLinear || op == graph.OpReshape && g.Node(users[u][0]).Op == graph.OpMatMul,
+						"layer norm %d read by %s", nd.ID, op) // the linear, or its weight gradient's reshape
+				}
+			}
+			assert.Equal(t, 3, half, "ln_1, ln_2, ln_f")
+			assert.Equal(t, half, wide)
+			for _, nd := range g.Nodes() {
+				if nd.Op == graph.OpCast && len(users[nd.ID]) > 0 {
+					assert.NotEqual(t, graph.OpLayerNorm, g.Node(nd.Inputs[0]).Op, "cast %d", nd.ID)
+				}
+			}
+		})
+	}
+}
+
+// The 16-bit layer norm rounds once where the cast did, and its gradient
+// reaches the layer norm's backward in float32 as the cast's did: the
+// step's loss and gradients on the CPU are bit for bit those without it.
+func TestHalfNormValues(t *testing.T) {
+	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
+		t.Run(string(p), func(t *testing.T) {
+			m := gptVocab(t, 1030)
+			wrt, err := lazy.ParamIDs(m.loss, m.params...)
+			require.NoError(t, err)
+			fwd := m.loss.Graph().IR()
+			got := stepValues(t, withNorms(t, true, p, fwd, m.loss.ID(), wrt))
+			want := stepValues(t, withNorms(t, false, p, fwd, m.loss.ID(), wrt))
+			require.Len(t, got, len(want))
+			for i := range want {
+				require.Equal(t, want[i], got[i], "output %d", i)
+			}
+		})
+	}
+}
+
+// A layer norm that anything but a GEMM-class op reads (here a residual
+// add) stays float32 and is cast for its linear, as before.
+func TestHalfNormLeavesOtherGraphs(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	x := lazy.Wrap(testutil.UniformF32(rng, 4, 8), 0)
+	w := lazy.Param(testutil.UniformF32(rng, 8, 8), "w")
+	lw, lb := lazy.Param(testutil.UniformF32(rng, 8), "lw"), lazy.Param(testutil.UniformF32(rng, 8), "lb")
+	h := x.LayerNorm(lw, lb, 1, 1e-5)
+	loss := h.Linear(w, nil).Add(h).Mean()
+	require.NoError(t, loss.Err())
+	wrt, err := lazy.ParamIDs(loss, w, lw, lb)
+	require.NoError(t, err)
+	fwd := loss.Graph().IR()
+	on, off := withNorms(t, true, precision.BF16Mixed, fwd, loss.ID(), wrt), withNorms(t, false, precision.BF16Mixed, fwd, loss.ID(), wrt)
+	require.Equal(t, off.Graph.Signature(), on.Graph.Signature())
+	assert.Equal(t, 1, countOps(on.Graph, graph.OpLayerNorm))
+}

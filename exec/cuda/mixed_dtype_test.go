@@ -2,6 +2,7 @@ package cuda_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"testing"
 
@@ -72,5 +73,63 @@ func TestMatmulHalfToFloat32(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A layer norm of float32 x, weight and bias with a 16-bit output
+// (Attrs.Target, the precision pass's layer norms that only GEMMs read)
+// stores bit for bit the cast of the float32 layer norm's result, on both
+// row paths (a row held in registers, d = 96, and one read twice, d =
+// 9000), and matches the CPU's within one 16-bit rounding
+// (conformance.BFloat16Tol, Float16Tol).
+func TestLayerNormFloat32ToHalf(t *testing.T) {
+	e := executor(t)
+	gpu := runOn(e)
+	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
+		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
+	})
+	rng := newRand(29)
+	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
+		tol := conformance.BFloat16Tol
+		if dt == graph.Float16 {
+			tol = conformance.Float16Tol
+		}
+		for _, d := range []int{96, 9000} {
+			t.Run(fmt.Sprintf("%s/d=%d", dt, d), func(t *testing.T) {
+				h := &halfGraph{t: t, g: graph.New(), dt: graph.Float32}
+				x, w, b := h.input(3, 5, d), h.param(d), h.param(d)
+				ln := graph.Attrs{NormDims: 1, Eps: 1e-5}
+				wide := h.op(graph.OpLayerNorm, ln, x, w, b)
+				cast := h.op(graph.OpCast, graph.Attrs{Target: graph.Type{DType: dt}}, wide)
+				ln.Target = graph.Type{DType: dt}
+				direct := h.op(graph.OpLayerNorm, ln, x, w, b)
+				plain := h.op(graph.OpLayerNorm, graph.Attrs{NormDims: 1, Eps: 1e-5}, x) // no weight or bias
+				bare := h.op(graph.OpLayerNorm, ln, x)
+				require.Equal(t, dt, h.g.Node(direct).Type.DType)
+				plainCast := h.op(graph.OpCast, graph.Attrs{Target: graph.Type{DType: dt}}, plain)
+				outs := []int{cast, direct, plainCast, bare}
+				feeds := map[int]ref.Value{}
+				for _, nd := range h.g.Nodes() {
+					if nd.Op == graph.OpInput || nd.Op == graph.OpParam {
+						v := ref.Zeros(nd.Type.Shape...)
+						for i := range v.Data {
+							v.Data[i] = 3*rng.Float64() - 1
+						}
+						feeds[nd.ID] = v
+					}
+				}
+				got, err := gpu(h.g, feeds, outs...)
+				require.NoError(t, err)
+				want, err := cpuRun(h.g, feeds, outs...)
+				require.NoError(t, err)
+				require.Equal(t, got[0].Data, got[1].Data, "the direct 16-bit layer norm against the cast")
+				require.Equal(t, got[2].Data, got[3].Data, "without weight and bias")
+				for k := range outs {
+					for i, v := range want[k].Data {
+						require.InDelta(t, v, got[k].Data[i], tol.ATol+tol.RTol*math.Abs(v), "output %d element %d", k, i)
+					}
+				}
+			})
+		}
 	}
 }
