@@ -6,13 +6,18 @@ import (
 )
 
 const (
-	OpMatMul Op = endBinaryOps + iota // 2-D or batched, broadcasting batch dims; TransA/TransB transpose the last two axes
-	OpLinear                          // x·Wᵀ (+ b): inputs x, W[, b]
+	// OpMatMul is a 2-D or batched product, broadcasting batch dims;
+	// TransA/TransB transpose the last two axes. Attrs.Target.DType, when
+	// set, is the output's dtype: float32 from 16-bit operands (accumulated
+	// in float32 and rounded once, to float32) instead of a 16-bit result
+	// that a cast would widen again (package precision folds such casts).
+	OpMatMul Op = endBinaryOps + iota
+	OpLinear    // x·Wᵀ (+ b): inputs x, W[, b]
 	endContractionOps
 )
 
 var contractionOps = []OpInfo{
-	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2, Attrs: []string{"trans_a", "trans_b"},
+	OpMatMul: {Name: "matmul", Category: CatContraction, MinArity: 2, Arity: 2, Attrs: []string{"trans_a", "trans_b", "target"},
 		Rule: matmulRule, Saves: SavesInput(0, 1), VJP: matmulVJP,
 		Chunk: &Chunk{PerSample: matmulPerSample, Linear: Multiplies,
 			// Reached only when the output has no batch axis, so a batched
@@ -38,7 +43,22 @@ func matmulRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
 	if attrs.TransB {
 		b = transposeLast2(b)
 	}
-	return matmul(a, b)
+	t, err := matmul(a, b)
+	if err != nil {
+		return Type{}, err
+	}
+	// Only the target's dtype is read; the rule clears the rest so that
+	// graph signatures stay canonical.
+	switch to := attrs.Target.DType; {
+	case to == InvalidDType || to == t.DType:
+		attrs.Target = Type{}
+	case to == Float32:
+		attrs.Target = Type{DType: to}
+		t.DType = to
+	default:
+		return Type{}, Errorf(ErrDType, "matmul of %s operands to %s: the output dtype is the operands' or float32", t.DType, to)
+	}
+	return t, nil
 }
 
 func matmul(a, b Type) (Type, error) {
@@ -141,8 +161,14 @@ func matmulPerSample(n *Node, in []Type) string {
 // matmulVJP: y = op(a)·op(b) with op a transpose when the flag is set.
 // d op(a) = g·op(b)ᵀ and d op(b) = op(a)ᵀ·g, re-expressed with transpose
 // flags so no transposed copy is made.
+//
+// A matmul with a float32 output from 16-bit operands takes its gradient
+// in the operands' dtype, as the cast it replaces would have.
 func matmulVJP(b VJPBuilder, n *Node, g int) {
 	x0, x1 := n.Inputs[0], n.Inputs[1]
+	if dt := b.Type(x0).DType; b.Type(g).DType != dt {
+		g = b.Emit(OpCast, Attrs{Target: Type{DType: dt}}, g)
+	}
 	ta, tb := n.Attrs.TransA, n.Attrs.TransB
 	mm := func(p, q int, tp, tq bool) int {
 		return b.Emit(OpMatMul, Attrs{TransA: tp, TransB: tq}, p, q)

@@ -9,7 +9,12 @@ import (
 const (
 	OpSoftmax    Op = endReduceOps + iota // Attrs.Axis
 	OpLogSoftmax                          // Attrs.Axis
-	OpLayerNorm                           // inputs x[, weight[, bias]]; Attrs.NormDims trailing dims, Attrs.Eps
+	// OpLayerNorm takes x[, weight[, bias]] and normalises Attrs.NormDims
+	// trailing dims with Attrs.Eps. Attrs.Target.DType, when set, is the
+	// output's dtype: a 16-bit one from float32 inputs, computed in float
+	// and rounded once (as a cast of the float32 result rounds), for a
+	// result only 16-bit GEMMs read (package precision).
+	OpLayerNorm
 	// OpBatchNorm normalises x [N, C, ...] per channel (axis 1), as
 	// PyTorch's batch_norm. With Attrs.Training it uses the batch's mean and
 	// biased variance over every axis but 1 and takes x[, weight[, bias]];
@@ -52,7 +57,7 @@ var normalizeOps = []OpInfo{
 		VJP: func(b VJPBuilder, n *Node, g int) {
 			b.Accumulate(n.Inputs[0], b.Emit(OpLogSoftmaxGrad, Attrs{Axis: n.Attrs.Axis}, g, n.ID))
 		}},
-	OpLayerNorm: {Name: "layer_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 3, Attrs: []string{"normdims", "eps"},
+	OpLayerNorm: {Name: "layer_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 3, Attrs: []string{"normdims", "eps", "target"},
 		Rule: layerNormRule, Saves: SavesInput(0, 1), VJP: layerNormVJP,
 		Chunk: &Chunk{Weights: true, PerSample: func(n *Node, _ []Type) string {
 			if n.Type.BatchAxis >= len(n.Type.Shape)-n.Attrs.NormDims {
@@ -98,7 +103,24 @@ func notAlongBatch(n *Node, _ []Type) string {
 	return ""
 }
 
-func layerNormRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) { return layerNorm(attrs, in) }
+func layerNormRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	t, err := layerNorm(attrs, in)
+	if err != nil {
+		return Type{}, err
+	}
+	// Only the target's dtype is read; the rule clears the rest so that
+	// graph signatures stay canonical.
+	switch to := attrs.Target.DType; {
+	case to == InvalidDType || to == t.DType:
+		attrs.Target = Type{}
+	case to.IsHalf() && t.DType == Float32:
+		attrs.Target = Type{DType: to}
+		t.DType = to
+	default:
+		return Type{}, Errorf(ErrDType, "layer_norm of %s to %s: the output dtype is the input's, or 16-bit from float32", t.DType, to)
+	}
+	return t, nil
+}
 
 func layerNorm(attrs *Attrs, in []Type) (Type, error) {
 	x := in[0]
@@ -125,9 +147,14 @@ func layerNorm(attrs *Attrs, in []Type) (Type, error) {
 	return x, nil
 }
 
+// A 16-bit output of float32 inputs takes its gradient in float32, as the
+// cast it replaces would have; the gradients read x, not the output.
 func layerNormVJP(b VJPBuilder, n *Node, g int) {
 	a := Attrs{NormDims: n.Attrs.NormDims, Eps: n.Attrs.Eps}
 	x := n.Inputs[0]
+	if dt := b.Type(x).DType; b.Type(g).DType != dt {
+		g = b.Emit(OpCast, Attrs{Target: Type{DType: dt}}, g)
+	}
 	if b.Wants(0) {
 		b.Accumulate(x, b.Emit(OpLayerNormGradX, a, append([]int{g}, n.Inputs[:min(2, len(n.Inputs))]...)...))
 	}

@@ -20,3 +20,21 @@ func SetFusePaddedLoss(on bool) bool {
 
 // AlignOutputs is the multiple a wide linear's outputs are padded to.
 const AlignOutputs = alignOutputs
+
+// SetFoldCasts turns the folding of widening casts into the matmuls they
+// read (foldWideningCasts) on or off, for tests that compare the two
+// graphs; it returns the previous setting.
+func SetFoldCasts(on bool) bool {
+	prev := foldCasts
+	foldCasts = on
+	return prev
+}
+
+// SetFoldNorms turns the 16-bit layer norms that GEMMs read (halfNorm) on
+// or off, for tests that compare the two graphs; it returns the previous
+// setting.
+func SetFoldNorms(on bool) bool {
+	prev := foldNorms
+	foldNorms = on
+	return prev
+}

@@ -131,10 +131,16 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 	// count the chain's cross_entropy scores.
 	type counterpart struct{ id, classes int }
 	padded := map[int]counterpart{}
+	// narrow maps a layer norm of g whose readers all cast it to the
+	// 16-bit dtype (halfNorm) to its 16-bit counterpart in out.
+	narrow := map[int]int{}
 	cast := func(id int, dt graph.DType, at *graph.Node) (int, error) {
 		src := g.Node(id)
 		if have := out.Node(ids[id]).Type.DType; !have.IsFloat() || have == dt {
 			return ids[id], nil
+		}
+		if h, ok := narrow[id]; ok && out.Node(h).Type.DType == dt {
+			return h, nil
 		}
 		k := key{id, dt}
 		if c, ok := cache[k]; ok {
@@ -204,8 +210,39 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 			return nil, nil, &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: err}
 		}
 		ids[i] = id
+		if dt := p.Half(); dt != graph.InvalidDType && halfNorm(g, users, i) && foldNorms && out.Node(id).Type.DType == graph.Float32 {
+			n.Attrs = cloneAttrs(n.Attrs)
+			n.Attrs.Target = graph.Type{DType: dt}
+			h, err := out.Append(n)
+			if err != nil {
+				return nil, nil, &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: err}
+			}
+			narrow[i] = h
+		}
 	}
 	return out, ids, nil
+}
+
+// halfNorm reports whether node i of g is a layer norm that only GEMM-class
+// ops read: each would read a 16-bit cast of its float32 result. Apply
+// then appends, beside the float32 layer norm, one that writes the 16-bit
+// dtype itself (graph.OpLayerNorm's Attrs.Target), rounding once where the
+// cast rounded, and the GEMMs read it: no cast runs, and the float32
+// result (and its [.., d] buffer) exists only where asked for, as the
+// float32 node stays in the graph read by nothing, so Apply's ids keep
+// naming the float32 value (an Eval of it runs it). In backward the
+// gradient comes back in the 16-bit dtype, and the layer norm's VJP casts
+// it to float32, a cast that TrainWith folds into the GEMM producing it.
+func halfNorm(g *graph.Graph, users [][]int, i int) bool {
+	if g.Node(i).Op != graph.OpLayerNorm || len(users[i]) == 0 {
+		return false
+	}
+	for _, u := range users[i] {
+		if op := g.Node(u).Op; int(op) >= graph.NumOps || classes[op] != lower {
+			return false
+		}
+	}
+	return true
 }
 
 // alignLinears turns alignedLinear on; tests turn it off to compare.
@@ -213,6 +250,12 @@ var alignLinears = true
 
 // fusePaddedLoss turns fusedLoss's rewrite on; tests turn it off to compare.
 var fusePaddedLoss = true
+
+// foldCasts turns foldWideningCasts on; tests turn it off to compare.
+var foldCasts = true
+
+// foldNorms turns halfNorm's rewrite on; tests turn it off to compare.
+var foldNorms = true
 
 // consumers lists, for each node of g, the ids of the nodes that read it,
 // once per input that names it.
@@ -437,6 +480,11 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	}
 	if s.Grads, err = autodiff.Backward(ng, s.Scaled, s.Params); err != nil {
 		return nil, err
+	}
+	if p.Mixed() && foldCasts {
+		if err := s.foldWideningCasts(); err != nil {
+			return nil, err
+		}
 	}
 	return s, nil
 }

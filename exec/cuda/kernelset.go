@@ -88,14 +88,15 @@ var kernelFiles = map[string][]string{
 	"dropout.cu":    allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
-	"index.cu":     allTyped(kEmbedding, kEmbeddingGrad),
-	"layernorm.cu": allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
-	"loss.cu":      allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
-	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
-	"optim.cu":     {kSGD, kAdam, kUnscale},
-	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
-	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
-	"softmax.cu":   allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
+	"index.cu": allTyped(kEmbedding, kEmbeddingGrad),
+	"layernorm.cu": append(allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
+		typed(kLayerNorm, graph.Float32, graph.BFloat16), typed(kLayerNorm, graph.Float32, graph.Float16)),
+	"loss.cu":     allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
+	"movement.cu": append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
+	"optim.cu":    {kSGD, kAdam, kUnscale},
+	"pool.cu":     allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
+	"reduce.cu":   allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
+	"softmax.cu":  allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }
 
 // kernel is a function of a loaded module.

@@ -106,25 +106,38 @@ func planMatmul(ta, tb bool, xs, ys, os []int) (matmulPlan, error) {
 
 // matmul runs planMatmul's GEMMs on cuBLAS, which reads the transposes from
 // the stored layout.
+//
+// A float32 out from 16-bit x and y (graph.OpMatMul's Attrs.Target) is
+// one cublasGemmEx of 16-bit A and B into a float32 C with float32
+// accumulation, a combination cuBLAS supports (CUDA_R_16BF or CUDA_R_16F
+// A/B, CUDA_R_32F C, CUBLAS_COMPUTE_32F): the sums are rounded once, to
+// float32, with no 16-bit result and no cast kernel.
 func (k *kctx) matmul(ta, tb bool, x, y, out operand) error {
-	dt, err := floatsOf(x, y, out)
+	dt, err := floatsOf(x, y)
 	if err != nil {
 		return err
+	}
+	if out.dt != dt && (out.dt != graph.Float32 || !dt.IsHalf()) {
+		return graph.Errorf(graph.ErrDType, "matmul of %s operands into %s (their dtype or float32)", dt, out.dt)
 	}
 	pl, err := planMatmul(ta, tb, x.shape, y.shape, out.shape)
 	if err != nil {
 		return err
 	}
+	gemm, batched := k.blas.GemmOf, k.blas.GemmStridedBatchedOf
+	if out.dt != dt {
+		gemm, batched = k.blas.GemmToF32, k.blas.GemmStridedBatchedToF32
+	}
 	switch {
 	case out.n() == 0:
 		return nil
 	case pl.k == 0: // empty sums
-		return k.d.Memzero(out.p, int64(dt.Size())*out.n())
+		return k.d.Memzero(out.p, int64(out.dt.Size())*out.n())
 	case pl.tall:
-		return k.blas.GemmOf(dt, false, tb, pl.rows, pl.n, pl.k, 1, x.p, pl.lda, y.p, pl.ldb, 0, out.p, pl.n)
+		return gemm(dt, false, tb, pl.rows, pl.n, pl.k, 1, x.p, pl.lda, y.p, pl.ldb, 0, out.p, pl.n)
 	}
 	for _, c := range pl.calls {
-		if err := k.blas.GemmStridedBatchedOf(dt, ta, tb, pl.m, pl.n, pl.k, 1, x.at(int64(c.x)), pl.lda, int64(c.sx),
+		if err := batched(dt, ta, tb, pl.m, pl.n, pl.k, 1, x.at(int64(c.x)), pl.lda, int64(c.sx),
 			y.at(int64(c.y)), pl.ldb, int64(c.sy), 0, out.at(int64(c.out)), pl.n, int64(c.so), c.count); err != nil {
 			return err
 		}

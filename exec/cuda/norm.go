@@ -118,10 +118,20 @@ func normRows(x []int, k int) (rows, d int64) {
 	return rows, d
 }
 
+// A 16-bit out from float32 x, w and b (graph.OpLayerNorm's Attrs.Target)
+// runs layer_norm_f32_bf16 or _f16: layer_norm_f32 storing 16-bit values,
+// each rounded once, as a cast of layer_norm_f32's result would round it.
 func (k *kctx) layerNorm(a *graph.Attrs, x operand, w, b *operand, out operand) error {
-	dt, err := floatsOf(x, out)
+	dt, err := floatsOf(x)
 	if err != nil {
 		return err
+	}
+	name := typed(kLayerNorm, dt)
+	if out.dt != dt {
+		if dt != graph.Float32 || !out.dt.IsHalf() {
+			return graph.Errorf(graph.ErrDType, "layer_norm of %s into %s (its dtype, or 16-bit from float32)", dt, floatName(out.dt))
+		}
+		name = typed(kLayerNorm, dt, out.dt)
 	}
 	rows, d, err := normGeometry(a, x, w, b)
 	if err != nil {
@@ -134,7 +144,7 @@ func (k *kctx) layerNorm(a *graph.Attrs, x operand, w, b *operand, out operand) 
 		return nil
 	}
 	block := rowBlock(d)
-	return k.launch(typed(kLayerNorm, dt), rowGrid(rows, block, 1), block, x.p, ptrOf(w), ptrOf(b), out.p, rows, d, a.Eps)
+	return k.launch(name, rowGrid(rows, block, 1), block, x.p, ptrOf(w), ptrOf(b), out.p, rows, d, a.Eps)
 }
 
 func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {

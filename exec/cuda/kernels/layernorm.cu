@@ -34,9 +34,9 @@ __device__ __forceinline__ void row_stats(A at, i64 d, bool live, double eps, do
   *rstd = 1.0 / sqrt(q / (double)d + eps);
 }
 
-template <bool C, typename T>
+template <bool C, typename T, typename TY>
 __device__ __forceinline__ void layer_norm_body(const T* __restrict__ x, const T* __restrict__ w,
-                                                const T* __restrict__ b, T* __restrict__ y,
+                                                const T* __restrict__ b, TY* __restrict__ y,
                                                 i64 rows, i64 d, double eps) {
   __shared__ double sd[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
@@ -49,7 +49,7 @@ __device__ __forceinline__ void layer_norm_body(const T* __restrict__ x, const T
     double mean, rstd;
     row_stats<C>(at, d, live, eps, sd, &mean, &rstd);
     if (!live) continue;
-    T* q = y + row * d;
+    TY* q = y + row * d;
     row_each<C>(d, [&](i64 k, int u) {
       double r = ((double)at(k, u) - mean) * rstd;
       if (w) r *= (double)(float)w[k];
@@ -69,6 +69,18 @@ __device__ __forceinline__ void layer_norm_body(const T* __restrict__ x, const T
     else layer_norm_body<false>(x, w, b, y, rows, d, eps);                                  \
   }
 FOR_FLOATS(K)
+#undef K
+
+// layer_norm_f32_{bf16,f16}: layer_norm_f32 storing a 16-bit y, each value
+// rounded once from the float layer_norm_f32 would store (a cast of it
+// rounds the same), for a layer norm only 16-bit GEMMs read.
+#define K(TY, S)                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024) layer_norm_f32_##S(                    \
+      const float* x, const float* w, const float* b, TY* y, i64 rows, i64 d, double eps) { \
+    if (row_fits(d)) layer_norm_body<true>(x, w, b, y, rows, d, eps);                       \
+    else layer_norm_body<false>(x, w, b, y, rows, d, eps);                                  \
+  }
+FOR_HALVES(K)
 #undef K
 
 template <bool C, typename T>

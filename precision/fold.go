@@ -1,0 +1,89 @@
+package precision
+
+import "github.com/batchfit/batchfit/graph"
+
+// foldWideningCasts turns a widening cast of a 16-bit matmul's result
+// into the matmul's own float32 output (graph.OpMatMul's Attrs.Target):
+// cuBLAS then accumulates in float32 and stores float32, with no 16-bit
+// result and no cast kernel. It applies where the cast, to float32, reads
+// the matmul directly or through reshapes and slices, and nothing else
+// reads the matmul or those movements (each has one reader, and none is
+// an output of the step). After autodiff these are every weight gradient
+// (cast back to the float32 master weight, Cast's VJP), the gradient of a
+// 16-bit copy of a float32 activation (a linear's input gradient for the
+// layer norm that fed it), and the tied head's padded weight gradient
+// (slice, then cast). The result is more accurate than the cast of a
+// rounded product: it is rounded once, to float32, rather than to 16 bits
+// and widened. Movements between are appended again in float32.
+//
+// It rebuilds s's graph when it folds any cast (ids change; every id of s
+// is remapped) and leaves it as it was otherwise.
+func (s *Step) foldWideningCasts() error {
+	g := s.Graph
+	users := consumers(g)
+	out := make([]bool, g.Len()) // the step's outputs: never folded away
+	for _, id := range append([]int{s.Loss, s.Scaled, s.Scale}, s.Grads...) {
+		if id >= 0 {
+			out[id] = true
+		}
+	}
+	sole := func(id, reader int) bool { return !out[id] && len(users[id]) == 1 && users[id][0] == reader }
+	widen := make([]bool, g.Len()) // matmuls that write float32
+	drop := make([]bool, g.Len())  // casts they replace
+	folded := false
+	for i := range g.Len() {
+		nd := g.Node(i)
+		if nd.Op != graph.OpCast || nd.Type.DType != graph.Float32 {
+			continue
+		}
+		p, reader := nd.Inputs[0], i
+		for q := g.Node(p); (q.Op == graph.OpReshape || q.Op == graph.OpSlice) && sole(p, reader); q = g.Node(p) {
+			p, reader = q.Inputs[0], p
+		}
+		if q := g.Node(p); q.Op == graph.OpMatMul && q.Type.DType.IsHalf() && sole(p, reader) {
+			widen[p], drop[i], folded = true, true, true
+		}
+	}
+	if !folded {
+		return nil
+	}
+	ng := graph.New()
+	ids := make([]int, g.Len())
+	for i := range g.Len() {
+		nd := g.Node(i)
+		if drop[i] {
+			ids[i] = ids[nd.Inputs[0]]
+			continue
+		}
+		n := graph.Node{Op: nd.Op, Attrs: cloneAttrs(nd.Attrs), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value,
+			Inputs: make([]int, len(nd.Inputs))}
+		if nd.Op.Category() == graph.CatSource {
+			n.Type = nd.Type
+		}
+		for k, in := range nd.Inputs {
+			n.Inputs[k] = ids[in]
+		}
+		if widen[i] {
+			n.Attrs.Target = graph.Type{DType: graph.Float32}
+		}
+		id, err := ng.Append(n)
+		if err != nil {
+			return &graph.OpError{Op: "fold cast into " + nd.Op.String(), Site: nd.Site, Err: err}
+		}
+		ids[i] = id
+	}
+	remap := func(v []int) {
+		for k, id := range v {
+			v[k] = ids[id]
+		}
+	}
+	s.Graph = ng
+	s.Loss, s.Scaled = ids[s.Loss], ids[s.Scaled]
+	if s.Scale >= 0 {
+		s.Scale = ids[s.Scale]
+	}
+	remap(s.Params)
+	remap(s.Grads)
+	remap(s.IDs)
+	return nil
+}
