@@ -16,17 +16,23 @@ import (
 )
 
 // TestSessionCUDAGraphsBitEqual: training with the CUDA executor's graphs
-// on (BATCHFIT_CUDA_GRAPHS=1) computes exactly what eager launching
-// (BATCHFIT_CUDA_GRAPHS=0) does: for an MLP, a GPT with dropout (its
+// on (BATCHFIT_CUDA_GRAPHS=1) computes what eager launching
+// (BATCHFIT_CUDA_GRAPHS=0) does, for an MLP, a GPT with dropout (its
 // counter advances every step, so the graphs must follow it), a fused-
 // attention GPT and a ConvNet with dropout, in fp32, bf16-mixed and
-// fp16-mixed (loss scaling), whole and in chunks of a quarter batch, with
-// Adam, every step's loss and every parameter after the last step are
-// bit-equal (tolerance zero: the same kernels with the same arguments on
-// the same data), graphs were replayed, no capture failed, and every
-// step's measured peaks are the planned ones plus the overhead, to the
-// byte.
+// fp16-mixed (loss scaling), whole and in chunks of a quarter batch, five
+// Adam steps each. Eager training runs twice: where those two runs are
+// bit-equal (every model without embedding_grad), the graphs' run must be
+// too, every step's loss and every parameter after the last step
+// (tolerance zero: the same kernels with the same arguments on the same
+// data). The GPTs' embedding_grad adds with float atomicAdd, so eager
+// runs differ from each other in the last bits; there the graphs' run
+// must agree within eagerTol (losses relative, parameters relative to
+// each tensor's largest magnitude), and both differences are logged. In
+// every case graphs were replayed, no capture failed, and every step's
+// measured peaks are the planned ones plus the overhead, to the byte.
 func TestSessionCUDAGraphsBitEqual(t *testing.T) {
+	const eagerTol = 1e-4
 	const steps = 5
 	ctx := context.Background()
 	for _, prec := range []string{"fp32", "bf16-mixed", "fp16-mixed"} {
@@ -78,31 +84,62 @@ func TestSessionCUDAGraphsBitEqual(t *testing.T) {
 						return losses, vals, s
 					}
 					wantLoss, wantParams, _ := run("0")
+					againLoss, againParams, _ := run("0")
 					gotLoss, gotParams, s := run("1")
+					eagerDiff := maxDiff(wantLoss, againLoss, wantParams, againParams)
+					graphDiff := maxDiff(wantLoss, gotLoss, wantParams, gotParams)
+					t.Logf("largest relative difference from the first eager run: eager again %g, graphs %g", eagerDiff, graphDiff)
 					st, ok := batchfit.CUDAGraphStats(s)
 					require.True(t, ok)
 					t.Logf("graphs: %+v", st)
 					require.NoError(t, st.LastFailure)
 					assert.Zero(t, st.Failed)
 					assert.Positive(t, st.Replays, "no segment was replayed")
-					require.Len(t, gotLoss, len(wantLoss))
-					for i := range wantLoss {
-						assert.Equal(t, math.Float32bits(wantLoss[i]), math.Float32bits(gotLoss[i]), "step %d loss: eager %v, graphs %v", i, wantLoss[i], gotLoss[i])
-					}
-					require.Len(t, gotParams, len(wantParams))
 					nonzero := false
-					for i := range wantParams {
-						require.Len(t, gotParams[i], len(wantParams[i]))
-						for j := range wantParams[i] {
-							nonzero = nonzero || wantParams[i][j] != 0
-							if math.Float32bits(wantParams[i][j]) != math.Float32bits(gotParams[i][j]) {
-								t.Fatalf("param %d [%d]: eager %v, graphs %v", i, j, wantParams[i][j], gotParams[i][j])
-							}
+					for _, w := range wantParams {
+						for _, v := range w {
+							nonzero = nonzero || v != 0
 						}
 					}
 					require.True(t, nonzero, "the parameters are not all zero")
+					if eagerDiff == 0 {
+						assert.Zero(t, graphDiff, "eager training is reproducible here, so the graphs' must be bit-equal")
+					} else {
+						assert.LessOrEqual(t, graphDiff, eagerTol, "eager runs differ (float atomics); graphs must agree within %g", eagerTol)
+					}
 				})
 			}
 		}
 	}
+}
+
+// maxDiff is the largest difference between two runs: each step's loss
+// relative to its magnitude, each parameter relative to its tensor's
+// largest magnitude; 0 only when both are bit-equal. Mismatched lengths
+// count as 1.
+func maxDiff(la, lb []float32, pa, pb [][]float32) float64 {
+	if len(la) != len(lb) || len(pa) != len(pb) {
+		return 1
+	}
+	d := 0.0
+	for i := range la {
+		if math.Float32bits(la[i]) != math.Float32bits(lb[i]) {
+			d = math.Max(d, math.Max(math.Abs(float64(la[i]-lb[i]))/math.Abs(float64(la[i])), 1e-30))
+		}
+	}
+	for i := range pa {
+		if len(pa[i]) != len(pb[i]) {
+			return 1
+		}
+		scale := 0.0
+		for _, v := range pa[i] {
+			scale = math.Max(scale, math.Abs(float64(v)))
+		}
+		for j := range pa[i] {
+			if math.Float32bits(pa[i][j]) != math.Float32bits(pb[i][j]) {
+				d = math.Max(d, math.Max(math.Abs(float64(pa[i][j]-pb[i][j]))/scale, 1e-30))
+			}
+		}
+	}
+	return d
 }

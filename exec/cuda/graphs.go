@@ -102,6 +102,10 @@ type GraphStats struct {
 	LastFailure error
 }
 
+// CUDAGraphs reports whether the executor captures and replays CUDA graphs
+// (ExecutorOptions.CUDAGraphs, or BATCHFIT_CUDA_GRAPHS).
+func (e *Executor) CUDAGraphs() bool { return e.graphs.on }
+
 // GraphStats reports the executor's CUDA graph counts.
 func (e *Executor) GraphStats() GraphStats {
 	e.mu.Lock()
