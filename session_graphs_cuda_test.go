@@ -21,29 +21,31 @@ import (
 // counter advances every step, so the graphs must follow it), a fused-
 // attention GPT and a ConvNet with dropout, in fp32, bf16-mixed and
 // fp16-mixed (loss scaling), whole and in chunks of a quarter batch, five
-// Adam steps each. Eager training runs twice: where those two runs are
-// bit-equal (every model without embedding_grad), the graphs' run must be
-// too, every step's loss and every parameter after the last step
-// (tolerance zero: the same kernels with the same arguments on the same
-// data). The GPTs' embedding_grad adds with float atomicAdd, so eager
-// runs differ from each other in the last bits; there the graphs' run
-// must agree within eagerTol (losses relative, parameters relative to
-// each tensor's largest magnitude), and both differences are logged. In
-// every case graphs were replayed, no capture failed, and every step's
-// measured peaks are the planned ones plus the overhead, to the byte.
+// Adam steps each. The GPTs' token embedding is not trained:
+// embedding_grad adds with float atomicAdd, so eager runs that train it
+// differ from each other in the last bits, and Adam makes that visible.
+// Eager training runs twice: where those two runs are bit-equal, the
+// graphs' run must be too, every step's loss and every parameter after the
+// last step (tolerance zero: the same kernels with the same arguments on
+// the same data). Where they are not (a library's nondeterministic
+// kernel), the graphs' run may differ from the first eager run by at most
+// ten times as much as the second does (losses relative, parameters
+// relative to each tensor's largest magnitude); both are logged. In every
+// case graphs were replayed, no capture failed, and every step's measured
+// peaks are the planned ones plus the overhead, to the byte.
 func TestSessionCUDAGraphsBitEqual(t *testing.T) {
-	const eagerTol = 1e-4
 	const steps = 5
 	ctx := context.Background()
 	for _, prec := range []string{"fp32", "bf16-mixed", "fp16-mixed"} {
 		for _, mc := range []struct {
 			newModel func() testutil.TrainModel
 			n        int
+			frozen   int // the parameter not trained (the GPTs' token embedding), −1 for none
 		}{
-			{func() testutil.TrainModel { return testutil.MLPModel(784, 64, true) }, 256},
-			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 128},
-			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 128},
-			{func() testutil.TrainModel { return testutil.ConvModel(12, true) }, 256},
+			{func() testutil.TrainModel { return testutil.MLPModel(784, 64, true) }, 256, -1},
+			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 128, 1},
+			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 128, 1},
+			{func() testutil.TrainModel { return testutil.ConvModel(12, true) }, 256, -1},
 		} {
 			for _, chunked := range []bool{false, true} {
 				name := prec + "/" + mc.newModel().Name
@@ -66,6 +68,10 @@ func TestSessionCUDAGraphsBitEqual(t *testing.T) {
 						for step := range steps {
 							var loss *lazy.Tensor
 							loss, params = m.Build(rng, mc.n)
+							if mc.frozen >= 0 { // models.GPT's Params: wpe, then wte's [vocab, dim] weight
+								require.Equal(t, []int{64, 16}, []int(params[mc.frozen].Shape()))
+								params = append(params[:mc.frozen:mc.frozen], params[mc.frozen+1:]...)
+							}
 							l, err := s.Step(ctx, loss, params, opt)
 							require.NoError(t, err, "graphs=%s step %d", graphs, step)
 							losses = append(losses, l)
@@ -105,7 +111,7 @@ func TestSessionCUDAGraphsBitEqual(t *testing.T) {
 					if eagerDiff == 0 {
 						assert.Zero(t, graphDiff, "eager training is reproducible here, so the graphs' must be bit-equal")
 					} else {
-						assert.LessOrEqual(t, graphDiff, eagerTol, "eager runs differ (float atomics); graphs must agree within %g", eagerTol)
+						assert.LessOrEqual(t, graphDiff, 10*eagerDiff, "eager runs differ from each other; graphs may differ 10 times as much")
 					}
 				})
 			}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 
 	"gorgonia.org/tensor"
 
@@ -49,7 +50,7 @@ type ExecutorOptions struct {
 	// next step comes to the same launches with the same addresses
 	// (graphs.go). Steps compute what they compute without, bit for bit,
 	// from the same allocator blocks; the driver memory of the instantiated
-	// graphs is left free by Reserve (GraphReserve). Calls with
+	// graphs is left free by Reserve. Calls with
 	// ExecOptions.OpTime or ExecOptions.Reduce launch eagerly.
 	// BATCHFIT_CUDA_GRAPHS=1 (or 0) in the environment turns it on (or off)
 	// whatever this says, to run a test suite both ways.
@@ -96,7 +97,10 @@ type Executor struct {
 	resident exec.Residents[*residentBuf]
 	closed   bool
 	graphs   graphCache // ExecutorOptions.CUDAGraphs (graphs.go), under mu
-	cur      *runner    // the running Execute's runner, on the device thread
+	// graphBytes is the driver memory the live graphs' instantiation took
+	// (GraphStats.DriverBytes), for Reserve without the lock.
+	graphBytes atomic.Int64
+	cur        *runner // the running Execute's runner, on the device thread
 }
 
 var _ exec.Executor = (*Executor)(nil)
@@ -189,15 +193,12 @@ func (e *Executor) Overhead() int64 {
 }
 
 // Reserve is the memory plans leave free (exec.Executor): DriverReserve,
-// the device memory the cuDNN handle took outside every allocator, and
-// GraphReserve for the instantiated CUDA graphs when they are on.
+// and the device memory the cuDNN handle and the live CUDA graphs
+// (GraphStats.DriverBytes) took outside every allocator.
 func (e *Executor) Reserve() int64 {
-	r := int64(DriverReserve)
+	r := DriverReserve + e.graphBytes.Load()
 	if e.dnn != nil {
 		r += e.dnn.Overhead()
-	}
-	if e.graphs.on {
-		r += GraphReserve
 	}
 	return r
 }

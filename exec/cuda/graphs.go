@@ -61,15 +61,15 @@ import (
 //
 // Capture and replay allocate nothing from the allocator: the nodes'
 // workspaces are planned as without graphs, and every block is the one the
-// replay hands out. The driver takes memory of its own to instantiate a
-// graph, outside the allocator; GraphStats.DriverBytes measures it
-// (cuMemGetInfo around each instantiation) and Reserve leaves GraphReserve
-// free for it while graphs are on.
-
-// GraphReserve is the device memory a plan leaves free for the driver's
-// instantiated CUDA graphs when ExecutorOptions.CUDAGraphs is on (part of
-// Reserve).
-const GraphReserve = 64 << 20
+// replay hands out, so a step's peaks are its plan's, to the byte, graphs
+// or not. The driver takes memory of its own to instantiate a graph,
+// outside the allocator: cuMemGetInfo before and after each instantiation
+// measures it (on the H100, driver 580: 2 MiB for the test models' graphs
+// together, 4 MiB for GPT-2 small's two at seq 1024), GraphStats reports
+// it, and Reserve adds what the live graphs hold, so the plans made after
+// a capture leave it free. The plan of the step that captures cannot know
+// it yet: an instantiation the driver has no memory for fails, and its
+// segment runs eagerly (GraphStats.Failed) rather than the step.
 
 // Bounds of the graph cache (see above).
 const (
@@ -403,6 +403,7 @@ func (e *Executor) destroySeg(sg *segGraph) error {
 	}
 	x := sg.exec
 	sg.exec = 0
+	e.graphBytes.Add(-sg.bytes)
 	return e.d.drv.check("cuGraphExecDestroy", gd.cuGraphExecDestroy(x))
 }
 
@@ -497,6 +498,7 @@ func (r *runner) capture(ops []pendingOp, fp []uint64) *segGraph {
 	}
 	e.graphs.stats.Captures++
 	sg.exec, sg.bytes = exec, bytes
+	e.graphBytes.Add(bytes)
 	return sg
 }
 
