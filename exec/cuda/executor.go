@@ -44,24 +44,26 @@ type ExecutorOptions struct {
 	// where cuDNN's fused attention (SDPA, dnn_sdpa.go) takes it: 16-bit,
 	// head dim 64 or 128, no mask, no grouped-query heads. For comparing.
 	NoCuDNNAttention bool
-	// CUDAGraphs captures each run of a step's launches between host steps
-	// as a CUDA graph, keyed by the program's signature, the chunk and the
-	// addresses its blocks have, and replays it (cuGraphLaunch) when the
-	// next step comes to the same launches with the same addresses
-	// (graphs.go). Steps compute what they compute without, bit for bit,
-	// from the same allocator blocks; the driver memory of the instantiated
-	// graphs is left free by Reserve. Calls with
-	// ExecOptions.OpTime or ExecOptions.Reduce launch eagerly.
-	// BATCHFIT_CUDA_GRAPHS=1 (or 0) in the environment turns it on (or off)
-	// whatever this says, to run a test suite both ways.
-	CUDAGraphs bool
+	// NoCUDAGraphs launches every kernel eagerly. By default the executor
+	// captures each run of a step's launches between host steps as a CUDA
+	// graph, keyed by the program's signature, the chunk and the addresses
+	// its blocks have, and replays it (cuGraphLaunch) when a later step
+	// comes to the same launches with the same addresses (graphs.go).
+	// Steps compute what they compute without, bit for bit, from the same
+	// allocator blocks; the driver memory of the instantiated graphs is
+	// left free by Reserve. Calls with ExecOptions.OpTime or
+	// ExecOptions.Reduce launch eagerly. BATCHFIT_CUDA_GRAPHS=1 (or 0) in
+	// the environment turns graphs on (or off) whatever this says, to run a
+	// test suite both ways.
+	NoCUDAGraphs bool
 }
 
 // graphsEnv is the environment variable that overrides
-// ExecutorOptions.CUDAGraphs.
+// ExecutorOptions.NoCUDAGraphs.
 const graphsEnv = "BATCHFIT_CUDA_GRAPHS"
 
-// graphsOn is ExecutorOptions.CUDAGraphs under graphsEnv.
+// graphsOn is whether ExecutorOptions.NoCUDAGraphs, under graphsEnv,
+// leaves CUDA graphs on.
 func graphsOn(o ExecutorOptions) bool {
 	switch os.Getenv(graphsEnv) {
 	case "1":
@@ -69,7 +71,7 @@ func graphsOn(o ExecutorOptions) bool {
 	case "0":
 		return false
 	}
-	return o.CUDAGraphs
+	return !o.NoCUDAGraphs
 }
 
 // NoBLASWorkspace gives cuBLAS no workspace (ExecutorOptions.BLASWorkspace).
@@ -96,7 +98,7 @@ type Executor struct {
 	mu       sync.Mutex
 	resident exec.Residents[*residentBuf]
 	closed   bool
-	graphs   graphCache // ExecutorOptions.CUDAGraphs (graphs.go), under mu
+	graphs   graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
 	// graphBytes is the driver memory the live graphs' instantiation took
 	// (GraphStats.DriverBytes), for Reserve without the lock.
 	graphBytes atomic.Int64

@@ -10,7 +10,7 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
-// CUDA graphs (ExecutorOptions.CUDAGraphs). A step launches thousands of
+// CUDA graphs (on unless ExecutorOptions.NoCUDAGraphs). A step launches thousands of
 // small kernels, and the host's cost per launch, not the GPU, bounds a
 // small model's step. With graphs on, the runner does not launch a node's
 // kernels when the replay reaches it: it notes the node with its operands'
@@ -84,7 +84,7 @@ const (
 // captured: the segment is then run eagerly, and from then on.
 var ErrHostInCapture = errors.New("cuda: host-synchronous call during CUDA graph capture")
 
-// GraphStats counts the executor's CUDA graph work (ExecutorOptions.CUDAGraphs).
+// GraphStats counts the executor's CUDA graph work (ExecutorOptions.NoCUDAGraphs).
 type GraphStats struct {
 	// Captures is the graphs captured and instantiated; Failed the
 	// captures that failed (their segments run eagerly from then on).
@@ -103,7 +103,7 @@ type GraphStats struct {
 }
 
 // CUDAGraphs reports whether the executor captures and replays CUDA graphs
-// (ExecutorOptions.CUDAGraphs, or BATCHFIT_CUDA_GRAPHS).
+// (unless ExecutorOptions.NoCUDAGraphs, or as BATCHFIT_CUDA_GRAPHS says).
 func (e *Executor) CUDAGraphs() bool { return e.graphs.on }
 
 // GraphStats reports the executor's CUDA graph counts.

@@ -127,15 +127,16 @@ func TestHostReadsEndSegments(t *testing.T) {
 	}
 }
 
-// BATCHFIT_CUDA_GRAPHS overrides ExecutorOptions.CUDAGraphs both ways.
+// Graphs are on by default, off with ExecutorOptions.NoCUDAGraphs, and
+// BATCHFIT_CUDA_GRAPHS overrides the option both ways.
 func TestGraphsEnvOverride(t *testing.T) {
 	t.Setenv(graphsEnv, "")
-	assert.False(t, graphsOn(ExecutorOptions{}))
-	assert.True(t, graphsOn(ExecutorOptions{CUDAGraphs: true}))
-	t.Setenv(graphsEnv, "1")
 	assert.True(t, graphsOn(ExecutorOptions{}))
+	assert.False(t, graphsOn(ExecutorOptions{NoCUDAGraphs: true}))
+	t.Setenv(graphsEnv, "1")
+	assert.True(t, graphsOn(ExecutorOptions{NoCUDAGraphs: true}))
 	t.Setenv(graphsEnv, "0")
-	assert.False(t, graphsOn(ExecutorOptions{CUDAGraphs: true}))
+	assert.False(t, graphsOn(ExecutorOptions{}))
 }
 
 // A workspace view keeps the block's address and size as they were.
