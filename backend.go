@@ -63,7 +63,8 @@ func newCUDA(o Options) (cudaOwner, error) {
 	if err != nil {
 		return cudaOwner{}, err
 	}
-	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: o.TF32 || o.Precision == string(precision.TF32), TraceEntries: o.TraceEntries})
+	e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{TF32: o.TF32 || o.Precision == string(precision.TF32), TraceEntries: o.TraceEntries,
+		NoCUDAGraphs: o.NoCUDAGraphs})
 	if err != nil {
 		return cudaOwner{}, errors.Join(err, d.Close())
 	}

@@ -69,6 +69,10 @@ type Options struct {
 	// Timeline records the allocator's state after every program step of
 	// a run in LastUsage().Timeline: the measured per-op profile.
 	Timeline bool
+	// NoCUDAGraphs makes the CUDA executor launch every kernel eagerly
+	// instead of replaying captured CUDA graphs
+	// (cuda.ExecutorOptions.NoCUDAGraphs).
+	NoCUDAGraphs bool
 	// Precision is the precision policy (package precision): "fp32" (the
 	// default when empty), "tf32" (float32 values; on CUDA as TF32 does),
 	// "bf16-mixed" or "fp16-mixed" (autocast's semantics: matrix products

@@ -61,6 +61,7 @@ type config struct {
 	cudnn         bool   // convolutions on cuDNN when it loads (-cudnn)
 	cudnnBN       bool   // batch norm on cuDNN (-cudnn-bn)
 	cudnnAttn     bool   // fused attention on cuDNN (-cudnn-attn)
+	cudaGraphs    bool   // replay captured CUDA graphs (-cuda-graphs)
 	precision     string // the precision policy (package precision); -tf32 is -precision tf32
 	profile       int    // steps profiled per node after the timed ones
 	cpuProfile    string // Go CPU profile of the timed steps
@@ -94,6 +95,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.BoolVar(&c.cudnn, "cudnn", true, "run the executor's convolutions on cuDNN when it loads (false: im2col + cuBLAS, to compare)")
 	fs.BoolVar(&c.cudnnBN, "cudnn-bn", true, "run the executor's batch norms on cuDNN where it takes them (false: ExecutorOptions.NoCuDNNBatchNorm, batchfit's kernels, to compare)")
 	fs.BoolVar(&c.cudnnAttn, "cudnn-attn", true, "run the executor's 16-bit fused attention on cuDNN's SDPA where it takes it (false: ExecutorOptions.NoCuDNNAttention, batchfit's kernels, to compare)")
+	fs.BoolVar(&c.cudaGraphs, "cuda-graphs", true, "capture the executor's launches between host steps as CUDA graphs and replay them (false: ExecutorOptions.NoCUDAGraphs and Options.NoCUDAGraphs, every kernel launched eagerly, to compare; BATCHFIT_CUDA_GRAPHS=0 or 1 overrides both ways)")
 	fs.BoolVar(&c.tf32, "tf32", false, "run float32 GEMMs on TF32 tensor cores (the same as -precision tf32; PyTorch's allow_tf32)")
 	fs.StringVar(&c.precision, "precision", "fp32", "precision `policy`: "+precision.Names()+" (as Options.Precision)")
 	fs.IntVar(&c.profile, "profile", 0, "after the timed steps, profile `n` more (device time per node, from CUDA events) and print the time per op to stderr")
@@ -532,6 +534,8 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		}
 	}
 	r.setRates(m.batch)
+	gs := e.GraphStats()
+	r.GraphCaptures, r.GraphReplays, r.GraphEager, r.GraphDriverBytes = gs.Captures, gs.Replays, gs.Eager, gs.DriverBytes
 	return r, nil
 }
 
@@ -656,5 +660,5 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 // executorOptions are the CUDA executor's options the flags ask for.
 func (c config) executorOptions() cuda.ExecutorOptions {
-	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, NoCuDNNBatchNorm: !c.cudnnBN, NoCuDNNAttention: !c.cudnnAttn}
+	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, NoCuDNNBatchNorm: !c.cudnnBN, NoCuDNNAttention: !c.cudnnAttn, NoCUDAGraphs: !c.cudaGraphs}
 }

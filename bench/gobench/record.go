@@ -21,6 +21,13 @@ type Record struct {
 	// Convolutions is what ran the executor's convolutions
 	// (cuda.Executor.Convolutions).
 	Convolutions string `json:"convolutions,omitempty"`
+	// The executor's CUDA graphs (-cuda-graphs; cuda.GraphStats) after the
+	// throughput steps: graphs captured, segments launched as a graph and
+	// node by node, and the driver memory the live graphs took.
+	GraphCaptures    int   `json:"graph_captures,omitempty"`
+	GraphReplays     int   `json:"graph_replays,omitempty"`
+	GraphEager       int   `json:"graph_eager,omitempty"`
+	GraphDriverBytes int64 `json:"graph_driver_bytes,omitempty"`
 
 	// device
 	Device      string `json:"device,omitempty"`

@@ -53,7 +53,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		_, in := m.build(mod, m.batch, rng)
 		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
 	}
-	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision})
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision, NoCUDAGraphs: !c.cudaGraphs})
 	if err := sess.Err(); err != nil {
 		return r, err
 	}

@@ -80,6 +80,24 @@ func (d *Device) NewBLAS(a *alloc.Allocator, workspace int64) (*BLAS, error) {
 	return b, nil
 }
 
+// setStream points the handle at stream s (0: the legacy default stream)
+// and gives it its workspace again, which cublasSetStream resets to
+// cuBLAS's own pool. On the device goroutine.
+func (b *BLAS) setStream(s uintptr) error {
+	if err := b.live(); err != nil {
+		return err
+	}
+	if err := checkBLAS("cublasSetStream_v2", b.lib.cublasSetStream(b.h, s)); err != nil {
+		return err
+	}
+	var p CUdeviceptr
+	var n uintptr
+	if b.ws != nil {
+		p, n = CUdeviceptr(b.ws.Ptr()), uintptr(b.ws.Requested())
+	}
+	return checkBLAS("cublasSetWorkspace_v2", b.lib.cublasSetWorkspace(b.h, p, n))
+}
+
 // Workspace is the workspace block, nil when there is none.
 func (b *BLAS) Workspace() *alloc.Block { return b.ws }
 

@@ -29,6 +29,8 @@ type cublasLib struct {
 	cublasDestroy func(h cublasHandle) cublasStatus
 	// cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void *workspace, size_t workspaceSizeInBytes)
 	cublasSetWorkspace func(h cublasHandle, ws CUdeviceptr, size uintptr) cublasStatus
+	// cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t streamId)
+	cublasSetStream func(h cublasHandle, stream uintptr) cublasStatus
 	// cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode)
 	cublasSetMathMode func(h cublasHandle, mode int32) cublasStatus
 	// cublasStatus_t cublasSgemm_v2(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
@@ -77,6 +79,7 @@ func (c *cublasLib) symbols() []symbol {
 		sym(&c.cublasCreate, "cublasCreate_v2"),
 		sym(&c.cublasDestroy, "cublasDestroy_v2"),
 		sym(&c.cublasSetWorkspace, "cublasSetWorkspace_v2"),
+		sym(&c.cublasSetStream, "cublasSetStream_v2"),
 		sym(&c.cublasSetMathMode, "cublasSetMathMode"),
 		sym(&c.cublasSgemm, "cublasSgemm_v2"),
 		sym(&c.cublasSgemmStridedBatched, "cublasSgemmStridedBatched"),

@@ -64,6 +64,8 @@ type cudnnLib struct {
 	cudnnCreate func(h *cudnnHandle) cudnnStatus
 	// cudnnStatus_t cudnnDestroy(cudnnHandle_t handle)
 	cudnnDestroy func(h cudnnHandle) cudnnStatus
+	// cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId)
+	cudnnSetStream func(h cudnnHandle, stream uintptr) cudnnStatus
 
 	// cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *d)
 	cudnnCreateTensorDescriptor func(d *cudnnTensorDesc) cudnnStatus
@@ -140,6 +142,7 @@ func (c *cudnnLib) symbols() []symbol {
 		sym(&c.cudnnGetErrorString, "cudnnGetErrorString"),
 		sym(&c.cudnnCreate, "cudnnCreate"),
 		sym(&c.cudnnDestroy, "cudnnDestroy"),
+		sym(&c.cudnnSetStream, "cudnnSetStream"),
 		sym(&c.cudnnCreateTensorDescriptor, "cudnnCreateTensorDescriptor"),
 		sym(&c.cudnnSetTensor4dDescriptor, "cudnnSetTensor4dDescriptor"),
 		sym(&c.cudnnDestroyTensorDescriptor, "cudnnDestroyTensorDescriptor"),

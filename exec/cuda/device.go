@@ -45,6 +45,12 @@ type Device struct {
 	closeErr  error // set by the worker before it closes stopped
 
 	stage *stager // pinned upload buffers, made on first large upload (staging.go)
+
+	// capture is the stream a CUDA graph capture records while the
+	// executor captures a segment (graphs.go), 0 otherwise: launches and
+	// memsets go there, and calls that need the host fail with
+	// ErrHostInCapture. Used on the device goroutine only.
+	capture uintptr
 }
 
 // request is a closure for the device goroutine and where its result goes.
@@ -198,7 +204,12 @@ func (d *Device) Close() error {
 // Synchronize waits until all work queued on the device has finished and
 // returns the first error of an asynchronous launch.
 func (d *Device) Synchronize() error {
-	return d.do(func() error { return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize()) })
+	return d.do(func() error {
+		if d.capture != 0 {
+			return ErrHostInCapture
+		}
+		return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize())
+	})
 }
 
 // Name is the device's marketing name, e.g. "NVIDIA H100 80GB HBM3".

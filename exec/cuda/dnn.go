@@ -110,6 +110,12 @@ func (d *Device) newDNN(tf32 bool) (*DNN, error) {
 	return n, nil
 }
 
+// setStream points the handle at stream s (0: the legacy default
+// stream). On the device goroutine.
+func (n *DNN) setStream(s uintptr) error {
+	return n.lib.check("cudnnSetStream", n.lib.cudnnSetStream(n.h, s))
+}
+
 // Version is cuDNN's version, "9.14.0".
 func (n *DNN) Version() string { return formatCUDNNVersion(n.lib.version) }
 

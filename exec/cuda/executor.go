@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
+	"sync/atomic"
 
 	"gorgonia.org/tensor"
 
@@ -42,6 +44,34 @@ type ExecutorOptions struct {
 	// where cuDNN's fused attention (SDPA, dnn_sdpa.go) takes it: 16-bit,
 	// head dim 64 or 128, no mask, no grouped-query heads. For comparing.
 	NoCuDNNAttention bool
+	// NoCUDAGraphs launches every kernel eagerly. By default the executor
+	// captures each run of a step's launches between host steps as a CUDA
+	// graph, keyed by the program's signature, the chunk and the addresses
+	// its blocks have, and replays it (cuGraphLaunch) when a later step
+	// comes to the same launches with the same addresses (graphs.go).
+	// Steps compute what they compute without, bit for bit, from the same
+	// allocator blocks; the driver memory of the instantiated graphs is
+	// left free by Reserve. Calls with ExecOptions.OpTime or
+	// ExecOptions.Reduce launch eagerly. BATCHFIT_CUDA_GRAPHS=1 (or 0) in
+	// the environment turns graphs on (or off) whatever this says, to run a
+	// test suite both ways.
+	NoCUDAGraphs bool
+}
+
+// graphsEnv is the environment variable that overrides
+// ExecutorOptions.NoCUDAGraphs.
+const graphsEnv = "BATCHFIT_CUDA_GRAPHS"
+
+// graphsOn is whether ExecutorOptions.NoCUDAGraphs, under graphsEnv,
+// leaves CUDA graphs on.
+func graphsOn(o ExecutorOptions) bool {
+	switch os.Getenv(graphsEnv) {
+	case "1":
+		return true
+	case "0":
+		return false
+	}
+	return !o.NoCUDAGraphs
 }
 
 // NoBLASWorkspace gives cuBLAS no workspace (ExecutorOptions.BLASWorkspace).
@@ -68,6 +98,11 @@ type Executor struct {
 	mu       sync.Mutex
 	resident exec.Residents[*residentBuf]
 	closed   bool
+	graphs   graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
+	// graphBytes is the driver memory the live graphs' instantiation took
+	// (GraphStats.DriverBytes), for Reserve without the lock.
+	graphBytes atomic.Int64
+	cur        *runner // the running Execute's runner, on the device thread
 }
 
 var _ exec.Executor = (*Executor)(nil)
@@ -94,7 +129,12 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 	if err != nil {
 		return nil, err
 	}
-	a := alloc.New(d.Backend(), alloc.Options{TraceEntries: o.TraceEntries})
+	e := &Executor{d: d, ks: ks, why: errNoCuDNNAsked}
+	e.graphs.on = graphsOn(o)
+	// The backend flushes pending launches (graphs.go) before it gives a
+	// segment back to the driver.
+	a := alloc.New(graphBackend{Backend: d.Backend(), e: e}, alloc.Options{TraceEntries: o.TraceEntries})
+	e.a = a
 	b, err := d.NewBLAS(a, ws)
 	if err != nil {
 		return nil, errors.Join(err, ks.close())
@@ -104,7 +144,7 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 			return nil, errors.Join(err, b.Close(), ks.close(), a.EmptyCache())
 		}
 	}
-	e := &Executor{d: d, a: a, blas: b, ks: ks, why: errNoCuDNNAsked}
+	e.blas = b
 	if !o.NoCuDNN {
 		// cuDNN is optional: without it (not installed, or its handle
 		// failed) convolutions run on im2col, and Convolutions says why.
@@ -155,12 +195,14 @@ func (e *Executor) Overhead() int64 {
 }
 
 // Reserve is the memory plans leave free (exec.Executor): DriverReserve,
-// and the device memory the cuDNN handle took outside every allocator.
+// and the device memory the cuDNN handle and the live CUDA graphs
+// (GraphStats.DriverBytes) took outside every allocator.
 func (e *Executor) Reserve() int64 {
+	r := DriverReserve + e.graphBytes.Load()
 	if e.dnn != nil {
-		return DriverReserve + e.dnn.Overhead()
+		r += e.dnn.Overhead()
 	}
-	return DriverReserve
+	return r
 }
 
 // Close frees the resident buffers, destroys the cuBLAS handle (returning
@@ -173,11 +215,15 @@ func (e *Executor) Close() error {
 		return nil
 	}
 	e.closed = true
+	var graphs error
+	if len(e.graphs.progs) > 0 || e.graphs.stream != 0 {
+		graphs = e.d.do(e.closeGraphs)
+	}
 	var dnn error
 	if e.dnn != nil {
 		dnn = e.dnn.Close()
 	}
-	return errors.Join(e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
+	return errors.Join(graphs, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
 // Workspace is the kernels' workspace rule (exec.Executor).
@@ -223,8 +269,20 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 				return err
 			}
 		}
+		var gerr error
+		if e.graphs.on && o.OpTime == nil && o.Reduce == nil {
+			r.g, gerr = e.graphs.forProgram(p.Signature(), e.destroySeg)
+		}
+		e.cur = r
+		defer func() { e.cur = nil }()
 		var err error
 		u, err = planner.Replay(p, chunks, e.a, r, o.Timeline)
+		if err == nil { // the launches after the last host step
+			err = r.flush()
+		}
+		if r.g != nil {
+			err = errors.Join(err, gerr, r.g.prune(graphKeep, e.destroySeg))
+		}
 		if len(r.reduced) > 0 && !r.reduceWaited {
 			// A step that failed after handing gradients to Reduce waits
 			// for their sums (or their failure) before its blocks go back
@@ -294,6 +352,12 @@ type runner struct {
 		blk     *alloc.Block
 	}
 	early map[int]bool
+	// g is the program's CUDA graphs, nil when this call launches eagerly;
+	// pend is the nodes whose launches wait for the next host step, fp
+	// their fingerprint (graphs.go).
+	g    *progGraphs
+	pend []pendingOp
+	fp   []uint64
 	// ExecOptions.Reduce's state: the program runs in one chunk (its kept
 	// outputs are final when made), the kept nodes, the blocks handed to
 	// Reduce.Add, and whether Reduce.Wait was called.
@@ -325,7 +389,10 @@ func (r *runner) Resident(buf planner.Buffer) *alloc.Block {
 }
 
 func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
-	var err error
+	err := r.flush()
+	if err != nil {
+		return err
+	}
 	if pb.Kind == planner.BufParam {
 		nd := r.node(pb.Node)
 		var v *exec.HostBuf
@@ -367,6 +434,9 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		}()
 	}
 	if nd.Op == graph.OpInput {
+		if err := r.flush(); err != nil {
+			return err
+		}
 		return r.loadInput(nd, c, out)
 	}
 	in := make([]operand, len(ins))
@@ -380,21 +450,46 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		co = &v
 	}
 	r.companion.blk = nil
-	coDone, err := r.eval(nd, in, y, ws, c, co, r.companion.m)
+	if r.g != nil && !hostReads(nd.Op) {
+		// A node that has run eagerly before waits for the segment's
+		// flush; its first run told whether it computes its companion.
+		if done, ok := r.g.coDone[coKey{nd.ID, c.Size}]; ok {
+			r.deferOp(pendingOp{nd: nd, c: c, in: in, y: y, ws: viewOf(ws), co: co, coDone: done})
+			r.markEarly(done)
+			return nil
+		}
+	}
+	if err := r.flush(); err != nil {
+		return err
+	}
+	coDone, err := r.eval(nd, in, y, viewOf(ws), c, co)
+	r.markEarly(coDone)
+	if err != nil {
+		return r.opError(nd, c, in, err)
+	}
+	if r.g != nil {
+		r.g.coDone[coKey{nd.ID, c.Size}] = coDone
+	}
+	return r.reduceReady(nd.ID, out)
+}
+
+// markEarly notes that the running node computed its companion output.
+func (r *runner) markEarly(coDone bool) {
 	if coDone {
 		if r.early == nil {
 			r.early = map[int]bool{}
 		}
 		r.early[r.companion.m] = true
 	}
-	if err != nil {
-		shapes := make([][]int, len(in))
-		for i, x := range in {
-			shapes[i] = x.shape
-		}
-		return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, nd, c, err)}
+}
+
+// opError is a node's kernel error with the node's op, shapes and site.
+func (r *runner) opError(nd *graph.Node, c planner.Chunk, in []operand, err error) error {
+	shapes := make([][]int, len(in))
+	for i, x := range in {
+		shapes[i] = x.shape
 	}
-	return r.reduceReady(nd.ID, out)
+	return &graph.OpError{Op: nd.Op.String(), Shapes: shapes, Site: nd.Site, Err: exec.InChunk(r.p, nd, c, err)}
 }
 
 func (r *runner) Freed(planner.Buffer, *alloc.Block) {}
@@ -414,6 +509,9 @@ func (r *runner) operand(id int, blk *alloc.Block, b int) operand {
 // ChunkDone adds kept outputs into their accumulators on the device and
 // downloads the others, combining them on the host.
 func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Block) error {
+	if err := r.flush(); err != nil {
+		return err
+	}
 	add := func(o int, acc, out *alloc.Block) error {
 		nd := r.node(o)
 		if !nd.Type.DType.IsFloat() {
@@ -433,6 +531,9 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 // are unscaled and checked on the device first (unscale, with its flag in
 // ws), and no update runs if one holds an inf or NaN.
 func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
+	if err := r.flush(); err != nil {
+		return err
+	}
 	for j := range kept {
 		// Gradients that update float32 parameters are float32 (a
 		// Session's steps always); other kept sums may be 16-bit.

@@ -25,7 +25,7 @@ type kctx struct {
 	g    *graph.Graph
 	nd   *graph.Node
 	c    planner.Chunk
-	ws   *alloc.Block
+	ws   *wsView // nil without a workspace
 	// co is the output of the node's companion (planner.Program.Companion)
 	// when the kernel may compute it in the same pass, else nil; a kernel
 	// that does sets coDone.

@@ -63,6 +63,9 @@ func copyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T, wait bool) error {
 	}
 	n := uintptr(len(src)) * unsafe.Sizeof(src[0])
 	return d.do(func() error {
+		if d.capture != 0 {
+			return ErrHostInCapture
+		}
 		if n >= stageMin {
 			return d.stageHtoD(dst, unsafe.Pointer(&src[0]), n, wait)
 		}
@@ -78,6 +81,9 @@ func CopyDtoH[T Elem](d *Device, dst []T, src alloc.Ptr) error {
 	}
 	n := uintptr(len(dst)) * unsafe.Sizeof(dst[0])
 	return d.do(func() error {
+		if d.capture != 0 {
+			return ErrHostInCapture
+		}
 		return d.drv.check("cuMemcpyDtoH_v2", d.drv.cuMemcpyDtoH(unsafe.Pointer(&dst[0]), CUdeviceptr(src), n))
 	})
 }
@@ -85,7 +91,8 @@ func CopyDtoH[T Elem](d *Device, dst []T, src alloc.Ptr) error {
 // Memzero sets n bytes at dst to zero.
 func (d *Device) Memzero(dst alloc.Ptr, n int64) error { return d.memset(dst, 0, n) }
 
-// memset sets n bytes at dst to v.
+// memset sets n bytes at dst to v: on stream 0, or on the capture stream
+// while the executor captures a CUDA graph (graphs.go).
 func (d *Device) memset(dst alloc.Ptr, v uint8, n int64) error {
 	if n < 0 {
 		return fmt.Errorf("%w: memset of %d bytes", alloc.ErrInvalid, n)
@@ -93,5 +100,14 @@ func (d *Device) memset(dst alloc.Ptr, v uint8, n int64) error {
 	if n == 0 {
 		return nil
 	}
-	return d.do(func() error { return d.drv.check("cuMemsetD8_v2", d.drv.cuMemsetD8(CUdeviceptr(dst), v, uintptr(n))) })
+	return d.do(func() error {
+		if s := d.capture; s != 0 {
+			gd, err := loadGraphDriver()
+			if err != nil {
+				return err
+			}
+			return d.drv.check("cuMemsetD8Async", gd.cuMemsetD8Async(CUdeviceptr(dst), v, uintptr(n), s))
+		}
+		return d.drv.check("cuMemsetD8_v2", d.drv.cuMemsetD8(CUdeviceptr(dst), v, uintptr(n)))
+	})
 }

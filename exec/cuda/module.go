@@ -231,14 +231,15 @@ func (m *Module) Launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, 
 	return m.d.do(func() error { return m.d.launch(fn, grid, block, sharedMem, p) })
 }
 
-// launch calls cuLaunchKernel; it runs on the device goroutine.
+// launch calls cuLaunchKernel on stream 0, or on the capture stream while
+// the executor captures a CUDA graph; it runs on the device goroutine.
 func (d *Device) launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, p *kernelParams) error {
 	var pp *unsafe.Pointer
 	if len(p.ptrs) > 0 {
 		pp = &p.ptrs[0]
 	}
 	return d.drv.check("cuLaunchKernel", d.drv.cuLaunchKernel(fn,
-		grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedMem, 0, pp, nil))
+		grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedMem, d.capture, pp, nil))
 }
 
 // Close unloads the module. Its functions must not be launched afterwards.

@@ -33,6 +33,9 @@ func (r *runner) startTiming(nd *graph.Node, c planner.Chunk) (nodeTiming, error
 
 // record records ev on the default stream. On the device thread.
 func (d *Device) record(ev CUevent) error {
+	if d.capture != 0 {
+		return ErrHostInCapture
+	}
 	return d.drv.check("cuEventRecord", d.drv.cuEventRecord(ev, 0))
 }
 

@@ -1,7 +1,6 @@
 package cuda
 
 import (
-	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda/internal/opcode"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/optable"
@@ -37,7 +36,7 @@ var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKe
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.
-func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block, c planner.Chunk, co *operand, coNode int) (coDone bool, err error) {
+func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c planner.Chunk, co *operand) (coDone bool, err error) {
 	if err := deviceDType(nd); err != nil {
 		return false, err
 	}
@@ -49,7 +48,10 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *alloc.Block
 		return false, graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for op %s", nd.Op)
 	}
 	k := r.kernels()
-	k.nd, k.c, k.ws, k.co, k.coNode = nd, c, ws, co, coNode
+	k.nd, k.c, k.ws, k.co = nd, c, ws, co
+	if co != nil {
+		k.coNode = r.p.Companion[nd.ID]
+	}
 	err = run(k, in, out)
 	return k.coDone && err == nil, err
 }
