@@ -52,7 +52,7 @@ func (g *Graph) Signature() uint64 {
 		ints(a.Padding[:])
 		ints(a.Dilation[:])
 		flags := 0
-		for bit, f := range []bool{a.Approx, a.KeepDim, a.TransA, a.TransB, a.Training, a.Causal, a.PerChunk} {
+		for bit, f := range []bool{a.Approx, a.KeepDim, a.TransA, a.TransB, a.Training, a.Causal, a.PerChunk, a.ChannelsLast} {
 			if f {
 				flags |= 1 << bit
 			}
