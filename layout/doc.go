@@ -12,7 +12,10 @@
 //     [O, kh, kw, C/g]) by explicit permute nodes, which the planner sizes
 //     like any node. Each of these consumers of a channels-last value
 //     stays channels last (graph.Attrs.ChannelsLast on the layout ops):
-//     conv2d, max_pool2d, avg_pool2d, batch_norm; elementwise ops of one
+//     conv2d, max_pool2d, avg_pool2d, batch_norm in training mode (in
+//     evaluation mode its weight's gradient would need NCHW kernels on
+//     CUDA, which has cuDNN's channels-last batch norm and convolutions
+//     only: see cuda.ErrChannelsLast); elementwise ops of one
 //     input (but dropout and causal_mask, whose values depend on the
 //     element's position); elementwise binary ops whose operands have one
 //     4-D shape, or are scalars; sum, mean and max over axes whose result

@@ -124,8 +124,10 @@ func decide(g *graph.Graph, nd *graph.Node, last []bool) (bool, []int) {
 	switch nd.Op {
 	case graph.OpConv2d:
 		return len(x.Shape) == 4, nil
-	case graph.OpMaxPool2d, graph.OpAvgPool2d, graph.OpBatchNorm:
+	case graph.OpMaxPool2d, graph.OpAvgPool2d:
 		return last[in[0]] && len(x.Shape) == 4, nil
+	case graph.OpBatchNorm: // training mode: cuDNN runs it and its gradients channels last
+		return last[in[0]] && len(x.Shape) == 4 && nd.Attrs.Training, nil
 	case graph.OpDropout, graph.OpCausalMask: // their values depend on the element's position
 		return false, nil
 	}

@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"fmt"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -24,6 +26,9 @@ func bnWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 		i = 0
 	}
 	x := inputAt(g, nd, i, b)
+	if nd.Attrs.ChannelsLast {
+		x = nchwShape(&nd.Attrs, x)
+	}
 	if len(x) < 2 {
 		return 0
 	}
@@ -105,6 +110,9 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 	if done, err := k.dnnBatchNorm(a, in, out); done || err != nil {
 		return err
 	}
+	if a.ChannelsLast {
+		return bnChannelsLastErr("batch_norm", in[0])
+	}
 	x := in[0]
 	dt, err := floatsOf(x, out)
 	if err != nil {
@@ -146,12 +154,21 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 	return k.bnElems(typed(kBatchNorm, dt), rows, inner, x.p, l.coef, out.p, rows, c, inner)
 }
 
+// bnChannelsLastErr is the error of a channels-last batch norm node
+// that cuDNN did not take: the kernels here are NCHW only.
+func bnChannelsLastErr(op string, x operand) error {
+	return fmt.Errorf("%s of %v in %s, channels last: %w", op, x.shape, x.dt, ErrChannelsLast)
+}
+
 // batchNormGradX is the training-mode gradient of batch_norm's input. It
 // also gives Σ g·x̂ into its companion batch_norm_grad_w's output, when
 // the planner made one (graph.BatchNormGradWProducer).
 func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
 	if done, err := k.dnnBatchNormGradX(a, g, x, w, out); done || err != nil {
 		return err
+	}
+	if a.ChannelsLast {
+		return bnChannelsLastErr("batch_norm_grad_x", x)
 	}
 	if _, err := floatsOf(g, x, out); err != nil {
 		return err
@@ -196,6 +213,9 @@ func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 // (the batch's statistics, or the running ones in evaluation mode).
 func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out operand) error {
 	g, x := in[0], in[1]
+	if a.ChannelsLast { // its companion batch_norm_grad_x gives it on cuDNN
+		return bnChannelsLastErr("batch_norm_grad_w", x)
+	}
 	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}

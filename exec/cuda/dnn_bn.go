@@ -11,7 +11,11 @@ import (
 // cuDNN's batch norm (libcudnn_ops.so.9's legacy API), unless
 // ExecutorOptions.NoCuDNNBatchNorm: batch_norm's forward pass in both modes
 // and batch_norm_grad_x, over x [N, C, ...] viewed as NCHW [N, C, inner,
-// 1] in SPATIAL mode (statistics over every axis but the channels). It
+// 1] in SPATIAL mode (statistics over every axis but the channels), or a
+// channels-last x [N, H, W, C] (graph.Attrs.ChannelsLast) viewed as NHWC
+// [N, C, H·W, 1], whose forward pass in training mode tries the
+// persistent mode first. Channels-last nodes have no kernels of their own:
+// where cuDNN does not take one, it fails with ErrChannelsLast. It
 // runs where its per-channel values are float32: float32 models, and
 // 16-bit x under mixed precision (float32 weight, bias and running
 // statistics, as autocast calls it); other graphs, or a cuDNN without
@@ -23,8 +27,14 @@ import (
 // batch_norm_grad_x's companion; the bias gradient, a sum node of its own,
 // goes to the workspace (dnnBNBytes).
 
-// cudnnBatchNormMode_t: per channel, over N, H and W.
-const cudnnBatchNormSpatial = 1
+// cudnnBatchNormMode_t: per channel, over N, H and W; the persistent
+// variant, cuDNN's fast path for channels-last data (tried first for a
+// channels-last forward pass in training mode, the plain mode where cuDNN
+// refuses it).
+const (
+	cudnnBatchNormSpatial           = 1
+	cudnnBatchNormSpatialPersistent = 2
+)
 
 // cudnnBNLib holds the batch norm entry points; C signatures in comments.
 type cudnnBNLib struct {
@@ -69,10 +79,12 @@ func (c *cudnnBNLib) symbols() []symbol {
 	}
 }
 
-// bnKey is a batch norm plan's dtype and x's [n, c, inner].
+// bnKey is a batch norm plan's dtype, x's [n, c, inner] and its layout:
+// NCHW, or channels last (x [n, h, w, c], inner = h·w).
 type bnKey struct {
 	dt          graph.DType
 	n, c, inner int64
+	nhwc        bool
 }
 
 // bnPlan holds x's descriptor (also y's, dy's and dx's) and the derived
@@ -109,7 +121,11 @@ func (n *DNN) bnPlan(key bnKey) (*bnPlan, error) {
 		err = l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.pd))
 	}
 	if err == nil {
-		err = l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, cudnnNCHW, dt,
+		format := int32(cudnnNCHW)
+		if key.nhwc {
+			format = cudnnNHWC
+		}
+		err = l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, format, dt,
 			int32(key.n), int32(key.c), int32(key.inner), 1))
 	}
 	if err == nil {
@@ -149,11 +165,24 @@ func (k *kctx) dnnBN(x, out operand, params ...*operand) (*bnPlan, error) {
 			return nil, nil
 		}
 	}
-	n, c, inner, err := channels(k.nd.Op.String(), x)
+	nhwc := k.attrs().ChannelsLast
+	n, c, inner, err := bnChannels(k.nd.Op.String(), x, nhwc)
 	if err != nil || c == 0 {
 		return nil, err
 	}
-	return k.dnn.bnPlan(bnKey{dt: x.dt, n: n, c: c, inner: inner})
+	return k.dnn.bnPlan(bnKey{dt: x.dt, n: n, c: c, inner: inner, nhwc: nhwc})
+}
+
+// bnChannels is channels for x in a batch norm's layout: [N, H, W, C]
+// when nhwc.
+func bnChannels(op string, x operand, nhwc bool) (n, c, inner int64, err error) {
+	if !nhwc {
+		return channels(op, x)
+	}
+	if len(x.shape) != 4 {
+		return 0, 0, 0, graph.Errorf(graph.ErrShape, "%s channels last needs [N, H, W, C], got %v", op, x.shape)
+	}
+	return int64(x.shape[0]), int64(x.shape[3]), int64(x.shape[1] * x.shape[2]), nil
 }
 
 // dnnOnes fills a float32 [c] of ones at p (the scale of a batch norm
@@ -178,7 +207,10 @@ func (k *kctx) dnnBatchNorm(a *graph.Attrs, in []operand, out operand) (done boo
 	if p == nil || err != nil {
 		return false, err
 	}
-	c := int64(x.shape[1])
+	_, c, _, err := bnChannels("batch_norm", x, a.ChannelsLast)
+	if err != nil {
+		return false, err
+	}
 	for _, q := range []*operand{w, b, runMean, runVar} {
 		if q != nil && q.n() != c {
 			return false, graph.Errorf(graph.ErrShape, "batch_norm per-channel input %v, want [%d]", q.shape, c)
@@ -204,10 +236,19 @@ func (k *kctx) dnnBatchNorm(a *graph.Attrs, in []operand, out operand) (done boo
 	}
 	l, bn, one, zero := k.dnn.lib, k.dnn.bn, float32(1), float32(0)
 	if a.Training {
-		s := bn.cudnnBatchNormalizationForwardTraining(k.dnn.h, cudnnBatchNormSpatial, &one, &zero,
-			p.xd, CUdeviceptr(x.p), p.xd, CUdeviceptr(out.p), p.pd, CUdeviceptr(scale), CUdeviceptr(bias),
-			0, 0, 0, a.Eps, 0, 0)
-		return true, l.check("cudnnBatchNormalizationForwardTraining", s)
+		train := func(mode int32) cudnnStatus {
+			return bn.cudnnBatchNormalizationForwardTraining(k.dnn.h, mode, &one, &zero,
+				p.xd, CUdeviceptr(x.p), p.xd, CUdeviceptr(out.p), p.pd, CUdeviceptr(scale), CUdeviceptr(bias),
+				0, 0, 0, a.Eps, 0, 0)
+		}
+		if a.ChannelsLast {
+			err := l.check("cudnnBatchNormalizationForwardTraining", train(cudnnBatchNormSpatialPersistent))
+			var ce *CUDNNError
+			if !errors.As(err, &ce) || !ce.NotSupported() {
+				return true, err
+			}
+		}
+		return true, l.check("cudnnBatchNormalizationForwardTraining", train(cudnnBatchNormSpatial))
 	}
 	s := bn.cudnnBatchNormalizationForwardInference(k.dnn.h, cudnnBatchNormSpatial, &one, &zero,
 		p.xd, CUdeviceptr(x.p), p.xd, CUdeviceptr(out.p), p.pd, CUdeviceptr(scale), CUdeviceptr(bias),
@@ -225,7 +266,10 @@ func (k *kctx) dnnBatchNormGradX(a *graph.Attrs, g, x operand, w *operand, out o
 	if p == nil || err != nil {
 		return false, err
 	}
-	c := int64(x.shape[1])
+	_, c, _, err := bnChannels("batch_norm_grad_x", x, a.ChannelsLast)
+	if err != nil {
+		return false, err
+	}
 	if w != nil && w.n() != c {
 		return false, graph.Errorf(graph.ErrShape, "batch_norm_grad_x weight %v, want [%d]", w.shape, c)
 	}

@@ -114,3 +114,10 @@ var ErrKernelArgs = errors.New("cuda: kernel launched with the wrong number of a
 // ErrWorkspace means a node's workspace block is smaller than its CUDA
 // kernels need: the program was compiled without cuda.Workspace.
 var ErrWorkspace = errors.New("cuda: workspace smaller than the kernels need (compile programs with cuda.Workspace)")
+
+// ErrChannelsLast is wrapped by the error of a channels-last node
+// (graph.Attrs.ChannelsLast) that cuDNN does not take: no cuDNN, or
+// ExecutorOptions.NoCuDNNBatchNorm, a dtype or alignment cuDNN refuses, no
+// algorithm within the workspace. The executor's own convolution and batch
+// norm kernels are NCHW only; pooling has channels-last kernels of its own.
+var ErrChannelsLast = errors.New("cuda: channels-last node that cuDNN does not take")

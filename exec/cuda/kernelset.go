@@ -62,6 +62,11 @@ const (
 	kMaxPoolGrad       = "max_pool2d_grad_f32"
 	kAvgPool           = "avg_pool2d_f32"
 	kAvgPoolGrad       = "avg_pool2d_grad_f32"
+	kMaxPoolNHWC       = "max_pool2d_nhwc_f32"
+	kMaxPoolArgmaxNHWC = "max_pool2d_argmax_nhwc_f32"
+	kMaxPoolGradNHWC   = "max_pool2d_grad_nhwc_f32"
+	kAvgPoolNHWC       = "avg_pool2d_nhwc_f32"
+	kAvgPoolGradNHWC   = "avg_pool2d_grad_nhwc_f32"
 	kReduceRows        = "reduce_rows_f32"
 	kReduceMid         = "reduce_mid_f32"
 	kReduceSplits      = "reduce_splits_f32"
@@ -92,9 +97,10 @@ var kernelFiles = map[string][]string{
 	"loss.cu":      allTyped(kCrossEntropy, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu":  append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":     {kSGD, kAdam, kUnscale},
-	"pool.cu":      allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
-	"reduce.cu":    allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
-	"softmax.cu":   allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
+	"pool.cu": allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad,
+		kMaxPoolNHWC, kMaxPoolArgmaxNHWC, kMaxPoolGradNHWC, kAvgPoolNHWC, kAvgPoolGradNHWC),
+	"reduce.cu":  allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
+	"softmax.cu": allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }
 
 // kernel is a function of a loaded module.
