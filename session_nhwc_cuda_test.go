@@ -17,10 +17,11 @@ import (
 // CUDA (cuDNN's NHWC convolutions and batch norms, the channels-last
 // pooling kernels, the permutes at the regions' borders) against the CPU
 // session without it, for three SGD steps, whole and in chunks (a budget of
-// half the whole step's peak): losses within the policy's tolerance (2e-2
-// for bf16-mixed as TestSessionCUDAMixedPrecision; 1e-3 for fp32, cuDNN
-// and the CPU summing in other orders), and predicted = measured peaks,
-// reserved and allocated, at every step. The ResNet with whole-batch
+// half the whole step's peak): losses within the policy's tolerance (as
+// TestSessionCUDAMixedPrecision: 2e-2 for bf16-mixed, 5e-3 for
+// fp16-mixed, whose 4-channel convolutions stay NCHW by layout.ConvTakes,
+// so regions start and end inside the net), and predicted = measured
+// peaks, reserved and allocated, at every step. The ResNet with whole-batch
 // statistics runs whole only; its per-chunk twin and the ConvNet both ways.
 func TestSessionCUDAChannelsLast(t *testing.T) {
 	const steps = 3
@@ -28,7 +29,7 @@ func TestSessionCUDAChannelsLast(t *testing.T) {
 	for _, pc := range []struct {
 		precision string
 		rtol      float64
-	}{{"bf16-mixed", 2e-2}, {"fp32", 1e-3}} {
+	}{{"bf16-mixed", 2e-2}, {"fp16-mixed", 5e-3}} {
 		for _, mc := range []struct {
 			newModel func() testutil.TrainModel
 			n        int

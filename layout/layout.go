@@ -36,7 +36,13 @@ func Rewrite(g *graph.Graph) (*Result, error) {
 	for i := range n {
 		res.IDs[i] = i
 	}
-	if !slices.ContainsFunc(g.Nodes(), func(nd graph.Node) bool { return nd.Op == graph.OpConv2d }) {
+	for i := range n {
+		if nd := g.Node(i); nd.Op.Category() == graph.CatGrad {
+			return nil, &graph.OpError{Op: "layout channels_last", Site: nd.Site,
+				Err: graph.Errorf(graph.ErrAttr, "node %d is a gradient op (%s): apply the pass to the forward graph, before autodiff", i, nd.Op)}
+		}
+	}
+	if !slices.ContainsFunc(g.Nodes(), func(nd graph.Node) bool { return takes(g, &nd) }) {
 		return res, nil
 	}
 	out = graph.New()
@@ -74,10 +80,6 @@ func Rewrite(g *graph.Graph) (*Result, error) {
 	}
 	for i := range n {
 		nd := g.Node(i)
-		if nd.Op.Category() == graph.CatGrad {
-			return nil, &graph.OpError{Op: "layout channels_last", Site: nd.Site,
-				Err: graph.Errorf(graph.ErrAttr, "node %d is a gradient op (%s): apply the pass to the forward graph, before autodiff", i, nd.Op)}
-		}
 		nn := graph.Node{Op: nd.Op, Attrs: cloneAttrs(nd.Attrs), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
 		if nd.Op.Category() == graph.CatSource {
 			nn.Type = nd.Type
@@ -123,11 +125,9 @@ func decide(g *graph.Graph, nd *graph.Node, last []bool) (bool, []int) {
 	x := g.Node(in[0]).Type
 	switch nd.Op {
 	case graph.OpConv2d:
-		return len(x.Shape) == 4, nil
-	case graph.OpMaxPool2d, graph.OpAvgPool2d:
+		return takes(g, nd), nil
+	case graph.OpMaxPool2d, graph.OpAvgPool2d, graph.OpBatchNorm:
 		return last[in[0]] && len(x.Shape) == 4, nil
-	case graph.OpBatchNorm: // training mode: cuDNN runs it and its gradients channels last
-		return last[in[0]] && len(x.Shape) == 4 && nd.Attrs.Training, nil
 	case graph.OpDropout, graph.OpCausalMask: // their values depend on the element's position
 		return false, nil
 	}
@@ -187,4 +187,38 @@ func cloneAttrs(a graph.Attrs) graph.Attrs {
 	a.Perm = slices.Clone(a.Perm)
 	a.Target.Shape = slices.Clone(a.Target.Shape)
 	return a
+}
+
+// takes reports whether node nd of g is a convolution that runs channels
+// last.
+func takes(g *graph.Graph, nd *graph.Node) bool {
+	if nd.Op != graph.OpConv2d {
+		return false
+	}
+	x, w := g.Node(nd.Inputs[0]).Type, g.Node(nd.Inputs[1]).Type
+	return len(x.Shape) == 4 && len(w.Shape) == 4 && convTakes(nd.Type.DType, w.Shape[0], nd.Attrs.Groups, x.Shape[1])
+}
+
+// convTakes is ConvTakes; tests widen it to float32 to check the pass
+// against the float64 reference.
+var convTakes = ConvTakes
+
+// ConvTakes reports whether a convolution of dtype dt with out output
+// channels and in input channels in groups groups runs channels last: the
+// convolutions cuDNN 9's NHWC kernels take, forward and both gradients, as
+// measured on the H100 (exec/cuda's TestCuDNNConvChannelsLastMatchesRef):
+// every bfloat16 one; float16 ones with a multiple of 8 output channels
+// that are not depthwise (cuDNN refuses 4 or 7 output channels, and a
+// depthwise input gradient); no float32 one (cuDNN has no NHWC input
+// gradient for most float32 shapes). The CUDA executor fails with
+// cuda.ErrChannelsLast on a channels-last convolution cuDNN refuses.
+func ConvTakes(dt graph.DType, out, groups, in int) bool {
+	switch dt {
+	case graph.BFloat16:
+		return true
+	case graph.Float16:
+		depthwise := groups > 1 && groups == in
+		return out%8 == 0 && !depthwise
+	}
+	return false
 }

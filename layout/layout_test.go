@@ -73,13 +73,15 @@ func nets() map[string]func() (forwarder, int, int, int) {
 }
 
 // TestChannelsLastSameStep checks a training step's loss and gradients
-// with channels last against the same step without, in float64 on the
+// with channels last (every convolution taken, float32 ones included)
+// against the same step without, in float64 on the
 // reference interpreter (relative to each output's largest magnitude:
 // 1e-10, sums taken in another order) and in float32 on the CPU executor
 // (1e-5), for fp32 and bf16-mixed (the CPU rounds to bfloat16 at the same
 // points either way; a float32 sum in another order may round to the
 // neighbouring bfloat16: 2e-2).
 func TestChannelsLastSameStep(t *testing.T) {
+	defer layout.TakeAllConvs()()
 	for name, mk := range nets() {
 		for _, p := range []precision.Policy{precision.FP32, precision.BF16Mixed} {
 			t.Run(name+"/"+string(p), func(t *testing.T) {
@@ -175,4 +177,22 @@ func TestChannelsLastLeavesOtherGraphs(t *testing.T) {
 	st := step(t, m, c, s, classes, precision.FP32, false)
 	_, _, err = layout.ChannelsLast(st.Graph)
 	require.ErrorIs(t, err, graph.ErrAttr)
+}
+
+// TestConvTakes checks the rule on which convolutions run channels last,
+// and that a float32 step comes back unchanged under it.
+func TestConvTakes(t *testing.T) {
+	require.True(t, layout.ConvTakes(graph.BFloat16, 7, 1, 5))
+	require.True(t, layout.ConvTakes(graph.Float16, 64, 1, 3))
+	require.True(t, layout.ConvTakes(graph.Float16, 24, 4, 16))
+	require.False(t, layout.ConvTakes(graph.Float16, 4, 1, 4))
+	require.False(t, layout.ConvTakes(graph.Float16, 32, 32, 32), "depthwise")
+	require.False(t, layout.ConvTakes(graph.Float32, 64, 1, 64))
+
+	m, c, s, classes := nets()["resnet"]()
+	base := step(t, m, c, s, classes, precision.FP32, false)
+	cl := step(t, m, c, s, classes, precision.FP32, true)
+	require.Equal(t, base.Graph.Signature(), cl.Graph.Signature())
+	bf := step(t, m, c, s, classes, precision.BF16Mixed, true)
+	require.Greater(t, bf.Graph.Len(), base.Graph.Len())
 }

@@ -399,6 +399,9 @@ func (k *kctx) dnnConvRun(pass convPass, dt graph.DType, geo convGeom, nhwc bool
 			return false, nil // im2col takes it
 		}
 		key := newConvKey(pass, dt, geo, 0, nhwc)
+		if nhwc { // cuDNN answers BAD_PARAM for some channels-last shapes
+			return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s, channels last: %w: %w", pass, key.x, key.w, dt, ErrChannelsLast, err)
+		}
 		return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s: %w", pass, key.x, key.w, dt, err)
 	}
 	return true, nil

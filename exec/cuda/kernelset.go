@@ -18,6 +18,10 @@ const (
 	kBatchNorm      = "batch_norm_f32"
 	kBatchNormRows  = "batch_norm_rows_f32"
 	kBatchNormGradX = "batch_norm_grad_x_f32"
+
+	kBatchNormNHWC      = "batch_norm_nhwc_f32"
+	kBatchNormRowsNHWC  = "batch_norm_rows_nhwc_f32"
+	kBatchNormGradXNHWC = "batch_norm_grad_x_nhwc_f32"
 	// Untyped: their per-channel operands' dtype comes at run time.
 	kBatchNormCoef     = "batch_norm_coef"
 	kBatchNormGradCoef = "batch_norm_grad_coef"
@@ -87,9 +91,10 @@ const (
 var kernelFiles = map[string][]string{
 	"attention.cu":  slices.Concat(attnPlainKernels(), attnMMAKernels(), []string{kAttnRowsFwd, kAttnRowsBwd}),
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
-	"batchnorm.cu":  append(allTyped(kBatchNorm, kBatchNormRows, kBatchNormGradX), kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment),
-	"conv.cu":       allTyped(kIm2col, kCol2im, kRegroup),
-	"dropout.cu":    allTyped(kDropout),
+	"batchnorm.cu": append(allTyped(kBatchNorm, kBatchNormRows, kBatchNormGradX, kBatchNormNHWC, kBatchNormRowsNHWC, kBatchNormGradXNHWC),
+		kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment),
+	"conv.cu":    allTyped(kIm2col, kCol2im, kRegroup),
+	"dropout.cu": allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu":     allTyped(kEmbedding, kEmbeddingGrad),
