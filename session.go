@@ -105,6 +105,15 @@ type Options struct {
 	// out of range make the session hold an error wrapping
 	// precision.ErrLossScale.
 	LossScale precision.LossScale
+	// ChannelsLast stores conv nets' 4-D activations channels last (NHWC)
+	// in training steps (package layout, precision.TrainOptions.
+	// ChannelsLast), after the precision pass, under every policy: the
+	// layout cuDNN's 16-bit convolutions and batch norms run fastest in.
+	// Shapes the caller sees stay NCHW; the plan counts the conversions.
+	// On CUDA the channels-last convolutions and batch norms run on cuDNN
+	// only (cuda.ErrChannelsLast where it does not take one); the CPU
+	// computes them in NCHW.
+	ChannelsLast bool
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -1049,12 +1058,13 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	return st, t.sig, func() {}, nil
 }
 
-// differentiate builds a training step's graph: under a mixed policy the
-// precision pass on a copy of loss's graph, then loss scaling and the
-// backward pass (precision.TrainWith); otherwise the backward pass
-// appended to loss's graph (lazy.Grad). wrt are the parameters' node ids.
+// differentiate builds a training step's graph: under a mixed policy or
+// with Options.ChannelsLast the precision and layout passes on a copy of
+// loss's graph, then loss scaling and the backward pass
+// (precision.TrainWith); otherwise the backward pass appended to loss's
+// graph (lazy.Grad). wrt are the parameters' node ids.
 func (s *Session) differentiate(loss *lazy.Tensor, params []*lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
-	if !s.policy.Mixed() {
+	if !s.policy.Mixed() && !s.opts.ChannelsLast {
 		n := loss.Graph().IR().Len()
 		grads := lazy.Grad(loss, params...)
 		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
@@ -1071,9 +1081,9 @@ func (s *Session) differentiate(loss *lazy.Tensor, params []*lazy.Tensor, wrt []
 		}
 		return st, nil
 	}
-	o := precision.TrainOptions{}
+	o := precision.TrainOptions{ChannelsLast: s.opts.ChannelsLast}
 	if scale != nil {
-		o = precision.TrainOptions{LossScale: true, Scale: scale}
+		o.LossScale, o.Scale = true, scale
 	}
 	st, err := precision.TrainWith(loss.Graph().IR(), s.policy, loss.ID(), wrt, o)
 	if err != nil {

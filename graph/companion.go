@@ -96,7 +96,8 @@ func BatchNormGradWProducer(g *Graph, m int) int {
 	for id := m - 1; id >= 0; id-- {
 		n := g.Node(id)
 		if n.Op == OpBatchNormGradX && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
-			n.Attrs.Training == w.Attrs.Training && n.Attrs.PerChunk == w.Attrs.PerChunk && n.Attrs.Eps == w.Attrs.Eps {
+			n.Attrs.Training == w.Attrs.Training && n.Attrs.PerChunk == w.Attrs.PerChunk && n.Attrs.Eps == w.Attrs.Eps &&
+			n.Attrs.ChannelsLast == w.Attrs.ChannelsLast {
 			return id
 		}
 	}

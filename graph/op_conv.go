@@ -12,21 +12,24 @@ const (
 	endConvOps
 )
 
-// Convolution and pooling over NCHW inputs. The batch must be the N axis.
+// Convolution and pooling over NCHW inputs, or NHWC ones with
+// Attrs.ChannelsLast (graph/layout.go). The batch must be the N axis.
 var convOps = []OpInfo{
-	OpConv2d: {Name: "conv2d", Category: CatConv, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"stride", "padding", "dilation", "groups"},
+	OpConv2d: {Name: "conv2d", Category: CatConv, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"stride", "padding", "dilation", "groups", "channels_last"},
 		Rule: conv2dRule, Chunk: &Chunk{PerSample: onN, Weights: true}, Saves: SavesInput(0, 1), VJP: conv2dVJP},
-	OpMaxPool2d: {Name: "max_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "dilation"},
+	OpMaxPool2d: {Name: "max_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "dilation", "channels_last"},
 		Rule: pool2dRule, Chunk: &Chunk{PerSample: onN}, Saves: SavesInput(0),
 		VJP: func(b VJPBuilder, n *Node, g int) {
 			x, a := n.Inputs[0], n.Attrs
-			b.Accumulate(x, b.Emit(OpMaxPool2dGrad, Attrs{Kernel: a.Kernel, Stride: a.Stride, Padding: a.Padding, Dilation: a.Dilation}, g, x))
+			b.Accumulate(x, b.Emit(OpMaxPool2dGrad, Attrs{Kernel: a.Kernel, Stride: a.Stride, Padding: a.Padding, Dilation: a.Dilation,
+				ChannelsLast: a.ChannelsLast}, g, x))
 		}},
-	OpAvgPool2d: {Name: "avg_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding"},
+	OpAvgPool2d: {Name: "avg_pool2d", Category: CatConv, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "channels_last"},
 		Rule: pool2dRule, Chunk: &Chunk{PerSample: onN},
 		VJP: func(b VJPBuilder, n *Node, g int) {
 			x, a := n.Inputs[0], n.Attrs
-			b.Accumulate(x, b.Emit(OpAvgPool2dGrad, Attrs{Kernel: a.Kernel, Stride: a.Stride, Padding: a.Padding, Target: b.Type(x)}, g))
+			b.Accumulate(x, b.Emit(OpAvgPool2dGrad, Attrs{Kernel: a.Kernel, Stride: a.Stride, Padding: a.Padding, Target: b.Type(x),
+				ChannelsLast: a.ChannelsLast}, g))
 		}},
 }
 
@@ -39,7 +42,7 @@ func onN(n *Node, _ []Type) string {
 
 func conv2dVJP(b VJPBuilder, n *Node, g int) {
 	in, a := n.Inputs, n.Attrs
-	conv := Attrs{Stride: a.Stride, Padding: a.Padding, Dilation: a.Dilation, Groups: a.Groups}
+	conv := Attrs{Stride: a.Stride, Padding: a.Padding, Dilation: a.Dilation, Groups: a.Groups, ChannelsLast: a.ChannelsLast}
 	if b.Wants(0) {
 		c := conv
 		c.Target = b.Type(in[0])
@@ -51,7 +54,11 @@ func conv2dVJP(b VJPBuilder, n *Node, g int) {
 		b.Accumulate(in[1], b.Emit(OpConv2dGradWeight, c, g, in[0]))
 	}
 	if b.Wants(2) {
-		b.Accumulate(in[2], b.Emit(OpSum, Attrs{Axes: []int{0, 2, 3}}, g))
+		axes := []int{0, 2, 3} // every axis but the channels
+		if a.ChannelsLast {
+			axes = []int{0, 1, 2}
+		}
+		b.Accumulate(in[2], b.Emit(OpSum, Attrs{Axes: axes}, g))
 	}
 }
 
@@ -93,7 +100,13 @@ func windowOut(op Op, attrs *Attrs, h, w, kh, kw int) (int, int, error) {
 
 func conv2dRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) { return conv2d(attrs, in) }
 
+// conv2d types a convolution of in (x, w[, b]), channels last when attrs
+// says so.
 func conv2d(attrs *Attrs, in []Type) (Type, error) {
+	return channelsLast(attrs, in, func(in []Type) (Type, error) { return conv2dNCHW(attrs, in) })
+}
+
+func conv2dNCHW(attrs *Attrs, in []Type) (Type, error) {
 	x, w := in[0], in[1]
 	if err := needFloat(OpConv2d, in...); err != nil {
 		return Type{}, err
@@ -135,7 +148,12 @@ func conv2d(attrs *Attrs, in []Type) (Type, error) {
 
 func pool2dRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) { return pool2d(op, attrs, in[0]) }
 
+// pool2d types a pooling of x, channels last when attrs says so.
 func pool2d(op Op, attrs *Attrs, x Type) (Type, error) {
+	return channelsLast(attrs, []Type{x}, func(in []Type) (Type, error) { return pool2dNCHW(op, attrs, in[0]) })
+}
+
+func pool2dNCHW(op Op, attrs *Attrs, x Type) (Type, error) {
 	if err := needFloat(op, x); err != nil {
 		return Type{}, err
 	}

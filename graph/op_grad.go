@@ -116,7 +116,7 @@ var gradOps = []OpInfo{
 			return Type{Shape: slices.Clone(x.Shape[len(x.Shape)-attrs.NormDims:]), DType: x.DType, BatchAxis: -1, PerSample: 1}, nil
 		})},
 	// Training mode only: the batch-statistics backward of x.
-	OpBatchNormGradX: {Name: "batch_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"training", "per_chunk", "eps"}, NoVJP: noVJPGrad,
+	OpBatchNormGradX: {Name: "batch_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"training", "per_chunk", "eps", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: &Chunk{PerSample: batchNormPerSample, MinChunk: batchNormMinChunk},
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			if !attrs.Training {
@@ -133,7 +133,7 @@ var gradOps = []OpInfo{
 	// Σ over every axis but 1 of g·x̂: a sum over samples when x̂ comes from
 	// the running statistics, or from each chunk's own (PerChunk: the sum
 	// of the chunks' gradients is gradient accumulation's).
-	OpBatchNormGradW: {Name: "batch_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 4, Attrs: []string{"training", "per_chunk", "eps"}, NoVJP: noVJPGrad,
+	OpBatchNormGradW: {Name: "batch_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 4, Attrs: []string{"training", "per_chunk", "eps", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: &Chunk{PerSample: batchNormPerSample, MinChunk: batchNormMinChunk, Consume: func(n *Node, _ []Type) (Combine, string) {
 			if !n.Attrs.Training || n.Attrs.PerChunk {
 				return CombineSum, ""
@@ -151,6 +151,9 @@ var gradOps = []OpInfo{
 				return Type{}, err
 			}
 			x := in[1]
+			if attrs.ChannelsLast {
+				x = ToNCHW(x)
+			}
 			t := Type{Shape: []int{x.Shape[1]}, DType: x.DType, BatchAxis: -1, PerSample: 1}
 			if x.BatchAxis == 1 { // samples on the channel axis: not summed over
 				t.BatchAxis, t.PerSample = 0, x.PerSample
@@ -179,7 +182,7 @@ var gradOps = []OpInfo{
 			fwd, err := embedding(in[1], t)
 			return t, expect(op, "gradient", in[0], fwd, err)
 		})},
-	OpConv2dGradInput: {Name: "conv2d_grad_input", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}, NoVJP: noVJPGrad,
+	OpConv2dGradInput: {Name: "conv2d_grad_input", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: plainChunk,
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			t, err := target(op, attrs)
@@ -190,7 +193,7 @@ var gradOps = []OpInfo{
 			return t, expect(op, "gradient", in[0], fwd, err)
 		})},
 	// A parameter gradient: a sum over samples.
-	OpConv2dGradWeight: {Name: "conv2d_grad_weight", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target"}, NoVJP: noVJPGrad,
+	OpConv2dGradWeight: {Name: "conv2d_grad_weight", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: &Chunk{Consume: combines(CombineSum)},
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			t, err := target(op, attrs)
@@ -200,13 +203,13 @@ var gradOps = []OpInfo{
 			fwd, err := conv2d(attrs, []Type{in[1], t})
 			return t, expect(op, "gradient", in[0], fwd, err)
 		})},
-	OpMaxPool2dGrad: {Name: "max_pool2d_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"kernel", "stride", "padding", "dilation"}, NoVJP: noVJPGrad,
+	OpMaxPool2dGrad: {Name: "max_pool2d_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"kernel", "stride", "padding", "dilation", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: plainChunk,
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			fwd, err := pool2d(OpMaxPool2d, attrs, in[1])
 			return in[1], expect(op, "gradient", in[0], fwd, err)
 		})},
-	OpAvgPool2dGrad: {Name: "avg_pool2d_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "target"}, NoVJP: noVJPGrad,
+	OpAvgPool2dGrad: {Name: "avg_pool2d_grad", Category: CatGrad, MinArity: 1, Arity: 1, Attrs: []string{"kernel", "stride", "padding", "target", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: plainChunk,
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			t, err := target(op, attrs)

@@ -67,7 +67,7 @@ var normalizeOps = []OpInfo{
 		}}},
 	// Saves over both modes: training reads x and the weight (inputs 0
 	// and 1), evaluation x, the running statistics and the weight (0 to 3).
-	OpBatchNorm: {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "per_chunk", "eps"},
+	OpBatchNorm: {Name: "batch_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 5, Attrs: []string{"training", "per_chunk", "eps", "channels_last"},
 		Rule: batchNormRule, Saves: SavesInput(0, 1, 2, 3), VJP: batchNormVJP,
 		Chunk: &Chunk{Weights: true, PerSample: batchNormPerSample, MinChunk: batchNormMinChunk, Stats: func(n *Node) Stats {
 			switch {
@@ -171,6 +171,13 @@ func batchNormRule(_ Op, attrs *Attrs, in []Type, _ int) (Type, error) { return 
 // batchNorm checks x [N, C, ...] and its per-channel inputs, laid out as
 // OpBatchNorm says for the mode.
 func batchNorm(attrs *Attrs, in []Type) (Type, error) {
+	if attrs.ChannelsLast && len(in[0].Shape) != 4 {
+		return Type{}, Errorf(ErrShape, "batch_norm channels last needs x [N, H, W, C], got %v", in[0].Shape)
+	}
+	return channelsLast(attrs, in, func(in []Type) (Type, error) { return batchNormNCHW(attrs, in) })
+}
+
+func batchNormNCHW(attrs *Attrs, in []Type) (Type, error) {
 	x := in[0]
 	aff := BatchNormAffine(attrs.Training)
 	names := []string{"weight", "bias"}
@@ -236,6 +243,9 @@ func batchNormMinChunk(n *Node, in []Type) int {
 	x := in[0]
 	if n.Op != OpBatchNorm {
 		x = in[1] // the gradients take g first
+	}
+	if n.Attrs.ChannelsLast {
+		x = ToNCHW(x)
 	}
 	return statsMinChunk(x)
 }
@@ -313,12 +323,15 @@ func batchNormVJP(b VJPBuilder, n *Node, g int) {
 	in := n.Inputs
 	x := in[0]
 	train := n.Attrs.Training
-	a := Attrs{Training: train, PerChunk: n.Attrs.PerChunk, Eps: n.Attrs.Eps}
+	a := Attrs{Training: train, PerChunk: n.Attrs.PerChunk, Eps: n.Attrs.Eps, ChannelsLast: n.Attrs.ChannelsLast}
 	aff := BatchNormAffine(train)
 	xt := b.Type(x)
 	axes := []int{0} // every axis but the channels
 	for i := 2; i < len(xt.Shape); i++ {
 		axes = append(axes, i)
+	}
+	if a.ChannelsLast { // x [N, H, W, C]
+		axes = []int{0, 1, 2}
 	}
 	var stats []int // running mean and variance, in evaluation mode
 	if !train {
@@ -349,7 +362,9 @@ func batchNormVJP(b VJPBuilder, n *Node, g int) {
 		if w >= 0 {
 			scale = mul(b, w, rstd)
 		}
-		if b.Wants(0) { // scale broadcast as [C, 1, …, 1] against x [N, C, …]
+		if b.Wants(0) && a.ChannelsLast { // scale [C] broadcasts against x [N, H, W, C] as it is
+			b.Accumulate(x, mul(b, g, scale))
+		} else if b.Wants(0) { // scale broadcast as [C, 1, …, 1] against x [N, C, …]
 			bc := make([]int, len(xt.Shape)-1)
 			for i := range bc {
 				bc[i] = 1

@@ -51,7 +51,7 @@ func (g *Graph) Signature() uint64 {
 			h.put(uint64(v))
 		}
 		flags := uint64(0)
-		for bit, f := range [...]bool{a.Approx, a.KeepDim, a.TransA, a.TransB, a.Training, a.Causal, a.PerChunk} {
+		for bit, f := range [...]bool{a.Approx, a.KeepDim, a.TransA, a.TransB, a.Training, a.Causal, a.PerChunk, a.ChannelsLast} {
 			if f {
 				flags |= 1 << bit
 			}

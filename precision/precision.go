@@ -9,6 +9,7 @@ import (
 
 	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/layout"
 )
 
 // Policy is a precision policy, named as the CLI's --precision flag names
@@ -445,6 +446,11 @@ type TrainOptions struct {
 	LossScale bool
 	// Scale is S's data (Scaler.Data); nil in a shape-only graph.
 	Scale tensor.Tensor
+	// ChannelsLast stores conv nets' 4-D activations channels last
+	// (package layout), after the policy's rewrite and before the
+	// backward pass; graphs without a conv2d are unchanged. Step.IDs then
+	// names a channels-last value for a node inside such a region.
+	ChannelsLast bool
 }
 
 // Train applies p to g and appends the gradient of the scalar loss with
@@ -465,6 +471,16 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	ng, ids, err := Apply(g, p)
 	if err != nil {
 		return nil, err
+	}
+	if o.ChannelsLast {
+		lg, lids, err := layout.ChannelsLast(ng)
+		if err != nil {
+			return nil, err
+		}
+		for i, id := range ids {
+			ids[i] = lids[id]
+		}
+		ng = lg
 	}
 	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss], IDs: ids}
 	for i, id := range params {

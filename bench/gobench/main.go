@@ -71,6 +71,7 @@ type config struct {
 	cap           int64  // cap records within this many bytes; 0: none
 	capBatch      int    // the cap records' batch; 0: each model's timed batch
 	costProfile   string // the recompute cost model's profile for the cap records
+	channelsLast  bool   // conv nets' activations channels last (-channels-last)
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -105,6 +106,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.Var(bytesFlag{&c.cap}, "cap", "train each model at -cap-batch through batchfit.Session within this `size` (Options.Budget: 24GiB, 512MiB, 24GB or bytes), once with the planner's choice (recompute auto) and once in chunks only, and time both (the cap records); 0: off")
 	fs.IntVar(&c.capBatch, "cap-batch", 0, "the batch of -cap's steps (0: each model's timed batch, -gpt-batch, -mlp-batch, ...)")
 	fs.StringVar(&c.costProfile, "cost-profile", "h100", "the recompute cost model's `profile` for -cap (Options.Profile): default, h100 or a JSON file as batchfit calibrate writes it")
+	fs.BoolVar(&c.channelsLast, "channels-last", false, "store conv nets' 4-D activations channels last (NHWC; package layout, Options.ChannelsLast): cuDNN's fast layout for 16-bit convolutions and batch norms")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 
@@ -281,12 +283,17 @@ func (c *config) resolvePrecision() error {
 
 func (c config) policy() precision.Policy { return precision.Policy(c.precision) }
 
+// train is how compileStep builds the step's graph besides the policy.
+func (c config) train() precision.TrainOptions {
+	return precision.TrainOptions{ChannelsLast: c.channelsLast}
+}
+
 // compileStep compiles a training step as batchfit.Session.Step does, with
 // the CUDA kernels' workspaces: the precision policy's graph pass
-// (precision.Train), then the loss and the gradients of params kept on the
+// (precision.TrainWith, with o's layout pass), then the loss and the gradients of params kept on the
 // device. inputs are source nodes of loss's graph; their ids in the
 // compiled graph come back in the same order, for feeding.
-func compileStep(pol precision.Policy, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
+func compileStep(pol precision.Policy, o precision.TrainOptions, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
 	if err := loss.Err(); err != nil {
 		return nil, nil, err
 	}
@@ -294,7 +301,7 @@ func compileStep(pol precision.Policy, loss *lazy.Tensor, params []*lazy.Tensor,
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := precision.Train(loss.Graph().IR(), pol, loss.ID(), wrt)
+	st, err := precision.TrainWith(loss.Graph().IR(), pol, loss.ID(), wrt, o)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -432,7 +439,7 @@ func scalar(t *tensor.Dense) float64 {
 // device, a fresh batch of host data fed (and uploaded) every step.
 func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision}
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.channelsLast}
 	start := time.Now()
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {
@@ -469,7 +476,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	// build of the same step, as a training loop makes one every step.
 	start = time.Now()
 	loss, inputs := m.build(mod, m.batch, nil)
-	p, ids, err := compileStep(c.policy(), loss, nn.ParamTensors(mod), 2, inputs...)
+	p, ids, err := compileStep(c.policy(), c.train(), loss, nn.ParamTensors(mod), 2, inputs...)
 	if err != nil {
 		return r, err
 	}
@@ -589,7 +596,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	start := time.Now()
 	mod := m.module(nn.Options{ShapeOnly: true})
 	loss, _ := m.build(mod, m.upper, nil)
-	p, _, err := compileStep(c.policy(), loss, nn.ParamTensors(mod), 2)
+	p, _, err := compileStep(c.policy(), c.train(), loss, nn.ParamTensors(mod), 2)
 	if err != nil {
 		return r, err
 	}
@@ -640,7 +647,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	loss, _ = m.build(real, lo, rand.New(rand.NewPCG(4, 5)))
 	params := nn.ParamTensors(real)
 	start = time.Now()
-	p, _, err = compileStep(c.policy(), loss, params, 2)
+	p, _, err = compileStep(c.policy(), c.train(), loss, params, 2)
 	if err != nil {
 		return r, err
 	}

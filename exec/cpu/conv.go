@@ -15,21 +15,21 @@ var convKernels = family{
 	graph.OpConv2d: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return conv2dKernel(&nd.Attrs, in[0], in[1], optional(in, 2), out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, _ int) int64 {
-		w, a := g.Node(nd.Inputs[1]).Type.Shape, nd.Attrs
+		w, a := nchw(nd, g.Node(nd.Inputs[1]).Type.Shape), nd.Attrs
 		if w[2] == 1 && w[3] == 1 && a.Stride == [2]int{1, 1} && a.Padding == [2]int{} {
 			return 0 // the input is the patch matrix
 		}
-		return colBytes(nd, w, nd.Type.Shape)
+		return colBytes(nd, w, nchw(nd, nd.Type.Shape))
 	}},
 	graph.OpConv2dGradInput: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return conv2dGradInputKernel(&nd.Attrs, in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, _ int) int64 {
-		return colBytes(nd, g.Node(nd.Inputs[1]).Type.Shape, g.Node(nd.Inputs[0]).Type.Shape)
+		return colBytes(nd, nchw(nd, g.Node(nd.Inputs[1]).Type.Shape), nchw(nd, g.Node(nd.Inputs[0]).Type.Shape))
 	}},
 	graph.OpConv2dGradWeight: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return conv2dGradWeightKernel(&nd.Attrs, in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, _ int) int64 {
-		return colBytes(nd, nd.Type.Shape, g.Node(nd.Inputs[0]).Type.Shape)
+		return colBytes(nd, nchw(nd, nd.Type.Shape), nchw(nd, g.Node(nd.Inputs[0]).Type.Shape))
 	}},
 }
 

@@ -13,6 +13,10 @@ import (
 // (mixed precision). Where cuDNN's batch norm takes them (float32
 // per-channel values), the forward pass and the input gradient run there
 // instead (dnn_bn.go), unless ExecutorOptions.NoCuDNNBatchNorm.
+// Channels-last x [N, H, W, C] (graph.Attrs.ChannelsLast) runs here on
+// every executor: its row sums (batch_norm_rows_nhwc) fill the same [N·C,
+// 4] workspace, the per-channel kernels are shared, and the element-wise
+// passes have channels-last twins.
 
 // bnWorkspace is the workspace of batch_norm, its gradients and
 // batch_norm_stats: the row sums [N·C, 4] (double), then three doubles of
@@ -24,6 +28,9 @@ func bnWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 		i = 0
 	}
 	x := inputAt(g, nd, i, b)
+	if nd.Attrs.ChannelsLast {
+		x = nchwShape(&nd.Attrs, x)
+	}
 	if len(x) < 2 {
 		return 0
 	}
@@ -87,6 +94,17 @@ func (k *kctx) bnRows(dt graph.DType, x operand, g *operand, part alloc.Ptr, row
 	return k.launch(typed(kBatchNormRows, dt), rowGrid(rows, block, 1), block, x.p, ptrOf(g), part, rows, inner)
 }
 
+// bnSums fills part with the row sums of x (and g) for n images of c
+// channels of inner values each: bnRows over NCHW data, or
+// batch_norm_rows_nhwc over channels-last data [n, inner, c].
+func (k *kctx) bnSums(dt graph.DType, nhwc bool, x operand, g *operand, part alloc.Ptr, n, c, inner int64) error {
+	if !nhwc {
+		return k.bnRows(dt, x, g, part, n*c, inner)
+	}
+	grid := [3]uint32{uint32(min(ceilDiv(c, 32), maxGridX)), uint32(min(n, maxGridYZ)), 1}
+	return k.launch(typed(kBatchNormRowsNHWC, dt), grid, [3]uint32{32, 16, 1}, x.p, ptrOf(g), part, n, inner, c)
+}
+
 // bnElems launches an elementwise batch norm kernel over rows of inner
 // elements: grid.y over the rows, grid.x over a row.
 func (k *kctx) bnElems(name string, rows, inner int64, args ...any) error {
@@ -110,7 +128,8 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	n, c, inner, err := channels("batch_norm", x)
+	nhwc := a.ChannelsLast
+	n, c, inner, err := bnChannels("batch_norm", x, nhwc)
 	if err != nil {
 		return err
 	}
@@ -136,12 +155,15 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 		return err
 	}
 	if a.Training && rows > 0 {
-		if err := k.bnRows(dt, x, nil, l.part, rows, inner); err != nil {
+		if err := k.bnSums(dt, nhwc, x, nil, l.part, n, c, inner); err != nil {
 			return err
 		}
 	}
 	if err := k.flat(kBatchNormCoef, c, l.part, ptrOf(w), ptrOf(b), ptrOf(runMean), ptrOf(runVar), pdt, l.coef, n, c, inner, a.Eps); err != nil {
 		return err
+	}
+	if nhwc {
+		return k.flat(typed(kBatchNormNHWC, dt), x.n(), x.p, l.coef, out.p, x.n(), c)
 	}
 	return k.bnElems(typed(kBatchNorm, dt), rows, inner, x.p, l.coef, out.p, rows, c, inner)
 }
@@ -159,7 +181,8 @@ func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 	if !a.Training {
 		return graph.Errorf(graph.ErrAttr, "batch_norm_grad_x exists in training mode only")
 	}
-	n, c, inner, err := channels("batch_norm_grad_x", x)
+	nhwc := a.ChannelsLast
+	n, c, inner, err := bnChannels("batch_norm_grad_x", x, nhwc)
 	if err != nil {
 		return err
 	}
@@ -176,7 +199,7 @@ func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 		return err
 	}
 	if rows > 0 {
-		if err := k.bnRows(dt, x, &g, l.part, rows, inner); err != nil {
+		if err := k.bnSums(dt, nhwc, x, &g, l.part, n, c, inner); err != nil {
 			return err
 		}
 	}
@@ -189,6 +212,9 @@ func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 	if err := k.flat(kBatchNormGradCoef, c, l.part, ptrOf(w), alloc.Ptr(0), alloc.Ptr(0), pdt, l.coef, dw, odt, n, c, inner, a.Eps); err != nil {
 		return err
 	}
+	if nhwc {
+		return k.flat(typed(kBatchNormGradXNHWC, dt), x.n(), g.p, x.p, l.coef, out.p, x.n(), c)
+	}
 	return k.bnElems(typed(kBatchNormGradX, dt), rows, inner, g.p, x.p, l.coef, out.p, rows, c, inner)
 }
 
@@ -199,7 +225,8 @@ func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out 
 	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}
-	n, c, inner, err := channels("batch_norm_grad_w", x)
+	nhwc := a.ChannelsLast
+	n, c, inner, err := bnChannels("batch_norm_grad_w", x, nhwc)
 	if err != nil {
 		return err
 	}
@@ -223,7 +250,7 @@ func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out 
 		return err
 	}
 	if rows > 0 {
-		if err := k.bnRows(dt, x, &g, l.part, rows, inner); err != nil {
+		if err := k.bnSums(dt, nhwc, x, &g, l.part, n, c, inner); err != nil {
 			return err
 		}
 	}
@@ -257,4 +284,16 @@ func (k *kctx) batchNormMoments(x, out operand) error {
 		return err
 	}
 	return k.flat(kBatchNormMoment, c, l.part, out.p, bnDTypeCode(dt), n, c, inner)
+}
+
+// bnChannels is channels for x in a batch norm's layout: images, channels
+// and values per image and channel, from [N, H, W, C] when nhwc.
+func bnChannels(op string, x operand, nhwc bool) (n, c, inner int64, err error) {
+	if !nhwc {
+		return channels(op, x)
+	}
+	if len(x.shape) != 4 {
+		return 0, 0, 0, graph.Errorf(graph.ErrShape, "%s channels last needs [N, H, W, C], got %v", op, x.shape)
+	}
+	return int64(x.shape[0]), int64(x.shape[3]), int64(x.shape[1] * x.shape[2]), nil
 }

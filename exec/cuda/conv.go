@@ -14,12 +14,18 @@ import (
 // float32, bfloat16 and float16 (all operands of one dtype; 16-bit sums in
 // float32). Each convolution declares the im2col path's workspace (fixed)
 // plus convDNNBytes (affine in the chunk's batch, as the planner's rules
-// require), and cuDNN may use all of it.
+// require), and cuDNN may use all of it. Channels-last nodes
+// (graph.Attrs.ChannelsLast: x, y NHWC, w KRSC) run on cuDNN only
+// (ErrChannelsLast otherwise) and declare convDNNBytes alone; pooling has
+// channels-last kernels (pool.cu's *_nhwc_*).
 var convKernels = family{
 	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
 		w, y, size := inputAt(g, nd, 1, b), nd.Type.AtBatch(b), elemSize(nd.Type.DType)
+		if nd.Attrs.ChannelsLast { // cuDNN only
+			return convDNNBytes(inputAt(g, nd, 0, b), y, w, size)
+		}
 		return convColBytes(w, y, convImages(g, nd), &nd.Attrs, size) + convDNNBytes(inputAt(g, nd, 0, b), y, w, size)
 	}},
 	graph.OpMaxPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.maxPool2d(k.attrs(), in[0], out) }},
@@ -31,12 +37,18 @@ var convKernels = family{
 		return k.conv2dGradInput(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
 		w, y := inputAt(g, nd, 1, b), inputAt(g, nd, 0, b)
+		if nd.Attrs.ChannelsLast { // cuDNN only
+			return convDNNBytes(nd.Type.AtBatch(b), y, w, elemSize(nd.Type.DType))
+		}
 		return convColBytes(w, y, convImages(g, nd), &nd.Attrs, 4) + convDNNBytes(nd.Type.AtBatch(b), y, w, elemSize(nd.Type.DType))
 	}},
 	graph.OpConv2dGradWeight: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2dGradWeight(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
 		w, y := nd.Type.AtBatch(b), inputAt(g, nd, 0, b)
+		if nd.Attrs.ChannelsLast { // cuDNN only
+			return convDNNBytes(inputAt(g, nd, 1, b), y, w, elemSize(nd.Type.DType))
+		}
 		return newGradWeightLayout(w, y, convImages(g, nd), nd.Attrs.Groups, nd.Type.DType).bytes +
 			convDNNBytes(inputAt(g, nd, 1, b), y, w, elemSize(nd.Type.DType))
 	}},
@@ -220,7 +232,7 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 	if err != nil {
 		return err
 	}
-	geo, err := newConvGeom("conv2d", a, x.shape, out.shape, w.shape)
+	geo, err := newConvGeom("conv2d", a, nchwShape(a, x.shape), nchwShape(a, out.shape), nchwShape(a, w.shape))
 	if err != nil {
 		return err
 	}
@@ -235,7 +247,11 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		if !slices.Equal(b.shape, []int{int(o)}) {
 			return graph.Errorf(graph.ErrShape, "conv2d bias %v, want [%d]", b.shape, o)
 		}
-		if err := k.packs(typed(kBiasFill, dt), out.n(), perPack(dt), out.p, b.p, wd.N, o, howo); err != nil {
+		rows, inner := wd.N, howo
+		if a.ChannelsLast { // out [N·Ho·Wo, O]
+			rows, inner = wd.N*howo, 1
+		}
+		if err := k.packs(typed(kBiasFill, dt), out.n(), perPack(dt), out.p, b.p, rows, o, inner); err != nil {
 			return err
 		}
 		beta = 1
@@ -243,7 +259,7 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 	if out.n() == 0 {
 		return nil
 	}
-	if done, err := k.dnnConv(convForward, dt, geo, x, w, out, beta); done || err != nil {
+	if done, err := k.dnnConv(convForward, dt, geo, a.ChannelsLast, x, w, out, beta); done || err != nil {
 		return err
 	}
 	if wd.direct() {
@@ -285,7 +301,7 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 	if err != nil {
 		return err
 	}
-	geo, err := newConvGeom("conv2d_grad_input", a, out.shape, g.shape, w.shape)
+	geo, err := newConvGeom("conv2d_grad_input", a, nchwShape(a, out.shape), nchwShape(a, g.shape), nchwShape(a, w.shape))
 	if err != nil {
 		return err
 	}
@@ -295,7 +311,7 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 	if out.n() == 0 {
 		return nil
 	}
-	if done, err := k.dnnConv(convGradInput, dt, geo, g, w, out, 0); done || err != nil {
+	if done, err := k.dnnConv(convGradInput, dt, geo, a.ChannelsLast, g, w, out, 0); done || err != nil {
 		return err
 	}
 	if wd.direct() {
@@ -342,7 +358,7 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	geo, err := newConvGeom("conv2d_grad_weight", a, x.shape, g.shape, out.shape)
+	geo, err := newConvGeom("conv2d_grad_weight", a, nchwShape(a, x.shape), nchwShape(a, g.shape), nchwShape(a, out.shape))
 	if err != nil {
 		return err
 	}
@@ -352,7 +368,7 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	if out.n() == 0 {
 		return nil
 	}
-	if done, err := k.dnnConv(convGradWeight, dt, geo, x, g, out, 0); done || err != nil {
+	if done, err := k.dnnConv(convGradWeight, dt, geo, a.ChannelsLast, x, g, out, 0); done || err != nil {
 		return err
 	}
 	l := newGradWeightLayout(out.shape, g.shape, convImages(k.g, k.nd), int(groups), dt)
@@ -393,16 +409,34 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 	return k.packs(castKernel(graph.Float32, dt), out.n(), perPack(graph.Float32, dt), acc, out.p, out.n())
 }
 
+// poolKernel is the pooling kernel name for a's layout: the NCHW one, or
+// its channels-last twin (pool.cu's *_nhwc_* kernels).
+func poolKernel(a *graph.Attrs, nchw, nhwc string, dt graph.DType) string {
+	if a.ChannelsLast {
+		return typed(nhwc, dt)
+	}
+	return typed(nchw, dt)
+}
+
+// nchwShape is shape as an NCHW kernel's geometry reads it: permuted from
+// NHWC when a asks for channels last (graph.ToNCHW).
+func nchwShape(a *graph.Attrs, shape []int) []int {
+	if !a.ChannelsLast {
+		return shape
+	}
+	return graph.ToNCHW(graph.Type{Shape: shape, BatchAxis: -1}).Shape
+}
+
 func (k *kctx) maxPool2d(a *graph.Attrs, x, out operand) error {
 	dt, err := floatsOf(x, out)
 	if err != nil {
 		return err
 	}
-	wd, err := newWindow("max_pool2d", x.shape, out.shape, a.Kernel[0], a.Kernel[1], a, -1)
+	wd, err := newWindow("max_pool2d", nchwShape(a, x.shape), nchwShape(a, out.shape), a.Kernel[0], a.Kernel[1], a, -1)
 	if err != nil {
 		return err
 	}
-	return k.flat(typed(kMaxPool, dt), out.n(), x.p, out.p, wd)
+	return k.flat(poolKernel(a, kMaxPool, kMaxPoolNHWC, dt), out.n(), x.p, out.p, wd)
 }
 
 // avgAttrs is a with avg_pool2d's dilation, which must be 1.
@@ -424,11 +458,11 @@ func (k *kctx) avgPool2d(a *graph.Attrs, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	wd, err := newWindow("avg_pool2d", x.shape, out.shape, a.Kernel[0], a.Kernel[1], at, -1)
+	wd, err := newWindow("avg_pool2d", nchwShape(a, x.shape), nchwShape(a, out.shape), a.Kernel[0], a.Kernel[1], at, -1)
 	if err != nil {
 		return err
 	}
-	return k.flat(typed(kAvgPool, dt), out.n(), x.p, out.p, wd)
+	return k.flat(poolKernel(a, kAvgPool, kAvgPoolNHWC, dt), out.n(), x.p, out.p, wd)
 }
 
 // maxPool2dGrad routes each window's gradient to its first maximum: the
@@ -438,7 +472,7 @@ func (k *kctx) maxPool2dGrad(a *graph.Attrs, g, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	wd, err := newWindow("max_pool2d_grad", x.shape, g.shape, a.Kernel[0], a.Kernel[1], a, -1)
+	wd, err := newWindow("max_pool2d_grad", nchwShape(a, x.shape), nchwShape(a, g.shape), a.Kernel[0], a.Kernel[1], a, -1)
 	if err != nil {
 		return err
 	}
@@ -449,10 +483,10 @@ func (k *kctx) maxPool2dGrad(a *graph.Attrs, g, x, out operand) error {
 	if err != nil {
 		return err
 	}
-	if err := k.flat(typed(kMaxPoolArgmax, dt), g.n(), x.p, idx, wd); err != nil {
+	if err := k.flat(poolKernel(a, kMaxPoolArgmax, kMaxPoolArgmaxNHWC, dt), g.n(), x.p, idx, wd); err != nil {
 		return err
 	}
-	return k.flat(typed(kMaxPoolGrad, dt), out.n(), g.p, idx, out.p, wd)
+	return k.flat(poolKernel(a, kMaxPoolGrad, kMaxPoolGradNHWC, dt), out.n(), g.p, idx, out.p, wd)
 }
 
 func (k *kctx) avgPool2dGrad(a *graph.Attrs, g, out operand) error {
@@ -464,9 +498,9 @@ func (k *kctx) avgPool2dGrad(a *graph.Attrs, g, out operand) error {
 	if err != nil {
 		return err
 	}
-	wd, err := newWindow("avg_pool2d_grad", out.shape, g.shape, a.Kernel[0], a.Kernel[1], at, -1)
+	wd, err := newWindow("avg_pool2d_grad", nchwShape(a, out.shape), nchwShape(a, g.shape), a.Kernel[0], a.Kernel[1], at, -1)
 	if err != nil {
 		return err
 	}
-	return k.flat(typed(kAvgPoolGrad, dt), out.n(), g.p, out.p, wd)
+	return k.flat(poolKernel(a, kAvgPoolGrad, kAvgPoolGradNHWC, dt), out.n(), g.p, out.p, wd)
 }

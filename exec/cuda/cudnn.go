@@ -24,6 +24,7 @@ const (
 	cudnnDataBFloat16 = 9
 
 	cudnnNCHW = 0
+	cudnnNHWC = 1
 
 	cudnnCrossCorrelation = 1
 

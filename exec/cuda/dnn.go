@@ -60,7 +60,9 @@ func (p convPass) String() string {
 
 // convKey is everything a convolution plan depends on: the pass, dtype,
 // the input x [N, C, H, W], weight w [O, C/g, kh, kw] and output y [N, O,
-// Ho, Wo] of the forward convolution, and the window.
+// Ho, Wo] of the forward convolution (logical sizes), the window, and the
+// memory layout: NCHW and KCRS, or NHWC and KRSC (cuDNN's tensor-core
+// layout, the one its 16-bit kernels run without transposing).
 type convKey struct {
 	pass             convPass
 	dt               graph.DType
@@ -68,6 +70,7 @@ type convKey struct {
 	pad, stride, dil [2]int64
 	groups           int64
 	budget           int64 // the workspace's bytes
+	nhwc             bool  // x, y NHWC and w KRSC in memory (graph.Attrs.ChannelsLast)
 }
 
 // convPlan is a plan's descriptors and algorithm; ok is false when no
@@ -198,10 +201,10 @@ func convDNNBytes(x, y, w []int, size int64) int64 {
 }
 
 // newConvKey is the key of pass over geometry geo in dtype dt within
-// budget bytes of workspace.
-func newConvKey(pass convPass, dt graph.DType, geo convGeom, budget int64) convKey {
+// budget bytes of workspace, channels last when nhwc.
+func newConvKey(pass convPass, dt graph.DType, geo convGeom, budget int64, nhwc bool) convKey {
 	wd := geo.Window
-	return convKey{pass: pass, dt: dt, budget: budget,
+	return convKey{pass: pass, dt: dt, budget: budget, nhwc: nhwc,
 		x:   [4]int64{wd.N, wd.C, wd.H, wd.W},
 		w:   [4]int64{geo.o, geo.cg, wd.KH, wd.KW},
 		y:   [4]int64{wd.N, geo.o, wd.HO, wd.WO},
@@ -270,15 +273,19 @@ func (n *DNN) makePlan(key convKey) (p *convPlan, err error) {
 		return nil, err
 	}
 	x, w, y := key.x, key.w, key.y
-	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, cudnnNCHW, dt,
+	format := int32(cudnnNCHW)
+	if key.nhwc {
+		format = cudnnNHWC // the sizes stay n, c, h, w (k, c, r, s for the filter)
+	}
+	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, format, dt,
 		int32(x[0]), int32(x[1]), int32(x[2]), int32(x[3]))); err != nil {
 		return nil, err
 	}
-	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.yd, cudnnNCHW, dt,
+	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.yd, format, dt,
 		int32(y[0]), int32(y[1]), int32(y[2]), int32(y[3]))); err != nil {
 		return nil, err
 	}
-	if err := l.check("cudnnSetFilter4dDescriptor", l.cudnnSetFilter4dDescriptor(p.wd, dt, cudnnNCHW,
+	if err := l.check("cudnnSetFilter4dDescriptor", l.cudnnSetFilter4dDescriptor(p.wd, dt, format,
 		int32(w[0]), int32(w[1]), int32(w[2]), int32(w[3]))); err != nil {
 		return nil, err
 	}
@@ -339,10 +346,22 @@ func (n *DNN) makePlan(key convKey) (p *convPlan, err error) {
 
 // dnnConv runs pass on cuDNN when the executor has it and an algorithm
 // fits the node's workspace: done reports whether it ran (else the im2col
-// kernels run it). For the forward pass a, b, out are
+// kernels run it). A channels-last convolution (nhwc: x, y NHWC, w KRSC)
+// runs on cuDNN or fails with ErrChannelsLast: im2col is NCHW only. For the forward pass a, b, out are
 // x, w, y; for grad_input g (dy), w, dx; for grad_weight x, g (dy), dw.
 // beta is 1 to add to out (the forward pass's bias), 0 to overwrite it.
-func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, a, b, out operand, beta float32) (done bool, err error) {
+func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, nhwc bool, a, b, out operand, beta float32) (done bool, err error) {
+	done, err = k.dnnConvRun(pass, dt, geo, nhwc, a, b, out, beta)
+	if err == nil && !done && nhwc {
+		key := newConvKey(pass, dt, geo, 0, true)
+		return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s, channels last: %w", pass, key.x, key.w, dt, ErrChannelsLast)
+	}
+	return done, err
+}
+
+// dnnConvRun is dnnConv, which it leaves to say that a channels-last node
+// cannot run on im2col.
+func (k *kctx) dnnConvRun(pass convPass, dt graph.DType, geo convGeom, nhwc bool, a, b, out operand, beta float32) (done bool, err error) {
 	n := k.dnn
 	if n == nil || out.n() == 0 || (a.p|b.p|out.p)%16 != 0 {
 		// cuDNN's tensor-core kernels want 16-byte aligned operands; a
@@ -354,7 +373,7 @@ func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, a, b, out op
 	if k.ws != nil {
 		budget = k.ws.Requested()
 	}
-	p, err := n.plan(newConvKey(pass, dt, geo, budget))
+	p, err := n.plan(newConvKey(pass, dt, geo, budget, nhwc))
 	if err != nil || !p.ok {
 		return false, err
 	}
@@ -385,7 +404,10 @@ func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, a, b, out op
 			n.mu.Unlock()
 			return false, nil // im2col takes it
 		}
-		key := newConvKey(pass, dt, geo, 0)
+		key := newConvKey(pass, dt, geo, 0, nhwc)
+		if nhwc { // cuDNN answers BAD_PARAM for some channels-last shapes
+			return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s, channels last: %w: %w", pass, key.x, key.w, dt, ErrChannelsLast, err)
+		}
 		return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s: %w", pass, key.x, key.w, dt, err)
 	}
 	return true, nil

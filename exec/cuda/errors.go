@@ -114,3 +114,11 @@ var ErrKernelArgs = errors.New("cuda: kernel launched with the wrong number of a
 // ErrWorkspace means a node's workspace block is smaller than its CUDA
 // kernels need: the program was compiled without cuda.Workspace.
 var ErrWorkspace = errors.New("cuda: workspace smaller than the kernels need (compile programs with cuda.Workspace)")
+
+// ErrChannelsLast is wrapped by the error of a channels-last convolution
+// (graph.Attrs.ChannelsLast) that cuDNN does not take: no cuDNN, a shape
+// or dtype it refuses (layout.ConvTakes says which the layout pass
+// makes), misaligned operands, no algorithm within the workspace. The
+// executor's own convolution kernels (im2col) are NCHW only; batch norm
+// and pooling have channels-last kernels of their own.
+var ErrChannelsLast = errors.New("cuda: channels-last convolution that cuDNN does not take")

@@ -18,6 +18,10 @@ const (
 	kBatchNorm      = "batch_norm_f32"
 	kBatchNormRows  = "batch_norm_rows_f32"
 	kBatchNormGradX = "batch_norm_grad_x_f32"
+
+	kBatchNormNHWC      = "batch_norm_nhwc_f32"
+	kBatchNormRowsNHWC  = "batch_norm_rows_nhwc_f32"
+	kBatchNormGradXNHWC = "batch_norm_grad_x_nhwc_f32"
 	// Untyped: their per-channel operands' dtype comes at run time.
 	kBatchNormCoef     = "batch_norm_coef"
 	kBatchNormGradCoef = "batch_norm_grad_coef"
@@ -63,6 +67,11 @@ const (
 	kMaxPoolGrad       = "max_pool2d_grad_f32"
 	kAvgPool           = "avg_pool2d_f32"
 	kAvgPoolGrad       = "avg_pool2d_grad_f32"
+	kMaxPoolNHWC       = "max_pool2d_nhwc_f32"
+	kMaxPoolArgmaxNHWC = "max_pool2d_argmax_nhwc_f32"
+	kMaxPoolGradNHWC   = "max_pool2d_grad_nhwc_f32"
+	kAvgPoolNHWC       = "avg_pool2d_nhwc_f32"
+	kAvgPoolGradNHWC   = "avg_pool2d_grad_nhwc_f32"
 	kReduceRows        = "reduce_rows_f32"
 	kReduceMid         = "reduce_mid_f32"
 	kReduceSplits      = "reduce_splits_f32"
@@ -83,9 +92,10 @@ const (
 var kernelFiles = map[string][]string{
 	"attention.cu":  slices.Concat(attnPlainKernels(), attnMMAKernels(), []string{kAttnRowsFwd, kAttnRowsBwd}),
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
-	"batchnorm.cu":  append(allTyped(kBatchNorm, kBatchNormRows, kBatchNormGradX), kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment),
-	"conv.cu":       allTyped(kIm2col, kCol2im, kRegroup),
-	"dropout.cu":    allTyped(kDropout),
+	"batchnorm.cu": append(allTyped(kBatchNorm, kBatchNormRows, kBatchNormGradX, kBatchNormNHWC, kBatchNormRowsNHWC, kBatchNormGradXNHWC),
+		kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment),
+	"conv.cu":    allTyped(kIm2col, kCol2im, kRegroup),
+	"dropout.cu": allTyped(kDropout),
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu": allTyped(kEmbedding, kEmbeddingGrad),
@@ -94,9 +104,10 @@ var kernelFiles = map[string][]string{
 	"loss.cu":     allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu": append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":    {kSGD, kAdam, kUnscale},
-	"pool.cu":     allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad),
-	"reduce.cu":   allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
-	"softmax.cu":  allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
+	"pool.cu": allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad,
+		kMaxPoolNHWC, kMaxPoolArgmaxNHWC, kMaxPoolGradNHWC, kAvgPoolNHWC, kAvgPoolGradNHWC),
+	"reduce.cu":  allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
+	"softmax.cu": allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }
 
 // kernel is a function of a loaded module.

@@ -178,6 +178,52 @@ func apply(nd *graph.Node, a *graph.Attrs, in []Value) (Value, error) {
 	if run == nil {
 		return Value{}, graph.Errorf(graph.ErrAttr, "ref: no implementation of op %s", nd.Op)
 	}
+	if a.ChannelsLast {
+		return applyChannelsLast(nd, a, in, run)
+	}
 	out := Zeros(nd.Type.Shape...)
 	return out, run(nd, a, in, out)
+}
+
+// applyChannelsLast runs a channels-last node (graph.Attrs.ChannelsLast)
+// by its NCHW kernel, written independently of the executors': its 4-D
+// inputs transposed to NCHW, the result transposed back.
+func applyChannelsLast(nd *graph.Node, a *graph.Attrs, in []Value, run kernel) (Value, error) {
+	v, at := *nd, *a
+	at.ChannelsLast = false
+	at.Target = graph.ToNCHW(at.Target)
+	v.Attrs, v.Type = at, graph.ToNCHW(nd.Type)
+	ins := make([]Value, len(in))
+	for i, x := range in {
+		ins[i] = transpose4(x, graph.PermNCHW)
+	}
+	out := Zeros(v.Type.Shape...)
+	if err := run(&v, &at, ins, out); err != nil {
+		return Value{}, err
+	}
+	return transpose4(out, graph.PermNHWC), nil
+}
+
+// transpose4 is x with its axes in perm's order when x is 4-D, x itself
+// otherwise.
+func transpose4(x Value, perm []int) Value {
+	if len(x.Shape) != 4 {
+		return x
+	}
+	s := x.Shape
+	shape := []int{s[perm[0]], s[perm[1]], s[perm[2]], s[perm[3]]}
+	out := Zeros(shape...)
+	strides := []int{s[1] * s[2] * s[3], s[2] * s[3], s[3], 1}
+	i := 0
+	for a := range shape[0] {
+		for b := range shape[1] {
+			for c := range shape[2] {
+				for d := range shape[3] {
+					out.Data[i] = x.Data[a*strides[perm[0]]+b*strides[perm[1]]+c*strides[perm[2]]+d*strides[perm[3]]]
+					i++
+				}
+			}
+		}
+	}
+	return out
 }

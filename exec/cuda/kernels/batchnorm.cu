@@ -252,3 +252,105 @@ extern "C" __global__ void __launch_bounds__(256)
     bn_store(out, odt, c + k, q / (m - 1));
   }
 }
+
+// Channels last (graph.Attrs.ChannelsLast): x, g, y and dx [n, hw, c]
+// (NHWC with hw = h·w). The row sums go to the same [n·c, 4] workspace
+// (row i·c + k: image i, channel k), so batch_norm_coef,
+// batch_norm_grad_coef and batch_norm_moments serve both layouts; only the
+// element-wise passes and the row sums have channels-last twins.
+
+// batch_norm_rows_nhwc_{f32,bf16,f16}: part[4(i·c + k)..] = Σx, Σx², Σg,
+// Σg·x over image i's hw values of channel k (the last two 0 when g is
+// null). blockDim = (32, 16): threadIdx.x a channel (a warp reads 32
+// neighbouring channels of one position), threadIdx.y strides the
+// positions, and the 16 partial sums meet in shared memory; grid.x over
+// the channels in tiles of 32, grid.y over the images (both loop, so any
+// grid is correct).
+template <typename T>
+__device__ __forceinline__ void batch_norm_rows_nhwc_t(const T* __restrict__ x,
+                                                       const T* __restrict__ g,
+                                                       double* __restrict__ part, i64 n, i64 hw,
+                                                       i64 c) {
+  __shared__ double sd[4][16][32];
+  for (i64 img = blockIdx.y; img < n; img += gridDim.y) {
+    for (i64 k0 = (i64)blockIdx.x * 32; k0 < c; k0 += (i64)gridDim.x * 32) {
+      const i64 k = k0 + threadIdx.x;
+      double sx = 0, sxx = 0, sg = 0, sgx = 0;
+      if (k < c) {
+        const T* px = x + img * hw * c + k;
+        if (g) {
+          const T* pg = g + img * hw * c + k;
+          for (i64 j = threadIdx.y; j < hw; j += blockDim.y) {
+            const double v = (double)(float)px[j * c], w = (double)(float)pg[j * c];
+            sx += v;
+            sxx += v * v;
+            sg += w;
+            sgx += w * v;
+          }
+        } else {
+          for (i64 j = threadIdx.y; j < hw; j += blockDim.y) {
+            const double v = (double)(float)px[j * c];
+            sx += v;
+            sxx += v * v;
+          }
+        }
+      }
+      sd[0][threadIdx.y][threadIdx.x] = sx;
+      sd[1][threadIdx.y][threadIdx.x] = sxx;
+      sd[2][threadIdx.y][threadIdx.x] = sg;
+      sd[3][threadIdx.y][threadIdx.x] = sgx;
+      __syncthreads();
+      if (threadIdx.y < 4 && k < c) {
+        double s = 0;
+        for (unsigned r = 0; r < blockDim.y; ++r) s += sd[threadIdx.y][r][threadIdx.x];
+        part[4 * (img * c + k) + threadIdx.y] = s;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+#define K(T, S)                                                                          \
+  extern "C" __global__ void __launch_bounds__(512) batch_norm_rows_nhwc_##S(            \
+      const T* x, const T* g, double* part, i64 n, i64 hw, i64 c) {                      \
+    batch_norm_rows_nhwc_t(x, g, part, n, hw, c);                                        \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// bn_channel_of is element i's channel in channels-last data of c channels.
+__device__ __forceinline__ i64 bn_channel_of(i64 i, i64 c, bool fits) {
+  return fits ? (i64)((unsigned)i % (unsigned)c) : i % c;
+}
+
+// batch_norm_nhwc_{f32,bf16,f16}: y = x·scale + shift with channel k's coef
+// (batch_norm_coef), over total elements of channels-last data. 1-D blocks,
+// any grid.
+#define K(T, S)                                                                             \
+  extern "C" __global__ void __launch_bounds__(256) batch_norm_nhwc_##S(                    \
+      const T* __restrict__ x, const double* __restrict__ coef, T* __restrict__ y, i64 total, \
+      i64 c) {                                                                              \
+    const bool fits = FITS32(total);                                                        \
+    GRID_LOOP(i, total) {                                                                   \
+      const i64 k = bn_channel_of(i, c, fits);                                              \
+      y[i] = (float)bn_add(bn_mul((double)(float)x[i], coef[2 * k]), coef[2 * k + 1]);      \
+    }                                                                                       \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// batch_norm_grad_x_nhwc_{f32,bf16,f16}: dx = A·g + B·x + C with channel
+// k's coef (batch_norm_grad_coef), over total elements of channels-last
+// data. 1-D blocks, any grid.
+#define K(T, S)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) batch_norm_grad_x_nhwc_##S(                 \
+      const T* __restrict__ g, const T* __restrict__ x, const double* __restrict__ coef,        \
+      T* __restrict__ out, i64 total, i64 c) {                                                  \
+    const bool fits = FITS32(total);                                                            \
+    GRID_LOOP(i, total) {                                                                       \
+      const double* q = coef + 3 * bn_channel_of(i, c, fits);                                   \
+      out[i] = (float)bn_add(bn_add(bn_mul(q[0], (double)(float)g[i]), bn_mul(q[1], (double)(float)x[i])), q[2]); \
+    }                                                                                           \
+  }
+FOR_FLOATS(K)
+#undef K
