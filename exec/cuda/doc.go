@@ -37,8 +37,8 @@
 //
 // Unless ExecutorOptions.NoCUDAGraphs, the launches between two
 // host steps (uploads, downloads, nodes that read a device flag on the
-// host, the chunk's and the step's end) are captured once as a CUDA graph
-// and replayed with cuGraphLaunch on stream 0 while the program's
+// host, the chunk's and the step's end) are captured once as a CUDA graph,
+// the second time they come, and replayed with cuGraphLaunch on stream 0 while the program's
 // signature, the chunk and every block address the launches use stay the
 // same; anything else gets a new capture. Graphs hold no allocator memory;
 // the driver's own for their instantiation, measured, is part of Reserve
