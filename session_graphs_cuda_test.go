@@ -21,7 +21,8 @@ import (
 // counter advances every step, so the graphs must follow it), a fused-
 // attention GPT and a ConvNet with dropout, in fp32, bf16-mixed and
 // fp16-mixed (loss scaling), whole and in chunks of a quarter batch, five
-// Adam steps each. The GPTs' token embedding is not trained:
+// Adam steps each (a segment is captured on the third step, when its
+// fingerprint comes the second time, and replayed on the fourth and fifth). The GPTs' token embedding is not trained:
 // embedding_grad adds with float atomicAdd, so eager runs that train it
 // differ from each other in the last bits, and Adam makes that visible.
 // Eager training runs twice: where those two runs are bit-equal, the
@@ -31,8 +32,9 @@ import (
 // kernel), the graphs' run may differ from the first eager run by at most
 // ten times as much as the second does (losses relative, parameters
 // relative to each tensor's largest magnitude); both are logged. In every
-// case graphs were replayed, no capture failed, and every step's measured
-// peaks are the planned ones plus the overhead, to the byte.
+// case no capture failed and every step's measured peaks are the planned
+// ones plus the overhead, to the byte; where segments repeat, graphs were
+// replayed.
 func TestSessionCUDAGraphsBitEqual(t *testing.T) {
 	const steps = 5
 	ctx := context.Background()
@@ -41,11 +43,17 @@ func TestSessionCUDAGraphsBitEqual(t *testing.T) {
 			newModel func() testutil.TrainModel
 			n        int
 			frozen   int // the parameter not trained (the GPTs' token embedding), −1 for none
+			// replays: some segment repeats from step to step, so graphs
+			// are replayed. The MLP's and the GPT's dropout is in every
+			// segment with a new counter each step: no graph is worth
+			// capturing there (a fingerprint is captured on its second
+			// sighting).
+			replays bool
 		}{
-			{func() testutil.TrainModel { return testutil.MLPModel(784, 64, true) }, 256, -1},
-			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 128, 1},
-			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 128, 1},
-			{func() testutil.TrainModel { return testutil.ConvModel(12, true) }, 256, -1},
+			{func() testutil.TrainModel { return testutil.MLPModel(784, 64, true) }, 256, -1, false},
+			{func() testutil.TrainModel { return testutil.GPTModel(64, true) }, 128, 1, false},
+			{func() testutil.TrainModel { return testutil.FusedGPTModel(64, false) }, 128, 1, true},
+			{func() testutil.TrainModel { return testutil.ConvModel(12, true) }, 256, -1, true},
 		} {
 			for _, chunked := range []bool{false, true} {
 				name := prec + "/" + mc.newModel().Name
@@ -100,7 +108,9 @@ func TestSessionCUDAGraphsBitEqual(t *testing.T) {
 					t.Logf("graphs: %+v", st)
 					require.NoError(t, st.LastFailure)
 					assert.Zero(t, st.Failed)
-					assert.Positive(t, st.Replays, "no segment was replayed")
+					if mc.replays {
+						assert.Positive(t, st.Replays, "no segment was replayed")
+					}
 					nonzero := false
 					for _, w := range wantParams {
 						for _, v := range w {

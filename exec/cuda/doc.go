@@ -35,14 +35,14 @@
 // called there, runs its function at once, so the allocator's backend,
 // copies and launches need no hop each.
 //
-// Unless ExecutorOptions.NoCUDAGraphs, the launches between two
-// host steps (uploads, downloads, nodes that read a device flag on the
-// host, the chunk's and the step's end) are captured once as a CUDA graph
-// and replayed with cuGraphLaunch on stream 0 while the program's
-// signature, the chunk and every block address the launches use stay the
-// same; anything else gets a new capture. Graphs hold no allocator memory;
-// the driver's own for their instantiation, measured, is part of Reserve
-// (graphs.go).
+// Unless ExecutorOptions.NoCUDAGraphs, the launches between two host steps
+// (uploads, downloads, nodes that read a device flag on the host, the
+// chunk's and the step's end) are captured as a CUDA graph the second time
+// they come, and replayed with cuGraphLaunch on stream 0 while the
+// program's signature, the chunk and every block address the launches use
+// stay the same; anything else gets a new capture. Graphs hold no
+// allocator memory; the driver's own for their instantiation, measured, is
+// part of Reserve (graphs.go).
 //
 // Kernels are organised by family, mirroring kernels/*.cu: launch.go holds
 // the launch context (kctx: device, kernels, cuBLAS, the node, its chunk

@@ -45,10 +45,10 @@ type ExecutorOptions struct {
 	// head dim 64 or 128, no mask, no grouped-query heads. For comparing.
 	NoCuDNNAttention bool
 	// NoCUDAGraphs launches every kernel eagerly. By default the executor
-	// captures each run of a step's launches between host steps as a CUDA
+	// captures a run of a step's launches between host steps as a CUDA
 	// graph, keyed by the program's signature, the chunk and the addresses
-	// its blocks have, and replays it (cuGraphLaunch) when a later step
-	// comes to the same launches with the same addresses (graphs.go).
+	// its blocks have, the second time a step comes to it, and replays it
+	// (cuGraphLaunch) whenever a later step does (graphs.go).
 	// Steps compute what they compute without, bit for bit, from the same
 	// allocator blocks; the driver memory of the instantiated graphs is
 	// left free by Reserve. Calls with ExecOptions.OpTime or

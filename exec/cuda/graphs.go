@@ -24,10 +24,13 @@ import (
 //     every other launch, copy and event of the executor goes, so the
 //     ordering against uploads, downloads and NCCL is what eager launching
 //     gives);
-//   - a new fingerprint is captured: the nodes' launches run on a capture
-//     stream (cuStreamBeginCapture_v2, relaxed mode; cuBLAS and cuDNN set to
-//     that stream for the capture and back to stream 0 after), the graph is
-//     instantiated and launched;
+//   - a fingerprint seen for the first time is noted and its nodes
+//     launched eagerly: one that changes every step (dropout's counter)
+//     never costs a capture;
+//   - a fingerprint seen for the second time is captured: the nodes'
+//     launches run on a capture stream (cuStreamBeginCapture_v2, relaxed
+//     mode; cuBLAS and cuDNN set to that stream for the capture and back to
+//     stream 0 after), the graph is instantiated and launched;
 //   - a capture that fails (a call that needs the host, such as a device to
 //     host copy, returns ErrHostInCapture inside a capture; or the driver
 //     refuses) leaves its fingerprint marked eager: those nodes then launch
@@ -56,8 +59,8 @@ import (
 // an old plan go once a new plan (a re-plan) has run a few steps. Close
 // destroys them all. A node's companion decision (whether its kernels
 // wrote its companion output too) is learned from its first eager run,
-// which also builds cuDNN's plans before any capture: the first step of a
-// program runs eagerly.
+// which also builds cuDNN's plans before any capture: the first two steps
+// of a program run eagerly, the third captures, later ones replay.
 //
 // Capture and replay allocate nothing from the allocator: the nodes'
 // workspaces are planned as without graphs, and every block is the one the
@@ -89,9 +92,9 @@ type GraphStats struct {
 	// Captures is the graphs captured and instantiated; Failed the
 	// captures that failed (their segments run eagerly from then on).
 	Captures, Failed int
-	// Replays is the segments launched as a graph; Eager the segments
-	// launched node by node (too short, marked eager, or over
-	// graphSegments).
+	// Replays is the segments launched as a graph (captures included);
+	// Eager the segments launched node by node (seen for the first time,
+	// too short, failed, or over graphSegments).
 	Replays, Eager int
 	// Live is the graphs held now, DriverBytes the device memory their
 	// instantiation took from the driver (cuMemGetInfo before and after),
@@ -266,10 +269,33 @@ func hashWords(w []uint64) uint64 {
 // segGraph is one captured segment: its fingerprint and graph, or exec 0
 // when its capture failed and it runs eagerly.
 type segGraph struct {
-	fp    []uint64
-	exec  uintptr
-	bytes int64  // driver memory its instantiation took
-	used  uint64 // progGraphs.calls when last launched
+	fp     []uint64
+	exec   uintptr
+	failed bool   // its capture failed: it runs eagerly from then on
+	bytes  int64  // driver memory its instantiation took
+	used   uint64 // progGraphs.calls when last seen
+}
+
+// decide looks up the segment of fingerprint fp (of n nodes) and says
+// whether to capture it now. A segment is captured the second time it
+// comes: one seen once is only noted (and runs eagerly), so a segment
+// whose fingerprint changes every step (dropout's counter advancing, say)
+// costs no capture per step, only its words. Segments shorter than
+// minGraphOps, failed captures and segments beyond graphSegments run
+// eagerly; sg is nil for the last.
+func (pg *progGraphs) decide(fp []uint64, n int) (sg *segGraph, capture bool) {
+	sg = pg.find(fp)
+	if sg == nil {
+		if pg.n >= graphSegments {
+			return nil, false
+		}
+		sg = &segGraph{fp: append([]uint64(nil), fp...)}
+		pg.add(sg)
+		sg.used = pg.calls
+		return sg, false
+	}
+	sg.used = pg.calls
+	return sg, sg.exec == 0 && !sg.failed && n >= minGraphOps
 }
 
 // coKey is a node at a chunk size, whose companion decision is memoised.
@@ -442,13 +468,11 @@ func (r *runner) flush() error {
 		r.pend, r.fp = ops[:0], fp[:0]
 	}()
 	gc, pg := &r.e.graphs, r.g
-	sg := pg.find(fp)
-	if sg == nil && len(ops) >= minGraphOps && pg.n < graphSegments {
-		sg = r.capture(ops, fp)
-		pg.add(sg)
+	sg, capture := pg.decide(fp, len(ops))
+	if capture {
+		r.capture(sg, ops)
 	}
 	if sg != nil {
-		sg.used = pg.calls
 		if sg.exec != 0 {
 			gd, err := loadGraphDriver()
 			if err != nil {
@@ -484,22 +508,20 @@ func (r *runner) evalOps(ops []pendingOp) error {
 // deferred launch relies on.
 var ErrGraphCompanion = errors.New("cuda: a deferred node's companion decision changed")
 
-// capture captures ops as a graph and instantiates it; a failure is kept
-// in the returned segment (exec 0) and in GraphStats. On the device
-// thread.
-func (r *runner) capture(ops []pendingOp, fp []uint64) *segGraph {
+// capture captures ops as sg's graph and instantiates it; a failure marks
+// sg failed and is kept in GraphStats. On the device thread.
+func (r *runner) capture(sg *segGraph, ops []pendingOp) {
 	e := r.e
-	sg := &segGraph{fp: append([]uint64(nil), fp...)}
 	exec, bytes, err := e.captureOps(func() error { return r.evalOps(ops) })
 	if err != nil {
+		sg.failed = true
 		e.graphs.stats.Failed++
 		e.graphs.stats.LastFailure = err
-		return sg
+		return
 	}
 	e.graphs.stats.Captures++
 	sg.exec, sg.bytes = exec, bytes
 	e.graphBytes.Add(bytes)
-	return sg
 }
 
 // captureOps runs launch with every launch of the executor going to the

@@ -146,3 +146,42 @@ func TestWorkspaceView(t *testing.T) {
 	assert.EqualValues(t, 0x100, w.Ptr())
 	assert.EqualValues(t, 32, w.Requested())
 }
+
+// A segment is noted the first time it comes and captured the second, so
+// a fingerprint that changes every step is never captured; short segments,
+// failed captures and segments beyond graphSegments are never captured,
+// and a captured one is launched, not captured again.
+func TestDecideCapturesOnSecondSighting(t *testing.T) {
+	pg := newProgGraphs()
+	pg.calls = 1
+	fp := []uint64{1, 2, 3}
+	sg, capture := pg.decide(fp, 5)
+	require.NotNil(t, sg)
+	assert.False(t, capture, "first sighting: eager")
+	fp[0] = 9 // the caller reuses its slice: the segment keeps its own words
+	pg.calls = 2
+	again, capture := pg.decide([]uint64{1, 2, 3}, 5)
+	assert.Same(t, sg, again)
+	assert.True(t, capture, "second sighting: capture")
+	assert.Equal(t, uint64(2), sg.used)
+	sg.exec = 7 // captured
+	_, capture = pg.decide([]uint64{1, 2, 3}, 5)
+	assert.False(t, capture, "captured: launch it")
+
+	short := []uint64{4}
+	pg.decide(short, 1)
+	_, capture = pg.decide(short, 1)
+	assert.False(t, capture, "too short to capture")
+
+	failed, _ := pg.decide([]uint64{5}, 3)
+	failed.failed = true
+	_, capture = pg.decide([]uint64{5}, 3)
+	assert.False(t, capture, "a failed capture is not tried again")
+
+	for i := pg.n; i < graphSegments; i++ {
+		pg.add(&segGraph{fp: []uint64{1000 + uint64(i)}})
+	}
+	full, capture := pg.decide([]uint64{6}, 3)
+	assert.Nil(t, full, "beyond graphSegments nothing is noted")
+	assert.False(t, capture)
+}
