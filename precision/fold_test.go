@@ -1,6 +1,7 @@
 package precision_test
 
 import (
+	"context"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -8,6 +9,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
 	"github.com/batchfit/batchfit/internal/testutil"
@@ -274,4 +277,54 @@ func TestHalfNormLeavesOtherGraphs(t *testing.T) {
 	on, off := withNorms(t, true, precision.BF16Mixed, fwd, loss.ID(), wrt), withNorms(t, false, precision.BF16Mixed, fwd, loss.ID(), wrt)
 	require.Equal(t, off.Graph.Signature(), on.Graph.Signature())
 	assert.Equal(t, 1, countOps(on.Graph, graph.OpLayerNorm))
+}
+
+// A matmul that writes float32 from 16-bit operands takes its gradient
+// back in their dtype (its VJP casts the float32 gradient once), so the
+// gradient of a weight it reads through a cast is float32 and equals the
+// unfolded graph's (matmul, then a cast to float32) within 2⁻⁷ of its
+// largest magnitude: the folded forward value is not rounded to 16 bits,
+// so the loss's gradient y·2 differs by at most one bfloat16 rounding
+// before the backward GEMM rounds it again.
+func TestMatmulTargetGradient(t *testing.T) {
+	build := func(folded bool) (*graph.Graph, int) {
+		g := graph.New()
+		add := func(n graph.Node) int {
+			id, err := g.Append(n)
+			require.NoError(t, err, "%s", n.Op)
+			return id
+		}
+		r := rand.New(rand.NewPCG(8, 9)) // the same data for both graphs
+		x := add(graph.Node{Op: graph.OpConst, Type: graph.Type{Shape: []int{6, 4}, DType: graph.BFloat16}, Value: testutil.UniformF32(r, 6, 4)})
+		w := add(graph.Node{Op: graph.OpParam, Name: "w", Type: graph.Type{Shape: []int{4, 5}, DType: graph.Float32}, Value: testutil.UniformF32(r, 4, 5)})
+		wc := add(graph.Node{Op: graph.OpCast, Inputs: []int{w}, Attrs: graph.Attrs{Target: graph.Type{DType: graph.BFloat16}}})
+		var y int
+		if folded {
+			y = add(graph.Node{Op: graph.OpMatMul, Inputs: []int{x, wc}, Attrs: graph.Attrs{Target: graph.Type{DType: graph.Float32}}})
+		} else {
+			m := add(graph.Node{Op: graph.OpMatMul, Inputs: []int{x, wc}})
+			y = add(graph.Node{Op: graph.OpCast, Inputs: []int{m}, Attrs: graph.Attrs{Target: graph.Type{DType: graph.Float32}}})
+		}
+		sq := add(graph.Node{Op: graph.OpMul, Inputs: []int{y, y}})
+		loss := add(graph.Node{Op: graph.OpSum, Inputs: []int{sq}, Attrs: graph.Attrs{Axes: []int{0, 1}}})
+		grads, err := autodiff.Backward(g, loss, []int{w})
+		require.NoError(t, err)
+		require.Equal(t, graph.Type{Shape: []int{4, 5}, DType: graph.Float32, BatchAxis: -1, PerSample: 1}, g.Node(grads[0]).Type)
+		return g, grads[0]
+	}
+	run := func(folded bool) []float32 {
+		g, grad := build(folded)
+		out, err := cpu.New().Run(context.Background(), g, grad)
+		require.NoError(t, err)
+		return out[0].Data().([]float32)
+	}
+	got, want := run(true), run(false)
+	scale := float32(0)
+	for _, v := range want {
+		scale = max(scale, abs32(v))
+	}
+	require.Positive(t, scale)
+	for i := range want {
+		require.InDelta(t, want[i], got[i], math.Ldexp(float64(scale), -7), "element %d", i)
+	}
 }
