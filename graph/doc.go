@@ -26,6 +26,10 @@
 //     float32); every other op that takes several float inputs wants one
 //     dtype, and anything else is an ErrDType error naming op and dtypes.
 //     OpCast converts between float dtypes.
+//   - Layout: shapes are logical (NCHW for conv nets), but conv2d,
+//     pooling, batch_norm and their gradients with Attrs.ChannelsLast take
+//     their 4-D operands channels last (layout.go; package layout makes
+//     such graphs, with explicit permutes).
 //   - Errors from user input are values of *OpError wrapping one of the
 //     sentinel errors below; callers test them with errors.Is / errors.As.
 package graph

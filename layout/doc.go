@@ -7,9 +7,9 @@
 //     new graph. In it a channels-last value has the NHWC shape
 //     (graph.ToNHWC of its NCHW type): the same elements, the same bytes,
 //     so the planner's accounting is unchanged but for the conversions.
-//   - A region starts at a 16-bit conv2d that cuDNN's NHWC kernels take
-//     (ConvTakes; float32 convolutions stay NCHW, so fp32 and tf32 graphs
-//     come back unchanged): its input and weight are permuted to
+//   - A region starts at a bfloat16 conv2d (ConvTakes: the convolutions
+//     cuDNN's NHWC kernels take; float16 and float32 ones stay NCHW, so
+//     only bf16-mixed graphs change): its input and weight are permuted to
 //     channels last (graph.PermNHWC; the weight becomes cuDNN's KRSC
 //     [O, kh, kw, C/g]) by explicit permute nodes, which the planner sizes
 //     like any node. Each of these consumers of a channels-last value

@@ -204,21 +204,15 @@ func takes(g *graph.Graph, nd *graph.Node) bool {
 var convTakes = ConvTakes
 
 // ConvTakes reports whether a convolution of dtype dt with out output
-// channels and in input channels in groups groups runs channels last: the
-// convolutions cuDNN 9's NHWC kernels take, forward and both gradients, as
-// measured on the H100 (exec/cuda's TestCuDNNConvChannelsLastMatchesRef):
-// every bfloat16 one; float16 ones with a multiple of 8 output channels
-// that are not depthwise (cuDNN refuses 4 or 7 output channels, and a
-// depthwise input gradient); no float32 one (cuDNN has no NHWC input
-// gradient for most float32 shapes). The CUDA executor fails with
-// cuda.ErrChannelsLast on a channels-last convolution cuDNN refuses.
+// channels and in input channels in groups groups runs channels last:
+// bfloat16 ones, every shape of which cuDNN 9's NHWC kernels took, forward
+// and both gradients, on the H100 (exec/cuda's
+// TestCuDNNConvChannelsLastMatchesRef). float16 ones stay NCHW: cuDNN
+// refused 4 and 7 output channels and answered BAD_PARAM for a depthwise
+// input gradient, and a chunked float16 ConvNet step strayed 0.5 % from the
+// CPU's loss; float32 ones too (cuDNN has no NHWC input gradient for most
+// float32 shapes). The CUDA executor fails with cuda.ErrChannelsLast on a
+// channels-last convolution cuDNN refuses.
 func ConvTakes(dt graph.DType, out, groups, in int) bool {
-	switch dt {
-	case graph.BFloat16:
-		return true
-	case graph.Float16:
-		depthwise := groups > 1 && groups == in
-		return out%8 == 0 && !depthwise
-	}
-	return false
+	return dt == graph.BFloat16
 }

@@ -183,10 +183,8 @@ func TestChannelsLastLeavesOtherGraphs(t *testing.T) {
 // and that a float32 step comes back unchanged under it.
 func TestConvTakes(t *testing.T) {
 	require.True(t, layout.ConvTakes(graph.BFloat16, 7, 1, 5))
-	require.True(t, layout.ConvTakes(graph.Float16, 64, 1, 3))
-	require.True(t, layout.ConvTakes(graph.Float16, 24, 4, 16))
-	require.False(t, layout.ConvTakes(graph.Float16, 4, 1, 4))
-	require.False(t, layout.ConvTakes(graph.Float16, 32, 32, 32), "depthwise")
+	require.True(t, layout.ConvTakes(graph.BFloat16, 32, 32, 32), "depthwise")
+	require.False(t, layout.ConvTakes(graph.Float16, 64, 1, 64))
 	require.False(t, layout.ConvTakes(graph.Float32, 64, 1, 64))
 
 	m, c, s, classes := nets()["resnet"]()

@@ -111,6 +111,10 @@
 // does; its GEMMs take 16-bit operands and accumulate in float32
 // (cublasGemmEx), as autocast's do.
 //
+// TrainOptions.ChannelsLast runs package layout's pass between the
+// policy's rewrite and the backward pass: bf16-mixed conv nets' 4-D
+// activations stored channels last, for cuDNN's NHWC convolutions.
+//
 // Dynamic loss scaling (LossScale, Scaler), torch.cuda.amp.GradScaler's
 // semantics, which a Session applies under fp16-mixed by default:
 //   - S lives in the graph as a float32 scalar constant ("loss_scale")

@@ -106,7 +106,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.Var(bytesFlag{&c.cap}, "cap", "train each model at -cap-batch through batchfit.Session within this `size` (Options.Budget: 24GiB, 512MiB, 24GB or bytes), once with the planner's choice (recompute auto) and once in chunks only, and time both (the cap records); 0: off")
 	fs.IntVar(&c.capBatch, "cap-batch", 0, "the batch of -cap's steps (0: each model's timed batch, -gpt-batch, -mlp-batch, ...)")
 	fs.StringVar(&c.costProfile, "cost-profile", "h100", "the recompute cost model's `profile` for -cap (Options.Profile): default, h100 or a JSON file as batchfit calibrate writes it")
-	fs.BoolVar(&c.channelsLast, "channels-last", false, "store conv nets' 4-D activations channels last (NHWC; package layout, Options.ChannelsLast): cuDNN's fast layout for 16-bit convolutions and batch norms")
+	fs.BoolVar(&c.channelsLast, "channels-last", false, "store conv nets' 4-D activations channels last (NHWC; package layout, Options.ChannelsLast) from their bfloat16 convolutions on (layout.ConvTakes): cuDNN's fast layout for 16-bit convolutions")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 

@@ -16,17 +16,16 @@ import (
 // plus convDNNBytes (affine in the chunk's batch, as the planner's rules
 // require), and cuDNN may use all of it. Channels-last nodes
 // (graph.Attrs.ChannelsLast: x, y NHWC, w KRSC) run on cuDNN only
-// (ErrChannelsLast otherwise) and declare convDNNBytes alone; pooling has
-// channels-last kernels (pool.cu's *_nhwc_*).
+// (ErrChannelsLast otherwise) but declare the same workspace as their NCHW
+// twins (from the NCHW views of their shapes), so cuDNN chooses within the
+// same budget; pooling has channels-last kernels (pool.cu's *_nhwc_*).
 var convKernels = family{
 	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		w, y, size := inputAt(g, nd, 1, b), nd.Type.AtBatch(b), elemSize(nd.Type.DType)
-		if nd.Attrs.ChannelsLast { // cuDNN only
-			return convDNNBytes(inputAt(g, nd, 0, b), y, w, size)
-		}
-		return convColBytes(w, y, convImages(g, nd), &nd.Attrs, size) + convDNNBytes(inputAt(g, nd, 0, b), y, w, size)
+		a := &nd.Attrs
+		w, y, size := nchwShape(a, inputAt(g, nd, 1, b)), nchwShape(a, nd.Type.AtBatch(b)), elemSize(nd.Type.DType)
+		return convColBytes(w, y, convImages(g, nd), a, size) + convDNNBytes(inputAt(g, nd, 0, b), y, w, size)
 	}},
 	graph.OpMaxPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.maxPool2d(k.attrs(), in[0], out) }},
 	graph.OpAvgPool2d: {run: func(k *kctx, in []operand, out operand) error { return k.avgPool2d(k.attrs(), in[0], out) }},
@@ -36,19 +35,13 @@ var convKernels = family{
 	graph.OpConv2dGradInput: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2dGradInput(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		w, y := inputAt(g, nd, 1, b), inputAt(g, nd, 0, b)
-		if nd.Attrs.ChannelsLast { // cuDNN only
-			return convDNNBytes(nd.Type.AtBatch(b), y, w, elemSize(nd.Type.DType))
-		}
+		w, y := nchwShape(&nd.Attrs, inputAt(g, nd, 1, b)), nchwShape(&nd.Attrs, inputAt(g, nd, 0, b))
 		return convColBytes(w, y, convImages(g, nd), &nd.Attrs, 4) + convDNNBytes(nd.Type.AtBatch(b), y, w, elemSize(nd.Type.DType))
 	}},
 	graph.OpConv2dGradWeight: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2dGradWeight(k.attrs(), in[0], in[1], out)
 	}, ws: func(g *graph.Graph, nd *graph.Node, b int) int64 {
-		w, y := nd.Type.AtBatch(b), inputAt(g, nd, 0, b)
-		if nd.Attrs.ChannelsLast { // cuDNN only
-			return convDNNBytes(inputAt(g, nd, 1, b), y, w, elemSize(nd.Type.DType))
-		}
+		w, y := nchwShape(&nd.Attrs, nd.Type.AtBatch(b)), nchwShape(&nd.Attrs, inputAt(g, nd, 0, b))
 		return newGradWeightLayout(w, y, convImages(g, nd), nd.Attrs.Groups, nd.Type.DType).bytes +
 			convDNNBytes(inputAt(g, nd, 1, b), y, w, elemSize(nd.Type.DType))
 	}},

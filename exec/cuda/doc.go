@@ -18,6 +18,10 @@
 //     backend graph API for attention), each workspace declared per node
 //     and carved from the allocator, the handle's own memory measured once
 //     as overhead; what cuDNN refuses runs on the kernels, counted.
+//   - Channels-last nodes (graph.Attrs.ChannelsLast, package layout):
+//     convolutions on cuDNN's NHWC descriptors with KRSC weights, or
+//     ErrChannelsLast where cuDNN refuses one (im2col is NCHW only); batch
+//     norm and pooling on their own channels-last kernels.
 //   - Kernels are CUDA C sources embedded in the binary (kernels/*.cu),
 //     compiled by NVRTC for the device's sm_XY and cached on disk as cubins.
 //
