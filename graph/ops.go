@@ -192,37 +192,38 @@ func (r Reduction) String() string {
 // Attrs is the union of all op attributes; each op reads the fields its
 // table row names and ignores the rest.
 type Attrs struct {
-	Scalar   float64 // scalar operand; for mean and losses with mean, 1/count
-	Approx   bool    // gelu: tanh approximation
-	Axes     []int   // reduce axes, normalised to non-negative and sorted
-	KeepDim  bool
-	Axis     int   // softmax, slice, concat
-	Start    int   // slice
-	End      int   // slice (exclusive)
-	Step     int   // slice (≥ 1)
-	Shape    []int // reshape target
-	Perm     []int // permute
-	NormDims int   // layer_norm: number of trailing dims normalised
-	Eps      float64
-	Training bool   // batch_norm: normalise with the batch's statistics, not running ones
-	PerChunk bool   // batch_norm (training) and its gradients: the statistics of the samples run, chunk by chunk (OpBatchNorm)
-	Kernel   [2]int // pooling
-	Stride   [2]int
-	Padding  [2]int
-	Dilation [2]int
-	Groups   int
-	// ChannelsLast: conv2d, pooling, batch_norm and their gradients store
-	// their 4-D operands channels last (graph/layout.go, package layout).
-	ChannelsLast bool
-	Reduction    Reduction
-	TransA       bool // matmul: use the transpose of the last two axes of input 0
-	TransB       bool // matmul: … of input 1
-	Causal       bool // attention: query i sees keys j ≤ i
-	Target       Type // output type of generators and gradients that restore a shape
+	Scalar    float64 // scalar operand; for mean and losses with mean, 1/count
+	Approx    bool    // gelu: tanh approximation
+	Axes      []int   // reduce axes, normalised to non-negative and sorted
+	KeepDim   bool
+	Axis      int   // softmax, slice, concat
+	Start     int   // slice
+	End       int   // slice (exclusive)
+	Step      int   // slice (≥ 1)
+	Shape     []int // reshape target
+	Perm      []int // permute
+	NormDims  int   // layer_norm: number of trailing dims normalised
+	Eps       float64
+	Training  bool   // batch_norm: normalise with the batch's statistics, not running ones
+	PerChunk  bool   // batch_norm (training) and its gradients: the statistics of the samples run, chunk by chunk (OpBatchNorm)
+	Kernel    [2]int // pooling
+	Stride    [2]int
+	Padding   [2]int
+	Dilation  [2]int
+	Groups    int
+	Reduction Reduction
+	TransA    bool // matmul: use the transpose of the last two axes of input 0
+	TransB    bool // matmul: … of input 1
+	Causal    bool // attention: query i sees keys j ≤ i
+	Target    Type // output type of generators and gradients that restore a shape
 	// Seed and Counter key dropout's mask (Counter is usually the training
 	// step). They change no shape or byte count, so graph signatures leave
 	// them out and a step with a new counter reuses the cached plan.
 	Seed, Counter uint64
+
+	// ChannelsLast: conv2d, pooling, batch_norm and their gradients store
+	// their 4-D operands channels last (graph/layout.go, package layout).
+	ChannelsLast bool
 }
 
 // BatchNormAffine is the index of batch_norm's optional weight input (the

@@ -289,10 +289,11 @@ func (c config) train() precision.TrainOptions {
 }
 
 // compileStep compiles a training step as batchfit.Session.Step does, with
-// the CUDA kernels' workspaces: the precision policy's graph pass
-// (precision.TrainWith, with o's layout pass), then the loss and the gradients of params kept on the
-// device. inputs are source nodes of loss's graph; their ids in the
-// compiled graph come back in the same order, for feeding.
+// the CUDA kernels' workspaces: the precision policy's graph pass and o's
+// (precision.TrainWith: the layout pass with -channels-last), then the
+// loss and the gradients of params kept on the device. inputs are source
+// nodes of loss's graph; their ids in the compiled graph come back in the
+// same order, for feeding.
 func compileStep(pol precision.Policy, o precision.TrainOptions, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
 	if err := loss.Err(); err != nil {
 		return nil, nil, err
