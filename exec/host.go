@@ -65,6 +65,19 @@ func FromTensor(nd *graph.Node, t tensor.Tensor, shape []int) (*HostBuf, error) 
 	wrong := func(kind string) error {
 		return graph.Errorf(graph.ErrDType, "%s: %s data for a %s node", what, kind, nd.Type.DType)
 	}
+	if graph.Numel(shape) == 0 {
+		// gorgonia's Data panics on a tensor of no elements: check the
+		// dtype from Dtype and hand back an empty buffer.
+		switch dt := nd.Type.DType; {
+		case t.Dtype() == tensor.Float32 && (dt == graph.Float32 || dt.IsHalf()):
+			b.F = []float32{}
+		case t.Dtype() == tensor.Int64 && dt == graph.Int64:
+			b.I = []int64{}
+		default:
+			return nil, wrong(t.Dtype().String())
+		}
+		return b, nil
+	}
 	switch data := t.Data().(type) {
 	case []float32:
 		switch dt := nd.Type.DType; {
