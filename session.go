@@ -925,6 +925,9 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 		if id < 0 || id >= len(st.IDs) {
 			return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d is node %d, not a node of the forward graph", i, id)}
 		}
+		if st.IDs[id] < 0 {
+			return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d reads node %d, which the attention fusion removed", i, id)}
+		}
 		ids = append(ids, st.IDs[id])
 	}
 	// Without gradients there is nothing to unscale, and no step to skip.

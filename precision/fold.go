@@ -74,7 +74,9 @@ func (s *Step) foldWideningCasts() error {
 	}
 	remap := func(v []int) {
 		for k, id := range v {
-			v[k] = ids[id]
+			if id >= 0 { // −1: a forward node the attention fusion removed
+				v[k] = ids[id]
+			}
 		}
 	}
 	s.Graph = ng

@@ -438,7 +438,8 @@ type Step struct {
 	Scale, Scaled int
 	// IDs maps the forward graph's nodes to Graph's: IDs[i] is node i's id
 	// in Graph (Apply's ids; the identity when the step was built on the
-	// forward graph itself).
+	// forward graph itself), −1 for a slice, reshape or permute that a
+	// mixed policy's attention fusion removed (graph.FuseAttentionQKV).
 	IDs []int
 }
 
@@ -471,14 +472,35 @@ func Train(g *graph.Graph, p Policy, loss int, params []int) (*Step, error) {
 // TrainWith applies p to g and appends the gradient of the scalar loss
 // with respect to params (node ids of g), with loss scaling when o says
 // so, as a Session's Step and the CLI's estimate both build a step: one
-// function, so both plan the same graph.
+// function, so both plan the same graph. Under a mixed policy, attention
+// over q, k and v sliced from one projection is fused first
+// (graph.FuseAttentionQKV), so models written the unpacked way train as
+// the zoo's GPT does.
 func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions) (*Step, error) {
 	if loss < 0 || loss >= g.Len() {
 		return nil, graph.Errorf(graph.ErrArity, "precision: loss id %d does not name a node", loss)
 	}
-	ng, ids, err := Apply(g, p)
+	var err error
+	fg, fids := g, []int(nil)
+	if p.Mixed() {
+		// Attention over q, k, v sliced from one projection reads them in
+		// place (graph.FuseAttentionQKV): under a 16-bit policy that is
+		// cuDNN's fused attention through strides, with no copies.
+		if fg, fids, err = graph.FuseAttentionQKV(g); err != nil {
+			return nil, err
+		}
+	}
+	ng, ids, err := Apply(fg, p)
 	if err != nil {
 		return nil, err
+	}
+	if fids != nil {
+		for i, id := range fids {
+			if id >= 0 {
+				fids[i] = ids[id]
+			}
+		}
+		ids = fids
 	}
 	if o.ChannelsLast {
 		lg, lids, err := layout.ChannelsLast(ng)
@@ -486,14 +508,19 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 			return nil, err
 		}
 		for i, id := range ids {
-			ids[i] = lids[id]
+			if id >= 0 {
+				ids[i] = lids[id]
+			}
 		}
 		ng = lg
 	}
+	if ids[loss] < 0 {
+		return nil, graph.Errorf(graph.ErrArity, "precision: loss node %d was fused into attention_qkv", loss)
+	}
 	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss], IDs: ids}
 	for i, id := range params {
-		if id < 0 || id >= g.Len() {
-			return nil, graph.Errorf(graph.ErrArity, "precision: parameter id %d does not name a node", id)
+		if id < 0 || id >= g.Len() || ids[id] < 0 {
+			return nil, graph.Errorf(graph.ErrArity, "precision: parameter id %d does not name a node of the step", id)
 		}
 		s.Params[i] = ids[id]
 	}
