@@ -975,11 +975,10 @@ func distinctParams(params []*lazy.Tensor) error {
 	for i, p := range params {
 		j, dup := byTensor[p]
 		if v := p.Value(); v != nil {
-			if k, ok := byData[v]; ok && (!dup || k < j) {
-				j, dup = k, true
-			}
-			if _, ok := byData[v]; !ok {
+			if k, seen := byData[v]; !seen {
 				byData[v] = i
+			} else if !dup || k < j {
+				j, dup = k, true
 			}
 		}
 		if dup {

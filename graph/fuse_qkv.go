@@ -73,7 +73,7 @@ func FuseAttentionQKV(g *Graph) (*Graph, []int, error) {
 		if m, ok := fused[i]; ok {
 			n.Op, n.Attrs, n.Inputs = OpAttentionQKV, m.attrs, []int{ids[m.x]}
 		} else {
-			n.Attrs.Axes, n.Attrs.Shape, n.Attrs.Perm = slices.Clone(nd.Attrs.Axes), slices.Clone(nd.Attrs.Shape), slices.Clone(nd.Attrs.Perm)
+			n.Attrs = nd.Attrs.Clone()
 			n.Inputs = make([]int, len(nd.Inputs))
 			for k, in := range nd.Inputs {
 				n.Inputs[k] = ids[in]

@@ -1,6 +1,9 @@
 package graph
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // Op identifies an operation. Its properties live in its row of the op
 // table (OpInfo), in the op_*.go file of its family.
@@ -224,6 +227,17 @@ type Attrs struct {
 	// ChannelsLast: conv2d, pooling, batch_norm and their gradients store
 	// their 4-D operands channels last (graph/layout.go, package layout).
 	ChannelsLast bool
+}
+
+// Clone is a copy of a whose slices (Axes, Shape, Perm, Target.Shape) are
+// its own, for passes that rebuild a graph and may normalise a node's
+// attributes without touching the original's.
+func (a Attrs) Clone() Attrs {
+	a.Axes = slices.Clone(a.Axes)
+	a.Shape = slices.Clone(a.Shape)
+	a.Perm = slices.Clone(a.Perm)
+	a.Target.Shape = slices.Clone(a.Target.Shape)
+	return a
 }
 
 // BatchNormAffine is the index of batch_norm's optional weight input (the

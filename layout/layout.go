@@ -80,7 +80,7 @@ func Rewrite(g *graph.Graph) (*Result, error) {
 	}
 	for i := range n {
 		nd := g.Node(i)
-		nn := graph.Node{Op: nd.Op, Attrs: cloneAttrs(nd.Attrs), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
+		nn := graph.Node{Op: nd.Op, Attrs: nd.Attrs.Clone(), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
 		if nd.Op.Category() == graph.CatSource {
 			nn.Type = nd.Type
 		}
@@ -179,14 +179,6 @@ func reduceAxes(a graph.Attrs) (bool, []int) {
 	}
 	slices.Sort(axes)
 	return true, axes
-}
-
-func cloneAttrs(a graph.Attrs) graph.Attrs {
-	a.Axes = slices.Clone(a.Axes)
-	a.Shape = slices.Clone(a.Shape)
-	a.Perm = slices.Clone(a.Perm)
-	a.Target.Shape = slices.Clone(a.Target.Shape)
-	return a
 }
 
 // takes reports whether node nd of g is a convolution that runs channels

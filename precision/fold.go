@@ -55,7 +55,7 @@ func (s *Step) foldWideningCasts() error {
 			ids[i] = ids[nd.Inputs[0]]
 			continue
 		}
-		n := graph.Node{Op: nd.Op, Attrs: cloneAttrs(nd.Attrs), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value,
+		n := graph.Node{Op: nd.Op, Attrs: nd.Attrs.Clone(), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value,
 			Inputs: make([]int, len(nd.Inputs))}
 		if nd.Op.Category() == graph.CatSource {
 			n.Type = nd.Type

@@ -164,7 +164,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 			return nil, nil, &graph.OpError{Op: "precision " + string(p), Site: nd.Site,
 				Err: graph.Errorf(graph.ErrAttr, "node %d is a gradient op (%s): apply the policy to the forward graph, before autodiff", i, nd.Op)}
 		}
-		n := graph.Node{Op: nd.Op, Attrs: cloneAttrs(nd.Attrs), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
+		n := graph.Node{Op: nd.Op, Attrs: nd.Attrs.Clone(), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
 		if nd.Op.Category() == graph.CatSource {
 			n.Type = nd.Type
 		}
@@ -212,7 +212,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 		}
 		ids[i] = id
 		if dt := p.Half(); dt != graph.InvalidDType && foldNorms && halfNorm(g, users, i) && out.Node(id).Type.DType == graph.Float32 {
-			n.Attrs = cloneAttrs(n.Attrs)
+			n.Attrs = n.Attrs.Clone()
 			n.Attrs.Target = graph.Type{DType: dt}
 			h, err := out.Append(n)
 			if err != nil {
@@ -413,14 +413,6 @@ func castInputs(out *graph.Graph, nd *graph.Node, c class, dt graph.DType, ins [
 		ins[k] = id
 	}
 	return nil
-}
-
-func cloneAttrs(a graph.Attrs) graph.Attrs {
-	a.Axes = slices.Clone(a.Axes)
-	a.Shape = slices.Clone(a.Shape)
-	a.Perm = slices.Clone(a.Perm)
-	a.Target.Shape = slices.Clone(a.Target.Shape)
-	return a
 }
 
 // Step is a training step's graph under a policy: the rewritten forward

@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"runtime"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -14,7 +12,6 @@ import (
 
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/internal/ref"
 )
 
 // qkvCase is one packed attention problem: qkv [B, T, 3·H·D].
@@ -115,27 +112,11 @@ func TestAttentionQKV(t *testing.T) {
 	for _, c := range []qkvCase{{B: 2, H: 3, T: 64, D: 64, causal: true}, {B: 1, H: 2, T: 1024, D: 128}} {
 		runs = append(runs, run{name: "cudnn_off_bf16_" + c.String(), c: c, dt: graph.BFloat16, e: off, tol: attnTolMMABF16, lseTol: attnTolF32})
 	}
-	type prepared struct {
-		g    *graph.Graph
-		ids  []int
-		want []ref.Value
-		err  error
-	}
-	preps := make([]prepared, len(runs))
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, runtime.NumCPU())
+	preps := make([]refRun, len(runs))
 	for i, r := range runs {
-		g, ids := qkvGraph(t, r.c, r.dt, rand.New(rand.NewPCG(uint64(r.c.T*131+r.c.D), 19)))
-		preps[i].g, preps[i].ids = g, ids
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			preps[i].want, preps[i].err = ref.Eval(g, nil, ids...)
-		}()
+		preps[i].g, preps[i].ids = qkvGraph(t, r.c, r.dt, rand.New(rand.NewPCG(uint64(r.c.T*131+r.c.D), 19)))
 	}
-	wg.Wait()
+	evalRefs(preps)
 	for i, r := range runs {
 		t.Run(r.name, func(t *testing.T) {
 			p := preps[i]

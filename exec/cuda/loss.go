@@ -130,14 +130,14 @@ var fusedCrossEntropies atomic.Int64
 
 // fusedCEGrad is the companion cross_entropy_grad output the forward pass
 // over logits writes too, with its scale Scalar·seed, when the program has
-// one (its seed a fill, graph.CrossEntropyGradProducer) of logits' dtype
-// and shape.
+// one of logits' dtype and shape. The program pairs them only through
+// graph.CrossEntropyGradProducer, so the seed is a fill.
 func (k *kctx) fusedCEGrad(logits operand) (s float64, grad operand, ok bool) {
 	if k.co == nil || k.co.dt != logits.dt || !slices.Equal(k.co.shape, logits.shape) {
 		return 0, operand{}, false
 	}
 	gr := k.g.Node(k.coNode)
-	if gr.Op != graph.OpCrossEntropyGrad || graph.CrossEntropyGradProducer(k.g, k.coNode) != k.nd.ID {
+	if gr.Op != graph.OpCrossEntropyGrad {
 		return 0, operand{}, false
 	}
 	seed := k.g.Node(gr.Inputs[0])

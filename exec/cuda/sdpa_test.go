@@ -106,6 +106,32 @@ func compareOutputs(t *testing.T, name string, what []string, want []ref.Value, 
 	}
 }
 
+// refRun is a graph to run, its outputs, and their float64 reference
+// values (evalRefs fills want and err).
+type refRun struct {
+	g    *graph.Graph
+	ids  []int
+	want []ref.Value
+	err  error
+}
+
+// evalRefs evaluates every run's reference at once, on every CPU: the
+// float64 reference of an attention is slow (seconds at T = 2048).
+func evalRefs(runs []refRun) {
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, runtime.NumCPU())
+	for i := range runs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			runs[i].want, runs[i].err = ref.Eval(runs[i].g, nil, runs[i].ids...)
+		}()
+	}
+	wg.Wait()
+}
+
 // TestCuDNNAttention runs 16-bit attention (forward with its log-sum-exp,
 // then dq and dk|dv from that o and lse) on cuDNN's fused attention and
 // holds it to the float64 reference, which rounds to 16 bits where the
@@ -117,28 +143,11 @@ func compareOutputs(t *testing.T, name string, what []string, want []ref.Value, 
 func TestCuDNNAttention(t *testing.T) {
 	e, n := sdpaExecutor(t)
 	cases := sdpaCases()
-	type prepared struct {
-		g    *graph.Graph
-		ids  []int
-		want []ref.Value
-		err  error
-	}
-	preps := make([]prepared, len(cases))
-	// The float64 reference is slow (seconds at T = 2048): all at once.
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, runtime.NumCPU())
+	preps := make([]refRun, len(cases))
 	for i, sc := range cases {
-		g, ids := attnGraph(t, sc.c, sc.dt, rand.New(rand.NewPCG(uint64(sc.c.T*131+sc.c.D), 17)))
-		preps[i].g, preps[i].ids = g, ids
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			preps[i].want, preps[i].err = ref.Eval(g, nil, ids...)
-		}()
+		preps[i].g, preps[i].ids = attnGraph(t, sc.c, sc.dt, rand.New(rand.NewPCG(uint64(sc.c.T*131+sc.c.D), 17)))
 	}
-	wg.Wait()
+	evalRefs(preps)
 	for i, sc := range cases {
 		name := fmt.Sprintf("%s_%s", sc.dt, sc.c)
 		t.Run(name, func(t *testing.T) {

@@ -132,11 +132,7 @@ func roundTo(dt graph.DType, v Value) Value {
 // before any loop could index out of range. Scalar is kept as stored: it
 // is the build-time 1/count.
 func normalise(nd *graph.Node, in []graph.Type, batch int) (graph.Attrs, error) {
-	a := nd.Attrs
-	a.Axes = slices.Clone(a.Axes)
-	a.Shape = slices.Clone(a.Shape)
-	a.Perm = slices.Clone(a.Perm)
-	a.Target.Shape = slices.Clone(a.Target.Shape)
+	a := nd.Attrs.Clone()
 	t, err := shapeinfer.Rule(nd.Op, &a, in, batch)
 	if err != nil {
 		return a, err
