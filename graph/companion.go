@@ -7,11 +7,16 @@ import "slices"
 // or an attention_qkv_lse's attention_qkv (LSEProducer), an
 // attention_grad_kv's attention_grad_q (AttentionGradKVProducer), a
 // training-mode batch_norm_grad_w's batch_norm_grad_x
-// (BatchNormGradWProducer), or a cross_entropy_grad's cross_entropy when
-// its seed is constant (CrossEntropyGradProducer). planner.Compile
+// (BatchNormGradWProducer), a layer_norm_grad_w's layer_norm_grad_x
+// (LayerNormGradWProducer), a layer norm's bias gradient (a sum of g over
+// the leading axes) and the layer_norm_grad_x of that g
+// (LayerNormBiasGradProducer), or a cross_entropy_grad's cross_entropy
+// when its seed is constant (CrossEntropyGradProducer). planner.Compile
 // allocates m's output with the producer's, so an executor may compute
 // both at once (planner.Program.Companion); one that does not runs m as
-// usual.
+// usual. A producer may have several companions (layer_norm_grad_x: its
+// weight's and its bias's gradients); each is found from the companion,
+// and the producer always comes before it.
 func CompanionProducer(g *Graph, m int) int {
 	if m < 0 || m >= g.Len() {
 		return -1
@@ -23,6 +28,13 @@ func CompanionProducer(g *Graph, m int) int {
 		return AttentionGradKVProducer(g, m)
 	case OpBatchNormGradW:
 		return BatchNormGradWProducer(g, m)
+	case OpLayerNormGradW:
+		return LayerNormGradWProducer(g, m)
+	case OpSum:
+		if p := LayerNormBiasGradProducer(g, m); p >= 0 {
+			return p
+		}
+		return -1
 	case OpCrossEntropyGrad:
 		return CrossEntropyGradProducer(g, m)
 	}
@@ -98,6 +110,65 @@ func BatchNormGradWProducer(g *Graph, m int) int {
 		if n.Op == OpBatchNormGradX && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
 			n.Attrs.Training == w.Attrs.Training && n.Attrs.PerChunk == w.Attrs.PerChunk && n.Attrs.Eps == w.Attrs.Eps &&
 			n.Attrs.ChannelsLast == w.Attrs.ChannelsLast {
+			return id
+		}
+	}
+	return -1
+}
+
+// LayerNormGradWProducer returns the layer_norm_grad_x node whose pass over
+// g and x can give Σ g·x̂, which layer_norm_grad_w node m computes: an
+// earlier layer_norm_grad_x of the same g and x with the same NormDims and
+// Eps (the one layer_norm's backward pass emitted beside m: the pass finds
+// each row's statistics and x̂ on its way to dx); −1 when m is no such node
+// or none qualifies.
+func LayerNormGradWProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	w := g.Node(m)
+	if w.Op != OpLayerNormGradW || len(w.Inputs) != 2 {
+		return -1
+	}
+	// The producer reads g and x, so it comes after both.
+	for id := m - 1; id > max(w.Inputs[0], w.Inputs[1]); id-- {
+		n := g.Node(id)
+		if n.Op == OpLayerNormGradX && len(n.Inputs) >= 2 && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
+			n.Attrs.NormDims == w.Attrs.NormDims && n.Attrs.Eps == w.Attrs.Eps {
+			return id
+		}
+	}
+	return -1
+}
+
+// LayerNormBiasGradProducer returns the layer_norm_grad_x node whose pass
+// over g can also give sum node m, a layer norm's bias gradient: m sums
+// exactly that g over all its leading axes (Axes 0, 1, …, in order, no
+// KeepDim), those in front of the layer_norm_grad_x's NormDims trailing
+// ones, in g's dtype, as layer_norm's backward pass emits it; −1 for any
+// other sum, or when no earlier layer_norm_grad_x reads m's input as its g.
+func LayerNormBiasGradProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	s := g.Node(m)
+	if s.Op != OpSum || len(s.Inputs) != 1 || s.Attrs.KeepDim || len(s.Attrs.Axes) == 0 {
+		return -1
+	}
+	for i, a := range s.Attrs.Axes {
+		if a != i {
+			return -1
+		}
+	}
+	gt := g.Node(s.Inputs[0]).Type
+	lead := len(s.Attrs.Axes)
+	if lead >= len(gt.Shape) || s.Type.DType != gt.DType || !slices.Equal(s.Type.Shape, gt.Shape[lead:]) {
+		return -1
+	}
+	for id := m - 1; id > s.Inputs[0]; id-- {
+		n := g.Node(id)
+		if n.Op == OpLayerNormGradX && len(n.Inputs) >= 2 && n.Inputs[0] == s.Inputs[0] &&
+			n.Attrs.NormDims == len(gt.Shape)-lead && n.Type.DType == gt.DType {
 			return id
 		}
 	}

@@ -169,3 +169,86 @@ func TestFuseAttentionQKVRefusesBackward(t *testing.T) {
 	_, _, err = graph.FuseAttentionQKV(g)
 	require.ErrorIs(t, err, graph.ErrAttr)
 }
+
+// TestLayerNormGradWProducer: layer_norm_grad_w pairs with the earlier
+// layer_norm_grad_x over the same g and x with the same NormDims and Eps
+// (with or without a weight input); CompanionProducer dispatches on the op.
+func TestLayerNormGradWProducer(t *testing.T) {
+	g := graph.New()
+	in := func(shape ...int) int {
+		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
+		require.NoError(t, err)
+		return id
+	}
+	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
+		require.NoError(t, err)
+		return id
+	}
+	x, dy, other := in(4, 6, 8), in(4, 6, 8), in(4, 6, 8)
+	w, err := g.Append(graph.Node{Op: graph.OpParam, Type: graph.Type{Shape: []int{8}, DType: graph.Float32, BatchAxis: -1}})
+	require.NoError(t, err)
+	a := graph.Attrs{NormDims: 1, Eps: 1e-5}
+	gx := node(graph.OpLayerNormGradX, a, dy, x, w)
+	gw := node(graph.OpLayerNormGradW, a, dy, x)
+	assert.Equal(t, gx, graph.LayerNormGradWProducer(g, gw))
+	assert.Equal(t, gx, graph.CompanionProducer(g, gw))
+	assert.Equal(t, -1, graph.LayerNormGradWProducer(g, node(graph.OpLayerNormGradW, a, other, x)), "another g")
+	assert.Equal(t, -1, graph.LayerNormGradWProducer(g, node(graph.OpLayerNormGradW, a, dy, other)), "another x")
+	assert.Equal(t, -1, graph.LayerNormGradWProducer(g, node(graph.OpLayerNormGradW, graph.Attrs{NormDims: 1, Eps: 1e-3}, dy, x)), "another eps")
+	assert.Equal(t, -1, graph.LayerNormGradWProducer(g, node(graph.OpLayerNormGradW, graph.Attrs{NormDims: 2, Eps: 1e-5}, dy, x)), "other dims")
+	assert.Equal(t, -1, graph.LayerNormGradWProducer(g, gx), "a layer_norm_grad_x node")
+	assert.Equal(t, -1, graph.CompanionProducer(g, gx))
+
+	// A layer_norm_grad_w before any layer_norm_grad_x has no producer.
+	h := graph.New()
+	hx, err := h.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{4, 8}, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
+	require.NoError(t, err)
+	hw, err := h.Append(graph.Node{Op: graph.OpLayerNormGradW, Attrs: a, Inputs: []int{hx, hx}})
+	require.NoError(t, err)
+	_, err = h.Append(graph.Node{Op: graph.OpLayerNormGradX, Attrs: a, Inputs: []int{hx, hx}})
+	require.NoError(t, err)
+	assert.Equal(t, -1, graph.LayerNormGradWProducer(h, hw), "the producer comes first")
+}
+
+// TestLayerNormBiasGradProducer: a layer norm's bias gradient, the sum of
+// its g over every leading axis, pairs with the earlier
+// layer_norm_grad_x of that g; near misses (other axes, KeepDim, another
+// tensor, a cast of g, a sum emitted before the layer_norm_grad_x, other
+// NormDims) do not. CompanionProducer dispatches sums to the rule.
+func TestLayerNormBiasGradProducer(t *testing.T) {
+	g := graph.New()
+	in := func(dt graph.DType, shape ...int) int {
+		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
+		require.NoError(t, err)
+		return id
+	}
+	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
+		require.NoError(t, err)
+		return id
+	}
+	sum := func(x int, axes ...int) int { return node(graph.OpSum, graph.Attrs{Axes: axes}, x) }
+	x, dy, other := in(graph.Float32, 4, 6, 8), in(graph.Float32, 4, 6, 8), in(graph.Float32, 4, 6, 8)
+	early := sum(dy, 0, 1) // before the layer_norm_grad_x
+	gx := node(graph.OpLayerNormGradX, graph.Attrs{NormDims: 1, Eps: 1e-5}, dy, x)
+	db := sum(dy, 0, 1)
+	assert.Equal(t, gx, graph.LayerNormBiasGradProducer(g, db))
+	assert.Equal(t, gx, graph.CompanionProducer(g, db))
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, early), "the producer comes first")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(dy, 0)), "not every leading axis")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(dy, 0, 1, 2)), "the normalised axis too")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, node(graph.OpSum, graph.Attrs{Axes: []int{0, 1}, KeepDim: true}, dy)), "keepdim")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(other, 0, 1)), "another tensor")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(x, 0, 1)), "layer_norm_grad_x's x")
+	wide := node(graph.OpCast, graph.Attrs{Target: graph.Type{DType: graph.BFloat16}}, dy)
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(wide, 0, 1)), "a cast of g")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, node(graph.OpMean, graph.Attrs{Axes: []int{0, 1}}, dy)), "a mean")
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, gx), "a layer_norm_grad_x node")
+
+	// Over two normalised dims, the bias gradient sums the one leading axis.
+	gx2 := node(graph.OpLayerNormGradX, graph.Attrs{NormDims: 2, Eps: 1e-5}, other, x)
+	assert.Equal(t, gx2, graph.LayerNormBiasGradProducer(g, sum(other, 0)))
+	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(other, 0, 1)), "the other layer norm's axes")
+	assert.Equal(t, -1, graph.CompanionProducer(g, sum(x, 0)), "a plain sum")
+}

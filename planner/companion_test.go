@@ -1,11 +1,14 @@
 package planner_test
 
 import (
+	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
@@ -110,4 +113,120 @@ func TestAttentionGradKVIsAllocatedWithGradQ(t *testing.T) {
 		assert.Less(t, runAt[id], runAt[m], "attention_grad_kv keeps its run step")
 	}
 	assert.Equal(t, 1, pairs)
+}
+
+// companionHooks runs nothing and records, in order, the Companion calls
+// and the runs of the nodes that have companions.
+type companionHooks struct {
+	p   *planner.Program
+	log []string
+}
+
+func (*companionHooks) Resident(planner.Buffer) *alloc.Block                          { return nil }
+func (*companionHooks) Fill(planner.Buffer, *alloc.Block) error                       { return nil }
+func (*companionHooks) Freed(planner.Buffer, *alloc.Block)                            {}
+func (*companionHooks) ChunkDone(planner.Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
+func (*companionHooks) Finish([]*alloc.Block, *alloc.Block) error                     { return nil }
+func (*companionHooks) EveryChunk() bool                                              { return true }
+func (h *companionHooks) Companion(nd *graph.Node, m int, blk *alloc.Block) {
+	h.log = append(h.log, fmt.Sprintf("companion %d of %d (%d bytes)", m, nd.ID, blk.Requested()))
+}
+func (h *companionHooks) Run(nd *graph.Node, _ planner.Chunk, _ *alloc.Block, _ []*alloc.Block, _ *alloc.Block) error {
+	if h.p.Companion[nd.ID] >= 0 {
+		h.log = append(h.log, fmt.Sprintf("run %d", nd.ID))
+	}
+	return nil
+}
+
+// TestLayerNormGradsAreAllocatedWithGradX: layer norm's backward pass as
+// autodiff emits it gives layer_norm_grad_x two companions, its weight's
+// gradient and its bias's (the sum of g over the leading axes), in that
+// order; both outputs are allocated right after dx's, before its pass
+// runs, both keep their own run steps, and a replay hands both blocks to
+// CompanionHooks before running layer_norm_grad_x. Without a bias, or with
+// the weight not trained, the one that is left pairs alone; with neither
+// trained there is no companion.
+func TestLayerNormGradsAreAllocatedWithGradX(t *testing.T) {
+	build := func(bias, trainW bool) (*planner.Program, *lazy.Tensor, *lazy.Tensor) {
+		x := lazy.Placeholder([]int{4, 6, 16}, graph.Float32, 0)
+		p := lazy.ParamSpec([]int{16}, graph.Float32, "p") // x·p needs dx
+		w := lazy.ParamSpec([]int{16}, graph.Float32, "w")
+		var b *lazy.Tensor
+		if bias {
+			b = lazy.ParamSpec([]int{16}, graph.Float32, "b")
+		}
+		ln := x.Mul(p).LayerNorm(w, b, 1, 1e-5)
+		params := []*lazy.Tensor{p}
+		if trainW {
+			params = append(params, w)
+		}
+		if bias {
+			params = append(params, b)
+		}
+		return testutil.StepProgram(t, nil, ln.Mul(ln).Sum(), params, 2), w, b
+	}
+	for _, c := range []struct {
+		name         string
+		bias, trainW bool
+		want         []graph.Op
+	}{
+		{"weight and bias", true, true, []graph.Op{graph.OpLayerNormGradW, graph.OpSum}},
+		{"weight only", false, true, []graph.Op{graph.OpLayerNormGradW}},
+		{"bias only", true, false, []graph.Op{graph.OpSum}},
+		{"neither", false, false, nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p, _, _ := build(c.bias, c.trainW)
+			g := p.Graph
+			gx := -1
+			for id := range g.Len() {
+				if g.Node(id).Op == graph.OpLayerNormGradX {
+					require.Equal(t, -1, gx, "one layer_norm_grad_x")
+					gx = id
+				} else {
+					assert.Equal(t, 0, len(slices.Collect(p.Companions(id))), "node %d (%s) has no companion", id, g.Node(id).Op)
+				}
+			}
+			require.GreaterOrEqual(t, gx, 0)
+			cos := slices.Collect(p.Companions(gx))
+			var ops []graph.Op
+			for _, m := range cos {
+				ops = append(ops, g.Node(m).Op)
+				assert.Equal(t, g.Node(gx).Inputs[0], g.Node(m).Inputs[0], "companion %d reads dx's g", m)
+				assert.Less(t, gx, m)
+			}
+			assert.Equal(t, c.want, ops)
+			if len(cos) == 0 {
+				return
+			}
+			allocAt, runAt := map[int]int{}, map[int]int{}
+			for si, st := range p.Steps {
+				switch {
+				case st.Kind == planner.StepAlloc && p.Buffers[st.Buf].Kind == planner.BufOutput:
+					_, seen := allocAt[st.Node]
+					assert.False(t, seen, "node %d's output is allocated once", st.Node)
+					allocAt[st.Node] = si
+				case st.Kind == planner.StepRun:
+					runAt[st.Node] = si
+				}
+			}
+			for i, m := range cos {
+				assert.Equal(t, allocAt[gx]+1+i, allocAt[m], "companion %d is allocated right after dx (and the one before it)", m)
+				assert.Less(t, runAt[gx], runAt[m], "companion %d keeps its run step, after dx's", m)
+			}
+
+			h := &companionHooks{p: p}
+			a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{})
+			_, err := planner.Replay(p, planner.Chunks(4, 2), a, h, false)
+			require.NoError(t, err)
+			var want []string
+			for range 2 { // each chunk
+				for _, m := range cos {
+					want = append(want, fmt.Sprintf("companion %d of %d (%d bytes)", m, gx, 16*4))
+				}
+				want = append(want, fmt.Sprintf("run %d", gx))
+			}
+			assert.Equal(t, want, h.log)
+		})
+	}
 }

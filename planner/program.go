@@ -1,6 +1,7 @@
 package planner
 
 import (
+	"iter"
 	"slices"
 	"strconv"
 
@@ -86,14 +87,35 @@ type Program struct {
 	// companion's output is allocated with id's, before id runs, so every
 	// plan counts it from there; Replay hands its block to hooks that
 	// implement CompanionHooks, and the companion's own run step stays, for
-	// executors that compute it there (exec/cpu).
-	Companion []int
+	// executors that compute it there (exec/cpu). Companion holds a
+	// producer's first companion; NextCompanion[m] is the one after
+	// companion m of the same producer, −1 for none (layer_norm_grad_x's
+	// pass gives both its weight's and its bias's gradients). Companions
+	// walks them in order.
+	Companion     []int
+	NextCompanion []int
 	// FinishWorkspace is the scratch buffer Replay allocates after the
 	// last chunk, hands to Hooks.Finish and frees after it
 	// (CompileOptions.FinishWorkspace); its Fixed is 0 when there is none.
 	// It is not in Buffers, and no timeline point marks it.
 	FinishWorkspace Buffer
 	sig             uint64 // Signature, computed by Compile
+}
+
+// Companions yields node id's companions in order (Companion, then
+// NextCompanion): the nodes whose outputs id's kernel may compute in its
+// pass.
+func (p *Program) Companions(id int) iter.Seq[int] {
+	return func(yield func(int) bool) {
+		if id < 0 || id >= len(p.Companion) {
+			return
+		}
+		for m := p.Companion[id]; m >= 0; m = p.NextCompanion[m] {
+			if !yield(m) {
+				return
+			}
+		}
+	}
 }
 
 // WorkspaceFunc declares the scratch bytes a node's kernel needs when b
@@ -178,13 +200,21 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 	// changes), and a buffer is freed after the last use of any node that
 	// shares it.
 	bufLast := make([]int, len(p.Buffers), len(p.Buffers)+n)
-	p.Companion = make([]int, n)
+	p.Companion, p.NextCompanion = make([]int, n), make([]int, n)
 	early := make([]bool, n) // allocated with its producer's output
+	last := make([]int, n)   // each producer's last companion so far
 	for id := range nodes {
-		p.Companion[id] = -1
-		if pr := graph.CompanionProducer(g, id); pr >= 0 && info.LastUse[id] >= 0 && info.LastUse[pr] >= 0 {
-			p.Companion[pr] = id
+		p.Companion[id], p.NextCompanion[id] = -1, -1
+		pr := graph.CompanionProducer(g, id)
+		if pr < 0 || pr >= id || info.LastUse[id] < 0 || info.LastUse[pr] < 0 {
+			continue
 		}
+		if p.Companion[pr] < 0 {
+			p.Companion[pr] = id
+		} else {
+			p.NextCompanion[last[pr]] = id
+		}
+		last[pr] = id
 	}
 	for id := range nodes {
 		nd := &nodes[id]
@@ -206,7 +236,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		if !early[id] {
 			output(id)
 		}
-		if m := p.Companion[id]; m >= 0 {
+		for m := range p.Companions(id) {
 			output(m)
 			early[m] = true
 		}

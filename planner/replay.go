@@ -172,10 +172,11 @@ type Hooks interface {
 }
 
 // CompanionHooks is implemented by hooks whose kernel for a node can also
-// compute its companion's output (Program.Companion) in the same pass.
+// compute its companions' outputs (Program.Companion) in the same pass.
 type CompanionHooks interface {
 	// Companion hands over the block of node nd's companion (node id m),
-	// allocated already, just before Run(nd, …). The hook may fill it
+	// allocated already, just before Run(nd, …): once for each of nd's
+	// companions, in order (Program.Companions). The hook may fill it
 	// during that run, and then need not compute it again when m's own run
 	// step comes.
 	Companion(nd *graph.Node, m int, blk *alloc.Block)
@@ -308,8 +309,8 @@ func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded i
 					if si > 0 && p.Steps[si-1].Kind == StepAlloc && p.Buffers[p.Steps[si-1].Buf].Kind == BufWorkspace {
 						ws = blocks[p.Steps[si-1].Buf]
 					}
-					if m := p.Companion[st.Node]; m >= 0 {
-						if ch, ok := h.(CompanionHooks); ok {
+					if ch, ok := h.(CompanionHooks); ok {
+						for m := p.Companion[st.Node]; m >= 0; m = p.NextCompanion[m] {
 							ch.Companion(nd, m, blocks[p.OutputBuf[m]])
 						}
 					}
