@@ -139,7 +139,7 @@ func (k *kctx) qkvFallback(op graph.Op, dt graph.DType, s graph.QKVShape) (alloc
 		return 0, nil, err
 	}
 	sub := *k
-	sub.dnn, sub.co, sub.coDone = nil, nil, false
+	sub.dnn, sub.co, sub.coDone, sub.more = nil, nil, false, nil
 	if op != k.nd.Op {
 		sub.nd = &graph.Node{Op: op, Attrs: k.nd.Attrs}
 	}

@@ -343,15 +343,12 @@ type runner struct {
 	persist map[persistKey]*alloc.Block // this call's persistent blocks
 	inputs  map[int]*exec.HostBuf       // whole-batch input data, converted once
 	timed   []nodeTiming                // ExecOptions.OpTime's events, in launch order
-	// companion is the block the replay handed over for the next Run's
-	// companion output (planner.CompanionHooks); early holds the
-	// companions already computed by their producer, whose own run steps
-	// are then skipped.
-	companion struct {
-		node, m int
-		blk     *alloc.Block
-	}
-	early map[int]bool
+	// companions are the blocks the replay handed over for the next Run's
+	// companion outputs (planner.CompanionHooks), in the program's order;
+	// early holds the companions already computed by their producer, whose
+	// own run steps are then skipped.
+	companions []handedCo
+	early      map[int]bool
 	// g is the program's CUDA graphs, nil when this call launches eagerly;
 	// pend is the nodes whose launches wait for the next host step, fp
 	// their fingerprint (graphs.go).
@@ -367,9 +364,19 @@ type runner struct {
 	reduceWaited bool
 }
 
-// Companion takes the block of nd's companion output m for nd's next Run.
+// handedCo is a companion output block handed over for node's next Run.
+type handedCo struct {
+	node, m int
+	blk     *alloc.Block
+}
+
+// Companion takes the block of nd's companion output m for nd's next Run;
+// a node with several companions gets one call for each, in order.
 func (r *runner) Companion(nd *graph.Node, m int, blk *alloc.Block) {
-	r.companion.node, r.companion.m, r.companion.blk = nd.ID, m, blk
+	if len(r.companions) > 0 && r.companions[0].node != nd.ID {
+		r.companions = r.companions[:0] // left from a node that did not run
+	}
+	r.companions = append(r.companions, handedCo{node: nd.ID, m: m, blk: blk})
 }
 
 // EveryChunk is true: the runner computes.
@@ -444,26 +451,28 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 		in[i] = r.operand(nd.Inputs[i], b, c.Size)
 	}
 	y := r.operand(nd.ID, out, c.Size)
-	var co *operand
-	if r.companion.blk != nil && r.companion.node == nd.ID {
-		v := r.operand(r.companion.m, r.companion.blk, c.Size)
-		co = &v
+	var cos []coOut
+	for _, h := range r.companions {
+		if h.node == nd.ID {
+			cos = append(cos, coOut{node: h.m, v: r.operand(h.m, h.blk, c.Size)})
+		}
 	}
-	r.companion.blk = nil
+	clear(r.companions)
+	r.companions = r.companions[:0]
 	if r.g != nil && !hostReads(nd.Op) {
 		// A node that has run eagerly before waits for the segment's
-		// flush; its first run told whether it computes its companion.
+		// flush; its first run told which companions it computes.
 		if done, ok := r.g.coDone[coKey{nd.ID, c.Size}]; ok {
-			r.deferOp(pendingOp{nd: nd, c: c, in: in, y: y, ws: viewOf(ws), co: co, coDone: done})
-			r.markEarly(done)
+			r.deferOp(pendingOp{nd: nd, c: c, in: in, y: y, ws: viewOf(ws), cos: cos, coDone: done})
+			r.markEarly(cos, done)
 			return nil
 		}
 	}
 	if err := r.flush(); err != nil {
 		return err
 	}
-	coDone, err := r.eval(nd, in, y, viewOf(ws), c, co)
-	r.markEarly(coDone)
+	coDone, err := r.eval(nd, in, y, viewOf(ws), c, cos)
+	r.markEarly(cos, coDone)
 	if err != nil {
 		return r.opError(nd, c, in, err)
 	}
@@ -473,13 +482,16 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	return r.reduceReady(nd.ID, out)
 }
 
-// markEarly notes that the running node computed its companion output.
-func (r *runner) markEarly(coDone bool) {
-	if coDone {
-		if r.early == nil {
-			r.early = map[int]bool{}
+// markEarly notes the companion outputs of cos that the running node
+// computed (done's bits).
+func (r *runner) markEarly(cos []coOut, done coSet) {
+	for i, co := range cos {
+		if done.has(i) {
+			if r.early == nil {
+				r.early = map[int]bool{}
+			}
+			r.early[co.node] = true
 		}
-		r.early[r.companion.m] = true
 	}
 }
 

@@ -12,6 +12,10 @@ import (
 // companion gradient too, in every executor of the process.
 func FusedCrossEntropies() int64 { return fusedCrossEntropies.Load() }
 
+// FusedLayerNorms counts layer_norm_grad_x passes that computed a
+// companion gradient too, in every executor of the process.
+func FusedLayerNorms() int64 { return fusedLayerNorms.Load() }
+
 // keptOutputs is exec.KeptOutputs, as the tests of the output mapping name it.
 var keptOutputs = exec.KeptOutputs
 

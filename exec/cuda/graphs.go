@@ -217,15 +217,15 @@ func viewOf(b *alloc.Block) *wsView {
 
 // pendingOp is a node whose launches wait for its segment's flush.
 type pendingOp struct {
-	nd *graph.Node
-	c  planner.Chunk
-	in []operand
-	y  operand
-	ws *wsView
-	co *operand
-	// coDone is what the node's first eager run said of its companion,
+	nd  *graph.Node
+	c   planner.Chunk
+	in  []operand
+	y   operand
+	ws  *wsView
+	cos []coOut
+	// coDone is what the node's first eager run said of its companions,
 	// which the replay has already acted on.
-	coDone bool
+	coDone coSet
 }
 
 // hostReads is whether op's kernels read a device value on the host
@@ -247,14 +247,15 @@ func appendFingerprint(fp []uint64, op *pendingOp) []uint64 {
 	for _, x := range op.in {
 		fp = append(fp, uint64(x.p))
 	}
-	var ws, wsn, co uint64
+	var ws, wsn uint64
 	if op.ws != nil {
 		ws, wsn = uint64(op.ws.p), uint64(op.ws.n)
 	}
-	if op.co != nil {
-		co = uint64(op.co.p) + 1
+	fp = append(fp, ws, wsn, uint64(len(op.cos)))
+	for _, co := range op.cos {
+		fp = append(fp, uint64(co.v.p))
 	}
-	return append(fp, ws, wsn, co)
+	return fp
 }
 
 // hashWords is FNV-1a over a fingerprint's words.
@@ -298,20 +299,20 @@ func (pg *progGraphs) decide(fp []uint64, n int) (sg *segGraph, capture bool) {
 	return sg, sg.exec == 0 && !sg.failed && n >= minGraphOps
 }
 
-// coKey is a node at a chunk size, whose companion decision is memoised.
+// coKey is a node at a chunk size, whose companion decisions are memoised.
 type coKey struct{ node, size int }
 
 // progGraphs is the graphs of one program signature.
 type progGraphs struct {
 	segs   map[uint64][]*segGraph // by hashWords of the fingerprint
 	n      int                    // segGraphs held
-	coDone map[coKey]bool         // from each node's first eager run
+	coDone map[coKey]coSet        // from each node's first eager run
 	calls  uint64                 // Execute calls of this signature
 	last   uint64                 // graphCache.calls of the latest
 }
 
 func newProgGraphs() *progGraphs {
-	return &progGraphs{segs: map[uint64][]*segGraph{}, coDone: map[coKey]bool{}}
+	return &progGraphs{segs: map[uint64][]*segGraph{}, coDone: map[coKey]coSet{}}
 }
 
 // find is the segment with fingerprint fp, nil when none.
@@ -491,12 +492,12 @@ func (r *runner) flush() error {
 func (r *runner) evalOps(ops []pendingOp) error {
 	for i := range ops {
 		op := &ops[i]
-		coDone, err := r.eval(op.nd, op.in, op.y, op.ws, op.c, op.co)
+		coDone, err := r.eval(op.nd, op.in, op.y, op.ws, op.c, op.cos)
 		if err != nil {
 			return r.opError(op.nd, op.c, op.in, err)
 		}
 		if coDone != op.coDone {
-			return fmt.Errorf("%w: node %d (%s) computed its companion %t, its first run %t",
+			return fmt.Errorf("%w: node %d (%s) computed its companions %b, its first run %b",
 				ErrGraphCompanion, op.nd.ID, op.nd.Op, coDone, op.coDone)
 		}
 	}

@@ -40,7 +40,10 @@ func TestFingerprintCoversLaunchInputs(t *testing.T) {
 		"workspace":   func(op *pendingOp) { op.ws = &wsView{p: 0x4200, n: 64} },
 		"ws size":     func(op *pendingOp) { op.ws = &wsView{p: 0x4000, n: 128} },
 		"no ws":       func(op *pendingOp) { op.ws = nil },
-		"companion":   func(op *pendingOp) { op.co = &operand{p: 0} },
+		"companion":   func(op *pendingOp) { op.cos = []coOut{{v: operand{p: 0}}} },
+		"companions": func(op *pendingOp) {
+			op.cos = []coOut{{v: operand{p: 0x5000}}, {v: operand{p: 0x6000}}}
+		},
 	} {
 		op := testOp(3)
 		change(&op)

@@ -47,6 +47,8 @@ const (
 	kLayerNormGradX    = "layer_norm_grad_x_f32"
 	kLayerNormStats    = "layer_norm_stats_f32"
 	kLayerNormGradW    = "layer_norm_grad_w_f32"
+	kLayerNormFused    = "layer_norm_grad_fused_f32"
+	kLayerNormGradWB   = "layer_norm_grad_wb_f32"
 	kCrossEntropy      = "cross_entropy_rows_f32"
 	kCrossEntFused     = "cross_entropy_fused_f32"
 	kCrossEntGrad      = "cross_entropy_grad_f32"
@@ -99,7 +101,7 @@ var kernelFiles = map[string][]string{
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu": allTyped(kEmbedding, kEmbeddingGrad),
-	"layernorm.cu": append(allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW),
+	"layernorm.cu": append(allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW, kLayerNormFused, kLayerNormGradWB),
 		typed(kLayerNorm, graph.Float32, graph.BFloat16), typed(kLayerNorm, graph.Float32, graph.Float16)),
 	"loss.cu":     allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu": append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),

@@ -28,10 +28,42 @@ type kctx struct {
 	ws   *wsView // nil without a workspace
 	// co is the output of the node's companion (planner.Program.Companion)
 	// when the kernel may compute it in the same pass, else nil; a kernel
-	// that does sets coDone.
+	// that does sets coDone. more are the node's further companions
+	// (planner.Program.Companions), each with its own done; companionOf
+	// finds any of them by op.
 	co     *operand
 	coNode int // co's node, when co is set
 	coDone bool
+	more   []coOut
+}
+
+// coOut is a companion's output handed to its producer's kernels: the
+// companion's node, its output, and whether the kernels computed it.
+type coOut struct {
+	node int
+	v    operand
+	done bool
+}
+
+// coSet is which of a node's companions its kernels computed: bit i for
+// the i-th (planner.Program.Companions' order).
+type coSet uint64
+
+func (s coSet) has(i int) bool { return i < 64 && s&(1<<i) != 0 }
+
+// companionOf is the output of the node's companion of op (the first
+// companion or a further one) and the flag its kernel sets when it
+// computes it, or nil, nil when none was handed over.
+func (k *kctx) companionOf(op graph.Op) (*operand, *bool) {
+	if k.co != nil && k.g.Node(k.coNode).Op == op {
+		return k.co, &k.coDone
+	}
+	for i := range k.more {
+		if k.g.Node(k.more[i].node).Op == op {
+			return &k.more[i].v, &k.more[i].done
+		}
+	}
+	return nil, nil
 }
 
 // attrs is the node's attributes.

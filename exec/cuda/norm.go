@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"sync/atomic"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -24,7 +26,7 @@ var normKernels = family{
 	graph.OpLogSoftmaxGrad: {run: typedGradOf(softmaxGrad)},
 	graph.OpLayerNormGradX: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 		return k.layerNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), out)
-	})},
+	}), ws: lnFusedWorkspace},
 	graph.OpLayerNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 		return k.layerNormGradW(dt, k.nd, g, in[1], out)
 	}), ws: lnGradWWorkspace},
@@ -161,9 +163,126 @@ func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 	if rows == 0 || d == 0 {
 		return nil
 	}
+	if done, err := k.layerNormGradFused(dt, a, g, x, w, out, rows, d); done || err != nil {
+		return err
+	}
 	block := rowBlock(d)
 	return k.launch(typed(kLayerNormGradX, dt), rowGrid(rows, block, 1), block, g.p, x.p, ptrOf(w), out.p, rows, d, a.Eps)
 }
+
+// The fused backward pass of layer_norm (kernels/layernorm.cu,
+// layer_norm_grad_fused_*): layer_norm_grad_x computes its companions,
+// layer_norm_grad_w (graph.LayerNormGradWProducer) and the bias gradient
+// (graph.LayerNormBiasGradProducer, a sum of g over the leading axes), from
+// the one read of g and x that dx needs, instead of three more passes over
+// them (statistics, Σ g·x̂, Σ g). Each of lnFusedMaxBlocks blocks at most
+// leaves per row group the float partials of both sums in the workspace,
+// and layer_norm_grad_wb_* adds them up.
+const (
+	lnFusedVPT       = 4   // row elements a thread keeps (LN_FUSED_VPT)
+	lnFusedMaxThread = 512 // the kernel's launch bound
+	lnFusedMaxBlocks = 512 // about 4 resident blocks per SM of an H100
+	lnFusedRows      = 8   // rows each row group takes, at least
+)
+
+// lnFusedBlock is the fused pass's block for rows of d elements: the
+// fewest 32-thread columns that hold a row in lnFusedVPT values each, and
+// rows stacked up to 256 threads. d must fit (lnFusedFits).
+func lnFusedBlock(d int64) [3]uint32 {
+	bx := max(ceilDiv(ceilDiv(d, lnFusedVPT), 32)*32, 32)
+	return [3]uint32{uint32(bx), uint32(max(256/bx, 1)), 1}
+}
+
+// lnFusedFits reports whether rows of d elements fit the fused pass.
+func lnFusedFits(d int64) bool { return d > 0 && d <= lnFusedVPT*lnFusedMaxThread }
+
+// lnFusedGroups is the fused pass's grid and its row groups, one partial
+// row each, for rows rows of d elements.
+func lnFusedGroups(rows, d int64) (grid, groups int64) {
+	by := int64(lnFusedBlock(d)[1])
+	grid = min(max(ceilDiv(rows, by*lnFusedRows), 1), lnFusedMaxBlocks)
+	return grid, grid * by
+}
+
+// lnFusedBytes is the fused pass's workspace: the float partials of Σ g·x̂
+// and Σ g of each row group.
+func lnFusedBytes(groups, d int64) int64 { return 2 * splitBytes(groups, d) }
+
+// lnFusedWorkspace: a layer_norm_grad_x that has a companion and rows that
+// fit takes the partials of its full batch's grid (a chunk's grid is no
+// larger), else nothing.
+func lnFusedWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
+	if len(nd.Inputs) < 2 {
+		return 0
+	}
+	rows, d := normRows(g.Node(nd.Inputs[1]).Type.Shape, nd.Attrs.NormDims)
+	if rows == 0 || !lnFusedFits(d) || !lnHasCompanion(g, nd) {
+		return 0
+	}
+	_, groups := lnFusedGroups(rows, d)
+	return lnFusedBytes(groups, d)
+}
+
+// lnHasCompanion reports whether layer_norm_grad_x node nd is the
+// producer of a layer_norm_grad_w or a bias gradient in g. Candidates read
+// nd's g, so only the later nodes that do are checked.
+func lnHasCompanion(g *graph.Graph, nd *graph.Node) bool {
+	for m := nd.ID + 1; m < g.Len(); m++ {
+		n := g.Node(m)
+		if len(n.Inputs) == 0 || n.Inputs[0] != nd.Inputs[0] {
+			continue
+		}
+		if n.Op == graph.OpLayerNormGradW && graph.LayerNormGradWProducer(g, m) == nd.ID ||
+			n.Op == graph.OpSum && graph.LayerNormBiasGradProducer(g, m) == nd.ID {
+			return true
+		}
+	}
+	return false
+}
+
+// layerNormGradFused runs the fused pass when the node was handed a
+// companion of the right size and dtype, its rows fit and the planner gave
+// the workspace (lnFusedWorkspace); it reports whether it ran. Otherwise
+// layer_norm_grad_x runs alone, and its companions at their own steps.
+func (k *kctx) layerNormGradFused(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand, rows, d int64) (bool, error) {
+	dw, dwDone := k.companionOf(graph.OpLayerNormGradW)
+	db, dbDone := k.companionOf(graph.OpSum)
+	if dw != nil && (dw.dt != dt || dw.n() != d) {
+		dw = nil
+	}
+	if db != nil && (db.dt != dt || db.n() != d) {
+		db = nil
+	}
+	if dw == nil && db == nil || !lnFusedFits(d) {
+		return false, nil
+	}
+	grid, groups := lnFusedGroups(rows, d)
+	bytes := lnFusedBytes(groups, d)
+	if k.ws == nil || k.ws.n < bytes {
+		return false, nil
+	}
+	part := k.ws.p
+	if err := k.launch(typed(kLayerNormFused, dt), [3]uint32{uint32(grid), 1, 1}, lnFusedBlock(d),
+		g.p, x.p, ptrOf(w), out.p, part, rows, d, a.Eps); err != nil {
+		return true, err
+	}
+	if err := k.launch(typed(kLayerNormGradWB, dt), [3]uint32{tileGridX(d), 2, 1}, [3]uint32{32, 32, 1},
+		part, ptrOf(dw), ptrOf(db), groups, d); err != nil {
+		return true, err
+	}
+	if dw != nil {
+		*dwDone = true
+	}
+	if db != nil {
+		*dbDone = true
+	}
+	fusedLayerNorms.Add(1)
+	return true, nil
+}
+
+// fusedLayerNorms counts layer_norm_grad_x launches that computed a
+// companion too (the tests' check that the fused pass ran).
+var fusedLayerNorms atomic.Int64
 
 // statsBytes is the workspace of n (mean, rstd) pairs in double.
 func statsBytes(n int64) int64 { return 16 * n }

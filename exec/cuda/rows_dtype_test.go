@@ -16,7 +16,7 @@ func TestRowsKernelsTyped(t *testing.T) {
 	files := map[string][]string{
 		"reduce.cu":    {kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad},
 		"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
-		"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW},
+		"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW, kLayerNormFused, kLayerNormGradWB},
 		"batchnorm.cu": {kBatchNorm, kBatchNormRows, kBatchNormGradX},
 		"loss.cu":      {kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
 	}

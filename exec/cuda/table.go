@@ -36,24 +36,36 @@ var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKe
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.
-func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c planner.Chunk, co *operand) (coDone bool, err error) {
+func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c planner.Chunk, cos []coOut) (coDone coSet, err error) {
 	if err := deviceDType(nd); err != nil {
-		return false, err
+		return 0, err
 	}
 	var run func(*kctx, []operand, operand) error
 	if int(nd.Op) < graph.NumOps {
 		run = kernelTable[nd.Op].run
 	}
 	if run == nil {
-		return false, graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for op %s", nd.Op)
+		return 0, graph.Errorf(graph.ErrAttr, "cuda executor has no kernel for op %s", nd.Op)
 	}
 	k := r.kernels()
-	k.nd, k.c, k.ws, k.co = nd, c, ws, co
-	if co != nil {
-		k.coNode = r.p.Companion[nd.ID]
+	k.nd, k.c, k.ws = nd, c, ws
+	if len(cos) > 0 {
+		first := cos[0].v
+		k.co, k.coNode = &first, cos[0].node
+		k.more = append([]coOut(nil), cos[1:]...)
 	}
-	err = run(k, in, out)
-	return k.coDone && err == nil, err
+	if err = run(k, in, out); err != nil {
+		return 0, err
+	}
+	if k.coDone {
+		coDone |= 1
+	}
+	for i, m := range k.more {
+		if m.done {
+			coDone |= 1 << (i + 1)
+		}
+	}
+	return coDone, nil
 }
 
 // Workspace declares the scratch memory of the CUDA kernels when b samples
@@ -71,7 +83,9 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c p
 //   - embedding and embedding_grad: the flag, and embedding_grad's float32
 //     sums for a 16-bit gradient (movement.go);
 //   - layer_norm_grad_w: per-row mean and rstd in double, and the partial
-//     sums of a split column reduction; batch_norm and its gradients:
+//     sums of a split column reduction; layer_norm_grad_x with a companion
+//     (its weight's or bias's gradient, computed in the same pass): the
+//     float partials of both column sums; batch_norm and its gradients:
 //     per-channel mean and rstd in double (norm.go);
 //   - sum, mean and max with few outputs and long reductions: the partials
 //     of a split reduction (reduce.go);

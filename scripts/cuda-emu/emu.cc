@@ -26,7 +26,8 @@ static void emu_entry() {
 
 static const size_t STACK = 256 << 10;
 
-void emu_launch(unsigned grid, unsigned block, std::function<void()> f) {
+void emu_launch3(dim3u grid3, dim3u block3, std::function<void()> f) {
+  const unsigned block = block3.x * block3.y;
   static std::vector<EmuThread> threads;
   if (threads.size() < block) {
     size_t old = threads.size();
@@ -37,13 +38,13 @@ void emu_launch(unsigned grid, unsigned block, std::function<void()> f) {
   emu_threads = threads.data();
   emu_nthreads = block;
   emu_fn = &f;
-  emu_blockDim = {block, 1, 1};
-  emu_gridDim = {grid, 1, 1};
-  for (unsigned bk = 0; bk < grid; ++bk) {
-    emu_blockIdx = {bk, 0, 0};
+  emu_blockDim = {block3.x, block3.y, 1};
+  emu_gridDim = {grid3.x, grid3.y, 1};
+  for (unsigned bk = 0; bk < grid3.x * grid3.y; ++bk) {
+    emu_blockIdx = {bk % grid3.x, bk / grid3.x, 0};
     for (unsigned t = 0; t < block; ++t) {
       EmuThread& th = threads[t];
-      th.tid = {t, 0, 0};
+      th.tid = {t % block3.x, t / block3.x, 0};
       th.state = ST_READY;
       th.kind = 0;
       th.open.clear();

@@ -89,8 +89,10 @@ struct WarpBuf {
 };
 extern WarpBuf emu_wb[64];
 
-inline int emu_lane() { return (int)(threadIdx.x & 31); }
-inline int emu_warp() { return (int)(threadIdx.x >> 5); }
+// Warps are made of consecutive linear thread indices (x fastest), as on
+// the GPU: emu_cur is the running thread's.
+inline int emu_lane() { return emu_cur & 31; }
+inline int emu_warp() { return emu_cur >> 5; }
 
 enum { K_SHFL = 1, K_MMA_BF = 2, K_MMA_F16 = 3, K_LDSM = 4, K_LDSM_T = 5, K_POST = 100 };
 
@@ -190,8 +192,12 @@ inline void emu_ldsm4(unsigned* r, unsigned addr, bool trans) {
   emu_wait(ST_WARP, (trans ? K_LDSM_T : K_LDSM) + K_POST);
 }
 
-// Launch: run f for every thread of every block.
-void emu_launch(unsigned grid, unsigned block, std::function<void()> f);
+// Launch: run f for every thread of every block. emu_launch3 takes a 2-D
+// grid and a 2-D block (z must be 1); emu_launch is its 1-D form.
+void emu_launch3(dim3u grid, dim3u block, std::function<void()> f);
+inline void emu_launch(unsigned grid, unsigned block, std::function<void()> f) {
+  emu_launch3({grid, 1, 1}, {block, 1, 1}, f);
+}
 
 // Device buffers with a guard page right after the end.
 void* emu_alloc(size_t bytes);

@@ -216,3 +216,195 @@ __device__ __forceinline__ void layer_norm_grad_w_t(const T* __restrict__ g,
   }
 FOR_FLOATS(K)
 #undef K
+
+// The fused backward pass: layer_norm_grad_x with its weight's and bias's
+// gradients (Σ g·x̂ and Σ g over the rows) from one read of g and x. Each
+// row group (threadIdx.y of a block) takes rows grp, grp + G, grp + 2G, …
+// (G = gridDim.x·blockDim.y groups), finds each row's statistics and dx as
+// layer_norm_grad_x does, and adds its rows' g·x̂ and g into per-column
+// double sums in registers; at the end each group stores its sums as float
+// partials, and layer_norm_grad_wb_* adds the G partials of each column in
+// a fixed order, so the results do not depend on timing (no atomics).
+// While a row is computed the group's next row is already being loaded.
+
+// LN_FUSED_VPT is how many elements of a row each thread keeps: the fused
+// pass takes rows of d ≤ LN_FUSED_VPT·blockDim.x elements.
+#define LN_FUSED_VPT 4
+
+// row_sum2 is row_allreduce(SumOp) of *a and *b at once (one pair of
+// barriers for both), in row_allreduce's order. scratch is a __shared__
+// array of 64 doubles; every thread of the block must call it.
+__device__ __forceinline__ void row_sum2(double* a, double* b, double* scratch) {
+  double u = warp_allreduce(*a, SumOp()), v = warp_allreduce(*b, SumOp());
+  if (blockDim.x > 32) {
+    const unsigned wpr = blockDim.x >> 5;  // warps per row
+    const unsigned first = threadIdx.y * wpr;
+    __syncthreads();  // earlier readers of scratch are done
+    if ((threadIdx.x & 31) == 0) {
+      scratch[first + (threadIdx.x >> 5)] = u;
+      scratch[32 + first + (threadIdx.x >> 5)] = v;
+    }
+    __syncthreads();
+    u = scratch[first];
+    v = scratch[32 + first];
+    for (unsigned k = 1; k < wpr; ++k) {
+      u += scratch[first + k];
+      v += scratch[32 + first + k];
+    }
+  }
+  *a = u;
+  *b = v;
+}
+
+template <typename T>
+__device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
+                                                        const T* __restrict__ x,
+                                                        const T* __restrict__ w,
+                                                        T* __restrict__ out,
+                                                        float* __restrict__ part, i64 rows,
+                                                        i64 d, double eps) {
+  __shared__ double sd[32];
+  __shared__ double s2[64];
+  const i64 groups = (i64)gridDim.x * blockDim.y;
+  const i64 grp = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  double wv[LN_FUSED_VPT], dw[LN_FUSED_VPT], db[LN_FUSED_VPT];
+  float xn[LN_FUSED_VPT], gn[LN_FUSED_VPT];  // the group's next row
+#pragma unroll
+  for (int u = 0; u < LN_FUSED_VPT; ++u) {
+    const i64 k = threadIdx.x + (i64)u * blockDim.x;
+    wv[u] = w && k < d ? (double)(float)w[k] : 1.0;
+    dw[u] = 0;
+    db[u] = 0;
+    xn[u] = 0;
+    gn[u] = 0;
+  }
+  auto load = [&](i64 row) {
+    if (row >= rows) return;
+    const i64 off = row * d;
+#pragma unroll
+    for (int u = 0; u < LN_FUSED_VPT; ++u) {
+      const i64 k = threadIdx.x + (i64)u * blockDim.x;
+      if (k < d) {
+        xn[u] = x[off + k];
+        gn[u] = g[off + k];
+      }
+    }
+  };
+  load(grp);
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += groups) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < rows;
+    double xd[LN_FUSED_VPT], gd[LN_FUSED_VPT];
+#pragma unroll
+    for (int u = 0; u < LN_FUSED_VPT; ++u) {
+      xd[u] = (double)xn[u];
+      gd[u] = (double)gn[u];
+    }
+    load(row + groups);
+    double s = 0;
+    if (live) {
+#pragma unroll
+      for (int u = 0; u < LN_FUSED_VPT; ++u)
+        if (threadIdx.x + (i64)u * blockDim.x < d) s += xd[u];
+    }
+    s = row_allreduce(s, SumOp(), sd);
+    const double mean = s / (double)d;
+    double q = 0;
+    if (live) {
+#pragma unroll
+      for (int u = 0; u < LN_FUSED_VPT; ++u)
+        if (threadIdx.x + (i64)u * blockDim.x < d) {
+          const double c = xd[u] - mean;
+          q += c * c;
+        }
+    }
+    q = row_allreduce(q, SumOp(), sd);
+    const double rstd = 1.0 / sqrt(q / (double)d + eps);
+    double sg = 0, sgx = 0;
+    if (live) {
+#pragma unroll
+      for (int u = 0; u < LN_FUSED_VPT; ++u)
+        if (threadIdx.x + (i64)u * blockDim.x < d) {
+          const double xh = (xd[u] - mean) * rstd;
+          const double gh = gd[u] * wv[u];
+          sg += gh;
+          sgx += gh * xh;
+          dw[u] += gd[u] * xh;
+          db[u] += gd[u];
+        }
+    }
+    row_sum2(&sg, &sgx, s2);
+    if (!live) continue;
+    sg /= (double)d;
+    sgx /= (double)d;
+    const i64 off = row * d;
+#pragma unroll
+    for (int u = 0; u < LN_FUSED_VPT; ++u) {
+      const i64 k = threadIdx.x + (i64)u * blockDim.x;
+      if (k < d) {
+        const double xh = (xd[u] - mean) * rstd;
+        out[off + k] = (float)(rstd * (gd[u] * wv[u] - sg - xh * sgx));
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < LN_FUSED_VPT; ++u) {
+    const i64 k = threadIdx.x + (i64)u * blockDim.x;
+    if (k < d) {
+      part[grp * d + k] = (float)dw[u];
+      part[(groups + grp) * d + k] = (float)db[u];
+    }
+  }
+}
+
+// layer_norm_grad_fused_{f32,bf16,f16}: layer_norm_grad_x_* into out, and
+// per row group the float partial sums of g·x̂ (part[grp·d + j]) and of g
+// (part[(G + grp)·d + j]) over the group's rows, for layer_norm_grad_wb_*;
+// G = gridDim.x·blockDim.y. blockDim = (bx, by): bx a multiple of 32,
+// d ≤ LN_FUSED_VPT·bx, bx·by ≤ 512; any grid.
+#define K(T, S)                                                                               \
+  extern "C" __global__ void __launch_bounds__(512) layer_norm_grad_fused_##S(                \
+      const T* g, const T* x, const T* w, T* out, float* part, i64 rows, i64 d, double eps) { \
+    layer_norm_grad_fused_t(g, x, w, out, part, rows, d, eps);                                \
+  }
+FOR_FLOATS(K)
+#undef K
+
+template <typename T>
+__device__ __forceinline__ void layer_norm_grad_wb_t(const float* __restrict__ part,
+                                                     T* __restrict__ dw, T* __restrict__ db,
+                                                     i64 groups, i64 d) {
+  __shared__ double sd[1024];
+  T* out = blockIdx.y == 0 ? dw : db;
+  if (!out) return;  // the whole block: that output is not wanted
+  const float* p = part + (i64)blockIdx.y * groups * d;
+  const unsigned t = threadIdx.y * blockDim.x + threadIdx.x;
+  for (i64 j0 = (i64)blockIdx.x * blockDim.x; j0 < d; j0 += (i64)gridDim.x * blockDim.x) {
+    const i64 j = j0 + threadIdx.x;
+    const bool live = j < d;
+    double s = 0;
+    if (live)
+      for (i64 r = threadIdx.y; r < groups; r += blockDim.y) s += (double)p[r * d + j];
+    sd[t] = s;
+    __syncthreads();
+    if (live && threadIdx.y == 0) {
+      for (unsigned k = 1; k < blockDim.y; ++k) s += sd[k * blockDim.x + threadIdx.x];
+      out[j] = (float)s;
+    }
+    __syncthreads();
+  }
+}
+
+// layer_norm_grad_wb_{f32,bf16,f16}: dw[j] = Σ over s < groups of
+// part[s·d + j] and db[j] = Σ of part[(groups + s)·d + j], the partials of
+// layer_norm_grad_fused_*, summed in double and rounded once; a null dw or
+// db is skipped. blockDim = (bx, by), bx·by ≤ 1024: threadIdx.x along d,
+// threadIdx.y strides over the partials. Grid: x = ceil(d/bx) (loops, so
+// fewer is correct), y = 2 (dw, db).
+#define K(T, S)                                                                         \
+  extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_wb_##S(            \
+      const float* part, T* dw, T* db, i64 groups, i64 d) {                             \
+    layer_norm_grad_wb_t(part, dw, db, groups, d);                                      \
+  }
+FOR_FLOATS(K)
+#undef K

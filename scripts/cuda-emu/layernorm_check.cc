@@ -1,0 +1,183 @@
+// layernorm_check: layernorm.cu's fused backward pass
+// (layer_norm_grad_fused_* and layer_norm_grad_wb_*) run on the host
+// emulation of emu.h against a float64 reference of dx, Σ g·x̂ and Σ g,
+// for float32, bfloat16 and float16, with and without a weight, over
+// shapes with d below, at and above a multiple of the block, rows that no
+// grid divides, and grids smaller than the rows (the group loop and its
+// loads ahead). dx is also held to layer_norm_grad_x_*, emulated the same
+// way. Tolerances: dx rounds once from double, so one ulp of its dtype
+// relative plus 1e-6 of the largest |dx| (float32: 2⁻²²); the sums add
+// float partials of at most rows/groups rows each, so float32 is held to
+// 1e-5 relative plus 1e-5 of the largest sum, 16-bit to one ulp plus that.
+// ln_emu.cc is layernorm.cu as prep.py makes it; see run.
+#include "ln_emu.cc"
+
+#include <algorithm>
+#include <random>
+#include <string>
+
+enum DT { F32, BF16, F16 };
+static const char* dtName[] = {"float32", "bfloat16", "float16"};
+
+static float rnd(DT dt, float x) {
+  if (dt == BF16) return emu_bf(bf16_bits(x));
+  if (dt == F16) return emu_h(emu_to_h(x));
+  return x;
+}
+
+// Buf is a device array of dt holding n values.
+struct Buf {
+  DT dt;
+  i64 n;
+  void* p;
+  Buf(DT dt, i64 n) : dt(dt), n(n), p(emu_alloc(std::max<i64>(n, 1) * (dt == F32 ? 4 : 2))) {}
+  void set(i64 i, float v) {
+    if (dt == F32) ((float*)p)[i] = v;
+    else if (dt == BF16) ((bf16*)p)[i] = v;
+    else ((unsigned short*)p)[i] = emu_to_h(v);
+  }
+  float get(i64 i) const {
+    if (dt == F32) return ((float*)p)[i];
+    if (dt == BF16) return (float)((bf16*)p)[i];
+    return emu_h(((unsigned short*)p)[i]);
+  }
+};
+
+// The launch geometry of exec/cuda/norm.go (lnFusedBlock, lnFusedGroups).
+static void geometry(i64 rows, i64 d, unsigned* bx, unsigned* by, i64* grid) {
+  i64 x = ((d + 3) / 4 + 31) / 32 * 32;
+  if (x < 32) x = 32;
+  *bx = (unsigned)x;
+  *by = (unsigned)std::max<i64>(256 / x, 1);
+  *grid = std::min<i64>(std::max<i64>((rows + *by * 8 - 1) / (*by * 8), 1), 512);
+}
+
+static int fails = 0;
+
+static void check(const char* what, const std::string& name, const std::vector<double>& want,
+                  const std::vector<float>& got, double rtol, double atolRel) {
+  double big = 0;
+  for (double w : want) big = std::max(big, std::fabs(w));
+  const double atol = atolRel * big + 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double diff = std::fabs((double)got[i] - want[i]);
+    if (!(diff <= atol + rtol * std::fabs(want[i]))) {
+      printf("FAIL %s %s element %zu: got %.9g, want %.9g\n", name.c_str(), what, i, got[i], want[i]);
+      ++fails;
+      return;
+    }
+  }
+}
+
+static void run_case(DT dt, i64 rows, i64 d, bool weight, i64 gridCap, bool wantW, bool wantB, std::mt19937& rng) {
+  std::uniform_real_distribution<float> U(-1, 1);
+  const i64 n = rows * d;
+  Buf g(dt, n), x(dt, n), w(dt, d), dx(dt, n), dx0(dt, n), dw(dt, d), db(dt, d);
+  std::vector<double> G(n), X(n), W(d, 1.0);
+  for (i64 i = 0; i < n; ++i) {
+    // x has a per-row offset and scale, as activations do.
+    const float r = (float)(i / d % 7) - 3;
+    X[i] = rnd(dt, U(rng) * (1 + 0.5f * (float)(i / d % 3)) + r);
+    G[i] = rnd(dt, U(rng));
+    x.set(i, (float)X[i]);
+    g.set(i, (float)G[i]);
+  }
+  if (weight)
+    for (i64 k = 0; k < d; ++k) {
+      W[k] = rnd(dt, 0.5f + U(rng));
+      w.set(k, (float)W[k]);
+    }
+  const double eps = 1e-5;
+  std::vector<double> rdx(n), rdw(d, 0), rdb(d, 0);
+  for (i64 r = 0; r < rows; ++r) {
+    const double* xr = &X[r * d];
+    const double* gr = &G[r * d];
+    double m = 0, q = 0;
+    for (i64 k = 0; k < d; ++k) m += xr[k];
+    m /= d;
+    for (i64 k = 0; k < d; ++k) q += (xr[k] - m) * (xr[k] - m);
+    const double rstd = 1 / std::sqrt(q / d + eps);
+    double sg = 0, sgx = 0;
+    for (i64 k = 0; k < d; ++k) {
+      const double xh = (xr[k] - m) * rstd, gh = gr[k] * W[k];
+      sg += gh;
+      sgx += gh * xh;
+      rdw[k] += gr[k] * xh;
+      rdb[k] += gr[k];
+    }
+    sg /= d;
+    sgx /= d;
+    for (i64 k = 0; k < d; ++k) rdx[r * d + k] = rstd * (gr[k] * W[k] - sg - (xr[k] - m) * rstd * sgx);
+  }
+
+  unsigned bx, by;
+  i64 grid;
+  geometry(rows, d, &bx, &by, &grid);
+  grid = std::min(grid, gridCap);
+  const i64 groups = grid * by;
+  float* part = (float*)emu_alloc(2 * groups * d * 4);
+  void* wp = weight ? w.p : nullptr;
+  emu_launch3({(unsigned)grid, 1, 1}, {bx, by, 1}, [&] {
+    if (dt == F32) layer_norm_grad_fused_f32((float*)g.p, (float*)x.p, (float*)wp, (float*)dx.p, part, rows, d, eps);
+    else if (dt == BF16) layer_norm_grad_fused_bf16((bf16*)g.p, (bf16*)x.p, (bf16*)wp, (bf16*)dx.p, part, rows, d, eps);
+    else layer_norm_grad_fused_f16((f16*)g.p, (f16*)x.p, (f16*)wp, (f16*)dx.p, part, rows, d, eps);
+  });
+  void* dwp = wantW ? dw.p : nullptr;
+  void* dbp = wantB ? db.p : nullptr;
+  emu_launch3({(unsigned)((d + 31) / 32), 2, 1}, {32, 32, 1}, [&] {
+    if (dt == F32) layer_norm_grad_wb_f32(part, (float*)dwp, (float*)dbp, groups, d);
+    else if (dt == BF16) layer_norm_grad_wb_bf16(part, (bf16*)dwp, (bf16*)dbp, groups, d);
+    else layer_norm_grad_wb_f16(part, (f16*)dwp, (f16*)dbp, groups, d);
+  });
+  // The unfused kernel, rowBlock's layout (exec/cuda/launch.go).
+  const unsigned rbx = d <= 256 ? 32 : d <= 1024 ? 128 : d <= 2048 ? 256 : 512;
+  const unsigned rby = d <= 256 ? 8 : d <= 1024 ? 2 : 1;
+  emu_launch3({(unsigned)std::min<i64>((rows + rby - 1) / rby, 64), 1, 1}, {rbx, rby, 1}, [&] {
+    if (dt == F32) layer_norm_grad_x_f32((float*)g.p, (float*)x.p, (float*)wp, (float*)dx0.p, rows, d, eps);
+    else if (dt == BF16) layer_norm_grad_x_bf16((bf16*)g.p, (bf16*)x.p, (bf16*)wp, (bf16*)dx0.p, rows, d, eps);
+    else layer_norm_grad_x_f16((f16*)g.p, (f16*)x.p, (f16*)wp, (f16*)dx0.p, rows, d, eps);
+  });
+
+  const double ulp = dt == F32 ? 1.0 / (1 << 22) : dt == BF16 ? 1.0 / (1 << 8) : 1.0 / (1 << 11);
+  std::string name = std::string(dtName[dt]) + " rows=" + std::to_string(rows) + " d=" + std::to_string(d) +
+                     (weight ? " w" : " no-w") + " grid=" + std::to_string(grid) + "x" + std::to_string(by);
+  std::vector<float> got(n), got0(n), gw(d), gb(d);
+  std::vector<double> dx0d(n);
+  for (i64 i = 0; i < n; ++i) {
+    got[i] = dx.get(i);
+    got0[i] = dx0.get(i);
+    dx0d[i] = got0[i];
+  }
+  check("dx", name, rdx, got, ulp, 1e-6);
+  check("dx vs layer_norm_grad_x", name, dx0d, got, ulp, 1e-6);
+  const double srt = dt == F32 ? 1e-5 : ulp;
+  if (wantW) {
+    for (i64 k = 0; k < d; ++k) gw[k] = dw.get(k);
+    check("dw", name, rdw, gw, srt, 1e-5);
+  }
+  if (wantB) {
+    for (i64 k = 0; k < d; ++k) gb[k] = db.get(k);
+    check("db", name, rdb, gb, srt, 1e-5);
+  }
+}
+
+int main() {
+  std::mt19937 rng(2026);
+  struct Shape {
+    i64 rows, d, cap;
+  };
+  // cap limits the grid: 1 and 3 make each group take many rows.
+  const Shape shapes[] = {{1, 1, 512},   {1, 5, 512},    {3, 33, 512},  {7, 128, 512}, {37, 129, 512},
+                          {50, 200, 3},  {9, 768, 512},  {40, 768, 2},  {5, 769, 512}, {6, 1000, 1},
+                          {4, 1024, 512}, {3, 1600, 512}, {2, 2048, 512}, {300, 64, 512}, {257, 96, 512}};
+  for (DT dt : {F32, BF16, F16})
+    for (const Shape& s : shapes)
+      for (int weight : {1, 0}) {
+        if (dt != F32 && !weight && s.d > 200) continue;  // time: the emulation is slow
+        run_case(dt, s.rows, s.d, weight, s.cap, true, true, rng);
+      }
+  run_case(F32, 20, 96, true, 512, true, false, rng);   // dw only
+  run_case(BF16, 20, 96, true, 512, false, true, rng);  // db only
+  printf("%d failures\n", fails);
+  return fails != 0;
+}
