@@ -32,6 +32,7 @@ type Device struct {
 	ctx           CUcontext
 	name          string
 	major, minor  int
+	sms           int // streaming multiprocessors
 	total         int64
 	driverVersion int
 
@@ -108,6 +109,11 @@ func (d *Device) query() error {
 		return err
 	}
 	d.major, d.minor = int(major), int(minor)
+	var sms int32
+	if err := drv.check("cuDeviceGetAttribute", drv.cuDeviceGetAttribute(&sms, attrMultiprocessorCount, d.dev)); err != nil {
+		return err
+	}
+	d.sms = int(sms)
 	name := make([]byte, 256)
 	if err := drv.check("cuDeviceGetName", drv.cuDeviceGetName(&name[0], int32(len(name)), d.dev)); err != nil {
 		return err
@@ -214,6 +220,9 @@ func (d *Device) Synchronize() error {
 
 // Name is the device's marketing name, e.g. "NVIDIA H100 80GB HBM3".
 func (d *Device) Name() string { return d.name }
+
+// SMs returns the device's number of streaming multiprocessors.
+func (d *Device) SMs() int { return d.sms }
 
 // ComputeCapability returns the major and minor compute capability.
 func (d *Device) ComputeCapability() (major, minor int) { return d.major, d.minor }

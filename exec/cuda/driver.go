@@ -27,6 +27,7 @@ type (
 
 // CUdevice_attribute values.
 const (
+	attrMultiprocessorCount    = 16
 	attrComputeCapabilityMajor = 75
 	attrComputeCapabilityMinor = 76
 )
@@ -83,6 +84,9 @@ type driver struct {
 	// (CUDA 12.4 on): nil on an older driver, which skips the check it
 	// serves (Module.ParamCount).
 	cuFuncGetParamInfo func(f CUfunction, index uintptr, offset, size *uintptr) cuResult
+	// CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks,
+	//     CUfunction func, int blockSize, size_t dynamicSMemSize)
+	cuOccupancyMaxActiveBlocksPerMultiprocessor func(n *int32, f CUfunction, blockSize int32, dynSmem uintptr) cuResult
 	// CUresult cuModuleUnload(CUmodule hmod)
 	cuModuleUnload func(m CUmodule) cuResult
 	// CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY, gridDimZ,
@@ -126,6 +130,7 @@ func (d *driver) symbols() []symbol {
 		sym(&d.cuModuleLoadData, "cuModuleLoadData"),
 		sym(&d.cuModuleGetFunction, "cuModuleGetFunction"),
 		sym(&d.cuModuleUnload, "cuModuleUnload"),
+		sym(&d.cuOccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor"),
 		sym(&d.cuLaunchKernel, "cuLaunchKernel"),
 		sym(&d.cuGetErrorName, "cuGetErrorName"),
 		sym(&d.cuEventCreate, "cuEventCreate"),

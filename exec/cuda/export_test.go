@@ -16,6 +16,16 @@ func FusedCrossEntropies() int64 { return fusedCrossEntropies.Load() }
 // companion gradient too, in every executor of the process.
 func FusedLayerNorms() int64 { return fusedLayerNorms.Load() }
 
+// LayerNormFusedGrid is the fused layer norm pass's grid and row groups
+// for rows rows of d float32 elements on e's device, and the blocks the
+// device holds at once.
+func LayerNormFusedGrid(e *Executor, rows, d int64) (grid, groups, resident int64, err error) {
+	block := lnFusedBlock(d)
+	resident, err = e.ks.residentBlocks(e.d, typed(kLayerNormFused, graph.Float32), int(block[0]*block[1]))
+	grid, groups = lnFusedGroups(rows, d, resident)
+	return grid, groups, resident, err
+}
+
 // keptOutputs is exec.KeptOutputs, as the tests of the output mapping name it.
 var keptOutputs = exec.KeptOutputs
 

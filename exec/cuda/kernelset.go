@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -126,6 +127,43 @@ type kernel struct {
 type kernelSet struct {
 	mods []*Module
 	fns  map[string]kernel
+	// resident memoises residentBlocks, by kernel and threads per block.
+	mu       sync.Mutex
+	resident map[residentKey]int64
+}
+
+type residentKey struct {
+	name    string
+	threads int
+}
+
+// residentBlocks is how many blocks of threads threads of kernel name the
+// whole device holds at once (its multiprocessors times Occupancy): a
+// grid of at most that many runs in one wave.
+func (ks *kernelSet) residentBlocks(d *Device, name string, threads int) (int64, error) {
+	key := residentKey{name, threads}
+	ks.mu.Lock()
+	n, ok := ks.resident[key]
+	ks.mu.Unlock()
+	if ok {
+		return n, nil
+	}
+	kn, err := ks.get(name)
+	if err != nil {
+		return 0, err
+	}
+	per, err := kn.m.Occupancy(kn.f, threads)
+	if err != nil {
+		return 0, err
+	}
+	n = int64(max(per, 1) * max(d.SMs(), 1))
+	ks.mu.Lock()
+	if ks.resident == nil {
+		ks.resident = map[residentKey]int64{}
+	}
+	ks.resident[key] = n
+	ks.mu.Unlock()
+	return n, nil
 }
 
 // loadKernels compiles (or loads from the cubin cache) every file of

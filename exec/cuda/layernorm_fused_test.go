@@ -261,6 +261,9 @@ func lnClose(t *testing.T, dt graph.DType, sum bool, chunks int, want, got ref.V
 func BenchmarkLayerNormBackward(b *testing.B) {
 	e := executor(b)
 	l := newLNGrads(b, graph.Float32, []int{8, 1024, 768}, 1, true, true, 1)
+	grid, groups, resident, err := cuda.LayerNormFusedGrid(e, 8192, 768)
+	require.NoError(b, err)
+	b.Logf("fused pass: %d blocks (the device holds %d), %d row groups", grid, resident, groups)
 	for _, bc := range []struct {
 		name string
 		ws   planner.WorkspaceFunc

@@ -210,6 +210,21 @@ func (m *Module) ParamCount(fn CUfunction) (int, error) {
 	return n, err
 }
 
+// Occupancy is how many blocks of threads threads (no dynamic shared
+// memory) of kernel fn one multiprocessor holds at once: its registers',
+// shared memory's and threads' limit.
+func (m *Module) Occupancy(fn CUfunction, threads int) (int, error) {
+	if err := m.live(); err != nil {
+		return 0, err
+	}
+	var n int32
+	err := m.d.do(func() error {
+		return m.d.drv.check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+			m.d.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, int32(threads), 0))
+	})
+	return int(n), err
+}
+
 // maxKernelParams bounds ParamCount's probe; no kernel here takes half as
 // many.
 const maxKernelParams = 64

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"math"
 	"sync/atomic"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -175,32 +176,35 @@ func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 // layer_norm_grad_w (graph.LayerNormGradWProducer) and the bias gradient
 // (graph.LayerNormBiasGradProducer, a sum of g over the leading axes), from
 // the one read of g and x that dx needs, instead of three more passes over
-// them (statistics, Σ g·x̂, Σ g). Each of lnFusedMaxBlocks blocks at most
-// leaves per row group the float partials of both sums in the workspace,
-// and layer_norm_grad_wb_* adds them up.
+// them (statistics, Σ g·x̂, Σ g). Each row group leaves the float partials
+// of both sums in the workspace, and layer_norm_grad_wb_* adds them up.
+// The grid is what the device holds at once (one wave: a group's rows are
+// a sequence, so a second wave would double the time), at most
+// lnFusedMaxGroups groups of at least lnFusedRows rows each.
 const (
-	lnFusedVPT       = 4   // row elements a thread keeps (LN_FUSED_VPT)
-	lnFusedMaxThread = 512 // the kernel's launch bound
-	lnFusedMaxBlocks = 512 // about 4 resident blocks per SM of an H100
-	lnFusedRows      = 8   // rows each row group takes, at least
+	lnFusedVPT       = 8    // row elements a thread keeps (LN_FUSED_VPT)
+	lnFusedMaxD      = 2048 // the longest row (LN_FUSED_MAXD)
+	lnFusedMaxGroups = 1024 // bounds the partials
+	lnFusedRows      = 8    // rows each row group takes, at least
 )
 
 // lnFusedBlock is the fused pass's block for rows of d elements: the
 // fewest 32-thread columns that hold a row in lnFusedVPT values each, and
-// rows stacked up to 256 threads. d must fit (lnFusedFits).
+// rows stacked up to 128 threads. d must fit (lnFusedFits).
 func lnFusedBlock(d int64) [3]uint32 {
 	bx := max(ceilDiv(ceilDiv(d, lnFusedVPT), 32)*32, 32)
-	return [3]uint32{uint32(bx), uint32(max(256/bx, 1)), 1}
+	return [3]uint32{uint32(bx), uint32(max(128/bx, 1)), 1}
 }
 
 // lnFusedFits reports whether rows of d elements fit the fused pass.
-func lnFusedFits(d int64) bool { return d > 0 && d <= lnFusedVPT*lnFusedMaxThread }
+func lnFusedFits(d int64) bool { return d > 0 && d <= lnFusedMaxD }
 
 // lnFusedGroups is the fused pass's grid and its row groups, one partial
-// row each, for rows rows of d elements.
-func lnFusedGroups(rows, d int64) (grid, groups int64) {
+// row each, for rows rows of d elements when the device holds resident
+// blocks of it at once.
+func lnFusedGroups(rows, d, resident int64) (grid, groups int64) {
 	by := int64(lnFusedBlock(d)[1])
-	grid = min(max(ceilDiv(rows, by*lnFusedRows), 1), lnFusedMaxBlocks)
+	grid = max(min(ceilDiv(rows, by*lnFusedRows), lnFusedMaxGroups/by, resident), 1)
 	return grid, grid * by
 }
 
@@ -209,8 +213,8 @@ func lnFusedGroups(rows, d int64) (grid, groups int64) {
 func lnFusedBytes(groups, d int64) int64 { return 2 * splitBytes(groups, d) }
 
 // lnFusedWorkspace: a layer_norm_grad_x that has a companion and rows that
-// fit takes the partials of its full batch's grid (a chunk's grid is no
-// larger), else nothing.
+// fit takes the partials of the most groups its full batch may run in (a
+// chunk's, or a device's holding fewer blocks, are no more), else nothing.
 func lnFusedWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
 	if len(nd.Inputs) < 2 {
 		return 0
@@ -219,7 +223,7 @@ func lnFusedWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
 	if rows == 0 || !lnFusedFits(d) || !lnHasCompanion(g, nd) {
 		return 0
 	}
-	_, groups := lnFusedGroups(rows, d)
+	_, groups := lnFusedGroups(rows, d, math.MaxInt64) // any device's
 	return lnFusedBytes(groups, d)
 }
 
@@ -256,13 +260,18 @@ func (k *kctx) layerNormGradFused(dt graph.DType, a *graph.Attrs, g, x operand, 
 	if dw == nil && db == nil || !lnFusedFits(d) {
 		return false, nil
 	}
-	grid, groups := lnFusedGroups(rows, d)
+	name, block := typed(kLayerNormFused, dt), lnFusedBlock(d)
+	resident, err := k.ks.residentBlocks(k.d, name, int(block[0]*block[1]))
+	if err != nil {
+		return false, err
+	}
+	grid, groups := lnFusedGroups(rows, d, resident)
 	bytes := lnFusedBytes(groups, d)
 	if k.ws == nil || k.ws.n < bytes {
 		return false, nil
 	}
 	part := k.ws.p
-	if err := k.launch(typed(kLayerNormFused, dt), [3]uint32{uint32(grid), 1, 1}, lnFusedBlock(d),
+	if err := k.launch(name, [3]uint32{uint32(grid), 1, 1}, block,
 		g.p, x.p, ptrOf(w), out.p, part, rows, d, a.Eps); err != nil {
 		return true, err
 	}

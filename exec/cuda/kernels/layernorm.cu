@@ -226,10 +226,15 @@ FOR_FLOATS(K)
 // partials, and layer_norm_grad_wb_* adds the G partials of each column in
 // a fixed order, so the results do not depend on timing (no atomics).
 // While a row is computed the group's next row is already being loaded.
+// A thread keeps LN_FUSED_VPT elements of a row, x − mean then x̂ and g
+// then ĝ = g·w in place, in double: each value is widened once, and the
+// per-row work (reductions, divisions, the square root) is shared by
+// 8 elements a thread. The weight, widened, is in shared memory.
 
-// LN_FUSED_VPT is how many elements of a row each thread keeps: the fused
-// pass takes rows of d ≤ LN_FUSED_VPT·blockDim.x elements.
-#define LN_FUSED_VPT 4
+// LN_FUSED_VPT is how many elements of a row each thread keeps; the fused
+// pass takes rows of d ≤ LN_FUSED_VPT·blockDim.x ≤ LN_FUSED_MAXD elements.
+#define LN_FUSED_VPT 8
+#define LN_FUSED_MAXD 2048
 
 // row_sum2 is row_allreduce(SumOp) of *a and *b at once (one pair of
 // barriers for both), in row_allreduce's order. scratch is a __shared__
@@ -265,14 +270,16 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
                                                         i64 d, double eps) {
   __shared__ double sd[32];
   __shared__ double s2[64];
+  __shared__ double sw[LN_FUSED_MAXD];  // the weight, widened; 1 without one
+  for (i64 k = threadIdx.y * blockDim.x + threadIdx.x; k < d; k += blockDim.x * blockDim.y)
+    sw[k] = w ? (double)(float)w[k] : 1.0;
+  __syncthreads();
   const i64 groups = (i64)gridDim.x * blockDim.y;
   const i64 grp = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-  double wv[LN_FUSED_VPT], dw[LN_FUSED_VPT], db[LN_FUSED_VPT];
+  double dw[LN_FUSED_VPT], db[LN_FUSED_VPT];
   float xn[LN_FUSED_VPT], gn[LN_FUSED_VPT];  // the group's next row
 #pragma unroll
   for (int u = 0; u < LN_FUSED_VPT; ++u) {
-    const i64 k = threadIdx.x + (i64)u * blockDim.x;
-    wv[u] = w && k < d ? (double)(float)w[k] : 1.0;
     dw[u] = 0;
     db[u] = 0;
     xn[u] = 0;
@@ -314,8 +321,8 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
 #pragma unroll
       for (int u = 0; u < LN_FUSED_VPT; ++u)
         if (threadIdx.x + (i64)u * blockDim.x < d) {
-          const double c = xd[u] - mean;
-          q += c * c;
+          xd[u] -= mean;
+          q += xd[u] * xd[u];
         }
     }
     q = row_allreduce(q, SumOp(), sd);
@@ -323,15 +330,17 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
     double sg = 0, sgx = 0;
     if (live) {
 #pragma unroll
-      for (int u = 0; u < LN_FUSED_VPT; ++u)
-        if (threadIdx.x + (i64)u * blockDim.x < d) {
-          const double xh = (xd[u] - mean) * rstd;
-          const double gh = gd[u] * wv[u];
-          sg += gh;
-          sgx += gh * xh;
-          dw[u] += gd[u] * xh;
+      for (int u = 0; u < LN_FUSED_VPT; ++u) {
+        const i64 k = threadIdx.x + (i64)u * blockDim.x;
+        if (k < d) {
+          xd[u] *= rstd;  // x̂
+          dw[u] += gd[u] * xd[u];
           db[u] += gd[u];
+          gd[u] *= sw[k];  // ĝ
+          sg += gd[u];
+          sgx += gd[u] * xd[u];
         }
+      }
     }
     row_sum2(&sg, &sgx, s2);
     if (!live) continue;
@@ -341,10 +350,7 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
 #pragma unroll
     for (int u = 0; u < LN_FUSED_VPT; ++u) {
       const i64 k = threadIdx.x + (i64)u * blockDim.x;
-      if (k < d) {
-        const double xh = (xd[u] - mean) * rstd;
-        out[off + k] = (float)(rstd * (gd[u] * wv[u] - sg - xh * sgx));
-      }
+      if (k < d) out[off + k] = (float)(rstd * (gd[u] - sg - xd[u] * sgx));
     }
   }
 #pragma unroll
@@ -361,9 +367,9 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
 // per row group the float partial sums of g·x̂ (part[grp·d + j]) and of g
 // (part[(G + grp)·d + j]) over the group's rows, for layer_norm_grad_wb_*;
 // G = gridDim.x·blockDim.y. blockDim = (bx, by): bx a multiple of 32,
-// d ≤ LN_FUSED_VPT·bx, bx·by ≤ 512; any grid.
+// d ≤ LN_FUSED_VPT·bx, d ≤ LN_FUSED_MAXD, bx·by ≤ 256; any grid.
 #define K(T, S)                                                                               \
-  extern "C" __global__ void __launch_bounds__(512) layer_norm_grad_fused_##S(                \
+  extern "C" __global__ void __launch_bounds__(256) layer_norm_grad_fused_##S(                \
       const T* g, const T* x, const T* w, T* out, float* part, i64 rows, i64 d, double eps) { \
     layer_norm_grad_fused_t(g, x, w, out, part, rows, d, eps);                                \
   }
@@ -383,8 +389,10 @@ __device__ __forceinline__ void layer_norm_grad_wb_t(const float* __restrict__ p
     const i64 j = j0 + threadIdx.x;
     const bool live = j < d;
     double s = 0;
-    if (live)
+    if (live) {
+#pragma unroll 8
       for (i64 r = threadIdx.y; r < groups; r += blockDim.y) s += (double)p[r * d + j];
+    }
     sd[t] = s;
     __syncthreads();
     if (live && threadIdx.y == 0) {
