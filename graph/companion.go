@@ -7,8 +7,9 @@ import "slices"
 // or an attention_qkv_lse's attention_qkv (LSEProducer), an
 // attention_grad_kv's attention_grad_q (AttentionGradKVProducer), a
 // training-mode batch_norm_grad_w's batch_norm_grad_x
-// (BatchNormGradWProducer), or a cross_entropy_grad's cross_entropy when
-// its seed is constant (CrossEntropyGradProducer). planner.Compile
+// (BatchNormGradWProducer), a cross_entropy_grad's cross_entropy when
+// its seed is constant (CrossEntropyGradProducer), or a tanh-form gelu's
+// linear (GeluProducer). planner.Compile
 // allocates m's output with the producer's, so an executor may compute
 // both at once (planner.Program.Companion); one that does not runs m as
 // usual.
@@ -25,6 +26,27 @@ func CompanionProducer(g *Graph, m int) int {
 		return BatchNormGradWProducer(g, m)
 	case OpCrossEntropyGrad:
 		return CrossEntropyGradProducer(g, m)
+	case OpGelu:
+		return GeluProducer(g, m)
+	}
+	return -1
+}
+
+// GeluProducer returns the linear whose GEMM can also give gelu node m:
+// m's input, when m is the tanh form (a GEMM epilogue's GELU) and its
+// input is a linear; −1 otherwise. The linear's output, GELU's input,
+// stays what it was (the backward pass reads it); the epilogue writes
+// both.
+func GeluProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	n := g.Node(m)
+	if n.Op != OpGelu || !n.Attrs.Approx || len(n.Inputs) != 1 {
+		return -1
+	}
+	if p := n.Inputs[0]; g.Node(p).Op == OpLinear {
+		return p
 	}
 	return -1
 }
