@@ -10,8 +10,9 @@ import "slices"
 // (BatchNormGradWProducer), a layer_norm_grad_w's layer_norm_grad_x
 // (LayerNormGradWProducer), a layer norm's bias gradient (a sum of g over
 // the leading axes) and the layer_norm_grad_x of that g
-// (LayerNormBiasGradProducer), or a cross_entropy_grad's cross_entropy
-// when its seed is constant (CrossEntropyGradProducer). planner.Compile
+// (LayerNormBiasGradProducer), a cross_entropy_grad's cross_entropy when
+// its seed is constant (CrossEntropyGradProducer), or a tanh-form gelu's
+// linear (GeluProducer). planner.Compile
 // allocates m's output with the producer's, so an executor may compute
 // both at once (planner.Program.Companion); one that does not runs m as
 // usual. A producer may have several companions (layer_norm_grad_x: its
@@ -37,6 +38,27 @@ func CompanionProducer(g *Graph, m int) int {
 		return -1
 	case OpCrossEntropyGrad:
 		return CrossEntropyGradProducer(g, m)
+	case OpGelu:
+		return GeluProducer(g, m)
+	}
+	return -1
+}
+
+// GeluProducer returns the linear whose GEMM can also give gelu node m:
+// m's input, when m is the tanh form (a GEMM epilogue's GELU) and its
+// input is a linear; −1 otherwise. The linear's output, GELU's input,
+// stays what it was (the backward pass reads it); the epilogue writes
+// both.
+func GeluProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	n := g.Node(m)
+	if n.Op != OpGelu || !n.Attrs.Approx || len(n.Inputs) != 1 {
+		return -1
+	}
+	if p := n.Inputs[0]; g.Node(p).Op == OpLinear {
+		return p
 	}
 	return -1
 }

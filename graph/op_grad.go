@@ -30,6 +30,12 @@ const (
 	OpAvgPool2dGrad                            // g; pool attrs, Target = input type
 	OpCrossEntropyGrad                         // g, logits, labels; Scalar, End: g·Scalar·(softmax − onehot), 0 past End
 	OpMSEGrad                                  // g, pred, target; Scalar: g·Scalar·2·(pred − target)
+	// OpMatMulGeluGrad is gelu_grad(matmul(a, b), x) in one node: a, b, x;
+	// TransA, TransB, Approx. Autodiff never emits it: FuseGeluGrad puts
+	// it in place of a matmul read only by a gelu_grad, so an executor can
+	// run the product and GELU's derivative as one GEMM with an epilogue
+	// (cuBLASLt's DGELU) and the product is never stored.
+	OpMatMulGeluGrad
 	numOps
 )
 
@@ -238,6 +244,22 @@ var gradOps = []OpInfo{
 				return Type{}, err
 			}
 			return sameShape(op, in[1], in[2])
+		})},
+	OpMatMulGeluGrad: {Name: "matmul_gelu_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"trans_a", "trans_b", "approx"},
+		NoVJP: noVJPGrad, Chunk: &Chunk{PerSample: matmulPerSample},
+		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
+			a := Attrs{TransA: attrs.TransA, TransB: attrs.TransB}
+			t, err := matmulRule(OpMatMul, &a, in[:2], 0)
+			if err != nil {
+				return Type{}, err
+			}
+			if err := expect(op, "the GELU input", in[2], t, nil); err != nil {
+				return Type{}, err
+			}
+			if in[2].DType != t.DType {
+				return Type{}, Errorf(ErrDType, "%s: product of %s, GELU input of %s", op, t.DType, in[2].DType)
+			}
+			return t, nil
 		})},
 }
 

@@ -90,6 +90,10 @@
 //     again). GPT-2 small's bf16-mixed step (batch 8, seq 1024) runs 194
 //     casts of 432 M elements, 268 of 713 M without, 169 of 275 M with
 //     16-bit layer norms too (TestCastCountGPT2Small).
+//   - Fused GELU gradients: after the fold, TrainWith runs
+//     graph.FuseGeluGrad, so the backward product that reaches a GELU and
+//     the GELU's derivative are one matmul_gelu_grad node (one GEMM with
+//     cuBLASLt's DGELU epilogue on CUDA): the product is never stored.
 //   - Parameters, their gradients and optimizer state stay float32 (master
 //     weights); so do the loss and every value of the float32 class.
 //     Gradients have their value's dtype (autodiff casts a contribution of

@@ -38,3 +38,11 @@ func SetFoldNorms(on bool) bool {
 	foldNorms = on
 	return prev
 }
+
+// SetFuseGelu turns the gelu_grad fusion of mixed-precision training
+// graphs on or off; it returns the previous setting.
+func SetFuseGelu(on bool) bool {
+	prev := fuseGelu
+	fuseGelu = on
+	return prev
+}

@@ -72,6 +72,13 @@ func (s *Step) foldWideningCasts() error {
 		}
 		ids[i] = id
 	}
+	s.rebind(ng, ids)
+	return nil
+}
+
+// rebind makes ng s's graph, ids[i] being old node i's id in ng (−1 for
+// a node a pass removed), and remaps every id of s.
+func (s *Step) rebind(ng *graph.Graph, ids []int) {
 	remap := func(v []int) {
 		for k, id := range v {
 			if id >= 0 { // −1: a forward node the attention fusion removed
@@ -87,5 +94,16 @@ func (s *Step) foldWideningCasts() error {
 	remap(s.Params)
 	remap(s.Grads)
 	remap(s.IDs)
+}
+
+// fuseGeluGrads runs graph.FuseGeluGrad on s's graph, the step's loss,
+// scaled loss and gradients kept as outputs.
+func (s *Step) fuseGeluGrads() error {
+	outs := append([]int{s.Loss, s.Scaled, s.Scale}, s.Grads...)
+	ng, ids, err := graph.FuseGeluGrad(s.Graph, outs)
+	if err != nil {
+		return err
+	}
+	s.rebind(ng, ids)
 	return nil
 }

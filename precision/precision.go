@@ -255,6 +255,10 @@ var fusePaddedLoss = true
 // foldCasts turns foldWideningCasts on; tests turn it off to compare.
 var foldCasts = true
 
+// fuseGelu turns the gelu_grad fusion on (graph.FuseGeluGrad); tests turn
+// it off to compare.
+var fuseGelu = true
+
 // foldNorms turns halfNorm's rewrite on: off by default; tests turn it on.
 // It saves GPT-2 small's 25 layer-norm casts (bf16-mixed, batch 8, seq
 // 1024: 157 M elements) but measured no faster on the H100 (27.1–27.25 ms
@@ -526,6 +530,11 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	}
 	if p.Mixed() && foldCasts {
 		if err := s.foldWideningCasts(); err != nil {
+			return nil, err
+		}
+	}
+	if p.Mixed() && fuseGelu {
+		if err := s.fuseGeluGrads(); err != nil {
 			return nil, err
 		}
 	}

@@ -124,11 +124,11 @@ const (
 // kindOf is nd's rate kind.
 func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
 	switch nd.Op {
-	case graph.OpMatMul, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
+	case graph.OpMatMul, graph.OpMatMulGeluGrad, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
 		if !g.Node(nd.Inputs[0]).Type.DType.IsHalf() {
 			return rateGEMM
 		}
-		if nd.Op != graph.OpMatMul && nd.Op != graph.OpLinear {
+		if nd.Op != graph.OpMatMul && nd.Op != graph.OpMatMulGeluGrad && nd.Op != graph.OpLinear {
 			return rateHalfConv
 		}
 		// A row of 16 bytes or a multiple: the last axis of every operand
@@ -345,7 +345,7 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 		bytes += size(in[i])
 	}
 	switch nd.Op {
-	case graph.OpMatMul:
+	case graph.OpMatMul, graph.OpMatMulGeluGrad:
 		a := in[0].Shape
 		ka := len(a) - 1
 		if nd.Attrs.TransA && len(a) >= 2 {

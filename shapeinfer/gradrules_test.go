@@ -63,6 +63,9 @@ func gradValidCases() []ruleCase {
 
 		{name: "mean", op: graph.OpCrossEntropyGrad, attrs: graph.Attrs{Scalar: 0.25}, in: ts(f(), fb(0, 4, 10), ib(0, 4)), want: fb(0, 4, 10)},
 		{name: "mean", op: graph.OpMSEGrad, in: ts(f(), fb(0, 4, 3), fb(0, 4, 3)), want: fb(0, 4, 3)},
+
+		{name: "mlp", op: graph.OpMatMulGeluGrad, attrs: graph.Attrs{Approx: true}, in: ts(fb(0, 4, 5, 3), f(3, 7), fb(0, 4, 5, 7)), want: fb(0, 4, 5, 7)},
+		{name: "transposed weight", op: graph.OpMatMulGeluGrad, attrs: graph.Attrs{TransB: true}, in: ts(fb(0, 4, 3), f(7, 3), fb(0, 4, 7)), want: fb(0, 4, 7)},
 	}
 }
 
@@ -123,5 +126,9 @@ func gradRejectCases() []rejectCase {
 		{name: "gradient not a scalar", op: graph.OpCrossEntropyGrad, in: ts(f(1), fb(0, 4, 10), ib(0, 4)), want: graph.ErrShape},
 		{name: "float labels", op: graph.OpCrossEntropyGrad, in: ts(f(), fb(0, 4, 10), fb(0, 4)), want: graph.ErrDType},
 		{name: "shapes differ", op: graph.OpMSEGrad, in: ts(f(), fb(0, 4, 3), fb(0, 4, 2)), want: graph.ErrShape},
+
+		{name: "GELU input shape", op: graph.OpMatMulGeluGrad, in: ts(fb(0, 4, 3), f(3, 7), fb(0, 4, 6)), want: graph.ErrShape},
+		{name: "inner dims", op: graph.OpMatMulGeluGrad, in: ts(fb(0, 4, 3), f(2, 7), fb(0, 4, 7)), want: graph.ErrShape},
+		{name: "GELU input dtype", op: graph.OpMatMulGeluGrad, in: ts(fb(0, 4, 3), f(3, 7), ib(0, 4, 7)), want: graph.ErrDType},
 	}
 }

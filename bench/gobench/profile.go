@@ -50,7 +50,7 @@ func describe(g *graph.Graph, nd *graph.Node, b int) (string, float64) {
 	switch nd.Op {
 	case graph.OpLinear: // x [..., in] · w [out, in]ᵀ
 		k = g.Node(nd.Inputs[1]).Type.Shape[1]
-	case graph.OpMatMul:
+	case graph.OpMatMul, graph.OpMatMulGeluGrad:
 		xs := g.Node(nd.Inputs[0]).Type.AtBatch(b)
 		k = xs[len(xs)-1]
 		if nd.Attrs.TransA {

@@ -18,6 +18,17 @@ var matmulKernels = family{
 	graph.OpLinear: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
 		return linearKernel(in[0], in[1], optional(in, 2), out)
 	}},
+	// The product times GELU′(x), the product not rounded on the way (as
+	// a GEMM epilogue multiplies it in float32).
+	graph.OpMatMulGeluGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		if err := matmulKernel(nd.Attrs.TransA, nd.Attrs.TransB, in[0], in[1], out); err != nil {
+			return err
+		}
+		for i, x := range in[2].f {
+			out.f[i] *= float32(geluDeriv(float64(x), nd.Attrs.Approx))
+		}
+		return nil
+	}},
 }
 
 // gemm computes c = op(a)·op(b) + beta·c for row-major operands, where op(a)

@@ -31,6 +31,12 @@ type BLAS struct {
 	h   cublasHandle
 	a   *alloc.Allocator
 	ws  *alloc.Block
+	// lt is cuBLASLt's handle and plans (GemmEpilogue), made on first use;
+	// stream is the stream both libraries launch on (setStream) and tf32
+	// whether float32 GEMMs may use TF32 (SetTF32). On the device goroutine.
+	lt     *ltState
+	stream uintptr
+	tf32   bool
 
 	mu     sync.Mutex
 	closed bool
@@ -90,6 +96,7 @@ func (b *BLAS) setStream(s uintptr) error {
 	if err := checkBLAS("cublasSetStream_v2", b.lib.cublasSetStream(b.h, s)); err != nil {
 		return err
 	}
+	b.stream = s
 	var p CUdeviceptr
 	var n uintptr
 	if b.ws != nil {
@@ -111,7 +118,10 @@ func (b *BLAS) SetTF32(on bool) error {
 	if on {
 		mode = cublasTF32TensorOpMath
 	}
-	return b.d.do(func() error { return checkBLAS("cublasSetMathMode", b.lib.cublasSetMathMode(b.h, mode)) })
+	return b.d.do(func() error {
+		b.tf32 = on
+		return checkBLAS("cublasSetMathMode", b.lib.cublasSetMathMode(b.h, mode))
+	})
 }
 
 // Gemm computes C = alpha·op(A)·op(B) + beta·C for row-major matrices:
@@ -281,7 +291,9 @@ func (b *BLAS) Close() error {
 		return nil
 	}
 	b.closed = true
-	err := b.d.do(func() error { return checkBLAS("cublasDestroy_v2", b.lib.cublasDestroy(b.h)) })
+	err := b.d.do(func() error {
+		return errors.Join(b.ltClose(), checkBLAS("cublasDestroy_v2", b.lib.cublasDestroy(b.h)))
+	})
 	if b.ws != nil {
 		err = errors.Join(err, b.a.Free(b.ws))
 	}

@@ -12,7 +12,11 @@
 //   - Every byte of device memory goes through the caching allocator in
 //     package alloc: Backend serves it segments, and cuBLAS takes its
 //     workspace from it (cublasSetWorkspace_v2), so the planner's replay of
-//     the same allocator predicts what the executor reserves.
+//     the same allocator predicts what the executor reserves. cuBLASLt,
+//     for GEMMs with fused epilogues (a linear's bias, a tanh GELU with
+//     its input kept, GELU's derivative: cublaslt.go), runs with that same
+//     workspace on the same stream; each shape's algorithm is timed once
+//     per process among the heuristic's first eight.
 //   - cuDNN 9, when it loads, runs convolutions, batch norm and 16-bit fused
 //     attention (dnn.go, dnn_bn.go, dnn_sdpa.go: the legacy API, and the
 //     backend graph API for attention), each workspace declared per node

@@ -152,3 +152,6 @@ func (n *DNN) CapSDPAWorkspace(bytes int64) {
 	n.sdpaWSCap, n.sdpaWSCapped = bytes, true
 	n.mu.Unlock()
 }
+
+// EpilogueGEMMs counts the GEMMs cuBLASLt ran with a fused epilogue.
+func EpilogueGEMMs() int64 { return epilogueGEMMs.Load() }

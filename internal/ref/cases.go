@@ -34,7 +34,11 @@ type Case struct {
 	// step function, so finite differences do not apply and only the
 	// conformance suite runs it.
 	Rounds bool
-	Fn     func(p []*lazy.Tensor) *lazy.Tensor
+	// FuseGeluGrad runs graph.FuseGeluGrad on the graph after autodiff,
+	// as a mixed-precision training step does, so its backward pass holds
+	// matmul_gelu_grad.
+	FuseGeluGrad bool
+	Fn           func(p []*lazy.Tensor) *lazy.Tensor
 }
 
 // Built is a case's graph with its loss and backward pass appended.
@@ -88,6 +92,11 @@ var Cases = []Case{
 	{Name: "linear_rank3", Shapes: [][]int{{2, 3, 4}, {5, 4}, {5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]) }},
 	// 16 outputs: CUDA's bias_fill writes whole 16-byte packs of biases.
 	{Name: "linear_wide", Shapes: [][]int{{3, 4}, {16, 4}, {16}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]) }},
+	// The backward pass's product with w2 and GELU′ fuse into
+	// matmul_gelu_grad; widths of 8 and 16 meet cuBLASLt's epilogue
+	// strides, so CUDA runs the GELU and DGELU epilogues.
+	{Name: "mlp_gelu_fused", Shapes: [][]int{{2, 3, 16}, {8, 16}, {8}, {16, 8}, {16}}, FuseGeluGrad: true,
+		Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], p[2]).GeluTanh().Linear(p[3], p[4]) }},
 	{Name: "linear_rank1", Shapes: [][]int{{4}, {3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].Linear(p[1], nil) }},
 	{Name: "sum_mean", Shapes: [][]int{{2, 3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Sum(1).Add(p[0].Mean(1)).Add(p[0].MeanKeepDim(0, 1).Reshape(4)).Add(p[0].SumKeepDim(1).Reshape(2, 4))
@@ -307,6 +316,22 @@ func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 	if b.Loss, err = shapeinfer.Append(g, graph.Node{Op: graph.OpSum, Inputs: []int{prod}}); err != nil {
 		return nil, err
 	}
-	b.Grads, err = autodiff.Backward(g, b.Loss, b.Params)
-	return b, err
+	if b.Grads, err = autodiff.Backward(g, b.Loss, b.Params); err != nil || !c.FuseGeluGrad {
+		return b, err
+	}
+	ng, ids, err := graph.FuseGeluGrad(g, append([]int{b.Out, b.Loss}, b.Grads...))
+	if err != nil {
+		return nil, err
+	}
+	vals := make(map[int]Value, len(b.Vals))
+	for id, v := range b.Vals {
+		vals[ids[id]] = v
+	}
+	for _, v := range [][]int{b.Params, b.Grads} {
+		for i, id := range v {
+			v[i] = ids[id]
+		}
+	}
+	b.Graph, b.Out, b.Loss, b.Vals = ng, ids[b.Out], ids[b.Loss], vals
+	return b, nil
 }

@@ -12,6 +12,13 @@ var contractionKernels = family{
 		linear(out, in)
 		return nil
 	},
+	graph.OpMatMulGeluGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		matmul(out, in[0], in[1], a.TransA, a.TransB)
+		for i, x := range in[2].Data {
+			out.Data[i] *= geluDeriv(x, a.Approx)
+		}
+		return nil
+	},
 }
 
 // matmul computes out[..., i, j] = Σ_p A[..., i, p]·B[..., p, j] where A is

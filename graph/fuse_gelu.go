@@ -1,0 +1,76 @@
+package graph
+
+// FuseGeluGrad is a graph pass over a training graph (after autodiff): it
+// rewrites gelu_grad(matmul(a, b), x), where nothing else reads the
+// matmul and the matmul is none of outputs, into one
+// matmul_gelu_grad(a, b, x) with the matmul's transposes and the
+// gelu_grad's Approx. An MLP's backward pass has one per GELU: the
+// gradient reaching the GELU's output is a product with the next layer's
+// weight. An executor runs it as one GEMM whose epilogue multiplies by
+// GELU′(x) (cuBLASLt's DGELU), so the product is neither stored nor read
+// back. A matmul with a float32 Target (a folded cast) or of another dtype
+// than x is left alone. Everything else is copied as it is; a graph
+// without the pattern comes back as a copy of itself. ids[i] is old node
+// i's id in the new graph, −1 for a fused matmul.
+func FuseGeluGrad(g *Graph, outputs []int) (*Graph, []int, error) {
+	users := make([]int, g.Len()) // readers of each node
+	for i := range g.Len() {
+		for _, in := range g.Node(i).Inputs {
+			users[in]++
+		}
+	}
+	for _, id := range outputs {
+		if id >= 0 && id < g.Len() {
+			users[id]++ // an output is read by the caller
+		}
+	}
+	fused := make([]bool, g.Len()) // gelu_grads that absorb their matmul
+	drop := make([]bool, g.Len())  // the matmuls they absorb
+	for i := range g.Len() {
+		nd := g.Node(i)
+		if nd.Op != OpGeluGrad || len(nd.Inputs) != 2 {
+			continue
+		}
+		p := nd.Inputs[0]
+		mm := g.Node(p)
+		if mm.Op != OpMatMul || users[p] != 1 || mm.Attrs.Target.DType != InvalidDType ||
+			mm.Type.DType != g.Node(nd.Inputs[1]).Type.DType {
+			continue
+		}
+		fused[i], drop[p] = true, true
+	}
+	out := New()
+	if g.Batch() != 0 {
+		if err := out.SetBatch(g.Batch()); err != nil {
+			return nil, nil, err
+		}
+	}
+	ids := make([]int, g.Len())
+	for i := range g.Len() {
+		nd := g.Node(i)
+		if drop[i] {
+			ids[i] = -1
+			continue
+		}
+		n := Node{Op: nd.Op, Attrs: nd.Attrs.Clone(), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value,
+			Inputs: make([]int, len(nd.Inputs))}
+		if nd.Op.Category() == CatSource {
+			n.Type = nd.Type
+		}
+		for k, in := range nd.Inputs {
+			n.Inputs[k] = ids[in]
+		}
+		if fused[i] {
+			mm := g.Node(nd.Inputs[0])
+			n.Op = OpMatMulGeluGrad
+			n.Attrs = Attrs{TransA: mm.Attrs.TransA, TransB: mm.Attrs.TransB, Approx: nd.Attrs.Approx}
+			n.Inputs = []int{ids[mm.Inputs[0]], ids[mm.Inputs[1]], ids[nd.Inputs[1]]}
+		}
+		id, err := out.Append(n)
+		if err != nil {
+			return nil, nil, &OpError{Op: "fuse " + n.Op.String(), Site: nd.Site, Err: err}
+		}
+		ids[i] = id
+	}
+	return out, ids, nil
+}
