@@ -40,8 +40,48 @@ func CompanionProducer(g *Graph, m int) int {
 		return CrossEntropyGradProducer(g, m)
 	case OpGelu:
 		return GeluProducer(g, m)
+	case OpLayerNorm:
+		return AddLayerNormProducer(g, m)
 	}
 	return -1
+}
+
+// AddLayerNormProducer returns the add whose pass can also give layer_norm
+// node m: m's x, when it is a float32 add of a float32 value of its shape
+// and a float value broadcast over whole rows (a shape that ends the
+// add's and spans m's normalised dims: a transformer's residual stream
+// plus a block's output, or the token plus the position embedding), and
+// m's weight and bias are float32 values made before the add; −1
+// otherwise. The add's kernel then normalises each row it has just
+// summed, in registers, instead of the layer norm reading it back.
+func AddLayerNormProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	n := g.Node(m)
+	if n.Op != OpLayerNorm || len(n.Inputs) < 1 {
+		return -1
+	}
+	p := n.Inputs[0]
+	add := g.Node(p)
+	if add.Op != OpAdd || len(add.Inputs) != 2 || add.Type.DType != Float32 {
+		return -1
+	}
+	for _, in := range n.Inputs[1:] {
+		if in >= p || g.Node(in).Type.DType != Float32 {
+			return -1
+		}
+	}
+	a, b := g.Node(add.Inputs[0]).Type, g.Node(add.Inputs[1]).Type
+	if a.DType != Float32 || !slices.Equal(a.Shape, add.Type.Shape) {
+		a, b = b, a
+	}
+	s, r := add.Type.Shape, len(add.Type.Shape)
+	if a.DType != Float32 || !slices.Equal(a.Shape, s) || !b.DType.IsFloat() ||
+		len(b.Shape) < n.Attrs.NormDims || len(b.Shape) > r || !slices.Equal(b.Shape, s[r-len(b.Shape):]) {
+		return -1
+	}
+	return p
 }
 
 // GeluProducer returns the linear whose GEMM can also give gelu node m:

@@ -128,7 +128,7 @@ func (*companionHooks) Freed(planner.Buffer, *alloc.Block)                      
 func (*companionHooks) ChunkDone(planner.Chunk, []*alloc.Block, []*alloc.Block) error { return nil }
 func (*companionHooks) Finish([]*alloc.Block, *alloc.Block) error                     { return nil }
 func (*companionHooks) EveryChunk() bool                                              { return true }
-func (h *companionHooks) Companion(nd *graph.Node, m int, blk *alloc.Block) {
+func (h *companionHooks) Companion(nd *graph.Node, m int, blk *alloc.Block, _ []*alloc.Block) {
 	h.log = append(h.log, fmt.Sprintf("companion %d of %d (%d bytes)", m, nd.ID, blk.Requested()))
 }
 func (h *companionHooks) Run(nd *graph.Node, _ planner.Chunk, _ *alloc.Block, _ []*alloc.Block, _ *alloc.Block) error {

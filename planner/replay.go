@@ -178,8 +178,10 @@ type CompanionHooks interface {
 	// allocated already, just before Run(nd, …): once for each of nd's
 	// companions, in order (Program.Companions). The hook may fill it
 	// during that run, and then need not compute it again when m's own run
-	// step comes.
-	Companion(nd *graph.Node, m int, blk *alloc.Block)
+	// step comes. ins are the blocks of m's inputs, one of which may be
+	// nd's own output (add + layer_norm: the layer norm's x is the add's
+	// result, its weight and bias are read from ins).
+	Companion(nd *graph.Node, m int, blk *alloc.Block, ins []*alloc.Block)
 }
 
 // Point is the allocator's state after one step of a replay.
@@ -311,7 +313,12 @@ func replay(p *Program, chunks chunkSeq, a *alloc.Allocator, h Hooks, recorded i
 					}
 					if ch, ok := h.(CompanionHooks); ok {
 						for m := p.Companion[st.Node]; m >= 0; m = p.NextCompanion[m] {
-							ch.Companion(nd, m, blocks[p.OutputBuf[m]])
+							mi := g.Node(m).Inputs
+							coIns := make([]*alloc.Block, len(mi))
+							for i, in := range mi {
+								coIns[i] = blocks[p.OutputBuf[in]]
+							}
+							ch.Companion(nd, m, blocks[p.OutputBuf[m]], coIns)
 						}
 					}
 					if err := h.Run(nd, c, blocks[p.OutputBuf[st.Node]], ins, ws); err != nil {

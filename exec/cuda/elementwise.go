@@ -45,6 +45,12 @@ var elementwiseKernels = withCodes(family{
 		}
 		return k.unary(unaryCodes.Code(graph.OpGelu, variant), in[0], out)
 	}},
+	graph.OpAdd: {run: func(k *kctx, in []operand, out operand) error {
+		if done, err := k.addLayerNorm(in[0], in[1], out); done || err != nil {
+			return err
+		}
+		return binary(binaryCodes.Code(graph.OpAdd, "")).run(k, in, out)
+	}},
 	graph.OpDropout:    {run: dropout},
 	graph.OpCausalMask: {run: causalMask},
 	graph.OpFill:       {run: fill},

@@ -368,15 +368,16 @@ type runner struct {
 type handedCo struct {
 	node, m int
 	blk     *alloc.Block
+	ins     []*alloc.Block // the companion's inputs
 }
 
 // Companion takes the block of nd's companion output m for nd's next Run;
 // a node with several companions gets one call for each, in order.
-func (r *runner) Companion(nd *graph.Node, m int, blk *alloc.Block) {
+func (r *runner) Companion(nd *graph.Node, m int, blk *alloc.Block, ins []*alloc.Block) {
 	if len(r.companions) > 0 && r.companions[0].node != nd.ID {
 		r.companions = r.companions[:0] // left from a node that did not run
 	}
-	r.companions = append(r.companions, handedCo{node: nd.ID, m: m, blk: blk})
+	r.companions = append(r.companions, handedCo{node: nd.ID, m: m, blk: blk, ins: ins})
 }
 
 // EveryChunk is true: the runner computes.
@@ -454,7 +455,11 @@ func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*a
 	var cos []coOut
 	for _, h := range r.companions {
 		if h.node == nd.ID {
-			cos = append(cos, coOut{node: h.m, v: r.operand(h.m, h.blk, c.Size)})
+			co := coOut{node: h.m, v: r.operand(h.m, h.blk, c.Size), in: make([]operand, len(h.ins))}
+			for i, b := range h.ins {
+				co.in[i] = r.operand(r.node(h.m).Inputs[i], b, c.Size)
+			}
+			cos = append(cos, co)
 		}
 	}
 	clear(r.companions)

@@ -155,3 +155,6 @@ func (n *DNN) CapSDPAWorkspace(bytes int64) {
 
 // EpilogueGEMMs counts the GEMMs cuBLASLt ran with a fused epilogue.
 func EpilogueGEMMs() int64 { return epilogueGEMMs.Load() }
+
+// AddLayerNorms counts the adds that ran with their layer norm.
+func AddLayerNorms() int64 { return addLayerNorms.Load() }

@@ -39,7 +39,8 @@ import (
 // The fingerprint holds everything a node's launches depend on that the
 // program's signature does not fix: the node, the chunk (start and size),
 // the node's random seed and counter (dropout), and the addresses of its
-// output, inputs, workspace (with its size) and companion output. Kernel
+// output, inputs, workspace (with its size) and companion outputs with
+// their inputs. Kernel
 // arguments come from these and from the node's attributes, which the
 // signature fixes; data (parameters, inputs, the loss scale) is read from
 // device memory, which uploads fill outside the graphs. So a replay launches
@@ -253,7 +254,10 @@ func appendFingerprint(fp []uint64, op *pendingOp) []uint64 {
 	}
 	fp = append(fp, ws, wsn, uint64(len(op.cos)))
 	for _, co := range op.cos {
-		fp = append(fp, uint64(co.v.p))
+		fp = append(fp, uint64(co.v.p), uint64(len(co.in)))
+		for _, x := range co.in {
+			fp = append(fp, uint64(x.p))
+		}
 	}
 	return fp
 }

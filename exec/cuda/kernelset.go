@@ -45,6 +45,7 @@ const (
 	kEmbedding         = "embedding_f32"
 	kEmbeddingGrad     = "embedding_grad_f32"
 	kLayerNorm         = "layer_norm_f32"
+	kAddLayerNorm      = "add_layer_norm" // typed by b's and y's dtypes
 	kLayerNormGradX    = "layer_norm_grad_x_f32"
 	kLayerNormStats    = "layer_norm_stats_f32"
 	kLayerNormGradW    = "layer_norm_grad_w_f32"
@@ -102,8 +103,8 @@ var kernelFiles = map[string][]string{
 	"elementwise.cu": slices.Concat(allTyped(kUnary, kScalar, kBinary, kBinaryBcast, kReluGrad, kGeluGrad, kUnaryGrad,
 		kMaximumScGrad, kMaximumGrad, kCausalMask, kBiasFill), mixedBinaryKernels(), castKernels()),
 	"index.cu": allTyped(kEmbedding, kEmbeddingGrad),
-	"layernorm.cu": append(allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW, kLayerNormFused, kLayerNormGradWB),
-		typed(kLayerNorm, graph.Float32, graph.BFloat16), typed(kLayerNorm, graph.Float32, graph.Float16)),
+	"layernorm.cu": slices.Concat(allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW, kLayerNormFused, kLayerNormGradWB),
+		[]string{typed(kLayerNorm, graph.Float32, graph.BFloat16), typed(kLayerNorm, graph.Float32, graph.Float16)}, addLayerNormKernels()),
 	"loss.cu":     allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu": append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":    {kSGD, kAdam, kUnscale},

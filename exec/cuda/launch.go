@@ -32,16 +32,19 @@ type kctx struct {
 	// (planner.Program.Companions), each with its own done; companionOf
 	// finds any of them by op.
 	co     *operand
-	coNode int // co's node, when co is set
+	coNode int       // co's node, when co is set
+	coIn   []operand // co's inputs, when co is set
 	coDone bool
 	more   []coOut
 }
 
 // coOut is a companion's output handed to its producer's kernels: the
-// companion's node, its output, and whether the kernels computed it.
+// companion's node, its output, its inputs, and whether the kernels
+// computed it.
 type coOut struct {
 	node int
 	v    operand
+	in   []operand
 	done bool
 }
 
@@ -55,15 +58,30 @@ func (s coSet) has(i int) bool { return i < 64 && s&(1<<i) != 0 }
 // companion or a further one) and the flag its kernel sets when it
 // computes it, or nil, nil when none was handed over.
 func (k *kctx) companionOf(op graph.Op) (*operand, *bool) {
+	c := k.companionWith(op)
+	return c.v, c.done
+}
+
+// companion is a companion of op handed to the node's kernels: its node,
+// output, inputs and done flag (v nil when there is none).
+type companion struct {
+	nd   *graph.Node
+	v    *operand
+	in   []operand
+	done *bool
+}
+
+// companionWith is companionOf with the companion's node and inputs too.
+func (k *kctx) companionWith(op graph.Op) companion {
 	if k.co != nil && k.g.Node(k.coNode).Op == op {
-		return k.co, &k.coDone
+		return companion{k.g.Node(k.coNode), k.co, k.coIn, &k.coDone}
 	}
 	for i := range k.more {
-		if k.g.Node(k.more[i].node).Op == op {
-			return &k.more[i].v, &k.more[i].done
+		if m := &k.more[i]; k.g.Node(m.node).Op == op {
+			return companion{k.g.Node(m.node), &m.v, m.in, &m.done}
 		}
 	}
-	return nil, nil
+	return companion{}
 }
 
 // attrs is the node's attributes.

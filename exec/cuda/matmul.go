@@ -194,11 +194,11 @@ func (k *kctx) linear(x, w operand, b *operand, out operand) error {
 		return nil
 	}
 	if nIn > 0 {
-		if gelu, ok := k.geluCompanion(out); ok {
+		if gelu, done, ok := k.geluCompanion(out); ok {
 			err := k.blas.GemmEpilogue(dt, dt, false, true, rows, nOut, nIn, x.p, nIn, w.p, nIn, gelu.p, nOut,
 				Epilogue{Kind: EpiGeluAux, Bias: ptrOf(b), Aux: out.p})
 			if err == nil {
-				k.coDone = true
+				*done = true
 				return nil
 			}
 			if !errors.Is(err, ErrNoEpilogue) {
@@ -232,14 +232,12 @@ func (k *kctx) linear(x, w operand, b *operand, out operand) error {
 // geluCompanion is the companion output of a linear when it is a
 // tanh-form gelu of the linear's output, of its dtype and shape
 // (graph.GeluProducer pairs them).
-func (k *kctx) geluCompanion(out operand) (operand, bool) {
-	if k.co == nil || k.co.dt != out.dt || !slices.Equal(k.co.shape, out.shape) {
-		return operand{}, false
+func (k *kctx) geluCompanion(out operand) (operand, *bool, bool) {
+	co, done := k.companionOf(graph.OpGelu)
+	if co == nil || co.dt != out.dt || !slices.Equal(co.shape, out.shape) {
+		return operand{}, nil, false
 	}
-	if nd := k.g.Node(k.coNode); nd.Op != graph.OpGelu || !nd.Attrs.Approx {
-		return operand{}, false
-	}
-	return *k.co, true
+	return *co, done, true
 }
 
 // matmulGeluGrad computes out = (op(a)·op(b))·GELU′(x): one cuBLASLt GEMM

@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"slices"
+
 	"math"
 	"sync/atomic"
 
@@ -377,3 +379,55 @@ func channels(op string, x operand) (n, c, inner int64, err error) {
 	}
 	return int64(x.shape[0]), int64(x.shape[1]), int64(graph.Numel(x.shape[2:])), nil
 }
+
+// addLayerNormKernels lists add_layer_norm_<b>_<y>'s instantiations: b and
+// y of every float dtype.
+func addLayerNormKernels() []string {
+	var out []string
+	for _, b := range floatDTypes {
+		for _, y := range floatDTypes {
+			out = append(out, typed(kAddLayerNorm, b, y))
+		}
+	}
+	return out
+}
+
+// addLayerNorm runs an add whose companion is the layer norm of its result
+// (graph.AddLayerNormProducer) as one add_layer_norm pass, and reports
+// whether it did: the add's output s and the layer norm's y from one read
+// of a and b. A float32 a of s's shape and a float b broadcast over whole
+// rows, the layer norm's weight and bias float32 [d] or absent; anything
+// else leaves the add and the layer norm to their own kernels.
+func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
+	ln := k.companionWith(graph.OpLayerNorm)
+	if ln.v == nil || len(ln.in) < 1 || ln.in[0].p != s.p || s.dt != graph.Float32 {
+		return false, nil
+	}
+	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) {
+		a, b = b, a
+	}
+	at := &ln.nd.Attrs
+	rows, d := normRows(s.shape, at.NormDims)
+	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) || !b.dt.IsFloat() || !ln.v.dt.IsFloat() ||
+		ln.v.n() != s.n() || rows == 0 || d == 0 || b.n() == 0 || b.n()%d != 0 || rows%(b.n()/d) != 0 {
+		return false, nil
+	}
+	w, bias := optional(ln.in, 1), optional(ln.in, 2)
+	for _, p := range []*operand{w, bias} {
+		if p != nil && (p.dt != graph.Float32 || p.n() != d) {
+			return false, nil
+		}
+	}
+	block := rowBlock(d)
+	err := k.launch(typed(kAddLayerNorm, b.dt, ln.v.dt), rowGrid(rows, block, 1), block,
+		a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps)
+	if err == nil {
+		*ln.done = true
+		addLayerNorms.Add(1)
+	}
+	return err == nil, err
+}
+
+// addLayerNorms counts the adds that normalised their result too (tests
+// read it).
+var addLayerNorms atomic.Int64

@@ -51,7 +51,7 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c p
 	k.nd, k.c, k.ws = nd, c, ws
 	if len(cos) > 0 {
 		first := cos[0].v
-		k.co, k.coNode = &first, cos[0].node
+		k.co, k.coNode, k.coIn = &first, cos[0].node, cos[0].in
 		k.more = append([]coOut(nil), cos[1:]...)
 	}
 	if err = run(k, in, out); err != nil {

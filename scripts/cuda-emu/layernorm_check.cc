@@ -162,6 +162,64 @@ static void run_case(DT dt, i64 rows, i64 d, bool weight, i64 gridCap, bool want
   }
 }
 
+// add_case checks add_layer_norm_<b>_<y> (the add with its companion
+// layer norm) against a float64 reference: s = a + b in float, exactly,
+// with b's rows broadcast over a's (brows dividing rows), and y the layer
+// norm of s in double rounded once to y's dtype (one ulp of it relative
+// plus 1e-6 of the largest |y|).
+static void add_case(DT bt, DT yt, i64 rows, i64 brows, i64 d, bool affine, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-2, 2);
+  const i64 n = rows * d;
+  Buf a(F32, n), b(bt, brows * d), w(F32, d), bias(F32, d), sum(F32, n), y(yt, n);
+  for (i64 i = 0; i < n; ++i) a.set(i, u(rng));
+  for (i64 i = 0; i < brows * d; ++i) b.set(i, u(rng));
+  for (i64 k = 0; k < d; ++k) {
+    w.set(k, u(rng));
+    bias.set(k, u(rng));
+  }
+  const double eps = 1e-5;
+  std::vector<double> rs(n), ry(n);
+  for (i64 r = 0; r < rows; ++r) {
+    double m = 0, q = 0;
+    for (i64 k = 0; k < d; ++k) {
+      rs[r * d + k] = (float)(a.get(r * d + k) + b.get((r % brows) * d + k));
+      m += rs[r * d + k];
+    }
+    m /= d;
+    for (i64 k = 0; k < d; ++k) q += (rs[r * d + k] - m) * (rs[r * d + k] - m);
+    const double rstd = 1 / std::sqrt(q / d + eps);
+    for (i64 k = 0; k < d; ++k) {
+      double v = (rs[r * d + k] - m) * rstd;
+      if (affine) v = v * w.get(k) + bias.get(k);
+      ry[r * d + k] = v;
+    }
+  }
+  const unsigned rbx = d <= 256 ? 32 : d <= 1024 ? 128 : d <= 2048 ? 256 : 512;
+  const unsigned rby = d <= 256 ? 8 : d <= 1024 ? 2 : 1;
+  float* wp = affine ? (float*)w.p : nullptr;
+  float* bp = affine ? (float*)bias.p : nullptr;
+  emu_launch3({(unsigned)std::min<i64>((rows + rby - 1) / rby, 64), 1, 1}, {rbx, rby, 1}, [&] {
+    if (bt == F32 && yt == F32) add_layer_norm_f32_f32((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps);
+    if (bt == F32 && yt == BF16) add_layer_norm_f32_bf16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps);
+    if (bt == F32 && yt == F16) add_layer_norm_f32_f16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps);
+    if (bt == BF16 && yt == F32) add_layer_norm_bf16_f32((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps);
+    if (bt == BF16 && yt == BF16) add_layer_norm_bf16_bf16((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps);
+    if (bt == F16 && yt == F16) add_layer_norm_f16_f16((float*)a.p, (f16*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps);
+  });
+  const double ulp = yt == F32 ? 1.0 / (1 << 22) : yt == BF16 ? 1.0 / (1 << 8) : 1.0 / (1 << 11);
+  std::string name = std::string("add_layer_norm b=") + dtName[bt] + " y=" + dtName[yt] + " rows=" + std::to_string(rows) +
+                     " brows=" + std::to_string(brows) + " d=" + std::to_string(d) + (affine ? " w" : " no-w");
+  std::vector<float> gs(n), gy(n);
+  for (i64 i = 0; i < n; ++i) {
+    gs[i] = sum.get(i);
+    gy[i] = y.get(i);
+    if (gs[i] != (float)rs[i]) {
+      if (fails++ < 20) printf("FAIL %s: s[%lld] = %g, want %g exactly\n", name.c_str(), (long long)i, gs[i], rs[i]);
+    }
+  }
+  check("y", name, ry, gy, ulp, 1e-6);
+}
+
 int main() {
   std::mt19937 rng(2026);
   struct Shape {
@@ -179,6 +237,12 @@ int main() {
       }
   run_case(F32, 20, 96, true, 512, true, false, rng);   // dw only
   run_case(BF16, 20, 96, true, 512, false, true, rng);  // db only
+  // The add and its layer norm: rows kept in registers (d ≤ 8·bx) and
+  // read back (d = 9000), b broadcast (brows < rows) or not.
+  const i64 addShapes[][3] = {{5, 5, 64}, {12, 4, 768}, {7, 7, 33}, {3, 1, 9000}, {16, 8, 1024}};
+  const DT addTypes[][2] = {{F32, F32}, {F32, BF16}, {F32, F16}, {BF16, F32}, {BF16, BF16}, {F16, F16}};
+  for (const auto& sh : addShapes)
+    for (const auto& ty : addTypes) add_case(ty[0], ty[1], sh[0], sh[1], sh[2], sh[0] != 7, rng);
   printf("%d failures\n", fails);
   return fails != 0;
 }

@@ -83,6 +83,62 @@ FOR_FLOATS(K)
 FOR_HALVES(K)
 #undef K
 
+// add_layer_norm_body: s = a + b (float32; b's row row % brows, so a b of
+// fewer rows is broadcast over a's), then y = layer_norm(s) as
+// layer_norm_body computes it from the float32 s, both per row, the row
+// kept in registers between the two when it fits. Each thread reads back
+// only elements it wrote itself, so the row group needs no barrier.
+template <bool C, typename TB, typename TY>
+__device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
+                                                    const TB* __restrict__ b, i64 brows,
+                                                    const float* __restrict__ w,
+                                                    const float* __restrict__ bias,
+                                                    float* __restrict__ s, TY* __restrict__ y,
+                                                    i64 rows, i64 d, double eps) {
+  __shared__ double sd[32];
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < rows;
+    const i64 off = row * d;
+    const TB* pb = b + (live ? row % brows : 0) * d;
+    float v[ROW_VPT];
+    if (live)
+      row_each<C>(d, [&](i64 k, int u) {
+        const float t = a[off + k] + (float)pb[k];
+        s[off + k] = t;
+        if (C) v[u] = t;
+      });
+    auto at = [&](i64 k, int u) { return C ? v[u] : s[off + k]; };
+    double mean, rstd;
+    row_stats<C>(at, d, live, eps, sd, &mean, &rstd);
+    if (!live) continue;
+    TY* q = y + off;
+    row_each<C>(d, [&](i64 k, int u) {
+      double r = ((double)at(k, u) - mean) * rstd;
+      if (w) r *= (double)w[k];
+      if (bias) r += (double)bias[k];
+      q[k] = (float)r;
+    });
+  }
+}
+
+// add_layer_norm_<b>_<y>: an add of float32 a [rows, d] and b [brows, d]
+// (brows dividing rows) into float32 s, and the layer norm of s with
+// float32 w and bias ([d] or null) into y: the add and its companion
+// layer norm (graph.AddLayerNormProducer) in one pass. Row layout as
+// layer_norm_*.
+#define K2(TB, SX, TY, SY)                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024) add_layer_norm_##SX##_##SY(              \
+      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,    \
+      TY* y, i64 rows, i64 d, double eps) {                                                   \
+    if (row_fits(d)) add_layer_norm_body<true>(a, b, brows, w, bias, s, y, rows, d, eps);     \
+    else add_layer_norm_body<false>(a, b, brows, w, bias, s, y, rows, d, eps);                \
+  }
+#define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
+FOR_FLOATS(K)
+#undef K
+#undef K2
+
 template <bool C, typename T>
 __device__ __forceinline__ void layer_norm_grad_x_body(const T* __restrict__ g,
                                                        const T* __restrict__ x,
