@@ -16,9 +16,10 @@ import (
 func TestAddLayerNormProducer(t *testing.T) {
 	b := gelus{t, graph.New()}
 	ln := graph.Attrs{NormDims: 1, Eps: 1e-5}
-	w, bias := b.in(graph.Float32, false, 8), b.in(graph.Float32, false, 8)
+	w := b.in(graph.Float32, false, 8)
 	x, h := b.in(graph.Float32, true, 2, 4, 8), b.in(graph.BFloat16, true, 2, 4, 8)
 	res := b.node(graph.OpAdd, graph.Attrs{}, x, h)
+	bias := b.in(graph.Float32, false, 8) // a parameter made after the add, as nn.LayerNorm's are
 	norm := b.node(graph.OpLayerNorm, ln, res, w, bias)
 	assert.Equal(t, res, graph.AddLayerNormProducer(b.g, norm))
 	assert.Equal(t, res, graph.CompanionProducer(b.g, norm))

@@ -51,8 +51,8 @@ func CompanionProducer(g *Graph, m int) int {
 // and a float value broadcast over whole rows (a shape that ends the
 // add's and spans m's normalised dims: a transformer's residual stream
 // plus a block's output, or the token plus the position embedding), and
-// m's weight and bias are float32 values made before the add; −1
-// otherwise. The add's kernel then normalises each row it has just
+// m's weight and bias are float32 parameters or values made before the
+// add; −1 otherwise. The add's kernel then normalises each row it has just
 // summed, in registers, instead of the layer norm reading it back.
 func AddLayerNormProducer(g *Graph, m int) int {
 	if m < 0 || m >= g.Len() {
@@ -68,7 +68,9 @@ func AddLayerNormProducer(g *Graph, m int) int {
 		return -1
 	}
 	for _, in := range n.Inputs[1:] {
-		if in >= p || g.Node(in).Type.DType != Float32 {
+		// A parameter is on the device from the step's start; a computed
+		// weight must exist when the add runs.
+		if w := g.Node(in); w.Type.DType != Float32 || in >= p && w.Op != OpParam {
 			return -1
 		}
 	}

@@ -66,6 +66,18 @@ func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 			}
 			assert.Equal(t, 2*cfg.Layers+1, lns)
 			assert.True(t, slices.ContainsFunc(p.NextCompanion, func(m int) bool { return m >= 0 }))
+			// Every forward layer norm reads an add (the embeddings, then
+			// the residual stream) and is that add's companion.
+			norms := 0
+			for id := range g.Len() {
+				if nd := g.Node(id); nd.Op == graph.OpLayerNorm {
+					norms++
+					add := nd.Inputs[0]
+					assert.Equal(t, graph.OpAdd, g.Node(add).Op, "layer norm %d", id)
+					assert.Equal(t, []int{id}, slices.Collect(p.Companions(add)), "layer norm %d", id)
+				}
+			}
+			assert.Equal(t, 2*cfg.Layers+1, norms)
 		})
 	}
 }

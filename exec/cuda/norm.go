@@ -1,9 +1,10 @@
 package cuda
 
 import (
-	"slices"
-
 	"math"
+	"os"
+	"slices"
+	"sync"
 	"sync/atomic"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -400,7 +401,7 @@ func addLayerNormKernels() []string {
 // else leaves the add and the layer norm to their own kernels.
 func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 	ln := k.companionWith(graph.OpLayerNorm)
-	if ln.v == nil || len(ln.in) < 1 || ln.in[0].p != s.p || s.dt != graph.Float32 {
+	if ln.v == nil || noAddLayerNorm() || len(ln.in) < 1 || ln.in[0].p != s.p || s.dt != graph.Float32 {
 		return false, nil
 	}
 	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) {
@@ -431,3 +432,8 @@ func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 // addLayerNorms counts the adds that normalised their result too (tests
 // read it).
 var addLayerNorms atomic.Int64
+
+// noAddLayerNorm reports BATCHFIT_ADD_LAYER_NORM=0, which runs the add and
+// its layer norm as two kernels again (a diagnostic switch: the fused pass
+// is on by default).
+var noAddLayerNorm = sync.OnceValue(func() bool { return os.Getenv("BATCHFIT_ADD_LAYER_NORM") == "0" })
