@@ -60,6 +60,12 @@ func (rs *Residents[V]) List() []*Resident[V] { return rs.list }
 // Yielded reports whether the resident buffers are given back.
 func (rs *Residents[V]) Yielded() bool { return rs.yielded }
 
+// HoldsConstants reports whether a resident is a constant's: without one,
+// ReleaseUnread has nothing to free.
+func (rs *Residents[V]) HoldsConstants() bool {
+	return slices.ContainsFunc(rs.list, func(rb *Resident[V]) bool { return rb.konst })
+}
+
 // keep records a persistent buffer just allocated and filled.
 func (rs *Residents[V]) keep(k ResidentKey, pb planner.Buffer, blk *alloc.Block, v V, konst bool) {
 	if rs.byKey == nil {
@@ -151,8 +157,8 @@ func (rs *Residents[V]) Held() []Held {
 // allocating the remaining residents in order on an empty device leaves,
 // which is what the planner simulates.
 func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, save, load func(*Resident[V]) error) (bool, error) {
-	if !slices.ContainsFunc(rs.list, func(rb *Resident[V]) bool { return rb.konst }) {
-		return false, nil // no constants: nothing to look up (every training step asks)
+	if !rs.HoldsConstants() {
+		return false, nil // nothing to look up (every training step asks)
 	}
 	read := map[ResidentKey]bool{}
 	for _, bi := range p.Persistent {
