@@ -136,6 +136,14 @@ func TestGraphAppend(t *testing.T) {
 		assert.ErrorIs(t, err, graph.ErrArity, "%s %v", n.Op, n.Inputs)
 	}
 	assert.Equal(t, 2, g.Len())
+	// A rejected node leaves nothing behind: the next one takes its id.
+	g.PushScope("head")
+	c, err := g.Append(graph.Node{Op: graph.OpRelu, Inputs: []int{b}})
+	require.NoError(t, err)
+	assert.Equal(t, 2, c)
+	assert.Equal(t, "head", g.Node(c).Scope)
+	assert.Equal(t, f, g.Node(c).Type)
+	assert.Len(t, g.Nodes(), 3)
 }
 
 func TestSetBatch(t *testing.T) {
