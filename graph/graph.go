@@ -64,6 +64,7 @@ type Graph struct {
 	// scopes is the module scope stack, each entry the dotted path down
 	// to it, so Append need not join the path for every node.
 	scopes []string
+	in     []Type // typeOf's scratch: the input types of the node it types
 }
 
 // New returns an empty graph.
@@ -136,10 +137,11 @@ func (g *Graph) typeOf(n *Node) (Type, error) {
 	if n.Op < numOps && n.Op != OpInvalid && n.Op.Category() == CatSource {
 		return g.sourceType(n.Type, n.Op)
 	}
-	in := make([]Type, len(n.Inputs))
-	for i, id := range n.Inputs {
-		in[i] = g.nodes[id].Type
+	in := g.in[:0]
+	for _, id := range n.Inputs {
+		in = append(in, g.nodes[id].Type)
 	}
+	g.in = in
 	t, err := n.Op.Rule(&n.Attrs, in, g.batch)
 	if err != nil {
 		return Type{}, err

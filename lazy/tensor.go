@@ -28,6 +28,10 @@ type Graph struct {
 	// other scopes. Ops made inside an internal module take it instead of
 	// walking the stack again.
 	scopeSites []string
+	// precheck's scratch: the input types and attributes it passes to a
+	// shape rule, kept so that each call allocates neither.
+	types []graph.Type
+	attrs graph.Attrs
 }
 
 // StepUpdate is a value a training step of its graph computes alongside
@@ -588,11 +592,12 @@ func (g *Graph) precheck(op graph.Op, attrs graph.Attrs, inputs []*Tensor) error
 	if !fresh {
 		return nil
 	}
-	types := make([]graph.Type, len(inputs))
-	for i, in := range inputs {
-		types[i] = in.typ()
+	types := g.types[:0]
+	for _, in := range inputs {
+		types = append(types, in.typ())
 	}
-	_, err := op.Rule(&attrs, types, g.ir.Batch())
+	g.types, g.attrs = types, attrs
+	_, err := op.Rule(&g.attrs, types, g.ir.Batch())
 	return err
 }
 
