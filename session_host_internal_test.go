@@ -88,12 +88,15 @@ func TestPlanResidentsInOrderAndNot(t *testing.T) {
 	}
 	p, held := sess.LastProgram(), sess.be.Held()
 	require.Len(t, held, len(p.Persistent), "a steady loop holds the persistent buffers")
+	require.True(t, exec.HoldsExactly(p, held), "a steady loop's device, which plans as a fresh one")
 	inOrder := exec.PlanResidents(p, held)
 	for i, h := range inOrder {
 		require.Equal(t, p.Persistent[i], h.Buffer, "resident %d", i)
 	}
 	reversed := slices.Clone(held)
 	slices.Reverse(reversed)
+	require.False(t, exec.HoldsExactly(p, reversed))
+	require.False(t, exec.HoldsExactly(p, held[1:]))
 	byKey := exec.PlanResidents(p, reversed)
 	slices.Reverse(byKey)
 	require.Equal(t, inOrder, byKey)
