@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -125,7 +126,12 @@ type Options struct {
 // So is a training step's graph (the precision pass and the backward
 // pass): a loop that builds the same forward graph every step gets it
 // differentiated once and reused with each step's data and random seeds
-// (StepGraphHits).
+// (StepGraphHits). A cached entry keeps the structure of the graph it was
+// made for (no data) and serves only a graph equal to it
+// (graph.SameSignature), so two graphs whose signatures collide never
+// share one; a steady loop's step is found by comparing its forward graph
+// with the latest step's, without hashing it, and runs that step's program
+// and plan.
 //
 // Between runs the executor keeps residents on the device: parameters,
 // optimizer state and constants, in the order first allocated. Every run
@@ -143,7 +149,7 @@ type Session struct {
 	plans  planner.Cache
 
 	mu       sync.Mutex
-	programs lru.Cache[programKey, *planner.Program] // without their graphs
+	programs lru.Cache[programKey, programEntry] // without their graphs' data
 	hits     int
 	last     *planner.Plan
 	lastProg *planner.Program
@@ -152,6 +158,13 @@ type Session struct {
 	steps    lru.Cache[stepKey, *stepTemplate]
 	stepHits int
 	lastRe   Recomputed
+	// latest is the template of the latest training step: a steady loop's
+	// next forward graph is compared with its forward graph, field by
+	// field, instead of being hashed.
+	latest *stepTemplate
+	// checked is the parameter list (and each one's data) the latest step
+	// found distinct, so a loop passing the same list is not checked again.
+	checked []checkedParam
 
 	hostTime time.Duration // the latest step's, StepHostTime
 
@@ -167,10 +180,40 @@ type chosenKey struct {
 	held   string
 }
 
-// chosen is a search's answer, without its programs.
+// chosen is a search's answer, without its programs, and the structure
+// of the graph it was searched for (without data), which a hit on its key
+// must match.
 type chosen struct {
 	name string
 	set  []int
+	g    *graph.Graph
+}
+
+// programEntry is a cached program (holding no graph) and the structure of
+// the graph it was compiled from (no data): a hit on the signature is used
+// only when the graph matches it exactly (graph.SameSignature), so a
+// signature collision compiles anew instead of running another graph's
+// program.
+type programEntry struct {
+	p *planner.Program
+	g *graph.Graph
+}
+
+// structure is g without its nodes' data, for a cache to compare later
+// graphs with: a copy of its node list, sharing the nodes' slices.
+func structure(g *graph.Graph) *graph.Graph {
+	c := g.Clone()
+	for i := range c.Len() {
+		c.Node(i).Value = nil
+	}
+	return c
+}
+
+// checkedParam is a parameter of a list distinctParams accepted, with its
+// data then.
+type checkedParam struct {
+	t *lazy.Tensor
+	v tensor.Tensor
 }
 
 // Recomputed describes the recompute choice of the latest Step.
@@ -221,6 +264,19 @@ func randomSeeds(g *graph.Graph) uint64 {
 type stepTemplate struct {
 	st      precision.Step // st.Graph without the step's data
 	sources []int          // the forward graph's source nodes
+	// key is the template's key in Session.steps; fwd is the forward graph
+	// it was made from, without data, which a step's forward graph must
+	// match exactly (graph.SameSignature, and the random seeds unless
+	// seedsKnown) to use the template, with loss, wrt and scaled.
+	key    stepKey
+	fwd    *graph.Graph
+	loss   int
+	wrt    []int
+	scaled bool
+	// prog is the program compiled for st.Graph with the outputs of its
+	// latest step (guarded by Session.mu): the next step with the same
+	// outputs runs it without a cache key.
+	prog *programMemo
 	// seeded pairs each node of st.Graph with a Seed or Counter with the
 	// forward node it has them from; valid when seedsKnown.
 	seeded     [][2]int
@@ -239,9 +295,42 @@ type stepTemplate struct {
 	busy bool
 }
 
-// newTemplate keeps st without fwd's data.
+// programMemo is a step template's program and what it was compiled for.
+type programMemo struct {
+	p                      *planner.Program
+	outputs, kept, trained []int
+	slots                  int
+	unscale                bool
+}
+
+func (m *programMemo) matches(outputs, kept, trained []int, slots int, unscale bool) bool {
+	return m != nil && m.slots == slots && m.unscale == unscale &&
+		slices.Equal(m.outputs, outputs) && slices.Equal(m.kept, kept) && slices.Equal(m.trained, trained)
+}
+
+// matches reports whether a step of forward graph fwd (loss, wrt, scaled
+// as stepKey's) is t's: fwd equals t's forward graph in everything its
+// signature covers, and in its random seeds unless t takes each step's.
+func (t *stepTemplate) matches(fwd *graph.Graph, loss int, wrt []int, scaled bool) bool {
+	if t.loss != loss || t.scaled != scaled || !slices.Equal(t.wrt, wrt) || !t.fwd.SameSignature(fwd) {
+		return false
+	}
+	if !t.seedsKnown {
+		for i := range fwd.Len() {
+			a, b := &fwd.Node(i).Attrs, &t.fwd.Node(i).Attrs
+			if a.Seed != b.Seed || a.Counter != b.Counter {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// newTemplate keeps st without the data of its step; fwd is the structure
+// of the step's forward graph as it was before the backward pass, which
+// the template keeps.
 func newTemplate(st *precision.Step, fwd *graph.Graph) *stepTemplate {
-	t := &stepTemplate{st: *st}
+	t := &stepTemplate{st: *st, fwd: fwd}
 	t.st.Graph = st.Graph.Clone()
 	t.sig = t.st.Graph.Signature()
 	seeds := map[[2]uint64]int{} // a forward node's (Seed, Counter) → its id; −1 when two share them
@@ -336,7 +425,7 @@ type programKey struct {
 // the session holds the error: Err returns it, and so does every Step,
 // Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
-	s := &Session{opts: opts, programs: lru.Cache[programKey, *planner.Program]{Max: planner.CacheSize},
+	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
 		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
 		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
@@ -540,34 +629,74 @@ func (s *Session) Yielded() bool { return s.be != nil && s.be.Yielded() }
 // program returns the compiled program of g for outputs, computing the
 // analysis and schedule once per graph signature (while it stays cached).
 // A loss-scaled step (unscale) gets the finish workspace of its flag.
-func (s *Session) program(g *graph.Graph, sig uint64, outputs, kept, trained []int, slots int, unscale bool) (*planner.Program, error) {
-	key := programKey{sig: signatureOf(g, sig), outputs: lru.Ints(outputs), kept: lru.Ints(kept),
+// With t, g is an instance of t's step graph: the program t compiled for
+// the same outputs is g's without a lookup, and t's signature is g's.
+// A hit on the signature runs only on a graph equal to the one compiled
+// (graph.SameSignature).
+func (s *Session) program(g *graph.Graph, t *stepTemplate, outputs, kept, trained []int, slots int, unscale bool) (*planner.Program, error) {
+	if t != nil {
+		s.mu.Lock()
+		if m := t.prog; m.matches(outputs, kept, trained, slots, unscale) {
+			s.hits++
+			s.mu.Unlock()
+			return m.p.Rebind(g), nil
+		}
+		s.mu.Unlock()
+	}
+	key := programKey{sig: signatureOf(g, t), outputs: lru.Ints(outputs), kept: lru.Ints(kept),
 		trained: lru.Ints(trained), slots: slots, unscale: unscale}
+	like := structureOf(g, t)
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if p, ok := s.programs.Get(key); ok {
+	e, ok := s.programs.Get(key)
+	s.mu.Unlock()
+	var p *planner.Program
+	if ok && (like != nil && e.g == like || e.g.SameSignature(g)) {
+		p = e.p.Rebind(g)
+		s.mu.Lock()
 		s.hits++
-		return p.Rebind(g), nil
+		s.mu.Unlock()
+	} else {
+		info, err := shapeinfer.Analyze(g, outputs...)
+		if err != nil {
+			return nil, err
+		}
+		if p, err = planner.Compile(g, info, outputs, s.compileOptions(kept, trained, slots, unscale)); err != nil {
+			return nil, err
+		}
+		if like == nil {
+			like = structure(g)
+		}
+		// The cache keeps the schedule, not the graph: its nodes hold the
+		// step's data (inputs, constants), which must not outlive the step.
+		s.mu.Lock()
+		s.programs.Put(key, programEntry{p: p.Rebind(nil), g: like})
+		s.mu.Unlock()
 	}
-	info, err := shapeinfer.Analyze(g, outputs...)
-	if err != nil {
-		return nil, err
+	if t != nil {
+		m := &programMemo{p: p.Rebind(nil), outputs: slices.Clone(outputs), kept: slices.Clone(kept),
+			trained: slices.Clone(trained), slots: slots, unscale: unscale}
+		s.mu.Lock()
+		t.prog = m
+		s.mu.Unlock()
 	}
-	p, err := planner.Compile(g, info, outputs, s.compileOptions(kept, trained, slots, unscale))
-	if err != nil {
-		return nil, err
-	}
-	// The cache keeps the schedule, not the graph: its nodes hold the
-	// step's data (inputs, constants), which must not outlive the step.
-	s.programs.Put(key, p.Rebind(nil))
 	return p, nil
 }
 
-// signatureOf is g's signature: sig when the caller knows it (a step
-// template's), computed otherwise (sig 0).
-func signatureOf(g *graph.Graph, sig uint64) uint64 {
-	if sig != 0 {
-		return sig
+// structureOf is the structure of g that a cache keeps and compares hits
+// with: t's step graph (no data) when g is its instance, nil otherwise
+// (structure(g) then, for an entry to keep).
+func structureOf(g *graph.Graph, t *stepTemplate) *graph.Graph {
+	if t != nil {
+		return t.st.Graph
+	}
+	return nil
+}
+
+// signatureOf is g's signature: t's when g is an instance of t's step
+// graph, computed otherwise (t nil).
+func signatureOf(g *graph.Graph, t *stepTemplate) uint64 {
+	if t != nil {
+		return t.sig
 	}
 	return g.Signature()
 }
@@ -605,7 +734,12 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 	if err != nil {
 		return nil, false, err
 	}
-	held := exec.PlanResidents(p, s.be.Held())
+	// A steady loop's device holds exactly p's persistent buffers, which a
+	// plan treats as it treats no residents: nothing to describe.
+	var held []planner.Held
+	if h := s.be.Held(); !exec.HoldsExactly(p, h) {
+		held = exec.PlanResidents(p, h)
+	}
 	s.mu.Lock()
 	prev := s.last
 	s.mu.Unlock()
@@ -694,11 +828,11 @@ func (s *Session) LastRecompute() Recomputed {
 // device), then the step's updates (lazy.Graph.OnStep). Searches
 // are cached by step, budget and residents; the transformed program is
 // cached like any program, by its graph's signature. unscale marks a
-// loss-scaled step (Session.program).
-func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
+// loss-scaled step, and t is g's step template (Session.program).
+func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	plain := func() (*planner.Program, Recomputed, error) {
-		p, err := s.program(g, sig, ids, ids[1:1+len(trained)], trained, slots, unscale)
+		p, err := s.program(g, t, ids, ids[1:1+len(trained)], trained, slots, unscale)
 		return p, none, err
 	}
 	var ch chosen
@@ -709,7 +843,7 @@ func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trai
 		if !ok {
 			return plain()
 		}
-		return s.transformed(g, sig, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set})
+		return s.transformed(g, t, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set})
 	default:
 		return plain()
 	}
@@ -718,11 +852,13 @@ func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trai
 		return nil, none, err
 	}
 	held := s.be.Held()
-	key := chosenKey{programKey: programKey{sig: signatureOf(g, sig), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
+	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
 		budget: budget, held: fmt.Sprint(held)}
+	like := structureOf(g, t)
 	s.mu.Lock()
 	ch, ok := s.chosen.Get(key)
 	s.mu.Unlock()
+	ok = ok && (like != nil && ch.g == like || ch.g.SameSignature(g)) // a signature collision searches anew
 	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:1+len(trained)], trained, slots, unscale)}
 	if !ok {
 		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32 || s.policy.TF32(),
@@ -731,22 +867,26 @@ func (s *Session) recomputed(g *graph.Graph, sig uint64, boundary int, ids, trai
 		if err != nil {
 			return nil, none, err
 		}
+		ch = chosen{g: like}
 		if res.Best != nil { // otherwise the plain plan's error tells why
-			ch = chosen{name: res.Best.Name, set: res.Best.Recompute}
+			ch.name, ch.set = res.Best.Name, res.Best.Recompute
+		}
+		if ch.g == nil {
+			ch.g = structure(g)
 		}
 		s.mu.Lock()
 		s.chosen.Put(key, ch)
 		s.mu.Unlock()
 	}
-	return s.transformed(g, sig, boundary, ids, trained, slots, unscale, ch)
+	return s.transformed(g, t, boundary, ids, trained, slots, unscale, ch)
 }
 
 // transformed compiles g with ch's forward nodes recomputed (the plain
 // program when ch recomputes nothing).
-func (s *Session) transformed(g *graph.Graph, sig uint64, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
+func (s *Session) transformed(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
 	none := Recomputed{Strategy: "none"}
 	if len(ch.set) == 0 {
-		p, err := s.program(g, sig, ids, ids[1:1+len(trained)], trained, slots, unscale)
+		p, err := s.program(g, t, ids, ids[1:1+len(trained)], trained, slots, unscale)
 		return p, none, err
 	}
 	mark := make([]bool, boundary)
@@ -764,7 +904,7 @@ func (s *Session) transformed(g *graph.Graph, sig uint64, boundary int, ids, tra
 	for i, id := range trained {
 		trained2[i] = remap[id]
 	}
-	p, err := s.program(g2, 0, ids2, ids2[1:1+len(trained2)], trained2, slots, unscale)
+	p, err := s.program(g2, nil, ids2, ids2[1:1+len(trained2)], trained2, slots, unscale)
 	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
 }
 
@@ -814,7 +954,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 			ids[i] = m[id]
 		}
 	}
-	p, err := s.program(ir, 0, ids, nil, nil, 0, false)
+	p, err := s.program(ir, nil, ids, nil, nil, 0, false)
 	if err != nil {
 		return nil, err
 	}
@@ -878,7 +1018,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	if opt == nil {
 		return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
-	if err := distinctParams(params); err != nil {
+	if err := s.distinctParams(params); err != nil {
 		return 0, err
 	}
 	var (
@@ -890,7 +1030,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 		scale, data = s.scaler.Scale(), s.scaler.Data()
 		s.mu.Unlock()
 	}
-	st, sig, release, err := s.backward(loss, params, data)
+	st, tmpl, release, err := s.backward(loss, params, data)
 	if err != nil {
 		return 0, err
 	}
@@ -899,8 +1039,10 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	// like PyTorch's parameters whose grad is None, it is not updated (no
 	// weight decay, no momentum) and gets no optimizer state.
 	ir := st.Graph
-	ids := []int{st.Loss}
-	var trained []int
+	updates := loss.Graph().StepUpdates()
+	ids := make([]int, 1, 1+len(params)+len(updates))
+	ids[0] = st.Loss
+	trained := make([]int, 0, len(params))
 	for i, p := range params {
 		id := st.Params[i]
 		if dt := ir.Node(id).Type.DType; dt != graph.Float32 {
@@ -918,7 +1060,6 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	}
 	// The graph's step updates are outputs after the gradients: forward
 	// nodes, which st.IDs maps into the step's graph.
-	updates := loss.Graph().StepUpdates()
 	first := len(ids)
 	for i, u := range updates {
 		id := u.Value.ID()
@@ -935,7 +1076,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	if !unscale {
 		scale = 0
 	}
-	prog, re, err := s.recomputed(ir, sig, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
+	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
 		return 0, err
 	}
@@ -963,6 +1104,31 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 		}
 	}
 	return l, errors.Join(errs...)
+}
+
+// distinctParams is distinctParams of params, or nil at once when params
+// and their data are the list the latest step found distinct.
+func (s *Session) distinctParams(params []*lazy.Tensor) error {
+	s.mu.Lock()
+	same := len(s.checked) == len(params)
+	for i := 0; same && i < len(params); i++ {
+		same = s.checked[i].t == params[i] && s.checked[i].v == params[i].Value()
+	}
+	s.mu.Unlock()
+	if same {
+		return nil
+	}
+	if err := distinctParams(params); err != nil {
+		return err
+	}
+	checked := make([]checkedParam, len(params))
+	for i, p := range params {
+		checked[i] = checkedParam{t: p, v: p.Value()}
+	}
+	s.mu.Lock()
+	s.checked = checked
+	s.mu.Unlock()
+	return nil
 }
 
 // distinctParams refuses a parameter listed twice, as the same tensor or
@@ -996,30 +1162,49 @@ func distinctParams(params []*lazy.Tensor) error {
 // (precision.TrainWith), which leaves the caller's graph as it was. With
 // scale (the loss scale's data, only under a mixed policy) the backward
 // pass starts from the loss times that constant. It also returns the step
-// graph's signature, which its step template holds, and a release to call
-// once the step no longer runs its graph (a template's instance is then
-// free for the next step).
-func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, uint64, func(), error) {
+// graph's template (whose signature is the step graph's), and a release to
+// call once the step no longer runs its graph (a template's instance is
+// then free for the next step).
+func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tensor.Dense) (*precision.Step, *stepTemplate, func(), error) {
 	g, err := sameGraph("step", []*lazy.Tensor{loss})
 	if err != nil {
-		return nil, 0, nil, err
+		return nil, nil, nil, err
 	}
 	wrt, err := lazy.ParamIDs(loss, params...) // binds free parameters, as Grad would
 	if err != nil {
-		return nil, 0, nil, err
+		return nil, nil, nil, err
 	}
 	fwd := g.IR()
-	key := stepKey{sig: fwd.Signature(), loss: loss.ID(), wrt: lru.Ints(wrt), scaled: scale != nil}
-	seeded := key
-	seeded.seeds = randomSeeds(fwd)
-	var inst *graph.Graph // t's instance when this step takes it
+	scaled := scale != nil
+	// A steady loop's step is the latest step's: compared exactly, field
+	// by field, it needs no hash. Any other is looked up by signature, and
+	// a hit is compared too, so a collision is a miss.
 	s.mu.Lock()
-	t, ok := s.steps.Get(key) // a template taking each step's seeds
+	t := s.latest
+	s.mu.Unlock()
+	ok := t != nil && !s.stepCacheOff && t.matches(fwd, loss.ID(), wrt, scaled)
+	var (
+		key   stepKey
+		seeds uint64
+	)
 	if !ok {
-		t, ok = s.steps.Get(seeded)
+		key = stepKey{sig: fwd.Signature(), loss: loss.ID(), wrt: lru.Ints(wrt), scaled: scaled}
+		seeds = randomSeeds(fwd)
+		seeded := key
+		seeded.seeds = seeds
+		s.mu.Lock()
+		t, ok = s.steps.Get(key) // a template taking each step's seeds
+		if !ok {
+			t, ok = s.steps.Get(seeded)
+		}
+		s.mu.Unlock()
+		ok = ok && !s.stepCacheOff && t.matches(fwd, loss.ID(), wrt, scaled)
 	}
-	ok = ok && !s.stepCacheOff
 	if ok {
+		var inst *graph.Graph // t's instance when this step takes it
+		s.mu.Lock()
+		s.steps.Get(t.key) // marks it used
+		s.latest = t
 		s.stepHits++
 		if !t.busy {
 			t.busy = true
@@ -1028,9 +1213,7 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 			}
 			inst = t.inst
 		}
-	}
-	s.mu.Unlock()
-	if ok {
+		s.mu.Unlock()
 		var data tensor.Tensor
 		if scale != nil {
 			data = scale
@@ -1046,20 +1229,23 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		} else {
 			g = t.st.Graph.Clone()
 		}
-		return t.instantiate(g, fwd, data), t.sig, release, nil
+		return t.instantiate(g, fwd, data), t, release, nil
 	}
+	pre := structure(fwd) // before the backward pass, which fp32 appends to it
 	st, err := s.differentiate(loss, params, wrt, scale)
 	if err != nil {
-		return nil, 0, nil, err
+		return nil, nil, nil, err
 	}
-	t = newTemplate(st, fwd)
+	t = newTemplate(st, pre)
 	if !t.seedsKnown {
-		key = seeded
+		key.seeds = seeds
 	}
+	t.key, t.loss, t.wrt, t.scaled = key, loss.ID(), wrt, scaled
 	s.mu.Lock()
 	s.steps.Put(key, t)
+	s.latest = t
 	s.mu.Unlock()
-	return st, t.sig, func() {}, nil
+	return st, t, func() {}, nil
 }
 
 // differentiate builds a training step's graph: under a mixed policy or

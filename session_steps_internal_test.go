@@ -78,10 +78,10 @@ func TestStepTemplatesReuseTheGraphWithEachStepsData(t *testing.T) {
 				// agree (the data and seeds an instance patches in are not
 				// part of a signature).
 				loss, params := cm.Build(crng, 8)
-				st, sig, release, err := cached.backward(loss, params, nil)
+				st, tmpl, release, err := cached.backward(loss, params, nil)
 				require.NoError(t, err)
 				defer release()
-				require.Equal(t, st.Graph.Signature(), sig, "the template's signature is its instances'")
+				require.Equal(t, st.Graph.Signature(), tmpl.sig, "the template's signature is its instances'")
 				require.Zero(t, fresh.StepGraphHits())
 				if prec == "fp16-mixed" {
 					require.Positive(t, cached.LossScale().Skipped, "the first steps overflow")

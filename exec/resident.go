@@ -60,6 +60,12 @@ func (rs *Residents[V]) List() []*Resident[V] { return rs.list }
 // Yielded reports whether the resident buffers are given back.
 func (rs *Residents[V]) Yielded() bool { return rs.yielded }
 
+// HoldsConstants reports whether a resident is a constant's: without one,
+// ReleaseUnread has nothing to free.
+func (rs *Residents[V]) HoldsConstants() bool {
+	return slices.ContainsFunc(rs.list, func(rb *Resident[V]) bool { return rb.konst })
+}
+
 // keep records a persistent buffer just allocated and filled.
 func (rs *Residents[V]) keep(k ResidentKey, pb planner.Buffer, blk *alloc.Block, v V, konst bool) {
 	if rs.byKey == nil {
@@ -151,8 +157,8 @@ func (rs *Residents[V]) Held() []Held {
 // allocating the remaining residents in order on an empty device leaves,
 // which is what the planner simulates.
 func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, save, load func(*Resident[V]) error) (bool, error) {
-	if !slices.ContainsFunc(rs.list, func(rb *Resident[V]) bool { return rb.konst }) {
-		return false, nil // no constants: nothing to look up (every training step asks)
+	if !rs.HoldsConstants() {
+		return false, nil // nothing to look up (every training step asks)
 	}
 	read := map[ResidentKey]bool{}
 	for _, bi := range p.Persistent {
@@ -264,29 +270,39 @@ func keyOf(b planner.Buffer, t tensor.Tensor) ResidentKey {
 	return ResidentKey{data: t, kind: b.Kind, slot: b.Slot}
 }
 
+// HoldsExactly reports whether held, an executor's residents in
+// allocation order, are exactly p's persistent buffers in p's order, each
+// with its key (the residents' keys are distinct, so the persistent
+// buffers' are too): a steady training loop's device. PlanResidents then
+// lists each resident as the persistent buffer at its index, which a plan
+// treats as a fresh device that has run p once, as it treats no residents
+// at all, so a caller may plan with none.
+func HoldsExactly(p *planner.Program, held []Held) bool {
+	if len(held) != len(p.Persistent) {
+		return false
+	}
+	for i, bi := range p.Persistent {
+		b, h := &p.Buffers[bi], &held[i]
+		t := p.Graph.Node(b.Node).Value
+		if t == nil || h.Key.data != t || h.Key.kind != b.Kind || h.Key.slot != b.Slot {
+			return false
+		}
+	}
+	return true
+}
+
 // PlanResidents describes held, an executor's residents in allocation
 // order, to the planner for program p: each stands for the persistent
 // buffer of p with its key (from the nodes' own values), if any.
 func PlanResidents(p *planner.Program, held []Held) []planner.Held {
 	out := make([]planner.Held, len(held))
 	// A steady loop holds exactly the program's persistent buffers, in the
-	// program's order: when every pair matches (the residents' keys are
-	// distinct, so the persistent buffers' are too) that is the answer,
-	// found without building a map.
-	if len(held) == len(p.Persistent) {
-		i := 0
-		for ; i < len(held); i++ {
-			bi := p.Persistent[i]
-			b, h := &p.Buffers[bi], &held[i]
-			t := p.Graph.Node(b.Node).Value
-			if t == nil || h.Key.data != t || h.Key.kind != b.Kind || h.Key.slot != b.Slot {
-				break
-			}
-			out[i] = planner.Held{Bytes: h.Bytes, Tag: h.Tag, Buffer: bi}
+	// program's order: that is the answer, found without building a map.
+	if HoldsExactly(p, held) {
+		for i, h := range held {
+			out[i] = planner.Held{Bytes: h.Bytes, Tag: h.Tag, Buffer: p.Persistent[i]}
 		}
-		if i == len(held) {
-			return out
-		}
+		return out
 	}
 	buf := map[ResidentKey]int{}
 	for _, bi := range p.Persistent {

@@ -2,7 +2,6 @@ package graph
 
 import (
 	"slices"
-	"strings"
 
 	"gorgonia.org/tensor"
 )
@@ -62,7 +61,10 @@ type Node struct {
 type Graph struct {
 	nodes []Node
 	batch int // N, the full batch size; 0 until a batched input is added
-	scope []string
+	// scopes is the module scope stack, each entry the dotted path down
+	// to it, so Append need not join the path for every node.
+	scopes []string
+	in     []Type // typeOf's scratch: the input types of the node it types
 }
 
 // New returns an empty graph.
@@ -110,17 +112,24 @@ func (g *Graph) Append(n Node) (int, error) {
 			return -1, Errorf(ErrArity, "%s: input id %d does not name a node", n.Op, in)
 		}
 	}
-	t, err := g.typeOf(&n)
+	// n is typed in place at the end of the list: passed by pointer to its
+	// op's rule, a local n would be moved to the heap, an allocation of
+	// the whole node for every Append. A rejected node is taken off again.
+	id := len(g.nodes)
+	g.nodes = append(g.nodes, n)
+	nd := &g.nodes[id]
+	t, err := g.typeOf(nd)
 	if err != nil {
+		g.nodes[id] = Node{}
+		g.nodes = g.nodes[:id]
 		return -1, err
 	}
-	n.Type = t
-	n.ID = len(g.nodes)
-	if n.Scope == "" {
-		n.Scope = g.Scope()
+	nd.Type = t
+	nd.ID = id
+	if nd.Scope == "" {
+		nd.Scope = g.Scope()
 	}
-	g.nodes = append(g.nodes, n)
-	return n.ID, nil
+	return id, nil
 }
 
 // typeOf runs n's source check or shape rule and the size check.
@@ -128,10 +137,11 @@ func (g *Graph) typeOf(n *Node) (Type, error) {
 	if n.Op < numOps && n.Op != OpInvalid && n.Op.Category() == CatSource {
 		return g.sourceType(n.Type, n.Op)
 	}
-	in := make([]Type, len(n.Inputs))
-	for i, id := range n.Inputs {
-		in[i] = g.nodes[id].Type
+	in := g.in[:0]
+	for _, id := range n.Inputs {
+		in = append(in, g.nodes[id].Type)
 	}
+	g.in = in
 	t, err := n.Op.Rule(&n.Attrs, in, g.batch)
 	if err != nil {
 		return Type{}, err
@@ -151,17 +161,28 @@ func sameType(a, b Type) bool {
 }
 
 // PushScope enters a module scope; nodes appended until PopScope carry it.
-func (g *Graph) PushScope(name string) { g.scope = append(g.scope, name) }
+func (g *Graph) PushScope(name string) {
+	path := name
+	if n := len(g.scopes); n > 0 {
+		path = g.scopes[n-1] + "." + name
+	}
+	g.scopes = append(g.scopes, path)
+}
 
 // PopScope leaves the innermost module scope.
 func (g *Graph) PopScope() {
-	if len(g.scope) > 0 {
-		g.scope = g.scope[:len(g.scope)-1]
+	if len(g.scopes) > 0 {
+		g.scopes = g.scopes[:len(g.scopes)-1]
 	}
 }
 
 // Scope is the current dotted module path.
-func (g *Graph) Scope() string { return strings.Join(g.scope, ".") }
+func (g *Graph) Scope() string {
+	if n := len(g.scopes); n > 0 {
+		return g.scopes[n-1]
+	}
+	return ""
+}
 
 // NodeNamed returns the id of the first node named name, or −1.
 func (g *Graph) NodeNamed(name string) int {

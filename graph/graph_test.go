@@ -2,6 +2,10 @@ package graph_test
 
 import (
 	"errors"
+	"math"
+	"reflect"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -132,6 +136,14 @@ func TestGraphAppend(t *testing.T) {
 		assert.ErrorIs(t, err, graph.ErrArity, "%s %v", n.Op, n.Inputs)
 	}
 	assert.Equal(t, 2, g.Len())
+	// A rejected node leaves nothing behind: the next one takes its id.
+	g.PushScope("head")
+	c, err := g.Append(graph.Node{Op: graph.OpRelu, Inputs: []int{b}})
+	require.NoError(t, err)
+	assert.Equal(t, 2, c)
+	assert.Equal(t, "head", g.Node(c).Scope)
+	assert.Equal(t, f, g.Node(c).Type)
+	assert.Len(t, g.Nodes(), 3)
 }
 
 func TestSetBatch(t *testing.T) {
@@ -216,4 +228,90 @@ func TestSignatureSeesEachField(t *testing.T) {
 func TestBatchNormAffine(t *testing.T) {
 	assert.Equal(t, 1, graph.BatchNormAffine(true))  // x, weight, bias
 	assert.Equal(t, 3, graph.BatchNormAffine(false)) // x, running_mean, running_var, weight, bias
+}
+
+// SameSignature compares exactly what Signature hashes: every field of a
+// node, its type and its attributes changes both, except those Signature
+// leaves out on purpose (the data, the random seeds, where and in which
+// module the node was made). A field added to Node, Type or Attrs fails
+// here until it is in both or listed as left out.
+func TestSameSignatureSeesWhatSignatureHashes(t *testing.T) {
+	leftOut := map[string]bool{"Node.ID": true, "Node.Scope": true, "Node.Site": true, "Node.Value": true,
+		"Attrs.Seed": true, "Attrs.Counter": true}
+	typ := graph.Type{Shape: []int{2, 3, 8, 8}, DType: graph.Float32, BatchAxis: 0, PerSample: 3 * 8 * 8}
+	base := graph.New()
+	x, err := base.Append(graph.Node{Op: graph.OpInput, Type: typ})
+	require.NoError(t, err)
+	w, err := base.Append(graph.Node{Op: graph.OpParam, Name: "w", Type: graph.Type{Shape: []int{4, 3, 3, 3}, DType: graph.Float32, BatchAxis: -1}})
+	require.NoError(t, err)
+	_, err = base.Append(graph.Node{Op: graph.OpConv2d, Inputs: []int{x, w},
+		Attrs: graph.Attrs{Stride: [2]int{1, 1}, Padding: [2]int{1, 1}, Dilation: [2]int{1, 1}, Groups: 1}})
+	require.NoError(t, err)
+	require.True(t, base.SameSignature(base.Clone()))
+
+	// change sets v to another value of its type; slices get new backing
+	// arrays, since clones share them.
+	var change func(v reflect.Value)
+	change = func(v reflect.Value) {
+		switch v.Kind() {
+		case reflect.Int, reflect.Int64, reflect.Int32, reflect.Int16, reflect.Int8:
+			v.SetInt(v.Int() + 1)
+		case reflect.Uint, reflect.Uint64, reflect.Uint32, reflect.Uint16, reflect.Uint8:
+			v.SetUint(v.Uint() + 1)
+		case reflect.Bool:
+			v.SetBool(!v.Bool())
+		case reflect.Float64:
+			v.SetFloat(v.Float() + 1.5)
+		case reflect.String:
+			v.SetString(v.String() + "x")
+		case reflect.Slice:
+			n := reflect.AppendSlice(reflect.MakeSlice(v.Type(), 0, v.Len()+1), v)
+			v.Set(reflect.Append(n, reflect.ValueOf(0).Convert(v.Type().Elem())))
+		case reflect.Array:
+			change(v.Index(0))
+		case reflect.Interface:
+			v.Set(reflect.ValueOf(tensor.New(tensor.WithShape(1), tensor.Of(tensor.Float32))))
+		default:
+			t.Fatalf("no change for kind %s", v.Kind())
+		}
+	}
+	var fields func(prefix string, typ reflect.Type, path []int)
+	checked := 0
+	fields = func(prefix string, rt reflect.Type, path []int) {
+		for i := range rt.NumField() {
+			f := rt.Field(i)
+			name := prefix + "." + f.Name
+			p := append(slices.Clone(path), i)
+			if f.Type.Kind() == reflect.Struct {
+				fields(f.Type.Name(), f.Type, p)
+				continue
+			}
+			name = strings.TrimPrefix(name, ".")
+			g := base.Clone()
+			v := reflect.ValueOf(g.Node(2)).Elem().FieldByIndex(p)
+			change(v)
+			checked++
+			if leftOut[name] {
+				assert.True(t, base.SameSignature(g), name)
+				assert.Equal(t, base.Signature(), g.Signature(), name)
+			} else {
+				assert.False(t, base.SameSignature(g), name)
+				assert.NotEqual(t, base.Signature(), g.Signature(), name)
+			}
+		}
+	}
+	fields("Node", reflect.TypeFor[graph.Node](), nil)
+	assert.Greater(t, checked, 30)
+	// −0 and +0 differ in both; a NaN equals itself in both.
+	for _, pair := range [][2]float64{{0, math.Copysign(0, -1)}, {math.NaN(), math.NaN()}} {
+		a, b := base.Clone(), base.Clone()
+		a.Node(2).Attrs.Scalar, b.Node(2).Attrs.Scalar = pair[0], pair[1]
+		assert.Equal(t, a.Signature() == b.Signature(), a.SameSignature(b), "%v", pair)
+	}
+	// The node count.
+	longer := base.Clone()
+	_, err = longer.Append(graph.Node{Op: graph.OpRelu, Inputs: []int{2}})
+	require.NoError(t, err)
+	assert.False(t, base.SameSignature(longer))
+	assert.False(t, longer.SameSignature(base))
 }

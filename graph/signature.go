@@ -4,6 +4,7 @@ import (
 	"hash/maphash"
 	"math"
 	"math/bits"
+	"slices"
 )
 
 // sigSeed seeds Signature's hash: signatures are keys within one process
@@ -60,6 +61,47 @@ func (g *Graph) Signature() uint64 {
 		typ(a.Target)
 	}
 	return h.sum()
+}
+
+// SameSignature reports whether g and h agree in everything Signature
+// hashes, compared exactly: a cache that keeps a graph's structure (its
+// nodes without data) verifies a hit with it, so two graphs whose
+// signatures collide never share an entry, and a training loop that finds
+// its step by the latest step's graph needs no hash at all. Keep it in
+// step with Signature (TestSameSignatureSeesWhatSignatureHashes).
+func (g *Graph) SameSignature(h *Graph) bool {
+	if g == h {
+		return true
+	}
+	if g.batch != h.batch || len(g.nodes) != len(h.nodes) {
+		return false
+	}
+	for i := range g.nodes {
+		if !sameSigNode(&g.nodes[i], &h.nodes[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// sameSigNode compares what Signature hashes of a node.
+func sameSigNode(m, n *Node) bool {
+	if m.Op != n.Op || m.Name != n.Name || !slices.Equal(m.Inputs, n.Inputs) || !sameSigType(&m.Type, &n.Type) {
+		return false
+	}
+	a, b := &m.Attrs, &n.Attrs
+	return math.Float64bits(a.Scalar) == math.Float64bits(b.Scalar) && math.Float64bits(a.Eps) == math.Float64bits(b.Eps) &&
+		slices.Equal(a.Axes, b.Axes) && slices.Equal(a.Shape, b.Shape) && slices.Equal(a.Perm, b.Perm) &&
+		a.Axis == b.Axis && a.Start == b.Start && a.End == b.End && a.Step == b.Step && a.NormDims == b.NormDims &&
+		a.Groups == b.Groups && a.Reduction == b.Reduction &&
+		a.Kernel == b.Kernel && a.Stride == b.Stride && a.Padding == b.Padding && a.Dilation == b.Dilation &&
+		a.Approx == b.Approx && a.KeepDim == b.KeepDim && a.TransA == b.TransA && a.TransB == b.TransB &&
+		a.Training == b.Training && a.Causal == b.Causal && a.PerChunk == b.PerChunk && a.ChannelsLast == b.ChannelsLast &&
+		sameSigType(&a.Target, &b.Target)
+}
+
+func sameSigType(s, t *Type) bool {
+	return s.DType == t.DType && s.BatchAxis == t.BatchAxis && s.PerSample == t.PerSample && slices.Equal(s.Shape, t.Shape)
 }
 
 // xxHash64's primes.

@@ -19,7 +19,7 @@ func Grad(loss *Tensor, params ...*Tensor) []*Tensor {
 		}
 		return out
 	}
-	wrt, err := paramIDs(at, loss, params)
+	wrt, err := paramIDs(func() string { return at }, loss, params)
 	if err != nil {
 		return fail(err)
 	}
@@ -42,16 +42,18 @@ func Grad(loss *Tensor, params ...*Tensor) []*Tensor {
 // that build the backward pass themselves on a rewritten graph (package
 // precision's Train).
 func ParamIDs(loss *Tensor, params ...*Tensor) ([]int, error) {
-	return paramIDs(site(), loss, params)
+	// The caller's site only on an error: a training step calls it every
+	// step. site skips this package's frames, so it finds the same one.
+	return paramIDs(site, loss, params)
 }
 
-func paramIDs(at string, loss *Tensor, params []*Tensor) ([]int, error) {
+func paramIDs(at func() string, loss *Tensor, params []*Tensor) ([]int, error) {
 	if err := loss.Err(); err != nil {
 		return nil, err
 	}
 	g := loss.g
 	if g == nil {
-		return nil, &graph.OpError{Op: "grad", Site: at, Err: graph.Errorf(graph.ErrArity, "loss is a free parameter, not a computed value")}
+		return nil, &graph.OpError{Op: "grad", Site: at(), Err: graph.Errorf(graph.ErrArity, "loss is a free parameter, not a computed value")}
 	}
 	wrt := make([]int, len(params))
 	for i, p := range params {
@@ -59,16 +61,16 @@ func paramIDs(at string, loss *Tensor, params []*Tensor) ([]int, error) {
 			return nil, err
 		}
 		if p.zero() {
-			return nil, &graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape()},
+			return nil, &graph.OpError{Op: "grad", Site: at(), Shapes: [][]int{loss.Shape()},
 				Err: graph.Errorf(graph.ErrNilTensor, "parameter %d is a zero lazy.Tensor", i)}
 		}
 		if p.g != nil && p.g != g {
-			return nil, &graph.OpError{Op: "grad", Site: at, Shapes: [][]int{loss.Shape(), p.Shape()},
+			return nil, &graph.OpError{Op: "grad", Site: at(), Shapes: [][]int{loss.Shape(), p.Shape()},
 				Err: graph.Errorf(graph.ErrMixedGraphs, "parameter %d belongs to another graph", i)}
 		}
 		id, err := g.bind(p)
 		if err != nil {
-			return nil, &graph.OpError{Op: "grad", Site: at, Err: err}
+			return nil, &graph.OpError{Op: "grad", Site: at(), Err: err}
 		}
 		wrt[i] = id
 	}

@@ -274,3 +274,18 @@ func TestAttentionQKVMisuse(t *testing.T) {
 	require.NoError(t, y.Err())
 	assert.Equal(t, []int{4, 5, 8}, y.Shape())
 }
+
+// ParamIDs and Grad name their caller's line in their errors (ParamIDs
+// finds it only when it fails: a training step calls it every step).
+func TestParamIDsErrorSite(t *testing.T) {
+	loss := x().Sum(0, 1)
+	other := x().Sum(0, 1)
+	_, err := lazy.ParamIDs(loss, other)
+	var oe *graph.OpError
+	require.True(t, errors.As(err, &oe), "%v", err)
+	assert.ErrorIs(t, err, graph.ErrMixedGraphs)
+	assert.True(t, strings.HasPrefix(oe.Site, "lazy/misuse_test.go:"), "OpError.Site = %q", oe.Site)
+	gerr := lazy.Grad(loss, other)[0].Err()
+	require.True(t, errors.As(gerr, &oe), "%v", gerr)
+	assert.True(t, strings.HasPrefix(oe.Site, "lazy/misuse_test.go:"), "OpError.Site = %q", oe.Site)
+}

@@ -28,6 +28,10 @@ type Graph struct {
 	// other scopes. Ops made inside an internal module take it instead of
 	// walking the stack again.
 	scopeSites []string
+	// precheck's scratch: the input types and attributes it passes to a
+	// shape rule, kept so that each call allocates neither.
+	types []graph.Type
+	attrs graph.Attrs
 }
 
 // StepUpdate is a value a training step of its graph computes alongside
@@ -508,20 +512,26 @@ func (g *Graph) importNode(src *Graph, id int) (int, error) {
 
 // apply appends op over inputs, returning an error tensor on any failure.
 func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
-	shapes := make([][]int, len(inputs))
+	// shapes are the first n inputs' shapes, which only an error needs.
+	shapes := func(n int) [][]int {
+		s := make([][]int, n)
+		for i := range s {
+			s[i] = inputs[i].Shape()
+		}
+		return s
+	}
 	var g *Graph
 	for i, in := range inputs {
 		if in == nil {
-			return errTensor(op.String(), site(), graph.Errorf(graph.ErrNilTensor, "input %d is nil", i), shapes[:i]...)
+			return errTensor(op.String(), site(), graph.Errorf(graph.ErrNilTensor, "input %d is nil", i), shapes(i)...)
 		}
 		if in.err != nil {
 			return &Tensor{id: -1, err: in.err} // sticky: the first error wins
 		}
 		if in.zero() {
 			return errTensor(op.String(), site(), graph.Errorf(graph.ErrNilTensor,
-				"input %d is a zero lazy.Tensor, not made by Wrap, Param or an op", i), shapes[:i]...)
+				"input %d is a zero lazy.Tensor, not made by Wrap, Param or an op", i), shapes(i)...)
 		}
-		shapes[i] = in.Shape()
 	}
 	// The result joins the graph holding batched inputs (else the first
 	// graph met); values computed from parameters and constants alone are
@@ -534,7 +544,7 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 	for i, in := range inputs {
 		if in.g != nil && in.g != g && in.g.inputs > 0 {
 			return errTensor(op.String(), site(), graph.Errorf(graph.ErrMixedGraphs,
-				"input %d belongs to another graph", i), shapes...)
+				"input %d belongs to another graph", i), shapes(len(inputs))...)
 		}
 	}
 	if g == nil {
@@ -545,7 +555,7 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 		at = site()
 	}
 	if err := g.precheck(op, attrs, inputs); err != nil {
-		return errTensor(op.String(), at, err, shapes...)
+		return errTensor(op.String(), at, err, shapes(len(inputs))...)
 	}
 	ids := make([]int, len(inputs))
 	for i, in := range inputs {
@@ -555,13 +565,13 @@ func apply(op graph.Op, attrs graph.Attrs, inputs ...*Tensor) *Tensor {
 		}
 		id, err := bind(in)
 		if err != nil {
-			return errTensor(op.String(), at, err, shapes...)
+			return errTensor(op.String(), at, err, shapes(len(inputs))...)
 		}
 		ids[i] = id
 	}
 	id, err := g.ir.Append(graph.Node{Op: op, Inputs: ids, Attrs: attrs, Site: at})
 	if err != nil {
-		return errTensor(op.String(), at, err, shapes...)
+		return errTensor(op.String(), at, err, shapes(len(inputs))...)
 	}
 	return &Tensor{g: g, id: id}
 }
@@ -582,11 +592,12 @@ func (g *Graph) precheck(op graph.Op, attrs graph.Attrs, inputs []*Tensor) error
 	if !fresh {
 		return nil
 	}
-	types := make([]graph.Type, len(inputs))
-	for i, in := range inputs {
-		types[i] = in.typ()
+	types := g.types[:0]
+	for _, in := range inputs {
+		types = append(types, in.typ())
 	}
-	_, err := op.Rule(&attrs, types, g.ir.Batch())
+	g.types, g.attrs = types, attrs
+	_, err := op.Rule(&g.attrs, types, g.ir.Batch())
 	return err
 }
 

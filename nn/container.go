@@ -1,6 +1,7 @@
 package nn
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
@@ -95,16 +96,25 @@ func (c *Children) Call(name string, x *lazy.Tensor) *lazy.Tensor {
 // Params lists every child's parameters in child order, each once.
 func (c *Children) Params() []*Param {
 	var ps []*Param
-	seen := map[*Param]bool{}
+	var seen map[*Param]bool // once the list is long; a short one is scanned
 	for _, ch := range c.list {
 		if ch.Module == nil {
 			continue
 		}
 		for _, p := range ch.Module.Params() {
-			if !seen[p] {
-				seen[p] = true
-				ps = append(ps, p)
+			if seen == nil && len(ps) >= 16 {
+				seen = make(map[*Param]bool, 2*len(ps))
+				for _, q := range ps {
+					seen[q] = true
+				}
 			}
+			if seen == nil && slices.Contains(ps, p) || seen != nil && seen[p] {
+				continue
+			}
+			if seen != nil {
+				seen[p] = true
+			}
+			ps = append(ps, p)
 		}
 	}
 	return ps

@@ -37,6 +37,7 @@ func TestConstructionErrors(t *testing.T) {
 		{"duplicate child", nn.NewSequentialNamed(nn.Child{Name: "a", Module: nn.ReLU{}}, nn.Child{Name: "a", Module: nn.ReLU{}}), graph.ErrAttr},
 		{"dotted child", nn.NewSequentialNamed(nn.Child{Name: "a.b", Module: nn.ReLU{}}), graph.ErrAttr},
 		{"nested bad child", nn.NewSequential(nn.NewSequential(nn.NewDropout(-1))), graph.ErrAttr},
+		{"bad parameter in a sequential", nn.NewSequential(nn.ReLU{}, nn.NewSequential(nn.NewLinear(nn.Options{}, 4, 4, true))), graph.ErrAttr},
 		{"float16 with data", nn.NewLinear(nn.Options{Rand: opt.Rand, DType: graph.Float16}, 4, 4, true), graph.ErrDType},
 		{"int64 parameters", nn.NewLinear(nn.Options{ShapeOnly: true, DType: graph.Int64}, 4, 4, true), graph.ErrDType},
 	}

@@ -147,6 +147,13 @@ func Check(m Module) error {
 			return err
 		}
 	}
+	if _, ok := m.(*Sequential); ok {
+		// Its parameters are its children's, which its Err (Children.Err)
+		// has just checked: a model's Forward checks every step, and
+		// listing a deep model's parameters at every level costs more
+		// than the rest of its checks.
+		return nil
+	}
 	for _, p := range m.Params() {
 		if err := p.Err(); err != nil {
 			return err

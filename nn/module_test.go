@@ -83,6 +83,23 @@ func TestSharedParamListedOnce(t *testing.T) {
 	head := &nn.Linear{Weight: emb.Weight} // weight tying
 	m := nn.NewSequentialNamed(nn.Child{Name: "embed", Module: emb}, nn.Child{Name: "head", Module: head})
 	assert.Equal(t, []string{"embed.weight"}, testutil.ParamNames(m))
+
+	// Past 16 parameters the list is deduplicated through a map: a tied
+	// weight after them is listed once too, in first-seen order.
+	mods := []nn.Module{emb}
+	for range 10 {
+		mods = append(mods, nn.NewLinear(opt, 4, 4, true))
+	}
+	mods = append(mods, head)
+	long := nn.NewSequential(mods...)
+	ps := long.Params()
+	require.Len(t, ps, 21)
+	assert.Same(t, emb.Weight, ps[0])
+	for i, p := range ps {
+		for _, q := range ps[:i] {
+			assert.NotSame(t, q, p, "parameter %d listed twice", i)
+		}
+	}
 }
 
 func bits(ps []*nn.Param) [][]uint32 {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -469,11 +470,42 @@ const CacheSize = 64
 
 // Cache keeps plans by program signature and options, so a steady training
 // loop plans once. It holds at most CacheSize plans; a plan holds no
-// graph and no data.
+// graph and no data. A plan found by signature is served only to a program
+// with the schedule it was made for (sameSchedule), so a signature
+// collision plans anew.
 type Cache struct {
 	mu    sync.Mutex
-	plans lru.Cache[cacheKey, *Plan]
+	plans lru.Cache[cacheKey, cached]
 	hits  int
+}
+
+// cached is a plan and the program it was made for, without its graph.
+type cached struct {
+	pl *Plan
+	p  *Program
+}
+
+// sameSchedule reports whether p and q replay alike: the same compiled
+// program (a Rebind of it shares its slices), or programs equal in
+// everything Make reads. Their graphs' data may differ.
+func (p *Program) sameSchedule(q *Program) bool {
+	if p.Batch != q.Batch || len(p.Steps) != len(q.Steps) || len(p.Buffers) != len(q.Buffers) || len(p.Outputs) != len(q.Outputs) {
+		return false
+	}
+	if len(p.Steps) > 0 && len(p.Buffers) > 0 && len(p.Outputs) > 0 &&
+		&p.Steps[0] == &q.Steps[0] && &p.Buffers[0] == &q.Buffers[0] && &p.Outputs[0] == &q.Outputs[0] {
+		return true // Compile makes every slice anew
+	}
+	a, b := p.Info, q.Info
+	if a == nil || b == nil {
+		return false
+	}
+	return slices.Equal(p.Steps, q.Steps) && slices.Equal(p.Buffers, q.Buffers) && slices.Equal(p.Outputs, q.Outputs) &&
+		slices.Equal(p.Persistent, q.Persistent) && slices.Equal(p.Accumulators, q.Accumulators) &&
+		slices.Equal(p.Kept, q.Kept) && slices.Equal(p.Trained, q.Trained) && slices.Equal(p.OutputBuf, q.OutputBuf) &&
+		slices.Equal(p.Companion, q.Companion) && p.FinishWorkspace == q.FinishWorkspace &&
+		a.MinChunk == b.MinChunk && (a.NotChunkable == nil) == (b.NotChunkable == nil) &&
+		slices.Equal(a.WholeStats, b.WholeStats) && slices.Equal(a.ChunkStats, b.ChunkStats)
 }
 
 type cacheKey struct {
@@ -516,16 +548,16 @@ func (p *Program) signature() uint64 {
 
 // Plan returns the cached plan for p and o, making it on a miss.
 func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
-	key := cacheKey{sig: p.Signature(), kept: lru.Ints(p.Kept), trained: len(p.Persistent),
+	key := cacheKey{sig: p.Signature(), kept: p.keptKey, trained: len(p.Persistent),
 		budget: o.Budget, headroom: o.Headroom, noHeadroom: o.NoHeadroom, noChunkList: o.NoChunkList, maxChunk: o.MaxChunk}
 	if !p.fresh(o.Resident) {
 		key.held = heldKey(o.Resident)
 	}
 	c.mu.Lock()
-	if pl, ok := c.plans.Get(key); ok {
+	if e, ok := c.plans.Get(key); ok && e.p.sameSchedule(p) {
 		c.hits++
 		c.mu.Unlock()
-		return pl, nil
+		return e.pl, nil
 	}
 	c.mu.Unlock()
 	pl, err := Make(p, o)
@@ -535,7 +567,7 @@ func (c *Cache) Plan(p *Program, o Options) (*Plan, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.plans.Max = CacheSize
-	c.plans.Put(key, pl)
+	c.plans.Put(key, cached{pl: pl, p: p.Rebind(nil)})
 	return pl, nil
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/lru"
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
@@ -100,6 +101,7 @@ type Program struct {
 	// It is not in Buffers, and no timeline point marks it.
 	FinishWorkspace Buffer
 	sig             uint64 // Signature, computed by Compile
+	keptKey         string // lru.Ints(Kept), the plan cache's key for it, made by Compile
 }
 
 // Companions yields node id's companions in order (Companion, then
@@ -148,6 +150,7 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 	n := g.Len()
 	p := &Program{Graph: g, Info: info, Batch: g.Batch(), Outputs: append([]int(nil), outputs...),
 		Kept: append([]int(nil), o.Kept...), Trained: append([]int(nil), o.Trained...), OutputBuf: make([]int, n)}
+	p.keptKey = lru.Ints(p.Kept)
 	for i := range p.OutputBuf {
 		p.OutputBuf[i] = -1
 	}

@@ -1,7 +1,10 @@
 // Package lru is a bounded map that evicts its least recently used entry.
 package lru
 
-import "strconv"
+import (
+	"iter"
+	"strconv"
+)
 
 // Cache maps keys to values, holding at most Max entries: adding one more
 // evicts the entry least recently added or found. The zero Cache holds
@@ -51,6 +54,17 @@ func (c *Cache[K, V]) Put(k K, v V) {
 		delete(c.m, oldest)
 	}
 	c.m[k] = &entry[V]{v: v, used: c.clock}
+}
+
+// All yields every entry, in no particular order, marking none used.
+func (c *Cache[K, V]) All() iter.Seq2[K, V] {
+	return func(yield func(K, V) bool) {
+		for k, e := range c.m {
+			if !yield(k, e.v) {
+				return
+			}
+		}
+	}
 }
 
 // Len is the number of entries.

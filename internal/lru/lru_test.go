@@ -23,6 +23,11 @@ func TestEvictsLeastRecentlyUsed(t *testing.T) {
 	require.Equal(t, 2, c.Len())
 	v, _ = c.Get(1)
 	require.Equal(t, "A", v)
+	all := map[int]string{}
+	for k, v := range c.All() {
+		all[k] = v
+	}
+	require.Equal(t, map[int]string{1: "A", 3: "c"}, all)
 }
 
 func TestInts(t *testing.T) {
