@@ -1,0 +1,268 @@
+package cuda
+
+import (
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"reflect"
+	"runtime"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/graph"
+)
+
+// testAlgoKey is a forward convolution of ResNet-50's stem as the search
+// keys it.
+func testAlgoKey() algoKey {
+	return algoKey{Pass: convForward, DType: graph.Float32, X: [4]int64{64, 3, 224, 224}, W: [4]int64{64, 3, 7, 7},
+		Y: [4]int64{64, 64, 112, 112}, Pad: [2]int64{3, 3}, Stride: [2]int64{2, 2}, Dil: [2]int64{1, 1}, Groups: 1,
+		Math: cudnnFMAMath, Limit: 308 << 20, Device: "NVIDIA H100 80GB HBM3", Arch: "sm_90", CUDNN: 91400}
+}
+
+func testAlgoResults() []algoResult {
+	return []algoResult{
+		{Algo: 0, TimeMS: 2.5, Memory: 0, Deterministic: true, Math: cudnnFMAMath},
+		{Algo: 1, TimeMS: 1.25, Memory: 1 << 20, Deterministic: true, Math: cudnnFMAMath},
+		{Algo: 6, Status: 9, TimeMS: -1, Memory: 0, Math: cudnnFMAMath},
+	}
+}
+
+// TestAlgoCacheRoundTrip: an entry written for a key reads back equal, in
+// the cache's directory under the key's hash, and its file repeats the key.
+func TestAlgoCacheRoundTrip(t *testing.T) {
+	dir := t.TempDir()
+	k, rs := testAlgoKey(), testAlgoResults()
+	_, err := readAlgoEntry(dir, k)
+	require.ErrorIs(t, err, fs.ErrNotExist, "a miss is no cache error")
+	require.False(t, errors.Is(err, ErrAlgoCache))
+
+	require.NoError(t, writeAlgoEntry(dir, k, rs))
+	got, err := readAlgoEntry(dir, k)
+	require.NoError(t, err)
+	assert.Equal(t, rs, got)
+	b, err := os.ReadFile(filepath.Join(dir, k.file()))
+	require.NoError(t, err)
+	var e algoEntry
+	require.NoError(t, json.Unmarshal(b, &e))
+	assert.Equal(t, k.String(), e.Key)
+
+	// Another key misses, though the directory holds an entry.
+	other := k
+	other.Y[0], other.X[0] = 32, 32
+	_, err = readAlgoEntry(dir, other)
+	require.ErrorIs(t, err, fs.ErrNotExist)
+
+	// An entry with a result cuDNN never returns is not written.
+	bad := append(testAlgoResults(), algoResult{Algo: 99, Deterministic: true})
+	require.ErrorIs(t, writeAlgoEntry(dir, other, bad), ErrAlgoCache)
+	_, err = readAlgoEntry(dir, other)
+	require.ErrorIs(t, err, fs.ErrNotExist)
+}
+
+// TestAlgoKeyCoversEveryField: changing any one field of the key changes
+// its text and its file, so a search's results are never taken for
+// another pass, shape, window, dtype, layout, math type, workspace,
+// device or cuDNN.
+func TestAlgoKeyCoversEveryField(t *testing.T) {
+	base := testAlgoKey()
+	v := reflect.ValueOf(&base).Elem()
+	seen := map[string]string{base.String(): "base"}
+	for i := range v.NumField() {
+		f := v.Type().Field(i)
+		k := base
+		fv := reflect.ValueOf(&k).Elem().Field(i)
+		switch fv.Kind() {
+		case reflect.Array:
+			for j := range fv.Len() {
+				kj := base
+				e := reflect.ValueOf(&kj).Elem().Field(i).Index(j)
+				e.SetInt(e.Int() + 1)
+				name := f.Name + "[" + string(rune('0'+j)) + "]"
+				require.NotContains(t, seen, kj.String(), "%s changes nothing in the key", name)
+				seen[kj.String()] = name
+				assert.NotEqual(t, base.file(), kj.file(), name)
+			}
+			continue
+		case reflect.Int, reflect.Int8, reflect.Int32, reflect.Int64:
+			fv.SetInt(fv.Int() + 1)
+		case reflect.Uint8:
+			fv.SetUint(fv.Uint() + 1)
+		case reflect.Bool:
+			fv.SetBool(!fv.Bool())
+		case reflect.String:
+			fv.SetString(fv.String() + "x")
+		default:
+			t.Fatalf("field %s of kind %s: extend the test", f.Name, fv.Kind())
+		}
+		require.NotContains(t, seen, k.String(), "%s changes nothing in the key", f.Name)
+		seen[k.String()] = f.Name
+		assert.NotEqual(t, base.file(), k.file(), f.Name)
+	}
+	// A device name cannot forge the fields after it.
+	forged := base
+	forged.Device = `H100|arch=sm_80|cudnn=1`
+	assert.NotEqual(t, base.String(), forged.String())
+	assert.Contains(t, forged.String(), `device="H100|arch=sm_80|cudnn=1"`)
+}
+
+// TestAlgoCacheHostileEntries: a cache entry that is not a regular file
+// within the cap, not JSON of this format, written for another key, or
+// holding values cuDNN never returns is an error wrapping ErrAlgoCache
+// (the search runs again and rewrites it), never a panic, a hang or a
+// result; a rewrite replaces it.
+func TestAlgoCacheHostileEntries(t *testing.T) {
+	k := testAlgoKey()
+	valid := func() algoEntry { return algoEntry{Format: algoFormat, Key: k.String(), Results: testAlgoResults()} }
+	encode := func(e algoEntry) []byte {
+		b, err := json.Marshal(e)
+		require.NoError(t, err)
+		return b
+	}
+	with := func(f func(e *algoEntry)) []byte {
+		e := valid()
+		f(&e)
+		return encode(e)
+	}
+	cases := map[string][]byte{
+		"empty":          {},
+		"not json":       []byte("not json at all"),
+		"truncated":      encode(valid())[:40],
+		"trailing data":  append(encode(valid()), []byte(`{"format":"x"}`)...),
+		"unknown field":  []byte(strings.Replace(string(encode(valid())), `"format"`, `"extra":1,"format"`, 1)),
+		"wrong type":     []byte(strings.Replace(string(encode(valid())), `"algo":0`, `"algo":"zero"`, 1)),
+		"other format":   with(func(e *algoEntry) { e.Format = "batchfit-cudnn-find/0" }),
+		"other key":      with(func(e *algoEntry) { o := k; o.CUDNN = 90100; e.Key = o.String() }),
+		"too many":       with(func(e *algoEntry) { e.Results = make([]algoResult, maxAlgoResults+1) }),
+		"algo range":     with(func(e *algoEntry) { e.Results[0].Algo = cudnnFwdAlgoCount }),
+		"negative algo":  with(func(e *algoEntry) { e.Results[0].Algo = -1 }),
+		"status":         with(func(e *algoEntry) { e.Results[0].Status = -3 }),
+		"negative time":  with(func(e *algoEntry) { e.Results[0].TimeMS = -2 }),
+		"memory":         with(func(e *algoEntry) { e.Results[0].Memory = -1 }),
+		"huge memory":    with(func(e *algoEntry) { e.Results[0].Memory = maxAlgoMemory + 1 }),
+		"math type":      with(func(e *algoEntry) { e.Results[0].Math = 7 }),
+		"int overflow":   []byte(strings.Replace(string(encode(valid())), `"algo":0`, `"algo":99999999999999999999`, 1)),
+		"time not float": []byte(strings.Replace(string(encode(valid())), `"time_ms":2.5`, `"time_ms":1e999`, 1)),
+	}
+	for name, b := range cases {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			require.NoError(t, os.WriteFile(filepath.Join(dir, k.file()), b, 0o600))
+			_, err := readAlgoEntry(dir, k)
+			require.ErrorIs(t, err, ErrAlgoCache)
+			require.NoError(t, writeAlgoEntry(dir, k, testAlgoResults()))
+			got, err := readAlgoEntry(dir, k)
+			require.NoError(t, err, "a rewrite replaces the bad entry")
+			assert.Equal(t, testAlgoResults(), got)
+		})
+	}
+
+	t.Run("directory", func(t *testing.T) {
+		dir := t.TempDir()
+		require.NoError(t, os.Mkdir(filepath.Join(dir, k.file()), 0o700))
+		_, err := readAlgoEntry(dir, k)
+		require.ErrorIs(t, err, ErrAlgoCache)
+	})
+	t.Run("symlink", func(t *testing.T) {
+		dir := t.TempDir()
+		target := filepath.Join(dir, "target.json")
+		require.NoError(t, os.WriteFile(target, encode(valid()), 0o600))
+		require.NoError(t, os.Symlink(target, filepath.Join(dir, k.file())))
+		_, err := readAlgoEntry(dir, k)
+		require.ErrorIs(t, err, ErrAlgoCache, "a link is not followed, even to a valid entry")
+		require.NoError(t, writeAlgoEntry(dir, k, testAlgoResults()))
+		_, err = readAlgoEntry(dir, k)
+		require.NoError(t, err, "the rewrite replaces the link, not its target")
+		b, err := os.ReadFile(target)
+		require.NoError(t, err)
+		assert.Equal(t, encode(valid()), b)
+	})
+	t.Run("fifo", func(t *testing.T) {
+		if runtime.GOOS == "windows" {
+			t.Skip("no FIFOs")
+		}
+		dir := t.TempDir()
+		require.NoError(t, syscall.Mkfifo(filepath.Join(dir, k.file()), 0o600))
+		_, err := readAlgoEntry(dir, k) // must not block waiting for a writer
+		require.ErrorIs(t, err, ErrAlgoCache)
+	})
+	t.Run("over the cap", func(t *testing.T) {
+		dir := t.TempDir()
+		f, err := os.Create(filepath.Join(dir, k.file()))
+		require.NoError(t, err)
+		_, err = f.Write(encode(valid()))
+		require.NoError(t, err)
+		require.NoError(t, f.Truncate(maxAlgoEntryBytes+1))
+		require.NoError(t, f.Close())
+		_, err = readAlgoEntry(dir, k)
+		require.ErrorIs(t, err, ErrAlgoCache)
+	})
+}
+
+// TestRankAlgos: the ranking keeps what a plan may run (succeeded,
+// deterministic, within the workspace, a math type the policy allows) and
+// orders it by time, except that within algoTie of the fastest the least
+// workspace leads; equal times go to the lower algorithm id.
+func TestRankAlgos(t *testing.T) {
+	r := func(algo int32, ms float64, mem int64, math int32) algoResult {
+		return algoResult{Algo: algo, TimeMS: ms, Memory: mem, Deterministic: true, Math: math}
+	}
+	algos := func(rs []algoResult) []int32 {
+		var out []int32
+		for _, x := range rs {
+			out = append(out, x.Algo)
+		}
+		return out
+	}
+	in := []algoResult{
+		r(0, 3.0, 0, cudnnFMAMath),
+		r(1, 1.0, 64<<20, cudnnFMAMath),
+		r(7, 1.01, 1<<20, cudnnFMAMath), // within 2% of the fastest, less workspace: leads
+		r(2, 0.5, 0, cudnnFMAMath),      // FFT: too far from the direct sums in plain float32
+		{Algo: 3, TimeMS: 0.4, Memory: 0, Deterministic: false, Math: cudnnFMAMath},
+		{Algo: 5, Status: 9, TimeMS: -1},
+		r(6, 0.9, 512<<20, cudnnFMAMath), // over the workspace
+		r(4, 0.3, 0, cudnnTensorOpMath),  // TF32: not plain float32
+	}
+	assert.Equal(t, []int32{7, 1, 0}, algos(rankAlgos(convGradWeight, graph.Float32, true, 256<<20, in)))
+	// TF32 (not strict): FFT and tensor-op math are in; float32 rounded to 16 bits never.
+	tf := append(in, r(4, 0.1, 0, cudnnTensorOpAllowConversion))
+	// Past the lead, by time alone.
+	assert.Equal(t, []int32{4, 2, 1, 7, 0}, algos(rankAlgos(convGradWeight, graph.Float32, false, 256<<20, tf)))
+	// 16-bit: conversion math is fine.
+	assert.Equal(t, []int32{4, 4, 2, 1, 7, 0}, algos(rankAlgos(convGradWeight, graph.BFloat16, false, 256<<20, tf)))
+	// Equal times: the lower algorithm id, whatever order they came in.
+	tie := []algoResult{r(6, 1, 0, cudnnFMAMath), r(1, 1, 0, cudnnFMAMath), r(0, 2, 0, cudnnFMAMath)}
+	assert.Equal(t, []int32{1, 6, 0}, algos(rankAlgos(convForward, graph.Float32, true, 0, tie)))
+	// Nothing left: empty.
+	assert.Empty(t, rankAlgos(convForward, graph.Float32, true, 0, []algoResult{r(1, 1, 1, cudnnFMAMath)}))
+}
+
+// TestAffineWorkspace: the declared workspace fixed + per·b is exactly wn
+// at the whole batch n, at least w1 at one sample, and never negative.
+func TestAffineWorkspace(t *testing.T) {
+	for _, c := range []struct{ w1, wn, n int64 }{
+		{0, 0, 64}, {1 << 20, 64 << 20, 64}, {1000, 1000, 64}, {5 << 20, 1 << 20, 64}, // flat, growing, shrinking
+		{0, 1, 64}, {1, 100, 3}, {7, 7 + 63*5, 64}, {100, 101, 2}, {0, 123456789, 7}, {3, 5, 1},
+		{12345, 98765432, 256}, {99, 100, 1000},
+	} {
+		fixed, per := affineWorkspace(c.w1, c.wn, c.n)
+		require.GreaterOrEqual(t, fixed, int64(0), "%v", c)
+		require.GreaterOrEqual(t, per, int64(0), "%v", c)
+		if c.wn >= c.w1 {
+			require.Equal(t, c.wn, fixed+per*c.n, "%v: exactly wn at the whole batch", c)
+		} else {
+			require.Equal(t, c.w1, fixed+per*c.n, "%v: a shrinking workspace is declared flat", c)
+		}
+		require.GreaterOrEqual(t, fixed+per, c.w1, "%v: at least w1 at one sample", c)
+	}
+	// A workspace affine in the batch is declared exactly at every size.
+	fixed, per := affineWorkspace(3<<20+4096, 3<<20+64*4096, 64)
+	assert.Equal(t, [2]int64{3 << 20, 4096}, [2]int64{fixed, per})
+}
