@@ -138,3 +138,7 @@ func (n *DNN) CapSDPAWorkspace(bytes int64) {
 	n.sdpaWSCap, n.sdpaWSCapped = bytes, true
 	n.mu.Unlock()
 }
+
+// ForgetSearches drops this process's timed searches (convfind.go), so the
+// next executor reads them from the disk cache or times them again.
+func ForgetSearches() { processFinds.Clear() }
