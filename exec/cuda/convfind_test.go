@@ -75,9 +75,13 @@ func TestConvTimedSearch(t *testing.T) {
 	cuda.ForgetSearches()
 	e := searchExecutor(t, dir)
 	model := testutil.ConvModel(16, false)
-	loss, params := model.Build(rand.New(rand.NewPCG(61, 62)), n)
+	// The same step (parameters and data) for each compile.
+	step := func(ws planner.WorkspaceFunc) *planner.Program {
+		loss, params := model.Build(rand.New(rand.NewPCG(61, 62)), n)
+		return testutil.StepProgram(t, ws, loss, params, 2)
+	}
 	before := e.Allocator().Stats().ReservedBytes[alloc.All].Current
-	p := testutil.StepProgram(t, e.Workspace(), loss, params, 2)
+	p := step(e.Workspace())
 	st := e.DNN().SearchStats()
 	t.Logf("search: %+v; choices %+v", st, e.DNN().Choices())
 	require.Positive(t, st.Searched, "the compile timed the convolutions")
@@ -95,16 +99,16 @@ func TestConvTimedSearch(t *testing.T) {
 	for _, maxChunk := range []int{0, n / 3} {
 		pl, err := planner.Make(p, planner.Options{Budget: 8 << 30, MaxChunk: maxChunk})
 		require.NoError(t, err)
-		for step := range 2 {
+		for i := range 2 {
 			res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Resident: true, Optimizer: opt})
 			require.NoError(t, err)
-			if maxChunk == 0 && step == 0 {
+			if maxChunk == 0 && i == 0 {
 				first = scalarOf(t, res.Outputs[0])
 			}
 			t.Logf("%d chunks, step %d: reserved predicted %d + %d, measured %d; allocated predicted %d + %d, measured %d",
-				len(pl.Chunks), step, pl.PeakReserved, e.Overhead(), res.Usage.PeakReserved, pl.PeakAllocated, e.Overhead(), res.Usage.PeakAllocated)
-			assert.Equal(t, pl.PeakReserved+e.Overhead(), res.Usage.PeakReserved, "%d chunks, step %d: peak reserved", len(pl.Chunks), step)
-			assert.Equal(t, pl.PeakAllocated+e.Overhead(), res.Usage.PeakAllocated, "%d chunks, step %d: peak allocated", len(pl.Chunks), step)
+				len(pl.Chunks), i, pl.PeakReserved, e.Overhead(), res.Usage.PeakReserved, pl.PeakAllocated, e.Overhead(), res.Usage.PeakAllocated)
+			assert.Equal(t, pl.PeakReserved+e.Overhead(), res.Usage.PeakReserved, "%d chunks, step %d: peak reserved", len(pl.Chunks), i)
+			assert.Equal(t, pl.PeakAllocated+e.Overhead(), res.Usage.PeakAllocated, "%d chunks, step %d: peak allocated", len(pl.Chunks), i)
 		}
 	}
 	assert.Equal(t, st.Searched, e.DNN().SearchStats().Searched, "no search during the steps")
@@ -112,7 +116,7 @@ func TestConvTimedSearch(t *testing.T) {
 	// The heuristics executor's loss on the same step.
 	h := freshExecutor(t, cuda.ExecutorOptions{ConvHeuristics: true})
 	require.Contains(t, h.Convolutions(), "heuristics")
-	hp := testutil.StepProgram(t, h.Workspace(), loss, params, 2)
+	hp := step(h.Workspace())
 	res, err := h.Execute(ctx, hp, planner.Chunks(n, 1), cuda.ExecOptions{})
 	require.NoError(t, err)
 	want := scalarOf(t, res.Outputs[0])
@@ -122,7 +126,7 @@ func TestConvTimedSearch(t *testing.T) {
 	// From the disk cache: the same declarations, no search.
 	cuda.ForgetSearches()
 	e2 := searchExecutor(t, dir)
-	p2 := testutil.StepProgram(t, e2.Workspace(), loss, params, 2)
+	p2 := step(e2.Workspace())
 	st2 := e2.DNN().SearchStats()
 	assert.Zero(t, st2.Searched)
 	assert.Equal(t, st.Searched, st2.FromDisk)
@@ -132,7 +136,7 @@ func TestConvTimedSearch(t *testing.T) {
 	require.NoError(t, os.WriteFile(entries[0], []byte(`{"format":"batchfit-cudnn-find/1","key":"forged"}`), 0o600))
 	cuda.ForgetSearches()
 	e3 := searchExecutor(t, dir)
-	testutil.StepProgram(t, e3.Workspace(), loss, params, 2)
+	step(e3.Workspace())
 	st3 := e3.DNN().SearchStats()
 	assert.Equal(t, 1, st3.CacheErrors)
 	assert.Equal(t, 1, st3.Searched)
