@@ -63,6 +63,7 @@ type algoKey struct {
 	Device           string
 	Arch             string
 	CUDNN            int
+	Im2col           string // the im2col path's kernels (im2colVersion), "" when it is no candidate
 }
 
 // String is the key's canonical text: every field, named, so that two
@@ -79,9 +80,9 @@ func (k algoKey) String() string {
 		}
 		return strings.Join(s, ",")
 	}
-	return fmt.Sprintf("%s|pass=%s|dtype=%s|x=%s|w=%s|y=%s|pad=%s|stride=%s|dilation=%s|groups=%d|layout=%s|math=%d|workspace=%d|device=%q|arch=%s|cudnn=%d",
+	return fmt.Sprintf("%s|pass=%s|dtype=%s|x=%s|w=%s|y=%s|pad=%s|stride=%s|dilation=%s|groups=%d|layout=%s|math=%d|workspace=%d|device=%q|arch=%s|cudnn=%d|im2col=%q",
 		algoFormat, k.Pass, k.DType, ints(k.X[:]), ints(k.W[:]), ints(k.Y[:]), ints(k.Pad[:]), ints(k.Stride[:]), ints(k.Dil[:]),
-		k.Groups, layout, k.Math, k.Limit, k.Device, k.Arch, k.CUDNN)
+		k.Groups, layout, k.Math, k.Limit, k.Device, k.Arch, k.CUDNN, k.Im2col)
 }
 
 // file is the key's entry name: the SHA-256 of its text.
@@ -90,7 +91,8 @@ func (k algoKey) file() string {
 	return hex.EncodeToString(h[:]) + ".json"
 }
 
-// algoResult is one algorithm a search timed: cudnnAlgoPerf as stored.
+// algoResult is one algorithm a search timed: cudnnAlgoPerf as stored,
+// or the im2col path (Algo im2colAlgo).
 type algoResult struct {
 	Algo          int32   `json:"algo"`
 	Status        int32   `json:"status"`
@@ -131,7 +133,9 @@ func (e *algoEntry) check(k algoKey) error {
 	}
 	for i, r := range e.Results {
 		switch {
-		case r.Algo < 0 || r.Algo >= algoCount(k.Pass):
+		case r.Algo == im2colAlgo && k.Im2col == "":
+			return fmt.Errorf("result %d: the im2col path, which this key does not time", i)
+		case r.Algo < im2colAlgo || r.Algo >= algoCount(k.Pass):
 			return fmt.Errorf("result %d: algorithm %d of %s", i, r.Algo, k.Pass)
 		case r.Status < 0:
 			return fmt.Errorf("result %d: status %d", i, r.Status)

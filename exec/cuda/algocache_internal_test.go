@@ -23,7 +23,7 @@ import (
 func testAlgoKey() algoKey {
 	return algoKey{Pass: convForward, DType: graph.Float32, X: [4]int64{64, 3, 224, 224}, W: [4]int64{64, 3, 7, 7},
 		Y: [4]int64{64, 64, 112, 112}, Pad: [2]int64{3, 3}, Stride: [2]int64{2, 2}, Dil: [2]int64{1, 1}, Groups: 1,
-		Math: cudnnFMAMath, Limit: 308 << 20, Device: "NVIDIA H100 80GB HBM3", Arch: "sm_90", CUDNN: 91400}
+		Math: cudnnFMAMath, Limit: 308 << 20, Device: "NVIDIA H100 80GB HBM3", Arch: "sm_90", CUDNN: 91400, Im2col: "conv.go/1"}
 }
 
 func testAlgoResults() []algoResult {
@@ -58,6 +58,15 @@ func TestAlgoCacheRoundTrip(t *testing.T) {
 	other.Y[0], other.X[0] = 32, 32
 	_, err = readAlgoEntry(dir, other)
 	require.ErrorIs(t, err, fs.ErrNotExist)
+
+	// With the im2col path in the key, its result is one.
+	withIm2col := k
+	withIm2col.Im2col = "conv.go/1,conv.cu/0123456789abcdef"
+	rs2 := append(testAlgoResults(), algoResult{Algo: im2colAlgo, TimeMS: 0.5, Memory: 64 << 20, Deterministic: true, Math: cudnnFMAMath})
+	require.NoError(t, writeAlgoEntry(dir, withIm2col, rs2))
+	got, err = readAlgoEntry(dir, withIm2col)
+	require.NoError(t, err)
+	assert.Equal(t, rs2, got)
 
 	// An entry with a result cuDNN never returns is not written.
 	bad := append(testAlgoResults(), algoResult{Algo: 99, Deterministic: true})
@@ -141,7 +150,7 @@ func TestAlgoCacheHostileEntries(t *testing.T) {
 		"other key":      with(func(e *algoEntry) { o := k; o.CUDNN = 90100; e.Key = o.String() }),
 		"too many":       with(func(e *algoEntry) { e.Results = make([]algoResult, maxAlgoResults+1) }),
 		"algo range":     with(func(e *algoEntry) { e.Results[0].Algo = cudnnFwdAlgoCount }),
-		"negative algo":  with(func(e *algoEntry) { e.Results[0].Algo = -1 }),
+		"negative algo":  with(func(e *algoEntry) { e.Results[0].Algo = -2 }),
 		"status":         with(func(e *algoEntry) { e.Results[0].Status = -3 }),
 		"negative time":  with(func(e *algoEntry) { e.Results[0].TimeMS = -2 }),
 		"memory":         with(func(e *algoEntry) { e.Results[0].Memory = -1 }),
@@ -163,6 +172,16 @@ func TestAlgoCacheHostileEntries(t *testing.T) {
 		})
 	}
 
+	t.Run("im2col untimed", func(t *testing.T) {
+		dir := t.TempDir()
+		plain := k
+		plain.Im2col = "" // a channels-last key: no im2col candidate
+		e := algoEntry{Format: algoFormat, Key: plain.String(), Results: testAlgoResults()}
+		e.Results[0].Algo = im2colAlgo
+		require.NoError(t, os.WriteFile(filepath.Join(dir, plain.file()), encode(e), 0o600))
+		_, err := readAlgoEntry(dir, plain)
+		require.ErrorIs(t, err, ErrAlgoCache)
+	})
 	t.Run("directory", func(t *testing.T) {
 		dir := t.TempDir()
 		require.NoError(t, os.Mkdir(filepath.Join(dir, k.file()), 0o700))

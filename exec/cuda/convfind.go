@@ -2,6 +2,8 @@ package cuda
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -10,6 +12,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
 )
 
 // The timed algorithm search (cudnnFindConvolution*AlgorithmEx) and what
@@ -38,6 +41,13 @@ import (
 // around each (cuMemGetInfo) and counted in DNN.Overhead, so Reserve
 // leaves it free.
 //
+// Candidates: cuDNN's algorithms, and for NCHW convolutions batchfit's own
+// im2col + cuBLAS path (im2colAlgo), timed on the same tensors (the median
+// of three runs after one to warm up), so that a shape where cuDNN's
+// deterministic algorithms are slow runs on the kernels instead, as the
+// issue asks of every conv-net op: cuDNN's or ours, whichever measures
+// faster.
+//
 // Choice: among the timed results that succeeded, are deterministic, need
 // no more workspace than the search offered (the heuristics path's
 // formula, convDNNBytes and the im2col workspace), and whose math the
@@ -59,6 +69,27 @@ import (
 // ExecutorOptions.ConvHeuristics, or BATCHFIT_CUDNN_FIND=0, turns the
 // search off: the static workspace formula and the _v7 heuristics, as
 // before the search existed.
+
+// im2colAlgo is the result id of batchfit's im2col + cuBLAS path among a
+// search's results (cuDNN's algorithms count from 0).
+const im2colAlgo = -1
+
+// im2colRuns is how many timed runs of the im2col path a search takes the
+// median of, after one to warm up.
+const im2colRuns = 3
+
+// im2colVersion names the im2col path's kernels in a search's key
+// (algoKey.Im2col): the SHA-256 of conv.cu as NVRTC compiles it, and a
+// number to bump when conv.go's launches change, so a change to either
+// times the shapes again.
+var im2colVersion = sync.OnceValue(func() string {
+	src, err := Source("conv.cu")
+	if err != nil {
+		return ""
+	}
+	h := sha256.Sum256([]byte(src))
+	return "conv.go/1,conv.cu/" + hex.EncodeToString(h[:8])
+})
 
 // maxSearchBytes bounds one search's device memory: its tensors and the
 // workspace it offers.
@@ -378,7 +409,14 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 	ak := algoKey{Pass: keyF.pass, DType: keyF.dt, X: keyF.x, W: keyF.w, Y: keyF.y, Pad: keyF.pad, Stride: keyF.stride,
 		Dil: keyF.dil, Groups: keyF.groups, NHWC: keyF.nhwc, Math: n.mathOf(keyF.dt), Limit: limitF,
 		Device: n.d.Name(), Arch: n.d.Arch(), CUDNN: n.lib.version}
-	rs, source, searched, err := n.timings(ak, keyF)
+	var im2col func(x, w, y, ws alloc.Ptr, wsBytes int64) (algoResult, bool, error)
+	if !keyF.nhwc && n.ks != nil && n.blas != nil && im2colVersion() != "" {
+		ak.Im2col = im2colVersion()
+		im2col = func(x, w, y, ws alloc.Ptr, wsBytes int64) (algoResult, bool, error) {
+			return n.timeIm2col(g, nd, b, keyF, x, w, y, ws, wsBytes)
+		}
+	}
+	rs, source, searched, err := n.timings(ak, keyF, im2col)
 	if err != nil {
 		return nil, "search failed: " + errorClass(err), ConvChoice{}
 	}
@@ -387,6 +425,16 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 	var ch *convChoice
 	err = n.d.do(func() error {
 		for i, r := range ranked {
+			if r.Algo == im2colAlgo { // its workspace is this graph's, the same at every chunk size
+				ws := im2colBytes(g, nd)
+				if ws > limitN {
+					continue
+				}
+				ranked = slices.Clone(ranked)
+				ranked[i].Memory = ws
+				ch = &convChoice{ranked: ranked[i:], source: source, searchN: keyF.x[0], fixed: ws}
+				return nil
+			}
 			wn, err := n.queryWorkspace(keyN, r)
 			if err != nil || wn > limitN {
 				continue
@@ -459,7 +507,7 @@ func errorClass(err error) string {
 // timings returns the results of ak's search: from this process's earlier
 // searches, from the disk cache, or timed now on the device (then stored in
 // both). searched is the device memory a search took (0 without one).
-func (n *DNN) timings(ak algoKey, key convKey) (rs []algoResult, source string, searched int64, err error) {
+func (n *DNN) timings(ak algoKey, key convKey, im2col func(x, w, y, ws alloc.Ptr, wsBytes int64) (algoResult, bool, error)) (rs []algoResult, source string, searched int64, err error) {
 	text := ak.String()
 	if v, ok := processFinds.Load(text); ok {
 		return v.([]algoResult), "process", 0, nil
@@ -480,7 +528,7 @@ func (n *DNN) timings(ak algoKey, key convKey) (rs []algoResult, source string, 
 	var offered int64
 	err = n.d.do(func() error {
 		var err error
-		rs, offered, searched, err = n.search(key, ak.Limit)
+		rs, offered, searched, err = n.search(key, ak.Limit, im2col)
 		return err
 	})
 	if err != nil {
@@ -606,7 +654,7 @@ func (n *DNN) queryWorkspace(key convKey, r algoResult) (ws int64, err error) {
 // results, the workspace it offered and the device memory it took, and
 // adds what the device lost across it (cuDNN's loaded kernels) to the
 // overhead. On the device thread.
-func (n *DNN) search(key convKey, limit int64) (rs []algoResult, offered, took int64, err error) {
+func (n *DNN) search(key convKey, limit int64, im2col func(x, w, y, ws alloc.Ptr, wsBytes int64) (algoResult, bool, error)) (rs []algoResult, offered, took int64, err error) {
 	if n.gone.Load() {
 		return nil, 0, 0, fmt.Errorf("%w: cudnn handle", ErrClosed)
 	}
@@ -708,8 +756,96 @@ func (n *DNN) search(key convKey, limit int64) (rs []algoResult, offered, took i
 		}
 		rs = append(rs, r)
 	}
+	if im2col != nil {
+		r, ok, err := im2col(x, w, y, ws, offered)
+		if err != nil {
+			return nil, 0, 0, err
+		}
+		if ok {
+			rs = append(rs, r)
+		}
+	}
 	// The entry lists results by algorithm, whatever order the timings
 	// gave: rankAlgos orders them.
 	slices.SortStableFunc(rs, func(a, b algoResult) int { return cmp.Or(cmp.Compare(a.Algo, b.Algo), cmp.Compare(a.Math, b.Math)) })
 	return rs, offered, took, nil
+}
+
+// im2colBytes is the workspace the im2col path of convolution node nd of
+// g takes (the static rule less convDNNBytes): the same at every chunk
+// size, fixed by the graph's whole batch.
+func im2colBytes(g *graph.Graph, nd *graph.Node) int64 {
+	a := &nd.Attrs
+	switch nd.Op {
+	case graph.OpConv2d:
+		return convColBytes(nchwShape(a, inputAt(g, nd, 1, 1)), nchwShape(a, nd.Type.AtBatch(1)), convImages(g, nd), a, elemSize(nd.Type.DType))
+	case graph.OpConv2dGradInput:
+		return convColBytes(nchwShape(a, inputAt(g, nd, 1, 1)), nchwShape(a, inputAt(g, nd, 0, 1)), convImages(g, nd), a, 4)
+	case graph.OpConv2dGradWeight:
+		return newGradWeightLayout(nchwShape(a, nd.Type.AtBatch(1)), nchwShape(a, inputAt(g, nd, 0, 1)), convImages(g, nd),
+			a.Groups, nd.Type.DType).bytes
+	}
+	return 0
+}
+
+// timeIm2col times node nd's im2col path at b samples on the search's
+// tensors (x, w, y: key's shapes, NCHW) with a workspace of up to wsBytes
+// at ws: the median of im2colRuns runs after one to warm up (cuBLAS picks
+// its kernels, the launches load), bracketed by events on stream 0. False
+// when the workspace offered is too small. On the device thread.
+func (n *DNN) timeIm2col(g *graph.Graph, nd *graph.Node, b int, key convKey, x, w, y, ws alloc.Ptr, wsBytes int64) (algoResult, bool, error) {
+	need := im2colBytes(g, nd)
+	if need > wsBytes {
+		return algoResult{}, false, nil
+	}
+	dt := key.dt
+	shape := func(s [4]int64) []int { return []int{int(s[0]), int(s[1]), int(s[2]), int(s[3])} }
+	xo, wo, yo := operand{x, shape(key.x), dt}, operand{w, shape(key.w), dt}, operand{y, shape(key.y), dt}
+	var in []operand
+	var out operand
+	switch nd.Op {
+	case graph.OpConv2d:
+		in, out = []operand{xo, wo}, yo
+	case graph.OpConv2dGradInput:
+		in, out = []operand{yo, wo}, xo
+	default:
+		in, out = []operand{yo, xo}, wo
+	}
+	k := &kctx{d: n.d, ks: n.ks, blas: n.blas, g: g, nd: nd, c: planner.Chunk{Size: b}, ws: &wsView{p: ws, n: need}}
+	run := kernelTable[nd.Op].run
+	if err := run(k, in, out); err != nil {
+		return algoResult{}, false, err
+	}
+	drv := n.d.drv
+	var start, end CUevent
+	if err := drv.check("cuEventCreate", drv.cuEventCreate(&start, 0)); err != nil {
+		return algoResult{}, false, err
+	}
+	defer drv.cuEventDestroy(start)
+	if err := drv.check("cuEventCreate", drv.cuEventCreate(&end, 0)); err != nil {
+		return algoResult{}, false, err
+	}
+	defer drv.cuEventDestroy(end)
+	times := make([]float64, 0, im2colRuns)
+	for range im2colRuns {
+		if err := n.d.record(start); err != nil {
+			return algoResult{}, false, err
+		}
+		if err := run(k, in, out); err != nil {
+			return algoResult{}, false, err
+		}
+		if err := n.d.record(end); err != nil {
+			return algoResult{}, false, err
+		}
+		if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(end)); err != nil {
+			return algoResult{}, false, err
+		}
+		var ms float32
+		if err := drv.check("cuEventElapsedTime", drv.cuEventElapsedTime(&ms, start, end)); err != nil {
+			return algoResult{}, false, err
+		}
+		times = append(times, float64(ms))
+	}
+	slices.Sort(times)
+	return algoResult{Algo: im2colAlgo, TimeMS: times[len(times)/2], Memory: need, Deterministic: true, Math: n.mathOf(dt)}, true, nil
 }

@@ -42,8 +42,12 @@ type DNN struct {
 	gone atomic.Bool
 	bn   *cudnnBNLib // nil when cuDNN lacks its batch norm, or it is not asked for
 
-	// find is the timed search's choices and counts (convfind.go).
+	// find is the timed search's choices and counts (convfind.go); ks and
+	// blas are the executor's kernels and cuBLAS, for timing the im2col
+	// path beside cuDNN's algorithms (nil: cuDNN's alone).
 	find findState
+	ks   *kernelSet
+	blas *BLAS
 
 	// Fused attention (dnn_sdpa.go): plans by key, calls run per pass,
 	// calls left to the kernels by reason; noSDPA is
@@ -101,6 +105,7 @@ type convPlan struct {
 	algo   int32
 	ws     int64
 	ok     bool
+	im2col bool // the timed search chose the im2col path (ok is false)
 }
 
 // newDNN loads cuDNN and creates a handle on d, measuring the device
@@ -266,7 +271,7 @@ func (n *DNN) plan(key convKey, choice *convChoice) (*convPlan, error) {
 		return nil, err
 	}
 	n.plans[pk] = p
-	if !p.ok {
+	if !p.ok && !p.im2col {
 		n.fallbacks++
 	}
 	return p, nil
@@ -297,6 +302,13 @@ func (n *DNN) pickAlgo(p *convPlan, key convKey, choice *convChoice) (bool, erro
 	strict := n.strict(key.dt)
 	if choice != nil {
 		for _, r := range choice.ranked {
+			if r.Algo == im2colAlgo {
+				if r.Memory <= key.budget {
+					p.im2col = true
+					return false, nil
+				}
+				continue
+			}
 			if !strict {
 				if err := n.setMath(p, r.Math); err != nil {
 					return false, err

@@ -164,6 +164,7 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 		if e.dnn != nil {
 			e.dnn.noSDPA = o.NoCuDNNAttention
 			e.find = findOn(o) && e.dnn.lib.find != nil
+			e.dnn.ks, e.dnn.blas = ks, b
 		}
 	}
 	return e, nil
