@@ -60,6 +60,7 @@ type config struct {
 	tf32          bool   // GEMMs on TF32 tensor cores (-precision tf32)
 	cudnn         bool   // convolutions on cuDNN when it loads (-cudnn)
 	cudnnFind     bool   // cuDNN's algorithms by the timed search (-cudnn-find)
+	cudnnFindAll  bool   // the timed search for 16-bit and TF32 convolutions too (-cudnn-find-all)
 	cudnnBN       bool   // batch norm on cuDNN (-cudnn-bn)
 	cudnnAttn     bool   // fused attention on cuDNN (-cudnn-attn)
 	cudaGraphs    bool   // replay captured CUDA graphs (-cuda-graphs)
@@ -95,7 +96,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (4 chunks within 8GiB)")
 	fs.BoolVar(&c.cudnn, "cudnn", true, "run the executor's convolutions on cuDNN when it loads (false: im2col + cuBLAS, to compare)")
-	fs.BoolVar(&c.cudnnFind, "cudnn-find", true, "choose the executor's cuDNN convolution algorithms by the timed search, cached on disk, each node declaring the chosen algorithm's workspace (false: ExecutorOptions.ConvHeuristics, cuDNN's heuristics within the static workspace formula, to compare; BATCHFIT_CUDNN_FIND=0 or 1 overrides both ways, the Session's steps included)")
+	fs.BoolVar(&c.cudnnFind, "cudnn-find", true, "choose the executor's plain float32 cuDNN convolution algorithms by the timed search (cuDNN's algorithms and the im2col path), cached on disk, each node declaring the chosen algorithm's workspace (false: ExecutorOptions.ConvHeuristics, cuDNN's heuristics within the static workspace formula, to compare; BATCHFIT_CUDNN_FIND=0, 1 or all overrides it and -cudnn-find-all, the Session's steps included)")
+	fs.BoolVar(&c.cudnnFindAll, "cudnn-find-all", false, "extend the timed search to 16-bit and TF32 convolutions (ExecutorOptions.ConvSearchAll; BATCHFIT_CUDNN_FIND=all); by default they keep the heuristics")
 	fs.BoolVar(&c.cudnnBN, "cudnn-bn", true, "run the executor's batch norms on cuDNN where it takes them (false: ExecutorOptions.NoCuDNNBatchNorm, batchfit's kernels, to compare)")
 	fs.BoolVar(&c.cudnnAttn, "cudnn-attn", true, "run the executor's 16-bit fused attention on cuDNN's SDPA where it takes it (false: ExecutorOptions.NoCuDNNAttention, batchfit's kernels, to compare)")
 	fs.BoolVar(&c.cudaGraphs, "cuda-graphs", true, "capture the executor's launches between host steps as CUDA graphs and replay them (false: ExecutorOptions.NoCUDAGraphs and Options.NoCUDAGraphs, every kernel launched eagerly, to compare; BATCHFIT_CUDA_GRAPHS=0 or 1 overrides both ways)")
@@ -677,6 +679,6 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 // executorOptions are the CUDA executor's options the flags ask for.
 func (c config) executorOptions() cuda.ExecutorOptions {
-	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, ConvHeuristics: !c.cudnnFind, NoCuDNNBatchNorm: !c.cudnnBN,
+	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, ConvHeuristics: !c.cudnnFind, ConvSearchAll: c.cudnnFindAll, NoCuDNNBatchNorm: !c.cudnnBN,
 		NoCuDNNAttention: !c.cudnnAttn, NoCUDAGraphs: !c.cudaGraphs}
 }

@@ -4,10 +4,12 @@ import (
 	"encoding/json"
 	"errors"
 	"io/fs"
+	"math"
 	"os"
 	"path/filepath"
 	"reflect"
 	"runtime"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -16,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
 )
 
 // testAlgoKey is a forward convolution of ResNet-50's stem as the search
@@ -263,25 +266,82 @@ func TestRankAlgos(t *testing.T) {
 	assert.Empty(t, rankAlgos(convForward, graph.Float32, true, 0, []algoResult{r(1, 1, 1, cudnnFMAMath)}))
 }
 
-// TestAffineWorkspace: the declared workspace fixed + per·b is exactly wn
-// at the whole batch n, at least w1 at one sample, and never negative.
-func TestAffineWorkspace(t *testing.T) {
-	for _, c := range []struct{ w1, wn, n int64 }{
-		{0, 0, 64}, {1 << 20, 64 << 20, 64}, {1000, 1000, 64}, {5 << 20, 1 << 20, 64}, // flat, growing, shrinking
-		{0, 1, 64}, {1, 100, 3}, {7, 7 + 63*5, 64}, {100, 101, 2}, {0, 123456789, 7}, {3, 5, 1},
-		{12345, 98765432, 256}, {99, 100, 1000},
-	} {
-		fixed, per := affineWorkspace(c.w1, c.wn, c.n)
-		require.GreaterOrEqual(t, fixed, int64(0), "%v", c)
-		require.GreaterOrEqual(t, per, int64(0), "%v", c)
-		if c.wn >= c.w1 {
-			require.Equal(t, c.wn, fixed+per*c.n, "%v: exactly wn at the whole batch", c)
-		} else {
-			require.Equal(t, c.w1, fixed+per*c.n, "%v: a shrinking workspace is declared flat", c)
+// TestChunkSizes: every chunk size planner.Split can make of n samples,
+// and no other.
+func TestChunkSizes(t *testing.T) {
+	for _, n := range []int{1, 2, 3, 7, 64, 96, 100, 320, 4096} {
+		want := map[int]bool{}
+		for k := 1; k <= n; k++ {
+			for _, c := range planner.Chunks(n, k) {
+				want[c.Size] = true
+			}
 		}
-		require.GreaterOrEqual(t, fixed+per, c.w1, "%v: at least w1 at one sample", c)
+		got := chunkSizes(n)
+		require.True(t, slices.IsSorted(got), "n %d", n)
+		require.Equal(t, n, got[len(got)-1], "n %d: the whole batch last", n)
+		for _, b := range got {
+			require.True(t, b >= 1 && b <= n, "n %d: size %d", n, b)
+		}
+		for b := range want {
+			require.Contains(t, got, b, "n %d: a split makes chunks of %d", n, b)
+		}
+		assert.LessOrEqual(t, len(got), 4*int(math.Sqrt(float64(n)))+2, "n %d: about 4√n sizes", n)
+	}
+}
+
+// TestAffineCover: the declared workspace fixed + per·b is exactly the
+// whole batch's at the whole batch, at least each chunk size's at that
+// size, never negative, and the steepest line that allows.
+func TestAffineCover(t *testing.T) {
+	const n = 64
+	for name, w := range map[string]func(b int64) int64{
+		"none":       func(int64) int64 { return 0 },
+		"flat":       func(int64) int64 { return 1 << 20 },
+		"linear":     func(b int64) int64 { return 4096 * b },
+		"affine":     func(b int64) int64 { return 3<<20 + 4096*b },
+		"concave":    func(b int64) int64 { return int64(1e6 * math.Sqrt(float64(b))) },
+		"convex":     func(b int64) int64 { return 100 * b * b },
+		"stepped":    func(b int64) int64 { return (b + 15) / 16 * 1000003 },
+		"shrinking":  func(b int64) int64 { return 5<<20 - 1000*b },
+		"odd bytes":  func(b int64) int64 { return 7 + 13*b },
+		"tiny whole": func(b int64) int64 { return min(b, 3) },
+	} {
+		var pts []wsPoint
+		for _, b := range chunkSizes(n) {
+			pts = append(pts, wsPoint{int64(b), w(int64(b))})
+		}
+		fixed, per := affineCover(pts)
+		require.GreaterOrEqual(t, fixed, int64(0), name)
+		require.GreaterOrEqual(t, per, int64(0), name)
+		for _, p := range pts {
+			require.GreaterOrEqual(t, fixed+per*p.b, p.w, "%s: covers b = %d", name, p.b)
+		}
+		if name != "shrinking" {
+			require.Equal(t, w(n), fixed+per*n, "%s: exact at the whole batch", name)
+		} else {
+			require.Equal(t, w(1), fixed, "%s: flat at the largest", name)
+			require.Zero(t, per, name)
+		}
+		// Steepest: one more per sample would leave some size uncovered, or
+		// make fixed negative.
+		if name != "shrinking" {
+			steeper := per + 1
+			f2 := w(n) - steeper*n
+			covered := f2 >= 0
+			for _, p := range pts {
+				covered = covered && f2+steeper*p.b >= p.w
+			}
+			require.False(t, covered, "%s: a steeper line would do", name)
+		}
 	}
 	// A workspace affine in the batch is declared exactly at every size.
-	fixed, per := affineWorkspace(3<<20+4096, 3<<20+64*4096, 64)
+	var pts []wsPoint
+	for _, b := range chunkSizes(n) {
+		pts = append(pts, wsPoint{int64(b), 3<<20 + 4096*int64(b)})
+	}
+	fixed, per := affineCover(pts)
 	assert.Equal(t, [2]int64{3 << 20, 4096}, [2]int64{fixed, per})
+	assert.Equal(t, [2]int64{5, 0}, func() [2]int64 { f, p := affineCover([]wsPoint{{1, 5}}); return [2]int64{f, p} }(), "one sample")
+	f, p := affineCover(nil)
+	assert.Zero(t, f+p)
 }

@@ -58,17 +58,26 @@ import (
 // choice is a function of the timings, so a cached entry gives the same
 // choice on every run.
 //
-// Declaration: the chosen algorithm's workspace is asked of cuDNN at the
-// graph's whole batch (wN) and at one sample (w1), and declared affine in
-// the chunk size b as the planner requires: exactly wN at the whole
-// batch, at least w1 at one sample (affineWorkspace). A chunk runs the
-// chosen algorithm when its workspace at the chunk's size fits the chunk's
-// block, else the next in the ranking that does, else the heuristics
-// within the block.
+// Declaration: the chosen algorithm's workspace is asked of cuDNN at every
+// chunk size the planner can give the graph's batch (chunkSizes: ⌊N/k⌋
+// and ⌊N/k⌋+1, about 4√N sizes), and declared affine in the chunk size b
+// as the planner requires: exactly its workspace at the whole batch, and
+// at least its workspace at every other of those sizes (affineCover). An
+// algorithm cuDNN refuses at any of them is passed over for the next in
+// the ranking, so every chunk a plan can hold runs the chosen algorithm
+// from its block. A chunk of another size (a RunBatch of fewer samples)
+// runs the first ranked algorithm that fits its block, else the
+// heuristics within it.
 //
-// ExecutorOptions.ConvHeuristics, or BATCHFIT_CUDNN_FIND=0, turns the
-// search off: the static workspace formula and the _v7 heuristics, as
-// before the search existed.
+// Scope: by default the search takes plain float32 convolutions (FMA
+// math), where it measured ResNet-50's step at 82.5 against 110.2 ms and
+// the ConvNet's at 1.79 against 2.63 on the H100. 16-bit and TF32
+// convolutions keep the heuristics unless ExecutorOptions.ConvSearchAll
+// (or BATCHFIT_CUDNN_FIND=all): searched, ResNet-50 bf16-mixed
+// channels-last measured 38.0 against the heuristics' 31.7 ms, not yet
+// understood. ExecutorOptions.ConvHeuristics, or BATCHFIT_CUDNN_FIND=0,
+// turns the search off: the static workspace formula and the _v7
+// heuristics, as before the search existed.
 
 // im2colAlgo is the result id of batchfit's im2col + cuBLAS path among a
 // search's results (cuDNN's algorithms count from 0).
@@ -100,18 +109,37 @@ const maxSearchBytes = 1 << 30
 const algoTie = 0.02
 
 // findEnv is the environment variable that overrides
-// ExecutorOptions.ConvHeuristics: 0 for the heuristics, 1 for the search.
+// ExecutorOptions.ConvHeuristics and ConvSearchAll: 0 for the heuristics
+// everywhere, 1 for the search of plain float32 convolutions, all for the
+// search of every convolution.
 const findEnv = "BATCHFIT_CUDNN_FIND"
 
-// findOn is whether o, under findEnv, asks for the timed search.
-func findOn(o ExecutorOptions) bool {
+// findScope is which convolutions the timed search takes.
+type findScope int8
+
+const (
+	findNone findScope = iota // the heuristics everywhere
+	findFP32                  // plain float32 (FMA math) convolutions
+	findAll                   // every convolution cuDNN takes
+)
+
+// findScopeOf is the search's scope o asks for, under findEnv.
+func findScopeOf(o ExecutorOptions) findScope {
 	switch os.Getenv(findEnv) {
 	case "0":
-		return false
+		return findNone
 	case "1":
-		return true
+		return findFP32
+	case "all":
+		return findAll
 	}
-	return !o.ConvHeuristics
+	switch {
+	case o.ConvHeuristics:
+		return findNone
+	case o.ConvSearchAll:
+		return findAll
+	}
+	return findFP32
 }
 
 // rankAlgos orders the timed results a plan may run, best first (see the
@@ -148,25 +176,55 @@ func rankAlgos(pass convPass, dt graph.DType, strict bool, limit int64, rs []alg
 	return ok
 }
 
-// affineWorkspace declares a workspace of w1 bytes at one sample and wn at
-// n samples as fixed + per·b: exactly wn at b = n, at least w1 at b = 1,
-// never negative. Through the two points when they allow it; a line that
-// would be negative at 0 becomes wn spread over the samples (fixed < n);
-// a workspace that shrinks with the batch is declared flat.
-func affineWorkspace(w1, wn, n int64) (fixed, per int64) {
-	switch {
-	case n <= 1:
-		return max(w1, wn), 0
-	case wn <= w1:
-		return max(w1, wn), 0
+// chunkSizes lists every chunk size the planner can give n samples
+// (planner.Split: ⌊n/k⌋ and ⌊n/k⌋+1 for k = 1…n), ascending, n last.
+func chunkSizes(n int) []int {
+	var out []int
+	for k := 1; k <= n; {
+		q := n / k
+		out = append(out, q)
+		if q < n {
+			out = append(out, q+1)
+		}
+		k = n/q + 1 // the next k with another quotient
 	}
-	per = (wn - w1 + n - 2) / (n - 1) // ⌈(wn − w1)/(n − 1)⌉
-	fixed = wn - per*n
-	if fixed < 0 {
-		per = wn / n
-		fixed = wn - per*n
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// wsPoint is a workspace of w bytes at a chunk of b samples.
+type wsPoint struct{ b, w int64 }
+
+// affineCover declares the workspaces pts (ascending in b, the whole
+// batch last) as fixed + per·b: exactly the last point's at the whole
+// batch, at least each other point's, never negative, and as low as that
+// allows at smaller chunks (the steepest such line through the last
+// point). A workspace larger at a smaller chunk than at the whole batch is
+// declared flat at the largest, and so is a single point (a node whose
+// shapes do not change with the chunk).
+func affineCover(pts []wsPoint) (fixed, per int64) {
+	switch len(pts) {
+	case 0:
+		return 0, 0
+	case 1:
+		return pts[0].w, 0
 	}
-	return fixed, per
+	last := pts[len(pts)-1]
+	n, wn := last.b, last.w
+	most := wn
+	for _, p := range pts {
+		most = max(most, p.w)
+	}
+	if most > wn || n <= 0 {
+		return most, 0
+	}
+	per = wn / n // fixed = wn − per·n ≥ 0
+	for _, p := range pts[:len(pts)-1] {
+		if p.b < n {
+			per = min(per, (wn-p.w)/(n-p.b)) // wn − per·(n − b) ≥ w
+		}
+	}
+	return wn - per*n, per
 }
 
 // choiceKey names a choice: the convolution at the graph's whole batch,
@@ -421,7 +479,14 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 		return nil, "search failed: " + errorClass(err), ConvChoice{}
 	}
 	ranked := rankAlgos(keyF.pass, keyF.dt, n.strict(keyF.dt), ak.Limit, rs)
-	batched := keyN.x[0] != key1.x[0]
+	sizes := []int{whole}
+	if keyN.x[0] != key1.x[0] { // batched: every chunk size a plan can hold
+		sizes = chunkSizes(whole)
+	}
+	keys := make([]convKey, len(sizes))
+	for i, b := range sizes {
+		keys[i], _ = convNodeKey(g, nd, b)
+	}
 	var ch *convChoice
 	err = n.d.do(func() error {
 		for i, r := range ranked {
@@ -435,22 +500,19 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 				ch = &convChoice{ranked: ranked[i:], source: source, searchN: keyF.x[0], fixed: ws}
 				return nil
 			}
-			wn, err := n.queryWorkspace(keyN, r)
-			if err != nil || wn > limitN {
+			pts := make([]wsPoint, 0, len(sizes))
+			for j, b := range sizes {
+				w, err := n.queryWorkspace(keys[j], r)
+				if err != nil { // refused at some chunk size: the next
+					break
+				}
+				pts = append(pts, wsPoint{int64(b), w})
+			}
+			if len(pts) < len(sizes) || pts[len(pts)-1].w > limitN {
 				continue
 			}
-			w1 := wn
-			if batched {
-				if w1, err = n.queryWorkspace(key1, r); err != nil {
-					w1 = 0 // a chunk of one sample falls to the next algorithm
-				}
-			}
 			ch = &convChoice{ranked: ranked[i:], source: source, searchN: keyF.x[0]}
-			if batched {
-				ch.fixed, ch.per = affineWorkspace(w1, wn, int64(whole))
-			} else {
-				ch.fixed = wn
-			}
+			ch.fixed, ch.per = affineCover(pts)
 			return nil
 		}
 		return nil

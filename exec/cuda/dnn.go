@@ -12,12 +12,13 @@ import (
 // DNN is a cuDNN handle on a device and the convolution plans it has made.
 //
 // The planner fixes every workspace before a step runs, and cuDNN must not
-// allocate behind the allocator's back. By default a convolution's
-// algorithm is chosen at compile time by a timed search whose results are
-// cached on disk (convfind.go), and the node declares exactly the chosen
-// algorithm's workspace. Without the search (ExecutorOptions.ConvHeuristics,
-// a program compiled with the package's static Workspace, or a shape the
-// search left alone) the workspace is declared by a formula of its shapes
+// allocate behind the allocator's back. By default a plain float32
+// convolution's algorithm is chosen at compile time by a timed search
+// whose results are cached on disk (convfind.go), and the node declares
+// exactly the chosen algorithm's workspace. Without the search
+// (ExecutorOptions.ConvHeuristics, 16-bit and TF32 convolutions unless
+// ExecutorOptions.ConvSearchAll, a program compiled with the package's
+// static Workspace, or a shape the search left alone) the workspace is declared by a formula of its shapes
 // (the im2col kernels' workspace plus convDNNBytes: its input, output and
 // weight in bytes) and cuDNN's own ranking (the _v7 heuristics, no timing,
 // so the choice is the same on every run of a device and cuDNN version)

@@ -18,7 +18,8 @@
 //     backend graph API for attention), each workspace declared per node
 //     and carved from the allocator, the handle's own memory measured once
 //     as overhead; what cuDNN refuses runs on the kernels, counted.
-//   - Convolution algorithms are chosen at compile time by a timed search
+//   - Plain float32 convolution algorithms (all with
+//     ExecutorOptions.ConvSearchAll) are chosen at compile time by a timed search
 //     (convfind.go: cuDNN's algorithms and the im2col path, timed on
 //     memory of the search's own allocator, the results cached on disk
 //     beside the cubins, algocache.go), and the executor's Workspace

@@ -38,11 +38,18 @@ type ExecutorOptions struct {
 	// ConvHeuristics chooses cuDNN's convolution algorithms by its _v7
 	// heuristics within the static workspace formula (Workspace), as
 	// before the timed search. By default the executor's Workspace times
-	// each convolution shape's algorithms at compile time (or reads the
-	// timings from the disk cache, Options.AlgoCacheDir) and declares the
-	// chosen one's exact workspace (convfind.go). BATCHFIT_CUDNN_FIND=0
-	// (or 1) in the environment overrides this either way.
+	// each plain float32 convolution shape's algorithms (and the im2col
+	// path) at compile time (or reads the timings from the disk cache,
+	// Options.AlgoCacheDir) and declares the chosen one's exact workspace
+	// (convfind.go). BATCHFIT_CUDNN_FIND in the environment overrides
+	// this and ConvSearchAll: 0 for the heuristics, 1 for the default, all
+	// for ConvSearchAll.
 	ConvHeuristics bool
+	// ConvSearchAll extends the timed search to 16-bit and TF32
+	// convolutions, which keep the heuristics by default: searched, a
+	// bf16-mixed channels-last ResNet-50 step measured slower (38.0
+	// against 31.7 ms on the H100).
+	ConvSearchAll bool
 	// NoCuDNNBatchNorm runs batch_norm and batch_norm_grad_x on
 	// kernels/batchnorm.cu even where cuDNN's batch norm takes them
 	// (cuDNN's measured faster on the H100: ResNet-50 bf16 39.9 against
@@ -99,9 +106,9 @@ type Executor struct {
 	d    *Device
 	a    *alloc.Allocator
 	blas *BLAS
-	dnn  *DNN  // nil: convolutions on im2col
-	why  error // why dnn is nil: ErrNoLibrary, or NoCuDNN
-	find bool  // the timed algorithm search declares conv workspaces (convfind.go)
+	dnn  *DNN      // nil: convolutions on im2col
+	why  error     // why dnn is nil: ErrNoLibrary, or NoCuDNN
+	find findScope // which conv nodes declare the timed search's workspaces (convfind.go)
 	ks   *kernelSet
 
 	mu       sync.Mutex
@@ -163,7 +170,9 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 		}
 		if e.dnn != nil {
 			e.dnn.noSDPA = o.NoCuDNNAttention
-			e.find = findOn(o) && e.dnn.lib.find != nil
+			if e.dnn.lib.find != nil {
+				e.find = findScopeOf(o)
+			}
 			e.dnn.ks, e.dnn.blas = ks, b
 		}
 	}
@@ -175,12 +184,15 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 var errNoCuDNNAsked = errors.New("ExecutorOptions.NoCuDNN")
 
 // Convolutions says what runs the executor's convolutions: "cuDNN 9.14.0
-// (timed search)" or "cuDNN 9.14.0 (heuristics)", or "im2col + cuBLAS (no
-// cuDNN: reason)".
+// (timed search: float32)", "cuDNN 9.14.0 (timed search: all)" or "cuDNN
+// 9.14.0 (heuristics)", or "im2col + cuBLAS (no cuDNN: reason)".
 func (e *Executor) Convolutions() string {
 	if e.dnn != nil {
-		if e.find {
-			return "cuDNN " + e.dnn.Version() + " (timed search)"
+		switch e.find {
+		case findFP32:
+			return "cuDNN " + e.dnn.Version() + " (timed search: float32)"
+		case findAll:
+			return "cuDNN " + e.dnn.Version() + " (timed search: all)"
 		}
 		return "cuDNN " + e.dnn.Version() + " (heuristics)"
 	}
@@ -242,16 +254,16 @@ func (e *Executor) Close() error {
 }
 
 // Workspace is the kernels' workspace rule (exec.Executor): the package's
-// Workspace, except that with the timed search (the default where cuDNN
-// loads; ExecutorOptions.ConvHeuristics) a convolution declares the
-// workspace of the algorithm the search chose for its shape, searching
-// on first use (convfind.go). A program compiled with it runs on this
+// Workspace, except that with the timed search (the default for plain
+// float32 convolutions where cuDNN loads; ExecutorOptions.ConvHeuristics,
+// ConvSearchAll) a convolution declares the workspace of the algorithm
+// the search chose for its shape, searching on first use (convfind.go). A program compiled with it runs on this
 // executor (or another on the same device and cuDNN, from the caches);
 // on another executor a timed node's block may be smaller than the
 // heuristics need, and the node fails with ErrWorkspace rather than take
 // more memory than planned.
 func (e *Executor) Workspace() planner.WorkspaceFunc {
-	if !e.find {
+	if e.find == findNone {
 		return Workspace
 	}
 	return e.timedWorkspace
@@ -262,6 +274,9 @@ func (e *Executor) Workspace() planner.WorkspaceFunc {
 func (e *Executor) timedWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	switch nd.Op {
 	case graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
+		if e.find != findAll && !e.dnn.strict(nd.Type.DType) {
+			break
+		}
 		if ch := e.dnn.choiceFor(g, nd, Workspace, e.searchCap()); ch != nil {
 			return ch.fixed + ch.per*int64(b)
 		}
