@@ -18,13 +18,14 @@ import (
 // exactly the chosen algorithm's workspace. Without the search
 // (ExecutorOptions.ConvHeuristics, 16-bit and TF32 convolutions unless
 // ExecutorOptions.ConvSearchAll, a program compiled with the package's
-// static Workspace, or a shape the search left alone) the workspace is declared by a formula of its shapes
-// (the im2col kernels' workspace plus convDNNBytes: its input, output and
-// weight in bytes) and cuDNN's own ranking (the _v7 heuristics, no timing,
-// so the choice is the same on every run of a device and cuDNN version)
-// is searched for the best deterministic algorithm that needs no more. A
-// shape no such algorithm takes runs on the im2col kernels, whose
-// workspace that declaration also covers.
+// static Workspace, or a shape the search left alone) the workspace is
+// declared by a formula of its shapes (the im2col kernels' workspace plus
+// convDNNBytes: its input, output and weight in bytes) and cuDNN's own
+// ranking (the _v7 heuristics, no timing, so the choice is the same on
+// every run of a device and cuDNN version) is searched for the best
+// deterministic algorithm that needs no more. A shape no such algorithm
+// takes runs on the im2col kernels, whose workspace that declaration also
+// covers.
 type DNN struct {
 	d        *Device
 	lib      *cudnnLib
