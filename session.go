@@ -544,6 +544,18 @@ func (s *Session) Overhead() int64 {
 	return s.be.Overhead()
 }
 
+// Workspace is the workspace rule the session compiles its steps with
+// (exec.Executor.Workspace): on CUDA, a convolution declares the workspace
+// of the algorithm cuDNN's timed search chose for its shape. Programs
+// compiled with it plan as the session's steps do. Nil when the session
+// has no executor (see Err).
+func (s *Session) Workspace() planner.WorkspaceFunc {
+	if s.be == nil {
+		return nil
+	}
+	return s.be.Workspace()
+}
+
 // CacheHits counts runs that reused a compiled program.
 func (s *Session) CacheHits() int {
 	s.mu.Lock()

@@ -59,6 +59,8 @@ type config struct {
 	tightConv     int
 	tf32          bool   // GEMMs on TF32 tensor cores (-precision tf32)
 	cudnn         bool   // convolutions on cuDNN when it loads (-cudnn)
+	cudnnFind     bool   // cuDNN's algorithms by the timed search (-cudnn-find)
+	cudnnFindAll  bool   // the timed search for 16-bit and TF32 convolutions too (-cudnn-find-all)
 	cudnnBN       bool   // batch norm on cuDNN (-cudnn-bn)
 	cudnnAttn     bool   // fused attention on cuDNN (-cudnn-attn)
 	cudaGraphs    bool   // replay captured CUDA graphs (-cuda-graphs)
@@ -94,6 +96,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.tightMLP, "tight-batch-mlp", 1<<18, "MLP batch for -budget (3 chunks within 8GiB)")
 	fs.IntVar(&c.tightConv, "tight-batch-conv", 49152, "ConvNet batch for -budget (4 chunks within 8GiB)")
 	fs.BoolVar(&c.cudnn, "cudnn", true, "run the executor's convolutions on cuDNN when it loads (false: im2col + cuBLAS, to compare)")
+	fs.BoolVar(&c.cudnnFind, "cudnn-find", true, "choose the executor's plain float32 cuDNN convolution algorithms by the timed search (cuDNN's algorithms and the im2col path), cached on disk, each node declaring the chosen algorithm's workspace (false: ExecutorOptions.ConvHeuristics, cuDNN's heuristics within the static workspace formula, to compare; BATCHFIT_CUDNN_FIND=0, 1 or all overrides it and -cudnn-find-all, the Session's steps included)")
+	fs.BoolVar(&c.cudnnFindAll, "cudnn-find-all", false, "extend the timed search to 16-bit and TF32 convolutions (ExecutorOptions.ConvSearchAll; BATCHFIT_CUDNN_FIND=all); by default they keep the heuristics")
 	fs.BoolVar(&c.cudnnBN, "cudnn-bn", true, "run the executor's batch norms on cuDNN where it takes them (false: ExecutorOptions.NoCuDNNBatchNorm, batchfit's kernels, to compare)")
 	fs.BoolVar(&c.cudnnAttn, "cudnn-attn", true, "run the executor's 16-bit fused attention on cuDNN's SDPA where it takes it (false: ExecutorOptions.NoCuDNNAttention, batchfit's kernels, to compare)")
 	fs.BoolVar(&c.cudaGraphs, "cuda-graphs", true, "capture the executor's launches between host steps as CUDA graphs and replay them (false: ExecutorOptions.NoCUDAGraphs and Options.NoCUDAGraphs, every kernel launched eagerly, to compare; BATCHFIT_CUDA_GRAPHS=0 or 1 overrides both ways)")
@@ -289,12 +293,13 @@ func (c config) train() precision.TrainOptions {
 }
 
 // compileStep compiles a training step as batchfit.Session.Step does, with
-// the CUDA kernels' workspaces: the precision policy's graph pass and o's
+// workspace rule ws (the executor's, cuda.Executor.Workspace, to run it
+// there): the precision policy's graph pass and o's
 // (precision.TrainWith: the layout pass with -channels-last), then the
 // loss and the gradients of params kept on the device. inputs are source
 // nodes of loss's graph; their ids in the compiled graph come back in the
 // same order, for feeding.
-func compileStep(pol precision.Policy, o precision.TrainOptions, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
+func compileStep(ws planner.WorkspaceFunc, pol precision.Policy, o precision.TrainOptions, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
 	if err := loss.Err(); err != nil {
 		return nil, nil, err
 	}
@@ -313,7 +318,7 @@ func compileStep(pol precision.Policy, o precision.TrainOptions, loss *lazy.Tens
 		return nil, nil, err
 	}
 	p, err := planner.Compile(ng, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: st.Params,
-		StateSlots: slots, Workspace: cuda.Workspace})
+		StateSlots: slots, Workspace: ws})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -477,7 +482,7 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	// build of the same step, as a training loop makes one every step.
 	start = time.Now()
 	loss, inputs := m.build(mod, m.batch, nil)
-	p, ids, err := compileStep(c.policy(), c.train(), loss, nn.ParamTensors(mod), 2, inputs...)
+	p, ids, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.ParamTensors(mod), 2, inputs...)
 	if err != nil {
 		return r, err
 	}
@@ -540,6 +545,12 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		if err := profileStep(os.Stderr, e, p, pl.Chunks, feed, opt, m.name, c.profile); err != nil {
 			return r, err
 		}
+		printChoices(os.Stderr, e, m.name)
+	}
+	if dnn := e.DNN(); dnn != nil {
+		st := dnn.SearchStats()
+		r.ConvSearched, r.ConvFromCache, r.ConvHeuristic = st.Searched, st.FromDisk+st.FromProcess, st.Heuristics
+		r.ConvSearchMaxBytes = st.MaxBytes
 	}
 	r.setRates(m.batch)
 	gs := e.GraphStats()
@@ -597,7 +608,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	start := time.Now()
 	mod := m.module(nn.Options{ShapeOnly: true})
 	loss, _ := m.build(mod, m.upper, nil)
-	p, _, err := compileStep(c.policy(), c.train(), loss, nn.ParamTensors(mod), 2)
+	p, _, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.ParamTensors(mod), 2)
 	if err != nil {
 		return r, err
 	}
@@ -648,7 +659,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	loss, _ = m.build(real, lo, rand.New(rand.NewPCG(4, 5)))
 	params := nn.ParamTensors(real)
 	start = time.Now()
-	p, _, err = compileStep(c.policy(), c.train(), loss, params, 2)
+	p, _, err = compileStep(e.Workspace(), c.policy(), c.train(), loss, params, 2)
 	if err != nil {
 		return r, err
 	}
@@ -668,5 +679,6 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 // executorOptions are the CUDA executor's options the flags ask for.
 func (c config) executorOptions() cuda.ExecutorOptions {
-	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, NoCuDNNBatchNorm: !c.cudnnBN, NoCuDNNAttention: !c.cudnnAttn, NoCUDAGraphs: !c.cudaGraphs}
+	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, ConvHeuristics: !c.cudnnFind, ConvSearchAll: c.cudnnFindAll, NoCuDNNBatchNorm: !c.cudnnBN,
+		NoCuDNNAttention: !c.cudnnAttn, NoCUDAGraphs: !c.cudaGraphs}
 }

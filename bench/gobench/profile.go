@@ -15,6 +15,7 @@ import (
 
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/optim"
@@ -161,4 +162,32 @@ func startCPUProfile(path, model string) (stop func(), err error) {
 		pprof.StopCPUProfile()
 		_ = f.Close()
 	}, nil
+}
+
+// printChoices writes the timed search's choices (cuda.DNN.Choices) to w:
+// per convolution, the chosen algorithm and its time at the searched
+// batch, the workspace declared at the whole batch, and the fastest result
+// of any kind, for comparison (non-deterministic and FFT algorithms, which
+// the choice leaves out, included).
+func printChoices(w io.Writer, e *cuda.Executor, name string) {
+	dnn := e.DNN()
+	if dnn == nil {
+		return
+	}
+	cs := dnn.Choices()
+	st := dnn.SearchStats()
+	fmt.Fprintf(w, "== cuDNN algorithms %s: %d shapes searched, %d from the disk cache, %d from this process, heuristics %v, cache errors %d, largest search %s\n",
+		name, st.Searched, st.FromDisk, st.FromProcess, st.Heuristics, st.CacheErrors, alloc.FormatBytes(st.MaxBytes))
+	var chosen, fastest float64
+	for _, c := range cs {
+		chosen += c.TimeMS
+		fastest += c.FastestTimeMS
+		mark := ""
+		if !c.FastestAllowed {
+			mark = fmt.Sprintf("  (fastest of any kind: algo %d, %.3f ms)", c.FastestAlgo, c.FastestTimeMS)
+		}
+		fmt.Fprintf(w, "  algo %d math %d %8.3f ms at batch %d, workspace %s (%d + %d·b), %s: %s%s\n", c.Algo, c.Math, c.TimeMS,
+			c.SearchBatch, alloc.FormatBytes(c.Workspace), c.DeclaredFixed, c.DeclaredPerBatch, c.Source, c.Conv, mark)
+	}
+	fmt.Fprintf(w, "  sum over shapes (each once): chosen %.3f ms, fastest of any kind %.3f ms\n", chosen, fastest)
 }

@@ -21,6 +21,14 @@ type Record struct {
 	// Convolutions is what ran the executor's convolutions
 	// (cuda.Executor.Convolutions).
 	Convolutions string `json:"convolutions,omitempty"`
+	// The executor's timed cuDNN algorithm search (-cudnn-find;
+	// cuda.DNN.SearchStats) after the throughput steps: convolution shapes
+	// timed on the device, read from the disk or process cache, left to the
+	// heuristics (by reason), and the most device memory one search took.
+	ConvSearched       int            `json:"conv_searched,omitempty"`
+	ConvFromCache      int            `json:"conv_from_cache,omitempty"`
+	ConvHeuristic      map[string]int `json:"conv_heuristic,omitempty"`
+	ConvSearchMaxBytes int64          `json:"conv_search_max_bytes,omitempty"`
 	// The executor's CUDA graphs (-cuda-graphs; cuda.GraphStats) after the
 	// throughput steps: graphs captured, segments launched as a graph and
 	// node by node, and the driver memory the live graphs took.

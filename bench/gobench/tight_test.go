@@ -40,7 +40,7 @@ func TestTightDefaultsSplitWithin8GiB(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			mod := m.module(nn.Options{ShapeOnly: true})
 			loss, _ := m.build(mod, m.tight, nil)
-			p, _, err := compileStep(precision.FP32, precision.TrainOptions{}, loss, nn.ParamTensors(mod), 2)
+			p, _, err := compileStep(cuda.Workspace, precision.FP32, precision.TrainOptions{}, loss, nn.ParamTensors(mod), 2)
 			require.NoError(t, err)
 			tp, err := planTight(p, budget)
 			require.NoError(t, err)
@@ -88,7 +88,7 @@ func TestTightWholeBatch(t *testing.T) {
 	require.NoError(t, err)
 	mod := ms[0].module(nn.Options{ShapeOnly: true})
 	loss, _ := ms[0].build(mod, 64, nil)
-	p, _, err := compileStep(precision.FP32, precision.TrainOptions{}, loss, nn.ParamTensors(mod), 2)
+	p, _, err := compileStep(cuda.Workspace, precision.FP32, precision.TrainOptions{}, loss, nn.ParamTensors(mod), 2)
 	require.NoError(t, err)
 	tp, err := planTight(p, 8<<30)
 	require.NoError(t, err)

@@ -36,6 +36,14 @@ const (
 	cudnnDeterministic = 1
 )
 
+// The number of cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t values in
+// cuDNN 9: an algorithm id outside [0, count) is not one.
+const (
+	cudnnFwdAlgoCount       = 8
+	cudnnBwdDataAlgoCount   = 6
+	cudnnBwdFilterAlgoCount = 7
+)
+
 // cudnnAlgoPerf is cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t, which
 // share one layout: the algorithm, its status, a time (-1 from the
 // heuristics), its workspace bytes, determinism and math type.
@@ -49,6 +57,62 @@ type cudnnAlgoPerf struct {
 	MathType    int32
 	_           [3]int32
 	_           int32
+}
+
+// cudnnFindLib holds the timed algorithm search and the workspace
+// queries of the legacy convolution API (libcudnn_cnn.so.9); C signatures
+// in the comments. The search runs every algorithm on buffers and a
+// workspace the caller allocates (the Ex variants: cuDNN allocates
+// nothing).
+type cudnnFindLib struct {
+	// cudnnStatus_t cudnnFindConvolutionForwardAlgorithmEx(cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc,
+	//     const void *x, const cudnnFilterDescriptor_t wDesc, const void *w, const cudnnConvolutionDescriptor_t convDesc,
+	//     const cudnnTensorDescriptor_t yDesc, void *y, const int requestedAlgoCount, int *returnedAlgoCount,
+	//     cudnnConvolutionFwdAlgoPerf_t *perfResults, void *workSpace, size_t workSpaceSizeInBytes)
+	cudnnFindConvolutionForwardAlgorithmEx func(h cudnnHandle, xd cudnnTensorDesc, x CUdeviceptr, wd cudnnFilterDesc,
+		w CUdeviceptr, c cudnnConvDesc, yd cudnnTensorDesc, y CUdeviceptr, requested int32, returned *int32,
+		perf *cudnnAlgoPerf, ws CUdeviceptr, wsBytes uintptr) cudnnStatus
+	// cudnnStatus_t cudnnFindConvolutionBackwardDataAlgorithmEx(cudnnHandle_t handle, const cudnnFilterDescriptor_t wDesc,
+	//     const void *w, const cudnnTensorDescriptor_t dyDesc, const void *dy, const cudnnConvolutionDescriptor_t convDesc,
+	//     const cudnnTensorDescriptor_t dxDesc, void *dx, const int requestedAlgoCount, int *returnedAlgoCount,
+	//     cudnnConvolutionBwdDataAlgoPerf_t *perfResults, void *workSpace, size_t workSpaceSizeInBytes)
+	cudnnFindConvolutionBackwardDataAlgorithmEx func(h cudnnHandle, wd cudnnFilterDesc, w CUdeviceptr, dyd cudnnTensorDesc,
+		dy CUdeviceptr, c cudnnConvDesc, dxd cudnnTensorDesc, dx CUdeviceptr, requested int32, returned *int32,
+		perf *cudnnAlgoPerf, ws CUdeviceptr, wsBytes uintptr) cudnnStatus
+	// cudnnStatus_t cudnnFindConvolutionBackwardFilterAlgorithmEx(cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc,
+	//     const void *x, const cudnnTensorDescriptor_t dyDesc, const void *y, const cudnnConvolutionDescriptor_t convDesc,
+	//     const cudnnFilterDescriptor_t dwDesc, void *dw, const int requestedAlgoCount, int *returnedAlgoCount,
+	//     cudnnConvolutionBwdFilterAlgoPerf_t *perfResults, void *workSpace, size_t workSpaceSizeInBytes)
+	cudnnFindConvolutionBackwardFilterAlgorithmEx func(h cudnnHandle, xd cudnnTensorDesc, x CUdeviceptr, dyd cudnnTensorDesc,
+		dy CUdeviceptr, c cudnnConvDesc, dwd cudnnFilterDesc, dw CUdeviceptr, requested int32, returned *int32,
+		perf *cudnnAlgoPerf, ws CUdeviceptr, wsBytes uintptr) cudnnStatus
+
+	// cudnnStatus_t cudnnGetConvolutionForwardWorkspaceSize(cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc,
+	//     const cudnnFilterDescriptor_t wDesc, const cudnnConvolutionDescriptor_t convDesc,
+	//     const cudnnTensorDescriptor_t yDesc, cudnnConvolutionFwdAlgo_t algo, size_t *sizeInBytes)
+	cudnnGetConvolutionForwardWorkspaceSize func(h cudnnHandle, xd cudnnTensorDesc, wd cudnnFilterDesc, c cudnnConvDesc,
+		yd cudnnTensorDesc, algo int32, size *uintptr) cudnnStatus
+	// cudnnStatus_t cudnnGetConvolutionBackwardDataWorkspaceSize(cudnnHandle_t handle, const cudnnFilterDescriptor_t wDesc,
+	//     const cudnnTensorDescriptor_t dyDesc, const cudnnConvolutionDescriptor_t convDesc,
+	//     const cudnnTensorDescriptor_t dxDesc, cudnnConvolutionBwdDataAlgo_t algo, size_t *sizeInBytes)
+	cudnnGetConvolutionBackwardDataWorkspaceSize func(h cudnnHandle, wd cudnnFilterDesc, dyd cudnnTensorDesc, c cudnnConvDesc,
+		dxd cudnnTensorDesc, algo int32, size *uintptr) cudnnStatus
+	// cudnnStatus_t cudnnGetConvolutionBackwardFilterWorkspaceSize(cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc,
+	//     const cudnnTensorDescriptor_t dyDesc, const cudnnConvolutionDescriptor_t convDesc,
+	//     const cudnnFilterDescriptor_t gradDesc, cudnnConvolutionBwdFilterAlgo_t algo, size_t *sizeInBytes)
+	cudnnGetConvolutionBackwardFilterWorkspaceSize func(h cudnnHandle, xd cudnnTensorDesc, dyd cudnnTensorDesc, c cudnnConvDesc,
+		dwd cudnnFilterDesc, algo int32, size *uintptr) cudnnStatus
+}
+
+func (c *cudnnFindLib) symbols() []symbol {
+	return []symbol{
+		sym(&c.cudnnFindConvolutionForwardAlgorithmEx, "cudnnFindConvolutionForwardAlgorithmEx"),
+		sym(&c.cudnnFindConvolutionBackwardDataAlgorithmEx, "cudnnFindConvolutionBackwardDataAlgorithmEx"),
+		sym(&c.cudnnFindConvolutionBackwardFilterAlgorithmEx, "cudnnFindConvolutionBackwardFilterAlgorithmEx"),
+		sym(&c.cudnnGetConvolutionForwardWorkspaceSize, "cudnnGetConvolutionForwardWorkspaceSize"),
+		sym(&c.cudnnGetConvolutionBackwardDataWorkspaceSize, "cudnnGetConvolutionBackwardDataWorkspaceSize"),
+		sym(&c.cudnnGetConvolutionBackwardFilterWorkspaceSize, "cudnnGetConvolutionBackwardFilterWorkspaceSize"),
+	}
 }
 
 // cudnnLib holds the cuDNN 9 entry points of the legacy convolution API
@@ -133,6 +197,7 @@ type cudnnLib struct {
 		dwd cudnnFilterDesc, dw CUdeviceptr) cudnnStatus
 
 	version int
+	find    *cudnnFindLib    // nil when these libraries lack the timed search
 	bn      *cudnnBNLib      // nil when these libraries lack the batch norm
 	backend *cudnnBackendLib // nil when they lack the backend (graph) API
 }
@@ -230,6 +295,9 @@ func loadCUDNN() (*cudnnLib, error) {
 		if err := bindAny(libs, c.symbols()); err != nil {
 			cudnnOnce.err = fmt.Errorf("%w: cudnn: %v", ErrNoLibrary, err)
 			return
+		}
+		if f := new(cudnnFindLib); bindAny(libs, f.symbols()) == nil {
+			c.find = f
 		}
 		if bn := new(cudnnBNLib); bindAny(libs, bn.symbols()) == nil {
 			c.bn = bn

@@ -17,7 +17,11 @@ type Options struct {
 	// CacheDir holds compiled cubins; "" means
 	// os.UserCacheDir()/batchfit/cubin.
 	CacheDir string
-	// NoCache compiles every kernel afresh and writes nothing to disk.
+	// AlgoCacheDir holds the timed cuDNN algorithm searches' results
+	// (convfind.go); "" means os.UserCacheDir()/batchfit/cudnn.
+	AlgoCacheDir string
+	// NoCache compiles every kernel afresh, times every convolution shape
+	// afresh (once per process) and writes nothing to disk.
 	NoCache bool
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -11,27 +12,44 @@ import (
 // DNN is a cuDNN handle on a device and the convolution plans it has made.
 //
 // The planner fixes every workspace before a step runs, and cuDNN must not
-// allocate behind the allocator's back, so a convolution's workspace is
+// allocate behind the allocator's back. By default a plain float32
+// convolution's algorithm is chosen at compile time by a timed search
+// whose results are cached on disk (convfind.go), and the node declares
+// exactly the chosen algorithm's workspace. Without the search
+// (ExecutorOptions.ConvHeuristics, 16-bit and TF32 convolutions unless
+// ExecutorOptions.ConvSearchAll, a program compiled with the package's
+// static Workspace, or a shape the search left alone) the workspace is
 // declared by a formula of its shapes (the im2col kernels' workspace plus
 // convDNNBytes: its input, output and weight in bytes) and cuDNN's own
-// ranking (the _v7 heuristics, no
-// timing, so the choice is the same on every run of a device and cuDNN
-// version) is searched for the best deterministic algorithm that needs no
-// more. A shape no such algorithm takes runs on the im2col kernels, whose
-// workspace the declaration also covers.
+// ranking (the _v7 heuristics, no timing, so the choice is the same on
+// every run of a device and cuDNN version) is searched for the best
+// deterministic algorithm that needs no more. A shape no such algorithm
+// takes runs on the im2col kernels, whose workspace that declaration also
+// covers.
 type DNN struct {
 	d        *Device
 	lib      *cudnnLib
 	h        cudnnHandle
 	tf32     bool
-	overhead int64
+	overhead atomic.Int64
 
 	mu        sync.Mutex
-	plans     map[convKey]*convPlan
+	plans     map[planKey]*convPlan
 	bnPlans   map[bnKey]*bnPlan
 	fallbacks int
 	closed    bool
-	bn        *cudnnBNLib // nil when cuDNN lacks its batch norm, or it is not asked for
+	// gone is closed as the device thread sees it: set before the
+	// handle's destruction is queued there, so a search that runs after
+	// it finds it set and never touches the destroyed handle.
+	gone atomic.Bool
+	bn   *cudnnBNLib // nil when cuDNN lacks its batch norm, or it is not asked for
+
+	// find is the timed search's choices and counts (convfind.go); ks and
+	// blas are the executor's kernels and cuBLAS, for timing the im2col
+	// path beside cuDNN's algorithms (nil: cuDNN's alone).
+	find findState
+	ks   *kernelSet
+	blas *BLAS
 
 	// Fused attention (dnn_sdpa.go): plans by key, calls run per pass,
 	// calls left to the kernels by reason; noSDPA is
@@ -73,6 +91,13 @@ type convKey struct {
 	nhwc             bool  // x, y NHWC and w KRSC in memory (graph.Attrs.ChannelsLast)
 }
 
+// planKey is a plan's key and the timed choice it draws on (nil: the
+// heuristics alone).
+type planKey struct {
+	convKey
+	choice *convChoice
+}
+
 // convPlan is a plan's descriptors and algorithm; ok is false when no
 // algorithm fits the budget (the convolution runs on im2col instead).
 type convPlan struct {
@@ -82,6 +107,7 @@ type convPlan struct {
 	algo   int32
 	ws     int64
 	ok     bool
+	im2col bool // the timed search chose the im2col path (ok is false)
 }
 
 // newDNN loads cuDNN and creates a handle on d, measuring the device
@@ -91,7 +117,7 @@ func (d *Device) newDNN(tf32 bool) (*DNN, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := &DNN{d: d, lib: lib, bn: lib.bn, tf32: tf32, plans: map[convKey]*convPlan{}, bnPlans: map[bnKey]*bnPlan{},
+	n := &DNN{d: d, lib: lib, bn: lib.bn, tf32: tf32, plans: map[planKey]*convPlan{}, bnPlans: map[bnKey]*bnPlan{},
 		sdpaPlans: map[sdpaKey]*sdpaPlan{}, sdpaFallbacks: map[string]int{}}
 	err = d.do(func() error {
 		var before, after, total uintptr
@@ -104,7 +130,7 @@ func (d *Device) newDNN(tf32 bool) (*DNN, error) {
 		if err := d.drv.check("cuMemGetInfo_v2", d.drv.cuMemGetInfo(&after, &total)); err != nil {
 			return errors.Join(err, lib.check("cudnnDestroy", lib.cudnnDestroy(n.h)))
 		}
-		n.overhead = max(0, int64(before)-int64(after))
+		n.overhead.Store(max(0, int64(before)-int64(after)))
 		return nil
 	})
 	if err != nil {
@@ -122,9 +148,11 @@ func (n *DNN) setStream(s uintptr) error {
 // Version is cuDNN's version, "9.14.0".
 func (n *DNN) Version() string { return formatCUDNNVersion(n.lib.version) }
 
-// Overhead is the device memory the cuDNN handle took when it was
-// created, outside every allocator.
-func (n *DNN) Overhead() int64 { return n.overhead }
+// Overhead is the device memory cuDNN took outside every allocator: what
+// the handle took when it was created, and what the timed searches left
+// behind (the kernels cuDNN loaded as it tried them), each measured with
+// cuMemGetInfo around it.
+func (n *DNN) Overhead() int64 { return n.overhead.Load() }
 
 // ConvStats counts the convolution plans made, and the fallbacks to im2col:
 // plans that found no cuDNN algorithm within their workspace, and calls
@@ -143,6 +171,7 @@ func (n *DNN) Close() error {
 		return nil
 	}
 	n.closed = true
+	n.gone.Store(true)
 	return n.d.do(func() error {
 		var errs []error
 		for _, p := range n.plans {
@@ -226,84 +255,82 @@ func fftAlgo(pass convPass, algo int32) bool {
 	}
 }
 
-// plan returns the plan of key, making it on first use. It runs on the
-// device thread.
-func (n *DNN) plan(key convKey) (*convPlan, error) {
+// plan returns the plan of key, drawing on the timed choice (nil: the
+// heuristics alone), making it on first use. It runs on the device
+// thread.
+func (n *DNN) plan(key convKey, choice *convChoice) (*convPlan, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.closed {
 		return nil, fmt.Errorf("%w: cudnn handle", ErrClosed)
 	}
-	if p, ok := n.plans[key]; ok {
+	pk := planKey{key, choice}
+	if p, ok := n.plans[pk]; ok {
 		return p, nil
 	}
-	p, err := n.makePlan(key)
+	p, err := n.makePlan(key, choice)
 	if err != nil {
 		return nil, err
 	}
-	n.plans[key] = p
-	if !p.ok {
+	n.plans[pk] = p
+	if !p.ok && !p.im2col {
 		n.fallbacks++
 	}
 	return p, nil
 }
 
-func (n *DNN) makePlan(key convKey) (p *convPlan, err error) {
-	l := n.lib
-	dt, ok := cudnnDType(key.dt)
-	if !ok {
+// makePlan makes key's plan: the first of the choice's ranked algorithms
+// whose workspace on key's shapes fits key's budget, else the best
+// heuristic one that does, else none (ok false: im2col).
+func (n *DNN) makePlan(key convKey, choice *convChoice) (*convPlan, error) {
+	if _, ok := cudnnDType(key.dt); !ok {
 		return &convPlan{}, nil
 	}
-	p = &convPlan{}
-	defer func() {
-		if err != nil {
-			err = errors.Join(err, n.destroy(p))
+	p, err := n.newConvDescs(key)
+	if err != nil {
+		return nil, err
+	}
+	ok, err := n.pickAlgo(p, key, choice)
+	if err != nil {
+		return nil, errors.Join(err, n.destroy(p))
+	}
+	p.ok = ok
+	return p, nil
+}
+
+// pickAlgo sets p's algorithm (and math type) for key.
+func (n *DNN) pickAlgo(p *convPlan, key convKey, choice *convChoice) (bool, error) {
+	l := n.lib
+	strict := n.strict(key.dt)
+	if choice != nil {
+		for _, r := range choice.ranked {
+			if r.Algo == im2colAlgo {
+				if r.Memory <= key.budget {
+					p.im2col = true
+					return false, nil
+				}
+				continue
+			}
+			if !strict {
+				if err := n.setMath(p, r.Math); err != nil {
+					return false, err
+				}
+			}
+			ws, err := n.workspaceSize(p, key.pass, r.Algo)
+			var ce *CUDNNError
+			switch {
+			case errors.As(err, &ce) && ce.NotSupported():
+				continue
+			case err != nil:
+				return false, err
+			case ws <= key.budget:
+				p.algo, p.ws = r.Algo, ws
+				return true, nil
+			}
 		}
-	}()
-	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.xd)); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.yd)); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnCreateFilterDescriptor", l.cudnnCreateFilterDescriptor(&p.wd)); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnCreateConvolutionDescriptor", l.cudnnCreateConvolutionDescriptor(&p.cd)); err != nil {
-		return nil, err
-	}
-	x, w, y := key.x, key.w, key.y
-	format := int32(cudnnNCHW)
-	if key.nhwc {
-		format = cudnnNHWC // the sizes stay n, c, h, w (k, c, r, s for the filter)
-	}
-	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, format, dt,
-		int32(x[0]), int32(x[1]), int32(x[2]), int32(x[3]))); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.yd, format, dt,
-		int32(y[0]), int32(y[1]), int32(y[2]), int32(y[3]))); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnSetFilter4dDescriptor", l.cudnnSetFilter4dDescriptor(p.wd, dt, format,
-		int32(w[0]), int32(w[1]), int32(w[2]), int32(w[3]))); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnSetConvolution2dDescriptor", l.cudnnSetConvolution2dDescriptor(p.cd,
-		int32(key.pad[0]), int32(key.pad[1]), int32(key.stride[0]), int32(key.stride[1]),
-		int32(key.dil[0]), int32(key.dil[1]), cudnnCrossCorrelation, cudnnDataFloat)); err != nil {
-		return nil, err
-	}
-	if err := l.check("cudnnSetConvolutionGroupCount", l.cudnnSetConvolutionGroupCount(p.cd, int32(key.groups))); err != nil {
-		return nil, err
-	}
-	strict := key.dt == graph.Float32 && !n.tf32
-	math := int32(cudnnTensorOpMath)
-	if strict {
-		math = cudnnFMAMath
-	}
-	if err := l.check("cudnnSetConvolutionMathType", l.cudnnSetConvolutionMathType(p.cd, math)); err != nil {
-		return nil, err
+		if err := n.setMath(p, n.mathOf(key.dt)); err != nil {
+			return false, err
+		}
 	}
 	var perf [16]cudnnAlgoPerf
 	var got int32
@@ -320,9 +347,9 @@ func (n *DNN) makePlan(key convKey) (p *convPlan, err error) {
 	if err := l.check(fn, s); err != nil {
 		var ce *CUDNNError
 		if errors.As(err, &ce) && ce.NotSupported() {
-			return p, nil // im2col takes it
+			return false, nil // im2col takes it
 		}
-		return nil, err
+		return false, err
 	}
 	for _, c := range perf[:min(int(got), len(perf))] {
 		switch {
@@ -334,14 +361,14 @@ func (n *DNN) makePlan(key convKey) (p *convPlan, err error) {
 			continue
 		}
 		if !strict {
-			if err := l.check("cudnnSetConvolutionMathType", l.cudnnSetConvolutionMathType(p.cd, c.MathType)); err != nil {
-				return nil, err
+			if err := n.setMath(p, c.MathType); err != nil {
+				return false, err
 			}
 		}
-		p.algo, p.ws, p.ok = c.Algo, int64(c.Memory), true
-		return p, nil
+		p.algo, p.ws = c.Algo, int64(c.Memory)
+		return true, nil
 	}
-	return p, nil
+	return false, nil
 }
 
 // dnnConv runs pass on cuDNN when the executor has it and an algorithm
@@ -373,7 +400,16 @@ func (k *kctx) dnnConvRun(pass convPass, dt graph.DType, geo convGeom, nhwc bool
 	if k.ws != nil {
 		budget = k.ws.Requested()
 	}
-	p, err := n.plan(newConvKey(pass, dt, geo, budget, nhwc))
+	key := newConvKey(pass, dt, geo, budget, nhwc)
+	// A node whose block is what the timed search declared for this chunk
+	// size was compiled with the executor's Workspace and runs its choice;
+	// any other (a program compiled with the static Workspace) runs on the
+	// heuristics within its block, as it would on any executor.
+	choice := n.choiceAt(k.g, k.nd, key)
+	if choice != nil && budget != choice.fixed+choice.per*int64(k.c.Size) {
+		choice = nil
+	}
+	p, err := n.plan(key, choice)
 	if err != nil || !p.ok {
 		return false, err
 	}

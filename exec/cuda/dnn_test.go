@@ -56,7 +56,10 @@ func TestConformanceIm2col(t *testing.T) {
 // TestCuDNNConvMatchesCPU runs convolutions of the shapes conv nets train
 // (ResNet's 7×7/2 stem, 3×3 and strided 3×3, 1×1, depthwise, grouped and
 // dilated, odd channel counts) forward with a bias, and both gradients,
-// on cuDNN in float32, TF32, bfloat16 and float16, against the CPU
+// on cuDNN in float32, TF32, bfloat16 and float16 (in float32 the
+// algorithms of the timed search, which may pick the im2col path where it
+// is faster, and those of the heuristics; in bfloat16 those of the
+// heuristics, the default, and of the search, ConvSearchAll), against the CPU
 // executor on the same values (float32 sums; 16-bit operands rounded as
 // the GPU's are, the result rounded once).
 //
@@ -88,8 +91,10 @@ func TestCuDNNConvMatchesCPU(t *testing.T) {
 		tol  float64
 	}{
 		{"fp32", graph.Float32, nil, 1e-5},
+		{"fp32-heuristics", graph.Float32, &cuda.ExecutorOptions{ConvHeuristics: true}, 1e-5},
 		{"tf32", graph.Float32, &cuda.ExecutorOptions{TF32: true}, 5e-3},
 		{"bf16", graph.BFloat16, nil, 1e-2},
+		{"bf16-search", graph.BFloat16, &cuda.ExecutorOptions{ConvSearchAll: true}, 1e-2},
 		{"fp16", graph.Float16, nil, 1e-2},
 	}
 	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
@@ -137,7 +142,8 @@ func TestCuDNNConvMatchesCPU(t *testing.T) {
 			})
 		}
 		plans, fallbacks := e.DNN().ConvStats()
-		t.Logf("%s: %d convolution plans, %d on im2col for want of an algorithm within the workspace", r.name, plans, fallbacks)
+		t.Logf("%s: %d convolution plans, %d on im2col for want of an algorithm within the workspace; search %+v", r.name, plans, fallbacks,
+			e.DNN().SearchStats())
 		require.Positive(t, plans)
 	}
 }

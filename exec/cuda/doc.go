@@ -22,6 +22,14 @@
 //     backend graph API for attention), each workspace declared per node
 //     and carved from the allocator, the handle's own memory measured once
 //     as overhead; what cuDNN refuses runs on the kernels, counted.
+//   - Plain float32 convolution algorithms (all with
+//     ExecutorOptions.ConvSearchAll) are chosen at compile time by a timed search
+//     (convfind.go: cuDNN's algorithms and the im2col path, timed on
+//     memory of the search's own allocator, the results cached on disk
+//     beside the cubins, algocache.go), and the executor's Workspace
+//     declares the chosen one's exact workspace; the package's Workspace
+//     keeps the static formula and cuDNN's heuristics
+//     (ExecutorOptions.ConvHeuristics).
 //   - Channels-last nodes (graph.Attrs.ChannelsLast, package layout):
 //     convolutions on cuDNN's NHWC descriptors with KRSC weights, or
 //     ErrChannelsLast where cuDNN refuses one (im2col is NCHW only); batch

@@ -35,6 +35,21 @@ type ExecutorOptions struct {
 	// NoCuDNN runs convolutions on the im2col kernels even when cuDNN 9
 	// loads (to compare the two, or to leave cuDNN's libraries unloaded).
 	NoCuDNN bool
+	// ConvHeuristics chooses cuDNN's convolution algorithms by its _v7
+	// heuristics within the static workspace formula (Workspace), as
+	// before the timed search. By default the executor's Workspace times
+	// each plain float32 convolution shape's algorithms (and the im2col
+	// path) at compile time (or reads the timings from the disk cache,
+	// Options.AlgoCacheDir) and declares the chosen one's exact workspace
+	// (convfind.go). BATCHFIT_CUDNN_FIND in the environment overrides
+	// this and ConvSearchAll: 0 for the heuristics, 1 for the default, all
+	// for ConvSearchAll.
+	ConvHeuristics bool
+	// ConvSearchAll extends the timed search to 16-bit and TF32
+	// convolutions, which keep the heuristics by default: searched, a
+	// bf16-mixed channels-last ResNet-50 step measured slower (38.0
+	// against 31.7 ms on the H100).
+	ConvSearchAll bool
 	// NoCuDNNBatchNorm runs batch_norm and batch_norm_grad_x on
 	// kernels/batchnorm.cu even where cuDNN's batch norm takes them
 	// (cuDNN's measured faster on the H100: ResNet-50 bf16 39.9 against
@@ -91,8 +106,9 @@ type Executor struct {
 	d    *Device
 	a    *alloc.Allocator
 	blas *BLAS
-	dnn  *DNN  // nil: convolutions on im2col
-	why  error // why dnn is nil: ErrNoLibrary, or NoCuDNN
+	dnn  *DNN      // nil: convolutions on im2col
+	why  error     // why dnn is nil: ErrNoLibrary, or NoCuDNN
+	find findScope // which conv nodes declare the timed search's workspaces (convfind.go)
 	ks   *kernelSet
 
 	mu       sync.Mutex
@@ -154,6 +170,10 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 		}
 		if e.dnn != nil {
 			e.dnn.noSDPA = o.NoCuDNNAttention
+			if e.dnn.lib.find != nil {
+				e.find = findScopeOf(o)
+			}
+			e.dnn.ks, e.dnn.blas = ks, b
 		}
 	}
 	return e, nil
@@ -163,11 +183,18 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 // no cuDNN.
 var errNoCuDNNAsked = errors.New("ExecutorOptions.NoCuDNN")
 
-// Convolutions says what runs the executor's convolutions: "cuDNN 9.14.0",
-// or "im2col + cuBLAS (no cuDNN: reason)".
+// Convolutions says what runs the executor's convolutions: "cuDNN 9.14.0
+// (timed search: float32)", "cuDNN 9.14.0 (timed search: all)" or "cuDNN
+// 9.14.0 (heuristics)", or "im2col + cuBLAS (no cuDNN: reason)".
 func (e *Executor) Convolutions() string {
 	if e.dnn != nil {
-		return "cuDNN " + e.dnn.Version()
+		switch e.find {
+		case findFP32:
+			return "cuDNN " + e.dnn.Version() + " (timed search: float32)"
+		case findAll:
+			return "cuDNN " + e.dnn.Version() + " (timed search: all)"
+		}
+		return "cuDNN " + e.dnn.Version() + " (heuristics)"
 	}
 	return "im2col + cuBLAS (no cuDNN: " + e.why.Error() + ")"
 }
@@ -226,8 +253,46 @@ func (e *Executor) Close() error {
 	return errors.Join(graphs, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
-// Workspace is the kernels' workspace rule (exec.Executor).
-func (e *Executor) Workspace() planner.WorkspaceFunc { return Workspace }
+// Workspace is the kernels' workspace rule (exec.Executor): the package's
+// Workspace, except that with the timed search (the default for plain
+// float32 convolutions where cuDNN loads; ExecutorOptions.ConvHeuristics,
+// ConvSearchAll) a convolution declares the workspace of the algorithm
+// the search chose for its shape, searching on first use (convfind.go). A program compiled with it runs on this
+// executor (or another on the same device and cuDNN, from the caches);
+// on another executor a timed node's block may be smaller than the
+// heuristics need, and the node fails with ErrWorkspace rather than take
+// more memory than planned.
+func (e *Executor) Workspace() planner.WorkspaceFunc {
+	if e.find == findNone {
+		return Workspace
+	}
+	return e.timedWorkspace
+}
+
+// timedWorkspace is Workspace with the timed search's choices for the
+// convolutions.
+func (e *Executor) timedWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+	switch nd.Op {
+	case graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
+		if e.find != findAll && !e.dnn.strict(nd.Type.DType) {
+			break
+		}
+		if ch := e.dnn.choiceFor(g, nd, Workspace, e.searchCap()); ch != nil {
+			return ch.fixed + ch.per*int64(b)
+		}
+	}
+	return Workspace(g, nd, b)
+}
+
+// searchCap bounds a search's device memory by the headroom under the
+// allocator's cap, when it has one.
+func (e *Executor) searchCap() int64 {
+	c := int64(maxSearchBytes)
+	if l := e.a.Limit(); l > 0 {
+		c = min(c, l-e.a.Stats().ReservedBytes[alloc.All].Current)
+	}
+	return c
+}
 
 // ExecOptions configures Execute: the options both executors take.
 type ExecOptions = exec.Options

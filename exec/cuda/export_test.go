@@ -158,3 +158,7 @@ func EpilogueGEMMs() int64 { return epilogueGEMMs.Load() }
 
 // AddLayerNorms counts the adds that ran with their layer norm.
 func AddLayerNorms() int64 { return addLayerNorms.Load() }
+
+// ForgetSearches drops this process's timed searches (convfind.go), so the
+// next executor reads them from the disk cache or times them again.
+func ForgetSearches() { processFinds.Clear() }
