@@ -1,18 +1,13 @@
 package cuda_test
 
 import (
-	"context"
 	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
-	"gorgonia.org/tensor"
 
-	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/internal/conformance"
-	"github.com/batchfit/batchfit/internal/ref"
 )
 
 // An add whose result a layer norm reads runs as one add_layer_norm pass
@@ -26,9 +21,7 @@ import (
 func TestAddLayerNormMatchesCPU(t *testing.T) {
 	e := executor(t)
 	gpu := runOn(e)
-	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
-		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
-	})
+	cpuRun := cpuRunner()
 	rng := newRand(47)
 	ln := graph.Attrs{NormDims: 1, Eps: 1e-5}
 	h := &halfGraph{t: t, g: graph.New(), dt: graph.Float32}
@@ -46,16 +39,7 @@ func TestAddLayerNormMatchesCPU(t *testing.T) {
 	s := h.op(graph.OpAdd, graph.Attrs{}, emb, pos)
 	y := h.op(graph.OpLayerNorm, ln, s)
 	outs = append(outs, s, y, h.op(graph.OpMulScalar, graph.Attrs{Scalar: 2}, s)) // s read beside the norm
-	feeds := map[int]ref.Value{}
-	for _, nd := range h.g.Nodes() {
-		if nd.Op == graph.OpInput || nd.Op == graph.OpParam {
-			v := ref.Zeros(nd.Type.Shape...)
-			for i := range v.Data {
-				v.Data[i] = 4*rng.Float64() - 2
-			}
-			feeds[nd.ID] = v
-		}
-	}
+	feeds := h.uniformFeeds(rng, -2, 2)
 	want, err := cpuRun(h.g, feeds, outs...)
 	require.NoError(t, err)
 	before := cuda.AddLayerNorms()

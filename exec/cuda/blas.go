@@ -149,18 +149,8 @@ func (b *BLAS) GemmOf(dt graph.DType, transA, transB bool, m, n, k int, alpha fl
 // when both are float32, cublasGemmEx with float32 accumulation otherwise.
 func (b *BLAS) gemm(ab, c graph.DType, transA, transB bool, m, n, k int, alpha float32, A alloc.Ptr, lda int,
 	B alloc.Ptr, ldb int, beta float32, C alloc.Ptr, ldc int) error {
-	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, 1); err != nil {
-		return err
-	}
-	ty, err := gemmType(ab)
+	ty, cty, err := b.checkCall(ab, c, transA, transB, m, n, k, lda, ldb, ldc)
 	if err != nil {
-		return err
-	}
-	cty, err := gemmType(c)
-	if err != nil {
-		return err
-	}
-	if err := b.live(); err != nil {
 		return err
 	}
 	if m == 0 || n == 0 {
@@ -178,6 +168,22 @@ func (b *BLAS) gemm(ab, c graph.DType, transA, transB bool, m, n, k int, alpha f
 			CUdeviceptr(B), ty, int32(ldb), CUdeviceptr(A), ty, int32(lda),
 			&beta, CUdeviceptr(C), cty, int32(ldc), cublasCompute32F, cublasGemmDefault))
 	})
+}
+
+// checkCall validates one row-major GEMM of A and B of dtype ab into C of
+// dtype c (checkGemm) and the handle, and returns their cudaDataType_t
+// values.
+func (b *BLAS) checkCall(ab, c graph.DType, transA, transB bool, m, n, k, lda, ldb, ldc int) (ty, cty int32, err error) {
+	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, 1); err != nil {
+		return 0, 0, err
+	}
+	if ty, err = gemmType(ab); err != nil {
+		return 0, 0, err
+	}
+	if cty, err = gemmType(c); err != nil {
+		return 0, 0, err
+	}
+	return ty, cty, b.live()
 }
 
 // gemmType is dt's cudaDataType_t for GemmEx (CUDA_R_32F, 0, for

@@ -195,7 +195,7 @@ type ltKey struct {
 	align         [6]uint16 // A, B, C (= D), bias, aux, workspace
 }
 
-// ltPlan is a key's descriptors and the algorithm the heuristic chose.
+// ltPlan is a key's descriptors and its algorithm (ltPick).
 type ltPlan struct {
 	desc    ltDesc
 	a, b, d ltLayout
@@ -231,18 +231,8 @@ func alignOf(p alloc.Ptr) uint16 {
 // cuBLASLt cannot (no library, no algorithm, an aux stride it refuses).
 func (b *BLAS) GemmEpilogue(ab, c graph.DType, transA, transB bool, m, n, k int, A alloc.Ptr, lda int,
 	B alloc.Ptr, ldb int, C alloc.Ptr, ldc int, e Epilogue) error {
-	if err := checkGemm(transA, transB, m, n, k, lda, ldb, ldc, 1); err != nil {
-		return err
-	}
-	ty, err := gemmType(ab)
+	ty, cty, err := b.checkCall(ab, c, transA, transB, m, n, k, lda, ldb, ldc)
 	if err != nil {
-		return err
-	}
-	cty, err := gemmType(c)
-	if err != nil {
-		return err
-	}
-	if err := b.live(); err != nil {
 		return err
 	}
 	if m == 0 || n == 0 || k == 0 {

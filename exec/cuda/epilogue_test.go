@@ -1,19 +1,14 @@
 package cuda_test
 
 import (
-	"context"
 	"math"
 	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
-	"gorgonia.org/tensor"
 
-	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/internal/conformance"
-	"github.com/batchfit/batchfit/internal/ref"
 )
 
 // An MLP's GEMMs with cuBLASLt epilogues match the CPU, in every float
@@ -30,9 +25,7 @@ import (
 func TestGemmEpiloguesMatchCPU(t *testing.T) {
 	e := executor(t)
 	gpu := runOn(e)
-	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
-		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
-	})
+	cpuRun := cpuRunner()
 	rng := newRand(41)
 	for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16} {
 		t.Run(dt.String(), func(t *testing.T) {
@@ -51,16 +44,7 @@ func TestGemmEpiloguesMatchCPU(t *testing.T) {
 				outs = append(outs, pre, act, lin, fused, db)
 				sums = append(sums, db)
 			}
-			feeds := map[int]ref.Value{}
-			for _, nd := range h.g.Nodes() {
-				if nd.Op == graph.OpInput || nd.Op == graph.OpParam {
-					v := ref.Zeros(nd.Type.Shape...)
-					for i := range v.Data {
-						v.Data[i] = 2*rng.Float64() - 1
-					}
-					feeds[nd.ID] = v
-				}
-			}
+			feeds := h.uniformFeeds(rng, -1, 1)
 			want, err := cpuRun(h.g, feeds, outs...)
 			require.NoError(t, err)
 			before := cuda.EpilogueGEMMs()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -43,6 +44,30 @@ func (h *halfGraph) param(shape ...int) int {
 
 func (h *halfGraph) op(op graph.Op, a graph.Attrs, in ...int) int {
 	return h.add(graph.Node{Op: op, Inputs: in, Attrs: a})
+}
+
+// uniformFeeds draws every input and parameter of h's graph uniformly from
+// [lo, hi), as float64 values each executor converts to its dtype.
+func (h *halfGraph) uniformFeeds(rng *rand.Rand, lo, hi float64) map[int]ref.Value {
+	feeds := map[int]ref.Value{}
+	for _, nd := range h.g.Nodes() {
+		if nd.Op == graph.OpInput || nd.Op == graph.OpParam {
+			v := ref.Zeros(nd.Type.Shape...)
+			for i := range v.Data {
+				v.Data[i] = lo + (hi-lo)*rng.Float64()
+			}
+			feeds[nd.ID] = v
+		}
+	}
+	return feeds
+}
+
+// cpuRunner runs graphs on the CPU executor, the oracle the CUDA kernels
+// are held to.
+func cpuRunner() conformance.Runner {
+	return conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
+		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
+	})
 }
 
 // target is h's dtype at shape, with the batch on axis 0.

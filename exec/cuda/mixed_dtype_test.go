@@ -1,15 +1,12 @@
 package cuda_test
 
 import (
-	"context"
 	"fmt"
 	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
-	"gorgonia.org/tensor"
 
-	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/conformance"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -26,9 +23,7 @@ import (
 func TestMatmulHalfToFloat32(t *testing.T) {
 	e := executor(t)
 	gpu := runOn(e)
-	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
-		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
-	})
+	cpuRun := cpuRunner()
 	wide := graph.Attrs{Target: graph.Type{DType: graph.Float32}}
 	rng := newRand(23)
 	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
@@ -52,16 +47,7 @@ func TestMatmulHalfToFloat32(t *testing.T) {
 			for _, o := range outs {
 				require.Equal(t, graph.Float32, h.g.Node(o).Type.DType)
 			}
-			feeds := map[int]ref.Value{}
-			for _, nd := range h.g.Nodes() {
-				if nd.Op == graph.OpInput || nd.Op == graph.OpParam {
-					v := ref.Zeros(nd.Type.Shape...)
-					for i := range v.Data {
-						v.Data[i] = 2*rng.Float64() - 1
-					}
-					feeds[nd.ID] = v
-				}
-			}
+			feeds := h.uniformFeeds(rng, -1, 1)
 			want, err := cpuRun(h.g, feeds, outs...)
 			require.NoError(t, err)
 			got, err := gpu(h.g, feeds, outs...)
@@ -85,9 +71,7 @@ func TestMatmulHalfToFloat32(t *testing.T) {
 func TestLayerNormFloat32ToHalf(t *testing.T) {
 	e := executor(t)
 	gpu := runOn(e)
-	cpuRun := conformance.RunnerOf(func(ctx context.Context, g *graph.Graph, b int, feed func(id int) tensor.Tensor, outputs ...int) ([]*tensor.Dense, error) {
-		return cpu.New().RunBatch(ctx, g, b, feed, outputs...)
-	})
+	cpuRun := cpuRunner()
 	rng := newRand(29)
 	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
 		tol := conformance.BFloat16Tol
