@@ -2,7 +2,7 @@ package batchfit_test
 
 import (
 	"context"
-	"math/rand/v2"
+	"fmt"
 	"os"
 	"testing"
 
@@ -11,7 +11,6 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/internal/testutil"
-	"github.com/batchfit/batchfit/optim"
 )
 
 // TestSessionCUDAFP32ConvNets trains conv nets in plain float32 on CUDA,
@@ -49,23 +48,9 @@ func TestSessionCUDAFP32ConvNets(t *testing.T) {
 					require.Contains(t, gpu.Device(), "timed search")
 				}
 				cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, MaxChunk: maxChunk})
-				gm, cm := newModel(), newModel()
-				grng, crng := rand.New(rand.NewPCG(97, 98)), rand.New(rand.NewPCG(97, 98))
-				gopt, copt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+				ts := newTwinSteps(cpu, gpu, newModel, 97)
 				for step := range steps {
-					loss, params := cm.Build(crng, n)
-					want, err := cpu.Step(ctx, loss, params, copt)
-					require.NoError(t, err, "cpu step %d", step)
-					loss, params = gm.Build(grng, n)
-					got, err := gpu.Step(ctx, loss, params, gopt)
-					require.NoError(t, err, "cuda step %d", step)
-					pl, used := gpu.LastPlan(), gpu.LastUsage()
-					t.Logf("chunked %t step %d: loss cpu %.7f cuda %.7f; %d chunks, reserved predicted %d + %d, measured %d; allocated predicted %d + %d, measured %d",
-						chunked, step, want, got, len(pl.Chunks), pl.PeakReserved, gpu.Overhead(), used.PeakReserved,
-						pl.PeakAllocated, gpu.Overhead(), used.PeakAllocated)
-					assert.InEpsilon(t, want, got, 1e-4, "step %d loss", step)
-					assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-					assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+					pl := ts.step(t, ctx, step, n, 1e-4, fmt.Sprintf("chunked %t", chunked))
 					if chunked {
 						assert.Len(t, pl.Chunks, 4)
 					} else {

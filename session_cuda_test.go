@@ -22,6 +22,7 @@ import (
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
 )
 
@@ -34,6 +35,45 @@ func cudaSession(t *testing.T, o batchfit.Options) *batchfit.Session {
 	testutil.SkipWithoutGPU(t, sess.Err(), cuda.ErrNoGPU)
 	t.Cleanup(func() { require.NoError(t, sess.Close()) })
 	return sess
+}
+
+// twinSteps trains one model on the CPU and its twin on CUDA, step by
+// step, from twin random streams and optimizers (SGD with momentum).
+type twinSteps struct {
+	cpu, gpu *batchfit.Session
+	cm, gm   testutil.TrainModel
+	crng     *rand.Rand
+	grng     *rand.Rand
+	copt     optim.Optimizer
+	gopt     optim.Optimizer
+}
+
+func newTwinSteps(cpu, gpu *batchfit.Session, newModel func() testutil.TrainModel, seed uint64) *twinSteps {
+	return &twinSteps{cpu: cpu, gpu: gpu, cm: newModel(), gm: newModel(),
+		crng: rand.New(rand.NewPCG(seed, seed+1)), grng: rand.New(rand.NewPCG(seed, seed+1)),
+		copt: optim.NewSGD(0.05, 0.9), gopt: optim.NewSGD(0.05, 0.9)}
+}
+
+// step runs step number step on n samples on both sessions, holds the CUDA
+// loss to the CPU's within rtol and its peaks, reserved and allocated, to
+// its plan's plus the overhead, to the byte; it returns the CUDA plan.
+func (ts *twinSteps) step(t *testing.T, ctx context.Context, step, n int, rtol float64, what string) *planner.Plan {
+	t.Helper()
+	loss, params := ts.cm.Build(ts.crng, n)
+	want, err := ts.cpu.Step(ctx, loss, params, ts.copt)
+	require.NoError(t, err, "cpu step %d", step)
+	loss, params = ts.gm.Build(ts.grng, n)
+	got, err := ts.gpu.Step(ctx, loss, params, ts.gopt)
+	require.NoError(t, err, "cuda step %d", step)
+	gpu := ts.gpu
+	pl, used := gpu.LastPlan(), gpu.LastUsage()
+	t.Logf("%s step %d: loss cpu %.7f cuda %.7f; %d chunks, reserved predicted %d + %d, measured %d; allocated predicted %d + %d, measured %d",
+		what, step, want, got, len(pl.Chunks), pl.PeakReserved, gpu.Overhead(), used.PeakReserved,
+		pl.PeakAllocated, gpu.Overhead(), used.PeakAllocated)
+	assert.InEpsilon(t, want, got, rtol, "step %d loss", step)
+	assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
+	assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+	return pl
 }
 
 // The default device is CUDA when a GPU is usable; without one the session
@@ -451,23 +491,9 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 					}
 					gpu := cudaSession(t, batchfit.Options{Precision: pc.precision, Budget: budget})
 					cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: pc.precision})
-					gm, cm := newModel(), newModel()
-					grng, crng := rand.New(rand.NewPCG(91, 92)), rand.New(rand.NewPCG(91, 92))
-					gopt, copt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+					ts := newTwinSteps(cpu, gpu, newModel, 91)
 					for step := range steps {
-						loss, params := cm.Build(crng, n)
-						want, err := cpu.Step(ctx, loss, params, copt)
-						require.NoError(t, err, "cpu step %d", step)
-						loss, params = gm.Build(grng, n)
-						got, err := gpu.Step(ctx, loss, params, gopt)
-						require.NoError(t, err, "cuda step %d", step)
-						pl, used := gpu.LastPlan(), gpu.LastUsage()
-						t.Logf("chunked %t step %d: loss cpu %.6f cuda %.6f; %d chunks, reserved predicted %d + %d, measured %d; allocated predicted %d + %d, measured %d",
-							chunked, step, want, got, len(pl.Chunks), pl.PeakReserved, gpu.Overhead(), used.PeakReserved,
-							pl.PeakAllocated, gpu.Overhead(), used.PeakAllocated)
-						assert.InEpsilon(t, want, got, pc.rtol, "step %d loss", step)
-						assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-						assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+						pl := ts.step(t, ctx, step, n, pc.rtol, fmt.Sprintf("chunked %t", chunked))
 						if !chunked {
 							wholePeak, overhead = pl.PeakReserved, gpu.Overhead()
 							assert.Len(t, pl.Chunks, 1)
@@ -499,21 +525,9 @@ func TestSessionCUDAMixedResNet(t *testing.T) {
 			t.Log(gpu.Device())
 			cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: pc.precision})
 			defer cpu.Close()
-			gm, cm := resnetModel(false), resnetModel(false)
-			grng, crng := rand.New(rand.NewPCG(93, 94)), rand.New(rand.NewPCG(93, 94))
-			gopt, copt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+			ts := newTwinSteps(cpu, gpu, func() testutil.TrainModel { return resnetModel(false) }, 93)
 			for step := range 3 {
-				loss, params := cm.Build(crng, 64)
-				want, err := cpu.Step(ctx, loss, params, copt)
-				require.NoError(t, err, "cpu step %d", step)
-				loss, params = gm.Build(grng, 64)
-				got, err := gpu.Step(ctx, loss, params, gopt)
-				require.NoError(t, err, "cuda step %d", step)
-				pl, used := gpu.LastPlan(), gpu.LastUsage()
-				t.Logf("step %d: loss cpu %.6f cuda %.6f", step, want, got)
-				assert.InEpsilon(t, want, got, pc.rtol, "step %d loss", step)
-				assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-				assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+				ts.step(t, ctx, step, 64, pc.rtol, "whole")
 			}
 		})
 	}

@@ -2,7 +2,7 @@ package batchfit_test
 
 import (
 	"context"
-	"math/rand/v2"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -10,7 +10,6 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/internal/testutil"
-	"github.com/batchfit/batchfit/optim"
 )
 
 // TestSessionCUDAChannelsLast trains conv nets with Options.ChannelsLast
@@ -46,23 +45,9 @@ func TestSessionCUDAChannelsLast(t *testing.T) {
 				}
 				gpu := cudaSession(t, batchfit.Options{Precision: "bf16-mixed", MaxChunk: maxChunk, ChannelsLast: true})
 				cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed", MaxChunk: maxChunk})
-				gm, cm := newModel(), newModel()
-				grng, crng := rand.New(rand.NewPCG(95, 96)), rand.New(rand.NewPCG(95, 96))
-				gopt, copt := optim.NewSGD(0.05, 0.9), optim.NewSGD(0.05, 0.9)
+				ts := newTwinSteps(cpu, gpu, newModel, 95)
 				for step := range steps {
-					loss, params := cm.Build(crng, n)
-					want, err := cpu.Step(ctx, loss, params, copt)
-					require.NoError(t, err, "cpu step %d", step)
-					loss, params = gm.Build(grng, n)
-					got, err := gpu.Step(ctx, loss, params, gopt)
-					require.NoError(t, err, "cuda step %d", step)
-					pl, used := gpu.LastPlan(), gpu.LastUsage()
-					t.Logf("chunked %t step %d: loss cpu %.6f cuda %.6f; %d chunks, reserved predicted %d + %d, measured %d; allocated predicted %d + %d, measured %d",
-						chunked, step, want, got, len(pl.Chunks), pl.PeakReserved, gpu.Overhead(), used.PeakReserved,
-						pl.PeakAllocated, gpu.Overhead(), used.PeakAllocated)
-					assert.InEpsilon(t, want, got, 2e-2, "step %d loss", step)
-					assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-					assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+					pl := ts.step(t, ctx, step, n, 2e-2, fmt.Sprintf("chunked %t", chunked))
 					if chunked {
 						assert.Len(t, pl.Chunks, 4)
 					} else {

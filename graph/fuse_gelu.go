@@ -39,38 +39,17 @@ func FuseGeluGrad(g *Graph, outputs []int) (*Graph, []int, error) {
 		}
 		fused[i], drop[p] = true, true
 	}
-	out := New()
-	if g.Batch() != 0 {
-		if err := out.SetBatch(g.Batch()); err != nil {
-			return nil, nil, err
-		}
-	}
-	ids := make([]int, g.Len())
-	for i := range g.Len() {
-		nd := g.Node(i)
+	return Rebuild(g, "fuse ", func(i int, n *Node, ids []int) (int, bool) {
 		if drop[i] {
-			ids[i] = -1
-			continue
-		}
-		n := Node{Op: nd.Op, Attrs: nd.Attrs.Clone(), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value,
-			Inputs: make([]int, len(nd.Inputs))}
-		if nd.Op.Category() == CatSource {
-			n.Type = nd.Type
-		}
-		for k, in := range nd.Inputs {
-			n.Inputs[k] = ids[in]
+			return -1, false
 		}
 		if fused[i] {
-			mm := g.Node(nd.Inputs[0])
+			gg := g.Node(i)
+			mm := g.Node(gg.Inputs[0])
 			n.Op = OpMatMulGeluGrad
-			n.Attrs = Attrs{TransA: mm.Attrs.TransA, TransB: mm.Attrs.TransB, Approx: nd.Attrs.Approx}
-			n.Inputs = []int{ids[mm.Inputs[0]], ids[mm.Inputs[1]], ids[nd.Inputs[1]]}
+			n.Attrs = Attrs{TransA: mm.Attrs.TransA, TransB: mm.Attrs.TransB, Approx: gg.Attrs.Approx}
+			n.Inputs = []int{ids[mm.Inputs[0]], ids[mm.Inputs[1]], ids[gg.Inputs[1]]}
 		}
-		id, err := out.Append(n)
-		if err != nil {
-			return nil, nil, &OpError{Op: "fuse " + n.Op.String(), Site: nd.Site, Err: err}
-		}
-		ids[i] = id
-	}
-	return out, ids, nil
+		return 0, true
+	})
 }

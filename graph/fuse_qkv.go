@@ -53,39 +53,15 @@ func FuseAttentionQKV(g *Graph) (*Graph, []int, error) {
 			drop[id] = gone
 		}
 	}
-	out := New()
-	if g.Batch() != 0 {
-		if err := out.SetBatch(g.Batch()); err != nil {
-			return nil, nil, err
-		}
-	}
-	ids := make([]int, g.Len())
-	for i := range g.Len() {
-		nd := g.Node(i)
+	return Rebuild(g, "", func(i int, n *Node, ids []int) (int, bool) {
 		if drop[i] {
-			ids[i] = -1
-			continue
-		}
-		n := Node{Op: nd.Op, Attrs: nd.Attrs, Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value}
-		if nd.Op.Category() == CatSource {
-			n.Type = nd.Type
+			return -1, false
 		}
 		if m, ok := fused[i]; ok {
 			n.Op, n.Attrs, n.Inputs = OpAttentionQKV, m.attrs, []int{ids[m.x]}
-		} else {
-			n.Attrs = nd.Attrs.Clone()
-			n.Inputs = make([]int, len(nd.Inputs))
-			for k, in := range nd.Inputs {
-				n.Inputs[k] = ids[in]
-			}
 		}
-		id, err := out.Append(n)
-		if err != nil {
-			return nil, nil, &OpError{Op: n.Op.String(), Site: nd.Site, Err: err}
-		}
-		ids[i] = id
-	}
-	return out, ids, nil
+		return 0, true
+	})
 }
 
 // qkvPattern reports whether node r ends attention over a packed

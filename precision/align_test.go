@@ -29,6 +29,14 @@ func gptVocab(t *testing.T, vocab int) model {
 	return model{loss, nn.ParamTensors(m)}
 }
 
+// forward is m's forward graph and its parameters' ids there.
+func (m model) forward(t *testing.T) (*graph.Graph, []int) {
+	t.Helper()
+	wrt, err := lazy.ParamIDs(m.loss, m.params...)
+	require.NoError(t, err)
+	return m.loss.Graph().IR(), wrt
+}
+
 // countOps counts g's nodes of op.
 func countOps(g *graph.Graph, op graph.Op) int {
 	n := 0
@@ -57,9 +65,7 @@ func TestAlignedLinearRewrite(t *testing.T) {
 		{1000, precision.BF16Mixed, false}, // below alignMinOutputs
 	} {
 		m := gptVocab(t, c.vocab)
-		wrt, err := lazy.ParamIDs(m.loss, m.params...)
-		require.NoError(t, err)
-		fwd := m.loss.Graph().IR()
+		fwd, wrt := m.forward(t)
 		g, _, err := precision.Apply(fwd, c.policy)
 		require.NoError(t, err)
 		added := countOps(g, graph.OpConcat) - countOps(fwd, graph.OpConcat)
@@ -87,9 +93,7 @@ func TestAlignedLinearRewrite(t *testing.T) {
 // Tolerance: 1e-6 relative to each gradient's largest magnitude.
 func TestAlignedLinearValues(t *testing.T) {
 	m := gptVocab(t, 1030)
-	wrt, err := lazy.ParamIDs(m.loss, m.params...)
-	require.NoError(t, err)
-	fwd := m.loss.Graph().IR()
+	fwd, wrt := m.forward(t)
 	run := func(align bool) [][]float32 {
 		prev := precision.SetAlignLinears(align)
 		defer precision.SetAlignLinears(prev)

@@ -47,30 +47,17 @@ func (s *Step) foldWideningCasts() error {
 	if !folded {
 		return nil
 	}
-	ng := graph.New()
-	ids := make([]int, g.Len())
-	for i := range g.Len() {
-		nd := g.Node(i)
+	ng, ids, err := graph.Rebuild(g, "fold cast into ", func(i int, n *graph.Node, ids []int) (int, bool) {
 		if drop[i] {
-			ids[i] = ids[nd.Inputs[0]]
-			continue
-		}
-		n := graph.Node{Op: nd.Op, Attrs: nd.Attrs.Clone(), Name: nd.Name, Scope: nd.Scope, Site: nd.Site, Value: nd.Value,
-			Inputs: make([]int, len(nd.Inputs))}
-		if nd.Op.Category() == graph.CatSource {
-			n.Type = nd.Type
-		}
-		for k, in := range nd.Inputs {
-			n.Inputs[k] = ids[in]
+			return ids[g.Node(i).Inputs[0]], false
 		}
 		if widen[i] {
 			n.Attrs.Target = graph.Type{DType: graph.Float32}
 		}
-		id, err := ng.Append(n)
-		if err != nil {
-			return &graph.OpError{Op: "fold cast into " + nd.Op.String(), Site: nd.Site, Err: err}
-		}
-		ids[i] = id
+		return 0, true
+	})
+	if err != nil {
+		return err
 	}
 	s.rebind(ng, ids)
 	return nil

@@ -18,15 +18,22 @@ import (
 	"github.com/batchfit/batchfit/precision"
 )
 
+// withPass builds a step under p with one of Train's rewrites on or off:
+// set is its switch (precision.SetFoldCasts, SetFoldNorms, SetFuseGelu),
+// which returns the previous setting.
+func withPass(t *testing.T, set func(bool) bool, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
+	t.Helper()
+	defer set(set(on))
+	st, err := precision.Train(fwd, p, loss, wrt)
+	require.NoError(t, err)
+	return st
+}
+
 // withFold builds a step under p with the folding of widening casts into
 // matmuls on or off.
 func withFold(t *testing.T, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
-	prev := precision.SetFoldCasts(on)
-	defer precision.SetFoldCasts(prev)
-	st, err := precision.Train(fwd, p, loss, wrt)
-	require.NoError(t, err)
-	return st
+	return withPass(t, precision.SetFoldCasts, on, p, fwd, loss, wrt)
 }
 
 // wideMatmuls counts g's matmuls that write float32 from 16-bit operands.
@@ -48,9 +55,7 @@ func TestFoldCastsRewrite(t *testing.T) {
 	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
 		t.Run(string(p), func(t *testing.T) {
 			m := gptVocab(t, 1030)
-			wrt, err := lazy.ParamIDs(m.loss, m.params...)
-			require.NoError(t, err)
-			fwd := m.loss.Graph().IR()
+			fwd, wrt := m.forward(t)
 			folded, plain := withFold(t, true, p, fwd, m.loss.ID(), wrt), withFold(t, false, p, fwd, m.loss.ID(), wrt)
 			wide := wideMatmuls(folded.Graph)
 			require.Zero(t, wideMatmuls(plain.Graph))
@@ -96,9 +101,7 @@ func TestFoldCastsValues(t *testing.T) {
 	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
 		t.Run(string(p), func(t *testing.T) {
 			m := gptVocab(t, 1030)
-			wrt, err := lazy.ParamIDs(m.loss, m.params...)
-			require.NoError(t, err)
-			fwd := m.loss.Graph().IR()
+			fwd, wrt := m.forward(t)
 			folded, plain := withFold(t, true, p, fwd, m.loss.ID(), wrt), withFold(t, false, p, fwd, m.loss.ID(), wrt)
 			requireRewriteAgrees(t, folded, plain)
 		})
@@ -178,11 +181,7 @@ func TestMatmulTarget(t *testing.T) {
 // on or off, widening casts folded into matmuls either way.
 func withNorms(t *testing.T, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
-	prev := precision.SetFoldNorms(on)
-	defer precision.SetFoldNorms(prev)
-	st, err := precision.Train(fwd, p, loss, wrt)
-	require.NoError(t, err)
-	return st
+	return withPass(t, precision.SetFoldNorms, on, p, fwd, loss, wrt)
 }
 
 // liveReaders lists, for each node of st's graph, the nodes that read it
@@ -213,9 +212,7 @@ func TestHalfNormRewrite(t *testing.T) {
 	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
 		t.Run(string(p), func(t *testing.T) {
 			m := gptVocab(t, 1030)
-			wrt, err := lazy.ParamIDs(m.loss, m.params...)
-			require.NoError(t, err)
-			fwd := m.loss.Graph().IR()
+			fwd, wrt := m.forward(t)
 			st := withNorms(t, true, p, fwd, m.loss.ID(), wrt)
 			users := liveReaders(st)
 			g := st.Graph
@@ -257,9 +254,7 @@ func TestHalfNormValues(t *testing.T) {
 	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
 		t.Run(string(p), func(t *testing.T) {
 			m := gptVocab(t, 1030)
-			wrt, err := lazy.ParamIDs(m.loss, m.params...)
-			require.NoError(t, err)
-			fwd := m.loss.Graph().IR()
+			fwd, wrt := m.forward(t)
 			got := stepValues(t, withNorms(t, true, p, fwd, m.loss.ID(), wrt))
 			want := stepValues(t, withNorms(t, false, p, fwd, m.loss.ID(), wrt))
 			require.Len(t, got, len(want))

@@ -14,11 +14,7 @@ import (
 // withGelu builds a step under p with the gelu_grad fusion on or off.
 func withGelu(t *testing.T, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
-	prev := precision.SetFuseGelu(on)
-	defer precision.SetFuseGelu(prev)
-	st, err := precision.Train(fwd, p, loss, wrt)
-	require.NoError(t, err)
-	return st
+	return withPass(t, precision.SetFuseGelu, on, p, fwd, loss, wrt)
 }
 
 // Under both mixed policies a small GPT's MLP backward pass runs as one
@@ -33,9 +29,7 @@ func TestFuseGeluGradValues(t *testing.T) {
 	for _, p := range []precision.Policy{precision.BF16Mixed, precision.FP16Mixed} {
 		t.Run(string(p), func(t *testing.T) {
 			m := gptVocab(t, 64)
-			wrt, err := lazy.ParamIDs(m.loss, m.params...)
-			require.NoError(t, err)
-			fwd := m.loss.Graph().IR()
+			fwd, wrt := m.forward(t)
 			fused, plain := withGelu(t, true, p, fwd, m.loss.ID(), wrt), withGelu(t, false, p, fwd, m.loss.ID(), wrt)
 			require.Equal(t, 1, countOps(fused.Graph, graph.OpMatMulGeluGrad), "one block")
 			require.Zero(t, countOps(fused.Graph, graph.OpGeluGrad))

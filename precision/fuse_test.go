@@ -53,9 +53,7 @@ func ran(t *testing.T, st *precision.Step) map[graph.Op]int {
 func TestFusedLossRewrite(t *testing.T) {
 	const vocab = 1030
 	m := gptVocab(t, vocab)
-	wrt, err := lazy.ParamIDs(m.loss, m.params...)
-	require.NoError(t, err)
-	fwd := m.loss.Graph().IR()
+	fwd, wrt := m.forward(t)
 	fused, plain := withFusion(t, true, fwd, m.loss.ID(), wrt), withFusion(t, false, fwd, m.loss.ID(), wrt)
 	f, p := ran(t, fused), ran(t, plain)
 	assert.Equal(t, p[graph.OpSlice]-1, f[graph.OpSlice], "the head's slice no longer runs")
@@ -88,9 +86,7 @@ func TestFusedLossRewrite(t *testing.T) {
 // equal values follow).
 func TestFusedLossValues(t *testing.T) {
 	m := gptVocab(t, 1030)
-	wrt, err := lazy.ParamIDs(m.loss, m.params...)
-	require.NoError(t, err)
-	fwd := m.loss.Graph().IR()
+	fwd, wrt := m.forward(t)
 	run := func(on bool) [][]float32 {
 		st := withFusion(t, on, fwd, m.loss.ID(), wrt)
 		return stepValues(t, st)
