@@ -54,11 +54,16 @@ func (e *Executor) ReleaseUnread(p *planner.Program) (bool, error) {
 }
 
 // dropHostCopies forgets the host copies once every resident is back on
-// the device.
+// the device. Without any (no Yield since the last drop) it walks nothing:
+// a steady training loop calls it every step.
 func (e *Executor) dropHostCopies() {
+	if !e.hostCopies {
+		return
+	}
 	for _, rb := range e.resident.List() {
 		rb.Val.host = nil
 	}
+	e.hostCopies = false
 }
 
 // save keeps a host copy of a resident block's bytes (Yield).
@@ -70,6 +75,7 @@ func (e *Executor) save(rb *exec.Resident[*residentBuf]) error {
 		return err
 	}
 	rb.Val.host = host
+	e.hostCopies = true
 	return nil
 }
 

@@ -51,6 +51,10 @@ type Device struct {
 
 	stage *stager // pinned upload buffers, made on first large upload (staging.go)
 
+	// sample is the device's free memory as the last Execute left it
+	// (sampleMemInfo), which MemInfo returns while it is current.
+	sample atomic.Pointer[memSample]
+
 	// capture is the stream a CUDA graph capture records while the
 	// executor captures a segment (graphs.go), 0 otherwise: launches and
 	// memsets go there, and calls that need the host fail with
@@ -158,6 +162,7 @@ func (d *Device) worker(ready chan<- error) {
 	for {
 		select {
 		case r := <-d.reqs:
+			deviceJobs.Add(1)
 			r.done <- r.fn()
 		case <-d.quit:
 			d.closeErr = errors.Join(

@@ -113,8 +113,11 @@ type Executor struct {
 
 	mu       sync.Mutex
 	resident exec.Residents[*residentBuf]
-	closed   bool
-	graphs   graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
+	// hostCopies is set while some resident's residentBuf.host holds a
+	// copy (save, for Yield), so dropHostCopies need not walk them all.
+	hostCopies bool
+	closed     bool
+	graphs     graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
 	// graphBytes is the driver memory the live graphs' instantiation took
 	// (GraphStats.DriverBytes), for Reserve without the lock.
 	graphBytes atomic.Int64
@@ -359,6 +362,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		}
 		if err == nil { // launch errors surface here at the latest
 			err = e.d.Synchronize()
+		}
+		if err == nil {
+			e.d.sampleMemInfo() // the next step's budget (Backend.MemInfo)
 		}
 		return errors.Join(err, r.reportTimes(err == nil))
 	})

@@ -162,3 +162,7 @@ func AddLayerNorms() int64 { return addLayerNorms.Load() }
 // ForgetSearches drops this process's timed searches (convfind.go), so the
 // next executor reads them from the disk cache or times them again.
 func ForgetSearches() { processFinds.Clear() }
+
+// DeviceJobs is the number of requests the process's device goroutines
+// have run (deviceJobs).
+func DeviceJobs() uint64 { return deviceJobs.Load() }

@@ -2,6 +2,8 @@ package cuda
 
 import (
 	"fmt"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -36,11 +38,50 @@ func (b *Backend) Free(p alloc.Ptr) error {
 }
 
 // MemInfo reports the device's free and total bytes (cuMemGetInfo_v2).
+// While the sample the last Execute took at its end is current (no
+// driver call of this process since, taken less than memSampleFresh ago)
+// it returns that sample instead of a hop to the device thread: a steady
+// training loop plans each step without one. Memory another process
+// takes in that window is the out-of-memory retry's (batchfit.Session).
 func (b *Backend) MemInfo() (free, total int64, err error) {
+	if s := b.d.sample.Load(); s != nil && s.jobs == deviceJobs.Load() && time.Since(s.at) < memSampleFresh && !b.d.onThread() {
+		return s.free, s.total, nil
+	}
 	drv := b.d.drv
 	var f, t uintptr
 	err = b.d.do(func() error { return drv.check("cuMemGetInfo_v2", drv.cuMemGetInfo(&f, &t)) })
 	return int64(f), int64(t), err
+}
+
+// memSample is the device's free and total bytes at time at, after jobs
+// requests of the process's device goroutines had run (deviceJobs).
+type memSample struct {
+	free, total int64
+	jobs        uint64
+	at          time.Time
+}
+
+// memSampleFresh is how long a memSample stands in for cuMemGetInfo: the
+// gap between one training step's end and the next one's plan (the
+// caller's graph build and the Session's host work, well under a
+// millisecond for GPT-2 small), not a data loader's wait.
+const memSampleFresh = 5 * time.Millisecond
+
+// deviceJobs counts the requests every Device's goroutine has run. Every
+// driver call, and so every allocation and free of device memory by this
+// process, runs inside one; a memSample taken in the latest is current.
+var deviceJobs atomic.Uint64
+
+// sampleMemInfo records the device's free memory for MemInfo. It runs on
+// the device goroutine, at the end of the request it is part of, after
+// the request's last allocation or free.
+func (d *Device) sampleMemInfo() {
+	var f, t uintptr
+	if d.drv.check("cuMemGetInfo_v2", d.drv.cuMemGetInfo(&f, &t)) != nil {
+		d.sample.Store(nil)
+		return
+	}
+	d.sample.Store(&memSample{free: int64(f), total: int64(t), jobs: deviceJobs.Load(), at: time.Now()})
 }
 
 // Elem is an element type that host↔device copies accept (~uint16: the

@@ -10,6 +10,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
 )
 
@@ -212,4 +213,33 @@ func TestStagedUploads(t *testing.T) {
 		require.NoError(t, cuda.CopyDtoH(d, got, p))
 		require.Equal(t, want[k], got, "upload of %d floats", len(want[k]))
 	}
+}
+
+// TestMemInfoSampledAfterExecute: right after an Execute the backend
+// answers MemInfo from the sample the step took at its end, without a
+// request to the device goroutine (a steady training loop plans each step
+// without that hop); any later request, here an allocation, retires the
+// sample, so the next MemInfo asks the driver and sees the memory taken.
+func TestMemInfoSampledAfterExecute(t *testing.T) {
+	e := freshExecutor(t, cuda.ExecutorOptions{})
+	rng := rand.New(rand.NewPCG(3, 9))
+	h := &halfGraph{t: t, g: graph.New(), dt: graph.Float32}
+	x := h.input(64, 32)
+	y := h.op(graph.OpTanh, graph.Attrs{}, x)
+	_, err := runOn(e)(h.g, feedsFor(h, rng, x), y)
+	require.NoError(t, err)
+	be := e.Device().Backend()
+	jobs := cuda.DeviceJobs()
+	free1, total, err := be.MemInfo()
+	require.NoError(t, err)
+	require.Equal(t, jobs, cuda.DeviceJobs(), "MemInfo right after a step needs no device request")
+	assert.Equal(t, e.Device().TotalMem(), total)
+
+	const size = 64 * mib
+	p, err := be.Malloc(size)
+	require.NoError(t, err)
+	free2, _, err := be.MemInfo()
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, free1-free2, int64(size), "the allocation retired the sample")
+	require.NoError(t, be.Free(p))
 }
