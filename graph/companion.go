@@ -11,8 +11,12 @@ import "slices"
 // (LayerNormGradWProducer), a layer norm's bias gradient (a sum of g over
 // the leading axes) and the layer_norm_grad_x of that g
 // (LayerNormBiasGradProducer), a cross_entropy_grad's cross_entropy when
-// its seed is constant (CrossEntropyGradProducer), or a tanh-form gelu's
-// linear (GeluProducer). planner.Compile
+// its seed is constant (CrossEntropyGradProducer), a tanh-form gelu's
+// linear (GeluProducer), a layer norm's feeding float32 add
+// (AddLayerNormProducer), a 16-bit cast's layer norm input gradient
+// (LayerNormGradCastProducer) or, for a cast of a layer norm that is an
+// add's companion, that add (AddLayerNormCastProducer). A layer_norm_grad_x_add stands for a
+// layer_norm_grad_x throughout. planner.Compile
 // allocates m's output with the producer's, so an executor may compute
 // both at once (planner.Program.Companion); one that does not runs m as
 // usual. A producer may have several companions (layer_norm_grad_x: its
@@ -42,6 +46,58 @@ func CompanionProducer(g *Graph, m int) int {
 		return GeluProducer(g, m)
 	case OpLayerNorm:
 		return AddLayerNormProducer(g, m)
+	case OpCast:
+		if p := LayerNormGradCastProducer(g, m); p >= 0 {
+			return p
+		}
+		return AddLayerNormCastProducer(g, m)
+	}
+	return -1
+}
+
+// isLayerNormGradX reports whether op is a layer norm's input gradient:
+// layer_norm_grad_x, or layer_norm_grad_x_add with a gradient added.
+func isLayerNormGradX(op Op) bool { return op == OpLayerNormGradX || op == OpLayerNormGradXAdd }
+
+// AddLayerNormCastProducer returns the add whose pass can also give cast
+// node m: when m narrows a float32 layer norm to a 16-bit dtype (mixed
+// precision's forward pass feeds the normalised rows to 16-bit GEMMs) and
+// that layer norm is the add's companion (AddLayerNormProducer); −1
+// otherwise. The pass that normalises each row then rounds it into m's
+// output too, instead of a cast reading the layer norm back.
+func AddLayerNormCastProducer(g *Graph, m int) int {
+	if !narrows(g, m) {
+		return -1
+	}
+	p := g.Node(m).Inputs[0]
+	if ln := g.Node(p); ln.Op == OpLayerNorm && ln.Type.DType == Float32 {
+		return AddLayerNormProducer(g, p)
+	}
+	return -1
+}
+
+// narrows reports whether node m is a cast to a 16-bit dtype.
+func narrows(g *Graph, m int) bool {
+	if m < 0 || m >= g.Len() {
+		return false
+	}
+	n := g.Node(m)
+	return n.Op == OpCast && len(n.Inputs) == 1 && (n.Type.DType == BFloat16 || n.Type.DType == Float16)
+}
+
+// LayerNormGradCastProducer returns the layer norm input gradient whose
+// pass can also give cast node m: m's input, when m narrows that float32
+// layer_norm_grad_x or layer_norm_grad_x_add to a 16-bit dtype (mixed
+// precision's backward pass feeds the gradient to 16-bit GEMMs); −1
+// otherwise. The pass then rounds each element it writes into m's output
+// too, instead of a cast reading the gradient back.
+func LayerNormGradCastProducer(g *Graph, m int) int {
+	if !narrows(g, m) {
+		return -1
+	}
+	p := g.Node(m).Inputs[0]
+	if ln := g.Node(p); isLayerNormGradX(ln.Op) && ln.Type.DType == Float32 {
+		return p
 	}
 	return -1
 }
@@ -197,7 +253,7 @@ func LayerNormGradWProducer(g *Graph, m int) int {
 	// The producer reads g and x, so it comes after both.
 	for id := m - 1; id > max(w.Inputs[0], w.Inputs[1]); id-- {
 		n := g.Node(id)
-		if n.Op == OpLayerNormGradX && len(n.Inputs) >= 2 && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
+		if isLayerNormGradX(n.Op) && len(n.Inputs) >= 2 && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
 			n.Attrs.NormDims == w.Attrs.NormDims && n.Attrs.Eps == w.Attrs.Eps {
 			return id
 		}
@@ -231,7 +287,7 @@ func LayerNormBiasGradProducer(g *Graph, m int) int {
 	}
 	for id := m - 1; id > s.Inputs[0]; id-- {
 		n := g.Node(id)
-		if n.Op == OpLayerNormGradX && len(n.Inputs) >= 2 && n.Inputs[0] == s.Inputs[0] &&
+		if isLayerNormGradX(n.Op) && len(n.Inputs) >= 2 && n.Inputs[0] == s.Inputs[0] &&
 			n.Attrs.NormDims == len(gt.Shape)-lead && n.Type.DType == gt.DType {
 			return id
 		}

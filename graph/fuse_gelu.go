@@ -13,17 +13,7 @@ package graph
 // without the pattern comes back as a copy of itself. ids[i] is old node
 // i's id in the new graph, −1 for a fused matmul.
 func FuseGeluGrad(g *Graph, outputs []int) (*Graph, []int, error) {
-	users := make([]int, g.Len()) // readers of each node
-	for i := range g.Len() {
-		for _, in := range g.Node(i).Inputs {
-			users[in]++
-		}
-	}
-	for _, id := range outputs {
-		if id >= 0 && id < g.Len() {
-			users[id]++ // an output is read by the caller
-		}
-	}
+	users := readers(g, outputs)
 	fused := make([]bool, g.Len()) // gelu_grads that absorb their matmul
 	drop := make([]bool, g.Len())  // the matmuls they absorb
 	for i := range g.Len() {
@@ -52,4 +42,21 @@ func FuseGeluGrad(g *Graph, outputs []int) (*Graph, []int, error) {
 		}
 		return 0, true
 	})
+}
+
+// readers counts each node's readers in g: the nodes that take it as an
+// input (once per input slot), and the caller for each of outputs.
+func readers(g *Graph, outputs []int) []int {
+	users := make([]int, g.Len())
+	for i := range g.Len() {
+		for _, in := range g.Node(i).Inputs {
+			users[in]++
+		}
+	}
+	for _, id := range outputs {
+		if id >= 0 && id < g.Len() {
+			users[id]++
+		}
+	}
+	return users
 }

@@ -36,6 +36,13 @@ const (
 	// run the product and GELU's derivative as one GEMM with an epilogue
 	// (cuBLASLt's DGELU) and the product is never stored.
 	OpMatMulGeluGrad
+	// OpLayerNormGradXAdd is add(r, layer_norm_grad_x(g, x[, w])) in one
+	// node: g, x, r[, w]; NormDims, Eps. Autodiff never emits it:
+	// FuseLayerNormGradAdd puts it in place of a layer_norm_grad_x read
+	// only by an add of another gradient (a residual stream's gradient
+	// meeting the block's), so the layer norm's backward pass adds r in
+	// registers and its own gradient is never stored.
+	OpLayerNormGradXAdd
 	numOps
 )
 
@@ -244,6 +251,16 @@ var gradOps = []OpInfo{
 				return Type{}, err
 			}
 			return sameShape(op, in[1], in[2])
+		})},
+	OpLayerNormGradXAdd: {Name: "layer_norm_grad_x_add", Category: CatGrad, MinArity: 3, Arity: 3, MaxArity: 4, Attrs: []string{"normdims", "eps"},
+		NoVJP: noVJPGrad, Chunk: plainChunk,
+		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
+			a := *attrs
+			fwd, err := layerNorm(&a, append([]Type{in[1]}, in[3:]...))
+			if err := expect(op, "gradient", in[0], fwd, err); err != nil {
+				return Type{}, err
+			}
+			return sameShape(op, in[1], in[0], in[2]) // x, g and r alike
 		})},
 	OpMatMulGeluGrad: {Name: "matmul_gelu_grad", Category: CatGrad, MinArity: 3, Arity: 3, Attrs: []string{"trans_a", "trans_b", "approx"},
 		NoVJP: noVJPGrad, Chunk: &Chunk{PerSample: matmulPerSample},

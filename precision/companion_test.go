@@ -19,10 +19,13 @@ import (
 
 // In a GPT's training step under every policy, as TrainWith builds it,
 // each layer norm's backward pass pairs up as the fused CUDA pass needs:
-// layer_norm_grad_x has two companions, its weight's gradient and its
+// layer_norm_grad_x (layer_norm_grad_x_add inside the residual stream)
+// has two companions, its weight's gradient and its
 // bias's (a sum of the same g over the leading axes, in g's dtype:
 // float32 under the mixed policies too, since layer_norm's gradient takes
-// a float32 g), and CUDA's workspace rule gives it the partials' scratch.
+// a float32 g), and CUDA's workspace rule gives it the partials' scratch;
+// under the mixed policies the gradient's 16-bit cast for the next GEMMs
+// is a third.
 func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 	cfg := models.GPTConfig{Vocab: 64, Context: 16, Layers: 2, Heads: 2, Dim: 32}
 	for _, pol := range []precision.Policy{precision.FP32, precision.BF16Mixed, precision.FP16Mixed} {
@@ -48,15 +51,24 @@ func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 					ws[b.Node] = true
 				}
 			}
-			lns := 0
+			lns, added, narrowed := 0, 0, 0
 			for id := range g.Len() {
 				nd := g.Node(id)
-				if nd.Op != graph.OpLayerNormGradX {
+				if nd.Op != graph.OpLayerNormGradX && nd.Op != graph.OpLayerNormGradXAdd {
 					continue
 				}
 				lns++
+				if nd.Op == graph.OpLayerNormGradXAdd {
+					added++
+				}
 				var ops []graph.Op
 				for m := range p.Companions(id) {
+					if c := g.Node(m); c.Op == graph.OpCast { // the 16-bit copy for the GEMMs
+						assert.True(t, pol.Mixed(), "node %d's cast", id)
+						assert.Equal(t, pol.Half(), c.Type.DType)
+						narrowed++
+						continue
+					}
 					ops = append(ops, g.Node(m).Op)
 					assert.Equal(t, nd.Type.DType, g.Node(m).Type.DType)
 				}
@@ -65,16 +77,31 @@ func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 				assert.True(t, ws[id], "node %d has a workspace", id)
 			}
 			assert.Equal(t, 2*cfg.Layers+1, lns)
+			assert.Equal(t, 2*cfg.Layers, added, "every in-stream layer norm's gradient meets the stream's (layer_norm_grad_x_add)")
+			if pol.Mixed() { // all but the first block's ln_1, whose gradient goes to the embeddings
+				assert.Equal(t, 2*cfg.Layers, narrowed)
+			}
 			assert.True(t, slices.ContainsFunc(p.NextCompanion, func(m int) bool { return m >= 0 }))
 			// Every forward layer norm reads an add (the embeddings, then
-			// the residual stream) and is that add's companion.
+			// the residual stream) and is that add's companion; under the
+			// mixed policies so is the layer norm's 16-bit cast for the
+			// next linear.
 			norms := 0
 			for id := range g.Len() {
 				if nd := g.Node(id); nd.Op == graph.OpLayerNorm {
 					norms++
 					add := nd.Inputs[0]
 					assert.Equal(t, graph.OpAdd, g.Node(add).Op, "layer norm %d", id)
-					assert.Equal(t, []int{id}, slices.Collect(p.Companions(add)), "layer norm %d", id)
+					co := slices.Collect(p.Companions(add))
+					require.NotEmpty(t, co, "layer norm %d", id)
+					assert.Equal(t, id, co[0], "layer norm %d", id)
+					if pol.Mixed() {
+						require.Len(t, co, 2, "layer norm %d", id)
+						assert.Equal(t, graph.OpCast, g.Node(co[1]).Op)
+						assert.Equal(t, []int{id}, g.Node(co[1]).Inputs)
+					} else {
+						assert.Len(t, co, 1, "layer norm %d", id)
+					}
 				}
 			}
 			assert.Equal(t, 2*cfg.Layers+1, norms)

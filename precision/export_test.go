@@ -46,3 +46,11 @@ func SetFuseGelu(on bool) bool {
 	fuseGelu = on
 	return prev
 }
+
+// SetFuseLayerNormGrad turns the layer_norm_grad_x + add fusion of
+// training graphs on or off; it returns the previous setting.
+func SetFuseLayerNormGrad(on bool) bool {
+	prev := fuseLayerNormGrad
+	fuseLayerNormGrad = on
+	return prev
+}

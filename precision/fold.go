@@ -83,11 +83,12 @@ func (s *Step) rebind(ng *graph.Graph, ids []int) {
 	remap(s.IDs)
 }
 
-// fuseGeluGrads runs graph.FuseGeluGrad on s's graph, the step's loss,
-// scaled loss and gradients kept as outputs.
-func (s *Step) fuseGeluGrads() error {
+// fuse runs a backward-pass fusion (graph.FuseGeluGrad,
+// graph.FuseLayerNormGradAdd) on s's graph, the step's loss, scaled loss
+// and gradients kept as outputs.
+func (s *Step) fuse(pass func(*graph.Graph, []int) (*graph.Graph, []int, error)) error {
 	outs := append([]int{s.Loss, s.Scaled, s.Scale}, s.Grads...)
-	ng, ids, err := graph.FuseGeluGrad(s.Graph, outs)
+	ng, ids, err := pass(s.Graph, outs)
 	if err != nil {
 		return err
 	}

@@ -259,6 +259,11 @@ var foldCasts = true
 // it off to compare.
 var fuseGelu = true
 
+// fuseLayerNormGrad turns the layer_norm_grad_x + add fusion on
+// (graph.FuseLayerNormGradAdd, every policy); tests turn it off to
+// compare.
+var fuseLayerNormGrad = true
+
 // foldNorms turns halfNorm's rewrite on: off by default; tests turn it on.
 // It saves GPT-2 small's 25 layer-norm casts (bf16-mixed, batch 8, seq
 // 1024: 157 M elements) but measured no faster on the H100 (27.1–27.25 ms
@@ -534,7 +539,12 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 		}
 	}
 	if p.Mixed() && fuseGelu {
-		if err := s.fuseGeluGrads(); err != nil {
+		if err := s.fuse(graph.FuseGeluGrad); err != nil {
+			return nil, err
+		}
+	}
+	if fuseLayerNormGrad {
+		if err := s.fuse(graph.FuseLayerNormGradAdd); err != nil {
 			return nil, err
 		}
 	}

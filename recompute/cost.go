@@ -426,7 +426,7 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 			}
 			bytes += passes * 4 * scores
 		}
-	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradW,
+	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradXAdd, graph.OpLayerNormGradW,
 		graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad, graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpGelu, graph.OpGeluGrad:
 		flops = 8 * max(numel(out), numel(in[0]))
 	default:

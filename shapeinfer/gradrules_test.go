@@ -43,6 +43,8 @@ func gradValidCases() []ruleCase {
 
 		{name: "no weight", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5)), want: fb(0, 4, 5)},
 		{name: "weight", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), f(5)), want: fb(0, 4, 5)},
+		{name: "added, weight", op: graph.OpLayerNormGradXAdd, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), fb(0, 4, 5), f(5)), want: fb(0, 4, 5)},
+		{name: "added, no weight", op: graph.OpLayerNormGradXAdd, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), fb(0, 4, 5)), want: fb(0, 4, 5)},
 		{name: "sums over leading axes", op: graph.OpLayerNormGradW, attrs: graph.Attrs{NormDims: 2, Eps: 1e-5}, in: ts(fb(0, 4, 2, 5), fb(0, 4, 2, 5)), want: f(2, 5)},
 
 		{name: "weight", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Training: true, Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 5), fb(0, 4, 3, 5, 5), f(3)), want: fb(0, 4, 3, 5, 5)},
@@ -104,6 +106,8 @@ func gradRejectCases() []rejectCase {
 		{name: "eps 0", op: graph.OpLayerNormGradX, attrs: graph.Attrs{NormDims: 1}, in: ts(fb(0, 4, 5), fb(0, 4, 5)), want: graph.ErrAttr},
 		{name: "gradient shape", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 4), fb(0, 4, 5)), want: graph.ErrShape},
 		{name: "weight shape", op: graph.OpLayerNormGradX, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), f(4)), want: graph.ErrShape},
+		{name: "added gradient shape", op: graph.OpLayerNormGradXAdd, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), fb(0, 4, 4), f(5)), want: graph.ErrShape},
+		{name: "added weight shape", op: graph.OpLayerNormGradXAdd, attrs: ln, in: ts(fb(0, 4, 5), fb(0, 4, 5), fb(0, 4, 5), f(4)), want: graph.ErrShape},
 		{name: "no norm dims", op: graph.OpLayerNormGradW, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 5), fb(0, 4, 5)), want: graph.ErrAttr},
 
 		{name: "eval mode", op: graph.OpBatchNormGradX, attrs: graph.Attrs{Eps: 1e-5}, in: ts(fb(0, 4, 3, 5, 5), fb(0, 4, 3, 5, 5)), want: graph.ErrAttr},

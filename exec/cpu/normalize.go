@@ -20,7 +20,11 @@ var normKernels = family{
 	graph.OpSoftmaxGrad:    {run: softmaxGradKernel},
 	graph.OpLogSoftmaxGrad: {run: softmaxGradKernel},
 	graph.OpLayerNormGradX: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
-		layerNormGradX(&nd.Attrs, in[0], in[1], optional(in, 2), out)
+		layerNormGradX(&nd.Attrs, in[0], in[1], optional(in, 2), nil, out)
+		return nil
+	}},
+	graph.OpLayerNormGradXAdd: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		layerNormGradX(&nd.Attrs, in[0], in[1], optional(in, 3), in[2], out)
 		return nil
 	}},
 	graph.OpLayerNormGradW: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
@@ -380,8 +384,8 @@ func normRows(a *graph.Attrs, x *buf) (rows, d int, mean, rstd []float64) {
 }
 
 // layerNormGradX: with x̂ = (x−μ)·rstd and ĝ = g·w,
-// dx = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)).
-func layerNormGradX(a *graph.Attrs, g, x, w, out *buf) {
+// dx = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)), plus res when non-nil.
+func layerNormGradX(a *graph.Attrs, g, x, w, res, out *buf) {
 	rows, d, mean, rstd := normRows(a, x)
 	gh := make([]float64, d)
 	for r := range rows {
@@ -401,6 +405,9 @@ func layerNormGradX(a *graph.Attrs, g, x, w, out *buf) {
 		for j := range d {
 			xh := (float64(x.f[off+j]) - mean[r]) * rstd[r]
 			out.f[off+j] = float32(rstd[r] * (gh[j] - sg - xh*sgx))
+			if res != nil { // layer_norm_grad_x_add: rounded, then added, as the add it replaces
+				out.f[off+j] += res.f[off+j]
+			}
 		}
 	}
 }

@@ -46,6 +46,7 @@ const (
 	kEmbeddingGrad     = "embedding_grad_f32"
 	kLayerNorm         = "layer_norm_f32"
 	kAddLayerNorm      = "add_layer_norm" // typed by b's and y's dtypes
+	kAddLayerNormW4    = "add_layer_norm_w4"
 	kLayerNormGradX    = "layer_norm_grad_x_f32"
 	kLayerNormStats    = "layer_norm_stats_f32"
 	kLayerNormGradW    = "layer_norm_grad_w_f32"
@@ -78,6 +79,7 @@ const (
 	kAvgPoolGradNHWC   = "avg_pool2d_grad_nhwc_f32"
 	kReduceRows        = "reduce_rows_f32"
 	kReduceMid         = "reduce_mid_f32"
+	kReduceMidV8       = "reduce_mid_v8_f32" // 16-bit instantiations only
 	kReduceSplits      = "reduce_splits_f32"
 	kReduceStrided     = "reduce_strided_f32"
 	kMaxGrad           = "max_grad_f32"
@@ -110,7 +112,8 @@ var kernelFiles = map[string][]string{
 	"optim.cu":    {kSGD, kAdam, kUnscale},
 	"pool.cu": allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad,
 		kMaxPoolNHWC, kMaxPoolArgmaxNHWC, kMaxPoolGradNHWC, kAvgPoolNHWC, kAvgPoolGradNHWC),
-	"reduce.cu":  allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
+	"reduce.cu": append(allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
+		typed(kReduceMidV8, graph.BFloat16), typed(kReduceMidV8, graph.Float16)),
 	"softmax.cu": allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
 }
 

@@ -29,7 +29,10 @@ var normKernels = family{
 	graph.OpSoftmaxGrad:    {run: typedGradOf(softmaxGrad)},
 	graph.OpLogSoftmaxGrad: {run: typedGradOf(softmaxGrad)},
 	graph.OpLayerNormGradX: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
-		return k.layerNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), out)
+		return k.layerNormGradX(dt, k.attrs(), g, in[1], optional(in, 2), nil, out)
+	}), ws: lnFusedWorkspace},
+	graph.OpLayerNormGradXAdd: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
+		return k.layerNormGradX(dt, k.attrs(), g, in[1], optional(in, 3), &in[2], out)
 	}), ws: lnFusedWorkspace},
 	graph.OpLayerNormGradW: {run: typedGradOf(func(k *kctx, dt graph.DType, g operand, in []operand, out operand) error {
 		return k.layerNormGradW(dt, k.nd, g, in[1], out)
@@ -153,7 +156,9 @@ func (k *kctx) layerNorm(a *graph.Attrs, x operand, w, b *operand, out operand) 
 	return k.launch(name, rowGrid(rows, block, 1), block, x.p, ptrOf(w), ptrOf(b), out.p, rows, d, a.Eps)
 }
 
-func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
+// layerNormGradX is layer_norm_grad_x, or layer_norm_grad_x_add with res
+// (the gradient added) non-nil.
+func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w, res *operand, out operand) error {
 	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}
@@ -161,17 +166,24 @@ func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 	if err != nil {
 		return err
 	}
-	if g.n() != x.n() || out.n() != x.n() {
-		return graph.Errorf(graph.ErrShape, "layer_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	if g.n() != x.n() || out.n() != x.n() || res != nil && (res.dt != out.dt || res.n() != out.n()) {
+		return graph.Errorf(graph.ErrShape, "%s: g %v, x %v, output %v", k.nd.Op, g.shape, x.shape, out.shape)
 	}
 	if rows == 0 || d == 0 {
 		return nil
 	}
-	if done, err := k.layerNormGradFused(dt, a, g, x, w, out, rows, d); done || err != nil {
+	if done, err := k.layerNormGradFused(dt, a, g, x, w, res, out, rows, d); done || err != nil {
 		return err
 	}
 	block := rowBlock(d)
-	return k.launch(typed(kLayerNormGradX, dt), rowGrid(rows, block, 1), block, g.p, x.p, ptrOf(w), out.p, rows, d, a.Eps)
+	if err := k.launch(typed(kLayerNormGradX, dt), rowGrid(rows, block, 1), block, g.p, x.p, ptrOf(w), out.p, rows, d, a.Eps); err != nil {
+		return err
+	}
+	if res == nil {
+		return nil
+	}
+	// The unfused pass's sum, as the add it replaces: out + res, in place.
+	return binary(binaryCodes.Code(graph.OpAdd, "")).run(k, []operand{out, *res}, out)
 }
 
 // The fused backward pass of layer_norm (kernels/layernorm.cu,
@@ -251,14 +263,27 @@ func lnHasCompanion(g *graph.Graph, nd *graph.Node) bool {
 // companion of the right size and dtype, its rows fit and the planner gave
 // the workspace (lnFusedWorkspace); it reports whether it ran. Otherwise
 // layer_norm_grad_x runs alone, and its companions at their own steps.
-func (k *kctx) layerNormGradFused(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand, rows, d int64) (bool, error) {
+// The pass adds res (layer_norm_grad_x_add) as it writes each value, and
+// writes the gradient's 16-bit cast too when that is a companion
+// (graph.LayerNormGradCastProducer).
+func (k *kctx) layerNormGradFused(dt graph.DType, a *graph.Attrs, g, x operand, w, res *operand, out operand, rows, d int64) (bool, error) {
 	dw, dwDone := k.companionOf(graph.OpLayerNormGradW)
 	db, dbDone := k.companionOf(graph.OpSum)
+	narrow, narrowDone := k.companionOf(graph.OpCast) // graph.LayerNormGradCastProducer
 	if dw != nil && (dw.dt != dt || dw.n() != d) {
 		dw = nil
 	}
 	if db != nil && (db.dt != dt || db.n() != d) {
 		db = nil
+	}
+	var bf, hf alloc.Ptr // the narrowed copy, by its dtype
+	if narrow != nil && dt == graph.Float32 && narrow.n() == out.n() {
+		switch narrow.dt {
+		case graph.BFloat16:
+			bf = narrow.p
+		case graph.Float16:
+			hf = narrow.p
+		}
 	}
 	if dw == nil && db == nil || !lnFusedFits(d) {
 		return false, nil
@@ -275,8 +300,11 @@ func (k *kctx) layerNormGradFused(dt graph.DType, a *graph.Attrs, g, x operand, 
 	}
 	part := k.ws.p
 	if err := k.launch(name, [3]uint32{uint32(grid), 1, 1}, block,
-		g.p, x.p, ptrOf(w), out.p, part, rows, d, a.Eps); err != nil {
+		g.p, x.p, ptrOf(w), out.p, part, rows, d, a.Eps, ptrOf(res), bf, hf); err != nil {
 		return true, err
+	}
+	if bf != 0 || hf != 0 {
+		*narrowDone = true
 	}
 	if err := k.launch(typed(kLayerNormGradWB, dt), [3]uint32{tileGridX(d), 2, 1}, [3]uint32{32, 32, 1},
 		part, ptrOf(dw), ptrOf(db), groups, d); err != nil {
@@ -387,7 +415,7 @@ func addLayerNormKernels() []string {
 	var out []string
 	for _, b := range floatDTypes {
 		for _, y := range floatDTypes {
-			out = append(out, typed(kAddLayerNorm, b, y))
+			out = append(out, typed(kAddLayerNorm, b, y), typed(kAddLayerNormW4, b, y))
 		}
 	}
 	return out
@@ -398,7 +426,10 @@ func addLayerNormKernels() []string {
 // whether it did: the add's output s and the layer norm's y from one read
 // of a and b. A float32 a of s's shape and a float b broadcast over whole
 // rows, the layer norm's weight and bias float32 [d] or absent; anything
-// else leaves the add and the layer norm to their own kernels.
+// else leaves the add and the layer norm to their own kernels. Rows of a
+// multiple of 128 values up to 1024 (a transformer's width) run one warp a
+// row (add_layer_norm_w4_*), others add_layer_norm_*'s row layout; both
+// also write the layer norm's 16-bit cast when it is a companion too.
 func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 	ln := k.companionWith(graph.OpLayerNorm)
 	if ln.v == nil || noAddLayerNorm() || len(ln.in) < 1 || ln.in[0].p != s.p || s.dt != graph.Float32 {
@@ -419,14 +450,57 @@ func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 			return false, nil
 		}
 	}
-	block := rowBlock(d)
-	err := k.launch(typed(kAddLayerNorm, b.dt, ln.v.dt), rowGrid(rows, block, 1), block,
-		a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps)
+	// The layer norm's 16-bit cast (graph.AddLayerNormCastProducer), when
+	// the planner handed one over.
+	var bf, hf alloc.Ptr
+	narrow, narrowDone := k.companionOf(graph.OpCast)
+	if narrow != nil && ln.v.dt == graph.Float32 && narrow.n() == s.n() {
+		switch narrow.dt {
+		case graph.BFloat16:
+			bf = narrow.p
+		case graph.Float16:
+			hf = narrow.p
+		}
+	}
+	var err error
+	if addLNWarpFits(d, a.p, b.p, ptrOf(w), ptrOf(bias), s.p, ln.v.p, bf, hf) {
+		// One warp a row, 4 values a load (add_layer_norm_w4_*).
+		grid := [3]uint32{uint32(min(ceilDiv(rows, addLNWarps), maxGridX)), 1, 1}
+		err = k.launch(typed(kAddLayerNormW4, b.dt, ln.v.dt), grid, [3]uint32{32 * addLNWarps, 1, 1},
+			a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps, bf, hf)
+	} else {
+		block := rowBlock(d)
+		err = k.launch(typed(kAddLayerNorm, b.dt, ln.v.dt), rowGrid(rows, block, 1), block,
+			a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps, bf, hf)
+	}
 	if err == nil {
 		*ln.done = true
+		if bf != 0 || hf != 0 {
+			*narrowDone = true
+		}
 		addLayerNorms.Add(1)
 	}
 	return err == nil, err
+}
+
+// addLNWarps is add_layer_norm_w4_*'s rows (warps) a block.
+const addLNWarps = 8
+
+// addLNWarpFits reports whether add_layer_norm_w4_* takes rows of d values
+// (d a multiple of 128, at most 1024) with these arrays: 16-byte aligned
+// (8 bytes would do for 16-bit ones; 16 asks the same of every array and
+// the allocator's blocks give it); null ones (no weight, bias or copy)
+// pass.
+func addLNWarpFits(d int64, ptrs ...alloc.Ptr) bool {
+	if d%128 != 0 || d > 1024 {
+		return false
+	}
+	for _, p := range ptrs {
+		if p%16 != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // addLayerNorms counts the adds that normalised their result too (tests

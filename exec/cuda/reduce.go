@@ -158,6 +158,11 @@ func reduce(k *kctx, in []operand, out operand) error {
 		block := rowBlock(l.n)
 		err = k.launch(typed(kReduceRows, dt), rowGrid(l.outer, block, splits), block, x.p, out.p, part, l.outer, l.n, op, first)
 	case reduceMid:
+		if midV8(dt, op, x.p, l.n, l.inner, splits) {
+			grid := [3]uint32{uint32(min(max(ceilDiv(l.inner/8, midV8TX), 1), maxGridX)), uint32(min(l.outer, maxGridYZ)), uint32(splits)}
+			err = k.launch(typed(kReduceMidV8, dt), grid, [3]uint32{midV8TX, midV8TY, 1}, x.p, out.p, part, l.outer, l.n, l.inner, first)
+			break
+		}
 		grid := [3]uint32{tileGridX(l.inner), uint32(min(l.outer, maxGridYZ)), uint32(splits)}
 		err = k.launch(typed(kReduceMid, dt), grid, tileBlock, x.p, out.p, part, l.outer, l.n, l.inner, op, first)
 	default:
@@ -169,6 +174,23 @@ func reduce(k *kctx, in []operand, out operand) error {
 	}
 	return k.combineSplits(dt, part, out.p, splits, l.nout, op, scale)
 }
+
+// midV8 reports whether a middle-axis reduction takes reduce_mid_v8_*: a
+// sum of 16-bit x at p, inner a multiple of 8 (whole 16-byte loads), and
+// at most midV8Rows rows a split, so that each thread's float sum stays
+// short.
+func midV8(dt graph.DType, op opcode.Code, p alloc.Ptr, n, inner, splits int64) bool {
+	return op == rSum && (dt == graph.BFloat16 || dt == graph.Float16) && inner%8 == 0 && p%16 == 0 &&
+		ceilDiv(n, splits) <= midV8Rows
+}
+
+// reduce_mid_v8_*'s block (V8_TX, V8_TY), and the rows of one split it
+// takes: 256 a thread at most.
+const (
+	midV8TX   = 8
+	midV8TY   = 32
+	midV8Rows = midV8TY * 256
+)
 
 // combineSplits reduces the float32 partials [splits, nout] at part into
 // out (nout values of dtype dt) with reduce_splits_*, scaling sums.

@@ -27,6 +27,9 @@ func TestRowsKernelsTyped(t *testing.T) {
 			}
 		}
 	}
+	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} { // 16-bit only
+		require.True(t, slices.Contains(kernelFiles["reduce.cu"], typed(kReduceMidV8, dt)), typed(kReduceMidV8, dt))
+	}
 	for _, n := range []string{kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment} { // dtypes at run time
 		require.True(t, slices.Contains(kernelFiles["batchnorm.cu"], n), n)
 	}

@@ -38,7 +38,11 @@ type Case struct {
 	// as a mixed-precision training step does, so its backward pass holds
 	// matmul_gelu_grad.
 	FuseGeluGrad bool
-	Fn           func(p []*lazy.Tensor) *lazy.Tensor
+	// FuseLayerNormGrad runs graph.FuseLayerNormGradAdd on the graph after
+	// autodiff, as every training step does, so its backward pass holds
+	// layer_norm_grad_x_add.
+	FuseLayerNormGrad bool
+	Fn                func(p []*lazy.Tensor) *lazy.Tensor
 }
 
 // Built is a case's graph with its loss and backward pass appended.
@@ -108,6 +112,12 @@ var Cases = []Case{
 		return p[0].LayerNorm(p[1], p[2], 2, 1e-5)
 	}},
 	{Name: "layer_norm_plain", Shapes: [][]int{{3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].LayerNorm(nil, nil, 1, 1e-5) }},
+	// A residual block: x's gradient through the layer norm meets the
+	// stream's, and the two fuse into layer_norm_grad_x_add (CUDA's fused
+	// backward pass adds it, with the weight's and bias's gradients).
+	{Name: "residual_layer_norm_fused", Shapes: [][]int{{2, 3, 8}, {8}, {8}}, FuseLayerNormGrad: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Add(p[0].LayerNorm(p[1], p[2], 1, 1e-5).Tanh())
+	}},
 	// Training mode: every x moves the batch statistics; M = 3·2·3 values
 	// per channel.
 	{Name: "batch_norm_train", Shapes: [][]int{{3, 2, 2, 3}, {2}, {2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
@@ -316,12 +326,28 @@ func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 	if b.Loss, err = shapeinfer.Append(g, graph.Node{Op: graph.OpSum, Inputs: []int{prod}}); err != nil {
 		return nil, err
 	}
-	if b.Grads, err = autodiff.Backward(g, b.Loss, b.Params); err != nil || !c.FuseGeluGrad {
+	if b.Grads, err = autodiff.Backward(g, b.Loss, b.Params); err != nil {
 		return b, err
 	}
-	ng, ids, err := graph.FuseGeluGrad(g, append([]int{b.Out, b.Loss}, b.Grads...))
+	if c.FuseGeluGrad {
+		if err := b.rewrite(graph.FuseGeluGrad); err != nil {
+			return nil, err
+		}
+	}
+	if c.FuseLayerNormGrad {
+		if err := b.rewrite(graph.FuseLayerNormGradAdd); err != nil {
+			return nil, err
+		}
+	}
+	return b, nil
+}
+
+// rewrite runs a backward-pass fusion on b's graph, its output, loss and
+// gradients kept.
+func (b *Built) rewrite(pass func(*graph.Graph, []int) (*graph.Graph, []int, error)) error {
+	ng, ids, err := pass(b.Graph, append([]int{b.Out, b.Loss}, b.Grads...))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	vals := make(map[int]Value, len(b.Vals))
 	for id, v := range b.Vals {
@@ -333,5 +359,5 @@ func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 		}
 	}
 	b.Graph, b.Out, b.Loss, b.Vals = ng, ids[b.Out], ids[b.Loss], vals
-	return b, nil
+	return nil
 }

@@ -41,6 +41,13 @@ var normKernels = family{
 		layerNormGradX(out, in, a)
 		return nil
 	},
+	graph.OpLayerNormGradXAdd: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		layerNormGradX(out, append([]Value{in[0], in[1]}, in[3:]...), a) // g, x[, w]
+		for i, r := range in[2].Data {
+			out.Data[i] += r
+		}
+		return nil
+	},
 	graph.OpLayerNormGradW: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		layerNormGradW(out, in[0], in[1], a)
 		return nil

@@ -30,6 +30,9 @@ struct dim3u {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct uint2 {
+  unsigned x, y;
+};
 struct float4 {
   float x, y, z, w;
 };

@@ -94,7 +94,8 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
                                                     const float* __restrict__ w,
                                                     const float* __restrict__ bias,
                                                     float* __restrict__ s, TY* __restrict__ y,
-                                                    i64 rows, i64 d, double eps) {
+                                                    i64 rows, i64 d, double eps,
+                                                    bf16* __restrict__ ob, f16* __restrict__ oh) {
   __shared__ double sd[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
@@ -117,7 +118,11 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
       double r = ((double)at(k, u) - mean) * rstd;
       if (w) r *= (double)w[k];
       if (bias) r += (double)bias[k];
-      q[k] = (float)r;
+      TY t;
+      t = (float)r;
+      q[k] = t;
+      if (ob) ob[off + k] = (float)t;  // the 16-bit cast of y, rounded from y
+      if (oh) oh[off + k] = (float)t;
     });
   }
 }
@@ -125,14 +130,144 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
 // add_layer_norm_<b>_<y>: an add of float32 a [rows, d] and b [brows, d]
 // (brows dividing rows) into float32 s, and the layer norm of s with
 // float32 w and bias ([d] or null) into y: the add and its companion
-// layer norm (graph.AddLayerNormProducer) in one pass. Row layout as
-// layer_norm_*.
-#define K2(TB, SX, TY, SY)                                                                    \
-  extern "C" __global__ void __launch_bounds__(1024) add_layer_norm_##SX##_##SY(              \
-      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,    \
-      TY* y, i64 rows, i64 d, double eps) {                                                   \
-    if (row_fits(d)) add_layer_norm_body<true>(a, b, brows, w, bias, s, y, rows, d, eps);     \
-    else add_layer_norm_body<false>(a, b, brows, w, bias, s, y, rows, d, eps);                \
+// layer norm (graph.AddLayerNormProducer) in one pass. A non-null ob (oh)
+// also gets y rounded to bfloat16 (float16): y's 16-bit cast, a companion
+// too (graph.AddLayerNormCastProducer). Row layout as layer_norm_*.
+#define K2(TB, SX, TY, SY)                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024) add_layer_norm_##SX##_##SY(                \
+      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,      \
+      TY* y, i64 rows, i64 d, double eps, bf16* ob, f16* oh) {                                  \
+    if (row_fits(d)) add_layer_norm_body<true>(a, b, brows, w, bias, s, y, rows, d, eps, ob, oh); \
+    else add_layer_norm_body<false>(a, b, brows, w, bias, s, y, rows, d, eps, ob, oh);          \
+  }
+#define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
+FOR_FLOATS(K)
+#undef K
+#undef K2
+
+// ld4 reads 4 neighbouring values at p (16-byte aligned for float, 8 for
+// 16 bits) widened to float; st4 stores 4, each rounded once. (Two-argument
+// overloads beside common.cuh's float4 ld4/st4.)
+__device__ __forceinline__ void ld4(const float* p, float* o) {
+  const float4 v = *(const float4*)p;
+  o[0] = v.x;
+  o[1] = v.y;
+  o[2] = v.z;
+  o[3] = v.w;
+}
+template <typename T>
+__device__ __forceinline__ void ld4(const T* p, float* o) {
+  union {  // one 8-byte load, read as 4 values (a union: no aliasing cast)
+    uint2 u;
+    T e[4];
+  } r;
+  r.u = *(const uint2*)p;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = (float)r.e[j];
+}
+__device__ __forceinline__ void st4(float* p, const float* v) {
+  float4 r;
+  r.x = v[0];
+  r.y = v[1];
+  r.z = v[2];
+  r.w = v[3];
+  *(float4*)p = r;
+}
+template <typename T>
+__device__ __forceinline__ void st4(T* p, const float* v) {
+  union {
+    uint2 u;
+    T e[4];
+  } r;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r.e[j] = v[j];
+  *(uint2*)p = r.u;
+}
+
+// LNW_MAXV bounds add_layer_norm_w4_*'s rows: 4·32·LNW_MAXV = 1024 values.
+#define LNW_MAXV 8
+
+// add_layer_norm_w4_t is add_layer_norm_body with one warp a row: lane l
+// holds values 4(l + 32i) .. 4(l + 32i) + 3, read and written 4 at a time,
+// and the row's sums meet by shuffles alone, no barrier. The arithmetic is
+// add_layer_norm_body's: s = a + b in float, the statistics in double from
+// s (mean, then the centred squares), y in double rounded once into TY;
+// only the order of the double sums differs.
+template <typename TB, typename TY>
+__device__ __forceinline__ void add_layer_norm_w4_t(const float* __restrict__ a,
+                                                    const TB* __restrict__ b, i64 brows,
+                                                    const float* __restrict__ w,
+                                                    const float* __restrict__ bias,
+                                                    float* __restrict__ s, TY* __restrict__ y,
+                                                    i64 rows, i64 d, double eps,
+                                                    bf16* __restrict__ ob, f16* __restrict__ oh) {
+  const int lane = threadIdx.x & 31;
+  const i64 wpb = blockDim.x >> 5;
+  const int nv = (int)(d >> 7);
+  for (i64 row = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); row < rows; row += (i64)gridDim.x * wpb) {
+    const i64 off = row * d;
+    const TB* pb = b + (row % brows) * d;
+    float v[4 * LNW_MAXV];
+    double sum = 0;
+#pragma unroll
+    for (int i = 0; i < LNW_MAXV; ++i) {
+      if (i < nv) {
+        const i64 k = 4 * (lane + 32 * i);
+        float av[4], bv[4];
+        ld4(a + off + k, av);
+        ld4(pb + k, bv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          v[4 * i + j] = av[j] + bv[j];
+          sum += (double)v[4 * i + j];
+        }
+        st4(s + off + k, &v[4 * i]);
+      }
+    }
+    const double mean = warp_allreduce(sum, SumOp()) / (double)d;
+    double q = 0;
+#pragma unroll
+    for (int i = 0; i < LNW_MAXV; ++i) {
+      if (i < nv) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const double c = (double)v[4 * i + j] - mean;
+          q += c * c;
+        }
+      }
+    }
+    const double rstd = 1.0 / sqrt(warp_allreduce(q, SumOp()) / (double)d + eps);
+#pragma unroll
+    for (int i = 0; i < LNW_MAXV; ++i) {
+      if (i < nv) {
+        const i64 k = 4 * (lane + 32 * i);
+        float r[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          double t = ((double)v[4 * i + j] - mean) * rstd;
+          if (w) t *= (double)w[k + j];
+          if (bias) t += (double)bias[k + j];
+          TY e;
+          e = (float)t;
+          r[j] = (float)e;  // y's value, as a cast of y would read it
+        }
+        st4(y + off + k, r);
+        if (ob) st4(ob + off + k, r);
+        if (oh) st4(oh + off + k, r);
+      }
+    }
+  }
+}
+
+// add_layer_norm_w4_<b>_<y>: add_layer_norm_<b>_<y> for rows of d ≤ 1024
+// values, d a multiple of 128, every pointer 16-byte aligned (8 for 16-bit
+// arrays): one warp a row (add_layer_norm_w4_t), blockDim.x a multiple of
+// 32 (blockDim.y = 1), any grid.
+#define K2(TB, SX, TY, SY)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) add_layer_norm_w4_##SX##_##SY(              \
+      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,      \
+      TY* y, i64 rows, i64 d, double eps, bf16* ob, f16* oh) {                                  \
+    add_layer_norm_w4_t(a, b, brows, w, bias, s, y, rows, d, eps, ob, oh);                      \
   }
 #define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
 FOR_FLOATS(K)
@@ -323,7 +458,10 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
                                                         const T* __restrict__ w,
                                                         T* __restrict__ out,
                                                         float* __restrict__ part, i64 rows,
-                                                        i64 d, double eps) {
+                                                        i64 d, double eps,
+                                                        const T* __restrict__ res,
+                                                        bf16* __restrict__ ob,
+                                                        f16* __restrict__ oh) {
   __shared__ double sd[32];
   __shared__ double s2[64];
   __shared__ double sw[LN_FUSED_MAXD];  // the weight, widened; 1 without one
@@ -364,6 +502,16 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
       gd[u] = (double)gn[u];
     }
     load(row + groups);
+    // res for this row, asked for now so that its latency passes during
+    // the three row reductions below rather than after them.
+    float rv[LN_FUSED_VPT];
+    if (res && live) {
+#pragma unroll
+      for (int u = 0; u < LN_FUSED_VPT; ++u) {
+        const i64 k = threadIdx.x + (i64)u * blockDim.x;
+        rv[u] = k < d ? (float)res[row * d + k] : 0.f;
+      }
+    }
     double s = 0;
     if (live) {
 #pragma unroll
@@ -406,7 +554,16 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
 #pragma unroll
     for (int u = 0; u < LN_FUSED_VPT; ++u) {
       const i64 k = threadIdx.x + (i64)u * blockDim.x;
-      if (k < d) out[off + k] = (float)(rstd * (gd[u] - sg - xd[u] * sgx));
+      if (k < d) {
+        // Rounded into T, then res added and rounded again: the add that
+        // layer_norm_grad_x_add replaces, bit for bit.
+        T t;
+        t = (float)(rstd * (gd[u] - sg - xd[u] * sgx));
+        if (res) t = (float)t + rv[u];
+        out[off + k] = t;
+        if (ob) ob[off + k] = (float)t;
+        if (oh) oh[off + k] = (float)t;
+      }
     }
   }
 #pragma unroll
@@ -419,15 +576,19 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
   }
 }
 
-// layer_norm_grad_fused_{f32,bf16,f16}: layer_norm_grad_x_* into out, and
-// per row group the float partial sums of g·x̂ (part[grp·d + j]) and of g
-// (part[(G + grp)·d + j]) over the group's rows, for layer_norm_grad_wb_*;
-// G = gridDim.x·blockDim.y. blockDim = (bx, by): bx a multiple of 32,
-// d ≤ LN_FUSED_VPT·bx, d ≤ LN_FUSED_MAXD, bx·by ≤ 256; any grid.
+// layer_norm_grad_fused_{f32,bf16,f16}: layer_norm_grad_x_* into out (plus
+// res, when non-null: layer_norm_grad_x_add), and per row group the float
+// partial sums of g·x̂ (part[grp·d + j]) and of g (part[(G + grp)·d + j])
+// over the group's rows, for layer_norm_grad_wb_*; G = gridDim.x·blockDim.y.
+// A non-null ob (oh) also gets out rounded to bfloat16 (float16): the
+// gradient's 16-bit cast (graph.LayerNormGradCastProducer). blockDim =
+// (bx, by): bx a multiple of 32, d ≤ LN_FUSED_VPT·bx, d ≤ LN_FUSED_MAXD,
+// bx·by ≤ 256; any grid.
 #define K(T, S)                                                                               \
   extern "C" __global__ void __launch_bounds__(256) layer_norm_grad_fused_##S(                \
-      const T* g, const T* x, const T* w, T* out, float* part, i64 rows, i64 d, double eps) { \
-    layer_norm_grad_fused_t(g, x, w, out, part, rows, d, eps);                                \
+      const T* g, const T* x, const T* w, T* out, float* part, i64 rows, i64 d, double eps,   \
+      const T* res, bf16* ob, f16* oh) {                                                      \
+    layer_norm_grad_fused_t(g, x, w, out, part, rows, d, eps, res, ob, oh);                   \
   }
 FOR_FLOATS(K)
 #undef K

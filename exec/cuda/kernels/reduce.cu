@@ -142,6 +142,74 @@ __device__ __forceinline__ void reduce_mid_t(const TX* __restrict__ x, TY* __res
 FOR_FLOATS(K)
 #undef K
 
+// V8_TX threads of a block run along the columns, 8 each, and V8_TY lanes
+// down the rows: a warp reads 4 rows' 128 contiguous bytes, and a block
+// covers 64 columns, so even 768 outputs in 32 splits make 384 blocks.
+#define V8_TX 8
+#define V8_TY 32
+
+template <typename T>
+__device__ __forceinline__ void reduce_mid_v8_t(const T* __restrict__ x, T* __restrict__ out,
+                                                float* __restrict__ part, i64 outer, i64 n,
+                                                i64 inner, double scale) {
+  __shared__ float sf[V8_TY][8][V8_TX];  // [row lane][column of the 8][threadIdx.x]
+  i64 lo, hi;
+  split_range(n, blockIdx.z, gridDim.z, &lo, &hi);
+  const i64 packs = inner / 8;
+  const unsigned t = threadIdx.y * V8_TX + threadIdx.x;
+  for (i64 c0 = (i64)blockIdx.x * V8_TX; c0 < packs; c0 += (i64)gridDim.x * V8_TX) {
+    const i64 c = c0 + threadIdx.x;  // this thread's 8 columns: 8c .. 8c + 7
+    for (i64 o = blockIdx.y; o < outer; o += gridDim.y) {
+      float acc[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = 0.f;
+      if (c < packs) {
+        const T* p = x + o * n * inner + c * 8;
+#pragma unroll 4
+        for (i64 k = lo + threadIdx.y; k < hi; k += V8_TY) {
+          union {  // one 16-byte load, read as 8 values
+            uint4 u;
+            T e[8];
+          } v;
+          v.u = *(const uint4*)(p + k * inner);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[u] += (float)v.e[u];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) sf[threadIdx.y][u][threadIdx.x] = acc[u];
+      __syncthreads();
+      // Thread t < 64 finishes column 8(c0 + t % V8_TX) + t / V8_TX over the
+      // row lanes, in double.
+      const i64 cc = c0 + t % V8_TX;
+      if (t < 8 * V8_TX && cc < packs) {
+        double s = 0;
+        for (int r = 0; r < V8_TY; ++r) s += (double)sf[r][t / V8_TX][t % V8_TX];
+        const i64 j = cc * 8 + t / V8_TX;
+        reduce_put(out, part, ((i64)blockIdx.z * outer + o) * inner + j, (float)(s * scale));
+      }
+      __syncthreads();  // sf is reused by the next output
+    }
+  }
+}
+
+// reduce_mid_v8_{bf16,f16}: reduce_mid_*'s sum for 16-bit x with inner a
+// multiple of 8 and x 16-byte aligned (the bias gradients of a
+// transformer's linears): each thread reads 8 neighbouring columns in one
+// 16-byte load and sums its rows in float, at most ceil(n/splits/V8_TY) of
+// them (the host keeps that at 256 or fewer: a float sum of 256 16-bit
+// values is off by a few float ulps, far below the 16-bit output's
+// rounding); the row lanes then meet in double. blockDim = (V8_TX, V8_TY);
+// grid x = ceil(inner/(8·V8_TX)), y = min(outer, 65535), z = splits (x and
+// y loop). part and scale as reduce_mid_*.
+#define K(T, S)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256) reduce_mid_v8_##S(                       \
+      const T* x, T* out, float* part, i64 outer, i64 n, i64 inner, double scale) {           \
+    reduce_mid_v8_t(x, out, part, outer, n, inner, scale);                                   \
+  }
+FOR_HALVES(K)
+#undef K
+
 // reduce_splits_{f32,bf16,f16}: out[j] = op over the float partials
 // part[s·nout + j], s < splits, of a split reduction, times scale for a
 // sum (reduce_mid_* over [1, splits, nout] with float input). Tile layout
