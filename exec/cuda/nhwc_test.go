@@ -127,7 +127,9 @@ func TestCuDNNConvChannelsLastMatchesRef(t *testing.T) {
 // positions a thread) and the scalar one (C = 5; C = 12 in 16 bits, where
 // float32 takes the vector path); each case checks which ran, and that
 // batch_norm_grad_x gave the bias gradient (its companion; the sum is
-// checked against the reference like every output). Tolerance as
+// checked against the reference like every output), and that a second run
+// gives the same bits (no atomics: CUDA graphs replay bit for bit).
+// Tolerance as
 // TestBatchNormMatchesCPU: 1e-4 in float32, 1e-2 in 16 bits, on the
 // error's norm relative to the reference's.
 func TestBatchNormChannelsLastMatchesRef(t *testing.T) {
@@ -189,6 +191,11 @@ func testBatchNormChannelsLast(t *testing.T, e *cuda.Executor) {
 					require.Equal(t, vec, cuda.BatchNormVecPasses(), "the scalar path ran")
 				}
 				require.Greater(t, cuda.BatchNormBiasGrads(), bias, "batch_norm_grad_x gave the bias gradient")
+				again, err := gpu(h.g, feeds, outs...)
+				require.NoError(t, err)
+				for k := range outs {
+					require.Equal(t, got[k].Data, again[k].Data, "output %d: a second run gives the same bits", k)
+				}
 				for k := range outs {
 					name := h.g.Node(outs[k]).Op.String()
 					rel := relNorm(t, want[k], got[k], name)
