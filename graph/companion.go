@@ -10,18 +10,21 @@ import "slices"
 // (BatchNormGradWProducer), a layer_norm_grad_w's layer_norm_grad_x
 // (LayerNormGradWProducer), a layer norm's bias gradient (a sum of g over
 // the leading axes) and the layer_norm_grad_x of that g
-// (LayerNormBiasGradProducer), a cross_entropy_grad's cross_entropy when
+// (LayerNormBiasGradProducer), a batch norm's bias gradient (a sum of g
+// over every axis but the channels) and the batch_norm_grad_x of that g
+// (BatchNormBiasGradProducer), a cross_entropy_grad's cross_entropy when
 // its seed is constant (CrossEntropyGradProducer), a tanh-form gelu's
 // linear (GeluProducer), a layer norm's feeding float32 add
 // (AddLayerNormProducer), a 16-bit cast's layer norm input gradient
 // (LayerNormGradCastProducer) or, for a cast of a layer norm that is an
-// add's companion, that add (AddLayerNormCastProducer). A layer_norm_grad_x_add stands for a
-// layer_norm_grad_x throughout. planner.Compile
-// allocates m's output with the producer's, so an executor may compute
+// add's companion, that add (AddLayerNormCastProducer). A
+// layer_norm_grad_x_add stands for a layer_norm_grad_x throughout.
+// planner.Compile allocates m's output with the producer's, so an executor may compute
 // both at once (planner.Program.Companion); one that does not runs m as
 // usual. A producer may have several companions (layer_norm_grad_x: its
 // weight's and its bias's gradients); each is found from the companion,
-// and the producer always comes before it.
+// and the producer always comes before it (batch_norm_grad_x: its
+// weight's and its bias's gradients too).
 func CompanionProducer(g *Graph, m int) int {
 	if m < 0 || m >= g.Len() {
 		return -1
@@ -39,7 +42,7 @@ func CompanionProducer(g *Graph, m int) int {
 		if p := LayerNormBiasGradProducer(g, m); p >= 0 {
 			return p
 		}
-		return -1
+		return BatchNormBiasGradProducer(g, m)
 	case OpCrossEntropyGrad:
 		return CrossEntropyGradProducer(g, m)
 	case OpGelu:
@@ -293,4 +296,65 @@ func LayerNormBiasGradProducer(g *Graph, m int) int {
 		}
 	}
 	return -1
+}
+
+// BatchNormBiasGradProducer returns the batch_norm_grad_x node whose pass
+// over g can also give sum node m, a batch norm's bias gradient: m sums
+// exactly that g over every axis but the channels, in order and without
+// KeepDim (axes 0, 2, 3, … of NCHW g [N, C, …]; 0, 1, 2 of channels-last g
+// [N, H, W, C], graph.Attrs.ChannelsLast), into [C] in g's dtype, as
+// batch_norm's backward pass emits it. The producer is the nearest earlier
+// batch_norm_grad_x (training mode, in the layout of m's axes) that reads
+// m's input as its g: its statistics pass sums g per channel on its way to dx (cuDNN's
+// backward gives the sum as its dBias). −1 for any other sum, or when no
+// such batch_norm_grad_x exists.
+func BatchNormBiasGradProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	s := g.Node(m)
+	if s.Op != OpSum || len(s.Inputs) != 1 || s.Attrs.KeepDim {
+		return -1
+	}
+	gt := g.Node(s.Inputs[0]).Type
+	if len(gt.Shape) < 2 || s.Type.DType != gt.DType || len(s.Type.Shape) != 1 {
+		return -1
+	}
+	for id := m - 1; id > s.Inputs[0]; id-- {
+		n := g.Node(id)
+		if n.Op != OpBatchNormGradX || len(n.Inputs) < 2 || n.Inputs[0] != s.Inputs[0] || !n.Attrs.Training {
+			continue
+		}
+		if ch, ok := bnBiasAxes(gt.Shape, n.Attrs.ChannelsLast, s.Attrs.Axes); ok && s.Type.Shape[0] == gt.Shape[ch] {
+			return id
+		}
+	}
+	return -1
+}
+
+// bnBiasAxes reports whether axes are every axis of a batch norm's g of
+// shape but its channel axis, in order, and gives the channel axis: 1, or
+// the last of a 4-D channels-last g.
+func bnBiasAxes(shape []int, channelsLast bool, axes []int) (int, bool) {
+	ch := 1
+	if channelsLast {
+		if len(shape) != 4 {
+			return 0, false
+		}
+		ch = 3
+	}
+	if len(axes) != len(shape)-1 {
+		return 0, false
+	}
+	i := 0
+	for a := range shape {
+		if a == ch {
+			continue
+		}
+		if axes[i] != a {
+			return 0, false
+		}
+		i++
+	}
+	return ch, true
 }

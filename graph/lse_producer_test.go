@@ -252,3 +252,65 @@ func TestLayerNormBiasGradProducer(t *testing.T) {
 	assert.Equal(t, -1, graph.LayerNormBiasGradProducer(g, sum(other, 0, 1)), "the other layer norm's axes")
 	assert.Equal(t, -1, graph.CompanionProducer(g, sum(x, 0)), "a plain sum")
 }
+
+// TestBatchNormBiasGradProducer: a batch norm's bias gradient, the sum of
+// its g over every axis but the channels (0, 2, 3 of NCHW g; 0, 1, 2 of
+// channels-last g), pairs with the nearest earlier training-mode
+// batch_norm_grad_x of that g in that layout; near misses (other axes,
+// KeepDim, another tensor, x, a cast of g, a mean, a sum emitted before
+// the batch_norm_grad_x, the other layout's axes) do not. Two
+// batch_norm_grad_x of one g (a ResNet block's branch and its shortcut)
+// each pair with the sum emitted after it. CompanionProducer dispatches
+// sums to the rule.
+func TestBatchNormBiasGradProducer(t *testing.T) {
+	g := graph.New()
+	in := func(dt graph.DType, shape ...int) int {
+		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
+		require.NoError(t, err)
+		return id
+	}
+	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
+		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
+		require.NoError(t, err)
+		return id
+	}
+	sum := func(x int, axes ...int) int { return node(graph.OpSum, graph.Attrs{Axes: axes}, x) }
+	train := graph.Attrs{Training: true, Eps: 1e-5}
+	x, dy, other := in(graph.BFloat16, 4, 3, 5, 6), in(graph.BFloat16, 4, 3, 5, 6), in(graph.BFloat16, 4, 3, 5, 6)
+	early := sum(dy, 0, 2, 3) // before the batch_norm_grad_x
+	gx := node(graph.OpBatchNormGradX, train, dy, x)
+	gw := node(graph.OpBatchNormGradW, train, dy, x)
+	db := sum(dy, 0, 2, 3)
+	assert.Equal(t, gx, graph.BatchNormBiasGradProducer(g, db))
+	assert.Equal(t, gx, graph.CompanionProducer(g, db))
+	assert.Equal(t, gx, graph.CompanionProducer(g, gw), "the weight's gradient too")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, early), "the producer comes first")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, sum(dy, 0, 2)), "not every axis but the channels")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, sum(dy, 0, 1, 2)), "channels-last axes of NCHW g")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, node(graph.OpSum, graph.Attrs{Axes: []int{0, 2, 3}, KeepDim: true}, dy)), "keepdim")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, sum(other, 0, 2, 3)), "another tensor")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, sum(x, 0, 2, 3)), "batch_norm_grad_x's x")
+	wide := node(graph.OpCast, graph.Attrs{Target: graph.Type{DType: graph.Float32}}, dy)
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, sum(wide, 0, 2, 3)), "a cast of g")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, node(graph.OpMean, graph.Attrs{Axes: []int{0, 2, 3}}, dy)), "a mean")
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, gx), "a batch_norm_grad_x node")
+	assert.Equal(t, -1, graph.CompanionProducer(g, sum(x, 0, 2, 3)), "a plain sum")
+
+	// A second batch_norm_grad_x of the same g takes the sum after it.
+	gx2 := node(graph.OpBatchNormGradX, train, dy, other)
+	db2 := sum(dy, 0, 2, 3)
+	assert.Equal(t, gx2, graph.BatchNormBiasGradProducer(g, db2))
+	assert.Equal(t, gx, graph.BatchNormBiasGradProducer(g, db), "the first sum stays with the first")
+
+	// Channels last: g [N, H, W, C] summed over N, H and W.
+	xl, dyl := in(graph.BFloat16, 4, 5, 6, 3), in(graph.BFloat16, 4, 5, 6, 3)
+	gxl := node(graph.OpBatchNormGradX, graph.Attrs{Training: true, Eps: 1e-5, ChannelsLast: true}, dyl, xl)
+	assert.Equal(t, gxl, graph.BatchNormBiasGradProducer(g, sum(dyl, 0, 1, 2)))
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, sum(dyl, 0, 2, 3)), "NCHW axes of channels-last g")
+
+	// A 2-D batch norm's g [N, C]: the sum over N.
+	x2, dy2 := in(graph.Float32, 4, 5), in(graph.Float32, 4, 5)
+	gx2d := node(graph.OpBatchNormGradX, train, dy2, x2)
+	assert.Equal(t, gx2d, graph.BatchNormBiasGradProducer(g, sum(dy2, 0)))
+	assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, -1))
+}

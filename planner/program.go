@@ -91,7 +91,8 @@ type Program struct {
 	// executors that compute it there (exec/cpu). Companion holds a
 	// producer's first companion; NextCompanion[m] is the one after
 	// companion m of the same producer, −1 for none (layer_norm_grad_x's
-	// pass gives both its weight's and its bias's gradients). Companions
+	// and batch_norm_grad_x's passes give both their weight's and their
+	// bias's gradients). Companions
 	// walks them in order.
 	Companion     []int
 	NextCompanion []int

@@ -1,6 +1,7 @@
 package precision_test
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 
@@ -105,6 +106,77 @@ func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 				}
 			}
 			assert.Equal(t, 2*cfg.Layers+1, norms)
+		})
+	}
+}
+
+// In a ResNet's training step under every policy, NCHW and channels last
+// (package layout, bf16-mixed), each batch_norm_grad_x gives exactly two
+// companions: its weight's gradient and its bias's (the sum of the same g
+// over every axis but the channels, in g's dtype). Every bias gradient of
+// a batch norm pairs so, a block's shortcut and branch each with its own
+// batch_norm_grad_x of their shared g, and no other sum becomes a
+// companion (the classifier's bias gradient stays a plain sum).
+func TestBatchNormCompanionsInTrainingStep(t *testing.T) {
+	for _, c := range []struct {
+		pol  precision.Policy
+		last bool
+	}{{precision.FP32, false}, {precision.BF16Mixed, false}, {precision.FP16Mixed, false}, {precision.BF16Mixed, true}} {
+		t.Run(fmt.Sprintf("%s/channels_last=%t", c.pol, c.last), func(t *testing.T) {
+			m := models.NewResNet(nn.Options{ShapeOnly: true}, models.ResNetConfig{Blocks: []int{1, 1, 1, 1}, Bottleneck: true,
+				Width: 8, CIFARStem: true, ImageSize: 8, Classes: 5})
+			x := lazy.Placeholder([]int{4, 3, 8, 8}, graph.Float32, 0)
+			y := x.Graph().Placeholder([]int{4}, graph.Int64, 0)
+			loss := m.Forward(x).CrossEntropy(y, graph.ReduceMean)
+			require.NoError(t, loss.Err())
+			wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(m)...)
+			require.NoError(t, err)
+			st, err := precision.TrainWith(loss.Graph().IR(), c.pol, loss.ID(), wrt, precision.TrainOptions{ChannelsLast: c.last})
+			require.NoError(t, err)
+			outs := append([]int{st.Loss}, st.Grads...)
+			info, err := shapeinfer.Analyze(st.Graph, outs...)
+			require.NoError(t, err)
+			p, err := planner.Compile(st.Graph, info, outs, planner.CompileOptions{Kept: st.Grads, Trained: st.Params,
+				StateSlots: 2, Workspace: cuda.Workspace})
+			require.NoError(t, err)
+			g := p.Graph
+			gxs, norms, lastLayout := 0, 0, 0
+			companion := map[int]bool{}
+			for id := range g.Len() {
+				nd := g.Node(id)
+				switch nd.Op {
+				case graph.OpBatchNorm:
+					norms++
+				case graph.OpBatchNormGradX:
+					gxs++
+					if nd.Attrs.ChannelsLast {
+						lastLayout++
+					}
+					var ops []graph.Op
+					for m := range p.Companions(id) {
+						mn := g.Node(m)
+						ops = append(ops, mn.Op)
+						companion[m] = true
+						assert.Equal(t, nd.Inputs[0], mn.Inputs[0], "node %d's companion %d reads its g", id, m)
+						assert.Equal(t, g.Node(nd.Inputs[0]).Type.DType, mn.Type.DType, "node %d's companion %d", id, m)
+					}
+					assert.Equal(t, []graph.Op{graph.OpBatchNormGradW, graph.OpSum}, ops, "node %d", id)
+				}
+			}
+			assert.Equal(t, norms, gxs)
+			if c.last {
+				assert.Equal(t, gxs, lastLayout, "every batch norm channels last")
+			}
+			sums := 0
+			for id := range g.Len() {
+				if nd := g.Node(id); nd.Op == graph.OpSum {
+					sums++
+					if !companion[id] {
+						assert.Equal(t, -1, graph.BatchNormBiasGradProducer(g, id), "sum %d", id)
+					}
+				}
+			}
+			assert.Equal(t, norms+1, sums, "one bias sum per batch norm, and the classifier's")
 		})
 	}
 }

@@ -238,8 +238,8 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 	nodes := g.Nodes()
 	// A companion computed in its producer's pass (Program.Companion) costs
 	// nothing of its own when it falls out of that pass (attention_lse,
-	// batch_norm_grad_w, layer_norm_grad_w and a layer norm's bias
-	// gradient); attention_grad_kv's products are done whoever does them
+	// batch_norm_grad_w, layer_norm_grad_w and a layer norm's or a batch
+	// norm's bias gradient); attention_grad_kv's products are done whoever does them
 	// (cuDNN's backward call, or its own kernels), so it is priced.
 	companion := make([]bool, len(nodes))
 	for id := range nodes {

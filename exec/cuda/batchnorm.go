@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"sync/atomic"
+
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 )
@@ -14,47 +16,169 @@ import (
 // per-channel values), the forward pass and the input gradient run there
 // instead (dnn_bn.go), unless ExecutorOptions.NoCuDNNBatchNorm.
 // Channels-last x [N, H, W, C] (graph.Attrs.ChannelsLast) runs here on
-// every executor: its row sums (batch_norm_rows_nhwc) fill the same [N·C,
-// 4] workspace, the per-channel kernels are shared, and the element-wise
-// passes have channels-last twins.
+// every executor: where C is a multiple of 16 bytes' worth of elements
+// and the operands are 16-byte aligned, on the vector path (bnVecGeom:
+// 16-byte loads, each thread's channels fixed, the sums in row chunks of
+// the N·H·W positions); otherwise its row sums (batch_norm_rows_nhwc) fill
+// the same [N·C, 4] workspace as NCHW's and the element-wise passes have
+// scalar channels-last twins. The per-channel kernels serve every path.
+//
+// batch_norm_grad_x also gives its companions' outputs, when the planner
+// made them (planner.Program.Companions): batch_norm_grad_w's Σ g·x̂
+// (graph.BatchNormGradWProducer) and the bias gradient Σ g
+// (graph.BatchNormBiasGradProducer), both from the sums its statistics
+// pass takes anyway.
 
 // bnWorkspace is the workspace of batch_norm, its gradients and
-// batch_norm_stats: the row sums [N·C, 4] (double), then three doubles of
-// coefficients per channel, and cuDNN's ones and zeros (dnnBNBytes). Affine
-// in the chunk: the rows are.
+// batch_norm_stats: the partial sums [rows, C, 4] (double), then three
+// doubles of coefficients per channel, and cuDNN's ones and zeros
+// (dnnBNBytes). rows is N (NCHW row sums), or for channels-last x that may
+// take the vector path its row chunks' bound (bnVecGeom.rowsBound, at
+// least N). Affine in the chunk: both are.
 func bnWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	i := 1
 	if nd.Op == graph.OpBatchNorm || nd.Op == graph.OpBatchNormStats {
 		i = 0
 	}
 	x := inputAt(g, nd, i, b)
-	if nd.Attrs.ChannelsLast {
-		x = nchwShape(&nd.Attrs, x)
+	if nd.Attrs.ChannelsLast && len(x) == 4 {
+		n, hw, c := int64(x[0]), int64(x[1])*int64(x[2]), int64(x[3])
+		rows := n
+		if q, ok := bnVecGeometry(g.Node(nd.Inputs[i]).Type.DType, c); ok {
+			rows = q.rowsBound(n, hw)
+		}
+		return bnRowsBytes(rows*c) + bnCoefBytes(c) + dnnBNBytes(c)
 	}
+	x = nchwShape(&nd.Attrs, x)
 	if len(x) < 2 {
 		return 0
 	}
 	return bnRowsBytes(int64(x[0])*int64(x[1])) + bnCoefBytes(int64(x[1])) + dnnBNBytes(int64(x[1]))
 }
 
-// bnRowsBytes is the row sums of rows rows; bnCoefBytes the coefficients
-// of c channels, 256-aligned so that what follows them is too.
-func bnRowsBytes(rows int64) int64 { return 32 * rows }
+// bnRowsBytes is the partial sums of sums (rows × channels) entries;
+// bnCoefBytes the coefficients of c channels, 256-aligned so that what
+// follows them is too.
+func bnRowsBytes(sums int64) int64 { return 32 * sums }
 func bnCoefBytes(c int64) int64    { return align256(24 * c) }
 
-// bnLayout is a batch norm's workspace: the row sums at 0, the
+// bnLayout is a batch norm's workspace: the partial sums at 0, the
 // coefficients after them.
 type bnLayout struct {
 	part, coef alloc.Ptr
 }
 
-func (k *kctx) bnLayout(rows, c int64) (bnLayout, error) {
-	ws, err := k.workspace(bnRowsBytes(rows) + bnCoefBytes(c))
+func (k *kctx) bnLayout(sums, c int64) (bnLayout, error) {
+	ws, err := k.workspace(bnRowsBytes(sums) + bnCoefBytes(c))
 	if err != nil {
 		return bnLayout{}, err
 	}
-	return bnLayout{part: ws, coef: ws + alloc.Ptr(bnRowsBytes(rows))}, nil
+	return bnLayout{part: ws, coef: ws + alloc.Ptr(bnRowsBytes(sums))}, nil
 }
+
+// The channels-last vector path's launch rules (kernels/batchnorm.cu,
+// BN_VEC_*).
+const (
+	bnVecBlock  = 256 // threads a block (BN_VEC_BLOCK)
+	bnVecUnroll = 4   // positions a thread maps a pass (BN_VEC_UNROLL)
+	// bnVecPPT is the most positions a thread sums into one row chunk:
+	// the float32 sums' bound (the kernels' accuracy note).
+	bnVecPPT = 32
+	// bnVecBlocks is how many blocks the sums aim for, four an SM of an
+	// H100, before a thread takes more than one position: small batches
+	// fill the device too.
+	bnVecBlocks = 528
+)
+
+// bnVecGeom is the vector path's geometry for c channels: v elements a
+// 16-byte vector, groups = c/v channel groups (one a thread), blocks of bx
+// groups (a power of two ≤ 32, the smallest covering groups up to 32) by
+// by = bnVecBlock/bx positions, tiles blocks across the channels.
+type bnVecGeom struct {
+	v, groups, bx, by, tiles int64
+}
+
+// bnVecGeometry is the vector path's geometry for c channels of dt, ok
+// false where it does not apply (c not a multiple of 16 bytes' worth).
+func bnVecGeometry(dt graph.DType, c int64) (q bnVecGeom, ok bool) {
+	if !dt.IsFloat() || c <= 0 {
+		return q, false
+	}
+	v := int64(16 / dt.Size())
+	if c%v != 0 {
+		return q, false
+	}
+	groups := c / v
+	bx := int64(1)
+	for bx < groups && bx < 32 {
+		bx *= 2
+	}
+	tiles := ceilDiv(groups, bx)
+	if tiles > maxGridYZ {
+		return q, false
+	}
+	return bnVecGeom{v: v, groups: groups, bx: bx, by: bnVecBlock / bx, tiles: tiles}, true
+}
+
+// ppt is how many positions a thread sums into a row chunk for p
+// positions: enough chunks for bnVecBlocks blocks, at most bnVecPPT.
+func (q bnVecGeom) ppt(p int64) int64 {
+	return min(max(ceilDiv(p*q.tiles, q.by*bnVecBlocks), 1), bnVecPPT)
+}
+
+// rows is the row chunks of p positions: the partial sums' rows.
+func (q bnVecGeom) rows(p int64) int64 { return ceilDiv(p, q.by*q.ppt(p)) }
+
+// rowsBound bounds rows(n·hw) by an affine function of n, at least n (the
+// scalar path's rows, its fallback): below bnVecPPT positions a thread,
+// rows ≤ ⌈bnVecBlocks/tiles⌉ (ppt ≥ p·tiles/(by·bnVecBlocks)); at it,
+// rows = ⌈n·hw/(by·bnVecPPT)⌉ ≤ n·⌈hw/(by·bnVecPPT)⌉.
+func (q bnVecGeom) rowsBound(n, hw int64) int64 {
+	return ceilDiv(bnVecBlocks, q.tiles) + n*max(ceilDiv(hw, q.by*bnVecPPT), 1)
+}
+
+// bnPass is how a batch norm's kernels cover x: n images of c channels of
+// inner values each, channels last or not, on the vector path or not;
+// rows is the partial sums' rows that the per-channel kernels add up.
+type bnPass struct {
+	dt          graph.DType
+	nhwc, vec   bool
+	q           bnVecGeom
+	n, c, inner int64
+	rows        int64
+}
+
+// bnPassOf is the pass over x (channels last when nhwc) whose element
+// kernels read and write ops: the vector path where the geometry applies
+// and every operand is 16-byte aligned.
+func bnPassOf(dt graph.DType, nhwc bool, n, c, inner int64, ops ...operand) bnPass {
+	ps := bnPass{dt: dt, nhwc: nhwc, n: n, c: c, inner: inner, rows: n}
+	if !nhwc {
+		return ps
+	}
+	q, ok := bnVecGeometry(dt, c)
+	if !ok {
+		return ps
+	}
+	for _, o := range ops {
+		if o.p%16 != 0 {
+			return ps
+		}
+	}
+	ps.vec, ps.q, ps.rows = true, q, q.rows(n*inner)
+	return ps
+}
+
+// m is the values per channel.
+func (ps bnPass) m() int64 { return ps.n * ps.inner }
+
+// layout is the pass's workspace.
+func (ps bnPass) layout(k *kctx) (bnLayout, error) { return k.bnLayout(ps.rows*ps.c, ps.c) }
+
+// bnVecPasses counts the vector path's statistics and map launches (the
+// tests' check that it ran); bnBiasGrads counts batch_norm_grad_x passes
+// that gave their companion bias gradient.
+var bnVecPasses, bnBiasGrads atomic.Int64
 
 // bnDTypeCode is the kernels' run-time dtype code of a per-channel array.
 func bnDTypeCode(dt graph.DType) int64 {
@@ -94,15 +218,57 @@ func (k *kctx) bnRows(dt graph.DType, x operand, g *operand, part alloc.Ptr, row
 	return k.launch(typed(kBatchNormRows, dt), rowGrid(rows, block, 1), block, x.p, ptrOf(g), part, rows, inner)
 }
 
-// bnSums fills part with the row sums of x (and g) for n images of c
-// channels of inner values each: bnRows over NCHW data, or
-// batch_norm_rows_nhwc over channels-last data [n, inner, c].
-func (k *kctx) bnSums(dt graph.DType, nhwc bool, x operand, g *operand, part alloc.Ptr, n, c, inner int64) error {
-	if !nhwc {
-		return k.bnRows(dt, x, g, part, n*c, inner)
+// bnSums fills part with the partial sums of x (and g) that the pass's
+// per-channel kernels add up: bnRows over NCHW data, the vector path's row
+// chunks, or batch_norm_rows_nhwc over channels-last data [n, inner, c].
+func (k *kctx) bnSums(ps bnPass, x operand, g *operand, part alloc.Ptr) error {
+	n, c, inner := ps.n, ps.c, ps.inner
+	switch {
+	case ps.rows == 0 || c == 0:
+		return nil // no sums (the scalar kernels write zeros for empty rows)
+	case ps.vec:
+		p := ps.m()
+		bnVecPasses.Add(1)
+		grid := [3]uint32{uint32(min(ps.rows, maxGridX)), uint32(ps.q.tiles), 1}
+		return k.launch(typed(kBatchNormRowsNHWCVec, ps.dt), grid, ps.q.block(), x.p, ptrOf(g), part, p, c, ps.q.ppt(p))
+	case ps.nhwc:
+		grid := [3]uint32{uint32(min(ceilDiv(c, 32), maxGridX)), uint32(min(n, maxGridYZ)), 1}
+		return k.launch(typed(kBatchNormRowsNHWC, ps.dt), grid, [3]uint32{32, 16, 1}, x.p, ptrOf(g), part, n, inner, c)
 	}
-	grid := [3]uint32{uint32(min(ceilDiv(c, 32), maxGridX)), uint32(min(n, maxGridYZ)), 1}
-	return k.launch(typed(kBatchNormRowsNHWC, dt), grid, [3]uint32{32, 16, 1}, x.p, ptrOf(g), part, n, inner, c)
+	return k.bnRows(ps.dt, x, g, part, n*c, inner)
+}
+
+// block is the vector path's block.
+func (q bnVecGeom) block() [3]uint32 { return [3]uint32{uint32(q.bx), uint32(q.by), 1} }
+
+// bnMap launches the pass's element-wise kernel: vec (over the positions,
+// args then P and c), the scalar channels-last one (flat, args then the
+// element count and c) or the NCHW one (bnElems, args then rows, c and
+// inner).
+func (k *kctx) bnMap(ps bnPass, vec, nhwc, nchw string, args ...any) error {
+	n, c, inner := ps.n, ps.c, ps.inner
+	switch {
+	case n*c*inner == 0:
+		return nil
+	case ps.vec:
+		p := ps.m()
+		bnVecPasses.Add(1)
+		grid := [3]uint32{uint32(min(ceilDiv(p, ps.q.by*bnVecUnroll), maxGridX)), uint32(ps.q.tiles), 1}
+		return k.launch(typed(vec, ps.dt), grid, ps.q.block(), append(args, p, c)...)
+	case ps.nhwc:
+		return k.flat(typed(nhwc, ps.dt), n*c*inner, append(args, n*c*inner, c)...)
+	}
+	return k.bnElems(typed(nchw, ps.dt), n*c, inner, append(args, n*c, c, inner)...)
+}
+
+// perChannel launches a per-channel kernel (batch_norm_coef,
+// batch_norm_grad_coef, batch_norm_moments): one warp a channel, eight a
+// block.
+func (k *kctx) perChannel(name string, c int64, args ...any) error {
+	if c <= 0 {
+		return nil
+	}
+	return k.launch(name, [3]uint32{uint32(min(ceilDiv(c, 8), maxGridX)), 1, 1}, [3]uint32{32, 8, 1}, args...)
 }
 
 // bnElems launches an elementwise batch norm kernel over rows of inner
@@ -128,8 +294,7 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	nhwc := a.ChannelsLast
-	n, c, inner, err := bnChannels("batch_norm", x, nhwc)
+	n, c, inner, err := bnChannels("batch_norm", x, a.ChannelsLast)
 	if err != nil {
 		return err
 	}
@@ -149,28 +314,61 @@ func (k *kctx) batchNorm(a *graph.Attrs, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	rows := n * c
-	l, err := k.bnLayout(rows, c)
+	ps := bnPassOf(dt, a.ChannelsLast, n, c, inner, x, out)
+	l, err := ps.layout(k)
 	if err != nil {
 		return err
 	}
-	if a.Training && rows > 0 {
-		if err := k.bnSums(dt, nhwc, x, nil, l.part, n, c, inner); err != nil {
+	if a.Training {
+		if err := k.bnSums(ps, x, nil, l.part); err != nil {
 			return err
 		}
 	}
-	if err := k.flat(kBatchNormCoef, c, l.part, ptrOf(w), ptrOf(b), ptrOf(runMean), ptrOf(runVar), pdt, l.coef, n, c, inner, a.Eps); err != nil {
+	if err := k.perChannel(kBatchNormCoef, c, l.part, ptrOf(w), ptrOf(b), ptrOf(runMean), ptrOf(runVar), pdt, l.coef, ps.rows, c, ps.m(), a.Eps); err != nil {
 		return err
 	}
-	if nhwc {
-		return k.flat(typed(kBatchNormNHWC, dt), x.n(), x.p, l.coef, out.p, x.n(), c)
+	return k.bnMap(ps, kBatchNormNHWCVec, kBatchNormNHWC, kBatchNorm, x.p, l.coef, out.p)
+}
+
+// bnGradOuts are the outputs of batch_norm_grad_x's companions that its
+// pass may give (planner.Program.Companions): batch_norm_grad_w's Σ g·x̂
+// and the bias gradient's Σ g, each [c] of a float dtype, or nil; done
+// marks each computed.
+type bnGradOuts struct {
+	dw, db         *operand
+	dwDone, dbDone *bool
+}
+
+// bnCompanions is the node's companions that a batch_norm_grad_x pass
+// over c channels can give.
+func (k *kctx) bnCompanions(c int64) bnGradOuts {
+	var o bnGradOuts
+	o.dw, o.dwDone = k.companionOf(graph.OpBatchNormGradW)
+	o.db, o.dbDone = k.companionOf(graph.OpSum)
+	if o.dw != nil && (o.dw.n() != c || !o.dw.dt.IsFloat()) {
+		o.dw = nil
 	}
-	return k.bnElems(typed(kBatchNorm, dt), rows, inner, x.p, l.coef, out.p, rows, c, inner)
+	if o.db != nil && (o.db.n() != c || !o.db.dt.IsFloat()) {
+		o.db = nil
+	}
+	return o
+}
+
+// done marks the companions given.
+func (o bnGradOuts) done() {
+	if o.dw != nil {
+		*o.dwDone = true
+	}
+	if o.db != nil {
+		*o.dbDone = true
+		bnBiasGrads.Add(1)
+	}
 }
 
 // batchNormGradX is the training-mode gradient of batch_norm's input. It
-// also gives Σ g·x̂ into its companion batch_norm_grad_w's output, when
-// the planner made one (graph.BatchNormGradWProducer).
+// also gives Σ g·x̂ into its companion batch_norm_grad_w's output and Σ g
+// into its companion bias gradient's, when the planner made them
+// (graph.BatchNormGradWProducer, graph.BatchNormBiasGradProducer).
 func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *operand, out operand) error {
 	if done, err := k.dnnBatchNormGradX(a, g, x, w, out); done || err != nil {
 		return err
@@ -181,8 +379,7 @@ func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 	if !a.Training {
 		return graph.Errorf(graph.ErrAttr, "batch_norm_grad_x exists in training mode only")
 	}
-	nhwc := a.ChannelsLast
-	n, c, inner, err := bnChannels("batch_norm_grad_x", x, nhwc)
+	n, c, inner, err := bnChannels("batch_norm_grad_x", x, a.ChannelsLast)
 	if err != nil {
 		return err
 	}
@@ -193,29 +390,28 @@ func (k *kctx) batchNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w *o
 	if err != nil {
 		return err
 	}
-	rows := n * c
-	l, err := k.bnLayout(rows, c)
+	ps := bnPassOf(dt, a.ChannelsLast, n, c, inner, g, x, out)
+	l, err := ps.layout(k)
 	if err != nil {
 		return err
 	}
-	if rows > 0 {
-		if err := k.bnSums(dt, nhwc, x, &g, l.part, n, c, inner); err != nil {
-			return err
-		}
-	}
-	var dw alloc.Ptr
-	var odt int64
-	if co := k.co; co != nil && co.n() == c && co.dt.IsFloat() {
-		dw, odt = co.p, bnDTypeCode(co.dt)
-		k.coDone = true
-	}
-	if err := k.flat(kBatchNormGradCoef, c, l.part, ptrOf(w), alloc.Ptr(0), alloc.Ptr(0), pdt, l.coef, dw, odt, n, c, inner, a.Eps); err != nil {
+	if err := k.bnSums(ps, x, &g, l.part); err != nil {
 		return err
 	}
-	if nhwc {
-		return k.flat(typed(kBatchNormGradXNHWC, dt), x.n(), g.p, x.p, l.coef, out.p, x.n(), c)
+	co := k.bnCompanions(c)
+	var dwT, dbT int64
+	if co.dw != nil {
+		dwT = bnDTypeCode(co.dw.dt)
 	}
-	return k.bnElems(typed(kBatchNormGradX, dt), rows, inner, g.p, x.p, l.coef, out.p, rows, c, inner)
+	if co.db != nil {
+		dbT = bnDTypeCode(co.db.dt)
+	}
+	if err := k.perChannel(kBatchNormGradCoef, c, l.part, ptrOf(w), alloc.Ptr(0), alloc.Ptr(0), pdt, l.coef,
+		ptrOf(co.dw), dwT, ptrOf(co.db), dbT, ps.rows, c, ps.m(), a.Eps); err != nil {
+		return err
+	}
+	co.done()
+	return k.bnMap(ps, kBatchNormGradXNHWCVec, kBatchNormGradXNHWC, kBatchNormGradX, g.p, x.p, l.coef, out.p)
 }
 
 // batchNormGradW is Σ g·x̂ per channel, x̂ normalised as the forward op did
@@ -225,8 +421,7 @@ func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out 
 	if _, err := floatsOf(g, x, out); err != nil {
 		return err
 	}
-	nhwc := a.ChannelsLast
-	n, c, inner, err := bnChannels("batch_norm_grad_w", x, nhwc)
+	n, c, inner, err := bnChannels("batch_norm_grad_w", x, a.ChannelsLast)
 	if err != nil {
 		return err
 	}
@@ -244,17 +439,16 @@ func (k *kctx) batchNormGradW(dt graph.DType, a *graph.Attrs, in []operand, out 
 	if err != nil {
 		return err
 	}
-	rows := n * c
-	l, err := k.bnLayout(rows, c)
+	ps := bnPassOf(dt, a.ChannelsLast, n, c, inner, g, x)
+	l, err := ps.layout(k)
 	if err != nil {
 		return err
 	}
-	if rows > 0 {
-		if err := k.bnSums(dt, nhwc, x, &g, l.part, n, c, inner); err != nil {
-			return err
-		}
+	if err := k.bnSums(ps, x, &g, l.part); err != nil {
+		return err
 	}
-	return k.flat(kBatchNormGradCoef, c, l.part, alloc.Ptr(0), ptrOf(runMean), ptrOf(runVar), pdt, alloc.Ptr(0), out.p, bnDTypeCode(dt), n, c, inner, a.Eps)
+	return k.perChannel(kBatchNormGradCoef, c, l.part, alloc.Ptr(0), ptrOf(runMean), ptrOf(runVar), pdt, alloc.Ptr(0),
+		out.p, bnDTypeCode(dt), alloc.Ptr(0), int64(0), ps.rows, c, ps.m(), a.Eps)
 }
 
 // batchNormMoments is batch_norm_stats: x [N, C, ...]'s per-channel mean
@@ -275,15 +469,15 @@ func (k *kctx) batchNormMoments(x, out operand) error {
 	if n*inner <= 1 {
 		return graph.Errorf(graph.ErrShape, "batch_norm_stats needs more than one value per channel, got x %v", x.shape)
 	}
-	rows := n * c
-	l, err := k.bnLayout(rows, c)
+	ps := bnPassOf(dt, false, n, c, inner)
+	l, err := ps.layout(k)
 	if err != nil {
 		return err
 	}
-	if err := k.bnRows(dt, x, nil, l.part, rows, inner); err != nil {
+	if err := k.bnSums(ps, x, nil, l.part); err != nil {
 		return err
 	}
-	return k.flat(kBatchNormMoment, c, l.part, out.p, bnDTypeCode(dt), n, c, inner)
+	return k.perChannel(kBatchNormMoment, c, l.part, out.p, bnDTypeCode(dt), ps.rows, c, ps.m())
 }
 
 // bnChannels is channels for x in a batch norm's layout: images, channels

@@ -21,10 +21,10 @@ import (
 // ResNet-50 at batch 64 in bfloat16 on the H100 (NCHW: 3.8 and 8.6).
 //
 // Its scale and bias must exist: a batch norm without weight (bias) hands
-// it ones (zeros) from the workspace. The backward pass's scale gradient
-// is batch_norm_grad_w's output when the planner made that node
-// batch_norm_grad_x's companion; the bias gradient, a sum node of its own,
-// goes to the workspace (dnnBNBytes).
+// it ones (zeros) from the workspace. The backward pass's scale and bias
+// gradients are batch_norm_grad_w's output and the bias gradient's sum's
+// when the planner made those nodes batch_norm_grad_x's companions, else
+// they go to the workspace (dnnBNBytes).
 
 // cudnnBatchNormMode_t: per channel, over N, H and W.
 const cudnnBatchNormSpatial = 1
@@ -251,15 +251,16 @@ func (k *kctx) dnnBatchNormGradX(a *graph.Attrs, g, x operand, w *operand, out o
 		}
 		scale = ones
 	}
-	// Its companion batch_norm_grad_w (graph.BatchNormGradWProducer) is
-	// the scale gradient: written straight into its output when that is
-	// float32, else cast into it from the workspace.
-	co := k.co
-	if co != nil && (co.n() != c || !co.dt.IsFloat()) {
-		co = nil
+	// Its companions batch_norm_grad_w (graph.BatchNormGradWProducer) and
+	// the bias gradient (graph.BatchNormBiasGradProducer) are the scale's
+	// and the bias's gradients: written straight into their outputs when
+	// those are float32, else cast into them from the workspace.
+	co := k.bnCompanions(c)
+	if co.dw != nil && co.dw.dt == graph.Float32 {
+		dScale = co.dw.p
 	}
-	if co != nil && co.dt == graph.Float32 {
-		dScale = co.p
+	if co.db != nil && co.db.dt == graph.Float32 {
+		dBias = co.db.p
 	}
 	one, zero := float32(1), float32(0)
 	s := k.dnn.bn.cudnnBatchNormalizationBackward(k.dnn.h, cudnnBatchNormSpatial, &one, &zero, &one, &zero,
@@ -268,13 +269,16 @@ func (k *kctx) dnnBatchNormGradX(a *graph.Attrs, g, x operand, w *operand, out o
 	if err := k.dnn.lib.check("cudnnBatchNormalizationBackward", s); err != nil {
 		return true, err
 	}
-	if co != nil {
-		if co.dt != graph.Float32 {
-			if err := k.packs(castKernel(graph.Float32, co.dt), c, perPack(graph.Float32, co.dt), dScale, co.p, c); err != nil {
+	for _, o := range []struct {
+		v   *operand
+		src alloc.Ptr
+	}{{co.dw, dScale}, {co.db, dBias}} {
+		if o.v != nil && o.v.dt != graph.Float32 {
+			if err := k.packs(castKernel(graph.Float32, o.v.dt), c, perPack(graph.Float32, o.v.dt), o.src, o.v.p, c); err != nil {
 				return true, err
 			}
 		}
-		k.coDone = true
 	}
+	co.done()
 	return true, nil
 }

@@ -149,7 +149,8 @@ func TestCuDNNConvMatchesCPU(t *testing.T) {
 }
 
 // TestBatchNormMatchesCPU runs batch norm in training mode (forward,
-// batch_norm_grad_x, batch_norm_grad_w and the bias's sum) and evaluation
+// batch_norm_grad_x, batch_norm_grad_w and the bias's sum, the last two
+// batch_norm_grad_x's companions, given by its pass) and evaluation
 // mode (forward, and the weight gradient with the running statistics), in
 // float32 and in mixed precision (16-bit x, float32 weight, bias and
 // running statistics, as autocast runs it), on batchfit's kernels and on
@@ -227,8 +228,10 @@ func testBatchNormMatchesCPU(t *testing.T, e *cuda.Executor) {
 				}
 				want, err := cpuRun(h.g, feeds, outs...)
 				require.NoError(t, err)
+				bias := cuda.BatchNormBiasGrads()
 				got, err := gpu(h.g, feeds, outs...)
 				require.NoError(t, err)
+				require.Greater(t, cuda.BatchNormBiasGrads(), bias, "batch_norm_grad_x gave the bias gradient (output 3)")
 				for k := range outs {
 					require.Equal(t, want[k].Shape, got[k].Shape, "output %d", k)
 					var diff, norm float64

@@ -16,6 +16,13 @@ func FusedCrossEntropies() int64 { return fusedCrossEntropies.Load() }
 // companion gradient too, in every executor of the process.
 func FusedLayerNorms() int64 { return fusedLayerNorms.Load() }
 
+// BatchNormVecPasses counts the channels-last batch norm's vector-path
+// launches (sums and maps), and BatchNormBiasGrads the batch_norm_grad_x
+// passes that gave their companion bias gradient, in every executor of
+// the process.
+func BatchNormVecPasses() int64 { return bnVecPasses.Load() }
+func BatchNormBiasGrads() int64 { return bnBiasGrads.Load() }
+
 // LayerNormFusedGrid is the fused layer norm pass's grid and row groups
 // for rows rows of d float32 elements on e's device, and the blocks the
 // device holds at once.

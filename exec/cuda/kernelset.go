@@ -23,6 +23,10 @@ const (
 	kBatchNormNHWC      = "batch_norm_nhwc_f32"
 	kBatchNormRowsNHWC  = "batch_norm_rows_nhwc_f32"
 	kBatchNormGradXNHWC = "batch_norm_grad_x_nhwc_f32"
+	// The channels-last vector path (16-byte loads and stores).
+	kBatchNormRowsNHWCVec  = "batch_norm_rows_nhwc_vec_f32"
+	kBatchNormNHWCVec      = "batch_norm_nhwc_vec_f32"
+	kBatchNormGradXNHWCVec = "batch_norm_grad_x_nhwc_vec_f32"
 	// Untyped: their per-channel operands' dtype comes at run time.
 	kBatchNormCoef     = "batch_norm_coef"
 	kBatchNormGradCoef = "batch_norm_grad_coef"
@@ -98,7 +102,8 @@ const (
 var kernelFiles = map[string][]string{
 	"attention.cu":  slices.Concat(attnPlainKernels(), attnMMAKernels(), []string{kAttnRowsFwd, kAttnRowsBwd}),
 	"accumulate.cu": append(allTyped(kAccumulate, kAccumulateMax, kFillF32), kFillI64),
-	"batchnorm.cu": append(allTyped(kBatchNorm, kBatchNormRows, kBatchNormGradX, kBatchNormNHWC, kBatchNormRowsNHWC, kBatchNormGradXNHWC),
+	"batchnorm.cu": append(allTyped(kBatchNorm, kBatchNormRows, kBatchNormGradX, kBatchNormNHWC, kBatchNormRowsNHWC, kBatchNormGradXNHWC,
+		kBatchNormRowsNHWCVec, kBatchNormNHWCVec, kBatchNormGradXNHWCVec),
 		kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment),
 	"conv.cu":    allTyped(kIm2col, kCol2im, kRegroup),
 	"dropout.cu": allTyped(kDropout),

@@ -121,9 +121,17 @@ func TestCuDNNConvChannelsLastMatchesRef(t *testing.T) {
 // without weight and bias) and evaluation mode (forward, the weight
 // gradient), in float32 and with 16-bit x (float32 per-channel values, as
 // autocast runs it), against the float64 reference. Values have a
-// channel-dependent offset. Tolerance as TestBatchNormMatchesCPU: 1e-4 in
-// float32, 1e-2 in 16 bits, on the error's norm relative to the
-// reference's.
+// channel-dependent offset. The shapes take the vector path (C a multiple
+// of 16 bytes' worth: 64, 256 and 2048 channels, 24 for a group count no
+// power of two, and enough positions at [8, 64, 56, 56] for two
+// positions a thread) and the scalar one (C = 5; C = 12 in 16 bits, where
+// float32 takes the vector path); each case checks which ran, and that
+// batch_norm_grad_x gave the bias gradient (its companion; the sum is
+// checked against the reference like every output), and that a second run
+// gives the same bits (no atomics: CUDA graphs replay bit for bit).
+// Tolerance as
+// TestBatchNormMatchesCPU: 1e-4 in float32, 1e-2 in 16 bits, on the
+// error's norm relative to the reference's.
 func TestBatchNormChannelsLastMatchesRef(t *testing.T) {
 	t.Run("cudnn", func(t *testing.T) { testBatchNormChannelsLast(t, dnnExecutor(t, nil)) })
 	t.Run("kernels", func(t *testing.T) {
@@ -134,7 +142,7 @@ func TestBatchNormChannelsLastMatchesRef(t *testing.T) {
 func testBatchNormChannelsLast(t *testing.T, e *cuda.Executor) {
 	gpu := runOn(e)
 	rng := rand.New(rand.NewPCG(17, 23))
-	shapes := [][]int{{8, 64, 28, 28}, {4, 256, 7, 7}, {3, 5, 9, 11}}
+	shapes := [][]int{{8, 64, 28, 28}, {4, 256, 7, 7}, {3, 5, 9, 11}, {4, 2048, 3, 3}, {2, 24, 5, 7}, {4, 12, 6, 6}, {8, 64, 56, 56}}
 	build := func(t *testing.T, dt graph.DType, shape []int) (*halfGraph, []int, map[int]ref.Value) {
 		h := &halfGraph{t: t, g: graph.New(), dt: dt}
 		c := shape[1]
@@ -174,8 +182,20 @@ func testBatchNormChannelsLast(t *testing.T, e *cuda.Executor) {
 				h, outs, feeds := build(t, dt, shape)
 				want, err := ref.Eval(h.g, feeds, outs...)
 				require.NoError(t, err)
+				vec, bias := cuda.BatchNormVecPasses(), cuda.BatchNormBiasGrads()
 				got, err := gpu(h.g, feeds, outs...)
 				require.NoError(t, err)
+				if shape[1]%(16/dt.Size()) == 0 {
+					require.Greater(t, cuda.BatchNormVecPasses(), vec, "the vector path ran")
+				} else {
+					require.Equal(t, vec, cuda.BatchNormVecPasses(), "the scalar path ran")
+				}
+				require.Greater(t, cuda.BatchNormBiasGrads(), bias, "batch_norm_grad_x gave the bias gradient")
+				again, err := gpu(h.g, feeds, outs...)
+				require.NoError(t, err)
+				for k := range outs {
+					require.Equal(t, got[k].Data, again[k].Data, "output %d: a second run gives the same bits", k)
+				}
 				for k := range outs {
 					name := h.g.Node(outs[k]).Op.String()
 					rel := relNorm(t, want[k], got[k], name)

@@ -6,6 +6,9 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/graph"
 )
 
 // The fused layer norm pass's launch geometry keeps the kernel's
@@ -43,4 +46,55 @@ func TestLayerNormFusedGeometry(t *testing.T) {
 func lnFusedGroupsBound(rows, d int64) int64 {
 	_, groups := lnFusedGroups(rows, d, math.MaxInt64)
 	return groups
+}
+
+// The channels-last batch norm's vector path: its geometry keeps the
+// kernels' preconditions (a block of bnVecBlock threads, bx a power of two
+// ≤ 32 covering the groups or a tile of 32, every group in a tile), and
+// the row chunks of every chunk size fit the workspace's bound, which is
+// affine in the images and never below the scalar path's n rows.
+func TestBatchNormVecGeometry(t *testing.T) {
+	_, ok := bnVecGeometry(graph.BFloat16, 5)
+	assert.False(t, ok, "c not a multiple of 8")
+	_, ok = bnVecGeometry(graph.Float32, 6)
+	assert.False(t, ok, "c not a multiple of 4")
+	_, ok = bnVecGeometry(graph.Int64, 64)
+	assert.False(t, ok, "not a float")
+	for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16} {
+		for _, c := range []int64{4, 8, 12, 24, 64, 256, 520, 1024, 2048, 4096} {
+			q, ok := bnVecGeometry(dt, c)
+			if c%(16/int64(dt.Size())) != 0 {
+				assert.False(t, ok, "%s c %d", dt, c)
+				continue
+			}
+			require.True(t, ok, "%s c %d", dt, c)
+			what := fmt.Sprintf("%s c %d", dt, c)
+			assert.Equal(t, c, q.v*q.groups, what)
+			assert.Equal(t, int64(bnVecBlock), q.bx*q.by, what)
+			assert.Zero(t, q.bx&(q.bx-1), what)
+			assert.LessOrEqual(t, q.bx, int64(32), what)
+			assert.GreaterOrEqual(t, q.bx*q.tiles, q.groups, what)
+			assert.Less(t, q.bx*(q.tiles-1), q.groups, what)
+			for _, hw := range []int64{1, 7, 49, 196, 784, 3136, 12544} {
+				b0, b1 := q.rowsBound(0, hw), q.rowsBound(1, hw)
+				for _, n := range []int64{0, 1, 2, 3, 8, 17, 64, 256} {
+					p := n * hw
+					w := fmt.Sprintf("%s, hw %d, n %d", what, hw, n)
+					ppt := q.ppt(p)
+					assert.GreaterOrEqual(t, ppt, int64(1), w)
+					assert.LessOrEqual(t, ppt, int64(bnVecPPT), w)
+					assert.LessOrEqual(t, q.rows(p), q.rowsBound(n, hw), w)
+					assert.Equal(t, b0+n*(b1-b0), q.rowsBound(n, hw), w+": affine")
+					assert.GreaterOrEqual(t, q.rowsBound(n, hw), n, w+": the scalar path's rows")
+					assert.GreaterOrEqual(t, q.rows(p)*q.by*ppt, p, w+": the chunks cover every position")
+				}
+			}
+		}
+	}
+	// Enough blocks to fill the device where there are positions for them:
+	// [64, 56, 56, 64] and [64, 7, 7, 2048] in bfloat16.
+	q, _ := bnVecGeometry(graph.BFloat16, 64)
+	assert.GreaterOrEqual(t, q.rows(64*3136)*q.tiles, int64(132))
+	q, _ = bnVecGeometry(graph.BFloat16, 2048)
+	assert.GreaterOrEqual(t, q.rows(64*49)*q.tiles, int64(132))
 }

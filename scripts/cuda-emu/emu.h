@@ -85,6 +85,11 @@ inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f;
 inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 inline long long __double_as_longlong(double f) { long long u; memcpy(&u, &f, 8); return u; }
+// Rounded arithmetic intrinsics: one IEEE operation each (the host build
+// does not contract a·b + c: x86-64's default target has no FMA).
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 
 // Per-warp exchange buffers.
 struct WarpBuf {
