@@ -67,7 +67,7 @@ func (c config) checkCap() error {
 func capThroughput(c config, m benchModel, mode recompute.Mode, device string, deviceUsed func() (int64, error)) (Record, error) {
 	n := capBatchOf(c, m)
 	r := Record{Kind: "cap", Model: m.name, About: m.about, Batch: n, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.channelsLast, Budget: c.cap,
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc(), Budget: c.cap,
 		RecomputeMode: capModeName(mode)}
 	prof, err := recompute.LoadProfile(c.costProfile)
 	if err != nil {
@@ -86,7 +86,7 @@ func capThroughput(c config, m benchModel, mode recompute.Mode, device string, d
 		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: device, TF32: c.tf32, Precision: c.precision,
-		Budget: c.cap, Recompute: mode, Profile: prof, ChannelsLast: c.channelsLast})
+		Budget: c.cap, Recompute: mode, Profile: prof, NoChannelsLast: !c.channelsLast})
 	if err := sess.Err(); err != nil {
 		return r, err
 	}

@@ -25,7 +25,7 @@ import (
 // times, samples per second over the global batch.
 func distThroughput(c config, m benchModel) (Record, error) {
 	r := Record{Kind: "dist", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.channelsLast}
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
 	ctx := context.Background()
 	env, err := dist.EnvFromOS()
 	if err != nil {
@@ -38,7 +38,7 @@ func distThroughput(c config, m benchModel) (Record, error) {
 	}
 	defer comm.Close()
 	tr, err := dist.New(comm, dist.Options{BucketBytes: c.bucket,
-		Session: batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.channelsLast}})
+		Session: batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision, NoChannelsLast: !c.channelsLast}})
 	if err != nil {
 		return r, err
 	}

@@ -73,7 +73,7 @@ type config struct {
 	cap           int64  // cap records within this many bytes; 0: none
 	capBatch      int    // the cap records' batch; 0: each model's timed batch
 	costProfile   string // the recompute cost model's profile for the cap records
-	channelsLast  bool   // conv nets' activations channels last (-channels-last)
+	channelsLast  bool   // conv nets' bfloat16 activations channels last (-channels-last, the default)
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -110,7 +110,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.Var(bytesFlag{&c.cap}, "cap", "train each model at -cap-batch through batchfit.Session within this `size` (Options.Budget: 24GiB, 512MiB, 24GB or bytes), once with the planner's choice (recompute auto) and once in chunks only, and time both (the cap records); 0: off")
 	fs.IntVar(&c.capBatch, "cap-batch", 0, "the batch of -cap's steps (0: each model's timed batch, -gpt-batch, -mlp-batch, ...)")
 	fs.StringVar(&c.costProfile, "cost-profile", "h100", "the recompute cost model's `profile` for -cap (Options.Profile): default, h100 or a JSON file as batchfit calibrate writes it")
-	fs.BoolVar(&c.channelsLast, "channels-last", false, "store conv nets' 4-D activations channels last (NHWC; package layout, Options.ChannelsLast) from their bfloat16 convolutions on (layout.ConvTakes): cuDNN's fast layout for 16-bit convolutions")
+	fs.BoolVar(&c.channelsLast, "channels-last", true, "store conv nets' 4-D activations channels last (NHWC; package layout) from their bfloat16 convolutions on (layout.ConvTakes), as a Session does by default under bf16-mixed; false keeps them NCHW (Options.NoChannelsLast)")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 
@@ -287,9 +287,14 @@ func (c *config) resolvePrecision() error {
 
 func (c config) policy() precision.Policy { return precision.Policy(c.precision) }
 
+// nhwc reports whether the conv nets' activations are stored channels
+// last: -channels-last under bf16-mixed (no other policy has a bfloat16
+// convolution).
+func (c config) nhwc() bool { return c.channelsLast && c.policy() == precision.BF16Mixed }
+
 // train is how compileStep builds the step's graph besides the policy.
 func (c config) train() precision.TrainOptions {
-	return precision.TrainOptions{ChannelsLast: c.channelsLast}
+	return precision.TrainOptions{ChannelsLast: c.nhwc()}
 }
 
 // compileStep compiles a training step as batchfit.Session.Step does, with
@@ -445,7 +450,7 @@ func scalar(t *tensor.Dense) float64 {
 // device, a fresh batch of host data fed (and uploaded) every step.
 func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.channelsLast}
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
 	start := time.Now()
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {

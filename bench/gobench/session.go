@@ -41,7 +41,7 @@ func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor,
 // host clock around the whole.
 func sessionThroughput(c config, m benchModel) (Record, error) {
 	r := Record{Kind: "session", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.channelsLast}
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {
 		return r, err
@@ -54,7 +54,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
-		NoCUDAGraphs: !c.cudaGraphs, ChannelsLast: c.channelsLast})
+		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast})
 	if err := sess.Err(); err != nil {
 		return r, err
 	}

@@ -188,7 +188,8 @@ func buildStep(c *estimateConfig) (*step, error) {
 			return nil, err
 		}
 		// fp16-mixed scales its loss, as a Session does by default.
-		st, err := precision.TrainWith(g, c.policy, b.loss.ID(), wrt, precision.TrainOptions{LossScale: c.policy.Scaled()})
+		st, err := precision.TrainWith(g, c.policy, b.loss.ID(), wrt, precision.TrainOptions{LossScale: c.policy.Scaled(),
+			ChannelsLast: c.policy == precision.BF16Mixed && !c.nchw})
 		if err != nil {
 			return nil, err
 		}

@@ -154,6 +154,7 @@ type estimateConfig struct {
 	json             bool
 	device           *device // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
 	perChunk         bool    // --batchnorm per-chunk: nn.Options.PerChunkStats
+	nchw             bool    // --nchw: conv nets stay NCHW under bf16-mixed (batchfit.Options.NoChannelsLast)
 	recompute        recompute.Mode
 	profile          recompute.Profile
 	plot             string
@@ -164,6 +165,7 @@ type estimateConfig struct {
 type stepFlagValues struct {
 	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm string
 	batch, seq, context, microBatch                                       int
+	nchw                                                                  bool
 }
 
 // addStepFlags defines the step flags on fs.
@@ -180,6 +182,7 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 		" (mixed: matrix products from 16-bit copies, float32 parameters, gradients and optimizer state)")
 	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of everything, parameters, activations, gradients and optimizer state alike: float32, float16, bfloat16 (a pure 16-bit what-if no Session runs; see --precision)")
 	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
+	fs.BoolVar(&v.nchw, "nchw", false, "keep conv nets' activations NCHW under --precision bf16-mixed, as batchfit.Options.NoChannelsLast (by default their bfloat16 convolutions run channels last there, as a Session's do)")
 	fs.StringVar(&v.batchnorm, "batchnorm", "whole", "`statistics` training-mode batch norm normalises with: whole (the batch's, PyTorch's default; the step runs in one chunk) or per-chunk (each chunk's own, as gradient accumulation does; nn.Options.PerChunkStats)")
 }
 
@@ -352,6 +355,7 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	if c.policy != precision.FP32 && c.dtype != graph.Float32 {
 		return nil, usagef(errNotApplicable, "--dtype %s (everything in 16 bits) and --precision %s exclude each other", c.dtype, c.policy)
 	}
+	c.nchw = v.nchw
 	switch v.batchnorm {
 	case "whole":
 	case "per-chunk":
