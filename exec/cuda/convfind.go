@@ -609,31 +609,30 @@ func (n *DNN) timings(ak algoKey, key convKey, im2col func(x, w, y, ws alloc.Ptr
 }
 
 // newConvDescs makes the descriptors of key, with the policy's math type
-// set; on failure it destroys what it made.
-func (n *DNN) newConvDescs(key convKey) (p *convPlan, err error) {
+// set; on failure it destroys what it made and returns a nil plan. A shape
+// cuDNN's descriptors cannot take fails with a *CUDNNError (BAD_PARAM):
+// the convolutions split theirs first (convSlice).
+func (n *DNN) newConvDescs(key convKey) (*convPlan, error) {
 	l := n.lib
 	dt, ok := cudnnDType(key.dt)
 	if !ok {
 		return nil, graph.Errorf(graph.ErrDType, "cudnn convolution of %s", key.dt)
 	}
-	p = &convPlan{}
-	defer func() {
-		if err != nil {
-			err = errors.Join(err, n.destroy(p))
-			p = nil
-		}
-	}()
+	p := &convPlan{}
+	// fail destroys p itself, not a named result that a return may have
+	// set to nil first.
+	fail := func(err error) (*convPlan, error) { return nil, errors.Join(err, n.destroy(p)) }
 	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.xd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.yd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnCreateFilterDescriptor", l.cudnnCreateFilterDescriptor(&p.wd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnCreateConvolutionDescriptor", l.cudnnCreateConvolutionDescriptor(&p.cd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	x, w, y := key.x, key.w, key.y
 	format := int32(cudnnNCHW)
@@ -642,26 +641,26 @@ func (n *DNN) newConvDescs(key convKey) (p *convPlan, err error) {
 	}
 	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, format, dt,
 		int32(x[0]), int32(x[1]), int32(x[2]), int32(x[3]))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.yd, format, dt,
 		int32(y[0]), int32(y[1]), int32(y[2]), int32(y[3]))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetFilter4dDescriptor", l.cudnnSetFilter4dDescriptor(p.wd, dt, format,
 		int32(w[0]), int32(w[1]), int32(w[2]), int32(w[3]))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetConvolution2dDescriptor", l.cudnnSetConvolution2dDescriptor(p.cd,
 		int32(key.pad[0]), int32(key.pad[1]), int32(key.stride[0]), int32(key.stride[1]),
 		int32(key.dil[0]), int32(key.dil[1]), cudnnCrossCorrelation, cudnnDataFloat)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetConvolutionGroupCount", l.cudnnSetConvolutionGroupCount(p.cd, int32(key.groups))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := n.setMath(p, n.mathOf(key.dt)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	return p, nil
 }

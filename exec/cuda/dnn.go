@@ -189,7 +189,11 @@ func (n *DNN) Close() error {
 	})
 }
 
+// destroy destroys p's descriptors; a nil plan has none.
 func (n *DNN) destroy(p *convPlan) error {
+	if p == nil {
+		return nil
+	}
 	l := n.lib
 	var errs []error
 	if p.xd != 0 {
