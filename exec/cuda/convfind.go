@@ -36,7 +36,9 @@ import (
 // capped (alloc.Allocator.SetLimit: the searches stay within the cap's
 // headroom); a shape whose whole batch would need more is searched at the
 // largest batch that fits, and its choice declared for the whole batch
-// from cuDNN's workspace queries. What the searches leave behind outside
+// from cuDNN's workspace queries. A convolution too large for cuDNN's
+// descriptors, which runs in slices along N (convsplit.go), is searched
+// at most at the slice's batch. What the searches leave behind outside
 // every allocator (cuDNN's kernels, loaded as it tries them) is measured
 // around each (cuMemGetInfo) and counted in DNN.Overhead, so Reserve
 // leaves it free.
@@ -62,7 +64,9 @@ import (
 // chunk size the planner can give the graph's batch (chunkSizes: ⌊N/k⌋
 // and ⌊N/k⌋+1, about 4√N sizes), and declared affine in the chunk size b
 // as the planner requires: exactly its workspace at the whole batch, and
-// at least its workspace at every other of those sizes (affineCover). An
+// at least its workspace at every other of those sizes (affineCover); at
+// a size that runs in slices, its workspace is the largest of the slices'
+// two shapes (sliceWorkspace). An
 // algorithm cuDNN refuses at any of them is passed over for the next in
 // the ranking, so every chunk a plan can hold runs the chosen algorithm
 // from its block. A chunk of another size (a RunBatch of fewer samples)
@@ -462,6 +466,20 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 		}
 		b = int(min(int64(whole), 1+(capBytes-n1)/slope))
 	}
+	// A convolution too large for cuDNN's descriptors runs in slices
+	// (convsplit.go): its search times at most the slice's shape, which
+	// is what runs.
+	if s := convSlice(keyN); s < keyN.x[0] {
+		if s == 0 {
+			return nil, "too large for cuDNN's descriptors", ConvChoice{}
+		}
+		if keyN.x[0] != key1.x[0] { // batched: key1.x[0] images a sample
+			b = min(b, int(s/key1.x[0]))
+		}
+		if k, _ := convNodeKey(g, nd, b); b < 1 || convSlice(k) < k.x[0] {
+			return nil, "too large for cuDNN's descriptors", ConvChoice{}
+		}
+	}
 	keyF, _ := convNodeKey(g, nd, b)
 	limitF, limitN := static(g, nd, b), static(g, nd, whole)
 	ak := algoKey{Pass: keyF.pass, DType: keyF.dt, X: keyF.x, W: keyF.w, Y: keyF.y, Pad: keyF.pad, Stride: keyF.stride,
@@ -501,8 +519,9 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 				return nil
 			}
 			pts := make([]wsPoint, 0, len(sizes))
+			memo := map[convKey]int64{}
 			for j, b := range sizes {
-				w, err := n.queryWorkspace(keys[j], r)
+				w, err := n.sliceWorkspace(keys[j], r, memo)
 				if err != nil { // refused at some chunk size: the next
 					break
 				}
@@ -706,6 +725,31 @@ func (n *DNN) queryWorkspace(key convKey, r algoResult) (ws int64, err error) {
 		}
 	}
 	return n.workspaceSize(p, key.pass, r.Algo)
+}
+
+// sliceWorkspace is r's workspace for a convolution of key, which runs in
+// slices when its tensors are too large for cuDNN's descriptors
+// (convsplit.go): the largest over its slices' shapes, each queried once
+// (memo holds r's answers by shape). On the device thread.
+func (n *DNN) sliceWorkspace(key convKey, r algoResult, memo map[convKey]int64) (int64, error) {
+	s := convSlice(key)
+	if s == 0 {
+		return 0, errTooLarge(key)
+	}
+	var most int64
+	for _, m := range sliceSizes(key.x[0], s) {
+		k := sliceKey(key, m)
+		w, ok := memo[k]
+		if !ok {
+			var err error
+			if w, err = n.queryWorkspace(k, r); err != nil {
+				return 0, err
+			}
+			memo[k] = w
+		}
+		most = max(most, w)
+	}
+	return most, nil
 }
 
 // search times every algorithm of key's pass on the device: tensors of
