@@ -629,8 +629,9 @@ func (n *DNN) timings(ak algoKey, key convKey, im2col func(x, w, y, ws alloc.Ptr
 
 // newConvDescs makes the descriptors of key, with the policy's math type
 // set; on failure it destroys what it made and returns a nil plan. A shape
-// cuDNN's descriptors cannot take fails with a *CUDNNError (BAD_PARAM):
-// the convolutions split theirs first (convSlice).
+// cuDNN's descriptors cannot take fails with a *CUDNNError (9.14:
+// NOT_SUPPORTED from cudnnSetTensor4dDescriptor): the convolutions split
+// theirs first (convSlice).
 func (n *DNN) newConvDescs(key convKey) (*convPlan, error) {
 	l := n.lib
 	dt, ok := cudnnDType(key.dt)

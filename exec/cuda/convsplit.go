@@ -10,8 +10,9 @@ import (
 // Convolutions too large for cuDNN's descriptors.
 //
 // cuDNN's legacy 4-D descriptors take int32 sizes, and
-// cudnnSetTensor4dDescriptor refuses (BAD_PARAM) a tensor of 2³¹ or more
-// elements: ResNet-50's stem output [N, 64, 112, 112] from N = 2,675, the
+// cudnnSetTensor4dDescriptor refuses a tensor of 2³¹ or more elements
+// (cuDNN 9.14 on the H100: CUDNN_STATUS_NOT_SUPPORTED, 3000; others have
+// answered BAD_PARAM): ResNet-50's stem output [N, 64, 112, 112] from N = 2,675, the
 // ConvNet's first [N, 32, 32, 32] from N = 65,536. Such a convolution runs
 // on cuDNN in slices along N of the largest size the descriptors take, as
 // ATen splits a batch for cuDNN (split_batch_dim_to_32bit_out): forward
