@@ -668,6 +668,10 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	if err != nil {
 		return r, err
 	}
+	su, err := planner.Replay(p, []planner.Chunk{{Size: lo}}, alloc.New(alloc.NewSimBackend(free), alloc.Options{}), nil, false)
+	if err == nil {
+		r.StepPredictedPeakReserved = su.PeakReserved
+	}
 	res, err := e.Execute(context.Background(), p, planner.Chunks(lo, 1), cuda.ExecOptions{Resident: true, Optimizer: m.optimizer()})
 	r.VerifySeconds = time.Since(start).Seconds()
 	if err != nil {

@@ -90,9 +90,15 @@ type Record struct {
 	Replays       int     `json:"replays,omitempty"`
 	Upper         int     `json:"upper,omitempty"` // the batch the shape-only program was built at
 	// The step at the found batch, run on the card.
-	Verified       bool    `json:"verified,omitempty"`
-	VerifySeconds  float64 `json:"verify_seconds,omitempty"`
-	VerifyFreeLeft int64   `json:"verify_free_left,omitempty"` // cuMemGetInfo's free after the step
+	// StepPredictedPeakReserved is the step's own program (compiled at the
+	// found batch, its workspaces declared there) replayed on a simulated
+	// device: against MeasuredPeakReserved − Overhead to the byte, where
+	// PredictedPeakReserved is the shape-only program's at that batch
+	// (workspaces declared at Upper: a timed convolution's affine cover).
+	StepPredictedPeakReserved int64   `json:"step_predicted_peak_reserved,omitempty"`
+	Verified                  bool    `json:"verified,omitempty"`
+	VerifySeconds             float64 `json:"verify_seconds,omitempty"`
+	VerifyFreeLeft            int64   `json:"verify_free_left,omitempty"` // cuMemGetInfo's free after the step
 
 	// tightness: the plan within Budget − Overhead runs Chunks chunks of
 	// ChunkSizes; the next larger chunk size (the fewest chunks above it:

@@ -36,7 +36,9 @@ import (
 // capped (alloc.Allocator.SetLimit: the searches stay within the cap's
 // headroom); a shape whose whole batch would need more is searched at the
 // largest batch that fits, and its choice declared for the whole batch
-// from cuDNN's workspace queries. What the searches leave behind outside
+// from cuDNN's workspace queries. A convolution too large for cuDNN's
+// descriptors, which runs in slices along N (convsplit.go), is searched
+// at most at the slice's batch. What the searches leave behind outside
 // every allocator (cuDNN's kernels, loaded as it tries them) is measured
 // around each (cuMemGetInfo) and counted in DNN.Overhead, so Reserve
 // leaves it free.
@@ -62,7 +64,9 @@ import (
 // chunk size the planner can give the graph's batch (chunkSizes: ⌊N/k⌋
 // and ⌊N/k⌋+1, about 4√N sizes), and declared affine in the chunk size b
 // as the planner requires: exactly its workspace at the whole batch, and
-// at least its workspace at every other of those sizes (affineCover). An
+// at least its workspace at every other of those sizes (affineCover); at
+// a size that runs in slices, its workspace is the largest of the slices'
+// two shapes (sliceWorkspace). An
 // algorithm cuDNN refuses at any of them is passed over for the next in
 // the ranking, so every chunk a plan can hold runs the chosen algorithm
 // from its block. A chunk of another size (a RunBatch of fewer samples)
@@ -462,6 +466,20 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 		}
 		b = int(min(int64(whole), 1+(capBytes-n1)/slope))
 	}
+	// A convolution too large for cuDNN's descriptors runs in slices
+	// (convsplit.go): its search times at most the slice's shape, which
+	// is what runs.
+	if s := convSlice(keyN); s < keyN.x[0] {
+		if s == 0 {
+			return nil, "too large for cuDNN's descriptors", ConvChoice{}
+		}
+		if keyN.x[0] != key1.x[0] { // batched: key1.x[0] images a sample
+			b = min(b, int(s/key1.x[0]))
+		}
+		if k, _ := convNodeKey(g, nd, b); b < 1 || convSlice(k) < k.x[0] {
+			return nil, "too large for cuDNN's descriptors", ConvChoice{}
+		}
+	}
 	keyF, _ := convNodeKey(g, nd, b)
 	limitF, limitN := static(g, nd, b), static(g, nd, whole)
 	ak := algoKey{Pass: keyF.pass, DType: keyF.dt, X: keyF.x, W: keyF.w, Y: keyF.y, Pad: keyF.pad, Stride: keyF.stride,
@@ -501,8 +519,9 @@ func (n *DNN) makeChoice(g *graph.Graph, nd *graph.Node, whole int, keyN, key1 c
 				return nil
 			}
 			pts := make([]wsPoint, 0, len(sizes))
+			memo := map[convKey]int64{}
 			for j, b := range sizes {
-				w, err := n.queryWorkspace(keys[j], r)
+				w, err := n.sliceWorkspace(keys[j], r, memo)
 				if err != nil { // refused at some chunk size: the next
 					break
 				}
@@ -609,31 +628,31 @@ func (n *DNN) timings(ak algoKey, key convKey, im2col func(x, w, y, ws alloc.Ptr
 }
 
 // newConvDescs makes the descriptors of key, with the policy's math type
-// set; on failure it destroys what it made.
-func (n *DNN) newConvDescs(key convKey) (p *convPlan, err error) {
+// set; on failure it destroys what it made and returns a nil plan. A shape
+// cuDNN's descriptors cannot take fails with a *CUDNNError (9.14:
+// NOT_SUPPORTED from cudnnSetTensor4dDescriptor): the convolutions split
+// theirs first (convSlice).
+func (n *DNN) newConvDescs(key convKey) (*convPlan, error) {
 	l := n.lib
 	dt, ok := cudnnDType(key.dt)
 	if !ok {
 		return nil, graph.Errorf(graph.ErrDType, "cudnn convolution of %s", key.dt)
 	}
-	p = &convPlan{}
-	defer func() {
-		if err != nil {
-			err = errors.Join(err, n.destroy(p))
-			p = nil
-		}
-	}()
+	p := &convPlan{}
+	// fail destroys p itself, not a named result that a return may have
+	// set to nil first.
+	fail := func(err error) (*convPlan, error) { return nil, errors.Join(err, n.destroy(p)) }
 	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.xd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnCreateTensorDescriptor", l.cudnnCreateTensorDescriptor(&p.yd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnCreateFilterDescriptor", l.cudnnCreateFilterDescriptor(&p.wd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnCreateConvolutionDescriptor", l.cudnnCreateConvolutionDescriptor(&p.cd)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	x, w, y := key.x, key.w, key.y
 	format := int32(cudnnNCHW)
@@ -642,26 +661,26 @@ func (n *DNN) newConvDescs(key convKey) (p *convPlan, err error) {
 	}
 	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.xd, format, dt,
 		int32(x[0]), int32(x[1]), int32(x[2]), int32(x[3]))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetTensor4dDescriptor", l.cudnnSetTensor4dDescriptor(p.yd, format, dt,
 		int32(y[0]), int32(y[1]), int32(y[2]), int32(y[3]))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetFilter4dDescriptor", l.cudnnSetFilter4dDescriptor(p.wd, dt, format,
 		int32(w[0]), int32(w[1]), int32(w[2]), int32(w[3]))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetConvolution2dDescriptor", l.cudnnSetConvolution2dDescriptor(p.cd,
 		int32(key.pad[0]), int32(key.pad[1]), int32(key.stride[0]), int32(key.stride[1]),
 		int32(key.dil[0]), int32(key.dil[1]), cudnnCrossCorrelation, cudnnDataFloat)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := l.check("cudnnSetConvolutionGroupCount", l.cudnnSetConvolutionGroupCount(p.cd, int32(key.groups))); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := n.setMath(p, n.mathOf(key.dt)); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	return p, nil
 }
@@ -707,6 +726,31 @@ func (n *DNN) queryWorkspace(key convKey, r algoResult) (ws int64, err error) {
 		}
 	}
 	return n.workspaceSize(p, key.pass, r.Algo)
+}
+
+// sliceWorkspace is r's workspace for a convolution of key, which runs in
+// slices when its tensors are too large for cuDNN's descriptors
+// (convsplit.go): the largest over its slices' shapes, each queried once
+// (memo holds r's answers by shape). On the device thread.
+func (n *DNN) sliceWorkspace(key convKey, r algoResult, memo map[convKey]int64) (int64, error) {
+	s := convSlice(key)
+	if s == 0 {
+		return 0, errTooLarge(key)
+	}
+	var most int64
+	for _, m := range sliceSizes(key.x[0], s) {
+		k := sliceKey(key, m)
+		w, ok := memo[k]
+		if !ok {
+			var err error
+			if w, err = n.queryWorkspace(k, r); err != nil {
+				return 0, err
+			}
+			memo[k] = w
+		}
+		most = max(most, w)
+	}
+	return most, nil
 }
 
 // search times every algorithm of key's pass on the device: tensors of

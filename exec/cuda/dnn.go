@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 )
 
@@ -25,7 +26,9 @@ import (
 // every run of a device and cuDNN version) is searched for the best
 // deterministic algorithm that needs no more. A shape no such algorithm
 // takes runs on the im2col kernels, whose workspace that declaration also
-// covers.
+// covers. A convolution whose tensors have more elements than cuDNN's
+// descriptors describe runs in slices along N, each plan and workspace
+// the slices' (convsplit.go).
 type DNN struct {
 	d        *Device
 	lib      *cudnnLib
@@ -38,6 +41,9 @@ type DNN struct {
 	bnPlans   map[bnKey]*bnPlan
 	fallbacks int
 	closed    bool
+	// splitConvs counts the convolutions run in slices along N
+	// (convsplit.go), splitSlices their slices.
+	splitConvs, splitSlices atomic.Int64
 	// gone is closed as the device thread sees it: set before the
 	// handle's destruction is queued there, so a search that runs after
 	// it finds it set and never touches the destroyed handle.
@@ -163,6 +169,11 @@ func (n *DNN) ConvStats() (plans, fallbacks int) {
 	return len(n.plans), n.fallbacks
 }
 
+// SplitStats counts the convolutions cuDNN ran in slices along N, their
+// tensors too large for its descriptors whole (convsplit.go), and the
+// slices they ran in.
+func (n *DNN) SplitStats() (convs, slices int64) { return n.splitConvs.Load(), n.splitSlices.Load() }
+
 // Close destroys the plans' descriptors and the handle.
 func (n *DNN) Close() error {
 	n.mu.Lock()
@@ -189,7 +200,11 @@ func (n *DNN) Close() error {
 	})
 }
 
+// destroy destroys p's descriptors; a nil plan has none.
 func (n *DNN) destroy(p *convPlan) error {
+	if p == nil {
+		return nil
+	}
 	l := n.lib
 	var errs []error
 	if p.xd != 0 {
@@ -387,7 +402,8 @@ func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, nhwc bool, a
 }
 
 // dnnConvRun is dnnConv, which it leaves to say that a channels-last node
-// cannot run on im2col.
+// cannot run on im2col. A convolution whose tensors cuDNN's descriptors
+// cannot describe runs in slices along N (convsplit.go).
 func (k *kctx) dnnConvRun(pass convPass, dt graph.DType, geo convGeom, nhwc bool, a, b, out operand, beta float32) (done bool, err error) {
 	n := k.dnn
 	if n == nil || out.n() == 0 || (a.p|b.p|out.p)%16 != 0 {
@@ -401,6 +417,13 @@ func (k *kctx) dnnConvRun(pass convPass, dt graph.DType, geo convGeom, nhwc bool
 		budget = k.ws.Requested()
 	}
 	key := newConvKey(pass, dt, geo, budget, nhwc)
+	s := convSlice(key)
+	if s == 0 { // no image at all, or one too large: im2col
+		if nhwc && key.x[0] > 0 {
+			return false, fmt.Errorf("conv2d %s in %s, channels last: %w: %w", pass, dt, ErrChannelsLast, errTooLarge(key))
+		}
+		return false, nil
+	}
 	// A node whose block is what the timed search declared for this chunk
 	// size was compiled with the executor's Workspace and runs its choice;
 	// any other (a program compiled with the static Workspace) runs on the
@@ -409,42 +432,94 @@ func (k *kctx) dnnConvRun(pass convPass, dt graph.DType, geo convGeom, nhwc bool
 	if choice != nil && budget != choice.fixed+choice.per*int64(k.c.Size) {
 		choice = nil
 	}
-	p, err := n.plan(key, choice)
-	if err != nil || !p.ok {
-		return false, err
+	// The plans of the slices (one: the whole batch), each within the
+	// node's block; if either finds no algorithm, im2col runs it all.
+	sizes := sliceSizes(key.x[0], s)
+	plans := make([]*convPlan, len(sizes))
+	var ws int64
+	for i, m := range sizes {
+		p, err := n.plan(sliceKey(key, m), choice)
+		if err != nil {
+			return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s: %w", pass, key.x, key.w, dt, err)
+		}
+		if !p.ok {
+			return false, nil
+		}
+		plans[i], ws = p, max(ws, p.ws)
 	}
-	ws, err := k.workspace(p.ws)
+	wsp, err := k.workspace(ws)
 	if err != nil {
 		return false, err
 	}
-	l, one := n.lib, float32(1)
-	pa, pb, po := CUdeviceptr(a.p), CUdeviceptr(b.p), CUdeviceptr(out.p)
-	var fn string
-	var s cudnnStatus
-	switch pass {
-	case convForward:
-		fn, s = "cudnnConvolutionForward", l.cudnnConvolutionForward(n.h, &one, p.xd, pa, p.wd, pb, p.cd, p.algo,
-			CUdeviceptr(ws), uintptr(p.ws), &beta, p.yd, po)
-	case convGradInput:
-		fn, s = "cudnnConvolutionBackwardData", l.cudnnConvolutionBackwardData(n.h, &one, p.wd, pb, p.yd, pa, p.cd, p.algo,
-			CUdeviceptr(ws), uintptr(p.ws), &beta, p.xd, po)
-	default:
-		fn, s = "cudnnConvolutionBackwardFilter", l.cudnnConvolutionBackwardFilter(n.h, &one, p.xd, pa, p.yd, pb, p.cd, p.algo,
-			CUdeviceptr(ws), uintptr(p.ws), &beta, p.wd, po)
-	}
-	if err := l.check(fn, s); err != nil {
+	size := elemSize(dt)
+	xImg, yImg := size*key.x[1]*key.x[2]*key.x[3], size*key.y[1]*key.y[2]*key.y[3]
+	for n0 := int64(0); n0 < key.x[0]; n0 += s {
+		p := plans[0]
+		if key.x[0]-n0 < s {
+			p = plans[len(plans)-1]
+		}
+		// Slice n0's operands: x and y (or dy, dx) start n0 images on;
+		// w, and dw, are whole.
+		atX, atY := alloc.Ptr(n0*xImg), alloc.Ptr(n0*yImg)
+		var pa, pb, po alloc.Ptr
+		switch pass {
+		case convForward: // a x, b w, out y
+			pa, pb, po = a.p+atX, b.p, out.p+atY
+		case convGradInput: // a dy, b w, out dx
+			pa, pb, po = a.p+atY, b.p, out.p+atX
+		default: // a x, b dy, out dw: the slices' sums add up
+			pa, pb, po = a.p+atX, b.p+atY, out.p
+			if n0 > 0 {
+				beta = 1
+			}
+		}
+		err := n.convCall(pass, p, pa, pb, po, wsp, beta)
+		if err == nil {
+			continue
+		}
 		var ce *CUDNNError
-		if errors.As(err, &ce) && ce.NotSupported() {
+		if n0 == 0 && errors.As(err, &ce) && ce.NotSupported() {
 			n.mu.Lock()
 			n.fallbacks++
 			n.mu.Unlock()
 			return false, nil // im2col takes it
 		}
-		key := newConvKey(pass, dt, geo, 0, nhwc)
-		if nhwc { // cuDNN answers BAD_PARAM for some channels-last shapes
-			return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s, channels last: %w: %w", pass, key.x, key.w, dt, ErrChannelsLast, err)
+		// A slice refused after others ran: their results are in out
+		// (the forward pass has added to the bias), so im2col cannot
+		// start over.
+		at := ""
+		if len(sizes) > 1 {
+			at = fmt.Sprintf(", the slice of images from %d", n0)
 		}
-		return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s: %w", pass, key.x, key.w, dt, err)
+		if nhwc { // cuDNN answers BAD_PARAM for some channels-last shapes
+			return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s, channels last%s: %w: %w", pass, key.x, key.w, dt, at, ErrChannelsLast, err)
+		}
+		return false, fmt.Errorf("conv2d %s of input %v, weight %v in %s%s: %w", pass, key.x, key.w, dt, at, err)
+	}
+	if len(sizes) > 1 {
+		n.splitConvs.Add(1)
+		n.splitSlices.Add((key.x[0] + s - 1) / s)
 	}
 	return true, nil
+}
+
+// convCall runs pass of plan p once: for the forward pass pa, pb, po are
+// x, w, y; for grad_input dy, w, dx; for grad_weight x, dy, dw; ws is p's
+// workspace.
+func (n *DNN) convCall(pass convPass, p *convPlan, pa, pb, po, ws alloc.Ptr, beta float32) error {
+	l, one := n.lib, float32(1)
+	var fn string
+	var s cudnnStatus
+	switch pass {
+	case convForward:
+		fn, s = "cudnnConvolutionForward", l.cudnnConvolutionForward(n.h, &one, p.xd, CUdeviceptr(pa), p.wd, CUdeviceptr(pb), p.cd, p.algo,
+			CUdeviceptr(ws), uintptr(p.ws), &beta, p.yd, CUdeviceptr(po))
+	case convGradInput:
+		fn, s = "cudnnConvolutionBackwardData", l.cudnnConvolutionBackwardData(n.h, &one, p.wd, CUdeviceptr(pb), p.yd, CUdeviceptr(pa), p.cd, p.algo,
+			CUdeviceptr(ws), uintptr(p.ws), &beta, p.xd, CUdeviceptr(po))
+	default:
+		fn, s = "cudnnConvolutionBackwardFilter", l.cudnnConvolutionBackwardFilter(n.h, &one, p.xd, CUdeviceptr(pa), p.yd, CUdeviceptr(pb), p.cd, p.algo,
+			CUdeviceptr(ws), uintptr(p.ws), &beta, p.wd, CUdeviceptr(po))
+	}
+	return l.check(fn, s)
 }

@@ -2,7 +2,6 @@ package cuda
 
 import (
 	"errors"
-	"math"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
@@ -139,9 +138,11 @@ func (n *DNN) destroyBN(p *bnPlan) error {
 // dnnBN is the cuDNN plan for a batch norm node over x with per-channel
 // operands params (nil ones absent), or nil when cuDNN does not take it:
 // no cuDNN batch norm, a dtype it lacks, per-channel values not float32,
-// more elements than its int32 sizes hold, or misaligned operands.
+// more elements than its descriptors describe (cudnnMaxElems: their
+// sizes are int32; batchnorm.cu's kernels index in 64 bits), or
+// misaligned operands.
 func (k *kctx) dnnBN(x, out operand, params ...*operand) (*bnPlan, error) {
-	if k.dnn == nil || k.dnn.bn == nil || x.dt != out.dt || x.n() == 0 || x.n() > math.MaxInt32 || (x.p|out.p)%16 != 0 {
+	if k.dnn == nil || k.dnn.bn == nil || x.dt != out.dt || x.n() == 0 || x.n() > cudnnMaxElems.Load() || (x.p|out.p)%16 != 0 {
 		return nil, nil
 	}
 	if _, ok := cudnnDType(x.dt); !ok {

@@ -21,7 +21,10 @@
 //     attention (dnn.go, dnn_bn.go, dnn_sdpa.go: the legacy API, and the
 //     backend graph API for attention), each workspace declared per node
 //     and carved from the allocator, the handle's own memory measured once
-//     as overhead; what cuDNN refuses runs on the kernels, counted.
+//     as overhead; what cuDNN refuses runs on the kernels, counted. A
+//     convolution with tensors of 2³¹ or more elements, beyond the
+//     descriptors' int32 sizes, runs on cuDNN in slices along N
+//     (convsplit.go); such a batch norm runs on the kernels.
 //   - Plain float32 convolution algorithms (all with
 //     ExecutorOptions.ConvSearchAll) are chosen at compile time by a timed search
 //     (convfind.go: cuDNN's algorithms and the im2col path, timed on

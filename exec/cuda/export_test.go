@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"unsafe"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -173,3 +174,27 @@ func ForgetSearches() { processFinds.Clear() }
 // DeviceJobs is the number of requests the process's device goroutines
 // have run (deviceJobs).
 func DeviceJobs() uint64 { return deviceJobs.Load() }
+
+// SetCuDNNMaxElems sets the most elements a cuDNN descriptor is taken to
+// describe (convsplit.go: 2³¹ − 1) and returns the previous limit. A lower
+// one makes small convolutions run in slices along N, and small batch
+// norms on the kernels. Set it before an executor meets the shapes: plans
+// and timed choices made before keep the slices they were made with.
+func SetCuDNNMaxElems(n int64) int64 { return cudnnMaxElems.Swap(n) }
+
+// ConvDescribeErrors makes, on n's device thread, the descriptors of a
+// forward convolution of x and w into y (stride 1, no padding, one group)
+// in dtype dt, a workspace query of algorithm 0 on them and a plan (the
+// heuristics within 1 GiB), as the timed search and the launches do, and
+// returns the three errors.
+func (n *DNN) ConvDescribeErrors(dt graph.DType, x, w, y [4]int64) (descs, query, plan error) {
+	key := convKey{pass: convForward, dt: dt, x: x, w: w, y: y, stride: [2]int64{1, 1}, dil: [2]int64{1, 1}, groups: 1, budget: 1 << 30}
+	err := n.d.do(func() error {
+		p, err := n.newConvDescs(key)
+		descs = errors.Join(err, n.destroy(p))
+		_, query = n.queryWorkspace(key, algoResult{Algo: 0, Math: n.mathOf(dt)})
+		_, plan = n.plan(key, nil)
+		return nil
+	})
+	return errors.Join(descs, err), query, plan
+}

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"math"
 	"slices"
 
 	"github.com/batchfit/batchfit/graph"
@@ -217,6 +218,15 @@ func newWindow(op string, x, out []int, kh, kw int, a *graph.Attrs, outC int) (W
 	wo := shapeinfer.ConvOut(x[3], kw, sw, pw, dw)
 	if want := []int{x[0], outC, ho, wo}; ho < 1 || wo < 1 || !slices.Equal(out, want) {
 		return Window{}, graph.Errorf(graph.ErrShape, "%s of %v gives %v, output buffer is %v", op, x, want, out)
+	}
+	// The kernels' in-plane arithmetic is 32-bit (common.cuh's Geom32), as
+	// are cuDNN's sizes; the image count and channels are not limited here.
+	for _, v := range []int64{int64(x[2]) * int64(x[3]), int64(ho) * int64(wo), int64(kh) * int64(kw),
+		int64(sh), int64(sw), int64(ph), int64(pw), int64(dh), int64(dw)} {
+		if v > math.MaxInt32 {
+			return Window{}, graph.Errorf(graph.ErrShape, "%s of %v: kernel %dx%d, stride %v, padding %v, dilation %v: a plane beyond 2³¹ positions",
+				op, x, kh, kw, a.Stride, a.Padding, a.Dilation)
+		}
 	}
 	return Window{N: int64(x[0]), C: int64(x[1]), H: int64(x[2]), W: int64(x[3]), KH: int64(kh), KW: int64(kw),
 		SH: int64(sh), SW: int64(sw), PH: int64(ph), PW: int64(pw), DH: int64(dh), DW: int64(dw),
