@@ -32,13 +32,14 @@ import (
 // exist).
 
 // mixedProgram compiles the training step a Session with policy p runs
-// for loss and params, as stepProgram does for float32.
+// for loss and params, as stepProgram does for float32: channels last
+// under bf16-mixed, a Session's default there.
 func mixedProgram(t *testing.T, p precision.Policy, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
 	t.Helper()
 	require.NoError(t, loss.Err())
 	wrt, err := lazy.ParamIDs(loss, params...)
 	require.NoError(t, err)
-	st, err := precision.Train(loss.Graph().IR(), p, loss.ID(), wrt)
+	st, err := precision.TrainWith(loss.Graph().IR(), p, loss.ID(), wrt, precision.TrainOptions{ChannelsLast: p == precision.BF16Mixed})
 	require.NoError(t, err)
 	outs := append([]int{st.Loss}, st.Grads...)
 	info, err := shapeinfer.Analyze(st.Graph, outs...)
