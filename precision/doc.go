@@ -94,6 +94,11 @@
 //     graph.FuseGeluGrad, so the backward product that reaches a GELU and
 //     the GELU's derivative are one matmul_gelu_grad node (one GEMM with
 //     cuBLASLt's DGELU epilogue on CUDA): the product is never stored.
+//   - Fused layer-norm gradients, under every policy: TrainWith then runs
+//     graph.FuseLayerNormGradAdd, so a layer norm's input gradient that
+//     meets another gradient (a residual stream's) is one
+//     layer_norm_grad_x_add node, the add done in the layer norm's
+//     backward pass; the values are bit for bit the unfused step's.
 //   - Parameters, their gradients and optimizer state stay float32 (master
 //     weights); so do the loss and every value of the float32 class.
 //     Gradients have their value's dtype (autodiff casts a contribution of
