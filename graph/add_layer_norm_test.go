@@ -14,7 +14,7 @@ import (
 // float32 values made before the add; CompanionProducer dispatches on the
 // op.
 func TestAddLayerNormProducer(t *testing.T) {
-	b := gelus{t, graph.New()}
+	b := nodes{t, graph.New()}
 	ln := graph.Attrs{NormDims: 1, Eps: 1e-5}
 	w := b.in(graph.Float32, false, 8)
 	x, h := b.in(graph.Float32, true, 2, 4, 8), b.in(graph.BFloat16, true, 2, 4, 8)

@@ -9,13 +9,13 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
-// gelus is a small graph builder for the GELU fusion tests.
-type gelus struct {
+// nodes is a small graph builder for the fusion and companion tests.
+type nodes struct {
 	t *testing.T
 	g *graph.Graph
 }
 
-func (b gelus) in(dt graph.DType, batched bool, shape ...int) int {
+func (b nodes) in(dt graph.DType, batched bool, shape ...int) int {
 	n := graph.Node{Op: graph.OpParam, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: -1}}
 	if batched {
 		n.Op, n.Type.BatchAxis, n.Type.PerSample = graph.OpInput, 0, 1
@@ -25,7 +25,7 @@ func (b gelus) in(dt graph.DType, batched bool, shape ...int) int {
 	return id
 }
 
-func (b gelus) node(op graph.Op, a graph.Attrs, ins ...int) int {
+func (b nodes) node(op graph.Op, a graph.Attrs, ins ...int) int {
 	id, err := b.g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
 	require.NoError(b.t, err)
 	return id
@@ -35,7 +35,7 @@ func (b gelus) node(op graph.Op, a graph.Attrs, ins ...int) int {
 // matmul_gelu_grad with the matmul's transposes and the GELU's form; the
 // near misses stay as they were.
 func TestFuseGeluGrad(t *testing.T) {
-	b := gelus{t, graph.New()}
+	b := nodes{t, graph.New()}
 	g, w, x := b.in(graph.Float32, true, 4, 3), b.in(graph.Float32, false, 7, 3), b.in(graph.Float32, true, 4, 7)
 	mm := b.node(graph.OpMatMul, graph.Attrs{TransB: true}, g, w)
 	gg := b.node(graph.OpGeluGrad, graph.Attrs{Approx: true}, mm, x)
@@ -83,7 +83,7 @@ func TestFuseGeluGrad(t *testing.T) {
 // TestGeluCompanions: a tanh-form gelu pairs with the linear it reads;
 // CompanionProducer dispatches on the op.
 func TestGeluCompanions(t *testing.T) {
-	b := gelus{t, graph.New()}
+	b := nodes{t, graph.New()}
 	x, w, bias := b.in(graph.BFloat16, true, 2, 4, 3), b.in(graph.BFloat16, false, 8, 3), b.in(graph.BFloat16, false, 8)
 	lin := b.node(graph.OpLinear, graph.Attrs{}, x, w, bias)
 	tanh := b.node(graph.OpGelu, graph.Attrs{Approx: true}, lin)

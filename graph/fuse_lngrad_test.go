@@ -15,7 +15,7 @@ import (
 // weight; the near misses stay as they were, and a graph without the
 // pattern comes back as a copy of itself.
 func TestFuseLayerNormGradAdd(t *testing.T) {
-	b := gelus{t, graph.New()}
+	b := nodes{t, graph.New()}
 	ln := graph.Attrs{NormDims: 1, Eps: 1e-5}
 	g, x, w, r := b.in(graph.Float32, true, 4, 6), b.in(graph.Float32, true, 4, 6), b.in(graph.Float32, false, 6), b.in(graph.Float32, true, 4, 6)
 	dx := b.node(graph.OpLayerNormGradX, ln, g, x, w)
@@ -74,7 +74,7 @@ func TestFuseLayerNormGradAdd(t *testing.T) {
 // widening cast, a cast of another op and a float32 gradient's float32
 // "cast" do not.
 func TestLayerNormGradCastCompanion(t *testing.T) {
-	b := gelus{t, graph.New()}
+	b := nodes{t, graph.New()}
 	ln := graph.Attrs{NormDims: 1, Eps: 1e-5}
 	g, x, w := b.in(graph.Float32, true, 4, 6), b.in(graph.Float32, true, 4, 6), b.in(graph.Float32, false, 6)
 	dx := b.node(graph.OpLayerNormGradX, ln, g, x, w)
@@ -96,7 +96,7 @@ func TestLayerNormGradCastCompanion(t *testing.T) {
 // that is an add's companion pairs with that add; a cast of a layer norm
 // of another op's output does not.
 func TestAddLayerNormCastCompanion(t *testing.T) {
-	b := gelus{t, graph.New()}
+	b := nodes{t, graph.New()}
 	a, r := b.in(graph.Float32, true, 4, 6), b.in(graph.Float32, true, 4, 6)
 	w, bias := b.in(graph.Float32, false, 6), b.in(graph.Float32, false, 6)
 	sum := b.node(graph.OpAdd, graph.Attrs{}, a, r)

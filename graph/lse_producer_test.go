@@ -217,17 +217,10 @@ func TestLayerNormGradWProducer(t *testing.T) {
 // tensor, a cast of g, a sum emitted before the layer_norm_grad_x, other
 // NormDims) do not. CompanionProducer dispatches sums to the rule.
 func TestLayerNormBiasGradProducer(t *testing.T) {
-	g := graph.New()
-	in := func(dt graph.DType, shape ...int) int {
-		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
-		require.NoError(t, err)
-		return id
-	}
-	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
-		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
-		require.NoError(t, err)
-		return id
-	}
+	b := nodes{t, graph.New()}
+	g := b.g
+	in := func(dt graph.DType, shape ...int) int { return b.in(dt, true, shape...) }
+	node := b.node
 	sum := func(x int, axes ...int) int { return node(graph.OpSum, graph.Attrs{Axes: axes}, x) }
 	x, dy, other := in(graph.Float32, 4, 6, 8), in(graph.Float32, 4, 6, 8), in(graph.Float32, 4, 6, 8)
 	early := sum(dy, 0, 1) // before the layer_norm_grad_x
@@ -263,17 +256,10 @@ func TestLayerNormBiasGradProducer(t *testing.T) {
 // each pair with the sum emitted after it. CompanionProducer dispatches
 // sums to the rule.
 func TestBatchNormBiasGradProducer(t *testing.T) {
-	g := graph.New()
-	in := func(dt graph.DType, shape ...int) int {
-		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
-		require.NoError(t, err)
-		return id
-	}
-	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
-		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
-		require.NoError(t, err)
-		return id
-	}
+	b := nodes{t, graph.New()}
+	g := b.g
+	in := func(dt graph.DType, shape ...int) int { return b.in(dt, true, shape...) }
+	node := b.node
 	sum := func(x int, axes ...int) int { return node(graph.OpSum, graph.Attrs{Axes: axes}, x) }
 	train := graph.Attrs{Training: true, Eps: 1e-5}
 	x, dy, other := in(graph.BFloat16, 4, 3, 5, 6), in(graph.BFloat16, 4, 3, 5, 6), in(graph.BFloat16, 4, 3, 5, 6)

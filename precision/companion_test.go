@@ -35,16 +35,7 @@ func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 			tokens := lazy.Placeholder([]int{4, cfg.Context}, graph.Int64, 0)
 			targets := tokens.Graph().Placeholder([]int{4, cfg.Context}, graph.Int64, 0)
 			loss := models.Loss(model.Forward(tokens), targets)
-			wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(model)...)
-			require.NoError(t, err)
-			st, err := precision.TrainWith(loss.Graph().IR(), pol, loss.ID(), wrt, precision.TrainOptions{})
-			require.NoError(t, err)
-			outs := append([]int{st.Loss}, st.Grads...)
-			info, err := shapeinfer.Analyze(st.Graph, outs...)
-			require.NoError(t, err)
-			p, err := planner.Compile(st.Graph, info, outs, planner.CompileOptions{Kept: st.Grads, Trained: st.Params,
-				StateSlots: 2, Workspace: cuda.Workspace})
-			require.NoError(t, err)
+			p := trainProgram(t, loss, nn.ParamTensors(model), pol, precision.TrainOptions{})
 			g := p.Graph
 			ws := map[int]bool{}
 			for _, b := range p.Buffers {
@@ -129,16 +120,7 @@ func TestBatchNormCompanionsInTrainingStep(t *testing.T) {
 			y := x.Graph().Placeholder([]int{4}, graph.Int64, 0)
 			loss := m.Forward(x).CrossEntropy(y, graph.ReduceMean)
 			require.NoError(t, loss.Err())
-			wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(m)...)
-			require.NoError(t, err)
-			st, err := precision.TrainWith(loss.Graph().IR(), c.pol, loss.ID(), wrt, precision.TrainOptions{ChannelsLast: c.last})
-			require.NoError(t, err)
-			outs := append([]int{st.Loss}, st.Grads...)
-			info, err := shapeinfer.Analyze(st.Graph, outs...)
-			require.NoError(t, err)
-			p, err := planner.Compile(st.Graph, info, outs, planner.CompileOptions{Kept: st.Grads, Trained: st.Params,
-				StateSlots: 2, Workspace: cuda.Workspace})
-			require.NoError(t, err)
+			p := trainProgram(t, loss, nn.ParamTensors(m), c.pol, precision.TrainOptions{ChannelsLast: c.last})
 			g := p.Graph
 			gxs, norms, lastLayout := 0, 0, 0
 			companion := map[int]bool{}
@@ -179,4 +161,22 @@ func TestBatchNormCompanionsInTrainingStep(t *testing.T) {
 			assert.Equal(t, norms+1, sums, "one bias sum per batch norm, and the classifier's")
 		})
 	}
+}
+
+// trainProgram compiles loss's training step under pol and o
+// (precision.TrainWith) with CUDA's workspace rule, the gradients kept and
+// Adam's two state slots, as a Session on CUDA plans it.
+func trainProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, pol precision.Policy, o precision.TrainOptions) *planner.Program {
+	t.Helper()
+	wrt, err := lazy.ParamIDs(loss, params...)
+	require.NoError(t, err)
+	st, err := precision.TrainWith(loss.Graph().IR(), pol, loss.ID(), wrt, o)
+	require.NoError(t, err)
+	outs := append([]int{st.Loss}, st.Grads...)
+	info, err := shapeinfer.Analyze(st.Graph, outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(st.Graph, info, outs, planner.CompileOptions{Kept: st.Grads, Trained: st.Params,
+		StateSlots: 2, Workspace: cuda.Workspace})
+	require.NoError(t, err)
+	return p
 }
