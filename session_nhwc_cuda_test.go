@@ -15,7 +15,7 @@ import (
 // TestSessionCUDAChannelsLast trains conv nets with Options.ChannelsLast
 // under bf16-mixed on CUDA (cuDNN's NHWC convolutions, the channels-last
 // batch norm and pooling kernels, the permutes at the regions' borders)
-// against the CPU session without it, for three SGD steps, whole and in
+// against the CPU session in NCHW (Options.NoChannelsLast), for three SGD steps, whole and in
 // four chunks (Options.MaxChunk): losses within bf16-mixed's tolerance
 // (2e-2, as TestSessionCUDAMixedPrecision), and predicted = measured
 // peaks, reserved and allocated, at every step. The ResNet with
@@ -44,7 +44,7 @@ func TestSessionCUDAChannelsLast(t *testing.T) {
 					maxChunk = n / 4
 				}
 				gpu := cudaSession(t, batchfit.Options{Precision: "bf16-mixed", MaxChunk: maxChunk, ChannelsLast: true})
-				cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed", MaxChunk: maxChunk})
+				cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed", MaxChunk: maxChunk, NoChannelsLast: true})
 				ts := newTwinSteps(cpu, gpu, newModel, 95)
 				for step := range steps {
 					pl := ts.step(t, ctx, step, n, 2e-2, fmt.Sprintf("chunked %t", chunked))

@@ -13,8 +13,9 @@ import (
 	"github.com/batchfit/batchfit/optim"
 )
 
-// TestSessionChannelsLastCPU trains conv nets on the CPU with and without
-// Options.ChannelsLast, whole and in chunks (Options.MaxChunk): the losses of three SGD steps
+// TestSessionChannelsLastCPU trains conv nets on the CPU channels last
+// (Options.ChannelsLast) and NCHW (Options.NoChannelsLast, since channels
+// last is bf16-mixed's default), whole and in chunks (Options.MaxChunk): the losses of three SGD steps
 // agree within 1e-5 relative in fp32 (float32 convolutions stay NCHW, so
 // the step is the same) and 2e-2 in bf16-mixed and fp16-mixed (the CPU
 // computes channels-last nodes in NCHW, but a float32 sum in another order
@@ -39,7 +40,7 @@ func TestSessionChannelsLastCPU(t *testing.T) {
 				var sess [2]*batchfit.Session
 				for i, last := range []bool{false, true} {
 					sess[i] = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: pc.precision,
-						MaxChunk: mc.maxChunk, ChannelsLast: last})
+						MaxChunk: mc.maxChunk, ChannelsLast: last, NoChannelsLast: !last})
 					require.NoError(t, sess[i].Err())
 					defer sess[i].Close()
 				}
