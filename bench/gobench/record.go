@@ -50,7 +50,7 @@ type Record struct {
 	TF32      bool   `json:"tf32,omitempty"`      // float32 GEMMs on TF32 tensor cores
 	Precision string `json:"precision,omitempty"` // the precision policy (fp32, tf32, bf16-mixed, fp16-mixed)
 	World     int    `json:"world,omitempty"`     // dist: ranks (GPUs) of the job
-	// ChannelsLast: conv nets' activations stored NHWC (-channels-last).
+	// ChannelsLast: conv nets' bfloat16 activations stored NHWC (-channels-last, the default, under bf16-mixed).
 	ChannelsLast bool `json:"channels_last,omitempty"`
 
 	// throughput
