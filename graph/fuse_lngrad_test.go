@@ -91,20 +91,3 @@ func TestLayerNormGradCastCompanion(t *testing.T) {
 	assert.Equal(t, -1, graph.CompanionProducer(b.g, b.node(graph.OpCast, graph.Attrs{Target: graph.Type{DType: graph.BFloat16}}, g)), "not a layer norm gradient")
 	assert.Equal(t, -1, graph.CompanionProducer(b.g, b.node(graph.OpCast, graph.Attrs{Target: graph.Type{DType: graph.Float32}}, dx)), "no narrowing")
 }
-
-// TestAddLayerNormCastCompanion: a 16-bit cast of a float32 layer norm
-// that is an add's companion pairs with that add; a cast of a layer norm
-// of another op's output does not.
-func TestAddLayerNormCastCompanion(t *testing.T) {
-	b := nodes{t, graph.New()}
-	a, r := b.in(graph.Float32, true, 4, 6), b.in(graph.Float32, true, 4, 6)
-	w, bias := b.in(graph.Float32, false, 6), b.in(graph.Float32, false, 6)
-	sum := b.node(graph.OpAdd, graph.Attrs{}, a, r)
-	ln := b.node(graph.OpLayerNorm, graph.Attrs{NormDims: 1, Eps: 1e-5}, sum, w, bias)
-	c := b.node(graph.OpCast, graph.Attrs{Target: graph.Type{DType: graph.BFloat16}}, ln)
-	assert.Equal(t, sum, graph.AddLayerNormProducer(b.g, ln))
-	assert.Equal(t, sum, graph.AddLayerNormCastProducer(b.g, c))
-	assert.Equal(t, sum, graph.CompanionProducer(b.g, c))
-	other := b.node(graph.OpLayerNorm, graph.Attrs{NormDims: 1, Eps: 1e-5}, b.node(graph.OpTanh, graph.Attrs{}, a), w, bias)
-	assert.Equal(t, -1, graph.CompanionProducer(b.g, b.node(graph.OpCast, graph.Attrs{Target: graph.Type{DType: graph.Float16}}, other)))
-}

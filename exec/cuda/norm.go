@@ -428,8 +428,7 @@ func addLayerNormKernels() []string {
 // rows, the layer norm's weight and bias float32 [d] or absent; anything
 // else leaves the add and the layer norm to their own kernels. Rows of a
 // multiple of 128 values up to 1024 (a transformer's width) run one warp a
-// row (add_layer_norm_w4_*), others add_layer_norm_*'s row layout; both
-// also write the layer norm's 16-bit cast when it is a companion too.
+// row (add_layer_norm_w4_*), others add_layer_norm_*'s row layout.
 func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 	ln := k.companionWith(graph.OpLayerNorm)
 	if ln.v == nil || noAddLayerNorm() || len(ln.in) < 1 || ln.in[0].p != s.p || s.dt != graph.Float32 {
@@ -450,34 +449,19 @@ func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 			return false, nil
 		}
 	}
-	// The layer norm's 16-bit cast (graph.AddLayerNormCastProducer), when
-	// the planner handed one over.
-	var bf, hf alloc.Ptr
-	narrow, narrowDone := k.companionOf(graph.OpCast)
-	if narrow != nil && ln.v.dt == graph.Float32 && narrow.n() == s.n() {
-		switch narrow.dt {
-		case graph.BFloat16:
-			bf = narrow.p
-		case graph.Float16:
-			hf = narrow.p
-		}
-	}
 	var err error
-	if addLNWarpFits(d, a.p, b.p, ptrOf(w), ptrOf(bias), s.p, ln.v.p, bf, hf) {
+	if addLNWarpFits(d, a.p, b.p, ptrOf(w), ptrOf(bias), s.p, ln.v.p) {
 		// One warp a row, 4 values a load (add_layer_norm_w4_*).
 		grid := [3]uint32{uint32(min(ceilDiv(rows, addLNWarps), maxGridX)), 1, 1}
 		err = k.launch(typed(kAddLayerNormW4, b.dt, ln.v.dt), grid, [3]uint32{32 * addLNWarps, 1, 1},
-			a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps, bf, hf)
+			a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps)
 	} else {
 		block := rowBlock(d)
 		err = k.launch(typed(kAddLayerNorm, b.dt, ln.v.dt), rowGrid(rows, block, 1), block,
-			a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps, bf, hf)
+			a.p, b.p, b.n()/d, ptrOf(w), ptrOf(bias), s.p, ln.v.p, rows, d, at.Eps)
 	}
 	if err == nil {
 		*ln.done = true
-		if bf != 0 || hf != 0 {
-			*narrowDone = true
-		}
 		addLayerNorms.Add(1)
 	}
 	return err == nil, err
@@ -489,8 +473,7 @@ const addLNWarps = 8
 // addLNWarpFits reports whether add_layer_norm_w4_* takes rows of d values
 // (d a multiple of 128, at most 1024) with these arrays: 16-byte aligned
 // (8 bytes would do for 16-bit ones; 16 asks the same of every array and
-// the allocator's blocks give it); null ones (no weight, bias or copy)
-// pass.
+// the allocator's blocks give it); null ones (no weight or bias) pass.
 func addLNWarpFits(d int64, ptrs ...alloc.Ptr) bool {
 	if d%128 != 0 || d > 1024 {
 		return false

@@ -230,27 +230,23 @@ static void add_case(DT bt, DT yt, i64 rows, i64 brows, i64 d, bool affine, std:
   const unsigned rby = d <= 256 ? 8 : d <= 1024 ? 2 : 1;
   float* wp = affine ? (float*)w.p : nullptr;
   float* bp = affine ? (float*)bias.p : nullptr;
-  // A float32 y also gets its 16-bit copies (the cast companion).
-  Buf ob(BF16, n), oh(F16, n);
-  bf16* obp = yt == F32 ? (bf16*)ob.p : nullptr;
-  f16* ohp = yt == F32 ? (f16*)oh.p : nullptr;
   if (w4)
     emu_launch3({(unsigned)std::min<i64>((rows + 7) / 8, 64), 1, 1}, {256, 1, 1}, [&] {
-      if (bt == F32 && yt == F32) add_layer_norm_w4_f32_f32((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps, obp, ohp);
-      if (bt == F32 && yt == BF16) add_layer_norm_w4_f32_bf16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps, obp, ohp);
-      if (bt == F32 && yt == F16) add_layer_norm_w4_f32_f16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps, obp, ohp);
-      if (bt == BF16 && yt == F32) add_layer_norm_w4_bf16_f32((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps, obp, ohp);
-      if (bt == BF16 && yt == BF16) add_layer_norm_w4_bf16_bf16((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps, obp, ohp);
-      if (bt == F16 && yt == F16) add_layer_norm_w4_f16_f16((float*)a.p, (f16*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps, obp, ohp);
+      if (bt == F32 && yt == F32) add_layer_norm_w4_f32_f32((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps);
+      if (bt == F32 && yt == BF16) add_layer_norm_w4_f32_bf16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps);
+      if (bt == F32 && yt == F16) add_layer_norm_w4_f32_f16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps);
+      if (bt == BF16 && yt == F32) add_layer_norm_w4_bf16_f32((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps);
+      if (bt == BF16 && yt == BF16) add_layer_norm_w4_bf16_bf16((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps);
+      if (bt == F16 && yt == F16) add_layer_norm_w4_f16_f16((float*)a.p, (f16*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps);
     });
   else
     emu_launch3({(unsigned)std::min<i64>((rows + rby - 1) / rby, 64), 1, 1}, {rbx, rby, 1}, [&] {
-      if (bt == F32 && yt == F32) add_layer_norm_f32_f32((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps, obp, ohp);
-      if (bt == F32 && yt == BF16) add_layer_norm_f32_bf16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps, obp, ohp);
-      if (bt == F32 && yt == F16) add_layer_norm_f32_f16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps, obp, ohp);
-      if (bt == BF16 && yt == F32) add_layer_norm_bf16_f32((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps, obp, ohp);
-      if (bt == BF16 && yt == BF16) add_layer_norm_bf16_bf16((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps, obp, ohp);
-      if (bt == F16 && yt == F16) add_layer_norm_f16_f16((float*)a.p, (f16*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps, obp, ohp);
+      if (bt == F32 && yt == F32) add_layer_norm_f32_f32((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps);
+      if (bt == F32 && yt == BF16) add_layer_norm_f32_bf16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps);
+      if (bt == F32 && yt == F16) add_layer_norm_f32_f16((float*)a.p, (float*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps);
+      if (bt == BF16 && yt == F32) add_layer_norm_bf16_f32((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (float*)y.p, rows, d, eps);
+      if (bt == BF16 && yt == BF16) add_layer_norm_bf16_bf16((float*)a.p, (bf16*)b.p, brows, wp, bp, (float*)sum.p, (bf16*)y.p, rows, d, eps);
+      if (bt == F16 && yt == F16) add_layer_norm_f16_f16((float*)a.p, (f16*)b.p, brows, wp, bp, (float*)sum.p, (f16*)y.p, rows, d, eps);
     });
   const double ulp = yt == F32 ? 1.0 / (1 << 22) : yt == BF16 ? 1.0 / (1 << 8) : 1.0 / (1 << 11);
   std::string name = std::string(w4 ? "add_layer_norm_w4 b=" : "add_layer_norm b=") + dtName[bt] + " y=" + dtName[yt] + " rows=" + std::to_string(rows) +
@@ -264,12 +260,6 @@ static void add_case(DT bt, DT yt, i64 rows, i64 brows, i64 d, bool affine, std:
     }
   }
   check("y", name, ry, gy, ulp, 1e-6);
-  if (yt == F32)
-    for (i64 i = 0; i < n; ++i)
-      if (ob.get(i) != rnd(BF16, gy[i]) || oh.get(i) != rnd(F16, gy[i])) {
-        if (fails++ < 20)
-          printf("FAIL %s: 16-bit copies of y %g are %g, %g\n", name.c_str(), gy[i], ob.get(i), oh.get(i));
-      }
 }
 
 int main() {

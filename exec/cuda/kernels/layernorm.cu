@@ -94,8 +94,7 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
                                                     const float* __restrict__ w,
                                                     const float* __restrict__ bias,
                                                     float* __restrict__ s, TY* __restrict__ y,
-                                                    i64 rows, i64 d, double eps,
-                                                    bf16* __restrict__ ob, f16* __restrict__ oh) {
+                                                    i64 rows, i64 d, double eps) {
   __shared__ double sd[32];
   for (i64 base = (i64)blockIdx.x * blockDim.y; base < rows; base += (i64)gridDim.x * blockDim.y) {
     const i64 row = base + threadIdx.y;
@@ -118,11 +117,7 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
       double r = ((double)at(k, u) - mean) * rstd;
       if (w) r *= (double)w[k];
       if (bias) r += (double)bias[k];
-      TY t;
-      t = (float)r;
-      q[k] = t;
-      if (ob) ob[off + k] = (float)t;  // the 16-bit cast of y, rounded from y
-      if (oh) oh[off + k] = (float)t;
+      q[k] = (float)r;
     });
   }
 }
@@ -130,15 +125,14 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
 // add_layer_norm_<b>_<y>: an add of float32 a [rows, d] and b [brows, d]
 // (brows dividing rows) into float32 s, and the layer norm of s with
 // float32 w and bias ([d] or null) into y: the add and its companion
-// layer norm (graph.AddLayerNormProducer) in one pass. A non-null ob (oh)
-// also gets y rounded to bfloat16 (float16): y's 16-bit cast, a companion
-// too (graph.AddLayerNormCastProducer). Row layout as layer_norm_*.
-#define K2(TB, SX, TY, SY)                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024) add_layer_norm_##SX##_##SY(                \
-      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,      \
-      TY* y, i64 rows, i64 d, double eps, bf16* ob, f16* oh) {                                  \
-    if (row_fits(d)) add_layer_norm_body<true>(a, b, brows, w, bias, s, y, rows, d, eps, ob, oh); \
-    else add_layer_norm_body<false>(a, b, brows, w, bias, s, y, rows, d, eps, ob, oh);          \
+// layer norm (graph.AddLayerNormProducer) in one pass. Row layout as
+// layer_norm_*.
+#define K2(TB, SX, TY, SY)                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024) add_layer_norm_##SX##_##SY(              \
+      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,    \
+      TY* y, i64 rows, i64 d, double eps) {                                                   \
+    if (row_fits(d)) add_layer_norm_body<true>(a, b, brows, w, bias, s, y, rows, d, eps);     \
+    else add_layer_norm_body<false>(a, b, brows, w, bias, s, y, rows, d, eps);                \
   }
 #define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
 FOR_FLOATS(K)
@@ -199,8 +193,7 @@ __device__ __forceinline__ void add_layer_norm_w4_t(const float* __restrict__ a,
                                                     const float* __restrict__ w,
                                                     const float* __restrict__ bias,
                                                     float* __restrict__ s, TY* __restrict__ y,
-                                                    i64 rows, i64 d, double eps,
-                                                    bf16* __restrict__ ob, f16* __restrict__ oh) {
+                                                    i64 rows, i64 d, double eps) {
   const int lane = threadIdx.x & 31;
   const i64 wpb = blockDim.x >> 5;
   const int nv = (int)(d >> 7);
@@ -247,13 +240,9 @@ __device__ __forceinline__ void add_layer_norm_w4_t(const float* __restrict__ a,
           double t = ((double)v[4 * i + j] - mean) * rstd;
           if (w) t *= (double)w[k + j];
           if (bias) t += (double)bias[k + j];
-          TY e;
-          e = (float)t;
-          r[j] = (float)e;  // y's value, as a cast of y would read it
+          r[j] = (float)t;
         }
-        st4(y + off + k, r);
-        if (ob) st4(ob + off + k, r);
-        if (oh) st4(oh + off + k, r);
+        st4(y + off + k, r);  // a 16-bit y rounds here, once
       }
     }
   }
@@ -263,11 +252,11 @@ __device__ __forceinline__ void add_layer_norm_w4_t(const float* __restrict__ a,
 // values, d a multiple of 128, every pointer 16-byte aligned (8 for 16-bit
 // arrays): one warp a row (add_layer_norm_w4_t), blockDim.x a multiple of
 // 32 (blockDim.y = 1), any grid.
-#define K2(TB, SX, TY, SY)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256) add_layer_norm_w4_##SX##_##SY(              \
-      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,      \
-      TY* y, i64 rows, i64 d, double eps, bf16* ob, f16* oh) {                                  \
-    add_layer_norm_w4_t(a, b, brows, w, bias, s, y, rows, d, eps, ob, oh);                      \
+#define K2(TB, SX, TY, SY)                                                                    \
+  extern "C" __global__ void __launch_bounds__(256) add_layer_norm_w4_##SX##_##SY(            \
+      const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,    \
+      TY* y, i64 rows, i64 d, double eps) {                                                   \
+    add_layer_norm_w4_t(a, b, brows, w, bias, s, y, rows, d, eps);                            \
   }
 #define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
 FOR_FLOATS(K)
