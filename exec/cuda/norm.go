@@ -166,8 +166,11 @@ func (k *kctx) layerNormGradX(dt graph.DType, a *graph.Attrs, g, x operand, w, r
 	if err != nil {
 		return err
 	}
-	if g.n() != x.n() || out.n() != x.n() || res != nil && (res.dt != out.dt || res.n() != out.n()) {
+	if g.n() != x.n() || out.n() != x.n() {
 		return graph.Errorf(graph.ErrShape, "%s: g %v, x %v, output %v", k.nd.Op, g.shape, x.shape, out.shape)
+	}
+	if res != nil && (res.dt != out.dt || res.n() != out.n()) {
+		return graph.Errorf(graph.ErrShape, "%s: added gradient %s%v, output %s%v", k.nd.Op, res.dt, res.shape, out.dt, out.shape)
 	}
 	if rows == 0 || d == 0 {
 		return nil
