@@ -76,6 +76,56 @@ func (ts *twinSteps) step(t *testing.T, ctx context.Context, step, n int, rtol f
 	return pl
 }
 
+// convTwin is a conv net for twinConvNets: its maker, its batch, and
+// whether it also runs in four chunks.
+type convTwin struct {
+	newModel func() testutil.TrainModel
+	n        int
+	chunks   bool
+}
+
+// twinConvNets trains each model three SGD steps on CUDA with gpuOpts and
+// on the CPU with cpuOpts (twinSteps, seeded with seed, losses within
+// rtol, predicted = measured on CUDA), whole and, where the model says so,
+// in four chunks (Options.MaxChunk). check, when not nil, looks at each
+// CUDA session before its steps.
+func twinConvNets(t *testing.T, models []convTwin, gpuOpts, cpuOpts batchfit.Options, seed uint64, rtol float64,
+	check func(*testing.T, *batchfit.Session)) {
+	const steps = 3
+	ctx := context.Background()
+	for _, mc := range models {
+		newModel, n := mc.newModel, mc.n
+		t.Run(newModel().Name, func(t *testing.T) {
+			for _, chunked := range []bool{false, true} {
+				if chunked && !mc.chunks {
+					continue
+				}
+				var maxChunk int
+				if chunked {
+					maxChunk = n / 4
+				}
+				g, c := gpuOpts, cpuOpts
+				g.MaxChunk, c.MaxChunk, c.Device = maxChunk, maxChunk, batchfit.DeviceCPU
+				gpu := cudaSession(t, g)
+				if check != nil {
+					check(t, gpu)
+				}
+				cpu := batchfit.NewSession(c)
+				ts := newTwinSteps(cpu, gpu, newModel, seed)
+				for step := range steps {
+					pl := ts.step(t, ctx, step, n, rtol, fmt.Sprintf("chunked %t", chunked))
+					if chunked {
+						assert.Len(t, pl.Chunks, 4)
+					} else {
+						assert.Len(t, pl.Chunks, 1)
+					}
+				}
+				require.NoError(t, cpu.Close())
+			}
+		})
+	}
+}
+
 // The default device is CUDA when a GPU is usable; without one the session
 // runs on the CPU and its Device line says why.
 func TestSessionAutoPicksCUDA(t *testing.T) {
