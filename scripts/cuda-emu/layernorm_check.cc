@@ -11,37 +11,11 @@
 // 1e-5 relative plus 1e-5 of the largest sum, 16-bit to one ulp plus that.
 // ln_emu.cc is layernorm.cu as prep.py makes it; see run.
 #include "ln_emu.cc"
+#include "bufs.h"
 
 #include <algorithm>
 #include <random>
 #include <string>
-
-enum DT { F32, BF16, F16 };
-static const char* dtName[] = {"float32", "bfloat16", "float16"};
-
-static float rnd(DT dt, float x) {
-  if (dt == BF16) return emu_bf(bf16_bits(x));
-  if (dt == F16) return emu_h(emu_to_h(x));
-  return x;
-}
-
-// Buf is a device array of dt holding n values.
-struct Buf {
-  DT dt;
-  i64 n;
-  void* p;
-  Buf(DT dt, i64 n) : dt(dt), n(n), p(emu_alloc(std::max<i64>(n, 1) * (dt == F32 ? 4 : 2))) {}
-  void set(i64 i, float v) {
-    if (dt == F32) ((float*)p)[i] = v;
-    else if (dt == BF16) ((bf16*)p)[i] = v;
-    else ((unsigned short*)p)[i] = emu_to_h(v);
-  }
-  float get(i64 i) const {
-    if (dt == F32) return ((float*)p)[i];
-    if (dt == BF16) return (float)((bf16*)p)[i];
-    return emu_h(((unsigned short*)p)[i]);
-  }
-};
 
 // The launch geometry of exec/cuda/norm.go (lnFusedBlock, lnFusedGroups)
 // on a device that holds any grid at once.
