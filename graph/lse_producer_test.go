@@ -66,17 +66,9 @@ func TestQKVLSEProducer(t *testing.T) {
 // the batch_norm_grad_x over the same g and x with the same attributes;
 // CompanionProducer dispatches on the op.
 func TestBatchNormGradWProducer(t *testing.T) {
-	g := graph.New()
-	in := func(shape ...int) int {
-		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
-		require.NoError(t, err)
-		return id
-	}
-	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
-		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
-		require.NoError(t, err)
-		return id
-	}
+	b := nodes{t, graph.New()}
+	g, node := b.g, b.node
+	in := func(shape ...int) int { return b.in(graph.Float32, true, shape...) }
 	x, dy, other := in(4, 3, 5, 5), in(4, 3, 5, 5), in(4, 3, 5, 5)
 	train := graph.Attrs{Training: true, Eps: 1e-5}
 	gx := node(graph.OpBatchNormGradX, train, dy, x)
@@ -174,17 +166,9 @@ func TestFuseAttentionQKVRefusesBackward(t *testing.T) {
 // layer_norm_grad_x over the same g and x with the same NormDims and Eps
 // (with or without a weight input); CompanionProducer dispatches on the op.
 func TestLayerNormGradWProducer(t *testing.T) {
-	g := graph.New()
-	in := func(shape ...int) int {
-		id, err := g.Append(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: shape, DType: graph.Float32, BatchAxis: 0, PerSample: 1}})
-		require.NoError(t, err)
-		return id
-	}
-	node := func(op graph.Op, a graph.Attrs, ins ...int) int {
-		id, err := g.Append(graph.Node{Op: op, Attrs: a, Inputs: ins})
-		require.NoError(t, err)
-		return id
-	}
+	b := nodes{t, graph.New()}
+	g, node := b.g, b.node
+	in := func(shape ...int) int { return b.in(graph.Float32, true, shape...) }
 	x, dy, other := in(4, 6, 8), in(4, 6, 8), in(4, 6, 8)
 	w, err := g.Append(graph.Node{Op: graph.OpParam, Type: graph.Type{Shape: []int{8}, DType: graph.Float32, BatchAxis: -1}})
 	require.NoError(t, err)
