@@ -58,15 +58,6 @@ func CompanionProducer(g *Graph, m int) int {
 // layer_norm_grad_x, or layer_norm_grad_x_add with a gradient added.
 func isLayerNormGradX(op Op) bool { return op == OpLayerNormGradX || op == OpLayerNormGradXAdd }
 
-// narrows reports whether node m is a cast to a 16-bit dtype.
-func narrows(g *Graph, m int) bool {
-	if m < 0 || m >= g.Len() {
-		return false
-	}
-	n := g.Node(m)
-	return n.Op == OpCast && len(n.Inputs) == 1 && (n.Type.DType == BFloat16 || n.Type.DType == Float16)
-}
-
 // LayerNormGradCastProducer returns the layer norm input gradient whose
 // pass can also give cast node m: m's input, when m narrows that float32
 // layer_norm_grad_x or layer_norm_grad_x_add to a 16-bit dtype (mixed
@@ -79,10 +70,14 @@ func narrows(g *Graph, m int) bool {
 // batch 32 from 18.27 to 21.34 GiB reserved (the allocator's segments fell
 // out another way), for 14 µs a layer saved.
 func LayerNormGradCastProducer(g *Graph, m int) int {
-	if !narrows(g, m) {
+	if m < 0 || m >= g.Len() {
 		return -1
 	}
-	p := g.Node(m).Inputs[0]
+	n := g.Node(m)
+	if n.Op != OpCast || len(n.Inputs) != 1 || (n.Type.DType != BFloat16 && n.Type.DType != Float16) {
+		return -1
+	}
+	p := n.Inputs[0]
 	if ln := g.Node(p); isLayerNormGradX(ln.Op) && ln.Type.DType == Float32 {
 		return p
 	}
