@@ -172,7 +172,7 @@ type Session struct {
 	// found distinct, so a loop passing the same list is not checked again.
 	checked []checkedParam
 
-	hostTime time.Duration // the latest step's, StepHostTime
+	times StepTimes // the latest training step's, LastStepTimes
 
 	beforeRun    func() // tests: called between planning and running a step
 	stepCacheOff bool   // tests: differentiate every step (no step templates)
@@ -404,7 +404,25 @@ func (t *stepTemplate) instantiate(g *graph.Graph, fwd *graph.Graph, scale tenso
 func (s *Session) StepHostTime() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.hostTime
+	return s.times.Host
+}
+
+// StepTimes is where a training step's wall time went, on the host's
+// clock. Total less Host and Execute is Step's work after the executor
+// returned: the loss's conversion, the loss scaler's update and the
+// graph's step updates.
+type StepTimes struct {
+	Host    time.Duration // before the executor started (StepHostTime)
+	Execute time.Duration // the executor's run: uploads, launches, the device's work, the loss's download
+	Total   time.Duration // all of Step, from its call to its return
+}
+
+// LastStepTimes is the latest training step's StepTimes (a failed step's
+// as far as it went: zero for the parts it did not reach).
+func (s *Session) LastStepTimes() StepTimes {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.times
 }
 
 // StepGraphHits counts training steps whose graph came from the step
@@ -786,10 +804,10 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		if s.beforeRun != nil {
 			s.beforeRun()
 		}
+		began := time.Now()
 		if attempt == 0 && !start.IsZero() {
-			host := time.Since(start)
 			s.mu.Lock()
-			s.hostTime = host
+			s.times = StepTimes{Host: began.Sub(start)}
 			s.mu.Unlock()
 		}
 		// Parameters, gradients and optimizer state stay on the device;
@@ -797,6 +815,11 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		var res *exec.Result
 		res, err = s.be.Execute(ctx, p, pl.Chunks, exec.Options{Resident: true, Timeline: s.opts.Timeline,
 			Optimizer: opt, KeptOnDevice: opt != nil, LossScale: scale, Reduce: reduce})
+		if !start.IsZero() {
+			s.mu.Lock()
+			s.times.Execute += time.Since(began) // an OOM retry's run counts too
+			s.mu.Unlock()
+		}
 		if err == nil {
 			outs, u, skipped = res.Outputs, res.Usage, res.Skipped
 			break
@@ -1027,6 +1050,14 @@ type StepOptions struct {
 // StepWith is Step with StepOptions.
 func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, so StepOptions) (float32, error) {
 	start := time.Now()
+	s.mu.Lock()
+	s.times = StepTimes{}
+	s.mu.Unlock()
+	defer func() { // after release, the last of Step's work
+		s.mu.Lock()
+		s.times.Total = time.Since(start)
+		s.mu.Unlock()
+	}()
 	if _, err := s.executor(); err != nil {
 		return 0, err
 	}

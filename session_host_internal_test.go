@@ -105,15 +105,30 @@ func TestPlanResidentsInOrderAndNot(t *testing.T) {
 	require.Equal(t, inOrder[1:], fewer)
 }
 
-// StepHostTime is the latest step's host time before its executor ran.
+// StepHostTime is the latest step's host time before its executor ran;
+// LastStepTimes splits the whole step into that, the executor's run and
+// what follows it. A step refused before its run has no run.
 func TestStepHostTime(t *testing.T) {
 	sess := NewSession(Options{Device: DeviceCPU})
 	defer sess.Close()
 	require.Zero(t, sess.StepHostTime())
+	require.Zero(t, sess.LastStepTimes())
 	m, build := hostGPT(t)
-	_, err := sess.Step(context.Background(), build(), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	params := nn.ParamTensors(m)
+	_, err := sess.Step(context.Background(), build(), params, optim.NewSGD(0.1, 0))
 	require.NoError(t, err)
 	require.Positive(t, sess.StepHostTime())
+	st := sess.LastStepTimes()
+	require.Equal(t, sess.StepHostTime(), st.Host)
+	require.Positive(t, st.Execute)
+	require.GreaterOrEqual(t, st.Total, st.Host+st.Execute)
+
+	_, err = sess.Step(context.Background(), build(), params, nil)
+	require.Error(t, err)
+	st = sess.LastStepTimes()
+	require.Zero(t, st.Host)
+	require.Zero(t, st.Execute)
+	require.Positive(t, st.Total)
 }
 
 // The session's caches find a step's template, program and plan by

@@ -174,6 +174,11 @@ def throughput_tables(go, go_failed, gt, st, tt, terr, models):
         print("  batchfit Session host time per step (medians: the caller's graph build / Step's own work before the executor starts): "
               + ", ".join(f"{m} {num(1e6 * (r.get('median_build_seconds') or 0), '{:.0f}')} / "
                           f"{num(1e6 * r.get('median_host_seconds'), '{:.0f} µs')}" for m, r in hosts))
+        print("  batchfit Session step parts (medians: the executor's run inside Step, against the executor's own step / "
+              "Step's work after the run; Go GCs in the timed steps): "
+              + ", ".join(f"{m} {num(1e3 * (r.get('median_execute_seconds') or 0), '{:.2f}')} ms against "
+                          f"{num(ms(gt.get(m)), '{:.2f}')} / {num(1e6 * (r.get('median_after_seconds') or 0), '{:.0f} µs')}; "
+                          f"{r.get('gcs', 0)} GCs" for m, r in hosts))
     plans = [(m, gt[m]) for m in models if m in gt and gt[m].get("plan_seconds") is not None]
     if plans:
         print("  batchfit plan time (graph build, autodiff, compile, planner.Make): "

@@ -65,6 +65,13 @@ type Record struct {
 	// work before the executor starts), medians of the timed steps.
 	MedianBuildSeconds float64 `json:"median_build_seconds,omitempty"`
 	MedianHostSeconds  float64 `json:"median_host_seconds,omitempty"`
+	// session: the medians of Session.LastStepTimes' Execute (the
+	// executor's run, to set beside the throughput record's step) and of
+	// Step's work after it; and the Go garbage collections the timed
+	// steps ran.
+	MedianExecuteSeconds float64 `json:"median_execute_seconds,omitempty"`
+	MedianAfterSeconds   float64 `json:"median_after_seconds,omitempty"`
+	GCs                  uint32  `json:"gcs,omitempty"`
 	// dist: each timed step's wait on communication (dist.Trainer.LastWait)
 	CommWaitSeconds  []float64 `json:"comm_wait_seconds,omitempty"`
 	StepsPerSecond   float64   `json:"steps_per_second,omitempty"`

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"time"
 
 	"gorgonia.org/tensor"
@@ -63,8 +64,12 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	params := nn.ParamTensors(mod)
 	stopProfile := func() {}
 	defer func() { stopProfile() }()
-	var builds, hosts []float64
+	var builds, hosts, execs, afters []float64
+	var gc0 runtime.MemStats
 	for i := range c.warmup + c.steps {
+		if i == c.warmup {
+			runtime.ReadMemStats(&gc0)
+		}
 		if i == c.warmup && c.cpuProfile != "" {
 			stop, err := startCPUProfile(c.cpuProfile, m.name+"-session")
 			if err != nil {
@@ -90,10 +95,17 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		if i >= c.warmup {
 			r.StepSeconds = append(r.StepSeconds, dt)
 			builds = append(builds, built)
-			hosts = append(hosts, sess.StepHostTime().Seconds())
+			t := sess.LastStepTimes()
+			hosts = append(hosts, t.Host.Seconds())
+			execs = append(execs, t.Execute.Seconds())
+			afters = append(afters, (t.Total - t.Host - t.Execute).Seconds())
 		}
 	}
+	var gc1 runtime.MemStats
+	runtime.ReadMemStats(&gc1)
+	r.GCs = gc1.NumGC - gc0.NumGC
 	r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
+	r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
 	r.Chunks = len(sess.LastPlan().Chunks)
 	r.setRates(m.batch)
 	return r, nil
