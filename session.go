@@ -116,9 +116,9 @@ type Options struct {
 	// on the H100 a ResNet-50 bf16-mixed step at batch 64 measured 23.4 ms
 	// channels last against 31.8 in NCHW. No other policy has a bfloat16
 	// convolution, so setting it there changes nothing. On CUDA the
-	// channels-last convolutions run on cuDNN only (cuda.ErrChannelsLast
-	// where it refuses one); the CPU computes every channels-last node in
-	// NCHW.
+	// channels-last convolutions run on cuDNN, or where it refuses one on
+	// NCHW copies in the convolution's planned workspace; the CPU computes
+	// every channels-last node in NCHW.
 	ChannelsLast bool
 	// NoChannelsLast keeps conv nets NCHW under "bf16-mixed", where
 	// ChannelsLast is otherwise the default.

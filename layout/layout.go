@@ -206,8 +206,9 @@ var convTakes = ConvTakes
 // chunked float16 ConvNet step strayed 0.5 % from the CPU's loss. float32
 // ones stay NCHW too: cuDNN 9.14 took every float32 shape of the test, but
 // no float32 net has been measured faster channels last. The CUDA executor
-// fails with cuda.ErrChannelsLast on a channels-last convolution cuDNN
-// refuses.
+// runs a channels-last convolution cuDNN refuses as its NCHW twin on
+// transposed copies, which its planned workspace holds: right, but slower
+// than NCHW throughout.
 func ConvTakes(dt graph.DType, out, groups, in int) bool {
 	return dt == graph.BFloat16
 }

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"slices"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -15,10 +16,11 @@ import (
 // float32). Each convolution declares the im2col path's workspace (fixed)
 // plus convDNNBytes (affine in the chunk's batch, as the planner's rules
 // require), and cuDNN may use all of it. Channels-last nodes
-// (graph.Attrs.ChannelsLast: x, y NHWC, w KRSC) run on cuDNN only
-// (ErrChannelsLast otherwise) but declare the same workspace as their NCHW
-// twins (from the NCHW views of their shapes), so cuDNN chooses within the
-// same budget; pooling has channels-last kernels (pool.cu's *_nhwc_*).
+// (graph.Attrs.ChannelsLast: x, y NHWC, w KRSC) run on cuDNN, or where it
+// refuses them as their NCHW twins on copies (convnchw.go), and declare the
+// same workspace as their NCHW twins (from the NCHW views of their
+// shapes), so cuDNN chooses within the same budget; pooling has
+// channels-last kernels (pool.cu's *_nhwc_*).
 var convKernels = family{
 	graph.OpConv2d: {run: func(k *kctx, in []operand, out operand) error {
 		return k.conv2d(k.attrs(), in[0], in[1], optional(in, 2), out)
@@ -253,6 +255,9 @@ func (k *kctx) conv2d(a *graph.Attrs, x, w operand, b *operand, out operand) err
 		return nil
 	}
 	if done, err := k.dnnConv(convForward, dt, geo, a.ChannelsLast, x, w, out, beta); done || err != nil {
+		if errors.Is(err, ErrChannelsLast) {
+			return k.convThroughNCHW(convForward, a, x, w, b, out, err)
+		}
 		return err
 	}
 	if wd.direct() {
@@ -305,6 +310,9 @@ func (k *kctx) conv2dGradInput(a *graph.Attrs, g, w, out operand) error {
 		return nil
 	}
 	if done, err := k.dnnConv(convGradInput, dt, geo, a.ChannelsLast, g, w, out, 0); done || err != nil {
+		if errors.Is(err, ErrChannelsLast) {
+			return k.convThroughNCHW(convGradInput, a, g, w, nil, out, err)
+		}
 		return err
 	}
 	if wd.direct() {
@@ -362,6 +370,9 @@ func (k *kctx) conv2dGradWeight(a *graph.Attrs, g, x, out operand) error {
 		return nil
 	}
 	if done, err := k.dnnConv(convGradWeight, dt, geo, a.ChannelsLast, x, g, out, 0); done || err != nil {
+		if errors.Is(err, ErrChannelsLast) {
+			return k.convThroughNCHW(convGradWeight, a, g, x, nil, out, err)
+		}
 		return err
 	}
 	l := newGradWeightLayout(out.shape, g.shape, convImages(k.g, k.nd), int(groups), dt)

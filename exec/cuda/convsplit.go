@@ -30,8 +30,8 @@ import (
 // shapes (convfind.go); cuDNN's heuristics rank algorithms on the slices'
 // descriptors within the node's block. A convolution one image (or whose
 // weight) the descriptors cannot take runs on the im2col kernels (NCHW),
-// whose index arithmetic is 64-bit where it must be, or fails with
-// ErrChannelsLast.
+// whose index arithmetic is 64-bit where it must be; a channels-last one
+// on NCHW copies (convnchw.go).
 //
 // cuDNN's batch norm (dnn_bn.go) is left to batchnorm.cu's kernels beyond
 // the same limit.

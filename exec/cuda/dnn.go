@@ -237,11 +237,12 @@ func cudnnDType(dt graph.DType) (int32, bool) {
 
 // convDNNBytes is what a convolution adds to its im2col workspace for
 // cuDNN: the bytes of its input x, output y and weight w, room for the
-// algorithms that transpose their operands. It grows with the chunk as
+// algorithms that transpose their operands and for the NCHW copies of a
+// channels-last convolution cuDNN refuses (convnchw.go). It grows with the chunk as
 // the tensors do (affine in the batch, as the planner requires); cuDNN
 // may use the whole declared workspace.
 func convDNNBytes(x, y, w []int, size int64) int64 {
-	return size * int64(graph.Numel(x)+graph.Numel(y)+graph.Numel(w))
+	return size*int64(graph.Numel(x)+graph.Numel(y)+graph.Numel(w)) + convCopySlack
 }
 
 // newConvKey is the key of pass over geometry geo in dtype dt within
@@ -389,7 +390,8 @@ func (n *DNN) pickAlgo(p *convPlan, key convKey, choice *convChoice) (bool, erro
 // dnnConv runs pass on cuDNN when the executor has it and an algorithm
 // fits the node's workspace: done reports whether it ran (else the im2col
 // kernels run it). A channels-last convolution (nhwc: x, y NHWC, w KRSC)
-// runs on cuDNN or fails with ErrChannelsLast: im2col is NCHW only. For the forward pass a, b, out are
+// runs on cuDNN or fails with ErrChannelsLast, for its caller to run it on
+// NCHW copies (convThroughNCHW): im2col is NCHW only. For the forward pass a, b, out are
 // x, w, y; for grad_input g (dy), w, dx; for grad_weight x, g (dy), dw.
 // beta is 1 to add to out (the forward pass's bias), 0 to overwrite it.
 func (k *kctx) dnnConv(pass convPass, dt graph.DType, geo convGeom, nhwc bool, a, b, out operand, beta float32) (done bool, err error) {

@@ -34,9 +34,10 @@
 //     keeps the static formula and cuDNN's heuristics
 //     (ExecutorOptions.ConvHeuristics).
 //   - Channels-last nodes (graph.Attrs.ChannelsLast, package layout):
-//     convolutions on cuDNN's NHWC descriptors with KRSC weights, or
-//     ErrChannelsLast where cuDNN refuses one (im2col is NCHW only); batch
-//     norm and pooling on their own channels-last kernels.
+//     convolutions on cuDNN's NHWC descriptors with KRSC weights, or where
+//     cuDNN refuses one (or is absent) as its NCHW twin on transposed
+//     copies in its workspace (convnchw.go); batch norm and pooling on
+//     their own channels-last kernels.
 //   - Kernels are CUDA C sources embedded in the binary (kernels/*.cu),
 //     compiled by NVRTC for the device's sm_XY and cached on disk as cubins.
 //

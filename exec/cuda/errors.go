@@ -116,9 +116,11 @@ var ErrKernelArgs = errors.New("cuda: kernel launched with the wrong number of a
 var ErrWorkspace = errors.New("cuda: workspace smaller than the kernels need (compile programs with cuda.Workspace)")
 
 // ErrChannelsLast is wrapped by the error of a channels-last convolution
-// (graph.Attrs.ChannelsLast) that cuDNN does not take: no cuDNN, a shape
-// or dtype it refuses (layout.ConvTakes says which the layout pass
-// makes), misaligned operands, no algorithm within the workspace. The
-// executor's own convolution kernels (im2col) are NCHW only; batch norm
-// and pooling have channels-last kernels of their own.
+// (graph.Attrs.ChannelsLast) that cuDNN does not take (no cuDNN, a shape
+// or dtype it refuses, misaligned operands, no algorithm within the
+// workspace) and whose workspace cannot hold the NCHW copies it would run
+// on instead (convnchw.go): a program compiled with a workspace rule
+// smaller than the package's, with ErrWorkspace. The executor's own
+// convolution kernels (im2col) are NCHW only; batch norm and pooling have
+// channels-last kernels of their own.
 var ErrChannelsLast = errors.New("cuda: channels-last convolution that cuDNN does not take")

@@ -110,6 +110,9 @@ type Executor struct {
 	why  error     // why dnn is nil: ErrNoLibrary, or NoCuDNN
 	find findScope // which conv nodes declare the timed search's workspaces (convfind.go)
 	ks   *kernelSet
+	// nchwRuns counts channels-last convolutions run on NCHW copies
+	// (ChannelsLastOnCopies).
+	nchwRuns atomic.Int64
 
 	mu       sync.Mutex
 	resident exec.Residents[*residentBuf]
@@ -201,6 +204,12 @@ func (e *Executor) Convolutions() string {
 	}
 	return "im2col + cuBLAS (no cuDNN: " + e.why.Error() + ")"
 }
+
+// ChannelsLastOnCopies counts the channels-last convolution passes the
+// executor ran as their NCHW twins on copies in their workspaces, because
+// cuDNN did not take them channels last (or it has no cuDNN): cuDNN
+// 9.14's float16 depthwise input gradient, for one.
+func (e *Executor) ChannelsLastOnCopies() int64 { return e.nchwRuns.Load() }
 
 // DNN is the executor's cuDNN handle, nil when its convolutions run on
 // im2col (Convolutions says why).

@@ -3,6 +3,7 @@ package cuda
 import (
 	"fmt"
 	"strings"
+	"sync/atomic"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
@@ -26,6 +27,9 @@ type kctx struct {
 	nd   *graph.Node
 	c    planner.Chunk
 	ws   *wsView // nil without a workspace
+	// nchwRuns counts the channels-last convolutions run on NCHW copies
+	// (convnchw.go); nil where nobody counts (the algorithm search).
+	nchwRuns *atomic.Int64
 	// co is the output of the node's companion (planner.Program.Companion)
 	// when the kernel may compute it in the same pass, else nil; a kernel
 	// that does sets coDone. more are the node's further companions
@@ -90,7 +94,7 @@ func (k *kctx) attrs() *graph.Attrs { return &k.nd.Attrs }
 // kernels is the launch context of the executor's device, for launches of
 // the host side.
 func (r *runner) kernels() *kctx {
-	return &kctx{d: r.e.d, ks: r.e.ks, blas: r.e.blas, dnn: r.e.dnn, g: r.p.Graph}
+	return &kctx{d: r.e.d, ks: r.e.ks, blas: r.e.blas, dnn: r.e.dnn, g: r.p.Graph, nchwRuns: &r.e.nchwRuns}
 }
 
 // flat is kctx.flat for the host side (accumulate, the optimizers).

@@ -11,7 +11,6 @@ import (
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
-	"github.com/batchfit/batchfit/layout"
 )
 
 // nhwc is an NCHW shape (or a [O, C/g, kh, kw] weight) channels last.
@@ -52,9 +51,10 @@ func feedsFor(h *halfGraph, rng *rand.Rand, ids ...int) map[int]ref.Value {
 // float64 reference interpreter on the same graph (which computes in
 // NCHW). Tolerance, on the error's norm relative to the reference's: 1e-5
 // in float32 (FMA math, sums in another order), 1e-2 in 16 bits (outputs
-// rounded once). Every convolution layout.ConvTakes admits must run; any
-// other either runs to the same tolerance or fails with
-// cuda.ErrChannelsLast, never with wrong numbers.
+// rounded once). Every case must run: a pass cuDNN refuses channels last
+// (cuDNN 9.14's float16 depthwise input gradient) runs on NCHW copies,
+// which the "copies" executor, without cuDNN, does for every pass of every
+// case (ChannelsLastOnCopies counts three a case there).
 func TestCuDNNConvChannelsLastMatchesRef(t *testing.T) {
 	cases := []struct {
 		name string
@@ -75,42 +75,52 @@ func TestCuDNNConvChannelsLastMatchesRef(t *testing.T) {
 		dt  graph.DType
 		tol float64
 	}{{graph.Float32, 1e-5}, {graph.BFloat16, 1e-2}, {graph.Float16, 1e-2}}
-	e := dnnExecutor(t, nil)
-	gpu := runOn(e)
+	executors := []struct {
+		name   string
+		e      *cuda.Executor
+		copies bool // every pass on NCHW copies
+	}{
+		{"cudnn", dnnExecutor(t, nil), false},
+		{"copies", freshExecutor(t, cuda.ExecutorOptions{NoCuDNN: true}), true},
+	}
 	rng := rand.New(rand.NewPCG(5, 13))
-	for _, r := range runs {
-		for _, c := range cases {
-			t.Run(fmt.Sprintf("%s/%s", r.dt, c.name), func(t *testing.T) {
-				h := &halfGraph{t: t, g: graph.New(), dt: r.dt}
-				a := c.a
-				a.ChannelsLast = true
-				x, w, b := h.input(nhwc(c.x)...), h.param(nhwc(c.w)...), h.param(c.w[0])
-				y := h.op(graph.OpConv2d, a, x, w, b)
-				gi, gw := a, a
-				gi.Target = h.target(nhwc(c.x)...)
-				gw.Target = graph.Type{Shape: nhwc(c.w), DType: r.dt, BatchAxis: -1, PerSample: 1}
-				g := h.input(h.g.Node(y).Type.Shape...)
-				outs := []int{y, h.op(graph.OpConv2dGradInput, gi, g, w), h.op(graph.OpConv2dGradWeight, gw, g, x)}
-				feeds := feedsFor(h, rng, x, w, b, g)
-				want, err := ref.Eval(h.g, feeds, outs...)
-				require.NoError(t, err)
-				got, err := gpu(h.g, feeds, outs...)
-				takes := layout.ConvTakes(r.dt, c.w[0], c.a.Groups, c.x[1])
-				if err != nil && !takes {
-					require.ErrorIs(t, err, cuda.ErrChannelsLast)
-					t.Logf("not taken, as layout.ConvTakes says: %v", err)
-					return
-				}
-				require.NoError(t, err)
-				if !takes {
-					t.Logf("taken, though layout.ConvTakes leaves it NCHW")
-				}
-				for k, name := range []string{"conv2d", "conv2d_grad_input", "conv2d_grad_weight"} {
-					rel := relNorm(t, want[k], got[k], name)
-					require.LessOrEqual(t, rel, r.tol, "%s: relative error %.3g in norm", name, rel)
-				}
-			})
+	for _, ex := range executors {
+		for _, r := range runs {
+			for _, c := range cases {
+				t.Run(fmt.Sprintf("%s/%s/%s", ex.name, r.dt, c.name), func(t *testing.T) {
+					testConvChannelsLast(t, ex.e, ex.copies, rng, r.dt, r.tol, c.x, c.w, c.a)
+				})
+			}
 		}
+	}
+}
+
+func testConvChannelsLast(t *testing.T, e *cuda.Executor, copies bool, rng *rand.Rand, dt graph.DType, tol float64, xs, ws []int, ca graph.Attrs) {
+	h := &halfGraph{t: t, g: graph.New(), dt: dt}
+	a := ca
+	a.ChannelsLast = true
+	x, w, b := h.input(nhwc(xs)...), h.param(nhwc(ws)...), h.param(ws[0])
+	y := h.op(graph.OpConv2d, a, x, w, b)
+	gi, gw := a, a
+	gi.Target = h.target(nhwc(xs)...)
+	gw.Target = graph.Type{Shape: nhwc(ws), DType: dt, BatchAxis: -1, PerSample: 1}
+	g := h.input(h.g.Node(y).Type.Shape...)
+	outs := []int{y, h.op(graph.OpConv2dGradInput, gi, g, w), h.op(graph.OpConv2dGradWeight, gw, g, x)}
+	feeds := feedsFor(h, rng, x, w, b, g)
+	want, err := ref.Eval(h.g, feeds, outs...)
+	require.NoError(t, err)
+	before := e.ChannelsLastOnCopies()
+	got, err := runOn(e)(h.g, feeds, outs...)
+	require.NoError(t, err)
+	ran := e.ChannelsLastOnCopies() - before
+	if copies {
+		require.EqualValues(t, 3, ran, "passes on NCHW copies")
+	} else if ran > 0 {
+		t.Logf("%d of 3 passes on NCHW copies (cuDNN refused them channels last)", ran)
+	}
+	for k, name := range []string{"conv2d", "conv2d_grad_input", "conv2d_grad_weight"} {
+		rel := relNorm(t, want[k], got[k], name)
+		require.LessOrEqual(t, rel, tol, "%s: relative error %.3g in norm", name, rel)
 	}
 }
 
