@@ -77,6 +77,10 @@ func (g *Graph) Clone() *Graph {
 	return &Graph{nodes: append([]Node(nil), g.nodes...), batch: g.batch}
 }
 
+// Grow makes room for n more nodes, so that the next n Appends do not
+// copy the node list.
+func (g *Graph) Grow(n int) { g.nodes = slices.Grow(g.nodes, n) }
+
 // Len is the number of nodes.
 func (g *Graph) Len() int { return len(g.nodes) }
 
