@@ -179,6 +179,8 @@ def throughput_tables(go, go_failed, gt, st, tt, terr, models):
               + ", ".join(f"{m} {num(1e3 * (r.get('median_execute_seconds') or 0), '{:.2f}')} ms against "
                           f"{num(ms(gt.get(m)), '{:.2f}')} / {num(1e6 * (r.get('median_after_seconds') or 0), '{:.0f} µs')}; "
                           f"{r.get('gcs', 0)} GCs" for m, r in hosts))
+        print("  batchfit Session overhead within each step (median of (step − the executor's run inside it) / that run): "
+              + ", ".join(f"{m} {num(100 * (r.get('median_overhead_fraction') or 0), '{:.2f} %')}" for m, r in hosts))
     plans = [(m, gt[m]) for m in models if m in gt and gt[m].get("plan_seconds") is not None]
     if plans:
         print("  batchfit plan time (graph build, autodiff, compile, planner.Make): "

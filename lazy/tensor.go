@@ -28,6 +28,9 @@ type Graph struct {
 	// other scopes. Ops made inside an internal module take it instead of
 	// walking the stack again.
 	scopeSites []string
+	// entered is EnterInternal's stack: each entry's site, and how many
+	// scopes were open when it was made.
+	entered []enteredSite
 	// precheck's scratch: the input types and attributes it passes to a
 	// shape rule, kept so that each call allocates neither.
 	types []graph.Type
@@ -150,13 +153,45 @@ func (g *Graph) PopScope() {
 	}
 }
 
-// scopeSite is the innermost scope's recorded site, "" when the scope is
-// not an internal module's (or there is none).
+// scopeSite is the site ops made now take without walking the stack: the
+// innermost EnterInternal's, when no scope was opened since; else the
+// innermost scope's recorded site, "" when the scope is not an internal
+// module's (or there is none).
 func (g *Graph) scopeSite() string {
+	if n := len(g.entered); n > 0 && g.entered[n-1].depth == len(g.scopeSites) {
+		return g.entered[n-1].at
+	}
 	if n := len(g.scopeSites); n > 0 {
 		return g.scopeSites[n-1]
 	}
 	return ""
+}
+
+type enteredSite struct {
+	at    string
+	depth int
+}
+
+// EnterInternal starts a stretch of graph building by one of batchfit's
+// own functions (packages nn and models) that its caller may have called
+// directly, outside any module scope (a model's Forward, models.Loss):
+// until LeaveInternal, the ops it makes outside further scopes take the
+// call site found here, once, as PushInternalScope's do, rather than each
+// walking the stack to the same answer. A module scope opened meanwhile
+// (a user's module among a Sequential's children) hides it until closed.
+func (g *Graph) EnterInternal() {
+	at := g.scopeSite()
+	if at == "" {
+		at = site()
+	}
+	g.entered = append(g.entered, enteredSite{at: at, depth: len(g.scopeSites)})
+}
+
+// LeaveInternal ends the innermost EnterInternal.
+func (g *Graph) LeaveInternal() {
+	if n := len(g.entered); n > 0 {
+		g.entered = g.entered[:n-1]
+	}
 }
 
 // leaf is a parameter or constant not tied to any graph.

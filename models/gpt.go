@@ -103,6 +103,10 @@ func (m *GPT) Forward(tokens *lazy.Tensor) *lazy.Tensor {
 	if err := m.Err(); err != nil {
 		return lazy.ErrorTensor("models.GPT", err, tokens.Shape())
 	}
+	if g := tokens.Graph(); g != nil { // the caller's site, found once for every op
+		g.EnterInternal()
+		defer g.LeaveInternal()
+	}
 	s := tokens.Shape()
 	if len(s) != 2 || s[1] > m.cfg.Context {
 		return lazy.ErrorTensor("models.GPT", graph.Errorf(graph.ErrShape,
@@ -124,6 +128,10 @@ func Loss(logits, targets *lazy.Tensor) *lazy.Tensor {
 	s := logits.Shape()
 	if len(s) != 3 {
 		return lazy.ErrorTensor("models.Loss", graph.Errorf(graph.ErrShape, "logits must be [B, T, V], got %v", s), s)
+	}
+	if g := logits.Graph(); g != nil { // the caller's site, found once for both ops
+		g.EnterInternal()
+		defer g.LeaveInternal()
 	}
 	return logits.Reshape(-1, s[2]).CrossEntropy(targets.Reshape(-1), graph.ReduceMean)
 }

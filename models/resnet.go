@@ -219,6 +219,10 @@ func (m *ResNet) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if err := m.Err(); err != nil {
 		return lazy.ErrorTensor("models.ResNet", err, x.Shape())
 	}
+	if g := x.Graph(); g != nil { // the caller's site, found once for every op
+		g.EnterInternal()
+		defer g.LeaveInternal()
+	}
 	s, least := x.Shape(), m.cfg.minSize()
 	if len(s) != 4 || s[1] != m.cfg.Channels || s[2] < least || s[3] < least {
 		return lazy.ErrorTensor("models.ResNet", graph.Errorf(graph.ErrShape,

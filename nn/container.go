@@ -155,6 +155,10 @@ func (s *Sequential) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if s.err != nil {
 		return fail("nn.Sequential", s.err, x)
 	}
+	if g := x.Graph(); g != nil { // the caller's site, found once for every child
+		g.EnterInternal()
+		defer g.LeaveInternal()
+	}
 	for _, ch := range s.list {
 		x = call(ch.Name, ch.Module, x)
 	}

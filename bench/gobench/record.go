@@ -71,6 +71,12 @@ type Record struct {
 	// steps ran.
 	MedianExecuteSeconds float64 `json:"median_execute_seconds,omitempty"`
 	MedianAfterSeconds   float64 `json:"median_after_seconds,omitempty"`
+	// session: the median over the timed steps of each step's host work
+	// (its wall time less the executor's run inside it: the build, Step's
+	// own work before and after the run) over that run: the Session's
+	// overhead measured within each step, free of the drift between the
+	// executor's and the Session's separately timed steps.
+	MedianOverheadFraction float64 `json:"median_overhead_fraction,omitempty"`
 	GCs                  uint32  `json:"gcs,omitempty"`
 	// dist: each timed step's wait on communication (dist.Trainer.LastWait)
 	CommWaitSeconds  []float64 `json:"comm_wait_seconds,omitempty"`

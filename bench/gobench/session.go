@@ -64,7 +64,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	params := nn.ParamTensors(mod)
 	stopProfile := func() {}
 	defer func() { stopProfile() }()
-	var builds, hosts, execs, afters []float64
+	var builds, hosts, execs, afters, overheads []float64
 	var gc0 runtime.MemStats
 	for i := range c.warmup + c.steps {
 		if i == c.warmup {
@@ -99,6 +99,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 			hosts = append(hosts, t.Host.Seconds())
 			execs = append(execs, t.Execute.Seconds())
 			afters = append(afters, (t.Total - t.Host - t.Execute).Seconds())
+			overheads = append(overheads, (dt-t.Execute.Seconds())/t.Execute.Seconds())
 		}
 	}
 	var gc1 runtime.MemStats
@@ -106,6 +107,7 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	r.GCs = gc1.NumGC - gc0.NumGC
 	r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
 	r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
+	r.MedianOverheadFraction = median(overheads)
 	r.Chunks = len(sess.LastPlan().Chunks)
 	r.setRates(m.batch)
 	return r, nil
