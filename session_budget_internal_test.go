@@ -72,3 +72,72 @@ func TestNegativeBudget(t *testing.T) {
 	_, err := sess.Eval(context.Background(), lazy.Wrap(tensor.New(tensor.WithShape(2, 2), tensor.WithBacking([]float32{1, 2, 3, 4})), 0).Tanh())
 	require.ErrorIs(t, err, planner.ErrBudget)
 }
+
+// A budget that moves between steps, as the device's free memory does
+// when the CUDA driver takes a few MiB for a captured graph, keeps the
+// last plan while it provably gives the same one (Session.keptPlan): the
+// same plan, no segment taken from or given back to the device, and the
+// measured peak still the planned one. Growing keeps a one-chunk plan too.
+// A budget that no longer holds twice the peak is planned again, and
+// steps that chunk are not kept when the budget grows.
+func TestMovingBudgetKeepsPlan(t *testing.T) {
+	const n, in = 512, 256
+	data := make([]float32, n*in)
+	labels := make([]int64, n)
+	for i := range data {
+		data[i] = float32(math.Sin(float64(i) * 0.37))
+	}
+	for i := range labels {
+		labels[i] = int64(i % 10)
+	}
+	sim := alloc.NewSimBackend(1 << 30)
+	e := cpu.NewOn(alloc.New(sim, alloc.Options{}))
+	sess := NewSession(Options{Device: DeviceCPU})
+	sess.be = e
+	model := nn.MLP(nn.Seed(5), []int{in, 1024, 10}, nn.ReLU{})
+	opt := optim.NewAdam(1e-3)
+	step := func(what string) (*planner.Plan, alloc.Stats) {
+		t.Helper()
+		x := lazy.Wrap(tensor.New(tensor.WithShape(n, in), tensor.WithBacking(data)), 0)
+		y := x.Graph().Wrap(tensor.New(tensor.WithShape(n), tensor.WithBacking(labels)), 0)
+		_, err := sess.Step(context.Background(), model.Forward(x).CrossEntropy(y, graph.ReduceMean), nn.ParamTensors(model), opt)
+		require.NoError(t, err, what)
+		pl := sess.LastPlan()
+		require.Equal(t, pl.PeakReserved, sess.LastUsage().PeakReserved, "%s: measured = planned", what)
+		return pl, sess.Allocator().Stats()
+	}
+	step("first")
+	pl, st := step("steady")
+	require.Len(t, pl.Chunks, 1)
+
+	// The driver takes 4 MiB outside the allocator: kept.
+	drv, err := sim.Malloc(4 << 20)
+	require.NoError(t, err)
+	kept, st2 := step("4 MiB less")
+	require.Same(t, pl, kept, "the plan is kept")
+	require.Equal(t, st.NumDeviceAlloc, st2.NumDeviceAlloc, "no segment taken again")
+	require.Equal(t, st.NumDeviceFree, st2.NumDeviceFree, "no segment given back")
+	// And gives them back: one chunk, kept as the budget grows.
+	require.NoError(t, sim.Free(drv))
+	kept, st3 := step("4 MiB more")
+	require.Same(t, pl, kept)
+	require.Equal(t, st.NumDeviceAlloc, st3.NumDeviceAlloc)
+
+	// Leave less than twice the peak: planned again at the new budget.
+	free, _, err := sim.MemInfo()
+	require.NoError(t, err)
+	hog, err := sim.Malloc(free - pl.PeakReserved/2) // the budget counts the allocator's cache back in
+	require.NoError(t, err)
+	again, _ := step("tight")
+	require.NotSame(t, pl, again, "planned again")
+	budget, err := sess.budget()
+	require.NoError(t, err)
+	require.Equal(t, budget, again.Budget)
+	require.NoError(t, sim.Free(hog))
+
+	// A chunked plan is not kept when the budget grows.
+	require.Nil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 2)}, 100, 120))
+	require.NotNil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 2)}, 100, 90))
+	require.NotNil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 1)}, 100, 120))
+	require.Nil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 1)}, 100, 19))
+}

@@ -50,6 +50,8 @@ type config struct {
 	gptBatch      int
 	mlpBatch      int
 	session       bool // also time the steps through batchfit.Session, graph rebuilt each step
+	sessionFirst  bool // time each model's Session before its executor
+	sessionTrace  bool // each Session step's plan and allocator counts, to stderr
 	convBatch     int
 	resnetBatch   int
 	resnetSize    int
@@ -88,6 +90,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
 	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
 	fs.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
+	fs.BoolVar(&c.sessionTrace, "session-trace", false, "print each Session step's plan (address, budget, predicted peak) and the allocator's device allocations and frees to stderr")
+	fs.BoolVar(&c.sessionFirst, "session-first", false, "time each model's Session steps before its executor's (the order's effect on the comparison)")
 	fs.IntVar(&c.convBatch, "conv-batch", 256, "ConvNet batch (3×32×32 images) for the timed run")
 	fs.IntVar(&c.resnetBatch, "resnet-batch", 64, "ResNet-50 batch for the timed run")
 	fs.IntVar(&c.resnetSize, "resnet-size", 224, "ResNet-50 image height and width (3 channels, 1000 classes)")
@@ -371,23 +375,34 @@ func run(c config, w io.Writer) error {
 		return err
 	}
 	for _, m := range ms {
-		if c.throughput {
+		executor := func() error {
+			if !c.throughput {
+				return nil
+			}
 			r, err := throughput(d, c, m)
 			if err != nil {
 				r.Error = err.Error()
 			}
-			if err := writeRecord(w, r); err != nil {
-				return err
+			return writeRecord(w, r)
+		}
+		session := func() error {
+			if !c.session {
+				return nil
 			}
+			r, err := sessionThroughput(c, m)
+			if err != nil {
+				r.Error = err.Error()
+			}
+			return writeRecord(w, r)
 		}
-		if !c.session {
-			continue
+		first, second := executor, session
+		if c.sessionFirst {
+			first, second = session, executor
 		}
-		r, err := sessionThroughput(c, m)
-		if err != nil {
-			r.Error = err.Error()
+		if err := first(); err != nil {
+			return err
 		}
-		if err := writeRecord(w, r); err != nil {
+		if err := second(); err != nil {
 			return err
 		}
 	}
@@ -502,7 +517,11 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	opt := m.optimizer()
 	ctx := context.Background()
 	stopProfile := func() {}
+	var st0 alloc.Stats
 	for i := range c.warmup + c.steps {
+		if i == c.warmup {
+			st0 = e.Allocator().Stats()
+		}
 		batch := feeds[i%len(feeds)]
 		feed := func(id int) tensor.Tensor {
 			if k := slices.Index(ids, id); k >= 0 {
@@ -540,6 +559,8 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		}
 	}
 	stopProfile()
+	st1 := e.Allocator().Stats()
+	r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
 	if c.profile > 0 {
 		feed := func(id int) tensor.Tensor {
 			if k := slices.Index(ids, id); k >= 0 {

@@ -77,7 +77,12 @@ type Record struct {
 	// overhead measured within each step, free of the drift between the
 	// executor's and the Session's separately timed steps.
 	MedianOverheadFraction float64 `json:"median_overhead_fraction,omitempty"`
-	GCs                  uint32  `json:"gcs,omitempty"`
+	GCs                    uint32  `json:"gcs,omitempty"`
+	// throughput and session: the segments the allocator took from and
+	// gave back to the device during the timed steps (driver calls that
+	// synchronise; a steady loop makes none).
+	DeviceAllocs int64 `json:"device_allocs,omitempty"`
+	DeviceFrees  int64 `json:"device_frees,omitempty"`
 	// dist: each timed step's wait on communication (dist.Trainer.LastWait)
 	CommWaitSeconds  []float64 `json:"comm_wait_seconds,omitempty"`
 	StepsPerSecond   float64   `json:"steps_per_second,omitempty"`

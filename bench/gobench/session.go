@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"runtime"
 	"time"
 
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
@@ -66,9 +68,11 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	defer func() { stopProfile() }()
 	var builds, hosts, execs, afters, overheads []float64
 	var gc0 runtime.MemStats
+	var st0 alloc.Stats
 	for i := range c.warmup + c.steps {
 		if i == c.warmup {
 			runtime.ReadMemStats(&gc0)
+			st0 = sess.Allocator().Stats()
 		}
 		if i == c.warmup && c.cpuProfile != "" {
 			stop, err := startCPUProfile(c.cpuProfile, m.name+"-session")
@@ -92,6 +96,11 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 			r.FirstLoss = float64(l)
 		}
 		r.LastLoss = float64(l)
+		if c.sessionTrace {
+			st, pl := sess.Allocator().Stats(), sess.LastPlan()
+			fmt.Fprintf(os.Stderr, "%s session step %d: %.3f ms, plan %p budget %d peak %d, device allocs %d frees %d, reserved %d\n",
+				m.name, i, 1e3*dt, pl, pl.Budget, pl.PeakReserved, st.NumDeviceAlloc, st.NumDeviceFree, st.ReservedBytes[alloc.All].Current)
+		}
 		if i >= c.warmup {
 			r.StepSeconds = append(r.StepSeconds, dt)
 			builds = append(builds, built)
@@ -105,6 +114,8 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	var gc1 runtime.MemStats
 	runtime.ReadMemStats(&gc1)
 	r.GCs = gc1.NumGC - gc0.NumGC
+	st1 := sess.Allocator().Stats()
+	r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
 	r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
 	r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
 	r.MedianOverheadFraction = median(overheads)
