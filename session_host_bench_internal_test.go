@@ -126,8 +126,9 @@ type hostModel struct {
 }
 
 // hostModels are gobench's "gpt" (GPT-2 small, fused attention, batch 8
-// × seq 1024, AdamW) and "resnet50" (batch 64 of 3×224×224, Adam), with
-// parameters and two feeds of data.
+// × seq 1024, AdamW), "resnet50" (batch 64 of 3×224×224, Adam) and "mlp"
+// (784→4096→4096→10, batch 1024, Adam), with parameters and two feeds of
+// data.
 func hostModels() []func() hostModel {
 	return []func() hostModel{
 		func() hostModel {
@@ -158,12 +159,25 @@ func hostModels() []func() hostModel {
 				return m.Forward(x).CrossEntropy(y, graph.ReduceMean)
 			}}
 		},
+		func() hostModel {
+			m := nn.MLP(nn.Seed(1), []int{784, 4096, 4096, 10}, nn.ReLU{})
+			rng := rand.New(rand.NewPCG(2, 3))
+			var feeds [2][2]*tensor.Dense
+			for i := range feeds {
+				feeds[i] = [2]*tensor.Dense{testutil.UniformF32(rng, 1024, 784), testutil.Classes(rng, 10, 1024)}
+			}
+			return hostModel{name: "mlp", mod: m, opt: optim.NewAdam(1e-3), build: func(i int) *lazy.Tensor {
+				x := lazy.Wrap(feeds[i%2][0], 0)
+				y := x.Graph().Wrap(feeds[i%2][1], 0)
+				return m.Forward(x).CrossEntropy(y, graph.ReduceMean)
+			}}
+		},
 	}
 }
 
 // BenchmarkStepHostWork times, on the CPU, the host work of gobench's
-// session mode under bf16-mixed for GPT-2 small (seq 1024, batch 8) and
-// ResNet-50 (batch 64): "build" is the caller's graph build (the model's
+// session mode under bf16-mixed for GPT-2 small (seq 1024, batch 8),
+// ResNet-50 (batch 64) and the MLP (batch 1024): "build" is the caller's graph build (the model's
 // forward and loss over a step's data), "step" is Session.Step on an
 // executor that computes nothing (hostOnlyExecutor) in a steady loop, so
 // its ns/op and allocs/op are Step's host work before the first launch
