@@ -317,7 +317,7 @@ func errTensor(op string, site string, err error, shapes ...[]int) *Tensor {
 // time, as far as the first caller outside batchfit (usually within a
 // handful), not to a fixed depth.
 func site() string {
-	var pcs [6]uintptr
+	var pcs [3]uintptr
 	last := "?"
 	for skip := 2; ; { // runtime.Callers and site itself
 		n := runtime.Callers(skip, pcs[:])
