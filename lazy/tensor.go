@@ -79,7 +79,7 @@ func (g *Graph) StepUpdates() []StepUpdate {
 func NewGraph() *Graph { return newGraph(0, 0) }
 
 func newGraph(nodes, leaves int) *Graph {
-	g := &Graph{ir: graph.New(), leaves: make(map[*leaf]int, leaves), leafAt: make(map[int]*leaf, leaves), imported: map[*Graph][]int{}}
+	g := &Graph{ir: graph.New(), leaves: make(map[*leaf]int, leaves), leafAt: make(map[int]*leaf, leaves)}
 	if nodes > 0 {
 		g.ir.Grow(nodes)
 	}
@@ -577,6 +577,9 @@ func (g *Graph) importNode(src *Graph, id int) (int, error) {
 	idmap := g.imported[src]
 	for len(idmap) < src.ir.Len() {
 		idmap = append(idmap, -1)
+	}
+	if g.imported == nil { // made on the first import: most graphs import nothing
+		g.imported = map[*Graph][]int{}
 	}
 	g.imported[src] = idmap
 	need := make([]bool, id+1)
