@@ -17,6 +17,20 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
+// sineBatch is n samples of in features, sin(i·freq) over the flattened
+// index, and labels i mod 10: data no step can fit exactly, never zero.
+func sineBatch(n, in int, freq float64) ([]float32, []int64) {
+	data := make([]float32, n*in)
+	labels := make([]int64, n)
+	for i := range data {
+		data[i] = float32(math.Sin(float64(i) * freq))
+	}
+	for i := range labels {
+		labels[i] = int64(i % 10)
+	}
+	return data, labels
+}
+
 // withOverhead is a CPU executor holding a library workspace of its own
 // outside every plan, as CUDA's cuBLAS workspace is.
 type withOverhead struct {
@@ -34,14 +48,7 @@ func (w withOverhead) Overhead() int64 { return w.ws }
 func TestBudgetIncludesOverhead(t *testing.T) {
 	const budget, ws = 64 << 20, 32 << 20
 	const n, in = 2048, 256
-	data := make([]float32, n*in)
-	labels := make([]int64, n)
-	for i := range data {
-		data[i] = float32(math.Sin(float64(i) * 0.29))
-	}
-	for i := range labels {
-		labels[i] = int64(i % 10)
-	}
+	data, labels := sineBatch(n, in, 0.29)
 	sess := NewSession(Options{Device: DeviceCPU, Budget: budget})
 	// A device larger than the budget, as a GPU is.
 	e := cpu.NewOn(alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{}))
@@ -82,14 +89,7 @@ func TestNegativeBudget(t *testing.T) {
 // steps that chunk are not kept when the budget grows.
 func TestMovingBudgetKeepsPlan(t *testing.T) {
 	const n, in = 512, 256
-	data := make([]float32, n*in)
-	labels := make([]int64, n)
-	for i := range data {
-		data[i] = float32(math.Sin(float64(i) * 0.37))
-	}
-	for i := range labels {
-		labels[i] = int64(i % 10)
-	}
+	data, labels := sineBatch(n, in, 0.37)
 	sim := alloc.NewSimBackend(1 << 30)
 	e := cpu.NewOn(alloc.New(sim, alloc.Options{}))
 	sess := NewSession(Options{Device: DeviceCPU})

@@ -24,14 +24,7 @@ import (
 func TestStepReplansWhenMemoryIsTaken(t *testing.T) {
 	const budget = 64 << 20
 	const n, in = 2048, 256
-	data := make([]float32, n*in)
-	labels := make([]int64, n)
-	for i := range data {
-		data[i] = float32(math.Sin(float64(i) * 0.37))
-	}
-	for i := range labels {
-		labels[i] = int64(i % 10)
-	}
+	data, labels := sineBatch(n, in, 0.37)
 	train := func(disturb bool) ([]float32, *Session) {
 		model := nn.MLP(nn.Seed(3), []int{in, 1024, 10}, nn.ReLU{})
 		sess := NewSession(Options{Device: DeviceCPU, Budget: budget})
