@@ -871,17 +871,18 @@ func (s *Session) keptPlan(p *planner.Program, held []planner.Held, was, now int
 	if err != nil {
 		return nil // planned at now instead, which reports its own error
 	}
-	return s.keptPlanCheck(pl, was, now)
-}
-
-// keptPlanCheck is keptPlan's rule for plan pl, made at budget was: pl,
-// or nil when the plan at budget now may differ.
-func (s *Session) keptPlanCheck(pl *planner.Plan, was, now int64) *planner.Plan {
-	twice := 2 * pl.PeakReserved
-	if now-pl.Headroom < twice || pl.Available() < twice || now > was && len(pl.Chunks) != 1 {
+	if !samePlanAt(pl, was, now) {
 		return nil
 	}
 	return pl
+}
+
+// samePlanAt is keptPlan's rule: whether plan pl, made at budget was, is
+// the plan at budget now too.
+func samePlanAt(pl *planner.Plan, was, now int64) bool {
+	twice := 2 * pl.PeakReserved
+	chunked := pl.Chunk < pl.Batch
+	return now-pl.Headroom >= twice && pl.Available() >= twice && (now <= was || !chunked)
 }
 
 // budget is what a step may plan within now: the executor's budget,

@@ -135,9 +135,15 @@ func TestMovingBudgetKeepsPlan(t *testing.T) {
 	require.Equal(t, budget, again.Budget)
 	require.NoError(t, sim.Free(hog))
 
-	// A chunked plan is not kept when the budget grows.
-	require.Nil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 2)}, 100, 120))
-	require.NotNil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 2)}, 100, 90))
-	require.NotNil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 1)}, 100, 120))
-	require.Nil(t, (&Session{}).keptPlanCheck(&planner.Plan{PeakReserved: 10, Budget: 100, Chunks: make([]planner.Chunk, 1)}, 100, 19))
+	// The rule alone: a chunked plan is not kept when the budget grows, a
+	// one-chunk plan is; neither below twice the peak.
+	chunked := &planner.Plan{Batch: 8, Chunk: 4, PeakReserved: 10, Budget: 100}
+	whole := &planner.Plan{Batch: 8, Chunk: 8, PeakReserved: 10, Budget: 100}
+	require.False(t, samePlanAt(chunked, 100, 120))
+	require.True(t, samePlanAt(chunked, 100, 90))
+	require.True(t, samePlanAt(whole, 100, 120))
+	require.True(t, samePlanAt(whole, 100, 20))
+	require.False(t, samePlanAt(whole, 100, 19))
+	require.False(t, samePlanAt(&planner.Plan{Batch: 8, Chunk: 8, PeakReserved: 60, Budget: 100}, 100, 130), "the plan's own budget held less than twice its peak")
+
 }
