@@ -208,7 +208,8 @@ func (e *Executor) Convolutions() string {
 // ChannelsLastOnCopies counts the channels-last convolution passes the
 // executor ran as their NCHW twins on copies in their workspaces, because
 // cuDNN did not take them channels last (or it has no cuDNN): cuDNN
-// 9.14's float16 depthwise input gradient, for one.
+// 9.14's float16 depthwise input gradient, for one. It counts launches
+// from the host (eager runs and CUDA graph captures), not graph replays.
 func (e *Executor) ChannelsLastOnCopies() int64 { return e.nchwRuns.Load() }
 
 // DNN is the executor's cuDNN handle, nil when its convolutions run on
