@@ -552,6 +552,39 @@ __device__ __forceinline__ void batch_norm_rows_nhwc_vec_t(const T* __restrict__
 FOR_FLOATS(K)
 #undef K
 
+// bn_nhwc_vec_map writes out = f(v, a, b) over P positions of channel
+// group cg (G groups of 16 bytes a position): BN_VEC_UNROLL positions by
+// apart per pass, each thread loading all of them (a's, and b's when NIn
+// is 2) before it stores any; f gets element v's values widened to float
+// (b's 0 when NIn is 1) and returns the output element's float value.
+template <int NIn, typename T, typename F>
+__device__ __forceinline__ void bn_nhwc_vec_map(const T* __restrict__ a, const T* __restrict__ b,
+                                                T* __restrict__ out, i64 P, i64 G, i64 cg, F f) {
+  constexpr int V = 16 / sizeof(T);
+  const i64 by = blockDim.y, step = (i64)gridDim.x * by * BN_VEC_UNROLL;
+  for (i64 p0 = (i64)blockIdx.x * by * BN_VEC_UNROLL + threadIdx.y; p0 < P; p0 += step) {
+    Vec<T, V> av[BN_VEC_UNROLL], bv[BN_VEC_UNROLL];
+#pragma unroll
+    for (int u = 0; u < BN_VEC_UNROLL; ++u) {
+      const i64 p = p0 + u * by;
+      if (p < P) {
+        av[u] = ldv<V>(a, p * G + cg);
+        if (NIn == 2) bv[u] = ldv<V>(b, p * G + cg);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < BN_VEC_UNROLL; ++u) {
+      const i64 p = p0 + u * by;
+      if (p < P) {
+        Vec<T, V> o;
+#pragma unroll
+        for (int v = 0; v < V; ++v) o.v[v] = f(v, (float)av[u].v[v], NIn == 2 ? (float)bv[u].v[v] : 0.f);
+        stv<V>(out, p * G + cg, o);
+      }
+    }
+  }
+}
+
 // batch_norm_nhwc_vec_{f32,bf16,f16}: y = x·scale + shift over P positions
 // of c channels (batch_norm_coef's coef), 16 bytes a position and thread.
 template <typename T>
@@ -568,25 +601,8 @@ __device__ __forceinline__ void batch_norm_nhwc_vec_t(const T* __restrict__ x,
     sc[v] = (A)coef[2 * (cg * V + v)];
     sh[v] = (A)coef[2 * (cg * V + v) + 1];
   }
-  const i64 by = blockDim.y, step = (i64)gridDim.x * by * BN_VEC_UNROLL;
-  for (i64 p0 = (i64)blockIdx.x * by * BN_VEC_UNROLL + threadIdx.y; p0 < P; p0 += step) {
-    Vec<T, V> xv[BN_VEC_UNROLL];
-#pragma unroll
-    for (int u = 0; u < BN_VEC_UNROLL; ++u) {
-      const i64 p = p0 + u * by;
-      if (p < P) xv[u] = ldv<V>(x, p * G + cg);
-    }
-#pragma unroll
-    for (int u = 0; u < BN_VEC_UNROLL; ++u) {
-      const i64 p = p0 + u * by;
-      if (p < P) {
-        Vec<T, V> o;
-#pragma unroll
-        for (int v = 0; v < V; ++v) o.v[v] = (float)bn_fma2((A)(float)xv[u].v[v], sc[v], sh[v]);
-        stv<V>(y, p * G + cg, o);
-      }
-    }
-  }
+  bn_nhwc_vec_map<1>(x, x, y, P, G, cg,
+                     [&](int v, float xe, float) { return (float)bn_fma2((A)xe, sc[v], sh[v]); });
 }
 
 #define K(T, S)                                                                      \
@@ -617,29 +633,9 @@ __device__ __forceinline__ void batch_norm_grad_x_nhwc_vec_t(const T* __restrict
     cb[v] = (A)q[1];
     cc[v] = (A)q[2];
   }
-  const i64 by = blockDim.y, step = (i64)gridDim.x * by * BN_VEC_UNROLL;
-  for (i64 p0 = (i64)blockIdx.x * by * BN_VEC_UNROLL + threadIdx.y; p0 < P; p0 += step) {
-    Vec<T, V> gv[BN_VEC_UNROLL], xv[BN_VEC_UNROLL];
-#pragma unroll
-    for (int u = 0; u < BN_VEC_UNROLL; ++u) {
-      const i64 p = p0 + u * by;
-      if (p < P) {
-        gv[u] = ldv<V>(g, p * G + cg);
-        xv[u] = ldv<V>(x, p * G + cg);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < BN_VEC_UNROLL; ++u) {
-      const i64 p = p0 + u * by;
-      if (p < P) {
-        Vec<T, V> o;
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          o.v[v] = (float)bn_dx(ca[v], (A)(float)gv[u].v[v], cb[v], (A)(float)xv[u].v[v], cc[v]);
-        stv<V>(out, p * G + cg, o);
-      }
-    }
-  }
+  bn_nhwc_vec_map<2>(g, x, out, P, G, cg, [&](int v, float ge, float xe) {
+    return (float)bn_dx(ca[v], (A)ge, cb[v], (A)xe, cc[v]);
+  });
 }
 
 #define K(T, S)                                                                             \
