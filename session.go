@@ -413,8 +413,12 @@ func (s *Session) StepHostTime() time.Duration {
 // returned: the loss's conversion, the loss scaler's update and the
 // graph's step updates.
 type StepTimes struct {
-	Host    time.Duration // before the executor started (StepHostTime)
-	Execute time.Duration // the executor's run: uploads, launches, the device's work, the loss's download
+	Host time.Duration // before the executor started (StepHostTime)
+	// Execute is the executor's run: uploads, launches, the loss's
+	// download and, on CUDA, the wait for the device's work before it (the
+	// step's forward pass, and whatever the last step left running), not
+	// for the kernels after it (Step).
+	Execute time.Duration
 	Total   time.Duration // all of Step, from its call to its return
 }
 
@@ -1064,6 +1068,14 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // run on the host between a download and an upload. The device copy is
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.
+//
+// On CUDA, Step returns once the loss is on the host: each chunk's loss
+// is copied as soon as its forward pass has made it, and the kernels
+// after the last chunk's (the rest of its backward pass, the optimizer)
+// may still be running. The caller's next graph build and the next Step's
+// host work overlap them; the next step's kernels, SyncParams, Yield and
+// Close wait for them. A device fault in them is returned by the next call
+// that reaches the device.
 //
 // Values registered on the loss's graph with lazy.Graph.OnStep (the
 // running statistics of nn.BatchNorm2d with PerChunkStats) are computed in

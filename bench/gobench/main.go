@@ -518,6 +518,10 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	ctx := context.Background()
 	stopProfile := func() {}
 	var st0 alloc.Stats
+	// A step's time runs from its start to the next step's: Execute
+	// returns before the step's last kernels end, and the next step's
+	// uploads and launches queue behind them (cuda.Executor.Execute).
+	var prev time.Time
 	for i := range c.warmup + c.steps {
 		if i == c.warmup {
 			st0 = e.Allocator().Stats()
@@ -530,6 +534,10 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 			return nil
 		}
 		t0 := time.Now()
+		if i > c.warmup {
+			r.StepSeconds = append(r.StepSeconds, t0.Sub(prev).Seconds())
+		}
+		prev = t0
 		if i == c.warmup && c.cpuProfile != "" {
 			if stopProfile, err = startCPUProfile(c.cpuProfile, m.name); err != nil {
 				return r, err
@@ -538,7 +546,6 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		}
 		// As a training loop: the gradients stay on the device.
 		res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Feed: feed, Resident: true, Optimizer: opt, KeptOnDevice: true})
-		dt := time.Since(t0).Seconds() // Execute synchronises the device and downloads the loss
 		if err != nil {
 			return r, fmt.Errorf("%s step %d: %w", m.name, i, err)
 		}
@@ -549,15 +556,25 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 		r.LastLoss = l
 		r.MeasuredPeakReserved = max(r.MeasuredPeakReserved, res.Usage.PeakReserved)
 		r.MeasuredPeakAllocated = max(r.MeasuredPeakAllocated, res.Usage.PeakAllocated)
-		u, _, err := used(d)
-		if err != nil {
-			return r, err
-		}
-		r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
-		if i >= c.warmup {
-			r.StepSeconds = append(r.StepSeconds, dt)
+		if i == 0 || i == c.warmup-1 { // a steady loop's device use is the same at every step
+			u, _, err := used(d)
+			if err != nil {
+				return r, err
+			}
+			r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
 		}
 	}
+	if c.steps > 0 {
+		r.StepSeconds = append(r.StepSeconds, time.Since(prev).Seconds())
+	}
+	if err := d.Synchronize(); err != nil {
+		return r, err
+	}
+	u, _, err := used(d)
+	if err != nil {
+		return r, err
+	}
+	r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
 	stopProfile()
 	st1 := e.Allocator().Stats()
 	r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree

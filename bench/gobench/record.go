@@ -71,13 +71,7 @@ type Record struct {
 	// steps ran.
 	MedianExecuteSeconds float64 `json:"median_execute_seconds,omitempty"`
 	MedianAfterSeconds   float64 `json:"median_after_seconds,omitempty"`
-	// session: the median over the timed steps of each step's host work
-	// (its wall time less the executor's run inside it: the build, Step's
-	// own work before and after the run) over that run: the Session's
-	// overhead measured within each step, free of the drift between the
-	// executor's and the Session's separately timed steps.
-	MedianOverheadFraction float64 `json:"median_overhead_fraction,omitempty"`
-	GCs                    uint32  `json:"gcs,omitempty"`
+	GCs                  uint32  `json:"gcs,omitempty"`
 	// throughput and session: the segments the allocator took from and
 	// gave back to the device during the timed steps (driver calls that
 	// synchronise; a steady loop makes none).

@@ -66,9 +66,13 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	params := nn.ParamTensors(mod)
 	stopProfile := func() {}
 	defer func() { stopProfile() }()
-	var builds, hosts, execs, afters, overheads []float64
+	var builds, hosts, execs, afters []float64
 	var gc0 runtime.MemStats
 	var st0 alloc.Stats
+	// A step's time runs from its start (the graph's build) to the next
+	// step's, as throughput's: Step returns before the step's last
+	// kernels end, and the next build and Step's host work overlap them.
+	var prev time.Time
 	for i := range c.warmup + c.steps {
 		if i == c.warmup {
 			runtime.ReadMemStats(&gc0)
@@ -82,6 +86,10 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 			stopProfile = stop
 		}
 		t0 := time.Now()
+		if i > c.warmup {
+			r.StepSeconds = append(r.StepSeconds, t0.Sub(prev).Seconds())
+		}
+		prev = t0
 		loss, err := rebuild(m, mod, feeds[i%len(feeds)])
 		if err != nil {
 			return r, err
@@ -102,14 +110,15 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 				m.name, i, 1e3*dt, pl, pl.Budget, pl.PeakReserved, st.NumDeviceAlloc, st.NumDeviceFree, st.ReservedBytes[alloc.All].Current)
 		}
 		if i >= c.warmup {
-			r.StepSeconds = append(r.StepSeconds, dt)
 			builds = append(builds, built)
 			t := sess.LastStepTimes()
 			hosts = append(hosts, t.Host.Seconds())
 			execs = append(execs, t.Execute.Seconds())
 			afters = append(afters, (t.Total - t.Host - t.Execute).Seconds())
-			overheads = append(overheads, (dt-t.Execute.Seconds())/t.Execute.Seconds())
 		}
+	}
+	if c.steps > 0 {
+		r.StepSeconds = append(r.StepSeconds, time.Since(prev).Seconds())
 	}
 	var gc1 runtime.MemStats
 	runtime.ReadMemStats(&gc1)
@@ -118,7 +127,6 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
 	r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
 	r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
-	r.MedianOverheadFraction = median(overheads)
 	r.Chunks = len(sess.LastPlan().Chunks)
 	r.setRates(m.batch)
 	return r, nil

@@ -49,7 +49,11 @@ type Device struct {
 	closeOnce sync.Once
 	closeErr  error // set by the worker before it closes stopped
 
-	stage *stager // pinned upload buffers, made on first large upload (staging.go)
+	stage    *stager      // pinned upload buffers, made on first large upload (staging.go)
+	readback *readbackBuf // pinned buffer of the early reads (readback.go)
+	// tail is set while a resident Execute's last kernels may still run
+	// (readback.go); a free of device memory waits for them first.
+	tail bool
 
 	// sample is the device's free memory as the last Execute left it
 	// (sampleMemInfo), which MemInfo returns while it is current.
@@ -167,6 +171,7 @@ func (d *Device) worker(ready chan<- error) {
 		case <-d.quit:
 			d.closeErr = errors.Join(
 				d.freeStager(d.stage),
+				d.freeReadback(d.readback),
 				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
 				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
 				drv.check("cuDevicePrimaryCtxRelease_v2", drv.cuDevicePrimaryCtxRelease(d.dev)))
@@ -223,8 +228,14 @@ func (d *Device) Synchronize() error {
 		if d.capture != 0 {
 			return ErrHostInCapture
 		}
-		return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize())
+		return d.syncOnThread()
 	})
+}
+
+// syncOnThread waits for all queued work, on the device goroutine.
+func (d *Device) syncOnThread() error {
+	d.tail = false
+	return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize())
 }
 
 // Name is the device's marketing name, e.g. "NVIDIA H100 80GB HBM3".

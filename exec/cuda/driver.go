@@ -69,6 +69,8 @@ type driver struct {
 	cuMemcpyDtoH func(dst unsafe.Pointer, src CUdeviceptr, n uintptr) cuResult
 	// CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream)
 	cuMemcpyHtoDAsync func(dst CUdeviceptr, src unsafe.Pointer, n uintptr, stream uintptr) cuResult
+	// CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
+	cuMemcpyDtoHAsync func(dst unsafe.Pointer, src CUdeviceptr, n uintptr, stream uintptr) cuResult
 	// CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
 	cuMemHostAlloc func(p *unsafe.Pointer, size uintptr, flags uint32) cuResult
 	// CUresult cuMemFreeHost(void *p)
@@ -139,6 +141,7 @@ func (d *driver) symbols() []symbol {
 		sym(&d.cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy"),
 		sym(&d.cuEventSynchronize, "cuEventSynchronize"),
 		sym(&d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
+		sym(&d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"),
 		sym(&d.cuMemHostAlloc, "cuMemHostAlloc"),
 		sym(&d.cuMemFreeHost, "cuMemFreeHost"),
 	}

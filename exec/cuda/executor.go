@@ -113,6 +113,9 @@ type Executor struct {
 	// nchwRuns counts channels-last convolutions run on NCHW copies
 	// (ChannelsLastOnCopies).
 	nchwRuns atomic.Int64
+	// earlyReads counts chunks whose host outputs were copied as soon as
+	// they were final (readback.go).
+	earlyReads atomic.Int64
 
 	mu       sync.Mutex
 	resident exec.Residents[*residentBuf]
@@ -124,7 +127,8 @@ type Executor struct {
 	// graphBytes is the driver memory the live graphs' instantiation took
 	// (GraphStats.DriverBytes), for Reserve without the lock.
 	graphBytes atomic.Int64
-	cur        *runner // the running Execute's runner, on the device thread
+	cur        *runner   // the running Execute's runner, on the device thread
+	reads      readPlans // each program's early reads (readback.go), under mu
 }
 
 var _ exec.Executor = (*Executor)(nil)
@@ -317,6 +321,16 @@ type Result = exec.Result
 // same planner.Replay the planner simulates, with hooks that upload, launch
 // kernels and download, all in one call on the device thread. Program p
 // must be compiled with Workspace.
+//
+// A resident call (ExecOptions.Resident, as a training loop's) returns
+// once every launch is queued and its results are on the host, without
+// waiting for the kernels after its last host output (the rest of the
+// backward pass, the optimizer): the caller's next host work overlaps them
+// (tailLeftRunning says when). They run on stream 0 ahead of any later
+// work: the next Execute's kernels, uploads and downloads, and any copy
+// to or from the host, follow them; Device.Synchronize and giving memory
+// back to the driver wait for them. A fault in them (an illegal address)
+// is reported by the next call that reaches the driver.
 func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o ExecOptions) (*Result, error) {
 	if err := exec.CheckChunks(p, chunks); err != nil {
 		return nil, err
@@ -334,6 +348,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		return nil, err
 	}
 	r := &runner{e: e, ctx: ctx, p: p, o: o, c: call, persist: map[persistKey]*alloc.Block{}, inputs: map[int]*exec.HostBuf{}}
+	if rp := e.reads.of(p, call.KeptOf); rp.after > 0 {
+		r.reads = chunkReads{plan: rp, blocks: make([]*alloc.Block, len(rp.bufs)), off: map[int]uintptr{}}
+	}
 	if o.Reduce != nil {
 		r.oneChunk, r.kept = len(chunks) == 1, map[int]bool{}
 		for _, id := range p.Kept {
@@ -370,7 +387,11 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		if !o.Resident {
 			err = call.Free(e.a, err)
 		}
-		if err == nil { // launch errors surface here at the latest
+		switch {
+		case err != nil:
+		case tailLeftRunning(o):
+			e.d.tail = true
+		default: // launch errors surface here at the latest
 			err = e.d.Synchronize()
 		}
 		if err == nil {
@@ -386,6 +407,14 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		return nil, err
 	}
 	return &Result{Usage: u, Outputs: outs, Skipped: call.Skipped}, nil
+}
+
+// tailLeftRunning is whether a successful Execute with options o returns
+// without waiting for its last kernels: a resident call that neither times
+// its nodes (OpTime reads their events after the step) nor hands its
+// gradients to a Reducer (whose communication runs on its own stream).
+func tailLeftRunning(o ExecOptions) bool {
+	return o.Resident && o.OpTime == nil && o.Reduce == nil
 }
 
 // Run evaluates g over its full batch (exec.Executor).
@@ -443,6 +472,7 @@ type runner struct {
 	kept         map[int]bool
 	reduced      map[alloc.Ptr]bool
 	reduceWaited bool
+	reads        chunkReads // the host outputs' early reads (readback.go)
 }
 
 // handedCo is a companion output block handed over for node's next Run.
@@ -503,7 +533,16 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	return nil
 }
 
-func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*alloc.Block, ws *alloc.Block) (err error) {
+// Run runs node nd for chunk c, then queues the chunk's early reads when
+// nd wrote the last of its host outputs (readback.go).
+func (r *runner) Run(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*alloc.Block, ws *alloc.Block) error {
+	if err := r.runNode(nd, c, out, ins, ws); err != nil {
+		return err
+	}
+	return r.afterRun(nd, c, out)
+}
+
+func (r *runner) runNode(nd *graph.Node, c planner.Chunk, out *alloc.Block, ins []*alloc.Block, ws *alloc.Block) (err error) {
 	if err := r.ctx.Err(); err != nil {
 		return err
 	}
@@ -605,7 +644,8 @@ func (r *runner) operand(id int, blk *alloc.Block, b int) operand {
 }
 
 // ChunkDone adds kept outputs into their accumulators on the device and
-// downloads the others, combining them on the host.
+// reads the others (from their early copies when the chunk made them),
+// combining them on the host.
 func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Block) error {
 	if err := r.flush(); err != nil {
 		return err
@@ -620,7 +660,8 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 		// CPU executor's.
 		return r.flat(typed(kAccumulate, nd.Type.DType), n, acc.Ptr(), out.Ptr(), n)
 	}
-	return r.c.ChunkDone(c, outs, acc, add, r.download)
+	defer r.chunkRead()
+	return r.c.ChunkDone(c, outs, acc, add, r.read)
 }
 
 // Finish runs the optimizer update and keeps the kept outputs' sums as

@@ -221,7 +221,8 @@ func TestDeviceOptimizerMatchesHost(t *testing.T) {
 // TestKeptOnDeviceAndSyncParams: a training loop's options leave the
 // gradients on the device (their outputs are nil) and the host tensors
 // untouched until SyncParams, yet train bit for bit as steps that download
-// everything and sync every step. OpTime reports every node of every chunk.
+// everything and sync every step. OpTime reports every node of every chunk
+// that runs a pass of its own.
 func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 	const steps, n, chunks = 3, 24, 2
 	ctx := context.Background()
@@ -238,6 +239,7 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 		}
 		p := stepProgram(t, loss, params, lazyOpt.StateSlots())
 		timed, total := 0, time.Duration(0)
+		fused := cuda.FusedCrossEntropies()
 		lres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: lazyOpt, KeptOnDevice: true,
 			OpTime: func(nd *graph.Node, c planner.Chunk, d time.Duration) {
 				require.GreaterOrEqual(t, d, time.Duration(0), "node %d", nd.ID)
@@ -251,7 +253,11 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 				runs++
 			}
 		}
-		require.Equal(t, chunks*runs, timed, "OpTime sees every node of every chunk")
+		// A cross_entropy_grad computed in its cross_entropy's pass has no
+		// run of its own to time.
+		inPass := int(cuda.FusedCrossEntropies() - fused)
+		require.Equal(t, chunks, inPass, "each chunk's loss gradient comes with its loss")
+		require.Equal(t, chunks*runs-inPass, timed, "OpTime sees every other node of every chunk")
 		require.Positive(t, total, "the step's kernels take device time")
 		require.NotNil(t, lres.Outputs[0], "the loss is downloaded")
 		for i := 1; i < len(lres.Outputs); i++ {
@@ -570,5 +576,54 @@ func TestReduceSeesFinalGradients(t *testing.T) {
 				require.Equal(t, want[i], got[i], "parameter %d", i)
 			}
 		})
+	}
+}
+
+// TestResidentStepLeavesItsTailRunning: a resident step copies its loss
+// to the host as soon as each chunk's forward pass has made it and
+// returns with the rest of its kernels still queued; all that follows
+// waits for them: the next step, the allocator giving its cache back to
+// the driver, SyncParams. It trains bit for bit as steps that wait for
+// every kernel (OpTime set), in two chunks and in one.
+func TestResidentStepLeavesItsTailRunning(t *testing.T) {
+	const steps, n = 4, 48
+	ctx := context.Background()
+	d := device(t)
+	e := freshExecutor(t, cuda.ExecutorOptions{})
+	leftModel, waitModel := testutil.MLPModel(256, 128, false), testutil.MLPModel(256, 128, false)
+	leftRng, waitRng := rand.New(rand.NewPCG(47, 48)), rand.New(rand.NewPCG(47, 48))
+	leftOpt, waitOpt := optim.NewAdam(1e-2), optim.NewAdam(1e-2)
+	var leftParams, waitParams []*lazy.Tensor
+	for step := range steps {
+		chunks := 1 + step%2
+		loss, params := leftModel.Build(leftRng, n)
+		p := stepProgram(t, loss, params, leftOpt.StateSlots())
+		reads := e.EarlyReads()
+		lres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: leftOpt, KeptOnDevice: true})
+		require.NoError(t, err, "step %d", step)
+		require.True(t, d.TailPending(), "step %d returned without waiting for its last kernels", step)
+		require.Equal(t, reads+int64(chunks), e.EarlyReads(), "step %d: each chunk's loss is read early", step)
+		leftParams = params
+		if step == 1 {
+			before := e.Allocator().Stats().NumDeviceFree
+			require.NoError(t, e.Allocator().EmptyCache())
+			if e.Allocator().Stats().NumDeviceFree > before {
+				require.False(t, d.TailPending(), "a segment given back waited for the kernels")
+			}
+		}
+
+		loss, params = waitModel.Build(waitRng, n)
+		p = stepProgram(t, loss, params, waitOpt.StateSlots())
+		wres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: waitOpt, KeptOnDevice: true,
+			OpTime: func(*graph.Node, planner.Chunk, time.Duration) {}})
+		require.NoError(t, err, "step %d", step)
+		require.False(t, d.TailPending(), "step %d with OpTime waited for its kernels", step)
+		waitParams = params
+		require.Equal(t, scalarOf(t, wres.Outputs[0]), scalarOf(t, lres.Outputs[0]), "step %d loss", step)
+	}
+	require.NoError(t, e.SyncParams())
+	want, got := hostParams(t, waitParams), hostParams(t, leftParams)
+	for i := range want {
+		require.Equal(t, want[i], got[i], "parameter %s", leftParams[i].Name())
 	}
 }

@@ -37,6 +37,17 @@ func LayerNormFusedGrid(e *Executor, rows, d int64) (grid, groups, resident int6
 // keptOutputs is exec.KeptOutputs, as the tests of the output mapping name it.
 var keptOutputs = exec.KeptOutputs
 
+// EarlyReads counts e's chunks whose host outputs were copied as soon as
+// they were final.
+func (e *Executor) EarlyReads() int64 { return e.earlyReads.Load() }
+
+// TailPending is whether a resident Execute's last kernels may still run
+// on d (nothing has waited for them since).
+func (d *Device) TailPending() (pending bool) {
+	_ = d.do(func() error { pending = d.tail; return nil })
+	return pending
+}
+
 // Do runs fn on the device goroutine, for tests of the re-entrant path.
 func (d *Device) Do(fn func() error) error { return d.do(fn) }
 

@@ -31,10 +31,18 @@ func (b *Backend) Malloc(size int64) (alloc.Ptr, error) {
 	return alloc.Ptr(p), err
 }
 
-// Free releases memory returned by Malloc.
+// Free releases memory returned by Malloc, after the kernels a resident
+// Execute left running (Executor.Execute), which may still use it.
 func (b *Backend) Free(p alloc.Ptr) error {
 	drv := b.d.drv
-	return b.d.do(func() error { return drv.check("cuMemFree_v2", drv.cuMemFree(CUdeviceptr(p))) })
+	return b.d.do(func() error {
+		if b.d.tail {
+			if err := b.d.syncOnThread(); err != nil {
+				return err
+			}
+		}
+		return drv.check("cuMemFree_v2", drv.cuMemFree(CUdeviceptr(p)))
+	})
 }
 
 // MemInfo reports the device's free and total bytes (cuMemGetInfo_v2).
@@ -95,7 +103,7 @@ func CopyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T) error {
 	return copyHtoD(d, dst, src, true)
 }
 
-// copyHtoD is CopyHtoD; without wait, a large copy (stageHtoD) may still be
+// copyHtoD is CopyHtoD; without wait, the copy (stageHtoD) may still be
 // moving when it returns, ahead of the work queued on stream 0 after it:
 // for uploads that only stream-0 work reads.
 func copyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T, wait bool) error {
@@ -107,7 +115,7 @@ func copyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T, wait bool) error {
 		if d.capture != 0 {
 			return ErrHostInCapture
 		}
-		if n >= stageMin {
+		if n >= stageMin || !wait {
 			return d.stageHtoD(dst, unsafe.Pointer(&src[0]), n, wait)
 		}
 		return d.drv.check("cuMemcpyHtoD_v2", d.drv.cuMemcpyHtoD(CUdeviceptr(dst), unsafe.Pointer(&src[0]), n))

@@ -21,7 +21,13 @@ import (
 // allocator and the plans do not see it.
 const (
 	stagePiece = 4 << 20 // bytes per pinned buffer
-	stageMin   = 1 << 20 // smaller uploads go straight through cuMemcpyHtoD
+	// stageMin is the smallest upload that waits for its copy (CopyHtoD)
+	// and still goes through the pinned buffers; smaller ones go straight
+	// through cuMemcpyHtoD. Uploads that need not wait (an Execute's) all
+	// go through them: from pageable memory cuMemcpyHtoD first waits for
+	// all the work queued on the stream, the last kernels of the step
+	// before included.
+	stageMin = 1 << 20
 )
 
 // stageCopiers is the number of goroutines copying one piece (a variable
@@ -34,6 +40,7 @@ type stager struct {
 	buf  [2]unsafe.Pointer
 	ev   [2]CUevent
 	busy [2]bool // a DMA was queued from buf[i] since ev[i] was last waited on
+	next int     // the buffer the next piece goes through
 }
 
 // stageHtoD copies n bytes at src to dst through the pinned buffers, on
@@ -48,8 +55,12 @@ func (d *Device) stageHtoD(dst alloc.Ptr, src unsafe.Pointer, n uintptr, wait bo
 	}
 	drv := d.drv
 	last := -1
-	for off, k := uintptr(0), 0; off < n; off, k = off+stagePiece, k+1 {
-		i := k % 2
+	for off := uintptr(0); off < n; off += stagePiece {
+		// Pieces alternate across calls too: a step's second upload does
+		// not wait for its first, which may be queued behind the last
+		// kernels of the step before (Executor.Execute).
+		i := s.next
+		s.next = 1 - i
 		if s.busy[i] {
 			if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(s.ev[i])); err != nil {
 				return err
