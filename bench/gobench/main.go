@@ -59,23 +59,25 @@ type config struct {
 	tightGPT      int
 	tightMLP      int
 	tightConv     int
-	tf32          bool   // GEMMs on TF32 tensor cores (-precision tf32)
-	cudnn         bool   // convolutions on cuDNN when it loads (-cudnn)
-	cudnnFind     bool   // cuDNN's algorithms by the timed search (-cudnn-find)
-	cudnnFindAll  bool   // the timed search for 16-bit and TF32 convolutions too (-cudnn-find-all)
-	cudnnBN       bool   // batch norm on cuDNN (-cudnn-bn)
-	cudnnAttn     bool   // fused attention on cuDNN (-cudnn-attn)
-	cudaGraphs    bool   // replay captured CUDA graphs (-cuda-graphs)
-	precision     string // the precision policy (package precision); -tf32 is -precision tf32
-	profile       int    // steps profiled per node after the timed ones
-	cpuProfile    string // Go CPU profile of the timed steps
-	dist          bool   // one rank of a data-parallel job: time Trainer steps only
-	bucket        int64  // -dist: gradient bytes per all-reduce bucket (0: dist's default)
-	throughput    bool   // time each model's step on the executor (the throughput records)
-	cap           int64  // cap records within this many bytes; 0: none
-	capBatch      int    // the cap records' batch; 0: each model's timed batch
-	costProfile   string // the recompute cost model's profile for the cap records
-	channelsLast  bool   // conv nets' bfloat16 activations channels last (-channels-last, the default)
+	tf32          bool          // GEMMs on TF32 tensor cores (-precision tf32)
+	cudnn         bool          // convolutions on cuDNN when it loads (-cudnn)
+	cudnnFind     bool          // cuDNN's algorithms by the timed search (-cudnn-find)
+	cudnnFindAll  bool          // the timed search for 16-bit and TF32 convolutions too (-cudnn-find-all)
+	cudnnBN       bool          // batch norm on cuDNN (-cudnn-bn)
+	cudnnAttn     bool          // fused attention on cuDNN (-cudnn-attn)
+	cudaGraphs    bool          // replay captured CUDA graphs (-cuda-graphs)
+	precision     string        // the precision policy (package precision); -tf32 is -precision tf32
+	profile       int           // steps profiled per node after the timed ones
+	cpuProfile    string        // Go CPU profile of the timed steps
+	dist          bool          // one rank of a data-parallel job: time Trainer steps only
+	bucket        int64         // -dist: gradient bytes per all-reduce bucket (0: dist's default)
+	throughput    bool          // time each model's step on the executor (the throughput records)
+	cap           int64         // cap records within this many bytes; 0: none
+	capBatch      int           // the cap records' batch; 0: each model's timed batch
+	costProfile   string        // the recompute cost model's profile for the cap records
+	channelsLast  bool          // conv nets' bfloat16 activations channels last (-channels-last, the default)
+	hostWork      time.Duration // the executor's loop spins this long after each step (-host-work)
+	interleave    int           // the executor's and the Session's timed steps in alternate blocks of this many (-interleave)
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -115,6 +117,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.capBatch, "cap-batch", 0, "the batch of -cap's steps (0: each model's timed batch, -gpt-batch, -mlp-batch, ...)")
 	fs.StringVar(&c.costProfile, "cost-profile", "h100", "the recompute cost model's `profile` for -cap (Options.Profile): default, h100 or a JSON file as batchfit calibrate writes it")
 	fs.BoolVar(&c.channelsLast, "channels-last", true, "store conv nets' 4-D activations channels last (NHWC; package layout) from their bfloat16 convolutions on (layout.ConvTakes), as a Session does by default under bf16-mixed; false keeps them NCHW (Options.NoChannelsLast)")
+	fs.IntVar(&c.interleave, "interleave", 0, "run each model's executor and Session loops in one go, their timed steps in alternate blocks of `n` (the session record's over_paired: the median over block pairs of its median step over the executor's); 0: one loop after the other")
+	fs.DurationVar(&c.hostWork, "host-work", 0, "the executor's loop spins this `long` on the host after each step, standing in for a training loop's own host work, to measure how much of it the device's queued work hides")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the timed steps to `file` (one per model: the model name is inserted before the extension)")
 }
 
@@ -395,6 +399,12 @@ func run(c config, w io.Writer) error {
 			}
 			return writeRecord(w, r)
 		}
+		if c.interleave > 0 && c.throughput && c.session {
+			if err := interleaved(w, d, c, m); err != nil {
+				return err
+			}
+			continue
+		}
 		first, second := executor, session
 		if c.sessionFirst {
 			first, second = session, executor
@@ -464,12 +474,23 @@ func scalar(t *tensor.Dense) float64 {
 // untimed and c.steps timed resident steps with the optimizer on the
 // device, a fresh batch of host data fed (and uploaded) every step.
 func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
-	r := Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
-		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
+	l, err := newExecutorLoop(d, c, m)
+	if err != nil {
+		return *l.r, err
+	}
+	defer l.close()
+	return *l.r, runLoop(l, c)
+}
+
+// newExecutorLoop sets up throughput's loop.
+func newExecutorLoop(d *cuda.Device, c config, m benchModel) (*stepLoop, error) {
+	r := &Record{Kind: "throughput", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
+		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc(), HostWorkSeconds: c.hostWork.Seconds()}
+	l := &stepLoop{r: r, close: func() {}}
 	start := time.Now()
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {
-		return r, err
+		return l, err
 	}
 	r.Params = int64(nn.NumParams(mod))
 	r.BuildModelSeconds = time.Since(start).Seconds()
@@ -487,14 +508,18 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 	before, free, err := used(d)
 	if err != nil {
-		return r, err
+		return l, err
 	}
 	r.DeviceUsedBefore = before
 	e, err := cuda.NewExecutor(d, c.executorOptions())
 	if err != nil {
-		return r, err
+		return l, err
 	}
-	defer e.Close()
+	stopProfile := func() {}
+	l.close = func() {
+		stopProfile()
+		_ = e.Close() // the records are written; a close error changes none of them
+	}
 	r.Overhead = e.Overhead()
 	r.Convolutions = e.Convolutions()
 
@@ -504,11 +529,11 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 	loss, inputs := m.build(mod, m.batch, nil)
 	p, ids, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.ParamTensors(mod), 2, inputs...)
 	if err != nil {
-		return r, err
+		return l, err
 	}
 	pl, err := planner.Make(p, planner.Options{Budget: free - e.Overhead()})
 	if err != nil {
-		return r, err
+		return l, err
 	}
 	r.PlanSeconds = time.Since(start).Seconds()
 	r.Chunks = len(pl.Chunks)
@@ -516,13 +541,8 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 	opt := m.optimizer()
 	ctx := context.Background()
-	stopProfile := func() {}
 	var st0 alloc.Stats
-	// A step's time runs from its start to the next step's: Execute
-	// returns before the step's last kernels end, and the next step's
-	// uploads and launches queue behind them (cuda.Executor.Execute).
-	var prev time.Time
-	for i := range c.warmup + c.steps {
+	l.step = func(i int) error {
 		if i == c.warmup {
 			st0 = e.Allocator().Stats()
 		}
@@ -533,72 +553,91 @@ func throughput(d *cuda.Device, c config, m benchModel) (Record, error) {
 			}
 			return nil
 		}
-		t0 := time.Now()
-		if i > c.warmup {
-			r.StepSeconds = append(r.StepSeconds, t0.Sub(prev).Seconds())
-		}
-		prev = t0
 		if i == c.warmup && c.cpuProfile != "" {
+			var err error
 			if stopProfile, err = startCPUProfile(c.cpuProfile, m.name); err != nil {
-				return r, err
+				return err
 			}
-			defer stopProfile() // on an early return; a no-op after the first stop
 		}
 		// As a training loop: the gradients stay on the device.
 		res, err := e.Execute(ctx, p, pl.Chunks, cuda.ExecOptions{Feed: feed, Resident: true, Optimizer: opt, KeptOnDevice: true})
 		if err != nil {
-			return r, fmt.Errorf("%s step %d: %w", m.name, i, err)
+			return fmt.Errorf("%s step %d: %w", m.name, i, err)
 		}
-		l := scalar(res.Outputs[0])
+		for end := time.Now(); time.Since(end) < c.hostWork; {
+		}
+		lv := scalar(res.Outputs[0])
 		if i == 0 {
-			r.FirstLoss = l
+			r.FirstLoss = lv
 		}
-		r.LastLoss = l
+		r.LastLoss = lv
 		r.MeasuredPeakReserved = max(r.MeasuredPeakReserved, res.Usage.PeakReserved)
 		r.MeasuredPeakAllocated = max(r.MeasuredPeakAllocated, res.Usage.PeakAllocated)
 		if i == 0 || i == c.warmup-1 { // a steady loop's device use is the same at every step
 			u, _, err := used(d)
 			if err != nil {
-				return r, err
+				return err
 			}
 			r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
 		}
+		return nil
 	}
-	if c.steps > 0 {
-		r.StepSeconds = append(r.StepSeconds, time.Since(prev).Seconds())
-	}
-	if err := d.Synchronize(); err != nil {
-		return r, err
-	}
-	u, _, err := used(d)
-	if err != nil {
-		return r, err
-	}
-	r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
-	stopProfile()
-	st1 := e.Allocator().Stats()
-	r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
-	if c.profile > 0 {
-		feed := func(id int) tensor.Tensor {
-			if k := slices.Index(ids, id); k >= 0 {
-				return feeds[0][k]
+	l.end = func() error {
+		if err := d.Synchronize(); err != nil {
+			return err
+		}
+		u, _, err := used(d)
+		if err != nil {
+			return err
+		}
+		r.DeviceUsedPeak = max(r.DeviceUsedPeak, u)
+		stopProfile()
+		st1 := e.Allocator().Stats()
+		r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
+		if c.profile > 0 {
+			feed := func(id int) tensor.Tensor {
+				if k := slices.Index(ids, id); k >= 0 {
+					return feeds[0][k]
+				}
+				return nil
 			}
-			return nil
+			if err := profileStep(os.Stderr, e, p, pl.Chunks, feed, opt, m.name, c.profile); err != nil {
+				return err
+			}
+			printChoices(os.Stderr, e, m.name)
 		}
-		if err := profileStep(os.Stderr, e, p, pl.Chunks, feed, opt, m.name, c.profile); err != nil {
-			return r, err
+		if dnn := e.DNN(); dnn != nil {
+			st := dnn.SearchStats()
+			r.ConvSearched, r.ConvFromCache, r.ConvHeuristic = st.Searched, st.FromDisk+st.FromProcess, st.Heuristics
+			r.ConvSearchMaxBytes = st.MaxBytes
 		}
-		printChoices(os.Stderr, e, m.name)
+		r.setRates(m.batch)
+		gs := e.GraphStats()
+		r.GraphCaptures, r.GraphReplays, r.GraphEager, r.GraphDriverBytes = gs.Captures, gs.Replays, gs.Eager, gs.DriverBytes
+		return nil
 	}
-	if dnn := e.DNN(); dnn != nil {
-		st := dnn.SearchStats()
-		r.ConvSearched, r.ConvFromCache, r.ConvHeuristic = st.Searched, st.FromDisk+st.FromProcess, st.Heuristics
-		r.ConvSearchMaxBytes = st.MaxBytes
+	return l, nil
+}
+
+// interleaved writes model m's throughput and session records, their
+// timed steps run in alternate blocks of c.interleave (runInterleaved).
+func interleaved(w io.Writer, d *cuda.Device, c config, m benchModel) error {
+	ex, err := newExecutorLoop(d, c, m)
+	defer ex.close()
+	if err != nil {
+		ex.r.Error = err.Error()
+		return writeRecord(w, *ex.r)
 	}
-	r.setRates(m.batch)
-	gs := e.GraphStats()
-	r.GraphCaptures, r.GraphReplays, r.GraphEager, r.GraphDriverBytes = gs.Captures, gs.Replays, gs.Eager, gs.DriverBytes
-	return r, nil
+	se, err := newSessionLoop(c, m)
+	defer se.close()
+	if err != nil {
+		se.r.Error = err.Error()
+		return errors.Join(writeRecord(w, *ex.r), writeRecord(w, *se.r))
+	}
+	if err := runInterleaved(ex, se, c, c.interleave); err != nil {
+		ex.r.Error, se.r.Error = err.Error(), err.Error()
+	}
+	return errors.Join(writeRecord(w, *ex.r), writeRecord(w, *se.r))
 }
 
 // setRates fills the median step time and the rates it gives from

@@ -54,11 +54,19 @@ type Record struct {
 	ChannelsLast bool `json:"channels_last,omitempty"`
 
 	// throughput
-	BuildModelSeconds float64   `json:"build_model_seconds,omitempty"` // parameter initialisation
-	PlanSeconds       float64   `json:"plan_seconds,omitempty"`        // graph build + Analyze + Compile + planner.Make
-	Warmup            int       `json:"warmup,omitempty"`
+	BuildModelSeconds float64 `json:"build_model_seconds,omitempty"` // parameter initialisation
+	PlanSeconds       float64 `json:"plan_seconds,omitempty"`        // graph build + Analyze + Compile + planner.Make
+	Warmup            int     `json:"warmup,omitempty"`
+	// throughput: gobench -host-work, the host's spin after each step
+	HostWorkSeconds float64 `json:"host_work_seconds,omitempty"`
+	// throughput and session, -interleave: the steps ran in alternate
+	// blocks of Interleave with the other loop's; the session record's
+	// OverPaired is the median over block pairs of its median step over
+	// the executor's.
+	Interleave        int       `json:"interleave,omitempty"`
+	OverPaired        float64   `json:"over_paired,omitempty"`
 	Steps             int       `json:"steps,omitempty"`
-	StepSeconds       []float64 `json:"step_seconds,omitempty"` // each timed step, synchronised
+	StepSeconds       []float64 `json:"step_seconds,omitempty"` // each timed step, from its start to its return (loop.go)
 	MedianStepSeconds float64   `json:"median_step_seconds,omitempty"`
 	// session: each timed step's graph build (the model's forward over the
 	// step's data, before Step) and Session.StepHostTime (Step's own host

@@ -43,11 +43,22 @@ func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor,
 // executor, the device optimizer and the loss download), timed with the
 // host clock around the whole.
 func sessionThroughput(c config, m benchModel) (Record, error) {
-	r := Record{Kind: "session", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
+	l, err := newSessionLoop(c, m)
+	if err != nil {
+		return *l.r, err
+	}
+	defer l.close()
+	return *l.r, runLoop(l, c)
+}
+
+// newSessionLoop sets up sessionThroughput's loop.
+func newSessionLoop(c config, m benchModel) (*stepLoop, error) {
+	r := &Record{Kind: "session", Model: m.name, About: m.about, Batch: m.batch, Seq: m.seq, Optimizer: m.optName,
 		Warmup: c.warmup, Steps: c.steps, TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
+	l := &stepLoop{r: r, close: func() {}}
 	mod := m.module(nn.Seed(1))
 	if err := nn.Check(mod); err != nil {
-		return r, err
+		return l, err
 	}
 	r.Params = int64(nn.NumParams(mod))
 	rng := rand.New(rand.NewPCG(2, 3))
@@ -59,21 +70,19 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
 		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast})
 	if err := sess.Err(); err != nil {
-		return r, err
+		return l, err
 	}
-	defer sess.Close()
 	opt := m.optimizer()
 	params := nn.ParamTensors(mod)
 	stopProfile := func() {}
-	defer func() { stopProfile() }()
+	l.close = func() {
+		stopProfile()
+		_ = sess.Close() // the records are written; a close error changes none of them
+	}
 	var builds, hosts, execs, afters []float64
 	var gc0 runtime.MemStats
 	var st0 alloc.Stats
-	// A step's time runs from its start (the graph's build) to the next
-	// step's, as throughput's: Step returns before the step's last
-	// kernels end, and the next build and Step's host work overlap them.
-	var prev time.Time
-	for i := range c.warmup + c.steps {
+	l.step = func(i int) error {
 		if i == c.warmup {
 			runtime.ReadMemStats(&gc0)
 			st0 = sess.Allocator().Stats()
@@ -81,29 +90,25 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 		if i == c.warmup && c.cpuProfile != "" {
 			stop, err := startCPUProfile(c.cpuProfile, m.name+"-session")
 			if err != nil {
-				return r, err
+				return err
 			}
 			stopProfile = stop
 		}
 		t0 := time.Now()
-		if i > c.warmup {
-			r.StepSeconds = append(r.StepSeconds, t0.Sub(prev).Seconds())
-		}
-		prev = t0
 		loss, err := rebuild(m, mod, feeds[i%len(feeds)])
 		if err != nil {
-			return r, err
+			return err
 		}
 		built := time.Since(t0).Seconds()
-		l, err := sess.Step(context.Background(), loss, params, opt)
+		lv, err := sess.Step(context.Background(), loss, params, opt)
 		dt := time.Since(t0).Seconds()
 		if err != nil {
-			return r, fmt.Errorf("%s session step %d: %w", m.name, i, err)
+			return fmt.Errorf("%s session step %d: %w", m.name, i, err)
 		}
 		if i == 0 {
-			r.FirstLoss = float64(l)
+			r.FirstLoss = float64(lv)
 		}
-		r.LastLoss = float64(l)
+		r.LastLoss = float64(lv)
 		if c.sessionTrace {
 			st, pl := sess.Allocator().Stats(), sess.LastPlan()
 			fmt.Fprintf(os.Stderr, "%s session step %d: %.3f ms, plan %p budget %d peak %d, device allocs %d frees %d, reserved %d\n",
@@ -116,18 +121,20 @@ func sessionThroughput(c config, m benchModel) (Record, error) {
 			execs = append(execs, t.Execute.Seconds())
 			afters = append(afters, (t.Total - t.Host - t.Execute).Seconds())
 		}
+		return nil
 	}
-	if c.steps > 0 {
-		r.StepSeconds = append(r.StepSeconds, time.Since(prev).Seconds())
+	l.end = func() error {
+		stopProfile()
+		var gc1 runtime.MemStats
+		runtime.ReadMemStats(&gc1)
+		r.GCs = gc1.NumGC - gc0.NumGC
+		st1 := sess.Allocator().Stats()
+		r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
+		r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
+		r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
+		r.Chunks = len(sess.LastPlan().Chunks)
+		r.setRates(m.batch)
+		return nil
 	}
-	var gc1 runtime.MemStats
-	runtime.ReadMemStats(&gc1)
-	r.GCs = gc1.NumGC - gc0.NumGC
-	st1 := sess.Allocator().Stats()
-	r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
-	r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
-	r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
-	r.Chunks = len(sess.LastPlan().Chunks)
-	r.setRates(m.batch)
-	return r, nil
+	return l, nil
 }
