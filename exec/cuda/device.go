@@ -27,7 +27,9 @@ type Options struct {
 
 // Device is one GPU with its primary context current on a dedicated,
 // OS-thread-locked goroutine. Its methods are safe for concurrent use;
-// calls are serialised on that goroutine.
+// calls are serialised on that goroutine, or run on the caller's own
+// locked thread while the goroutine waits (an Executor's Execute, doHere).
+// "The device thread" below is whichever of the two runs the driver work.
 type Device struct {
 	drv  *driver
 	opts Options
@@ -41,8 +43,17 @@ type Device struct {
 	driverVersion int
 
 	// tid is the OS thread id of the device goroutine while it runs (0
-	// before and after): do calls from that thread run directly.
-	tid       atomic.Int64
+	// before and after), or of the thread a doHere call runs on while it
+	// runs: do calls from that thread run directly.
+	tid atomic.Int64
+	// workerTid is the device goroutine's thread id, which tid returns to
+	// after a doHere call.
+	workerTid int64
+	// held serialises the driver work: the device goroutine holds it
+	// while it runs a request, and a doHere call while it runs. The
+	// fields below that only "the device goroutine" uses are used under
+	// it.
+	held      sync.Mutex
 	reqs      chan request
 	quit      chan struct{}
 	stopped   chan struct{}
@@ -160,15 +171,21 @@ func (d *Device) worker(ready chan<- error) {
 		return
 	}
 	if tid := gettid(); tid > 0 {
+		d.workerTid = tid
 		d.tid.Store(tid)
 	}
 	ready <- nil
 	for {
 		select {
 		case r := <-d.reqs:
+			d.held.Lock()
 			deviceJobs.Add(1)
-			r.done <- r.fn()
+			err := r.fn()
+			d.held.Unlock()
+			r.done <- err
 		case <-d.quit:
+			d.held.Lock() // no doHere call runs during or after the release
+			defer d.held.Unlock()
 			d.closeErr = errors.Join(
 				d.freeStager(d.stage),
 				d.freeReadback(d.readback),
@@ -201,6 +218,38 @@ func (d *Device) do(fn func() error) error {
 	case <-d.stopped:
 		return ErrClosed
 	}
+}
+
+// doHere is do on the calling goroutine's own OS thread, locked to it for
+// the call, with the device's context made current there: no hop to the
+// device goroutine and back, whose two thread wake-ups (10–20 µs each)
+// would otherwise lie between one training step and the next. The device
+// goroutine waits meanwhile, so fn may do all that a do fn may. Without
+// thread ids (not Linux) it is do.
+func (d *Device) doHere(fn func() error) error {
+	if d.onThread() {
+		return fn()
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	tid := gettid()
+	if tid <= 0 || d.workerTid <= 0 {
+		return d.do(fn)
+	}
+	d.held.Lock()
+	defer d.held.Unlock()
+	select {
+	case <-d.stopped:
+		return ErrClosed
+	default:
+	}
+	if err := d.drv.check("cuCtxSetCurrent", d.drv.cuCtxSetCurrent(d.ctx)); err != nil {
+		return err
+	}
+	d.tid.Store(tid)
+	defer d.tid.Store(d.workerTid)
+	deviceJobs.Add(1)
+	return fn()
 }
 
 // onThread reports whether the caller runs on the device goroutine: while

@@ -99,9 +99,9 @@ const NoBLASWorkspace = -1
 // Workspace) are what Execute measures, plus Overhead, the cuBLAS
 // workspace's own segment.
 //
-// Execute runs a whole step on the device's thread in one call: every
-// launch, copy and allocation of the step happens there, with no hop per
-// kernel.
+// Execute runs a whole step on the device thread in one call (the
+// caller's own, with the context made current there): every launch, copy
+// and allocation of the step happens there, with no hop per kernel.
 type Executor struct {
 	d    *Device
 	a    *alloc.Allocator
@@ -319,8 +319,9 @@ type Result = exec.Result
 
 // Execute runs program p for chunks through the executor's allocator: the
 // same planner.Replay the planner simulates, with hooks that upload, launch
-// kernels and download, all in one call on the device thread. Program p
-// must be compiled with Workspace.
+// kernels and download, all in one call, on the caller's thread with the
+// device's context current there (the device goroutine waits meanwhile).
+// Program p must be compiled with Workspace.
 //
 // A resident call (ExecOptions.Resident, as a training loop's) returns
 // once every launch is queued and its results are on the host, without
@@ -358,7 +359,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		}
 	}
 	var u planner.Usage
-	err = e.d.do(func() error {
+	// The step runs on the caller's thread (doHere): the next step's host
+	// work starts without a thread's wake-up.
+	err = e.d.doHere(func() error {
 		if o.Resident { // the step restores what Yield gave back
 			if err := e.restore(); err != nil {
 				return err

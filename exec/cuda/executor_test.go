@@ -8,6 +8,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -626,4 +627,71 @@ func TestResidentStepLeavesItsTailRunning(t *testing.T) {
 	for i := range want {
 		require.Equal(t, want[i], got[i], "parameter %s", leftParams[i].Name())
 	}
+}
+
+// TestExecuteOnCallersThreads: Execute runs on its caller's thread with
+// the context made current there, the device goroutine waiting. Two
+// executors of one device trained from two goroutines at once, while a
+// third keeps calling the device goroutine (MemInfo, Synchronize), train
+// as they do one after the other, bit for bit.
+func TestExecuteOnCallersThreads(t *testing.T) {
+	const steps, n = 3, 32
+	ctx := context.Background()
+	d := device(t)
+	train := func(e *cuda.Executor, seed uint64) ([]float32, error) {
+		model := testutil.MLPModel(64, 32, false)
+		rng := rand.New(rand.NewPCG(seed, seed+1))
+		opt := optim.NewAdam(1e-2)
+		var losses []float32
+		for step := range steps {
+			loss, params := model.Build(rng, n)
+			p := stepProgram(t, loss, params, opt.StateSlots())
+			res, err := e.Execute(ctx, p, planner.Chunks(n, 1+step%2), cuda.ExecOptions{Resident: true, Optimizer: opt, KeptOnDevice: true})
+			if err != nil {
+				return nil, err
+			}
+			losses = append(losses, res.Outputs[0].Float32s()...)
+		}
+		return losses, e.SyncParams()
+	}
+	ea, eb := freshExecutor(t, cuda.ExecutorOptions{}), freshExecutor(t, cuda.ExecutorOptions{})
+	wantA, err := train(ea, 51)
+	require.NoError(t, err)
+	wantB, err := train(eb, 53)
+	require.NoError(t, err)
+
+	ea, eb = freshExecutor(t, cuda.ExecutorOptions{}), freshExecutor(t, cuda.ExecutorOptions{})
+	var gotA, gotB []float32
+	var errA, errB, errC error
+	stop, caller := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(caller)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, _, err := d.Backend().MemInfo(); err != nil {
+				errC = err
+				return
+			}
+			if err := d.Synchronize(); err != nil {
+				errC = err
+				return
+			}
+		}
+	}()
+	var trainers sync.WaitGroup
+	trainers.Add(2)
+	go func() { defer trainers.Done(); gotA, errA = train(ea, 51) }()
+	go func() { defer trainers.Done(); gotB, errB = train(eb, 53) }()
+	trainers.Wait()
+	close(stop)
+	<-caller
+	require.NoError(t, errA)
+	require.NoError(t, errB)
+	require.NoError(t, errC)
+	assert.Equal(t, wantA, gotA)
+	assert.Equal(t, wantB, gotB)
 }
