@@ -226,7 +226,7 @@ func (d *Device) do(fn func() error) error {
 // would otherwise lie between one training step and the next. The device
 // goroutine waits meanwhile, so fn may do all that a do fn may. Without
 // thread ids (not Linux) it is do.
-func (d *Device) doHere(fn func() error) error {
+func (d *Device) doHere(fn func() error) (err error) {
 	if d.onThread() {
 		return fn()
 	}
@@ -243,11 +243,22 @@ func (d *Device) doHere(fn func() error) error {
 		return ErrClosed
 	default:
 	}
+	// The thread may hold another device's context (a call made from that
+	// device's doHere fn): it gets it back after.
+	var prev CUcontext
+	if err := d.drv.check("cuCtxGetCurrent", d.drv.cuCtxGetCurrent(&prev)); err != nil {
+		return err
+	}
 	if err := d.drv.check("cuCtxSetCurrent", d.drv.cuCtxSetCurrent(d.ctx)); err != nil {
 		return err
 	}
 	d.tid.Store(tid)
-	defer d.tid.Store(d.workerTid)
+	defer func() {
+		d.tid.Store(d.workerTid)
+		if prev != d.ctx {
+			err = errors.Join(err, d.drv.check("cuCtxSetCurrent", d.drv.cuCtxSetCurrent(prev)))
+		}
+	}()
 	deviceJobs.Add(1)
 	return fn()
 }

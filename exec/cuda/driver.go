@@ -55,6 +55,8 @@ type driver struct {
 	cuDevicePrimaryCtxRelease func(dev cuDevice) cuResult
 	// CUresult cuCtxSetCurrent(CUcontext ctx)
 	cuCtxSetCurrent func(ctx CUcontext) cuResult
+	// CUresult cuCtxGetCurrent(CUcontext *pctx)
+	cuCtxGetCurrent func(ctx *CUcontext) cuResult
 	// CUresult cuCtxSynchronize(void)
 	cuCtxSynchronize func() cuResult
 	// CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
@@ -122,6 +124,7 @@ func (d *driver) symbols() []symbol {
 		sym(&d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
 		sym(&d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
 		sym(&d.cuCtxSetCurrent, "cuCtxSetCurrent"),
+		sym(&d.cuCtxGetCurrent, "cuCtxGetCurrent"),
 		sym(&d.cuCtxSynchronize, "cuCtxSynchronize"),
 		sym(&d.cuMemAlloc, "cuMemAlloc_v2"),
 		sym(&d.cuMemFree, "cuMemFree_v2"),
