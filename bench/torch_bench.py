@@ -17,7 +17,9 @@ the same shapes, with the same optimizers, in each configuration of
 
 Per model and configuration: the median of the timed steps (each
 synchronised), steps/s, samples/s, torch.cuda.max_memory_reserved and
-max_memory_allocated. Then, in FP32, the time Lightning's BatchSizeFinder
+max_memory_allocated, and pipelined_step_seconds: the mean step of the same
+steps run again without waiting for each (the losses read after the last),
+which summary.py uses when it is the faster. Then, in FP32, the time Lightning's BatchSizeFinder
 (binsearch) and accelerate's find_executable_batch_size take to find a usable
 batch (--finders "" skips them). JSON lines to stdout and
 $OUT/torch_bench.json. A configuration that fails emits an error record and

@@ -33,7 +33,7 @@ type BLAS struct {
 	ws  *alloc.Block
 	// lt is cuBLASLt's handle and plans (GemmEpilogue), made on first use;
 	// stream is the stream both libraries launch on (setStream) and tf32
-	// whether float32 GEMMs may use TF32 (SetTF32). On the device goroutine.
+	// whether float32 GEMMs may use TF32 (SetTF32). On the device thread.
 	lt     *ltState
 	stream uintptr
 	tf32   bool
@@ -60,7 +60,7 @@ func (d *Device) NewBLAS(a *alloc.Allocator, workspace int64) (*BLAS, error) {
 	var wsPtr CUdeviceptr
 	if workspace > 0 {
 		// The allocator calls the device through do, so take the block
-		// before entering the device goroutine.
+		// before entering the device thread.
 		if b.ws, err = a.Malloc(workspace, alloc.Tag{Node: -1, Op: "cublas_workspace"}); err != nil {
 			return nil, err
 		}
@@ -88,7 +88,7 @@ func (d *Device) NewBLAS(a *alloc.Allocator, workspace int64) (*BLAS, error) {
 
 // setStream points the handle at stream s (0: the legacy default stream)
 // and gives it its workspace again, which cublasSetStream resets to
-// cuBLAS's own pool. On the device goroutine.
+// cuBLAS's own pool. On the device thread.
 func (b *BLAS) setStream(s uintptr) error {
 	if err := b.live(); err != nil {
 		return err

@@ -294,7 +294,7 @@ func (b *BLAS) ltPointers(desc ltDesc, e Epilogue) error {
 	return nil
 }
 
-// ltPlan finds or makes key's plan; on the device goroutine. cuBLAS is
+// ltPlan finds or makes key's plan; on the device thread. cuBLAS is
 // column-major, so as in gemm the row-major C = op(A)·op(B) runs as the
 // column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: cuBLASLt's A is our B and its B our A,
 // and C's columns (our bias's elements) are cuBLASLt's rows.
@@ -483,7 +483,7 @@ func (b *BLAS) ltDestroy(pl *ltPlan) {
 	}
 }
 
-// ltDestroyPlans destroys every plan; on the device goroutine.
+// ltDestroyPlans destroys every plan; on the device thread.
 func (b *BLAS) ltDestroyPlans() {
 	for k, pl := range b.lt.plans {
 		b.ltDestroy(pl)
@@ -491,7 +491,7 @@ func (b *BLAS) ltDestroyPlans() {
 	}
 }
 
-// ltClose destroys the plans and the handle; on the device goroutine.
+// ltClose destroys the plans and the handle; on the device thread.
 func (b *BLAS) ltClose() error {
 	if b.lt == nil || b.lt.err != nil {
 		return nil

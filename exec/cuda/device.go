@@ -73,7 +73,7 @@ type Device struct {
 	// capture is the stream a CUDA graph capture records while the
 	// executor captures a segment (graphs.go), 0 otherwise: launches and
 	// memsets go there, and calls that need the host fail with
-	// ErrHostInCapture. Used on the device goroutine only.
+	// ErrHostInCapture. Used on the device thread only.
 	capture uintptr
 }
 
@@ -263,8 +263,9 @@ func (d *Device) doHere(fn func() error) (err error) {
 	return fn()
 }
 
-// onThread reports whether the caller runs on the device goroutine: while
-// it runs it is locked to its OS thread, and no other goroutine runs there.
+// onThread reports whether the caller runs on the device thread: the
+// device goroutine's, or a doHere caller's during its call. Either is
+// locked to its goroutine meanwhile, so no other goroutine runs there.
 func (d *Device) onThread() bool {
 	tid := d.tid.Load()
 	return tid > 0 && gettid() == tid
@@ -292,7 +293,7 @@ func (d *Device) Synchronize() error {
 	})
 }
 
-// syncOnThread waits for all queued work, on the device goroutine.
+// syncOnThread waits for all queued work, on the device thread.
 func (d *Device) syncOnThread() error {
 	d.tail = false
 	return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize())

@@ -146,7 +146,7 @@ func (d *Device) newDNN(tf32 bool) (*DNN, error) {
 }
 
 // setStream points the handle at stream s (0: the legacy default
-// stream). On the device goroutine.
+// stream). On the device thread.
 func (n *DNN) setStream(s uintptr) error {
 	return n.lib.check("cudnnSetStream", n.lib.cudnnSetStream(n.h, s))
 }

@@ -51,9 +51,11 @@
 // outputs on the host, and run SGD or Adam on the device. Workspace
 // declares every kernel's scratch memory to the planner, so a plan's peaks
 // are the peaks Execute measures (plus Overhead, the cuBLAS workspace's
-// segment). A whole step runs in one call on the device goroutine: do,
-// called there, runs its function at once, so the allocator's backend,
-// copies and launches need no hop each.
+// segment). A whole step runs in one call on the device thread, the
+// caller's own with the context made current there: do, called there,
+// runs its function at once, so the allocator's backend, copies and
+// launches need no hop each. A resident step returns once its host
+// outputs are read, its last kernels still queued (readback.go).
 //
 // Unless ExecutorOptions.NoCUDAGraphs, the launches between two host steps
 // (uploads, downloads, nodes that read a device flag on the host, the

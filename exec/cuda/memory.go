@@ -62,7 +62,8 @@ func (b *Backend) MemInfo() (free, total int64, err error) {
 }
 
 // memSample is the device's free and total bytes at time at, after jobs
-// requests of the process's device goroutines had run (deviceJobs).
+// requests (do and doHere calls) of the process's devices had run
+// (deviceJobs).
 type memSample struct {
 	free, total int64
 	jobs        uint64
@@ -75,13 +76,14 @@ type memSample struct {
 // millisecond for GPT-2 small), not a data loader's wait.
 const memSampleFresh = 5 * time.Millisecond
 
-// deviceJobs counts the requests every Device's goroutine has run. Every
-// driver call, and so every allocation and free of device memory by this
-// process, runs inside one; a memSample taken in the latest is current.
+// deviceJobs counts the requests every Device's goroutine has run and the
+// doHere calls. Every driver call, and so every allocation and free of
+// device memory by this process, runs inside one; a memSample taken in the
+// latest is current.
 var deviceJobs atomic.Uint64
 
 // sampleMemInfo records the device's free memory for MemInfo. It runs on
-// the device goroutine, at the end of the request it is part of, after
+// the device thread, at the end of the request it is part of, after
 // the request's last allocation or free.
 func (d *Device) sampleMemInfo() {
 	var f, t uintptr

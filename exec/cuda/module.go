@@ -247,7 +247,7 @@ func (m *Module) Launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, 
 }
 
 // launch calls cuLaunchKernel on stream 0, or on the capture stream while
-// the executor captures a CUDA graph; it runs on the device goroutine.
+// the executor captures a CUDA graph; it runs on the device thread.
 func (d *Device) launch(fn CUfunction, grid, block [3]uint32, sharedMem uint32, p *kernelParams) error {
 	var pp *unsafe.Pointer
 	if len(p.ptrs) > 0 {

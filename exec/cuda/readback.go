@@ -198,7 +198,7 @@ func (r *runner) chunkRead() {
 func alignUp(n, a uintptr) uintptr { return (n + a - 1) &^ (a - 1) }
 
 // readbackBuf is a device's pinned buffer for early reads and the event
-// after the copies into it. Only the device goroutine uses it.
+// after the copies into it. Only the device thread uses it.
 type readbackBuf struct {
 	buf  unsafe.Pointer
 	size uintptr
@@ -245,7 +245,7 @@ func (d *Device) readbackOnThread(n uintptr) (*readbackBuf, error) {
 }
 
 // freeReadback waits for rb's copies and frees its buffer and event, on
-// the device goroutine.
+// the device thread.
 func (d *Device) freeReadback(rb *readbackBuf) error {
 	if rb == nil {
 		return nil

@@ -35,7 +35,7 @@ const (
 var stageCopiers = 4
 
 // stager is a device's two pinned buffers and the events that say when
-// the DMA reading each is done. Only the device goroutine uses it.
+// the DMA reading each is done. Only the device thread uses it.
 type stager struct {
 	buf  [2]unsafe.Pointer
 	ev   [2]CUevent
@@ -44,7 +44,7 @@ type stager struct {
 }
 
 // stageHtoD copies n bytes at src to dst through the pinned buffers, on
-// the device goroutine. With wait it returns when the bytes are on the
+// the device thread. With wait it returns when the bytes are on the
 // device, as cuMemcpyHtoD does; without, when src may be reused: the last
 // pieces may still be moving, ahead of whatever is queued on stream 0
 // next.
@@ -109,7 +109,7 @@ func (d *Device) stagerOnThread() (*stager, error) {
 }
 
 // freeStager waits for s's DMAs and frees its buffers and events, on the
-// device goroutine.
+// device thread.
 func (d *Device) freeStager(s *stager) error {
 	if s == nil {
 		return nil
