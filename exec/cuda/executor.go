@@ -390,12 +390,12 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		if !o.Resident {
 			err = call.Free(e.a, err)
 		}
-		switch {
-		case err != nil:
-		case tailLeftRunning(o):
-			e.d.tail = true
-		default: // launch errors surface here at the latest
+		if err == nil && !tailLeftRunning(o) { // launch errors surface here at the latest
 			err = e.d.Synchronize()
+		} else {
+			// The tail, or what a failed run queued, may still run: a
+			// free of device memory waits for it.
+			e.d.tail = true
 		}
 		if err == nil {
 			e.d.sampleMemInfo() // the next step's budget (Backend.MemInfo)
