@@ -19,10 +19,8 @@ type stepLoop struct {
 
 // runLoop runs l's c.warmup untimed and c.steps timed steps.
 func runLoop(l *stepLoop, c config) error {
-	for i := range c.warmup {
-		if err := l.step(i); err != nil {
-			return err
-		}
+	if err := warmUp(l, c.warmup); err != nil {
+		return err
 	}
 	if _, err := timedBlock(l, c.warmup, c.steps); err != nil {
 		return err
@@ -38,10 +36,8 @@ func runLoop(l *stepLoop, c config) error {
 // median (OverPaired).
 func runInterleaved(a, b *stepLoop, c config, k int) error {
 	for _, l := range []*stepLoop{a, b} {
-		for i := range c.warmup {
-			if err := l.step(i); err != nil {
-				return err
-			}
+		if err := warmUp(l, c.warmup); err != nil {
+			return err
 		}
 	}
 	var ratios []float64
@@ -63,6 +59,16 @@ func runInterleaved(a, b *stepLoop, c config, k int) error {
 		return err
 	}
 	return b.end()
+}
+
+// warmUp runs l's first n steps, untimed.
+func warmUp(l *stepLoop, n int) error {
+	for i := range n {
+		if err := l.step(i); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // timedBlock runs l's steps from to from+n−1, appending each one's time

@@ -350,7 +350,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	}
 	r := &runner{e: e, ctx: ctx, p: p, o: o, c: call, persist: map[persistKey]*alloc.Block{}, inputs: map[int]*exec.HostBuf{}}
 	if rp := e.reads.of(p, call.KeptOf); rp.after > 0 {
-		r.reads = chunkReads{plan: rp, blocks: make([]*alloc.Block, len(rp.bufs)), off: map[int]uintptr{}}
+		r.reads = chunkReads{plan: rp, blocks: make([]*alloc.Block, len(rp.bufs)), off: make([]uintptr, len(rp.bufs))}
 	}
 	if o.Reduce != nil {
 		r.oneChunk, r.kept = len(chunks) == 1, map[int]bool{}

@@ -102,8 +102,8 @@ type chunkReads struct {
 	plan   *readPlan
 	runs   int            // Run calls into the current chunk
 	blocks []*alloc.Block // per plan.bufs entry: this chunk's block
-	off    map[int]uintptr
-	queued bool // the copies and their event are on stream 0, not yet waited for
+	off    []uintptr      // per plan.bufs entry: where its copy lands in the readback buffer
+	queued bool           // the copies and their event are on stream 0, not yet waited for
 }
 
 // afterRun notes node nd's run into block out and, at the read point,
@@ -124,7 +124,8 @@ func (r *runner) afterRun(nd *graph.Node, c planner.Chunk, out *alloc.Block) err
 		return err
 	}
 	var total uintptr
-	for _, bi := range rd.plan.bufs {
+	for k, bi := range rd.plan.bufs {
+		rd.off[k] = total
 		total += alignUp(uintptr(r.p.Buffers[bi].Bytes(c.Size)), 16)
 	}
 	rb, err := r.e.d.readbackOnThread(total)
@@ -132,17 +133,12 @@ func (r *runner) afterRun(nd *graph.Node, c planner.Chunk, out *alloc.Block) err
 		return err
 	}
 	drv := r.e.d.drv
-	clear(rd.off)
-	var off uintptr
 	for k, bi := range rd.plan.bufs {
-		n := uintptr(r.p.Buffers[bi].Bytes(c.Size))
-		if n > 0 {
-			if err := drv.check("cuMemcpyDtoHAsync_v2", drv.cuMemcpyDtoHAsync(unsafe.Add(rb.buf, off), CUdeviceptr(rd.blocks[k].Ptr()), n, 0)); err != nil {
+		if n := uintptr(r.p.Buffers[bi].Bytes(c.Size)); n > 0 {
+			if err := drv.check("cuMemcpyDtoHAsync_v2", drv.cuMemcpyDtoHAsync(unsafe.Add(rb.buf, rd.off[k]), CUdeviceptr(rd.blocks[k].Ptr()), n, 0)); err != nil {
 				return err
 			}
 		}
-		rd.off[bi] = off
-		off += alignUp(n, 16)
 	}
 	if err := drv.check("cuEventRecord", drv.cuEventRecord(rb.ev, 0)); err != nil {
 		return err
@@ -157,8 +153,7 @@ func (r *runner) afterRun(nd *graph.Node, c planner.Chunk, out *alloc.Block) err
 func (r *runner) read(id int, blk *alloc.Block, b int) (*exec.HostBuf, error) {
 	rd := &r.reads
 	bi := r.p.OutputBuf[id]
-	off, ok := rd.off[bi]
-	if !rd.queued || !ok {
+	if !rd.queued || bi < 0 || rd.plan.slot[bi] < 0 {
 		return r.download(id, blk, b)
 	}
 	rb := r.e.d.readback
@@ -177,7 +172,7 @@ func (r *runner) read(id int, blk *alloc.Block, b int) (*exec.HostBuf, error) {
 		return r.download(id, blk, b) // not all of it was copied
 	}
 	v := exec.NewHostBuf(nd.Type.DType, shape)
-	src := unsafe.Add(rb.buf, off)
+	src := unsafe.Add(rb.buf, rd.off[rd.plan.slot[bi]])
 	switch dt := nd.Type.DType; {
 	case v.F == nil:
 		copy(v.I, unsafe.Slice((*int64)(src), len(v.I)))
@@ -192,7 +187,6 @@ func (r *runner) read(id int, blk *alloc.Block, b int) (*exec.HostBuf, error) {
 // chunkRead ends a chunk's early reads (after ChunkDone read them).
 func (r *runner) chunkRead() {
 	r.reads.runs, r.reads.queued = 0, false
-	clear(r.reads.off)
 }
 
 func alignUp(n, a uintptr) uintptr { return (n + a - 1) &^ (a - 1) }
