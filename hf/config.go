@@ -4,15 +4,14 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 
+	"github.com/batchfit/batchfit/internal/safefile"
 	"github.com/batchfit/batchfit/models"
-	"github.com/batchfit/batchfit/safetensors"
 )
 
 // Architecture is a config.json "architectures" entry batchfit has a
@@ -105,19 +104,7 @@ func ReadConfig(path string) (Config, error) {
 
 // readBounded reads a regular file of at most limit bytes.
 func readBounded(path string, limit int64) ([]byte, error) {
-	f, err := safetensors.OpenRegular(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if int64(len(b)) > limit {
-		return nil, fmt.Errorf("%w: %s is over %d bytes", ErrTooLarge, path, limit)
-	}
-	return b, nil
+	return safefile.ReadFile(path, limit, ErrTooLarge)
 }
 
 // ParseConfig parses a config.json's bytes. Keys that are absent or null

@@ -1,6 +1,10 @@
 package safetensors
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/batchfit/batchfit/internal/safefile"
+)
 
 // The errors a File, Open or WriteFile returns wrap one of these; test
 // with errors.Is. Each message names the file and, where there is one, the
@@ -15,7 +19,7 @@ var (
 	ErrTooLarge = errors.New("safetensors: too large")
 	// ErrNotRegular: the path is a directory, FIFO, device or socket
 	// (after following symbolic links), which could block or never end.
-	ErrNotRegular = errors.New("safetensors: not a regular file")
+	ErrNotRegular = safefile.ErrNotRegular
 	// ErrNotFound: no tensor of that name in the file.
 	ErrNotFound = errors.New("safetensors: no such tensor")
 	// ErrDType: a dtype this package does not know, or one the chosen

@@ -7,10 +7,10 @@ import (
 	"io"
 	"math"
 	"os"
-	"syscall"
 	"unsafe"
 
 	"github.com/batchfit/batchfit/half"
+	"github.com/batchfit/batchfit/internal/safefile"
 )
 
 // File is an open safetensors file whose header has been validated. Its
@@ -28,7 +28,7 @@ type File struct {
 // be a regular file: it is opened non-blocking and checked with fstat, so
 // a FIFO, device or directory fails with ErrNotRegular at once.
 func Open(path string) (*File, error) {
-	f, err := OpenRegular(path)
+	f, err := safefile.Open(path)
 	if err != nil {
 		return nil, err
 	}
@@ -65,41 +65,6 @@ func Open(path string) (*File, error) {
 		return fail(err)
 	}
 	return &File{path: path, f: f, dataStart: 8 + int64(n), h: h}, nil
-}
-
-// OpenRegular opens path for reading, non-blocking so that a FIFO cannot
-// hang the open, and checks with fstat that it is a regular file; anything
-// else fails with an error wrapping ErrNotRegular. Package hf opens its
-// configs and indexes the same way.
-func OpenRegular(path string) (*os.File, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
-	if err != nil {
-		return nil, err
-	}
-	st, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, err
-	}
-	if !st.Mode().IsRegular() {
-		f.Close()
-		return nil, fmt.Errorf("%w: %s is a %s", ErrNotRegular, path, fileKind(st.Mode()))
-	}
-	return f, nil
-}
-
-func fileKind(m os.FileMode) string {
-	switch {
-	case m.IsDir():
-		return "directory"
-	case m&os.ModeNamedPipe != 0:
-		return "FIFO"
-	case m&os.ModeSocket != 0:
-		return "socket"
-	case m&os.ModeDevice != 0:
-		return "device"
-	}
-	return m.Type().String()
 }
 
 // readFull reads len(b) bytes at off; a short read means the file shrank
