@@ -23,7 +23,7 @@ func TestExportForFromPretrained(t *testing.T) {
 	}
 	for _, e := range []struct {
 		name, src, config string // config: "" (the source's), "legacy" or "go"
-		dtype               string
+		dtype             string
 	}{
 		{"gpt2-tiny-f32", "gpt2-tiny", "", "float32"},
 		{"gpt2-tiny-go-bf16", "gpt2-tiny", "go", "bfloat16"},
