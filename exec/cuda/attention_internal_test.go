@@ -249,6 +249,27 @@ func TestSDPASelection(t *testing.T) {
 			require.Equal(t, c.why, sdpaRefusal(c.dt, c.d, c.masked, c.h, c.hkv), "%+v", c)
 		}
 	}
+	// Grouped heads that sdpaShape takes, left to the kernels at run time
+	// in two cases: the backward pass at T = S = 1, causal with T ≠ S.
+	for _, c := range []struct {
+		pass         sdpaPass
+		h, hkv, t, s int
+		causal       bool
+		why          string
+	}{
+		{sdpaForward, 32, 8, 2048, 2048, true, ""},
+		{sdpaBackward, 32, 8, 2048, 2048, true, ""},
+		{sdpaForward, 4, 2, 1, 1, false, ""},
+		{sdpaBackward, 4, 2, 1, 1, false, "grouped heads, backward at T = S = 1"},
+		{sdpaBackward, 4, 4, 1, 1, false, ""},
+		{sdpaForward, 4, 1, 1, 100, true, "grouped heads, causal with T ≠ S"},
+		{sdpaBackward, 4, 1, 100, 17, true, "grouped heads, causal with T ≠ S"},
+		{sdpaForward, 4, 1, 17, 100, false, ""},
+		{sdpaForward, 4, 4, 17, 100, true, ""},
+	} {
+		sh := attnShape{b: 2, h: c.h, hkv: c.hkv, t: c.t, s: c.s, d: 64, causal: c.causal}
+		require.Equal(t, c.why, sdpaGroupedRefusal(c.pass, sh), "%+v", c)
+	}
 }
 
 // The packed ops declare cuDNN's workspace for grouped-query qkv [B, T,

@@ -619,6 +619,27 @@ func sdpaRefusal(dt graph.DType, d int, masked bool, h, hkv int) string {
 	return "shape"
 }
 
+// sdpaGroupedRefusal is why a call with grouped heads that sdpaShape takes
+// is left to the kernels all the same, "" when it is not: the two cases
+// cuDNN's documentation and frontend keep grouped heads from. A backward
+// pass with T = S = 1 (the frontend refuses it for any heads, and cuDNN's
+// known issues list it; measured to work on cuDNN 9.14 with as many
+// key/value heads as query heads, so only grouped heads are refused here),
+// and causal attention with T ≠ S (cuDNN's known issues: causal masking
+// with Q head count ≠ K/V head count, the decode phase, gives wrong
+// results). Training runs T = S > 1, which both leave to cuDNN.
+func sdpaGroupedRefusal(pass sdpaPass, sh attnShape) string {
+	switch {
+	case sh.h == sh.hkv:
+		return ""
+	case pass == sdpaBackward && sh.t == 1 && sh.s == 1:
+		return "grouped heads, backward at T = S = 1"
+	case sh.causal && sh.t != sh.s:
+		return "grouped heads, causal with T ≠ S"
+	}
+	return ""
+}
+
 // sdpaPrepare is the cuDNN path's common part: whether a call is cuDNN's,
 // and then its plan and the workspace at ws (wsBytes long, as the node
 // declared it) split for it. A call it does not take is counted with its
@@ -629,6 +650,10 @@ func (n *DNN) sdpaPrepare(pass sdpaPass, dt graph.DType, sh attnShape, masked, p
 	}
 	if !sdpaShape(dt, sh.d, masked, sh.h, sh.hkv) {
 		n.fallback(sdpaRefusal(dt, sh.d, masked, sh.h, sh.hkv))
+		return nil, sdpaLayout{}, false, nil
+	}
+	if why := sdpaGroupedRefusal(pass, sh); why != "" {
+		n.fallback(why)
 		return nil, sdpaLayout{}, false, nil
 	}
 	for _, p := range ptrs {

@@ -44,7 +44,8 @@ type sdpaCase struct {
 // causal or not, bfloat16 and float16, plus S ≠ T both ways; and
 // grouped-query heads (4 over 2, 6 over 2 at T = 1024) and multi-query
 // heads (3 over 1, 4 over 1 at T = 1000) at T ∈ {1, 17, 64, 1000, 1024},
-// S ≠ T among them. The float64 reference of the longest (T = 2048, two
+// S ≠ T among them (which, causal, and T = 1's backward pass, run on the
+// kernels: sdpaGroupedRefusal). The float64 reference of the longest (T = 2048, two
 // heads) takes a few seconds; evalRefs runs them all at once.
 func sdpaCases() []sdpaCase {
 	var out []sdpaCase
@@ -61,8 +62,10 @@ func sdpaCases() []sdpaCase {
 				for _, ts := range [][2]int{{17, 100}, {100, 17}} {
 					out = append(out, sdpaCase{c: attnCase{B: 2, H: 2, Hkv: 2, T: ts[0], S: ts[1], D: d, causal: causal}, dt: dt})
 				}
+				// T = S = 1 with grouped heads: the forward pass on cuDNN,
+				// the backward pass on the kernels (sdpaGroupedRefusal).
+				out = append(out, sdpaCase{c: attnCase{B: 2, H: 4, Hkv: 2, T: 1, S: 1, D: d, causal: causal}, dt: dt})
 				for _, c := range []attnCase{
-					{B: 2, H: 4, Hkv: 2, T: 1, S: 1},
 					{B: 2, H: 4, Hkv: 2, T: 17, S: 17},
 					{B: 2, H: 4, Hkv: 2, T: 64, S: 64},
 					{B: 2, H: 3, Hkv: 1, T: 64, S: 64},
@@ -255,7 +258,7 @@ func TestCuDNNAttentionWorkspace(t *testing.T) {
 	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
 		for _, d := range []int{64, 128} {
 			for _, bh := range [][3]int{{1, 4, 1}, {2, 8, 2}, {4, 32, 8}, {1, 16, 4}, {8, 32, 1}} {
-				for _, T := range []int{1, 17, 1000, 2048, 4096} {
+				for _, T := range []int{17, 1000, 2048, 4096} {
 					if dt == graph.Float16 && T != 2048 {
 						continue
 					}
