@@ -35,7 +35,8 @@ func TestLSEProducerNeedsTheSameScores(t *testing.T) {
 }
 
 // TestQKVLSEProducer: attention_qkv_lse pairs with an attention_qkv over
-// the same qkv with the same heads, scale and causality; CompanionProducer
+// the same qkv with the same heads (query and key/value), scale and
+// causality; CompanionProducer
 // dispatches on the op.
 func TestQKVLSEProducer(t *testing.T) {
 	g := graph.New()
@@ -60,6 +61,12 @@ func TestQKVLSEProducer(t *testing.T) {
 	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, graph.Attrs{Groups: 2, Scalar: 0.25, Causal: true}, qkv)), "another scale")
 	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, a, other)), "another qkv")
 	assert.Equal(t, -1, graph.LSEProducer(g, att), "an attention_qkv node")
+	// Grouped-query heads: qkv [2, 4, 24] is also 4 query heads sharing 1
+	// key/value head of 4; the key/value heads must agree too.
+	ga := graph.Attrs{Groups: 4, KVHeads: 1, Scalar: 0.5}
+	gatt := node(graph.OpAttentionQKV, ga, qkv)
+	assert.Equal(t, gatt, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, ga, qkv)))
+	assert.Equal(t, -1, graph.LSEProducer(g, node(graph.OpAttentionQKVLSE, graph.Attrs{Groups: 4, KVHeads: 2, Scalar: 0.5}, qkv)), "other key/value heads")
 }
 
 // TestBatchNormGradWProducer: a training-mode batch_norm_grad_w pairs with

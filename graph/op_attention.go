@@ -27,19 +27,23 @@ const (
 	// over the query heads that share each key/value head.
 	OpAttentionGradKV
 	// OpAttentionQKV is OpAttention reading q, k and v straight from the
-	// packed projection of a transformer block: input qkv [B, T, 3C], read
-	// as [B, T, 3, H, d] (q, k, v in that order, H = Attrs.Groups heads of
-	// d = C/H); output [B, T, C], read as [B, T, H, d]. Same Scalar and
-	// Causal as OpAttention. It stands for slicing qkv, permuting each
-	// third to [B, H, T, d], attending and permuting back, without the
-	// copies: cuDNN reads and writes those layouts through strides.
+	// packed projection of a transformer block: input qkv [B, T, (H +
+	// 2·Hkv)·d], its columns q [H, d], then k [Hkv, d], then v [Hkv, d]
+	// (H = Attrs.Groups query heads, Hkv = Attrs.KVHeads key/value heads,
+	// H when 0; Hkv divides H and query head h reads key/value head
+	// h/(H/Hkv), grouped-query attention as OpAttention's); with Hkv = H
+	// that is [B, T, 3, H, d]. Output [B, T, H·d], read as [B, T, H, d].
+	// Same Scalar and Causal as OpAttention. It stands for slicing qkv,
+	// permuting each part to [B, heads, T, d], attending and permuting
+	// back, without the copies: cuDNN reads and writes those layouts
+	// through strides.
 	OpAttentionQKV
 	// OpAttentionQKVLSE is attention_qkv's log-sum-exp: input qkv; output
 	// [B, H, T] float32 (as OpAttentionLSE).
 	OpAttentionQKVLSE
-	// OpAttentionQKVGrad is d qkv in one op: inputs g [B, T, C], qkv, o
-	// [B, T, C], lse [B, H, T]; output [B, T, 3C] (dq, dk, dv packed as qkv
-	// is).
+	// OpAttentionQKVGrad is d qkv in one op: inputs g [B, T, H·d], qkv, o
+	// [B, T, H·d], lse [B, H, T]; output qkv's shape (dq, dk, dv packed as
+	// qkv is; dk and dv summed over the query heads of each group).
 	OpAttentionQKVGrad
 	endAttentionOps
 )
@@ -70,12 +74,12 @@ var attentionOps = []OpInfo{
 	OpAttentionGradKV: {Name: "attention_grad_kv", Category: CatGrad, MinArity: 6, Arity: 6, MaxArity: 7,
 		Attrs: []string{"scalar", "causal"}, Rule: attentionGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 	OpAttentionQKV: {Name: "attention_qkv", Category: CatContraction, MinArity: 1, Arity: 1,
-		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk,
+		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk,
 		Saves: SavesInput(0) | SavesOutput, VJP: attentionQKVVJP},
 	OpAttentionQKVLSE: {Name: "attention_qkv_lse", Category: CatGrad, MinArity: 1, Arity: 1,
-		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 	OpAttentionQKVGrad: {Name: "attention_qkv_grad", Category: CatGrad, MinArity: 4, Arity: 4,
-		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 }
 
 // attentionChunk: the rules admit only inputs batched on axis 0 (or
@@ -262,41 +266,65 @@ func attentionVJP(b VJPBuilder, n *Node, g int) {
 	}
 }
 
-// QKVShape is what attention_qkv's rule reads off qkv [B, T, 3C] and its
-// head count: batch B, heads H, length T, head dim D (C = H·D).
-type QKVShape struct{ B, H, T, D int }
+// QKVShape is what attention_qkv's rule reads off qkv [B, T, (H +
+// 2·Hkv)·D] and its head counts: batch B, query heads H, key/value heads
+// Hkv, length T, head dim D.
+type QKVShape struct{ B, H, Hkv, T, D int }
 
-// C is the model width H·D.
+// C is the width H·D of q and of the output.
 func (a QKVShape) C() int { return a.H * a.D }
 
-// Attention is the shape of the unpacked attention it stands for: q, k
-// and v [B, H, T, D].
+// KV is the width Hkv·D of k and of v.
+func (a QKVShape) KV() int { return a.Hkv * a.D }
+
+// Pitch is qkv's row width (H + 2·Hkv)·D: C + 2·KV.
+func (a QKVShape) Pitch() int { return a.C() + 2*a.KV() }
+
+// Attention is the shape of the unpacked attention it stands for: q [B,
+// H, T, D], k and v [B, Hkv, T, D].
 func (a QKVShape) Attention() AttentionShape {
-	return AttentionShape{B: a.B, H: a.H, Hkv: a.H, T: a.T, S: a.T, D: a.D}
+	return AttentionShape{B: a.B, H: a.H, Hkv: a.Hkv, T: a.T, S: a.T, D: a.D}
 }
 
-// QKVDims checks the packed projection qkv [B, T, 3C] (batch on axis 0,
-// or unbatched) for heads heads and returns its sizes.
-func QKVDims(op Op, heads int, qkv Type) (QKVShape, error) {
+// QKVHeads is attention_qkv's query and key/value heads from its
+// attributes: Groups, and KVHeads or Groups when 0.
+func QKVHeads(a Attrs) (heads, kvHeads int) {
+	if a.KVHeads == 0 {
+		return a.Groups, a.Groups
+	}
+	return a.Groups, a.KVHeads
+}
+
+// QKVDims checks the packed projection qkv [B, T, (H + 2·Hkv)·d] (batch
+// on axis 0, or unbatched) for the heads of attrs (QKVHeads) and returns
+// its sizes.
+func QKVDims(op Op, attrs Attrs, qkv Type) (QKVShape, error) {
 	if err := needFloat(op, qkv); err != nil {
 		return QKVShape{}, err
 	}
 	if len(qkv.Shape) != 3 {
-		return QKVShape{}, Errorf(ErrShape, "%s: qkv must be [B, T, 3C], got %v", op, qkv.Shape)
+		return QKVShape{}, Errorf(ErrShape, "%s: qkv must be [B, T, (heads + 2·kv_heads)·d], got %v", op, qkv.Shape)
 	}
-	if heads < 1 || qkv.Shape[2]%(3*heads) != 0 {
-		return QKVShape{}, Errorf(ErrAttr, "%s: %d heads do not split qkv %v into q, k and v of whole heads (3·heads must divide the last axis)", op, heads, qkv.Shape)
+	h, hkv := QKVHeads(attrs)
+	switch {
+	case h < 1:
+		return QKVShape{}, Errorf(ErrAttr, "%s: %d heads for qkv %v: want at least 1", op, h, qkv.Shape)
+	case hkv < 1 || h%hkv != 0:
+		return QKVShape{}, Errorf(ErrAttr, "%s: %d key/value heads do not divide %d heads (qkv %v)", op, hkv, h, qkv.Shape)
+	case qkv.Shape[2]%(h+2*hkv) != 0:
+		return QKVShape{}, Errorf(ErrAttr, "%s: %d heads and %d key/value heads do not split qkv %v into q, k and v of whole heads ((heads + 2·kv_heads) must divide the last axis)",
+			op, h, hkv, qkv.Shape)
 	}
 	if qkv.Batched() && qkv.BatchAxis != 0 {
 		return QKVShape{}, Errorf(ErrShape, "%s: qkv %v carries the batch on axis %d, not 0", op, qkv.Shape, qkv.BatchAxis)
 	}
-	return QKVShape{B: qkv.Shape[0], H: heads, T: qkv.Shape[1], D: qkv.Shape[2] / (3 * heads)}, nil
+	return QKVShape{B: qkv.Shape[0], H: h, Hkv: hkv, T: qkv.Shape[1], D: qkv.Shape[2] / (h + 2*hkv)}, nil
 }
 
 // attentionQKVRule types attention_qkv ([B, T, C], qkv's dtype) and
 // attention_qkv_lse ([B, H, T] float32) from qkv.
 func attentionQKVRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
-	a, err := QKVDims(op, attrs.Groups, in[0])
+	a, err := QKVDims(op, *attrs, in[0])
 	if err != nil {
 		return Type{}, err
 	}
@@ -313,7 +341,7 @@ func attentionQKVRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
 // attentionQKVGradRule types d qkv (qkv's type) from g, qkv, o, lse.
 func attentionQKVGradRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
 	g, qkv, o, lse := in[0], in[1], in[2], in[3]
-	a, err := QKVDims(op, attrs.Groups, qkv)
+	a, err := QKVDims(op, *attrs, qkv)
 	if err != nil {
 		return Type{}, err
 	}
@@ -346,7 +374,7 @@ func attentionQKVVJP(b VJPBuilder, n *Node, g int) {
 	if !b.Wants(0) {
 		return
 	}
-	a := Attrs{Groups: n.Attrs.Groups, Scalar: n.Attrs.Scalar, Causal: n.Attrs.Causal}
+	a := Attrs{Groups: n.Attrs.Groups, KVHeads: n.Attrs.KVHeads, Scalar: n.Attrs.Scalar, Causal: n.Attrs.Causal}
 	lse := b.Emit(OpAttentionQKVLSE, a, n.Inputs[0])
 	b.Accumulate(n.Inputs[0], b.Emit(OpAttentionQKVGrad, a, g, n.Inputs[0], n.ID, lse))
 }
@@ -383,12 +411,13 @@ func LSEProducer(g *Graph, m int) int {
 }
 
 // qkvLSEProducer is LSEProducer for attention_qkv_lse node m: an earlier
-// attention_qkv of the same qkv, heads, scale and causality.
+// attention_qkv of the same qkv, heads (query and key/value), scale and
+// causality.
 func qkvLSEProducer(g *Graph, m int) int {
 	lse := g.Node(m)
 	for id := m - 1; id >= 0; id-- {
 		n := g.Node(id)
-		if n.Op == OpAttentionQKV && n.Inputs[0] == lse.Inputs[0] && n.Attrs.Groups == lse.Attrs.Groups &&
+		if n.Op == OpAttentionQKV && n.Inputs[0] == lse.Inputs[0] && n.Attrs.Groups == lse.Attrs.Groups && n.Attrs.KVHeads == lse.Attrs.KVHeads &&
 			n.Attrs.Scalar == lse.Attrs.Scalar && n.Attrs.Causal == lse.Attrs.Causal {
 			return id
 		}

@@ -214,6 +214,7 @@ type Attrs struct {
 	Padding   [2]int
 	Dilation  [2]int
 	Groups    int
+	KVHeads   int // attention_qkv: key/value heads (0: as many as Groups, the query heads)
 	Reduction Reduction
 	TransA    bool // matmul: use the transpose of the last two axes of input 0
 	TransB    bool // matmul: … of input 1

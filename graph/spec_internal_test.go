@@ -183,7 +183,8 @@ func TestSavesMatchVJP(t *testing.T) {
 		OpMSE:            {{in: []Type{f(2, 3), f(2, 3)}}},
 		OpAttention: {{in: []Type{f(2, 4, 3, 8), f(2, 2, 5, 8), f(2, 2, 5, 8)}, attrs: Attrs{Causal: true}},
 			{in: []Type{f(2, 4, 3, 8), f(2, 4, 5, 8), f(2, 4, 5, 8), f(3, 5)}, frozen: SavesInput(3)}},
-		OpAttentionQKV: {{in: []Type{f(2, 3, 24)}, attrs: Attrs{Groups: 2, Causal: true}}},
+		OpAttentionQKV: {{in: []Type{f(2, 3, 24)}, attrs: Attrs{Groups: 2, Causal: true}},
+			{in: []Type{f(2, 3, 32)}, attrs: Attrs{Groups: 4, KVHeads: 2}}},
 	}
 	for i := 1; i < NumOps; i++ {
 		op := Op(i)

@@ -273,6 +273,28 @@ func TestAttentionQKVMisuse(t *testing.T) {
 	y := qkv.AttentionQKV(2, lazy.AttentionOptions{Causal: true})
 	require.NoError(t, y.Err())
 	assert.Equal(t, []int{4, 5, 8}, y.Shape())
+
+	// Grouped-query heads: qkv [4, 5, (4 + 2·2)·6] holds 4 query heads
+	// and 2 key/value heads of 6; 3 key/value heads do not divide 4, and
+	// 1 (multi-query) does not split 40 into whole heads ((4 + 2)·d).
+	gqa := lazy.Placeholder([]int{4, 5, 48}, f32, 0)
+	y = gqa.AttentionQKV(4, lazy.AttentionOptions{KVHeads: 2})
+	require.NoError(t, y.Err())
+	assert.Equal(t, []int{4, 5, 24}, y.Shape())
+	assert.ErrorIs(t, gqa.AttentionQKV(4, lazy.AttentionOptions{KVHeads: 3}).Err(), graph.ErrAttr)
+	assert.ErrorIs(t, gqa.AttentionQKV(4, lazy.AttentionOptions{KVHeads: -1}).Err(), graph.ErrAttr)
+	assert.ErrorIs(t, lazy.Placeholder([]int{4, 5, 40}, f32, 0).AttentionQKV(4, lazy.AttentionOptions{KVHeads: 1}).Err(), graph.ErrAttr)
+	mqa := lazy.Placeholder([]int{4, 5, 36}, f32, 0).AttentionQKV(4, lazy.AttentionOptions{KVHeads: 1})
+	require.NoError(t, mqa.Err())
+	assert.Equal(t, []int{4, 5, 24}, mqa.Shape())
+
+	// Attention reads the key/value heads off k: a KVHeads that disagrees
+	// is refused, one that agrees changes nothing.
+	g := lazy.NewGraph()
+	q := g.Placeholder([]int{4, 4, 5, 6}, f32, 0)
+	k := g.Placeholder([]int{4, 2, 5, 6}, f32, 0)
+	assert.ErrorIs(t, q.Attention(k, k, lazy.AttentionOptions{KVHeads: 4}).Err(), graph.ErrAttr)
+	require.NoError(t, q.Attention(k, k, lazy.AttentionOptions{KVHeads: 2}).Err())
 }
 
 // ParamIDs and Grad name their caller's line in their errors (ParamIDs

@@ -341,11 +341,14 @@ func (t *Tensor) MatMulT(u *Tensor, transA, transB bool) *Tensor {
 // hides key j from query i when j > i (PyTorch's is_causal, top-left
 // aligned when T ≠ S). Mask, when set, is added to the scaled scores and
 // broadcasts to [B, H, T, S] (−Inf hides a key); it may be any float type
-// and takes no gradient.
+// and takes no gradient. KVHeads is AttentionQKV's count of key/value
+// heads (0: as many as the query heads); Attention reads it off k, and a
+// nonzero KVHeads other than k's is an error.
 type AttentionOptions struct {
-	Causal bool
-	Scale  float64
-	Mask   *Tensor
+	Causal  bool
+	Scale   float64
+	Mask    *Tensor
+	KVHeads int
 }
 
 // Attention is fused scaled dot-product attention, softmax(scale·q·kᵀ +
@@ -354,6 +357,12 @@ type AttentionOptions struct {
 // the scores block by block. A query whose every key is masked gets 0
 // output and 0 gradient.
 func (t *Tensor) Attention(k, v *Tensor, o AttentionOptions) *Tensor {
+	if o.KVHeads != 0 && t.Err() == nil && k.Err() == nil {
+		if ks := k.Shape(); len(ks) != 4 || ks[1] != o.KVHeads {
+			return errTensor("attention", site(), graph.Errorf(graph.ErrAttr, "attention: KVHeads %d, but k %v has other heads (q %v); Attention reads them off k",
+				o.KVHeads, ks, t.Shape()), t.Shape(), ks)
+		}
+	}
 	attrs := graph.Attrs{Scalar: o.Scale, Causal: o.Causal}
 	if o.Mask == nil {
 		return apply(graph.OpAttention, attrs, t, k, v)
@@ -362,16 +371,19 @@ func (t *Tensor) Attention(k, v *Tensor, o AttentionOptions) *Tensor {
 }
 
 // AttentionQKV is Attention over q, k and v packed in one projection, as a
-// transformer block's qkv = x·W_qkv gives them: t is [B, T, 3C], read as
-// [B, T, 3, H, d] with H = heads and d = C/H; the result is [B, T, C],
-// the heads side by side. It equals slicing t in three, reshaping each to
-// [B, T, H, d], permuting to [B, H, T, d], Attention, and permuting back
-// to [B, T, C], without those copies (or their gradients' copies): cuDNN
-// reads q, k, v and writes o and d qkv through strides. A mask is not
-// taken (o.Mask must be nil).
+// transformer block's qkv = x·W_qkv gives them: t is [B, T, (H + 2·Hkv)·d]
+// with H = heads query heads and Hkv = o.KVHeads key/value heads (heads
+// when 0; Hkv divides H: grouped-query attention, Hkv = 1 multi-query),
+// its columns q [H, d], then k [Hkv, d], then v [Hkv, d] (with Hkv = H,
+// [B, T, 3, H, d]); the result is [B, T, H·d], the heads side by side. It
+// equals slicing t in three, reshaping each part to [B, T, heads, d],
+// permuting to [B, heads, T, d], Attention, and permuting back to [B, T,
+// H·d], without those copies (or their gradients' copies): cuDNN reads q,
+// k, v and writes o and d qkv through strides. A mask is not taken
+// (o.Mask must be nil).
 func (t *Tensor) AttentionQKV(heads int, o AttentionOptions) *Tensor {
 	if o.Mask != nil && t.Err() == nil {
 		return errTensor("attention_qkv", site(), graph.Errorf(graph.ErrAttr, "attention_qkv takes no mask (qkv %v); use Attention", t.Shape()), t.Shape())
 	}
-	return apply(graph.OpAttentionQKV, graph.Attrs{Groups: heads, Scalar: o.Scale, Causal: o.Causal}, t)
+	return apply(graph.OpAttentionQKV, graph.Attrs{Groups: heads, KVHeads: o.KVHeads, Scalar: o.Scale, Causal: o.Causal}, t)
 }

@@ -87,7 +87,7 @@ func H100Profile() Profile {
 			"half_unaligned_flops": "measured: GPT-2's bf16 LM head and its gradients (50,257 columns), 95–147 TFLOP/s",
 			"half_conv_flops":      "measured: ResNet-50's bf16 convolutions at 224², batch 64, on cuDNN: 19.4 ms a step (forward 6.0, input gradient 6.5, weight gradient 6.9) for about 1.57 TFLOP (bench/RESULTS.md, 2026-11-27, sixth session)",
 			"attention_flops":      "measured: the plain-FMA attention kernels, float32 1.6–4.2 TFLOP/s and bf16 forward 2–4 (they now serve 16-bit attention with a mask or an odd head dim only)",
-			"half_attention_flops": "measured: bf16 attention forward + backward on cuDNN's fused attention, [8, 12, 1024, 64] causal, 207 TFLOP/s (396 at T = 4096); batchfit's own tensor-core kernels (ExecutorOptions.NoCuDNNAttention, grouped-query heads) 65",
+			"half_attention_flops": "measured: bf16 attention forward + backward on cuDNN's fused attention, [8, 12, 1024, 64] causal, 207 TFLOP/s (396 at T = 4096); batchfit's own tensor-core kernels (ExecutorOptions.NoCuDNNAttention) 65",
 			"vector_flops":         "nominal: H100 SXM FP32 non-tensor peak",
 			"bandwidth":            "measured: elementwise kernels (HBM3 nominal 3.35 TB/s)",
 			"launch":               "measured: kernel launch and return through the driver API, about 5 µs",
@@ -157,8 +157,8 @@ func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
 			t = g.Node(nd.Inputs[1]).Type
 		}
 		d := 0
-		if len(t.Shape) == 3 && nd.Attrs.Groups > 0 {
-			d = t.Shape[2] / (3 * nd.Attrs.Groups)
+		if s, err := graph.QKVDims(nd.Op, nd.Attrs, t); err == nil {
+			d = s.D
 		}
 		return attentionRate(t.DType, d, false)
 	}
@@ -400,7 +400,7 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 			bytes += passes * 4 * scores
 		}
 	case graph.OpAttentionQKV, graph.OpAttentionQKVLSE, graph.OpAttentionQKVGrad:
-		// As attention's (above) on q [B, H, T, d] of B·T·C elements: 2
+		// As attention's (above) on q [B, H, T, d] of B·T·H·d elements: 2
 		// products forward, 1 for the log-sum-exp, 7 for d qkv (dq's 3
 		// and dk|dv's 4); the float32 fallback's score passes likewise
 		// (4, 2, 14).
@@ -408,19 +408,19 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 		if nd.Op == graph.OpAttentionQKVGrad {
 			qkv = in[1]
 		}
-		qs := qkv.AtBatch(b)
-		if len(qs) != 3 {
+		s, err := graph.QKVDims(nd.Op, nd.Attrs, graph.Type{Shape: qkv.AtBatch(b), DType: qkv.DType, BatchAxis: -1})
+		if err != nil {
 			break
 		}
 		products := map[graph.Op]float64{graph.OpAttentionQKV: 2, graph.OpAttentionQKVLSE: 1, graph.OpAttentionQKVGrad: 7}[nd.Op]
-		elems := float64(graph.Numel(qs)) / 3 // q's
-		flops = products * 2 * elems * float64(qs[1])
+		elems := float64(s.B) * float64(s.T) * float64(s.C()) // q's
+		flops = products * 2 * elems * float64(s.T)
 		if nd.Attrs.Causal {
 			flops /= 2
 		}
-		if qkv.DType == graph.Float32 && nd.Attrs.Groups > 0 {
+		if qkv.DType == graph.Float32 {
 			passes := map[graph.Op]float64{graph.OpAttentionQKV: 4, graph.OpAttentionQKVLSE: 2, graph.OpAttentionQKVGrad: 14}[nd.Op]
-			scores := float64(qs[0]*nd.Attrs.Groups*qs[1]) * float64(qs[1])
+			scores := float64(s.B*s.H*s.T) * float64(s.T)
 			if nd.Attrs.Causal {
 				scores /= 2
 			}

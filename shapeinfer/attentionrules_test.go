@@ -36,6 +36,13 @@ func attentionValidCases() []ruleCase {
 		{name: "attention_qkv unbatched", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, Scalar: 0.5}, in: ts(f(2, 5, 96)), want: f(2, 5, 32), check: scalarIs(0.5)},
 		{name: "attention_qkv_lse", op: graph.OpAttentionQKVLSE, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 96)), want: fb(0, 2, 4, 5)},
 		{name: "attention_qkv_grad", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 32), fb(0, 2, 5, 96), fb(0, 2, 5, 32), fb(0, 2, 4, 5)), want: fb(0, 2, 5, 96)},
+		// Grouped-query qkv [B, T, (H + 2·Hkv)·d]: 4 query heads and 2
+		// key/value heads of 8 (64 columns), or 1 (48): C = 32 either way.
+		{name: "attention_qkv GQA", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, KVHeads: 2, Causal: true}, in: ts(fb(0, 2, 5, 64)), want: fb(0, 2, 5, 32), check: scalarIs(1 / math.Sqrt(8))},
+		{name: "attention_qkv MQA", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, KVHeads: 1}, in: ts(fb(0, 2, 5, 48)), want: fb(0, 2, 5, 32)},
+		{name: "attention_qkv KVHeads = Groups", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, KVHeads: 4}, in: ts(fb(0, 2, 5, 96)), want: fb(0, 2, 5, 32)},
+		{name: "attention_qkv_lse GQA", op: graph.OpAttentionQKVLSE, attrs: graph.Attrs{Groups: 4, KVHeads: 2}, in: ts(fb(0, 2, 5, 64)), want: fb(0, 2, 4, 5)},
+		{name: "attention_qkv_grad GQA", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4, KVHeads: 2}, in: ts(fb(0, 2, 5, 32), fb(0, 2, 5, 64), fb(0, 2, 5, 32), fb(0, 2, 4, 5)), want: fb(0, 2, 5, 64)},
 	}
 }
 
@@ -64,6 +71,11 @@ func attentionRejectCases() []rejectCase {
 		{name: "int64 qkv", op: graph.OpAttentionQKVLSE, attrs: graph.Attrs{Groups: 4}, in: ts(ib(0, 2, 5, 96)), want: graph.ErrDType},
 		{name: "g shape", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 96), fb(0, 2, 5, 96), fb(0, 2, 5, 32), fb(0, 2, 4, 5)), want: graph.ErrShape},
 		{name: "lse shape", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4}, in: ts(fb(0, 2, 5, 32), fb(0, 2, 5, 96), fb(0, 2, 5, 32), fb(0, 2, 5, 4)), want: graph.ErrShape},
+		{name: "kv heads do not divide heads", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, KVHeads: 3}, in: ts(fb(0, 2, 5, 80)), want: graph.ErrAttr},
+		{name: "negative kv heads", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, KVHeads: -2}, in: ts(fb(0, 2, 5, 64)), want: graph.ErrAttr},
+		{name: "GQA heads do not split qkv", op: graph.OpAttentionQKV, attrs: graph.Attrs{Groups: 4, KVHeads: 2}, in: ts(fb(0, 2, 5, 100)), want: graph.ErrAttr},
+		{name: "GQA g of the MHA width", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4, KVHeads: 2}, in: ts(fb(0, 2, 5, 64), fb(0, 2, 5, 64), fb(0, 2, 5, 32), fb(0, 2, 4, 5)), want: graph.ErrShape},
+		{name: "GQA lse of the key/value heads", op: graph.OpAttentionQKVGrad, attrs: graph.Attrs{Groups: 4, KVHeads: 2}, in: ts(fb(0, 2, 5, 32), fb(0, 2, 5, 64), fb(0, 2, 5, 32), fb(0, 2, 2, 5)), want: graph.ErrShape},
 		{name: "mask gradient", op: graph.OpAttentionGradQ, attrs: graph.Attrs{Axis: 1}, in: ts(q, q, kv, kv, q, q), want: graph.ErrAttr},
 	}
 }

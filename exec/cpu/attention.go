@@ -112,15 +112,17 @@ func newAttn(a *graph.Attrs, q, k, v, m *buf) *attn {
 	return at
 }
 
-// newAttnQKV reads q, k, v in place from qkv [B, T, 3C] ([B, T, 3, H,
-// d]): every row 3C apart, head h d further on, k and v C and 2C after q;
-// o and g are [B, T, C].
+// newAttnQKV reads q, k, v in place from qkv [B, T, (H + 2·Hkv)·d]: every
+// row (H + 2·Hkv)·d apart, head h d further on, k and v H·d and (H +
+// Hkv)·d after q; o and g are [B, T, H·d].
 func newAttnQKV(a *graph.Attrs, qkv *buf) *attn {
-	h := a.Groups
-	b, t, c := qkv.shape[0], qkv.shape[1], qkv.shape[2]/3
-	st := [3]int{t * 3 * c, c / h, 3 * c}
+	h, hkv := graph.QKVHeads(*a)
+	b, t := qkv.shape[0], qkv.shape[1]
+	d := qkv.shape[2] / (h + 2*hkv)
+	p := qkv.shape[2]
+	st := [3]int{t * p, d, p}
 	return &attn{q: qkv, k: qkv, v: qkv, scale: float32(a.Scalar), causal: a.Causal,
-		B: b, H: h, Hkv: h, T: t, S: t, D: c / h, qs: st, ks: st, k0: c, v0: 2 * c, oc: c}
+		B: b, H: h, Hkv: hkv, T: t, S: t, D: d, qs: st, ks: st, k0: h * d, v0: (h + hkv) * d, oc: h * d}
 }
 
 // qoff is the offset of query row i of head h in q (and of dq in its

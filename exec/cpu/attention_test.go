@@ -138,34 +138,40 @@ func TestAttentionRejects(t *testing.T) {
 // TestAttentionQKVAgainstReference runs attention_qkv and d qkv (through
 // loss = Σ out·r) on the CPU, against the float64 reference (tolerance as
 // TestAttentionAgainstReference's) and against the same attention built
-// from q, k, v sliced out of qkv and permuted to [B, H, T, d], its output
-// permuted back: the same float32 sums in the same order, so within
-// 1e-6 of each output's largest magnitude.
+// from q, k, v sliced out of qkv and permuted to [B, heads, T, d], its
+// output permuted back: the same float32 sums in the same order, so within
+// 1e-6 of each output's largest magnitude. Hkv < H packs grouped-query
+// heads ([B, T, (H + 2·Hkv)·d]), Hkv = 1 multi-query.
 func TestAttentionQKVAgainstReference(t *testing.T) {
 	type tc struct {
-		B, H, T, D int
-		causal     bool
-		scale      float64
+		B, H, Hkv, T, D int
+		causal          bool
+		scale           float64
 	}
 	cases := []tc{
-		{B: 2, H: 1, T: 1, D: 8},
-		{B: 2, H: 3, T: 17, D: 8, causal: true},
-		{B: 1, H: 2, T: 64, D: 64, scale: 0.3},
-		{B: 2, H: 2, T: 200, D: 16, causal: true},
+		{B: 2, H: 1, Hkv: 1, T: 1, D: 8},
+		{B: 2, H: 3, Hkv: 3, T: 17, D: 8, causal: true},
+		{B: 1, H: 2, Hkv: 2, T: 64, D: 64, scale: 0.3},
+		{B: 2, H: 2, Hkv: 2, T: 200, D: 16, causal: true},
+		{B: 2, H: 4, Hkv: 2, T: 17, D: 8, causal: true},
+		{B: 1, H: 6, Hkv: 3, T: 70, D: 16, scale: 0.4},
+		{B: 2, H: 4, Hkv: 1, T: 33, D: 8, causal: true},
 	}
 	for n, c := range cases {
-		t.Run(fmt.Sprintf("B%d_H%d_T%d_d%d_causal%v", c.B, c.H, c.T, c.D, c.causal), func(t *testing.T) {
+		t.Run(fmt.Sprintf("B%d_H%d_Hkv%d_T%d_d%d_causal%v", c.B, c.H, c.Hkv, c.T, c.D, c.causal), func(t *testing.T) {
 			rng := newRNG(uint64(100 + n))
 			gr := lazy.NewGraph()
-			cc := c.H * c.D
-			qkv := gr.Wrap(dense([]int{c.B, c.T, 3 * cc}, uniform(rng, c.B*c.T*3*cc, -1, 1)), 0)
+			cc, kc := c.H*c.D, c.Hkv*c.D
+			w := cc + 2*kc
+			qkv := gr.Wrap(dense([]int{c.B, c.T, w}, uniform(rng, c.B*c.T*w, -1, 1)), 0)
 			r := gr.Wrap(dense([]int{c.B, c.T, cc}, uniform(rng, c.B*c.T*cc, -1, 1)), 0)
-			o := lazy.AttentionOptions{Causal: c.causal, Scale: c.scale}
+			o := lazy.AttentionOptions{Causal: c.causal, Scale: c.scale, KVHeads: c.Hkv}
 			packed := qkv.AttentionQKV(c.H, o)
-			head := func(i int) *lazy.Tensor {
-				return qkv.Slice(2, i*cc, (i+1)*cc).Reshape(c.B, c.T, c.H, c.D).Permute(0, 2, 1, 3)
+			part := func(start, heads int) *lazy.Tensor {
+				return qkv.Slice(2, start, start+heads*c.D).Reshape(c.B, c.T, heads, c.D).Permute(0, 2, 1, 3)
 			}
-			unpacked := head(0).Attention(head(1), head(2), o).Permute(0, 2, 1, 3).Reshape(c.B, c.T, cc)
+			o.KVHeads = 0
+			unpacked := part(0, c.H).Attention(part(cc, c.Hkv), part(cc+kc, c.Hkv), o).Permute(0, 2, 1, 3).Reshape(c.B, c.T, cc)
 			dp := lazy.Grad(packed.Mul(r).Sum(), qkv)[0]
 			du := lazy.Grad(unpacked.Mul(r).Sum(), qkv)[0]
 			require.NoError(t, errors.Join(packed.Err(), unpacked.Err(), dp.Err(), du.Err()))

@@ -15,10 +15,10 @@ import (
 // cuBLAS over blocks of queries (attention32.go: strided-batched SGEMMs,
 // TF32 under the executor's TF32 option, with row kernels between them and
 // a workspace of one block's scores), any head dim. 16-bit values at head
-// dim 64 or 128 without a mask and with as many key/value heads as query
-// heads run on cuDNN's fused attention where it loads (dnn_sdpa.go: the
-// forward pass with the log-sum-exp, and dq with dk|dv in one backward
-// call), unless ExecutorOptions.NoCuDNNAttention; otherwise they run on
+// dim 64 or 128 without a mask, grouped-query heads or not, run on cuDNN's
+// fused attention where it loads (dnn_sdpa.go: the forward pass with the
+// log-sum-exp, and dq with dk|dv in one backward call), unless
+// ExecutorOptions.NoCuDNNAttention; otherwise they run on
 // tensor cores (attnMMA:
 // attention_fwd_mma for the forward pass and the log-sum-exp,
 // attention_grad_q_mma and attention_grad_kv_mma for the gradients; 16-bit
@@ -141,11 +141,11 @@ func attnGradQWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 // attnSDPAWorkspace is the larger of the float32 path's workspace and, when
 // q (input qi, k the next) and the mask (an input past the first unmasked
 // arity) make a shape cuDNN's fused attention takes, bytes of its shape.
-func attnSDPAWorkspace(g *graph.Graph, nd *graph.Node, b, qi, unmasked int, bytes func(b, h, t, s, d int64) int64) int64 {
+func attnSDPAWorkspace(g *graph.Graph, nd *graph.Node, b, qi, unmasked int, bytes func(sdpaDims) int64) int64 {
 	ws := attnF32Workspace(g, nd, b)
 	q, kk := inputAt(g, nd, qi, b), inputAt(g, nd, qi+1, b)
 	if len(q) == 4 && len(kk) == 4 && sdpaShape(g.Node(nd.Inputs[qi]).Type.DType, q[3], len(nd.Inputs) > unmasked, q[1], kk[1]) {
-		ws = max(ws, bytes(int64(q[0]), int64(q[1]), int64(q[2]), int64(kk[2]), int64(q[3])))
+		ws = max(ws, bytes(sdpaDims{b: int64(q[0]), h: int64(q[1]), hkv: int64(kk[1]), t: int64(q[2]), s: int64(kk[2]), d: int64(q[3])}))
 	}
 	return ws
 }

@@ -131,7 +131,8 @@ func (c attn32Case) String() string {
 // The float32 path's workspace is one [B·H, bq, ld] float32 array for
 // attention and attention_lse and two for the gradients, linear in the
 // chunk size (the planner evaluates it at 0 and 1 samples); 16-bit
-// attention declares none but the tensor-core dk|dv pass's D.
+// attention declares the tensor-core dk|dv pass's D, and cuDNN's
+// workspace for the forward pass and dq (sdpaFwdBytes, sdpaBwdBytes).
 func TestAttnF32Workspace(t *testing.T) {
 	c := attn32Case{B: 3, H: 6, Hkv: 2, T: 300, S: 200, D: 64, causal: true, mask: []int{300, 200}}
 	g, ids := attnTestGraph(t, c, rand.New(rand.NewPCG(1, 2)), false)
@@ -159,9 +160,13 @@ func TestAttnF32Workspace(t *testing.T) {
 	require.NoError(t, err)
 	dkv, err := h.Append(graph.Node{Op: graph.OpAttentionGradKV, Inputs: args})
 	require.NoError(t, err)
-	for _, id := range []int{o, l, dq} {
-		assert.Zero(t, Workspace(h, h.Node(id), 2))
-	}
+	// cuDNN's fused attention takes these grouped-query heads: the forward
+	// pass and dq declare its arrays and plan bound, the log-sum-exp
+	// nothing.
+	x := sdpaDims{b: 2, h: 4, hkv: 2, t: 10, s: 7, d: 64}
+	assert.Equal(t, sdpaFwdBytes(x), Workspace(h, h.Node(o), 2))
+	assert.Zero(t, Workspace(h, h.Node(l), 2))
+	assert.Equal(t, sdpaBwdBytes(x), Workspace(h, h.Node(dq), 2))
 	assert.Equal(t, int64(4*2*4*10), Workspace(h, h.Node(dkv), 2))
 }
 

@@ -6,22 +6,24 @@ import (
 )
 
 // Packed attention (attention_qkv, attention_qkv_lse, attention_qkv_grad):
-// q, k and v read in place from the projection qkv [B, T, 3C] ([B, T, 3,
-// H, d]), o written as [B, T, C] and d qkv as qkv is laid out. cuDNN's
-// fused attention takes those layouts through its tensors' strides
-// (sdpaKey.packed), so on cuDNN's shapes (sdpaShape: 16-bit, head dim 64
-// or 128) nothing is copied: the forward pass also writes the log-sum-exp
-// of its attention_qkv_lse companion, and the backward pass writes dq, dk
-// and dv into d qkv in one call.
+// q, k and v read in place from the projection qkv [B, T, (H + 2·Hkv)·d]
+// (q [B, T, H, d] in its first C = H·d columns, then k and v [B, T, Hkv,
+// d]; [B, T, 3, H, d] when Hkv = H), o written as [B, T, C] and d qkv as
+// qkv is laid out. cuDNN's fused attention takes those layouts through
+// its tensors' strides (sdpaKey.packed), so on cuDNN's shapes (sdpaShape:
+// 16-bit, head dim 64 or 128, grouped heads or not) nothing is copied:
+// the forward pass also writes the log-sum-exp of its attention_qkv_lse
+// companion, and the backward pass writes dq, dk and dv (each group's sum)
+// into d qkv in one call.
 //
 // Elsewhere (float32, other head dims, cuDNN off or refusing) the kernels
 // of attention.go run on copies in the node's workspace, laid out as they
-// want them: q, k, v (and o, g) gathered to [B, H, T, d], the results
-// gathered back (the float32 path's GEMMs read the copies as they read
-// attention's operands). Such a call is counted in DNN.AttnStats as
-// attnQKVPermuted besides cuDNN's reason. The workspace holds the kernels'
-// own (attnQKVInner) first, then the copies, and is declared from the
-// types alone: the larger of that and cuDNN's.
+// want them: q (and o, g) gathered to [B, H, T, d], k and v to [B, Hkv,
+// T, d], the results gathered back (the float32 path's GEMMs read the
+// copies as they read attention's operands). Such a call is counted in
+// DNN.AttnStats as attnQKVPermuted besides cuDNN's reason. The workspace
+// holds the kernels' own (attnQKVInner) first, then the copies, and is
+// declared from the types alone: the larger of that and cuDNN's.
 var attentionQKVKernels = family{
 	graph.OpAttentionQKV:     {run: attentionQKVFwd, ws: attnQKVWorkspace},
 	graph.OpAttentionQKVLSE:  {run: attentionQKVLSE, ws: attnQKVWorkspace},
@@ -32,18 +34,19 @@ var attentionQKVKernels = family{
 // copies.
 const attnQKVPermuted = "attention_qkv permuted"
 
-// attnQKVCopies is how many [B, T, C] arrays of the dtype a packed op's
-// fallback keeps in its workspace after the kernels' own: q, k, v and o
-// forward; q and k for the log-sum-exp; o, g, dq and dk|dv (2) backward,
-// whose q, k and v go to d qkv's output until the gradients replace them.
-func attnQKVCopies(op graph.Op) int64 {
+// attnQKVCopies is how many elements of the dtype a packed op's fallback
+// keeps in its workspace after the kernels' own: q, k, v and o forward; q
+// and k for the log-sum-exp; o, g, dq and dk|dv backward, whose q, k and
+// v go to d qkv's output (of their size) until the gradients replace them.
+func attnQKVCopies(op graph.Op, s graph.QKVShape) int64 {
+	nq, nkv := int64(s.B*s.T*s.C()), int64(s.B*s.T*s.KV())
 	switch op {
 	case graph.OpAttentionQKV:
-		return 4
+		return 2*nq + 2*nkv
 	case graph.OpAttentionQKVLSE:
-		return 2
+		return nq + nkv
 	}
-	return 5
+	return 3*nq + 2*nkv
 }
 
 // attnQKVInner is the workspace the kernels of attention.go take for op's
@@ -67,8 +70,7 @@ func attnQKVInner(op graph.Op, dt graph.DType, s graph.QKVShape) int64 {
 // attnQKVFallbackBytes is the fallback's workspace: the kernels' own, then
 // the copies (attnQKVCopies).
 func attnQKVFallbackBytes(op graph.Op, dt graph.DType, s graph.QKVShape) int64 {
-	n := int64(s.B*s.T*s.C()) * int64(dt.Size())
-	return attnQKVInner(op, dt, s) + attnQKVCopies(op)*n
+	return attnQKVInner(op, dt, s) + attnQKVCopies(op, s)*int64(dt.Size())
 }
 
 // attnQKVWorkspace is a packed op's workspace at chunk size b: enough for
@@ -84,17 +86,17 @@ func attnQKVWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	}
 	dt := g.Node(nd.Inputs[qi]).Type.DType
 	at := func(b int) (fallback, sdpa int64) {
-		s, err := graph.QKVDims(nd.Op, nd.Attrs.Groups, graph.Type{Shape: inputAt(g, nd, qi, b), DType: dt, BatchAxis: -1})
+		s, err := graph.QKVDims(nd.Op, nd.Attrs, graph.Type{Shape: inputAt(g, nd, qi, b), DType: dt, BatchAxis: -1})
 		if err != nil {
 			return 0, 0
 		}
-		if sdpaShape(dt, s.D, false, s.H, s.H) {
-			b, h, t, d := int64(s.B), int64(s.H), int64(s.T), int64(s.D)
+		if sdpaShape(dt, s.D, false, s.H, s.Hkv) {
+			x := qkvDims(s)
 			switch nd.Op {
 			case graph.OpAttentionQKV:
-				sdpa = sdpaFwdBytes(b, h, t, t, d)
+				sdpa = sdpaFwdBytes(x)
 			case graph.OpAttentionQKVGrad:
-				sdpa = sdpaBwdBytes(b, h, t, t, d)
+				sdpa = sdpaBwdBytes(x)
 			}
 		}
 		return attnQKVFallbackBytes(nd.Op, dt, s), sdpa
@@ -104,26 +106,31 @@ func attnQKVWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	return max(f0, s0) + int64(b)*max(f1-f0, s1-s0)
 }
 
+// qkvDims is the sizes of the unpacked attention s holds.
+func qkvDims(s graph.QKVShape) sdpaDims {
+	return sdpaDims{b: int64(s.B), h: int64(s.H), hkv: int64(s.Hkv), t: int64(s.T), s: int64(s.T), d: int64(s.D)}
+}
+
 // qkvGeom checks qkv and returns its dtype, its shape and the geometry of
 // the unpacked attention it holds.
 func (k *kctx) qkvGeom(qkv operand) (graph.DType, graph.QKVShape, attnShape, error) {
 	a := k.attrs()
-	s, err := graph.QKVDims(k.nd.Op, a.Groups, graph.Type{Shape: qkv.shape, DType: qkv.dt, BatchAxis: -1})
+	s, err := graph.QKVDims(k.nd.Op, *a, graph.Type{Shape: qkv.shape, DType: qkv.dt, BatchAxis: -1})
 	if err != nil {
 		return 0, s, attnShape{}, err
 	}
 	if s.D > attMaxD && qkv.dt != graph.Float32 {
 		return 0, s, attnShape{}, graph.Errorf(graph.ErrShape, "%s: head dim %d (qkv %v, %d heads) is larger than the CUDA kernels' %d", k.nd.Op, s.D, qkv.shape, s.H, attMaxD)
 	}
-	sh := attnShape{b: s.B, h: s.H, hkv: s.H, t: s.T, s: s.T, d: s.D, scale: float32(a.Scalar), causal: a.Causal}
+	sh := attnShape{b: s.B, h: s.H, hkv: s.Hkv, t: s.T, s: s.T, d: s.D, scale: float32(a.Scalar), causal: a.Causal}
 	return qkv.dt, s, sh, nil
 }
 
-// qkvThirds is the addresses of the q, k and v (or dq, dk, dv) columns of
-// a packed [B, T, 3C] array at p.
-func qkvThirds(p alloc.Ptr, dt graph.DType, s graph.QKVShape) (alloc.Ptr, alloc.Ptr, alloc.Ptr) {
-	c := alloc.Ptr(s.C() * dt.Size())
-	return p, p + c, p + 2*c
+// qkvParts is the addresses of the q, k and v (or dq, dk, dv) columns of
+// a packed [B, T, (H + 2·Hkv)·d] array at p: columns 0, C and C + KV.
+func qkvParts(p alloc.Ptr, dt graph.DType, s graph.QKVShape) (alloc.Ptr, alloc.Ptr, alloc.Ptr) {
+	c, kv := alloc.Ptr(s.C()*dt.Size()), alloc.Ptr(s.KV()*dt.Size())
+	return p, p + c, p + c + kv
 }
 
 // qkvFallback counts a packed call left to the kernels (with cuDNN on)
@@ -146,21 +153,31 @@ func (k *kctx) qkvFallback(op graph.Op, dt graph.DType, s graph.QKVShape) (alloc
 	return ws + alloc.Ptr(attnQKVInner(k.nd.Op, dt, s)), &sub, nil
 }
 
-// heads is the operands of count consecutive [B, H, T, d] arrays from p.
-func heads(p alloc.Ptr, dt graph.DType, s graph.QKVShape, count int) []operand {
-	out := make([]operand, count)
-	n := alloc.Ptr(s.B * s.T * s.C() * dt.Size())
-	for i := range out {
-		out[i] = operand{p: p + alloc.Ptr(i)*n, shape: []int{s.B, s.H, s.T, s.D}, dt: dt}
+// heads is the operands of consecutive contiguous arrays from p, one per
+// entry of n: [B, n[i], T, d] of dtype dt.
+func heads(p alloc.Ptr, dt graph.DType, s graph.QKVShape, n ...int) []operand {
+	out := make([]operand, len(n))
+	for i, h := range n {
+		out[i] = operand{p: p, shape: []int{s.B, h, s.T, s.D}, dt: dt}
+		p += alloc.Ptr(s.B * h * s.T * s.D * dt.Size())
 	}
 	return out
 }
 
-// gatherHeads copies the first count of q, k, v from qkv [B, T, 3, H, d]
-// to consecutive [B, H, T, d] arrays at dst.
+// gatherHeads copies the first count of q [B, T, H, d], k and v [B, T,
+// Hkv, d] from the rows of qkv to consecutive arrays at dst: q as [B, H,
+// T, d], k and v as [B, Hkv, T, d] (heads' layout).
 func (k *kctx) gatherHeads(dt graph.DType, qkv, dst alloc.Ptr, s graph.QKVShape, count int) error {
-	c := s.C()
-	return k.gatherView(dt, qkv, dst, []int{count, s.B, s.H, s.T, s.D}, []int{c, s.T * 3 * c, s.D, 3 * c, 1})
+	p := s.Pitch()
+	src := [3]alloc.Ptr{}
+	src[0], src[1], src[2] = qkvParts(qkv, dt, s)
+	for i, h := range []int{s.H, s.Hkv, s.Hkv}[:count] {
+		if err := k.gatherView(dt, src[i], dst, []int{s.B, h, s.T, s.D}, []int{s.T * p, s.D, p, 1}); err != nil {
+			return err
+		}
+		dst += alloc.Ptr(s.B * h * s.T * s.D * dt.Size())
+	}
+	return nil
 }
 
 // gatherView copies the view of src with sizes dims and element strides
@@ -211,7 +228,7 @@ func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 			pl = lse.p
 		}
 		ws, n := k.nodeWorkspace()
-		q, kk, v := qkvThirds(qkv.p, dt, s)
+		q, kk, v := qkvParts(qkv.p, dt, s)
 		done, err := k.dnn.sdpaForward(dt, sh, false, true, q, kk, v, out.p, pl, ws, n)
 		if done || err != nil {
 			k.coDone = done && err == nil && lse != nil
@@ -222,7 +239,7 @@ func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	hs := heads(base, dt, s, 4) // q, k, v, o
+	hs := heads(base, dt, s, s.H, s.Hkv, s.Hkv, s.H) // q, k, v, o
 	if err := k.gatherHeads(dt, qkv.p, base, s, 3); err != nil {
 		return err
 	}
@@ -255,7 +272,7 @@ func attentionQKVLSE(k *kctx, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	hs := heads(base, dt, s, 2)
+	hs := heads(base, dt, s, s.H, s.Hkv) // q, k
 	if err := k.gatherHeads(dt, qkv.p, base, s, 2); err != nil {
 		return err
 	}
@@ -280,8 +297,8 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	}
 	if k.dnn != nil {
 		ws, n := k.nodeWorkspace()
-		q, kk, v := qkvThirds(qkv.p, dt, s)
-		dq, dk, dv := qkvThirds(out.p, dt, s)
+		q, kk, v := qkvParts(qkv.p, dt, s)
+		dq, dk, dv := qkvParts(out.p, dt, s)
 		done, err := k.dnn.sdpaBackward(dt, sh, false, true, g.p, q, kk, v, o.p, lse.p, dq, dk, dv, ws, n)
 		if done || err != nil {
 			return err
@@ -294,10 +311,10 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	subKV := *subQ
 	subKV.nd = &graph.Node{Op: graph.OpAttentionGradKV, Attrs: k.nd.Attrs}
 	// q, k, v into the output until the gradients are done; o, g, dq and
-	// dk|dv [B, H, T, 2d] in the workspace.
-	qkvh := heads(out.p, dt, s, 3)
-	hs := heads(base, dt, s, 5)
-	dkv := operand{p: hs[3].p, shape: []int{s.B, s.H, s.T, 2 * s.D}, dt: dt}
+	// dk|dv [B, Hkv, T, 2d] in the workspace.
+	qkvh := heads(out.p, dt, s, s.H, s.Hkv, s.Hkv)
+	hs := heads(base, dt, s, s.H, s.H, s.H, 2*s.Hkv) // o, g, dq, dk|dv
+	dkv := operand{p: hs[3].p, shape: []int{s.B, s.Hkv, s.T, 2 * s.D}, dt: dt}
 	if err := k.gatherHeads(dt, qkv.p, out.p, s, 3); err != nil {
 		return err
 	}
@@ -316,19 +333,19 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	if err := attentionGrad(&subKV, args, dkv); err != nil {
 		return err
 	}
-	// dk|dv [B, H, T, 2, d] → [B, T, 2, H, d] over o and g, then into
-	// columns C to 3C of d qkv; dq [B, H, T, d] → [B, T, H, d] over o, then
-	// into columns 0 to C.
-	rows, c := int64(s.B*s.T), int64(s.C())
-	h, t, d := s.H, s.T, s.D
-	if err := k.gatherView(dt, dkv.p, hs[0].p, []int{s.B, t, 2, h, d}, []int{h * t * 2 * d, 2 * d, d, t * 2 * d, 1}); err != nil {
+	// dk|dv [B, Hkv, T, 2, d] → [B, T, 2, Hkv, d] over o and g (2·Hkv ≤
+	// 2·H heads), then into columns C to C + 2·KV of d qkv; dq [B, H, T,
+	// d] → [B, T, H, d] over o, then into columns 0 to C.
+	rows, c, kv, p := int64(s.B*s.T), int64(s.C()), int64(s.KV()), int64(s.Pitch())
+	h, hkv, t, d := s.H, s.Hkv, s.T, s.D
+	if err := k.gatherView(dt, dkv.p, hs[0].p, []int{s.B, t, 2, hkv, d}, []int{hkv * t * 2 * d, 2 * d, d, t * 2 * d, 1}); err != nil {
 		return err
 	}
-	if err := k.copyColumns(dt, hs[0].p, out.p, rows, 2*c, 3*c, c); err != nil {
+	if err := k.copyColumns(dt, hs[0].p, out.p, rows, 2*kv, p, c); err != nil {
 		return err
 	}
 	if err := k.gatherView(dt, hs[2].p, hs[0].p, []int{s.B, t, h, d}, []int{h * t * d, d, t * d, 1}); err != nil {
 		return err
 	}
-	return k.copyColumns(dt, hs[0].p, out.p, rows, c, 3*c, 0)
+	return k.copyColumns(dt, hs[0].p, out.p, rows, c, p, 0)
 }

@@ -14,13 +14,25 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
-// qkvCase is one packed attention problem: qkv [B, T, 3·H·D].
+// qkvCase is one packed attention problem: qkv [B, T, (H + 2·Hkv)·D]
+// (Hkv = H when 0: [B, T, 3, H, D]).
 type qkvCase struct {
-	B, H, T, D int
-	causal     bool
+	B, H, Hkv, T, D int
+	causal          bool
+}
+
+// kv is the key/value heads.
+func (c qkvCase) kv() int {
+	if c.Hkv == 0 {
+		return c.H
+	}
+	return c.Hkv
 }
 
 func (c qkvCase) String() string {
+	if c.kv() != c.H {
+		return fmt.Sprintf("B%d_H%d_Hkv%d_T%d_d%d_causal%v", c.B, c.H, c.kv(), c.T, c.D, c.causal)
+	}
 	return fmt.Sprintf("B%d_H%d_T%d_d%d_causal%v", c.B, c.H, c.T, c.D, c.causal)
 }
 
@@ -46,15 +58,20 @@ func qkvGraph(t *testing.T, c qkvCase, dt graph.DType, rng *rand.Rand) (*graph.G
 			Type: graph.Type{Shape: shape, DType: dt, BatchAxis: 0, PerSample: 1}})
 	}
 	cc := c.H * c.D
-	qkv, gr := in(c.B, c.T, 3*cc), in(c.B, c.T, cc)
+	qkv, gr := in(c.B, c.T, cc+2*c.kv()*c.D), in(c.B, c.T, cc)
 	a := graph.Attrs{Groups: c.H, Causal: c.causal}
+	if c.Hkv != 0 {
+		a.KVHeads = c.Hkv
+	}
 	o := add(graph.Node{Op: graph.OpAttentionQKV, Inputs: []int{qkv}, Attrs: a})
 	lse := add(graph.Node{Op: graph.OpAttentionQKVLSE, Inputs: []int{qkv}, Attrs: a})
 	d := add(graph.Node{Op: graph.OpAttentionQKVGrad, Inputs: []int{gr, qkv, o, lse}, Attrs: a})
 	return g, []int{o, lse, d}
 }
 
-// qkvCases: T ∈ {1, 17, 64, 1024}, d ∈ {64, 128}, causal or not.
+// qkvCases: T ∈ {1, 17, 64, 1024}, d ∈ {64, 128}, causal or not; and
+// grouped-query heads (4 over 2) at T ∈ {17, 64} and multi-query heads
+// (3 over 1 at T = 64, 4 over 1 at T = 1024).
 func qkvCases() []qkvCase {
 	var out []qkvCase
 	for _, d := range []int{64, 128} {
@@ -66,6 +83,11 @@ func qkvCases() []qkvCase {
 				}
 				out = append(out, c)
 			}
+			out = append(out,
+				qkvCase{B: 2, H: 4, Hkv: 2, T: 17, D: d, causal: causal},
+				qkvCase{B: 2, H: 4, Hkv: 2, T: 64, D: d, causal: causal},
+				qkvCase{B: 2, H: 3, Hkv: 1, T: 64, D: d, causal: causal},
+				qkvCase{B: 1, H: 4, Hkv: 1, T: 1024, D: d, causal: causal})
 		}
 	}
 	return out
@@ -86,6 +108,10 @@ func qkvCases() []qkvCase {
 //   - bfloat16 with head dim 32 (the plain-FMA kernels on copies) and with
 //     cuDNN's attention off (the tensor-core kernels on copies), at the
 //     kernels' tolerances (attnTolBF16, attnTolMMABF16).
+//
+// Grouped-query and multi-query cases run every one of these paths: in
+// place on cuDNN (dk and dv each group's sum), and on copies of q [B, H,
+// T, d], k and v [B, Hkv, T, d] otherwise.
 func TestAttentionQKV(t *testing.T) {
 	e, n := sdpaExecutor(t)
 	off := freshExecutor(t, cuda.ExecutorOptions{NoCuDNNAttention: true})
@@ -106,10 +132,12 @@ func TestAttentionQKV(t *testing.T) {
 			run{name: "f16_" + c.String(), c: c, dt: graph.Float16, e: e, tol: attnTolMMAF16, lseTol: attnTolF32, cudnn: true},
 			run{name: "f32_" + c.String(), c: c, dt: graph.Float32, e: e, tol: attnTolF32Ref, lseTol: attnTolF32Ref, permute: true})
 	}
-	for _, c := range []qkvCase{{B: 2, H: 3, T: 17, D: 32, causal: true}, {B: 1, H: 2, T: 200, D: 32}} {
+	for _, c := range []qkvCase{{B: 2, H: 3, T: 17, D: 32, causal: true}, {B: 1, H: 2, T: 200, D: 32}, {B: 2, H: 4, Hkv: 2, T: 17, D: 32, causal: true},
+		{B: 1, H: 3, Hkv: 1, T: 200, D: 32}} {
 		runs = append(runs, run{name: "bf16_" + c.String(), c: c, dt: graph.BFloat16, e: e, tol: attnTolBF16, lseTol: attnTolF32, permute: true})
 	}
-	for _, c := range []qkvCase{{B: 2, H: 3, T: 64, D: 64, causal: true}, {B: 1, H: 2, T: 1024, D: 128}} {
+	for _, c := range []qkvCase{{B: 2, H: 3, T: 64, D: 64, causal: true}, {B: 1, H: 2, T: 1024, D: 128}, {B: 2, H: 4, Hkv: 2, T: 64, D: 64, causal: true},
+		{B: 1, H: 4, Hkv: 1, T: 1024, D: 128}} {
 		runs = append(runs, run{name: "cudnn_off_bf16_" + c.String(), c: c, dt: graph.BFloat16, e: off, tol: attnTolMMABF16, lseTol: attnTolF32})
 	}
 	preps := make([]refRun, len(runs))
@@ -160,7 +188,8 @@ func TestAttentionQKV(t *testing.T) {
 // sums, rounded once), not bit for bit.
 func TestAttentionQKVMatchesUnpacked(t *testing.T) {
 	e, _ := sdpaExecutor(t)
-	for _, c := range []qkvCase{{B: 2, H: 3, T: 64, D: 64, causal: true}, {B: 1, H: 2, T: 1024, D: 128}} {
+	for _, c := range []qkvCase{{B: 2, H: 3, T: 64, D: 64, causal: true}, {B: 1, H: 2, T: 1024, D: 128},
+		{B: 2, H: 4, Hkv: 2, T: 64, D: 64, causal: true}, {B: 1, H: 8, Hkv: 1, T: 1024, D: 128}} {
 		t.Run(c.String(), func(t *testing.T) { matchUnpacked(t, e, c) })
 	}
 }
@@ -174,22 +203,22 @@ func matchUnpacked(t *testing.T, e graphRunner, c qkvCase) {
 	require.NoError(t, err)
 	// The same graph's inputs, unpacked by hand.
 	qkvIn, gIn := g.Node(ids[2]).Inputs[1], g.Node(ids[2]).Inputs[0]
-	cc := c.H * c.D
+	cc, kc := c.H*c.D, c.kv()*c.D
 	add := func(op graph.Op, a graph.Attrs, in ...int) int {
 		id, err := g.Append(graph.Node{Op: op, Inputs: in, Attrs: a})
 		require.NoError(t, err)
 		return id
 	}
-	toHeads := func(x, i int) int { // third i of x [B, T, k·C] → [B, H, T, d]
-		s := add(graph.OpSlice, graph.Attrs{Axis: 2, Start: i * cc, End: (i + 1) * cc, Step: 1}, x)
-		r := add(graph.OpReshape, graph.Attrs{Shape: []int{-1, c.T, c.H, c.D}}, s)
+	toHeads := func(x, start, heads int) int { // columns [start, start + heads·d) of x [B, T, ·] → [B, heads, T, d]
+		s := add(graph.OpSlice, graph.Attrs{Axis: 2, Start: start, End: start + heads*c.D, Step: 1}, x)
+		r := add(graph.OpReshape, graph.Attrs{Shape: []int{-1, c.T, heads, c.D}}, s)
 		return add(graph.OpPermute, graph.Attrs{Perm: []int{0, 2, 1, 3}}, r)
 	}
-	fromHeads := func(x int) int { // [B, H, T, d] → [B, T, C]
+	fromHeads := func(x, heads int) int { // [B, heads, T, d] → [B, T, heads·d]
 		p := add(graph.OpPermute, graph.Attrs{Perm: []int{0, 2, 1, 3}}, x)
-		return add(graph.OpReshape, graph.Attrs{Shape: []int{-1, c.T, cc}}, p)
+		return add(graph.OpReshape, graph.Attrs{Shape: []int{-1, c.T, heads * c.D}}, p)
 	}
-	q, k, v, gh := toHeads(qkvIn, 0), toHeads(qkvIn, 1), toHeads(qkvIn, 2), toHeads(gIn, 0)
+	q, k, v, gh := toHeads(qkvIn, 0, c.H), toHeads(qkvIn, cc, c.kv()), toHeads(qkvIn, cc+kc, c.kv()), toHeads(gIn, 0, c.H)
 	a := graph.Attrs{Causal: c.causal}
 	o := add(graph.OpAttention, a, q, k, v)
 	lse := add(graph.OpAttentionLSE, a, q, k)
@@ -198,8 +227,8 @@ func matchUnpacked(t *testing.T, e graphRunner, c qkvCase) {
 	dkv := add(graph.OpAttentionGradKV, a, args...)
 	dk := add(graph.OpSlice, graph.Attrs{Axis: 3, Start: 0, End: c.D, Step: 1}, dkv)
 	dv := add(graph.OpSlice, graph.Attrs{Axis: 3, Start: c.D, End: 2 * c.D, Step: 1}, dkv)
-	d := add(graph.OpConcat, graph.Attrs{Axis: 2}, fromHeads(dq), fromHeads(dk), fromHeads(dv))
-	unpacked, err := e.Run(context.Background(), g, fromHeads(o), d)
+	d := add(graph.OpConcat, graph.Attrs{Axis: 2}, fromHeads(dq, c.H), fromHeads(dk, c.kv()), fromHeads(dv, c.kv()))
+	unpacked, err := e.Run(context.Background(), g, fromHeads(o, c.H), d)
 	require.NoError(t, err)
 	for i, what := range []string{"o", "dqkv"} {
 		w, gd := unpacked[i].Data().([]float32), packed[i].Data().([]float32)

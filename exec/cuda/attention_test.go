@@ -137,11 +137,17 @@ type attnTol struct{ rtol, atol, abs float64 }
 // tolerance.
 func checkAttn(t *testing.T, c attnCase, dt graph.DType, tol, lseTol attnTol) {
 	t.Helper()
+	checkAttnOn(t, executor(t), c, dt, tol, lseTol)
+}
+
+// checkAttnOn is checkAttn on executor e.
+func checkAttnOn(t *testing.T, e *cuda.Executor, c attnCase, dt graph.DType, tol, lseTol attnTol) {
+	t.Helper()
 	g, ids := attnGraph(t, c, dt, rand.New(rand.NewPCG(uint64(c.T*131+c.D), 7)))
 	ctx := context.Background()
 	want, err := cpu.New().Run(ctx, g, ids...)
 	require.NoError(t, err)
-	got, err := executor(t).Run(ctx, g, ids...)
+	got, err := e.Run(ctx, g, ids...)
 	require.NoError(t, err)
 	for i, name := range []string{"o", "lse", "dq", "dkv"} {
 		tl := tol
@@ -250,9 +256,10 @@ func TestAttention16(t *testing.T) {
 // TestAttentionMMA runs the tensor-core kernels, forward (o and lse) and
 // backward (dq and dk|dv from that o and lse), over T ∈ {1, 17, 64, 1000}
 // (S = T, and S ≠ T), d ∈ {64, 128}, causal or not, grouped-query heads
-// (groups of 2, 3 and 4), against the CPU executor.
+// (groups of 2, 3 and 4), against the CPU executor, on an executor with
+// cuDNN's attention off (cuDNN takes these grouped heads otherwise).
 func TestAttentionMMA(t *testing.T) {
-	executor(t)
+	e := freshExecutor(t, cuda.ExecutorOptions{NoCuDNNAttention: true})
 	var cases []attnCase
 	for _, d := range []int{64, 128} {
 		for _, causal := range []bool{false, true} {
@@ -270,8 +277,8 @@ func TestAttentionMMA(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.String(), func(t *testing.T) {
-			checkAttn(t, c, graph.BFloat16, attnTolMMABF16, attnTolF32)
-			checkAttn(t, c, graph.Float16, attnTolMMAF16, attnTolF32)
+			checkAttnOn(t, e, c, graph.BFloat16, attnTolMMABF16, attnTolF32)
+			checkAttnOn(t, e, c, graph.Float16, attnTolMMAF16, attnTolF32)
 		})
 	}
 }

@@ -15,13 +15,23 @@ import (
 
 // cuDNN's fused attention (SDPA) through the backend graph API, unless
 // ExecutorOptions.NoCuDNNAttention: 16-bit q, k, v at head dim 64 or 128,
-// no mask, as many key/value heads as query heads. The graphs are the ones
-// NVIDIA's cudnn-frontend builds for scaled_dot_product_flash_attention
+// no mask, H query heads and Hkv key/value heads for any Hkv dividing H
+// (grouped-query attention; Hkv = 1 is multi-query). The graphs are the
+// ones NVIDIA's cudnn-frontend builds for scaled_dot_product_flash_attention
 // (its CompositeSDPANode and CompositeSDPABackwardNode, no dropout, no
 // bias), which cuDNN matches to its fused flash kernels: the forward pass
 // gives o and Stats (the natural log-sum-exp of the scaled scores,
 // float32 [B, H, T, 1]: exactly attention_lse's value), the backward pass
 // dq, dk and dv from q, k, v, o, dO and Stats in one call.
+//
+// Grouped heads are the tensors' shapes, as the frontend states them: k
+// and v are [B, Hkv, S, d] wherever the graphs read them, and each matrix
+// product over heads pairs query head h with key/value head h/(H/Hkv)
+// (the frontend's einsum "b (hk g) s d"). The backward pass computes dk
+// and dv of every query head (virtual [B, H, S, d] tensors of q's dtype:
+// whatever cuDNN keeps for them is its plan's workspace, sdpaPlanBytes)
+// and a reduction sums each group's into dk and dv [B, Hkv, S, d], which
+// cuDNN fuses into the kernel.
 //
 // Every byte is planned. The backward graph's dQ accumulator (float32
 // [B, H, T, d]) and softmax_sum (float32 [B, H, T]) live in the node's
@@ -46,9 +56,9 @@ func (p sdpaPass) String() string { return [...]string{"forward", "backward"}[p]
 // sdpaKey is everything an SDPA plan depends on. The layouts are fixed by
 // the shapes and packed (sdpaKey.strides): unpacked, q, k, v, o, dO and dq
 // contiguous, dk and dv the halves of one [B, Hkv, S, 2d] array; packed
-// (attention_qkv), q, k and v read in place from qkv [B, T, 3, H, d], dq,
-// dk and dv written likewise into d qkv, o and dO [B, T, H, d]. lse is
-// [B, H, T] either way.
+// (attention_qkv), q [B, T, H, d], k and v [B, T, Hkv, d] read in place
+// from the rows of qkv [B, T, (H + 2·Hkv)·d], dq, dk and dv written
+// likewise into d qkv, o and dO [B, T, H, d]. lse is [B, H, T] either way.
 type sdpaKey struct {
 	pass               sdpaPass
 	dt                 graph.DType
@@ -64,17 +74,24 @@ type sdpaStrides struct{ q, k, v, o, dq, dk, dv []int64 }
 
 // strides lays out key's tensors (see sdpaKey). Packed needs t = s.
 func (key sdpaKey) strides() sdpaStrides {
-	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
+	b, h, hkv, t, s, d := key.b, key.h, key.hkv, key.t, key.s, key.d
 	if key.packed {
-		p := 3 * h * d // row pitch of qkv and d qkv
+		p := (h + 2*hkv) * d // row pitch of qkv and d qkv
 		qkv := []int64{t * p, d, p, 1}
 		o := []int64{t * h * d, d, h * d, 1}
 		return sdpaStrides{q: qkv, k: qkv, v: qkv, o: o, dq: qkv, dk: qkv, dv: qkv}
 	}
-	q, kv := contiguous(b, h, t, d), contiguous(b, h, s, d)
-	dkv := []int64{h * s * 2 * d, s * 2 * d, 2 * d, 1}
+	q, kv := contiguous(b, h, t, d), contiguous(b, hkv, s, d)
+	dkv := []int64{hkv * s * 2 * d, s * 2 * d, 2 * d, 1}
 	return sdpaStrides{q: q, k: kv, v: kv, o: q, dq: q, dk: dkv, dv: dkv}
 }
+
+// sdpaDims is an attention problem's sizes: q [b, h, t, d], k and v [b,
+// hkv, s, d].
+type sdpaDims struct{ b, h, hkv, t, s, d int64 }
+
+// grouped reports whether query heads share key/value heads.
+func (x sdpaDims) grouped() bool { return x.hkv != x.h }
 
 // transposed is strides st of [b, h, r, c] read as [b, h, c, r].
 func transposed(st []int64) []int64 { return []int64{st[0], st[1], st[3], st[2]} }
@@ -157,9 +174,10 @@ func (n *DNN) fallback(why string) {
 }
 
 // sdpaShape reports whether attention of dtype dt at head dim d, with or
-// without a mask, h query and hkv key/value heads, is cuDNN's to run.
+// without a mask, h query and hkv key/value heads, is cuDNN's to run:
+// 16-bit, d 64 or 128, no mask, hkv dividing h.
 func sdpaShape(dt graph.DType, d int, masked bool, h, hkv int) bool {
-	return attnMMAShape(dt, d, masked) && h == hkv
+	return attnMMAShape(dt, d, masked) && hkv >= 1 && h%hkv == 0
 }
 
 // Workspace of the cuDNN path, affine in the batch b (the planner needs
@@ -168,28 +186,44 @@ func sdpaShape(dt graph.DType, d int, masked bool, h, hkv int) bool {
 //
 //   - forward: Stats when attention_lse is no companion of the node (no
 //     training), 4·B·H·T;
-//   - backward: the dQ accumulator 4·B·H·T·d, then softmax_sum 4·B·H·T.
-func sdpaFwdBytes(b, h, t, s, d int64) int64 {
-	return 4*b*h*t + 256 + sdpaPlanBytes(sdpaForward, b, h, t, s, d)
+//   - backward: the dQ accumulator 4·B·H·T·d, then softmax_sum 4·B·H·T
+//     (both of the query heads, grouped or not).
+func sdpaFwdBytes(x sdpaDims) int64 {
+	return 4*x.b*x.h*x.t + 256 + sdpaPlanBytes(sdpaForward, x)
 }
 
-func sdpaBwdBytes(b, h, t, s, d int64) int64 {
-	return 4*b*h*t*(d+1) + 256 + sdpaPlanBytes(sdpaBackward, b, h, t, s, d)
+func sdpaBwdBytes(x sdpaDims) int64 {
+	return 4*x.b*x.h*x.t*(x.d+1) + 256 + sdpaPlanBytes(sdpaBackward, x)
 }
 
-// sdpaPlanBytes bounds the workspace cuDNN's plan asks for: a fixed 1 MiB
-// for either pass, whatever the shape. Measured (TestCuDNNAttentionWorkspace
-// prints each plan's) on an H200 with cuDNN 9.14.0, bfloat16 and float16,
-// d 64 and 128, causal or not, T = S ∈ {1, 17, 64, 1000, 1024, 2048, 4096,
-// 8192} at (B, H) ∈ {(1, 1), (1, 16), (8, 12), (32, 16)}: 288 plans, every
-// one 256 bytes (engine 2, the fused flash kernels) but T = 1's forward,
-// 0 bytes (engine 1). The dQ accumulator and softmax_sum, which grow with
-// the shape, are the frontend's and ours (sdpaBwdBytes), not the plan's.
-// The bound is 4096× the largest figure: a later cuDNN whose plans want
-// more falls back to the kernels, counted, rather than overrun.
-func sdpaPlanBytes(pass sdpaPass, b, h, t, s, d int64) int64 {
+// sdpaPlanBytes bounds the workspace cuDNN's plan asks for. As many
+// key/value heads as query heads: a fixed 1 MiB for either pass, whatever
+// the shape. Measured (TestCuDNNAttentionWorkspace prints each plan's) on
+// an H200 with cuDNN 9.14.0, bfloat16 and float16, d 64 and 128, causal or
+// not, T = S ∈ {1, 17, 64, 1000, 1024, 2048, 4096, 8192} at (B, H) ∈ {(1,
+// 1), (1, 16), (8, 12), (32, 16)}: 288 plans, every one 256 bytes (engine
+// 2, the fused flash kernels) but T = 1's forward, 0 bytes (engine 1).
+// The dQ accumulator and softmax_sum, which grow with the shape, are the
+// frontend's and ours (sdpaBwdBytes), not the plan's. The bound is 4096×
+// the largest figure: a later cuDNN whose plans want more falls back to
+// the kernels, counted, rather than overrun.
+//
+// Grouped heads: the forward pass the same; the backward pass adds room
+// for float32 dk and dv of every query head, 8·B·H·S·d (sdpaGroupedBytes),
+// before the group sums. That is what the frontend itself allocates for
+// the same sums when it cannot leave them to cuDNN (its ragged layouts:
+// dK_fullhead and dV_fullhead, float32-sized, non-virtual), so it bounds
+// what a plan may keep for them; TestCuDNNAttentionWorkspace prints the
+// plans' figures for grouped and multi-query shapes.
+func sdpaPlanBytes(pass sdpaPass, x sdpaDims) int64 {
+	if pass == sdpaBackward && x.grouped() {
+		return sdpaPlanFixed + sdpaGroupedBytes(x)
+	}
 	return sdpaPlanFixed
 }
+
+// sdpaGroupedBytes is float32 dk and dv of every query head.
+func sdpaGroupedBytes(x sdpaDims) int64 { return 2 * 4 * x.b * x.h * x.s * x.d }
 
 const sdpaPlanFixed = 1 << 20
 
@@ -367,8 +401,8 @@ func contiguous(dims ...int64) []int64 {
 	return st
 }
 
-// sdpaScores appends the scaled (and causally masked) scores of q·kᵀ to
-// bg: the first half of both graphs. kt is kᵀ [b, h, d, s].
+// sdpaScores appends the scaled scores of q·kᵀ to bg: the first half of
+// both graphs. kt is kᵀ [b, hkv, d, s]; the scores are [b, h, t, s].
 func sdpaScores(bg *bgraph, key sdpaKey, q, kt, scale btensor) btensor {
 	b, h, t, s := key.b, key.h, key.t, key.s
 	st := []int64{b, h, t, s}
@@ -407,13 +441,14 @@ func scalarTensor(bg *bgraph, uid int64) btensor {
 }
 
 // sdpaForwardGraph is the training forward pass: o = softmax(scale·q·kᵀ
-// [causal]) · v and Stats = max + log Σ exp(scores − max).
+// [causal]) · v and Stats = max + log Σ exp(scores − max). k and v have
+// hkv heads: q·kᵀ and p·v pair query head h with key/value head h/(h/hkv).
 func sdpaForwardGraph(bg *bgraph, key sdpaKey, dt int32) {
-	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
+	b, h, hkv, t, s, d := key.b, key.h, key.hkv, key.t, key.s, key.d
 	ls := key.strides()
 	q := bg.tensor(sdpaQ, dt, []int64{b, h, t, d}, ls.q, false, false)
-	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, transposed(ls.k), false, false)
-	v := bg.tensor(sdpaV, dt, []int64{b, h, s, d}, ls.v, false, false)
+	kt := bg.tensor(sdpaK, dt, []int64{b, hkv, d, s}, transposed(ls.k), false, false)
+	v := bg.tensor(sdpaV, dt, []int64{b, hkv, s, d}, ls.v, false, false)
 	x := sdpaScores(bg, key, q, kt, scalarTensor(bg, sdpaScale))
 	if key.causal {
 		x = sdpaCausal(bg, key, x, scalarTensor(bg, sdpaNegInf))
@@ -443,14 +478,17 @@ func sdpaForwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 // sdpaBackwardGraph is the backward pass: with p = exp(scores − Stats),
 // dv = pᵀ·dO, ds = scale·p∘(dO·vᵀ − Σ dO∘o), dk = dsᵀ·q and dq = ds·k (summed
 // in float32 in the dQ accumulator, then cast). dk and dv are the halves
-// of one [b, h, s, 2d] array, or (packed) thirds of d qkv with dq.
+// of one [b, hkv, s, 2d] array, or (packed) parts of d qkv with dq. With
+// grouped heads (hkv < h), dsᵀ·q and pᵀ·dO give dk and dv of every query
+// head, [b, h, s, d], and a reduction sums each group of h/hkv into dk and
+// dv [b, hkv, s, d] (sdpaGroupGrad).
 func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
-	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
+	b, h, hkv, t, s, d := key.b, key.h, key.hkv, key.t, key.s, key.d
 	qd, qs := []int64{b, h, t, d}, contiguous(b, h, t, d)
 	ls := key.strides()
 	q := bg.tensor(sdpaQ, dt, qd, ls.q, false, false)
-	kt := bg.tensor(sdpaK, dt, []int64{b, h, d, s}, transposed(ls.k), false, false)
-	vt := bg.tensor(sdpaV, dt, []int64{b, h, d, s}, transposed(ls.v), false, false)
+	kt := bg.tensor(sdpaK, dt, []int64{b, hkv, d, s}, transposed(ls.k), false, false)
+	vt := bg.tensor(sdpaV, dt, []int64{b, hkv, d, s}, transposed(ls.v), false, false)
 	o := bg.tensor(sdpaO, dt, qd, ls.o, false, false)
 	dO := bg.tensor(sdpaDO, dt, qd, ls.o, false, false)
 	rt, rs := []int64{b, h, t, 1}, []int64{h * t, t, 1, 1}
@@ -475,13 +513,12 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	p := bg.virt(cudnnDataFloat, st, ss)
 	bg.pointwise(cudnnPointwiseExp, cudnnDataFloat, -1, p, sub)
 
-	// dv = pᵀ·dO.
+	// dv = pᵀ·dO (summed over each group).
 	tt, ts := []int64{b, h, s, t}, []int64{h * t * s, t * s, 1, s}
 	pt := bg.virt(dt, tt, ts)
 	bg.reshape(p, pt)
-	kvd := []int64{b, h, s, d}
-	dv := bg.tensor(sdpaDV, dt, kvd, ls.dv, false, false)
-	bg.matmul(pt, dO, dv)
+	dv := bg.tensor(sdpaDV, dt, []int64{b, hkv, s, d}, ls.dv, false, false)
+	sdpaGroupGrad(bg, key, dt, pt, dO, dv)
 
 	// ds = scale·p∘(dO·vᵀ − softmax_sum).
 	dp := bg.virt(cudnnDataFloat, st, ss)
@@ -493,20 +530,37 @@ func sdpaBackwardGraph(bg *bgraph, key sdpaKey, dt int32) {
 	ds := bg.virt(cudnnDataFloat, st, ss)
 	bg.pointwise(cudnnPointwiseMul, cudnnDataFloat, -1, ds, dsp, scale)
 
-	// dk = dsᵀ·q.
+	// dk = dsᵀ·q (summed over each group).
 	dst := bg.virt(dt, tt, ts)
 	bg.reshape(ds, dst)
-	dk := bg.tensor(sdpaDK, dt, kvd, ls.dk, false, false)
-	bg.matmul(dst, q, dk)
+	dk := bg.tensor(sdpaDK, dt, []int64{b, hkv, s, d}, ls.dk, false, false)
+	sdpaGroupGrad(bg, key, dt, dst, q, dk)
 
 	// dq = ds·k, summed in the float32 accumulator; k seen untransposed (a
 	// virtual tensor of the intermediate type, as the frontend's is).
-	k := bg.virt(cudnnDataFloat, []int64{b, h, s, d}, []int64{h * s * d, s * d, d, 1})
+	k := bg.virt(cudnnDataFloat, []int64{b, hkv, s, d}, contiguous(b, hkv, s, d))
 	bg.reshape(kt, k)
 	acc := bg.tensor(sdpaDQAccum, cudnnDataFloat, qd, qs, false, false)
 	bg.matmul(ds, k, acc)
 	dq := bg.tensor(sdpaDQ, dt, qd, ls.dq, false, false)
 	bg.pointwise(cudnnPointwiseIdentity, cudnnDataFloat, -1, dq, acc)
+}
+
+// sdpaGroupGrad appends out = a·bb, the gradient of key/value heads out
+// ([b, hkv, s, d]) from a product over query heads: straight into out
+// without grouped heads; else into a virtual [b, h, s, d] tensor of dtype
+// dt (the frontend's dK_fullhead and dV_fullhead), which a reduction
+// (add) then sums, each group of h/hkv consecutive query heads, into out.
+// The operations go in that order, as the frontend appends them.
+func sdpaGroupGrad(bg *bgraph, key sdpaKey, dt int32, a, bb, out btensor) {
+	if key.hkv == key.h {
+		bg.matmul(a, bb, out)
+		return
+	}
+	b, h, s, d := key.b, key.h, key.s, key.d
+	full := bg.virt(dt, []int64{b, h, s, d}, contiguous(b, h, s, d))
+	bg.matmul(a, bb, full)
+	bg.reduction(cudnnReduceAdd, full, out)
 }
 
 // sdpaExecute runs plan p over the variant pack of uids and their
@@ -550,6 +604,42 @@ func (p *sdpaPlan) destroy() error {
 	return p.bg.destroy()
 }
 
+// sdpaRefusal is AttnStats' reason for a call sdpaShape refuses.
+func sdpaRefusal(dt graph.DType, d int, masked bool, h, hkv int) string {
+	switch {
+	case !dt.IsHalf():
+		return "dtype " + dt.String()
+	case masked:
+		return "mask"
+	case d != 64 && d != 128:
+		return fmt.Sprintf("head dim %d", d)
+	case hkv < 1 || h%hkv != 0:
+		return fmt.Sprintf("%d key/value heads for %d heads", hkv, h)
+	}
+	return "shape"
+}
+
+// sdpaGroupedRefusal is why a call with grouped heads that sdpaShape takes
+// is left to the kernels all the same, "" when it is not: the two cases
+// cuDNN's documentation and frontend keep grouped heads from. A backward
+// pass with T = S = 1 (the frontend refuses it for any heads, and cuDNN's
+// known issues list it; measured to work on cuDNN 9.14 with as many
+// key/value heads as query heads, so only grouped heads are refused here),
+// and causal attention with T ≠ S (cuDNN's known issues: causal masking
+// with Q head count ≠ K/V head count, the decode phase, gives wrong
+// results). Training runs T = S > 1, which both leave to cuDNN.
+func sdpaGroupedRefusal(pass sdpaPass, sh attnShape) string {
+	switch {
+	case sh.h == sh.hkv:
+		return ""
+	case pass == sdpaBackward && sh.t == 1 && sh.s == 1:
+		return "grouped heads, backward at T = S = 1"
+	case sh.causal && sh.t != sh.s:
+		return "grouped heads, causal with T ≠ S"
+	}
+	return ""
+}
+
 // sdpaPrepare is the cuDNN path's common part: whether a call is cuDNN's,
 // and then its plan and the workspace at ws (wsBytes long, as the node
 // declared it) split for it. A call it does not take is counted with its
@@ -559,17 +649,10 @@ func (n *DNN) sdpaPrepare(pass sdpaPass, dt graph.DType, sh attnShape, masked, p
 		return nil, sdpaLayout{}, false, nil
 	}
 	if !sdpaShape(dt, sh.d, masked, sh.h, sh.hkv) {
-		why := "shape"
-		switch {
-		case !dt.IsHalf():
-			why = "dtype " + dt.String()
-		case masked:
-			why = "mask"
-		case sh.h != sh.hkv:
-			why = "grouped-query heads"
-		case sh.d != 64 && sh.d != 128:
-			why = fmt.Sprintf("head dim %d", sh.d)
-		}
+		n.fallback(sdpaRefusal(dt, sh.d, masked, sh.h, sh.hkv))
+		return nil, sdpaLayout{}, false, nil
+	}
+	if why := sdpaGroupedRefusal(pass, sh); why != "" {
 		n.fallback(why)
 		return nil, sdpaLayout{}, false, nil
 	}

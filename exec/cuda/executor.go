@@ -57,7 +57,8 @@ type ExecutorOptions struct {
 	NoCuDNNBatchNorm bool
 	// NoCuDNNAttention runs fused attention on kernels/attention.cu even
 	// where cuDNN's fused attention (SDPA, dnn_sdpa.go) takes it: 16-bit,
-	// head dim 64 or 128, no mask, no grouped-query heads. For comparing.
+	// head dim 64 or 128, no mask, grouped-query heads or not. For
+	// comparing.
 	NoCuDNNAttention bool
 	// NoCUDAGraphs launches every kernel eagerly. By default the executor
 	// captures a run of a step's launches between host steps as a CUDA

@@ -99,17 +99,29 @@ func SetStageCopiers(n int) int {
 	return old
 }
 
-// SDPAShape is a cuDNN attention problem (q [B, H, T, D], k and v [B, H,
-// S, D]) for the tests and benchmarks of dnn_sdpa.go.
+// SDPAShape is a cuDNN attention problem (q [B, H, T, D], k and v [B,
+// Hkv, S, D], Hkv = H when 0) for the tests and benchmarks of
+// dnn_sdpa.go.
 type SDPAShape struct {
-	DT            graph.DType
-	B, H, T, S, D int
-	Causal        bool
-	Scale         float32
+	DT                 graph.DType
+	B, H, Hkv, T, S, D int
+	Causal             bool
+	Scale              float32
+}
+
+func (s SDPAShape) kvHeads() int {
+	if s.Hkv == 0 {
+		return s.H
+	}
+	return s.Hkv
 }
 
 func (s SDPAShape) geom() attnShape {
-	return attnShape{b: s.B, h: s.H, hkv: s.H, t: s.T, s: s.S, d: s.D, scale: s.Scale, causal: s.Causal}
+	return attnShape{b: s.B, h: s.H, hkv: s.kvHeads(), t: s.T, s: s.S, d: s.D, scale: s.Scale, causal: s.Causal}
+}
+
+func (s SDPAShape) dims() sdpaDims {
+	return sdpaDims{b: int64(s.B), h: int64(s.H), hkv: int64(s.kvHeads()), t: int64(s.T), s: int64(s.S), d: int64(s.D)}
 }
 
 func sdpaPassOf(backward bool) sdpaPass {
@@ -125,7 +137,8 @@ func sdpaPassOf(backward bool) sdpaPass {
 func (n *DNN) SDPAPlan(backward bool, s SDPAShape) (ok bool, ws, bound, engine int64, why string, err error) {
 	pass := sdpaPassOf(backward)
 	err = n.d.do(func() error {
-		key := sdpaKey{pass: pass, dt: s.DT, b: int64(s.B), h: int64(s.H), hkv: int64(s.H), t: int64(s.T), s: int64(s.S), d: int64(s.D), causal: s.Causal, scale: s.Scale}
+		x := s.dims()
+		key := sdpaKey{pass: pass, dt: s.DT, b: x.b, h: x.h, hkv: x.hkv, t: x.t, s: x.s, d: x.d, causal: s.Causal, scale: s.Scale}
 		p, err := n.sdpaPlanFor(key)
 		if err != nil {
 			return err
@@ -133,16 +146,16 @@ func (n *DNN) SDPAPlan(backward bool, s SDPAShape) (ok bool, ws, bound, engine i
 		ok, ws, engine, why = p.ok, p.ws, p.engine, p.why
 		return nil
 	})
-	return ok, ws, sdpaPlanBytes(pass, int64(s.B), int64(s.H), int64(s.T), int64(s.S), int64(s.D)), engine, why, err
+	return ok, ws, sdpaPlanBytes(pass, s.dims()), engine, why, err
 }
 
 // SDPAWorkspaceBytes is the workspace an attention (forward) or
 // attention_grad_q (backward) node of s declares for cuDNN.
 func SDPAWorkspaceBytes(backward bool, s SDPAShape) int64 {
 	if backward {
-		return sdpaBwdBytes(int64(s.B), int64(s.H), int64(s.T), int64(s.S), int64(s.D))
+		return sdpaBwdBytes(s.dims())
 	}
-	return sdpaFwdBytes(int64(s.B), int64(s.H), int64(s.T), int64(s.S), int64(s.D))
+	return sdpaFwdBytes(s.dims())
 }
 
 // SDPAForward runs s's forward pass on cuDNN with a workspace of wsBytes
@@ -159,6 +172,35 @@ func (n *DNN) SDPAForward(s SDPAShape, q, k, v, o, lse, ws alloc.Ptr, wsBytes in
 func (n *DNN) SDPABackward(s SDPAShape, g, q, k, v, o, lse, dq, dkv, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
 	err = n.d.do(func() error {
 		done, err = n.sdpaBackward(s.DT, s.geom(), false, false, g, q, k, v, o, lse, dq, dkv, dkv+alloc.Ptr(s.D*s.DT.Size()), ws, wsBytes)
+		return err
+	})
+	return done, err
+}
+
+// qkvShape is s as attention_qkv's packed shape (T = S).
+func (s SDPAShape) qkvShape() graph.QKVShape {
+	return graph.QKVShape{B: s.B, H: s.H, Hkv: s.kvHeads(), T: s.T, D: s.D}
+}
+
+// SDPAForwardPacked runs s's forward pass on cuDNN as attention_qkv does:
+// q, k and v read in place from qkv [B, T, (H + 2·Hkv)·D], o [B, T, H·D].
+func (n *DNN) SDPAForwardPacked(s SDPAShape, qkv, o, lse, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
+	err = n.d.do(func() error {
+		q, k, v := qkvParts(qkv, s.DT, s.qkvShape())
+		done, err = n.sdpaForward(s.DT, s.geom(), false, true, q, k, v, o, lse, ws, wsBytes)
+		return err
+	})
+	return done, err
+}
+
+// SDPABackwardPacked runs s's backward pass on cuDNN as attention_qkv_grad
+// does: d qkv laid out as qkv.
+func (n *DNN) SDPABackwardPacked(s SDPAShape, g, qkv, o, lse, dqkv, ws alloc.Ptr, wsBytes int64) (done bool, err error) {
+	err = n.d.do(func() error {
+		sh := s.qkvShape()
+		q, k, v := qkvParts(qkv, s.DT, sh)
+		dq, dk, dv := qkvParts(dqkv, s.DT, sh)
+		done, err = n.sdpaBackward(s.DT, s.geom(), false, true, g, q, k, v, o, lse, dq, dk, dv, ws, wsBytes)
 		return err
 	})
 	return done, err

@@ -41,7 +41,12 @@ type sdpaCase struct {
 }
 
 // sdpaCases: T ∈ {1, 17, 64, 1000, 1024, 2048} (S = T), d ∈ {64, 128},
-// causal or not, bfloat16 and float16, plus S ≠ T both ways.
+// causal or not, bfloat16 and float16, plus S ≠ T both ways; and
+// grouped-query heads (4 over 2, 6 over 2 at T = 1024) and multi-query
+// heads (3 over 1, 4 over 1 at T = 1000) at T ∈ {1, 17, 64, 1000, 1024},
+// S ≠ T among them (which, causal, and T = 1's backward pass, run on the
+// kernels: sdpaGroupedRefusal). The float64 reference of the longest (T = 2048, two
+// heads) takes a few seconds; evalRefs runs them all at once.
 func sdpaCases() []sdpaCase {
 	var out []sdpaCase
 	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
@@ -57,6 +62,21 @@ func sdpaCases() []sdpaCase {
 				for _, ts := range [][2]int{{17, 100}, {100, 17}} {
 					out = append(out, sdpaCase{c: attnCase{B: 2, H: 2, Hkv: 2, T: ts[0], S: ts[1], D: d, causal: causal}, dt: dt})
 				}
+				// T = S = 1 with grouped heads: the forward pass on cuDNN,
+				// the backward pass on the kernels (sdpaGroupedRefusal).
+				out = append(out, sdpaCase{c: attnCase{B: 2, H: 4, Hkv: 2, T: 1, S: 1, D: d, causal: causal}, dt: dt})
+				for _, c := range []attnCase{
+					{B: 2, H: 4, Hkv: 2, T: 17, S: 17},
+					{B: 2, H: 4, Hkv: 2, T: 64, S: 64},
+					{B: 2, H: 3, Hkv: 1, T: 64, S: 64},
+					{B: 1, H: 6, Hkv: 2, T: 1024, S: 1024},
+					{B: 1, H: 4, Hkv: 1, T: 1000, S: 1000},
+				} {
+					c.D, c.causal = d, causal
+					out = append(out, sdpaCase{c: c, dt: dt, taken: true})
+				}
+				out = append(out, sdpaCase{c: attnCase{B: 2, H: 4, Hkv: 2, T: 17, S: 100, D: d, causal: causal}, dt: dt},
+					sdpaCase{c: attnCase{B: 2, H: 3, Hkv: 1, T: 100, S: 17, D: d, causal: causal}, dt: dt})
 			}
 		}
 	}
@@ -137,9 +157,13 @@ func evalRefs(runs []refRun) {
 // holds it to the float64 reference, which rounds to 16 bits where the
 // kernels store. cuDNN, like the tensor-core kernels, rounds p to 16 bits
 // for p·v and pᵀ·dO and ds for dsᵀ·q and ds·k: the tensor-core kernels'
-// tolerances (attnTolMMABF16, attnTolMMAF16; lse float32, attnTolF32).
-// The S = T cases must run on cuDNN (its counters say so): a case that
-// passed on the fallback would prove nothing.
+// tolerances (attnTolMMABF16: one bfloat16 ulp relative plus 8e-3 of each
+// output's largest magnitude; attnTolMMAF16: one float16 ulp plus 1e-3;
+// lse float32, attnTolF32). With grouped heads dk and dv sum the group's
+// query heads (two to four terms of the same size) before their one
+// rounding, within the same tolerances. The S = T cases must run on cuDNN
+// (its counters say so): a case that passed on the fallback would prove
+// nothing.
 func TestCuDNNAttention(t *testing.T) {
 	e, n := sdpaExecutor(t)
 	cases := sdpaCases()
@@ -194,7 +218,9 @@ func TestCuDNNAttentionOff(t *testing.T) {
 
 // TestCuDNNAttentionWorkspace prints cuDNN's plan workspace for a spread of
 // shapes, both passes, and holds it to the bound the nodes declare
-// (sdpaPlanBytes). It also prints the engine each plan runs.
+// (sdpaPlanBytes). It also prints the engine each plan runs. Grouped and
+// multi-query heads (Llama 3's 32 over 8 among them) print as
+// SDPA_WS_GQA lines: the measurement sdpaPlanBytes's grouped bound awaits.
 func TestCuDNNAttentionWorkspace(t *testing.T) {
 	_, n := sdpaExecutor(t)
 	var bad []string
@@ -223,6 +249,32 @@ func TestCuDNNAttentionWorkspace(t *testing.T) {
 							if ws > bound {
 								bad = append(bad, fmt.Sprintf("%s %+v: workspace %d > bound %d", pass, s, ws, bound))
 							}
+						}
+					}
+				}
+			}
+		}
+	}
+	for _, dt := range []graph.DType{graph.BFloat16, graph.Float16} {
+		for _, d := range []int{64, 128} {
+			for _, bh := range [][3]int{{1, 4, 1}, {2, 8, 2}, {4, 32, 8}, {1, 16, 4}, {8, 32, 1}} {
+				for _, T := range []int{17, 1000, 2048, 4096} {
+					if dt == graph.Float16 && T != 2048 {
+						continue
+					}
+					s := cuda.SDPAShape{DT: dt, B: bh[0], H: bh[1], Hkv: bh[2], T: T, S: T, D: d, Causal: true, Scale: float32(1 / math.Sqrt(float64(d)))}
+					for _, bwd := range []bool{false, true} {
+						ok, ws, bound, engine, why, err := n.SDPAPlan(bwd, s)
+						require.NoError(t, err)
+						pass := map[bool]string{false: "fwd", true: "bwd"}[bwd]
+						if !ok {
+							t.Logf("%s %+v: no plan: %s", pass, s, why)
+							bad = append(bad, fmt.Sprintf("%s %+v: no plan", pass, s))
+							continue
+						}
+						t.Logf("SDPA_WS_GQA %s dt=%s b=%d h=%d hkv=%d t=%d d=%d engine=%d ws=%d bound=%d", pass, dt, s.B, s.H, s.Hkv, T, d, engine, ws, bound)
+						if ws > bound {
+							bad = append(bad, fmt.Sprintf("%s %+v: workspace %d > bound %d", pass, s, ws, bound))
 						}
 					}
 				}

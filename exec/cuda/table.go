@@ -93,10 +93,11 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c p
 //     mask): the float32 row term D = Σ g∘o of every query row
 //     (attention.go);
 //   - attention and attention_grad_q where cuDNN's fused attention takes
-//     them (16-bit, head dim 64 or 128, no mask, no grouped-query heads):
-//     the log-sum-exp when no companion takes it, the backward pass's dQ
-//     accumulator and softmax_sum, and a bound on cuDNN's plan workspace
-//     (dnn_sdpa.go);
+//     them (16-bit, head dim 64 or 128, no mask, grouped-query heads or
+//     not): the log-sum-exp when no companion takes it, the backward
+//     pass's dQ accumulator and softmax_sum, and a bound on cuDNN's plan
+//     workspace (dnn_sdpa.go; with grouped heads it has room for float32
+//     dk and dv of every query head);
 //   - float32 attention, attention_lse and their gradients: one block of
 //     queries' float32 scores for every head, [B·H, bq, ld], once for the
 //     forward pass and twice for the gradients (attention32.go).

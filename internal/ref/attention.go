@@ -163,69 +163,72 @@ func (at *attn) rows(f func(b, h, i int, p []float64, lse float64)) {
 	}
 }
 
-// Packed attention (attention_qkv): the unpacked kernels above on q, k, v
-// gathered from qkv [B, T, 3C] into [B, H, T, d], the results scattered
-// back; the reference spends the copies the executors avoid.
+// Packed attention (attention_qkv): the unpacked kernels above on q [B, H,
+// T, d], k and v [B, Hkv, T, d] gathered from qkv [B, T, (H + 2·Hkv)·d],
+// the results scattered back; the reference spends the copies the
+// executors avoid.
 var attentionQKVKernels = family{
 	graph.OpAttentionQKV: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		s, q, k, v := unpackQKV(in[0], a.Groups)
+		s, q, k, v := unpackQKV(in[0], *a)
 		o := Zeros(s.B, s.H, s.T, s.D)
 		if err := attentionKernels[graph.OpAttention](nil, a, []Value{q, k, v}, o); err != nil {
 			return err
 		}
-		headsMove(out.Data, o.Data, s, s.C(), 0, false)
+		headsMove(out.Data, o.Data, s, s.H, s.C(), 0, false)
 		return nil
 	},
 	graph.OpAttentionQKVLSE: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		_, q, k, _ := unpackQKV(in[0], a.Groups)
+		_, q, k, _ := unpackQKV(in[0], *a)
 		return attentionKernels[graph.OpAttentionLSE](nil, a, []Value{q, k}, out)
 	},
 	graph.OpAttentionQKVGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		s, q, k, v := unpackQKV(in[1], a.Groups)
+		s, q, k, v := unpackQKV(in[1], *a)
 		g, o := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, s.D)
-		headsMove(g.Data, in[0].Data, s, s.C(), 0, true)
-		headsMove(o.Data, in[2].Data, s, s.C(), 0, true)
+		headsMove(g.Data, in[0].Data, s, s.H, s.C(), 0, true)
+		headsMove(o.Data, in[2].Data, s, s.H, s.C(), 0, true)
 		args := []Value{g, q, k, v, o, in[3]}
-		dq, dkv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, 2*s.D)
+		dq, dkv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.Hkv, s.T, 2*s.D)
 		if err := attentionGrad(&graph.Node{Op: graph.OpAttentionGradQ}, a, args, dq); err != nil {
 			return err
 		}
 		if err := attentionGrad(&graph.Node{Op: graph.OpAttentionGradKV}, a, args, dkv); err != nil {
 			return err
 		}
-		c := s.C()
-		headsMove(out.Data, dq.Data, s, 3*c, 0, false)
-		// dk|dv is [B, H, T, 2d]: read it as two [B, H, T, d] halves.
-		dk, dv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, s.D)
-		for r := range s.B * s.H * s.T {
+		p := s.Pitch()
+		headsMove(out.Data, dq.Data, s, s.H, p, 0, false)
+		// dk|dv is [B, Hkv, T, 2d]: read it as two [B, Hkv, T, d] halves.
+		dk, dv := Zeros(s.B, s.Hkv, s.T, s.D), Zeros(s.B, s.Hkv, s.T, s.D)
+		for r := range s.B * s.Hkv * s.T {
 			copy(dk.Data[r*s.D:][:s.D], dkv.Data[r*2*s.D:])
 			copy(dv.Data[r*s.D:][:s.D], dkv.Data[r*2*s.D+s.D:])
 		}
-		headsMove(out.Data, dk.Data, s, 3*c, c, false)
-		headsMove(out.Data, dv.Data, s, 3*c, 2*c, false)
+		headsMove(out.Data, dk.Data, s, s.Hkv, p, s.C(), false)
+		headsMove(out.Data, dv.Data, s, s.Hkv, p, s.C()+s.KV(), false)
 		return nil
 	},
 }
 
-// unpackQKV gathers q, k and v [B, H, T, d] from qkv [B, T, 3C].
-func unpackQKV(qkv Value, heads int) (s graph.QKVShape, q, k, v Value) {
-	s = graph.QKVShape{B: qkv.Shape[0], H: heads, T: qkv.Shape[1], D: qkv.Shape[2] / (3 * heads)}
-	var qkvs [3]Value
-	for i := range qkvs {
-		qkvs[i] = Zeros(s.B, s.H, s.T, s.D)
-		headsMove(qkvs[i].Data, qkv.Data, s, 3*s.C(), i*s.C(), true)
-	}
-	return s, qkvs[0], qkvs[1], qkvs[2]
+// unpackQKV gathers q [B, H, T, d], k and v [B, Hkv, T, d] from qkv [B,
+// T, (H + 2·Hkv)·d] for attention_qkv's attributes a.
+func unpackQKV(qkv Value, a graph.Attrs) (s graph.QKVShape, q, k, v Value) {
+	h, hkv := graph.QKVHeads(a)
+	s = graph.QKVShape{B: qkv.Shape[0], H: h, Hkv: hkv, T: qkv.Shape[1], D: qkv.Shape[2] / (h + 2*hkv)}
+	q, k, v = Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.Hkv, s.T, s.D), Zeros(s.B, s.Hkv, s.T, s.D)
+	p := s.Pitch()
+	headsMove(q.Data, qkv.Data, s, s.H, p, 0, true)
+	headsMove(k.Data, qkv.Data, s, s.Hkv, p, s.C(), true)
+	headsMove(v.Data, qkv.Data, s, s.Hkv, p, s.C()+s.KV(), true)
+	return s, q, k, v
 }
 
-// headsMove moves between heads [B, H, T, d] (contiguous) and rows [B, T,
-// ·] of pitch elements whose columns off to off + C hold [H, d]: into the
-// heads when toHeads, else into the rows.
-func headsMove(dst, src []float64, s graph.QKVShape, pitch, off int, toHeads bool) {
+// headsMove moves between heads [B, n, T, d] (contiguous) and rows [B, T,
+// ·] of pitch elements whose columns off to off + n·d hold [n, d]: into
+// the heads when toHeads, else into the rows.
+func headsMove(dst, src []float64, s graph.QKVShape, n, pitch, off int, toHeads bool) {
 	for b := range s.B {
-		for h := range s.H {
+		for h := range n {
 			for t := range s.T {
-				hi := ((b*s.H+h)*s.T + t) * s.D
+				hi := ((b*n+h)*s.T + t) * s.D
 				ri := (b*s.T+t)*pitch + off + h*s.D
 				if toHeads {
 					copy(dst[hi:hi+s.D], src[ri:ri+s.D])

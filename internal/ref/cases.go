@@ -243,6 +243,15 @@ var Cases = []Case{
 	{Name: "attention_qkv", Shapes: [][]int{{2, 3, 12}, {3, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].AttentionQKV(1, lazy.AttentionOptions{Scale: 0.7}).Mul(p[1])
 	}},
+	// Grouped-query and multi-query packed attention: qkv [2, 5, (4 +
+	// 2·2)·4] (4 query heads, 2 key/value heads of 4), causal; qkv [2, 4,
+	// (3 + 2·1)·4] (3 query heads sharing 1 key/value head), a given scale.
+	{Name: "attention_qkv_gqa_causal", Shapes: [][]int{{2, 5, 32}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].AttentionQKV(4, lazy.AttentionOptions{Causal: true, KVHeads: 2})
+	}},
+	{Name: "attention_qkv_mqa", Shapes: [][]int{{2, 4, 20}, {4, 12}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].AttentionQKV(3, lazy.AttentionOptions{Scale: 0.6, KVHeads: 1}).Mul(p[1])
+	}},
 	{Name: "dropout", Shapes: [][]int{{4, 3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Dropout(0.4, 7, 3).Tanh().Dropout(0.25, 7, 4)
 	}},
