@@ -23,6 +23,9 @@ const (
 // chooseExecutor makes the executor Options.Device asks for and says
 // which and why.
 func chooseExecutor(o Options) (exec.Executor, string, error) {
+	if o.DryRun != nil {
+		return newDry(o)
+	}
 	switch o.Device {
 	case "", DeviceAuto, DeviceCUDA:
 	case DeviceCPU:
