@@ -85,9 +85,9 @@ func searchOptions(c *estimateConfig, budget int64, all bool) recompute.Options 
 	return recompute.Options{Planner: o, Profile: c.profile, PlanAll: all, TF32: c.policy.TF32()}
 }
 
-// estimateRecompute runs the search for --recompute auto, fills r.Recompute
-// and, when a recompute plan wins, puts its program in st for estimate to
-// plan and report.
+// estimateRecompute lists the recompute candidates for --recompute auto
+// in r.Recompute: the search over the plain step, every candidate planned,
+// the Session's choice (st's plan and program) marked chosen.
 func estimateRecompute(c *estimateConfig, st *step, r *report) error {
 	if c.recompute != recompute.Auto {
 		return nil
@@ -99,7 +99,7 @@ func estimateRecompute(c *estimateConfig, st *step, r *report) error {
 	}
 	rr := &recomputeReport{Mode: string(c.recompute), Profile: c.profile, SearchSeconds: time.Since(start).Seconds()}
 	for _, ch := range res.All {
-		row := candidateRow{Name: ch.Name, Chosen: ch == res.Best, Recomputed: len(ch.Recompute), Copies: ch.Copies,
+		row := candidateRow{Name: ch.Name, Chosen: st.plan != nil && ch.Name == st.recomputed.Strategy, Recomputed: len(ch.Recompute), Copies: ch.Copies,
 			FLOPs: ch.Cost.FLOPs, ExtraFLOPs: ch.ExtraFLOPs(res.Plain)}
 		switch ch {
 		case res.Plain:
@@ -116,14 +116,9 @@ func estimateRecompute(c *estimateConfig, st *step, r *report) error {
 		rr.Candidates = append(rr.Candidates, row)
 	}
 	r.Recompute = rr
-	if res.Best == nil {
-		rr.Chosen = "none fits"
-		return nil
-	}
-	rr.Chosen = res.Best.Name
-	if res.Best != res.Plain {
-		st.program = res.Best.Program
-		r.Steps = len(st.program.Steps)
+	rr.Chosen = "none fits"
+	if st.plan != nil {
+		rr.Chosen = st.recomputed.Strategy
 	}
 	return nil
 }
