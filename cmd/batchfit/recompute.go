@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/internal/progress"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/recompute"
 )
@@ -170,8 +171,8 @@ type plotPoint struct {
 }
 
 // sweep plans c's step at n budgets up to c.budget, chunks only and
-// recompute auto.
-func sweep(c *estimateConfig, st *step, n int) ([]plotPoint, error) {
+// recompute auto, reporting each budget searched to rep (nil: silent).
+func sweep(c *estimateConfig, st *step, n int, rep *progress.Reporter) ([]plotPoint, error) {
 	var pts []plotPoint
 	for i := 1; i <= n; i++ {
 		b := c.budget * int64(i) / int64(n)
@@ -179,6 +180,7 @@ func sweep(c *estimateConfig, st *step, n int) ([]plotPoint, error) {
 		if err != nil {
 			return nil, err
 		}
+		rep.Done("budget " + alloc.FormatBytes(b))
 		pt := plotPoint{budget: b}
 		if p := res.Plain; p.Plan != nil {
 			pt.plainRate, pt.plainPeak = p.SamplesPerSec(), p.Plan.PeakReserved
@@ -268,13 +270,16 @@ func xmlEscape(s string) string {
 // plotPoints is how many budgets --plot plans.
 const plotPoints = 24
 
-// writePlot builds c's step again and writes the --plot SVG.
-func writePlot(c *estimateConfig, stdout io.Writer) error {
+// writePlot builds c's step again and writes the --plot SVG, its budget
+// sweep's progress on stderr.
+func writePlot(c *estimateConfig, stdout, stderr io.Writer) error {
 	st, err := buildStep(c)
 	if err != nil {
 		return err
 	}
-	pts, err := sweep(c, st, plotPoints)
+	rep := progress.New(stderr, "batchfit estimate --plot", plotPoints)
+	pts, err := sweep(c, st, plotPoints, rep)
+	rep.Finish()
 	if err != nil {
 		return err
 	}
