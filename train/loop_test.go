@@ -28,7 +28,10 @@ func TestRunSchedule(t *testing.T) {
 	var out strings.Builder
 	var ran, evals, ckpts []int
 	cfg := train.Config{Steps: 12, Start: 4, LogEvery: 3, EvalEvery: 4, CheckpointEvery: 5, Out: &out, Now: clock(time.Second),
-		Eval: func(_ context.Context, done int) (float32, error) { evals = append(evals, done); return float32(done) / 100, nil },
+		Eval: func(_ context.Context, done int) (float32, error) {
+			evals = append(evals, done)
+			return float32(done) / 100, nil
+		},
 		Checkpoint: func(_ context.Context, done int) error { ckpts = append(ckpts, done); return nil }}
 	sum, err := train.Run(context.Background(), cfg, func(_ context.Context, s int) (train.Result, error) {
 		ran = append(ran, s)
