@@ -14,11 +14,11 @@ import (
 	"github.com/batchfit/batchfit/optim"
 )
 
-// On CUDA, Plan is the plan Step runs, with the executor's own workspaces
-// within a budget (Options.Budget, so that the card's free memory moving
-// between a plan and its step changes nothing): over three steps of each model the next Step's
-// plan is the one planned before it, and the measured peaks are the
-// plan's plus Overhead, to the byte. MaxBatch on the card is exact too:
+// On CUDA, Plan is the plan Step runs, with the executor's own
+// workspaces, within Options.Budget (so that the card's free memory
+// moving between a plan and its step changes nothing): over three steps
+// of each model the next Step's plan is the one planned before it, and
+// the measured peaks are the plan's plus Overhead, to the byte. MaxBatch on the card is exact too:
 // a step at the batch it found runs in one chunk, one sample more in
 // several.
 func TestPlanIsStepsPlanOnCUDA(t *testing.T) {
