@@ -434,8 +434,8 @@ func (s *Session) LastStepTimes() StepTimes {
 	return s.times
 }
 
-// StepGraphHits counts training steps whose graph came from the step
-// template cache: the forward graph matched an earlier step's, so the
+// StepGraphHits counts training steps (and Plan calls) whose graph came
+// from the step template cache: the forward graph matched an earlier step's, so the
 // precision pass and autodiff did not run again.
 func (s *Session) StepGraphHits() int {
 	s.mu.Lock()
@@ -589,7 +589,8 @@ func (s *Session) Workspace() planner.WorkspaceFunc {
 	return s.be.Workspace()
 }
 
-// CacheHits counts runs that reused a compiled program.
+// CacheHits counts runs (and Plan and PlanEval calls) that reused a
+// compiled program.
 func (s *Session) CacheHits() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
