@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/data"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
@@ -23,6 +24,9 @@ const (
 // chooseExecutor makes the executor Options.Device asks for and says
 // which and why.
 func chooseExecutor(o Options) (exec.Executor, string, error) {
+	if o.DryRun != nil {
+		return newDry(o)
+	}
 	switch o.Device {
 	case "", DeviceAuto, DeviceCUDA:
 	case DeviceCPU:
@@ -72,3 +76,16 @@ func newCUDA(o Options) (cudaOwner, error) {
 }
 
 func (c cudaOwner) Close() error { return errors.Join(c.Executor.Close(), c.Device().Close()) }
+
+// HostMemory is page-locked host memory of the session's GPU
+// (cuda.Device.AllocHost), for a data loader's batches (data.Options.Host):
+// a batch's upload is then a DMA straight from it, with no staging copy,
+// while the loader fills the next. Nil on the CPU and for dry runs, whose
+// batches live in Go memory. A loader using it is closed before the
+// session (Close frees what is left).
+func (s *Session) HostMemory() data.HostMemory {
+	if c, ok := s.be.(cudaOwner); ok {
+		return c.Device()
+	}
+	return nil
+}

@@ -124,6 +124,10 @@ type Options struct {
 	// NoChannelsLast keeps conv nets NCHW under "bf16-mixed", where
 	// ChannelsLast is otherwise the default.
 	NoChannelsLast bool
+	// DryRun, when set, makes a session that plans for the device it
+	// describes and runs nothing (Plan, PlanEval, MaxBatch; Step and Eval
+	// return ErrDryRun), in place of the executor Device picks.
+	DryRun *DryRun
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -430,8 +434,8 @@ func (s *Session) LastStepTimes() StepTimes {
 	return s.times
 }
 
-// StepGraphHits counts training steps whose graph came from the step
-// template cache: the forward graph matched an earlier step's, so the
+// StepGraphHits counts training steps (and Plan calls) whose graph came
+// from the step template cache: the forward graph matched an earlier step's, so the
 // precision pass and autodiff did not run again.
 func (s *Session) StepGraphHits() int {
 	s.mu.Lock()
@@ -585,7 +589,8 @@ func (s *Session) Workspace() planner.WorkspaceFunc {
 	return s.be.Workspace()
 }
 
-// CacheHits counts runs that reused a compiled program.
+// CacheHits counts runs (and Plan and PlanEval calls) that reused a
+// compiled program.
 func (s *Session) CacheHits() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -790,11 +795,11 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 			return nil, false, err
 		}
 		pl = nil
-		if attempt == 0 && prev != nil && budget != prev.Budget && prevProg.Signature() == p.Signature() {
-			pl = s.keptPlan(p, held, prev.Budget, budget)
+		if attempt == 0 {
+			pl = s.keptPlanOf(p, held, prev, prevProg, budget)
 		}
 		if pl == nil {
-			if pl, err = s.plans.Plan(p, planner.Options{Budget: budget, Headroom: s.opts.Headroom, MaxChunk: s.opts.MaxChunk, Resident: held}); err != nil {
+			if pl, err = s.plans.Plan(p, s.planOptions(budget, held)); err != nil {
 				return nil, false, err
 			}
 		}
@@ -871,7 +876,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 // plan's chunk was the largest that fitted, and still fits) or the plan
 // runs the whole batch in one chunk.
 func (s *Session) keptPlan(p *planner.Program, held []planner.Held, was, now int64) *planner.Plan {
-	pl, err := s.plans.Plan(p, planner.Options{Budget: was, Headroom: s.opts.Headroom, MaxChunk: s.opts.MaxChunk, Resident: held})
+	pl, err := s.plans.Plan(p, s.planOptions(was, held))
 	if err != nil {
 		return nil // planned at now instead, which reports its own error
 	}
@@ -879,6 +884,22 @@ func (s *Session) keptPlan(p *planner.Program, held []planner.Held, was, now int
 		return nil
 	}
 	return pl
+}
+
+// keptPlanOf is keptPlan of p at budget now when the last run's plan
+// prev (of program prevProg) may stand for it: a plan of the same
+// program at another budget. Nil otherwise.
+func (s *Session) keptPlanOf(p *planner.Program, held []planner.Held, prev *planner.Plan, prevProg *planner.Program, now int64) *planner.Plan {
+	if prev == nil || now == prev.Budget || prevProg.Signature() != p.Signature() {
+		return nil
+	}
+	return s.keptPlan(p, held, prev.Budget, now)
+}
+
+// planOptions are the planner's options for a run within budget on a
+// device holding held.
+func (s *Session) planOptions(budget int64, held []planner.Held) planner.Options {
+	return planner.Options{Budget: budget, Headroom: s.opts.Headroom, MaxChunk: s.opts.MaxChunk, Resident: held}
 }
 
 // samePlanAt is keptPlan's rule: whether plan pl, made at budget was, is
@@ -951,7 +972,7 @@ func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids,
 	st := recompute.Step{Graph: g, Boundary: boundary, Outputs: ids, Compile: s.compileOptions(ids[1:1+len(trained)], trained, slots, unscale)}
 	if !ok {
 		res, err := recompute.Search(st, recompute.Options{Profile: s.opts.Profile, TF32: s.opts.TF32 || s.policy.TF32(),
-			Planner:  planner.Options{Budget: budget, Headroom: s.opts.Headroom, MaxChunk: s.opts.MaxChunk},
+			Planner:  s.planOptions(budget, nil),
 			Resident: func(p *planner.Program) []planner.Held { return exec.PlanResidents(p, held) }})
 		if err != nil {
 			return nil, none, err
@@ -1025,6 +1046,18 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	if _, err := s.executor(); err != nil {
 		return nil, err
 	}
+	p, err := s.evalProgram(outputs)
+	if err != nil {
+		return nil, err
+	}
+	outs, _, err := s.run(ctx, p, nil, 0, nil, time.Time{})
+	return outs, err
+}
+
+// evalProgram compiles the evaluation of outputs (the precision pass
+// under a mixed policy, no gradients) as Eval runs it: the path Eval and
+// PlanEval share.
+func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) {
 	g, err := sameGraph("eval", outputs)
 	if err != nil {
 		return nil, err
@@ -1043,12 +1076,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 			ids[i] = m[id]
 		}
 	}
-	p, err := s.program(ir, nil, ids, nil, nil, 0, false)
-	if err != nil {
-		return nil, err
-	}
-	outs, _, err := s.run(ctx, p, nil, 0, nil, time.Time{})
-	return outs, err
+	return s.program(ir, nil, ids, nil, nil, 0, false)
 }
 
 // Step runs one training step: forward and backward of the scalar loss,
@@ -1127,14 +1155,71 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	if _, err := s.executor(); err != nil {
 		return 0, err
 	}
-	if err := loss.Err(); err != nil {
+	cs, err := s.compileStep(loss, params, opt, true)
+	if err != nil {
 		return 0, err
+	}
+	defer cs.release()
+	vals, skipped, err := s.run(ctx, cs.prog, opt, cs.scale, so.Reduce, start)
+	if err != nil {
+		return 0, err
+	}
+	s.mu.Lock()
+	s.lastRe = cs.re
+	if cs.unscale {
+		s.scaler.Update(!skipped)
+	}
+	s.mu.Unlock()
+	l, err := scalarOf(vals[0])
+	if err != nil {
+		return 0, err
+	}
+	// The run succeeded: its updates apply, a loss-scaled step skipped for
+	// an inf or NaN gradient included (PyTorch's forward has updated its
+	// running statistics by then too).
+	var errs []error
+	for i, u := range cs.updates {
+		if err := u.Apply(vals[cs.first+i]); err != nil {
+			errs = append(errs, fmt.Errorf("step update %d (node %d): %w", i, cs.ids[cs.first+i], err))
+		}
+	}
+	return l, errors.Join(errs...)
+}
+
+// compiledStep is a training step built and compiled as Step runs it.
+type compiledStep struct {
+	prog *planner.Program
+	re   Recomputed
+	// ids are the step's outputs: the loss, the gradients of trained (kept
+	// on the device), then from first on the graph's step updates.
+	ids     []int
+	first   int
+	updates []lazy.StepUpdate
+	trained []int
+	// g is the step's graph before any recompute transform, whose backward
+	// pass starts at node boundary; slots is the optimizer's state slots.
+	g        *graph.Graph
+	boundary int
+	slots    int
+	scale    float32 // the run's loss scale; 0 for none
+	unscale  bool
+	release  func() // once the step's graph is no longer needed (backward's)
+}
+
+// compileStep builds the training step of loss, params and opt (the
+// precision pass, loss scaling and the backward pass, or the template a
+// steady loop reuses) and compiles the program Options.Recompute picks:
+// the path Step and Plan share. With runnable it also checks what running
+// needs, which a plan does not: float32 parameters holding host data.
+func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, runnable bool) (cs *compiledStep, err error) {
+	if err := loss.Err(); err != nil {
+		return nil, err
 	}
 	if opt == nil {
-		return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
+		return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
 	if err := s.distinctParams(params); err != nil {
-		return 0, err
+		return nil, err
 	}
 	var (
 		scale float32
@@ -1147,9 +1232,13 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	}
 	st, tmpl, release, err := s.backward(loss, params, data)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	defer release()
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
 	// A parameter the loss does not depend on gets a zero-filled gradient;
 	// like PyTorch's parameters whose grad is None, it is not updated (no
 	// weight decay, no momentum) and gets no optimizer state.
@@ -1160,12 +1249,12 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	trained := make([]int, 0, len(params))
 	for i, p := range params {
 		id := st.Params[i]
-		if dt := ir.Node(id).Type.DType; dt != graph.Float32 {
-			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
+		if dt := ir.Node(id).Type.DType; runnable && dt != graph.Float32 {
+			return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
 				"parameter %q is %s: trained parameters stay float32 (master weights); use Options.Precision for 16-bit compute", p.Name(), dt)}
 		}
-		if _, err := exec.ParamData(ir.Node(id), p.Value()); err != nil {
-			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
+		if _, err := exec.ParamData(ir.Node(id), p.Value()); runnable && err != nil {
+			return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: err}
 		}
 		if gr := ir.Node(st.Grads[i]); gr.Op == graph.OpFill && len(gr.Inputs) == 0 && gr.Attrs.Scalar == 0 {
 			continue
@@ -1179,10 +1268,10 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	for i, u := range updates {
 		id := u.Value.ID()
 		if id < 0 || id >= len(st.IDs) {
-			return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d is node %d, not a node of the forward graph", i, id)}
+			return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d is node %d, not a node of the forward graph", i, id)}
 		}
 		if st.IDs[id] < 0 {
-			return 0, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d reads node %d, which the attention fusion removed", i, id)}
+			return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrArity, "step update %d reads node %d, which the attention fusion removed", i, id)}
 		}
 		ids = append(ids, st.IDs[id])
 	}
@@ -1193,32 +1282,10 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	}
 	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	vals, skipped, err := s.run(ctx, prog, opt, scale, so.Reduce, start)
-	if err != nil {
-		return 0, err
-	}
-	s.mu.Lock()
-	s.lastRe = re
-	if unscale {
-		s.scaler.Update(!skipped)
-	}
-	s.mu.Unlock()
-	l, err := scalarOf(vals[0])
-	if err != nil {
-		return 0, err
-	}
-	// The run succeeded: its updates apply, a loss-scaled step skipped for
-	// an inf or NaN gradient included (PyTorch's forward has updated its
-	// running statistics by then too).
-	var errs []error
-	for i, u := range updates {
-		if err := u.Apply(vals[first+i]); err != nil {
-			errs = append(errs, fmt.Errorf("step update %d (node %d): %w", i, ids[first+i], err))
-		}
-	}
-	return l, errors.Join(errs...)
+	return &compiledStep{prog: prog, re: re, ids: ids, first: first, updates: updates, trained: trained, g: ir,
+		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
 }
 
 // distinctParams is distinctParams of params, or nil at once when params

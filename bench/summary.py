@@ -230,7 +230,7 @@ def time_to_batch(go, th, caps):
     rows = [["model", "method", "batch found", "time", "notes"]]
     for r in go:
         if r.get("kind") == "maxbatch":
-            note = f"{r.get('replays')} replays, budget {mib(r.get('budget'))}"
+            note = f"{r.get('replays')} steps planned, budget {mib(r.get('budget'))}"
             if r.get("verified"):
                 note += (f"; step run at it: {r.get('verify_seconds', 0):.1f} s, peak reserved {mib(r.get('measured_peak_reserved'))}"
                          f" (predicted {mib(r.get('predicted_peak_reserved', 0) + r.get('overhead', 0))}),"

@@ -37,6 +37,9 @@ type Held struct {
 	Key   ResidentKey
 	Bytes int64
 	Tag   alloc.Tag
+	// Const marks a constant's buffer, which the first run whose program
+	// does not read it releases (ReleaseUnread, Unreleased).
+	Const bool
 }
 
 // Residents is an executor's table of resident buffers, in allocation
@@ -143,7 +146,7 @@ func (rs *Residents[V]) Held() []Held {
 	if rs.held == nil && len(rs.list) > 0 {
 		rs.held = make([]Held, len(rs.list))
 		for i, rb := range rs.list {
-			rs.held[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag}
+			rs.held[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag, Const: rb.konst}
 		}
 	}
 	return rs.held
@@ -160,13 +163,7 @@ func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, sa
 	if !rs.HoldsConstants() {
 		return false, nil // nothing to look up (every training step asks)
 	}
-	read := map[ResidentKey]bool{}
-	for _, bi := range p.Persistent {
-		b := p.Buffers[bi]
-		if t := p.Graph.Node(b.Node).Value; t != nil {
-			read[keyOf(b, t)] = true
-		}
-	}
+	read := readKeys(p)
 	kept := rs.list[:0:0]
 	var freed []*Resident[V]
 	gap := false // a freed resident lies before one that stays
@@ -201,6 +198,36 @@ func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, sa
 		return true, rs.Restore(a, load)
 	}
 	return true, nil
+}
+
+// readKeys is the set of resident keys p's persistent buffers read.
+func readKeys(p *planner.Program) map[ResidentKey]bool {
+	read := map[ResidentKey]bool{}
+	for _, bi := range p.Persistent {
+		b := p.Buffers[bi]
+		if t := p.Graph.Node(b.Node).Value; t != nil {
+			read[keyOf(b, t)] = true
+		}
+	}
+	return read
+}
+
+// Unreleased is held, an executor's residents in allocation order, less
+// the constants that ReleaseUnread(p) would free: what a run of p finds
+// resident, for planning p without running it. held is returned as it is
+// when it holds no constant.
+func Unreleased(p *planner.Program, held []Held) []Held {
+	if !slices.ContainsFunc(held, func(h Held) bool { return h.Const }) {
+		return held
+	}
+	read := readKeys(p)
+	out := make([]Held, 0, len(held))
+	for _, h := range held {
+		if !h.Const || read[h.Key] {
+			out = append(out, h)
+		}
+	}
+	return out
 }
 
 // Release frees every resident block and forgets them all (an executor's

@@ -667,69 +667,38 @@ func (r *Record) setRates(batch int) {
 
 // maxBatch asks the planner for the largest batch whose whole training
 // step (one chunk) fits the card's free memory, as Lightning's
-// BatchSizeFinder and accelerate's find_executable_batch_size do by trial:
-// a shape-only program is built at m.upper samples, and single-chunk
-// replays at batch b on a simulated device of that size are bisected. It
-// then runs one step at that batch on the card.
+// BatchSizeFinder and accelerate's find_executable_batch_size do by
+// trial, without a trial: batchfit.Session.MaxBatch builds the
+// shape-only step at each candidate batch and plans it with the
+// session's own compile path and budget (searchMaxBatch). It then runs
+// one step at that batch on the card through the same session, with
+// data, and records its measured peaks beside the plan's and the card's
+// used memory (d: the card, for cuMemGetInfo).
 func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
-	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper}
-	e, err := cuda.NewExecutor(d, c.executorOptions())
-	if err != nil {
+	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper,
+		TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
+		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast})
+	if err := sess.Err(); err != nil {
 		return r, err
 	}
-	defer e.Close()
-	_, free, err := used(d)
-	if err != nil {
-		return r, err
-	}
-	// The executor already holds cuBLAS's workspace, outside free; the
-	// driver needs DriverReserve of free to map the plan's allocations.
-	free -= e.Reserve()
-	r.Budget, r.Overhead = free, e.Overhead()
+	defer sess.Close()
+	r.Overhead = sess.Overhead()
 
 	start := time.Now()
-	mod := m.module(nn.Options{ShapeOnly: true})
-	loss, _ := m.build(mod, m.upper, nil)
-	p, _, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.ParamTensors(mod), 2)
-	if err != nil {
-		return r, err
-	}
-	fits := func(b int) (planner.Usage, bool, error) {
-		r.Replays++
-		a := alloc.New(alloc.NewSimBackend(free), alloc.Options{})
-		u, err := planner.Replay(p, []planner.Chunk{{Size: b}}, a, nil, false)
-		if errors.Is(err, alloc.ErrOutOfMemory) {
-			return u, false, nil
-		}
-		return u, err == nil, err
-	}
-	lo, hi := 0, m.upper+1 // lo fits (0: nothing yet), hi does not
-	if _, ok, err := fits(m.upper); err != nil {
-		return r, err
-	} else if ok {
-		lo = m.upper
-	}
-	for hi-lo > 1 {
-		mid := lo + (hi-lo)/2
-		if _, ok, err := fits(mid); err != nil {
-			return r, err
-		} else if ok {
-			lo = mid
-		} else {
-			hi = mid
-		}
-	}
+	fit, err := searchMaxBatch(sess, m)
 	r.SearchSeconds = time.Since(start).Seconds()
-	r.Batch = lo
-	if lo == 0 {
-		return r, graph.Errorf(graph.ErrShape, "%s: not even one sample fits %s", m.name, alloc.FormatBytes(free))
-	}
-	u, _, err := fits(lo)
 	if err != nil {
 		return r, err
 	}
-	r.PredictedPeakReserved, r.PredictedPeakAllocated = u.PeakReserved, u.PeakAllocated
-	if lo == m.upper {
+	r.Batch, r.Replays = fit.Batch, fit.Plans
+	if fit.Batch == 0 {
+		return r, graph.Errorf(graph.ErrShape, "%s: not even one sample fits the card's free memory", m.name)
+	}
+	pl := fit.Plan.Plan
+	r.Budget = pl.Budget
+	r.PredictedPeakReserved, r.PredictedPeakAllocated = pl.PeakReserved, pl.PeakAllocated
+	if fit.AtLimit {
 		r.Error = fmt.Sprintf("the search's upper bound %d fits: the largest batch is at least that", m.upper)
 	}
 	if !c.verify {
@@ -738,29 +707,40 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 
 	// One step at the found batch, on the card, with real data.
 	real := m.module(nn.Seed(1))
-	loss, _ = m.build(real, lo, rand.New(rand.NewPCG(4, 5)))
-	params := nn.ParamTensors(real)
+	loss, _ := m.build(real, fit.Batch, rand.New(rand.NewPCG(4, 5)))
 	start = time.Now()
-	p, _, err = compileStep(e.Workspace(), c.policy(), c.train(), loss, params, 2)
-	if err != nil {
-		return r, err
-	}
-	su, err := planner.Replay(p, []planner.Chunk{{Size: lo}}, alloc.New(alloc.NewSimBackend(free), alloc.Options{}), nil, false)
-	if err == nil {
-		r.StepPredictedPeakReserved = su.PeakReserved
-	}
-	res, err := e.Execute(context.Background(), p, planner.Chunks(lo, 1), cuda.ExecOptions{Resident: true, Optimizer: m.optimizer()})
+	_, err = sess.Step(context.Background(), loss, nn.ParamTensors(real), m.optimizer())
 	r.VerifySeconds = time.Since(start).Seconds()
 	if err != nil {
-		return r, fmt.Errorf("step at batch %d: %w", lo, err)
+		return r, fmt.Errorf("step at batch %d: %w", fit.Batch, err)
+	}
+	if err := sess.SyncParams(); err != nil {
+		return r, err
 	}
 	r.Verified = true
-	r.FirstLoss = scalar(res.Outputs[0])
-	r.MeasuredPeakReserved, r.MeasuredPeakAllocated = res.Usage.PeakReserved, res.Usage.PeakAllocated
+	spl, u := sess.LastPlan(), sess.LastUsage()
+	r.Chunks, r.StepPredictedPeakReserved = spl.Split.Len(), spl.PeakReserved
+	r.MeasuredPeakReserved, r.MeasuredPeakAllocated = u.PeakReserved, u.PeakAllocated // Overhead included
 	if r.DeviceUsedPeak, r.VerifyFreeLeft, err = used(d); err != nil {
 		return r, err
 	}
 	return r, nil
+}
+
+// searchMaxBatch is maxBatch's search: Session.MaxBatch over m's training
+// step, one shape-only module and a new graph over placeholders per
+// batch, up to m.upper samples.
+func searchMaxBatch(sess *batchfit.Session, m benchModel) (*batchfit.BatchFit, error) {
+	mod := m.module(nn.Options{ShapeOnly: true})
+	if err := nn.Check(mod); err != nil {
+		return nil, err
+	}
+	params := nn.ParamTensors(mod)
+	build := func(n int) (*lazy.Tensor, []*lazy.Tensor) {
+		loss, _ := m.build(mod, n, nil)
+		return loss, params
+	}
+	return sess.MaxBatch(build, m.optimizer(), batchfit.MaxBatchOptions{Limit: m.upper})
 }
 
 // executorOptions are the CUDA executor's options the flags ask for.

@@ -105,16 +105,15 @@ type Record struct {
 	DeviceUsedPeak   int64 `json:"device_used_peak,omitempty"`
 
 	// maxbatch (and Budget, Verified, VerifySeconds for tightness)
-	Budget        int64   `json:"budget,omitempty"` // maxbatch: the card's free memory after the executor was made; tightness: -budget; cap: -cap
+	Budget        int64   `json:"budget,omitempty"` // maxbatch: the plan's budget (the Session's: the card's free memory less Overhead); tightness: -budget; cap: -cap
 	SearchSeconds float64 `json:"search_seconds,omitempty"`
-	Replays       int     `json:"replays,omitempty"`
-	Upper         int     `json:"upper,omitempty"` // the batch the shape-only program was built at
-	// The step at the found batch, run on the card.
-	// StepPredictedPeakReserved is the step's own program (compiled at the
-	// found batch, its workspaces declared there) replayed on a simulated
-	// device: against MeasuredPeakReserved − Overhead to the byte, where
-	// PredictedPeakReserved is the shape-only program's at that batch
-	// (workspaces declared at Upper: a timed convolution's affine cover).
+	Replays       int     `json:"replays,omitempty"` // maxbatch: the steps Session.MaxBatch built and planned
+	Upper         int     `json:"upper,omitempty"`   // maxbatch: the largest batch the search tries
+	// The step at the found batch, run on the card through the search's
+	// Session. PredictedPeakReserved is the shape-only step's plan at that
+	// batch (MaxBatch's), StepPredictedPeakReserved the plan the step with
+	// data ran (LastPlan): both against MeasuredPeakReserved − Overhead
+	// to the byte.
 	StepPredictedPeakReserved int64   `json:"step_predicted_peak_reserved,omitempty"`
 	Verified                  bool    `json:"verified,omitempty"`
 	VerifySeconds             float64 `json:"verify_seconds,omitempty"`

@@ -14,6 +14,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/progress"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/recompute"
 )
@@ -77,7 +78,9 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		hsess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, Precision: "bf16-mixed"})
 		defer hsess.Close()
 	}
-	p, err := measureProfile(context.Background(), sess, tsess, hsess, defaultCalibrateSizes)
+	rep := progress.New(stderr, "batchfit calibrate", calibrateItems(tsess != nil, hsess != nil, defaultCalibrateSizes))
+	p, err := measureProfile(context.Background(), sess, tsess, hsess, defaultCalibrateSizes, rep)
+	rep.Finish()
 	if err != nil {
 		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
 		return exitPlan
@@ -95,9 +98,17 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 
 // measureProfile times the calibration kernels on sess (tsess, when not
 // nil, a TF32 session for tf32_flops; hsess, when not nil, a bf16-mixed
-// session for the 16-bit rates). vector_flops is not measured: the
+// session for the 16-bit rates), reporting each rate timed to rep (nil:
+// silent). vector_flops is not measured: the
 // default profile's nominal figure stands, and Sources says so.
-func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, sz calibrateSizes) (recompute.Profile, error) {
+func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, sz calibrateSizes, rep *progress.Reporter) (recompute.Profile, error) {
+	timed := func(what string, s *batchfit.Session, build func(k int) *lazy.Tensor, sz calibrateSizes) (float64, error) {
+		t, err := perOp(ctx, s, build, sz)
+		if err == nil {
+			rep.Done(what)
+		}
+		return t, err
+	}
 	rng := rand.New(rand.NewPCG(1, 2))
 	uniform := func(scale float64, shape ...int) *tensor.Dense {
 		n := 1
@@ -143,27 +154,27 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 	}
 	p := recompute.DefaultProfile()
 	p.Sources = map[string]string{"vector_flops": "nominal: the default profile's, not measured"}
-	tg, err := perOp(ctx, sess, gemm, sz)
+	tg, err := timed("FP32 GEMMs", sess, gemm, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing GEMMs: %w", err)
 	}
 	p.MatMulFLOPS = 2 * math.Pow(float64(sz.n), 3) / tg
 	p.Sources["matmul_flops"] = fmt.Sprintf("measured: %d×%d FP32 GEMM chain through the CUDA executor", sz.n, sz.n)
 	if tsess != nil {
-		tt, err := perOp(ctx, tsess, gemm, sz)
+		tt, err := timed("TF32 GEMMs", tsess, gemm, sz)
 		if err != nil {
 			return p, fmt.Errorf("timing TF32 GEMMs: %w", err)
 		}
 		p.TF32FLOPS = 2 * math.Pow(float64(sz.n), 3) / tt
 		p.Sources["tf32_flops"] = "measured: the same chain with TF32 on"
 	}
-	te, err := perOp(ctx, sess, elementwise, sz)
+	te, err := timed("elementwise", sess, elementwise, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing elementwise kernels: %w", err)
 	}
 	p.Bandwidth = 2 * 4 * float64(xe.Shape().TotalSize()) / te
 	p.Sources["bandwidth"] = fmt.Sprintf("measured: mul_scalar over %d float32s, read and written", xe.Shape().TotalSize())
-	tl, err := perOp(ctx, sess, tiny, sz)
+	tl, err := timed("launches", sess, tiny, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing launches: %w", err)
 	}
@@ -177,7 +188,7 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 		}
 		return lazy.Wrap(xe, 0).Sum()
 	}
-	tu, err := perOp(ctx, sess, upload, calibrateSizes{chain: 2, repeat: sz.repeat})
+	tu, err := timed("input upload", sess, upload, calibrateSizes{chain: 2, repeat: sz.repeat})
 	if err != nil {
 		return p, fmt.Errorf("timing the input upload: %w", err)
 	}
@@ -209,14 +220,14 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 	if hsess == nil {
 		return p, p.Validate()
 	}
-	tp, err := perOp(ctx, hsess, attentionWith(tensor.New(tensor.WithShape(sz.attnT, sz.attnT), tensor.WithBacking(make([]float32, sz.attnT*sz.attnT)))), sz)
+	tp, err := timed("masked bf16 attention", hsess, attentionWith(tensor.New(tensor.WithShape(sz.attnT, sz.attnT), tensor.WithBacking(make([]float32, sz.attnT*sz.attnT)))), sz)
 	if err != nil {
 		return p, fmt.Errorf("timing masked bf16 attention: %w", err)
 	}
 	p.AttentionFLOPS = attnFlops / tp
 	p.Sources["attention_flops"] = fmt.Sprintf("measured: bf16-mixed causal attention with a [%d, %d] mask over [1, %d, %d, %d] (the plain kernels), forward",
 		sz.attnT, sz.attnT, heads, sz.attnT, hd)
-	th, err := perOp(ctx, hsess, gemm, sz)
+	th, err := timed("bf16 GEMMs", hsess, gemm, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing bf16 GEMMs: %w", err)
 	}
@@ -233,7 +244,7 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 		}
 		return anchored(s)
 	}
-	tuh, err := perOp(ctx, hsess, unaligned, sz)
+	tuh, err := timed("unaligned bf16 GEMMs", hsess, unaligned, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing unaligned bf16 GEMMs: %w", err)
 	}
@@ -251,7 +262,7 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 			}
 			return anchored(y.Sum())
 		}
-		tc, err := perOp(ctx, hsess, conv, sz)
+		tc, err := timed("bf16 convolutions", hsess, conv, sz)
 		if err != nil {
 			return p, fmt.Errorf("timing bf16 convolutions: %w", err)
 		}
@@ -259,13 +270,31 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 		p.Sources["half_conv_flops"] = fmt.Sprintf("measured: chained bf16 3×3 convolutions of [%d, %d, %d, %d], forward", sz.convBatch, ch, sz.convSize, sz.convSize)
 	}
 	p.Sources["half_unaligned_flops"] = fmt.Sprintf("measured: bf16 products of [%d, %d] by [%d, %d]", sz.n, sz.n, sz.n, sz.n+1)
-	tha, err := perOp(ctx, hsess, attention, sz)
+	tha, err := timed("bf16 attention", hsess, attention, sz)
 	if err != nil {
 		return p, fmt.Errorf("timing bf16 attention: %w", err)
 	}
 	p.HalfAttentionFLOPS = attnFlops / tha
 	p.Sources["half_attention_flops"] = "measured: the attention chain in bf16-mixed (tensor cores), forward"
 	return p, p.Validate()
+}
+
+// calibrateItems is the number of rates measureProfile times: FP32
+// GEMMs, elementwise kernels, launches and the input upload, TF32 GEMMs
+// with tf32, and with half masked attention, bf16 GEMMs aligned and not,
+// attention, and convolutions when sz has a batch of them.
+func calibrateItems(tf32, half bool, sz calibrateSizes) int {
+	n := 4
+	if tf32 {
+		n++
+	}
+	if half {
+		n += 4
+		if sz.convBatch > 0 {
+			n++
+		}
+	}
+	return n
 }
 
 // perOp is the seconds one op of build's chain takes: the best of repeat

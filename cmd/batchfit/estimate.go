@@ -9,17 +9,17 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
-	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
 	"github.com/batchfit/batchfit/recompute"
-	"github.com/batchfit/batchfit/shapeinfer"
 )
 
 // report is what estimate found, printed as text or JSON. Byte counts are
@@ -48,7 +48,8 @@ type report struct {
 	Budget    int64   `json:"budget"`
 	Headroom  int64   `json:"headroom"`
 	Available int64   `json:"available"`
-	// BuildSeconds times building, analysing and compiling the graph.
+	// BuildSeconds times building the model's graph; the plan's
+	// PlanningSeconds the Session's Plan: the step compiled and planned.
 	BuildSeconds float64     `json:"build_seconds"`
 	Plan         *planReport `json:"plan,omitempty"`
 	DoesNotFit   *fitReport  `json:"does_not_fit,omitempty"`
@@ -137,103 +138,86 @@ type bufferRow struct {
 	Shape  []int  `json:"shape,omitempty"`
 }
 
-// step is a built, compiled training or inference step.
+// step is a zoo model's training or inference step as a dry-run Session
+// plans it (session): built, compiled and planned.
 type step struct {
 	module  nn.Module
-	graph   *graph.Graph
-	program *planner.Program
-	rstep   recompute.Step // the training step, for the recompute search
+	graph   *graph.Graph     // the plain step's graph (no recompute copies), without data
+	program *planner.Program // the program the plan runs (a recompute transform when one was chosen)
+	rstep   recompute.Step   // the plain training step, for the recompute search's listing
+	// plan is the Session's plan (its timeline through the first chunk, no
+	// chunk list); nil when the step does not fit, planErr saying why.
+	plan       *planner.Plan
+	planErr    error
+	recomputed batchfit.Recomputed
+	// buildSeconds times building the model's graph, planSeconds the
+	// Session's Plan (compiling the step and planning it).
+	buildSeconds, planSeconds float64
 }
 
-// buildStep builds c's model shape-only over placeholders and compiles one
-// step: forward, loss, and the gradients of every parameter (kept on the
-// device, summed over chunks) with the optimizer's state in training mode;
-// the forward output alone in inference mode. Workspaces are the CUDA
-// executor's for a device, the CPU executor's otherwise.
+// session is the dry-run Session c's steps are planned in: c's precision,
+// micro-batch, recompute mode and cost profile, within c's budget and
+// headroom, with the CUDA executor's workspaces and its cuBLAS workspace
+// outside every plan for a card (--gpu, --gpu-memory), the CPU
+// executor's otherwise.
+func session(c *estimateConfig) *batchfit.Session {
+	o := batchfit.Options{Precision: string(c.policy), Budget: c.budget, Headroom: c.headroom, MaxChunk: c.microBatch,
+		NoChannelsLast: c.nchw, Recompute: c.recompute, Profile: c.profile, DryRun: &batchfit.DryRun{Workspace: cpu.Workspace}}
+	if c.device != nil {
+		// The card's budget is what its plans may use: the cuBLAS
+		// workspace is held besides it.
+		o.Budget += c.device.Workspace
+		o.DryRun.Workspace, o.DryRun.Overhead = cuda.Workspace, c.device.Workspace
+	}
+	return batchfit.NewSession(o)
+}
+
+// buildStep builds c's model shape-only over placeholders and plans one
+// step with session(c), as a Session on the device would run it: in
+// training mode Session.Plan (forward, loss, and the gradients of every
+// parameter with the optimizer's state), in inference mode
+// Session.PlanEval of the forward output. A step that does not fit comes
+// back with planErr set; an error building or compiling it is returned.
 func buildStep(c *estimateConfig) (*step, error) {
+	sess := session(c)
+	if err := sess.Err(); err != nil {
+		return nil, err
+	}
+	defer sess.Close()
+	start := time.Now()
 	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, c.batch, c.seq, c.train, nil)
 	if err := nn.Check(b.module); err != nil {
 		return nil, err
 	}
-	out := b.output
+	st := &step{module: b.module, buildSeconds: time.Since(start).Seconds()}
+	start = time.Now()
+	var (
+		sp  *batchfit.StepPlan
+		err error
+	)
 	if c.train {
-		out = b.loss
+		sp, err = sess.Plan(b.loss, nn.ParamTensors(b.module), stateOf(c))
+	} else {
+		sp, err = sess.PlanEval(b.output)
 	}
-	if err := out.Err(); err != nil {
+	st.planSeconds = time.Since(start).Seconds()
+	if sp == nil {
 		return nil, err
 	}
-	outputs := []int{out.ID()}
-	var kept, trained []int
-	g := out.Graph().IR()
-	// A training step computes its graph's step updates too (the running
-	// statistics of per-chunk batch norm), after the gradients, as a
-	// Session's Step does: forward is the map into the step's graph.
-	updates := func(forward []int) []int {
-		var ids []int
-		for _, u := range out.Graph().StepUpdates() {
-			id := u.Value.ID()
-			if forward != nil {
-				id = forward[id]
-			}
-			ids = append(ids, id)
-		}
-		return ids
+	st.graph, st.program, st.rstep, st.recomputed = sp.Program.Graph, sp.Program, sp.Search, sp.Recompute
+	if c.train {
+		st.graph = sp.Search.Graph // the plain step's, before any recompute copies
 	}
-	boundary := out.ID() + 1 // the first backward node, after any precision rewrite
-	var finish int64         // the loss scaler's flag
-	switch {
-	case c.train && c.policy.Mixed(): // as a Session with that precision builds its step
-		wrt, err := lazy.ParamIDs(b.loss, nn.ParamTensors(b.module)...)
-		if err != nil {
-			return nil, err
-		}
-		// fp16-mixed scales its loss, as a Session does by default.
-		st, err := precision.TrainWith(g, c.policy, b.loss.ID(), wrt, precision.TrainOptions{LossScale: c.policy.Scaled(),
-			ChannelsLast: c.policy == precision.BF16Mixed && !c.nchw})
-		if err != nil {
-			return nil, err
-		}
-		g, outputs = st.Graph, append(append([]int{st.Loss}, st.Grads...), updates(st.IDs)...)
-		kept, trained, boundary = st.Grads, st.Params, st.Scaled+1
-		if st.Scale >= 0 {
-			finish = exec.UnscaleBytes
-		}
-	case c.train:
-		params := nn.ParamTensors(b.module)
-		for i, gr := range lazy.Grad(b.loss, params...) {
-			if err := gr.Err(); err != nil {
-				return nil, err
-			}
-			outputs = append(outputs, gr.ID())
-			kept = append(kept, gr.ID())
-			trained = append(trained, out.Graph().NodeOf(params[i]))
-		}
-		outputs = append(outputs, updates(nil)...)
-	case c.policy.Mixed(): // Session.Eval's rewrite
-		ng, ids, err := precision.Apply(g, c.policy)
-		if err != nil {
-			return nil, err
-		}
-		g, outputs = ng, []int{ids[out.ID()]}
-	}
-	info, err := shapeinfer.Analyze(g, outputs...)
-	if err != nil {
-		return nil, err
-	}
-	ws := cpu.Workspace
-	if c.device != nil {
-		ws = cuda.Workspace
-	}
-	co := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws, FinishWorkspace: finish}
-	p, err := planner.Compile(g, info, outputs, co)
-	if err != nil {
-		return nil, err
-	}
-	rs := recompute.Step{Graph: g, Boundary: boundary, Outputs: outputs, Compile: co}
-	return &step{module: b.module, graph: g, program: p, rstep: rs}, nil
+	st.plan, st.planErr = sp.Plan, err
+	return st, nil
 }
 
-// planOptions are the planner options of c.
+// stateOf is an optimizer holding c's state slots per parameter (the
+// --optimizer's).
+func stateOf(c *estimateConfig) optim.Optimizer { return makeOptimizer(c.optimizer) }
+
+// planOptions are the planner options of c: the Session's (budget,
+// headroom, micro-batch), for plans made outside it.
 func planOptions(c *estimateConfig) planner.Options {
 	return planner.Options{Budget: c.budget, Headroom: c.headroom, NoHeadroom: c.headroom == 0, Timeline: c.table, MaxChunk: c.microBatch}
 }
@@ -241,7 +225,6 @@ func planOptions(c *estimateConfig) planner.Options {
 // estimate plans c. On a planning failure it returns the report so far
 // (with DoesNotFit filled in when the step does not fit) and the error.
 func estimate(c *estimateConfig) (*report, error) {
-	start := time.Now()
 	st, err := buildStep(c)
 	if err != nil {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
@@ -250,7 +233,7 @@ func estimate(c *estimateConfig) (*report, error) {
 		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, MicroBatch: c.microBatch, Seq: c.seq,
 		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
 		Device: c.device, Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
-		BuildSeconds: time.Since(start).Seconds()}
+		BuildSeconds: st.buildSeconds}
 	if c.train {
 		r.Mode = "train"
 	}
@@ -277,12 +260,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	if err := estimateRecompute(c, st, r); err != nil {
 		return r, err
 	}
-	start = time.Now()
-	o := planOptions(c)
-	o.NoChunkList = true // nothing runs: the plan's memory must not grow with the batch
-	o.TimelineChunks = 1 // the table shows the first chunk
-	pl, err := planner.Make(st.program, o)
-	elapsed := time.Since(start)
+	pl, err := st.plan, st.planErr
 	var dnf *planner.DoesNotFitError
 	if errors.As(err, &dnf) {
 		r.DoesNotFit = &fitReport{Message: dnf.Error(), Chunk: dnf.Chunk, Needed: dnf.Needed, Whole: dnf.Whole,
@@ -294,7 +272,7 @@ func estimate(c *estimateConfig) (*report, error) {
 			r.DoesNotFit.Largest = append(r.DoesNotFit.Largest, bufferRow{Bytes: u.Bytes, Kind: u.Kind.String(),
 				Node: u.Tag.Node, Op: u.Tag.Op, Module: u.Tag.Scope})
 		}
-		if errors.Is(err, graph.ErrNotChunkable) && c.recompute != recompute.Auto {
+		if errors.Is(err, graph.ErrNotChunkable) && c.train && c.recompute != recompute.Auto {
 			n, serr := largestWholeBatch(c)
 			if serr != nil {
 				return r, serr
@@ -311,7 +289,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 	pr := &planReport{WholeBatch: pl.Split.Len() == 1, Chunk: pl.Chunk, NumChunks: pl.Split.Len(),
 		PeakReserved: pl.PeakReserved, PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample,
-		Persistent: pl.Persistent, Replays: pl.Replays, PlanningSeconds: elapsed.Seconds()}
+		Persistent: pl.Persistent, Replays: pl.Replays, PlanningSeconds: st.planSeconds}
 	for _, run := range pl.Split.Runs() {
 		pr.Chunks = append(pr.Chunks, chunkRun(run))
 	}
@@ -343,39 +321,24 @@ func estimate(c *estimateConfig) (*report, error) {
 }
 
 // largestWholeBatch finds, for a step that cannot run in chunks and whose
-// batch does not fit, the largest batch that fits in one piece: it builds
-// and plans the step at smaller batches, bisecting. 0 when one sample
-// does not fit.
+// batch does not fit, the largest batch that fits in one piece:
+// Session.MaxBatch over the model built at smaller batches, up to c's
+// batch. 0 when one sample does not fit.
 func largestWholeBatch(c *estimateConfig) (int, error) {
-	fits := func(n int) (bool, error) {
-		cn := *c
-		cn.batch = n
-		st, err := buildStep(&cn)
-		if err != nil {
-			return false, err
-		}
-		o := planOptions(&cn)
-		o.NoChunkList = true
-		_, err = planner.Make(st.program, o)
-		if errors.Is(err, planner.ErrDoesNotFit) {
-			return false, nil
-		}
-		return err == nil, err
+	sess := session(c)
+	if err := sess.Err(); err != nil {
+		return 0, err
 	}
-	lo, hi := 0, c.batch // lo fits (0 trivially), hi does not
-	for hi-lo > 1 {
-		mid := lo + (hi-lo)/2
-		ok, err := fits(mid)
-		if err != nil {
-			return 0, err
-		}
-		if ok {
-			lo = mid
-		} else {
-			hi = mid
-		}
+	defer sess.Close()
+	build := func(n int) (*lazy.Tensor, []*lazy.Tensor) {
+		b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, n, c.seq, true, nil)
+		return b.loss, nn.ParamTensors(b.module)
 	}
-	return lo, nil
+	fit, err := sess.MaxBatch(build, stateOf(c), batchfit.MaxBatchOptions{Limit: c.batch})
+	if err != nil {
+		return 0, err
+	}
+	return fit.Batch, nil
 }
 
 // timeline lists the node runs of the plan's first chunk.
@@ -493,7 +456,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("persistent", "%s (%s) + %s gradient accumulators", alloc.FormatBytes(p.Persistent), what,
 				alloc.FormatBytes(p.Accumulators))
 		}
-		line("planning", "%d replays in %s (graph built and compiled in %s)", p.Replays,
+		line("planning", "compiled and %d replays in %s (graph built in %s)", p.Replays,
 			round(p.PlanningSeconds), round(r.BuildSeconds))
 	}
 	if f := r.DoesNotFit; f != nil && r.NotChunkable != "" {

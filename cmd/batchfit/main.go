@@ -400,7 +400,7 @@ func runEstimate(args []string, stdout, stderr io.Writer) int {
 		return exitPlan
 	}
 	if c.plot != "" {
-		if err := writePlot(c, stdout); err != nil {
+		if err := writePlot(c, stdout, stderr); err != nil {
 			fmt.Fprintf(stderr, "batchfit estimate: --plot: %v\n", err)
 			return exitPlan
 		}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/internal/progress"
 	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/recompute"
 )
@@ -85,9 +86,9 @@ func searchOptions(c *estimateConfig, budget int64, all bool) recompute.Options 
 	return recompute.Options{Planner: o, Profile: c.profile, PlanAll: all, TF32: c.policy.TF32()}
 }
 
-// estimateRecompute runs the search for --recompute auto, fills r.Recompute
-// and, when a recompute plan wins, puts its program in st for estimate to
-// plan and report.
+// estimateRecompute lists the recompute candidates for --recompute auto
+// in r.Recompute: the search over the plain step, every candidate planned,
+// the Session's choice (st's plan and program) marked chosen.
 func estimateRecompute(c *estimateConfig, st *step, r *report) error {
 	if c.recompute != recompute.Auto {
 		return nil
@@ -99,7 +100,7 @@ func estimateRecompute(c *estimateConfig, st *step, r *report) error {
 	}
 	rr := &recomputeReport{Mode: string(c.recompute), Profile: c.profile, SearchSeconds: time.Since(start).Seconds()}
 	for _, ch := range res.All {
-		row := candidateRow{Name: ch.Name, Chosen: ch == res.Best, Recomputed: len(ch.Recompute), Copies: ch.Copies,
+		row := candidateRow{Name: ch.Name, Chosen: st.plan != nil && ch.Name == st.recomputed.Strategy, Recomputed: len(ch.Recompute), Copies: ch.Copies,
 			FLOPs: ch.Cost.FLOPs, ExtraFLOPs: ch.ExtraFLOPs(res.Plain)}
 		switch ch {
 		case res.Plain:
@@ -116,14 +117,9 @@ func estimateRecompute(c *estimateConfig, st *step, r *report) error {
 		rr.Candidates = append(rr.Candidates, row)
 	}
 	r.Recompute = rr
-	if res.Best == nil {
-		rr.Chosen = "none fits"
-		return nil
-	}
-	rr.Chosen = res.Best.Name
-	if res.Best != res.Plain {
-		st.program = res.Best.Program
-		r.Steps = len(st.program.Steps)
+	rr.Chosen = "none fits"
+	if st.plan != nil {
+		rr.Chosen = st.recomputed.Strategy
 	}
 	return nil
 }
@@ -175,8 +171,8 @@ type plotPoint struct {
 }
 
 // sweep plans c's step at n budgets up to c.budget, chunks only and
-// recompute auto.
-func sweep(c *estimateConfig, st *step, n int) ([]plotPoint, error) {
+// recompute auto, reporting each budget searched to rep (nil: silent).
+func sweep(c *estimateConfig, st *step, n int, rep *progress.Reporter) ([]plotPoint, error) {
 	var pts []plotPoint
 	for i := 1; i <= n; i++ {
 		b := c.budget * int64(i) / int64(n)
@@ -184,6 +180,7 @@ func sweep(c *estimateConfig, st *step, n int) ([]plotPoint, error) {
 		if err != nil {
 			return nil, err
 		}
+		rep.Done("budget " + alloc.FormatBytes(b))
 		pt := plotPoint{budget: b}
 		if p := res.Plain; p.Plan != nil {
 			pt.plainRate, pt.plainPeak = p.SamplesPerSec(), p.Plan.PeakReserved
@@ -273,13 +270,16 @@ func xmlEscape(s string) string {
 // plotPoints is how many budgets --plot plans.
 const plotPoints = 24
 
-// writePlot builds c's step again and writes the --plot SVG.
-func writePlot(c *estimateConfig, stdout io.Writer) error {
+// writePlot builds c's step again and writes the --plot SVG, its budget
+// sweep's progress on stderr.
+func writePlot(c *estimateConfig, stdout, stderr io.Writer) error {
 	st, err := buildStep(c)
 	if err != nil {
 		return err
 	}
-	pts, err := sweep(c, st, plotPoints)
+	rep := progress.New(stderr, "batchfit estimate --plot", plotPoints)
+	pts, err := sweep(c, st, plotPoints, rep)
+	rep.Finish()
 	if err != nil {
 		return err
 	}

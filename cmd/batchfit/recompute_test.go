@@ -15,6 +15,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/internal/progress"
 	"github.com/batchfit/batchfit/recompute"
 )
 
@@ -78,6 +79,7 @@ func TestEstimatePlot(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "plot.svg")
 	code, _, errOut := runCLI("estimate", "--model", "gpt-tiny", "--batch", "64", "--budget", "16MiB", "--plot", path)
 	require.Equal(t, exitOK, code, errOut)
+	assert.Equal(t, plotPoints, strings.Count(errOut, "batchfit estimate --plot: "), "a progress line per budget off a terminal:\n%s", errOut)
 	data, err := os.ReadFile(path)
 	require.NoError(t, err)
 	var doc struct {
@@ -122,8 +124,12 @@ func TestCalibrateWithoutGPU(t *testing.T) {
 func TestMeasureProfileOnCPU(t *testing.T) {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	hsess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed"})
-	p, err := measureProfile(context.Background(), sess, nil, hsess, calibrateSizes{n: 64, elems: 1 << 14, chain: 3, repeat: 1, attnT: 16, convBatch: 2, convSize: 8})
+	sz := calibrateSizes{n: 64, elems: 1 << 14, chain: 3, repeat: 1, attnT: 16, convBatch: 2, convSize: 8}
+	var lines strings.Builder
+	p, err := measureProfile(context.Background(), sess, nil, hsess, sz, progress.Lines(&lines, "calibrate", calibrateItems(false, true, sz)))
 	require.NoError(t, err)
+	assert.Equal(t, calibrateItems(false, true, sz), strings.Count(lines.String(), "\n"), "one progress line per rate timed:\n%s", lines.String())
+	assert.Contains(t, lines.String(), "calibrate: 9/9 bf16 attention")
 	for name, v := range map[string]float64{"matmul": p.MatMulFLOPS, "bandwidth": p.Bandwidth, "launch": p.Launch,
 		"host bandwidth": p.HostBandwidth, "attention": p.AttentionFLOPS, "half": p.HalfFLOPS,
 		"half unaligned": p.HalfUnalignedFLOPS, "half conv": p.HalfConvFLOPS, "half attention": p.HalfAttentionFLOPS} {

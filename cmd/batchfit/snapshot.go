@@ -144,15 +144,16 @@ func simulate(c *estimateConfig, trace int) (*simulated, error) {
 	if err != nil {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
-	pl, err := planner.Make(st.program, planOptions(c))
-	if err != nil {
-		return nil, err
+	if st.planErr != nil {
+		return nil, st.planErr
 	}
+	pl := *st.plan // the simulation runs its chunks: list them
+	pl.Chunks = pl.Split.List()
 	sim, err := memviz.Simulate(st.program, pl.Chunks, memviz.SimOptions{Capacity: pl.Available(), TraceEntries: trace})
 	if err != nil {
 		return nil, err
 	}
-	return &simulated{step: st, plan: pl, sim: sim}, nil
+	return &simulated{step: st, plan: &pl, sim: sim}, nil
 }
 
 // snapshot is the allocator state at.

@@ -61,6 +61,7 @@ type Device struct {
 	closeErr  error // set by the worker before it closes stopped
 
 	stage    *stager      // pinned upload buffers, made on first large upload (staging.go)
+	pinned   pinnedSet    // page-locked memory AllocHost gave callers (pinned.go)
 	readback *readbackBuf // pinned buffer of the early reads (readback.go)
 	// tail is set while a resident Execute's last kernels may still run
 	// (readback.go); a free of device memory waits for them first.
@@ -190,6 +191,7 @@ func (d *Device) worker(ready chan<- error) {
 				d.freeStager(d.stage),
 				d.freeReadback(d.readback),
 				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
+				d.freePinned(),
 				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
 				drv.check("cuDevicePrimaryCtxRelease_v2", drv.cuDevicePrimaryCtxRelease(d.dev)))
 			d.tid.Store(0)

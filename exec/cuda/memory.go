@@ -117,6 +117,10 @@ func copyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T, wait bool) error {
 		if d.capture != 0 {
 			return ErrHostInCapture
 		}
+		if !wait && d.pinned.holds(unsafe.Pointer(&src[0]), n) { // AllocHost's memory: a DMA from it (pinned.go)
+			d.pinned.direct.Add(1)
+			return d.drv.check("cuMemcpyHtoDAsync_v2", d.drv.cuMemcpyHtoDAsync(CUdeviceptr(dst), unsafe.Pointer(&src[0]), n, 0))
+		}
 		if n >= stageMin || !wait {
 			return d.stageHtoD(dst, unsafe.Pointer(&src[0]), n, wait)
 		}
