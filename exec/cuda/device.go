@@ -62,6 +62,7 @@ type Device struct {
 
 	stage    *stager      // pinned upload buffers, made on first large upload (staging.go)
 	readback *readbackBuf // pinned buffer of the early reads (readback.go)
+	norms    *normReads   // pinned words of clipping's gradient norms (readback.go)
 	// tail is set while a resident Execute's last kernels may still run
 	// (readback.go); a free of device memory waits for them first.
 	tail bool
@@ -189,6 +190,7 @@ func (d *Device) worker(ready chan<- error) {
 			d.closeErr = errors.Join(
 				d.freeStager(d.stage),
 				d.freeReadback(d.readback),
+				d.freeNorms(d.norms),
 				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
 				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
 				drv.check("cuDevicePrimaryCtxRelease_v2", drv.cuDevicePrimaryCtxRelease(d.dev)))

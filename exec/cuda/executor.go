@@ -267,6 +267,7 @@ func (e *Executor) Close() error {
 	if e.dnn != nil {
 		dnn = e.dnn.Close()
 	}
+	e.dropState()
 	return errors.Join(graphs, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
@@ -719,7 +720,7 @@ func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
 		return r.paramsToDevice()
 	case r.o.Optimizer != nil && len(kept) > 0: // no gradients, no step
 		if onDevice {
-			if err := r.deviceStep(kept); err != nil {
+			if err := r.deviceStep(kept, ws); err != nil {
 				return err
 			}
 			if r.o.SyncParams {
