@@ -108,8 +108,8 @@ type Program struct {
 	// bytes before it the caller's CompileOptions.FinishWorkspace rounded
 	// up to 8; 0 with none (no trained parameters).
 	OptimizerScalars int64
-	sig             uint64 // Signature, computed by Compile
-	keptKey         string // lru.Ints(Kept), the plan cache's key for it, made by Compile
+	sig              uint64 // Signature, computed by Compile
+	keptKey          string // lru.Ints(Kept), the plan cache's key for it, made by Compile
 }
 
 // Companions yields node id's companions in order (Companion, then
