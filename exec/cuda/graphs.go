@@ -101,6 +101,9 @@ type GraphStats struct {
 	// Eager the segments launched node by node (seen for the first time,
 	// too short, failed, or over graphSegments).
 	Replays, Eager int
+	// OptimizerReplays is how many of Replays were optimizer updates
+	// (optimizer.go), OptimizerCaptures how many of Captures.
+	OptimizerReplays, OptimizerCaptures int
 	// Live is the graphs held now, DriverBytes the device memory their
 	// instantiation took from the driver (cuMemGetInfo before and after),
 	// outside the allocator.
@@ -530,6 +533,9 @@ func (r *runner) segment(fp []uint64, n int, launch func() error) error {
 	sg, capture := r.g.decide(fp, n)
 	if capture {
 		r.captureFunc(sg, launch)
+		if sg.exec != 0 {
+			gc.stats.OptimizerCaptures++
+		}
 	}
 	if sg != nil && sg.exec != 0 {
 		gd, err := loadGraphDriver()
@@ -537,6 +543,7 @@ func (r *runner) segment(fp []uint64, n int, launch func() error) error {
 			return err
 		}
 		gc.stats.Replays++
+		gc.stats.OptimizerReplays++
 		return r.e.d.drv.check("cuGraphLaunch", gd.cuGraphLaunch(sg.exec, 0))
 	}
 	gc.stats.Eager++

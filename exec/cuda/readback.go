@@ -159,6 +159,7 @@ func (r *runner) read(id int, blk *alloc.Block, b int) (*exec.HostBuf, error) {
 	}
 	rb := r.e.d.readback
 	if rb.busy {
+		r.e.d.waits.Add(1)
 		if err := r.e.d.drv.check("cuEventSynchronize", r.e.d.drv.cuEventSynchronize(rb.ev)); err != nil {
 			return nil, err
 		}
@@ -214,6 +215,7 @@ func (d *Device) readbackOnThread(n uintptr) (*readbackBuf, error) {
 		d.readback = rb
 	}
 	if rb.busy {
+		d.waits.Add(1)
 		if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(rb.ev)); err != nil {
 			return nil, err
 		}
@@ -320,6 +322,7 @@ func (d *Device) queueNorm(owner any, src alloc.Ptr) (func() (float64, error), e
 			if s.gen != gen {
 				return errors.New("cuda: a later step of another optimizer sharing its pinned word overwrote the gradient norm")
 			}
+			d.waits.Add(1)
 			if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(s.ev)); err != nil {
 				return err
 			}
