@@ -54,6 +54,19 @@ func FreezeAs(dt graph.DType, ps ...*Param) error {
 	return nil
 }
 
+// as is the parameter as a layer applied to x reads it: its own tensor,
+// widened to x's float dtype when it is a 16-bit frozen parameter
+// (FreezeAs) and x is not 16-bit. Under a mixed precision policy the
+// matrix product then reads the stored 16-bit value itself (the policy's
+// pass drops a cast back to the dtype a value was widened from).
+func (p *Param) as(x *lazy.Tensor) *lazy.Tensor {
+	t := p.Tensor()
+	if dt := x.DType(); t.DType().IsHalf() && dt.IsFloat() && dt != t.DType() {
+		return t.Cast(dt)
+	}
+	return t
+}
+
 // Trainable lists m's parameters that are not frozen, as lazy tensors, in
 // Params order: the list to give an optimizer's parameter groups (a
 // Session's Step leaves frozen ones out of any list by itself).
