@@ -82,7 +82,8 @@ type Options struct {
 	ShapeOnly bool
 	// DType is the parameters' element type, float32 when zero. Only
 	// shape-only parameters may be float16 or bfloat16: they plan memory
-	// for half-precision runs, while data lives in float32 slices.
+	// for half-precision runs, while data lives in float32 slices. A
+	// frozen parameter with data is stored in 16 bits by FreezeAs.
 	DType graph.DType
 	// PerChunkStats is what NewBatchNorm2d sets its layer's PerChunkStats
 	// to: how a model built with these options opts every batch norm
