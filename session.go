@@ -831,7 +831,7 @@ func signatureOf(g *graph.Graph, t *stepTemplate) uint64 {
 
 // compileOptions are the planner's options for a step of the session.
 func (s *Session) compileOptions(kept, trained []int, slots int, unscale bool) planner.CompileOptions {
-	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace()}
+	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace(), OptimizerScalars: true}
 	if unscale {
 		o.FinishWorkspace = exec.UnscaleBytes
 	}

@@ -89,7 +89,9 @@ type Options struct {
 	// adam_multi_f32 kernels (one launch per 64 parameters), from the plan
 	// the optimizer makes (PlanDevice, CommitDevice: per-parameter steps,
 	// groups, the schedule, clipping), reading every per-step value from
-	// the device scalars in the program's finish workspace: parameters and
+	// the device scalars in the program's finish workspace (compiled with
+	// planner.CompileOptions.OptimizerScalars, as a Session's steps are;
+	// without them the step fails with graph.ErrAttr): parameters and
 	// their state stay there (state in the program's BufState buffers,
 	// owned by the optimizer that last stepped them; the optimizer's host
 	// State is empty until SyncState). Other optimizers run on the host:

@@ -61,7 +61,7 @@ func FreezeAs(dt graph.DType, ps ...*Param) error {
 // pass drops a cast back to the dtype a value was widened from).
 func (p *Param) as(x *lazy.Tensor) *lazy.Tensor {
 	t := p.Tensor()
-	if dt := x.DType(); t.DType().IsHalf() && dt.IsFloat() && dt != t.DType() {
+	if dt := x.DType(); p.Frozen() && t.DType().IsHalf() && dt.IsFloat() && dt != t.DType() {
 		return t.Cast(dt)
 	}
 	return t

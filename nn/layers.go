@@ -128,7 +128,7 @@ func NewEmbedding(opt Options, num, dim int) *Embedding {
 // Forward looks up int64 indices x, appending an axis of size dim.
 func (e *Embedding) Forward(x *lazy.Tensor) *lazy.Tensor {
 	y := x.Embedding(e.Weight.Tensor())
-	if e.Weight.Tensor().DType().IsHalf() { // a 16-bit frozen table: its rows widened (FreezeAs)
+	if e.Weight.Frozen() && e.Weight.Tensor().DType().IsHalf() { // a 16-bit frozen table: its rows widened (FreezeAs)
 		y = y.Cast(graph.Float32)
 	}
 	return y
@@ -224,14 +224,8 @@ func (Flatten) Forward(x *lazy.Tensor) *lazy.Tensor {
 }
 func (Flatten) Params() []*Param { return nil }
 
-func optional(p *Param) *lazy.Tensor {
-	if p == nil {
-		return nil
-	}
-	return p.Tensor()
-}
-
-// optionalAs is optional(p) as p.as(x).
+// optionalAs is p as a layer applied to x reads it (Param.as), nil for no
+// parameter.
 func optionalAs(p *Param, x *lazy.Tensor) *lazy.Tensor {
 	if p == nil {
 		return nil

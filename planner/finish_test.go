@@ -64,24 +64,15 @@ func finishStep(t *testing.T, ws int64) *planner.Program {
 // CompileOptions.FinishWorkspace: Replay allocates it after the last chunk,
 // beside the kept outputs, hands it to Finish and frees it; plans count it,
 // and the program's signature tells it apart. Without it Finish gets nil.
-//
-// A training program's finish workspace also holds the optimizer's device
-// scalars (OptimizerScalarBytes of its two parameters), after the caller's
-// bytes rounded up to 8.
 func TestFinishWorkspace(t *testing.T) {
-	scalars := planner.OptimizerScalarBytes(2)
-	require.Equal(t, int64(8*(4+8*2+2*2+256)), scalars)
 	p := finishStep(t, 4)
-	assert.Equal(t, 8+scalars, p.FinishWorkspace.Fixed)
-	assert.Equal(t, int64(8), p.OptimizerScalars)
+	assert.Equal(t, int64(4), p.FinishWorkspace.Fixed)
 	assert.Equal(t, planner.BufWorkspace, p.FinishWorkspace.Kind)
 	assert.Equal(t, p.Kept[len(p.Kept)-1], p.FinishWorkspace.Node)
 	assert.Equal(t, planner.FinishOp, p.FinishWorkspace.Tag.Op)
 	plain := finishStep(t, 0)
-	assert.Equal(t, scalars, plain.FinishWorkspace.Fixed)
-	assert.Zero(t, plain.OptimizerScalars)
+	assert.Zero(t, plain.FinishWorkspace)
 	assert.NotEqual(t, plain.Signature(), p.Signature())
-	round := func(n int64) int64 { return (n + 511) &^ 511 }
 
 	for _, chunks := range [][]planner.Chunk{planner.Chunks(8, 1), planner.Chunks(8, 3)} {
 		var at [2]int64
@@ -99,11 +90,15 @@ func TestFinishWorkspace(t *testing.T) {
 			bare := peak(t, prog, chunks)
 			assert.Equal(t, bare.PeakReserved, u.PeakReserved)
 			assert.Equal(t, bare.PeakAllocated, u.PeakAllocated)
+			if prog == plain {
+				assert.Nil(t, h.ws)
+				continue
+			}
 			require.NotNil(t, h.ws)
-			assert.Equal(t, prog.FinishWorkspace.Fixed, h.wsBytes)
+			assert.Equal(t, int64(4), h.wsBytes)
 			assert.Equal(t, 1, h.freedWS, "freed after Finish")
 		}
-		assert.Equal(t, at[0]+round(8+scalars)-round(scalars), at[1], "%d chunks: the flag's 8 bytes more during Finish", len(chunks))
+		assert.Equal(t, at[0]+512, at[1], "%d chunks: the flag is one 512-byte block more during Finish", len(chunks))
 		assert.Equal(t, points[0], points[1], "no timeline point marks it (memviz's walk knows every point)")
 	}
 
@@ -117,4 +112,42 @@ func TestFinishWorkspace(t *testing.T) {
 	assert.Zero(t, q.FinishWorkspace)
 	_, err = planner.Compile(out.Graph().IR(), info, []int{out.ID()}, planner.CompileOptions{FinishWorkspace: -1})
 	require.ErrorIs(t, err, graph.ErrAttr)
+}
+
+// CompileOptions.OptimizerScalars puts the optimizer's device scalars
+// (OptimizerScalarBytes of the trained parameters) in the finish
+// workspace after the caller's bytes rounded up to 8, so plans count
+// them; without trained parameters there are none.
+func TestOptimizerScalarsInFinishWorkspace(t *testing.T) {
+	scalars := planner.OptimizerScalarBytes(2)
+	require.Equal(t, int64(8*(4+8*2+2*2+256)), scalars)
+	for _, ws := range []int64{0, 4} {
+		x := lazy.Placeholder([]int{8, 16}, graph.Float32, 0)
+		w := lazy.ParamSpec([]int{16, 4}, graph.Float32, "w")
+		b := lazy.ParamSpec([]int{4}, graph.Float32, "b")
+		g, outs, co := testutil.Step(t, x.MatMul(w).Add(b).Tanh().Sum(), []*lazy.Tensor{w, b}, 2)
+		co.FinishWorkspace, co.OptimizerScalars = ws, true
+		info, err := shapeinfer.Analyze(g, outs...)
+		require.NoError(t, err)
+		p, err := planner.Compile(g, info, outs, co)
+		require.NoError(t, err)
+		require.True(t, p.HasOptimizerScalars())
+		at := (ws + 7) &^ 7
+		assert.Equal(t, at, p.OptimizerScalars)
+		assert.Equal(t, at, p.CallerFinish())
+		assert.Equal(t, at+scalars, p.FinishWorkspace.Fixed)
+		plain := finishStep(t, ws)
+		assert.False(t, plain.HasOptimizerScalars())
+		assert.Equal(t, ws, plain.CallerFinish())
+		assert.NotEqual(t, plain.Signature(), p.Signature())
+		for _, chunks := range [][]planner.Chunk{planner.Chunks(8, 1), planner.Chunks(8, 3)} {
+			a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{})
+			h := &finishHooks{a: a}
+			u, err := planner.Replay(p, chunks, a, h, false)
+			require.NoError(t, err)
+			assert.Equal(t, at+scalars, h.wsBytes)
+			assert.Equal(t, peak(t, p, chunks).PeakReserved, u.PeakReserved, "the planner's replay counts them")
+		}
+	}
+	assert.Zero(t, planner.OptimizerScalarBytes(0))
 }

@@ -99,15 +99,16 @@ type Program struct {
 	// FinishWorkspace is the scratch buffer Replay allocates after the
 	// last chunk, hands to Hooks.Finish and frees after it
 	// (CompileOptions.FinishWorkspace); its Fixed is 0 when there is none.
-	// It is not in Buffers, and no timeline point marks it. A training
-	// program's (Trained and Kept set) ends with the optimizer's device
+	// It is not in Buffers, and no timeline point marks it. With
+	// CompileOptions.OptimizerScalars it ends with the optimizer's device
 	// scalars, from byte OptimizerScalars on.
 	FinishWorkspace Buffer
 	// OptimizerScalars is the offset in the finish workspace of the
 	// optimizer update's device scalars (OptimizerScalarBytes), and the
 	// bytes before it the caller's CompileOptions.FinishWorkspace rounded
-	// up to 8; 0 with none (no trained parameters).
+	// up to 8; 0 with none (HasOptimizerScalars).
 	OptimizerScalars int64
+	scalars          bool // the finish workspace holds them
 	sig              uint64 // Signature, computed by Compile
 	keptKey          string // lru.Ints(Kept), the plan cache's key for it, made by Compile
 }
@@ -148,10 +149,16 @@ type CompileOptions struct {
 	// (exec.UnscaleBytes), which the unscale kernels set on the device.
 	// Replay allocates it after the last chunk, once the chunk buffers are
 	// freed, and frees it after Finish, so plans count it like any buffer.
-	// Ignored without kept outputs (no Finish work). A program with
-	// trained parameters adds the optimizer's device scalars to it
-	// (Program.OptimizerScalars).
+	// Ignored without kept outputs (no Finish work).
 	FinishWorkspace int64
+	// OptimizerScalars adds the optimizer update's device scalars
+	// (OptimizerScalarBytes of the trained parameters) to the finish
+	// workspace, after FinishWorkspace's bytes (Program.OptimizerScalars):
+	// the CUDA executor's SGD and Adam read their learning rates, bias
+	// corrections and clip factor there, and need them. A batchfit.Session
+	// sets it for every training step, so its plans count them on every
+	// executor. Ignored without trained parameters and kept outputs.
+	OptimizerScalars bool
 }
 
 // Compile makes the program of g for outputs. info must be
@@ -290,8 +297,9 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		return nil, graph.Errorf(graph.ErrAttr, "planner: finish workspace of %d bytes", o.FinishWorkspace)
 	}
 	fixed := o.FinishWorkspace
-	if len(o.Trained) > 0 && len(o.Kept) > 0 {
+	if o.OptimizerScalars && len(o.Trained) > 0 && len(o.Kept) > 0 {
 		// The optimizer's device scalars follow the caller's bytes.
+		p.scalars = true
 		p.OptimizerScalars = (fixed + 7) &^ 7
 		fixed = p.OptimizerScalars + OptimizerScalarBytes(len(o.Trained))
 	}
@@ -314,11 +322,12 @@ const FinishOp = "unscale_flag"
 // them out, in float64 words): a header, a table of group
 // hyperparameters, two words per trained parameter, and the partial sums
 // of the gradient-norm kernels, OptimizerNormBlocks per launch of
-// OptimizerTensors parameters. Every training program's finish workspace
-// holds them, so that the kernels read the learning rate, the bias
-// corrections and the clip factor from device memory and a captured update
-// replays for every step; the CPU executor accounts for them as CUDA's
-// uses them, so plans agree.
+// OptimizerTensors parameters. A training program compiled with
+// CompileOptions.OptimizerScalars holds them in its finish workspace, so
+// that the kernels read the learning rate, the bias corrections and the
+// clip factor from device memory and a captured update replays for every
+// step; the CPU executor accounts for them as CUDA's uses them, so plans
+// agree.
 const (
 	OptimizerTensors    = 64  // parameters per multi-tensor launch
 	OptimizerGroups     = 64  // parameter groups one update may use
@@ -329,8 +338,8 @@ const (
 )
 
 // HasOptimizerScalars reports whether p's finish workspace ends with the
-// optimizer's device scalars (a training program).
-func (p *Program) HasOptimizerScalars() bool { return len(p.Trained) > 0 && len(p.Kept) > 0 }
+// optimizer's device scalars (CompileOptions.OptimizerScalars).
+func (p *Program) HasOptimizerScalars() bool { return p.scalars }
 
 // CallerFinish is the bytes of p's finish workspace before the optimizer's
 // scalars: the caller's CompileOptions.FinishWorkspace (rounded up to 8

@@ -224,7 +224,8 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if c.device != nil {
 		ws = cuda.Workspace
 	}
-	co := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws, FinishWorkspace: finish}
+	co := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: c.slots, Workspace: ws, FinishWorkspace: finish,
+		OptimizerScalars: true} // as a Session's step
 	p, err := planner.Compile(g, info, outputs, co)
 	if err != nil {
 		return nil, err

@@ -177,7 +177,7 @@ func (r *runner) optimScalars(ws *alloc.Block) (alloc.Ptr, error) {
 		if ws != nil {
 			got = ws.Requested()
 		}
-		return 0, graph.Errorf(graph.ErrAttr, "cuda: the device optimizer reads its scalars from the program's finish workspace (%d bytes; it has %d): compile the program with its trained parameters and their gradients kept",
+		return 0, graph.Errorf(graph.ErrAttr, "cuda: the device optimizer reads its scalars from the program's finish workspace (%d bytes; it has %d): compile the program with planner.CompileOptions.OptimizerScalars",
 			need, got)
 	}
 	return ws.Ptr() + alloc.Ptr(r.p.OptimizerScalars), nil
