@@ -108,7 +108,7 @@ type Program struct {
 	// bytes before it the caller's CompileOptions.FinishWorkspace rounded
 	// up to 8; 0 with none (HasOptimizerScalars).
 	OptimizerScalars int64
-	scalars          bool // the finish workspace holds them
+	scalars          bool   // the finish workspace holds them
 	sig              uint64 // Signature, computed by Compile
 	keptKey          string // lru.Ints(Kept), the plan cache's key for it, made by Compile
 }
