@@ -123,6 +123,10 @@ type Executor struct {
 	// copy (save, for Yield), so dropHostCopies need not walk them all.
 	hostCopies bool
 	closed     bool
+	// soleOwner is the optimizer that owns every optimizer state buffer
+	// with an owner, when one does (optimizer.go's takeState skips its
+	// checks for it), nil otherwise.
+	soleOwner devOptimizer
 	graphs     graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
 	// graphBytes is the driver memory the live graphs' instantiation took
 	// (GraphStats.DriverBytes), for Reserve without the lock.
@@ -463,6 +467,9 @@ type runner struct {
 	// own run steps are then skipped.
 	companions []handedCo
 	early      map[int]bool
+	// filledState is set when the call allocated an optimizer state
+	// buffer (Fill), which then has no owner yet.
+	filledState bool
 	// g is the program's CUDA graphs, nil when this call launches eagerly;
 	// pend is the nodes whose launches wait for the next host step, fp
 	// their fingerprint (graphs.go).
@@ -533,6 +540,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 		return err
 	}
 	r.persist[keyOf(pb)] = blk
+	r.filledState = r.filledState || pb.Kind == planner.BufState
 	r.c.Keep(pb, blk, &residentBuf{})
 	return nil
 }

@@ -412,8 +412,16 @@ func (r *runner) stateResident(id, slot int) *exec.Resident[*residentBuf] {
 // first; then opt's own state that only its host holds is uploaded, and a
 // fresh state zeroed. A state the optimizer believes on the device that
 // the buffers do not hold is an error.
+//
+// A steady loop's step (nothing to upload or zero, no buffer made by this
+// call, and every owned buffer opt's) skips the walk: looking up every
+// parameter's slots costs tens of µs a step on a large model.
 func (r *runner) takeState(opt devOptimizer, pl *optim.DevicePlan, ts []trained) error {
 	if pl.Slots == 0 {
+		return nil
+	}
+	moves := slices.ContainsFunc(pl.Params, func(u optim.ParamUpdate) bool { return u.Fresh || u.Upload != nil })
+	if !moves && !r.filledState && r.e.soleOwner == opt && opt != nil {
 		return nil
 	}
 	rbs := make([]*exec.Resident[*residentBuf], pl.Slots)
@@ -460,6 +468,13 @@ func (r *runner) takeState(opt devOptimizer, pl *optim.DevicePlan, ts []trained)
 			if rb != nil {
 				rb.Val.owner = opt
 			}
+		}
+	}
+	r.e.soleOwner = opt
+	for _, rb := range r.e.resident.List() {
+		if o := rb.Val.owner; o != nil && o != opt {
+			r.e.soleOwner = nil
+			break
 		}
 	}
 	return nil
@@ -590,6 +605,7 @@ func (e *Executor) dropState() {
 			rb.Val.owner = nil
 		}
 	}
+	e.soleOwner = nil
 }
 
 // hostStep runs any other optimizer on the host: the parameters' host
