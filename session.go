@@ -511,15 +511,102 @@ func (s *Session) LossScale() precision.ScalerStats {
 
 // Close releases the session's device: its executor's memory, cuBLAS
 // handle and kernels, and the CUDA context. A CPU session holds nothing
-// to release.
-// After Close every Step, Eval, SyncParams, Yield and Restore returns
-// ErrClosed; closing again does nothing.
+// to release. The parameters' host tensors and the optimizers' host state
+// get the device's values first (SyncParams, SyncState), so training may
+// go on exactly in another session; the session's parameters are free for
+// another session to train (ErrParamOwned).
+// After Close every Step, Eval, SyncParams, SyncState, Yield and Restore
+// returns ErrClosed; closing again does nothing.
 func (s *Session) Close() error {
 	if s.be == nil || s.closed.Swap(true) {
 		return nil
 	}
-	// The host tensors get the trained values before the device copies go.
-	return errors.Join(s.be.SyncParams(), s.be.Close())
+	defer releaseParams(s)
+	// The host tensors and state get the trained values before the device
+	// copies go.
+	return errors.Join(s.be.SyncParams(), s.be.SyncState(), s.be.Close())
+}
+
+// SyncState brings the host copies of the optimizers' state up to date
+// with the device's, so that each optimizer's State (and ParamStep, Keys,
+// Steps, which the host always has) is what a checkpoint saves. On CUDA,
+// optim.SGD's and optim.Adam's state stays on the device across steps and
+// the host holds none until SyncState; it downloads the state of every
+// optimizer that has stepped the session's parameters (2 tensors per
+// parameter for Adam). On the CPU the state is the host's, and SyncState
+// does nothing. A state restored on the host (optim's SetState) is
+// uploaded by the next Step.
+func (s *Session) SyncState() error {
+	be, err := s.executor()
+	if err != nil {
+		return err
+	}
+	return be.SyncState()
+}
+
+// SetLossScale restores dynamic loss scaling's state (LossScale's stats,
+// as a checkpoint saved them), so the next Step scales its loss and grows
+// or backs off its scale as the saved run's next step would. It fails with
+// precision.ErrLossScale when the session does not scale its loss or the
+// stats are out of range.
+func (s *Session) SetLossScale(st precision.ScalerStats) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.scaler == nil {
+		return fmt.Errorf("%w: the session does not scale its loss (Precision fp16-mixed, LossScale not Off)", precision.ErrLossScale)
+	}
+	return s.scaler.SetStats(st)
+}
+
+// ErrParamOwned is returned by Step for a parameter that another session
+// trains. A parameter (its host tensor) belongs to the first session whose
+// Step trains it, until that session is closed: two sessions updating one
+// tensor would race in the optimizer's update on the host, and on CUDA
+// each would train its own device copy. Reading it (Eval, or as a frozen
+// parameter) from another session is not refused; the caller orders such
+// reads against the owner's steps.
+var ErrParamOwned = errors.New("parameter is trained by another session")
+
+// paramOwners maps each trained parameter's host tensor to the session
+// that owns it (ErrParamOwned).
+var paramOwners struct {
+	sync.Mutex
+	m     map[tensor.Tensor]*Session
+	owned map[*Session][]tensor.Tensor
+}
+
+// claimParams makes s the owner of params' host tensors, or fails with
+// ErrParamOwned, naming the first that another session owns, and claims
+// none.
+func claimParams(s *Session, params []*lazy.Tensor) error {
+	paramOwners.Lock()
+	defer paramOwners.Unlock()
+	for i, p := range params {
+		if o, ok := paramOwners.m[p.Value()]; ok && o != s {
+			return &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()},
+				Err: fmt.Errorf("%w: parameter %d (%q) belongs to the session that first trained it, until that session is closed", ErrParamOwned, i, p.Name())}
+		}
+	}
+	if paramOwners.m == nil {
+		paramOwners.m, paramOwners.owned = map[tensor.Tensor]*Session{}, map[*Session][]tensor.Tensor{}
+	}
+	for _, p := range params {
+		if v := p.Value(); v != nil && paramOwners.m[v] == nil {
+			paramOwners.m[v] = s
+			paramOwners.owned[s] = append(paramOwners.owned[s], v)
+		}
+	}
+	return nil
+}
+
+// releaseParams frees the parameters s owns for other sessions (Close).
+func releaseParams(s *Session) {
+	paramOwners.Lock()
+	defer paramOwners.Unlock()
+	for _, v := range paramOwners.owned[s] {
+		delete(paramOwners.m, v)
+	}
+	delete(paramOwners.owned, s)
 }
 
 // ErrClosed is returned by a Session's calls after Close.
@@ -749,7 +836,7 @@ func signatureOf(g *graph.Graph, t *stepTemplate) uint64 {
 
 // compileOptions are the planner's options for a step of the session.
 func (s *Session) compileOptions(kept, trained []int, slots int, unscale bool) planner.CompileOptions {
-	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace()}
+	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace(), OptimizerScalars: true}
 	if unscale {
 		o.FinishWorkspace = exec.UnscaleBytes
 	}
@@ -1086,11 +1173,20 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 // chunks).
 // A parameter listed twice is ErrDuplicateParam; one the loss does not
 // depend on is not updated (PyTorch's grad None: no weight decay, no
-// momentum, no state).
+// momentum, no state, its own step count unchanged). A frozen one
+// (lazy.Tensor.SetFrozen, nn.Freeze) is left out: no gradient is computed
+// for it, so it takes no gradient buffer and no state. One that another
+// session trains is ErrParamOwned.
 //
 // On CUDA, optim.SGD and optim.Adam run on the device: parameters and
 // optimizer state stay there across steps (the optimizer's host State
-// stays empty), and gradients never leave the device. The parameters'
+// stays empty until SyncState), and gradients never leave the device. The
+// update follows the optimizer's groups, schedule and per-parameter step
+// counts, and clips on the device, with the learning rates and bias
+// corrections as device scalars, so the update replays as one CUDA graph
+// every step; optim's LastGradNorm reads the norm from the device only when
+// called. Each optimizer keeps its own state: Adam, then SGD, then the
+// same Adam continues Adam's moments. The parameters'
 // host tensors are brought up to date by SyncParams (and Close), not after
 // every step, which would copy the whole model each step. Other optimizers
 // run on the host between a download and an upload. The device copy is
@@ -1218,6 +1314,7 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if opt == nil {
 		return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
+	params = unfrozen(params)
 	if err := s.distinctParams(params); err != nil {
 		return nil, err
 	}
@@ -1288,8 +1385,9 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
 }
 
-// distinctParams is distinctParams of params, or nil at once when params
-// and their data are the list the latest step found distinct.
+// distinctParams is distinctParams of params, and claims them for s
+// (claimParams), or nil at once when params and their data are the list
+// the latest step found distinct and claimed.
 func (s *Session) distinctParams(params []*lazy.Tensor) error {
 	s.mu.Lock()
 	same := len(s.checked) == len(params)
@@ -1303,6 +1401,9 @@ func (s *Session) distinctParams(params []*lazy.Tensor) error {
 	if err := distinctParams(params); err != nil {
 		return err
 	}
+	if err := claimParams(s, params); err != nil {
+		return err
+	}
 	checked := make([]checkedParam, len(params))
 	for i, p := range params {
 		checked[i] = checkedParam{t: p, v: p.Value()}
@@ -1311,6 +1412,22 @@ func (s *Session) distinctParams(params []*lazy.Tensor) error {
 	s.checked = checked
 	s.mu.Unlock()
 	return nil
+}
+
+// unfrozen is params without the frozen ones (lazy.Tensor.Frozen): the
+// same slice when none is.
+func unfrozen(params []*lazy.Tensor) []*lazy.Tensor {
+	i := slices.IndexFunc(params, (*lazy.Tensor).Frozen)
+	if i < 0 {
+		return params
+	}
+	out := slices.Clone(params[:i])
+	for _, p := range params[i+1:] {
+		if !p.Frozen() {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // distinctParams refuses a parameter listed twice, as the same tensor or

@@ -84,6 +84,7 @@ func (e *hostOnlyExecutor) Allocator() *alloc.Allocator      { return e.a }
 func (e *hostOnlyExecutor) Overhead() int64                  { return 0 }
 func (e *hostOnlyExecutor) Reserve() int64                   { return 0 }
 func (e *hostOnlyExecutor) SyncParams() error                { return nil }
+func (e *hostOnlyExecutor) SyncState() error                 { return nil }
 func (e *hostOnlyExecutor) Held() []exec.Held                { return e.res.Held() }
 func (e *hostOnlyExecutor) ReleaseUnread(p *planner.Program) (bool, error) {
 	return e.res.ReleaseUnread(e.a, p, nil, nil)

@@ -37,6 +37,10 @@ type Executor interface {
 	Reserve() int64
 	// SyncParams brings trained parameters' host tensors up to date.
 	SyncParams() error
+	// SyncState brings the host copies of optimizer state kept on the
+	// device up to date in their optimizers (optim.Common.State), for a
+	// checkpoint; state kept on the host (the CPU's) needs nothing.
+	SyncState() error
 	// Held lists the buffers the executor keeps resident, in allocation
 	// order (PlanResidents tells a plan about them). The slice may be
 	// shared with later calls: callers must not modify it.
@@ -82,12 +86,16 @@ type Options struct {
 	// their gradients (p.Trained[i] from p.Kept[i]) after the last chunk.
 	// On the CPU it updates the host tensors. On CUDA *optim.SGD and
 	// *optim.Adam run on the device with the sgd_multi_f32 and
-	// adam_multi_f32 kernels (one launch per 64 parameters):
-	// parameters and their state stay there (state in the program's
-	// BufState buffers; the optimizer's host State stays empty), and the
-	// optimizer's step count advances through Step(nil), which checks its
-	// hyperparameters and updates nothing. Other optimizers run on the
-	// host: gradients and parameters are downloaded, Step updates the host
+	// adam_multi_f32 kernels (one launch per 64 parameters), from the plan
+	// the optimizer makes (PlanDevice, CommitDevice: per-parameter steps,
+	// groups, the schedule, clipping), reading every per-step value from
+	// the device scalars in the program's finish workspace (compiled with
+	// planner.CompileOptions.OptimizerScalars, as a Session's steps are;
+	// without them the step fails with graph.ErrAttr): parameters and
+	// their state stay there (state in the program's BufState buffers,
+	// owned by the optimizer that last stepped them; the optimizer's host
+	// State is empty until SyncState). Other optimizers run on the host:
+	// gradients and parameters are downloaded, Step updates the host
 	// tensors, and the parameters are uploaded again.
 	Optimizer optim.Optimizer
 	// Update is called with host copies of the final kept outputs (summed

@@ -497,9 +497,9 @@ func CheckLossScale(p *planner.Program, s float32) error {
 			return graph.Errorf(graph.ErrDType, "kept output %d is %s: a loss scale unscales float32 gradients", k, dt)
 		}
 	}
-	if len(p.Kept) > 0 && p.FinishWorkspace.Fixed < UnscaleBytes {
+	if len(p.Kept) > 0 && p.CallerFinish() < UnscaleBytes {
 		return graph.Errorf(graph.ErrAttr, "a step with a loss scale needs a program compiled with a finish workspace of %d bytes (planner.CompileOptions.FinishWorkspace = exec.UnscaleBytes), for the inf/NaN flag; it has %d",
-			UnscaleBytes, p.FinishWorkspace.Fixed)
+			UnscaleBytes, p.CallerFinish())
 	}
 	return nil
 }

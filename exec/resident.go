@@ -20,6 +20,22 @@ type ResidentKey struct {
 	slot int
 }
 
+// Data is the host tensor the key names the buffer by: the parameter's
+// or constant's, or for optimizer state its parameter's.
+func (k ResidentKey) Data() any { return k.data }
+
+// Kind is the buffer's kind.
+func (k ResidentKey) Kind() planner.BufferKind { return k.kind }
+
+// Slot is the optimizer state slot of a BufState key.
+func (k ResidentKey) Slot() int { return k.slot }
+
+// StateKey is the key of optimizer state slot of the parameter whose host
+// tensor is t.
+func StateKey(t tensor.Tensor, slot int) ResidentKey {
+	return keyOf(planner.Buffer{Kind: planner.BufState, Slot: slot}, t)
+}
+
 // Resident is a buffer an executor keeps allocated across runs. Val is
 // the executor's own record of it (exec/cpu: the value; exec/cuda: the
 // host copy while yielded).
@@ -53,6 +69,9 @@ type Residents[V any] struct {
 	// change): every training step asks, and the list changes rarely.
 	held []Held
 }
+
+// Key is the resident's key.
+func (rb *Resident[V]) Key() ResidentKey { return rb.key }
 
 // Find is the resident buffer of k, nil when there is none.
 func (rs *Residents[V]) Find(k ResidentKey) *Resident[V] { return rs.byKey[k] }

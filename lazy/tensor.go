@@ -196,10 +196,11 @@ func (g *Graph) LeaveInternal() {
 
 // leaf is a parameter or constant not tied to any graph.
 type leaf struct {
-	op    graph.Op
-	name  string
-	typ   graph.Type
-	value tensor.Tensor // nil for shape-only leaves
+	op     graph.Op
+	name   string
+	typ    graph.Type
+	value  tensor.Tensor // nil for shape-only leaves
+	frozen bool          // a parameter SetFrozen marked
 }
 
 // Tensor is a lazy value: a node of a graph, a free leaf, or an error.
@@ -270,6 +271,21 @@ func (t *Tensor) Name() string {
 	}
 	return ""
 }
+
+// SetFrozen marks a parameter frozen (on) or trainable again. A
+// batchfit.Session's Step leaves a frozen parameter in its list out, as if
+// it were not listed: no gradient is computed for it (no gradient buffer),
+// the optimizer neither updates it nor keeps state for it, and the step's
+// plan is the smaller for it. Its value is read as any parameter's. Other
+// tensors than parameters are left as they are.
+func (t *Tensor) SetFrozen(on bool) {
+	if t != nil && t.leaf != nil && t.leaf.op == graph.OpParam {
+		t.leaf.frozen = on
+	}
+}
+
+// Frozen reports whether the tensor is a parameter marked frozen.
+func (t *Tensor) Frozen() bool { return t != nil && t.leaf != nil && t.leaf.frozen }
 
 // Value is the data of a source tensor (Wrap, Param, Const), or nil.
 func (t *Tensor) Value() tensor.Tensor {
@@ -527,6 +543,27 @@ func (g *Graph) source(at string, n graph.Node) *Tensor {
 // It belongs to no graph until an op uses it. Data Wrap refuses, Param
 // refuses the same way.
 func Param(t tensor.Tensor, name string) *Tensor { return newLeaf(site(), graph.OpParam, t, name) }
+
+// ParamAs wraps the float32 tensor t as a parameter named name stored as
+// dtype dt: a float16 or bfloat16 parameter takes half the device memory,
+// its values rounded to nearest even when executors read them (t is not
+// changed), as WrapAs does for inputs. dt Float32 is Param. A 16-bit
+// parameter is for reading, not training (trained parameters stay float32
+// master weights): freeze it (SetFrozen) and list it, or leave it out of a
+// step's parameters.
+func ParamAs(t tensor.Tensor, dt graph.DType, name string) *Tensor {
+	at := site()
+	p := newLeaf(at, graph.OpParam, t, name)
+	if p.err != nil || dt == graph.Float32 {
+		return p
+	}
+	if p.leaf.typ.DType != graph.Float32 || !dt.IsHalf() {
+		return errTensor("param", at, graph.Errorf(graph.ErrDType, "%s data cannot be stored as %s: 16-bit parameters take float32 data",
+			p.leaf.typ.DType, dt), p.leaf.typ.Shape)
+	}
+	p.leaf.typ.DType = dt
+	return p
+}
 
 // Const wraps t as a constant; data Wrap refuses, Const refuses the same way.
 func Const(t tensor.Tensor) *Tensor { return newLeaf(site(), graph.OpConst, t, "") }

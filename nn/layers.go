@@ -26,7 +26,7 @@ func NewLinear(opt Options, in, out int, bias bool) *Linear {
 
 // Forward applies the layer to x [..., in].
 func (l *Linear) Forward(x *lazy.Tensor) *lazy.Tensor {
-	return x.Linear(l.Weight.Tensor(), optional(l.Bias))
+	return x.Linear(l.Weight.as(x), optionalAs(l.Bias, x))
 }
 
 // Params returns weight, then bias.
@@ -68,7 +68,7 @@ func (c *Conv2d) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if c.err != nil {
 		return fail("nn.Conv2d", c.err, x)
 	}
-	return x.Conv2d(c.Weight.Tensor(), optional(c.Bias), c.Options)
+	return x.Conv2d(c.Weight.as(x), optionalAs(c.Bias, x), c.Options)
 }
 
 // Params returns weight, then bias.
@@ -106,7 +106,7 @@ func (ln *LayerNorm) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if ln.err != nil {
 		return fail("nn.LayerNorm", ln.err, x)
 	}
-	return x.LayerNorm(ln.Weight.Tensor(), ln.Bias.Tensor(), ln.dims, ln.Eps)
+	return x.LayerNorm(ln.Weight.as(x), ln.Bias.as(x), ln.dims, ln.Eps)
 }
 
 // Params returns weight, then bias.
@@ -126,7 +126,13 @@ func NewEmbedding(opt Options, num, dim int) *Embedding {
 }
 
 // Forward looks up int64 indices x, appending an axis of size dim.
-func (e *Embedding) Forward(x *lazy.Tensor) *lazy.Tensor { return x.Embedding(e.Weight.Tensor()) }
+func (e *Embedding) Forward(x *lazy.Tensor) *lazy.Tensor {
+	y := x.Embedding(e.Weight.Tensor())
+	if e.Weight.Frozen() && e.Weight.Tensor().DType().IsHalf() { // a 16-bit frozen table: its rows widened (FreezeAs)
+		y = y.Cast(graph.Float32)
+	}
+	return y
+}
 
 // Params returns the table.
 func (e *Embedding) Params() []*Param { return params(e.Weight) }
@@ -218,11 +224,13 @@ func (Flatten) Forward(x *lazy.Tensor) *lazy.Tensor {
 }
 func (Flatten) Params() []*Param { return nil }
 
-func optional(p *Param) *lazy.Tensor {
+// optionalAs is p as a layer applied to x reads it (Param.as), nil for no
+// parameter.
+func optionalAs(p *Param, x *lazy.Tensor) *lazy.Tensor {
 	if p == nil {
 		return nil
 	}
-	return p.Tensor()
+	return p.as(x)
 }
 
 func params(ps ...*Param) []*Param {

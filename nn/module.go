@@ -56,13 +56,22 @@ func (p *Param) Err() error { return p.t.Err() }
 // which building bottom-up guarantees.
 func (p *Param) prefix(parent string) {
 	p.name = parent + "." + p.name
+	p.remake(p.t.DType())
+}
+
+// remake makes the parameter's lazy leaf anew under its name, stored as
+// dt, keeping whether it is frozen.
+func (p *Param) remake(dt graph.DType) {
+	frozen := p.t.Frozen()
 	switch {
 	case p.t.Err() != nil:
+		return
 	case p.t.Value() == nil:
-		p.t = lazy.ParamSpec(p.t.Shape(), p.t.DType(), p.name)
+		p.t = lazy.ParamSpec(p.t.Shape(), dt, p.name)
 	default:
-		p.t = lazy.Param(p.t.Value(), p.name)
+		p.t = lazy.ParamAs(p.t.Value(), dt, p.name)
 	}
+	p.t.SetFrozen(frozen)
 }
 
 // Options says how constructors make parameters. Rand draws initial values
@@ -73,7 +82,8 @@ type Options struct {
 	ShapeOnly bool
 	// DType is the parameters' element type, float32 when zero. Only
 	// shape-only parameters may be float16 or bfloat16: they plan memory
-	// for half-precision runs, while data lives in float32 slices.
+	// for half-precision runs, while data lives in float32 slices. A
+	// frozen parameter with data is stored in 16 bits by FreezeAs.
 	DType graph.DType
 	// PerChunkStats is what NewBatchNorm2d sets its layer's PerChunkStats
 	// to: how a model built with these options opts every batch norm

@@ -113,3 +113,41 @@ func TestFinishWorkspace(t *testing.T) {
 	_, err = planner.Compile(out.Graph().IR(), info, []int{out.ID()}, planner.CompileOptions{FinishWorkspace: -1})
 	require.ErrorIs(t, err, graph.ErrAttr)
 }
+
+// CompileOptions.OptimizerScalars puts the optimizer's device scalars
+// (OptimizerScalarBytes of the trained parameters) in the finish
+// workspace after the caller's bytes rounded up to 8, so plans count
+// them; without trained parameters there are none.
+func TestOptimizerScalarsInFinishWorkspace(t *testing.T) {
+	scalars := planner.OptimizerScalarBytes(2)
+	require.Equal(t, int64(8*(4+8*2+2*2+256)), scalars)
+	for _, ws := range []int64{0, 4} {
+		x := lazy.Placeholder([]int{8, 16}, graph.Float32, 0)
+		w := lazy.ParamSpec([]int{16, 4}, graph.Float32, "w")
+		b := lazy.ParamSpec([]int{4}, graph.Float32, "b")
+		g, outs, co := testutil.Step(t, x.MatMul(w).Add(b).Tanh().Sum(), []*lazy.Tensor{w, b}, 2)
+		co.FinishWorkspace, co.OptimizerScalars = ws, true
+		info, err := shapeinfer.Analyze(g, outs...)
+		require.NoError(t, err)
+		p, err := planner.Compile(g, info, outs, co)
+		require.NoError(t, err)
+		require.True(t, p.HasOptimizerScalars())
+		at := (ws + 7) &^ 7
+		assert.Equal(t, at, p.OptimizerScalars)
+		assert.Equal(t, at, p.CallerFinish())
+		assert.Equal(t, at+scalars, p.FinishWorkspace.Fixed)
+		plain := finishStep(t, ws)
+		assert.False(t, plain.HasOptimizerScalars())
+		assert.Equal(t, ws, plain.CallerFinish())
+		assert.NotEqual(t, plain.Signature(), p.Signature())
+		for _, chunks := range [][]planner.Chunk{planner.Chunks(8, 1), planner.Chunks(8, 3)} {
+			a := alloc.New(alloc.NewSimBackend(1<<30), alloc.Options{})
+			h := &finishHooks{a: a}
+			u, err := planner.Replay(p, chunks, a, h, false)
+			require.NoError(t, err)
+			assert.Equal(t, at+scalars, h.wsBytes)
+			assert.Equal(t, peak(t, p, chunks).PeakReserved, u.PeakReserved, "the planner's replay counts them")
+		}
+	}
+	assert.Zero(t, planner.OptimizerScalarBytes(0))
+}

@@ -99,10 +99,18 @@ type Program struct {
 	// FinishWorkspace is the scratch buffer Replay allocates after the
 	// last chunk, hands to Hooks.Finish and frees after it
 	// (CompileOptions.FinishWorkspace); its Fixed is 0 when there is none.
-	// It is not in Buffers, and no timeline point marks it.
+	// It is not in Buffers, and no timeline point marks it. With
+	// CompileOptions.OptimizerScalars it ends with the optimizer's device
+	// scalars, from byte OptimizerScalars on.
 	FinishWorkspace Buffer
-	sig             uint64 // Signature, computed by Compile
-	keptKey         string // lru.Ints(Kept), the plan cache's key for it, made by Compile
+	// OptimizerScalars is the offset in the finish workspace of the
+	// optimizer update's device scalars (OptimizerScalarBytes), and the
+	// bytes before it the caller's CompileOptions.FinishWorkspace rounded
+	// up to 8; 0 with none (HasOptimizerScalars).
+	OptimizerScalars int64
+	scalars          bool   // the finish workspace holds them
+	sig              uint64 // Signature, computed by Compile
+	keptKey          string // lru.Ints(Kept), the plan cache's key for it, made by Compile
 }
 
 // Companions yields node id's companions in order (Companion, then
@@ -143,6 +151,14 @@ type CompileOptions struct {
 	// freed, and frees it after Finish, so plans count it like any buffer.
 	// Ignored without kept outputs (no Finish work).
 	FinishWorkspace int64
+	// OptimizerScalars adds the optimizer update's device scalars
+	// (OptimizerScalarBytes of the trained parameters) to the finish
+	// workspace, after FinishWorkspace's bytes (Program.OptimizerScalars):
+	// the CUDA executor's SGD and Adam read their learning rates, bias
+	// corrections and clip factor there, and need them. A batchfit.Session
+	// sets it for every training step, so its plans count them on every
+	// executor. Ignored without trained parameters and kept outputs.
+	OptimizerScalars bool
 }
 
 // Compile makes the program of g for outputs. info must be
@@ -280,19 +296,72 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 	if o.FinishWorkspace < 0 {
 		return nil, graph.Errorf(graph.ErrAttr, "planner: finish workspace of %d bytes", o.FinishWorkspace)
 	}
-	if k := len(o.Kept); o.FinishWorkspace > 0 && k > 0 {
+	fixed := o.FinishWorkspace
+	if o.OptimizerScalars && len(o.Trained) > 0 && len(o.Kept) > 0 {
+		// The optimizer's device scalars follow the caller's bytes.
+		p.scalars = true
+		p.OptimizerScalars = (fixed + 7) &^ 7
+		fixed = p.OptimizerScalars + OptimizerScalarBytes(len(o.Trained))
+	}
+	if k := len(o.Kept); fixed > 0 && k > 0 {
 		nd := &nodes[o.Kept[k-1]]
 		t := tag(nd)
 		t.Op = FinishOp
-		p.FinishWorkspace = Buffer{Kind: BufWorkspace, Node: nd.ID, Fixed: o.FinishWorkspace, Tag: t}
+		p.FinishWorkspace = Buffer{Kind: BufWorkspace, Node: nd.ID, Fixed: fixed, Tag: t}
 	}
 	p.sig = p.signature()
 	return p, nil
 }
 
 // FinishOp is the tag op of a program's finish workspace (the loss
-// scaler's inf/NaN flag): it belongs to the last kept output's node.
+// scaler's inf/NaN flag, the optimizer's device scalars): it belongs to
+// the last kept output's node.
 const FinishOp = "unscale_flag"
+
+// Device scalars of the optimizer update (exec/cuda's optimizer.go lays
+// them out, in float64 words): a header, a table of group
+// hyperparameters, two words per trained parameter, and the partial sums
+// of the gradient-norm kernels, OptimizerNormBlocks per launch of
+// OptimizerTensors parameters. A training program compiled with
+// CompileOptions.OptimizerScalars holds them in its finish workspace, so
+// that the kernels read the learning rate, the bias corrections and the
+// clip factor from device memory and a captured update replays for every
+// step; the CPU executor accounts for them as CUDA's uses them, so plans
+// agree.
+const (
+	OptimizerTensors    = 64  // parameters per multi-tensor launch
+	OptimizerGroups     = 64  // parameter groups one update may use
+	OptimizerNormBlocks = 256 // blocks (and partial sums) per norm launch
+	optimizerHeader     = 4   // words: max norm, norm, clip factor, spare
+	optimizerGroupWords = 8   // words per group
+	optimizerParamWords = 2   // words per parameter
+)
+
+// HasOptimizerScalars reports whether p's finish workspace ends with the
+// optimizer's device scalars (CompileOptions.OptimizerScalars).
+func (p *Program) HasOptimizerScalars() bool { return p.scalars }
+
+// CallerFinish is the bytes of p's finish workspace before the optimizer's
+// scalars: the caller's CompileOptions.FinishWorkspace (rounded up to 8
+// when scalars follow).
+func (p *Program) CallerFinish() int64 {
+	if p.HasOptimizerScalars() {
+		return p.OptimizerScalars
+	}
+	return p.FinishWorkspace.Fixed
+}
+
+// OptimizerScalarBytes is the bytes of device scalars an update of
+// trained parameters uses.
+func OptimizerScalarBytes(trained int) int64 {
+	if trained <= 0 {
+		return 0
+	}
+	lists := (trained + OptimizerTensors - 1) / OptimizerTensors
+	words := optimizerHeader + optimizerGroupWords*min(trained, OptimizerGroups) +
+		optimizerParamWords*trained + OptimizerNormBlocks*lists
+	return 8 * int64(words)
+}
 
 // StateOp is the tag op of optimizer state slot k, so that allocator
 // snapshots tell a parameter's slots apart (Adam's exp_avg is slot 0,

@@ -140,6 +140,14 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 		if have := out.Node(ids[id]).Type.DType; !have.IsFloat() || have == dt {
 			return ids[id], nil
 		}
+		// A widening cast of a dt value back to dt is that value: a
+		// 16-bit frozen weight that a layer widened to its input's float32
+		// (nn.FreezeAs) is read as stored, with no copy.
+		if src.Op == graph.OpCast && src.Type.DType == graph.Float32 && dt.IsHalf() {
+			if in := ids[src.Inputs[0]]; out.Node(in).Type.DType == dt {
+				return in, nil
+			}
+		}
 		if h, ok := narrow[id]; ok && out.Node(h).Type.DType == dt {
 			return h, nil
 		}

@@ -151,6 +151,25 @@ func (s *Scaler) Stats() ScalerStats {
 	return ScalerStats{Scale: s.scale, Steps: s.steps, Skipped: s.skipped, GoodInARow: s.good, LastSkipped: s.last}
 }
 
+// SetStats restores a scaler's state from st, as a checkpoint saved it
+// (Stats): the scale, the run of good steps and the counts, so the next
+// step scales and grows exactly as it would have. A scale that is not a
+// finite positive float32, a run of good steps outside [0, Interval) or
+// counts that do not add up are refused with ErrLossScale, and nothing
+// changes.
+func (s *Scaler) SetStats(st ScalerStats) error {
+	switch {
+	case !(st.Scale > 0) || math.IsInf(float64(st.Scale), 0):
+		return fmt.Errorf("%w: scale %g is not a finite positive float32", ErrLossScale, st.Scale)
+	case st.GoodInARow < 0 || st.GoodInARow >= s.o.Interval:
+		return fmt.Errorf("%w: %d good steps in a row, outside [0, %d)", ErrLossScale, st.GoodInARow, s.o.Interval)
+	case st.Skipped < 0 || st.Steps < st.Skipped || st.LastSkipped && st.Skipped == 0:
+		return fmt.Errorf("%w: %d steps with %d skipped (last skipped: %v) do not add up", ErrLossScale, st.Steps, st.Skipped, st.LastSkipped)
+	}
+	s.scale, s.good, s.steps, s.skipped, s.last = st.Scale, st.GoodInARow, st.Steps, st.Skipped, st.LastSkipped
+	return nil
+}
+
 // ScalerStats describes dynamic loss scaling after some steps
 // (batchfit.Session.LossScale).
 type ScalerStats struct {

@@ -152,3 +152,33 @@ func TestTrainWithLossScaleData(t *testing.T) {
 		require.ErrorIs(t, err, graph.ErrDType)
 	}
 }
+
+// A scaler restored with SetStats from another's Stats continues as that
+// one does: the same scales and counts through skips and growth; bad
+// states are refused with precision.ErrLossScale and change nothing.
+func TestScalerSetStatsResumes(t *testing.T) {
+	o := precision.LossScale{Init: 1024, Interval: 3}
+	a, err := precision.NewScaler(o)
+	require.NoError(t, err)
+	outcomes := []bool{true, false, true, true, true, true, false, true}
+	for _, ok := range outcomes[:4] {
+		a.Update(ok)
+	}
+	b, err := precision.NewScaler(o)
+	require.NoError(t, err)
+	require.NoError(t, b.SetStats(a.Stats()))
+	for _, ok := range outcomes[4:] {
+		a.Update(ok)
+		b.Update(ok)
+		require.Equal(t, a.Stats(), b.Stats())
+	}
+	before := b.Stats()
+	for _, bad := range []precision.ScalerStats{
+		{Scale: 0}, {Scale: float32(math.Inf(1))}, {Scale: float32(math.NaN())},
+		{Scale: 1, GoodInARow: 3}, {Scale: 1, GoodInARow: -1},
+		{Scale: 1, Steps: 1, Skipped: 2}, {Scale: 1, LastSkipped: true},
+	} {
+		require.ErrorIs(t, b.SetStats(bad), precision.ErrLossScale, "%+v", bad)
+	}
+	require.Equal(t, before, b.Stats())
+}

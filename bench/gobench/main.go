@@ -331,7 +331,7 @@ func compileStep(ws planner.WorkspaceFunc, pol precision.Policy, o precision.Tra
 		return nil, nil, err
 	}
 	p, err := planner.Compile(ng, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: st.Params,
-		StateSlots: slots, Workspace: ws})
+		StateSlots: slots, Workspace: ws, OptimizerScalars: true}) // the device optimizer's scalars
 	if err != nil {
 		return nil, nil, err
 	}

@@ -77,6 +77,10 @@ func (e *Executor) Reserve() int64 { return 0 }
 // SyncParams does nothing: the host tensors are the parameters.
 func (e *Executor) SyncParams() error { return nil }
 
+// SyncState does nothing: the CPU's optimizers keep their state on the
+// host, where optim.Common.State reads it.
+func (e *Executor) SyncState() error { return nil }
+
 var _ exec.Executor = (*Executor)(nil)
 
 // Run evaluates g over its full batch.

@@ -79,7 +79,7 @@ func TestConvTimedSearch(t *testing.T) {
 	// The same step (parameters and data) for each compile.
 	step := func(ws planner.WorkspaceFunc) *planner.Program {
 		loss, params := model.Build(rand.New(rand.NewPCG(61, 62)), n)
-		return testutil.StepProgram(t, ws, loss, params, 2)
+		return testutil.TrainProgram(t, ws, loss, params, 2)
 	}
 	before := e.Allocator().Stats().ReservedBytes[alloc.All].Current
 	p := step(e.Workspace())

@@ -15,6 +15,9 @@ type residentBuf struct {
 	// device copy a device-side update has changed since it was last
 	// downloaded; SyncParams writes it and clears it.
 	newer []float32
+	// owner is the optimizer whose state an optimizer state buffer holds
+	// (optimizer.go), nil before one steps with it.
+	owner devOptimizer
 }
 
 // Held lists the resident buffers, in allocation order (exec.Executor).

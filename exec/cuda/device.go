@@ -63,6 +63,11 @@ type Device struct {
 	stage    *stager      // pinned upload buffers, made on first large upload (staging.go)
 	pinned   pinnedSet    // page-locked memory AllocHost gave callers (pinned.go)
 	readback *readbackBuf // pinned buffer of the early reads (readback.go)
+	norms    *normReads   // pinned words of clipping's gradient norms (readback.go)
+	// waits counts the host's waits for the device: synchronous copies,
+	// synchronisations and event waits (tests check that a step adds none
+	// where it should not).
+	waits atomic.Int64
 	// tail is set while a resident Execute's last kernels may still run
 	// (readback.go); a free of device memory waits for them first.
 	tail bool
@@ -190,6 +195,7 @@ func (d *Device) worker(ready chan<- error) {
 			d.closeErr = errors.Join(
 				d.freeStager(d.stage),
 				d.freeReadback(d.readback),
+				d.freeNorms(d.norms),
 				drv.check("cuCtxSynchronize", drv.cuCtxSynchronize()),
 				d.freePinned(),
 				drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(0)),
@@ -298,6 +304,7 @@ func (d *Device) Synchronize() error {
 // syncOnThread waits for all queued work, on the device thread.
 func (d *Device) syncOnThread() error {
 	d.tail = false
+	d.waits.Add(1)
 	return d.drv.check("cuCtxSynchronize", d.drv.cuCtxSynchronize())
 }
 

@@ -74,7 +74,10 @@
 // place from a packed projection) and loss.go each hold their ops' entries of the kernel table
 // (table.go), their launches and their workspace rules; optimizer.go holds
 // the SGD and Adam launches (multi-tensor kernels: one launch per 64
-// parameters) and loss scaling's unscale.
+// parameters, reading each step's learning rates, bias corrections and
+// clip factor from device scalars, replayed as one CUDA graph), the
+// gradient norm of clipping, the optimizers' ownership of their state
+// buffers, and loss scaling's unscale.
 // The host side reaches the kernels through runner.eval, one table lookup
 // per node; Workspace is derived from the same table. A test ranges over
 // every op and fails when one has no kernel.

@@ -124,6 +124,10 @@ type Executor struct {
 	// copy (save, for Yield), so dropHostCopies need not walk them all.
 	hostCopies bool
 	closed     bool
+	// soleOwner is the optimizer that owns every optimizer state buffer
+	// with an owner, when one does (optimizer.go's takeState skips its
+	// checks for it), nil otherwise.
+	soleOwner devOptimizer
 	graphs     graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
 	// graphBytes is the driver memory the live graphs' instantiation took
 	// (GraphStats.DriverBytes), for Reserve without the lock.
@@ -268,6 +272,7 @@ func (e *Executor) Close() error {
 	if e.dnn != nil {
 		dnn = e.dnn.Close()
 	}
+	e.dropState()
 	return errors.Join(graphs, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
@@ -463,6 +468,9 @@ type runner struct {
 	// own run steps are then skipped.
 	companions []handedCo
 	early      map[int]bool
+	// filledState is set when the call allocated an optimizer state
+	// buffer (Fill), which then has no owner yet.
+	filledState bool
 	// g is the program's CUDA graphs, nil when this call launches eagerly;
 	// pend is the nodes whose launches wait for the next host step, fp
 	// their fingerprint (graphs.go).
@@ -533,6 +541,7 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 		return err
 	}
 	r.persist[keyOf(pb)] = blk
+	r.filledState = r.filledState || pb.Kind == planner.BufState
 	r.c.Keep(pb, blk, &residentBuf{})
 	return nil
 }
@@ -720,7 +729,7 @@ func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
 		return r.paramsToDevice()
 	case r.o.Optimizer != nil && len(kept) > 0: // no gradients, no step
 		if onDevice {
-			if err := r.deviceStep(kept); err != nil {
+			if err := r.deviceStep(kept, ws); err != nil {
 				return err
 			}
 			if r.o.SyncParams {

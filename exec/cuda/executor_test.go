@@ -73,7 +73,7 @@ func runOn(e *cuda.Executor) conformance.Runner { return conformance.RunnerOf(e.
 // CUDA: testutil.StepProgram with the CUDA kernels' workspaces.
 func stepProgram(t testing.TB, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
 	t.Helper()
-	return testutil.StepProgram(t, cuda.Workspace, loss, params, slots)
+	return testutil.TrainProgram(t, cuda.Workspace, loss, params, slots)
 }
 
 func scalarOf(t *testing.T, d *tensor.Dense) float32 {

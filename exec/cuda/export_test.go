@@ -251,3 +251,7 @@ func (n *DNN) ConvDescribeErrors(dt graph.DType, x, w, y [4]int64) (descs, query
 	})
 	return errors.Join(descs, err), query, plan
 }
+
+// HostWaits counts the times the host waited for e's device: synchronous
+// copies, synchronisations and event waits.
+func HostWaits(e *Executor) int64 { return e.d.waits.Load() }

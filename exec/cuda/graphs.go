@@ -47,10 +47,14 @@ import (
 // exactly the kernels, with exactly the arguments, that eager launching
 // would, and an allocator that hands out other addresses (another chunk
 // size, a re-plan after an OOM retry or a budget change, a cache emptied)
-// gets a new capture rather than a stale replay. The optimizer's update,
-// loss scaling's unscale and the chunks' accumulation run eagerly: Adam's
-// bias correction and the learning rate change every step and are passed
-// by value, and these are a few multi-tensor launches a step.
+// gets a new capture rather than a stale replay. Loss scaling's unscale
+// (which reads its flag on the host) and the chunks' accumulation run
+// eagerly. The optimizer's update is a segment of its own (segment,
+// optimizer.go): its kernels read the learning rates, the bias
+// corrections and the clip factor from device scalars, which an eager
+// launch before the segment writes each step, so their arguments, and the
+// segment's fingerprint, stay the same from step to step and the update
+// replays as one graph under any schedule.
 //
 // Graphs are kept per program signature (a Session rebinds the same
 // program to each step's graph, so the Program pointer changes every
@@ -97,6 +101,9 @@ type GraphStats struct {
 	// Eager the segments launched node by node (seen for the first time,
 	// too short, failed, or over graphSegments).
 	Replays, Eager int
+	// OptimizerReplays is how many of Replays were optimizer updates
+	// (optimizer.go), OptimizerCaptures how many of Captures.
+	OptimizerReplays, OptimizerCaptures int
 	// Live is the graphs held now, DriverBytes the device memory their
 	// instantiation took from the driver (cuMemGetInfo before and after),
 	// outside the allocator.
@@ -513,11 +520,46 @@ func (r *runner) evalOps(ops []pendingOp) error {
 // deferred launch relies on.
 var ErrGraphCompanion = errors.New("cuda: a deferred node's companion decision changed")
 
+// segment launches a segment of the host side's own launches (the
+// optimizer's update, optimizer.go) of fingerprint fp and n launches as
+// flush launches the pending nodes' segments: as a graph captured before,
+// as a new capture, or eagerly. launch makes the launches on the device's
+// current stream. The pending nodes go first. On the device thread.
+func (r *runner) segment(fp []uint64, n int, launch func() error) error {
+	if err := r.flush(); err != nil {
+		return err
+	}
+	gc := &r.e.graphs
+	sg, capture := r.g.decide(fp, n)
+	if capture {
+		r.captureFunc(sg, launch)
+		if sg.exec != 0 {
+			gc.stats.OptimizerCaptures++
+		}
+	}
+	if sg != nil && sg.exec != 0 {
+		gd, err := loadGraphDriver()
+		if err != nil {
+			return err
+		}
+		gc.stats.Replays++
+		gc.stats.OptimizerReplays++
+		return r.e.d.drv.check("cuGraphLaunch", gd.cuGraphLaunch(sg.exec, 0))
+	}
+	gc.stats.Eager++
+	return launch()
+}
+
 // capture captures ops as sg's graph and instantiates it; a failure marks
 // sg failed and is kept in GraphStats. On the device thread.
 func (r *runner) capture(sg *segGraph, ops []pendingOp) {
+	r.captureFunc(sg, func() error { return r.evalOps(ops) })
+}
+
+// captureFunc captures launch's launches as sg's graph (capture's work).
+func (r *runner) captureFunc(sg *segGraph, launch func() error) {
 	e := r.e
-	exec, bytes, err := e.captureOps(func() error { return r.evalOps(ops) })
+	exec, bytes, err := e.captureOps(launch)
 	if err != nil {
 		sg.failed = true
 		e.graphs.stats.Failed++

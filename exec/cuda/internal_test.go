@@ -15,6 +15,8 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/recompute"
 )
 
@@ -89,44 +91,66 @@ func TestKernelStructs(t *testing.T) {
 }
 
 // TestListStructs: the multi-tensor kernels' lists have the C structs'
-// sizes and lengths (OPTIM_TENSORS and UNSCALE_TENSORS in optim.cu), stay
-// well under the 4 KiB kernel parameter limit with their scalars, and
-// Launch passes a copy. The cost model's UpdateTensors is OPTIM_TENSORS.
+// sizes and lengths (OPTIM_TENSORS, UNSCALE_TENSORS, OPTIM_SCALARS and the
+// scalars' layout in optim.cu, the planner's constants for their bytes),
+// stay under the 4 KiB kernel parameter limit with their other arguments,
+// and Launch passes a copy. The cost model's UpdateTensors is
+// OPTIM_TENSORS.
 func TestListStructs(t *testing.T) {
-	assert.Equal(t, uintptr(4*64*8+65*8), unsafe.Sizeof(optimList{}))
+	assert.Equal(t, uintptr(4*64*8+65*8+2*64*4), optimListBytes)
 	assert.Equal(t, uintptr(4*64*8), unsafe.Offsetof(optimList{}.off), "off follows the four pointer arrays")
+	assert.Equal(t, uintptr(4*64*8+65*8), unsafe.Offsetof(optimList{}.grp), "grp follows off")
+	assert.Equal(t, uintptr(4*64*8+65*8+64*4), unsafe.Offsetof(optimList{}.idx), "idx follows grp")
 	assert.Equal(t, uintptr(64*8+65*8), unsafe.Sizeof(unscaleList{}))
-	assert.Less(t, unsafe.Sizeof(optimList{})+9*8, uintptr(3<<10), "adam_multi_f32's parameters")
+	assert.Equal(t, uintptr(480*8), unsafe.Sizeof(scalarList{}))
+	assert.Less(t, optimListBytes+5*8, uintptr(4<<10), "adam_multi_f32's parameters")
+	assert.Less(t, unsafe.Sizeof(scalarList{})+2*8, uintptr(4<<10), "optim_scalars_f64's parameters")
 	src, err := Source("optim.cu")
 	require.NoError(t, err)
-	for name, n := range map[string]int{"OPTIM_TENSORS": optimTensors, "UNSCALE_TENSORS": unscaleTensors} {
+	for name, n := range map[string]int{"OPTIM_TENSORS": optimTensors, "UNSCALE_TENSORS": unscaleTensors,
+		"OPTIM_SCALARS": optimScalarWords, "OPTIM_NORM_BLOCKS": planner.OptimizerNormBlocks,
+		"OPTIM_HEADER": scHeader, "OPTIM_GROUP_WORDS": groupWords} {
 		m := regexp.MustCompile(`(?m)^#define ` + name + ` (\d+)$`).FindStringSubmatch(src)
 		require.NotNil(t, m, name)
 		assert.Equal(t, strconv.Itoa(n), m[1], name)
 	}
 	assert.Equal(t, optimTensors, recompute.UpdateTensors, "the cost model prices one update launch per list")
 	var l optimList
-	l.p[3], l.off[64] = 7, 9
+	l.p[3], l.off[64], l.idx[63] = 7, 9, 11
 	p, err := packParams([]any{l, int64(4)})
 	require.NoError(t, err)
 	l.p[3] = 8
 	assert.Equal(t, alloc.Ptr(7), (*optimList)(p.ptrs[0]).p[3], "the argument is a copy")
-	assert.Equal(t, int64(9), *(*int64)(unsafe.Add(p.ptrs[0], 4*64*8+64*8)), "off[64] is the last field")
+	assert.Equal(t, int64(9), *(*int64)(unsafe.Add(p.ptrs[0], 4*64*8+64*8)), "off[64] ends off")
+	assert.Equal(t, int32(11), *(*int32)(unsafe.Add(p.ptrs[0], optimListBytes-4)), "idx[63] is the last field")
+	var sl scalarList
+	sl.v[479] = 2.5
+	p, err = packParams([]any{sl})
+	require.NoError(t, err)
+	assert.Equal(t, 2.5, *(*float64)(unsafe.Add(p.ptrs[0], 479*8)))
+	// The scalars the kernels use fit the planner's count.
+	for _, n := range []int{1, 63, 64, 65, 150, 1000} {
+		lists := (n + optimTensors - 1) / optimTensors
+		assert.Equal(t, planner.OptimizerScalarBytes(n), int64(8*(partialsAt(n)+planner.OptimizerNormBlocks*lists)), "%d parameters", n)
+	}
 }
 
 // TestOptimLists: the device optimizer lists its parameters in order,
 // optimTensors a launch, each list's offsets the running sum of its
-// parameters' sizes; parameters without elements are left out, a shared
+// parameters' sizes, each entry with its group and its index among the
+// step's parameters; parameters without elements are left out, a shared
 // gradient stays in one list, and a parameter listed twice starts a new
 // list.
 func TestOptimLists(t *testing.T) {
 	type launch struct {
 		p, g, s0, s1 []alloc.Ptr
 		off          []int64
+		grp, idx     []int32
 	}
-	lists := func(ps []trained) []launch {
+	lists := func(ps []trained, pl *optim.DevicePlan) []launch {
 		var got []launch
-		require.NoError(t, optimLists(ps, func(l *optimList, count int) error {
+		for _, l := range optimLists(ps, pl) {
+			count := l.count
 			require.Positive(t, count)
 			require.LessOrEqual(t, count, optimTensors)
 			for i := count; i < optimTensors; i++ {
@@ -134,10 +158,16 @@ func TestOptimLists(t *testing.T) {
 				require.Zero(t, l.off[i+1])
 			}
 			got = append(got, launch{slices.Clone(l.p[:count]), slices.Clone(l.g[:count]), slices.Clone(l.s0[:count]),
-				slices.Clone(l.s1[:count]), slices.Clone(l.off[:count+1])})
-			return nil
-		}))
+				slices.Clone(l.s1[:count]), slices.Clone(l.off[:count+1]), slices.Clone(l.grp[:count]), slices.Clone(l.idx[:count])})
+		}
 		return got
+	}
+	planOf := func(n int) *optim.DevicePlan {
+		pl := &optim.DevicePlan{Params: make([]optim.ParamUpdate, n)}
+		for i := range pl.Params {
+			pl.Params[i].Group = i % 3
+		}
+		return pl
 	}
 	var ps []trained
 	for i := range 150 {
@@ -146,7 +176,7 @@ func TestOptimLists(t *testing.T) {
 	}
 	ps[10].n = 0
 	ps[11].grad = ps[12].grad // a shared gradient
-	got := lists(ps)
+	got := lists(ps, planOf(150))
 	require.Len(t, got, 3)
 	assert.Len(t, got[0].p, 64)
 	assert.Len(t, got[1].p, 64)
@@ -162,6 +192,8 @@ func TestOptimLists(t *testing.T) {
 			assert.Equal(t, ps[j].grad, l.g[i])
 			assert.Equal(t, ps[j].state, []alloc.Ptr{l.s0[i], l.s1[i]})
 			assert.Equal(t, ps[j].n, l.off[i+1]-l.off[i])
+			assert.Equal(t, int32(j), l.idx[i], "the step's parameter index, gaps and all")
+			assert.Equal(t, int32(j%3), l.grp[i])
 			j++
 		}
 	}
@@ -169,18 +201,33 @@ func TestOptimLists(t *testing.T) {
 	assert.Equal(t, got[0].g[10], got[0].g[11], "both read the shared gradient")
 
 	sgd := []trained{{param: 1, grad: 2, state: []alloc.Ptr{3}, n: 5}, {param: 4, grad: 2, n: 3}, {param: 1, grad: 6, state: []alloc.Ptr{3}, n: 5}}
-	got = lists(sgd)
+	got = lists(sgd, planOf(3))
 	require.Len(t, got, 2, "the parameter listed twice starts a second list")
-	assert.Equal(t, launch{[]alloc.Ptr{1, 4}, []alloc.Ptr{2, 2}, []alloc.Ptr{3, 0}, []alloc.Ptr{0, 0}, []int64{0, 5, 8}}, got[0])
-	assert.Equal(t, launch{[]alloc.Ptr{1}, []alloc.Ptr{6}, []alloc.Ptr{3}, []alloc.Ptr{0}, []int64{0, 5}}, got[1])
-	assert.Empty(t, lists([]trained{{param: 1, n: 0}}), "no elements, no launch")
-	assert.Empty(t, lists(nil))
+	assert.Equal(t, launch{[]alloc.Ptr{1, 4}, []alloc.Ptr{2, 2}, []alloc.Ptr{3, 0}, []alloc.Ptr{0, 0}, []int64{0, 5, 8}, []int32{0, 1}, []int32{0, 1}}, got[0])
+	assert.Equal(t, launch{[]alloc.Ptr{1}, []alloc.Ptr{6}, []alloc.Ptr{3}, []alloc.Ptr{0}, []int64{0, 5}, []int32{2}, []int32{2}}, got[1])
+	assert.Empty(t, lists([]trained{{param: 1, n: 0}}, planOf(1)), "no elements, no launch")
+	assert.Empty(t, lists(nil, planOf(0)))
+}
 
-	stop := errors.New("launch failed")
-	calls := 0
-	err := optimLists(ps, func(*optimList, int) error { calls++; return stop })
-	assert.ErrorIs(t, err, stop)
-	assert.Equal(t, 1, calls, "the first failure ends the step")
+// TestScalarWords: the device scalars of a plan in optim.cu's layout:
+// the max norm, each group's hyperparameters (Adam's and SGD's orders),
+// each parameter's bias corrections or fresh flag.
+func TestScalarWords(t *testing.T) {
+	pl := &optim.DevicePlan{
+		Groups: []optim.Hyper{{LR: 1, Beta1: 2, Beta2: 3, Eps: 4, WeightDecay: 5, Decay: 6}, {LR: 7, Momentum: 8, Dampening: 9, WeightDecay: 10, Nesterov: true}},
+		Params: []optim.ParamUpdate{{Group: 1, C1: 0.1, C2: 0.01}, {Group: 0, C1: 0.2, C2: 0.02, Fresh: true}},
+		Clip:   optim.Clip{MaxNorm: 1.5, NormType: 2},
+	}
+	w := scalarWords(true, pl)
+	require.Len(t, w, partialsAt(2))
+	assert.Equal(t, []float64{1.5, 0, 0, 0}, w[:scHeader])
+	assert.Equal(t, []float64{1, 2, 3, 4, 5, 6, 0, 0}, w[scHeader:scHeader+groupWords])
+	assert.Equal(t, []float64{0.1, 0.01, 0.2, 0.02}, w[paramsAt(2):])
+	w = scalarWords(false, pl)
+	assert.Equal(t, []float64{7, 8, 9, 10, 1, 0, 0, 0}, w[scHeader+groupWords:scHeader+2*groupWords])
+	assert.Equal(t, []float64{0, 0, 1, 0}, w[paramsAt(2):])
+	pl.Clip.MaxNorm = 0
+	assert.Zero(t, scalarWords(true, pl)[scMaxNorm], "no clipping")
 }
 
 func TestCheckGemm(t *testing.T) {

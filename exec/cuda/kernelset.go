@@ -114,7 +114,7 @@ var kernelFiles = map[string][]string{
 		[]string{typed(kLayerNorm, graph.Float32, graph.BFloat16), typed(kLayerNorm, graph.Float32, graph.Float16)}, addLayerNormKernels()),
 	"loss.cu":     allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
 	"movement.cu": append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
-	"optim.cu":    {kSGD, kAdam, kUnscale},
+	"optim.cu":    {kSGD, kAdam, kUnscale, kOptimScalars, kNormPartial, kNormFinish},
 	"pool.cu": allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad,
 		kMaxPoolNHWC, kMaxPoolArgmaxNHWC, kMaxPoolGradNHWC, kAvgPoolNHWC, kAvgPoolGradNHWC),
 	"reduce.cu": append(allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),

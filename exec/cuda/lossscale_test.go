@@ -55,7 +55,7 @@ func (d deepNet) step(rng *rand.Rand, n, blow int, boost float64) (*lazy.Tensor,
 func lossScaleProgram(t *testing.T, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int) *planner.Program {
 	t.Helper()
 	g, outs, co := testutil.Step(t, loss, params, slots)
-	co.Workspace, co.FinishWorkspace = ws, exec.UnscaleBytes
+	co.Workspace, co.FinishWorkspace, co.OptimizerScalars = ws, exec.UnscaleBytes, true
 	info, err := shapeinfer.Analyze(g, outs...)
 	require.NoError(t, err)
 	p, err := planner.Compile(g, info, outs, co)

@@ -124,6 +124,7 @@ func copyHtoD[T Elem](d *Device, dst alloc.Ptr, src []T, wait bool) error {
 		if n >= stageMin || !wait {
 			return d.stageHtoD(dst, unsafe.Pointer(&src[0]), n, wait)
 		}
+		d.waits.Add(1)
 		return d.drv.check("cuMemcpyHtoD_v2", d.drv.cuMemcpyHtoD(CUdeviceptr(dst), unsafe.Pointer(&src[0]), n))
 	})
 }
@@ -139,6 +140,7 @@ func CopyDtoH[T Elem](d *Device, dst []T, src alloc.Ptr) error {
 		if d.capture != 0 {
 			return ErrHostInCapture
 		}
+		d.waits.Add(1)
 		return d.drv.check("cuMemcpyDtoH_v2", d.drv.cuMemcpyDtoH(unsafe.Pointer(&dst[0]), CUdeviceptr(src), n))
 	})
 }

@@ -331,6 +331,9 @@ func packParams(args []any) (*kernelParams, error) {
 		case optimList:
 			p.ptrs[i] = unsafe.Pointer(&v)
 			continue
+		case scalarList:
+			p.ptrs[i] = unsafe.Pointer(&v)
+			continue
 		default:
 			return nil, graph.Errorf(graph.ErrDType, "cuda: kernel argument %d has unsupported type %T", i, a)
 		}

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"errors"
+	"fmt"
 	"unsafe"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -158,6 +159,7 @@ func (r *runner) read(id int, blk *alloc.Block, b int) (*exec.HostBuf, error) {
 	}
 	rb := r.e.d.readback
 	if rb.busy {
+		r.e.d.waits.Add(1)
 		if err := r.e.d.drv.check("cuEventSynchronize", r.e.d.drv.cuEventSynchronize(rb.ev)); err != nil {
 			return nil, err
 		}
@@ -213,6 +215,7 @@ func (d *Device) readbackOnThread(n uintptr) (*readbackBuf, error) {
 		d.readback = rb
 	}
 	if rb.busy {
+		d.waits.Add(1)
 		if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(rb.ev)); err != nil {
 			return nil, err
 		}
@@ -253,5 +256,96 @@ func (d *Device) freeReadback(rb *readbackBuf) error {
 	if rb.buf != nil {
 		errs = append(errs, drv.check("cuMemFreeHost", drv.cuMemFreeHost(rb.buf)))
 	}
+	return errors.Join(errs...)
+}
+
+// Gradient norms of clipping read back lazily (optimizer.go).
+
+// normWords is how many optimizers' norms a device's pinned page holds.
+const normWords = 512
+
+// normReads is a device's pinned words where clipping optimizers' norms
+// land, one word and one event per optimizer. Only the device thread uses
+// it.
+type normReads struct {
+	buf   unsafe.Pointer // normWords float64 words
+	slots map[any]*normSlot
+	next  int // the next word to hand out; past normWords they are shared
+}
+
+// normSlot is one optimizer's word: its index, the event after the latest
+// copy into it and how many copies were queued.
+type normSlot struct {
+	i   int
+	ev  CUevent
+	gen uint64
+}
+
+// queueNorm copies the float64 at src (the norm the update's kernels
+// computed) into owner's pinned word behind the work queued so far, and
+// returns the function that waits for that copy and reads it. On the
+// device thread.
+func (d *Device) queueNorm(owner any, src alloc.Ptr) (func() (float64, error), error) {
+	drv := d.drv
+	nr := d.norms
+	if nr == nil {
+		nr = &normReads{slots: map[any]*normSlot{}}
+		if err := drv.check("cuMemHostAlloc", drv.cuMemHostAlloc(&nr.buf, 8*normWords, 0)); err != nil {
+			return nil, err
+		}
+		d.norms = nr
+	}
+	s := nr.slots[owner]
+	if s == nil {
+		s = &normSlot{i: nr.next % normWords}
+		if err := drv.check("cuEventCreate", drv.cuEventCreate(&s.ev, cuEventDisableTiming)); err != nil {
+			return nil, err
+		}
+		nr.next++
+		nr.slots[owner] = s
+	}
+	word := unsafe.Add(nr.buf, 8*s.i)
+	if err := drv.check("cuMemcpyDtoHAsync_v2", drv.cuMemcpyDtoHAsync(word, CUdeviceptr(src), 8, 0)); err != nil {
+		return nil, err
+	}
+	if err := drv.check("cuEventRecord", drv.cuEventRecord(s.ev, 0)); err != nil {
+		return nil, err
+	}
+	s.gen++
+	gen := s.gen
+	return func() (float64, error) {
+		var v float64
+		err := d.do(func() error {
+			if d.norms != nr {
+				return fmt.Errorf("%w: the device's gradient norms were released", ErrClosed)
+			}
+			if s.gen != gen {
+				return errors.New("cuda: a later step of another optimizer sharing its pinned word overwrote the gradient norm")
+			}
+			d.waits.Add(1)
+			if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(s.ev)); err != nil {
+				return err
+			}
+			v = *(*float64)(word)
+			return nil
+		})
+		return v, err
+	}, nil
+}
+
+// freeNorms waits for nr's copies and frees its page and events, on the
+// device thread.
+func (d *Device) freeNorms(nr *normReads) error {
+	if nr == nil {
+		return nil
+	}
+	drv := d.drv
+	var errs []error
+	for _, s := range nr.slots {
+		errs = append(errs, drv.check("cuEventSynchronize", drv.cuEventSynchronize(s.ev)),
+			drv.check("cuEventDestroy", drv.cuEventDestroy(s.ev)))
+	}
+	errs = append(errs, drv.check("cuMemFreeHost", drv.cuMemFreeHost(nr.buf)))
+	d.norms = nil
 	return errors.Join(errs...)
 }

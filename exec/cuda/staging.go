@@ -62,6 +62,7 @@ func (d *Device) stageHtoD(dst alloc.Ptr, src unsafe.Pointer, n uintptr, wait bo
 		i := s.next
 		s.next = 1 - i
 		if s.busy[i] {
+			d.waits.Add(1)
 			if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(s.ev[i])); err != nil {
 				return err
 			}
@@ -78,6 +79,7 @@ func (d *Device) stageHtoD(dst alloc.Ptr, src unsafe.Pointer, n uintptr, wait bo
 		s.busy[i], last = true, i
 	}
 	if wait && last >= 0 {
+		d.waits.Add(1)
 		if err := drv.check("cuEventSynchronize", drv.cuEventSynchronize(s.ev[last])); err != nil {
 			return err
 		}

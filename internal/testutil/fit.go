@@ -147,6 +147,21 @@ func StepProgram(t testing.TB, ws planner.WorkspaceFunc, loss *lazy.Tensor, para
 	return p
 }
 
+// TrainProgram is StepProgram with the optimizer's device scalars in the
+// finish workspace (planner.CompileOptions.OptimizerScalars), as a
+// batchfit.Session compiles a training step: what the CUDA executor's SGD
+// and Adam need.
+func TrainProgram(t testing.TB, ws planner.WorkspaceFunc, loss *lazy.Tensor, params []*lazy.Tensor, slots int, extra ...int) *planner.Program {
+	t.Helper()
+	g, outs, co := Step(t, loss, params, slots, extra...)
+	co.Workspace, co.OptimizerScalars = ws, true
+	info, err := shapeinfer.Analyze(g, outs...)
+	require.NoError(t, err)
+	p, err := planner.Compile(g, info, outs, co)
+	require.NoError(t, err)
+	return p
+}
+
 // Step appends the gradients of params to loss's graph and returns the
 // graph, the outputs a Session's Step asks for (the loss, the gradients,
 // then extra) and the compile options that keep the gradients and train

@@ -89,6 +89,9 @@ inline long long __double_as_longlong(double f) { long long u; memcpy(&u, &f, 8)
 // does not contract a·b + c: x86-64's default target has no FMA).
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 
 // Per-warp exchange buffers.

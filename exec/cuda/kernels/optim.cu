@@ -1,27 +1,48 @@
 // optim.cu: the optimizer updates of optim/optim.go, one thread per element
-// and many parameters per launch.
+// and many parameters per launch, and the gradient norm of clipping.
 //
 // The arithmetic runs in double, as optim.go does, with products and sums
 // through __dmul_rn / __dadd_rn / __dsub_rn so the compiler cannot fuse them
 // into FMAs: given the same inputs and scalars the results equal optim.go's
 // bit for bit (for a Go build that does not fuse either, as amd64 by
-// default). Cost is nothing next to the memory traffic. Scalars that
-// optim.go computes once per step (the bias corrections) come precomputed.
+// default). Cost is nothing next to the memory traffic.
+//
+// Every number that changes from step to step (the learning rate of each
+// group under a schedule, each parameter's bias corrections or fresh flag,
+// the clip factor) is read from device scalars, never passed by value:
+// the launches' arguments are addresses and counts, so a CUDA graph
+// captured once replays every later step (exec/cuda/graphs.go). The host
+// writes the scalars each step with optim_scalars_f64, outside the graph;
+// the norm kernels write the clip factor inside it. The scalars are float64
+// words at sc (planner.OptimizerScalarBytes):
+//   sc[0] max norm (clipping), sc[1] the gradient norm, sc[2] the clip
+//   factor (a float32 value), sc[3] unused;
+//   group k's hyperparameters at sc[OPTIM_HEADER + 8k]:
+//     Adam: lr, beta1, beta2, eps, weight decay, AdamW's decay 1 − lr·wd;
+//     SGD:  lr, momentum, dampening, weight decay, nesterov (0 or 1);
+//   parameter i's words at sc[params_at + 2i]: Adam c1 = 1 − β₁ᵗ,
+//     c2 = 1 − β₂ᵗ for its own step t; SGD: fresh (1: its momentum buffer
+//     starts from the gradient);
+//   the norm kernels' partial results after them.
 #include "common.cuh"
 
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
 
+#define OPTIM_HEADER 4
+#define OPTIM_GROUP_WORDS 8
+
 // The optimizers' kernels update many parameters in one launch
 // (PyTorch's multi-tensor apply): up to OPTIM_TENSORS parameters are listed
 // by value in the parameter buffer (no device table to allocate), each
-// with its gradient and state slots. Parameter t of a launch is p[t], its
-// gradient g[t] and state s0[t], s1[t], elements off[t] to off[t+1] − 1 of
-// the launch's flat range [0, off[count]). A thread finds the tensor of its
-// first index by binary search; its indices grow, so after that the
-// tensor index only moves forward. The struct is 2568 bytes, with the
-// scalars 2640: well under the 4 KiB kernel parameter limit.
+// with its gradient, state slots and group. Parameter t of a launch is
+// p[t], its gradient g[t] and state s0[t], s1[t], elements off[t] to
+// off[t+1] − 1 of the launch's flat range [0, off[count]); its group is
+// grp[t] and it is the step's parameter idx[t]. A thread finds the
+// tensor of its first index by binary search; its indices grow, so after
+// that the tensor index only moves forward. The struct is 3080 bytes, with
+// the other arguments 3120: under the 4 KiB kernel parameter limit.
 #define OPTIM_TENSORS 64
 struct OptimList {
   float* p[OPTIM_TENSORS];
@@ -29,6 +50,8 @@ struct OptimList {
   float* s0[OPTIM_TENSORS];  // SGD: the momentum buffer (null without momentum); Adam: m
   float* s1[OPTIM_TENSORS];  // Adam: v; SGD: unused
   i64 off[OPTIM_TENSORS + 1];
+  int grp[OPTIM_TENSORS];
+  int idx[OPTIM_TENSORS];
 };
 
 // optim_first is the tensor of this thread's first index of a grid-stride
@@ -47,29 +70,43 @@ __device__ __forceinline__ int optim_first(const OptimList& l, i64 count) {
   return lo;
 }
 
+// clip_grad is gradient element g as the update reads it: times the clip
+// factor in float32 (PyTorch's grad.mul_(clip_coef)) when clipping.
+__device__ __forceinline__ double clip_grad(float g, i64 clip, float coef) {
+  return clip ? (double)__fmul_rn(g, coef) : (double)g;
+}
+
 // sgd_multi_f32: SGD with momentum, dampening, Nesterov and L2 weight decay
 // (torch.optim.SGD), for the count ≤ OPTIM_TENSORS parameters of l: each
 // element of parameter p, gradient g and momentum buffer b = s0 (null when
-// momentum = 0):
-//   g ← g + wd·p;  b ← first ? g : μ·b + (1−τ)·g;  g ← nesterov ? g + μ·b : b;
-//   p ← p − lr·g.
-// first ≠ 0 on the optimizer's first step (optim.SGD's steps == 0). 1-D
-// blocks, any grid.
+// its group's momentum = 0), with its group's lr, μ, τ, wd, nesterov and
+// its fresh flag from sc:
+//   g ← g·coef (clip ≠ 0); g ← g + wd·p;
+//   b ← fresh ? g : μ·b + (1−τ)·g;  g ← nesterov ? g + μ·b : b;  p ← p − lr·g.
+// 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
-sgd_multi_f32(OptimList l, i64 count, double lr, double momentum, double dampening, double wd,
-              i64 nesterov, i64 first) {
-  const double damp = 1.0 - dampening;
+sgd_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_at, i64 clip) {
+  const float coef = clip ? (float)sc[2] : 1.0f;
   int t = optim_first(l, count);
+  int at = -1;  // the tensor whose scalars are loaded
+  double lr = 0, momentum = 0, damp = 0, wd = 0;
+  bool nesterov = false, fresh = false;
   GRID_LOOP(i, l.off[count]) {
     while (i >= l.off[t + 1]) ++t;
+    if (t != at) {
+      at = t;
+      const double* h = sc + OPTIM_HEADER + OPTIM_GROUP_WORDS * l.grp[t];
+      lr = h[0], momentum = h[1], damp = 1.0 - h[2], wd = h[3], nesterov = h[4] != 0.0;
+      fresh = sc[params_at + 2 * l.idx[t]] != 0.0;
+    }
     const i64 j = i - l.off[t];
     float* p = l.p[t] + j;
     const double w = (double)*p;
-    double gr = add_rn((double)l.g[t][j], mul_rn(wd, w));
+    double gr = add_rn(clip_grad(l.g[t][j], clip, coef), mul_rn(wd, w));
     if (momentum != 0.0) {
       float* buf = l.s0[t] + j;
       double b = gr;
-      if (!first) b = add_rn(mul_rn(momentum, (double)*buf), mul_rn(damp, gr));
+      if (!fresh) b = add_rn(mul_rn(momentum, (double)*buf), mul_rn(damp, gr));
       *buf = (float)b;
       gr = nesterov ? add_rn(gr, mul_rn(momentum, b)) : b;
     }
@@ -78,27 +115,37 @@ sgd_multi_f32(OptimList l, i64 count, double lr, double momentum, double dampeni
 }
 
 // adam_multi_f32: Adam (decoupled = 0: L2 decay added to the gradient,
-// torch.optim.Adam) or AdamW (decoupled ≠ 0: p ← p·(1 − lr·wd) first), for
+// torch.optim.Adam) or AdamW (decoupled ≠ 0: p ← p·decay first), for
 // the count ≤ OPTIM_TENSORS parameters of l: each element of parameter p,
-// gradient g and moments m = s0, v = s1:
-//   m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
+// gradient g and moments m = s0, v = s1, with its group's lr, β₁, β₂, eps,
+// wd, decay and its own bias corrections c1, c2 from sc:
+//   g ← g·coef (clip ≠ 0); m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
 //   p ← p − lr·(m/c1) / (√(v/c2) + eps)
-// with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for step t (1-based), computed by the
-// caller as optim.go does (math.Pow in float64). 1-D blocks, any grid.
+// with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for the parameter's step t
+// (1-based), computed by the host as optim.go does (math.Pow in float64).
+// 1-D blocks, any grid.
 extern "C" __global__ void __launch_bounds__(256)
-adam_multi_f32(OptimList l, i64 count, double lr, double beta1, double beta2, double eps, double wd,
-               double c1, double c2, i64 decoupled) {
-  const double decay = sub_rn(1.0, mul_rn(lr, wd));
-  const double b1c = 1.0 - beta1, b2c = 1.0 - beta2;
+adam_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_at, i64 decoupled, i64 clip) {
+  const float coef = clip ? (float)sc[2] : 1.0f;
   int t = optim_first(l, count);
+  int at = -1;  // the tensor whose scalars are loaded
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, wd = 0, decay = 0, b1c = 0, b2c = 0, c1 = 1, c2 = 1;
   GRID_LOOP(i, l.off[count]) {
     while (i >= l.off[t + 1]) ++t;
+    if (t != at) {
+      at = t;
+      const double* h = sc + OPTIM_HEADER + OPTIM_GROUP_WORDS * l.grp[t];
+      lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], decay = h[5];
+      b1c = 1.0 - beta1, b2c = 1.0 - beta2;
+      const double* q = sc + params_at + 2 * l.idx[t];
+      c1 = q[0], c2 = q[1];
+    }
     const i64 j = i - l.off[t];
     float* p = l.p[t] + j;
     float* m = l.s0[t] + j;
     float* v = l.s1[t] + j;
     double w = (double)*p;
-    double gr = (double)l.g[t][j];
+    double gr = clip_grad(l.g[t][j], clip, coef);
     if (decoupled) w = mul_rn(w, decay);
     else gr = add_rn(gr, mul_rn(wd, w));
     const double mi = add_rn(mul_rn(beta1, (double)*m), mul_rn(b1c, gr));
@@ -106,6 +153,86 @@ adam_multi_f32(OptimList l, i64 count, double lr, double beta1, double beta2, do
     *m = (float)mi;
     *v = (float)vi;
     *p = (float)sub_rn(w, mul_rn(lr, mi / c1) / (add_rn(sqrt(vi / c2), eps)));
+  }
+}
+
+// optim_scalars_f64: dst[i] = v[i] for i < n ≤ OPTIM_SCALARS: how the host
+// writes a step's scalars (the values by value in the parameter buffer,
+// queued on the stream like any launch, so the host never waits). One
+// launch per OPTIM_SCALARS words; 1-D blocks covering n.
+#define OPTIM_SCALARS 480
+struct ScalarList {
+  double v[OPTIM_SCALARS];
+};
+extern "C" __global__ void __launch_bounds__(256)
+optim_scalars_f64(ScalarList s, i64 n, double* __restrict__ dst) {
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = s.v[i];
+}
+
+// nan_max is the larger of a and b, NaN when either is (torch.max's
+// propagation; fmax would drop the NaN).
+__device__ __forceinline__ double nan_max(double a, double b) {
+  if (a != a) return a;
+  if (b != b) return b;
+  return b > a ? b : a;
+}
+
+// block_reduce combines each thread's acc over a block of 256 threads in
+// a fixed order (a tree in shared memory): the sum, or with inf the NaN-
+// propagating max; thread 0 gets the result.
+__device__ __forceinline__ double block_reduce(double acc, i64 inf) {
+  __shared__ double s[256];
+  s[threadIdx.x] = acc;
+  __syncthreads();
+  for (unsigned h = 128; h > 0; h >>= 1) {
+    if (threadIdx.x < h) {
+      const double o = s[threadIdx.x + h];
+      s[threadIdx.x] = inf ? nan_max(s[threadIdx.x], o) : add_rn(s[threadIdx.x], o);
+    }
+    __syncthreads();
+  }
+  return s[0];
+}
+
+// grad_norm_partial_f32: the first step of the gradients' global norm
+// (clip_grad_norm_): block b of the launch writes part[b], the sum of the
+// squares (inf = 0) or the largest magnitude (inf ≠ 0, NaN-propagating) of
+// the elements of the count ≤ OPTIM_TENSORS gradients of l that its
+// threads visit, in double. Launched with exactly OPTIM_NORM_BLOCKS blocks
+// of 256 threads, so every partial is written and the order of the sums is
+// fixed: the norm is the same bits every step, as a resumed run needs.
+#define OPTIM_NORM_BLOCKS 256
+extern "C" __global__ void __launch_bounds__(256)
+grad_norm_partial_f32(OptimList l, i64 count, double* __restrict__ part, i64 inf) {
+  double acc = 0;
+  int t = optim_first(l, count);
+  GRID_LOOP(i, l.off[count]) {
+    while (i >= l.off[t + 1]) ++t;
+    const double v = (double)l.g[t][i - l.off[t]];
+    acc = inf ? nan_max(acc, fabs(v)) : add_rn(acc, mul_rn(v, v));
+  }
+  const double r = block_reduce(acc, inf);
+  if (threadIdx.x == 0) part[blockIdx.x] = r;
+}
+
+// grad_norm_finish: one block of 256 threads combines the n partials at
+// part (in a fixed order) into the norm, √sum (inf = 0) or the max, and
+// writes sc[1] = norm and sc[2] = the clip factor as PyTorch computes it
+// in float32: min(1, max_norm · (1/(norm + 1e-6))), max_norm = sc[0]
+// (a NaN norm gives NaN, an infinite one 0).
+extern "C" __global__ void __launch_bounds__(256)
+grad_norm_finish(double* __restrict__ sc, const double* __restrict__ part, i64 n, i64 inf) {
+  double acc = 0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) acc = inf ? nan_max(acc, part[i]) : add_rn(acc, part[i]);
+  const double r = block_reduce(acc, inf);
+  if (threadIdx.x == 0) {
+    const double norm = inf ? r : sqrt(r);
+    const float rec = 1.0f / __fadd_rn((float)norm, 1e-6f);
+    float c = __fmul_rn(rec, (float)sc[0]);
+    if (c > 1.0f) c = 1.0f;
+    sc[1] = norm;
+    sc[2] = (double)c;
   }
 }
 
