@@ -30,7 +30,7 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// Tests of snapshot, compare and report (issue #6).
+// Tests of snapshot, compare and report.
 
 // mlpSizes are the zoo's "mlp" layer widths, and mlpParamBytes its
 // parameters' float32 bytes, written out by hand.
