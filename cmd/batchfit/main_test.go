@@ -217,6 +217,25 @@ func TestEstimateDoesNotFit(t *testing.T) {
 	assert.Len(t, r.DoesNotFit.Largest, len(want.Largest))
 }
 
+// A batch of one sample that does not fit says so, and what the sample
+// needs beyond the persistent bytes; models without batch norm hear nothing
+// about batch statistics.
+func TestEstimateOneSampleDoesNotFit(t *testing.T) {
+	for _, args := range [][]string{
+		{"--model", "mlp", "--batch", "1", "--budget", "1MiB"},
+		{"--model", "gpt2-small", "--batch", "1", "--budget", "1GiB"},
+	} {
+		code, _, stderr := runCLI(append([]string{"estimate"}, args...)...)
+		assert.Equal(t, exitPlan, code, "%q", args)
+		assert.Equal(t, 1, strings.Count(stderr, "\n"), "one line: %s", stderr)
+		assert.Contains(t, stderr, "does not fit the memory budget", "%q", args)
+		assert.Contains(t, stderr, "persistent (parameters, optimizer state)", "%q", args)
+		assert.Contains(t, stderr, "for the step's work at 1 sample a chunk", "%q", args)
+		assert.NotContains(t, stderr, "batch statistics", "%q", args)
+		assert.NotContains(t, stderr, "not chunkable", "%q", args)
+	}
+}
+
 func TestJSONRoundTrip(t *testing.T) {
 	code, stdout, stderr := runCLI("estimate", "--model", "convnet", "--batch", "64", "--budget", "64MiB",
 		"--optimizer", "sgd-momentum", "--json", "--table", "--top", "5")
