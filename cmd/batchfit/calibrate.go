@@ -55,8 +55,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			fs.PrintDefaults()
 			return exitOK
 		}
-		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
-		return exitUsage
+		return usageFailed(stderr, "calibrate", err)
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
 	if err := sess.Err(); err != nil {

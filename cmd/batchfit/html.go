@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
-	"strings"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/memviz"
@@ -16,10 +15,7 @@ import (
 const formatHTML = "html"
 
 // isHTMLName reports whether a file name asks for the HTML page.
-func isHTMLName(path string) bool {
-	name := strings.ToLower(filepath.Base(path))
-	return strings.HasSuffix(name, ".html") || strings.HasSuffix(name, ".htm")
-}
+func isHTMLName(path string) bool { return formatOfName(path) == formatHTML }
 
 // writeHTMLPage writes s's step as memviz's report page, with the
 // timeline measured on the CPU executor when not nil.

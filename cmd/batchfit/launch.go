@@ -81,8 +81,7 @@ func runLaunch(args []string, stdout, stderr io.Writer) int {
 		return exitOK
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "batchfit launch: %v\n%s", err, launchUsage)
-		return exitUsage
+		return usageFailed(stderr, "launch", err)
 	}
 	if c.port == 0 {
 		if c.port, err = freePort(c.addr); err != nil {
