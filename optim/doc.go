@@ -6,6 +6,12 @@
 // first step; planners count it as fixed memory from the very first plan,
 // since the first step needs it before anything else is freed.
 //
+// Users pick an optimizer and hand it to batchfit.Session.Step with
+// nn.ParamTensors(model); Step builds the Param views (a parameter's
+// values, gradient and the key its state is kept under) and calls Step
+// itself, or on CUDA runs SGD and Adam on the device. Param is what an
+// optimizer written from scratch, or a caller of Step by hand, works with.
+//
 // Updates run in float64 per element and are written back as float32, on
 // parameter slices the executor owns.
 package optim
