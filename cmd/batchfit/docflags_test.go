@@ -25,7 +25,7 @@ func TestCLIDocListsEveryFlag(t *testing.T) {
 		sections[head] = body
 		order = append(order, head)
 	}
-	row := regexp.MustCompile("(?m)^\\| ([^|]+) \\|")
+	row := regexp.MustCompile(`(?m)^\| ([^|]+) \|`)
 	flagName := regexp.MustCompile("`--?([a-z0-9-]+)")
 	documented := func(body string) []string {
 		var names []string

@@ -14,8 +14,6 @@ import (
 // snapshot command's output only: no reader takes it back.
 const formatHTML = "html"
 
-// isHTMLName reports whether a file name asks for the HTML page.
-func isHTMLName(path string) bool { return formatOfName(path) == formatHTML }
 
 // writeHTMLPage writes s's step as memviz's report page, with the
 // timeline measured on the CPU executor when not nil.
