@@ -14,7 +14,6 @@ import (
 // snapshot command's output only: no reader takes it back.
 const formatHTML = "html"
 
-
 // writeHTMLPage writes s's step as memviz's report page, with the
 // timeline measured on the CPU executor when not nil.
 func writeHTMLPage(w io.Writer, c *estimateConfig, s *simulated, measured []planner.Point) error {
