@@ -53,9 +53,12 @@ func (e *DoesNotFitError) Error() string {
 	}
 	fmt.Fprintf(&b, ": %s persistent (parameters, optimizer state)", alloc.FormatBytes(e.Fixed))
 	if e.Fixed > e.Available {
-		b.WriteString(", more than the budget by itself,")
+		b.WriteString(", more than the budget by itself")
 	}
 	if e.Needed >= e.Fixed {
+		if e.Fixed > e.Available {
+			b.WriteString(",")
+		}
 		fmt.Fprintf(&b, " and %s for the step's work at %s a chunk (activations, gradients, workspaces)",
 			alloc.FormatBytes(e.Needed-e.Fixed), samples(e.Chunk))
 	}
