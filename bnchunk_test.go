@@ -25,8 +25,8 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// Per-chunk batch statistics (nn.BatchNorm2d.PerChunkStats, issue 13 item
-// 6): a training step split into chunks is gradient accumulation over
+// Per-chunk batch statistics (nn.BatchNorm2d.PerChunkStats): a
+// training step split into chunks is gradient accumulation over
 // those chunks as micro-batches. The tests build that reference
 // independently, one graph per micro-batch, and sum.
 

@@ -16,7 +16,7 @@ import (
 	"github.com/batchfit/batchfit/optim"
 )
 
-// Courtesy (issue #6): a session yields its device memory between steps
+// Courtesy: a session yields its device memory between steps
 // and takes it back, and training goes on as if it never had.
 
 // trained is what a training run leaves: every parameter's values and

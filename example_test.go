@@ -2,13 +2,14 @@ package batchfit_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
-	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
@@ -41,7 +42,7 @@ func ExampleSession_Step() {
 	for step := range 20 {
 		x := lazy.Wrap(tensor.New(tensor.WithShape(n, in), tensor.WithBacking(images)), 0)
 		y := x.Graph().Wrap(tensor.New(tensor.WithShape(n), tensor.WithBacking(labels)), 0)
-		loss := model.Forward(x).CrossEntropy(y, graph.ReduceMean)
+		loss := model.Forward(x).CrossEntropy(y, lazy.Mean)
 		l, err := sess.Step(context.Background(), loss, nn.ParamTensors(model), opt)
 		if err != nil {
 			fmt.Println(err)
@@ -78,7 +79,7 @@ func ExampleOptions_maxChunk() {
 	defer sess.Close()
 	x := lazy.Wrap(tensor.New(tensor.WithShape(n, in), tensor.WithBacking(data)), 0)
 	y := x.Graph().Wrap(tensor.New(tensor.WithShape(n), tensor.WithBacking(labels)), 0)
-	loss := model.Forward(x).CrossEntropy(y, graph.ReduceMean)
+	loss := model.Forward(x).CrossEntropy(y, lazy.Mean)
 	if _, err := sess.Step(context.Background(), loss, nn.ParamTensors(model), optim.NewSGD(0.1, 0)); err != nil {
 		fmt.Println(err)
 		return
@@ -90,4 +91,25 @@ func ExampleOptions_maxChunk() {
 	fmt.Println("chunks:", sizes)
 	// Output:
 	// chunks: [250 250 250 250]
+}
+
+// Sizes as Options.Budget takes them: binary units (GiB) as GPU memory is
+// sold, decimal ones (GB) as disks are, a space allowed.
+func ExampleParseSize() {
+	for _, s := range []string{"24GiB", "24 GB", "1.5GiB", "512"} {
+		n, err := batchfit.ParseSize(s)
+		if err != nil {
+			fmt.Println(err)
+			continue
+		}
+		fmt.Printf("%-7s = %d bytes = %s\n", s, n, batchfit.FormatSize(n))
+	}
+	_, err := batchfit.ParseSize("24XB")
+	fmt.Println(errors.Is(err, alloc.ErrSize))
+	// Output:
+	// 24GiB   = 25769803776 bytes = 24.00 GiB
+	// 24 GB   = 24000000000 bytes = 22.35 GiB
+	// 1.5GiB  = 1610612736 bytes = 1.50 GiB
+	// 512     = 512 bytes = 512 B
+	// true
 }

@@ -23,7 +23,7 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
-// Acceptance tests of issue #4: what the planner predicts is what the
+// What the planner predicts is what the
 // executor measures, chunked steps equal whole-batch steps, and plans are
 // tight. The models are small, but their per-sample memory is large enough
 // that budgets a few 2 MiB segments apart give different chunk counts.

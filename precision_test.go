@@ -27,9 +27,7 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// Acceptance tests of issue 11, phase 1: mixed precision on the CPU
-// executor (the CUDA executor refuses 16-bit graphs until its kernels
-// exist).
+// Mixed precision on the CPU executor.
 
 // mixedProgram compiles the training step a Session with policy p runs
 // for loss and params, as stepProgram does for float32: channels last

@@ -23,8 +23,7 @@ import (
 	"github.com/batchfit/batchfit/recompute"
 )
 
-// Acceptance tests of issue 15 (activation recomputation) on the CPU
-// executor.
+// Activation recomputation on the CPU executor.
 
 // recomputeStep is the step Session.Step compiles for loss, for
 // recompute.Build: forward nodes below the loss's id + 1.

@@ -304,6 +304,17 @@ type stepTemplate struct {
 	// until the next step replaces it.
 	inst *graph.Graph
 	busy bool
+	// sites groups st.Graph's nodes by the forward node whose call site
+	// they carry (the first with it): instantiate gives each group that
+	// node's site in the step's own forward graph, so an error names the
+	// lines that built the graph being run.
+	sites []siteGroup
+}
+
+// siteGroup is a forward node and the step graph's nodes with its site.
+type siteGroup struct {
+	fwd   int
+	nodes []int
 }
 
 // programMemo is a step template's program and what it was compiled for.
@@ -365,6 +376,21 @@ func newTemplate(st *precision.Step, fwd *graph.Graph) *stepTemplate {
 	if st.Scale >= 0 {
 		t.st.Graph.Node(st.Scale).Value = nil
 	}
+	group := map[string]int{} // a forward site → its index in t.sites
+	for i := range len(st.IDs) {
+		if at := fwd.Node(i).Site; at != "" {
+			if _, ok := group[at]; !ok {
+				group[at] = len(t.sites)
+				t.sites = append(t.sites, siteGroup{fwd: i})
+			}
+		}
+	}
+	for j := range t.st.Graph.Len() {
+		if k, ok := group[t.st.Graph.Node(j).Site]; ok {
+			t.sites[k].nodes = append(t.sites[k].nodes, j)
+		}
+	}
+	t.sites = slices.DeleteFunc(t.sites, func(sg siteGroup) bool { return len(sg.nodes) == 0 })
 	t.seedsKnown = true
 	for j := range t.st.Graph.Len() {
 		a := t.st.Graph.Node(j).Attrs
@@ -396,6 +422,13 @@ func (t *stepTemplate) instantiate(g *graph.Graph, fwd *graph.Graph, scale tenso
 	for _, p := range t.seeded {
 		from, to := &fwd.Node(p[1]).Attrs, &st.Graph.Node(p[0]).Attrs
 		to.Seed, to.Counter = from.Seed, from.Counter
+	}
+	for _, sg := range t.sites { // a group's nodes share one site
+		if at := fwd.Node(sg.fwd).Site; st.Graph.Node(sg.nodes[0]).Site != at {
+			for _, j := range sg.nodes {
+				st.Graph.Node(j).Site = at
+			}
+		}
 	}
 	return &st
 }

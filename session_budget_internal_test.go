@@ -40,7 +40,7 @@ type withOverhead struct {
 
 func (w withOverhead) Overhead() int64 { return w.ws }
 
-// Issue 17 item 5: Options.Budget is everything the session holds; the
+// Options.Budget is everything the session holds; the
 // executor's overhead comes out of it, not on top. With a 32 MiB
 // workspace held outside the plans, the allocator's reserved bytes stay
 // within the budget at every step, and each step's measured peak is its

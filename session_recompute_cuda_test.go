@@ -14,7 +14,7 @@ import (
 	"github.com/batchfit/batchfit/recompute"
 )
 
-// Recompute plans on the GPU (issue 15): at the smallest budget where the
+// Recompute plans on the GPU: at the smallest budget where the
 // search (with the CUDA executor's workspaces) finds a plan only with
 // recompute, and at the smallest where it prefers recompute in several
 // chunks, a CUDA session with Options.Recompute auto trains three Adam

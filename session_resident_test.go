@@ -48,7 +48,7 @@ func evalProgram(t *testing.T, out *lazy.Tensor) *planner.Program {
 	return p
 }
 
-// Issue 17 item 1: after training steps, an evaluation in the same session
+// After training steps, an evaluation in the same session
 // is planned on a device that holds the optimizer state Step left
 // resident, so it fits wherever a fresh session's does (in more chunks if
 // need be) and its peaks are measured as predicted, to the byte.
@@ -93,7 +93,7 @@ func mixedModel() testutil.TrainModel {
 	}}
 }
 
-// Issue 17 item 2: a constant made every step is released by the next
+// A constant made every step is released by the next
 // step, which does not read it: allocated bytes after every step are the
 // first step's, reserved bytes stay flat, and a loop under a budget keeps
 // running with its peaks measured as planned.
@@ -125,7 +125,7 @@ func TestConstantPerStepIsReleased(t *testing.T) {
 	require.NoError(t, sess.Close())
 }
 
-// Issue 17 item 3: with a new batch size every step (a short last batch,
+// With a new batch size every step (a short last batch,
 // sequence-length buckets), nothing the session caches keeps a step's
 // data: every input of an earlier step is garbage once the step is over,
 // and the caches hold at most planner.CacheSize entries.
@@ -161,7 +161,7 @@ func TestVariableShapesPinNoData(t *testing.T) {
 	runtime.KeepAlive(sess)
 }
 
-// Issue 17 item 4: a closed session says so with ErrClosed; a parameter
+// A closed session says so with ErrClosed; a parameter
 // listed twice is a typed error; a parameter with no gradient path is left
 // alone, as PyTorch skips parameters whose grad is None; an error inside a
 // chunk names the samples of the caller's batch it came from.

@@ -123,7 +123,7 @@ func checkRowError(t *testing.T, ws planner.WorkspaceFunc, open func(t *testing.
 	}
 }
 
-// Issue 17 item 4: an error raised inside a chunk names the caller's row,
+// An error raised inside a chunk names the caller's row,
 // not the chunk's, in its message and in the typed exec.RowError: a label
 // of a sample, a label of a token (the batch axis folds a sequence's rows)
 // and an embedding index, each in the third chunk.

@@ -26,7 +26,7 @@ func soakBudgetCUDA(t *testing.T, n int) int64 {
 	return budgets[cs[1]] + cuda.DefaultWorkspace
 }
 
-// Issue 17 item 10, the full version: 1,000 steps on CUDA within a budget
+// The long soak: 1,000 steps on CUDA within a budget
 // that holds the cuBLAS workspace and makes the full batches run in
 // chunks.
 func TestSoakCUDA(t *testing.T) {
@@ -38,7 +38,7 @@ func TestSoakCUDA(t *testing.T) {
 	soak(t, sess, 1000, n)
 }
 
-// Issue 17 item 5 on the device that has an overhead: a session given a
+// The budget on the device that has an overhead: a session given a
 // budget never reserves more, the cuBLAS workspace included.
 func TestBudgetIncludesOverheadCUDA(t *testing.T) {
 	const n = 512

@@ -73,7 +73,7 @@ func soak(t *testing.T, sess *batchfit.Session, steps, n int) {
 	}
 }
 
-// Issue 17 item 10, the short version: 40 steps on the CPU within a budget
+// The short soak: 40 steps on the CPU within a budget
 // that makes the full batches run in chunks.
 func TestSoakCPU(t *testing.T) {
 	const n = 512

@@ -283,7 +283,7 @@ CAP_RUNS = (("gobench", "auto", "batchfit (planner's choice)"), ("gobench", "off
 
 
 def cap_table(go, th, go_failed):
-    """Issue 15's acceptance: a step of one batch within one memory cap,
+    """A step of one batch within one memory cap,
     batchfit's plans beside PyTorch's gradient accumulation."""
     recs, failed = {}, set()
     for r in go:

@@ -625,7 +625,7 @@ def largest_batch(s, cfg, a, start):
     return rec
 
 
-# Under a memory cap (issue 15's acceptance measurement, beside gobench -cap):
+# Under a memory cap (beside gobench -cap):
 # what a PyTorch user does when a batch does not fit, gradient accumulation
 # at the largest micro-batch that runs, with or without activation
 # checkpointing.

@@ -201,7 +201,7 @@ var convTakes = ConvTakes
 // and both gradients, on the H100 (exec/cuda's
 // TestCuDNNConvChannelsLastMatchesRef). float16 ones stay NCHW: cuDNN
 // 9.14 answers BAD_PARAM for a depthwise input gradient (it took the
-// test's other float16 shapes on the H100 in the ninth session, 4 and 7
+// test's other float16 shapes on the H100 on 2026-11-27, 4 and 7
 // output channels included, which earlier versions refused), and a
 // chunked float16 ConvNet step strayed 0.5 % from the CPU's loss. float32
 // ones stay NCHW too: cuDNN 9.14 took every float32 shape of the test, but

@@ -3,7 +3,7 @@
 //
 //	x := lazy.Wrap(images, 0)          // axis 0 of images is the batch
 //	y := x.Linear(w, b).Relu()         // w, b from lazy.Param
-//	loss := y.CrossEntropy(x.Graph().Wrap(labels, 0), graph.ReduceMean)
+//	loss := y.CrossEntropy(x.Graph().Wrap(labels, 0), lazy.Mean)
 //	if err := loss.Err(); err != nil { … }
 //
 // Rules:

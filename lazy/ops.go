@@ -307,7 +307,17 @@ func (t *Tensor) AvgPool2d(o PoolOptions) *Tensor {
 	return apply(graph.OpAvgPool2d, graph.Attrs{Kernel: o.Kernel, Stride: o.Stride, Padding: o.Padding, Dilation: o.Dilation}, t)
 }
 
-// CrossEntropy of logits t [N, C] against int64 class labels [N].
+// How a loss (CrossEntropy, MSE) combines its per-sample values: the
+// reductions of package graph, here so that a training loop needs only
+// this package. Mean divides by the whole batch's count, so chunked runs
+// add up to the whole batch's loss.
+const (
+	Mean = graph.ReduceMean
+	Sum  = graph.ReduceSum
+)
+
+// CrossEntropy of logits t [N, C] against int64 class labels [N], reduced
+// by r (Mean or Sum).
 func (t *Tensor) CrossEntropy(labels *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r}, t, labels)
 }

@@ -6,6 +6,14 @@
 //	logits := mlp.Forward(lazy.Wrap(images, 0))
 //	for _, p := range mlp.Params() { fmt.Println(p.Name()) } // 0.weight 0.bias 2.weight …
 //
+// Parameters come in one kind a user handles, seen from two sides: a
+// module's *Param is a name and a lazy tensor over the values (Value, a
+// host tensor); nn.ParamTensors(m) lists those lazy tensors, which graphs
+// read and batchfit.Session.Step trains. optim.Param is not a third kind to
+// manage: it is the optimizer's view of one parameter during an update
+// (values, gradient, key of its state), built by the executor; only code
+// that implements or calls an optim.Optimizer by hand meets it.
+//
 // Rules:
 //   - A Module turns one lazy tensor into another and lists its parameters,
 //     its own first, then its children's, in a stable order. Names are

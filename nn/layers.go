@@ -154,9 +154,9 @@ func (g GELU) Forward(x *lazy.Tensor) *lazy.Tensor {
 }
 func (GELU) Params() []*Param { return nil }
 
-// Dropout zeroes elements with probability P while training. Only
-// evaluation mode exists for now, where it is the identity; training mode
-// arrives with the dropout op.
+// Dropout zeroes elements with probability P in training mode and scales
+// the rest by 1/(1−P), as PyTorch's does; in evaluation mode (the default)
+// it is the identity. Training (or SetTraining on a model) switches it.
 type Dropout struct {
 	P float64
 	// Training turns dropout on; off (the default) it is the identity, as

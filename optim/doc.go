@@ -44,4 +44,10 @@
 //   - An optimizer is safe for use by several goroutines, but a parameter
 //     must be stepped by one at a time (batchfit.Session enforces it: a
 //     parameter belongs to the session that first trains it).
+//
+// Users pick an optimizer and hand it to batchfit.Session.Step with
+// nn.ParamTensors(model); Step builds the Param views (a parameter's
+// values, gradient and the key its state is kept under) and calls Step
+// itself, or on CUDA runs SGD and Adam on the device. Param is what an
+// optimizer written from scratch, or a caller of Step by hand, works with.
 package optim

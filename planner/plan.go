@@ -51,9 +51,16 @@ func (e *DoesNotFitError) Error() string {
 	if e.Chunk != e.batch {
 		fmt.Fprintf(&b, ", chunks of %d need %s (gradient accumulators included)", e.Chunk, FormatPeak(e.Needed))
 	}
-	fmt.Fprintf(&b, "; %s of it is persistent (parameters, optimizer state)", alloc.FormatBytes(e.Fixed))
+	fmt.Fprintf(&b, ": %s persistent (parameters, optimizer state)", alloc.FormatBytes(e.Fixed))
 	if e.Fixed > e.Available {
 		b.WriteString(", more than the budget by itself")
+	}
+	if e.Needed >= e.Fixed {
+		if e.Fixed > e.Available {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, " and %s for the step's work at %s a chunk (activations, gradients, workspaces)",
+			alloc.FormatBytes(e.Needed-e.Fixed), samples(e.Chunk))
 	}
 	if e.Reason != nil {
 		fmt.Fprintf(&b, "; the whole batch must run at once: %v", e.Reason)
@@ -65,6 +72,14 @@ func (e *DoesNotFitError) Error() string {
 		}
 	}
 	return strings.TrimSuffix(b.String(), ",")
+}
+
+// samples is "1 sample" or "n samples".
+func samples(n int) string {
+	if n == 1 {
+		return "1 sample"
+	}
+	return fmt.Sprintf("%d samples", n)
 }
 
 func (e *DoesNotFitError) Unwrap() []error {
@@ -335,8 +350,14 @@ func Make(p *Program, o Options) (*Plan, error) {
 	} else if p.Info.NotChunkable != nil {
 		return nil, p.doesNotFit(n, avail, held, p.Info.NotChunkable)
 	} else if least == n {
-		return nil, p.doesNotFit(n, avail, held, graph.Errorf(graph.ErrNotChunkable,
-			"a batch of %d cannot be split into chunks of at least %d samples, which per-chunk batch statistics need", n, p.Info.MinChunk))
+		// No smaller chunk exists: a batch of one sample, or one that
+		// per-chunk batch statistics cannot split.
+		var why error
+		if p.Info.MinChunk > 1 {
+			why = graph.Errorf(graph.ErrNotChunkable,
+				"a batch of %d cannot be split into chunks of at least %d samples, which per-chunk batch statistics need", n, p.Info.MinChunk)
+		}
+		return nil, p.doesNotFit(n, avail, held, why)
 	}
 	// The affine fit of a chunked run's peak, from unconstrained replays at
 	// two chunk sizes that both need several chunks (none when they need

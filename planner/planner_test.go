@@ -218,6 +218,27 @@ func TestPlanErrors(t *testing.T) {
 		assert.Greater(t, e.Whole, e.Needed)
 	})
 
+	t.Run("a batch of one sample does not fit", func(t *testing.T) {
+		// No batch norm here: the error says the step does not fit and
+		// splits what one sample needs into persistent and the rest,
+		// with no talk of chunks that batch statistics would need.
+		one := dense(t, 1)
+		need := peak(t, one, planner.Chunks(1, 1)).PeakReserved
+		_, err := plan(one, planner.Options{Budget: need - alloc.RoundLarge})
+		require.ErrorIs(t, err, planner.ErrDoesNotFit)
+		require.NotErrorIs(t, err, graph.ErrNotChunkable)
+		var e *planner.DoesNotFitError
+		require.ErrorAs(t, err, &e)
+		assert.Nil(t, e.Reason)
+		assert.Equal(t, 1, e.Chunk)
+		assert.Equal(t, need, e.Needed)
+		assert.Equal(t, int64(fixed), e.Fixed)
+		msg := e.Error()
+		assert.NotContains(t, msg, "batch statistics")
+		assert.Contains(t, msg, alloc.FormatBytes(fixed)+" persistent (parameters, optimizer state)")
+		assert.Contains(t, msg, alloc.FormatBytes(need-fixed)+" for the step's work at 1 sample a chunk")
+	})
+
 	t.Run("headroom", func(t *testing.T) {
 		// Headroom comes off the budget: what fits 64 MiB does not fit
 		// 64 MiB less 60 MiB of headroom.

@@ -85,7 +85,7 @@ func H100Profile() Profile {
 			"tf32_flops":           "measured: cuBLAS TF32 GEMM from Go",
 			"half_flops":           "measured: GPT-2 small's bf16 GEMMs (8192 rows, 768–3072 wide) in the executor's node profile, 356–704 TFLOP/s",
 			"half_unaligned_flops": "measured: GPT-2's bf16 LM head and its gradients (50,257 columns), 95–147 TFLOP/s",
-			"half_conv_flops":      "measured: ResNet-50's bf16 convolutions at 224², batch 64, on cuDNN: 19.4 ms a step (forward 6.0, input gradient 6.5, weight gradient 6.9) for about 1.57 TFLOP (bench/RESULTS.md, 2026-11-27, sixth session)",
+			"half_conv_flops":      "measured: ResNet-50's bf16 convolutions at 224², batch 64, on cuDNN: 19.4 ms a step (forward 6.0, input gradient 6.5, weight gradient 6.9) for about 1.57 TFLOP (bench/RESULTS.md, 2026-11-27)",
 			"attention_flops":      "measured: the plain-FMA attention kernels, float32 1.6–4.2 TFLOP/s and bf16 forward 2–4 (they now serve 16-bit attention with a mask or an odd head dim only)",
 			"half_attention_flops": "measured: bf16 attention forward + backward on cuDNN's fused attention, [8, 12, 1024, 64] causal, 207 TFLOP/s (396 at T = 4096); batchfit's own tensor-core kernels (ExecutorOptions.NoCuDNNAttention) 65",
 			"vector_flops":         "nominal: H100 SXM FP32 non-tensor peak",

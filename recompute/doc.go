@@ -1,7 +1,7 @@
 // Package recompute trades compute for memory: activation recomputation
 // (checkpointing) as a graph transform, a roofline cost model, and a search
 // over chunk sizes and recompute sets that maximises predicted samples/s
-// with the replayed peak inside the budget (issue 15).
+// with the replayed peak inside the budget.
 //
 // The transform (Apply) rebuilds a training step's graph: the forward nodes
 // in a recompute set keep their forward consumers, and each gets a copy,

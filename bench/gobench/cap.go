@@ -17,7 +17,7 @@ import (
 )
 
 // capModes are the plans a cap record times, in this order: the
-// planner's choice (chunks and recomputation, issue 15) and chunks only.
+// planner's choice (chunks and recomputation) and chunks only.
 var capModes = []recompute.Mode{recompute.Auto, recompute.Off}
 
 // capModeName is a recompute mode as the cap records name it: "auto" or
@@ -52,8 +52,8 @@ func (c config) checkCap() error {
 	return nil
 }
 
-// capThroughput times a training loop within a memory cap, the
-// acceptance measurement of issue 15: batchfit.Session (device, the graph
+// capThroughput times a training loop within a memory cap (the planner's
+// plans against PyTorch's gradient accumulation): batchfit.Session (device, the graph
 // built again every step, as sessionThroughput) with Options.Budget
 // c.cap at the model's cap batch, recomputation mode (recompute.Auto:
 // the planner picks chunks and recomputation for the most predicted

@@ -6,8 +6,7 @@
 // the budget, runs a step in the planned chunks and shows that the next
 // larger chunk size would not fit. With -cap it trains each model at
 // -cap-batch through batchfit.Session within the cap, the planner's choice
-// of chunks and recomputation against chunks only (issue 15's acceptance
-// measurement). It writes JSON lines (Record) to stdout
+// of chunks and recomputation against chunks only. It writes JSON lines (Record) to stdout
 // and, when $OUT is set, to $OUT/gobench.json; bench/run-gpu compares them
 // with bench/torch_bench.py. See bench/README.md.
 package main

@@ -40,13 +40,25 @@ var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, re
 // ErrNoGPU is calibrate's error without a usable CUDA device.
 var ErrNoGPU = errors.New("no GPU: batchfit calibrate times kernels through the CUDA executor")
 
-func runCalibrate(args []string, stdout, stderr io.Writer) int {
+// calibrateFlagValues are calibrate's flags.
+type calibrateFlagValues struct {
+	out, name  string
+	tf32, half bool
+}
+
+func calibrateFlags() (*flag.FlagSet, *calibrateFlagValues) {
 	fs := flag.NewFlagSet("calibrate", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	out := fs.String("out", "-", "write the profile (JSON) to `FILE`; - is stdout")
-	name := fs.String("name", "", "the profile's `name` (default: the device's)")
-	tf32 := fs.Bool("tf32", true, "also time TF32 GEMMs (tf32_flops)")
-	half := fs.Bool("half", true, "also time bf16 GEMMs, convolutions and attention in bf16-mixed (half_flops, half_unaligned_flops, half_conv_flops, half_attention_flops, and attention_flops: the plain kernels, with a mask)")
+	v := &calibrateFlagValues{}
+	fs.StringVar(&v.out, "out", "-", "write the profile (JSON) to `FILE`; - is stdout")
+	fs.StringVar(&v.name, "name", "", "the profile's `name` (default: the device's)")
+	fs.BoolVar(&v.tf32, "tf32", true, "also time TF32 GEMMs (tf32_flops)")
+	fs.BoolVar(&v.half, "half", true, "also time bf16 GEMMs, convolutions and attention in bf16-mixed (half_flops, half_unaligned_flops, half_conv_flops, half_attention_flops, and attention_flops: the plain kernels, with a mask)")
+	return fs, v
+}
+
+func runCalibrate(args []string, stdout, stderr io.Writer) int {
+	fs, v := calibrateFlags()
 	if _, _, err := parseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintf(stdout, "Usage:\n  batchfit calibrate [--out FILE] [--name NAME] [--tf32=false] [--half=false]\n\n"+
@@ -56,8 +68,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			fs.PrintDefaults()
 			return exitOK
 		}
-		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
-		return exitUsage
+		return usageFailed(stderr, "calibrate", err)
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
 	if err := sess.Err(); err != nil {
@@ -69,12 +80,12 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	}
 	defer sess.Close()
 	var tsess *batchfit.Session
-	if *tf32 {
+	if v.tf32 {
 		tsess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: true})
 		defer tsess.Close()
 	}
 	var hsess *batchfit.Session
-	if *half {
+	if v.half {
 		hsess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, Precision: "bf16-mixed"})
 		defer hsess.Close()
 	}
@@ -86,10 +97,10 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		return exitPlan
 	}
 	p.Name = sess.Device()
-	if *name != "" {
-		p.Name = *name
+	if v.name != "" {
+		p.Name = v.name
 	}
-	if _, err := writeFile(*out, stdout, func(w io.Writer) error { return recompute.WriteProfile(w, p) }); err != nil {
+	if _, err := writeFile(v.out, stdout, func(w io.Writer) error { return recompute.WriteProfile(w, p) }); err != nil {
 		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
 		return exitPlan
 	}

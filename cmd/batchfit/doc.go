@@ -34,7 +34,8 @@
 // snapshot, report and compare explain memory with package memviz.
 // snapshot writes the allocator state of the planned step (replayed on the
 // simulated device) at its predicted peak or after it, as a memory_viz
-// pickle, a pprof profile or folded stacks, or (-o FILE.html) as
+// pickle, a pprof profile or folded stacks (told by -o FILE's ending, an
+// unknown one refused), or (-o FILE.html) as
 // memviz.WriteHTML's offline report page: timeline, live tensors, segments
 // at the peak and the plan, in one file that fetches nothing (--run draws
 // the step measured on the CPU executor over it). report lists the live tensors
@@ -58,5 +59,7 @@
 // build (a batch too large for the graph's tensors), or a file could not
 // be read or written (unreadable, not a snapshot, truncated, past the
 // readers' caps on size and work, or -o a directory: one line names the
-// file and the reason), 2 for a usage mistake.
+// file and the reason), 2 for a usage mistake (one line naming it, one
+// saying where the flags are). docs/cli.md describes every subcommand and
+// flag; a test holds it to the flag definitions.
 package main

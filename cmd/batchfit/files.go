@@ -51,18 +51,40 @@ func (e *fileError) Unwrap() error { return e.Err }
 // maxFile bounds what the CLI reads: memviz's readers stop at 1 GiB.
 const maxFile = 1 << 30
 
+// extensions are the file-name endings that tell each format, compared
+// without case.
+var extensions = []struct {
+	format string
+	ends   []string
+}{
+	{formatPickle, []string{".pickle", ".pkl"}},
+	{formatPprof, []string{".pb.gz", ".pprof", ".pb"}},
+	{formatFolded, []string{".folded", ".collapsed", ".txt"}},
+	{formatHTML, []string{".html", ".htm"}},
+}
+
 // formatOfName is the format a file name's extension says, or "".
 func formatOfName(path string) string {
 	name := strings.ToLower(filepath.Base(path))
-	switch {
-	case strings.HasSuffix(name, ".pickle"), strings.HasSuffix(name, ".pkl"):
-		return formatPickle
-	case strings.HasSuffix(name, ".pb.gz"), strings.HasSuffix(name, ".pprof"), strings.HasSuffix(name, ".pb"):
-		return formatPprof
-	case strings.HasSuffix(name, ".folded"), strings.HasSuffix(name, ".collapsed"), strings.HasSuffix(name, ".txt"):
-		return formatFolded
+	for _, e := range extensions {
+		for _, end := range e.ends {
+			if strings.HasSuffix(name, end) {
+				return e.format
+			}
+		}
 	}
 	return ""
+}
+
+// knownExtensions lists the endings by format, for messages:
+// ".pickle or .pkl (pickle), ….".
+func knownExtensions() string {
+	var parts []string
+	for _, e := range extensions {
+		ends := strings.Join(e.ends[:len(e.ends)-1], ", ") + " or " + e.ends[len(e.ends)-1]
+		parts = append(parts, ends+" ("+e.format+")")
+	}
+	return strings.Join(parts, "; ")
 }
 
 // sniff is the format the content says: a pickle of protocol 2 or later
@@ -77,7 +99,7 @@ func sniff(path string, head []byte) (format, how string) {
 	case bytes.HasPrefix(head, []byte{0x1f, 0x8b}):
 		return formatPprof, "by content"
 	}
-	if f := formatOfName(path); f != "" {
+	if f := formatOfName(path); f != "" && f != formatHTML { // a page is no snapshot to read
 		return f, "by name"
 	}
 	if utf8.Valid(head) {

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
-	"strings"
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/memviz"
@@ -14,12 +13,6 @@ import (
 // formatHTML is the offline memory report page (memviz.WriteHTML). It is a
 // snapshot command's output only: no reader takes it back.
 const formatHTML = "html"
-
-// isHTMLName reports whether a file name asks for the HTML page.
-func isHTMLName(path string) bool {
-	name := strings.ToLower(filepath.Base(path))
-	return strings.HasSuffix(name, ".html") || strings.HasSuffix(name, ".htm")
-}
 
 // writeHTMLPage writes s's step as memviz's report page, with the
 // timeline measured on the CPU executor when not nil.

@@ -46,14 +46,20 @@ type launchConfig struct {
 	visibleEnv string // CUDA_VISIBLE_DEVICES of the launcher; "-" when unset
 }
 
-func parseLaunch(args []string) (launchConfig, error) {
-	c := launchConfig{}
+// launchFlags defines launch's flags on c.
+func launchFlags(c *launchConfig) *flag.FlagSet {
 	fs := flag.NewFlagSet("launch", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.IntVar(&c.n, "n", 0, "number of processes")
 	fs.StringVar(&c.addr, "master-addr", "127.0.0.1", "address rank 0 serves the rendezvous on")
 	fs.IntVar(&c.port, "master-port", 0, "port of the rendezvous (0: a free one)")
 	fs.DurationVar(&c.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL for the other ranks after a failure")
+	return fs
+}
+
+func parseLaunch(args []string) (launchConfig, error) {
+	c := launchConfig{}
+	fs := launchFlags(&c)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return c, err
@@ -81,8 +87,7 @@ func runLaunch(args []string, stdout, stderr io.Writer) int {
 		return exitOK
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "batchfit launch: %v\n%s", err, launchUsage)
-		return exitUsage
+		return usageFailed(stderr, "launch", err)
 	}
 	if c.port == 0 {
 		if c.port, err = freePort(c.addr); err != nil {

@@ -123,7 +123,7 @@ func TestLaunchUsage(t *testing.T) {
 	} {
 		var out, errb bytes.Buffer
 		assert.Equal(t, exitUsage, run(args, &out, &errb), "%v", args)
-		assert.Contains(t, errb.String(), "Usage:", "%v", args)
+		usageLines(t, "launch", errb.String())
 	}
 	var out, errb bytes.Buffer
 	assert.Equal(t, exitOK, run([]string{"launch", "-h"}, &out, &errb))

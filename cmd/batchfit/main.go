@@ -39,7 +39,7 @@ var (
 )
 
 // usageError is a command-line mistake, reported in one line and followed
-// by the usage.
+// by where to find the flags (usageFailed).
 type usageError struct {
 	kind error
 	msg  string
@@ -80,11 +80,23 @@ Subcommands:
 Run "batchfit SUBCOMMAND -h" for its flags.
 `
 
+// usageFailed reports a usage mistake of subcommand sub (or of the command
+// line itself when sub is ""): the mistake in one line, then one line
+// saying where the flags are, not the whole list, which would scroll the
+// mistake away. It returns exitUsage.
+func usageFailed(stderr io.Writer, sub string, err error) int {
+	if sub == "" {
+		fmt.Fprintf(stderr, "batchfit: %v\nRun 'batchfit help' for the subcommands (docs/cli.md describes them all).\n", err)
+		return exitUsage
+	}
+	fmt.Fprintf(stderr, "batchfit %s: %v\nRun 'batchfit %s -h' for its flags (docs/cli.md describes them all).\n", sub, err, sub)
+	return exitUsage
+}
+
 // run is the whole command, so tests can call it; it returns the exit code.
 func run(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		fmt.Fprintf(stderr, "batchfit: missing subcommand\n%s", mainUsage)
-		return exitUsage
+		return usageFailed(stderr, "", errors.New("missing subcommand"))
 	}
 	switch args[0] {
 	case "estimate":
@@ -105,8 +117,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprint(stdout, mainUsage)
 		return exitOK
 	}
-	fmt.Fprintf(stderr, "batchfit: unknown subcommand %q (want estimate, snapshot, report, compare, models, calibrate or launch)\n%s", args[0], mainUsage)
-	return exitUsage
+	return usageFailed(stderr, "", fmt.Errorf("unknown subcommand %q (want estimate, snapshot, report, compare, models, calibrate or launch)", args[0]))
 }
 
 // optimizers maps a name to the optimizer whose state the plan holds.
@@ -212,6 +223,7 @@ type estimateFlagValues struct {
 // "--" ends the flags. It returns the positional arguments and the flags
 // set.
 func parseFlags(fs *flag.FlagSet, args []string) ([]string, map[string]bool, error) {
+	args = joinSizeUnits(fs, args)
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
@@ -234,6 +246,51 @@ func parseFlags(fs *flag.FlagSet, args []string) ([]string, map[string]bool, err
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	return pos, set, nil
+}
+
+// joinSizeUnits reads a size whose unit came as an argument of its own,
+// "--budget 24 GB" (the space unquoted), as "--budget '24 GB'": the value
+// of a SIZE flag (its usage names it `SIZE`) that is a plain number,
+// followed by an argument that is a unit alone. "--" ends the flags.
+func joinSizeUnits(fs *flag.FlagSet, args []string) []string {
+	isNumber := func(v string) bool {
+		return v != "" && strings.Trim(v, "0123456789.") == "" && strings.Count(v, ".") <= 1
+	}
+	isUnit := func(u string) bool {
+		if u == "" || strings.ContainsAny(u, "0123456789.-=") {
+			return false
+		}
+		_, err := alloc.ParseBytes("1" + u)
+		return err == nil
+	}
+	out := make([]string, 0, len(args))
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		if a == "--" {
+			return append(out, args[i:]...)
+		}
+		name, value, inline := strings.Cut(strings.TrimPrefix(strings.TrimPrefix(a, "-"), "-"), "=")
+		f := fs.Lookup(name)
+		if !strings.HasPrefix(a, "-") || f == nil {
+			out = append(out, a)
+			continue
+		}
+		if kind, _ := flag.UnquoteUsage(f); kind != "SIZE" {
+			out = append(out, a)
+			continue
+		}
+		switch {
+		case inline && i+1 < len(args) && isNumber(value) && isUnit(args[i+1]):
+			out = append(out, a+" "+args[i+1])
+			i++
+		case !inline && i+2 < len(args) && isNumber(args[i+1]) && isUnit(args[i+2]):
+			out = append(out, a, args[i+1]+" "+args[i+2])
+			i += 2
+		default:
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // parseEstimate reads the estimate flags; every error is a *usageError
@@ -380,9 +437,7 @@ func runEstimate(args []string, stdout, stderr io.Writer) int {
 		return exitOK
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "batchfit estimate: %v\n", err)
-		estimateUsage(stderr)
-		return exitUsage
+		return usageFailed(stderr, "estimate", err)
 	}
 	rep, err := estimate(c)
 	if rep != nil {
@@ -417,12 +472,10 @@ func runModels(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprint(stdout, usage)
 			return exitOK
 		}
-		fmt.Fprintf(stderr, "batchfit models: %v\n%s", err, usage)
-		return exitUsage
+		return usageFailed(stderr, "models", err)
 	}
 	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "batchfit models: unexpected argument %q\n%s", fs.Arg(0), usage)
-		return exitUsage
+		return usageFailed(stderr, "models", fmt.Errorf("unexpected argument %q", fs.Arg(0)))
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "MODEL\tPARAMETERS\tFLOAT32\tINPUT PER SAMPLE\tDESCRIPTION")

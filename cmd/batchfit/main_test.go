@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -27,6 +28,23 @@ func runCLI(args ...string) (code int, stdout, stderr string) {
 	var o, e bytes.Buffer
 	code = run(args, &o, &e)
 	return code, o.String(), e.String()
+}
+
+// usageLines checks what a usage mistake of subcommand sub ("" for the
+// command line itself) writes to stderr: the mistake in one line, then one
+// line saying where the flags are, and not the flag list. It returns the
+// first line.
+func usageLines(t *testing.T, sub, stderr string) string {
+	t.Helper()
+	lines := strings.Split(strings.TrimSuffix(stderr, "\n"), "\n")
+	require.Len(t, lines, 2, "the mistake and where the flags are, nothing else:\n%s", stderr)
+	if sub == "" {
+		assert.Equal(t, "Run 'batchfit help' for the subcommands (docs/cli.md describes them all).", lines[1])
+	} else {
+		assert.Equal(t, "Run 'batchfit "+sub+" -h' for its flags (docs/cli.md describes them all).", lines[1])
+	}
+	assert.NotContains(t, stderr, "Usage:")
+	return lines[0]
 }
 
 func TestUsageErrors(t *testing.T) {
@@ -84,11 +102,37 @@ func TestUsageErrors(t *testing.T) {
 			code, stdout, stderr := runCLI(append([]string{"estimate"}, c.args...)...)
 			assert.Equal(t, exitUsage, code)
 			assert.Empty(t, stdout)
-			first, rest, _ := strings.Cut(stderr, "\n")
-			assert.Equal(t, "batchfit estimate: "+err.Error(), first, "one line naming the mistake")
-			assert.True(t, strings.HasPrefix(rest, "Usage:"), "then the usage:\n%s", stderr)
+			assert.Equal(t, "batchfit estimate: "+err.Error(), usageLines(t, "estimate", stderr), "one line naming the mistake")
 		})
 	}
+}
+
+// A size typed with an unquoted space, "--budget 24 GB", reads as the
+// size "24 GB" in every SIZE flag and flag form.
+func TestSizeWithASpace(t *testing.T) {
+	for _, c := range []struct{ spaced, joined []string }{
+		{[]string{"--budget", "24", "GB"}, []string{"--budget", "24GB"}},
+		{[]string{"-budget", "1.5", "GiB", "--headroom", "2", "MiB"}, []string{"--budget", "1.5GiB", "--headroom", "2MiB"}},
+		{[]string{"--budget=512", "MiB"}, []string{"--budget", "512MiB"}},
+		{[]string{"--gpu-memory", "24", "GiB"}, []string{"--gpu-memory", "24GiB"}},
+	} {
+		base := []string{"estimate", "--model", "mlp", "--batch", "8"}
+		code, want, stderr := runCLI(append(base, c.joined...)...)
+		require.Equal(t, exitOK, code, "%q: %s", c.joined, stderr)
+		code, got, stderr := runCLI(append(base, c.spaced...)...)
+		require.Equal(t, exitOK, code, "%q: %s", c.spaced, stderr)
+		untimed := func(s string) string { // the planning line's times vary
+			return regexp.MustCompile(`(?m)^planning .*$`).ReplaceAllString(s, "")
+		}
+		assert.Equal(t, untimed(want), untimed(got), "%q", c.spaced)
+	}
+	// Not a unit: still the mistake it was.
+	code, _, stderr := runCLI("estimate", "--model", "mlp", "--batch", "8", "--budget", "24", "XB")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, stderr, `unexpected argument "XB"`)
+	// A number after a size is no unit either.
+	code, _, _ = runCLI("estimate", "--model", "mlp", "--budget", "24GiB", "--batch", "8", "16")
+	assert.Equal(t, exitUsage, code)
 }
 
 func TestSubcommandErrors(t *testing.T) {
@@ -96,7 +140,11 @@ func TestSubcommandErrors(t *testing.T) {
 		code, stdout, stderr := runCLI(args...)
 		assert.Equal(t, exitUsage, code, "%q", args)
 		assert.Empty(t, stdout, "%q", args)
-		assert.Contains(t, stderr, "Usage:", "%q", args)
+		sub := ""
+		if len(args) > 1 {
+			sub = args[0]
+		}
+		usageLines(t, sub, stderr)
 	}
 	for _, args := range [][]string{{"help"}, {"-h"}, {"estimate", "-h"}, {"estimate", "--help"}, {"models", "-h"}} {
 		code, stdout, stderr := runCLI(args...)
@@ -215,6 +263,25 @@ func TestEstimateDoesNotFit(t *testing.T) {
 	assert.Equal(t, int64(2<<30), r.DoesNotFit.Available)
 	assert.Greater(t, r.DoesNotFit.Needed, r.DoesNotFit.Available)
 	assert.Len(t, r.DoesNotFit.Largest, len(want.Largest))
+}
+
+// A batch of one sample that does not fit says so, and what the sample
+// needs beyond the persistent bytes; models without batch norm hear nothing
+// about batch statistics.
+func TestEstimateOneSampleDoesNotFit(t *testing.T) {
+	for _, args := range [][]string{
+		{"--model", "mlp", "--batch", "1", "--budget", "1MiB"},
+		{"--model", "gpt2-small", "--batch", "1", "--budget", "1GiB"},
+	} {
+		code, _, stderr := runCLI(append([]string{"estimate"}, args...)...)
+		assert.Equal(t, exitPlan, code, "%q", args)
+		assert.Equal(t, 1, strings.Count(stderr, "\n"), "one line: %s", stderr)
+		assert.Contains(t, stderr, "does not fit the memory budget", "%q", args)
+		assert.Contains(t, stderr, "persistent (parameters, optimizer state)", "%q", args)
+		assert.Contains(t, stderr, "for the step's work at 1 sample a chunk", "%q", args)
+		assert.NotContains(t, stderr, "batch statistics", "%q", args)
+		assert.NotContains(t, stderr, "not chunkable", "%q", args)
+	}
 }
 
 func TestJSONRoundTrip(t *testing.T) {

@@ -30,7 +30,7 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// Tests of snapshot, compare and report (issue #6).
+// Tests of snapshot, compare and report.
 
 // mlpSizes are the zoo's "mlp" layer widths, and mlpParamBytes its
 // parameters' float32 bytes, written out by hand.
@@ -167,6 +167,43 @@ func TestSnapshotChunked(t *testing.T) {
 	assert.Equal(t, pl.PeakAllocated, s.Allocated())
 }
 
+// The snapshot's summary says which peak it shows: taken at the peak of
+// allocated bytes, its reserved bytes are not the step's reserved peak
+// when the cache grows later (the ConvNet in two chunks), and after the
+// step it is the other way round.
+func TestSnapshotSaysWhichPeak(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "c.pickle")
+	args := []string{"snapshot", "--model", "convnet", "--batch", "256", "--budget", "96MiB", "-o", path}
+	code, stdout, stderr := runCLI(args...)
+	require.Equal(t, exitOK, code, stderr)
+	assert.Contains(t, stdout, "at the predicted peak of allocated bytes, while node")
+	assert.Regexp(t, `(?m)^allocated +51\.67 MiB .* in \d+ blocks: the step's peak allocated$`, stdout)
+	assert.Regexp(t, `(?m)^reserved +60\.00 MiB .*; the step's peak reserved, 76\.00 MiB, is at another point$`, stdout)
+
+	code, stdout, stderr = runCLI(append(args, "--at", "end")...)
+	require.Equal(t, exitOK, code, stderr)
+	assert.Regexp(t, `(?m)^allocated .*; the step's peak allocated, 51\.67 MiB, is at another point$`, stdout)
+	assert.Regexp(t, `(?m)^reserved +76\.00 MiB .*: the step's peak reserved$`, stdout)
+}
+
+// An -o name whose ending tells no format is refused, the known endings
+// listed, rather than written as a pickle.
+func TestSnapshotUnknownExtension(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "x.unknown")
+	code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "8", "--budget", "1GiB", "-o", path)
+	assert.Equal(t, exitUsage, code)
+	assert.Empty(t, stdout)
+	first := usageLines(t, "snapshot", stderr)
+	for _, end := range []string{".pickle", ".pkl", ".pb.gz", ".pprof", ".folded", ".txt", ".html", "--format"} {
+		assert.Contains(t, first, end)
+	}
+	_, err := os.Stat(path)
+	assert.ErrorIs(t, err, fs.ErrNotExist, "nothing written")
+	code, _, stderr = runCLI("snapshot", "--model", "mlp", "--batch", "8", "--budget", "1GiB", "--format", "pickle", "-o", path)
+	assert.Equal(t, exitOK, code, "--format names it: %s", stderr)
+}
+
 func TestSnapshotUsageErrors(t *testing.T) {
 	base := []string{"--model", "mlp", "--batch", "8", "--budget", "1GiB"}
 	with := func(extra ...string) []string { return append(append([]string(nil), base...), extra...) }
@@ -176,13 +213,15 @@ func TestSnapshotUsageErrors(t *testing.T) {
 		kind error
 	}{
 		{"missing output", base, errMissing},
-		{"unknown format", with("-o", "x", "--format", "png"), errUnknown},
-		{"unknown at", with("-o", "x", "--at", "start"), errUnknown},
-		{"negative trace", with("-o", "x", "--trace", "-1"), errRange},
-		{"trace over alloc.MaxTraceEntries", with("-o", "x", "--trace", "16777217"), errRange},
+		{"unknown format", with("-o", "x.pickle", "--format", "png"), errUnknown},
+		{"unknown at", with("-o", "x.pickle", "--at", "start"), errUnknown},
+		{"negative trace", with("-o", "x.pickle", "--trace", "-1"), errRange},
+		{"trace over alloc.MaxTraceEntries", with("-o", "x.pickle", "--trace", "16777217"), errRange},
 		{"trace in pprof", with("-o", "x.pb.gz", "--trace", "10"), errNotApplicable},
-		{"positional", with("-o", "x", "extra"), errFlag},
-		{"missing model", []string{"--batch", "8", "--budget", "1GiB", "-o", "x"}, errMissing},
+		{"positional", with("-o", "x.pickle", "extra"), errFlag},
+		{"missing model", []string{"--batch", "8", "--budget", "1GiB", "-o", "x.pickle"}, errMissing},
+		{"unknown extension", with("-o", "x.unknown"), errUnknown},
+		{"no extension", with("-o", "snapshot"), errUnknown},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := parseSnapshot(c.args)
@@ -191,9 +230,7 @@ func TestSnapshotUsageErrors(t *testing.T) {
 			code, stdout, stderr := runCLI(append([]string{"snapshot"}, c.args...)...)
 			assert.Equal(t, exitUsage, code)
 			assert.Empty(t, stdout)
-			first, rest, _ := strings.Cut(stderr, "\n")
-			assert.Equal(t, "batchfit snapshot: "+err.Error(), first)
-			assert.True(t, strings.HasPrefix(rest, "Usage:"), stderr)
+			assert.Equal(t, "batchfit snapshot: "+err.Error(), usageLines(t, "snapshot", stderr))
 		})
 	}
 }
@@ -249,7 +286,7 @@ func TestSnapshotWriteBesideTheTarget(t *testing.T) {
 		assert.Equal(t, []string{"out"}, entries(root), target)
 		assert.Empty(t, entries(dir), target)
 
-		code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "8", "--budget", "1GiB", "-o", target)
+		code, stdout, stderr := runCLI("snapshot", "--model", "mlp", "--batch", "8", "--budget", "1GiB", "--format", "pickle", "-o", target)
 		assert.Equal(t, exitPlan, code, target)
 		assert.Empty(t, stdout)
 		assert.Contains(t, stderr, target)
@@ -345,7 +382,7 @@ func TestCompareUsageErrors(t *testing.T) {
 		code, stdout, stderr := runCLI(append([]string{"compare"}, c.args...)...)
 		assert.Equal(t, exitUsage, code, "%q", c.args)
 		assert.Empty(t, stdout)
-		assert.Contains(t, stderr, "Usage:")
+		usageLines(t, "compare", stderr)
 	}
 }
 
@@ -639,9 +676,7 @@ func TestReportUsageErrors(t *testing.T) {
 			code, stdout, stderr := runCLI(append([]string{"report"}, c.args...)...)
 			assert.Equal(t, exitUsage, code)
 			assert.Empty(t, stdout)
-			first, rest, _ := strings.Cut(stderr, "\n")
-			assert.Equal(t, "batchfit report: "+err.Error(), first)
-			assert.True(t, strings.HasPrefix(rest, "Usage:"), stderr)
+			assert.Equal(t, "batchfit report: "+err.Error(), usageLines(t, "report", stderr))
 		})
 	}
 }

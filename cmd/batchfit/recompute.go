@@ -15,7 +15,7 @@ import (
 	"github.com/batchfit/batchfit/recompute"
 )
 
-// recomputeFlagValues are estimate's recompute flags (issue 15).
+// recomputeFlagValues are estimate's recompute flags.
 type recomputeFlagValues struct {
 	mode, profile, plot string
 }

@@ -48,7 +48,7 @@ func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
 	addStepFlags(fs, &v.stepFlagValues)
 	fs.StringVar(&v.out, "o", "", "write the snapshot to `FILE` (required; - for standard output)")
 	fs.StringVar(&v.out, "output", "", "same as -o")
-	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof), folded (flamegraph.pl, speedscope) or html (an offline report page: timeline, live tensors, segments, plan); default from FILE's extension (.pb.gz, .pprof: pprof; .folded, .txt: folded; .html: html), else pickle")
+	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof), folded (flamegraph.pl, speedscope) or html (an offline report page: timeline, live tensors, segments, plan); default from FILE's extension (.pickle, .pkl: pickle; .pb.gz, .pprof, .pb: pprof; .folded, .collapsed, .txt: folded; .html, .htm: html; another is refused), pickle for -")
 	fs.StringVar(&v.at, "at", atPeak, "`when`: peak (while the op at the predicted peak runs) or end (after the step)")
 	fs.IntVar(&v.trace, "trace", defaultTrace, "keep the last `N` allocator events in a pickle (memory_viz's timeline)")
 	fs.BoolVar(&v.run, "run", false, "html: also run the step once on the CPU executor with random data and draw the measured timeline over the predicted one (float32, models up to 32 Mi parameters)")
@@ -73,13 +73,13 @@ func parseSnapshot(args []string) (*snapshotConfig, error) {
 	if c.out == "" {
 		return nil, usagef(errMissing, "missing -o FILE")
 	}
-	c.format = v.format
-	if c.format == "" && isHTMLName(c.out) {
-		c.format = formatHTML
-	}
-	if c.format == "" {
+	switch c.format = v.format; {
+	case c.format != "":
+	case c.out == "-": // standard output has no name to tell the format by
+		c.format = formatPickle
+	default:
 		if c.format = formatOfName(c.out); c.format == "" {
-			c.format = formatPickle
+			return nil, usagef(errUnknown, "-o %s: the name does not tell the format: end it in %s, or give --format", c.out, knownExtensions())
 		}
 	}
 	if !slices.Contains(formats, c.format) && c.format != formatHTML {
@@ -114,17 +114,15 @@ func usage(w io.Writer, fs *flag.FlagSet, synopsis string) {
 }
 
 // parsed reports a parse result: help goes to stdout (exit 0), a usage
-// mistake in one line then the usage to stderr (exit 2). ok is true when
-// the command should go on.
+// mistake to stderr as usageFailed says it (exit 2). ok is true when the
+// command should go on.
 func parsed(name string, err error, stdout, stderr io.Writer, fs *flag.FlagSet, synopsis string) (code int, ok bool) {
 	if errors.Is(err, flag.ErrHelp) {
 		usage(stdout, fs, synopsis)
 		return exitOK, false
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "batchfit %s: %v\n", name, err)
-		usage(stderr, fs, synopsis)
-		return exitUsage, false
+		return usageFailed(stderr, name, err), false
 	}
 	return exitOK, true
 }
@@ -174,7 +172,7 @@ func (s *simulated) where(at string) string {
 		return "after the persistent allocations (no op ran)"
 	}
 	nd := s.step.program.Graph.Node(pk.Node)
-	return fmt.Sprintf("predicted peak, while node %d (%s in %s) runs in chunk %d, program step %d",
+	return fmt.Sprintf("at the predicted peak of allocated bytes, while node %d (%s in %s) runs in chunk %d, program step %d",
 		pk.Node, nd.Op, dash(s.step.program.Buffers[s.step.program.OutputBuf[pk.Node]].Tag.Scope), pk.Chunk, pk.Step)
 }
 
@@ -261,14 +259,25 @@ func runSnapshot(args []string, stdout, stderr io.Writer) int {
 	line("model", "%s: %s", c.step.model.name, c.step.model.about)
 	line("step", "%s", stepLine(c.step, s.plan))
 	line("snapshot", "%s", s.where(c.at))
-	line("allocated", "%s in %d %s", exact(d.Allocated()), blocks, plural(blocks, "block"))
-	line("reserved", "%s in %d %s", exact(d.Reserved()), len(d.Segments), plural(len(d.Segments), "segment"))
+	peak := s.sim.Usage
+	line("allocated", "%s in %d %s%s", exact(d.Allocated()), blocks, plural(blocks, "block"), peakNote(d.Allocated(), peak.PeakAllocated, "allocated"))
+	line("reserved", "%s in %d %s%s", exact(d.Reserved()), len(d.Segments), plural(len(d.Segments), "segment"), peakNote(d.Reserved(), peak.PeakReserved, "reserved"))
 	if c.format == formatPickle {
 		line("trace", "%d allocator events", len(d.Trace))
 	}
 	line("wrote", "%s (%s, %s)%s", c.out, c.format, alloc.FormatBytes(n), viewHint(c.format, c.out))
 	tw.Flush()
 	return exitOK
+}
+
+// peakNote says whether v, a figure of the snapshot, is the step's peak
+// of what (allocated or reserved bytes): the two peaks need not come at
+// the same point of the step, and a snapshot shows one point.
+func peakNote(v, peak int64, what string) string {
+	if v == peak {
+		return ": the step's peak " + what
+	}
+	return fmt.Sprintf("; the step's peak %s, %s, is at another point", what, alloc.FormatBytes(peak))
 }
 
 // viewHint says how to look at a written file.

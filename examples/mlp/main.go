@@ -22,7 +22,6 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
-	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -58,7 +57,7 @@ func main() {
 	budget := flag.String("budget", "0", "memory a training step may reserve, e.g. 48MiB (0: no limit); the planner splits the batch into chunks to fit")
 	flag.Parse()
 	var err error
-	if o.budget, err = alloc.ParseBytes(*budget); err != nil {
+	if o.budget, err = batchfit.ParseSize(*budget); err != nil {
 		fmt.Fprintln(os.Stderr, "mlp: -budget:", err)
 		os.Exit(2)
 	}
@@ -81,7 +80,7 @@ func run(w io.Writer, o options) error {
 	x := lazy.Wrap(images, 0)
 	y := x.Graph().Wrap(labels, 0)
 	logits := model.Forward(x)
-	loss := logits.CrossEntropy(y, graph.ReduceMean)
+	loss := logits.CrossEntropy(y, lazy.Mean)
 	if err := loss.Err(); err != nil {
 		return err
 	}
@@ -126,7 +125,7 @@ func train(w io.Writer, o options, model nn.Module) ([]float32, error) {
 	for step := range o.steps {
 		images, labels := blobsFrom(o.seed, uint64(step+1), o.batch)
 		x := lazy.Wrap(images, 0)
-		loss := model.Forward(x).CrossEntropy(x.Graph().Wrap(labels, 0), graph.ReduceMean)
+		loss := model.Forward(x).CrossEntropy(x.Graph().Wrap(labels, 0), lazy.Mean)
 		l, err := sess.Step(ctx, loss, nn.ParamTensors(model), opt)
 		if err != nil {
 			return losses, fmt.Errorf("step %d: %w", step, err)
@@ -148,7 +147,7 @@ func printPlan(w io.Writer, sess *batchfit.Session, budget int64) {
 	pl, u := sess.LastPlan(), sess.LastUsage()
 	limit := "no budget"
 	if budget > 0 {
-		limit = "budget " + alloc.FormatBytes(budget)
+		limit = "budget " + batchfit.FormatSize(budget)
 	}
 	split := "the whole batch in one chunk"
 	if len(pl.Chunks) > 1 {
@@ -158,10 +157,10 @@ func printPlan(w io.Writer, sess *batchfit.Session, budget int64) {
 	// workspace), which no plan counts.
 	extra := ""
 	if oh := sess.Overhead(); oh > 0 {
-		extra = fmt.Sprintf(" + %s cuBLAS workspace", alloc.FormatBytes(oh))
+		extra = fmt.Sprintf(" + %s cuBLAS workspace", batchfit.FormatSize(oh))
 	}
 	fmt.Fprintf(w, "plan (%s): batch %d runs as %s; peak reserved predicted %s, measured %s%s\n",
-		limit, pl.Batch, split, alloc.FormatBytes(pl.PeakReserved), alloc.FormatBytes(u.PeakReserved-sess.Overhead()), extra)
+		limit, pl.Batch, split, batchfit.FormatSize(pl.PeakReserved), batchfit.FormatSize(u.PeakReserved-sess.Overhead()), extra)
 }
 
 // blobs draws batch samples from ten Gaussian blobs: class c has a mean
