@@ -15,6 +15,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/lru"
@@ -1160,6 +1161,9 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	trained := make([]int, 0, len(params))
 	for i, p := range params {
 		id := st.Params[i]
+		if id < 0 { // not in the loss's graph
+			continue
+		}
 		if dt := ir.Node(id).Type.DType; dt != graph.Float32 {
 			return 0, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
 				"parameter %q is %s: trained parameters stay float32 (master weights); use Options.Precision for 16-bit compute", p.Name(), dt)}
@@ -1272,9 +1276,11 @@ func distinctParams(params []*lazy.Tensor) error {
 }
 
 // backward builds the step's graph: under fp32 and tf32 the backward pass
-// appended to loss's own graph (lazy.Grad); under a mixed policy the
-// policy's rewrite of that graph with its backward pass
-// (precision.TrainWith), which leaves the caller's graph as it was. With
+// appended to a copy of loss's graph; under a mixed policy the policy's
+// rewrite of that graph with its backward pass (precision.TrainWith).
+// Either way the caller's graph stays as it was built, so a loop stepping
+// one loss tensor again finds the same forward graph (and its step
+// template), and steps of one loss may run from several goroutines. With
 // scale (the loss scale's data, only under a mixed policy) the backward
 // pass starts from the loss times that constant. It also returns the step
 // graph's template (whose signature is the step graph's), and a release to
@@ -1285,7 +1291,7 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	wrt, err := lazy.ParamIDs(loss, params...) // binds free parameters, as Grad would
+	wrt, err := lazy.TrainedIDs("step", loss, params...) // −1 for a parameter the graph does not hold
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -1346,8 +1352,8 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		}
 		return t.instantiate(g, fwd, data), t, release, nil
 	}
-	pre := structure(fwd) // before the backward pass, which fp32 appends to it
-	st, err := s.differentiate(loss, params, wrt, scale)
+	pre := structure(fwd)
+	st, err := s.differentiate(loss, wrt, scale)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -1366,37 +1372,56 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 // differentiate builds a training step's graph: under a mixed policy or
 // channels last (Session.channelsLast) the precision and layout passes on
 // a copy of loss's graph, then loss scaling and the backward pass
-// (precision.TrainWith); otherwise the backward pass appended to loss's
-// graph (lazy.Grad). wrt are the parameters' node ids.
-func (s *Session) differentiate(loss *lazy.Tensor, params []*lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
-	channelsLast := s.channelsLast()
-	if !s.policy.Mixed() && !channelsLast {
-		n := loss.Graph().IR().Len()
-		grads := lazy.Grad(loss, params...)
-		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
+// (precision.TrainWith); otherwise the backward pass appended to a copy of
+// loss's graph. wrt are the parameters' node ids, −1 for one the graph
+// does not hold: its Params and Grads entries are −1 too.
+func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
+	fwd := loss.Graph().IR()
+	held := make([]int, 0, len(wrt))
+	for _, id := range wrt {
+		if id >= 0 {
+			held = append(held, id)
+		}
+	}
+	var st *precision.Step
+	if channelsLast := s.channelsLast(); !s.policy.Mixed() && !channelsLast {
+		g := fwd.Clone()
+		grads, err := autodiff.Backward(g, loss.ID(), held)
 		if err != nil {
+			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+				err = &graph.OpError{Op: "step", Err: err}
+			}
 			return nil, err
 		}
-		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: wrt, Grads: make([]int, len(params)),
-			Scale: -1, Scaled: loss.ID(), IDs: make([]int, n)}
+		st = &precision.Step{Graph: g, Loss: loss.ID(), Params: held, Grads: grads,
+			Scale: -1, Scaled: loss.ID(), IDs: make([]int, fwd.Len())}
 		for i := range st.IDs {
 			st.IDs[i] = i
 		}
-		for i := range params {
-			st.Grads[i] = grads[i].ID()
+	} else {
+		o := precision.TrainOptions{ChannelsLast: channelsLast}
+		if scale != nil {
+			o.LossScale, o.Scale = true, scale
 		}
-		return st, nil
-	}
-	o := precision.TrainOptions{ChannelsLast: channelsLast}
-	if scale != nil {
-		o.LossScale, o.Scale = true, scale
-	}
-	st, err := precision.TrainWith(loss.Graph().IR(), s.policy, loss.ID(), wrt, o)
-	if err != nil {
-		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
-			err = &graph.OpError{Op: "step", Err: err}
+		var err error
+		if st, err = precision.TrainWith(fwd, s.policy, loss.ID(), held, o); err != nil {
+			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+				err = &graph.OpError{Op: "step", Err: err}
+			}
+			return nil, err
 		}
-		return nil, err
+	}
+	if len(held) < len(wrt) { // the parameters' order, −1 where the graph holds none
+		ps, gs := make([]int, len(wrt)), make([]int, len(wrt))
+		k := 0
+		for i, id := range wrt {
+			ps[i], gs[i] = -1, -1
+			if id >= 0 {
+				ps[i], gs[i] = st.Params[k], st.Grads[k]
+				k++
+			}
+		}
+		st.Params, st.Grads = ps, gs
 	}
 	return st, nil
 }
