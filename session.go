@@ -154,7 +154,14 @@ type Session struct {
 	device string
 	err    error // why no executor could be made
 	closed atomic.Bool
-	plans  planner.Cache
+	// life is held for reading by every call that reaches the executor
+	// (Step, Eval, SyncParams, Yield, Restore) and for writing by Close,
+	// which so waits for the calls in flight once stop has cancelled their
+	// contexts (with cause ErrClosed, through stopped).
+	life    sync.RWMutex
+	stopped context.Context
+	stop    context.CancelCauseFunc
+	plans   planner.Cache
 
 	mu       sync.Mutex
 	programs lru.Cache[programKey, programEntry] // without their graphs' data
@@ -458,6 +465,7 @@ func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
 		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
 		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
+	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)
 	} else if opts.Budget < 0 {
@@ -509,14 +517,69 @@ func (s *Session) LossScale() precision.ScalerStats {
 // Close releases the session's device: its executor's memory, cuBLAS
 // handle and kernels, and the CUDA context. A CPU session holds nothing
 // to release.
+//
+// Close stops the calls in flight (Step, Eval, SyncParams, Yield,
+// Restore, from other goroutines) and waits for them to return before it
+// releases anything, so no kernel runs on a released context and the
+// allocator holds nothing once Close returns. A step is stopped by
+// cancelling its context: it returns an error wrapping ErrClosed (and
+// context.Canceled) and updates nothing, as a step whose own context ends
+// does; one that had already finished its run returns its loss. A call's
+// own callbacks (an optimizer's Step, a graph's OnStep Apply) must not
+// call Close: Close would wait for the call that runs them.
 // After Close every Step, Eval, SyncParams, Yield and Restore returns
 // ErrClosed; closing again does nothing.
 func (s *Session) Close() error {
-	if s.be == nil || s.closed.Swap(true) {
+	if s.be == nil {
 		return nil
 	}
+	s.stop(ErrClosed) // before closed is set: a call that sees closed sees its context cancelled
+	if s.closed.Swap(true) {
+		return nil
+	}
+	s.life.Lock()
+	defer s.life.Unlock()
 	// The host tensors get the trained values before the device copies go.
 	return errors.Join(s.be.SyncParams(), s.be.Close())
+}
+
+// hold starts a call that reaches the executor: Close waits for done. It
+// returns the executor, or why there is none (ErrClosed after Close).
+func (s *Session) hold() (be exec.Executor, done func(), err error) {
+	s.life.RLock()
+	if be, err = s.executor(); err == nil && s.stopped.Err() != nil {
+		err = ErrClosed
+	}
+	if err != nil {
+		s.life.RUnlock()
+		return nil, nil, err
+	}
+	return be, s.life.RUnlock, nil
+}
+
+// enter is hold for a call with a context: the context it returns is ctx,
+// also cancelled (with cause ErrClosed) when Close begins.
+func (s *Session) enter(ctx context.Context) (context.Context, func(), error) {
+	_, release, err := s.hold()
+	if err != nil {
+		return nil, nil, err
+	}
+	cctx, cancel := context.WithCancelCause(ctx)
+	unhook := context.AfterFunc(s.stopped, func() { cancel(ErrClosed) })
+	return cctx, func() {
+		unhook()
+		cancel(nil)
+		release()
+	}, nil
+}
+
+// closedErr is err, a call's failure under ctx (from enter), marked as
+// ErrClosed when Close stopped the call.
+func closedErr(ctx context.Context, err error) error {
+	if err == nil || context.Cause(ctx) != ErrClosed || errors.Is(err, ErrClosed) {
+		return err
+	}
+	return fmt.Errorf("%w: stopped by Close: %w", ErrClosed, err)
 }
 
 // ErrClosed is returned by a Session's calls after Close.
@@ -546,10 +609,11 @@ func (s *Session) executor() (exec.Executor, error) {
 // changed since the last SyncParams are downloaded; Close syncs too. On the
 // CPU the host tensors are the parameters, and SyncParams does nothing.
 func (s *Session) SyncParams() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.SyncParams()
 }
 
@@ -645,10 +709,11 @@ func (s *Session) Allocator() *alloc.Allocator {
 // runs as if Yield had never happened: the same parameters and optimizer
 // state, bit for bit, and the peaks the plan predicts.
 func (s *Session) Yield() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.Yield()
 }
 
@@ -658,10 +723,11 @@ func (s *Session) Yield() error {
 // session stays yielded, holding nothing; it may be called again. Restore
 // without a Yield does nothing.
 func (s *Session) Restore() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.Restore()
 }
 
@@ -1023,9 +1089,11 @@ func sameGraph(op string, ts []*lazy.Tensor) (*lazy.Graph, error) {
 // Eval runs the graph of outputs without gradients (inference) and returns
 // their values.
 func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.Dense, error) {
-	if _, err := s.executor(); err != nil {
+	ctx, done, err := s.enter(ctx)
+	if err != nil {
 		return nil, err
 	}
+	defer done()
 	g, err := sameGraph("eval", outputs)
 	if err != nil {
 		return nil, err
@@ -1049,7 +1117,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 		return nil, err
 	}
 	outs, _, err := s.run(ctx, p, nil, 0, nil, time.Time{})
-	return outs, err
+	return outs, closedErr(ctx, err)
 }
 
 // Step runs one training step: forward and backward of the scalar loss,
@@ -1125,9 +1193,11 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 		s.times.Total = time.Since(start)
 		s.mu.Unlock()
 	}()
-	if _, err := s.executor(); err != nil {
+	ctx, done, err := s.enter(ctx)
+	if err != nil {
 		return 0, err
 	}
+	defer done()
 	if err := loss.Err(); err != nil {
 		return 0, err
 	}
@@ -1201,7 +1271,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	}
 	vals, skipped, err := s.run(ctx, prog, opt, scale, so.Reduce, start)
 	if err != nil {
-		return 0, err
+		return 0, closedErr(ctx, err)
 	}
 	s.mu.Lock()
 	s.lastRe = re
