@@ -1157,7 +1157,9 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 // starts from the loss times the current scale and the gradients are
 // unscaled after the last chunk; a step whose gradients hold an inf or NaN
 // then updates nothing (no error: LossScale counts it) and lowers the
-// scale. The returned loss is the unscaled one either way.
+// scale, down to LossScale.MinScale; one skipped at that floor returns an
+// error wrapping precision.ErrScaleCollapse (with the loss), since no
+// scale can rescue it. The returned loss is the unscaled one either way.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
 	return s.StepWith(ctx, loss, params, opt, StepOptions{})
 }
@@ -1273,10 +1275,11 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	if err != nil {
 		return 0, closedErr(ctx, err)
 	}
+	var collapse error // the loss scale's: a skipped step at its floor
 	s.mu.Lock()
 	s.lastRe = re
 	if unscale {
-		s.scaler.Update(!skipped)
+		collapse = s.scaler.Update(!skipped)
 	}
 	s.mu.Unlock()
 	l, err := scalarOf(vals[0])
@@ -1286,7 +1289,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	// The run succeeded: its updates apply, a loss-scaled step skipped for
 	// an inf or NaN gradient included (PyTorch's forward has updated its
 	// running statistics by then too).
-	var errs []error
+	errs := []error{collapse}
 	for i, u := range updates {
 		if err := u.Apply(vals[first+i]); err != nil {
 			errs = append(errs, fmt.Errorf("step update %d (node %d): %w", i, ids[first+i], err))

@@ -34,7 +34,7 @@ func TestScalerDefaults(t *testing.T) {
 }
 
 // A skipped step restarts the run of good steps; growth that would
-// overflow float32 leaves the scale as it is; backoff never reaches 0.
+// overflow float32 leaves the scale as it is; backoff stops at the floor.
 func TestScalerUpdate(t *testing.T) {
 	s, err := precision.NewScaler(precision.LossScale{Init: 8, Growth: 4, Backoff: 0.25, Interval: 3})
 	require.NoError(t, err)
@@ -51,19 +51,19 @@ func TestScalerUpdate(t *testing.T) {
 	assert.Equal(t, float32(math.MaxFloat32), s.Scale(), "2·MaxFloat32 is inf: no growth")
 	assert.Zero(t, s.Stats().GoodInARow, "the tracker restarts all the same, as GradScaler's")
 
-	s, err = precision.NewScaler(precision.LossScale{Init: 1e-44})
+	s, err = precision.NewScaler(precision.LossScale{Init: 1e-30})
 	require.NoError(t, err)
 	for range 5 {
 		s.Update(false)
 	}
-	assert.Equal(t, float32(math.SmallestNonzeroFloat32), s.Scale())
+	assert.Equal(t, float32(1e-30), s.Scale(), "an Init below 1 is the floor")
 }
 
 func TestLossScaleValidate(t *testing.T) {
 	require.NoError(t, precision.LossScale{}.Validate())
 	require.NoError(t, precision.LossScale{Off: true}.Validate())
 	for _, o := range []precision.LossScale{
-		{Init: -1}, {Init: math.NaN()}, {Init: math.Inf(1)}, {Init: 1e39}, {Init: 1e-50},
+		{Init: -1}, {Init: math.NaN()}, {Init: math.Inf(1)}, {Init: 1e39}, {Init: 1e-50}, {Init: 1e-44},
 		{Growth: 1}, {Growth: 0.5}, {Growth: math.Inf(1)}, {Growth: math.NaN()},
 		{Backoff: 1}, {Backoff: -0.5}, {Backoff: 2}, {Backoff: math.NaN()},
 		{Interval: -1},
@@ -151,4 +151,48 @@ func TestTrainWithLossScaleData(t *testing.T) {
 		_, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true, Scale: bad})
 		require.ErrorIs(t, err, graph.ErrDType)
 	}
+}
+
+// Backoff stops at MinScale (1 by default, DeepSpeed's min_loss_scale),
+// so 1/S stays finite and a clean step after a run of bad ones is not
+// skipped. A step that is not finite at the floor is a collapse: Update
+// reports it, an error wrapping ErrScaleCollapse, each time, instead of
+// letting the scale sink to float32's subnormals and every later step be
+// skipped. A good step at the floor runs.
+func TestScalerCollapse(t *testing.T) {
+	s, err := precision.NewScaler(precision.LossScale{})
+	require.NoError(t, err)
+	for i := range 16 {
+		require.NoError(t, s.Update(false), "skipped step %d: the scale backs off", i)
+	}
+	assert.Equal(t, float32(1), s.Scale())
+	for i := range 200 {
+		err := s.Update(false)
+		require.ErrorIs(t, err, precision.ErrScaleCollapse, "skipped step %d at the floor", 16+i)
+		require.Equal(t, float32(1), s.Scale(), "never below the floor")
+	}
+	assert.Equal(t, 216, s.Stats().Skipped)
+	require.NoError(t, s.Update(true), "a good step at the floor")
+	assert.Equal(t, float32(1), s.Scale())
+	assert.Equal(t, 1, s.Stats().GoodInARow)
+	require.ErrorIs(t, s.Update(false), precision.ErrScaleCollapse, "a bad step at the floor, after a good one")
+
+	// The floor is configurable down to 2⁻¹²⁶, float32's smallest normal,
+	// whose reciprocal is finite; below it, or above Init, is refused.
+	s, err = precision.NewScaler(precision.LossScale{Init: 1, MinScale: 0x1p-126})
+	require.NoError(t, err)
+	for range 126 {
+		require.NoError(t, s.Update(false))
+	}
+	assert.Equal(t, float32(0x1p-126), s.Scale())
+	assert.False(t, math.IsInf(float64(1/s.Scale()), 0), "1/S is finite at the floor")
+	require.ErrorIs(t, s.Update(false), precision.ErrScaleCollapse)
+	for _, o := range []precision.LossScale{{MinScale: 0x1p-127}, {MinScale: -1}, {MinScale: math.NaN()}, {Init: 4, MinScale: 8}} {
+		require.ErrorIs(t, o.Validate(), precision.ErrLossScale, "%+v", o)
+	}
+	// An Init below 1 is its own floor unless MinScale says otherwise.
+	s, err = precision.NewScaler(precision.LossScale{Init: 0.25})
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Update(false), precision.ErrScaleCollapse)
+	assert.Equal(t, float32(0.25), s.Scale())
 }
