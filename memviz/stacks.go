@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -60,7 +61,8 @@ func samples(s Snapshot, n *Names) []sample {
 func Stacks(s Snapshot, n *Names) []StackBytes {
 	sum := map[string]int64{}
 	for _, x := range samples(s, n) {
-		sum[strings.Join(sanitize(x.stack), ";")] += x.size
+		k := strings.Join(sanitize(x.stack), ";")
+		sum[k] = addBytes(sum[k], x.size)
 	}
 	out := make([]StackBytes, 0, len(sum))
 	for k, v := range sum {
@@ -68,6 +70,16 @@ func Stacks(s Snapshot, n *Names) []StackBytes {
 	}
 	slices.SortFunc(out, func(a, b StackBytes) int { return slices.Compare(a.Stack, b.Stack) })
 	return out
+}
+
+// TotalBytes is the bytes of every stack of s, saturated at
+// math.MaxInt64 (the readers refuse files whose total passes it).
+func TotalBytes(s []StackBytes) int64 {
+	var n int64
+	for _, x := range s {
+		n = addBytes(n, x.Bytes)
+	}
+	return n
 }
 
 // sanitize keeps frames from breaking the folded format: no ";" inside a
@@ -114,6 +126,7 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 	sc.Buffer(make([]byte, 0, 64<<10), maxFoldedLine)
 	sum := map[string]int64{}
 	var order []string
+	var total int64 // every count, so no stack's sum (nor the file's) passes int64
 	line := 0
 	for sc.Scan() {
 		line++
@@ -142,9 +155,10 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 		if _, seen := sum[stack]; !seen {
 			order = append(order, stack)
 		}
-		if sum[stack] > 1<<62-n {
-			return nil, fail("byte total overflows")
+		if n > math.MaxInt64-total {
+			return nil, &FormatError{Format: "folded", Offset: int64(line), Msg: "byte total past int64", Err: ErrTooLarge}
 		}
+		total += n
 		sum[stack] += n
 	}
 	switch err := sc.Err(); {
@@ -179,10 +193,12 @@ func CompareStacks(before, after []StackBytes) []StackDelta {
 		return m[k]
 	}
 	for _, s := range before {
-		get(s.Stack).Before += s.Bytes
+		d := get(s.Stack)
+		d.Before = addBytes(d.Before, s.Bytes)
 	}
 	for _, s := range after {
-		get(s.Stack).After += s.Bytes
+		d := get(s.Stack)
+		d.After = addBytes(d.After, s.Bytes)
 	}
 	var out []StackDelta
 	for _, d := range m {
@@ -302,10 +318,19 @@ func ReadPprof(r io.Reader) ([]StackBytes, error) {
 		return nil, pprofError("no "+SampleInuse+" sample type", nil)
 	}
 	sum := map[string]int64{}
+	var total int64                                           // every sample's bytes: no sum passes int64
 	left := max(pprofStackExpansion*len(data), pprofMinStack) // bytes of stack text
 	for _, sm := range p.Sample {
 		if vi >= len(sm.Value) {
 			return nil, pprofError("sample with too few values", nil)
+		}
+		switch v := sm.Value[vi]; {
+		case v < 0:
+			return nil, pprofError(fmt.Sprintf("sample of %d bytes", v), nil)
+		case v > math.MaxInt64-total:
+			return nil, pprofError("byte total past int64", ErrTooLarge)
+		default:
+			total += v
 		}
 		var st []string
 		for i := len(sm.Location) - 1; i >= 0; i-- {

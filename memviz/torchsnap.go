@@ -364,7 +364,7 @@ func segmentOf(d *pyDict, i int, left *budget) (int, alloc.SegmentInfo, error) {
 			return 0, seg, err
 		}
 		if active(b.State) {
-			seg.Allocated += b.Size
+			seg.Allocated = addBytes(seg.Allocated, b.Size)
 		}
 		seg.Blocks = append(seg.Blocks, b)
 		at = b.Addr + alloc.Ptr(b.Size)
@@ -495,15 +495,15 @@ func totals(d *DeviceSnapshot) {
 	for i := len(d.Trace) - 1; i >= 0; i-- {
 		e := &d.Trace[i]
 		e.Allocated, e.Reserved = allocated, reserved
-		switch e.Kind {
+		switch e.Kind { // sizes from a file: saturated, never wrapped
 		case alloc.EventAlloc:
-			allocated -= e.Size
+			allocated = addBytes(allocated, -e.Size)
 		case alloc.EventFree:
-			allocated += e.Size
+			allocated = addBytes(allocated, e.Size)
 		case alloc.EventSegmentAlloc:
-			reserved -= e.Size
+			reserved = addBytes(reserved, -e.Size)
 		case alloc.EventSegmentFree:
-			reserved += e.Size
+			reserved = addBytes(reserved, e.Size)
 		}
 	}
 }

@@ -93,14 +93,6 @@ func runCompare(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	return exitOK
 }
 
-func stackTotal(s []memviz.StackBytes) int64 {
-	var n int64
-	for _, x := range s {
-		n += x.Bytes
-	}
-	return n
-}
-
 // signed formats a byte delta with its sign.
 func signed(n int64) string {
 	switch {
@@ -130,9 +122,9 @@ func writeStackDeltas(w io.Writer, c *compareConfig, a, b *snapshotFile) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	for i, f := range []*snapshotFile{a, b} {
 		fmt.Fprintf(tw, "%s\t%s (%s): %s in %d stacks\n", [2]string{"before", "after"}[i], f.path, f.format,
-			alloc.FormatBytes(stackTotal(f.stacks)), len(f.stacks))
+			alloc.FormatBytes(memviz.TotalBytes(f.stacks)), len(f.stacks))
 	}
-	fmt.Fprintf(tw, "change\t%s\n", signed(stackTotal(b.stacks)-stackTotal(a.stacks)))
+	fmt.Fprintf(tw, "change\t%s\n", signed(memviz.TotalBytes(b.stacks)-memviz.TotalBytes(a.stacks)))
 	if err := tw.Flush(); err != nil {
 		return err
 	}
