@@ -631,6 +631,10 @@ func TestReportUsageErrors(t *testing.T) {
 		{"seed without run", with("--seed", "3"), errNotApplicable},
 		{"run in half precision", with("--run", "--dtype", "float16"), errNotApplicable},
 		{"run GPT-2 small", []string{"--model", "gpt2-small", "--batch", "1", "--budget", "24GiB", "--run"}, errNotApplicable},
+		// 10⁶ MNIST-sized samples are 3 GB of random data: refused before
+		// any is drawn (it used to end in "fatal error: out of memory").
+		{"run a million samples", []string{"--model", "mlp", "--batch", "1000000", "--budget", "1GiB", "--run"}, errRange},
+		{"run a plan past the CPU's", []string{"--model", "mlp", "--batch", "60000", "--budget", "64GiB", "--run"}, errRange},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := parseReport(c.args)
