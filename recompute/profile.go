@@ -6,7 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
+
+	"github.com/batchfit/batchfit/internal/regfile"
 )
 
 // MaxProfileBytes caps a profile file: one is a few hundred bytes.
@@ -89,9 +90,11 @@ func LoadProfile(name string) (Profile, error) {
 	if p, ok := Profiles()[name]; ok {
 		return p, nil
 	}
-	f, err := os.Open(name)
+	// A profile file is hostile input: a regular file of at most
+	// MaxProfileBytes (a FIFO or /dev/zero is refused at once).
+	f, _, err := regfile.Open(name, MaxProfileBytes)
 	if err != nil {
-		return Profile{}, fmt.Errorf("%w: %v (built-in profiles: default, h100)", ErrProfile, err)
+		return Profile{}, fmt.Errorf("%w: %w (built-in profiles: default, h100)", ErrProfile, err)
 	}
 	defer f.Close()
 	return ReadProfile(f)

@@ -255,13 +255,9 @@ func runReport(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 }
 
 func reportFile(c *reportConfig, stdin io.Reader) (*memReport, error) {
-	f, err := readSnapshotFile(c.file, stdin)
+	f, err := readSnapshotFile(c.file, stdin, formatPickle, "report lists the blocks of a pickle snapshot (batchfit compare reads stacks)")
 	if err != nil {
 		return nil, err
-	}
-	if f.snap == nil {
-		return nil, &fileError{Path: c.file, Format: f.format, How: f.how,
-			Err: fmt.Errorf("%w: report lists the blocks of a pickle snapshot; %s files hold stacks only (batchfit compare reads them)", errFileKind, f.format)}
 	}
 	rep, err := memviz.NewReport(nil, *f.snap, memviz.Options{})
 	if err != nil {

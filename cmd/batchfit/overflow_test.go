@@ -51,7 +51,7 @@ func TestCompareRefusesTotalsPastInt64(t *testing.T) {
 	small := filepath.Join(dir, "small.folded")
 	require.NoError(t, os.WriteFile(small, []byte("a 512\n"), 0o644))
 	for _, f := range []string{folded, pprof} {
-		_, err := readSnapshotFile(f, nil)
+		_, err := readSnapshotFile(f, nil, "", "")
 		require.True(t, errors.Is(err, memviz.ErrTooLarge), "%s: %v", f, err)
 		code, out, errOut := runCLI("compare", "--stacks", small, f)
 		assert.NotEqual(t, exitOK, code, f)
