@@ -183,6 +183,9 @@ func TestHostileFilesBounded(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds files of tens of megabytes and runs a child per case")
 	}
+	if raceEnabled {
+		t.Skip("the race detector multiplies memory and time; the bounds are the plain build's")
+	}
 	dir := t.TempDir()
 	if gen := os.Getenv(hostileDirEnv); gen != "" {
 		writeHostileFiles(t, gen)
