@@ -440,3 +440,45 @@ func TestLossScaleWithRecompute(t *testing.T) {
 		assert.Equal(t, precision.ScalerStats{Scale: 1 << 16, Steps: 1, GoodInARow: 1}, sess.LossScale(), "%s", mode)
 	}
 }
+
+// Inputs beyond float16's range in every step overflow at any scale: the
+// scale backs off to its floor (1 by default) and no further, and each
+// step skipped there returns an error wrapping precision.ErrScaleCollapse
+// instead of nil while the scale sinks below 2⁻¹²⁶ (where 1/S overflows
+// and clean steps are skipped too). Clean steps afterwards run at once.
+func TestLossScaleCollapseIsReported(t *testing.T) {
+	ctx := context.Background()
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "fp16-mixed"})
+	require.NoError(t, sess.Err())
+	defer sess.Close()
+	net := newSmallNet()
+	opt := optim.NewSGD(0.1, 0)
+	rng := rand.New(rand.NewPCG(6, 6))
+	collapsed := 0
+	for i := range 160 {
+		loss, params := net.step(rng, 8, 1e6)
+		before := copyParams(params)
+		_, err := sess.Step(ctx, loss, params, opt)
+		st := sess.LossScale()
+		require.True(t, st.LastSkipped, "step %d", i)
+		require.Equal(t, before, copyParams(params), "step %d: parameters unchanged", i)
+		require.GreaterOrEqual(t, st.Scale, float32(1), "step %d: the scale stays at its floor", i)
+		if i < 16 { // 2¹⁶ halves to 1
+			require.NoError(t, err, "step %d", i)
+			continue
+		}
+		require.ErrorIs(t, err, precision.ErrScaleCollapse, "step %d", i)
+		collapsed++
+	}
+	assert.Equal(t, 144, collapsed)
+	assert.Zero(t, opt.Steps())
+	for i := range 5 {
+		loss, params := net.step(rng, 8, 0)
+		before := copyParams(params)
+		_, err := sess.Step(ctx, loss, params, opt)
+		require.NoError(t, err, "clean step %d", i)
+		require.False(t, sess.LossScale().LastSkipped, "clean step %d is not skipped", i)
+		require.NotEqual(t, before, copyParams(params), "clean step %d updates", i)
+	}
+	assert.Equal(t, 5, opt.Steps())
+}

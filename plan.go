@@ -59,14 +59,17 @@ type StepPlan struct {
 // parameters of any float dtype plan as the graph says. Step checks what
 // running needs besides (float32 parameters holding host data).
 //
-// Under fp32 and tf32 the backward pass is appended to loss's own graph,
-// as Step appends it. When the step does not fit the budget, Plan returns
-// the compiled step (Program, Search; Plan nil) with the planner's
-// error, a *planner.DoesNotFitError (errors.Is planner.ErrDoesNotFit).
+// Like Step, Plan builds the backward pass on a copy of loss's graph:
+// the caller's graph stays as it was built. When the step does not fit
+// the budget, Plan returns the compiled step (Program, Search; Plan nil)
+// with the planner's error, a *planner.DoesNotFitError (errors.Is
+// planner.ErrDoesNotFit).
 func (s *Session) Plan(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (*StepPlan, error) {
-	if _, err := s.executor(); err != nil {
+	_, done, err := s.hold() // it reads the executor's residents and allocator, which Close releases
+	if err != nil {
 		return nil, err
 	}
+	defer done()
 	cs, err := s.compileStep(loss, params, opt, false)
 	if err != nil {
 		return nil, err
@@ -86,9 +89,11 @@ func (s *Session) Plan(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optim
 // PlanEval builds and plans the evaluation Eval(ctx, outputs...) would
 // run now, without running it, as Plan does for a training step.
 func (s *Session) PlanEval(outputs ...*lazy.Tensor) (*StepPlan, error) {
-	if _, err := s.executor(); err != nil {
+	_, done, err := s.hold()
+	if err != nil {
 		return nil, err
 	}
+	defer done()
 	p, err := s.evalProgram(outputs)
 	if err != nil {
 		return nil, err

@@ -15,6 +15,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/lru"
@@ -157,7 +158,15 @@ type Session struct {
 	device string
 	err    error // why no executor could be made
 	closed atomic.Bool
-	plans  planner.Cache
+	// life is held for reading by every call that reaches the executor
+	// (Step, Eval, Plan, PlanEval, SyncParams, SyncState, Yield, Restore)
+	// and for writing by Close, which so waits for the calls in flight
+	// once stop has cancelled their contexts (with cause ErrClosed,
+	// through stopped).
+	life    sync.RWMutex
+	stopped context.Context
+	stop    context.CancelCauseFunc
+	plans   planner.Cache
 
 	mu       sync.Mutex
 	programs lru.Cache[programKey, programEntry] // without their graphs' data
@@ -494,6 +503,7 @@ func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
 		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
 		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
+	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)
 	} else if opts.Budget < 0 {
@@ -548,12 +558,30 @@ func (s *Session) LossScale() precision.ScalerStats {
 // get the device's values first (SyncParams, SyncState), so training may
 // go on exactly in another session; the session's parameters are free for
 // another session to train (ErrParamOwned).
-// After Close every Step, Eval, SyncParams, SyncState, Yield and Restore
-// returns ErrClosed; closing again does nothing.
+//
+// Close stops the calls in flight (Step, Eval, Plan, PlanEval, SyncParams,
+// SyncState, Yield, Restore, from other goroutines) and waits for them to
+// return before it releases anything, so no kernel runs on a released
+// context and the allocator holds nothing once Close returns. A step is
+// stopped by cancelling its context: it returns an error wrapping
+// ErrClosed (and context.Canceled) and updates nothing, as a step whose
+// own context ends does; one that had already finished its run returns
+// its loss. A call's own callbacks (an optimizer's Step, a graph's OnStep
+// Apply) must not call Close: Close would wait for the call that runs
+// them.
+// After Close every Step, Eval, Plan, PlanEval, MaxBatch, SyncParams,
+// SyncState, Yield and Restore returns ErrClosed; closing again does
+// nothing.
 func (s *Session) Close() error {
-	if s.be == nil || s.closed.Swap(true) {
+	if s.be == nil {
 		return nil
 	}
+	s.stop(ErrClosed) // before closed is set: a call that sees closed sees its context cancelled
+	if s.closed.Swap(true) {
+		return nil
+	}
+	s.life.Lock()
+	defer s.life.Unlock()
 	defer releaseParams(s)
 	// The host tensors and state get the trained values before the device
 	// copies go.
@@ -570,10 +598,11 @@ func (s *Session) Close() error {
 // does nothing. A state restored on the host (optim's SetState) is
 // uploaded by the next Step.
 func (s *Session) SyncState() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.SyncState()
 }
 
@@ -642,6 +671,45 @@ func releaseParams(s *Session) {
 	delete(paramOwners.owned, s)
 }
 
+// hold starts a call that reaches the executor: Close waits for done. It
+// returns the executor, or why there is none (ErrClosed after Close).
+func (s *Session) hold() (be exec.Executor, done func(), err error) {
+	s.life.RLock()
+	if be, err = s.executor(); err == nil && s.stopped.Err() != nil {
+		err = ErrClosed
+	}
+	if err != nil {
+		s.life.RUnlock()
+		return nil, nil, err
+	}
+	return be, s.life.RUnlock, nil
+}
+
+// enter is hold for a call with a context: the context it returns is ctx,
+// also cancelled (with cause ErrClosed) when Close begins.
+func (s *Session) enter(ctx context.Context) (context.Context, func(), error) {
+	_, release, err := s.hold()
+	if err != nil {
+		return nil, nil, err
+	}
+	cctx, cancel := context.WithCancelCause(ctx)
+	unhook := context.AfterFunc(s.stopped, func() { cancel(ErrClosed) })
+	return cctx, func() {
+		unhook()
+		cancel(nil)
+		release()
+	}, nil
+}
+
+// closedErr is err, a call's failure under ctx (from enter), marked as
+// ErrClosed when Close stopped the call.
+func closedErr(ctx context.Context, err error) error {
+	if err == nil || context.Cause(ctx) != ErrClosed || errors.Is(err, ErrClosed) {
+		return err
+	}
+	return fmt.Errorf("%w: stopped by Close: %w", ErrClosed, err)
+}
+
 // ErrClosed is returned by a Session's calls after Close.
 var ErrClosed = errors.New("batchfit: session closed")
 
@@ -669,10 +737,11 @@ func (s *Session) executor() (exec.Executor, error) {
 // changed since the last SyncParams are downloaded; Close syncs too. On the
 // CPU the host tensors are the parameters, and SyncParams does nothing.
 func (s *Session) SyncParams() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.SyncParams()
 }
 
@@ -769,10 +838,11 @@ func (s *Session) Allocator() *alloc.Allocator {
 // runs as if Yield had never happened: the same parameters and optimizer
 // state, bit for bit, and the peaks the plan predicts.
 func (s *Session) Yield() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.Yield()
 }
 
@@ -782,10 +852,11 @@ func (s *Session) Yield() error {
 // session stays yielded, holding nothing; it may be called again. Restore
 // without a Yield does nothing.
 func (s *Session) Restore() error {
-	be, err := s.executor()
+	be, done, err := s.hold()
 	if err != nil {
 		return err
 	}
+	defer done()
 	return be.Restore()
 }
 
@@ -1163,15 +1234,17 @@ func sameGraph(op string, ts []*lazy.Tensor) (*lazy.Graph, error) {
 // Eval runs the graph of outputs without gradients (inference) and returns
 // their values.
 func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.Dense, error) {
-	if _, err := s.executor(); err != nil {
+	ctx, done, err := s.enter(ctx)
+	if err != nil {
 		return nil, err
 	}
+	defer done()
 	p, err := s.evalProgram(outputs)
 	if err != nil {
 		return nil, err
 	}
 	outs, _, err := s.run(ctx, p, nil, 0, nil, time.Time{})
-	return outs, err
+	return outs, closedErr(ctx, err)
 }
 
 // evalProgram compiles the evaluation of outputs (the precision pass
@@ -1245,7 +1318,9 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 // starts from the loss times the current scale and the gradients are
 // unscaled after the last chunk; a step whose gradients hold an inf or NaN
 // then updates nothing (no error: LossScale counts it) and lowers the
-// scale. The returned loss is the unscaled one either way.
+// scale, down to LossScale.MinScale; one skipped at that floor returns an
+// error wrapping precision.ErrScaleCollapse (with the loss), since no
+// scale can rescue it. The returned loss is the unscaled one either way.
 func (s *Session) Step(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
 	return s.StepWith(ctx, loss, params, opt, StepOptions{})
 }
@@ -1281,9 +1356,11 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 		s.times.Total = time.Since(start)
 		s.mu.Unlock()
 	}()
-	if _, err := s.executor(); err != nil {
+	ctx, done, err := s.enter(ctx)
+	if err != nil {
 		return 0, err
 	}
+	defer done()
 	cs, err := s.compileStep(loss, params, opt, true)
 	if err != nil {
 		return 0, err
@@ -1291,12 +1368,13 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	defer cs.release()
 	vals, skipped, err := s.run(ctx, cs.prog, opt, cs.scale, so.Reduce, start)
 	if err != nil {
-		return 0, err
+		return 0, closedErr(ctx, err)
 	}
+	var collapse error // the loss scale's: a skipped step at its floor
 	s.mu.Lock()
 	s.lastRe = cs.re
 	if cs.unscale {
-		s.scaler.Update(!skipped)
+		collapse = s.scaler.Update(!skipped)
 	}
 	s.mu.Unlock()
 	l, err := scalarOf(vals[0])
@@ -1306,7 +1384,7 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 	// The run succeeded: its updates apply, a loss-scaled step skipped for
 	// an inf or NaN gradient included (PyTorch's forward has updated its
 	// running statistics by then too).
-	var errs []error
+	errs := []error{collapse}
 	for i, u := range cs.updates {
 		if err := u.Apply(vals[cs.first+i]); err != nil {
 			errs = append(errs, fmt.Errorf("step update %d (node %d): %w", i, cs.ids[cs.first+i], err))
@@ -1347,7 +1425,14 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if opt == nil {
 		return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
-	params = unfrozen(params)
+	if kept := unfrozen(params); len(kept) < len(params) {
+		// A non-parameter in the list is refused by its index in the
+		// caller's list, which the frozen ones would shift.
+		if _, err := lazy.TrainedIDs("step", loss, params...); err != nil {
+			return nil, err
+		}
+		params = kept
+	}
 	if err := s.distinctParams(params); err != nil {
 		return nil, err
 	}
@@ -1379,6 +1464,9 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	trained := make([]int, 0, len(params))
 	for i, p := range params {
 		id := st.Params[i]
+		if id < 0 { // not in the loss's graph
+			continue
+		}
 		if dt := ir.Node(id).Type.DType; runnable && dt != graph.Float32 {
 			return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
 				"parameter %q is %s: trained parameters stay float32 (master weights); use Options.Precision for 16-bit compute", p.Name(), dt)}
@@ -1489,9 +1577,11 @@ func distinctParams(params []*lazy.Tensor) error {
 }
 
 // backward builds the step's graph: under fp32 and tf32 the backward pass
-// appended to loss's own graph (lazy.Grad); under a mixed policy the
-// policy's rewrite of that graph with its backward pass
-// (precision.TrainWith), which leaves the caller's graph as it was. With
+// appended to a copy of loss's graph; under a mixed policy the policy's
+// rewrite of that graph with its backward pass (precision.TrainWith).
+// Either way the caller's graph stays as it was built, so a loop stepping
+// one loss tensor again finds the same forward graph (and its step
+// template), and steps of one loss may run from several goroutines. With
 // scale (the loss scale's data, only under a mixed policy) the backward
 // pass starts from the loss times that constant. It also returns the step
 // graph's template (whose signature is the step graph's), and a release to
@@ -1502,7 +1592,7 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	wrt, err := lazy.ParamIDs(loss, params...) // binds free parameters, as Grad would
+	wrt, err := lazy.TrainedIDs("step", loss, params...) // −1 for a parameter the graph does not hold
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -1563,8 +1653,8 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		}
 		return t.instantiate(g, fwd, data), t, release, nil
 	}
-	pre := structure(fwd) // before the backward pass, which fp32 appends to it
-	st, err := s.differentiate(loss, params, wrt, scale)
+	pre := structure(fwd)
+	st, err := s.differentiate(loss, wrt, scale)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -1583,37 +1673,56 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 // differentiate builds a training step's graph: under a mixed policy or
 // channels last (Session.channelsLast) the precision and layout passes on
 // a copy of loss's graph, then loss scaling and the backward pass
-// (precision.TrainWith); otherwise the backward pass appended to loss's
-// graph (lazy.Grad). wrt are the parameters' node ids.
-func (s *Session) differentiate(loss *lazy.Tensor, params []*lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
-	channelsLast := s.channelsLast()
-	if !s.policy.Mixed() && !channelsLast {
-		n := loss.Graph().IR().Len()
-		grads := lazy.Grad(loss, params...)
-		g, err := sameGraph("step", append([]*lazy.Tensor{loss}, grads...))
+// (precision.TrainWith); otherwise the backward pass appended to a copy of
+// loss's graph. wrt are the parameters' node ids, −1 for one the graph
+// does not hold: its Params and Grads entries are −1 too.
+func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
+	fwd := loss.Graph().IR()
+	held := make([]int, 0, len(wrt))
+	for _, id := range wrt {
+		if id >= 0 {
+			held = append(held, id)
+		}
+	}
+	var st *precision.Step
+	if channelsLast := s.channelsLast(); !s.policy.Mixed() && !channelsLast {
+		g := fwd.Clone()
+		grads, err := autodiff.Backward(g, loss.ID(), held)
 		if err != nil {
+			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+				err = &graph.OpError{Op: "step", Err: err}
+			}
 			return nil, err
 		}
-		st := &precision.Step{Graph: g.IR(), Loss: loss.ID(), Params: wrt, Grads: make([]int, len(params)),
-			Scale: -1, Scaled: loss.ID(), IDs: make([]int, n)}
+		st = &precision.Step{Graph: g, Loss: loss.ID(), Params: held, Grads: grads,
+			Scale: -1, Scaled: loss.ID(), IDs: make([]int, fwd.Len())}
 		for i := range st.IDs {
 			st.IDs[i] = i
 		}
-		for i := range params {
-			st.Grads[i] = grads[i].ID()
+	} else {
+		o := precision.TrainOptions{ChannelsLast: channelsLast}
+		if scale != nil {
+			o.LossScale, o.Scale = true, scale
 		}
-		return st, nil
-	}
-	o := precision.TrainOptions{ChannelsLast: channelsLast}
-	if scale != nil {
-		o.LossScale, o.Scale = true, scale
-	}
-	st, err := precision.TrainWith(loss.Graph().IR(), s.policy, loss.ID(), wrt, o)
-	if err != nil {
-		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
-			err = &graph.OpError{Op: "step", Err: err}
+		var err error
+		if st, err = precision.TrainWith(fwd, s.policy, loss.ID(), held, o); err != nil {
+			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+				err = &graph.OpError{Op: "step", Err: err}
+			}
+			return nil, err
 		}
-		return nil, err
+	}
+	if len(held) < len(wrt) { // the parameters' order, −1 where the graph holds none
+		ps, gs := make([]int, len(wrt)), make([]int, len(wrt))
+		k := 0
+		for i, id := range wrt {
+			ps[i], gs[i] = -1, -1
+			if id >= 0 {
+				ps[i], gs[i] = st.Params[k], st.Grads[k]
+				k++
+			}
+		}
+		st.Params, st.Grads = ps, gs
 	}
 	return st, nil
 }

@@ -34,7 +34,12 @@
 // Failure: every collective has a deadline. A rank that dies or hangs
 // makes the others return an error wrapping ErrTimeout or ErrAborted
 // within it; on NCCL a watchdog polls ncclCommGetAsyncError while a
-// collective runs and calls ncclCommAbort at the deadline.
+// collective runs and calls ncclCommAbort at the deadline. A Step error
+// before the optimizer update leaves the rank's parameters as they were
+// (the step may be retried); after it, only the loss's all-reduce remains,
+// which the caller's context no longer stops, and its failure wraps
+// ErrStepApplied (do not retry). A loss over other rows than the rank's
+// shard is ErrShard.
 //
 // Where gradients are summed: over NCCL with a CUDA session, on the
 // device, in place, overlapping backward. The session's executor hands

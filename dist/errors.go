@@ -30,6 +30,12 @@ var (
 	// ErrShard: the global batch cannot be split over the ranks (fewer
 	// samples than ranks, or a rank's shard is not the size Shard gives).
 	ErrShard = errors.New("dist: bad shard")
+	// ErrStepApplied: a Trainer.Step failed after its optimizer update
+	// had run on this rank (in the loss's all-reduce, which completes the
+	// step): parameters and optimizer state hold the step, so retrying it
+	// would apply it twice. A step error without it updated nothing on
+	// this rank.
+	ErrStepApplied = errors.New("dist: the step's update was applied")
 )
 
 // RankError is a failure that names the rank it was seen on and the

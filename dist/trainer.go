@@ -156,7 +156,19 @@ func hostData(params []*lazy.Tensor) ([][]float32, error) {
 //
 // A step that fails on this rank for a reason of its own (its graph, its
 // memory) aborts the communicator, so the other ranks' steps return
-// ErrAborted at once instead of waiting for their deadline.
+// ErrAborted at once instead of waiting for their deadline. loss must
+// cover this rank's shard exactly (its graph's batch is hi − lo of
+// Shard): another batch would scale its gradients wrongly, and is
+// ErrShard before anything runs.
+//
+// Faults and retries: ctx bounds the step up to its update. The gradients
+// are summed before the optimizer runs, so an error until then (ctx's
+// end, a peer's failure, this rank's own) has updated nothing on this
+// rank and the step may be retried. After the update only the loss's
+// all-reduce remains; it runs even if ctx has ended meanwhile (bounded by
+// the communicator's deadline), and if it fails (a peer died after its
+// update) the error wraps ErrStepApplied: parameters and optimizer state
+// hold the step, and retrying it would apply it twice.
 func (t *Trainer) Step(ctx context.Context, globalN int, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) (float32, error) {
 	l, err := t.step(ctx, globalN, loss, params, opt)
 	if err != nil {
@@ -172,6 +184,13 @@ func (t *Trainer) step(ctx context.Context, globalN int, loss *lazy.Tensor, para
 	}
 	if opt == nil {
 		return 0, errors.New("dist: nil optimizer")
+	}
+	if err := loss.Err(); err != nil {
+		return 0, err
+	}
+	if g := loss.Graph(); g != nil && g.IR().Batch() != hi-lo {
+		return 0, fmt.Errorf("%w: rank %d's loss covers %d rows; its shard of %d samples is rows [%d, %d), %d rows",
+			ErrShard, t.comm.Rank(), g.IR().Batch(), globalN, lo, hi, hi-lo)
 	}
 	scale := float32(1)
 	if !t.opts.SumLoss {
@@ -194,10 +213,12 @@ func (t *Trainer) step(ctx context.Context, globalN int, loss *lazy.Tensor, para
 	if err != nil {
 		return 0, err
 	}
+	// The update has run: the loss's all-reduce completes the step on
+	// every rank whatever ctx does now, within the communicator's deadline.
 	buf := []float32{l * scale}
 	start := time.Now()
-	if err := t.comm.AllReduceSum(ctx, buf); err != nil {
-		return 0, err
+	if err := t.comm.AllReduceSum(context.WithoutCancel(ctx), buf); err != nil {
+		return 0, fmt.Errorf("%w (do not retry it): the loss's all-reduce failed: %w", ErrStepApplied, err)
 	}
 	t.wait += time.Since(start)
 	return buf[0], nil

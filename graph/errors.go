@@ -17,6 +17,7 @@ var (
 	ErrNilTensor    = errors.New("nil tensor")
 	ErrNoData       = errors.New("source has no data")
 	ErrNotChunkable = errors.New("graph is not chunkable along its batch")
+	ErrNotParam     = errors.New("not a parameter")
 )
 
 // OpError describes a rejected op: which op, the shapes of its inputs, where

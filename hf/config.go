@@ -3,6 +3,7 @@ package hf
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -102,9 +103,14 @@ func ReadConfig(path string) (Config, error) {
 	return cfg, nil
 }
 
-// readBounded reads a regular file of at most limit bytes.
+// readBounded reads a regular file of at most limit bytes; a longer one
+// is ErrTooLarge.
 func readBounded(path string, limit int64) ([]byte, error) {
-	return safefile.ReadFile(path, limit, ErrTooLarge)
+	b, err := safefile.ReadAll(path, limit)
+	if errors.Is(err, safefile.ErrTooLarge) {
+		err = fmt.Errorf("%w: %w", ErrTooLarge, err)
+	}
+	return b, err
 }
 
 // ParseConfig parses a config.json's bytes. Keys that are absent or null

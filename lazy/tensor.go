@@ -390,9 +390,10 @@ func siteOf(pc uintptr) pcSite {
 	return ps
 }
 
-// internalPackages build graphs on the user's behalf; their frames are skipped.
+// internalPackages build graphs, or run their steps (the Session, dist's
+// Trainer), on the user's behalf; their frames are skipped.
 var internalPackages = []string{"github.com/batchfit/batchfit/lazy.", "github.com/batchfit/batchfit/nn.",
-	"github.com/batchfit/batchfit/models."}
+	"github.com/batchfit/batchfit/models.", "github.com/batchfit/batchfit.", "github.com/batchfit/batchfit/dist."}
 
 func internalFrame(f runtime.Frame) bool {
 	if strings.HasSuffix(f.File, "_test.go") {

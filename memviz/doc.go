@@ -49,8 +49,13 @@
 // stated multiple of their input, and refuse what would pass it with
 // ErrTooLarge (as well as ErrFormat): every input at most 1 GiB; a pickle
 // at most one segment, block or trace entry per 4 bytes, counting memo
-// references each time they repeat one; a pprof profile decompressed to
-// at most 16 times its size, one record per 8 of those bytes, and stacks
-// of at most 64 bytes of frame names per byte; folded stacks in lines of
-// at most 1 MiB. ReadPickle, ReadPprof and ReadFolded name the caps.
+// references each time they repeat one, and 2²⁰ in all, with its decoded
+// values (tuples, memo entries, marks: each one-byte opcode's) within
+// 256 MiB; a pprof profile decompressed to at most 16 times its size and
+// 128 MiB, one record per 8 of those bytes and 2²⁰ in all, and stacks of
+// at most 64 bytes of frame names per byte; folded stacks in lines of at
+// most 1 MiB; at most 2¹⁹ distinct stacks of 2²² frames. Besides the
+// linear bounds, these absolute caps keep a command that reads a file, or
+// compares two, within about a gigabyte whatever the file. ReadPickle,
+// ReadPprof and ReadFolded name the caps; ReadFolded streams its input.
 package memviz

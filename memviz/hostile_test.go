@@ -6,6 +6,7 @@ import (
 	"compress/gzip"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"runtime"
 	"strings"
@@ -300,4 +301,61 @@ func TestReadFoldedLongLine(t *testing.T) {
 	var fe *memviz.FormatError
 	require.ErrorAs(t, err, &fe)
 	assert.Equal(t, int64(2), fe.Offset, "the line number")
+}
+
+// absoluteBound is what a reader may allocate on any input, whatever its
+// size: its absolute caps (decoded values, memo entries, stacks) keep a
+// command reading one within a gigabyte.
+const absoluteBound = 640 << 20
+
+// TestReadPickleOpcodeChains checks that chains of one-byte opcodes, each
+// of which builds a value (TUPLE1 and TUPLE2 a tuple of the last, MEMOIZE
+// a memo entry, MARK a mark), are refused with ErrTooLarge having
+// allocated within absoluteBound: each byte used to cost tens of bytes
+// (a 20 MB chain took 1.1 to 1.8 GB, a 60 MB one crashed the process).
+func TestReadPickleOpcodeChains(t *testing.T) {
+	const n = 8 << 20
+	chain := func(head []byte, op []byte, k int) []byte {
+		return append(append(append([]byte{0x80, 2}, head...), bytes.Repeat(op, k)...), '.')
+	}
+	for name, data := range map[string][]byte{
+		"TUPLE1":           chain([]byte{'K', 0}, []byte{0x85}, n),
+		"TUPLE2":           chain([]byte{'K', 0}, []byte{'K', 0, 0x86}, n/3),
+		"MEMOIZE":          chain([]byte{'K', 0}, []byte{0x94}, n),
+		"TUPLE1 of a list": chain([]byte{']'}, []byte{0x85}, n),
+	} {
+		t.Run(name, func(t *testing.T) {
+			var err error
+			used := allocatedBy(func() { _, err = memviz.ReadPickle(bytes.NewReader(data)) })
+			require.ErrorIs(t, err, memviz.ErrTooLarge)
+			assert.ErrorIs(t, err, memviz.ErrFormat)
+			assert.LessOrEqual(t, used, uint64(absoluteBound), "bytes allocated reading %d bytes", len(data))
+		})
+	}
+	_, err := memviz.ReadPickle(bytes.NewReader(chain(nil, []byte{'('}, n)))
+	require.ErrorIs(t, err, memviz.ErrFormat, "more marks than the stack takes")
+}
+
+// TestReadStacksCaps checks that folded stacks and pprof profiles of more
+// distinct stacks than the readers take (2¹⁹) are refused with ErrTooLarge
+// within absoluteBound, and that a profile's records past 2²⁰ are refused
+// before it is decoded.
+func TestReadStacksCaps(t *testing.T) {
+	var folded bytes.Buffer
+	for i := range 1<<19 + 1 {
+		fmt.Fprintf(&folded, "root;f%d 1\n", i)
+	}
+	var err error
+	used := allocatedBy(func() { _, err = memviz.ReadFolded(bytes.NewReader(folded.Bytes())) })
+	require.ErrorIs(t, err, memviz.ErrTooLarge)
+	assert.LessOrEqual(t, used, uint64(absoluteBound))
+	_, err = memviz.ReadFolded(strings.NewReader(strings.Repeat("a;", 1<<22) + "a 1\n"))
+	require.ErrorIs(t, err, memviz.ErrTooLarge, "a stack of more frames than the readers take")
+
+	// 2²⁰ + 1 samples of 8 bytes (the density cap allows them).
+	sample := []byte{0x12, 6, 8, 1, 16, 0x80, 0x80, 1}
+	data := bytes.Repeat(sample, 1<<20+1)
+	used = allocatedBy(func() { _, err = memviz.ReadPprof(bytes.NewReader(data)) })
+	require.ErrorIs(t, err, memviz.ErrTooLarge)
+	assert.LessOrEqual(t, used, uint64(64<<20), "refused before decoding")
 }

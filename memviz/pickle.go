@@ -249,7 +249,16 @@ type pickleReader struct {
 	off   int
 	stack []any
 	marks []int
-	memo  map[uint64]any
+	// The memo: dense indices (MEMOIZE's, and BINPUT's as Python's
+	// pickler numbers them: 0, 1, 2, …) in seq, every one set; others in
+	// sparse. n counts the entries, MEMOIZE's next index.
+	seq    []any
+	sparse map[uint64]any
+	n      uint64
+	// left is what the decoded values may still take, in estimated bytes
+	// (the cost constants below): a chain of one-byte opcodes (TUPLE1,
+	// MEMOIZE) would otherwise build tens of bytes per input byte.
+	left int64
 	// unhashable holds the tuples (by their first element) that contain a
 	// list or dict, at any depth: worked out once, as each tuple is built,
 	// so checking a key never walks a tuple's shared sub-tuples again.
@@ -259,9 +268,78 @@ type pickleReader struct {
 // maxPickleStack bounds the decoder's stack and marks.
 const maxPickleStack = 1 << 20
 
+// maxMemo bounds the memo's entries: 2²², some four per block of the
+// largest snapshot (Python's pickler memoizes every dict, list and string).
+const maxMemo = 1 << 22
+
+// maxDecoded bounds the decoded values of a pickle, in the estimated bytes
+// the cost constants count: 256 MiB, about a million segments, blocks
+// and trace entries, the most a snapshot may hold (maxPickleItems).
+const maxDecoded = 256 << 20
+
+// Estimated bytes of decoded values, per opcode's result (the Go values
+// and their share of the slices they are appended to).
+const (
+	costValue = 32 // a boxed scalar or a string header, and its stack or container slot
+	costDict  = 64
+	costList  = 48
+	costTuple = 48 // a tuple header, plus costValue per element
+	costItem  = 48 // a dict item (or two list items): key and value, grown slack
+	costMemo  = 32 // a memo slot; a sparse one costs twice
+	costMark  = 8
+)
+
 func readPickle(data []byte) (any, error) {
-	r := &pickleReader{buf: data, memo: map[uint64]any{}, unhashable: map[*any]bool{}}
+	r := &pickleReader{buf: data, sparse: map[uint64]any{}, unhashable: map[*any]bool{}, left: maxDecoded}
 	return r.run()
+}
+
+// spend takes n estimated bytes from the decode budget at offset at.
+func (r *pickleReader) spend(at int, n int64) error {
+	if r.left -= n; r.left < 0 {
+		return &FormatError{Format: "pickle", Offset: int64(at), Err: ErrTooLarge,
+			Msg: fmt.Sprintf("decoded values past %d MiB (a snapshot of about a million blocks)", maxDecoded>>20)}
+	}
+	return nil
+}
+
+// put sets memo entry idx to v.
+func (r *pickleReader) put(at int, idx uint64, v any) error {
+	if idx < uint64(len(r.seq)) {
+		r.seq[idx] = v
+		return nil
+	}
+	if r.n >= maxMemo {
+		return &FormatError{Format: "pickle", Offset: int64(at), Err: ErrTooLarge, Msg: fmt.Sprintf("more than %d memo entries", maxMemo)}
+	}
+	if idx == uint64(len(r.seq)) {
+		if len(r.sparse) > 0 {
+			if _, ok := r.sparse[idx]; ok { // moves into seq
+				delete(r.sparse, idx)
+				r.n--
+			}
+		}
+		r.seq = append(r.seq, v)
+		r.n++
+		return r.spend(at, costMemo)
+	}
+	if _, ok := r.sparse[idx]; !ok {
+		r.n++
+		if err := r.spend(at, 2*costMemo); err != nil {
+			return err
+		}
+	}
+	r.sparse[idx] = v
+	return nil
+}
+
+// get is memo entry idx.
+func (r *pickleReader) get(idx uint64) (any, bool) {
+	if idx < uint64(len(r.seq)) {
+		return r.seq[idx], true
+	}
+	v, ok := r.sparse[idx]
+	return v, ok
 }
 
 func (r *pickleReader) fail(off int, format string, args ...any) error {
@@ -282,9 +360,37 @@ func (r *pickleReader) take(n uint64) ([]byte, error) {
 	return b, nil
 }
 
+// pushRef puts v, a value decoded before (a memo entry), on the stack:
+// only its slot is new.
+func (r *pickleReader) pushRef(v any) error {
+	if len(r.stack) >= maxPickleStack {
+		return r.fail(r.off, "stack deeper than %d", maxPickleStack)
+	}
+	if err := r.spend(r.off, costValue/2); err != nil {
+		return err
+	}
+	r.stack = append(r.stack, v)
+	return nil
+}
+
+// push puts v on the stack, counting it as a new value.
 func (r *pickleReader) push(v any) error {
 	if len(r.stack) >= maxPickleStack {
 		return r.fail(r.off, "stack deeper than %d", maxPickleStack)
+	}
+	cost := int64(costValue)
+	switch v := v.(type) {
+	case string:
+		cost += int64(len(v))
+	case *pyDict:
+		cost = costDict
+	case *pyList:
+		cost = costList
+	case pyTuple:
+		cost = costTuple + costValue*int64(len(v))
+	}
+	if err := r.spend(r.off, cost); err != nil {
+		return err
 	}
 	r.stack = append(r.stack, v)
 	return nil
@@ -396,6 +502,9 @@ func (r *pickleReader) step(op byte, at int) error {
 	case opMark:
 		if len(r.marks) >= maxPickleStack {
 			return r.fail(at, "more than %d marks", maxPickleStack)
+		}
+		if err := r.spend(at, costMark); err != nil {
+			return err
 		}
 		r.marks = append(r.marks, len(r.stack))
 	case opNone:
@@ -509,6 +618,9 @@ func (r *pickleReader) step(op byte, at int) error {
 		if err != nil {
 			return err
 		}
+		if err := r.spend(at, costItem/2); err != nil {
+			return err
+		}
 		l.items = append(l.items, v)
 	case opAppends:
 		items, err := r.popMark(at)
@@ -517,6 +629,9 @@ func (r *pickleReader) step(op byte, at int) error {
 		}
 		l, err := r.topList(at, "APPENDS")
 		if err != nil {
+			return err
+		}
+		if err := r.spend(at, costItem/2*int64(len(items))); err != nil {
 			return err
 		}
 		l.items = append(l.items, items...)
@@ -553,23 +668,23 @@ func (r *pickleReader) step(op byte, at int) error {
 		if err != nil {
 			return err
 		}
-		r.memo[idx] = v
+		return r.put(at, idx, v)
 	case opMemoize:
 		v, err := r.top(at)
 		if err != nil {
 			return err
 		}
-		r.memo[uint64(len(r.memo))] = v
+		return r.put(at, r.n, v)
 	case opBinGet, opLongBinGet:
 		idx, err := r.uint(argWidth(op))
 		if err != nil {
 			return err
 		}
-		v, ok := r.memo[idx]
+		v, ok := r.get(idx)
 		if !ok {
 			return r.fail(at, "memo %d is not set", idx)
 		}
-		return r.push(v)
+		return r.pushRef(v)
 	default:
 		return r.fail(at, "unsupported opcode %#02x", op)
 	}
@@ -593,6 +708,9 @@ func (r *pickleReader) setItems(d *pyDict, kv []any, at int) error {
 	if len(kv)%2 != 0 {
 		return r.fail(at, "odd number of items (%d) for a dict", len(kv))
 	}
+	if err := r.spend(at, costItem*int64(len(kv)/2)); err != nil {
+		return err
+	}
 	for i := 0; i < len(kv); i += 2 {
 		if !r.hashable(kv[i]) {
 			return r.fail(at, "unhashable dict key of type %s", pyType(kv[i]))
@@ -607,6 +725,9 @@ func (r *pickleReader) setItems(d *pyDict, kv []any, at int) error {
 func (r *pickleReader) pushTuple(t pyTuple) error {
 	for _, x := range t {
 		if !r.hashable(x) {
+			if err := r.spend(r.off, costItem); err != nil {
+				return err
+			}
 			r.unhashable[&t[0]] = true
 			break
 		}

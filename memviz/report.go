@@ -103,15 +103,15 @@ func (n *Names) device(d DeviceSnapshot) DeviceReport {
 			}
 			dr.Tensors = append(dr.Tensors, t)
 			bufs = append(bufs, l.Buffer)
-			dr.Totals.ByKind[l.Kind] += b.Size
+			dr.Totals.ByKind[l.Kind] = addBytes(dr.Totals.ByKind[l.Kind], b.Size)
 			switch l.Kind {
 			case KindWorkspace:
-				dr.Totals.Workspace += b.Size
+				dr.Totals.Workspace = addBytes(dr.Totals.Workspace, b.Size)
 			case KindUnknown:
-				dr.Totals.Unowned += b.Size
+				dr.Totals.Unowned = addBytes(dr.Totals.Unowned, b.Size)
 			default:
-				dr.Totals.Tensors += b.Requested
-				dr.Totals.Rounding += b.Size - b.Requested
+				dr.Totals.Tensors = addBytes(dr.Totals.Tensors, b.Requested)
+				dr.Totals.Rounding = addBytes(dr.Totals.Rounding, b.Size-b.Requested)
 			}
 		}
 	}

@@ -3,6 +3,7 @@ package memviz
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -76,7 +77,7 @@ func (d *DeviceSnapshot) Allocated() int64 {
 	for _, s := range d.Segments {
 		for _, b := range s.Blocks {
 			if active(b.State) {
-				n += b.Size
+				n = addBytes(n, b.Size)
 			}
 		}
 	}
@@ -87,7 +88,7 @@ func (d *DeviceSnapshot) Allocated() int64 {
 func (d *DeviceSnapshot) Reserved() int64 {
 	var n int64
 	for _, s := range d.Segments {
-		n += s.Size
+		n = addBytes(n, s.Size)
 	}
 	return n
 }
@@ -96,7 +97,7 @@ func (d *DeviceSnapshot) Reserved() int64 {
 func (s *Snapshot) Allocated() int64 {
 	var n int64
 	for i := range s.Devices {
-		n += s.Devices[i].Allocated()
+		n = addBytes(n, s.Devices[i].Allocated())
 	}
 	return n
 }
@@ -105,9 +106,22 @@ func (s *Snapshot) Allocated() int64 {
 func (s *Snapshot) Reserved() int64 {
 	var n int64
 	for i := range s.Devices {
-		n += s.Devices[i].Reserved()
+		n = addBytes(n, s.Devices[i].Reserved())
 	}
 	return n
+}
+
+// addBytes is a + b saturated at int64's bounds: byte totals of a file's
+// blocks (segments up to 2⁶⁴ bytes apart, thousands of devices) stay at
+// 8 EiB rather than wrap to negative sizes.
+func addBytes(a, b int64) int64 {
+	switch {
+	case b > 0 && a > math.MaxInt64-b:
+		return math.MaxInt64
+	case b < 0 && a < math.MinInt64-b:
+		return math.MinInt64
+	}
+	return a + b
 }
 
 // active reports whether a block holds an allocation. PyTorch's

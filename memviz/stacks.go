@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -60,7 +61,8 @@ func samples(s Snapshot, n *Names) []sample {
 func Stacks(s Snapshot, n *Names) []StackBytes {
 	sum := map[string]int64{}
 	for _, x := range samples(s, n) {
-		sum[strings.Join(sanitize(x.stack), ";")] += x.size
+		k := strings.Join(sanitize(x.stack), ";")
+		sum[k] = addBytes(sum[k], x.size)
 	}
 	out := make([]StackBytes, 0, len(sum))
 	for k, v := range sum {
@@ -68,6 +70,16 @@ func Stacks(s Snapshot, n *Names) []StackBytes {
 	}
 	slices.SortFunc(out, func(a, b StackBytes) int { return slices.Compare(a.Stack, b.Stack) })
 	return out
+}
+
+// TotalBytes is the bytes of every stack of s, saturated at
+// math.MaxInt64 (the readers refuse files whose total passes it).
+func TotalBytes(s []StackBytes) int64 {
+	var n int64
+	for _, x := range s {
+		n = addBytes(n, x.Bytes)
+	}
+	return n
 }
 
 // sanitize keeps frames from breaking the folded format: no ";" inside a
@@ -96,13 +108,37 @@ func WriteFolded(w io.Writer, s Snapshot, n *Names) error {
 }
 
 // ReadFolded's caps: a line of at most maxFoldedLine (1 MiB), an input of
-// at most maxFoldedBytes (1 GiB). Past either it returns a *FormatError
-// wrapping ErrFormat and ErrTooLarge. Its time and memory are linear in
-// the input.
+// at most maxFoldedBytes (1 GiB), at most maxStacks (2¹⁹) distinct stacks
+// of maxFrames (2²²) frames in all. Past any it returns a *FormatError
+// wrapping ErrFormat and ErrTooLarge. It streams its input, keeping one
+// copy of each distinct stack; its time is linear in the input and its
+// memory in the distinct stacks' bytes. ReadPprof's stacks have the same
+// caps, so a comparison of two files holds at most 2²⁰ stacks, within a
+// gigabyte and a few seconds.
 const (
 	maxFoldedLine  = 1 << 20
 	maxFoldedBytes = 1 << 30
+	maxStacks      = 1 << 19
+	maxFrames      = 1 << 22
 )
+
+// stackCaps counts distinct stacks and their frames against maxStacks and
+// maxFrames.
+type stackCaps struct{ stacks, frames int }
+
+// add counts a new distinct stack of frames frames, or says which cap it
+// passes.
+func (c *stackCaps) add(frames int) string {
+	c.stacks++
+	c.frames += frames
+	switch {
+	case c.stacks > maxStacks:
+		return fmt.Sprintf("more than %d distinct stacks", maxStacks)
+	case c.frames > maxFrames:
+		return fmt.Sprintf("distinct stacks of more than %d frames in all", maxFrames)
+	}
+	return ""
+}
 
 // ReadFolded reads folded stacks: lines "frame;frame;… count", the count a
 // non-negative integer after the last space; blank lines are skipped and
@@ -112,40 +148,51 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 	lr := &io.LimitedReader{R: r, N: maxFoldedBytes + 1}
 	sc := bufio.NewScanner(lr)
 	sc.Buffer(make([]byte, 0, 64<<10), maxFoldedLine)
-	sum := map[string]int64{}
-	var order []string
+	index := map[string]int{} // a stack's place in out
+	var out []StackBytes
+	var total int64 // every count, so no stack's sum (nor the file's) passes int64
+	var caps stackCaps
 	line := 0
 	for sc.Scan() {
 		line++
-		text := strings.TrimRight(sc.Text(), "\r")
-		if strings.TrimSpace(text) == "" {
+		// The line's bytes, not a string of it: only a new stack is
+		// copied (the map lookup of string(b) allocates nothing).
+		text := bytes.TrimRight(sc.Bytes(), "\r")
+		if len(bytes.TrimSpace(text)) == 0 {
 			continue
 		}
 		fail := func(format string, args ...any) error {
 			return &FormatError{Format: "folded", Offset: int64(line), Msg: fmt.Sprintf(format, args...)}
 		}
-		i := strings.LastIndexByte(text, ' ')
+		i := bytes.LastIndexByte(text, ' ')
 		if i < 0 {
 			return nil, fail("no count after the stack")
 		}
-		stack, num := strings.TrimRight(text[:i], " "), text[i+1:]
-		n, err := strconv.ParseInt(num, 10, 64)
+		stack, num := bytes.TrimRight(text[:i], " "), text[i+1:]
+		n, err := strconv.ParseInt(string(num), 10, 64)
 		if err != nil || n < 0 {
 			return nil, fail("count %q is not a non-negative integer", num)
 		}
-		if stack == "" {
+		if len(stack) == 0 {
 			return nil, fail("empty stack")
 		}
-		if stack[0] == ';' || stack[len(stack)-1] == ';' || strings.Contains(stack, ";;") {
+		if stack[0] == ';' || stack[len(stack)-1] == ';' || bytes.Contains(stack, []byte(";;")) {
 			return nil, fail("empty frame in %q", stack)
 		}
-		if _, seen := sum[stack]; !seen {
-			order = append(order, stack)
+		if n > math.MaxInt64-total {
+			return nil, &FormatError{Format: "folded", Offset: int64(line), Msg: "byte total past int64", Err: ErrTooLarge}
 		}
-		if sum[stack] > 1<<62-n {
-			return nil, fail("byte total overflows")
+		total += n
+		if i, seen := index[string(stack)]; seen {
+			out[i].Bytes += n
+			continue
 		}
-		sum[stack] += n
+		if msg := caps.add(bytes.Count(stack, []byte{';'}) + 1); msg != "" {
+			return nil, &FormatError{Format: "folded", Offset: int64(line), Msg: msg, Err: ErrTooLarge}
+		}
+		k := string(stack)
+		index[k] = len(out)
+		out = append(out, StackBytes{Stack: strings.Split(k, ";"), Bytes: n})
 	}
 	switch err := sc.Err(); {
 	case lr.N <= 0:
@@ -154,10 +201,6 @@ func ReadFolded(r io.Reader) ([]StackBytes, error) {
 		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "line over 1 MiB", Err: fmt.Errorf("%w: %w", ErrTooLarge, err)}
 	case err != nil:
 		return nil, &FormatError{Format: "folded", Offset: int64(line + 1), Msg: "reading", Err: err}
-	}
-	out := make([]StackBytes, len(order))
-	for i, k := range order {
-		out[i] = StackBytes{Stack: strings.Split(k, ";"), Bytes: sum[k]}
 	}
 	return out, nil
 }
@@ -170,24 +213,30 @@ type StackDelta struct {
 
 // CompareStacks lists the stacks whose bytes differ, largest change first.
 func CompareStacks(before, after []StackBytes) []StackDelta {
-	m := map[string]*StackDelta{}
+	index := make(map[string]int, max(len(before), len(after)))
+	all := make([]StackDelta, 0, max(len(before), len(after)))
 	get := func(st []string) *StackDelta {
 		k := strings.Join(st, ";")
-		if m[k] == nil {
-			m[k] = &StackDelta{Stack: st}
+		i, ok := index[k]
+		if !ok {
+			i = len(all)
+			index[k] = i
+			all = append(all, StackDelta{Stack: st})
 		}
-		return m[k]
+		return &all[i]
 	}
 	for _, s := range before {
-		get(s.Stack).Before += s.Bytes
+		d := get(s.Stack)
+		d.Before = addBytes(d.Before, s.Bytes)
 	}
 	for _, s := range after {
-		get(s.Stack).After += s.Bytes
+		d := get(s.Stack)
+		d.After = addBytes(d.After, s.Bytes)
 	}
 	var out []StackDelta
-	for _, d := range m {
+	for _, d := range all {
 		if d.Before != d.After {
-			out = append(out, *d)
+			out = append(out, d)
 		}
 	}
 	abs := func(x int64) int64 { return max(x, -x) }
@@ -247,23 +296,32 @@ func WritePprof(w io.Writer, s Snapshot, n *Names) error {
 // and ErrTooLarge:
 //   - input: at most maxPprofBytes (1 GiB);
 //   - decompressed: at most pprofExpansion (16) times the input
-//     (WritePprof's profiles compress 2 to 5 times), never over 1 GiB;
-//   - records: at most one sample, mapping, location or function per
-//     pprofBytesPerRecord (8) decompressed bytes (an empty sample takes 2
-//     bytes, and a hundred times that once decoded);
+//     (WritePprof's profiles compress 2 to 5 times), and at most
+//     maxPprofDecoded (128 MiB) however it came;
+//   - records: at most one sample, mapping, location, function, string or
+//     label per pprofBytesPerRecord (8) decompressed bytes (an empty
+//     sample takes 2 bytes, and a hundred times that once decoded), and at
+//     most maxPprofRecords (2²⁰) in all; at most maxPprofRefs (2²³)
+//     location ids and sample values in all (a packed one takes a byte);
 //   - stacks: frame names (and separators) of at most pprofStackExpansion
-//     (64) bytes per decompressed byte, or 1 MiB for smaller profiles, in
-//     all samples together (a long name repeated down a deep stack).
+//     (64) bytes per decompressed byte, or 1 MiB for smaller profiles, and
+//     256 MiB in all, in all samples together (a long name repeated down a
+//     deep stack); distinct stacks as ReadFolded's (maxStacks, maxFrames).
 //
-// Within them its time and memory are linear in the decompressed size (the
-// tests hold it to 128 allocated bytes per decompressed byte), so in the
-// input's.
+// The counts are taken on the encoded profile before it is decoded. Within
+// them its time and memory are linear in the decompressed size (the tests
+// hold it to 128 allocated bytes per decompressed byte), so in the
+// input's, and bounded whatever the input.
 const (
 	maxPprofBytes       = 1 << 30
+	maxPprofDecoded     = 128 << 20
 	pprofExpansion      = 16
 	pprofBytesPerRecord = 8
+	maxPprofRecords     = 1 << 20
+	maxPprofRefs        = 1 << 23
 	pprofStackExpansion = 64
 	pprofMinStack       = 1 << 20
+	maxPprofStack       = 256 << 20
 )
 
 // pprofError is a *FormatError for a pprof profile.
@@ -287,6 +345,9 @@ func ReadPprof(r io.Reader) ([]StackBytes, error) {
 	if data, err = inflate(data); err != nil {
 		return nil, err
 	}
+	if len(data) > maxPprofDecoded {
+		return nil, pprofError(fmt.Sprintf("%d bytes decoded, more than %d", len(data), maxPprofDecoded), ErrTooLarge)
+	}
 	if err := countRecords(data); err != nil {
 		return nil, err
 	}
@@ -302,10 +363,20 @@ func ReadPprof(r io.Reader) ([]StackBytes, error) {
 		return nil, pprofError("no "+SampleInuse+" sample type", nil)
 	}
 	sum := map[string]int64{}
-	left := max(pprofStackExpansion*len(data), pprofMinStack) // bytes of stack text
+	var total int64                                                               // every sample's bytes: no sum passes int64
+	left := min(max(pprofStackExpansion*len(data), pprofMinStack), maxPprofStack) // bytes of stack text
+	var caps stackCaps
 	for _, sm := range p.Sample {
 		if vi >= len(sm.Value) {
 			return nil, pprofError("sample with too few values", nil)
+		}
+		switch v := sm.Value[vi]; {
+		case v < 0:
+			return nil, pprofError(fmt.Sprintf("sample of %d bytes", v), nil)
+		case v > math.MaxInt64-total:
+			return nil, pprofError("byte total past int64", ErrTooLarge)
+		default:
+			total += v
 		}
 		var st []string
 		for i := len(sm.Location) - 1; i >= 0; i-- {
@@ -318,7 +389,13 @@ func ReadPprof(r io.Reader) ([]StackBytes, error) {
 				}
 			}
 		}
-		sum[strings.Join(st, ";")] += sm.Value[vi]
+		k := strings.Join(st, ";")
+		if _, seen := sum[k]; !seen {
+			if msg := caps.add(len(st)); msg != "" {
+				return nil, pprofError(msg, ErrTooLarge)
+			}
+		}
+		sum[k] += sm.Value[vi]
 	}
 	out := make([]StackBytes, 0, len(sum))
 	for k, v := range sum {
@@ -334,7 +411,7 @@ func inflate(data []byte) ([]byte, error) {
 	if !bytes.HasPrefix(data, []byte{0x1f, 0x8b}) {
 		return data, nil
 	}
-	limit := min(pprofExpansion*len(data), maxPprofBytes)
+	limit := min(pprofExpansion*len(data), maxPprofDecoded)
 	gz, err := gzip.NewReader(bytes.NewReader(data))
 	if err != nil {
 		return nil, pprofError("decompressing", err)
@@ -349,14 +426,16 @@ func inflate(data []byte) ([]byte, error) {
 	return out, nil
 }
 
-// countRecords checks, before the profile is decoded, that its top-level
-// samples (field 2), mappings (3), locations (4) and functions (5) number
-// at most one per pprofBytesPerRecord bytes.
+// countRecords checks, before the profile is decoded, that its records
+// (top-level samples (field 2), mappings (3), locations (4), functions (5)
+// and strings (6), and the samples' labels) number at most one per
+// pprofBytesPerRecord bytes and maxPprofRecords in all, and the samples'
+// location ids and values at most maxPprofRefs.
 func countRecords(data []byte) error {
-	records := 0
-	// uvarint reads a varint at off, advancing it.
-	uvarint := func(off *int) (uint64, error) {
-		v, n := binary.Uvarint(data[*off:])
+	records, refs := 0, 0
+	// uvarint reads a varint of b at off, advancing it.
+	uvarint := func(b []byte, off *int) (uint64, error) {
+		v, n := binary.Uvarint(b[*off:])
 		switch {
 		case n == 0:
 			return 0, pprofError("input ends inside a varint", io.ErrUnexpectedEOF)
@@ -366,38 +445,76 @@ func countRecords(data []byte) error {
 		*off += n
 		return v, nil
 	}
-	for off := 0; off < len(data); {
-		key, err := uvarint(&off)
-		if err != nil {
-			return err
-		}
-		var skip uint64
-		switch key & 7 { // wire type
-		case 0:
-			if _, err := uvarint(&off); err != nil {
+	// fields walks the fields of message b, calling f with each field's
+	// number, wire type and payload (a length-delimited field's bytes; a
+	// varint's encoding).
+	fields := func(b []byte, f func(num uint64, wire uint64, payload []byte) error) error {
+		for off := 0; off < len(b); {
+			key, err := uvarint(b, &off)
+			if err != nil {
 				return err
 			}
-		case 1:
-			skip = 8
-		case 2:
-			if skip, err = uvarint(&off); err != nil {
+			start := off
+			var skip uint64
+			switch key & 7 { // wire type
+			case 0:
+				if _, err := uvarint(b, &off); err != nil {
+					return err
+				}
+			case 1:
+				skip = 8
+			case 2:
+				if skip, err = uvarint(b, &off); err != nil {
+					return err
+				}
+				start = off
+			case 5:
+				skip = 4
+			default:
+				return pprofError(fmt.Sprintf("wire type %d", key&7), nil)
+			}
+			if skip > uint64(len(b)-off) {
+				return pprofError("field runs past the end", io.ErrUnexpectedEOF)
+			}
+			off += int(skip)
+			if err := f(key>>3, key&7, b[start:off]); err != nil {
 				return err
 			}
-			if f := key >> 3; f >= 2 && f <= 5 {
-				records++
-			}
-		case 5:
-			skip = 4
-		default:
-			return pprofError(fmt.Sprintf("wire type %d", key&7), nil)
 		}
-		if skip > uint64(len(data)-off) {
-			return pprofError("field runs past the end", io.ErrUnexpectedEOF)
-		}
-		off += int(skip)
+		return nil
 	}
-	if records > len(data)/pprofBytesPerRecord {
-		return pprofError(fmt.Sprintf("%d samples, mappings, locations and functions in %d bytes (at most one per %d)", records, len(data), pprofBytesPerRecord), ErrTooLarge)
+	err := fields(data, func(num, wire uint64, payload []byte) error {
+		if wire != 2 || num < 2 || num > 6 {
+			return nil
+		}
+		records++
+		if num != 2 { // a sample: count its labels, location ids and values
+			return nil
+		}
+		return fields(payload, func(num, wire uint64, payload []byte) error {
+			switch {
+			case num == 3:
+				records++
+			case (num == 1 || num == 2) && wire == 0:
+				refs++
+			case (num == 1 || num == 2) && wire == 2: // packed varints
+				for _, c := range payload {
+					if c < 0x80 {
+						refs++
+					}
+				}
+			}
+			return nil
+		})
+	})
+	switch {
+	case err != nil:
+		return err
+	case records > len(data)/pprofBytesPerRecord || records > maxPprofRecords:
+		return pprofError(fmt.Sprintf("%d samples, mappings, locations, functions, strings and labels in %d bytes (at most one per %d, %d in all)",
+			records, len(data), pprofBytesPerRecord, maxPprofRecords), ErrTooLarge)
+	case refs > maxPprofRefs:
+		return pprofError(fmt.Sprintf("%d location ids and sample values (at most %d)", refs, maxPprofRefs), ErrTooLarge)
 	}
 	return nil
 }

@@ -148,6 +148,14 @@ const (
 	maxPickleBytes     = 1 << 30
 	pickleBytesPerItem = 4
 	pickleTextPerByte  = 16
+	// maxPickleItems bounds the segments, blocks and trace entries of any
+	// pickle, whatever its size: 2²⁰, so that a snapshot, its report and
+	// a comparison of two stay within a gigabyte. Its decoded values are
+	// bounded likewise (maxDecoded, 256 MiB estimated).
+	maxPickleItems = 1 << 20
+	// maxPickleText bounds the tags' text likewise: 256 MiB, counted per
+	// tag (Stacks joins each block's frames into a string of its own).
+	maxPickleText = 256 << 20
 )
 
 // ReadPickle reads a snapshot pickle written by WritePickle or by PyTorch
@@ -159,8 +167,10 @@ const (
 // free_requested entries are dropped, free_completed ones become frees.
 // Malformed input gives a *FormatError wrapping ErrFormat; input past
 // ReadPickle's caps (over 1 GiB, or more than one segment, block or trace
-// entry per 4 bytes, repeats included; tags of more than 16 bytes of text
-// per input byte) one wrapping ErrFormat and ErrTooLarge. Its time and
+// entry per 4 bytes, repeats included, or 2²⁰ in all; decoded values past
+// 256 MiB; tags of more than 16 bytes of text per input byte, or 256 MiB
+// in all) one wrapping
+// ErrFormat and ErrTooLarge. Its time and
 // memory are linear in the input's size (the tests hold it to 256 allocated
 // bytes per input byte).
 func ReadPickle(r io.Reader) (Snapshot, error) {
@@ -175,7 +185,7 @@ func ReadPickle(r io.Reader) (Snapshot, error) {
 	if err != nil {
 		return Snapshot{}, err
 	}
-	s, err := snapshotOf(v, &budget{items: len(data) / pickleBytesPerItem, text: len(data) * pickleTextPerByte})
+	s, err := snapshotOf(v, &budget{items: min(len(data)/pickleBytesPerItem, maxPickleItems), text: min(len(data)*pickleTextPerByte, maxPickleText)})
 	if err != nil {
 		return Snapshot{}, err
 	}
@@ -198,7 +208,7 @@ type budget struct{ items, text int }
 func (b *budget) spend(n int) error {
 	if n > b.items {
 		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
-			Msg: fmt.Sprintf("more segments, blocks and trace entries than one per %d input bytes (memo references count each time they repeat one)", pickleBytesPerItem)}
+			Msg: fmt.Sprintf("more segments, blocks and trace entries than one per %d input bytes or %d in all (memo references count each time they repeat one)", pickleBytesPerItem, maxPickleItems)}
 	}
 	b.items -= n
 	return nil
@@ -209,7 +219,7 @@ func (b *budget) spendText(t alloc.Tag) error {
 	n := len(t.Op) + len(t.Scope)
 	if n > b.text {
 		return &FormatError{Format: "pickle", Offset: -1, Err: ErrTooLarge,
-			Msg: fmt.Sprintf("tags hold more than %d bytes of frame text per input byte (shared frames count each time)", pickleTextPerByte)}
+			Msg: fmt.Sprintf("tags hold more than %d bytes of frame text per input byte or %d MiB in all (shared frames count each time)", pickleTextPerByte, maxPickleText>>20)}
 	}
 	b.text -= n
 	return nil
@@ -265,8 +275,10 @@ func snapshotOf(v any, left *budget) (Snapshot, error) {
 				return Snapshot{}, err
 			}
 			var evs []alloc.Event
+			what := &where{trace: true, dev: i}
 			for j, ev := range l.items {
-				e, keep, err := eventOf(ev, i, j, left)
+				what.entry = j
+				e, keep, err := eventOf(ev, j, what, left)
 				if err != nil {
 					return Snapshot{}, err
 				}
@@ -290,7 +302,32 @@ func snapshotOf(v any, left *budget) (Snapshot, error) {
 }
 
 // field reads key k of d as a T; optional fields may be absent.
-func field[T any](d *pyDict, k, what string, optional bool) (T, bool, error) {
+// where names the value being read, for errors only: one per pickle,
+// updated as the reader goes, instead of a name formatted for every block.
+type where struct {
+	trace      bool // device_traces[dev][entry], else segment seg (block block when ≥ 0)
+	seg, block int
+	dev, entry int
+	frame      bool // the value's innermost frame
+}
+
+func (w *where) String() string {
+	var s string
+	switch {
+	case w.trace:
+		s = fmt.Sprintf("device_traces[%d][%d]", w.dev, w.entry)
+	case w.block >= 0:
+		s = fmt.Sprintf("segment %d block %d", w.seg, w.block)
+	default:
+		s = fmt.Sprintf("segment %d", w.seg)
+	}
+	if w.frame {
+		s += " frame"
+	}
+	return s
+}
+
+func field[T any](d *pyDict, k string, what *where, optional bool) (T, bool, error) {
 	var zero T
 	v, ok := d.get(k)
 	if !ok {
@@ -307,7 +344,7 @@ func field[T any](d *pyDict, k, what string, optional bool) (T, bool, error) {
 }
 
 // count reads a non-negative integer field.
-func count(d *pyDict, k, what string, optional bool) (int64, bool, error) {
+func count(d *pyDict, k string, what *where, optional bool) (int64, bool, error) {
 	n, ok, err := field[int64](d, k, what, optional)
 	if err == nil && n < 0 {
 		err = schemaError("%s: %q is %d, want ≥ 0", what, k, n)
@@ -319,7 +356,7 @@ func segmentOf(d *pyDict, i int, left *budget) (int, alloc.SegmentInfo, error) {
 	if err := left.spend(1); err != nil {
 		return 0, alloc.SegmentInfo{}, err
 	}
-	what := fmt.Sprintf("segment %d", i)
+	what := &where{seg: i, block: -1}
 	device, _, err := count(d, "device", what, true)
 	if err != nil {
 		return 0, alloc.SegmentInfo{}, err
@@ -354,17 +391,17 @@ func segmentOf(d *pyDict, i int, left *budget) (int, alloc.SegmentInfo, error) {
 	}
 	at := seg.Addr
 	for j, bv := range blocks.items {
-		bwhat := fmt.Sprintf("segment %d block %d", i, j)
+		what.block = j
 		bd, ok := bv.(*pyDict)
 		if !ok {
-			return 0, seg, schemaError("%s is a %s, want a dict", bwhat, pyType(bv))
+			return 0, seg, schemaError("%s is a %s, want a dict", what, pyType(bv))
 		}
-		b, err := blockOf(bd, at, bwhat, left)
+		b, err := blockOf(bd, at, what, left)
 		if err != nil {
 			return 0, seg, err
 		}
 		if active(b.State) {
-			seg.Allocated += b.Size
+			seg.Allocated = addBytes(seg.Allocated, b.Size)
 		}
 		seg.Blocks = append(seg.Blocks, b)
 		at = b.Addr + alloc.Ptr(b.Size)
@@ -372,7 +409,7 @@ func segmentOf(d *pyDict, i int, left *budget) (int, alloc.SegmentInfo, error) {
 	return int(device), seg, nil
 }
 
-func blockOf(d *pyDict, at alloc.Ptr, what string, left *budget) (alloc.BlockInfo, error) {
+func blockOf(d *pyDict, at alloc.Ptr, what *where, left *budget) (alloc.BlockInfo, error) {
 	// Old snapshots have no block addresses: blocks follow each other.
 	addr, ok, err := count(d, "address", what, true)
 	if err != nil {
@@ -410,7 +447,7 @@ func blockOf(d *pyDict, at alloc.Ptr, what string, left *budget) (alloc.BlockInf
 
 // tagOf reads the innermost frame of d's "frames" as a tag, taking its
 // text from left.
-func tagOf(d *pyDict, what string, left *budget) (alloc.Tag, error) {
+func tagOf(d *pyDict, what *where, left *budget) (alloc.Tag, error) {
 	fs, ok, err := field[*pyList](d, "frames", what, true)
 	if err != nil || !ok || len(fs.items) == 0 {
 		return alloc.Tag{Node: -1}, err
@@ -419,7 +456,9 @@ func tagOf(d *pyDict, what string, left *budget) (alloc.Tag, error) {
 	if !ok {
 		return alloc.Tag{}, schemaError("%s: frame is a %s, want a dict", what, pyType(fs.items[0]))
 	}
-	fwhat := what + " frame"
+	what.frame = true
+	defer func() { what.frame = false }()
+	fwhat := what
 	name, _, err := field[string](f, "name", fwhat, false)
 	if err != nil {
 		return alloc.Tag{}, err
@@ -441,8 +480,7 @@ func tagOf(d *pyDict, what string, left *budget) (alloc.Tag, error) {
 
 // eventOf converts trace entry j of device i; keep is false for entries
 // with no allocator event of their own.
-func eventOf(v any, i, j int, left *budget) (alloc.Event, bool, error) {
-	what := fmt.Sprintf("device_traces[%d][%d]", i, j)
+func eventOf(v any, j int, what *where, left *budget) (alloc.Event, bool, error) {
 	d, ok := v.(*pyDict)
 	if !ok {
 		return alloc.Event{}, false, schemaError("%s is a %s, want a dict", what, pyType(v))
@@ -495,15 +533,15 @@ func totals(d *DeviceSnapshot) {
 	for i := len(d.Trace) - 1; i >= 0; i-- {
 		e := &d.Trace[i]
 		e.Allocated, e.Reserved = allocated, reserved
-		switch e.Kind {
+		switch e.Kind { // sizes from a file: saturated, never wrapped
 		case alloc.EventAlloc:
-			allocated -= e.Size
+			allocated = addBytes(allocated, -e.Size)
 		case alloc.EventFree:
-			allocated += e.Size
+			allocated = addBytes(allocated, e.Size)
 		case alloc.EventSegmentAlloc:
-			reserved -= e.Size
+			reserved = addBytes(reserved, -e.Size)
 		case alloc.EventSegmentFree:
-			reserved += e.Size
+			reserved = addBytes(reserved, e.Size)
 		}
 	}
 }

@@ -196,8 +196,12 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		}
 	}
 	for _, id := range o.Trained {
-		if id < 0 || id >= n || nodes[id].Op != graph.OpParam {
-			return nil, graph.Errorf(graph.ErrArity, "planner: trained node %d is not a parameter", id)
+		if id < 0 || id >= n {
+			return nil, graph.Errorf(graph.ErrArity, "planner: trained node %d is not a node of the graph", id)
+		}
+		if nd := &nodes[id]; nd.Op != graph.OpParam {
+			return nil, &graph.OpError{Op: "compile", Site: nd.Site, Err: graph.Errorf(graph.ErrNotParam,
+				"planner: trained node %d (%s %q) is not a parameter", id, nd.Op, nd.Name)}
 		}
 		for slot := range o.StateSlots {
 			t := tag(&nodes[id])

@@ -22,7 +22,7 @@ func TestScalerDefaults(t *testing.T) {
 	assert.Equal(t, float32(1<<16), s.Scale())
 	s.Update(false)
 	assert.Equal(t, float32(1<<15), s.Scale())
-	assert.Equal(t, precision.ScalerStats{Scale: 1 << 15, Steps: 1, Skipped: 1, LastSkipped: true}, s.Stats())
+	assert.Equal(t, precision.ScalerStats{Scale: 1 << 15, Steps: 1, Skipped: 1, SkippedInARow: 1, LastSkipped: true}, s.Stats())
 	for range 1999 {
 		s.Update(true)
 	}
@@ -34,7 +34,7 @@ func TestScalerDefaults(t *testing.T) {
 }
 
 // A skipped step restarts the run of good steps; growth that would
-// overflow float32 leaves the scale as it is; backoff never reaches 0.
+// overflow float32 leaves the scale as it is; backoff stops at the floor.
 func TestScalerUpdate(t *testing.T) {
 	s, err := precision.NewScaler(precision.LossScale{Init: 8, Growth: 4, Backoff: 0.25, Interval: 3})
 	require.NoError(t, err)
@@ -51,19 +51,19 @@ func TestScalerUpdate(t *testing.T) {
 	assert.Equal(t, float32(math.MaxFloat32), s.Scale(), "2·MaxFloat32 is inf: no growth")
 	assert.Zero(t, s.Stats().GoodInARow, "the tracker restarts all the same, as GradScaler's")
 
-	s, err = precision.NewScaler(precision.LossScale{Init: 1e-44})
+	s, err = precision.NewScaler(precision.LossScale{Init: 1e-30})
 	require.NoError(t, err)
 	for range 5 {
 		s.Update(false)
 	}
-	assert.Equal(t, float32(math.SmallestNonzeroFloat32), s.Scale())
+	assert.Equal(t, float32(1e-30), s.Scale(), "an Init below 1 is the floor")
 }
 
 func TestLossScaleValidate(t *testing.T) {
 	require.NoError(t, precision.LossScale{}.Validate())
 	require.NoError(t, precision.LossScale{Off: true}.Validate())
 	for _, o := range []precision.LossScale{
-		{Init: -1}, {Init: math.NaN()}, {Init: math.Inf(1)}, {Init: 1e39}, {Init: 1e-50},
+		{Init: -1}, {Init: math.NaN()}, {Init: math.Inf(1)}, {Init: 1e39}, {Init: 1e-50}, {Init: 1e-44},
 		{Growth: 1}, {Growth: 0.5}, {Growth: math.Inf(1)}, {Growth: math.NaN()},
 		{Backoff: 1}, {Backoff: -0.5}, {Backoff: 2}, {Backoff: math.NaN()},
 		{Interval: -1},
@@ -162,14 +162,14 @@ func TestScalerSetStatsResumes(t *testing.T) {
 	require.NoError(t, err)
 	outcomes := []bool{true, false, true, true, true, true, false, true}
 	for _, ok := range outcomes[:4] {
-		a.Update(ok)
+		require.NoError(t, a.Update(ok))
 	}
 	b, err := precision.NewScaler(o)
 	require.NoError(t, err)
 	require.NoError(t, b.SetStats(a.Stats()))
 	for _, ok := range outcomes[4:] {
-		a.Update(ok)
-		b.Update(ok)
+		require.NoError(t, a.Update(ok))
+		require.NoError(t, b.Update(ok))
 		require.Equal(t, a.Stats(), b.Stats())
 	}
 	before := b.Stats()
@@ -177,8 +177,73 @@ func TestScalerSetStatsResumes(t *testing.T) {
 		{Scale: 0}, {Scale: float32(math.Inf(1))}, {Scale: float32(math.NaN())},
 		{Scale: 1, GoodInARow: 3}, {Scale: 1, GoodInARow: -1},
 		{Scale: 1, Steps: 1, Skipped: 2}, {Scale: 1, LastSkipped: true},
+		{Scale: 0.5}, // below the default MinScale, 1
+		{Scale: 1, Steps: 2, Skipped: 1, SkippedInARow: 2, LastSkipped: true},
+		{Scale: 1, Steps: 1, Skipped: 1, SkippedInARow: 1},
+		{Scale: 1, Steps: 2, Skipped: 1, SkippedInARow: 1, GoodInARow: 1, LastSkipped: true},
 	} {
 		require.ErrorIs(t, b.SetStats(bad), precision.ErrLossScale, "%+v", bad)
 	}
 	require.Equal(t, before, b.Stats())
+
+	// Restored in a run of skips at the floor, it collapses as the saved
+	// one does, counting the skips before the save.
+	o = precision.LossScale{Init: 4}
+	a, err = precision.NewScaler(o)
+	require.NoError(t, err)
+	for range 2 { // 4, 2, then the floor
+		require.NoError(t, a.Update(false))
+	}
+	require.Equal(t, precision.ScalerStats{Scale: 1, Steps: 2, Skipped: 2, SkippedInARow: 2, LastSkipped: true}, a.Stats())
+	b, err = precision.NewScaler(o)
+	require.NoError(t, err)
+	require.NoError(t, b.SetStats(a.Stats()))
+	require.ErrorIs(t, a.Update(false), precision.ErrScaleCollapse)
+	require.ErrorIs(t, b.Update(false), precision.ErrScaleCollapse, "restored at the floor")
+	require.Equal(t, a.Stats(), b.Stats())
+	require.Equal(t, 3, b.Stats().SkippedInARow, "the skips before the save count")
+}
+
+// Backoff stops at MinScale (1 by default, DeepSpeed's min_loss_scale),
+// so 1/S stays finite and a clean step after a run of bad ones is not
+// skipped. A step that is not finite at the floor is a collapse: Update
+// reports it, an error wrapping ErrScaleCollapse, each time, instead of
+// letting the scale sink to float32's subnormals and every later step be
+// skipped. A good step at the floor runs.
+func TestScalerCollapse(t *testing.T) {
+	s, err := precision.NewScaler(precision.LossScale{})
+	require.NoError(t, err)
+	for i := range 16 {
+		require.NoError(t, s.Update(false), "skipped step %d: the scale backs off", i)
+	}
+	assert.Equal(t, float32(1), s.Scale())
+	for i := range 200 {
+		err := s.Update(false)
+		require.ErrorIs(t, err, precision.ErrScaleCollapse, "skipped step %d at the floor", 16+i)
+		require.Equal(t, float32(1), s.Scale(), "never below the floor")
+	}
+	assert.Equal(t, 216, s.Stats().Skipped)
+	require.NoError(t, s.Update(true), "a good step at the floor")
+	assert.Equal(t, float32(1), s.Scale())
+	assert.Equal(t, 1, s.Stats().GoodInARow)
+	require.ErrorIs(t, s.Update(false), precision.ErrScaleCollapse, "a bad step at the floor, after a good one")
+
+	// The floor is configurable down to 2⁻¹²⁶, float32's smallest normal,
+	// whose reciprocal is finite; below it, or above Init, is refused.
+	s, err = precision.NewScaler(precision.LossScale{Init: 1, MinScale: 0x1p-126})
+	require.NoError(t, err)
+	for range 126 {
+		require.NoError(t, s.Update(false))
+	}
+	assert.Equal(t, float32(0x1p-126), s.Scale())
+	assert.False(t, math.IsInf(float64(1/s.Scale()), 0), "1/S is finite at the floor")
+	require.ErrorIs(t, s.Update(false), precision.ErrScaleCollapse)
+	for _, o := range []precision.LossScale{{MinScale: 0x1p-127}, {MinScale: -1}, {MinScale: math.NaN()}, {Init: 4, MinScale: 8}} {
+		require.ErrorIs(t, o.Validate(), precision.ErrLossScale, "%+v", o)
+	}
+	// An Init below 1 is its own floor unless MinScale says otherwise.
+	s, err = precision.NewScaler(precision.LossScale{Init: 0.25})
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Update(false), precision.ErrScaleCollapse)
+	assert.Equal(t, float32(0.25), s.Scale())
 }

@@ -6,34 +6,51 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
-	"os"
+
+	"github.com/batchfit/batchfit/internal/safefile"
 )
 
 // MaxProfileBytes caps a profile file: one is a few hundred bytes.
 const MaxProfileBytes = 64 << 10
 
 // ErrProfile marks a profile file that cannot be used: too large, not
-// JSON, unknown fields, or figures that are not positive finite numbers.
+// JSON, unknown fields, or figures outside the plausible bounds below.
 var ErrProfile = errors.New("recompute: bad profile")
 
-// Validate checks that every rate is a positive finite number.
+// A profile's plausible bounds: any device's rates, bandwidths and launch
+// cost lie within them by orders of magnitude either way (the H100's FP32
+// GEMM is 5e13 flop/s, a laptop core's 1e10; HBM3 streams 3e12 B/s, PCIe
+// 3 x1 1e9), and within them a step's predicted time stays far inside a
+// time.Duration.
+const (
+	MinRate, MaxRate           = 1e6, 1e18 // flop/s
+	MinBandwidth, MaxBandwidth = 1e6, 1e15 // bytes/s
+	MinLaunch, MaxLaunch       = 1e-9, 1.0 // seconds
+)
+
+// Validate checks that every figure is a finite number within the
+// plausible bounds (MinRate…MaxRate and so on; the optional ones may be
+// 0, for "not measured").
 func (p Profile) Validate() error {
+	const rate, bandwidth, launch = 0, 1, 2
+	bounds := [3][2]float64{{MinRate, MaxRate}, {MinBandwidth, MaxBandwidth}, {MinLaunch, MaxLaunch}}
 	for _, f := range []struct {
 		name string
 		v    float64
 		opt  bool
-	}{{"matmul_flops", p.MatMulFLOPS, false}, {"tf32_flops", p.TF32FLOPS, true},
-		{"half_flops", p.HalfFLOPS, true}, {"half_unaligned_flops", p.HalfUnalignedFLOPS, true},
-		{"half_conv_flops", p.HalfConvFLOPS, true},
-		{"attention_flops", p.AttentionFLOPS, true}, {"half_attention_flops", p.HalfAttentionFLOPS, true},
-		{"vector_flops", p.VectorFLOPS, false},
-		{"bandwidth", p.Bandwidth, false}, {"launch", p.Launch, true}, {"host_bandwidth", p.HostBandwidth, true}} {
+		kind int
+	}{{"matmul_flops", p.MatMulFLOPS, false, rate}, {"tf32_flops", p.TF32FLOPS, true, rate},
+		{"half_flops", p.HalfFLOPS, true, rate}, {"half_unaligned_flops", p.HalfUnalignedFLOPS, true, rate},
+		{"half_conv_flops", p.HalfConvFLOPS, true, rate},
+		{"attention_flops", p.AttentionFLOPS, true, rate}, {"half_attention_flops", p.HalfAttentionFLOPS, true, rate},
+		{"vector_flops", p.VectorFLOPS, false, rate},
+		{"bandwidth", p.Bandwidth, false, bandwidth}, {"launch", p.Launch, true, launch},
+		{"host_bandwidth", p.HostBandwidth, true, bandwidth}} {
 		if f.opt && f.v == 0 {
 			continue
 		}
-		if math.IsNaN(f.v) || math.IsInf(f.v, 0) || f.v <= 0 || (f.name == "launch" && f.v > 1) {
-			return fmt.Errorf("%w: %s is %v", ErrProfile, f.name, f.v)
+		if b := bounds[f.kind]; !(f.v >= b[0] && f.v <= b[1]) { // NaN fails too
+			return fmt.Errorf("%w: %s is %v, outside the plausible %g to %g", ErrProfile, f.name, f.v, b[0], b[1])
 		}
 	}
 	return nil
@@ -73,9 +90,11 @@ func LoadProfile(name string) (Profile, error) {
 	if p, ok := Profiles()[name]; ok {
 		return p, nil
 	}
-	f, err := os.Open(name)
+	// A profile file is hostile input: a regular file of at most
+	// MaxProfileBytes (a FIFO or /dev/zero is refused at once).
+	f, _, err := safefile.Open(name, MaxProfileBytes)
 	if err != nil {
-		return Profile{}, fmt.Errorf("%w: %v (built-in profiles: default, h100)", ErrProfile, err)
+		return Profile{}, fmt.Errorf("%w: %w (built-in profiles: default, h100)", ErrProfile, err)
 	}
 	defer f.Close()
 	return ReadProfile(f)

@@ -148,3 +148,32 @@ func TestCostOfFusedAttention(t *testing.T) {
 	assert.GreaterOrEqual(t, cost.FLOPs, products)
 	assert.Less(t, cost.FLOPs, 1.1*products)
 }
+
+// A profile's figures must be plausible for a device: rates from 1e6 to
+// 1e18 flop/s, bandwidths from 1e6 to 1e15 B/s, a launch from 1 ns to 1 s.
+// Rates of 1e-300 (a step time past any Duration) or 1e300 are ErrProfile,
+// from ReadProfile and Validate; the built-in profiles pass.
+func TestProfileBounds(t *testing.T) {
+	for name, p := range recompute.Profiles() {
+		require.NoError(t, p.Validate(), name)
+	}
+	tiny := `{"name":"x","matmul_flops":1e-300,"vector_flops":1e-300,"bandwidth":1e-300,"launch":1e-300}`
+	_, err := recompute.ReadProfile(strings.NewReader(tiny))
+	require.ErrorIs(t, err, recompute.ErrProfile)
+	for _, mod := range []func(*recompute.Profile){
+		func(p *recompute.Profile) { p.MatMulFLOPS = 1e-300 },
+		func(p *recompute.Profile) { p.MatMulFLOPS = 1e300 },
+		func(p *recompute.Profile) { p.TF32FLOPS = 1 },
+		func(p *recompute.Profile) { p.HalfFLOPS = 1e19 },
+		func(p *recompute.Profile) { p.VectorFLOPS = 5e5 },
+		func(p *recompute.Profile) { p.Bandwidth = 1e16 },
+		func(p *recompute.Profile) { p.Bandwidth = 1 },
+		func(p *recompute.Profile) { p.HostBandwidth = 1e-300 },
+		func(p *recompute.Profile) { p.Launch = 1e-12 },
+		func(p *recompute.Profile) { p.Launch = 2 },
+	} {
+		p := recompute.H100Profile()
+		mod(&p)
+		require.ErrorIs(t, p.Validate(), recompute.ErrProfile, "%+v", p)
+	}
+}

@@ -28,16 +28,12 @@ type File struct {
 // be a regular file: it is opened non-blocking and checked with fstat, so
 // a FIFO, device or directory fails with ErrNotRegular at once.
 func Open(path string) (*File, error) {
-	f, err := safefile.Open(path)
+	// No bound on the file's size: reads stream, and the header has its
+	// own (MaxHeaderBytes).
+	f, size, err := safefile.Open(path, math.MaxInt64)
 	if err != nil {
 		return nil, err
 	}
-	st, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, err
-	}
-	size := st.Size()
 	fail := func(err error) (*File, error) {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", path, err)

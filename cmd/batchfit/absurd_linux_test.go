@@ -44,6 +44,7 @@ func runChild(t *testing.T, args ...string) (code int, stdout, stderr string, wa
 // run at a time. A batch whose tensors cannot exist is a clean error.
 func TestAbsurdBatch(t *testing.T) {
 	if args := os.Getenv(cliEnv); args != "" {
+		tuneGC() // as main does
 		os.Exit(run(strings.Split(args, "\x1f"), os.Stdout, os.Stderr))
 	}
 	const bound = 256 << 20

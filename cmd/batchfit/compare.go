@@ -70,7 +70,7 @@ func runCompare(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	}
 	var files [2]*snapshotFile
 	for i, path := range []string{c.before, c.after} {
-		if files[i], err = readSnapshotFile(path, stdin); err != nil {
+		if files[i], err = readSnapshotFile(path, stdin, "", ""); err != nil {
 			fmt.Fprintf(stderr, "batchfit compare: %v\n", err)
 			return exitPlan
 		}
@@ -93,14 +93,6 @@ func runCompare(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	return exitOK
 }
 
-func stackTotal(s []memviz.StackBytes) int64 {
-	var n int64
-	for _, x := range s {
-		n += x.Bytes
-	}
-	return n
-}
-
 // signed formats a byte delta with its sign.
 func signed(n int64) string {
 	switch {
@@ -115,7 +107,7 @@ func signed(n int64) string {
 // writeStackDeltas prints the stacks whose bytes differ, largest change
 // first, or with --folded "stack before after" lines.
 func writeStackDeltas(w io.Writer, c *compareConfig, a, b *snapshotFile) error {
-	deltas := memviz.CompareStacks(a.stacks, b.stacks)
+	deltas := memviz.CompareStacks(a.Stacks(), b.Stacks())
 	changed := len(deltas)
 	if c.top > 0 && len(deltas) > c.top {
 		deltas = deltas[:c.top]
@@ -130,9 +122,9 @@ func writeStackDeltas(w io.Writer, c *compareConfig, a, b *snapshotFile) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	for i, f := range []*snapshotFile{a, b} {
 		fmt.Fprintf(tw, "%s\t%s (%s): %s in %d stacks\n", [2]string{"before", "after"}[i], f.path, f.format,
-			alloc.FormatBytes(stackTotal(f.stacks)), len(f.stacks))
+			alloc.FormatBytes(memviz.TotalBytes(f.Stacks())), len(f.Stacks()))
 	}
-	fmt.Fprintf(tw, "change\t%s\n", signed(stackTotal(b.stacks)-stackTotal(a.stacks)))
+	fmt.Fprintf(tw, "change\t%s\n", signed(memviz.TotalBytes(b.Stacks())-memviz.TotalBytes(a.Stacks())))
 	if err := tw.Flush(); err != nil {
 		return err
 	}

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"sort"
+	"strconv"
 	"text/tabwriter"
 	"time"
 
@@ -503,8 +505,18 @@ func dash(s string) string {
 	return s
 }
 
-// round prints seconds to three significant digits or 0.1 ms.
+// round prints seconds to three significant digits or 0.1 ms. A time
+// past what a time.Duration holds (292 years; the cost model's rates are
+// bounded, so only an absurd model gets there) prints as seconds in
+// floating point rather than as a wrapped negative duration.
 func round(s float64) string {
+	const maxSeconds = float64(math.MaxInt64/time.Second) - 1
+	switch {
+	case math.IsInf(s, 0) || math.IsNaN(s):
+		return fmt.Sprintf("%+v s", s)
+	case math.Abs(s) > maxSeconds:
+		return strconv.FormatFloat(s, 'g', 3, 64) + "s"
+	}
 	d := time.Duration(s * float64(time.Second))
 	unit := 100 * time.Microsecond
 	for unit < d/100 {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"syscall"
 	"unicode/utf8"
 
+	"github.com/batchfit/batchfit/internal/safefile"
 	"github.com/batchfit/batchfit/memviz"
 )
 
@@ -25,10 +27,11 @@ const (
 var formats = []string{formatPickle, formatPprof, formatFolded}
 
 // File errors. A *fileError wraps errFileKind, or memviz.ErrTooLarge for a
-// file over maxFile, or the os error (errors.Is fs.ErrNotExist,
-// fs.ErrPermission), or the reader's *memviz.FormatError (memviz.ErrFormat,
-// with io.ErrUnexpectedEOF for a truncated file and memviz.ErrTooLarge for
-// one past the reader's caps).
+// file over maxFile, or safefile.ErrNotRegular for a FIFO, a device or a
+// directory (with syscall.EISDIR), or the os error (errors.Is
+// fs.ErrNotExist, fs.ErrPermission), or the reader's *memviz.FormatError
+// (memviz.ErrFormat, with io.ErrUnexpectedEOF for a truncated file and
+// memviz.ErrTooLarge for one past the reader's caps).
 var errFileKind = errors.New("wrong kind of snapshot file")
 
 // fileError is a snapshot file that could not be read or written.
@@ -48,8 +51,10 @@ func (e *fileError) Error() string {
 
 func (e *fileError) Unwrap() error { return e.Err }
 
-// maxFile bounds what the CLI reads: memviz's readers stop at 1 GiB.
-const maxFile = 1 << 30
+// maxFile bounds what the CLI reads, from fstat before a byte is read
+// (standard input: as it is read): 256 MiB. Within it every reader keeps
+// to its own caps (memviz's), which hold a command to about a gigabyte.
+const maxFile = 256 << 20
 
 // extensions are the file-name endings that tell each format, compared
 // without case.
@@ -113,66 +118,83 @@ func sniff(path string, head []byte) (format, how string) {
 type snapshotFile struct {
 	path   string
 	format string
-	how    string              // what decided the format (see sniff)
-	snap   *memviz.Snapshot    // pickle
-	stacks []memviz.StackBytes // every format: a pickle's blocks summed by stack
+	how    string           // what decided the format (see sniff)
+	snap   *memviz.Snapshot // pickle
+	stacks []memviz.StackBytes
+}
+
+// Stacks is the file's stacks: a pickle's blocks summed by stack (worked
+// out on first use), the stacks of the other formats.
+func (f *snapshotFile) Stacks() []memviz.StackBytes {
+	if f.stacks == nil && f.snap != nil {
+		f.stacks = memviz.Stacks(*f.snap, nil)
+	}
+	return f.stacks
 }
 
 // readSnapshotFile reads path (or standard input for "-") in the format
-// its content or name says. Every error is a *fileError.
-func readSnapshotFile(path string, stdin io.Reader) (*snapshotFile, error) {
-	data, err := readAll(path, stdin)
+// its content or name says, streaming it into the reader. With only set,
+// a file in another format is refused (errFileKind, why) once its first
+// bytes have said so, before it is parsed. Every error is a *fileError.
+func readSnapshotFile(path string, stdin io.Reader, only, why string) (*snapshotFile, error) {
+	r, closeFile, err := openInput(path, stdin)
 	if err != nil {
 		return nil, &fileError{Path: path, Err: err}
 	}
+	defer closeFile()
+	br := bufio.NewReaderSize(r, 64<<10)
+	head, err := br.Peek(512)
+	if err != nil && err != io.EOF && !errors.Is(err, bufio.ErrBufferFull) {
+		return nil, &fileError{Path: path, Err: err}
+	}
 	f := &snapshotFile{path: path}
-	f.format, f.how = sniff(path, data[:min(len(data), 512)])
+	f.format, f.how = sniff(path, head)
 	fail := func(err error) (*snapshotFile, error) {
 		return nil, &fileError{Path: path, Format: f.format, How: f.how, Err: err}
 	}
-	if len(data) == 0 {
+	if len(head) == 0 {
 		return fail(&memviz.FormatError{Format: f.format, Offset: -1, Msg: "empty file", Err: io.ErrUnexpectedEOF})
 	}
-	r := bytes.NewReader(data)
+	if only != "" && f.format != only {
+		return fail(fmt.Errorf("%w: %s; %s files hold stacks only", errFileKind, why, f.format))
+	}
+	// Standard input has no fstat: one byte past maxFile is an error.
+	lr := &io.LimitedReader{R: br, N: maxFile + 1}
 	switch f.format {
 	case formatPickle:
-		s, err := memviz.ReadPickle(r)
-		if err != nil {
-			return fail(err)
+		var s memviz.Snapshot
+		if s, err = memviz.ReadPickle(lr); err == nil {
+			f.snap = &s
 		}
-		f.snap = &s
-		f.stacks = memviz.Stacks(s, nil)
 	case formatPprof:
-		if f.stacks, err = memviz.ReadPprof(r); err != nil {
-			return fail(err)
-		}
+		f.stacks, err = memviz.ReadPprof(lr)
 	case formatFolded:
-		if f.stacks, err = memviz.ReadFolded(r); err != nil {
-			return fail(err)
-		}
+		f.stacks, err = memviz.ReadFolded(lr)
+	}
+	if lr.N <= 0 {
+		return fail(fmt.Errorf("%w: more than %d bytes", memviz.ErrTooLarge, maxFile))
+	}
+	if err != nil {
+		return fail(err)
 	}
 	return f, nil
 }
 
-// readAll reads a file of at most maxFile bytes; "-" is standard input.
-func readAll(path string, stdin io.Reader) ([]byte, error) {
-	var r io.Reader = stdin
-	if path != "-" {
-		f, err := os.Open(path)
-		if err != nil {
-			return nil, err
-		}
-		defer f.Close()
-		r = f // a directory fails on read, wrapping syscall.EISDIR
+// openInput opens path as hostile input (safefile: a regular file, of at
+// most maxFile bytes by fstat, opened without blocking), or returns stdin
+// for "-".
+func openInput(path string, stdin io.Reader) (io.Reader, func(), error) {
+	if path == "-" {
+		return stdin, func() {}, nil
 	}
-	data, err := io.ReadAll(io.LimitReader(r, maxFile+1))
+	f, _, err := safefile.Open(path, maxFile)
+	if errors.Is(err, safefile.ErrTooLarge) {
+		err = fmt.Errorf("%w: %w", memviz.ErrTooLarge, err)
+	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if len(data) > maxFile {
-		return nil, fmt.Errorf("%w: more than %d bytes", memviz.ErrTooLarge, maxFile)
-	}
-	return data, nil
+	return f, func() { f.Close() }, nil
 }
 
 // writeFile writes path through write, into a temporary file beside it

@@ -24,7 +24,7 @@ func FuzzReadSnapshotFile(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
-		_, err := readSnapshotFile("-", bytes.NewReader(data))
+		_, err := readSnapshotFile("-", bytes.NewReader(data), "", "")
 		runtime.ReadMemStats(&after)
 		if used, bound := after.TotalAlloc-before.TotalAlloc, 128*16*uint64(len(data))+4<<20; used > bound {
 			t.Fatalf("allocated %d bytes reading %d (bound %d)", used, len(data), bound)

@@ -28,11 +28,7 @@ func writeHTMLPage(w io.Writer, c *estimateConfig, s *simulated, measured []plan
 // reportHTML writes the report page of the snapshot file c.file (read by
 // the same readers as report FILE) to c.out.
 func reportHTML(c *reportConfig, stdin io.Reader, stdout, stderr io.Writer) int {
-	f, err := readSnapshotFile(c.file, stdin)
-	if err == nil && f.snap == nil {
-		err = &fileError{Path: c.file, Format: f.format, How: f.how,
-			Err: fmt.Errorf("%w: the report page draws a pickle snapshot; %s files hold stacks only", errFileKind, f.format)}
-	}
+	f, err := readSnapshotFile(c.file, stdin, formatPickle, "the report page draws a pickle snapshot")
 	var n int64
 	if err == nil {
 		n, err = writeFile(c.out, stdout, func(w io.Writer) error {

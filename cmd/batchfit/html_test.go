@@ -222,6 +222,8 @@ func TestSnapshotHTMLRun(t *testing.T) {
 		_, err := parseSnapshot(args)
 		assert.ErrorIs(t, err, errNotApplicable, "%v", args)
 	}
+	_, err = parseSnapshot([]string{"--model", "mlp", "--batch", "1000000", "--budget", "1GiB", "--run", "-o", "x.html"})
+	assert.ErrorIs(t, err, errRange, "a million samples of random data")
 	c, err := parseSnapshot([]string{"--model", "mlp", "--batch", "8", "--budget", "1GiB", "--format", "html", "-o", "-"})
 	require.NoError(t, err)
 	assert.Equal(t, formatHTML, c.format)

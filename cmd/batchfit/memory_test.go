@@ -479,7 +479,7 @@ func TestUnreadableFilesGiveTypedErrors(t *testing.T) {
 	good := writeSnapshot(t, dir, "ok.pickle", 64)
 	for _, f := range badFiles(t, dir) {
 		t.Run(f.name, func(t *testing.T) {
-			_, err := readSnapshotFile(f.path, nil)
+			_, err := readSnapshotFile(f.path, nil, "", "")
 			require.Error(t, err)
 			var fe *fileError
 			require.ErrorAs(t, err, &fe)
@@ -487,12 +487,19 @@ func TestUnreadableFilesGiveTypedErrors(t *testing.T) {
 			for _, w := range f.want {
 				assert.ErrorIs(t, err, w)
 			}
-			for _, args := range [][]string{{"compare", f.path, good}, {"compare", good, f.path}, {"report", f.path}} {
+			for _, args := range [][]string{{"compare", f.path, good}, {"compare", good, f.path}} {
 				code, stdout, stderr := runCLI(args...)
 				assert.Equal(t, exitPlan, code, "%q", args)
 				assert.Empty(t, stdout, "%q", args)
 				assert.Equal(t, "batchfit "+args[0]+": "+err.Error()+"\n", stderr, "%q: one line naming the file", args)
 			}
+			// report refuses a file that is not a pickle before parsing it:
+			// its error may be that one.
+			code, stdout, stderr := runCLI("report", f.path)
+			assert.Equal(t, exitPlan, code)
+			assert.Empty(t, stdout)
+			assert.True(t, strings.HasPrefix(stderr, "batchfit report: "+f.path), stderr)
+			assert.Equal(t, 1, strings.Count(stderr, "\n"), stderr)
 		})
 	}
 }
@@ -668,6 +675,10 @@ func TestReportUsageErrors(t *testing.T) {
 		{"seed without run", with("--seed", "3"), errNotApplicable},
 		{"run in half precision", with("--run", "--dtype", "float16"), errNotApplicable},
 		{"run GPT-2 small", []string{"--model", "gpt2-small", "--batch", "1", "--budget", "24GiB", "--run"}, errNotApplicable},
+		// 10⁶ MNIST-sized samples are 3 GB of random data: refused before
+		// any is drawn (it used to end in "fatal error: out of memory").
+		{"run a million samples", []string{"--model", "mlp", "--batch", "1000000", "--budget", "1GiB", "--run"}, errRange},
+		{"run a plan past the CPU's", []string{"--model", "mlp", "--batch", "60000", "--budget", "64GiB", "--run"}, errRange},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := parseReport(c.args)

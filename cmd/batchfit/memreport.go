@@ -17,9 +17,17 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
-// maxRunParams bounds the models --run executes: the CPU executor trains
-// the zoo's MLPs, ConvNet and tiny GPT in moments, GPT-2 small not.
-const maxRunParams = 32 << 20
+// What --run executes on the CPU, in host memory: models of at most
+// maxRunParams parameters (the CPU executor trains the zoo's MLPs, ConvNet
+// and tiny GPT in moments, GPT-2 small not), a batch of at most
+// maxRunData bytes of random inputs and labels, and a plan within a budget
+// of at most maxRunBudget (the CPU executor's buffers are host memory, as
+// much as the plan's peak).
+const (
+	maxRunParams = 32 << 20
+	maxRunData   = 512 << 20
+	maxRunBudget = 4 << 30
+)
 
 type reportConfig struct {
 	step      *estimateConfig // nil when reporting on a file
@@ -46,7 +54,7 @@ func reportFlags() (*flag.FlagSet, *reportFlagValues) {
 	addStepFlags(fs, &v.stepFlagValues)
 	fs.StringVar(&v.at, "at", atPeak, "`when`: peak (while the op at the predicted peak runs) or end (after the step)")
 	fs.BoolVar(&v.profile, "profile", false, "also print the per-op memory profile: bytes each op allocates and frees, live and peak bytes after it")
-	fs.BoolVar(&v.run, "run", false, "run the step on the CPU executor with random data and report measured figures beside the predicted ones (float32, models up to 32 Mi parameters)")
+	fs.BoolVar(&v.run, "run", false, "run the step on the CPU executor with random data and report measured figures beside the predicted ones (float32, models up to 32 Mi parameters, inputs up to 512 MiB, --budget up to 4 GiB)")
 	fs.Uint64Var(&v.seed, "seed", 1, "`seed` of the parameters and data of --run")
 	fs.BoolVar(&v.csv, "csv", false, "print one CSV table: the profile with --profile, the live tensors otherwise")
 	fs.BoolVar(&v.asJSON, "json", false, "print everything as JSON")
@@ -120,6 +128,30 @@ func runnable(c *estimateConfig) error {
 	if n := nn.NumParams(b.module); n > maxRunParams {
 		return usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
 			c.model.name, thousands(int64(n)), thousands(maxRunParams))
+	}
+	if c.budget > maxRunBudget {
+		return usagef(errRange, "--run executes on the CPU, in host memory: --budget %s is more than %s",
+			alloc.FormatBytes(c.budget), alloc.FormatBytes(maxRunBudget))
+	}
+	// The step's inputs at the full batch, shape only: their bytes are the
+	// random data --run would draw.
+	b = c.model.build(nn.Options{ShapeOnly: true}, c.batch, c.seq, c.train, nil)
+	out := b.output
+	if c.train {
+		out = b.loss
+	}
+	if err := out.Err(); err != nil {
+		return err
+	}
+	var data int64
+	for _, nd := range out.Graph().IR().Nodes() {
+		if nd.Op == graph.OpInput {
+			data += nd.Type.Bytes()
+		}
+	}
+	if data > maxRunData {
+		return usagef(errRange, "--run draws the batch's inputs at random: %s at --batch %d, more than %s",
+			alloc.FormatBytes(data), c.batch, alloc.FormatBytes(maxRunData))
 	}
 	return nil
 }
@@ -223,13 +255,9 @@ func runReport(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 }
 
 func reportFile(c *reportConfig, stdin io.Reader) (*memReport, error) {
-	f, err := readSnapshotFile(c.file, stdin)
+	f, err := readSnapshotFile(c.file, stdin, formatPickle, "report lists the blocks of a pickle snapshot (batchfit compare reads stacks)")
 	if err != nil {
 		return nil, err
-	}
-	if f.snap == nil {
-		return nil, &fileError{Path: c.file, Format: f.format, How: f.how,
-			Err: fmt.Errorf("%w: report lists the blocks of a pickle snapshot; %s files hold stacks only (batchfit compare reads them)", errFileKind, f.format)}
 	}
 	rep, err := memviz.NewReport(nil, *f.snap, memviz.Options{})
 	if err != nil {

@@ -51,7 +51,7 @@ func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
 	fs.StringVar(&v.format, "format", "", "`format` of the file: pickle (pytorch.org/memory_viz), pprof (go tool pprof), folded (flamegraph.pl, speedscope) or html (an offline report page: timeline, live tensors, segments, plan); default from FILE's extension (.pickle, .pkl: pickle; .pb.gz, .pprof, .pb: pprof; .folded, .collapsed, .txt: folded; .html, .htm: html; another is refused), pickle for -")
 	fs.StringVar(&v.at, "at", atPeak, "`when`: peak (while the op at the predicted peak runs) or end (after the step)")
 	fs.IntVar(&v.trace, "trace", defaultTrace, "keep the last `N` allocator events in a pickle (memory_viz's timeline)")
-	fs.BoolVar(&v.run, "run", false, "html: also run the step once on the CPU executor with random data and draw the measured timeline over the predicted one (float32, models up to 32 Mi parameters)")
+	fs.BoolVar(&v.run, "run", false, "html: also run the step once on the CPU executor with random data and draw the measured timeline over the predicted one (float32, models up to 32 Mi parameters, inputs up to 512 MiB, --budget up to 4 GiB)")
 	return fs, v
 }
 

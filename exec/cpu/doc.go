@@ -1,7 +1,10 @@
 // Package cpu is batchfit's CPU executor, the default where there is no
 // GPU: it evaluates every op of the graph on the CPU in float32 (int64 for
 // indices) with gonum's BLAS for matrix products and convolutions (as GEMM
-// over unfolded patches).
+// over unfolded patches). gonum skips a product term whose factor is zero;
+// a GEMM whose operands hold a NaN or an infinity (a cheap scan finds
+// them) computes the entries they reach with every term, so 0·NaN is NaN
+// here as on CUDA.
 //
 // It and the CUDA executor are both checked against the float64 reference
 // interpreter (internal/ref) by the conformance suite; CUDA's elementwise

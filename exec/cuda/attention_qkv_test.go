@@ -40,7 +40,7 @@ func (c qkvCase) String() string {
 // in [−1, 1), rounded to dt), its log-sum-exp (the forward pass's
 // companion) and d qkv for an upstream gradient g [B, T, C]: outputs o,
 // lse and d qkv.
-func qkvGraph(t *testing.T, c qkvCase, dt graph.DType, rng *rand.Rand) (*graph.Graph, []int) {
+func qkvGraph(t testing.TB, c qkvCase, dt graph.DType, rng *rand.Rand) (*graph.Graph, []int) {
 	t.Helper()
 	g := graph.New()
 	add := func(n graph.Node) int {

@@ -2,10 +2,13 @@ package cuda_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
+	"runtime"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -57,7 +60,7 @@ func roundTo(dt graph.DType, d []float32) []float32 {
 
 // attnGraph builds the four attention ops of c on inputs of dtype dt, with
 // an upstream gradient g of q's shape: outputs o, lse, dq and dk|dv.
-func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph.Graph, []int) {
+func attnGraph(t testing.TB, c attnCase, dt graph.DType, rng *rand.Rand) (*graph.Graph, []int) {
 	t.Helper()
 	return attnGraphOrder(t, c, dt, rng, false)
 }
@@ -66,9 +69,17 @@ func attnGraph(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand) (*graph
 // forward one when lseFirst: it is then no companion of the forward pass
 // (graph.LSEProducer looks back), and its own kernels compute it. The
 // inputs draw the same data either way.
-func attnGraphOrder(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand, lseFirst bool) (*graph.Graph, []int) {
+func attnGraphOrder(t testing.TB, c attnCase, dt graph.DType, rng *rand.Rand, lseFirst bool) (*graph.Graph, []int) {
 	t.Helper()
+	g, ids, err := attnGraphErr(c, dt, rng, lseFirst)
+	require.NoError(t, err)
+	return g, ids
+}
+
+// attnGraphErr is attnGraphOrder, returning the first Append error.
+func attnGraphErr(c attnCase, dt graph.DType, rng *rand.Rand, lseFirst bool) (*graph.Graph, []int, error) {
 	g := graph.New()
+	var first error
 	uni := func(n int, lo, hi float64) []float32 {
 		d := make([]float32, n)
 		for i := range d {
@@ -78,7 +89,9 @@ func attnGraphOrder(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand, ls
 	}
 	add := func(n graph.Node) int {
 		id, err := g.Append(n)
-		require.NoError(t, err)
+		if err != nil && first == nil {
+			first = err
+		}
 		return id
 	}
 	in := func(shape ...int) int {
@@ -125,36 +138,77 @@ func attnGraphOrder(t *testing.T, c attnCase, dt graph.DType, rng *rand.Rand, ls
 	args := append([]int{gr, q, k, v, o, lse}, mask...)
 	dq := add(graph.Node{Op: graph.OpAttentionGradQ, Inputs: args, Attrs: a})
 	dkv := add(graph.Node{Op: graph.OpAttentionGradKV, Inputs: args, Attrs: a})
-	return g, []int{o, lse, dq, dkv}
+	return g, []int{o, lse, dq, dkv}, first
 }
 
 // attnTol bounds |cuda − cpu| per element by rtol·|cpu| + atol·m + abs,
 // m the largest finite |cpu| of that output.
 type attnTol struct{ rtol, atol, abs float64 }
 
-// checkAttn runs c's graph on CUDA and on the CPU executor and compares o,
-// lse, dq and dk|dv; lse is float32 whatever dt is, so it gets the float32
-// tolerance.
-func checkAttn(t *testing.T, c attnCase, dt graph.DType, tol, lseTol attnTol) {
+// cpuAttn is one attention problem's graph in dtype dt and its outputs on
+// the CPU executor: the reference checkAttn holds CUDA to.
+type cpuAttn struct {
+	c    attnCase
+	dt   graph.DType
+	g    *graph.Graph
+	ids  []int
+	want []*tensor.Dense
+	err  error
+}
+
+// cpuAttnRefs builds each problem's graph and runs it on the CPU
+// executor, all at once on every CPU: at T = 1000 one takes seconds
+// (BenchmarkGPUTestReferences), and a test of dozens would spend minutes
+// of a GPU call on them one by one.
+func cpuAttnRefs(t testing.TB, problems []cpuAttn) []cpuAttn {
 	t.Helper()
-	checkAttnOn(t, executor(t), c, dt, tol, lseTol)
+	for i := range problems {
+		p := &problems[i]
+		p.g, p.ids = attnGraph(t, p.c, p.dt, rand.New(rand.NewPCG(uint64(p.c.T*131+p.c.D), 7)))
+	}
+	parallel(len(problems), func(i int) {
+		p := &problems[i]
+		p.want, p.err = cpu.New().Run(context.Background(), p.g, p.ids...)
+	})
+	return problems
+}
+
+// parallel calls f(0) … f(n−1), as many at once as there are CPUs.
+func parallel(n int, f func(i int)) {
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, runtime.NumCPU())
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			f(i)
+		}()
+	}
+	wg.Wait()
+}
+
+// checkAttn runs p's graph on CUDA and compares o, lse, dq and dk|dv with
+// the CPU executor's; lse is float32 whatever the dtype is, so it gets the
+// float32 tolerance.
+func checkAttn(t *testing.T, p cpuAttn, tol, lseTol attnTol) {
+	t.Helper()
+	checkAttnOn(t, executor(t), p, tol, lseTol)
 }
 
 // checkAttnOn is checkAttn on executor e.
-func checkAttnOn(t *testing.T, e *cuda.Executor, c attnCase, dt graph.DType, tol, lseTol attnTol) {
+func checkAttnOn(t *testing.T, e *cuda.Executor, p cpuAttn, tol, lseTol attnTol) {
 	t.Helper()
-	g, ids := attnGraph(t, c, dt, rand.New(rand.NewPCG(uint64(c.T*131+c.D), 7)))
-	ctx := context.Background()
-	want, err := cpu.New().Run(ctx, g, ids...)
-	require.NoError(t, err)
-	got, err := e.Run(ctx, g, ids...)
+	require.NoError(t, p.err)
+	got, err := e.Run(context.Background(), p.g, p.ids...)
 	require.NoError(t, err)
 	for i, name := range []string{"o", "lse", "dq", "dkv"} {
 		tl := tol
 		if i == 1 {
 			tl = lseTol
 		}
-		w, gd := want[i].Data().([]float32), got[i].Data().([]float32)
+		w, gd := p.want[i].Data().([]float32), got[i].Data().([]float32)
 		require.Len(t, gd, len(w), name)
 		m := 0.0
 		for _, x := range w {
@@ -176,10 +230,10 @@ func checkAttnOn(t *testing.T, e *cuda.Executor, c attnCase, dt graph.DType, tol
 			}
 			if d > tl.rtol*math.Abs(float64(x))+tl.atol*m+tl.abs {
 				require.Failf(t, "attention differs", "%s %s[%d]: cpu %g, cuda %g (diff %.3g > %.3g·|cpu| + %.3g·%.3g + %.3g)",
-					dt, name, j, x, gd[j], d, tl.rtol, tl.atol, m, tl.abs)
+					p.dt, name, j, x, gd[j], d, tl.rtol, tl.atol, m, tl.abs)
 			}
 		}
-		t.Logf("%s %s: largest |cuda − cpu| / max|cpu| = %.3g", dt, name, worst)
+		t.Logf("%s %s: largest |cuda − cpu| / max|cpu| = %.3g", p.dt, name, worst)
 	}
 }
 
@@ -240,17 +294,30 @@ func (c attnCase) mma() bool { return c.mask == nil && (c.D == 64 || c.D == 128)
 // the CPU executor.
 func TestAttention16(t *testing.T) {
 	executor(t)
-	for _, c := range attnCases {
+	refs := cpuAttnRefs(t, attention16Problems())
+	for i, c := range attnCases {
 		t.Run(c.String(), func(t *testing.T) {
-			checkAttn(t, c, graph.Float32, attnTolF32, attnTolF32)
+			checkAttn(t, refs[3*i], attnTolF32, attnTolF32)
 			bf, f16 := attnTolBF16, attnTolF16
 			if c.mma() {
 				bf, f16 = attnTolMMABF16, attnTolMMAF16
 			}
-			checkAttn(t, c, graph.BFloat16, bf, attnTolF32)
-			checkAttn(t, c, graph.Float16, f16, attnTolF32)
+			checkAttn(t, refs[3*i+1], bf, attnTolF32)
+			checkAttn(t, refs[3*i+2], f16, attnTolF32)
 		})
 	}
+}
+
+// attention16Problems are TestAttention16's: every case of attnCases in
+// float32, bfloat16 and float16, in that order.
+func attention16Problems() []cpuAttn {
+	var out []cpuAttn
+	for _, c := range attnCases {
+		for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16} {
+			out = append(out, cpuAttn{c: c, dt: dt})
+		}
+	}
+	return out
 }
 
 // TestAttentionMMA runs the tensor-core kernels, forward (o and lse) and
@@ -260,6 +327,22 @@ func TestAttention16(t *testing.T) {
 // cuDNN's attention off (cuDNN takes these grouped heads otherwise).
 func TestAttentionMMA(t *testing.T) {
 	e := freshExecutor(t, cuda.ExecutorOptions{NoCuDNNAttention: true})
+	cases := attnMMACases()
+	var problems []cpuAttn
+	for _, c := range cases {
+		problems = append(problems, cpuAttn{c: c, dt: graph.BFloat16}, cpuAttn{c: c, dt: graph.Float16})
+	}
+	refs := cpuAttnRefs(t, problems)
+	for i, c := range cases {
+		t.Run(c.String(), func(t *testing.T) {
+			checkAttnOn(t, e, refs[2*i], attnTolMMABF16, attnTolF32)
+			checkAttnOn(t, e, refs[2*i+1], attnTolMMAF16, attnTolF32)
+		})
+	}
+}
+
+// attnMMACases are TestAttentionMMA's problems.
+func attnMMACases() []attnCase {
 	var cases []attnCase
 	for _, d := range []int{64, 128} {
 		for _, causal := range []bool{false, true} {
@@ -275,12 +358,7 @@ func TestAttentionMMA(t *testing.T) {
 				attnCase{B: 1, H: 4, Hkv: 1, T: 129, S: 129, D: d, causal: causal})
 		}
 	}
-	for _, c := range cases {
-		t.Run(c.String(), func(t *testing.T) {
-			checkAttnOn(t, e, c, graph.BFloat16, attnTolMMABF16, attnTolF32)
-			checkAttnOn(t, e, c, graph.Float16, attnTolMMAF16, attnTolF32)
-		})
-	}
+	return cases
 }
 
 // attnF32Cases are the float32 path's problems (cuBLAS over query blocks
@@ -314,19 +392,13 @@ type graphRunner interface {
 
 // checkAttnRef runs c's float32 graph on e, with attention_lse computed in
 // the forward pass (its companion) and on its own, and holds o, lse, dq
-// and dk|dv to the float64 reference within tol.atol of each output's
-// largest magnitude plus tol.abs.
-func checkAttnRef(t *testing.T, e graphRunner, c attnCase, tol attnTol) {
+// and dk|dv to want, the float64 reference (attnF32Refs), within tol.atol
+// of each output's largest magnitude plus tol.abs.
+func checkAttnRef(t *testing.T, e graphRunner, c attnCase, want []ref.Value, tol attnTol) {
 	t.Helper()
 	ctx := context.Background()
-	var want []ref.Value
 	for _, lseFirst := range []bool{false, true} {
 		g, ids := attnGraphOrder(t, c, graph.Float32, rand.New(rand.NewPCG(uint64(c.T*131+c.D), 11)), lseFirst)
-		if want == nil { // the same data either way
-			var err error
-			want, err = ref.Eval(g, nil, ids...)
-			require.NoError(t, err)
-		}
 		got, err := e.Run(ctx, g, ids...)
 		require.NoError(t, err)
 		gd := make([][]float32, len(got))
@@ -336,6 +408,23 @@ func checkAttnRef(t *testing.T, e graphRunner, c attnCase, tol attnTol) {
 		compareAttn(t, fmt.Sprintf("lseFirst %v", lseFirst), want, gd, tol, tol)
 	}
 }
+
+// attnF32Refs is the float64 reference of every case of attnF32Cases (the
+// same data either order of attention_lse), computed once for both tests
+// that use them, all cases at once on every CPU.
+var attnF32Refs = sync.OnceValues(func() ([][]ref.Value, error) {
+	out := make([][]ref.Value, len(attnF32Cases))
+	errs := make([]error, len(attnF32Cases))
+	parallel(len(attnF32Cases), func(i int) {
+		c := attnF32Cases[i]
+		g, ids, err := attnGraphErr(c, graph.Float32, rand.New(rand.NewPCG(uint64(c.T*131+c.D), 11)), false)
+		if err == nil {
+			out[i], err = ref.Eval(g, nil, ids...)
+		}
+		errs[i] = err
+	})
+	return out, errors.Join(errs...)
+})
 
 // Float32 and TF32 attention against the float64 reference.
 //
@@ -362,8 +451,10 @@ var (
 // attnF32Cases against the float64 reference.
 func TestAttentionF32Blocked(t *testing.T) {
 	e := executor(t)
-	for _, c := range attnF32Cases {
-		t.Run(c.String(), func(t *testing.T) { checkAttnRef(t, e, c, attnTolF32Ref) })
+	want, err := attnF32Refs()
+	require.NoError(t, err)
+	for i, c := range attnF32Cases {
+		t.Run(c.String(), func(t *testing.T) { checkAttnRef(t, e, c, want[i], attnTolF32Ref) })
 	}
 }
 
@@ -371,8 +462,10 @@ func TestAttentionF32Blocked(t *testing.T) {
 // TF32 on: the same GEMMs on TF32 tensor cores.
 func TestAttentionTF32Blocked(t *testing.T) {
 	e := freshExecutor(t, cuda.ExecutorOptions{TF32: true})
-	for _, c := range attnF32Cases {
-		t.Run(c.String(), func(t *testing.T) { checkAttnRef(t, e, c, attnTolTF32Ref) })
+	want, err := attnF32Refs()
+	require.NoError(t, err)
+	for i, c := range attnF32Cases {
+		t.Run(c.String(), func(t *testing.T) { checkAttnRef(t, e, c, want[i], attnTolTF32Ref) })
 	}
 }
 

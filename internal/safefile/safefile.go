@@ -1,68 +1,92 @@
-// Package safefile opens files that come from outside (checkpoints,
-// configs, tokenizers) the one way they may be opened: non-blocking, so a
-// FIFO cannot hang the open, and checked with fstat to be regular files
-// (symbolic links are followed; what they reach must be regular), read
-// within a byte bound.
 package safefile
 
 import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"syscall"
 )
 
-// ErrNotRegular is a path that is a directory, FIFO, device or socket.
-// safetensors, hf and tokenizer export it as their own ErrNotRegular.
-var ErrNotRegular = errors.New("not a regular file")
+// Errors Open and ReadAll return, inside an *fs.PathError naming the path.
+// Packages that export their own (safetensors, tokenizer) alias
+// ErrNotRegular, and wrap ErrTooLarge in theirs.
+var (
+	// ErrNotRegular: the path (after symlinks) is a directory, FIFO,
+	// device or socket, which could block or never end.
+	ErrNotRegular = errors.New("not a regular file")
+	// ErrTooLarge: the file is larger than the caller's limit.
+	ErrTooLarge = errors.New("file too large")
+)
 
-// Open opens path for reading if it is a regular file.
-func Open(path string) (*os.File, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+// Open opens path for reading if it is a regular file of at most limit
+// bytes, and returns it with its size. A directory's error also wraps
+// syscall.EISDIR; a missing or unreadable file's is the os error
+// (errors.Is fs.ErrNotExist, fs.ErrPermission).
+func Open(path string, limit int64) (*os.File, int64, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	st, err := f.Stat()
+	fi, err := f.Stat()
 	if err != nil {
 		f.Close()
-		return nil, err
+		return nil, 0, err
 	}
-	if !st.Mode().IsRegular() {
-		f.Close()
-		return nil, fmt.Errorf("%w: %s is a %s", ErrNotRegular, path, kind(st.Mode()))
-	}
-	return f, nil
-}
-
-func kind(m os.FileMode) string {
 	switch {
-	case m.IsDir():
-		return "directory"
-	case m&os.ModeNamedPipe != 0:
-		return "FIFO"
-	case m&os.ModeSocket != 0:
-		return "socket"
-	case m&os.ModeDevice != 0:
-		return "device"
+	case fi.IsDir():
+		f.Close()
+		return nil, 0, &fs.PathError{Op: "open", Path: path, Err: fmt.Errorf("%w (a directory): %w", ErrNotRegular, syscall.EISDIR)}
+	case !fi.Mode().IsRegular():
+		f.Close()
+		return nil, 0, &fs.PathError{Op: "open", Path: path, Err: fmt.Errorf("%w (%s)", ErrNotRegular, kind(fi.Mode()))}
+	case fi.Size() > limit:
+		f.Close()
+		return nil, 0, &fs.PathError{Op: "open", Path: path, Err: fmt.Errorf("%w: %d bytes, more than %d", ErrTooLarge, fi.Size(), limit)}
 	}
-	return m.Type().String()
+	return f, fi.Size(), nil
 }
 
-// ReadFile reads a regular file of at most limit bytes; a longer one gives
-// an error wrapping tooLarge.
-func ReadFile(path string, limit int64, tooLarge error) ([]byte, error) {
-	f, err := Open(path)
+// ReadAll reads the regular file path of at most limit bytes (Open's
+// checks), stopping at limit bytes should it grow meanwhile.
+func ReadAll(path string, limit int64) ([]byte, error) {
+	f, size, err := Open(path, limit)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, err
+	data := make([]byte, 0, size+1)
+	for {
+		n, err := f.Read(data[len(data):cap(data)])
+		data = data[:len(data)+n]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		if int64(len(data)) > limit {
+			return nil, &fs.PathError{Op: "read", Path: path, Err: fmt.Errorf("%w: grew past %d bytes while read", ErrTooLarge, limit)}
+		}
+		if len(data) == cap(data) {
+			data = append(data, 0)[:len(data)]
+		}
 	}
-	if int64(len(b)) > limit {
-		return nil, fmt.Errorf("%w: %s is over %d bytes", tooLarge, path, limit)
+	return data, nil
+}
+
+// kind names a file mode's type for an error.
+func kind(m fs.FileMode) string {
+	switch {
+	case m&fs.ModeNamedPipe != 0:
+		return "a named pipe"
+	case m&fs.ModeCharDevice != 0:
+		return "a character device"
+	case m&fs.ModeDevice != 0:
+		return "a block device"
+	case m&fs.ModeSocket != 0:
+		return "a socket"
 	}
-	return b, nil
+	return "mode " + m.Type().String()
 }

@@ -1,11 +1,11 @@
 package safefile_test
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -13,25 +13,42 @@ import (
 	"github.com/batchfit/batchfit/internal/safefile"
 )
 
-func TestOpenAndReadFile(t *testing.T) {
+// A regular file within the limit opens and reads whole, through a
+// symbolic link too; one past the limit, a FIFO without a writer, a
+// symlink to /dev/zero, /dev/null and a directory are refused at once (a
+// blocking open of the FIFO would never return).
+func TestOpen(t *testing.T) {
 	dir := t.TempDir()
-	reg := filepath.Join(dir, "a.json")
-	require.NoError(t, os.WriteFile(reg, []byte("12345"), 0o644))
-	link := filepath.Join(dir, "link.json")
-	require.NoError(t, os.Symlink(reg, link))
+	file := filepath.Join(dir, "ok")
+	require.NoError(t, os.WriteFile(file, []byte("hello"), 0o644))
+	data, err := safefile.ReadAll(file, 5)
+	require.NoError(t, err)
+	assert.Equal(t, "hello", string(data))
+	_, err = safefile.ReadAll(file, 4)
+	assert.ErrorIs(t, err, safefile.ErrTooLarge)
+	_, _, err = safefile.Open(file, 4)
+	assert.ErrorIs(t, err, safefile.ErrTooLarge, "decided from fstat, before a read")
+
+	link := filepath.Join(dir, "link")
+	require.NoError(t, os.Symlink(file, link))
+	f, size, err := safefile.Open(link, 5)
+	require.NoError(t, err, "a link to a regular file is followed")
+	assert.Equal(t, int64(5), size)
+	require.NoError(t, f.Close())
+
 	fifo := filepath.Join(dir, "fifo")
 	require.NoError(t, syscall.Mkfifo(fifo, 0o644))
-
-	tooLarge := errors.New("too large")
-	b, err := safefile.ReadFile(link, 5, tooLarge)
-	require.NoError(t, err, "a link to a regular file is followed")
-	assert.Equal(t, "12345", string(b))
-	_, err = safefile.ReadFile(reg, 4, tooLarge)
-	assert.ErrorIs(t, err, tooLarge)
-	for _, p := range []string{fifo, dir, "/dev/null"} {
-		_, err := safefile.Open(p) // a FIFO must not block
+	zero := filepath.Join(dir, "zero")
+	require.NoError(t, os.Symlink("/dev/zero", zero))
+	start := time.Now()
+	for _, p := range []string{fifo, zero, "/dev/null"} {
+		_, _, err := safefile.Open(p, 1<<30)
 		assert.ErrorIs(t, err, safefile.ErrNotRegular, p)
 	}
-	_, err = safefile.Open(filepath.Join(dir, "absent"))
+	assert.Less(t, time.Since(start), time.Second)
+	_, _, err = safefile.Open(dir, 1<<30)
+	assert.ErrorIs(t, err, safefile.ErrNotRegular)
+	assert.ErrorIs(t, err, syscall.EISDIR)
+	_, _, err = safefile.Open(filepath.Join(dir, "none"), 1)
 	assert.ErrorIs(t, err, os.ErrNotExist)
 }
