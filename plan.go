@@ -57,7 +57,9 @@ type StepPlan struct {
 // Plan needs no data: parameters and inputs may be shape-only
 // (lazy.ParamSpec, lazy.Placeholder, nn.Options.ShapeOnly), and
 // parameters of any float dtype plan as the graph says. Step checks what
-// running needs besides (float32 parameters holding host data).
+// running needs besides (float32 parameters holding host data). Plan
+// trains nothing, so it claims no parameter: a dry-run session may plan
+// the step of a model another session trains (ErrParamOwned is Step's).
 //
 // Like Step, Plan builds the backward pass on a copy of loss's graph:
 // the caller's graph stays as it was built. When the step does not fit

@@ -22,7 +22,7 @@ import (
 // built, planning it again finds the first plan's step graph and program
 // (the caches hit), and a Step of that same loss tensor after the plans
 // runs the plan Plan made, its peaks measured to the byte, the graph
-// still as built.
+// still as built. A dry-run session's Plan leaves the graph alone too.
 func TestPlanLeavesTheCallersGraphAlone(t *testing.T) {
 	ctx := context.Background()
 	for _, policy := range []string{"fp32", "tf32", "bf16-mixed", "fp16-mixed"} {
@@ -52,6 +52,14 @@ func TestPlanLeavesTheCallersGraphAlone(t *testing.T) {
 			assert.Equal(t, sp.Plan.PeakReserved, sess.LastUsage().PeakReserved, "predicted = measured")
 			assert.Equal(t, sp.Plan.PeakAllocated, sess.LastUsage().PeakAllocated, "predicted = measured")
 
+			dry := batchfit.NewSession(batchfit.Options{Precision: policy, DryRun: &batchfit.DryRun{}})
+			require.NoError(t, dry.Err())
+			defer dry.Close()
+			_, loss = m.loss(batchOf(rng, batch))
+			nodes = loss.Graph().IR().Len()
+			_, err = dry.Plan(loss, m.params, optim.NewSGD(0.1, 0))
+			require.NoError(t, err)
+			require.Equal(t, nodes, loss.Graph().IR().Len(), "nodes of the caller's graph after a dry run's Plan")
 		})
 	}
 }

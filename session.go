@@ -1417,7 +1417,8 @@ type compiledStep struct {
 // precision pass, loss scaling and the backward pass, or the template a
 // steady loop reuses) and compiles the program Options.Recompute picks:
 // the path Step and Plan share. With runnable it also checks what running
-// needs, which a plan does not: float32 parameters holding host data.
+// needs, which a plan does not (float32 parameters holding host data), and
+// claims the parameters for s (ErrParamOwned).
 func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, runnable bool) (cs *compiledStep, err error) {
 	if err := loss.Err(); err != nil {
 		return nil, err
@@ -1433,7 +1434,7 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 		}
 		params = kept
 	}
-	if err := s.distinctParams(params); err != nil {
+	if err := s.distinctParams(params, runnable); err != nil {
 		return nil, err
 	}
 	var (
@@ -1506,10 +1507,14 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
 }
 
-// distinctParams is distinctParams of params, and claims them for s
-// (claimParams), or nil at once when params and their data are the list
-// the latest step found distinct and claimed.
-func (s *Session) distinctParams(params []*lazy.Tensor) error {
+// distinctParams is distinctParams of params, and with claim claims them
+// for s (claimParams), or nil at once when params and their data are the
+// list the latest step found distinct and claimed. A plan (claim false)
+// trains nothing, so it claims nothing.
+func (s *Session) distinctParams(params []*lazy.Tensor, claim bool) error {
+	if !claim {
+		return distinctParams(params)
+	}
 	s.mu.Lock()
 	same := len(s.checked) == len(params)
 	for i := 0; same && i < len(params); i++ {
