@@ -308,8 +308,19 @@ func calibrateItems(tf32, half bool, sz calibrateSizes) int {
 	return n
 }
 
+// errUntimed is a chain that ran no slower than one op of it, again and
+// again: its ops are too quick for the timer, and a rate from them would
+// be anything (a profile refuses rates past recompute.MaxRate).
+var errUntimed = errors.New("the chain's ops are too quick to time")
+
+// untimedAttempts is how often perOp times a chain whose ops it could not
+// measure before it gives up.
+const untimedAttempts = 4
+
 // perOp is the seconds one op of build's chain takes: the best of repeat
-// runs at chain ops less the best at one, over chain−1.
+// runs at chain ops less the best at one, over chain−1. A difference that
+// is not positive (noise larger than the ops) is timed again, and after
+// untimedAttempts is errUntimed.
 func perOp(ctx context.Context, sess *batchfit.Session, build func(k int) *lazy.Tensor, sz calibrateSizes) (float64, error) {
 	best := func(k int) (float64, error) {
 		b := math.Inf(1)
@@ -323,13 +334,18 @@ func perOp(ctx context.Context, sess *batchfit.Session, build func(k int) *lazy.
 		}
 		return b, nil
 	}
-	one, err := best(1)
-	if err != nil {
-		return 0, err
+	var one, many float64
+	for range untimedAttempts {
+		var err error
+		if one, err = best(1); err != nil {
+			return 0, err
+		}
+		if many, err = best(sz.chain); err != nil {
+			return 0, err
+		}
+		if many > one {
+			return (many - one) / float64(sz.chain-1), nil
+		}
 	}
-	many, err := best(sz.chain)
-	if err != nil {
-		return 0, err
-	}
-	return max(many-one, 1e-12) / float64(sz.chain-1), nil
+	return 0, fmt.Errorf("%w: %d ops took %.3g s and one %.3g s, %d times", errUntimed, sz.chain, many, one, untimedAttempts)
 }
