@@ -621,8 +621,8 @@ func (s *Session) SetLossScale(st precision.ScalerStats) error {
 }
 
 // ErrParamOwned is returned by Step for a parameter that another session
-// trains. A parameter (its host tensor) belongs to the first session whose
-// Step trains it, until that session is closed: two sessions updating one
+// trains. A parameter (its host tensor) belongs to the session whose Step
+// trained it first, until that session is closed: two sessions updating one
 // tensor would race in the optimizer's update on the host, and on CUDA
 // each would train its own device copy. Reading it (Eval, or as a frozen
 // parameter) from another session is not refused; the caller orders such

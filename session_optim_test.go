@@ -34,7 +34,7 @@ func newTwoLayer(seed uint64, in, hidden int) *nn.Sequential {
 	return nn.NewSequential(nn.NewLinear(o, in, hidden, true), nn.ReLU{}, nn.NewLinear(o, hidden, 4, true))
 }
 
-// A parameter belongs to the first session that trains it: another
+// A parameter belongs to the session that trains it first: another
 // session's Step fails with ErrParamOwned, naming it, and changes nothing;
 // once the owner is closed the other session may train it.
 func TestParamOwnedBySession(t *testing.T) {
