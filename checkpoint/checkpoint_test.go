@@ -117,6 +117,13 @@ func TestSaveLoadRoundTrip(t *testing.T) {
 	assert.Equal(t, pos, into.Data)
 	assert.Equal(t, map[string]string{"run": "a"}, into.Meta)
 
+	// Saved again at once, the same tensors, bit for bit.
+	again, err := into.Save(t.TempDir())
+	require.NoError(t, err)
+	man2, err := Verify(again)
+	require.NoError(t, err)
+	assert.Equal(t, man.Files, man2.Files)
+
 	assert.Equal(t, opt.LR, opt2.LR)
 	assert.Equal(t, opt.Beta2, opt2.Beta2)
 	assert.Equal(t, opt.Eps, opt2.Eps)

@@ -114,7 +114,7 @@ func helper(spec string) error {
 	if err != nil {
 		return err
 	}
-	cfg, dir, pause := config{f[0], chunk}, f[2], f[3]
+	cfg, dir, pause := config{precision: f[0], maxChunk: chunk}, f[2], f[3]
 	if dir == "-" {
 		dir = ""
 	}
@@ -232,16 +232,16 @@ func TestResumeAfterSIGKILL(t *testing.T) {
 		pause  string
 		resume int // the step the second process resumes at
 	}{
-		{config{"fp32", 0}, "after:7", 6},
-		{config{"fp32", 4}, "after:4", 3},
-		{config{"bf16-mixed", 0}, "after:7", 6},
-		{config{"bf16-mixed", 4}, "after:10", 9},
-		{config{"fp16-mixed", 0}, "after:7", 6},
-		{config{"fp16-mixed", 4}, "after:7", 6},
-		{config{"fp32", 0}, "written@6", 3},
-		{config{"fp16-mixed", 4}, "written@9", 6},
-		{config{"bf16-mixed", 4}, "committed@6", 3},
-		{config{"fp16-mixed", 0}, "committed@9", 6},
+		{config{precision: "fp32", maxChunk: 0}, "after:7", 6},
+		{config{precision: "fp32", maxChunk: 4}, "after:4", 3},
+		{config{precision: "bf16-mixed", maxChunk: 0}, "after:7", 6},
+		{config{precision: "bf16-mixed", maxChunk: 4}, "after:10", 9},
+		{config{precision: "fp16-mixed", maxChunk: 0}, "after:7", 6},
+		{config{precision: "fp16-mixed", maxChunk: 4}, "after:7", 6},
+		{config{precision: "fp32", maxChunk: 0}, "written@6", 3},
+		{config{precision: "fp16-mixed", maxChunk: 4}, "written@9", 6},
+		{config{precision: "bf16-mixed", maxChunk: 4}, "committed@6", 3},
+		{config{precision: "fp16-mixed", maxChunk: 0}, "committed@9", 6},
 	}
 	straight := map[config]outcome{}
 	for _, c := range cases {

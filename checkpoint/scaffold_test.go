@@ -38,20 +38,25 @@ const (
 // config is one way of running that training.
 type config struct {
 	precision string
-	maxChunk  int // Options.MaxChunk: 0 whole
+	maxChunk  int    // Options.MaxChunk: 0 whole
+	device    string // Options.Device: "" the CPU
 }
 
 func (c config) String() string {
-	if c.maxChunk == 0 {
-		return c.precision + "/whole"
+	s := c.precision + "/whole"
+	if c.maxChunk != 0 {
+		s = fmt.Sprintf("%s/chunks-of-%d", c.precision, c.maxChunk)
 	}
-	return fmt.Sprintf("%s/chunks-of-%d", c.precision, c.maxChunk)
+	if c.device != "" {
+		s = c.device + "/" + s
+	}
+	return s
 }
 
 var configs = []config{
-	{"fp32", 0}, {"fp32", 4},
-	{"bf16-mixed", 0}, {"bf16-mixed", 4},
-	{"fp16-mixed", 0}, {"fp16-mixed", 4},
+	{precision: "fp32"}, {precision: "fp32", maxChunk: 4},
+	{precision: "bf16-mixed"}, {precision: "bf16-mixed", maxChunk: 4},
+	{precision: "fp16-mixed"}, {precision: "fp16-mixed", maxChunk: 4},
 }
 
 // run is one process's training: model, optimizer, session, data.
@@ -79,7 +84,11 @@ func newRun(cfg config, seed uint64) (*run, error) {
 	opt.Clip.MaxNorm = 0.5
 	_, noDecay := optim.SplitDecay(m.Params())
 	opt.AddGroup("no_decay", optim.Keys(noDecay)...).WeightDecay = 0
-	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: cfg.precision, MaxChunk: cfg.maxChunk,
+	device := cfg.device
+	if device == "" {
+		device = batchfit.DeviceCPU
+	}
+	sess := batchfit.NewSession(batchfit.Options{Device: device, Precision: cfg.precision, MaxChunk: cfg.maxChunk,
 		LossScale: precision.LossScale{Init: 1 << 17, Interval: 3}})
 	if err := sess.Err(); err != nil {
 		return nil, err
@@ -153,8 +162,12 @@ func (r *run) train(ctx context.Context, dir string, from, to, every int, after 
 	return err
 }
 
-// digest is a SHA-256 of every parameter's float32 bits, in order.
+// digest is a SHA-256 of every parameter's float32 bits, in order (on
+// CUDA synced from the device first).
 func (r *run) digest() string {
+	if err := r.sess.SyncParams(); err != nil {
+		return err.Error()
+	}
 	h := sha256.New()
 	for _, p := range r.model.Params() {
 		for _, v := range p.Value().Data().([]float32) {

@@ -186,9 +186,10 @@ func (e *Executor) UploadParams() error {
 			default:
 				words = v.F
 			}
+			words = words[:min(int64(len(words)), (rb.Size+3)/4)]
 			if rb.Blk == nil { // yielded
 				copy(rb.Val.host, words)
-			} else if err := CopyHtoD(e.d, rb.Blk.Ptr(), words[:(rb.Size+3)/4]); err != nil {
+			} else if err := CopyHtoD(e.d, rb.Blk.Ptr(), words); err != nil {
 				return err
 			}
 			rb.Val.newer = nil
