@@ -151,7 +151,7 @@ func writeParams(dir string, t *Training, ps []param) (TensorSet, error) {
 	for _, p := range ps {
 		set.Tensors = append(set.Tensors, Named{Name: p.name, Shape: p.shape})
 	}
-	if cfg, ok := t.hfConfig(); ok {
+	if cfg, ok := t.hfConfig(); ok && t.Params == nil {
 		nps := make([]*nn.Param, len(ps))
 		for i, p := range ps {
 			nps[i] = p.p

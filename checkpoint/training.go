@@ -178,12 +178,9 @@ func floats(name string, v tensor.Tensor, shape []int) ([]float32, error) {
 	return f, nil
 }
 
-// hfConfig is the Hugging Face config under which t's parameters are
-// saved, when they are all of a GPT's or a Llama-family model's.
+// hfConfig is the Hugging Face config of t's model, when it is a GPT or a
+// Llama-family model (Save uses it when Params is nil: all of them).
 func (t *Training) hfConfig() (hf.Config, bool) {
-	if t.Params != nil {
-		return hf.Config{}, false
-	}
 	switch m := t.Model.(type) {
 	case interface{ Config() models.GPTConfig }:
 		c := m.Config()
