@@ -134,20 +134,9 @@ func checkOptimizer(path string, o optim.Optimizer, e *OptimizerState, files map
 
 // apply restores the checked state into o: its hyperparameters, groups
 // (those of the same names in the same order are updated in place, so
-// pointers the caller holds stay live), clipping, each parameter's state
-// and the schedule's position.
+// pointers the caller holds stay live), clipping, each parameter's state,
+// read from f one parameter at a time, and the schedule's position.
 func (l *optimizerLoad) apply(o optim.Optimizer, f *safetensors.File) error {
-	slots := make([][][]float32, len(l.e.State))
-	for i, st := range l.e.State {
-		p := l.byKey[st.Param]
-		for _, s := range st.Slots {
-			v := make([]float32, len(p.data))
-			if err := f.ReadFloat32(s, v); err != nil {
-				return fmt.Errorf("checkpoint: %w", err)
-			}
-			slots[i] = append(slots[i], v)
-		}
-	}
 	setHyper(o, l.e.Hyper)
 	c := l.c
 	same := len(c.Groups) == len(l.e.Groups)
@@ -170,9 +159,16 @@ func (l *optimizerLoad) apply(o optim.Optimizer, f *safetensors.File) error {
 	}
 	c.Clip = l.clip
 	c.ResetState()
-	for i, st := range l.e.State {
+	for _, st := range l.e.State {
 		p := l.byKey[st.Param]
-		if err := c.SetState(p.p.Value(), len(p.data), st.Step, slots[i]); err != nil {
+		slots := make([][]float32, len(st.Slots))
+		for i, s := range st.Slots {
+			slots[i] = make([]float32, len(p.data))
+			if err := f.ReadFloat32(s, slots[i]); err != nil {
+				return fmt.Errorf("checkpoint: %w", err)
+			}
+		}
+		if err := c.SetState(p.p.Value(), len(p.data), st.Step, slots); err != nil {
 			return fmt.Errorf("checkpoint: %w", err)
 		}
 	}
