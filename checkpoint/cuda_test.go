@@ -37,9 +37,10 @@ func cudaRun(t *testing.T, cfg config, seed uint64) *run {
 // dropout, a late-joining parameter and the shuffling loader, as on the
 // CPU. Saved at step 6 from a session whose parameters and state live on
 // the device (Save syncs them), the checkpoint is loaded (1) by a new
-// session before its first step, and (2) into the saving run's own session after it
-// went on to step 9, and yielded its memory (Load's UploadParams then
-// writes the host copies that Restore uploads); both train on to the end.
+// session before its first step, and (2) into the saving run's own
+// session after it went on to step 9 and yielded its memory (Load's
+// UploadParams then writes the host copies that Restore uploads); both
+// train on to the end.
 // The model has no embedding (whose backward pass sums with atomic adds),
 // so two uninterrupted runs agree bit for bit too, which the test checks
 // first.
