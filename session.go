@@ -745,6 +745,26 @@ func (s *Session) SyncParams() error {
 	return be.SyncParams()
 }
 
+// UploadParams makes the next Step and Eval read the parameters' (and
+// constants') host tensors as they are now. On CUDA a session keeps its
+// parameters on the device between steps, and a host tensor written there
+// (a checkpoint loaded after the session has stepped) is not uploaded
+// again by itself: UploadParams copies every one it holds to the device
+// (checkpoint.Training.Load calls it). Optimizer state restored on the
+// host (optim's SetState) needs no call: the next step uploads it. A
+// session that has not stepped yet, and a CPU session, whose host tensors
+// are the parameters, have nothing to upload.
+func (s *Session) UploadParams() error {
+	be, err := s.executor()
+	if err != nil {
+		return err
+	}
+	if u, ok := be.(interface{ UploadParams() error }); ok {
+		return u.UploadParams()
+	}
+	return nil
+}
+
 // Device names the executor the session runs on and why, on one line:
 // "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB, driver 13.0)", or
 // "cpu: no GPU (cuda: ...)" with the reason CUDA was not usable.

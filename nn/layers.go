@@ -194,6 +194,15 @@ func (d *Dropout) Forward(x *lazy.Tensor) *lazy.Tensor {
 
 func (d *Dropout) Params() []*Param { return nil }
 
+// Step is the module's counter: how many training-mode Forwards it has
+// run, the last of which drew its mask for step Step (0 before the first).
+// A checkpoint saves it (with Seed); SetStep restores it, so the next
+// Forward draws the mask the uninterrupted run's next Forward draws.
+func (d *Dropout) Step() uint64 { return d.step }
+
+// SetStep sets the counter Step reports.
+func (d *Dropout) SetStep(n uint64) { d.step = n }
+
 // Err is the construction error, if any.
 func (d *Dropout) Err() error { return d.err }
 

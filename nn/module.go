@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 
 	"gorgonia.org/tensor"
@@ -276,21 +277,47 @@ type Buffer struct {
 // cumulative average).
 func Buffers(m Module) []Buffer {
 	var bs []Buffer
-	var walk func(prefix string, m Module)
-	walk = func(prefix string, m Module) {
+	walk("", m, func(prefix string, m Module) {
 		if bn, ok := m.(*BatchNorm2d); ok && bn != nil {
 			bs = append(bs, Buffer{prefix + "running_mean", bn.RunningMean}, Buffer{prefix + "running_var", bn.RunningVar})
 		}
-		if c, ok := m.(interface{ List() []Child }); ok {
-			for _, ch := range c.List() {
-				if ch.Module != nil {
-					walk(prefix+ch.Name+".", ch.Module)
-				}
+	})
+	return bs
+}
+
+// NamedDropout is a Dropout module with its dotted path inside a model
+// ("h.0.drop"; "" for the model itself).
+type NamedDropout struct {
+	Path    string
+	Dropout *Dropout
+}
+
+// Dropouts lists the Dropout modules of m and of every module inside it,
+// in child order, by path: what a checkpoint saves of the masks' random
+// stream (each one's Seed and Step), so that a resumed run draws the masks
+// the uninterrupted one would have.
+func Dropouts(m Module) []NamedDropout {
+	var ds []NamedDropout
+	walk("", m, func(prefix string, m Module) {
+		if d, ok := m.(*Dropout); ok && d != nil {
+			ds = append(ds, NamedDropout{strings.TrimSuffix(prefix, "."), d})
+		}
+	})
+	return ds
+}
+
+// walk calls fn on m and on every module inside it (through List), in
+// child order, with the dotted path of each followed by a dot ("" for m).
+func walk(prefix string, m Module, fn func(prefix string, m Module)) {
+	if m == nil {
+		return
+	}
+	fn(prefix, m)
+	if c, ok := m.(interface{ List() []Child }); ok {
+		for _, ch := range c.List() {
+			if ch.Module != nil {
+				walk(prefix+ch.Name+".", ch.Module, fn)
 			}
 		}
 	}
-	if m != nil {
-		walk("", m)
-	}
-	return bs
 }

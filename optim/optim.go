@@ -433,13 +433,16 @@ func (c *Common) CommitDevice(pl *DevicePlan) error {
 // them). With kept the device still holds them too (a sync); otherwise
 // the device copy is gone or will be overwritten (another optimizer takes
 // the buffers, the executor closes), and the next device step uploads
-// them.
+// them. A copy of state the optimizer no longer takes from the device
+// (set on the host with SetState, forgotten with ResetState, or lost
+// since its last device step) is stale and is ignored: the host's state
+// stands, and the next device step uploads it.
 func (c *Common) SetDeviceCopy(key any, slots [][]float32, kept bool) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	st := c.lookup(key)
-	if st == nil {
-		return fmt.Errorf("%w: a device copy of state the optimizer does not have (%v)", ErrOptim, key)
+	if st == nil || !st.dev {
+		return nil
 	}
 	for i, s := range slots {
 		if len(s) != st.n {

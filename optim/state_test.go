@@ -218,8 +218,9 @@ func TestKeyAndGroupErrors(t *testing.T) {
 // The device protocol: PlanDevice changes nothing; CommitDevice advances
 // the counts and leaves the state on the device (host State nil); a host
 // step is refused until the device's copy comes back (SetDeviceCopy); a
-// state set on the host is handed to the device to upload; a plan older
-// than the latest commit is refused.
+// state set on the host is handed to the device to upload, and the
+// device's older copy of it is ignored; a plan older than the latest
+// commit is refused.
 func TestDevicePlanProtocol(t *testing.T) {
 	o := optim.NewAdam(1e-2)
 	ps := []optim.DeviceParam{{Key: "w", Name: "w", N: 2}}
@@ -263,8 +264,21 @@ func TestDevicePlanProtocol(t *testing.T) {
 	_, err = o.PlanDevice(ps)
 	require.ErrorIs(t, err, optim.ErrOptim, "the state went with its device")
 	require.NoError(t, o.SetState("w", 2, 3, [][]float32{m, v}))
-	_, err = o.PlanDevice(ps)
+	pl, err = o.PlanDevice(ps)
 	require.NoError(t, err)
+	require.Equal(t, [][]float32{m, v}, pl.Params[0].Upload)
+
+	// A state restored on the host while the device still holds an older
+	// one: the device's copy, synced or handed back, is stale and ignored.
+	require.NoError(t, o.CommitDevice(pl))
+	require.NoError(t, o.SetState("w", 2, 7, [][]float32{v, m}))
+	require.NoError(t, o.SetDeviceCopy("w", [][]float32{{9, 9}, {9, 9}}, true))
+	require.Equal(t, [][]float32{v, m}, o.State("w"))
+	require.False(t, o.OnDevice("w"))
+	o.ResetState()
+	require.NoError(t, o.SetDeviceCopy("w", [][]float32{{9, 9}, {9, 9}}, false), "state forgotten since")
+	require.Nil(t, o.State("w"))
+	require.Empty(t, o.Keys())
 }
 
 // SGD's momentum buffer is fresh per parameter: a group without momentum

@@ -2,8 +2,10 @@ package cuda
 
 import (
 	"fmt"
+	"unsafe"
 
 	"github.com/batchfit/batchfit/exec"
+	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/planner"
 )
 
@@ -18,6 +20,9 @@ type residentBuf struct {
 	// owner is the optimizer whose state an optimizer state buffer holds
 	// (optimizer.go), nil before one steps with it.
 	owner devOptimizer
+	// src is a parameter's or constant's source node (its type and host
+	// tensor, no inputs), for UploadParams.
+	src *graph.Node
 }
 
 // Held lists the resident buffers, in allocation order (exec.Executor).
@@ -140,6 +145,51 @@ func (e *Executor) SyncParams() error {
 			if rb.Blk == nil { // yielded
 				copy(rb.Val.newer, rb.Val.host)
 			} else if err := CopyDtoH(e.d, rb.Val.newer, rb.Blk.Ptr()); err != nil {
+				return err
+			}
+			rb.Val.newer = nil
+		}
+		return nil
+	})
+}
+
+// UploadParams copies every resident parameter's and constant's host
+// tensor to its device copy (or, while yielded, into the host copy
+// Restore uploads), for host tensors written between steps: a checkpoint
+// loaded into a session that has already stepped. Without it the device
+// copy stays the parameter, and SyncParams would overwrite the host
+// tensor with it. The copies are ordered after the work queued before.
+func (e *Executor) UploadParams() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return fmt.Errorf("%w: executor", ErrClosed)
+	}
+	return e.d.do(func() error {
+		for _, rb := range e.resident.List() {
+			nd := rb.Val.src
+			if rb.Key().Kind() != planner.BufParam || nd == nil {
+				continue
+			}
+			v, err := hostData(nd, nd.Value, nd.Type.Shape)
+			if err != nil {
+				return err
+			}
+			var words []float32 // the block's bytes as 4-byte words, as save keeps them
+			switch dt := nd.Type.DType; {
+			case v.F == nil:
+				words = unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(v.I))), 2*len(v.I))
+			case dt.IsHalf():
+				bits := encodeHalf(dt, v.F)
+				words = make([]float32, (len(bits)+1)/2)
+				copy(unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(words))), 2*len(words)), bits)
+			default:
+				words = v.F
+			}
+			words = words[:min(int64(len(words)), (rb.Size+3)/4)]
+			if rb.Blk == nil { // yielded
+				copy(rb.Val.host, words)
+			} else if err := CopyHtoD(e.d, rb.Blk.Ptr(), words); err != nil {
 				return err
 			}
 			rb.Val.newer = nil

@@ -542,7 +542,13 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 	}
 	r.persist[keyOf(pb)] = blk
 	r.filledState = r.filledState || pb.Kind == planner.BufState
-	r.c.Keep(pb, blk, &residentBuf{})
+	rb := &residentBuf{}
+	if pb.Kind == planner.BufParam {
+		src := *r.node(pb.Node)
+		src.Inputs, src.Attrs, src.Value = nil, graph.Attrs{}, r.source(pb.Node)
+		rb.src = &src
+	}
+	r.c.Keep(pb, blk, rb)
 	return nil
 }
 

@@ -27,6 +27,8 @@ var imports = map[string]string{
 	"tensor":     "gorgonia.org/tensor",
 	"batchfit":   "github.com/batchfit/batchfit",
 	"alloc":      "github.com/batchfit/batchfit/alloc",
+	"checkpoint": "github.com/batchfit/batchfit/checkpoint",
+	"data":       "github.com/batchfit/batchfit/data",
 	"dist":       "github.com/batchfit/batchfit/dist",
 	"exec":       "github.com/batchfit/batchfit/exec",
 	"graph":      "github.com/batchfit/batchfit/graph",
@@ -39,6 +41,7 @@ var imports = map[string]string{
 	"precision":  "github.com/batchfit/batchfit/precision",
 	"recompute":  "github.com/batchfit/batchfit/recompute",
 	"shapeinfer": "github.com/batchfit/batchfit/shapeinfer",
+	"train":      "github.com/batchfit/batchfit/train",
 }
 
 // snippet is one ```go block: where it starts (the line after the fence),

@@ -1,0 +1,66 @@
+package batchfit_test
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/testutil"
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/nn"
+	"github.com/batchfit/batchfit/optim"
+)
+
+// Host tensors written after a CUDA session has stepped (a checkpoint
+// loaded into it) are not seen until UploadParams copies them over the
+// device's resident copies: float32 parameters and a frozen bfloat16 one
+// (rounded as it is stored), the session running and yielded. Evaluated
+// afterwards, the session gives the CPU's outputs for the new values.
+//
+// Tolerance: 1e-5·(1 + |want|) (float32 GEMMs of 32 and 16 terms in
+// another order; both read the frozen weight rounded to bfloat16 alike).
+func TestSessionCUDAUploadParams(t *testing.T) {
+	ctx := context.Background()
+	const in, hidden, n = 32, 16, 8
+	m := newTwoLayer(41, in, hidden)
+	require.NoError(t, nn.FreezeAs(graph.BFloat16, m.Params()[0]))
+	g := cudaSession(t, batchfit.Options{})
+	rng := rand.New(rand.NewPCG(41, 42))
+	opt := optim.NewAdamW(1e-2)
+	for step := range 2 {
+		_, err := g.Step(ctx, mlpStep(m, rng, n, in), nn.ParamTensors(m), opt)
+		require.NoError(t, err, "step %d", step)
+	}
+	x := testutil.UniformF32(rng, n, in)
+	eval := func(s *batchfit.Session) []float32 {
+		out, err := s.Eval(ctx, m.Forward(lazy.Wrap(x, 0)))
+		require.NoError(t, err)
+		return testutil.Float32s(t, out[0])
+	}
+	cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	defer cpu.Close()
+	for _, yielded := range []bool{false, true} {
+		require.NoError(t, g.SyncParams())
+		for _, p := range m.Params() { // what a checkpoint's load does
+			f := p.Value().Data().([]float32)
+			for i := range f {
+				f[i] = float32(rng.NormFloat64()) / 4
+			}
+		}
+		want := eval(cpu)
+		require.NotEqual(t, want, eval(g), "yielded %v: the device's copies are still the parameters", yielded)
+		if yielded {
+			require.NoError(t, g.Yield())
+		}
+		require.NoError(t, g.UploadParams())
+		got := eval(g)
+		for i := range want {
+			require.InDelta(t, want[i], got[i], 1e-5*(1+math.Abs(float64(want[i]))), "yielded %v: output %d", yielded, i)
+		}
+	}
+}
