@@ -57,7 +57,7 @@ func Latest(dir string) (string, error) {
 	if _, err := os.Lstat(filepath.Join(dir, ManifestFile)); err == nil {
 		return dir, nil
 	}
-	b, err := safefile.ReadFile(filepath.Join(dir, LatestFile), maxLatestBytes, ErrTooLarge)
+	b, err := readBounded(filepath.Join(dir, LatestFile), maxLatestBytes)
 	if errors.Is(err, os.ErrNotExist) {
 		return "", fmt.Errorf("%w in %s (no %s, no %s)", ErrNoCheckpoint, dir, ManifestFile, LatestFile)
 	}
@@ -182,4 +182,14 @@ func syncDir(dir string) error {
 		return nil
 	}
 	return err
+}
+
+// readBounded reads the regular file at path of at most limit bytes; a
+// larger one is ErrTooLarge (and safefile's).
+func readBounded(path string, limit int64) ([]byte, error) {
+	b, err := safefile.ReadAll(path, limit)
+	if errors.Is(err, safefile.ErrTooLarge) {
+		return nil, fmt.Errorf("%w: %w", ErrTooLarge, err)
+	}
+	return b, err
 }

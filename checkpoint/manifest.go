@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/batchfit/batchfit/data"
-	"github.com/batchfit/batchfit/internal/safefile"
 )
 
 // The format a manifest declares; Load refuses any other with ErrVersion.
@@ -231,7 +230,7 @@ func (m *Manifest) encode() ([]byte, error) {
 // the consistency of what it declares.
 func readManifest(dir string) (*Manifest, error) {
 	path := filepath.Join(dir, ManifestFile)
-	b, err := safefile.ReadFile(path, MaxManifestBytes, ErrTooLarge)
+	b, err := readBounded(path, MaxManifestBytes)
 	if err != nil {
 		if os.IsNotExist(err) {
 			return nil, fmt.Errorf("%w: %s: %w", ErrNoCheckpoint, dir, err)

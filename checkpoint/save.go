@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -225,7 +226,7 @@ func hashTensor(f *safetensors.File, name string) (string, error) {
 }
 
 func hashFile(path string) (string, int64, error) {
-	f, err := safefile.Open(path)
+	f, _, err := safefile.Open(path, math.MaxInt64)
 	if err != nil {
 		return "", 0, fmt.Errorf("checkpoint: %w", err)
 	}
