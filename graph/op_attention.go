@@ -27,20 +27,48 @@ const (
 	// over the query heads that share each key/value head.
 	OpAttentionGradKV
 	// OpAttentionQKV is OpAttention reading q, k and v straight from the
-	// packed projection of a transformer block: input qkv [B, T, 3C], read
-	// as [B, T, 3, H, d] (q, k, v in that order, H = Attrs.Groups heads of
-	// d = C/H); output [B, T, C], read as [B, T, H, d]. Same Scalar and
-	// Causal as OpAttention. It stands for slicing qkv, permuting each
-	// third to [B, H, T, d], attending and permuting back, without the
-	// copies: cuDNN reads and writes those layouts through strides.
+	// packed projection of a transformer block: input qkv [B, T, (H +
+	// 2·Hkv)·d], each row q's H heads of d, then k's Hkv heads, then v's
+	// (H = Attrs.Groups; Hkv = Attrs.KVHeads, 0 for H: [B, T, 3, H, d]);
+	// output [B, T, H·d], read as [B, T, H, d]. Hkv < H is grouped-query
+	// attention, as OpAttention's. Same Scalar and Causal as OpAttention.
+	// It stands for slicing qkv, permuting each part to [B, heads, T, d],
+	// attending and permuting back, without the copies: cuDNN reads and
+	// writes those layouts through strides.
 	OpAttentionQKV
 	// OpAttentionQKVLSE is attention_qkv's log-sum-exp: input qkv; output
 	// [B, H, T] float32 (as OpAttentionLSE).
 	OpAttentionQKVLSE
-	// OpAttentionQKVGrad is d qkv in one op: inputs g [B, T, C], qkv, o
-	// [B, T, C], lse [B, H, T]; output [B, T, 3C] (dq, dk, dv packed as qkv
-	// is).
+	// OpAttentionQKVGrad is d qkv in one op: inputs g [B, T, H·d], qkv, o
+	// [B, T, H·d], lse [B, H, T]; output qkv's shape (dq, dk, dv packed as
+	// qkv is).
 	OpAttentionQKVGrad
+	// OpRotary is the rotary position embedding of x [B, T, N, d] (N heads
+	// of d at each of T positions; q or k, or a packed projection viewed
+	// so) with the table cs [T, d] (float32): head n < Attrs.End of
+	// position t is rotated by the angles θ_t,i of row t, each pair (i,
+	// i + d/2) of Hugging Face's rotate_half convention,
+	//
+	//	y_i = x_i·cos θ_i − x_{i+d/2}·sin θ_i,  y_{i+d/2} = x_{i+d/2}·cos θ_i + x_i·sin θ_i,
+	//
+	// with cs[t, i] = cos θ_t,i and cs[t, d/2 + i] = sin θ_t,i (i < d/2);
+	// heads from Attrs.End on are copied as they are (a packed qkv's v).
+	// End 0 means all N (the rule writes N in). The output has x's type,
+	// computed in float32 and rounded once.
+	//
+	// The angles come as a table rather than being computed in the
+	// kernels: the table is a constant of T·d float32 values (512 KiB for
+	// Llama 3's T = 2048, d = 64) that the planner counts like any
+	// resident, made once on the host in float64 from the model's
+	// frequencies (models.RopeConfig: rope_theta, linear or llama3
+	// scaling), so every executor rotates by the same angles whatever
+	// scaling made them, and the kernels read two values per pair, shared
+	// by every head and sample, from cache, where computing them would
+	// cost a precise sincos per element of a memory-bound pass.
+	OpRotary
+	// OpRotaryGrad is rotary's gradient: inputs g (x's shape), cs; the
+	// rotation by −θ (the transpose of an orthogonal map), same End.
+	OpRotaryGrad
 	endAttentionOps
 )
 
@@ -70,12 +98,18 @@ var attentionOps = []OpInfo{
 	OpAttentionGradKV: {Name: "attention_grad_kv", Category: CatGrad, MinArity: 6, Arity: 6, MaxArity: 7,
 		Attrs: []string{"scalar", "causal"}, Rule: attentionGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 	OpAttentionQKV: {Name: "attention_qkv", Category: CatContraction, MinArity: 1, Arity: 1,
-		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk,
+		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk,
 		Saves: SavesInput(0) | SavesOutput, VJP: attentionQKVVJP},
 	OpAttentionQKVLSE: {Name: "attention_qkv_lse", Category: CatGrad, MinArity: 1, Arity: 1,
-		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 	OpAttentionQKVGrad: {Name: "attention_qkv_grad", Category: CatGrad, MinArity: 4, Arity: 4,
-		Attrs: []string{"groups", "scalar", "causal"}, Rule: attentionQKVGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+	// The table is shared by every sample (Weights): a batched one would
+	// mix them. Backward reads only the table.
+	OpRotary: {Name: "rotary", Category: CatMovement, MinArity: 2, Arity: 2, Attrs: []string{"end"},
+		Rule: rotaryRule, Chunk: &Chunk{Weights: true, Linear: Multiplies}, Saves: SavesInput(1), VJP: rotaryVJP},
+	OpRotaryGrad: {Name: "rotary_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"end", "axis"},
+		Rule: rotaryRule, Chunk: &Chunk{Weights: true, Linear: Multiplies}, NoVJP: noVJPGrad},
 }
 
 // attentionChunk: the rules admit only inputs batched on axis 0 (or
@@ -262,45 +296,72 @@ func attentionVJP(b VJPBuilder, n *Node, g int) {
 	}
 }
 
-// QKVShape is what attention_qkv's rule reads off qkv [B, T, 3C] and its
-// head count: batch B, heads H, length T, head dim D (C = H·D).
-type QKVShape struct{ B, H, T, D int }
+// QKVShape is what attention_qkv's rule reads off qkv [B, T, (H +
+// 2·Hkv)·D] and its head counts: batch B, query heads H, key/value heads
+// Hkv, length T, head dim D.
+type QKVShape struct{ B, H, Hkv, T, D int }
 
-// C is the model width H·D.
+// C is the output's width H·D: q's columns of qkv.
 func (a QKVShape) C() int { return a.H * a.D }
 
-// Attention is the shape of the unpacked attention it stands for: q, k
-// and v [B, H, T, D].
+// KVC is k's (and v's) width Hkv·D.
+func (a QKVShape) KVC() int { return a.Hkv * a.D }
+
+// Width is qkv's last axis, (H + 2·Hkv)·D; k starts at column C, v at
+// C + KVC.
+func (a QKVShape) Width() int { return a.C() + 2*a.KVC() }
+
+// Attention is the shape of the unpacked attention it stands for: q [B,
+// H, T, D], k and v [B, Hkv, T, D].
 func (a QKVShape) Attention() AttentionShape {
-	return AttentionShape{B: a.B, H: a.H, Hkv: a.H, T: a.T, S: a.T, D: a.D}
+	return AttentionShape{B: a.B, H: a.H, Hkv: a.Hkv, T: a.T, S: a.T, D: a.D}
 }
 
-// QKVDims checks the packed projection qkv [B, T, 3C] (batch on axis 0,
-// or unbatched) for heads heads and returns its sizes.
-func QKVDims(op Op, heads int, qkv Type) (QKVShape, error) {
+// QKVDims checks the packed projection qkv [B, T, (H + 2·Hkv)·d] (batch
+// on axis 0, or unbatched) for heads query heads and kvHeads key/value
+// heads (0: heads) and returns its sizes.
+func QKVDims(op Op, heads, kvHeads int, qkv Type) (QKVShape, error) {
 	if err := needFloat(op, qkv); err != nil {
 		return QKVShape{}, err
 	}
 	if len(qkv.Shape) != 3 {
-		return QKVShape{}, Errorf(ErrShape, "%s: qkv must be [B, T, 3C], got %v", op, qkv.Shape)
+		return QKVShape{}, Errorf(ErrShape, "%s: qkv must be [B, T, (heads + 2·kv_heads)·d], got %v", op, qkv.Shape)
 	}
-	if heads < 1 || qkv.Shape[2]%(3*heads) != 0 {
-		return QKVShape{}, Errorf(ErrAttr, "%s: %d heads do not split qkv %v into q, k and v of whole heads (3·heads must divide the last axis)", op, heads, qkv.Shape)
+	if kvHeads == 0 {
+		kvHeads = heads
+	}
+	if heads < 1 || kvHeads < 1 || heads%kvHeads != 0 {
+		return QKVShape{}, Errorf(ErrAttr, "%s: %d key/value heads must divide %d query heads (qkv %v)", op, kvHeads, heads, qkv.Shape)
+	}
+	if n := heads + 2*kvHeads; qkv.Shape[2]%n != 0 {
+		return QKVShape{}, Errorf(ErrAttr, "%s: %d query and 2·%d key/value heads do not split qkv %v into whole heads (%d must divide the last axis)",
+			op, heads, kvHeads, qkv.Shape, n)
 	}
 	if qkv.Batched() && qkv.BatchAxis != 0 {
 		return QKVShape{}, Errorf(ErrShape, "%s: qkv %v carries the batch on axis %d, not 0", op, qkv.Shape, qkv.BatchAxis)
 	}
-	return QKVShape{B: qkv.Shape[0], H: heads, T: qkv.Shape[1], D: qkv.Shape[2] / (3 * heads)}, nil
+	return QKVShape{B: qkv.Shape[0], H: heads, Hkv: kvHeads, T: qkv.Shape[1], D: qkv.Shape[2] / (heads + 2*kvHeads)}, nil
+}
+
+// qkvAttrs checks attention_qkv's head counts against qkv, leaves
+// KVHeads 0 for multi-head attention (graph signatures stay canonical)
+// and writes the default scale.
+func qkvAttrs(op Op, attrs *Attrs, qkv Type) (QKVShape, error) {
+	a, err := QKVDims(op, attrs.Groups, attrs.KVHeads, qkv)
+	if err != nil {
+		return a, err
+	}
+	if attrs.KVHeads == attrs.Groups {
+		attrs.KVHeads = 0
+	}
+	return a, attentionScale(op, attrs, a.D)
 }
 
 // attentionQKVRule types attention_qkv ([B, T, C], qkv's dtype) and
 // attention_qkv_lse ([B, H, T] float32) from qkv.
 func attentionQKVRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
-	a, err := QKVDims(op, attrs.Groups, in[0])
+	a, err := qkvAttrs(op, attrs, in[0])
 	if err != nil {
-		return Type{}, err
-	}
-	if err := attentionScale(op, attrs, a.D); err != nil {
 		return Type{}, err
 	}
 	qkv := in[0]
@@ -313,11 +374,8 @@ func attentionQKVRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
 // attentionQKVGradRule types d qkv (qkv's type) from g, qkv, o, lse.
 func attentionQKVGradRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
 	g, qkv, o, lse := in[0], in[1], in[2], in[3]
-	a, err := QKVDims(op, attrs.Groups, qkv)
+	a, err := qkvAttrs(op, attrs, qkv)
 	if err != nil {
-		return Type{}, err
-	}
-	if err := attentionScale(op, attrs, a.D); err != nil {
 		return Type{}, err
 	}
 	want := []int{a.B, a.T, a.C()}
@@ -346,7 +404,7 @@ func attentionQKVVJP(b VJPBuilder, n *Node, g int) {
 	if !b.Wants(0) {
 		return
 	}
-	a := Attrs{Groups: n.Attrs.Groups, Scalar: n.Attrs.Scalar, Causal: n.Attrs.Causal}
+	a := Attrs{Groups: n.Attrs.Groups, KVHeads: n.Attrs.KVHeads, Scalar: n.Attrs.Scalar, Causal: n.Attrs.Causal}
 	lse := b.Emit(OpAttentionQKVLSE, a, n.Inputs[0])
 	b.Accumulate(n.Inputs[0], b.Emit(OpAttentionQKVGrad, a, g, n.Inputs[0], n.ID, lse))
 }
@@ -389,9 +447,71 @@ func qkvLSEProducer(g *Graph, m int) int {
 	for id := m - 1; id >= 0; id-- {
 		n := g.Node(id)
 		if n.Op == OpAttentionQKV && n.Inputs[0] == lse.Inputs[0] && n.Attrs.Groups == lse.Attrs.Groups &&
-			n.Attrs.Scalar == lse.Attrs.Scalar && n.Attrs.Causal == lse.Attrs.Causal {
+			n.Attrs.KVHeads == lse.Attrs.KVHeads && n.Attrs.Scalar == lse.Attrs.Scalar && n.Attrs.Causal == lse.Attrs.Causal {
 			return id
 		}
 	}
 	return -1
+}
+
+// RotaryShape is what rotary's rule reads off x [B, T, N, D] and its
+// table: batch B, positions T, heads N of D values, the first End of them
+// rotated.
+type RotaryShape struct{ B, T, N, D, End int }
+
+// RotaryDims checks x [B, T, N, d] and the table cs [T, d] (float32, no
+// batch axis) for rotating the first end heads (0: all) and returns the
+// sizes, End filled in.
+func RotaryDims(op Op, end int, x, cs Type) (RotaryShape, error) {
+	if err := needFloat(op, x); err != nil {
+		return RotaryShape{}, err
+	}
+	if len(x.Shape) != 4 {
+		return RotaryShape{}, Errorf(ErrShape, "%s: x must be [B, T, heads, d], got %v", op, x.Shape)
+	}
+	a := RotaryShape{B: x.Shape[0], T: x.Shape[1], N: x.Shape[2], D: x.Shape[3], End: end}
+	if a.End == 0 {
+		a.End = a.N
+	}
+	switch {
+	case a.D%2 != 0:
+		return a, Errorf(ErrShape, "%s: head dim %d of x %v is odd: rotate_half pairs i with i + d/2", op, a.D, x.Shape)
+	case a.End < 0 || a.End > a.N:
+		return a, Errorf(ErrAttr, "%s: %d rotated heads of x %v (want 0 for all, or 1 to %d)", op, end, x.Shape, a.N)
+	case cs.DType != Float32:
+		return a, Errorf(ErrDType, "%s: the cos/sin table is %s, want float32", op, cs.DType)
+	case !slices.Equal(cs.Shape, []int{a.T, a.D}):
+		return a, Errorf(ErrShape, "%s: the cos/sin table is %v, want [T, d] = [%d, %d] for x %v", op, cs.Shape, a.T, a.D, x.Shape)
+	case cs.Batched():
+		return a, Errorf(ErrShape, "%s: the cos/sin table %v carries the batch (axis %d): one table serves every sample", op, cs.Shape, cs.BatchAxis)
+	case x.Batched() && x.BatchAxis > 1:
+		return a, Errorf(ErrShape, "%s: x %v carries the batch on axis %d, a head or head-dim axis", op, x.Shape, x.BatchAxis)
+	}
+	return a, nil
+}
+
+// rotaryRule types rotary and rotary_grad: x's type. rotary_grad's
+// Attrs.Axis = 1 marks a request for the table's gradient, which is
+// refused.
+func rotaryRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	if op == OpRotaryGrad && attrs.Axis == 1 {
+		return Type{}, Errorf(ErrAttr, "rotary has no gradient for its cos/sin table; pass the table as a constant")
+	}
+	a, err := RotaryDims(op, attrs.End, in[0], in[1])
+	if err != nil {
+		return Type{}, err
+	}
+	attrs.End = a.End
+	return in[0], nil
+}
+
+// rotaryVJP: the rotation's transpose, by −θ.
+func rotaryVJP(b VJPBuilder, n *Node, g int) {
+	if b.Wants(1) {
+		b.Emit(OpRotaryGrad, Attrs{End: n.Attrs.End, Axis: 1}, g, n.Inputs[1])
+		return
+	}
+	if b.Wants(0) {
+		b.Accumulate(n.Inputs[0], b.Emit(OpRotaryGrad, Attrs{End: n.Attrs.End}, g, n.Inputs[1]))
+	}
 }

@@ -20,7 +20,7 @@ const (
 	CatContraction                 // matmul, linear
 	CatReduce                      // sum, mean, max over axes
 	CatNormalize                   // softmax, log_softmax, layer_norm
-	CatMovement                    // reshape, permute, slice, concat
+	CatMovement                    // reshape, permute, slice, concat; rotary
 	CatIndex                       // embedding
 	CatConv                        // conv2d and pooling
 	CatLoss                        // cross_entropy, mse
@@ -195,25 +195,28 @@ func (r Reduction) String() string {
 // Attrs is the union of all op attributes; each op reads the fields its
 // table row names and ignores the rest.
 type Attrs struct {
-	Scalar    float64 // scalar operand; for mean and losses with mean, 1/count
-	Approx    bool    // gelu: tanh approximation
-	Axes      []int   // reduce axes, normalised to non-negative and sorted
-	KeepDim   bool
-	Axis      int   // softmax, slice, concat
-	Start     int   // slice
-	End       int   // slice (exclusive)
-	Step      int   // slice (≥ 1)
-	Shape     []int // reshape target
-	Perm      []int // permute
-	NormDims  int   // layer_norm: number of trailing dims normalised
-	Eps       float64
-	Training  bool   // batch_norm: normalise with the batch's statistics, not running ones
-	PerChunk  bool   // batch_norm (training) and its gradients: the statistics of the samples run, chunk by chunk (OpBatchNorm)
-	Kernel    [2]int // pooling
-	Stride    [2]int
-	Padding   [2]int
-	Dilation  [2]int
-	Groups    int
+	Scalar   float64 // scalar operand; for mean and losses with mean, 1/count
+	Approx   bool    // gelu: tanh approximation
+	Axes     []int   // reduce axes, normalised to non-negative and sorted
+	KeepDim  bool
+	Axis     int   // softmax, slice, concat
+	Start    int   // slice
+	End      int   // slice (exclusive)
+	Step     int   // slice (≥ 1)
+	Shape    []int // reshape target
+	Perm     []int // permute
+	NormDims int   // layer_norm: number of trailing dims normalised
+	Eps      float64
+	Training bool   // batch_norm: normalise with the batch's statistics, not running ones
+	PerChunk bool   // batch_norm (training) and its gradients: the statistics of the samples run, chunk by chunk (OpBatchNorm)
+	Kernel   [2]int // pooling
+	Stride   [2]int
+	Padding  [2]int
+	Dilation [2]int
+	Groups   int
+	// KVHeads is attention_qkv's key/value heads (grouped-query
+	// attention); 0 means Groups, multi-head attention.
+	KVHeads   int
 	Reduction Reduction
 	TransA    bool // matmul: use the transpose of the last two axes of input 0
 	TransB    bool // matmul: … of input 1

@@ -130,6 +130,45 @@ func (t *Tensor) LayerNorm(weight, bias *Tensor, normDims int, eps float64) *Ten
 	return apply(graph.OpLayerNorm, attrs, t, weight, bias)
 }
 
+// RMSNorm divides t by the root mean square of its last axis and scales
+// by weight ([last], or nil for none): y = t·rsqrt(mean(t²) + eps)·weight,
+// Hugging Face's LlamaRMSNorm (no mean subtracted, no bias). The
+// arithmetic is float32 at least and the result has t's dtype; under a
+// mixed precision policy t and weight are float32 and a result only
+// 16-bit GEMMs read is written in 16 bits. Fused with a residual add
+// before it where the executor can (graph.AddRMSNormProducer).
+func (t *Tensor) RMSNorm(weight *Tensor, eps float64) *Tensor {
+	attrs := graph.Attrs{NormDims: 1, Eps: eps}
+	if weight == nil {
+		return apply(graph.OpRMSNorm, attrs, t)
+	}
+	return apply(graph.OpRMSNorm, attrs, t, weight)
+}
+
+// Rotary is the rotary position embedding of t [B, T, H, d] (H heads of d
+// at each of T positions, as a q or k projection reshaped gives them) by
+// the angle table cs [T, d]: float32, cos θ_t,i in columns i < d/2 and sin
+// θ_t,i in columns d/2 + i, row t for position t (models.RopeConfig.Table
+// makes one). Each pair (i, i + d/2) of each head rotates by θ_t,i, Hugging
+// Face's rotate_half convention. The result has t's type.
+func (t *Tensor) Rotary(cs *Tensor) *Tensor { return apply(graph.OpRotary, graph.Attrs{}, t, cs) }
+
+// RotaryHeads is Rotary of the first heads heads of t [B, T, N, d] only,
+// the rest copied: a packed projection [B, T, (H + 2·Hkv)·d] viewed as
+// [B, T, H + 2·Hkv, d] rotates its H + Hkv heads of q and k and keeps v's,
+// for AttentionQKV. heads must be 1 to N.
+func (t *Tensor) RotaryHeads(cs *Tensor, heads int) *Tensor {
+	if heads < 1 && t.Err() == nil { // an earlier error sticks: apply returns it
+		return errTensor("rotary", site(), graph.Errorf(graph.ErrAttr, "rotary of %d heads of %v: want at least 1", heads, t.Shape()), t.Shape())
+	}
+	return apply(graph.OpRotary, graph.Attrs{End: heads}, t, cs)
+}
+
+// SwiGLU is silu(t)·up, t the gate: Llama's feed-forward activation
+// act_fn(gate_proj(x))·up_proj(x), in one pass (and one backward pass).
+// t and up have one shape and dtype.
+func (t *Tensor) SwiGLU(up *Tensor) *Tensor { return apply(graph.OpSwiGLU, graph.Attrs{}, t, up) }
+
 // BatchNorm normalises t [N, C, ...] per channel (axis 1), as PyTorch's
 // F.batch_norm, then scales by weight and shifts by bias ([C] each,
 // optional: pass nil; bias needs weight). In training mode it uses the
@@ -346,6 +385,10 @@ type AttentionOptions struct {
 	Causal bool
 	Scale  float64
 	Mask   *Tensor
+	// KVHeads is AttentionQKV's key/value head count, grouped-query
+	// attention when fewer than its query heads (0: as many). Attention
+	// reads its count off k; a non-zero KVHeads must match it.
+	KVHeads int
 }
 
 // Attention is fused scaled dot-product attention, softmax(scale·q·kᵀ +
@@ -355,6 +398,11 @@ type AttentionOptions struct {
 // output and 0 gradient.
 func (t *Tensor) Attention(k, v *Tensor, o AttentionOptions) *Tensor {
 	attrs := graph.Attrs{Scalar: o.Scale, Causal: o.Causal}
+	if o.KVHeads != 0 && t.Err() == nil && k != nil && k.Err() == nil && !k.zero() {
+		if s := k.Shape(); len(s) != 4 || s[1] != o.KVHeads {
+			return errTensor("attention", site(), graph.Errorf(graph.ErrShape, "attention with %d key/value heads, k %v", o.KVHeads, s), t.Shape(), s)
+		}
+	}
 	if o.Mask == nil {
 		return apply(graph.OpAttention, attrs, t, k, v)
 	}
@@ -362,16 +410,17 @@ func (t *Tensor) Attention(k, v *Tensor, o AttentionOptions) *Tensor {
 }
 
 // AttentionQKV is Attention over q, k and v packed in one projection, as a
-// transformer block's qkv = x·W_qkv gives them: t is [B, T, 3C], read as
-// [B, T, 3, H, d] with H = heads and d = C/H; the result is [B, T, C],
-// the heads side by side. It equals slicing t in three, reshaping each to
-// [B, T, H, d], permuting to [B, H, T, d], Attention, and permuting back
-// to [B, T, C], without those copies (or their gradients' copies): cuDNN
-// reads q, k, v and writes o and d qkv through strides. A mask is not
-// taken (o.Mask must be nil).
+// transformer block's qkv = x·W_qkv gives them: t is [B, T, (H + 2·Hkv)·d]
+// with H = heads query heads and Hkv = o.KVHeads key/value heads (0: H,
+// so t is [B, T, 3, H, d]), each row q's H heads, then k's Hkv, then v's;
+// the result is [B, T, H·d], the heads side by side. It equals slicing t
+// in three, reshaping each to [B, T, heads, d], permuting to [B, heads,
+// T, d], Attention, and permuting back to [B, T, H·d], without those
+// copies (or their gradients' copies): cuDNN reads q, k, v and writes o
+// and d qkv through strides. A mask is not taken (o.Mask must be nil).
 func (t *Tensor) AttentionQKV(heads int, o AttentionOptions) *Tensor {
 	if o.Mask != nil && t.Err() == nil {
 		return errTensor("attention_qkv", site(), graph.Errorf(graph.ErrAttr, "attention_qkv takes no mask (qkv %v); use Attention", t.Shape()), t.Shape())
 	}
-	return apply(graph.OpAttentionQKV, graph.Attrs{Groups: heads, Scalar: o.Scale, Causal: o.Causal}, t)
+	return apply(graph.OpAttentionQKV, graph.Attrs{Groups: heads, KVHeads: o.KVHeads, Scalar: o.Scale, Causal: o.Causal}, t)
 }

@@ -157,8 +157,8 @@ func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
 			t = g.Node(nd.Inputs[1]).Type
 		}
 		d := 0
-		if len(t.Shape) == 3 && nd.Attrs.Groups > 0 {
-			d = t.Shape[2] / (3 * nd.Attrs.Groups)
+		if s, err := graph.QKVDims(nd.Op, nd.Attrs.Groups, nd.Attrs.KVHeads, t); err == nil {
+			d = s.D
 		}
 		return attentionRate(t.DType, d, false)
 	}
@@ -409,11 +409,12 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 			qkv = in[1]
 		}
 		qs := qkv.AtBatch(b)
-		if len(qs) != 3 {
+		sh, err := graph.QKVDims(nd.Op, nd.Attrs.Groups, nd.Attrs.KVHeads, graph.Type{Shape: qs, DType: qkv.DType, BatchAxis: -1})
+		if err != nil {
 			break
 		}
 		products := map[graph.Op]float64{graph.OpAttentionQKV: 2, graph.OpAttentionQKVLSE: 1, graph.OpAttentionQKVGrad: 7}[nd.Op]
-		elems := float64(graph.Numel(qs)) / 3 // q's
+		elems := float64(sh.B * sh.T * sh.C()) // q's
 		flops = products * 2 * elems * float64(qs[1])
 		if nd.Attrs.Causal {
 			flops /= 2
@@ -427,6 +428,8 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 			bytes += passes * 4 * scores
 		}
 	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradXAdd, graph.OpLayerNormGradW,
+		graph.OpRMSNorm, graph.OpRMSNormGradX, graph.OpRMSNormGradXAdd, graph.OpRMSNormGradW, graph.OpRotary, graph.OpRotaryGrad,
+		graph.OpSwiGLU, graph.OpSwiGLUGrad,
 		graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad, graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpGelu, graph.OpGeluGrad:
 		flops = 8 * max(numel(out), numel(in[0]))
 	default:

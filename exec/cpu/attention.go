@@ -37,6 +37,38 @@ var attentionKernels = family{
 		at.gradInto(in[0], in[2], in[3], out, true, true)
 		return nil
 	}},
+	graph.OpRotary:     {run: rotaryKernel},
+	graph.OpRotaryGrad: {run: rotaryKernel},
+}
+
+// rotaryKernel rotates heads below End of x [B, T, N, d] by the angles of
+// cs [T, d] (cos, then sin), each pair (i, i + d/2): by θ for rotary, by
+// −θ for rotary_grad. The other heads are copied.
+func rotaryKernel(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	x, cs := in[0], in[1]
+	if len(x.shape) != 4 || len(cs.shape) != 2 || cs.shape[0] != x.shape[1] || cs.shape[1] != x.shape[3] || x.shape[3]%2 != 0 || len(out.f) != len(x.f) {
+		return graph.Errorf(graph.ErrShape, "%s: x %v, table %v, output %v", nd.Op, x.shape, cs.shape, out.shape)
+	}
+	t, n, d := x.shape[1], x.shape[2], x.shape[3]
+	end, h := nd.Attrs.End, d/2
+	sign := float32(1)
+	if nd.Op == graph.OpRotaryGrad {
+		sign = -1
+	}
+	for r := range len(x.f) / max(d, 1) {
+		row, dst := x.f[r*d:(r+1)*d], out.f[r*d:(r+1)*d]
+		if r%n >= end {
+			copy(dst, row)
+			continue
+		}
+		tab := cs.f[r/n%t*d:][:d]
+		for i := range h {
+			c, s := float64(tab[i]), float64(sign*tab[h+i])
+			a, b := float64(row[i]), float64(row[i+h])
+			dst[i], dst[i+h] = float32(a*c-b*s), float32(b*c+a*s)
+		}
+	}
+	return nil
 }
 
 // attentionFwd writes attention's output o.
@@ -112,15 +144,19 @@ func newAttn(a *graph.Attrs, q, k, v, m *buf) *attn {
 	return at
 }
 
-// newAttnQKV reads q, k, v in place from qkv [B, T, 3C] ([B, T, 3, H,
-// d]): every row 3C apart, head h d further on, k and v C and 2C after q;
-// o and g are [B, T, C].
+// newAttnQKV reads q, k, v in place from qkv [B, T, (H + 2·Hkv)·d]:
+// every row W = (H + 2·Hkv)·d apart, head h d further on, k and v C = H·d
+// and C + Hkv·d after q; o and g are [B, T, C].
 func newAttnQKV(a *graph.Attrs, qkv *buf) *attn {
-	h := a.Groups
-	b, t, c := qkv.shape[0], qkv.shape[1], qkv.shape[2]/3
-	st := [3]int{t * 3 * c, c / h, 3 * c}
+	h, hkv := a.Groups, a.KVHeads
+	if hkv == 0 {
+		hkv = h
+	}
+	b, t, w := qkv.shape[0], qkv.shape[1], qkv.shape[2]
+	d := w / (h + 2*hkv)
+	st := [3]int{t * w, d, w}
 	return &attn{q: qkv, k: qkv, v: qkv, scale: float32(a.Scalar), causal: a.Causal,
-		B: b, H: h, Hkv: h, T: t, S: t, D: c / h, qs: st, ks: st, k0: c, v0: 2 * c, oc: c}
+		B: b, H: h, Hkv: hkv, T: t, S: t, D: d, qs: st, ks: st, k0: h * d, v0: (h + hkv) * d, oc: h * d}
 }
 
 // qoff is the offset of query row i of head h in q (and of dq in its

@@ -6,17 +6,19 @@ import (
 )
 
 // Packed attention (attention_qkv, attention_qkv_lse, attention_qkv_grad):
-// q, k and v read in place from the projection qkv [B, T, 3C] ([B, T, 3,
-// H, d]), o written as [B, T, C] and d qkv as qkv is laid out. cuDNN's
-// fused attention takes those layouts through its tensors' strides
-// (sdpaKey.packed), so on cuDNN's shapes (sdpaShape: 16-bit, head dim 64
-// or 128) nothing is copied: the forward pass also writes the log-sum-exp
-// of its attention_qkv_lse companion, and the backward pass writes dq, dk
-// and dv into d qkv in one call.
+// q, k and v read in place from the projection qkv [B, T, (H + 2·Hkv)·d]
+// (q's H heads, k's Hkv, v's Hkv in each row), o written as [B, T, H·d]
+// and d qkv as qkv is laid out. cuDNN's fused attention takes those
+// layouts through its tensors' strides (sdpaKey.packed), so on cuDNN's
+// shapes (sdpaShape: 16-bit, head dim 64 or 128) nothing is copied: the
+// forward pass also writes the log-sum-exp of its attention_qkv_lse
+// companion, and the backward pass writes dq, dk and dv into d qkv in one
+// call.
 //
-// Elsewhere (float32, other head dims, cuDNN off or refusing) the kernels
-// of attention.go run on copies in the node's workspace, laid out as they
-// want them: q, k, v (and o, g) gathered to [B, H, T, d], the results
+// Elsewhere (float32, other head dims, grouped-query heads where cuDNN
+// refuses them, cuDNN off or refusing) the kernels of attention.go run on
+// copies in the node's workspace, laid out as they want them: q, o and g
+// gathered to [B, H, T, d], k and v to [B, Hkv, T, d], the results
 // gathered back (the float32 path's GEMMs read the copies as they read
 // attention's operands). Such a call is counted in DNN.AttnStats as
 // attnQKVPermuted besides cuDNN's reason. The workspace holds the kernels'
@@ -32,18 +34,19 @@ var attentionQKVKernels = family{
 // copies.
 const attnQKVPermuted = "attention_qkv permuted"
 
-// attnQKVCopies is how many [B, T, C] arrays of the dtype a packed op's
+// attnQKVCopies is how many heads of [B, T, d] elements a packed op's
 // fallback keeps in its workspace after the kernels' own: q, k, v and o
-// forward; q and k for the log-sum-exp; o, g, dq and dk|dv (2) backward,
-// whose q, k and v go to d qkv's output until the gradients replace them.
-func attnQKVCopies(op graph.Op) int64 {
+// forward (H + 2·Hkv + H); q and k for the log-sum-exp (H + Hkv); o, g, dq
+// and dk|dv backward (3·H + 2·Hkv), whose q, k and v go to d qkv's output
+// until the gradients replace them.
+func attnQKVCopies(op graph.Op, s graph.QKVShape) int64 {
 	switch op {
 	case graph.OpAttentionQKV:
-		return 4
+		return int64(2*s.H + 2*s.Hkv)
 	case graph.OpAttentionQKVLSE:
-		return 2
+		return int64(s.H + s.Hkv)
 	}
-	return 5
+	return int64(3*s.H + 2*s.Hkv)
 }
 
 // attnQKVInner is the workspace the kernels of attention.go take for op's
@@ -67,8 +70,8 @@ func attnQKVInner(op graph.Op, dt graph.DType, s graph.QKVShape) int64 {
 // attnQKVFallbackBytes is the fallback's workspace: the kernels' own, then
 // the copies (attnQKVCopies).
 func attnQKVFallbackBytes(op graph.Op, dt graph.DType, s graph.QKVShape) int64 {
-	n := int64(s.B*s.T*s.C()) * int64(dt.Size())
-	return attnQKVInner(op, dt, s) + attnQKVCopies(op)*n
+	n := int64(s.B*s.T*s.D) * int64(dt.Size()) // one head
+	return attnQKVInner(op, dt, s) + attnQKVCopies(op, s)*n
 }
 
 // attnQKVWorkspace is a packed op's workspace at chunk size b: enough for
@@ -84,11 +87,11 @@ func attnQKVWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	}
 	dt := g.Node(nd.Inputs[qi]).Type.DType
 	at := func(b int) (fallback, sdpa int64) {
-		s, err := graph.QKVDims(nd.Op, nd.Attrs.Groups, graph.Type{Shape: inputAt(g, nd, qi, b), DType: dt, BatchAxis: -1})
+		s, err := graph.QKVDims(nd.Op, nd.Attrs.Groups, nd.Attrs.KVHeads, graph.Type{Shape: inputAt(g, nd, qi, b), DType: dt, BatchAxis: -1})
 		if err != nil {
 			return 0, 0
 		}
-		if sdpaShape(dt, s.D, false, s.H, s.H) {
+		if sdpaShape(dt, s.D, false, s.H, s.Hkv) {
 			b, h, t, d := int64(s.B), int64(s.H), int64(s.T), int64(s.D)
 			switch nd.Op {
 			case graph.OpAttentionQKV:
@@ -108,22 +111,23 @@ func attnQKVWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 // the unpacked attention it holds.
 func (k *kctx) qkvGeom(qkv operand) (graph.DType, graph.QKVShape, attnShape, error) {
 	a := k.attrs()
-	s, err := graph.QKVDims(k.nd.Op, a.Groups, graph.Type{Shape: qkv.shape, DType: qkv.dt, BatchAxis: -1})
+	s, err := graph.QKVDims(k.nd.Op, a.Groups, a.KVHeads, graph.Type{Shape: qkv.shape, DType: qkv.dt, BatchAxis: -1})
 	if err != nil {
 		return 0, s, attnShape{}, err
 	}
 	if s.D > attMaxD && qkv.dt != graph.Float32 {
 		return 0, s, attnShape{}, graph.Errorf(graph.ErrShape, "%s: head dim %d (qkv %v, %d heads) is larger than the CUDA kernels' %d", k.nd.Op, s.D, qkv.shape, s.H, attMaxD)
 	}
-	sh := attnShape{b: s.B, h: s.H, hkv: s.H, t: s.T, s: s.T, d: s.D, scale: float32(a.Scalar), causal: a.Causal}
+	sh := attnShape{b: s.B, h: s.H, hkv: s.Hkv, t: s.T, s: s.T, d: s.D, scale: float32(a.Scalar), causal: a.Causal}
 	return qkv.dt, s, sh, nil
 }
 
-// qkvThirds is the addresses of the q, k and v (or dq, dk, dv) columns of
-// a packed [B, T, 3C] array at p.
-func qkvThirds(p alloc.Ptr, dt graph.DType, s graph.QKVShape) (alloc.Ptr, alloc.Ptr, alloc.Ptr) {
-	c := alloc.Ptr(s.C() * dt.Size())
-	return p, p + c, p + 2*c
+// qkvParts is the addresses of the q, k and v (or dq, dk, dv) columns of
+// a packed [B, T, (H + 2·Hkv)·d] array at p: columns 0, H·d and
+// (H + Hkv)·d.
+func qkvParts(p alloc.Ptr, dt graph.DType, s graph.QKVShape) (alloc.Ptr, alloc.Ptr, alloc.Ptr) {
+	c, kv := alloc.Ptr(s.C()*dt.Size()), alloc.Ptr(s.KVC()*dt.Size())
+	return p, p + c, p + c + kv
 }
 
 // qkvFallback counts a packed call left to the kernels (with cuDNN on)
@@ -146,21 +150,34 @@ func (k *kctx) qkvFallback(op graph.Op, dt graph.DType, s graph.QKVShape) (alloc
 	return ws + alloc.Ptr(attnQKVInner(k.nd.Op, dt, s)), &sub, nil
 }
 
-// heads is the operands of count consecutive [B, H, T, d] arrays from p.
-func heads(p alloc.Ptr, dt graph.DType, s graph.QKVShape, count int) []operand {
-	out := make([]operand, count)
-	n := alloc.Ptr(s.B * s.T * s.C() * dt.Size())
-	for i := range out {
-		out[i] = operand{p: p + alloc.Ptr(i)*n, shape: []int{s.B, s.H, s.T, s.D}, dt: dt}
+// heads lays out consecutive arrays from p, one of [B, n, T, d] for each
+// head count n of counts.
+func heads(p alloc.Ptr, dt graph.DType, s graph.QKVShape, counts ...int) []operand {
+	out := make([]operand, len(counts))
+	for i, n := range counts {
+		out[i] = operand{p: p, shape: []int{s.B, n, s.T, s.D}, dt: dt}
+		p += alloc.Ptr(s.B * n * s.T * s.D * dt.Size())
 	}
 	return out
 }
 
-// gatherHeads copies the first count of q, k, v from qkv [B, T, 3, H, d]
-// to consecutive [B, H, T, d] arrays at dst.
-func (k *kctx) gatherHeads(dt graph.DType, qkv, dst alloc.Ptr, s graph.QKVShape, count int) error {
-	c := s.C()
-	return k.gatherView(dt, qkv, dst, []int{count, s.B, s.H, s.T, s.D}, []int{c, s.T * 3 * c, s.D, 3 * c, 1})
+// gatherHeads copies q and k (and v when all) from qkv [B, T, (H +
+// 2·Hkv)·d] to consecutive [B, H, T, d], [B, Hkv, T, d] (, [B, Hkv, T,
+// d]) arrays at dst.
+func (k *kctx) gatherHeads(dt graph.DType, qkv, dst alloc.Ptr, s graph.QKVShape, all bool) error {
+	w := s.Width()
+	part := func(src, dst alloc.Ptr, n int) error {
+		return k.gatherView(dt, src, dst, []int{s.B, n, s.T, s.D}, []int{s.T * w, s.D, w, 1})
+	}
+	q, kk, v := qkvParts(qkv, dt, s)
+	hs := heads(dst, dt, s, s.H, s.Hkv, s.Hkv)
+	if err := part(q, hs[0].p, s.H); err != nil {
+		return err
+	}
+	if err := part(kk, hs[1].p, s.Hkv); err != nil || !all {
+		return err
+	}
+	return part(v, hs[2].p, s.Hkv)
 }
 
 // gatherView copies the view of src with sizes dims and element strides
@@ -187,7 +204,7 @@ func (k *kctx) copyColumns(dt graph.DType, src, dst alloc.Ptr, rows, cols, pitch
 	return k.flat(name, units16(dt, rows*cols), src, cols, int64(0), dst, pitch, off, rows, cols)
 }
 
-// attentionQKVFwd runs attention_qkv: o [B, T, C] and, with its
+// attentionQKVFwd runs attention_qkv: o [B, T, H·d] and, with its
 // attention_qkv_lse companion, the log-sum-exp.
 func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 	qkv := in[0]
@@ -198,7 +215,7 @@ func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 	if err := sameDType(out, qkv); err != nil {
 		return err
 	}
-	if 3*out.n() != qkv.n() {
+	if out.n() != int64(s.B*s.T*s.C()) || qkv.n() != int64(s.B*s.T*s.Width()) {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for qkv %v", k.nd.Op, out.shape, qkv.shape)
 	}
 	var lse *operand
@@ -211,7 +228,7 @@ func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 			pl = lse.p
 		}
 		ws, n := k.nodeWorkspace()
-		q, kk, v := qkvThirds(qkv.p, dt, s)
+		q, kk, v := qkvParts(qkv.p, dt, s)
 		done, err := k.dnn.sdpaForward(dt, sh, false, true, q, kk, v, out.p, pl, ws, n)
 		if done || err != nil {
 			k.coDone = done && err == nil && lse != nil
@@ -222,8 +239,8 @@ func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	hs := heads(base, dt, s, 4) // q, k, v, o
-	if err := k.gatherHeads(dt, qkv.p, base, s, 3); err != nil {
+	hs := heads(base, dt, s, s.H, s.Hkv, s.Hkv, s.H) // q, k, v, o
+	if err := k.gatherHeads(dt, qkv.p, base, s, true); err != nil {
 		return err
 	}
 	if err := sub.attentionFwd(hs[0], hs[1], hs[2], nil, &hs[3], lse); err != nil {
@@ -255,8 +272,8 @@ func attentionQKVLSE(k *kctx, in []operand, out operand) error {
 	if err != nil {
 		return err
 	}
-	hs := heads(base, dt, s, 2)
-	if err := k.gatherHeads(dt, qkv.p, base, s, 2); err != nil {
+	hs := heads(base, dt, s, s.H, s.Hkv)
+	if err := k.gatherHeads(dt, qkv.p, base, s, false); err != nil {
 		return err
 	}
 	return sub.attentionFwd(hs[0], hs[1], hs[1], nil, nil, &out)
@@ -275,13 +292,14 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	if err := floats(lse); err != nil {
 		return err
 	}
-	if out.n() != qkv.n() || 3*g.n() != qkv.n() || 3*o.n() != qkv.n() || lse.n() != int64(s.B*s.H*s.T) {
+	nc := int64(s.B * s.T * s.C())
+	if out.n() != qkv.n() || qkv.n() != int64(s.B*s.T*s.Width()) || g.n() != nc || o.n() != nc || lse.n() != int64(s.B*s.H*s.T) {
 		return graph.Errorf(graph.ErrShape, "%s: g %v, o %v, lse %v, output %v for qkv %v", k.nd.Op, g.shape, o.shape, lse.shape, out.shape, qkv.shape)
 	}
 	if k.dnn != nil {
 		ws, n := k.nodeWorkspace()
-		q, kk, v := qkvThirds(qkv.p, dt, s)
-		dq, dk, dv := qkvThirds(out.p, dt, s)
+		q, kk, v := qkvParts(qkv.p, dt, s)
+		dq, dk, dv := qkvParts(out.p, dt, s)
 		done, err := k.dnn.sdpaBackward(dt, sh, false, true, g.p, q, kk, v, o.p, lse.p, dq, dk, dv, ws, n)
 		if done || err != nil {
 			return err
@@ -294,11 +312,11 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	subKV := *subQ
 	subKV.nd = &graph.Node{Op: graph.OpAttentionGradKV, Attrs: k.nd.Attrs}
 	// q, k, v into the output until the gradients are done; o, g, dq and
-	// dk|dv [B, H, T, 2d] in the workspace.
-	qkvh := heads(out.p, dt, s, 3)
-	hs := heads(base, dt, s, 5)
-	dkv := operand{p: hs[3].p, shape: []int{s.B, s.H, s.T, 2 * s.D}, dt: dt}
-	if err := k.gatherHeads(dt, qkv.p, out.p, s, 3); err != nil {
+	// dk|dv [B, Hkv, T, 2d] in the workspace.
+	qkvh := heads(out.p, dt, s, s.H, s.Hkv, s.Hkv)
+	hs := heads(base, dt, s, s.H, s.H, s.H, 2*s.Hkv) // o, g, dq, dk|dv
+	dkv := operand{p: hs[3].p, shape: []int{s.B, s.Hkv, s.T, 2 * s.D}, dt: dt}
+	if err := k.gatherHeads(dt, qkv.p, out.p, s, true); err != nil {
 		return err
 	}
 	toHeads := []int{s.T * s.C(), s.D, s.C(), 1} // [B, T, H, d] read as [B, H, T, d]
@@ -316,19 +334,19 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	if err := attentionGrad(&subKV, args, dkv); err != nil {
 		return err
 	}
-	// dk|dv [B, H, T, 2, d] → [B, T, 2, H, d] over o and g, then into
-	// columns C to 3C of d qkv; dq [B, H, T, d] → [B, T, H, d] over o, then
-	// into columns 0 to C.
-	rows, c := int64(s.B*s.T), int64(s.C())
-	h, t, d := s.H, s.T, s.D
-	if err := k.gatherView(dt, dkv.p, hs[0].p, []int{s.B, t, 2, h, d}, []int{h * t * 2 * d, 2 * d, d, t * 2 * d, 1}); err != nil {
+	// dk|dv [B, Hkv, T, 2, d] → [B, T, 2, Hkv, d] over o and g (2·Hkv ≤
+	// 2·H heads), then into columns C to C + 2·Hkv·d of d qkv; dq [B, H, T,
+	// d] → [B, T, H, d] over o, then into columns 0 to C.
+	rows, c, w := int64(s.B*s.T), int64(s.C()), int64(s.Width())
+	h, hkv, t, d := s.H, s.Hkv, s.T, s.D
+	if err := k.gatherView(dt, dkv.p, hs[0].p, []int{s.B, t, 2, hkv, d}, []int{hkv * t * 2 * d, 2 * d, d, t * 2 * d, 1}); err != nil {
 		return err
 	}
-	if err := k.copyColumns(dt, hs[0].p, out.p, rows, 2*c, 3*c, c); err != nil {
+	if err := k.copyColumns(dt, hs[0].p, out.p, rows, 2*int64(s.KVC()), w, c); err != nil {
 		return err
 	}
 	if err := k.gatherView(dt, hs[2].p, hs[0].p, []int{s.B, t, h, d}, []int{h * t * d, d, t * d, 1}); err != nil {
 		return err
 	}
-	return k.copyColumns(dt, hs[0].p, out.p, rows, c, 3*c, 0)
+	return k.copyColumns(dt, hs[0].p, out.p, rows, c, w, 0)
 }

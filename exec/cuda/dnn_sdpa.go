@@ -46,7 +46,7 @@ func (p sdpaPass) String() string { return [...]string{"forward", "backward"}[p]
 // sdpaKey is everything an SDPA plan depends on. The layouts are fixed by
 // the shapes and packed (sdpaKey.strides): unpacked, q, k, v, o, dO and dq
 // contiguous, dk and dv the halves of one [B, Hkv, S, 2d] array; packed
-// (attention_qkv), q, k and v read in place from qkv [B, T, 3, H, d], dq,
+// (attention_qkv), q, k and v read in place from qkv [B, T, (H + 2·Hkv)·d], dq,
 // dk and dv written likewise into d qkv, o and dO [B, T, H, d]. lse is
 // [B, H, T] either way.
 type sdpaKey struct {
@@ -66,7 +66,7 @@ type sdpaStrides struct{ q, k, v, o, dq, dk, dv []int64 }
 func (key sdpaKey) strides() sdpaStrides {
 	b, h, t, s, d := key.b, key.h, key.t, key.s, key.d
 	if key.packed {
-		p := 3 * h * d // row pitch of qkv and d qkv
+		p := (h + 2*key.hkv) * d // row pitch of qkv and d qkv: q's h heads, k's and v's hkv
 		qkv := []int64{t * p, d, p, 1}
 		o := []int64{t * h * d, d, h * d, 1}
 		return sdpaStrides{q: qkv, k: qkv, v: qkv, o: o, dq: qkv, dk: qkv, dv: qkv}

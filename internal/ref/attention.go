@@ -164,68 +164,103 @@ func (at *attn) rows(f func(b, h, i int, p []float64, lse float64)) {
 }
 
 // Packed attention (attention_qkv): the unpacked kernels above on q, k, v
-// gathered from qkv [B, T, 3C] into [B, H, T, d], the results scattered
-// back; the reference spends the copies the executors avoid.
+// gathered from qkv [B, T, (H + 2·Hkv)·d] into [B, H, T, d] and [B, Hkv, T,
+// d], the results scattered back; the reference spends the copies the
+// executors avoid. Rotary embedding (rotary, rotary_grad) is here too.
 var attentionQKVKernels = family{
 	graph.OpAttentionQKV: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		s, q, k, v := unpackQKV(in[0], a.Groups)
+		s, q, k, v := unpackQKV(in[0], a)
 		o := Zeros(s.B, s.H, s.T, s.D)
 		if err := attentionKernels[graph.OpAttention](nil, a, []Value{q, k, v}, o); err != nil {
 			return err
 		}
-		headsMove(out.Data, o.Data, s, s.C(), 0, false)
+		headsMove(out.Data, o.Data, s, s.H, s.C(), 0, false)
 		return nil
 	},
 	graph.OpAttentionQKVLSE: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		_, q, k, _ := unpackQKV(in[0], a.Groups)
+		_, q, k, _ := unpackQKV(in[0], a)
 		return attentionKernels[graph.OpAttentionLSE](nil, a, []Value{q, k}, out)
 	},
 	graph.OpAttentionQKVGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
-		s, q, k, v := unpackQKV(in[1], a.Groups)
+		s, q, k, v := unpackQKV(in[1], a)
 		g, o := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, s.D)
-		headsMove(g.Data, in[0].Data, s, s.C(), 0, true)
-		headsMove(o.Data, in[2].Data, s, s.C(), 0, true)
+		headsMove(g.Data, in[0].Data, s, s.H, s.C(), 0, true)
+		headsMove(o.Data, in[2].Data, s, s.H, s.C(), 0, true)
 		args := []Value{g, q, k, v, o, in[3]}
-		dq, dkv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, 2*s.D)
+		dq, dkv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.Hkv, s.T, 2*s.D)
 		if err := attentionGrad(&graph.Node{Op: graph.OpAttentionGradQ}, a, args, dq); err != nil {
 			return err
 		}
 		if err := attentionGrad(&graph.Node{Op: graph.OpAttentionGradKV}, a, args, dkv); err != nil {
 			return err
 		}
-		c := s.C()
-		headsMove(out.Data, dq.Data, s, 3*c, 0, false)
-		// dk|dv is [B, H, T, 2d]: read it as two [B, H, T, d] halves.
-		dk, dv := Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.H, s.T, s.D)
-		for r := range s.B * s.H * s.T {
+		w, c := s.Width(), s.C()
+		headsMove(out.Data, dq.Data, s, s.H, w, 0, false)
+		// dk|dv is [B, Hkv, T, 2d]: read it as two [B, Hkv, T, d] halves.
+		dk, dv := Zeros(s.B, s.Hkv, s.T, s.D), Zeros(s.B, s.Hkv, s.T, s.D)
+		for r := range s.B * s.Hkv * s.T {
 			copy(dk.Data[r*s.D:][:s.D], dkv.Data[r*2*s.D:])
 			copy(dv.Data[r*s.D:][:s.D], dkv.Data[r*2*s.D+s.D:])
 		}
-		headsMove(out.Data, dk.Data, s, 3*c, c, false)
-		headsMove(out.Data, dv.Data, s, 3*c, 2*c, false)
+		headsMove(out.Data, dk.Data, s, s.Hkv, w, c, false)
+		headsMove(out.Data, dv.Data, s, s.Hkv, w, c+s.KVC(), false)
+		return nil
+	},
+	graph.OpRotary: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		rotary(out, in[0], in[1], a.End, 1)
+		return nil
+	},
+	graph.OpRotaryGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		rotary(out, in[0], in[1], a.End, -1)
 		return nil
 	},
 }
 
-// unpackQKV gathers q, k and v [B, H, T, d] from qkv [B, T, 3C].
-func unpackQKV(qkv Value, heads int) (s graph.QKVShape, q, k, v Value) {
-	s = graph.QKVShape{B: qkv.Shape[0], H: heads, T: qkv.Shape[1], D: qkv.Shape[2] / (3 * heads)}
-	var qkvs [3]Value
-	for i := range qkvs {
-		qkvs[i] = Zeros(s.B, s.H, s.T, s.D)
-		headsMove(qkvs[i].Data, qkv.Data, s, 3*s.C(), i*s.C(), true)
+// rotary rotates heads below end of x [B, T, N, d] by the angles of cs
+// [T, d] (cos, then sin), each pair (i, i + d/2), by sign·θ; the other
+// heads are copied.
+func rotary(out, x, cs Value, end int, sign float64) {
+	b, t, n, d := x.Shape[0], x.Shape[1], x.Shape[2], x.Shape[3]
+	h := d / 2
+	for r := range b * t * n {
+		row := x.Data[r*d : (r+1)*d]
+		dst := out.Data[r*d : (r+1)*d]
+		if r%n >= end {
+			copy(dst, row)
+			continue
+		}
+		pos := r / n % t
+		for i := range h {
+			c, s := cs.Data[pos*d+i], sign*cs.Data[pos*d+h+i]
+			dst[i] = row[i]*c - row[i+h]*s
+			dst[i+h] = row[i+h]*c + row[i]*s
+		}
 	}
-	return s, qkvs[0], qkvs[1], qkvs[2]
 }
 
-// headsMove moves between heads [B, H, T, d] (contiguous) and rows [B, T,
-// ·] of pitch elements whose columns off to off + C hold [H, d]: into the
-// heads when toHeads, else into the rows.
-func headsMove(dst, src []float64, s graph.QKVShape, pitch, off int, toHeads bool) {
+// unpackQKV gathers q [B, H, T, d] and k, v [B, Hkv, T, d] from qkv [B, T,
+// (H + 2·Hkv)·d].
+func unpackQKV(qkv Value, a *graph.Attrs) (s graph.QKVShape, q, k, v Value) {
+	hkv := a.KVHeads
+	if hkv == 0 {
+		hkv = a.Groups
+	}
+	s = graph.QKVShape{B: qkv.Shape[0], H: a.Groups, Hkv: hkv, T: qkv.Shape[1], D: qkv.Shape[2] / (a.Groups + 2*hkv)}
+	q, k, v = Zeros(s.B, s.H, s.T, s.D), Zeros(s.B, s.Hkv, s.T, s.D), Zeros(s.B, s.Hkv, s.T, s.D)
+	headsMove(q.Data, qkv.Data, s, s.H, s.Width(), 0, true)
+	headsMove(k.Data, qkv.Data, s, s.Hkv, s.Width(), s.C(), true)
+	headsMove(v.Data, qkv.Data, s, s.Hkv, s.Width(), s.C()+s.KVC(), true)
+	return s, q, k, v
+}
+
+// headsMove moves between heads [B, heads, T, d] (contiguous) and rows
+// [B, T, ·] of pitch elements whose columns off to off + heads·d hold
+// [heads, d]: into the heads when toHeads, else into the rows.
+func headsMove(dst, src []float64, s graph.QKVShape, heads, pitch, off int, toHeads bool) {
 	for b := range s.B {
-		for h := range s.H {
+		for h := range heads {
 			for t := range s.T {
-				hi := ((b*s.H+h)*s.T + t) * s.D
+				hi := ((b*heads+h)*s.T + t) * s.D
 				ri := (b*s.T+t)*pitch + off + h*s.D
 				if toHeads {
 					copy(dst[hi:hi+s.D], src[ri:ri+s.D])
