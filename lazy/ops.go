@@ -346,7 +346,9 @@ func (t *Tensor) AvgPool2d(o PoolOptions) *Tensor {
 	return apply(graph.OpAvgPool2d, graph.Attrs{Kernel: o.Kernel, Stride: o.Stride, Padding: o.Padding, Dilation: o.Dilation}, t)
 }
 
-// CrossEntropy of logits t [N, C] against int64 class labels [N].
+// CrossEntropy of logits t [N, C] against int64 class labels [N]. A row
+// labelled graph.IgnoreLabel (−100, PyTorch's ignore_index) takes no part:
+// its loss and gradient are 0, and a mean still divides by N.
 func (t *Tensor) CrossEntropy(labels *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r}, t, labels)
 }

@@ -223,6 +223,12 @@ var Cases = []Case{
 		y := lazy.Const(i64([]int{4}, 2, 0, 1, 2))
 		return p[0].CrossEntropy(y, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceSum))
 	}},
+	// Rows labelled −100 (graph.IgnoreLabel) take no part: no loss, zero
+	// gradient.
+	{Name: "cross_entropy_ignore", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{5}, 2, graph.IgnoreLabel, 1, graph.IgnoreLabel, 0))
+		return p[0].CrossEntropy(y, graph.ReduceSum).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceMean))
+	}},
 	// Classes 0..4 of 7 columns (Attrs.End): the last two, a padded
 	// linear's extra outputs, take no part and get zero gradient.
 	{Name: "cross_entropy_classes", Shapes: [][]int{{4, 7}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
