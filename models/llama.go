@@ -166,11 +166,34 @@ func CausalLMLoss(logits, labels *lazy.Tensor) *lazy.Tensor {
 			next = logits.Graph().Wrap(shifted, ax)
 		}
 	}
+	return ShiftedCausalLMLoss(logits, next, count)
+}
+
+// ShiftedCausalLMLoss is CausalLMLoss of labels already shifted
+// (ShiftLabels), count of them not graph.IgnoreLabel: the sum of the
+// cross-entropy of logits [B, T, V] against shifted [B, T] times the
+// float32 constant 1/count (0 when count is 0). It is what CausalLMLoss
+// builds, for a training loop that shifts its labels itself (and a
+// program compiled once and fed new labels: the constant is part of the
+// graph, so count must stay what it was, B·(T − 1) with nothing ignored).
+func ShiftedCausalLMLoss(logits, shifted *lazy.Tensor, count int) *lazy.Tensor {
+	if err := firstErr(logits, shifted); err != nil {
+		return lazy.ErrorTensor("models.ShiftedCausalLMLoss", err)
+	}
+	s, ls := logits.Shape(), shifted.Shape()
+	if len(s) != 3 || len(ls) != 2 || s[0] != ls[0] || s[1] != ls[1] || count < 0 {
+		return lazy.ErrorTensor("models.ShiftedCausalLMLoss", graph.Errorf(graph.ErrShape,
+			"causal LM loss needs logits [B, T, V], labels [B, T] and a count ≥ 0, got %v, %v and %d", s, ls, count), s, ls)
+	}
+	if g := logits.Graph(); g != nil {
+		g.EnterInternal()
+		defer g.LeaveInternal()
+	}
 	inv := float32(0)
 	if count > 0 {
 		inv = 1 / float32(count)
 	}
-	sum := logits.Reshape(-1, s[2]).CrossEntropy(next.Reshape(-1), graph.ReduceSum)
+	sum := logits.Reshape(-1, s[2]).CrossEntropy(shifted.Reshape(-1), graph.ReduceSum)
 	return sum.Mul(lazy.Const(tensor.New(tensor.FromScalar(inv))))
 }
 
