@@ -13,7 +13,7 @@ const (
 	// the rows that count is a sum times 1/count, as models.CausalLMLoss
 	// makes it).
 	OpCrossEntropy Op = endAttentionOps + iota
-	OpMSE                                      // inputs pred, target (same shape); Reduction
+	OpMSE             // inputs pred, target (same shape); Reduction
 	endLossOps
 )
 
