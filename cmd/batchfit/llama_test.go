@@ -22,7 +22,7 @@ func TestEstimateLlama3_8B(t *testing.T) {
 		require.Equal(t, exitPlan, code, "%s: %s", prec, stdout)
 		assert.Contains(t, stdout, "8,030,261,248", prec)
 		persistent := alloc.FormatBytes(3 * 4 * 8_030_261_248)
-		assert.Contains(t, stderr, persistent+" of it is persistent (parameters, optimizer state), more than the budget by itself", prec)
+		assert.Contains(t, stderr, persistent+" persistent (parameters, optimizer state), more than the budget by itself", prec)
 
 		code, stdout, _ = runCLI(append(args, "--json")...)
 		require.Equal(t, exitPlan, code)
@@ -31,6 +31,8 @@ func TestEstimateLlama3_8B(t *testing.T) {
 		assert.Equal(t, int64(8_030_261_248), r.Params)
 		require.NotNil(t, r.DoesNotFit)
 		assert.Greater(t, r.DoesNotFit.Needed, r.DoesNotFit.Available)
+		assert.GreaterOrEqual(t, r.DoesNotFit.Fixed, int64(3*4*8_030_261_248), "parameters and two AdamW slots")
+		assert.Greater(t, r.DoesNotFit.Fixed, r.DoesNotFit.Available, "persistent bytes alone exceed the card")
 	}
 	// Inference in bfloat16 fits: 16 GB of weights.
 	code, stdout, stderr := runCLI("estimate", "--model", "llama3-8b", "--gpu", "h100-80gb", "--batch", "1", "--seq", "2048", "--mode", "infer", "--dtype", "bfloat16")
