@@ -128,7 +128,7 @@ type Executor struct {
 	// with an owner, when one does (optimizer.go's takeState skips its
 	// checks for it), nil otherwise.
 	soleOwner devOptimizer
-	graphs     graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
+	graphs    graphCache // CUDA graphs (graphs.go; ExecutorOptions.NoCUDAGraphs), under mu
 	// graphBytes is the driver memory the live graphs' instantiation took
 	// (GraphStats.DriverBytes), for Reserve without the lock.
 	graphBytes atomic.Int64
