@@ -592,12 +592,13 @@ func (s *Session) SetLossScale(st precision.ScalerStats) error {
 }
 
 // ErrParamOwned is returned by Step for a parameter that another session
-// trains. A parameter (its host tensor) belongs to the first session whose
-// Step trains it, until that session is closed: two sessions updating one
-// tensor would race in the optimizer's update on the host, and on CUDA
-// each would train its own device copy. Reading it (Eval, or as a frozen
-// parameter) from another session is not refused; the caller orders such
-// reads against the owner's steps.
+// trains. A parameter (its host tensor) belongs to the session whose Step
+// trains it first, until that session is closed (a Plan, which trains
+// nothing, claims nothing): two sessions updating one tensor would race
+// in the optimizer's update on the host, and on CUDA each would train its
+// own device copy. Reading it (Eval, or as a frozen parameter) from
+// another session is not refused; the caller orders such reads against
+// the owner's steps.
 var ErrParamOwned = errors.New("parameter is trained by another session")
 
 // paramOwners maps each trained parameter's host tensor to the session
@@ -1348,7 +1349,11 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 		return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
 	params = unfrozen(params)
-	if err := s.distinctParams(params); err != nil {
+	check := s.distinctParams // Step: checks and claims the parameters it trains
+	if !runnable {
+		check = distinctParams // a plan trains nothing, so it claims nothing
+	}
+	if err := check(params); err != nil {
 		return nil, err
 	}
 	var (

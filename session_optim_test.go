@@ -34,7 +34,7 @@ func newTwoLayer(seed uint64, in, hidden int) *nn.Sequential {
 	return nn.NewSequential(nn.NewLinear(o, in, hidden, true), nn.ReLU{}, nn.NewLinear(o, hidden, 4, true))
 }
 
-// A parameter belongs to the first session that trains it: another
+// A parameter belongs to the session that trains it first: another
 // session's Step fails with ErrParamOwned, naming it, and changes nothing;
 // once the owner is closed the other session may train it.
 func TestParamOwnedBySession(t *testing.T) {
@@ -59,6 +59,26 @@ func TestParamOwnedBySession(t *testing.T) {
 	require.NoError(t, a.Close())
 	_, err = b.Step(ctx, mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
 	require.NoError(t, err, "the owner is closed")
+}
+
+// Planning trains nothing, so a session's Plan leaves the parameters
+// free: another session's Step trains them while the planner is open, as
+// MaxBatch's callers do.
+func TestPlanClaimsNoParams(t *testing.T) {
+	ctx := context.Background()
+	m := newTwoLayer(4, 8, 16)
+	rng := rand.New(rand.NewPCG(5, 6))
+	planner := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: 64 << 20})
+	defer planner.Close()
+	_, err := planner.Plan(mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	require.NoError(t, err)
+	trainer := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	defer trainer.Close()
+	_, err = trainer.Step(ctx, mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	require.NoError(t, err, "the planning session does not own the parameters")
+	// The trainer does now: the planner's own Step is refused.
+	_, err = planner.Step(ctx, mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	require.ErrorIs(t, err, batchfit.ErrParamOwned)
 }
 
 // Two sessions stepping the same parameters from two goroutines: one
