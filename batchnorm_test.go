@@ -106,7 +106,7 @@ func TestSessionBatchNorm(t *testing.T) {
 	// the reason, and no parameter moves.
 	trainPeak := whole.LastPlan().PeakReserved
 	require.Len(t, whole.LastPlan().Chunks, 1)
-	require.NoError(t, whole.Close()) // its parameters go to the next session (ErrParamOwned)
+	require.NoError(t, whole.Close()) // frees its parameters for the new session (ErrParamOwned)
 	whole = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	loss, ps = step()
 	for i, p := range ps {

@@ -316,7 +316,7 @@ func TestSessionNotChunkable(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, sess.LastPlan().Chunks, 1)
 	require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved)
-	require.NoError(t, sess.Close()) // w goes to the next session (ErrParamOwned)
+	require.NoError(t, sess.Close()) // frees w for the new session (ErrParamOwned)
 
 	sess = batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[1] - alloc.RoundLarge})
 	var lossVal float32
