@@ -61,6 +61,26 @@ func TestParamOwnedBySession(t *testing.T) {
 	require.NoError(t, err, "the owner is closed")
 }
 
+// Planning trains nothing, so a session's Plan leaves the parameters
+// free: another session's Step trains them while the planner is open, as
+// MaxBatch's callers do.
+func TestPlanClaimsNoParams(t *testing.T) {
+	ctx := context.Background()
+	m := newTwoLayer(4, 8, 16)
+	rng := rand.New(rand.NewPCG(5, 6))
+	planner := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: 64 << 20})
+	defer planner.Close()
+	_, err := planner.Plan(mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	require.NoError(t, err)
+	trainer := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	defer trainer.Close()
+	_, err = trainer.Step(ctx, mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	require.NoError(t, err, "the planning session does not own the parameters")
+	// The trainer does now: the planner's own Step is refused.
+	_, err = planner.Step(ctx, mlpStep(m, rng, 8, 8), nn.ParamTensors(m), optim.NewSGD(0.1, 0))
+	require.ErrorIs(t, err, batchfit.ErrParamOwned)
+}
+
 // Two sessions stepping the same parameters from two goroutines: one
 // trains, the other is refused every time, and nothing races (run with
 // -race).

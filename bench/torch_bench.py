@@ -238,9 +238,73 @@ class GPT(nn.Module):
         return x @ self.wte.weight.t()  # tied head, as models.GPT
 
 
+# Llama: transformers.LlamaForCausalLM from a LlamaConfig of the shape
+# gobench's -llama-config names (models.Llama32_1B, Llama3_8B, LlamaTiny),
+# randomly initialised (no download), with attn_implementation "sdpa" (the
+# bf16 and compile configurations) or "eager" (fp32, bf16-written).
+LLAMA_SHAPES = {
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        rope=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope=dict(rope_type="default", rope_theta=500000.0)),
+    "llama-tiny": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True,
+                       rope=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=16)),
+}
+
+
+def llama_config(name, layers, attn):
+    """transformers.LlamaConfig of shape name (layers > 0 overrides the
+    count), rope settings spelled as the installed transformers reads them:
+    rope_parameters from version 5, rope_theta and rope_scaling before."""
+    import transformers
+    shape = dict(LLAMA_SHAPES[name])
+    rope = dict(shape.pop("rope"))
+    if layers > 0:
+        shape["num_hidden_layers"] = layers
+    shape.update(attention_bias=False, mlp_bias=False, initializer_range=0.02, use_cache=False)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        shape["rope_parameters"] = rope
+    else:
+        shape["rope_theta"] = rope.pop("rope_theta")
+        if rope["rope_type"] != "default":
+            shape["rope_scaling"] = rope
+    cfg = transformers.LlamaConfig(**shape)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def make_llama(a, sdpa):
+    import transformers
+    cfg = llama_config(a.llama_config, a.llama_layers, "sdpa" if sdpa else "eager")
+    with torch.device(DEV):  # initialise on the device: 1.2B normal draws on the host take a while
+        model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def llama_rope_check(model):
+    """The smallest inverse frequency the model rotates with, for the
+    record: llama3 scaling (factor 32) makes Llama 3.2's
+    500000^(−62/64)/32 ≈ 9.5e-8, the default 500000^(−62/64) ≈ 3.0e-6,
+    so a rope setting the config silently dropped shows."""
+    emb = getattr(model.model, "rotary_emb", None)
+    inv = getattr(emb, "inv_freq", None)
+    return float(inv.min()) if inv is not None else None
+
+
 class WithLoss(nn.Module):
     """The model and its mean cross-entropy in one module, so that
-    torch.compile sees the loss too (as nanoGPT's forward returns it)."""
+    torch.compile sees the loss too (as nanoGPT's forward returns it). The
+    llama's is LlamaForCausalLM's own labels= loss (labels shifted inside,
+    ignore_index −100), labels being the tokens, as Hugging Face users
+    train."""
 
     def __init__(self, name, model):
         super().__init__()
@@ -248,6 +312,8 @@ class WithLoss(nn.Module):
         self.model = model
 
     def forward(self, x, y):
+        if self.name == "llama":
+            return self.model(input_ids=x, labels=y).loss
         out = self.model(x)
         if self.name == "gpt":
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -282,6 +348,12 @@ def specs(a):
     def conv_data(n, device):
         return torch.randn(n, 3, 32, 32, device=device), torch.randint(0, 10, (n,), device=device)
 
+    def llama_data(n, device):
+        # labels = the tokens: LlamaForCausalLM shifts them (gobench's
+        # labels are the same tokens, shifted on the host).
+        tok = torch.randint(0, LLAMA_SHAPES[a.llama_config]["vocab_size"], (n, a.llama_seq), device=device)
+        return tok, tok.clone()
+
     def resnet_data(n, device):
         return (torch.randn(n, 3, a.resnet_size, a.resnet_size, device=device),
                 torch.randint(0, 1000, (n,), device=device))
@@ -293,6 +365,8 @@ def specs(a):
         "conv": Spec("conv", a.conv_batch, 0, lambda sdpa=False: ConvNet(), adam, "adam(lr=1e-3)", conv_data),
         "resnet50": Spec("resnet50", a.resnet_batch, 0, lambda sdpa=False: ResNet50(), adam, "adam(lr=1e-3)",
                          resnet_data),
+        "llama": Spec("llama", a.llama_batch, a.llama_seq, lambda sdpa=False: make_llama(a, sdpa), adamw,
+                      "adamw(lr=3e-4, wd=0.01)", llama_data),
     }
 
 
@@ -339,8 +413,12 @@ class Config:
         self.compiled = name == "compile"
 
     def describe(self, s):
-        d = {"tf32": self.fast, "autocast": "bfloat16" if self.fast else None,
-             "attention": ("sdpa(is_causal=True)" if self.sdpa else "written out") if s.name == "gpt" else None,
+        attention = None
+        if s.name == "gpt":
+            attention = "sdpa(is_causal=True)" if self.sdpa else "written out"
+        elif s.name == "llama":
+            attention = 'attn_implementation="sdpa"' if self.sdpa else 'attn_implementation="eager"'
+        d = {"tf32": self.fast, "autocast": "bfloat16" if self.fast else None, "attention": attention,
              "fused_optimizer": self.fast, "cudnn_benchmark": self.fast,
              "channels_last": self.fast and s.name in CONV_MODELS, "compiled": self.compiled}
         return {k: v for k, v in d.items() if v is not None}
@@ -358,6 +436,11 @@ def make_runner(s, cfg, a, rec):
     if mf is not None:
         model = model.to(memory_format=mf)
     rec["params"] = sum(p.numel() for p in model.parameters())
+    if s.name == "llama":
+        import transformers
+        rec.update(transformers=transformers.__version__, llama_config=a.llama_config,
+                   llama_layers=model.config.num_hidden_layers, rope_min_inv_freq=llama_rope_check(model),
+                   attn_implementation=getattr(model.config, "_attn_implementation", None))
     if cfg.fast:
         try:
             opt = s.opt(model.parameters(), fused=True)
@@ -836,7 +919,7 @@ def cap_measure(s, cfg, ckpt, n, cap, a, rec):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv, resnet50")
+    ap.add_argument("--models", default="mlp,gpt,conv", help="comma list of mlp, gpt, conv, resnet50, llama")
     ap.add_argument("--configs", default="fp32,bf16,compile",
                     help="comma list of fp32 (TF32 off, attention written out: the weak extra column), "
                          "bf16 (autocast bf16, TF32, SDPA, fused optimizer, channels_last for conv), "
@@ -850,6 +933,11 @@ def main():
     ap.add_argument("--conv-batch", type=int, default=256)
     ap.add_argument("--resnet-batch", type=int, default=64)
     ap.add_argument("--resnet-size", type=int, default=224, help="ResNet-50 image height and width")
+    ap.add_argument("--llama-config", default="llama3.2-1b", choices=sorted(LLAMA_SHAPES),
+                    help="the llama model's shape, as gobench's -llama-config")
+    ap.add_argument("--llama-layers", type=int, default=0, help="its decoder layers (0: the shape's)")
+    ap.add_argument("--llama-seq", type=int, default=2048, help="as gobench's -llama-seq")
+    ap.add_argument("--llama-batch", type=int, default=4, help="as gobench's -llama-batch")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile mode: default, reduce-overhead, max-autotune, ...")
     ap.add_argument("--compile-budget", type=float, default=300,
@@ -859,7 +947,7 @@ def main():
     ap.add_argument("--largest", default="", help="comma list of models whose largest whole batch is searched "
                                                  "exactly (doubling, then bisection) in each of --largest-configs")
     ap.add_argument("--largest-configs", default="bf16", help="eager configurations for --largest")
-    ap.add_argument("--largest-start", default="mlp=65536,gpt=16,conv=4096", help="first batch tried per model")
+    ap.add_argument("--largest-start", default="mlp=65536,gpt=16,conv=4096,llama=8", help="first batch tried per model")
     ap.add_argument("--cap-gib", type=float, default=0,
                     help="time each model of --models in each of --cap-configs under this many GiB "
                          "(set_per_process_memory_fraction), by gradient accumulation at the largest micro-batch "
@@ -872,7 +960,7 @@ def main():
     ap.add_argument("--finder-models", default="mlp,gpt", help="models the finders run on (of --models)")
     ap.add_argument("--finder-init", type=int, default=2, help="Lightning's init_val")
     ap.add_argument("--finder-trials", type=int, default=25, help="Lightning's max_trials")
-    ap.add_argument("--accelerate-start", default="mlp=2097152,gpt=1024,conv=262144",
+    ap.add_argument("--accelerate-start", default="mlp=2097152,gpt=1024,conv=262144,llama=64",
                     help="starting_batch_size per model (it only shrinks from there)")
     a = ap.parse_args()
     names = [n.strip() for n in a.models.split(",") if n.strip()]
@@ -919,7 +1007,7 @@ def main():
         t0 = time.perf_counter()
         try:
             if what.get("model") not in sp:
-                raise ValueError(f"unknown model {what.get('model')!r} (want mlp, gpt or conv)")
+                raise ValueError(f"unknown model {what.get('model')!r} (want mlp, gpt, conv, resnet50 or llama)")
             emit(job())
         except BaseException as e:  # one failure should not hide the other results
             if isinstance(e, KeyboardInterrupt):

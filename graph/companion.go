@@ -8,16 +8,19 @@ import "slices"
 // attention_grad_kv's attention_grad_q (AttentionGradKVProducer), a
 // training-mode batch_norm_grad_w's batch_norm_grad_x
 // (BatchNormGradWProducer), a layer_norm_grad_w's layer_norm_grad_x
-// (LayerNormGradWProducer), a layer norm's bias gradient (a sum of g over
+// (LayerNormGradWProducer), an rms_norm_grad_w's rms_norm_grad_x
+// (RMSNormGradWProducer), a layer norm's bias gradient (a sum of g over
 // the leading axes) and the layer_norm_grad_x of that g
 // (LayerNormBiasGradProducer), a batch norm's bias gradient (a sum of g
 // over every axis but the channels) and the batch_norm_grad_x of that g
 // (BatchNormBiasGradProducer), a cross_entropy_grad's cross_entropy when
 // its seed is constant (CrossEntropyGradProducer), a tanh-form gelu's
-// linear (GeluProducer), a layer norm's feeding float32 add
-// (AddLayerNormProducer), or a 16-bit cast's layer norm input gradient
-// (LayerNormGradCastProducer). A layer_norm_grad_x_add stands for a
-// layer_norm_grad_x throughout.
+// linear (GeluProducer), a layer norm's or an rms_norm's feeding float32
+// add (AddLayerNormProducer, AddRMSNormProducer), a swiglu's up gradient
+// and its gate gradient (SwiGLUGradProducer), or a 16-bit cast's layer
+// norm or RMS norm input gradient (LayerNormGradCastProducer). A
+// layer_norm_grad_x_add stands for a layer_norm_grad_x throughout, an
+// rms_norm_grad_x_add for an rms_norm_grad_x.
 // planner.Compile allocates m's output with the producer's, so an executor may compute
 // both at once (planner.Program.Companion); one that does not runs m as
 // usual. A producer may have several companions (layer_norm_grad_x: its
@@ -37,6 +40,12 @@ func CompanionProducer(g *Graph, m int) int {
 		return BatchNormGradWProducer(g, m)
 	case OpLayerNormGradW:
 		return LayerNormGradWProducer(g, m)
+	case OpRMSNormGradW:
+		return RMSNormGradWProducer(g, m)
+	case OpRMSNorm:
+		return AddRMSNormProducer(g, m)
+	case OpSwiGLUGrad:
+		return SwiGLUGradProducer(g, m)
 	case OpSum:
 		if p := LayerNormBiasGradProducer(g, m); p >= 0 {
 			return p
@@ -58,9 +67,14 @@ func CompanionProducer(g *Graph, m int) int {
 // layer_norm_grad_x, or layer_norm_grad_x_add with a gradient added.
 func isLayerNormGradX(op Op) bool { return op == OpLayerNormGradX || op == OpLayerNormGradXAdd }
 
+// isRMSNormGradX reports whether op is an RMS norm's input gradient:
+// rms_norm_grad_x, or rms_norm_grad_x_add with a gradient added.
+func isRMSNormGradX(op Op) bool { return op == OpRMSNormGradX || op == OpRMSNormGradXAdd }
+
 // LayerNormGradCastProducer returns the layer norm input gradient whose
 // pass can also give cast node m: m's input, when m narrows that float32
-// layer_norm_grad_x or layer_norm_grad_x_add to a 16-bit dtype (mixed
+// layer_norm_grad_x or layer_norm_grad_x_add (or rms_norm_grad_x or
+// rms_norm_grad_x_add) to a 16-bit dtype (mixed
 // precision's backward pass feeds the gradient to 16-bit GEMMs); −1
 // otherwise. The pass then rounds each element it writes into m's output
 // too, instead of a cast reading the gradient back. The forward pass's
@@ -78,7 +92,7 @@ func LayerNormGradCastProducer(g *Graph, m int) int {
 		return -1
 	}
 	p := n.Inputs[0]
-	if ln := g.Node(p); isLayerNormGradX(ln.Op) && ln.Type.DType == Float32 {
+	if ln := g.Node(p); (isLayerNormGradX(ln.Op) || isRMSNormGradX(ln.Op)) && ln.Type.DType == Float32 {
 		return p
 	}
 	return -1
@@ -92,12 +106,25 @@ func LayerNormGradCastProducer(g *Graph, m int) int {
 // m's weight and bias are float32 parameters or values made before the
 // add; −1 otherwise. The add's kernel then normalises each row it has just
 // summed, in registers, instead of the layer norm reading it back.
-func AddLayerNormProducer(g *Graph, m int) int {
+func AddLayerNormProducer(g *Graph, m int) int { return addNormProducer(g, m, OpLayerNorm) }
+
+// AddRMSNormProducer is AddLayerNormProducer for rms_norm node m (its
+// weight as the layer norm's): the add's kernel sums each row of a
+// residual stream and a block's output and normalises it by its root mean
+// square in the same pass, the fused add-and-norm of Llama's decoder
+// layers. The add stays a node of its own (the stream goes on from it to
+// the next residual add) and the norm another: a node has one output, so
+// a fused op would have to give the sum and the norm packed in one value.
+func AddRMSNormProducer(g *Graph, m int) int { return addNormProducer(g, m, OpRMSNorm) }
+
+// addNormProducer is AddLayerNormProducer and AddRMSNormProducer, for
+// normalisation op op.
+func addNormProducer(g *Graph, m int, op Op) int {
 	if m < 0 || m >= g.Len() {
 		return -1
 	}
 	n := g.Node(m)
-	if n.Op != OpLayerNorm || len(n.Inputs) < 1 {
+	if n.Op != op || len(n.Inputs) < 1 {
 		return -1
 	}
 	p := n.Inputs[0]
@@ -237,6 +264,50 @@ func LayerNormGradWProducer(g *Graph, m int) int {
 		n := g.Node(id)
 		if isLayerNormGradX(n.Op) && len(n.Inputs) >= 2 && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
 			n.Attrs.NormDims == w.Attrs.NormDims && n.Attrs.Eps == w.Attrs.Eps {
+			return id
+		}
+	}
+	return -1
+}
+
+// RMSNormGradWProducer is LayerNormGradWProducer for rms_norm_grad_w
+// node m: an earlier rms_norm_grad_x (or rms_norm_grad_x_add) of the same
+// g and x with the same NormDims and Eps, whose pass over g and x finds
+// each row's rstd and x̂ on its way to dx; −1 when m is no such node or
+// none qualifies.
+func RMSNormGradWProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	w := g.Node(m)
+	if w.Op != OpRMSNormGradW || len(w.Inputs) != 2 {
+		return -1
+	}
+	for id := m - 1; id > max(w.Inputs[0], w.Inputs[1]); id-- {
+		n := g.Node(id)
+		if isRMSNormGradX(n.Op) && len(n.Inputs) >= 2 && n.Inputs[0] == w.Inputs[0] && n.Inputs[1] == w.Inputs[1] &&
+			n.Attrs.NormDims == w.Attrs.NormDims && n.Attrs.Eps == w.Attrs.Eps {
+			return id
+		}
+	}
+	return -1
+}
+
+// SwiGLUGradProducer returns the swiglu_grad node whose pass over g, gate
+// and up can also give swiglu_grad node m: m is up's gradient (Axis 1)
+// and the producer an earlier gate gradient (Axis 0) of the same g, gate
+// and up (the pair swiglu's backward pass emits); −1 otherwise. One pass
+// then reads the three once and writes both gradients.
+func SwiGLUGradProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	up := g.Node(m)
+	if up.Op != OpSwiGLUGrad || up.Attrs.Axis != 1 || len(up.Inputs) != 3 {
+		return -1
+	}
+	for id := m - 1; id > max(up.Inputs[0], up.Inputs[1], up.Inputs[2]); id-- {
+		if n := g.Node(id); n.Op == OpSwiGLUGrad && n.Attrs.Axis == 0 && slices.Equal(n.Inputs, up.Inputs) {
 			return id
 		}
 	}

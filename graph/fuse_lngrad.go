@@ -4,14 +4,15 @@ package graph
 // autodiff): it rewrites add(r, layer_norm_grad_x(g, x[, w])) (either
 // operand order), where nothing else reads the layer_norm_grad_x and it is
 // none of outputs, and r has the gradient's type (shape, dtype, batch axis), into one
-// layer_norm_grad_x_add(g, x, r[, w]) in the add's place. A pre-norm
-// transformer's backward pass has one per layer norm inside the residual
-// stream: the stream's gradient meets the gradient through the block's
-// layer norm. An executor then adds r in the layer norm's backward pass,
+// layer_norm_grad_x_add(g, x, r[, w]) in the add's place, and likewise
+// add(r, rms_norm_grad_x(g, x[, w])) into rms_norm_grad_x_add(g, x, r[,
+// w]). A pre-norm transformer's backward pass has one per norm inside the
+// residual stream: the stream's gradient meets the gradient through the
+// block's norm. An executor then adds r in the norm's backward pass,
 // so that gradient is neither stored nor read back. Everything else is
 // copied as it is; a graph without the pattern comes back as a copy of
 // itself. ids[i] is old node i's id in the new graph, −1 for a fused
-// layer_norm_grad_x.
+// layer_norm_grad_x or rms_norm_grad_x.
 func FuseLayerNormGradAdd(g *Graph, outputs []int) (*Graph, []int, error) {
 	users := readers(g, outputs)
 	// absorbed[i] is the layer_norm_grad_x that add i takes in, −1 for
@@ -26,7 +27,7 @@ func FuseLayerNormGradAdd(g *Graph, outputs []int) (*Graph, []int, error) {
 		}
 		for k, p := range nd.Inputs {
 			ln, r := g.Node(p), nd.Inputs[1-k]
-			if ln.Op != OpLayerNormGradX || users[p] != 1 || drop[p] || r == p ||
+			if ln.Op != OpLayerNormGradX && ln.Op != OpRMSNormGradX || users[p] != 1 || drop[p] || r == p ||
 				!sameType(ln.Type, g.Node(r).Type) || !sameType(ln.Type, nd.Type) {
 				continue
 			}
@@ -41,6 +42,9 @@ func FuseLayerNormGradAdd(g *Graph, outputs []int) (*Graph, []int, error) {
 		if p := absorbed[i]; p >= 0 {
 			ln, r := g.Node(p), residual[i]
 			n.Op = OpLayerNormGradXAdd
+			if ln.Op == OpRMSNormGradX {
+				n.Op = OpRMSNormGradXAdd
+			}
 			n.Attrs = Attrs{NormDims: ln.Attrs.NormDims, Eps: ln.Attrs.Eps}
 			n.Inputs = []int{ids[ln.Inputs[0]], ids[ln.Inputs[1]], ids[r]}
 			if len(ln.Inputs) > 2 {

@@ -45,6 +45,32 @@ const (
 	// [B, T, H·d], lse [B, H, T]; output qkv's shape (dq, dk, dv packed as
 	// qkv is; dk and dv summed over the query heads of each group).
 	OpAttentionQKVGrad
+	// OpRotary is the rotary position embedding of x [B, T, N, d] (N heads
+	// of d at each of T positions; q or k, or a packed projection viewed
+	// so) with the table cs [T, d] (float32): head n < Attrs.End of
+	// position t is rotated by the angles θ_t,i of row t, each pair (i,
+	// i + d/2) of Hugging Face's rotate_half convention,
+	//
+	//	y_i = x_i·cos θ_i − x_{i+d/2}·sin θ_i,  y_{i+d/2} = x_{i+d/2}·cos θ_i + x_i·sin θ_i,
+	//
+	// with cs[t, i] = cos θ_t,i and cs[t, d/2 + i] = sin θ_t,i (i < d/2);
+	// heads from Attrs.End on are copied as they are (a packed qkv's v).
+	// End 0 means all N (the rule writes N in). The output has x's type,
+	// computed in float32 and rounded once.
+	//
+	// The angles come as a table rather than being computed in the
+	// kernels: the table is a constant of T·d float32 values (512 KiB for
+	// Llama 3's T = 2048, d = 64) that the planner counts like any
+	// resident, made once on the host in float64 from the model's
+	// frequencies (models.RopeConfig: rope_theta, linear or llama3
+	// scaling), so every executor rotates by the same angles whatever
+	// scaling made them, and the kernels read two values per pair, shared
+	// by every head and sample, from cache, where computing them would
+	// cost a precise sincos per element of a memory-bound pass.
+	OpRotary
+	// OpRotaryGrad is rotary's gradient: inputs g (x's shape), cs; the
+	// rotation by −θ (the transpose of an orthogonal map), same End.
+	OpRotaryGrad
 	endAttentionOps
 )
 
@@ -80,6 +106,12 @@ var attentionOps = []OpInfo{
 		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
 	OpAttentionQKVGrad: {Name: "attention_qkv_grad", Category: CatGrad, MinArity: 4, Arity: 4,
 		Attrs: []string{"groups", "kv_heads", "scalar", "causal"}, Rule: attentionQKVGradRule, Chunk: attentionChunk, NoVJP: noVJPGrad},
+	// The table is shared by every sample (Weights): a batched one would
+	// mix them. Backward reads only the table.
+	OpRotary: {Name: "rotary", Category: CatMovement, MinArity: 2, Arity: 2, Attrs: []string{"end"},
+		Rule: rotaryRule, Chunk: &Chunk{Weights: true, Linear: Multiplies}, Saves: SavesInput(1), VJP: rotaryVJP},
+	OpRotaryGrad: {Name: "rotary_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"end", "axis"},
+		Rule: rotaryRule, Chunk: &Chunk{Weights: true, Linear: Multiplies}, NoVJP: noVJPGrad},
 }
 
 // attentionChunk: the rules admit only inputs batched on axis 0 (or
@@ -423,4 +455,66 @@ func qkvLSEProducer(g *Graph, m int) int {
 		}
 	}
 	return -1
+}
+
+// RotaryShape is what rotary's rule reads off x [B, T, N, D] and its
+// table: batch B, positions T, heads N of D values, the first End of them
+// rotated.
+type RotaryShape struct{ B, T, N, D, End int }
+
+// RotaryDims checks x [B, T, N, d] and the table cs [T, d] (float32, no
+// batch axis) for rotating the first end heads (0: all) and returns the
+// sizes, End filled in.
+func RotaryDims(op Op, end int, x, cs Type) (RotaryShape, error) {
+	if err := needFloat(op, x); err != nil {
+		return RotaryShape{}, err
+	}
+	if len(x.Shape) != 4 {
+		return RotaryShape{}, Errorf(ErrShape, "%s: x must be [B, T, heads, d], got %v", op, x.Shape)
+	}
+	a := RotaryShape{B: x.Shape[0], T: x.Shape[1], N: x.Shape[2], D: x.Shape[3], End: end}
+	if a.End == 0 {
+		a.End = a.N
+	}
+	switch {
+	case a.D%2 != 0:
+		return a, Errorf(ErrShape, "%s: head dim %d of x %v is odd: rotate_half pairs i with i + d/2", op, a.D, x.Shape)
+	case a.End < 0 || a.End > a.N:
+		return a, Errorf(ErrAttr, "%s: %d rotated heads of x %v (want 0 for all, or 1 to %d)", op, end, x.Shape, a.N)
+	case cs.DType != Float32:
+		return a, Errorf(ErrDType, "%s: the cos/sin table is %s, want float32", op, cs.DType)
+	case !slices.Equal(cs.Shape, []int{a.T, a.D}):
+		return a, Errorf(ErrShape, "%s: the cos/sin table is %v, want [T, d] = [%d, %d] for x %v", op, cs.Shape, a.T, a.D, x.Shape)
+	case cs.Batched():
+		return a, Errorf(ErrShape, "%s: the cos/sin table %v carries the batch (axis %d): one table serves every sample", op, cs.Shape, cs.BatchAxis)
+	case x.Batched() && x.BatchAxis > 1:
+		return a, Errorf(ErrShape, "%s: x %v carries the batch on axis %d, a head or head-dim axis", op, x.Shape, x.BatchAxis)
+	}
+	return a, nil
+}
+
+// rotaryRule types rotary and rotary_grad: x's type. rotary_grad's
+// Attrs.Axis = 1 marks a request for the table's gradient, which is
+// refused.
+func rotaryRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	if op == OpRotaryGrad && attrs.Axis == 1 {
+		return Type{}, Errorf(ErrAttr, "rotary has no gradient for its cos/sin table; pass the table as a constant")
+	}
+	a, err := RotaryDims(op, attrs.End, in[0], in[1])
+	if err != nil {
+		return Type{}, err
+	}
+	attrs.End = a.End
+	return in[0], nil
+}
+
+// rotaryVJP: the rotation's transpose, by −θ.
+func rotaryVJP(b VJPBuilder, n *Node, g int) {
+	if b.Wants(1) {
+		b.Emit(OpRotaryGrad, Attrs{End: n.Attrs.End, Axis: 1}, g, n.Inputs[1])
+		return
+	}
+	if b.Wants(0) {
+		b.Accumulate(n.Inputs[0], b.Emit(OpRotaryGrad, Attrs{End: n.Attrs.End}, g, n.Inputs[1]))
+	}
 }

@@ -6,10 +6,21 @@ import (
 )
 
 const (
-	OpCrossEntropy Op = endAttentionOps + iota // inputs logits [N, C], labels int64 [N]; Reduction, End (classes, 0 = C)
-	OpMSE                                      // inputs pred, target (same shape); Reduction
+	// OpCrossEntropy: inputs logits [N, C], labels int64 [N]; Reduction,
+	// End (classes, 0 = C). A row whose label is IgnoreLabel takes no part:
+	// its loss and gradient are 0 (a mean still divides by N, the rows'
+	// count fixed at the full batch, so chunk partials add; a mean over
+	// the rows that count is a sum times 1/count, as models.CausalLMLoss
+	// makes it).
+	OpCrossEntropy Op = endAttentionOps + iota
+	OpMSE             // inputs pred, target (same shape); Reduction
 	endLossOps
 )
+
+// IgnoreLabel is the label cross_entropy skips: PyTorch's default
+// ignore_index, which Hugging Face's causal language-model losses put at
+// padding and prompt positions.
+const IgnoreLabel = -100
 
 // Losses reduce to a scalar. With ReduceMean, Attrs.Scalar is 1/count fixed
 // at the full batch, so chunk partials add.

@@ -40,6 +40,25 @@ const (
 	// chunk partials merge exactly (CombineMoments), so it is chunkable
 	// whatever the batch_norm nodes around it do.
 	OpBatchNormStats
+	// OpRMSNorm takes x[, weight] and divides each group of the
+	// Attrs.NormDims trailing dims by its root mean square,
+	// y = x·rsqrt(mean(x²) + Attrs.Eps)·weight (Llama's RMSNorm:
+	// Hugging Face's LlamaRMSNorm, with no mean subtracted and no bias).
+	// The arithmetic is float32 at least; Attrs.Target.DType, as
+	// layer_norm's, may ask for a 16-bit output from float32 inputs,
+	// rounded once, for a result only 16-bit GEMMs read.
+	OpRMSNorm
+	// OpRMSNormGradX is rms_norm's input gradient: g, x[, w]; NormDims,
+	// Eps. With x̂ = x·rstd and ĝ = g·w, dx = rstd·(ĝ − x̂·mean(ĝ·x̂)).
+	OpRMSNormGradX
+	// OpRMSNormGradW is Σ over the leading axes of g·x̂: g, x; NormDims,
+	// Eps.
+	OpRMSNormGradW
+	// OpRMSNormGradXAdd is add(r, rms_norm_grad_x(g, x[, w])) in one node:
+	// g, x, r[, w]. Autodiff never emits it: FuseLayerNormGradAdd puts it
+	// in place of an rms_norm_grad_x read only by an add of another
+	// gradient (the residual stream's), as it does layer_norm_grad_x_add.
+	OpRMSNormGradXAdd
 	endNormalizeOps
 )
 
@@ -78,6 +97,44 @@ var normalizeOps = []OpInfo{
 			}
 			return NoStats
 		}}},
+	OpRMSNorm: {Name: "rms_norm", Category: CatNormalize, MinArity: 1, Arity: 1, MaxArity: 2, Attrs: []string{"normdims", "eps", "target"},
+		Rule: rmsNormRule, Saves: SavesInput(0, 1), VJP: rmsNormVJP,
+		Chunk: &Chunk{Weights: true, PerSample: normPerSample}},
+	OpRMSNormGradX: {Name: "rms_norm_grad_x", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"normdims", "eps"},
+		NoVJP: noVJPGrad, Chunk: &Chunk{PerSample: normPerSample},
+		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
+			a := *attrs
+			fwd, err := rmsNorm(op, &a, in[1:])
+			if err := expect(op, "gradient", in[0], fwd, err); err != nil {
+				return Type{}, err
+			}
+			return sameShape(op, in[1], in[0])
+		})},
+	// Σ over the leading axes of g·x̂: a parameter gradient, a sum over samples.
+	OpRMSNormGradW: {Name: "rms_norm_grad_w", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"normdims", "eps"},
+		NoVJP: noVJPGrad, Chunk: &Chunk{Consume: combines(CombineSum)},
+		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
+			a := *attrs
+			fwd, err := rmsNorm(op, &a, in[1:2])
+			if err := expect(op, "gradient", in[0], fwd, err); err != nil {
+				return Type{}, err
+			}
+			if in[0].DType != in[1].DType {
+				return Type{}, Errorf(ErrDType, "%s: g is %s, x is %s", op, in[0].DType, in[1].DType)
+			}
+			x := in[1]
+			return Type{Shape: slices.Clone(x.Shape[len(x.Shape)-attrs.NormDims:]), DType: x.DType, BatchAxis: -1, PerSample: 1}, nil
+		})},
+	OpRMSNormGradXAdd: {Name: "rms_norm_grad_x_add", Category: CatGrad, MinArity: 3, Arity: 3, MaxArity: 4, Attrs: []string{"normdims", "eps"},
+		NoVJP: noVJPGrad, Chunk: &Chunk{PerSample: normPerSample},
+		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
+			a := *attrs
+			fwd, err := rmsNorm(op, &a, append([]Type{in[1]}, in[3:]...))
+			if err := expect(op, "gradient", in[0], fwd, err); err != nil {
+				return Type{}, err
+			}
+			return sameShape(op, in[1], in[0], in[2]) // x, g and r alike
+		})},
 	// Saves x, and its own output (the mean) for the variance's gradient.
 	OpBatchNormStats: {Name: "batch_norm_stats", Category: CatNormalize, MinArity: 1, Arity: 1,
 		Rule: batchNormStatsRule, Saves: SavesInput(0) | SavesOutput, VJP: batchNormStatsVJP,
@@ -163,6 +220,78 @@ func layerNormVJP(b VJPBuilder, n *Node, g int) {
 	}
 	if b.Wants(2) {
 		b.Accumulate(n.Inputs[2], sumLeading(b, g, len(b.Type(x).Shape)-a.NormDims))
+	}
+}
+
+// normPerSample serves the norms over trailing dims and their
+// gradients: normalising over the batch axis mixes samples.
+func normPerSample(n *Node, _ []Type) string {
+	if n.Type.BatchAxis >= len(n.Type.Shape)-n.Attrs.NormDims {
+		return "normalises over the batch axis"
+	}
+	return ""
+}
+
+// rmsNorm checks x[, weight] as rms_norm takes them and returns x's type.
+func rmsNorm(op Op, attrs *Attrs, in []Type) (Type, error) {
+	x := in[0]
+	if err := needFloat(op, in...); err != nil {
+		return Type{}, err
+	}
+	k := attrs.NormDims
+	if k < 1 || k > len(x.Shape) {
+		return Type{}, Errorf(ErrAttr, "%s over %d trailing dims of a rank-%d input %v", op, k, len(x.Shape), x.Shape)
+	}
+	if !(attrs.Eps > 0) || math.IsInf(attrs.Eps, 1) {
+		return Type{}, Errorf(ErrAttr, "%s eps must be positive and finite, got %g", op, attrs.Eps)
+	}
+	if len(in) > 1 {
+		norm, w := x.Shape[len(x.Shape)-k:], in[1]
+		if !slices.Equal(w.Shape, norm) {
+			return Type{}, Errorf(ErrShape, "%s weight shape %v, want %v (the normalised dims of x %v)", op, w.Shape, norm, x.Shape)
+		}
+		if w.DType != x.DType {
+			return Type{}, Errorf(ErrDType, "%s of %s x with a %s weight (want one dtype; precision policies cast both to float32)", op, x.DType, w.DType)
+		}
+		if w.Batched() {
+			return Type{}, Errorf(ErrShape, "%s weight %v carries the batch: one weight serves every sample", op, w.Shape)
+		}
+	}
+	return x, nil
+}
+
+// rmsNormRule types rms_norm: x's type, or the 16-bit Target of a
+// float32 one (as layerNormRule).
+func rmsNormRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
+	t, err := rmsNorm(op, attrs, in)
+	if err != nil {
+		return Type{}, err
+	}
+	switch to := attrs.Target.DType; {
+	case to == InvalidDType || to == t.DType:
+		attrs.Target = Type{}
+	case to.IsHalf() && t.DType == Float32:
+		attrs.Target = Type{DType: to}
+		t.DType = to
+	default:
+		return Type{}, Errorf(ErrDType, "%s of %s to %s: the output dtype is the input's, or 16-bit from float32", op, t.DType, to)
+	}
+	return t, nil
+}
+
+// rmsNormVJP: a 16-bit output of float32 inputs takes its gradient in
+// float32 (as layerNormVJP); the gradients read x, not the output.
+func rmsNormVJP(b VJPBuilder, n *Node, g int) {
+	a := Attrs{NormDims: n.Attrs.NormDims, Eps: n.Attrs.Eps}
+	x := n.Inputs[0]
+	if dt := b.Type(x).DType; b.Type(g).DType != dt {
+		g = b.Emit(OpCast, Attrs{Target: Type{DType: dt}}, g)
+	}
+	if b.Wants(0) {
+		b.Accumulate(x, b.Emit(OpRMSNormGradX, a, append([]int{g}, n.Inputs...)...))
+	}
+	if b.Wants(1) {
+		b.Accumulate(n.Inputs[1], b.Emit(OpRMSNormGradW, a, g, x))
 	}
 }
 

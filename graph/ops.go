@@ -20,7 +20,7 @@ const (
 	CatContraction                 // matmul, linear
 	CatReduce                      // sum, mean, max over axes
 	CatNormalize                   // softmax, log_softmax, layer_norm
-	CatMovement                    // reshape, permute, slice, concat
+	CatMovement                    // reshape, permute, slice, concat; rotary
 	CatIndex                       // embedding
 	CatConv                        // conv2d and pooling
 	CatLoss                        // cross_entropy, mse

@@ -185,6 +185,12 @@ func TestSavesMatchVJP(t *testing.T) {
 			{in: []Type{f(2, 4, 3, 8), f(2, 4, 5, 8), f(2, 4, 5, 8), f(3, 5)}, frozen: SavesInput(3)}},
 		OpAttentionQKV: {{in: []Type{f(2, 3, 24)}, attrs: Attrs{Groups: 2, Causal: true}},
 			{in: []Type{f(2, 3, 32)}, attrs: Attrs{Groups: 4, KVHeads: 2}}},
+		OpRMSNorm: {{in: []Type{f(2, 3), f(3)}, attrs: Attrs{NormDims: 1, Eps: 1e-6}},
+			{in: []Type{f(2, 3, 4)}, attrs: Attrs{NormDims: 2, Eps: 1e-5}},
+			{in: []Type{f(2, 3), f(3)}, attrs: Attrs{NormDims: 1, Eps: 1e-6, Target: Type{DType: BFloat16}}}},
+		OpRotary: {{in: []Type{f(2, 3, 4, 8), f(3, 8)}, frozen: SavesInput(1)},
+			{in: []Type{f(2, 3, 4, 8), f(3, 8)}, attrs: Attrs{End: 2}, frozen: SavesInput(1)}},
+		OpSwiGLU: {{in: []Type{f(2, 3), f(2, 3)}}},
 	}
 	for i := 1; i < NumOps; i++ {
 		op := Op(i)

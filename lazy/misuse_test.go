@@ -55,6 +55,15 @@ func misuses() []misuse {
 		{"matmul with TransB, inner dims", func() *lazy.Tensor { return x().MatMulT(p(3, 5), false, true) }, "matmul", sh(d(4, 3), d(3, 5)), graph.ErrShape},
 		{"causal_mask of a vector", func() *lazy.Tensor { return lazy.Placeholder([]int{4}, f32, 0).CausalMask() }, "causal_mask", sh(d(4)), graph.ErrShape},
 		{"matmul of int64", func() *lazy.Tensor { return pi(2, 3).MatMul(pi(3, 2)) }, "matmul", sh(d(2, 3), d(3, 2)), graph.ErrDType},
+		{"rms_norm weight shape", func() *lazy.Tensor { return x().RMSNorm(p(4), 1e-6) }, "rms_norm", sh(d(4, 3), d(4)), graph.ErrShape},
+		{"rms_norm eps 0", func() *lazy.Tensor { return x().RMSNorm(nil, 0) }, "rms_norm", sh(d(4, 3)), graph.ErrAttr},
+		{"rotary of a rank-3 tensor", func() *lazy.Tensor { return lazy.Placeholder([]int{4, 5, 8}, f32, 0).Rotary(p(5, 8)) }, "rotary", sh(d(4, 5, 8), d(5, 8)), graph.ErrShape},
+		{"rotary table length", func() *lazy.Tensor { return lazy.Placeholder([]int{4, 5, 2, 8}, f32, 0).Rotary(p(6, 8)) }, "rotary", sh(d(4, 5, 2, 8), d(6, 8)), graph.ErrShape},
+		{"rotary of no heads", func() *lazy.Tensor { return lazy.Placeholder([]int{4, 5, 2, 8}, f32, 0).RotaryHeads(p(5, 8), 0) }, "rotary", sh(d(4, 5, 2, 8)), graph.ErrAttr},
+		{"swiglu broadcast", func() *lazy.Tensor { return x().SwiGLU(p(3)) }, "swiglu", sh(d(4, 3), d(3)), graph.ErrShape},
+		{"attention_qkv kv heads", func() *lazy.Tensor {
+			return lazy.Placeholder([]int{4, 5, 48}, f32, 0).AttentionQKV(8, lazy.AttentionOptions{KVHeads: 3})
+		}, "attention_qkv", sh(d(4, 5, 48)), graph.ErrAttr},
 		{"failed broadcast", func() *lazy.Tensor { return x().Add(p(2, 3)) }, "add", sh(d(4, 3), d(2, 3)), graph.ErrShape},
 		{"failed broadcast with size 0", func() *lazy.Tensor { return p(0, 3).Mul(p(2, 3)) }, "mul", sh(d(0, 3), d(2, 3)), graph.ErrShape},
 		{"batchDim out of range", func() *lazy.Tensor { return lazy.Placeholder([]int{4, 3}, f32, 2) }, "input", sh(d(4, 3)), graph.ErrAttr},

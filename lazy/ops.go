@@ -130,6 +130,45 @@ func (t *Tensor) LayerNorm(weight, bias *Tensor, normDims int, eps float64) *Ten
 	return apply(graph.OpLayerNorm, attrs, t, weight, bias)
 }
 
+// RMSNorm divides t by the root mean square of its last axis and scales
+// by weight ([last], or nil for none): y = t·rsqrt(mean(t²) + eps)·weight,
+// Hugging Face's LlamaRMSNorm (no mean subtracted, no bias). The
+// arithmetic is float32 at least and the result has t's dtype; under a
+// mixed precision policy t and weight are float32 and a result only
+// 16-bit GEMMs read is written in 16 bits. Fused with a residual add
+// before it where the executor can (graph.AddRMSNormProducer).
+func (t *Tensor) RMSNorm(weight *Tensor, eps float64) *Tensor {
+	attrs := graph.Attrs{NormDims: 1, Eps: eps}
+	if weight == nil {
+		return apply(graph.OpRMSNorm, attrs, t)
+	}
+	return apply(graph.OpRMSNorm, attrs, t, weight)
+}
+
+// Rotary is the rotary position embedding of t [B, T, H, d] (H heads of d
+// at each of T positions, as a q or k projection reshaped gives them) by
+// the angle table cs [T, d]: float32, cos θ_t,i in columns i < d/2 and sin
+// θ_t,i in columns d/2 + i, row t for position t (models.RopeConfig.Table
+// makes one). Each pair (i, i + d/2) of each head rotates by θ_t,i, Hugging
+// Face's rotate_half convention. The result has t's type.
+func (t *Tensor) Rotary(cs *Tensor) *Tensor { return apply(graph.OpRotary, graph.Attrs{}, t, cs) }
+
+// RotaryHeads is Rotary of the first heads heads of t [B, T, N, d] only,
+// the rest copied: a packed projection [B, T, (H + 2·Hkv)·d] viewed as
+// [B, T, H + 2·Hkv, d] rotates its H + Hkv heads of q and k and keeps v's,
+// for AttentionQKV. heads must be 1 to N.
+func (t *Tensor) RotaryHeads(cs *Tensor, heads int) *Tensor {
+	if heads < 1 && t.Err() == nil { // an earlier error sticks: apply returns it
+		return errTensor("rotary", site(), graph.Errorf(graph.ErrAttr, "rotary of %d heads of %v: want at least 1", heads, t.Shape()), t.Shape())
+	}
+	return apply(graph.OpRotary, graph.Attrs{End: heads}, t, cs)
+}
+
+// SwiGLU is silu(t)·up, t the gate: Llama's feed-forward activation
+// act_fn(gate_proj(x))·up_proj(x), in one pass (and one backward pass).
+// t and up have one shape and dtype.
+func (t *Tensor) SwiGLU(up *Tensor) *Tensor { return apply(graph.OpSwiGLU, graph.Attrs{}, t, up) }
+
 // BatchNorm normalises t [N, C, ...] per channel (axis 1), as PyTorch's
 // F.batch_norm, then scales by weight and shifts by bias ([C] each,
 // optional: pass nil; bias needs weight). In training mode it uses the
@@ -317,7 +356,9 @@ const (
 )
 
 // CrossEntropy of logits t [N, C] against int64 class labels [N], reduced
-// by r (Mean or Sum).
+// by r (Mean or Sum). A row labelled graph.IgnoreLabel (−100, PyTorch's
+// ignore_index) takes no part: its loss and gradient are 0, and a mean
+// still divides by N.
 func (t *Tensor) CrossEntropy(labels *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r}, t, labels)
 }

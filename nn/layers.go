@@ -115,6 +115,38 @@ func (ln *LayerNorm) Params() []*Param { return params(ln.Weight, ln.Bias) }
 // Err is the construction error, if any.
 func (ln *LayerNorm) Err() error { return ln.err }
 
+// RMSNorm divides by the root mean square of the last axis and scales
+// elementwise: Hugging Face's LlamaRMSNorm (lazy.Tensor.RMSNorm).
+type RMSNorm struct {
+	Weight *Param // ones
+	Eps    float64
+	err    error
+}
+
+// NewRMSNorm normalises over a last axis of dim values; eps is the
+// model's rms_norm_eps (1e-5 or 1e-6 in Llama's configs).
+func NewRMSNorm(opt Options, dim int, eps float64) *RMSNorm {
+	n := &RMSNorm{Eps: eps, Weight: opt.Full("weight", []int{dim}, 1)}
+	if !(eps > 0) || math.IsInf(eps, 1) {
+		n.err = graph.Errorf(graph.ErrAttr, "RMSNorm eps must be positive and finite, got %g", eps)
+	}
+	return n
+}
+
+// Forward normalises x [..., dim].
+func (n *RMSNorm) Forward(x *lazy.Tensor) *lazy.Tensor {
+	if n.err != nil {
+		return fail("nn.RMSNorm", n.err, x)
+	}
+	return x.RMSNorm(n.Weight.Tensor(), n.Eps)
+}
+
+// Params returns the weight.
+func (n *RMSNorm) Params() []*Param { return params(n.Weight) }
+
+// Err is the construction error, if any.
+func (n *RMSNorm) Err() error { return n.err }
+
 // Embedding maps int64 indices to rows of a [num, dim] table.
 type Embedding struct {
 	Weight *Param

@@ -75,7 +75,10 @@
 //     twin. The float32 layer norm stays in the graph read by nothing, so
 //     Apply's ids keep naming float32 values. Its gradient comes back in
 //     16 bits and the layer norm's VJP casts it to float32 for the
-//     layer-norm backward, a cast that the fold below removes.
+//     layer-norm backward, a cast that the fold below removes. RMS norms
+//     (graph.OpRMSNorm) get the same twin, on by default (foldRMSNorms):
+//     a Llama block's two norms are each read by two or more GEMMs, each
+//     of which would cast the float32 norm itself.
 //   - Folded widening casts: after autodiff, TrainWith gives a 16-bit
 //     matmul whose only reader is a cast to float32 (directly, or through
 //     reshapes and slices each read once, none of them an output of the

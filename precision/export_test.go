@@ -30,6 +30,10 @@ func SetFoldCasts(on bool) bool { return swap(&foldCasts, on) }
 // setting.
 func SetFoldNorms(on bool) bool { return swap(&foldNorms, on) }
 
+// SetFoldRMSNorms turns the 16-bit RMS norms that GEMMs read (halfNorm)
+// on or off; it returns the previous setting.
+func SetFoldRMSNorms(on bool) bool { return swap(&foldRMSNorms, on) }
+
 // SetFuseGelu turns the gelu_grad fusion of mixed-precision training
 // graphs on or off; it returns the previous setting.
 func SetFuseGelu(on bool) bool { return swap(&fuseGelu, on) }

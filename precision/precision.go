@@ -101,7 +101,11 @@ var classes = func() [graph.NumOps]class {
 	// cross_entropy is not among them: it reads 16-bit logits widened and
 	// computes in float32 itself (graph's rule), which spares the float32
 	// copy of the logits and of their gradient.
-	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm,
+	// rms_norm is as layer_norm: float32 in, and with foldRMSNorms a
+	// 16-bit result for the GEMMs that read it (halfNorm). rotary and
+	// swiglu keep their inputs' dtype (the projections' 16 bits) and
+	// compute in float32 inside, rounding once.
+	for _, op := range []graph.Op{graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNorm, graph.OpRMSNorm,
 		graph.OpMSE, graph.OpSum, graph.OpMean,
 		graph.OpExp, graph.OpLog, graph.OpPow, graph.OpPowScalar, graph.OpRDivScalar} {
 		c[op] = widen
@@ -219,7 +223,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 			return nil, nil, &graph.OpError{Op: nd.Op.String(), Site: nd.Site, Err: err}
 		}
 		ids[i] = id
-		if dt := p.Half(); dt != graph.InvalidDType && foldNorms && halfNorm(g, users, i) && out.Node(id).Type.DType == graph.Float32 {
+		if dt := p.Half(); dt != graph.InvalidDType && halfNorm(g, users, i) && out.Node(id).Type.DType == graph.Float32 {
 			n.Attrs = n.Attrs.Clone()
 			n.Attrs.Target = graph.Type{DType: dt}
 			h, err := out.Append(n)
@@ -232,9 +236,9 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 	return out, ids, nil
 }
 
-// halfNorm reports whether node i of g is a layer norm that only GEMM-class
-// ops read: each would read a 16-bit cast of its float32 result. With
-// foldNorms on, Apply then appends, beside the float32 layer norm, one that writes the 16-bit
+// halfNorm reports whether node i of g is a layer norm (with foldNorms on)
+// or an RMS norm (with foldRMSNorms on) that only GEMM-class ops read:
+// each would read a 16-bit cast of its float32 result. Apply then appends, beside the float32 layer norm, one that writes the 16-bit
 // dtype itself (graph.OpLayerNorm's Attrs.Target), rounding once where the
 // cast rounded, and the GEMMs read it: no cast runs, and the float32
 // result (and its [.., d] buffer) exists only where asked for, as the
@@ -243,7 +247,10 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 // gradient comes back in the 16-bit dtype, and the layer norm's VJP casts
 // it to float32, a cast that TrainWith folds into the GEMM producing it.
 func halfNorm(g *graph.Graph, users [][]int, i int) bool {
-	if g.Node(i).Op != graph.OpLayerNorm || len(users[i]) == 0 {
+	switch op := g.Node(i).Op; {
+	case len(users[i]) == 0, op == graph.OpLayerNorm && !foldNorms, op == graph.OpRMSNorm && !foldRMSNorms:
+		return false
+	case op != graph.OpLayerNorm && op != graph.OpRMSNorm:
 		return false
 	}
 	for _, u := range users[i] {
@@ -282,6 +289,15 @@ var fuseLayerNormGrad = true
 // allocated unchanged), from the changed order of cached blocks, not from
 // any buffer of its own.
 var foldNorms = false
+
+// foldRMSNorms is halfNorm's rewrite for rms_norm, on by default: a Llama
+// block's input norm is read by the packed q|k|v projection and its
+// post-attention norm by the gate and up projections, each reader of a
+// float32 norm getting a cast of its own (casts of computed values are
+// not shared), and the 16-bit norm is the residual add's companion
+// (graph.AddRMSNormProducer), so the add writes the stream in float32 and
+// the norm in 16 bits in one pass, and no float32 norm exists at all.
+var foldRMSNorms = true
 
 // consumers lists, for each node of g, the ids of the nodes that read it,
 // once per input that names it.

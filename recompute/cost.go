@@ -427,6 +427,8 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 			bytes += passes * 4 * scores
 		}
 	case graph.OpLayerNorm, graph.OpSoftmax, graph.OpLogSoftmax, graph.OpLayerNormGradX, graph.OpLayerNormGradXAdd, graph.OpLayerNormGradW,
+		graph.OpRMSNorm, graph.OpRMSNormGradX, graph.OpRMSNormGradXAdd, graph.OpRMSNormGradW, graph.OpRotary, graph.OpRotaryGrad,
+		graph.OpSwiGLU, graph.OpSwiGLUGrad,
 		graph.OpSoftmaxGrad, graph.OpLogSoftmaxGrad, graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpGelu, graph.OpGeluGrad:
 		flops = 8 * max(numel(out), numel(in[0]))
 	default:

@@ -47,6 +47,12 @@ type config struct {
 	gptLayers     int
 	gptSeq        int
 	gptBatch      int
+	llamaConfig   string // the llama model's shape: a zoo name (models.Llama32_1B, ...)
+	llamaLayers   int    // its layers (0: the config's)
+	llamaSeq      int
+	llamaBatch    int
+	llamaUpper    int // the largest-batch search's upper bound
+	tightLlama    int
 	mlpBatch      int
 	session       bool // also time the steps through batchfit.Session, graph rebuilt each step
 	sessionFirst  bool // time each model's Session before its executor
@@ -81,7 +87,7 @@ type config struct {
 
 // registerFlags defines gobench's flags on fs, setting c.
 func registerFlags(fs *flag.FlagSet, c *config) {
-	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv, resnet50")
+	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv, resnet50, llama (models.Llama, -llama-config)")
 	fs.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
 	fs.IntVar(&c.steps, "steps", 20, "timed steps")
 	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
@@ -90,6 +96,12 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
 	fs.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
 	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
+	fs.StringVar(&c.llamaConfig, "llama-config", "llama3.2-1b", "the llama model's shape: llama3.2-1b, llama3-8b or llama-tiny (models.Llama32_1B, Llama3_8B, LlamaTiny)")
+	fs.IntVar(&c.llamaLayers, "llama-layers", 0, "the llama model's decoder layers (0: the config's, 16 for Llama 3.2 1B)")
+	fs.IntVar(&c.llamaSeq, "llama-seq", 2048, "the llama model's sequence length")
+	fs.IntVar(&c.llamaBatch, "llama-batch", 4, "the llama model's batch for the timed run")
+	fs.IntVar(&c.llamaUpper, "llama-upper", 96, "the llama model's largest-batch search starts from a shape-only program of this many samples")
+	fs.IntVar(&c.tightLlama, "tight-batch-llama", 32, "the llama model's batch for -budget")
 	fs.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
 	fs.BoolVar(&c.sessionTrace, "session-trace", false, "print each Session step's plan (address, budget, predicted peak) and the allocator's device allocations and frees to stderr")
 	fs.BoolVar(&c.sessionFirst, "session-first", false, "time each model's Session steps before its executor's (the order's effect on the comparison)")
@@ -256,6 +268,38 @@ func benchModels(c config) ([]benchModel, error) {
 			y := source(x.Graph(), data, []int{n}, graph.Int64, 1000)
 			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
 		}}
+	var llamaCfg models.LlamaConfig
+	if slices.Contains(strings.Split(strings.ReplaceAll(c.models, " ", ""), ","), "llama") {
+		var err error
+		if llamaCfg, err = llamaConfig(c); err != nil {
+			return nil, err
+		}
+	}
+	llama := benchModel{name: "llama", seq: c.llamaSeq, batch: c.llamaBatch, tight: c.tightLlama, upper: c.llamaUpper,
+		about: fmt.Sprintf("models.Llama, %s shape (%d layers, width %d, %d/%d heads of %d, SwiGLU %d, vocab %d, tied %v, rope %s), seq %d, causal LM loss",
+			c.llamaConfig, llamaCfg.Layers, llamaCfg.Hidden, llamaCfg.Heads, llamaCfg.KVHeadsOrDefault(), llamaCfg.HeadDimOrDefault(),
+			llamaCfg.Intermediate, llamaCfg.Vocab, llamaCfg.TieEmbeddings, llamaCfg.Rope.Type, c.llamaSeq),
+		optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
+		module: func(opt nn.Options) nn.Module { return models.NewLlama(opt, llamaCfg) },
+		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+			// Hugging Face's labels=input_ids: the labels are the tokens,
+			// shifted here (as the loss would) so that a program compiled
+			// once is fed them; nothing is ignored, so the mean's count
+			// is n·(seq − 1) every step.
+			tok := source(nil, data, []int{n, c.llamaSeq}, graph.Int64, llamaCfg.Vocab)
+			var labels *lazy.Tensor
+			if data == nil {
+				labels = tok.Graph().Placeholder([]int{n, c.llamaSeq}, graph.Int64, 0)
+			} else {
+				shifted, _, err := models.ShiftLabels(tok.Value())
+				if err != nil {
+					return lazy.ErrorTensor("llama labels", err), nil
+				}
+				labels = tok.Graph().Wrap(shifted, 0)
+			}
+			logits := m.(*models.Llama).Forward(tok)
+			return models.ShiftedCausalLMLoss(logits, labels, n*(c.llamaSeq-1)), []*lazy.Tensor{tok, labels}
+		}}
 	var out []benchModel
 	for _, name := range strings.Split(c.models, ",") {
 		switch strings.TrimSpace(name) {
@@ -269,11 +313,36 @@ func benchModels(c config) ([]benchModel, error) {
 			out = append(out, conv)
 		case "resnet50":
 			out = append(out, resnet)
+		case "llama":
+			out = append(out, llama)
 		default:
-			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv, resnet50)", name)
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv, resnet50, llama)", name)
 		}
 	}
 	return out, nil
+}
+
+// llamaConfig is the llama model's config: -llama-config's shape with
+// -llama-layers' layers.
+func llamaConfig(c config) (models.LlamaConfig, error) {
+	var cfg models.LlamaConfig
+	switch c.llamaConfig {
+	case "llama3.2-1b":
+		cfg = models.Llama32_1B()
+	case "llama3-8b":
+		cfg = models.Llama3_8B()
+	case "llama-tiny":
+		cfg = models.LlamaTiny()
+	default:
+		return cfg, graph.Errorf(graph.ErrAttr, "gobench: -llama-config %q (llama3.2-1b, llama3-8b, llama-tiny)", c.llamaConfig)
+	}
+	if c.llamaLayers < 0 || c.llamaSeq < 2 || c.llamaBatch < 1 {
+		return cfg, graph.Errorf(graph.ErrAttr, "gobench: -llama-layers %d, -llama-seq %d, -llama-batch %d (want ≥ 0, ≥ 2, ≥ 1)", c.llamaLayers, c.llamaSeq, c.llamaBatch)
+	}
+	if c.llamaLayers > 0 {
+		cfg.Layers = c.llamaLayers
+	}
+	return cfg, cfg.Check()
 }
 
 // resolvePrecision checks -precision and folds -tf32 into it.

@@ -31,6 +31,13 @@ func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor,
 		tok := lazy.Wrap(inputs[0], 0)
 		tgt := tok.Graph().Wrap(inputs[1], 0)
 		loss = models.Loss(mod.(*models.GPT).Forward(tok), tgt)
+	case "llama":
+		// inputs[1] holds the labels shifted (models.ShiftLabels), as build
+		// makes them.
+		tok := lazy.Wrap(inputs[0], 0)
+		labels := tok.Graph().Wrap(inputs[1], 0)
+		s := inputs[0].Shape()
+		loss = models.ShiftedCausalLMLoss(mod.(*models.Llama).Forward(tok), labels, s[0]*(s[1]-1))
 	default:
 		return nil, graph.Errorf(graph.ErrAttr, "gobench: no session run for model %q", m.name)
 	}

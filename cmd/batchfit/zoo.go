@@ -93,6 +93,29 @@ func zoo() []zooModel {
 				return out
 			}}
 	}
+	// A Llama's positions are rotary angles, with no table to outgrow:
+	// context is only the --seq default.
+	var llama func(name, about string, cfg models.LlamaConfig, context int) zooModel
+	llama = func(name, about string, cfg models.LlamaConfig, context int) zooModel {
+		withContext := func(n int) zooModel {
+			return llama(name, fmt.Sprintf("%s; --seq default %d (--context)", about, n), cfg, n)
+		}
+		return zooModel{name: name, about: about, context: context, withContext: withContext,
+			input: fmt.Sprintf("tokens [%d] int64", context),
+			build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
+				m := models.NewLlama(opt, cfg)
+				tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
+				out := built{module: m, output: m.Forward(tokens)}
+				if train {
+					// Hugging Face's labels=: the tokens' own ids, shifted by
+					// the loss (a dry run's placeholder labels count as
+					// shifted already).
+					labels := source(tokens.Graph(), data, []int{b, t}, graph.Int64, cfg.Vocab)
+					out.loss = models.CausalLMLoss(out.output, labels)
+				}
+				return out
+			}}
+	}
 	classifier := func(name, about, input string, sample []int, classes int, newModule func(nn.Options) nn.Module) zooModel {
 		return zooModel{name: name, about: about,
 			input: fmt.Sprintf("%s %v", input, sample),
@@ -139,6 +162,12 @@ func zoo() []zooModel {
 			models.GPTConfig{Vocab: 32, Context: 32, Layers: 2, Heads: 2, Dim: 32}),
 		gpt("gpt2-small", "GPT-2 small, 12 layers, width 768, 12 heads, 1024 positions, vocab 50257, tied head",
 			models.GPT2Small()),
+		llama("llama-tiny", "Llama, 2 layers, width 32, 4 query and 2 key/value heads, SwiGLU 64, vocab 64, tied, llama3 rope scaling (the CPU's)",
+			models.LlamaTiny(), 64),
+		llama("llama3.2-1b", "Llama 3.2 1B: 16 layers, width 2048, 32 query and 8 key/value heads of 64, SwiGLU 8192, vocab 128256, tied, rope theta 500000 with llama3 scaling (factor 32)",
+			models.Llama32_1B(), 2048),
+		llama("llama3-8b", "Llama 3 8B: 32 layers, width 4096, 32 query and 8 key/value heads of 128, SwiGLU 14336, vocab 128256, untied head, rope theta 500000 (shape only: 32 GB of float32 parameters)",
+			models.Llama3_8B(), 8192),
 		gpt("gpt2-small-written", "GPT-2 small with attention written out (q·kᵀ, scale, causal mask, softmax, ·v: five [B, 12, T, T] values) instead of the fused op",
 			writtenOut(models.GPT2Small())),
 	}

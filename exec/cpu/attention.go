@@ -37,6 +37,38 @@ var attentionKernels = family{
 		at.gradInto(in[0], in[2], in[3], out, true, true)
 		return nil
 	}},
+	graph.OpRotary:     {run: rotaryKernel},
+	graph.OpRotaryGrad: {run: rotaryKernel},
+}
+
+// rotaryKernel rotates heads below End of x [B, T, N, d] by the angles of
+// cs [T, d] (cos, then sin), each pair (i, i + d/2): by θ for rotary, by
+// −θ for rotary_grad. The other heads are copied.
+func rotaryKernel(nd *graph.Node, in []*buf, out *buf, _ int) error {
+	x, cs := in[0], in[1]
+	if len(x.shape) != 4 || len(cs.shape) != 2 || cs.shape[0] != x.shape[1] || cs.shape[1] != x.shape[3] || x.shape[3]%2 != 0 || len(out.f) != len(x.f) {
+		return graph.Errorf(graph.ErrShape, "%s: x %v, table %v, output %v", nd.Op, x.shape, cs.shape, out.shape)
+	}
+	t, n, d := x.shape[1], x.shape[2], x.shape[3]
+	end, h := nd.Attrs.End, d/2
+	sign := float32(1)
+	if nd.Op == graph.OpRotaryGrad {
+		sign = -1
+	}
+	for r := range len(x.f) / max(d, 1) {
+		row, dst := x.f[r*d:(r+1)*d], out.f[r*d:(r+1)*d]
+		if r%n >= end {
+			copy(dst, row)
+			continue
+		}
+		tab := cs.f[r/n%t*d:][:d]
+		for i := range h {
+			c, s := float64(tab[i]), float64(sign*tab[h+i])
+			a, b := float64(row[i]), float64(row[i+h])
+			dst[i], dst[i+h] = float32(a*c-b*s), float32(b*c+a*s)
+		}
+	}
+	return nil
 }
 
 // attentionFwd writes attention's output o.

@@ -27,6 +27,35 @@ var elementwiseKernels = family{
 		return nil
 	}},
 
+	// swiglu and its gradients: silu(gate)·up, g·up·silu'(gate), g·silu(gate).
+	graph.OpSwiGLU: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
+		gate, up := in[0], in[1]
+		if len(up.f) != len(gate.f) || len(out.f) != len(gate.f) {
+			return graph.Errorf(graph.ErrShape, "swiglu: gate %v, up %v, output %v", gate.shape, up.shape, out.shape)
+		}
+		for i, v := range gate.f {
+			x := float64(v)
+			out.f[i] = float32(x * sigmoid(x) * float64(up.f[i]))
+		}
+		return nil
+	}},
+	graph.OpSwiGLUGrad: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		g, gate, up := in[0], in[1], in[2]
+		if len(g.f) != len(gate.f) || len(up.f) != len(gate.f) || len(out.f) != len(gate.f) {
+			return graph.Errorf(graph.ErrShape, "swiglu_grad: g %v, gate %v, up %v, output %v", g.shape, gate.shape, up.shape, out.shape)
+		}
+		for i, v := range gate.f {
+			x := float64(v)
+			s := sigmoid(x)
+			if nd.Attrs.Axis == 0 {
+				out.f[i] = float32(float64(g.f[i]) * float64(up.f[i]) * s * (1 + x*(1-s)))
+			} else {
+				out.f[i] = float32(float64(g.f[i]) * x * s)
+			}
+		}
+		return nil
+	}},
+
 	graph.OpAddScalar: {run: unary}, graph.OpSubScalar: {run: unary}, graph.OpRSubScalar: {run: unary},
 	graph.OpMulScalar: {run: unary}, graph.OpDivScalar: {run: unary}, graph.OpRDivScalar: {run: unary},
 	graph.OpPowScalar: {run: unary}, graph.OpMaximumScalar: {run: unary},

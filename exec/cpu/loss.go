@@ -30,7 +30,7 @@ func mseGrad(nd *graph.Node, in []*buf, out *buf, _ int) error {
 }
 
 // crossEntropyKernel sums −log_softmax(logits)[n, labels[n]] over the rows
-// and multiplies by a.Scalar: 1/N of the full batch for a mean (fixed when the
+// (but those labelled graph.IgnoreLabel) and multiplies by a.Scalar: 1/N of the full batch for a mean (fixed when the
 // graph was built, so chunk results add up), 1 for a sum. A row's classes
 // are its first a.End columns (all when 0): a row of logits is ld long.
 func crossEntropyKernel(a *graph.Attrs, logits, labels, out *buf) error {
@@ -41,6 +41,9 @@ func crossEntropyKernel(a *graph.Attrs, logits, labels, out *buf) error {
 	c := graph.CrossEntropyClasses(a, ld)
 	var total float64
 	for n, label := range labels.i {
+		if label == graph.IgnoreLabel {
+			continue
+		}
 		if label < 0 || label >= int64(c) {
 			return exec.BadValue("cross_entropy", "label", 1, labels.shape, n, label, c)
 		}
@@ -83,6 +86,10 @@ func crossEntropyGrad(a *graph.Attrs, g, logits, labels, out *buf) error {
 	s := a.Scalar * float64(g.f[0])
 	for r := range n {
 		k := labels.i[r]
+		if k == graph.IgnoreLabel {
+			clear(out.f[r*ld : (r+1)*ld])
+			continue
+		}
 		if k < 0 || int(k) >= c {
 			return exec.BadValue("cross_entropy", "label", 2, labels.shape, r, k, c)
 		}

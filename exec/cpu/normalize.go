@@ -31,6 +31,18 @@ var normKernels = family{
 		layerNormGradW(&nd.Attrs, in[0], in[1], out)
 		return nil
 	}},
+	graph.OpRMSNorm: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return rmsNormKernel(&nd.Attrs, in[0], optional(in, 1), out)
+	}},
+	graph.OpRMSNormGradX: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return rmsNormGradX(&nd.Attrs, in[0], in[1], optional(in, 2), nil, out)
+	}},
+	graph.OpRMSNormGradXAdd: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return rmsNormGradX(&nd.Attrs, in[0], in[1], optional(in, 3), in[2], out)
+	}},
+	graph.OpRMSNormGradW: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
+		return rmsNormGradW(&nd.Attrs, in[0], in[1], out)
+	}},
 	graph.OpBatchNormGradX: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return batchNormGradX(&nd.Attrs, in[0], in[1], optional(in, 2), out)
 	}},
@@ -489,4 +501,111 @@ func batchNormGradW(a *graph.Attrs, in []*buf, out *buf) error {
 		out.f[k] = float32(s * rstd[k])
 	}
 	return nil
+}
+
+// rmsGeometry views x as [rows, d] over its trailing a.NormDims axes and
+// gives each row's 1/√(mean(x²) + eps), summed in float64.
+func rmsGeometry(a *graph.Attrs, x *buf) (rows, d int, rstd []float64, err error) {
+	k := a.NormDims
+	if k < 1 || k > len(x.shape) {
+		return 0, 0, nil, graph.Errorf(graph.ErrAttr, "rms_norm over %d trailing dims of a rank-%d input", k, len(x.shape))
+	}
+	d = graph.Numel(x.shape[len(x.shape)-k:])
+	if d > 0 {
+		rows = len(x.f) / d
+	}
+	rstd = make([]float64, rows)
+	for r := range rows {
+		var s float64
+		for _, v := range x.f[r*d : (r+1)*d] {
+			s += float64(v) * float64(v)
+		}
+		rstd[r] = 1 / math.Sqrt(s/float64(d)+a.Eps)
+	}
+	return rows, d, rstd, nil
+}
+
+// rmsNormKernel: y = x·rstd·w per row (w optional).
+func rmsNormKernel(a *graph.Attrs, x, w, out *buf) error {
+	rows, d, rstd, err := rmsGeometry(a, x)
+	if err != nil {
+		return err
+	}
+	if len(out.f) != len(x.f) || w != nil && len(w.f) != d {
+		return graph.Errorf(graph.ErrShape, "rms_norm: x %v, output %v, weight of %d for rows of %d", x.shape, out.shape, wlen(w), d)
+	}
+	for r := range rows {
+		off := r * d
+		for j, v := range x.f[off : off+d] {
+			y := float64(v) * rstd[r]
+			if w != nil {
+				y *= float64(w.f[j])
+			}
+			out.f[off+j] = float32(y)
+		}
+	}
+	return nil
+}
+
+// rmsNormGradX: with x̂ = x·rstd and ĝ = g·w, dx = rstd·(ĝ − x̂·mean(ĝ·x̂)),
+// plus res when non-nil (rms_norm_grad_x_add: rounded, then added, as the
+// add it replaces).
+func rmsNormGradX(a *graph.Attrs, g, x, w, res, out *buf) error {
+	rows, d, rstd, err := rmsGeometry(a, x)
+	if err != nil {
+		return err
+	}
+	if len(g.f) != len(x.f) || len(out.f) != len(x.f) || w != nil && len(w.f) != d || res != nil && len(res.f) != len(x.f) {
+		return graph.Errorf(graph.ErrShape, "rms_norm_grad_x: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	gh := make([]float64, d)
+	for r := range rows {
+		off := r * d
+		var dot float64
+		for j := range d {
+			gh[j] = float64(g.f[off+j])
+			if w != nil {
+				gh[j] *= float64(w.f[j])
+			}
+			dot += gh[j] * float64(x.f[off+j]) * rstd[r]
+		}
+		dot /= float64(d)
+		for j := range d {
+			out.f[off+j] = float32(rstd[r] * (gh[j] - float64(x.f[off+j])*rstd[r]*dot))
+			if res != nil {
+				out.f[off+j] += res.f[off+j]
+			}
+		}
+	}
+	return nil
+}
+
+// rmsNormGradW: Σ over rows of g·x̂.
+func rmsNormGradW(a *graph.Attrs, g, x, out *buf) error {
+	rows, d, rstd, err := rmsGeometry(a, x)
+	if err != nil {
+		return err
+	}
+	if len(g.f) != len(x.f) || len(out.f) != d {
+		return graph.Errorf(graph.ErrShape, "rms_norm_grad_w: g %v, x %v, output %v", g.shape, x.shape, out.shape)
+	}
+	acc := make([]float64, d)
+	for r := range rows {
+		off := r * d
+		for j := range d {
+			acc[j] += float64(g.f[off+j]) * float64(x.f[off+j]) * rstd[r]
+		}
+	}
+	for j, v := range acc {
+		out.f[j] = float32(v)
+	}
+	return nil
+}
+
+// wlen is an optional buffer's length, −1 without one.
+func wlen(w *buf) int {
+	if w == nil {
+		return -1
+	}
+	return len(w.f)
 }

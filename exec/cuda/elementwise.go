@@ -49,6 +49,9 @@ var elementwiseKernels = withCodes(family{
 		if done, err := k.addLayerNorm(in[0], in[1], out); done || err != nil {
 			return err
 		}
+		if done, err := k.addRMSNorm(in[0], in[1], out); done || err != nil {
+			return err
+		}
 		return binary(binaryCodes.Code(graph.OpAdd, "")).run(k, in, out)
 	}},
 	graph.OpDropout:    {run: dropout},

@@ -220,6 +220,14 @@ func EpilogueGEMMs() int64 { return epilogueGEMMs.Load() }
 // AddLayerNorms counts the adds that ran with their layer norm.
 func AddLayerNorms() int64 { return addLayerNorms.Load() }
 
+// AddRMSNorms, FusedRMSNorms and FusedSwiGLUGrads count the fused passes
+// of a Llama block that ran: adds that normalised their result, RMS norm
+// backward passes that gave the weight's gradient, gate gradients that
+// gave up's.
+func AddRMSNorms() int64      { return addRMSNorms.Load() }
+func FusedRMSNorms() int64    { return fusedRMSNorms.Load() }
+func FusedSwiGLUGrads() int64 { return fusedSwiGLUGrads.Load() }
+
 // ForgetSearches drops this process's timed searches (convfind.go), so the
 // next executor reads them from the disk cache or times them again.
 func ForgetSearches() { processFinds.Clear() }

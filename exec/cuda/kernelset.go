@@ -91,6 +91,12 @@ const (
 	kSoftmaxCols       = "softmax_cols_f32"
 	kSoftmaxGradRows   = "softmax_grad_rows_f32"
 	kSoftmaxGradCols   = "softmax_grad_cols_f32"
+	kRMSNorm           = "rms_norm_f32"
+	kAddRMSNorm        = "add_rms_norm" // typed by b's and y's dtypes
+	kRMSNormGrad       = "rms_norm_grad_f32"
+	kRotary            = "rotary_f32"
+	kSwiGLU            = "swiglu_f32"
+	kSwiGLUGrad        = "swiglu_grad_f32"
 	kAttentionFwd      = "attention_fwd_f32"
 	kAttentionGradQ    = "attention_grad_q_f32"
 	kAttentionGradKV   = "attention_grad_kv_f32"
@@ -120,6 +126,10 @@ var kernelFiles = map[string][]string{
 	"reduce.cu": append(allTyped(kReduceRows, kReduceMid, kReduceSplits, kReduceStrided, kMaxGrad),
 		typed(kReduceMidV8, graph.BFloat16), typed(kReduceMidV8, graph.Float16)),
 	"softmax.cu": allTyped(kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols),
+	"rmsnorm.cu": slices.Concat(allTyped(kRMSNorm, kRMSNormGrad),
+		[]string{typed(kRMSNorm, graph.Float32, graph.BFloat16), typed(kRMSNorm, graph.Float32, graph.Float16)}, addRMSNormKernels()),
+	"rotary.cu": allTyped(kRotary),
+	"swiglu.cu": allTyped(kSwiGLU, kSwiGLUGrad),
 }
 
 // kernel is a function of a loaded module.

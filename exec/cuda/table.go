@@ -31,8 +31,8 @@ func OpcodeHeader() []byte {
 }
 
 // families is every family of the table.
-var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,
-	movementKernels, convKernels, attentionKernels, attentionQKVKernels, lossKernels}
+var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels, rmsNormKernels,
+	movementKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, swigluKernels, lossKernels}
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.
@@ -87,6 +87,9 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c p
 //     (its weight's or bias's gradient, computed in the same pass): the
 //     float partials of both column sums; batch_norm and its gradients:
 //     per-channel mean and rstd in double (norm.go);
+//   - rms_norm_grad_w, and rms_norm_grad_x with an rms_norm_grad_w
+//     companion: the float partials of the weight gradient of each row
+//     group (rmsnorm.go);
 //   - sum, mean and max with few outputs and long reductions: the partials
 //     of a split reduction (reduce.go);
 //   - attention_grad_kv on tensor cores (16-bit, head dim 64 or 128, no

@@ -118,6 +118,30 @@ var Cases = []Case{
 	{Name: "residual_layer_norm_fused", Shapes: [][]int{{2, 3, 8}, {8}, {8}}, FuseLayerNormGrad: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Add(p[0].LayerNorm(p[1], p[2], 1, 1e-5).Tanh())
 	}},
+	{Name: "rms_norm", Shapes: [][]int{{2, 3, 8}, {8}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].RMSNorm(p[1], 1e-5) }},
+	{Name: "rms_norm_plain", Shapes: [][]int{{3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor { return p[0].RMSNorm(nil, 1e-6) }},
+	// Llama's residual stream: x's gradient through the RMS norm meets the
+	// stream's and they fuse into rms_norm_grad_x_add (CUDA's fused
+	// backward pass adds it, with the weight's gradient); the sum before
+	// the norm is the add it pairs with forward (graph.AddRMSNormProducer).
+	{Name: "residual_rms_norm_fused", Shapes: [][]int{{2, 3, 8}, {8}}, FuseLayerNormGrad: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		h := p[0].Add(p[0].Tanh())
+		return h.Add(h.RMSNorm(p[1], 1e-5).Tanh())
+	}},
+	// Rotary embedding of every head, and of the first 4 of 6 (a packed
+	// projection's q and k heads; the rest are copied), by a table of
+	// angles of no particular pattern.
+	{Name: "rotary", Shapes: [][]int{{2, 3, 4, 8}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Rotary(lazy.Const(ropeTable(3, 8)))
+	}},
+	{Name: "rotary_heads", Shapes: [][]int{{2, 5, 6, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].RotaryHeads(lazy.Const(ropeTable(5, 4)), 4).Tanh()
+	}},
+	// SwiGLU of two halves of a projection, times a parameter so that a
+	// parameter's gradient flows through it.
+	{Name: "swiglu", Shapes: [][]int{{2, 3, 10}, {3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].MulScalar(3).Slice(2, 0, 5).SwiGLU(p[0].Slice(2, 5, 10)).Mul(p[1])
+	}},
 	// Training mode: every x moves the batch statistics; M = 3·2·3 values
 	// per channel.
 	{Name: "batch_norm_train", Shapes: [][]int{{3, 2, 2, 3}, {2}, {2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
@@ -199,6 +223,12 @@ var Cases = []Case{
 		y := lazy.Const(i64([]int{4}, 2, 0, 1, 2))
 		return p[0].CrossEntropy(y, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceSum))
 	}},
+	// Rows labelled −100 (graph.IgnoreLabel) take no part: no loss, zero
+	// gradient.
+	{Name: "cross_entropy_ignore", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{5}, 2, graph.IgnoreLabel, 1, graph.IgnoreLabel, 0))
+		return p[0].CrossEntropy(y, graph.ReduceSum).Add(p[0].MulScalar(2).CrossEntropy(y, graph.ReduceMean))
+	}},
 	// Classes 0..4 of 7 columns (Attrs.End): the last two, a padded
 	// linear's extra outputs, take no part and get zero gradient.
 	{Name: "cross_entropy_classes", Shapes: [][]int{{4, 7}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
@@ -252,6 +282,13 @@ var Cases = []Case{
 	{Name: "attention_qkv_mqa", Shapes: [][]int{{2, 4, 20}, {4, 12}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].AttentionQKV(3, lazy.AttentionOptions{Scale: 0.6, KVHeads: 1}).Mul(p[1])
 	}},
+	// A Llama block's attention: q and k rotated in place in the packed
+	// projection first (the first 4 of 6 heads of 4), then 2 query heads
+	// over 1 key/value head.
+	{Name: "attention_qkv_rotary_gqa", Shapes: [][]int{{2, 5, 24}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		qkv := p[0].Reshape(-1, 5, 6, 4).RotaryHeads(lazy.Const(ropeTable(5, 4)), 4).Reshape(-1, 5, 24)
+		return qkv.AttentionQKV(2, lazy.AttentionOptions{Causal: true, KVHeads: 1})
+	}},
 	{Name: "dropout", Shapes: [][]int{{4, 3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Dropout(0.4, 7, 3).Tanh().Dropout(0.25, 7, 4)
 	}},
@@ -266,6 +303,19 @@ var Cases = []Case{
 	{Name: "ties_max_maximum_relu", Shapes: [][]int{{4, 6}, {6}}, Ties: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MaxKeepDim(1).Add(p[0].Maximum(p[1])).Add(p[0].Relu()).Add(p[0].MaximumScalar(0.5))
 	}},
+}
+
+// ropeTable is a rotary embedding's table [t, d]: cos θ then sin θ of
+// angles θ_p,i = (p + 1)·(0.7 + 0.45·i), p a position and i < d/2.
+func ropeTable(t, d int) *tensor.Dense {
+	data := make([]float32, t*d)
+	for p := range t {
+		for i := range d / 2 {
+			th := float64(p+1) * (0.7 + 0.45*float64(i))
+			data[p*d+i], data[p*d+d/2+i] = float32(math.Cos(th)), float32(math.Sin(th))
+		}
+	}
+	return f32([]int{t, d}, data...)
 }
 
 // uniform draws a value with entries uniform in [lo, hi).

@@ -56,6 +56,26 @@ var elementwiseKernels = family{
 		}
 		return nil
 	},
+	// swiglu: silu(gate)·up; its gradients d gate = g·up·silu'(gate) and
+	// d up = g·silu(gate).
+	graph.OpSwiGLU: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		for i, x := range in[0].Data {
+			out.Data[i] = x / (1 + math.Exp(-x)) * in[1].Data[i]
+		}
+		return nil
+	},
+	graph.OpSwiGLUGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		g, gate, up := in[0], in[1], in[2]
+		for i, x := range gate.Data {
+			s := 1 / (1 + math.Exp(-x))
+			if a.Axis == 0 {
+				out.Data[i] = g.Data[i] * up.Data[i] * (s + x*s*(1-s))
+			} else {
+				out.Data[i] = g.Data[i] * x * s
+			}
+		}
+		return nil
+	},
 	graph.OpMaximumGrad: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		maximumGrad(out, in[0], in[1], in[2], a.Axis)
 		return nil

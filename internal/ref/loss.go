@@ -25,12 +25,16 @@ var lossKernels = family{
 }
 
 // crossEntropy is Scalar·Σ_rows −log_softmax(logits[row, :classes])[label],
-// classes = End (all columns when 0).
+// classes = End (all columns when 0), over the rows not labelled
+// graph.IgnoreLabel.
 func crossEntropy(out, logits, labels Value, a *graph.Attrs) error {
 	n, ld := logits.Shape[0], logits.Shape[1]
 	c := graph.CrossEntropyClasses(a, ld)
 	total := 0.0
 	for r := range n {
+		if labels.Data[r] == graph.IgnoreLabel {
+			continue
+		}
 		k, err := index(labels.Data[r], c, "cross_entropy label")
 		if err != nil {
 			return err
@@ -48,6 +52,9 @@ func crossEntropyGrad(out, g, logits, labels Value, a *graph.Attrs) error {
 	n, ld := logits.Shape[0], logits.Shape[1]
 	c := graph.CrossEntropyClasses(a, ld)
 	for r := range n {
+		if labels.Data[r] == graph.IgnoreLabel { // out is zeroed
+			continue
+		}
 		k, err := index(labels.Data[r], c, "cross_entropy label")
 		if err != nil {
 			return err

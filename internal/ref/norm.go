@@ -52,6 +52,41 @@ var normKernels = family{
 		layerNormGradW(out, in[0], in[1], a)
 		return nil
 	},
+	graph.OpRMSNorm: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		x := in[0]
+		rows, d, rstd := rmsRows(x, a)
+		for r := range rows {
+			for j := range d {
+				y := x.Data[r*d+j] * rstd[r]
+				if len(in) > 1 {
+					y *= in[1].Data[j]
+				}
+				out.Data[r*d+j] = y
+			}
+		}
+		return nil
+	},
+	graph.OpRMSNormGradX: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		rmsNormGradX(out, in[0], in[1], optionalValue(in, 2), a)
+		return nil
+	},
+	graph.OpRMSNormGradXAdd: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		rmsNormGradX(out, in[0], in[1], optionalValue(in, 3), a)
+		for i, r := range in[2].Data {
+			out.Data[i] += r
+		}
+		return nil
+	},
+	graph.OpRMSNormGradW: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
+		g, x := in[0], in[1]
+		rows, d, rstd := rmsRows(x, a)
+		for r := range rows {
+			for j := range d {
+				out.Data[j] += g.Data[r*d+j] * x.Data[r*d+j] * rstd[r]
+			}
+		}
+		return nil
+	},
 	graph.OpBatchNormGradX: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		batchNormGradX(out, in, a)
 		return nil
@@ -192,4 +227,51 @@ func layerNormGradW(out, g, x Value, a *graph.Attrs) {
 			out.Data[j] += g.Data[r*m+j] * (x.Data[r*m+j] - mean[r]) * rstd[r]
 		}
 	}
+}
+
+// rmsRows views x as rows of the a.NormDims trailing dims and gives each
+// row's 1/√(mean(x²) + eps).
+func rmsRows(x Value, a *graph.Attrs) (rows, d int, rstd []float64) {
+	d = graph.Numel(x.Shape[len(x.Shape)-a.NormDims:])
+	if d > 0 {
+		rows = len(x.Data) / d
+	}
+	rstd = make([]float64, rows)
+	for r := range rows {
+		s := 0.0
+		for _, v := range x.Data[r*d : (r+1)*d] {
+			s += v * v
+		}
+		rstd[r] = 1 / math.Sqrt(s/float64(d)+a.Eps)
+	}
+	return rows, d, rstd
+}
+
+// rmsNormGradX: with x̂ = x·rstd and ĝ = g·w (g without w),
+// dx = rstd·(ĝ − x̂·mean(ĝ·x̂)).
+func rmsNormGradX(out, g, x Value, w *Value, a *graph.Attrs) {
+	rows, d, rstd := rmsRows(x, a)
+	gh := make([]float64, d)
+	for r := range rows {
+		dot := 0.0
+		for j := range d {
+			gh[j] = g.Data[r*d+j]
+			if w != nil {
+				gh[j] *= w.Data[j]
+			}
+			dot += gh[j] * x.Data[r*d+j] * rstd[r]
+		}
+		dot /= float64(d)
+		for j := range d {
+			out.Data[r*d+j] = rstd[r] * (gh[j] - x.Data[r*d+j]*rstd[r]*dot)
+		}
+	}
+}
+
+// optionalValue is &in[i], or nil past the inputs.
+func optionalValue(in []Value, i int) *Value {
+	if i < len(in) {
+		return &in[i]
+	}
+	return nil
 }

@@ -152,6 +152,10 @@ __device__ __forceinline__ void ce_write_grad(const T* p, T* q, const float (&v)
   }
 }
 
+// CE_IGNORE is graph.IgnoreLabel: a row so labelled has loss 0 and a zero
+// gradient row.
+#define CE_IGNORE (-100LL)
+
 // cross_entropy_rows_body: each row's loss into loss[row]; with G also its
 // gradient into gout (s the gradient's scale), from the same pass's max and
 // sum, so the row is read from memory once more at most (for long rows,
@@ -175,6 +179,12 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
     row_lse<C>(p, v, c, live, sf, sd, &m, &z);
     if (!live) continue;
     const i64 label = labels[row];
+    if (label == CE_IGNORE) {  // no part in the loss, zero gradient
+      if (threadIdx.x == 0) loss[row] = 0;
+      if (G)
+        for (i64 k = threadIdx.x; k < ld; k += blockDim.x) gout[row * ld + k] = 0.0f;
+      continue;
+    }
     const bool ok = label >= 0 && label < c;
     if (threadIdx.x == 0) {
       if (ok) {
@@ -197,7 +207,7 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
 // cross_entropy_rows_{f32,bf16,f16}: loss[r] = logsumexp(logits[r, :c]) −
 // logits[r, label[r]] in double, for logits [n, ld] (rows ld apart, c ≤ ld
 // classes each) and int64 labels [n]; a label outside [0, c) gives NaN and
-// is reported in bad. Row
+// is reported in bad, a label of CE_IGNORE (−100) gives 0. Row
 // layout: blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid
 // (rows of up to ROW_VPT·bx classes are read once). Then sum_f64_*(loss,
 // out, n, Scalar) gives the loss.
@@ -262,6 +272,10 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
     if (!live) continue;
     T* q = out + row * ld;
     const i64 label = labels[row];
+    if (label == CE_IGNORE) {
+      for (i64 k = threadIdx.x; k < ld; k += blockDim.x) q[k] = 0.0f;
+      continue;
+    }
     if (label < 0 || label >= c) {
       for (i64 k = threadIdx.x; k < ld; k += blockDim.x) q[k] = k < c ? nan_f() : 0.0f;
       if (threadIdx.x == 0) report_bad(bad, row);

@@ -1,0 +1,221 @@
+package cuda_test
+
+import (
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/ref"
+)
+
+// llamaTol is the tolerance of a Llama op's output on the device against
+// the CPU's: both compute in at least float32 and round once, so a
+// float32 value agrees within 1e-5 of its magnitude plus 1e-6 of the
+// output's largest, a 16-bit one within one unit in its last place
+// relative (2⁻⁸ bfloat16, 2⁻¹¹ float16) plus that.
+func llamaTol(dt graph.DType) float64 {
+	switch dt {
+	case graph.BFloat16:
+		return 1.0 / 256
+	case graph.Float16:
+		return 1.0 / 2048
+	}
+	return 1e-5
+}
+
+func requireClose(t *testing.T, dt graph.DType, what string, want, got ref.Value) {
+	t.Helper()
+	big := 0.0
+	for _, v := range want.Data {
+		big = max(big, math.Abs(v))
+	}
+	tol := llamaTol(dt)
+	for i, v := range want.Data {
+		require.InDelta(t, v, got.Data[i], tol*math.Abs(v)+1e-6*big+1e-30, "%s element %d", what, i)
+	}
+}
+
+// An add whose result an rms_norm reads runs as one add_rms_norm pass
+// (graph.AddRMSNormProducer) and matches the CPU: the float32 sum exactly
+// (both add in float32), the norm within llamaTol. Cases: Llama's residual
+// (float32 + bfloat16, d = 2048: one warp a row, the vector path) with a
+// float32 and a bfloat16 norm, and d = 13 (the scalar path).
+func TestAddRMSNormMatchesCPU(t *testing.T) {
+	e := executor(t)
+	gpu, cpuRun := runOn(e), cpuRunner()
+	rng := newRand(61)
+	rms := graph.Attrs{NormDims: 1, Eps: 1e-5}
+	h := &halfGraph{t: t, g: graph.New(), dt: graph.Float32}
+	var outs []int
+	for _, c := range []struct {
+		d  int
+		to graph.DType
+	}{{2048, graph.Float32}, {2048, graph.BFloat16}, {13, graph.Float32}} {
+		x := h.input(3, 5, c.d)
+		hb := h.add(graph.Node{Op: graph.OpInput, Type: graph.Type{Shape: []int{3, 5, c.d}, DType: graph.BFloat16, BatchAxis: 0}})
+		s := h.op(graph.OpAdd, graph.Attrs{}, x, hb)
+		a := rms
+		a.Target = graph.Type{DType: c.to}
+		y := h.op(graph.OpRMSNorm, a, s, h.param(c.d))
+		require.Equal(t, s, graph.CompanionProducer(h.g, y))
+		outs = append(outs, s, y)
+	}
+	feeds := h.uniformFeeds(rng, -2, 2)
+	want, err := cpuRun(h.g, feeds, outs...)
+	require.NoError(t, err)
+	before := cuda.AddRMSNorms()
+	got, err := gpu(h.g, feeds, outs...)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), cuda.AddRMSNorms()-before, "each add ran with its norm")
+	for k, o := range outs {
+		if h.g.Node(o).Op == graph.OpAdd {
+			require.Equal(t, want[k].Data, got[k].Data, "sum %d", o)
+			continue
+		}
+		requireClose(t, h.g.Node(o).Type.DType, fmt.Sprintf("norm %d", o), want[k], got[k])
+	}
+}
+
+// The RMS norm's backward pass on the device: dx, dx plus the residual
+// stream's gradient (rms_norm_grad_x_add, graph.FuseLayerNormGradAdd) and
+// dw from one rms_norm_grad_* pass with its companion, against the CPU,
+// in float32 (d = 2048 vector, d = 13 scalar) and bfloat16.
+func TestRMSNormGradFusedMatchesCPU(t *testing.T) {
+	e := executor(t)
+	gpu, cpuRun := runOn(e), cpuRunner()
+	rng := newRand(62)
+	for _, c := range []struct {
+		dt graph.DType
+		d  int
+	}{{graph.Float32, 2048}, {graph.Float32, 13}, {graph.BFloat16, 2048}} {
+		t.Run(fmt.Sprintf("%s_d%d", c.dt, c.d), func(t *testing.T) {
+			h := &halfGraph{t: t, g: graph.New(), dt: c.dt}
+			x, w, r := h.input(4, 6, c.d), h.param(c.d), h.input(4, 6, c.d)
+			y := h.op(graph.OpRMSNorm, graph.Attrs{NormDims: 1, Eps: 1e-6}, x, w)
+			// out = x + tanh(rms(x))·r: x's gradient through the norm meets the stream's.
+			out := h.op(graph.OpAdd, graph.Attrs{}, x, h.op(graph.OpMul, graph.Attrs{}, h.op(graph.OpTanh, graph.Attrs{}, y), r))
+			loss := h.op(graph.OpSum, graph.Attrs{}, h.op(graph.OpMul, graph.Attrs{}, out, r))
+			grads, err := autodiff.Backward(h.g, loss, []int{x, w})
+			require.NoError(t, err)
+			g, ids, err := graph.FuseLayerNormGradAdd(h.g, grads)
+			require.NoError(t, err)
+			outs := []int{ids[grads[0]], ids[grads[1]]}
+			require.Equal(t, graph.OpRMSNormGradXAdd, g.Node(outs[0]).Op)
+			h.g = g
+			feeds := map[int]ref.Value{}
+			for id, v := range h.uniformFeeds(rng, -2, 2) {
+				feeds[id] = v
+			}
+			want, err := cpuRun(g, feeds, outs...)
+			require.NoError(t, err)
+			before := cuda.FusedRMSNorms()
+			got, err := gpu(g, feeds, outs...)
+			require.NoError(t, err)
+			require.Equal(t, int64(1), cuda.FusedRMSNorms()-before, "dx and dw in one pass")
+			requireClose(t, c.dt, "dx", want[0], got[0])
+			requireClose(t, c.dt, "dw", want[1], got[1])
+		})
+	}
+}
+
+// Rotary embedding and SwiGLU on the device against the CPU, forward and
+// through their gradients: rotary of a packed projection's first heads at
+// Llama's head dim 64 (the vector path) and at d = 6 (the scalar path);
+// swiglu's two gradients from one swiglu_grad pass.
+func TestRotarySwiGLUMatchCPU(t *testing.T) {
+	e := executor(t)
+	gpu, cpuRun := runOn(e), cpuRunner()
+	rng := newRand(63)
+	for _, dt := range []graph.DType{graph.Float32, graph.BFloat16, graph.Float16} {
+		t.Run(dt.String(), func(t *testing.T) {
+			h := &halfGraph{t: t, g: graph.New(), dt: dt}
+			var outs, wrt []int
+			for _, d := range []int{64, 6} {
+				x := h.input(2, 7, 6, d)
+				cs := h.add(graph.Node{Op: graph.OpParam, Name: fmt.Sprintf("cs%d", d), Type: graph.Type{Shape: []int{7, d}, DType: graph.Float32}})
+				y := h.op(graph.OpRotary, graph.Attrs{End: 4}, x, cs)
+				outs, wrt = append(outs, y), append(wrt, x)
+			}
+			gate, up := h.input(2, 5, 40), h.input(2, 5, 40)
+			outs, wrt = append(outs, h.op(graph.OpSwiGLU, graph.Attrs{}, gate, up)), append(wrt, gate, up)
+			var terms []int
+			for _, o := range outs {
+				r := h.add(graph.Node{Op: graph.OpInput, Type: h.g.Node(o).Type})
+				terms = append(terms, h.op(graph.OpSum, graph.Attrs{}, h.op(graph.OpMul, graph.Attrs{}, o, r)))
+			}
+			loss := terms[0]
+			for _, s := range terms[1:] {
+				loss = h.op(graph.OpAdd, graph.Attrs{}, loss, s)
+			}
+			grads, err := autodiff.Backward(h.g, loss, wrt)
+			require.NoError(t, err)
+			outs = append(outs, grads...)
+			feeds := h.uniformFeeds(rng, -2, 2)
+			for _, nd := range h.g.Nodes() {
+				if nd.Op == graph.OpParam { // the tables: cos, sin of angles
+					v := feeds[nd.ID]
+					d := nd.Type.Shape[1]
+					for p := range nd.Type.Shape[0] {
+						for i := range d / 2 {
+							th := float64(p+1) * (0.3 + 0.2*float64(i))
+							v.Data[p*d+i], v.Data[p*d+d/2+i] = math.Cos(th), math.Sin(th)
+						}
+					}
+				}
+			}
+			want, err := cpuRun(h.g, feeds, outs...)
+			require.NoError(t, err)
+			before := cuda.FusedSwiGLUGrads()
+			got, err := gpu(h.g, feeds, outs...)
+			require.NoError(t, err)
+			require.Equal(t, int64(1), cuda.FusedSwiGLUGrads()-before, "d gate and d up in one pass")
+			for k, o := range outs {
+				requireClose(t, dt, fmt.Sprintf("%s (node %d)", h.g.Node(o).Op, o), want[k], got[k])
+			}
+		})
+	}
+}
+
+// Grouped-query packed attention on the device, forward and backward,
+// against the CPU: 8 query heads over 2 key/value heads of 64 (bfloat16:
+// cuDNN where it takes grouped heads, else the kernels on copies) and
+// float32 (the kernels on copies).
+func TestAttentionQKVGQAMatchesCPU(t *testing.T) {
+	e := executor(t)
+	gpu, cpuRun := runOn(e), cpuRunner()
+	rng := newRand(64)
+	for _, dt := range []graph.DType{graph.Float32, graph.BFloat16} {
+		t.Run(dt.String(), func(t *testing.T) {
+			h := &halfGraph{t: t, g: graph.New(), dt: dt}
+			qkv := h.input(2, 33, (8+2*2)*64)
+			o := h.op(graph.OpAttentionQKV, graph.Attrs{Groups: 8, KVHeads: 2, Causal: true}, qkv)
+			r := h.add(graph.Node{Op: graph.OpInput, Type: h.g.Node(o).Type})
+			loss := h.op(graph.OpSum, graph.Attrs{}, h.op(graph.OpMul, graph.Attrs{}, o, r))
+			grads, err := autodiff.Backward(h.g, loss, []int{qkv})
+			require.NoError(t, err)
+			outs := []int{o, grads[0]}
+			feeds := h.uniformFeeds(rng, -1, 1)
+			want, err := cpuRun(h.g, feeds, outs...)
+			require.NoError(t, err)
+			got, err := gpu(h.g, feeds, outs...)
+			require.NoError(t, err)
+			// Attention sums 33 keys' products: twice the elementwise
+			// tolerance, and 16-bit q·k products round in the kernels.
+			tol := 2 * llamaTol(dt)
+			for k := range outs {
+				big := 0.0
+				for _, v := range want[k].Data {
+					big = max(big, math.Abs(v))
+				}
+				for i, v := range want[k].Data {
+					require.InDelta(t, v, got[k].Data[i], tol*(math.Abs(v)+big), "output %d element %d", k, i)
+				}
+			}
+		})
+	}
+}
