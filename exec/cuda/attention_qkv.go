@@ -215,7 +215,8 @@ func attentionQKVFwd(k *kctx, in []operand, out operand) error {
 	if err := sameDType(out, qkv); err != nil {
 		return err
 	}
-	if 3*out.n() != qkv.n() {
+	rows := int64(s.B * s.T)
+	if out.n() != rows*int64(s.C()) || qkv.n() != rows*int64(s.Pitch()) {
 		return graph.Errorf(graph.ErrShape, "%s: output %v for qkv %v", k.nd.Op, out.shape, qkv.shape)
 	}
 	var lse *operand
@@ -292,7 +293,9 @@ func attentionQKVGrad(k *kctx, in []operand, out operand) error {
 	if err := floats(lse); err != nil {
 		return err
 	}
-	if out.n() != qkv.n() || 3*g.n() != qkv.n() || 3*o.n() != qkv.n() || lse.n() != int64(s.B*s.H*s.T) {
+	rows := int64(s.B * s.T)
+	if out.n() != qkv.n() || qkv.n() != rows*int64(s.Pitch()) || g.n() != rows*int64(s.C()) || o.n() != rows*int64(s.C()) ||
+		lse.n() != int64(s.B*s.H*s.T) {
 		return graph.Errorf(graph.ErrShape, "%s: g %v, o %v, lse %v, output %v for qkv %v", k.nd.Op, g.shape, o.shape, lse.shape, out.shape, qkv.shape)
 	}
 	if k.dnn != nil {
