@@ -68,6 +68,6 @@ func TestPlanIsStepsPlanOnCUDA(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, n == fit.Batch, sess.LastPlan().Split.Len() == 1, "batch %d runs as %s", n, sess.LastPlan().Split)
 		assert.Equal(t, sess.LastPlan().PeakReserved+sess.Overhead(), sess.LastUsage().PeakReserved)
-		require.NoError(t, sess.Close()) // the model's parameters are the next session's to train (ErrParamOwned)
+		require.NoError(t, sess.Close()) // frees the parameters for the session that follows (ErrParamOwned)
 	}
 }
