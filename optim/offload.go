@@ -1,0 +1,220 @@
+package optim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"runtime"
+	"sync"
+
+	"github.com/batchfit/batchfit/half"
+)
+
+// OffloadParam is one parameter of an offloaded step (ZeRO-Offload): the
+// float32 master weights and the optimizer state live on the host, the
+// device holds 16-bit weights and makes 16-bit gradients. Master is
+// updated in place; Grad is the device's bfloat16 gradient as copied to
+// the host; Weight receives the updated master rounded to bfloat16, for
+// the device. Weight may be Grad itself (one staging buffer): each
+// element's gradient is read before its weight is written, and the norm
+// that clipping needs is taken over every gradient before any update.
+type OffloadParam struct {
+	Key    any
+	Name   string
+	Master []float32
+	Grad   []half.BF16
+	Weight []half.BF16
+}
+
+// OffloadShard is the elements one worker of an offloaded step takes at a
+// time. The shards, and so the order of the float64 partial sums of the
+// gradient norm, depend on the parameters' sizes only: the result is the
+// same with any number of workers.
+const OffloadShard = 1 << 16
+
+// StepOffload is Step over OffloadParams, on workers goroutines (0:
+// runtime.GOMAXPROCS): the same plan (groups, the schedule, per-parameter
+// step counts and bias corrections, AdamW's decay factor), the same
+// float64 arithmetic per element, the same state (State, SetState and
+// checkpoints see it as Step's), reading each gradient widened exactly
+// from bfloat16. Step over float32 gradients equal to those widened
+// values gives the same masters and state to the bit, except that with
+// clipping the 2-norm sums squares per OffloadShard and then adds the
+// shards' sums in order, so the norm may differ from GradNorm's sequential
+// sum by float64 rounding (the ∞-norm is exact); the clip factor, rounded
+// to float32, is nearly always the same. A step that fails changes
+// nothing.
+func (o *Adam) StepOffload(params []OffloadParam, workers int) error {
+	decoupled := o.Decoupled
+	return o.offloadStep(o.rule(), params, workers, func(h Hyper, u *ParamUpdate, p OffloadParam, st [][]float32, lo, hi int, coef float32, clip bool) {
+		m, v := st[0], st[1]
+		for i := lo; i < hi; i++ {
+			g32 := p.Grad[i].Float32()
+			if clip {
+				g32 *= coef
+			}
+			w, g := float64(p.Master[i]), float64(g32)
+			if decoupled {
+				w *= h.Decay
+			} else {
+				g += h.WeightDecay * w
+			}
+			mi := h.Beta1*float64(m[i]) + (1-h.Beta1)*g
+			vi := h.Beta2*float64(v[i]) + (1-h.Beta2)*g*g
+			m[i], v[i] = float32(mi), float32(vi)
+			nw := float32(w - h.LR*(mi/u.C1)/(math.Sqrt(vi/u.C2)+h.Eps))
+			p.Master[i] = nw
+			p.Weight[i] = half.BF16From(nw)
+		}
+	})
+}
+
+// OffloadBytes is the host memory an offloaded step of a parameter of n
+// elements holds with slots state tensors: the float32 master, the slots
+// and one bfloat16 staging buffer (the gradient in, the new weights out).
+func OffloadBytes(n int64, slots int) int64 { return n * (4 + 4*int64(slots) + 2) }
+
+// shard is elements lo…hi of parameter p of an offloaded step.
+type shard struct{ p, lo, hi int }
+
+// offloadStep runs an offloaded step: plan, make the state, clip over
+// every gradient, update in shards on workers goroutines, count. A step
+// that fails changes nothing.
+func (c *Common) offloadStep(r rule, params []OffloadParam, workers int,
+	update func(h Hyper, u *ParamUpdate, p OffloadParam, st [][]float32, lo, hi int, coef float32, clip bool)) error {
+	dps := make([]DeviceParam, len(params))
+	for i, p := range params {
+		if len(p.Master) != len(p.Grad) || len(p.Master) != len(p.Weight) {
+			return fmt.Errorf("%w: offloaded parameter %q has %d master values, a gradient of %d and %d weights",
+				ErrOptim, p.Name, len(p.Master), len(p.Grad), len(p.Weight))
+		}
+		dps[i] = DeviceParam{Key: p.Key, Name: p.Name, N: len(p.Master)}
+	}
+	if workers < 0 {
+		return fmt.Errorf("%w: %s: %d workers", ErrOptim, r.name, workers)
+	}
+	if workers == 0 {
+		workers = runtime.GOMAXPROCS(0)
+	}
+	var shards []shard
+	for i, p := range params {
+		for lo := 0; lo < len(p.Master); lo += OffloadShard {
+			shards = append(shards, shard{p: i, lo: lo, hi: min(lo+OffloadShard, len(p.Master))})
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	pl, err := c.plan(r, dps, true)
+	if err != nil {
+		return err
+	}
+	var coef float32
+	if pl.Clip.On() {
+		inf := pl.Clip.Inf()
+		part := make([]float64, len(shards))
+		parallel(workers, len(shards), func(k int) {
+			s := shards[k]
+			var acc float64
+			for _, b := range params[s.p].Grad[s.lo:s.hi] {
+				x := float64(b.Float32())
+				if inf {
+					if a := math.Abs(x); a > acc || math.IsNaN(a) {
+						acc = a
+					}
+				} else {
+					acc += x * x
+				}
+			}
+			part[k] = acc
+		})
+		var norm float64
+		for _, x := range part {
+			switch {
+			case !inf:
+				norm += x
+			case math.IsNaN(x) || math.IsNaN(norm):
+				norm = math.NaN()
+			case x > norm:
+				norm = x
+			}
+		}
+		if !inf {
+			norm = math.Sqrt(norm)
+		}
+		coef = ClipCoef(norm, pl.Clip.MaxNorm)
+		c.setNorm(gradNorm{set: true, v: norm})
+	}
+	states := make([][][]float32, len(params))
+	for i, p := range params {
+		u := &pl.Params[i]
+		st := c.record(p.Key, len(p.Master))
+		for len(st.slots) < r.slots(pl.Groups[u.Group]) {
+			st.slots = append(st.slots, make([]float32, len(p.Master)))
+		}
+		st.made = max(st.made, len(st.slots))
+		st.step, st.host, st.dev = u.Step, true, false
+		states[i] = st.slots
+	}
+	on := pl.Clip.On()
+	parallel(workers, len(shards), func(k int) {
+		s := shards[k]
+		u := &pl.Params[s.p]
+		update(pl.Groups[u.Group], u, params[s.p], states[s.p], s.lo, s.hi, coef, on)
+	})
+	c.steps++
+	return nil
+}
+
+// parallel runs f(0…n−1) on at most workers goroutines and waits.
+func parallel(workers, n int, f func(k int)) {
+	workers = min(workers, n)
+	if workers <= 1 {
+		for k := range n {
+			f(k)
+		}
+		return
+	}
+	var (
+		wg   sync.WaitGroup
+		next int
+		mu   sync.Mutex
+	)
+	for range workers {
+		wg.Go(func() {
+			for {
+				mu.Lock()
+				k := next
+				next++
+				mu.Unlock()
+				if k >= n {
+					return
+				}
+				f(k)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// ErrPartialStep is wrapped by a PartialStepError.
+var ErrPartialStep = errors.New("offloaded step copied back only part of its weights")
+
+// PartialStepError is an offloaded step whose host update ran (the
+// masters, the optimizer state and its step counts are the new step's)
+// but whose new 16-bit weights reached the device only for the first
+// Copied of Total parameters: the device's copies of the others, named in
+// Stale, are the previous step's. The masters are consistent; copying
+// every master's 16-bit rounding to the device again (UploadParams)
+// makes the device consistent with them. Err is why the copy stopped.
+type PartialStepError struct {
+	Copied, Total int
+	Stale         []string
+	Err           error
+}
+
+func (e *PartialStepError) Error() string {
+	return fmt.Sprintf("%v: %d of %d parameters' new weights on the device; stale: %v: %v", ErrPartialStep, e.Copied, e.Total, e.Stale, e.Err)
+}
+
+// Unwrap gives ErrPartialStep and the cause.
+func (e *PartialStepError) Unwrap() []error { return []error{ErrPartialStep, e.Err} }
