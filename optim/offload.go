@@ -24,6 +24,13 @@ type OffloadParam struct {
 	Master []float32
 	Grad   []half.BF16
 	Weight []half.BF16
+	// State, when set, is where the parameter's state tensors live from
+	// this step on (an executor's pinned buffers, each of the master's
+	// length, at least StateSlots of them): the step copies the state the
+	// optimizer holds into them (zeros for a parameter's first step), and
+	// the optimizer keeps them as the parameter's state (State returns
+	// them, SetState replaces them). Nil: the optimizer allocates its own.
+	State [][]float32
 }
 
 // OffloadShard is the elements one worker of an offloaded step takes at a
@@ -88,6 +95,12 @@ func (c *Common) offloadStep(r rule, params []OffloadParam, workers int,
 			return fmt.Errorf("%w: offloaded parameter %q has %d master values, a gradient of %d and %d weights",
 				ErrOptim, p.Name, len(p.Master), len(p.Grad), len(p.Weight))
 		}
+		for k, sl := range p.State {
+			if len(sl) != len(p.Master) {
+				return fmt.Errorf("%w: offloaded parameter %q has %d master values and a state buffer %d of %d",
+					ErrOptim, p.Name, len(p.Master), k, len(sl))
+			}
+		}
 		dps[i] = DeviceParam{Key: p.Key, Name: p.Name, N: len(p.Master)}
 	}
 	if workers < 0 {
@@ -144,11 +157,20 @@ func (c *Common) offloadStep(r rule, params []OffloadParam, workers int,
 		coef = ClipCoef(norm, pl.Clip.MaxNorm)
 		c.setNorm(gradNorm{set: true, v: norm})
 	}
+	for i, p := range params {
+		if need := r.slots(pl.Groups[pl.Params[i].Group]); p.State != nil && len(p.State) < need {
+			return fmt.Errorf("%w: %s: offloaded parameter %q brings %d state buffers for %d slots", ErrOptim, r.name, p.Name, len(p.State), need)
+		}
+	}
 	states := make([][][]float32, len(params))
 	for i, p := range params {
 		u := &pl.Params[i]
 		st := c.record(p.Key, len(p.Master))
-		for len(st.slots) < r.slots(pl.Groups[u.Group]) {
+		need := r.slots(pl.Groups[u.Group])
+		if p.State != nil {
+			adopt(st, p.State[:min(len(p.State), max(need, len(st.slots)))], len(p.Master))
+		}
+		for len(st.slots) < need {
 			st.slots = append(st.slots, make([]float32, len(p.Master)))
 		}
 		st.made = max(st.made, len(st.slots))
@@ -163,6 +185,25 @@ func (c *Common) offloadStep(r rule, params []OffloadParam, workers int,
 	})
 	c.steps++
 	return nil
+}
+
+// adopt makes bufs st's slots: the current values copied in where st's
+// slots are elsewhere, zeros for slots not made yet.
+func adopt(st *paramState, bufs [][]float32, n int) {
+	if n == 0 {
+		st.slots = bufs
+		return
+	}
+	for k, b := range bufs {
+		switch {
+		case k < len(st.slots) && k < st.made && &st.slots[k][0] == &b[0]:
+		case k < len(st.slots) && k < st.made:
+			copy(b, st.slots[k])
+		default:
+			clear(b)
+		}
+	}
+	st.slots = bufs
 }
 
 // parallel runs f(0…n−1) on at most workers goroutines and waits.

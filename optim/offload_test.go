@@ -267,3 +267,52 @@ func BenchmarkStepOffload(b *testing.B) {
 		}
 	}
 }
+
+// Tolerance: none. State buffers the caller brings (an executor's pinned
+// memory) hold the state from the step on: State returns them, a
+// SetState in between is copied into them by the next step, and the run
+// is the one with the optimizer's own buffers.
+func TestStepOffloadCallerState(t *testing.T) {
+	c := newOffloadCase(13, 4)
+	own, theirs := c.adamw(), c.adamw()
+	a, b := clone2(c.init), clone2(c.init)
+	bufs := make([][][]float32, len(b))
+	for i := range b {
+		bufs[i] = [][]float32{make([]float32, len(b[i])), make([]float32, len(b[i]))}
+		for k := range bufs[i] {
+			for j := range bufs[i][k] {
+				bufs[i][k][j] = 99 // garbage a first step must not read
+			}
+		}
+	}
+	step := func(o *optim.Adam, m [][]float32, s int, state bool) {
+		ps := make([]optim.OffloadParam, len(m))
+		for i := range m {
+			stage := slices.Clone(c.grads[s][i])
+			ps[i] = optim.OffloadParam{Key: c.keys[i], Name: c.names[i], Master: m[i], Grad: stage, Weight: stage}
+			if state {
+				ps[i].State = bufs[i]
+			}
+		}
+		require.NoError(t, o.StepOffload(ps, 2))
+	}
+	for s := range 2 {
+		step(own, a, s, false)
+		step(theirs, b, s, true)
+	}
+	bitEqual(t, c, "caller's buffers", a, b, own, theirs)
+	require.Same(t, &bufs[2][1][0], &theirs.State(c.keys[2])[1][0])
+	// Restored state replaces the buffers until the next step copies it in.
+	saved := clone2(theirs.State(c.keys[0]))
+	require.NoError(t, theirs.SetState(c.keys[0], len(b[0]), theirs.ParamStep(c.keys[0]), saved))
+	clear(bufs[0][0])
+	for s := 2; s < 4; s++ {
+		step(own, a, s, false)
+		step(theirs, b, s, true)
+	}
+	bitEqual(t, c, "after SetState", a, b, own, theirs)
+	require.Same(t, &bufs[0][0][0], &theirs.State(c.keys[0])[0][0])
+	bad := []optim.OffloadParam{{Key: c.keys[0], Name: "embed.weight", Master: b[0], Grad: c.grads[0][0], Weight: slices.Clone(c.grads[0][0]),
+		State: [][]float32{make([]float32, 3)}}}
+	require.ErrorIs(t, theirs.StepOffload(bad, 1), optim.ErrOptim)
+}

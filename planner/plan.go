@@ -180,6 +180,10 @@ type Plan struct {
 	// for batches below 3). Fixed includes the persistent buffers.
 	Fixed, PerSample int64
 	Persistent       int64 // bytes of parameters and optimizer state (accumulators not included)
+	// HostPinned is the pinned host memory the step holds besides the
+	// device's: the program's HostPinned (an offloaded optimizer's
+	// masters, state and staging), 0 otherwise.
+	HostPinned int64
 	Budget           int64 // as given
 	Headroom         int64
 	Replays          int // simulated replays it took
@@ -329,7 +333,7 @@ func Make(p *Program, o Options) (*Plan, error) {
 	if p.fresh(held) {
 		held = nil
 	}
-	pl := &Plan{Batch: n, Budget: o.Budget, Headroom: head}
+	pl := &Plan{Batch: n, Budget: o.Budget, Headroom: head, HostPinned: p.HostPinned}
 	for _, bi := range p.Persistent {
 		pl.Persistent += p.Buffers[bi].Bytes(0)
 	}
@@ -558,6 +562,7 @@ func (p *Program) signature() uint64 {
 		h = h*1099511628211 ^ uint64(b.Kind)<<56 ^ uint64(b.Fixed) ^ uint64(b.PerSample)<<17
 	}
 	h = h*1099511628211 ^ uint64(p.FinishWorkspace.Fixed)
+	h = h*1099511628211 ^ uint64(p.HostPinned) // an offloaded optimizer's host bytes are the plan's too
 	for _, o := range p.Outputs {
 		h = h*1099511628211 ^ uint64(o)
 	}

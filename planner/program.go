@@ -108,6 +108,15 @@ type Program struct {
 	// bytes before it the caller's CompileOptions.FinishWorkspace rounded
 	// up to 8; 0 with none (HasOptimizerScalars).
 	OptimizerScalars int64
+	// HostPinned is the pinned host memory an offloaded step holds
+	// (CompileOptions.Offload): for each trained parameter of n elements
+	// its float32 master weights, its StateSlots float32 state tensors
+	// and one 16-bit staging buffer, n·(4 + 4·StateSlots + 2) bytes. 0
+	// without offload. It is no device memory: plans do not replay it.
+	HostPinned int64
+	// Offloaded reports that the program was compiled with
+	// CompileOptions.Offload: its trained parameters' state is on the host.
+	Offloaded        bool
 	scalars          bool   // the finish workspace holds them
 	sig              uint64 // Signature, computed by Compile
 	keptKey          string // lru.Ints(Kept), the plan cache's key for it, made by Compile
@@ -159,13 +168,26 @@ type CompileOptions struct {
 	// sets it for every training step, so its plans count them on every
 	// executor. Ignored without trained parameters and kept outputs.
 	OptimizerScalars bool
+	// Offload puts the optimizer on the host (ZeRO-Offload): the trained
+	// parameters' StateSlots state tensors get no device buffers; they,
+	// the float32 master weights and a 16-bit staging buffer per
+	// parameter live in pinned host memory (Program.HostPinned). The
+	// trained parameters must be 16-bit (their device copies) and so
+	// their gradients; Compile refuses others with graph.ErrDType.
+	Offload bool
 }
+
+// OffloadElementBytes is the pinned host bytes an offloaded step holds per
+// element of a trained parameter with slots state tensors: the float32
+// master, the float32 state and a 16-bit staging buffer (the gradient
+// copied in, the new weights copied out).
+func OffloadElementBytes(slots int) int64 { return 4 + 4*int64(slots) + 2 }
 
 // Compile makes the program of g for outputs. info must be
 // shapeinfer.Analyze(g, outputs...).
 func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOptions) (*Program, error) {
 	n := g.Len()
-	p := &Program{Graph: g, Info: info, Batch: g.Batch(), Outputs: append([]int(nil), outputs...),
+	p := &Program{Graph: g, Info: info, Batch: g.Batch(), Outputs: append([]int(nil), outputs...), Offloaded: o.Offload,
 		Kept: append([]int(nil), o.Kept...), Trained: append([]int(nil), o.Trained...), OutputBuf: make([]int, n)}
 	p.keptKey = lru.Ints(p.Kept)
 	for i := range p.OutputBuf {
@@ -202,6 +224,14 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		if nd := &nodes[id]; nd.Op != graph.OpParam {
 			return nil, &graph.OpError{Op: "compile", Site: nd.Site, Err: graph.Errorf(graph.ErrNotParam,
 				"planner: trained node %d (%s %q) is not a parameter", id, nd.Op, nd.Name)}
+		}
+		if o.Offload {
+			if dt := nodes[id].Type.DType; dt != graph.BFloat16 && dt != graph.Float16 {
+				return nil, &graph.OpError{Op: "compile", Site: nodes[id].Site, Err: graph.Errorf(graph.ErrDType,
+					"planner: offloaded parameter %d (%q) is %s: its device copy must be 16-bit", id, nodes[id].Name, dt)}
+			}
+			p.HostPinned += int64(nodes[id].Type.Numel()) * OffloadElementBytes(o.StateSlots)
+			continue
 		}
 		for slot := range o.StateSlots {
 			t := tag(&nodes[id])
