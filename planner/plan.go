@@ -184,10 +184,10 @@ type Plan struct {
 	// device's: the program's HostPinned (an offloaded optimizer's
 	// masters, state and staging), 0 otherwise.
 	HostPinned int64
-	Budget           int64 // as given
-	Headroom         int64
-	Replays          int // simulated replays it took
-	Timeline         []Point
+	Budget     int64 // as given
+	Headroom   int64
+	Replays    int // simulated replays it took
+	Timeline   []Point
 	// BatchStats is which statistics the step's training-mode batch_norm
 	// nodes normalise with under this plan: "" when it has none,
 	// WholeBatchStats or PerChunkStats; BatchNormNodes counts them.

@@ -116,10 +116,10 @@ type Program struct {
 	HostPinned int64
 	// Offloaded reports that the program was compiled with
 	// CompileOptions.Offload: its trained parameters' state is on the host.
-	Offloaded        bool
-	scalars          bool   // the finish workspace holds them
-	sig              uint64 // Signature, computed by Compile
-	keptKey          string // lru.Ints(Kept), the plan cache's key for it, made by Compile
+	Offloaded bool
+	scalars   bool   // the finish workspace holds them
+	sig       uint64 // Signature, computed by Compile
+	keptKey   string // lru.Ints(Kept), the plan cache's key for it, made by Compile
 }
 
 // Companions yields node id's companions in order (Companion, then
