@@ -129,6 +129,14 @@ type Options struct {
 	// describes and runs nothing (Plan, PlanEval, MaxBatch; Step and Eval
 	// return ErrDryRun), in place of the executor Device picks.
 	DryRun *DryRun
+	// Offload keeps optimizer state in host memory (OffloadOptimizer:
+	// float32 masters and Adam's moments in page-locked host memory,
+	// bfloat16 weights and gradients on the device; Precision
+	// "bf16-mixed" only). Plans count both sides: LastPlan().HostPinned is
+	// the host bytes, HostPinned what the executor holds. An unknown mode
+	// or another policy makes the session hold an error wrapping
+	// ErrOffload.
+	Offload Offload
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -187,6 +195,10 @@ type Session struct {
 	checked []checkedParam
 
 	times StepTimes // the latest training step's, LastStepTimes
+
+	// offloaded holds the host tensors of the parameters trained with
+	// Options.Offload: their device copies are bfloat16.
+	offloaded map[tensor.Tensor]bool
 
 	beforeRun    func() // tests: called between planning and running a step
 	stepCacheOff bool   // tests: differentiate every step (no step templates)
@@ -514,6 +526,8 @@ func NewSession(opts Options) *Session {
 		s.err = err
 	} else if opts.Profile.Bandwidth > 0 && opts.Profile.Validate() != nil {
 		s.err = opts.Profile.Validate()
+	} else if err := checkOffload(opts.Offload, s.policy); err != nil {
+		s.err = err
 	} else if err := s.newScaler(); err != nil {
 		s.err = fmt.Errorf("Options.LossScale: %w", err)
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
@@ -960,7 +974,8 @@ func signatureOf(g *graph.Graph, t *stepTemplate) uint64 {
 
 // compileOptions are the planner's options for a step of the session.
 func (s *Session) compileOptions(kept, trained []int, slots int, unscale bool) planner.CompileOptions {
-	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace(), OptimizerScalars: true}
+	o := planner.CompileOptions{Kept: kept, Trained: trained, StateSlots: slots, Workspace: s.be.Workspace(), OptimizerScalars: true,
+		Offload: s.offloading() && len(trained) > 0}
 	if unscale {
 		o.FinishWorkspace = exec.UnscaleBytes
 	}
@@ -1041,7 +1056,7 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 		// SyncParams brings the host tensors up to date.
 		var res *exec.Result
 		res, err = s.be.Execute(ctx, p, pl.Chunks, exec.Options{Resident: true, Timeline: s.opts.Timeline,
-			Optimizer: opt, KeptOnDevice: opt != nil, LossScale: scale, Reduce: reduce})
+			Optimizer: opt, KeptOnDevice: opt != nil, LossScale: scale, Reduce: reduce, Offload: opt != nil && p.Offloaded})
 		if !start.IsZero() {
 			s.mu.Lock()
 			s.times.Execute += time.Since(began) // an OOM retry's run counts too
@@ -1280,6 +1295,11 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 		ids[i] = t.ID()
 	}
 	ir := g.IR()
+	if s.offloading() {
+		if ids := s.offloadedIn(ir); len(ids) > 0 {
+			ir = halfParams(ir, ids) // the device's bfloat16 copies
+		}
+	}
 	if s.policy.Mixed() {
 		var m []int
 		if ir, m, err = precision.Apply(ir, s.policy); err != nil {
@@ -1446,6 +1466,11 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if opt == nil {
 		return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
 	}
+	if s.offloading() {
+		if err := offloadOptimizer(opt); err != nil {
+			return nil, err
+		}
+	}
 	if kept := unfrozen(params); len(kept) < len(params) {
 		// A non-parameter in the list is refused by its index in the
 		// caller's list, which the frozen ones would shift.
@@ -1488,7 +1513,7 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 		if id < 0 { // not in the loss's graph
 			continue
 		}
-		if dt := ir.Node(id).Type.DType; runnable && dt != graph.Float32 {
+		if dt := ir.Node(id).Type.DType; runnable && dt != graph.Float32 && !(s.offloading() && dt == graph.BFloat16 && p.DType() == graph.Float32) {
 			return nil, &graph.OpError{Op: "step", Shapes: [][]int{p.Shape()}, Err: graph.Errorf(graph.ErrDType,
 				"parameter %q is %s: trained parameters stay float32 (master weights); use Options.Precision for 16-bit compute", p.Name(), dt)}
 		}
@@ -1518,6 +1543,9 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	unscale := st.Scale >= 0 && len(trained) > 0
 	if !unscale {
 		scale = 0
+	}
+	if s.offloading() && runnable {
+		s.noteOffloaded(ir, trained)
 	}
 	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
@@ -1725,6 +1753,9 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 			st.IDs[i] = i
 		}
 	} else {
+		if s.offloading() { // the device holds bfloat16 copies of the trained parameters
+			fwd = halfParams(fwd, held)
+		}
 		o := precision.TrainOptions{ChannelsLast: channelsLast}
 		if scale != nil {
 			o.LossScale, o.Scale = true, scale

@@ -147,6 +147,19 @@ type Options struct {
 	// is planned like any buffer. Kept outputs returned to the host hold
 	// the unscaled values.
 	LossScale float32
+	// Offload runs Optimizer on the host (ZeRO-Offload): p must be
+	// compiled with planner.CompileOptions.Offload, its trained
+	// parameters and their gradients bfloat16 on the device, the
+	// optimizer an *optim.Adam. After the last chunk each gradient is
+	// copied to host memory the executor holds (OffloadHost: the float32
+	// masters, the optimizer state and a staging buffer per parameter,
+	// page-locked on CUDA), the masters are updated there on every core
+	// (optim.Adam.StepOffload), and the new weights, rounded to bfloat16,
+	// are copied back over the device's parameters. Result.Usage.
+	// HostPinned is the host memory held. SyncParams copies the masters
+	// into the host tensors (the CPU does after every step), UploadParams
+	// reads them from there again. It takes no LossScale and no Reduce.
+	Offload bool
 }
 
 // Reducer sums gradients over the ranks of a data-parallel job, on the

@@ -199,6 +199,10 @@ type Usage struct {
 	PeakReserved  int64
 	PeakAllocated int64
 	Timeline      []Point // when requested
+	// HostPinned is the host memory an executor holds for an offloaded
+	// optimizer after the step (exec.Options.Offload): what a plan's
+	// HostPinned predicts. 0 for replays and steps without offload.
+	HostPinned int64
 }
 
 // Replay walks p for the given chunks through a, calling h (when not nil)

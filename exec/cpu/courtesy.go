@@ -51,6 +51,9 @@ func (e *Executor) Close() error {
 	if err := e.resident.Release(a); err != nil {
 		return err
 	}
+	if err := e.offload.Release(); err != nil {
+		return err
+	}
 	return a.EmptyCache()
 }
 

@@ -19,6 +19,7 @@ type buf struct {
 	shape []int
 	f     []float32
 	i     []int64
+	half  graph.DType // a 16-bit parameter's dtype: f is a rounded copy of its host tensor
 }
 
 func newBuf(t graph.Type, shape []int) *buf {
@@ -39,6 +40,7 @@ type Executor struct {
 	mu       sync.Mutex
 	a        *alloc.Allocator // fixed once set: read without mu
 	resident exec.Residents[*buf]
+	offload  exec.OffloadHost // an offloaded optimizer's host memory (Go heap)
 }
 
 // Unlimited is the capacity of the default accounting device: 1 EiB.
@@ -74,8 +76,39 @@ func (e *Executor) Overhead() int64 { return 0 }
 // Reserve is 0: the CPU's simulated device has no driver (exec.Executor).
 func (e *Executor) Reserve() int64 { return 0 }
 
-// SyncParams does nothing: the host tensors are the parameters.
+// SyncParams does nothing: the host tensors are the parameters (an
+// offloaded step copies its masters into them).
 func (e *Executor) SyncParams() error { return nil }
+
+// UploadParams makes the next offloaded step read its masters, and the
+// device's bfloat16 copies, from the host tensors again (a checkpoint
+// loaded between steps): without offload the host tensors are the
+// parameters and there is nothing to do.
+func (e *Executor) UploadParams() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.offload.Pinned() == 0 {
+		return nil
+	}
+	e.offload.MarkStale()
+	for _, rb := range e.resident.List() {
+		v := rb.Val
+		if rb.Key().Kind() != planner.BufParam || v == nil || !v.half.IsHalf() {
+			continue
+		}
+		d, ok := rb.Key().Data().(*tensor.Dense)
+		if !ok || d.Dtype() != tensor.Float32 || d.Size() != len(v.f) {
+			return graph.Errorf(graph.ErrDType, "cpu: a 16-bit parameter's host tensor is not float32 of %d values", len(v.f))
+		}
+		copy(v.f, d.Float32s())
+		exec.Round(v.half, v.f)
+	}
+	return nil
+}
+
+// OffloadPinned is the host memory the executor holds for an offloaded
+// optimizer (exec.Options.Offload): masters, state and staging.
+func (e *Executor) OffloadPinned() int64 { return e.offload.Pinned() }
 
 // SyncState does nothing: the CPU's optimizers keep their state on the
 // host, where optim.Common.State reads it.

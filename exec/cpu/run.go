@@ -8,6 +8,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/planner"
 )
 
@@ -40,14 +41,20 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if o.Reduce != nil {
 		return nil, graph.Errorf(graph.ErrAttr, "cpu: ExecOptions.Reduce sums device gradients; the CPU executor has none (reduce the host gradients in the optimizer step)")
 	}
+	if err := exec.CheckOffload(p, o); err != nil {
+		return nil, err
+	}
 	call, err := exec.NewCall(p, o, &e.resident)
 	if err != nil {
 		return nil, err
 	}
-	r := &runner{Call: call, ctx: ctx, vals: map[*alloc.Block]*buf{}}
+	r := &runner{Call: call, ctx: ctx, vals: map[*alloc.Block]*buf{}, offload: &e.offload}
 	u, err := planner.Replay(p, chunks, a, r, o.Timeline)
 	if err = call.Free(a, err); err != nil {
 		return nil, err
+	}
+	if o.Offload {
+		u.HostPinned = e.offload.Pinned()
 	}
 	outs, err := exec.Outputs(p, call.Outs)
 	if err != nil {
@@ -59,8 +66,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 // runner implements planner.Hooks for one Execute call.
 type runner struct {
 	*exec.Call[*buf]
-	ctx  context.Context
-	vals map[*alloc.Block]*buf
+	ctx     context.Context
+	vals    map[*alloc.Block]*buf
+	offload *exec.OffloadHost
 }
 
 // EveryChunk is true: the runner computes.
@@ -86,6 +94,9 @@ func (r *runner) Fill(pb planner.Buffer, blk *alloc.Block) error {
 			return err
 		}
 		v = bufOf(h)
+		if nd.Type.DType.IsHalf() {
+			v.half = nd.Type.DType
+		}
 	case planner.BufState:
 		// The optimizer keeps its state in host memory of its own; the
 		// block accounts for it.
@@ -180,6 +191,10 @@ func (r *runner) Finish(kept []*alloc.Block, _ *alloc.Block) error {
 	}
 	switch {
 	case r.Skipped:
+	case r.O.Offload && len(kept) > 0:
+		if err := r.offloadStep(final); err != nil {
+			return err
+		}
 	case r.O.Update != nil:
 		if err := r.O.Update(final); err != nil {
 			return err
@@ -194,5 +209,34 @@ func (r *runner) Finish(kept []*alloc.Block, _ *alloc.Block) error {
 		}
 	}
 	r.SetKept(final, true)
+	return nil
+}
+
+// offloadStep is an offloaded optimizer's step (exec.Options.Offload) on
+// the CPU, whose device is the host: the final gradients (float32 values
+// rounded to bfloat16) are the staging buffers' bits, the new weights go
+// into the resident parameters' rounded copies, and the masters into the
+// host tensors, which on the CPU are the parameters.
+func (r *runner) offloadStep(final [][]float32) error {
+	params := make([]*buf, len(r.P.Trained))
+	for i, id := range r.P.Trained {
+		rb := r.R.Find(exec.ParamKey(r.Source(id)))
+		if rb == nil || rb.Val == nil {
+			return graph.Errorf(graph.ErrArity, "cpu: offloaded parameter node %d is not resident (run with ExecOptions.Resident)", id)
+		}
+		params[i] = rb.Val
+	}
+	down := func(i int, dst []half.BF16) error {
+		half.EncodeBF16(dst, final[i])
+		return nil
+	}
+	up := func(i int, src []half.BF16) error {
+		half.DecodeBF16(params[i].f, src)
+		return nil
+	}
+	if err := r.offload.Step(r.P, r.Source, r.O.Optimizer, down, up); err != nil {
+		return err
+	}
+	r.offload.SyncHost()
 	return nil
 }

@@ -1,0 +1,122 @@
+package batchfit
+
+import (
+	"errors"
+	"fmt"
+
+	"gorgonia.org/tensor"
+
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/precision"
+)
+
+// Offload names what a Session keeps in host memory rather than on the
+// device (Options.Offload).
+type Offload string
+
+// The offload modes.
+const (
+	// OffloadNone keeps parameters, gradients and optimizer state on the
+	// device (the default).
+	OffloadNone Offload = ""
+	// OffloadOptimizer is ZeRO-Offload's split: the float32 master
+	// weights and Adam's moments live in page-locked host memory, updated
+	// there by a multi-threaded AdamW (optim.Adam.StepOffload); the device
+	// holds bfloat16 weights and gradients only, 4 bytes a parameter
+	// instead of 16. It needs Precision "bf16-mixed" and an *optim.Adam.
+	OffloadOptimizer Offload = "optimizer"
+)
+
+// ErrOffload is wrapped by the errors of an offload the session cannot
+// run: an unknown mode, a policy other than bf16-mixed, an optimizer
+// other than Adam and AdamW.
+var ErrOffload = errors.New("offload")
+
+// ParseOffload maps a name ("", "none", "optimizer") to its mode.
+func ParseOffload(name string) (Offload, error) {
+	switch name {
+	case "", "none":
+		return OffloadNone, nil
+	case string(OffloadOptimizer):
+		return OffloadOptimizer, nil
+	}
+	return "", fmt.Errorf("%w: unknown mode %q (want none or optimizer)", ErrOffload, name)
+}
+
+// checkOffload is NewSession's check of Options.Offload under policy p.
+func checkOffload(o Offload, p precision.Policy) error {
+	if _, err := ParseOffload(string(o)); err != nil {
+		return fmt.Errorf("Options.Offload: %w", err)
+	}
+	if o == OffloadOptimizer && p != precision.BF16Mixed {
+		return fmt.Errorf("Options.Offload: %w: %q keeps bfloat16 weights and gradients on the device; it runs under Precision %q, not %q",
+			ErrOffload, o, precision.BF16Mixed, p)
+	}
+	return nil
+}
+
+// offloading reports whether the session offloads its optimizer.
+func (s *Session) offloading() bool { return s.opts.Offload == OffloadOptimizer }
+
+// offloadOptimizer refuses an optimizer an offloaded step cannot run.
+func offloadOptimizer(opt optim.Optimizer) error {
+	if _, ok := opt.(*optim.Adam); !ok {
+		return &graph.OpError{Op: "step", Err: fmt.Errorf("%w: Options.Offload %q runs Adam and AdamW (*optim.Adam), not %T",
+			ErrOffload, OffloadOptimizer, opt)}
+	}
+	return nil
+}
+
+// halfParams is g with the float32 parameter nodes ids made bfloat16: the
+// device copies of offloaded parameters, whose float32 masters are on
+// the host. g itself is unchanged.
+func halfParams(g *graph.Graph, ids []int) *graph.Graph {
+	c := g.Clone()
+	for _, id := range ids {
+		if nd := c.Node(id); id >= 0 && nd.Op == graph.OpParam && nd.Type.DType == graph.Float32 {
+			nd.Type.DType = graph.BFloat16
+		}
+	}
+	return c
+}
+
+// noteOffloaded records the host tensors of the parameters the session
+// trains offloaded, whose device copies are bfloat16: Eval reads them so.
+func (s *Session) noteOffloaded(g *graph.Graph, trained []int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.offloaded == nil {
+		s.offloaded = map[tensor.Tensor]bool{}
+	}
+	for _, id := range trained {
+		if v := g.Node(id).Value; v != nil {
+			s.offloaded[v] = true
+		}
+	}
+}
+
+// offloadedIn lists g's parameter nodes that the session trains
+// offloaded (noteOffloaded).
+func (s *Session) offloadedIn(g *graph.Graph) []int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var ids []int
+	for i := range g.Len() {
+		if nd := g.Node(i); nd.Op == graph.OpParam && nd.Value != nil && s.offloaded[nd.Value] {
+			ids = append(ids, i)
+		}
+	}
+	return ids
+}
+
+// HostPinned is the host memory the session's executor holds for an
+// offloaded optimizer (Options.Offload): every trained parameter's float32
+// master, its optimizer state and its bfloat16 staging buffer, page-locked
+// on CUDA. LastPlan().HostPinned predicts it, to the byte.
+func (s *Session) HostPinned() int64 {
+	if p, ok := s.be.(interface{ OffloadPinned() int64 }); ok {
+		return p.OffloadPinned()
+	}
+	return 0
+}
