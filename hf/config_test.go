@@ -229,3 +229,12 @@ func TestReadConfigHostileFiles(t *testing.T) {
 	_, err = hf.ReadConfig(empty)
 	assert.ErrorIs(t, err, os.ErrNotExist)
 }
+
+// models.Llama32_3B is the Llama 3.2 3B config.json, field by field, and
+// its parameter count is the published 3.21 B.
+func TestLlama32_3BConfig(t *testing.T) {
+	c, err := hf.ReadConfig(filepath.Join("testdata", "configs", "llama3.2-3b.json"))
+	require.NoError(t, err)
+	assert.Equal(t, models.Llama32_3B(), *c.Llama)
+	assert.Equal(t, 3_212_749_824, nn.NumParams(models.NewLlama(nn.Options{ShapeOnly: true}, models.Llama32_3B())))
+}

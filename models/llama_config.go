@@ -73,6 +73,16 @@ func Llama32_1B() LlamaConfig {
 		Rope: RopeConfig{Theta: 500000, Type: "llama3", Factor: 32, LowFreqFactor: 1, HighFreqFactor: 4, OriginalMaxPositions: 8192}}
 }
 
+// Llama32_3B is Llama 3.2 3B: 28 layers of width 3072, 24 query and 8
+// key/value heads of 128, SwiGLU width 8192, vocabulary 128,256, tied
+// embeddings, rope_theta 500,000 with llama3 scaling (factor 32, low 1,
+// high 4, original 8192 positions): 3,212,749,824 parameters.
+func Llama32_3B() LlamaConfig {
+	return LlamaConfig{Vocab: 128256, Hidden: 3072, Intermediate: 8192, Layers: 28, Heads: 24, KVHeads: 8, HeadDim: 128,
+		MaxPositions: 131072, RMSNormEps: 1e-5, TieEmbeddings: true,
+		Rope: RopeConfig{Theta: 500000, Type: "llama3", Factor: 32, LowFreqFactor: 1, HighFreqFactor: 4, OriginalMaxPositions: 8192}}
+}
+
 // Llama3_8B is Llama 3 8B: 32 layers of width 4096, 32 query and 8
 // key/value heads of 128, SwiGLU width 14336, vocabulary 128,256, an
 // untied head, rope_theta 500,000 (8,030,261,248 parameters).

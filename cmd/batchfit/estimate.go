@@ -42,8 +42,10 @@ type report struct {
 	Params     int64  `json:"params"`
 	ParamBytes int64  `json:"param_bytes"`
 	StateBytes int64  `json:"optimizer_state_bytes"`
-	Nodes      int    `json:"nodes"`
-	Steps      int    `json:"program_steps"`
+	// Offload is --offload's mode ("optimizer"), empty without.
+	Offload string `json:"offload,omitempty"`
+	Nodes   int    `json:"nodes"`
+	Steps   int    `json:"program_steps"`
 	// Device is the card planned for (--gpu, --gpu-memory), whose budget is
 	// Budget; nil for --budget, planned with the CPU executor's workspaces.
 	Device    *device `json:"device,omitempty"`
@@ -83,6 +85,10 @@ type planReport struct {
 	Fixed         int64      `json:"fixed"`      // affine fit of a chunked run's peak reserved:
 	PerSample     int64      `json:"per_sample"` // fixed + per_sample·chunk
 	Persistent    int64      `json:"persistent"` // parameters and optimizer state
+	// HostPinned is the pinned host memory of an offloaded optimizer
+	// (--offload optimizer: float32 masters, Adam's moments and a
+	// bfloat16 staging buffer per parameter), 0 without.
+	HostPinned int64 `json:"host_pinned"`
 	// WholePeakReserved is what the whole batch in one chunk would reserve,
 	// when it does not fit (PeakReserved otherwise); −1 when more than
 	// planner.Unlimited.
@@ -164,7 +170,7 @@ type step struct {
 // executor's otherwise.
 func session(c *estimateConfig) *batchfit.Session {
 	o := batchfit.Options{Precision: string(c.policy), Budget: c.budget, Headroom: c.headroom, MaxChunk: c.microBatch,
-		NoChannelsLast: c.nchw, Recompute: c.recompute, Profile: c.profile, DryRun: &batchfit.DryRun{Workspace: cpu.Workspace}}
+		NoChannelsLast: c.nchw, Recompute: c.recompute, Offload: c.offload, Profile: c.profile, DryRun: &batchfit.DryRun{Workspace: cpu.Workspace}}
 	if c.device != nil {
 		// The card's budget is what its plans may use: the cuBLAS
 		// workspace is held besides it.
@@ -232,7 +238,7 @@ func estimate(c *estimateConfig) (*report, error) {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
 	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(), Precision: string(c.policy),
-		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, MicroBatch: c.microBatch, Seq: c.seq,
+		Optimizer: c.optimizer, StateSlots: c.slots, Offload: string(c.offload), Batch: c.batch, MicroBatch: c.microBatch, Seq: c.seq,
 		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
 		Device: c.device, Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
 		BuildSeconds: st.buildSeconds}
@@ -291,7 +297,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 	pr := &planReport{WholeBatch: pl.Split.Len() == 1, Chunk: pl.Chunk, NumChunks: pl.Split.Len(),
 		PeakReserved: pl.PeakReserved, PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample,
-		Persistent: pl.Persistent, Replays: pl.Replays, PlanningSeconds: st.planSeconds}
+		Persistent: pl.Persistent, HostPinned: pl.HostPinned, Replays: pl.Replays, PlanningSeconds: st.planSeconds}
 	for _, run := range pl.Split.Runs() {
 		pr.Chunks = append(pr.Chunks, chunkRun(run))
 	}
@@ -412,7 +418,9 @@ func writeText(w io.Writer, r *report, planned bool) {
 		line("mode", "%s, %s", r.Mode, kind)
 	}
 	line("parameters", "%s (%s)", thousands(r.Params), alloc.FormatBytes(r.ParamBytes))
-	if r.Mode == "train" {
+	if r.Mode == "train" && r.Offload != "" {
+		line("optimizer state", "%s, in host memory (--offload %s)", alloc.FormatBytes(r.StateBytes), r.Offload)
+	} else if r.Mode == "train" {
 		line("optimizer state", "%s", alloc.FormatBytes(r.StateBytes))
 	}
 	line("graph", "%s nodes, %s program steps", thousands(int64(r.Nodes)), thousands(int64(r.Steps)))
@@ -449,7 +457,10 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("affine fit", "none (needs a batch of 3 or more)")
 		}
 		what := "parameters"
-		if r.Mode == "train" {
+		switch {
+		case r.Offload != "":
+			what = "bfloat16 parameters; their optimizer state is on the host"
+		case r.Mode == "train":
 			what = "parameters, optimizer state"
 		}
 		if p.WholeBatch {
@@ -457,6 +468,9 @@ func writeText(w io.Writer, r *report, planned bool) {
 		} else {
 			line("persistent", "%s (%s) + %s gradient accumulators", alloc.FormatBytes(p.Persistent), what,
 				alloc.FormatBytes(p.Accumulators))
+		}
+		if r.Offload != "" {
+			line("host pinned", "%s (float32 masters, optimizer state, bfloat16 staging)", exact(p.HostPinned))
 		}
 		line("planning", "compiled and %d replays in %s (graph built in %s)", p.Replays,
 			round(p.PlanningSeconds), round(r.BuildSeconds))

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
+	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/nn"
@@ -182,9 +183,10 @@ type estimateConfig struct {
 	table            bool
 	top              int
 	json             bool
-	device           *device // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
-	perChunk         bool    // --batchnorm per-chunk: nn.Options.PerChunkStats
-	nchw             bool    // --nchw: conv nets stay NCHW under bf16-mixed (batchfit.Options.NoChannelsLast)
+	device           *device          // --gpu or --gpu-memory: plan as a CUDA session on it; nil for --budget
+	perChunk         bool             // --batchnorm per-chunk: nn.Options.PerChunkStats
+	offload          batchfit.Offload // --offload: batchfit.Options.Offload
+	nchw             bool             // --nchw: conv nets stay NCHW under bf16-mixed (batchfit.Options.NoChannelsLast)
 	recompute        recompute.Mode
 	profile          recompute.Profile
 	plot             string
@@ -193,9 +195,9 @@ type estimateConfig struct {
 // stepFlagValues are the flags that describe one step of a zoo model,
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
-	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm string
-	batch, seq, context, microBatch                                       int
-	nchw                                                                  bool
+	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm, offload string
+	batch, seq, context, microBatch                                                int
+	nchw                                                                           bool
 }
 
 // addStepFlags defines the step flags on fs.
@@ -213,6 +215,7 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of everything, parameters, activations, gradients and optimizer state alike: float32, float16, bfloat16 (a pure 16-bit what-if no Session runs; see --precision)")
 	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
 	fs.BoolVar(&v.nchw, "nchw", false, "keep conv nets' activations NCHW under --precision bf16-mixed, as batchfit.Options.NoChannelsLast (by default their bfloat16 convolutions run channels last there, as a Session's do)")
+	fs.StringVar(&v.offload, "offload", "none", "`what` lives in host memory: none, or optimizer (ZeRO-Offload, as batchfit.Options.Offload: float32 master weights and Adam's moments in pinned host memory, bfloat16 weights and gradients on the device; needs --precision bf16-mixed and --optimizer adam or adamw)")
 	fs.StringVar(&v.batchnorm, "batchnorm", "whole", "`statistics` training-mode batch norm normalises with: whole (the batch's, PyTorch's default; the step runs in one chunk) or per-chunk (each chunk's own, as gradient accumulation does; nn.Options.PerChunkStats)")
 }
 
@@ -432,6 +435,19 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 		return nil, usagef(errNotApplicable, "--dtype %s (everything in 16 bits) and --precision %s exclude each other", c.dtype, c.policy)
 	}
 	c.nchw = v.nchw
+	if c.offload, err = batchfit.ParseOffload(v.offload); err != nil {
+		return nil, usagef(errUnknown, "--offload: unknown %q (want none or optimizer)", v.offload)
+	}
+	if c.offload == batchfit.OffloadOptimizer {
+		switch {
+		case !c.train:
+			return nil, usagef(errNotApplicable, "--offload optimizer applies to --mode train only")
+		case c.policy != precision.BF16Mixed:
+			return nil, usagef(errNotApplicable, "--offload optimizer keeps bfloat16 weights on the device: it needs --precision bf16-mixed, not %s", c.policy)
+		case c.optimizer != "adam" && c.optimizer != "adamw":
+			return nil, usagef(errNotApplicable, "--offload optimizer runs Adam and AdamW on the host, not --optimizer %s", c.optimizer)
+		}
+	}
 	switch v.batchnorm {
 	case "whole":
 	case "per-chunk":

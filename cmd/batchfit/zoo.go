@@ -166,6 +166,8 @@ func zoo() []zooModel {
 			models.LlamaTiny(), 64),
 		llama("llama3.2-1b", "Llama 3.2 1B: 16 layers, width 2048, 32 query and 8 key/value heads of 64, SwiGLU 8192, vocab 128256, tied, rope theta 500000 with llama3 scaling (factor 32)",
 			models.Llama32_1B(), 2048),
+		llama("llama3.2-3b", "Llama 3.2 3B: 28 layers, width 3072, 24 query and 8 key/value heads of 128, SwiGLU 8192, vocab 128256, tied, rope theta 500000 with llama3 scaling (factor 32)",
+			models.Llama32_3B(), 2048),
 		llama("llama3-8b", "Llama 3 8B: 32 layers, width 4096, 32 query and 8 key/value heads of 128, SwiGLU 14336, vocab 128256, untied head, rope theta 500000 (shape only: 32 GB of float32 parameters)",
 			models.Llama3_8B(), 8192),
 		gpt("gpt2-small-written", "GPT-2 small with attention written out (q·kᵀ, scale, causal mask, softmax, ·v: five [B, 12, T, T] values) instead of the fused op",
