@@ -75,7 +75,9 @@ func (h *OffloadHost) entry(key any, name string, n, slots int, host []float32) 
 	}
 	size := int64(n) * planner.OffloadElementBytes(slots)
 	alloc := h.Alloc
-	if alloc == nil { // the zero OffloadHost: the Go heap
+	if size == 0 {
+		alloc = func(int) ([]byte, error) { return nil, nil }
+	} else if alloc == nil { // the zero OffloadHost: the Go heap
 		alloc = func(n int) ([]byte, error) {
 			w := make([]float32, (n+3)/4)
 			return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(w))), 4*len(w))[:n:n], nil
@@ -221,8 +223,8 @@ func (h *OffloadHost) Release() error {
 	defer h.mu.Unlock()
 	errs := []error{h.detach()}
 	for _, k := range h.order {
-		if h.Free != nil {
-			errs = append(errs, h.Free(h.params[k].mem))
+		if mem := h.params[k].mem; h.Free != nil && len(mem) > 0 {
+			errs = append(errs, h.Free(mem))
 		}
 	}
 	h.params, h.order, h.pinned, h.opt = nil, nil, 0, nil

@@ -137,6 +137,7 @@ func (e *Executor) SyncParams() error {
 	if e.closed {
 		return fmt.Errorf("%w: executor", ErrClosed)
 	}
+	e.offload.SyncHost() // an offloaded optimizer's masters are the parameters
 	return e.d.do(func() error {
 		for _, rb := range e.resident.List() {
 			if rb.Val.newer == nil {
@@ -165,6 +166,7 @@ func (e *Executor) UploadParams() error {
 	if e.closed {
 		return fmt.Errorf("%w: executor", ErrClosed)
 	}
+	e.offload.MarkStale() // the masters are read from the host tensors again
 	return e.d.do(func() error {
 		for _, rb := range e.resident.List() {
 			nd := rb.Val.src

@@ -134,6 +134,9 @@ type Executor struct {
 	graphBytes atomic.Int64
 	cur        *runner   // the running Execute's runner, on the device thread
 	reads      readPlans // each program's early reads (readback.go), under mu
+	// offload is an offloaded optimizer's page-locked host memory
+	// (ExecOptions.Offload): masters, state and staging (offload.go).
+	offload exec.OffloadHost
 }
 
 var _ exec.Executor = (*Executor)(nil)
@@ -161,6 +164,7 @@ func NewExecutor(d *Device, o ExecutorOptions) (*Executor, error) {
 		return nil, err
 	}
 	e := &Executor{d: d, ks: ks, why: errNoCuDNNAsked}
+	e.offload.Alloc, e.offload.Free = d.AllocHost, d.FreeHost
 	e.graphs.on = graphsOn(o)
 	// The backend flushes pending launches (graphs.go) before it gives a
 	// segment back to the driver.
@@ -273,7 +277,8 @@ func (e *Executor) Close() error {
 		dnn = e.dnn.Close()
 	}
 	e.dropState()
-	return errors.Join(graphs, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
+	offload := e.d.do(e.offload.Release) // pinned memory goes back on the device's thread
+	return errors.Join(graphs, offload, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
 // Workspace is the kernels' workspace rule (exec.Executor): the package's
@@ -350,6 +355,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err := exec.CheckLossScale(p, o.LossScale); err != nil {
 		return nil, err
 	}
+	if err := exec.CheckOffload(p, o); err != nil {
+		return nil, err
+	}
 	call, err := exec.NewCall(p, o, &e.resident)
 	if err != nil {
 		return nil, err
@@ -414,6 +422,9 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	outs, err := exec.Outputs(p, call.Outs)
 	if err != nil {
 		return nil, err
+	}
+	if o.Offload {
+		u.HostPinned = e.offload.Pinned()
 	}
 	return &Result{Usage: u, Outputs: outs, Skipped: call.Skipped}, nil
 }
@@ -691,6 +702,9 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
 	if err := r.flush(); err != nil {
 		return err
+	}
+	if r.o.Offload && len(kept) > 0 {
+		return r.offloadStep(kept)
 	}
 	for j := range kept {
 		// Gradients that update float32 parameters are float32 (a
