@@ -1066,7 +1066,9 @@ func (s *Session) run(ctx context.Context, p *planner.Program, opt optim.Optimiz
 			outs, u, skipped = res.Outputs, res.Usage, res.Skipped
 			break
 		}
-		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) {
+		// A partly copied offloaded step has updated its masters: running
+		// it again would update them twice.
+		if attempt > 0 || !errors.Is(err, alloc.ErrOutOfMemory) || errors.Is(err, optim.ErrPartialStep) {
 			return nil, false, err
 		}
 		// The failed run's blocks went back to the allocator's cache, in
