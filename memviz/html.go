@@ -187,6 +187,7 @@ type pagePlan struct {
 	PeakReserved  int64  `json:"peak_reserved"`
 	PeakAllocated int64  `json:"peak_allocated"`
 	Persistent    int64  `json:"persistent"`
+	HostPinned    int64  `json:"host_pinned"` // an offloaded optimizer's host memory (planner.Plan.HostPinned)
 	Fixed         int64  `json:"fixed"`
 	PerSample     int64  `json:"per_sample"`
 	Replays       int    `json:"replays"`
@@ -349,7 +350,7 @@ func newPage(p *planner.Program, chunks []planner.Chunk, sim *Simulation, o HTML
 		pl := o.Plan
 		pg.Plan = &pagePlan{Batch: pl.Batch, Chunks: planner.DescribeSizes(planner.Sizes(pl.Chunks)), NumChunks: len(pl.Chunks),
 			Budget: pl.Budget, Headroom: pl.Headroom, Available: pl.Available(), PeakReserved: pl.PeakReserved,
-			PeakAllocated: pl.PeakAllocated, Persistent: pl.Persistent, Fixed: pl.Fixed, PerSample: pl.PerSample, Replays: pl.Replays}
+			PeakAllocated: pl.PeakAllocated, Persistent: pl.Persistent, HostPinned: pl.HostPinned, Fixed: pl.Fixed, PerSample: pl.PerSample, Replays: pl.Replays}
 	}
 	pg.finish(n, sim.Snapshot, chunks)
 	return pg, nil
