@@ -132,10 +132,11 @@ type Options struct {
 	// Offload keeps optimizer state in host memory (OffloadOptimizer:
 	// float32 masters and Adam's moments in page-locked host memory,
 	// bfloat16 weights and gradients on the device; Precision
-	// "bf16-mixed" only). Plans count both sides: LastPlan().HostPinned is
-	// the host bytes, HostPinned what the executor holds. An unknown mode
-	// or another policy makes the session hold an error wrapping
-	// ErrOffload.
+	// "bf16-mixed" only). Every float32 parameter, trained or not, is
+	// held on the device in bfloat16, for Step and Eval alike. Plans
+	// count both sides: LastPlan().HostPinned is the host bytes,
+	// HostPinned what the executor holds. An unknown mode or another
+	// policy makes the session hold an error wrapping ErrOffload.
 	Offload Offload
 }
 
@@ -195,10 +196,6 @@ type Session struct {
 	checked []checkedParam
 
 	times StepTimes // the latest training step's, LastStepTimes
-
-	// offloaded holds the host tensors of the parameters trained with
-	// Options.Offload: their device copies are bfloat16.
-	offloaded map[tensor.Tensor]bool
 
 	beforeRun    func() // tests: called between planning and running a step
 	stepCacheOff bool   // tests: differentiate every step (no step templates)
@@ -1298,9 +1295,7 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 	}
 	ir := g.IR()
 	if s.offloading() {
-		if ids := s.offloadedIn(ir); len(ids) > 0 {
-			ir = halfParams(ir, ids) // the device's bfloat16 copies
-		}
+		ir = halfParams(ir) // the device's bfloat16 copies
 	}
 	if s.policy.Mixed() {
 		var m []int
@@ -1546,9 +1541,6 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if !unscale {
 		scale = 0
 	}
-	if s.offloading() && runnable {
-		s.noteOffloaded(ir, trained)
-	}
 	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
 		return nil, err
@@ -1756,7 +1748,7 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 		}
 	} else {
 		if s.offloading() { // the device holds bfloat16 copies of the trained parameters
-			fwd = halfParams(fwd, held)
+			fwd = halfParams(fwd)
 		}
 		o := precision.TrainOptions{ChannelsLast: channelsLast}
 		if scale != nil {

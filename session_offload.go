@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 
-	"gorgonia.org/tensor"
-
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/precision"
@@ -68,46 +66,19 @@ func offloadOptimizer(opt optim.Optimizer) error {
 	return nil
 }
 
-// halfParams is g with the float32 parameter nodes ids made bfloat16: the
-// device copies of offloaded parameters, whose float32 masters are on
-// the host. g itself is unchanged.
-func halfParams(g *graph.Graph, ids []int) *graph.Graph {
+// halfParams is g with every float32 parameter node made bfloat16: in an
+// offloaded session the device holds every parameter in bfloat16 (the
+// trained ones' float32 masters are on the host), in training steps and
+// evaluations alike, so that both find the same resident copies. g itself
+// is unchanged.
+func halfParams(g *graph.Graph) *graph.Graph {
 	c := g.Clone()
-	for _, id := range ids {
-		if nd := c.Node(id); id >= 0 && nd.Op == graph.OpParam && nd.Type.DType == graph.Float32 {
+	for i := range c.Len() {
+		if nd := c.Node(i); nd.Op == graph.OpParam && nd.Type.DType == graph.Float32 {
 			nd.Type.DType = graph.BFloat16
 		}
 	}
 	return c
-}
-
-// noteOffloaded records the host tensors of the parameters the session
-// trains offloaded, whose device copies are bfloat16: Eval reads them so.
-func (s *Session) noteOffloaded(g *graph.Graph, trained []int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.offloaded == nil {
-		s.offloaded = map[tensor.Tensor]bool{}
-	}
-	for _, id := range trained {
-		if v := g.Node(id).Value; v != nil {
-			s.offloaded[v] = true
-		}
-	}
-}
-
-// offloadedIn lists g's parameter nodes that the session trains
-// offloaded (noteOffloaded).
-func (s *Session) offloadedIn(g *graph.Graph) []int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var ids []int
-	for i := range g.Len() {
-		if nd := g.Node(i); nd.Op == graph.OpParam && nd.Value != nil && s.offloaded[nd.Value] {
-			ids = append(ids, i)
-		}
-	}
-	return ids
 }
 
 // HostPinned is the host memory the session's executor holds for an

@@ -126,6 +126,18 @@ func TestOffloadEvalReadsDeviceCopies(t *testing.T) {
 		}
 	}
 	require.Positive(t, inexact)
+
+	// An Eval before the first step reads the same bfloat16 copies the
+	// step then trains: its loss is the step's.
+	fresh := models.NewLlama(nn.Seed(3), models.LlamaTiny())
+	fs := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed", Offload: batchfit.OffloadOptimizer})
+	defer fs.Close()
+	before, err := fs.Eval(context.Background(), llamaLoss(fresh, tok))
+	require.NoError(t, err)
+	l, err = fs.Step(context.Background(), llamaLoss(fresh, tok), nn.ParamTensors(fresh), offloadAdamW(fresh))
+	require.NoError(t, err)
+	require.Equal(t, l, before[0].Data().(float32))
+	require.Equal(t, fs.LastPlan().HostPinned, fs.HostPinned())
 }
 
 // Tolerance: none. An offloaded run saved after two steps and resumed in
@@ -222,3 +234,25 @@ func TestOffloadPlan(t *testing.T) {
 
 // f32s is p's host values.
 func f32s(p *nn.Param) []float32 { return p.Value().(*tensor.Dense).Float32s() }
+
+// A frozen parameter of an offloaded session is held in bfloat16 on the
+// device and gets no host memory: the host holds 14 bytes a trained
+// parameter only, and the frozen weights do not change.
+func TestOffloadFrozen(t *testing.T) {
+	m := models.NewLlama(nn.Seed(3), models.LlamaTiny())
+	frozen := m.Params()[0]
+	nn.Freeze(frozen)
+	was := append([]float32(nil), f32s(frozen)...)
+	s := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: "bf16-mixed", Offload: batchfit.OffloadOptimizer})
+	defer s.Close()
+	tok := llamaCorpus(rand.New(rand.NewPCG(1, 1)), models.LlamaTiny().Vocab, 2, 16)
+	opt := offloadAdamW(m)
+	for range 2 {
+		_, err := s.Step(context.Background(), llamaLoss(m, tok), nn.ParamTensors(m), opt)
+		require.NoError(t, err)
+	}
+	n := int64(nn.NumParams(m) - len(was))
+	require.Equal(t, 14*n, s.LastPlan().HostPinned)
+	require.Equal(t, 14*n, s.HostPinned())
+	require.Equal(t, was, f32s(frozen))
+}
