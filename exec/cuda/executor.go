@@ -277,7 +277,9 @@ func (e *Executor) Close() error {
 		dnn = e.dnn.Close()
 	}
 	e.dropState()
-	offload := e.d.do(e.offload.Release) // pinned memory goes back on the device's thread
+	// The optimizer gets copies of its state first; FreeHost frees on the
+	// device's thread (nothing after the device closed, which freed it).
+	offload := e.offload.Release()
 	return errors.Join(graphs, offload, e.resident.Release(e.a), e.blas.Close(), dnn, e.ks.close(), e.a.EmptyCache())
 }
 
