@@ -1336,6 +1336,14 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 // the authoritative one: a parameter's host tensor changed by the caller
 // between steps is not uploaded again.
 //
+// With Options.Offload the optimizer runs on the host instead, on every
+// core: the device keeps bfloat16 weights and gradients, and after the
+// last chunk the gradients go to host memory, the float32 masters and
+// Adam's moments are updated there, and the new weights, rounded, come
+// back (exec.Options.Offload). A step whose weights reached the device
+// only in part returns an *optim.PartialStepError (UploadParams repairs
+// the device's copies from the masters).
+//
 // On CUDA, Step returns once the loss is on the host: each chunk's loss
 // is copied as soon as its forward pass has made it, and the kernels
 // after the last chunk's (the rest of its backward pass, the optimizer)
