@@ -1341,8 +1341,8 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 // last chunk the gradients go to host memory, the float32 masters and
 // Adam's moments are updated there, and the new weights, rounded, come
 // back (exec.Options.Offload). A step whose weights reached the device
-// only in part returns an *optim.PartialStepError (UploadParams repairs
-// the device's copies from the masters).
+// only in part returns an *optim.PartialStepError: SyncParams, then
+// UploadParams, repair the device's copies from the masters.
 //
 // On CUDA, Step returns once the loss is on the host: each chunk's loss
 // is copied as soon as its forward pass has made it, and the kernels

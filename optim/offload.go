@@ -245,7 +245,8 @@ var ErrPartialStep = errors.New("offloaded step copied back only part of its wei
 // but whose new 16-bit weights reached the device only for the first
 // Copied of Total parameters: the device's copies of the others, named in
 // Stale, are the previous step's. The masters are consistent; copying
-// every master's 16-bit rounding to the device again (UploadParams)
+// them into the host tensors and every one's 16-bit rounding to the
+// device again (a batchfit.Session's SyncParams, then UploadParams)
 // makes the device consistent with them. Err is why the copy stopped.
 type PartialStepError struct {
 	Copied, Total int
