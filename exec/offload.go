@@ -113,7 +113,8 @@ func (h *OffloadHost) entry(key any, name string, n, slots int, host []float32) 
 	return e, nil
 }
 
-// Step runs the host half of an offloaded step of p's trained parameters:
+// Step runs the host half of an offloaded step of p's trained parameters
+// (optim.Adam.StepOffloadEach):
 // down(i, dst) copies the final gradient of p.Trained[i] (bfloat16) into
 // dst, up(i, src) the new bfloat16 weights over the device's copy of the
 // parameter. source gives each trained node's host tensor (its key, and
@@ -176,22 +177,19 @@ func (h *OffloadHost) Step(p *planner.Program, source func(id int) tensor.Tensor
 			e.stale = false
 		}
 	}
-	if err := adam.StepOffload(ps, h.Workers); err != nil {
-		return err
+	// Each parameter's weights are copied back as soon as its update is
+	// done, on this goroutine (the device's thread), while the workers
+	// update the others: on CUDA an asynchronous DMA from pinned memory,
+	// overlapping the rest of the update.
+	err := adam.StepOffloadEach(ps, h.Workers, func(i int) error { return up(i, es[i].stage) })
+	var pe *optim.PartialStepError
+	if err != nil && !errors.As(err, &pe) {
+		return err // refused before any change
 	}
 	for _, e := range es {
 		e.dirty = true
 	}
-	for i := range es {
-		if err := up(i, es[i].stage); err != nil {
-			stale := make([]string, 0, len(es)-i)
-			for _, id := range p.Trained[i:] {
-				stale = append(stale, p.Graph.Node(id).Name)
-			}
-			return &optim.PartialStepError{Copied: i, Total: len(es), Stale: stale, Err: err}
-		}
-	}
-	return nil
+	return err
 }
 
 // SyncHost copies every master newer than its host tensor into it.

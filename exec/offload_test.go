@@ -75,8 +75,11 @@ func TestOffloadHostPartialStep(t *testing.T) {
 	require.ErrorAs(t, err, &pe)
 	require.ErrorIs(t, err, optim.ErrPartialStep)
 	require.ErrorIs(t, err, cause)
-	require.Equal(t, 1, pe.Copied)
-	require.Equal(t, []string{"b"}, pe.Stale)
+	// Weights go back as updates finish, in any order: "b" failed, "a"
+	// went back or not.
+	require.Contains(t, pe.Stale, "b")
+	require.Equal(t, 2, pe.Copied+len(pe.Stale))
+	require.Equal(t, 2, pe.Total)
 	require.Equal(t, 1, opt.Steps())
 	require.Equal(t, int64(14*1003), h.Pinned())
 	require.Equal(t, was, [][]float32{hosts[0].Float32s(), hosts[1].Float32s()}, "host tensors before SyncHost")
@@ -84,8 +87,10 @@ func TestOffloadHostPartialStep(t *testing.T) {
 	for i := range hosts {
 		require.NotEqual(t, was[i], hosts[i].Float32s(), "parameter %d updated", i)
 	}
-	for j, x := range hosts[0].Float32s() {
-		require.Equal(t, half.BF16From(x), device[0][j])
+	if pe.Copied == 1 {
+		for j, x := range hosts[0].Float32s() {
+			require.Equal(t, half.BF16From(x), device[0][j])
+		}
 	}
 	st := opt.State(hosts[0])
 	require.Len(t, st, 2)

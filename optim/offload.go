@@ -6,6 +6,7 @@ import (
 	"math"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/batchfit/batchfit/half"
 )
@@ -52,8 +53,22 @@ const OffloadShard = 1 << 16
 // to float32, is nearly always the same. A step that fails changes
 // nothing.
 func (o *Adam) StepOffload(params []OffloadParam, workers int) error {
+	return o.StepOffloadEach(params, workers, nil)
+}
+
+// StepOffloadEach is StepOffload calling done(i), on the caller's
+// goroutine, as soon as parameter i's update is complete (its Master,
+// Weight and State final), while the workers go on with the others: an
+// executor copies each parameter's new weights to its device there, the
+// copy overlapping the rest of the update. done is called once for each
+// parameter, in the order their updates complete. When done fails, it is
+// not called again; the update still completes (the masters, the state
+// and the step counts are the new step's) and the error returned is a
+// *PartialStepError naming the parameters done was not called for, or
+// failed for.
+func (o *Adam) StepOffloadEach(params []OffloadParam, workers int, done func(i int) error) error {
 	decoupled := o.Decoupled
-	return o.offloadStep(o.rule(), params, workers, func(h Hyper, u *ParamUpdate, p OffloadParam, st [][]float32, lo, hi int, coef float32, clip bool) {
+	return o.offloadStep(o.rule(), params, workers, done, func(h Hyper, u *ParamUpdate, p OffloadParam, st [][]float32, lo, hi int, coef float32, clip bool) {
 		m, v := st[0], st[1]
 		for i := lo; i < hi; i++ {
 			g32 := p.Grad[i].Float32()
@@ -87,7 +102,7 @@ type shard struct{ p, lo, hi int }
 // offloadStep runs an offloaded step: plan, make the state, clip over
 // every gradient, update in shards on workers goroutines, count. A step
 // that fails changes nothing.
-func (c *Common) offloadStep(r rule, params []OffloadParam, workers int,
+func (c *Common) offloadStep(r rule, params []OffloadParam, workers int, done func(i int) error,
 	update func(h Hyper, u *ParamUpdate, p OffloadParam, st [][]float32, lo, hi int, coef float32, clip bool)) error {
 	dps := make([]DeviceParam, len(params))
 	for i, p := range params {
@@ -178,12 +193,49 @@ func (c *Common) offloadStep(r rule, params []OffloadParam, workers int,
 		states[i] = st.slots
 	}
 	on := pl.Clip.On()
-	parallel(workers, len(shards), func(k int) {
+	left := make([]atomic.Int64, len(params)) // shards not yet updated, by parameter
+	for _, s := range shards {
+		left[s.p].Add(1)
+	}
+	finished := make(chan int, len(params))
+	for i := range params {
+		if left[i].Load() == 0 { // no elements: nothing to update
+			finished <- i
+		}
+	}
+	wait := start(workers, len(shards), func(k int) {
 		s := shards[k]
 		u := &pl.Params[s.p]
 		update(pl.Groups[u.Group], u, params[s.p], states[s.p], s.lo, s.hi, coef, on)
+		if left[s.p].Add(-1) == 0 {
+			finished <- s.p
+		}
 	})
+	var (
+		derr error
+		ok   = make([]bool, len(params))
+	)
+	for range params {
+		i := <-finished
+		if done != nil && derr == nil {
+			if derr = done(i); derr == nil {
+				ok[i] = true
+			}
+		}
+	}
+	wait()
 	c.steps++
+	if derr != nil {
+		pe := &PartialStepError{Total: len(params), Err: derr}
+		for i, p := range params {
+			if ok[i] {
+				pe.Copied++
+			} else {
+				pe.Stale = append(pe.Stale, p.Name)
+			}
+		}
+		return pe
+	}
 	return nil
 }
 
@@ -208,13 +260,19 @@ func adopt(st *paramState, bufs [][]float32, n int) {
 
 // parallel runs f(0…n−1) on at most workers goroutines and waits.
 func parallel(workers, n int, f func(k int)) {
-	workers = min(workers, n)
-	if workers <= 1 {
+	if min(workers, n) <= 1 {
 		for k := range n {
 			f(k)
 		}
 		return
 	}
+	start(workers, n, f)()
+}
+
+// start runs f(0…n−1), in order of k, on at most workers goroutines (one
+// at least) and returns at once; wait waits for them.
+func start(workers, n int, f func(k int)) (wait func()) {
+	workers = max(1, min(workers, n))
 	var (
 		wg   sync.WaitGroup
 		next int
@@ -234,7 +292,7 @@ func parallel(workers, n int, f func(k int)) {
 			}
 		})
 	}
-	wg.Wait()
+	return wg.Wait
 }
 
 // ErrPartialStep is wrapped by a PartialStepError.
@@ -242,9 +300,9 @@ var ErrPartialStep = errors.New("offloaded step copied back only part of its wei
 
 // PartialStepError is an offloaded step whose host update ran (the
 // masters, the optimizer state and its step counts are the new step's)
-// but whose new 16-bit weights reached the device only for the first
-// Copied of Total parameters: the device's copies of the others, named in
-// Stale, are the previous step's. The masters are consistent; copying
+// but whose new 16-bit weights reached the device only for Copied of
+// Total parameters: the device's copies of the others, named in Stale,
+// are the previous step's. The masters are consistent; copying
 // them into the host tensors and every one's 16-bit rounding to the
 // device again (a batchfit.Session's SyncParams, then UploadParams)
 // makes the device consistent with them. Err is why the copy stopped.

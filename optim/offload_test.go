@@ -316,3 +316,46 @@ func TestStepOffloadCallerState(t *testing.T) {
 		State: [][]float32{make([]float32, 3)}}}
 	require.ErrorIs(t, theirs.StepOffload(bad, 1), optim.ErrOptim)
 }
+
+// Tolerance: none. StepOffloadEach calls done once for each parameter,
+// on the caller's goroutine, after its update; a done that fails stops
+// the calls but not the update, which ends as StepOffload's, and the
+// error is a PartialStepError naming the parameters done did not take.
+func TestStepOffloadEach(t *testing.T) {
+	c := newOffloadCase(17, 1)
+	ref := c.adamw()
+	want := clone2(c.init)
+	c.offloaded(t, ref, want, 0, 1, 3)
+
+	o := c.adamw()
+	got := clone2(c.init)
+	ps := make([]optim.OffloadParam, len(got))
+	for i := range got {
+		stage := slices.Clone(c.grads[0][i])
+		ps[i] = optim.OffloadParam{Key: c.keys[i], Name: c.names[i], Master: got[i], Grad: stage, Weight: stage}
+	}
+	calls := map[int]int{}
+	cause := errors.New("device copy failed")
+	err := o.StepOffloadEach(ps, 3, func(i int) error {
+		calls[i]++ // the caller's goroutine: no lock needed
+		for j, w := range ps[i].Weight {
+			if w != half.BF16From(got[i][j]) {
+				return errors.New("weights not final")
+			}
+		}
+		if len(calls) == 2 {
+			return cause
+		}
+		return nil
+	})
+	var pe *optim.PartialStepError
+	require.ErrorAs(t, err, &pe)
+	require.ErrorIs(t, err, cause)
+	require.Equal(t, 1, pe.Copied)
+	require.Len(t, pe.Stale, 2)
+	require.Len(t, calls, 2)
+	for _, n := range calls {
+		require.Equal(t, 1, n)
+	}
+	bitEqual(t, c, "partial", want, got, ref, o)
+}

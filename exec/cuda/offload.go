@@ -15,10 +15,12 @@ import (
 // pinned memory), the masters are updated there by optim's StepOffload on
 // every core, and the staging buffers, now the new weights rounded to
 // bfloat16, are copied straight from pinned memory over the parameters
-// (cuMemcpyHtoDAsync on stream 0: the next step's kernels follow them).
+// (cuMemcpyHtoDAsync on stream 0: the next step's kernels, on stream 0
+// too, follow them).
 // No device memory beyond the parameters and their gradients is used, so
-// device plans need no staging buffer. The copies follow backward rather
-// than overlap it.
+// device plans need no staging buffer. Each parameter's weights go back
+// as soon as its update is done, overlapping the update of the others;
+// the gradients' copies follow backward rather than overlap it.
 
 // offloadStep is Finish under ExecOptions.Offload: the queued launches
 // are flushed, so the gradients' copies wait for backward.
