@@ -62,7 +62,7 @@ func reportFlags() (*flag.FlagSet, *reportFlagValues) {
 	return fs, v
 }
 
-const reportSynopsis = `  batchfit report --model NAME --batch N --budget SIZE [flags]
+const reportSynopsis = `  batchfit report --model NAME|--hf-config FILE --batch N --budget SIZE [flags]
   batchfit report [--csv|--json] FILE
   batchfit report FILE -o PAGE.html
 
@@ -91,7 +91,7 @@ func parseReport(args []string) (*reportConfig, error) {
 		return nil, usagef(errFlag, "unexpected argument %q (one snapshot file at most)", pos[1])
 	}
 	if len(pos) == 1 {
-		for _, f := range []string{"model", "batch", "seq", "budget", "headroom", "optimizer", "dtype", "precision", "mode", "at", "profile", "run", "seed"} {
+		for _, f := range []string{"model", "hf-config", "batch", "seq", "budget", "headroom", "optimizer", "dtype", "precision", "mode", "at", "profile", "run", "seed"} {
 			if set[f] {
 				return nil, usagef(errNotApplicable, "--%s applies to a zoo model, not to a snapshot file", f)
 			}
