@@ -6,9 +6,9 @@
 // tokenizer.json (package tokenizer), tokenizes the text, trains on
 // windows of it (data.Windows) with AdamW under a cosine schedule with
 // warmup, gradient clipping and no weight decay on biases and norms, saves
-// the result with hf.Save (with the tokenizer beside it, so that
-// transformers' from_pretrained and AutoTokenizer load the directory),
-// and greedy-generates a few tokens from a prompt.
+// the result with hf.Save (with the source's tokenizer files and
+// generation_config.json beside it: a directory as complete as the one it
+// came from), and greedy-generates a few tokens from a prompt.
 //
 //	go run ./examples/finetune -model ./Llama-3.2-1B -data corpus.txt -out ./tuned -steps 200 -seq 512 -batch 4 -precision bf16-mixed
 //	go run ./examples/finetune -model ./gpt2 -data corpus.txt -out ./tuned -prompt "Once upon a time" -generate 20
@@ -32,9 +32,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"gorgonia.org/tensor"
 
@@ -226,10 +228,11 @@ func run(ctx context.Context, out io.Writer, o options) (*result, error) {
 	if err := hf.Save(o.out, saved, model.Params()); err != nil {
 		return nil, err
 	}
-	if err := copyFile(tokPath, filepath.Join(o.out, "tokenizer.json")); err != nil {
+	copied, err := copyBeside(o.out, tokPath, o.model)
+	if err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(out, "saved %s (%s weights, tokenizer.json)\n", o.out, dtypeName(saved.DType))
+	fmt.Fprintf(out, "saved %s (%s weights; %s)\n", o.out, dtypeName(saved.DType), strings.Join(copied, ", "))
 
 	if o.generate == 0 {
 		return res, nil
@@ -376,15 +379,32 @@ func abs(p string) string {
 	return filepath.Clean(a)
 }
 
-// copyFile copies the tokenizer file, read within tokenizer's bound, to
-// dst.
-func copyFile(src, dst string) error {
-	b, err := safefile.ReadAll(src, tokenizer.MaxFileBytes)
-	if err != nil {
-		return err
+// copyBeside copies into dir what transformers loads besides the weights:
+// the tokenizer file (as tokenizer.json) and the tokenizer_config.json and
+// special_tokens_map.json beside it, for AutoTokenizer, and the model
+// directory's generation_config.json (eos and sampling defaults for
+// generate), each when present. Files are read within tokenizer's bound.
+// It returns the names copied.
+func copyBeside(dir, tokPath, modelDir string) ([]string, error) {
+	files := []struct{ src, name string }{
+		{tokPath, "tokenizer.json"},
+		{filepath.Join(filepath.Dir(tokPath), "tokenizer_config.json"), "tokenizer_config.json"},
+		{filepath.Join(filepath.Dir(tokPath), "special_tokens_map.json"), "special_tokens_map.json"},
+		{filepath.Join(modelDir, "generation_config.json"), "generation_config.json"},
 	}
-	if err := os.WriteFile(dst, b, 0o644); err != nil {
-		return fmt.Errorf("saving the tokenizer: %w", err)
+	var copied []string
+	for i, f := range files {
+		b, err := safefile.ReadAll(f.src, tokenizer.MaxFileBytes)
+		if i > 0 && errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return copied, err
+		}
+		if err := os.WriteFile(filepath.Join(dir, f.name), b, 0o644); err != nil {
+			return copied, fmt.Errorf("saving %s: %w", f.name, err)
+		}
+		copied = append(copied, f.name)
 	}
-	return nil
+	return copied, nil
 }
