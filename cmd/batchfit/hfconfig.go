@@ -59,9 +59,7 @@ func hfModel(path string) (zooModel, error) {
 		if l.MaxPositions > maxHFSeqDefault {
 			m.seqDefault = maxHFSeqDefault
 		}
-		m.input = fmt.Sprintf("tokens [≤%d] int64", l.MaxPositions)
-		m.checkSeq = func(seq int) error { return checkRopeTable(l, seq) }
-		return m, nil
+		return withRopeCheck(m, l), nil
 	}
 	return zooModel{}, &modelFileError{Flag: "hf-config", Err: fmt.Errorf("%s: %w: architecture %s has no model", path, hf.ErrUnsupported, name)}
 }
@@ -83,6 +81,16 @@ func checkRopeTable(l models.LlamaConfig, seq int) error {
 			seq, hd, seq, hd, alloc.FormatBytes(b), alloc.FormatBytes(maxRopeTableBytes))
 	}
 	return nil
+}
+
+// withRopeCheck gives a Llama entry of l the rotary table's bound, here
+// and in the entry --context makes.
+func withRopeCheck(m zooModel, l models.LlamaConfig) zooModel {
+	m.input = fmt.Sprintf("tokens [≤%d] int64", m.context)
+	m.checkSeq = func(seq int) error { return checkRopeTable(l, seq) }
+	withContext := m.withContext
+	m.withContext = func(n int) zooModel { return withRopeCheck(withContext(n), l) }
+	return m
 }
 
 // hfArchitectures lists the architectures --hf-config reads.

@@ -195,4 +195,9 @@ func TestEstimateHFConfigRefused(t *testing.T) {
 	code, _, stderr = runCLI("estimate", "--hf-config", wide, "--batch", "1", "--budget", "1GiB")
 	assert.Equal(t, exitUsage, code)
 	assert.Contains(t, usageLines(t, "estimate", stderr), "rotary table")
+	// --context keeps the bound.
+	long := filepath.Join(hfTestdata, "configs", "llama3-8b.json")
+	code, _, stderr = runCLI("estimate", "--hf-config", long, "--context", "100000000", "--seq", "100000000", "--batch", "1", "--budget", "1GiB")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, usageLines(t, "estimate", stderr), "rotary table")
 }
