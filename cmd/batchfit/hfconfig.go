@@ -32,6 +32,17 @@ type modelFileError struct {
 func (e *modelFileError) Error() string { return fmt.Sprintf("--%s: %v", e.Flag, e.Err) }
 func (e *modelFileError) Unwrap() error { return e.Err }
 
+// buildError is a model that does not build (a Hugging Face config's
+// head_dim that rotary embedding cannot pair, say), found while the
+// command line is checked: exit 1, as when estimate's build fails.
+type buildError struct {
+	model string
+	err   error
+}
+
+func (e *buildError) Error() string { return fmt.Sprintf("building %s: %v", e.model, e.err) }
+func (e *buildError) Unwrap() error { return e.err }
+
 // hfModel is the model a Hugging Face config.json at path describes (or
 // the one in the checkpoint directory path), as a zoo entry named after
 // its architecture. Every error is a *modelFileError.

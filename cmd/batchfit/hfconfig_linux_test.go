@@ -38,6 +38,7 @@ func TestHFConfigBounded(t *testing.T) {
 		{"gpt2 wide", write("gpt2.json", `{"architectures": ["GPT2LMHeadModel"], "n_layer": 1024, "n_embd": 16777216, "n_head": 4096, "vocab_size": 16777216, "n_positions": 1073741824}`), exitPlan},
 		{"100 MB", big, exitPlan},
 	}
+	long := write("long.json", `{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": 512, "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 10, "max_position_embeddings": 1073741824}`)
 	for _, c := range cases {
 		code, stderr, wall, cpu, rss := runBounded(t, "estimate", "--hf-config", c.path, "--batch", "4", "--seq", "64", "--budget", "10GiB")
 		t.Logf("%s: exit %d in %v (%v processor), peak RSS %d MiB", c.name, code, wall, cpu, rss>>20)
@@ -46,4 +47,10 @@ func TestHFConfigBounded(t *testing.T) {
 		assert.Less(t, cpu, hostileCPU, c.name)
 		assert.Less(t, wall, hostileWall, c.name)
 	}
+	// report --run of a model of 2³⁰ positions builds it at --seq only
+	// (its rotary table would be 512 GiB at max_position_embeddings).
+	code, stderr, _, cpu, rss := runBounded(t, "report", "--hf-config", long, "--batch", "2", "--seq", "16", "--budget", "1GiB", "--run")
+	assert.Equal(t, exitOK, code, stderr)
+	assert.Less(t, rss, int64(hostileRSS))
+	assert.Less(t, cpu, hostileCPU)
 }

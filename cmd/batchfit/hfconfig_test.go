@@ -195,6 +195,17 @@ func TestEstimateHFConfigRefused(t *testing.T) {
 	code, _, stderr = runCLI("estimate", "--hf-config", wide, "--batch", "1", "--budget", "1GiB")
 	assert.Equal(t, exitUsage, code)
 	assert.Contains(t, usageLines(t, "estimate", stderr), "rotary table")
+	// A model that does not build is exit 1 whether estimate or report
+	// --run finds it.
+	odd := write("odd.json", `{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": 30, "num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 10}`)
+	for _, args := range [][]string{{"estimate"}, {"report", "--run"}} {
+		sub := args[0]
+		code, _, stderr = runCLI(append(args, "--hf-config", odd, "--batch", "2", "--budget", "1GiB")...)
+		assert.Equal(t, exitPlan, code, sub)
+		assert.Equal(t, 1, strings.Count(stderr, "\n"), "%s: one line: %s", sub, stderr)
+		assert.True(t, strings.HasPrefix(stderr, "batchfit "+sub+": building LlamaForCausalLM: "), "%s: %s", sub, stderr)
+		assert.Contains(t, stderr, "head_dim 15 is odd", sub)
+	}
 	// --context keeps the bound.
 	long := filepath.Join(hfTestdata, "configs", "llama3-8b.json")
 	code, _, stderr = runCLI("estimate", "--hf-config", long, "--context", "100000000", "--seq", "100000000", "--batch", "1", "--budget", "1GiB")

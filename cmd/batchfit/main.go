@@ -104,10 +104,14 @@ Run "batchfit SUBCOMMAND -h" for its flags.
 // line itself when sub is ""): the mistake in one line, then one line
 // saying where the flags are, not the whole list, which would scroll the
 // mistake away. It returns exitUsage; a model file that cannot be read
-// (a *modelFileError) is reported in one line and returns exitPlan.
+// (a *modelFileError) or a model that does not build (a *buildError) is
+// reported in one line and returns exitPlan.
 func usageFailed(stderr io.Writer, sub string, err error) int {
-	var mf *modelFileError
-	if errors.As(err, &mf) { // a file that cannot be read: exit 1, as the codes say
+	var (
+		mf *modelFileError
+		be *buildError
+	)
+	if errors.As(err, &mf) || errors.As(err, &be) { // a file that cannot be read, a model that does not build: exit 1
 		fmt.Fprintf(stderr, "batchfit %s: %v\n", sub, err)
 		return exitPlan
 	}
