@@ -119,11 +119,14 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 
 // result is what a run did, for tests.
 type result struct {
-	Config    hf.Config
-	Model     nn.Module // the fine-tuned model, its host tensors synced
-	Losses    []float32 // every step's loss
-	Prompt    []int
-	Generated []int // the prompt's continuation, without the prompt
+	Config hf.Config
+	Model  nn.Module // the fine-tuned model, its host tensors synced
+	Losses []float32 // every step's loss
+	// Predicted and Measured are the last step's peak reserved bytes, the
+	// plan's (with the executor's overhead) and the allocator's.
+	Predicted, Measured int64
+	Prompt              []int
+	Generated           []int // the prompt's continuation, without the prompt
 }
 
 // run fine-tunes as o says, printing to out.
@@ -216,6 +219,11 @@ func run(ctx context.Context, out io.Writer, o options) (*result, error) {
 	}
 	if _, err := train.Run(ctx, train.Config{Steps: o.steps, LogEvery: o.logEvery, Allocator: sess.Allocator(), Out: out}, step); err != nil {
 		return nil, err
+	}
+	if pl := sess.LastPlan(); pl != nil {
+		res.Predicted, res.Measured = pl.PeakReserved+sess.Overhead(), sess.LastUsage().PeakReserved
+		fmt.Fprintf(out, "last step: batch %d as %s chunks, peak %s predicted, %s measured\n", o.batch, pl.Split,
+			batchfit.FormatSize(res.Predicted), batchfit.FormatSize(res.Measured))
 	}
 	if err := sess.SyncParams(); err != nil {
 		return nil, err

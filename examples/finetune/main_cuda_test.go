@@ -49,6 +49,7 @@ func TestFinetuneCUDA(t *testing.T) {
 			require.NoError(t, err, log.String())
 			t.Log(log.String())
 			assert.Contains(t, log.String(), "device: cuda: ")
+			assert.Equal(t, res.Predicted, res.Measured, "the last step's peak reserved bytes, predicted and measured")
 			first, last := mean(res.Losses[:5]), mean(res.Losses[35:])
 			assert.Less(t, last, first-3, "the loss drops: first five steps %.3f, last five %.3f", first, last)
 			_, reloaded, err := load(out)

@@ -118,6 +118,8 @@ func TestFinetuneEndToEnd(t *testing.T) {
 			require.NoError(t, err, log.String())
 			t.Log(log.String())
 			require.Len(t, res.Losses, 40)
+			assert.Equal(t, res.Predicted, res.Measured, "the last step's peak reserved bytes, predicted and measured")
+			assert.Positive(t, res.Measured)
 			first, last := mean(res.Losses[:5]), mean(res.Losses[35:])
 			assert.Greater(t, first, 6.0, "about log %d at initialisation", 2003)
 			assert.Less(t, last, first-3, "the loss drops: first five steps %.3f, last five %.3f", first, last)
