@@ -157,9 +157,9 @@ func describeLlama(l models.LlamaConfig, window int) string {
 	}
 	parts = append(parts, rope, fmt.Sprintf("%d positions", l.MaxPositions))
 	if window > 0 {
-		// Fused attention keeps nothing [T, T]-sized, so a window changes
-		// the step's time, not its memory.
-		parts = append(parts, fmt.Sprintf("sliding window %d planned as whole causal attention (the same memory)", window))
+		// models.Llama has no window: it attends over the whole causal
+		// context, the same attention for sequences up to the window.
+		parts = append(parts, fmt.Sprintf("sliding window %d planned as whole causal attention (the same up to %d tokens)", window, window))
 	}
 	return strings.Join(parts, ", ")
 }
