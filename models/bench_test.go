@@ -5,6 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
@@ -80,7 +81,7 @@ func BenchmarkGPT2SmallTrainingGraphBF16Mixed(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		st, err := precision.Train(loss.Graph().IR(), precision.BF16Mixed, loss.ID(), wrt)
+		st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: precision.BF16Mixed})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
@@ -101,15 +102,14 @@ func TestTrainWithLossScale(t *testing.T) {
 		wrt, err := lazy.ParamIDs(m.loss, m.params...)
 		require.NoError(t, err)
 		g := m.loss.Graph().IR()
-		plain, err := precision.Train(g, precision.FP16Mixed, m.loss.ID(), wrt)
+		plain, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed})
 		require.NoError(t, err)
 		assert.Equal(t, -1, plain.Scale, name)
 		assert.Equal(t, plain.Loss, plain.Scaled, name)
 
 		sigs := map[uint64]bool{}
 		for _, v := range []float32{1 << 16, 3, 0.5} {
-			st, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt,
-				precision.TrainOptions{LossScale: true, Scale: tensor.New(tensor.FromScalar(v))})
+			st, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Scale: tensor.New(tensor.FromScalar(v))})
 			require.NoError(t, err, name)
 			sc := st.Graph.Node(st.Scale)
 			assert.Equal(t, graph.OpConst, sc.Op, name)
@@ -141,14 +141,14 @@ func TestTrainWithLossScaleData(t *testing.T) {
 	wrt, err := lazy.ParamIDs(m.loss, m.params...)
 	require.NoError(t, err)
 	g := m.loss.Graph().IR()
-	st, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true})
+	st, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true})
 	require.NoError(t, err)
 	assert.Nil(t, st.Graph.Node(st.Scale).Value)
 	for _, bad := range []tensor.Tensor{
 		tensor.New(tensor.FromScalar(float64(2))),
 		tensor.New(tensor.WithShape(1), tensor.WithBacking([]float32{2})),
 	} {
-		_, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true, Scale: bad})
+		_, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Scale: bad})
 		require.ErrorIs(t, err, graph.ErrDType)
 	}
 }
