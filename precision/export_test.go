@@ -28,4 +28,3 @@ func SetFoldNorms(on bool) bool { return swap(&foldNorms, on) }
 // SetFoldRMSNorms turns the 16-bit RMS norms that GEMMs read (halfNorm)
 // on or off; it returns the previous setting.
 func SetFoldRMSNorms(on bool) bool { return swap(&foldRMSNorms, on) }
-
