@@ -351,3 +351,19 @@ func RunRecompute(g *graph.Graph, boundary int, set []int, strategy string, outp
 func NotRun(name, why string, nodes int) Report {
 	return Report{Name: name, Why: why, NodesBefore: nodes, NodesAfter: nodes}
 }
+
+// Markdown is the table as a Markdown table, one row per pass in order:
+// docs/ARCHITECTURE.md shows it (a test holds the two alike).
+func Markdown() string {
+	var b strings.Builder
+	b.WriteString("| # | pass | stage | steps | runs when | what it does |\n|---|---|---|---|---|---|\n")
+	esc := strings.NewReplacer("|", `\|`).Replace
+	for i, p := range table {
+		when := p.When.Text
+		if p.Required {
+			when += " (required)"
+		}
+		fmt.Fprintf(&b, "| %d | `%s` | %s | %s | %s | %s |\n", i+1, p.Name, p.Stage, p.Modes, esc(when), esc(p.Doc))
+	}
+	return b.String()
+}
