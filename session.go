@@ -1173,7 +1173,7 @@ func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids,
 	var ch chosen
 	switch {
 	case slices.Contains(s.opts.DisablePasses, compile.Recompute):
-		return plain("disabled (Options.DisablePasses)")
+		return plain("disabled")
 	case s.opts.Recompute == recompute.Auto:
 	case s.opts.Recompute == recompute.SelectiveOnly, s.opts.Recompute == recompute.FullCheckpoint:
 		c, ok := recompute.Forced(s.opts.Recompute, g, boundary)

@@ -93,7 +93,7 @@ func (p Pass) Applies(m Mode, o Options) (ok bool, why string) {
 	case p.Modes&m == 0:
 		return false, p.Modes.String() + " steps only"
 	case o.Disabled(p.Name):
-		return false, "disabled (Options.Disable)"
+		return false, "disabled"
 	case !p.When.holds(&o):
 		why := "needs " + p.When.Text
 		if p.When.Text == mixedPolicy.Text {
@@ -306,7 +306,7 @@ func Eval(g *graph.Graph, outputs []int, o Options) (*Evaluation, error) {
 func RunRecompute(g *graph.Graph, boundary int, set []int, strategy string, outputs []int, o Options) (*graph.Graph, []int, int, Report, error) {
 	r := Report{Name: Recompute, NodesBefore: g.Len(), NodesAfter: g.Len()}
 	if o.Disabled(Recompute) {
-		r.Why = "disabled (Options.Disable)"
+		r.Why = "disabled"
 		return g, nil, 0, r, nil
 	}
 	if len(set) == 0 {
