@@ -68,7 +68,7 @@ func BenchmarkGPT2SmallTrainingGraph(b *testing.B) {
 
 // BenchmarkGPT2SmallTrainingGraphBF16Mixed times building one GPT-2 small
 // training step under bf16-mixed as Session.Step does (the forward graph,
-// precision.Train's autocast pass and backward, then the analysis), shapes
+// compile.Train's autocast pass and backward, then the analysis), shapes
 // only: the host work a training loop pays before the plan cache.
 func BenchmarkGPT2SmallTrainingGraphBF16Mixed(b *testing.B) {
 	nodes := 0

@@ -19,7 +19,7 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// In a GPT's training step under every policy, as TrainWith builds it,
+// In a GPT's training step under every policy, as compile.Train builds it,
 // each layer norm's backward pass pairs up as the fused CUDA pass needs:
 // layer_norm_grad_x (layer_norm_grad_x_add inside the residual stream)
 // has two companions, its weight's gradient and its

@@ -243,7 +243,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 // float32 node stays in the graph read by nothing, so Apply's ids keep
 // naming the float32 value (an Eval of it runs it). In backward the
 // gradient comes back in the 16-bit dtype, and the layer norm's VJP casts
-// it to float32, a cast that TrainWith folds into the GEMM producing it.
+// it to float32, a cast that Step.FoldWideningCasts folds into the GEMM producing it.
 func halfNorm(g *graph.Graph, users [][]int, i int) bool {
 	switch op := g.Node(i).Op; {
 	case len(users[i]) == 0, op == graph.OpLayerNorm && !foldNorms, op == graph.OpRMSNorm && !foldRMSNorms:

@@ -93,10 +93,11 @@ func TestScalerData(t *testing.T) {
 	assert.Equal(t, float32(4), d.Data(), "the old tensor is not changed")
 }
 
-// TrainWith appends the scale as a float32 scalar constant and the scaled
-// loss, from which the backward pass starts; the graph's signature does
-// not depend on the scale's value, so a new scale compiles nothing anew.
-func TestTrainWithLossScale(t *testing.T) {
+// The loss-scale pass appends the scale as a float32 scalar constant and
+// the scaled loss, from which the backward pass starts; the graph's
+// signature does not depend on the scale's value, so a new scale compiles
+// nothing anew.
+func TestLossScalePass(t *testing.T) {
 	for name, build := range map[string]func(*testing.T, nn.Options) model{"mlp": mlp, "gpt": gpt, "convnet": convnet} {
 		m := build(t, nn.Options{ShapeOnly: true})
 		wrt, err := lazy.ParamIDs(m.loss, m.params...)
@@ -136,7 +137,7 @@ func TestTrainWithLossScale(t *testing.T) {
 
 // A shape-only step takes no data for the scale; data that is not a
 // float32 scalar is refused.
-func TestTrainWithLossScaleData(t *testing.T) {
+func TestLossScalePassData(t *testing.T) {
 	m := mlp(t, nn.Options{ShapeOnly: true})
 	wrt, err := lazy.ParamIDs(m.loss, m.params...)
 	require.NoError(t, err)
