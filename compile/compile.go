@@ -45,7 +45,9 @@ const (
 	Forward Stage = iota
 	// Backward passes build and rewrite the training graph: the loss
 	// scale, autodiff, then the fusions of the backward pass, each
-	// keeping the step's outputs (precision.Step.Outputs).
+	// keeping the step's outputs (precision.Step.Outputs). An entry of
+	// this stage that applies to evaluations too runs there on the
+	// forward graph, keeping the evaluation's outputs.
 	Backward
 	// Program passes run when the step is planned, on the compiled
 	// step's graph at a budget: recompute (the Session runs it, by

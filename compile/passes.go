@@ -13,7 +13,8 @@ import (
 // line here: a forward-graph rewrite g → (g′, ids) goes before
 // "loss-scale" through forward(fn); a rewrite of the training graph that
 // keeps given outputs, g, outputs → (g′, ids), goes after "autodiff"
-// through backward(fn).
+// through backward(fn) (with Modes TrainStep | EvalStep it rewrites an
+// evaluation's forward graph too, keeping its outputs).
 var table = []Pass{
 	{Name: "fuse-attention-qkv", Stage: Forward, Modes: TrainStep, When: mixedPolicy, run: forward(graph.FuseAttentionQKV),
 		Doc: "attention over q, k, v sliced from one projection reads them in place (graph.FuseAttentionQKV)"},
@@ -64,9 +65,21 @@ func forward(fn func(*graph.Graph) (*graph.Graph, []int, error)) func(*state) er
 }
 
 // backward makes a rewrite of the training graph an entry's run: fn keeps
-// the step's outputs (precision.Step.Rewrite).
+// the step's outputs (precision.Step.Rewrite). In an evaluation (an entry
+// whose Modes hold EvalStep) it rewrites the forward graph, keeping the
+// evaluation's outputs.
 func backward(fn func(*graph.Graph, []int) (*graph.Graph, []int, error)) func(*state) error {
-	return func(s *state) error { return s.st.Rewrite(fn) }
+	return func(s *state) error {
+		if s.st != nil {
+			return s.st.Rewrite(fn)
+		}
+		ng, ids, err := fn(s.g, s.outs())
+		if err != nil {
+			return err
+		}
+		s.rebind(ng, ids)
+		return nil
+	}
 }
 
 func autocast(s *state) error {
