@@ -110,9 +110,10 @@ type Options struct {
 	LossScale precision.LossScale
 	// ChannelsLast stores conv nets' 4-D activations channels last (NHWC)
 	// in training steps (package layout, the pipeline's channels-last
-	// pass: compile.Options.ChannelsLast), after the precision pass, from their bfloat16
-	// convolutions on (layout.ConvTakes; other graphs are unchanged), for
-	// cuDNN's NHWC convolutions and batchfit's vector NHWC batch norm.
+	// pass: compile.Options.ChannelsLast), after the precision pass, from
+	// their bfloat16 convolutions on (layout.ConvTakes; other graphs are
+	// unchanged), for cuDNN's NHWC convolutions and batchfit's vector
+	// NHWC batch norm.
 	// Shapes the caller sees stay NCHW; the plan counts the conversions.
 	// Under "bf16-mixed" it is the default (NoChannelsLast turns it off):
 	// on the H100 a ResNet-50 bf16-mixed step at batch 64 measured 23.4 ms
