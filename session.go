@@ -1427,7 +1427,8 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 type compiledStep struct {
 	prog *planner.Program
 	re   Recomputed
-	// passes is what each pass of the pipeline did (StepPlan.Passes).
+	// passes is what each pass of the pipeline did (StepPlan.Passes;
+	// nil for a step that runs).
 	passes []compile.Report
 	// ids are the step's outputs: the loss, the gradients of trained (kept
 	// on the device), then from first on the graph's step updates.
@@ -1535,7 +1536,10 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if err != nil {
 		return nil, err
 	}
-	passes := append(slices.Clip(tmpl.passes), rr)
+	var passes []compile.Report // a plan's (StepPlan.Passes); a step needs none
+	if !runnable {
+		passes = append(slices.Clip(tmpl.passes), rr)
+	}
 	return &compiledStep{prog: prog, re: re, passes: passes, ids: ids, first: first, updates: updates, trained: trained, g: ir,
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
 }
