@@ -12,6 +12,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
@@ -199,6 +200,8 @@ type estimateConfig struct {
 	recompute        recompute.Mode
 	profile          recompute.Profile
 	plot             string
+	passes           bool     // --passes: print the pipeline's reports
+	disable          []string // --disable-passes: batchfit.Options.DisablePasses
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
@@ -238,6 +241,9 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
+	fs.BoolVar(&v.passes, "passes", false, "print what each graph pass of the pipeline did: ran or why not, nodes and bytes before and after")
+	fs.StringVar(&v.disable, "disable-passes", "", "comma-separated graph `passes` the step leaves out, as batchfit.Options.DisablePasses: "+
+		strings.Join(compile.Names(), ", "))
 	addRecomputeFlags(fs, &v.recompute)
 	return fs, v
 }
@@ -248,6 +254,8 @@ type estimateFlagValues struct {
 	recompute   recomputeFlagValues
 	top         int
 	table, json bool
+	passes      bool
+	disable     string
 }
 
 // parseFlags parses args with fs; every error is a *usageError (or
@@ -347,9 +355,17 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.table, c.top, c.json, c.device = v.table, v.top, v.json, d
+	c.table, c.top, c.json, c.device, c.passes = v.table, v.top, v.json, d, v.passes
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
+	}
+	if v.disable != "" {
+		for _, n := range strings.Split(v.disable, ",") {
+			c.disable = append(c.disable, strings.TrimSpace(n))
+		}
+		if err := compile.Check(c.disable); err != nil {
+			return nil, usagef(errUnknown, "--disable-passes: %v", err)
+		}
 	}
 	if err := v.recompute.apply(c); err != nil {
 		return nil, err
