@@ -14,6 +14,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
@@ -206,7 +207,7 @@ func TestLlamaMixedGradientsNearFloat32(t *testing.T) {
 		params := nn.ParamTensors(m)
 		wrt, err := lazy.ParamIDs(loss, params...)
 		require.NoError(t, err)
-		st, err := precision.Train(loss.Graph().IR(), p, loss.ID(), wrt)
+		st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: p})
 		require.NoError(t, err)
 		out, err := cpu.New().Run(context.Background(), st.Graph, st.Grads...)
 		require.NoError(t, err)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
@@ -283,8 +284,7 @@ func TestLossScaleGradients(t *testing.T) {
 			loss, params := c.model(false).Build(rand.New(rand.NewPCG(7, 7)), c.n)
 			wrt, err := lazy.ParamIDs(loss, params...)
 			require.NoError(t, err)
-			st, err := precision.TrainWith(loss.Graph().IR(), precision.FP16Mixed, loss.ID(), wrt,
-				precision.TrainOptions{LossScale: true, Scale: tensor.New(tensor.FromScalar(float32(s)))})
+			st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Scale: tensor.New(tensor.FromScalar(float32(s)))})
 			require.NoError(t, err)
 			out, err := cpu.New().Run(ctx, st.Graph, st.Grads...)
 			require.NoError(t, err)

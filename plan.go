@@ -8,6 +8,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
@@ -43,6 +44,11 @@ type StepPlan struct {
 	// (Session.Overhead): a run's measured peak reserved bytes are the
 	// plan's plus Overhead.
 	Overhead int64
+	// Passes is what each pass of the pipeline did to the step, in the
+	// pipeline's order (package compile): whether it ran or why not, the
+	// graph's nodes and bytes before and after. A training step's last
+	// is the recompute pass's.
+	Passes []compile.Report
 }
 
 // Plan builds and plans the training step Step(ctx, loss, params, opt)
@@ -77,7 +83,7 @@ func (s *Session) Plan(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optim
 		return nil, err
 	}
 	defer cs.release()
-	sp := &StepPlan{Program: cs.prog.Rebind(structure(cs.prog.Graph)), Recompute: cs.re, Overhead: s.Overhead()}
+	sp := &StepPlan{Program: cs.prog.Rebind(structure(cs.prog.Graph)), Recompute: cs.re, Overhead: s.Overhead(), Passes: cs.passes}
 	plain := sp.Program.Graph
 	if cs.prog.Graph != cs.g {
 		plain = structure(cs.g)
@@ -96,11 +102,11 @@ func (s *Session) PlanEval(outputs ...*lazy.Tensor) (*StepPlan, error) {
 		return nil, err
 	}
 	defer done()
-	p, err := s.evalProgram(outputs)
+	p, passes, err := s.evalProgram(outputs, true)
 	if err != nil {
 		return nil, err
 	}
-	sp := &StepPlan{Program: p.Rebind(structure(p.Graph)), Recompute: Recomputed{Strategy: "none"}, Overhead: s.Overhead()}
+	sp := &StepPlan{Program: p.Rebind(structure(p.Graph)), Recompute: Recomputed{Strategy: "none"}, Overhead: s.Overhead(), Passes: passes}
 	sp.Plan, err = s.planNext(p)
 	return sp, err
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -37,7 +38,7 @@ func mixedProgram(t *testing.T, p precision.Policy, loss *lazy.Tensor, params []
 	require.NoError(t, loss.Err())
 	wrt, err := lazy.ParamIDs(loss, params...)
 	require.NoError(t, err)
-	st, err := precision.TrainWith(loss.Graph().IR(), p, loss.ID(), wrt, precision.TrainOptions{ChannelsLast: p == precision.BF16Mixed})
+	st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: p, ChannelsLast: p == precision.BF16Mixed})
 	require.NoError(t, err)
 	outs := append([]int{st.Loss}, st.Grads...)
 	info, err := shapeinfer.Analyze(st.Graph, outs...)
@@ -160,7 +161,7 @@ func TestMixedGradientsNearFloat32(t *testing.T) {
 			loss, params := c.model(false).Build(rand.New(rand.NewPCG(7, 7)), c.n)
 			wrt, err := lazy.ParamIDs(loss, params...)
 			require.NoError(t, err)
-			st, err := precision.Train(loss.Graph().IR(), p, loss.ID(), wrt)
+			st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: p})
 			require.NoError(t, err)
 			out, err := cpu.New().Run(ctx, st.Graph, st.Grads...)
 			require.NoError(t, err)

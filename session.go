@@ -15,7 +15,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit/alloc"
-	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/lru"
@@ -109,10 +109,11 @@ type Options struct {
 	// precision.ErrLossScale.
 	LossScale precision.LossScale
 	// ChannelsLast stores conv nets' 4-D activations channels last (NHWC)
-	// in training steps (package layout, precision.TrainOptions.
-	// ChannelsLast), after the precision pass, from their bfloat16
-	// convolutions on (layout.ConvTakes; other graphs are unchanged), for
-	// cuDNN's NHWC convolutions and batchfit's vector NHWC batch norm.
+	// in training steps (package layout, the pipeline's channels-last
+	// pass: compile.Options.ChannelsLast), after the precision pass, from
+	// their bfloat16 convolutions on (layout.ConvTakes; other graphs are
+	// unchanged), for cuDNN's NHWC convolutions and batchfit's vector
+	// NHWC batch norm.
 	// Shapes the caller sees stay NCHW; the plan counts the conversions.
 	// Under "bf16-mixed" it is the default (NoChannelsLast turns it off):
 	// on the H100 a ResNet-50 bf16-mixed step at batch 64 measured 23.4 ms
@@ -138,6 +139,13 @@ type Options struct {
 	// HostPinned what the executor holds. An unknown mode or another
 	// policy makes the session hold an error wrapping ErrOffload.
 	Offload Offload
+	// DisablePasses names graph passes of the pipeline (package compile:
+	// compile.Names) that the session's steps skip, to compare a step
+	// with and without one; "recompute" turns Recompute off. A name that
+	// is no pass, or names a required one (autodiff), makes the session
+	// hold a *compile.PassNameError (errors.Is compile.ErrUnknownPass or
+	// compile.ErrRequiredPass).
+	DisablePasses []string
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -327,6 +335,9 @@ type stepTemplate struct {
 	// node's site in the step's own forward graph, so an error names the
 	// lines that built the graph being run.
 	sites []siteGroup
+	// passes is what the pipeline's graph passes did to the step
+	// (compile.Step.Passes).
+	passes []compile.Report
 }
 
 // siteGroup is a forward node and the step graph's nodes with its site.
@@ -525,6 +536,8 @@ func NewSession(opts Options) *Session {
 		s.err = opts.Profile.Validate()
 	} else if err := checkOffload(opts.Offload, s.policy); err != nil {
 		s.err = err
+	} else if err := compile.Check(opts.DisablePasses); err != nil {
+		s.err = fmt.Errorf("Options.DisablePasses: %w", err)
 	} else if err := s.newScaler(); err != nil {
 		s.err = fmt.Errorf("Options.LossScale: %w", err)
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {
@@ -1163,28 +1176,32 @@ func (s *Session) LastRecompute() Recomputed {
 // device), then the step's updates (lazy.Graph.OnStep). Searches
 // are cached by step, budget and residents; the transformed program is
 // cached like any program, by its graph's signature. unscale marks a
-// loss-scaled step, and t is g's step template (Session.program).
-func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool) (*planner.Program, Recomputed, error) {
+// loss-scaled step, and t is g's step template (Session.program). It
+// returns the recompute pass's report too, its bytes counted with
+// measure (a plan's, not every step's).
+func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale, measure bool) (*planner.Program, Recomputed, compile.Report, error) {
 	none := Recomputed{Strategy: "none"}
-	plain := func() (*planner.Program, Recomputed, error) {
+	plain := func(why string) (*planner.Program, Recomputed, compile.Report, error) {
 		p, err := s.program(g, t, ids, ids[1:1+len(trained)], trained, slots, unscale)
-		return p, none, err
+		return p, none, compile.NotRun(compile.Recompute, why, g.Len()), err
 	}
 	var ch chosen
-	switch s.opts.Recompute {
-	case recompute.Auto:
-	case recompute.SelectiveOnly, recompute.FullCheckpoint:
+	switch {
+	case slices.Contains(s.opts.DisablePasses, compile.Recompute):
+		return plain("disabled")
+	case s.opts.Recompute == recompute.Auto:
+	case s.opts.Recompute == recompute.SelectiveOnly, s.opts.Recompute == recompute.FullCheckpoint:
 		c, ok := recompute.Forced(s.opts.Recompute, g, boundary)
 		if !ok {
-			return plain()
+			return plain("no " + string(s.opts.Recompute) + " candidate in this step")
 		}
-		return s.transformed(g, t, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set})
+		return s.transformed(g, t, boundary, ids, trained, slots, unscale, chosen{name: c.Name, set: c.Set}, measure)
 	default:
-		return plain()
+		return plain("Options.Recompute is off")
 	}
 	budget, err := s.budget()
 	if err != nil {
-		return nil, none, err
+		return nil, none, compile.Report{}, err
 	}
 	held := s.be.Held()
 	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
@@ -1200,7 +1217,7 @@ func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids,
 			Planner:  s.planOptions(budget, nil),
 			Resident: func(p *planner.Program) []planner.Held { return exec.PlanResidents(p, held) }})
 		if err != nil {
-			return nil, none, err
+			return nil, none, compile.Report{}, err
 		}
 		ch = chosen{g: like}
 		if res.Best != nil { // otherwise the plain plan's error tells why
@@ -1213,24 +1230,21 @@ func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids,
 		s.chosen.Put(key, ch)
 		s.mu.Unlock()
 	}
-	return s.transformed(g, t, boundary, ids, trained, slots, unscale, ch)
+	return s.transformed(g, t, boundary, ids, trained, slots, unscale, ch, measure)
 }
 
 // transformed compiles g with ch's forward nodes recomputed (the plain
-// program when ch recomputes nothing).
-func (s *Session) transformed(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool, ch chosen) (*planner.Program, Recomputed, error) {
+// program when ch recomputes nothing), through the pipeline's recompute
+// pass (compile.RunRecompute), and returns its report.
+func (s *Session) transformed(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool, ch chosen, measure bool) (*planner.Program, Recomputed, compile.Report, error) {
 	none := Recomputed{Strategy: "none"}
 	if len(ch.set) == 0 {
 		p, err := s.program(g, t, ids, ids[1:1+len(trained)], trained, slots, unscale)
-		return p, none, err
+		return p, none, compile.NotRun(compile.Recompute, "the search chose none: the plain step is the fastest within the budget", g.Len()), err
 	}
-	mark := make([]bool, boundary)
-	for _, id := range ch.set {
-		mark[id] = true
-	}
-	g2, remap, copies, err := recompute.Apply(g, boundary, mark)
+	g2, remap, copies, rep, err := compile.RunRecompute(g, boundary, ch.set, ch.name, ids, compile.Options{Disable: s.opts.DisablePasses, NoMeasure: !measure})
 	if err != nil {
-		return nil, none, err
+		return nil, none, rep, err
 	}
 	ids2, trained2 := make([]int, len(ids)), make([]int, len(trained))
 	for i, id := range ids {
@@ -1240,7 +1254,7 @@ func (s *Session) transformed(g *graph.Graph, t *stepTemplate, boundary int, ids
 		trained2[i] = remap[id]
 	}
 	p, err := s.program(g2, nil, ids2, ids2[1:1+len(trained2)], trained2, slots, unscale)
-	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, err
+	return p, Recomputed{Strategy: ch.name, Nodes: len(ch.set), Copies: copies}, rep, err
 }
 
 // sameGraph returns the graph shared by ts, or a typed error.
@@ -1273,7 +1287,7 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 		return nil, err
 	}
 	defer done()
-	p, err := s.evalProgram(outputs)
+	p, _, err := s.evalProgram(outputs, false)
 	if err != nil {
 		return nil, err
 	}
@@ -1281,13 +1295,14 @@ func (s *Session) Eval(ctx context.Context, outputs ...*lazy.Tensor) ([]*tensor.
 	return outs, closedErr(ctx, err)
 }
 
-// evalProgram compiles the evaluation of outputs (the precision pass
-// under a mixed policy, no gradients) as Eval runs it: the path Eval and
-// PlanEval share.
-func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) {
+// evalProgram compiles the evaluation of outputs (the pipeline's
+// evaluation passes, compile.Eval: the precision pass under a mixed
+// policy, no gradients) as Eval runs it: the path Eval and PlanEval
+// share. With measure the passes' reports count bytes.
+func (s *Session) evalProgram(outputs []*lazy.Tensor, measure bool) (*planner.Program, []compile.Report, error) {
 	g, err := sameGraph("eval", outputs)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	ids := make([]int, len(outputs))
 	for i, t := range outputs {
@@ -1297,16 +1312,12 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor) (*planner.Program, error) 
 	if s.offloading() {
 		ir = halfParams(ir) // the device's bfloat16 copies
 	}
-	if s.policy.Mixed() {
-		var m []int
-		if ir, m, err = precision.Apply(ir, s.policy); err != nil {
-			return nil, err
-		}
-		for i, id := range ids {
-			ids[i] = m[id]
-		}
+	ev, err := compile.Eval(ir, ids, compile.Options{Policy: s.policy, Disable: s.opts.DisablePasses, NoMeasure: !measure})
+	if err != nil {
+		return nil, nil, err
 	}
-	return s.program(ir, nil, ids, nil, nil, 0, false)
+	p, err := s.program(ev.Graph, nil, ev.Outputs, nil, nil, 0, false)
+	return p, ev.Passes, err
 }
 
 // Step runs one training step: forward and backward of the scalar loss,
@@ -1442,6 +1453,9 @@ func (s *Session) StepWith(ctx context.Context, loss *lazy.Tensor, params []*laz
 type compiledStep struct {
 	prog *planner.Program
 	re   Recomputed
+	// passes is what each pass of the pipeline did (StepPlan.Passes;
+	// nil for a step that runs).
+	passes []compile.Report
 	// ids are the step's outputs: the loss, the gradients of trained (kept
 	// on the device), then from first on the graph's step updates.
 	ids     []int
@@ -1549,11 +1563,15 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if !unscale {
 		scale = 0
 	}
-	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
+	prog, re, rr, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale, !runnable)
 	if err != nil {
 		return nil, err
 	}
-	return &compiledStep{prog: prog, re: re, ids: ids, first: first, updates: updates, trained: trained, g: ir,
+	var passes []compile.Report // a plan's (StepPlan.Passes); a step needs none
+	if !runnable {
+		passes = append(slices.Clip(tmpl.passes), rr)
+	}
+	return &compiledStep{prog: prog, re: re, passes: passes, ids: ids, first: first, updates: updates, trained: trained, g: ir,
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
 }
 
@@ -1631,9 +1649,10 @@ func distinctParams(params []*lazy.Tensor) error {
 	return nil
 }
 
-// backward builds the step's graph: under fp32 and tf32 the backward pass
+// backward builds the step's graph through the pipeline's passes
+// (differentiate, compile.Train): under fp32 and tf32 the backward pass
 // appended to a copy of loss's graph; under a mixed policy the policy's
-// rewrite of that graph with its backward pass (precision.TrainWith).
+// rewrite of that graph with its backward pass.
 // Either way the caller's graph stays as it was built, so a loop stepping
 // one loss tensor again finds the same forward graph (and its step
 // template), and steps of one loss may run from several goroutines. With
@@ -1709,11 +1728,12 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 		return t.instantiate(g, fwd, data), t, release, nil
 	}
 	pre := structure(fwd)
-	st, err := s.differentiate(loss, wrt, scale)
+	st, passes, err := s.differentiate(loss, wrt, scale)
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	t = newTemplate(st, pre)
+	t.passes = passes
 	if !t.seedsKnown {
 		key.seeds = seeds
 	}
@@ -1725,13 +1745,14 @@ func (s *Session) backward(loss *lazy.Tensor, params []*lazy.Tensor, scale *tens
 	return st, t, func() {}, nil
 }
 
-// differentiate builds a training step's graph: under a mixed policy or
-// channels last (Session.channelsLast) the precision and layout passes on
-// a copy of loss's graph, then loss scaling and the backward pass
-// (precision.TrainWith); otherwise the backward pass appended to a copy of
-// loss's graph. wrt are the parameters' node ids, −1 for one the graph
-// does not hold: its Params and Grads entries are −1 too.
-func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, error) {
+// differentiate builds a training step's graph through the pipeline
+// (compile.Train) on a copy of loss's graph: the precision and layout
+// passes under a mixed policy or channels last, then loss scaling, the
+// backward pass and its fusions; a plain step (fp32, tf32 in NCHW) is the
+// backward pass appended to the copy (compile.Options.Plain). wrt are the
+// parameters' node ids, −1 for one the graph does not hold: its Params
+// and Grads entries are −1 too. It returns the passes' reports too.
+func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dense) (*precision.Step, []compile.Report, error) {
 	fwd := loss.Graph().IR()
 	held := make([]int, 0, len(wrt))
 	for _, id := range wrt {
@@ -1739,37 +1760,21 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 			held = append(held, id)
 		}
 	}
-	var st *precision.Step
-	if channelsLast := s.channelsLast(); !s.policy.Mixed() && !channelsLast {
-		g := fwd.Clone()
-		grads, err := autodiff.Backward(g, loss.ID(), held)
-		if err != nil {
-			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
-				err = &graph.OpError{Op: "step", Err: err}
-			}
-			return nil, err
-		}
-		st = &precision.Step{Graph: g, Loss: loss.ID(), Params: held, Grads: grads,
-			Scale: -1, Scaled: loss.ID(), IDs: make([]int, fwd.Len())}
-		for i := range st.IDs {
-			st.IDs[i] = i
-		}
-	} else {
-		if s.offloading() { // the device holds bfloat16 copies of the trained parameters
-			fwd = halfParams(fwd)
-		}
-		o := precision.TrainOptions{ChannelsLast: channelsLast}
-		if scale != nil {
-			o.LossScale, o.Scale = true, scale
-		}
-		var err error
-		if st, err = precision.TrainWith(fwd, s.policy, loss.ID(), held, o); err != nil {
-			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
-				err = &graph.OpError{Op: "step", Err: err}
-			}
-			return nil, err
-		}
+	if s.offloading() { // the device holds bfloat16 copies of the parameters
+		fwd = halfParams(fwd)
 	}
+	o := compile.Options{Policy: s.policy, ChannelsLast: s.channelsLast(), Plain: true, Disable: s.opts.DisablePasses}
+	if scale != nil {
+		o.LossScale, o.Scale = true, scale
+	}
+	cs, err := compile.Train(fwd, loss.ID(), held, o)
+	if err != nil {
+		if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
+			err = &graph.OpError{Op: "step", Err: err}
+		}
+		return nil, nil, err
+	}
+	st := &cs.Step
 	if len(held) < len(wrt) { // the parameters' order, −1 where the graph holds none
 		ps, gs := make([]int, len(wrt)), make([]int, len(wrt))
 		k := 0
@@ -1782,7 +1787,7 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 		}
 		st.Params, st.Grads = ps, gs
 	}
-	return st, nil
+	return st, cs.Passes, nil
 }
 
 // channelsLast reports whether training steps store conv nets channels

@@ -19,7 +19,7 @@ import (
 
 // Under a mixed policy a GPT written with q, k and v sliced from one
 // projection trains exactly as the zoo's packed one: the step's attention
-// fusion (precision.TrainWith, graph.FuseAttentionQKV) leaves no slice or
+// fusion (the pipeline's fuse-attention-qkv pass, graph.FuseAttentionQKV) leaves no slice or
 // permute of the attention, and three steps give the same losses and
 // parameters, bit for bit, on the CPU.
 func TestSessionFusesUnpackedAttention(t *testing.T) {

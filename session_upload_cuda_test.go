@@ -64,3 +64,58 @@ func TestSessionCUDAUploadParams(t *testing.T) {
 		}
 	}
 }
+
+// UploadParams while yielded, parameter by parameter kind: float32 only
+// and with a frozen bfloat16 weight, uploading before the Restore (into
+// the host copies Restore loads) and after an explicit Restore (onto the
+// device). Each way the next Eval gives the CPU's outputs for the values
+// written into the host tensors.
+//
+// Tolerance: 1e-5·(1 + |want|), as above.
+func TestSessionCUDAUploadParamsWhileYielded(t *testing.T) {
+	ctx := context.Background()
+	const in, hidden, n = 32, 16, 8
+	for _, frozen := range []bool{false, true} {
+		for _, restoreFirst := range []bool{false, true} {
+			name := map[bool]string{false: "float32", true: "frozen-bf16"}[frozen] + map[bool]string{false: "/upload-then-restore", true: "/restore-then-upload"}[restoreFirst]
+			t.Run(name, func(t *testing.T) {
+				m := newTwoLayer(43, in, hidden)
+				if frozen {
+					require.NoError(t, nn.FreezeAs(graph.BFloat16, m.Params()[0]))
+				}
+				g := cudaSession(t, batchfit.Options{})
+				rng := rand.New(rand.NewPCG(43, 44))
+				opt := optim.NewAdamW(1e-2)
+				for step := range 2 {
+					_, err := g.Step(ctx, mlpStep(m, rng, n, in), nn.ParamTensors(m), opt)
+					require.NoError(t, err, "step %d", step)
+				}
+				x := testutil.UniformF32(rng, n, in)
+				eval := func(s *batchfit.Session) []float32 {
+					out, err := s.Eval(ctx, m.Forward(lazy.Wrap(x, 0)))
+					require.NoError(t, err)
+					return testutil.Float32s(t, out[0])
+				}
+				require.NoError(t, g.SyncParams())
+				require.NoError(t, g.Yield())
+				for _, p := range m.Params() {
+					f := p.Value().Data().([]float32)
+					for i := range f {
+						f[i] = float32(rng.NormFloat64()) / 4
+					}
+				}
+				cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+				defer cpu.Close()
+				want := eval(cpu)
+				if restoreFirst {
+					require.NoError(t, g.Restore())
+				}
+				require.NoError(t, g.UploadParams())
+				got := eval(g)
+				for i := range want {
+					require.InDelta(t, want[i], got[i], 1e-5*(1+math.Abs(float64(want[i]))), "output %d", i)
+				}
+			})
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -50,9 +51,9 @@ func step(t *testing.T, m forwarder, c, s, classes int, p precision.Policy, last
 	require.NoError(t, loss.Err())
 	wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(m)...)
 	require.NoError(t, err)
-	st, err := precision.TrainWith(loss.Graph().IR(), p, loss.ID(), wrt, precision.TrainOptions{ChannelsLast: last})
+	st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: p, ChannelsLast: last})
 	require.NoError(t, err)
-	return st
+	return &st.Step
 }
 
 // nets are the conv nets the tests train: the zoo's ConvNet (conv with

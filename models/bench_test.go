@@ -5,6 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
@@ -67,7 +68,7 @@ func BenchmarkGPT2SmallTrainingGraph(b *testing.B) {
 
 // BenchmarkGPT2SmallTrainingGraphBF16Mixed times building one GPT-2 small
 // training step under bf16-mixed as Session.Step does (the forward graph,
-// precision.Train's autocast pass and backward, then the analysis), shapes
+// compile.Train's autocast pass and backward, then the analysis), shapes
 // only: the host work a training loop pays before the plan cache.
 func BenchmarkGPT2SmallTrainingGraphBF16Mixed(b *testing.B) {
 	nodes := 0
@@ -80,7 +81,7 @@ func BenchmarkGPT2SmallTrainingGraphBF16Mixed(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		st, err := precision.Train(loss.Graph().IR(), precision.BF16Mixed, loss.ID(), wrt)
+		st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: precision.BF16Mixed})
 		if err != nil {
 			b.Fatal(err)
 		}

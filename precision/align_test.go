@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
@@ -82,7 +83,7 @@ func TestAlignedLinearRewrite(t *testing.T) {
 			}
 		}
 		assert.Equal(t, 1, heads, "the head's outputs are padded to %d", vp)
-		_, err = precision.Train(fwd, c.policy, m.loss.ID(), wrt)
+		_, err = trainStep(fwd, m.loss.ID(), wrt, compile.Options{Policy: c.policy})
 		require.NoError(t, err, "autodiff goes through the padding")
 	}
 }
@@ -97,7 +98,7 @@ func TestAlignedLinearValues(t *testing.T) {
 	run := func(align bool) [][]float32 {
 		prev := precision.SetAlignLinears(align)
 		defer precision.SetAlignLinears(prev)
-		st, err := precision.Train(fwd, precision.BF16Mixed, m.loss.ID(), wrt)
+		st, err := trainStep(fwd, m.loss.ID(), wrt, compile.Options{Policy: precision.BF16Mixed})
 		require.NoError(t, err)
 		return stepValues(t, st)
 	}

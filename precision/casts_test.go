@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
@@ -77,7 +78,7 @@ func gpt2SmallStep(t *testing.T) *precision.Step {
 	loss := models.Loss(model.Forward(tokens), targets)
 	wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(model)...)
 	require.NoError(t, err)
-	st, err := precision.Train(loss.Graph().IR(), precision.BF16Mixed, loss.ID(), wrt)
+	st, err := trainStep(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: precision.BF16Mixed})
 	require.NoError(t, err)
 	return st
 }
@@ -92,9 +93,9 @@ func gpt2SmallStep(t *testing.T) *precision.Step {
 // casts of 275 M. The groups are logged, so a regression shows which
 // casts came back.
 func TestCastCountGPT2Small(t *testing.T) {
-	prevCasts, prevNorms := precision.SetFoldCasts(false), precision.SetFoldNorms(false)
+	prevCasts, prevNorms := setFoldCasts(false), precision.SetFoldNorms(false)
 	plain := countCasts(gpt2SmallStep(t))
-	precision.SetFoldCasts(prevCasts)
+	setFoldCasts(prevCasts)
 	precision.SetFoldNorms(prevNorms)
 	require.Equal(t, 268, plain.nodes, "casts without folding")
 	require.Equal(t, int64(712797696), plain.elements)

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -18,7 +19,7 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// In a GPT's training step under every policy, as TrainWith builds it,
+// In a GPT's training step under every policy, as compile.Train builds it,
 // each layer norm's backward pass pairs up as the fused CUDA pass needs:
 // layer_norm_grad_x (layer_norm_grad_x_add inside the residual stream)
 // has two companions, its weight's gradient and its
@@ -35,7 +36,7 @@ func TestLayerNormCompanionsInTrainingStep(t *testing.T) {
 			tokens := lazy.Placeholder([]int{4, cfg.Context}, graph.Int64, 0)
 			targets := tokens.Graph().Placeholder([]int{4, cfg.Context}, graph.Int64, 0)
 			loss := models.Loss(model.Forward(tokens), targets)
-			p := trainProgram(t, loss, nn.ParamTensors(model), pol, precision.TrainOptions{})
+			p := trainProgram(t, loss, nn.ParamTensors(model), pol, compile.Options{})
 			g := p.Graph
 			ws := map[int]bool{}
 			for _, b := range p.Buffers {
@@ -111,7 +112,7 @@ func TestBatchNormCompanionsInTrainingStep(t *testing.T) {
 			y := x.Graph().Placeholder([]int{4}, graph.Int64, 0)
 			loss := m.Forward(x).CrossEntropy(y, graph.ReduceMean)
 			require.NoError(t, loss.Err())
-			p := trainProgram(t, loss, nn.ParamTensors(m), c.pol, precision.TrainOptions{ChannelsLast: c.last})
+			p := trainProgram(t, loss, nn.ParamTensors(m), c.pol, compile.Options{ChannelsLast: c.last})
 			g := p.Graph
 			gxs, norms, lastLayout := 0, 0, 0
 			companion := map[int]bool{}
@@ -155,13 +156,14 @@ func TestBatchNormCompanionsInTrainingStep(t *testing.T) {
 }
 
 // trainProgram compiles loss's training step under pol and o
-// (precision.TrainWith) with CUDA's workspace rule, the gradients kept and
+// (compile.Train) with CUDA's workspace rule, the gradients kept and
 // Adam's two state slots, as a Session on CUDA plans it.
-func trainProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, pol precision.Policy, o precision.TrainOptions) *planner.Program {
+func trainProgram(t *testing.T, loss *lazy.Tensor, params []*lazy.Tensor, pol precision.Policy, o compile.Options) *planner.Program {
 	t.Helper()
 	wrt, err := lazy.ParamIDs(loss, params...)
 	require.NoError(t, err)
-	st, err := precision.TrainWith(loss.Graph().IR(), pol, loss.ID(), wrt, o)
+	o.Policy = pol
+	st, err := trainStep(loss.Graph().IR(), loss.ID(), wrt, o)
 	require.NoError(t, err)
 	outs := append([]int{st.Loss}, st.Grads...)
 	info, err := shapeinfer.Analyze(st.Graph, outs...)

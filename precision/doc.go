@@ -1,6 +1,9 @@
 // Package precision is batchfit's mixed-precision policy: a graph pass
 // that gives a forward graph the dtypes PyTorch's autocast gives the same
-// model, before autodiff appends its backward pass.
+// model, before autodiff appends its backward pass, and the rewrites of a
+// training step (Step) that the policy asks for after it. Package compile
+// runs them, in the pipeline's order, as its autocast, loss-scale and
+// fold-casts passes.
 //
 // Rules, stated up front:
 //   - A Policy is one of fp32 (the default: nothing changes), tf32 (nothing
@@ -79,7 +82,8 @@
 //     (graph.OpRMSNorm) get the same twin, on by default (foldRMSNorms):
 //     a Llama block's two norms are each read by two or more GEMMs, each
 //     of which would cast the float32 norm itself.
-//   - Folded widening casts: after autodiff, TrainWith gives a 16-bit
+//   - Folded widening casts: after autodiff, Step.FoldWideningCasts (the
+//     pipeline's fold-casts pass, under a mixed policy) gives a 16-bit
 //     matmul whose only reader is a cast to float32 (directly, or through
 //     reshapes and slices each read once, none of them an output of the
 //     step) a float32 output (graph.OpMatMul's Attrs.Target) and drops the
@@ -93,12 +97,13 @@
 //     again). GPT-2 small's bf16-mixed step (batch 8, seq 1024) runs 194
 //     casts of 432 M elements, 268 of 713 M without, 169 of 275 M with
 //     16-bit layer norms too (TestCastCountGPT2Small).
-//   - Fused GELU gradients: after the fold, TrainWith runs
-//     graph.FuseGeluGrad, so the backward product that reaches a GELU and
+//   - Fused GELU gradients: after the fold, the pipeline runs
+//     graph.FuseGeluGrad (Step.Rewrite), so the backward product that reaches a GELU and
 //     the GELU's derivative are one matmul_gelu_grad node (one GEMM with
 //     cuBLASLt's DGELU epilogue on CUDA): the product is never stored.
-//   - Fused layer-norm gradients, under every policy: TrainWith then runs
-//     graph.FuseLayerNormGradAdd, so a layer norm's input gradient that
+//   - Fused layer-norm gradients, under every policy (a Session's plain
+//     fp32 and tf32 steps aside: compile.Options.Plain): the pipeline then
+//     runs graph.FuseLayerNormGradAdd, so a layer norm's input gradient that
 //     meets another gradient (a residual stream's) is one
 //     layer_norm_grad_x_add node, the add done in the layer norm's
 //     backward pass; the values are bit for bit the unfused step's.
@@ -106,7 +111,8 @@
 //     weights); so do the loss and every value of the float32 class.
 //     Gradients have their value's dtype (autodiff casts a contribution of
 //     another float dtype), as PyTorch's autograd keeps them.
-//   - The pass runs on a forward graph, before autodiff (Train does both).
+//   - The pass runs on a forward graph, before autodiff (compile.Train
+//     does both).
 //     A graph that already holds gradient ops is not rewritten correctly
 //     (their dtypes are fixed by their forward nodes): Apply refuses it.
 //
@@ -123,14 +129,14 @@
 // does; its GEMMs take 16-bit operands and accumulate in float32
 // (cublasGemmEx), as autocast's do.
 //
-// TrainOptions.ChannelsLast runs package layout's pass between the
+// compile.Options.ChannelsLast runs package layout's pass between the
 // policy's rewrite and the backward pass: bf16-mixed conv nets' 4-D
 // activations stored channels last, for cuDNN's NHWC convolutions.
 //
 // Dynamic loss scaling (LossScale, Scaler), torch.cuda.amp.GradScaler's
 // semantics, which a Session applies under fp16-mixed by default:
 //   - S lives in the graph as a float32 scalar constant ("loss_scale")
-//     that TrainWith appends with the product loss × S, from which the
+//     that Step.ScaleLoss appends with the product loss × S, from which the
 //     backward pass starts. A constant, not an attribute: the graph's
 //     signature does not depend on S, so a change of S recompiles and
 //     replans nothing. Its data is one tensor per value of S

@@ -20,11 +20,6 @@ func SetFusePaddedLoss(on bool) bool { return swap(&fusePaddedLoss, on) }
 // AlignOutputs is the multiple a wide linear's outputs are padded to.
 const AlignOutputs = alignOutputs
 
-// SetFoldCasts turns the folding of widening casts into the matmuls they
-// read (foldWideningCasts) on or off, for tests that compare the two
-// graphs; it returns the previous setting.
-func SetFoldCasts(on bool) bool { return swap(&foldCasts, on) }
-
 // SetFoldNorms turns the 16-bit layer norms that GEMMs read (halfNorm) on
 // or off, for tests that compare the two graphs; it returns the previous
 // setting.
@@ -33,11 +28,3 @@ func SetFoldNorms(on bool) bool { return swap(&foldNorms, on) }
 // SetFoldRMSNorms turns the 16-bit RMS norms that GEMMs read (halfNorm)
 // on or off; it returns the previous setting.
 func SetFoldRMSNorms(on bool) bool { return swap(&foldRMSNorms, on) }
-
-// SetFuseGelu turns the gelu_grad fusion of mixed-precision training
-// graphs on or off; it returns the previous setting.
-func SetFuseGelu(on bool) bool { return swap(&fuseGelu, on) }
-
-// SetFuseLayerNormGrad turns the layer_norm_grad_x + add fusion of
-// training graphs on or off; it returns the previous setting.
-func SetFuseLayerNormGrad(on bool) bool { return swap(&fuseLayerNormGrad, on) }

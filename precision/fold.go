@@ -2,7 +2,7 @@ package precision
 
 import "github.com/batchfit/batchfit/graph"
 
-// foldWideningCasts turns a widening cast of a 16-bit matmul's result
+// FoldWideningCasts turns a widening cast of a 16-bit matmul's result
 // into the matmul's own float32 output (graph.OpMatMul's Attrs.Target):
 // cuBLAS then accumulates in float32 and stores float32, with no 16-bit
 // result and no cast kernel. It applies where the cast, to float32, reads
@@ -18,7 +18,7 @@ import "github.com/batchfit/batchfit/graph"
 //
 // It rebuilds s's graph when it folds any cast (ids change; every id of s
 // is remapped) and leaves it as it was otherwise.
-func (s *Step) foldWideningCasts() error {
+func (s *Step) FoldWideningCasts() error {
 	g := s.Graph
 	users := consumers(g)
 	out := make([]bool, g.Len()) // the step's outputs: never folded away
@@ -59,13 +59,15 @@ func (s *Step) foldWideningCasts() error {
 	if err != nil {
 		return err
 	}
-	s.rebind(ng, ids)
+	s.Rebind(ng, ids)
 	return nil
 }
 
-// rebind makes ng s's graph, ids[i] being old node i's id in ng (−1 for
-// a node a pass removed), and remaps every id of s.
-func (s *Step) rebind(ng *graph.Graph, ids []int) {
+// Rebind makes ng s's graph, ids[i] being old node i's id in ng (−1 for
+// a node a pass removed), and remaps every id of s. The loss, the scaled
+// loss, the scale and the gradients must survive the pass (they are its
+// outputs).
+func (s *Step) Rebind(ng *graph.Graph, ids []int) {
 	remap := func(v []int) {
 		for k, id := range v {
 			if id >= 0 { // −1: a forward node the attention fusion removed
@@ -83,15 +85,20 @@ func (s *Step) rebind(ng *graph.Graph, ids []int) {
 	remap(s.IDs)
 }
 
-// fuse runs a backward-pass fusion (graph.FuseGeluGrad,
-// graph.FuseLayerNormGradAdd) on s's graph, the step's loss, scaled loss
-// and gradients kept as outputs.
-func (s *Step) fuse(pass func(*graph.Graph, []int) (*graph.Graph, []int, error)) error {
-	outs := append([]int{s.Loss, s.Scaled, s.Scale}, s.Grads...)
+// Outputs are the step's values a pass over its graph must keep: the
+// loss, the scaled loss, the scale (−1 without loss scaling) and the
+// gradients.
+func (s *Step) Outputs() []int { return append([]int{s.Loss, s.Scaled, s.Scale}, s.Grads...) }
+
+// Rewrite runs a graph pass over the training graph (graph.FuseGeluGrad,
+// graph.FuseLayerNormGradAdd: after autodiff) on s's graph, the step's
+// Outputs kept, and rebinds s to its result.
+func (s *Step) Rewrite(pass func(g *graph.Graph, outputs []int) (*graph.Graph, []int, error)) error {
+	outs := s.Outputs()
 	ng, ids, err := pass(s.Graph, outs)
 	if err != nil {
 		return err
 	}
-	s.rebind(ng, ids)
+	s.Rebind(ng, ids)
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
@@ -19,12 +20,12 @@ import (
 )
 
 // withPass builds a step under p with one of Train's rewrites on or off:
-// set is its switch (precision.SetFoldCasts, SetFoldNorms, SetFuseGelu),
+// set is its switch (setFoldCasts, SetFoldNorms, SetFuseGelu),
 // which returns the previous setting.
 func withPass(t *testing.T, set func(bool) bool, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
 	defer set(set(on))
-	st, err := precision.Train(fwd, p, loss, wrt)
+	st, err := trainStep(fwd, loss, wrt, compile.Options{Policy: p})
 	require.NoError(t, err)
 	return st
 }
@@ -33,7 +34,7 @@ func withPass(t *testing.T, set func(bool) bool, on bool, p precision.Policy, fw
 // matmuls on or off.
 func withFold(t *testing.T, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
-	return withPass(t, precision.SetFoldCasts, on, p, fwd, loss, wrt)
+	return withPass(t, setFoldCasts, on, p, fwd, loss, wrt)
 }
 
 // wideMatmuls counts g's matmuls that write float32 from 16-bit operands.

@@ -14,7 +14,7 @@ import (
 // withGelu builds a step under p with the gelu_grad fusion on or off.
 func withGelu(t *testing.T, on bool, p precision.Policy, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
-	return withPass(t, precision.SetFuseGelu, on, p, fwd, loss, wrt)
+	return withPass(t, setFuseGelu, on, p, fwd, loss, wrt)
 }
 
 // Under both mixed policies a small GPT's MLP backward pass runs as one

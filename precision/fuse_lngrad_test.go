@@ -25,8 +25,8 @@ func TestFuseLayerNormGradValues(t *testing.T) {
 		t.Run(string(p), func(t *testing.T) {
 			m := gptVocab(t, 64)
 			fwd, wrt := m.forward(t)
-			fused := withPass(t, precision.SetFuseLayerNormGrad, true, p, fwd, m.loss.ID(), wrt)
-			plain := withPass(t, precision.SetFuseLayerNormGrad, false, p, fwd, m.loss.ID(), wrt)
+			fused := withPass(t, setFuseLayerNormGrad, true, p, fwd, m.loss.ID(), wrt)
+			plain := withPass(t, setFuseLayerNormGrad, false, p, fwd, m.loss.ID(), wrt)
 			require.Equal(t, 2, countOps(fused.Graph, graph.OpLayerNormGradXAdd))
 			require.Equal(t, 1, countOps(fused.Graph, graph.OpLayerNormGradX), "ln_f's")
 			require.Equal(t, plain.Graph.Len()-2, fused.Graph.Len())

@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
@@ -23,7 +24,7 @@ func withFusion(t *testing.T, on bool, fwd *graph.Graph, loss int, wrt []int) *p
 	t.Helper()
 	prev := precision.SetFusePaddedLoss(on)
 	defer precision.SetFusePaddedLoss(prev)
-	st, err := precision.Train(fwd, precision.BF16Mixed, loss, wrt)
+	st, err := trainStep(fwd, loss, wrt, compile.Options{Policy: precision.BF16Mixed})
 	require.NoError(t, err)
 	return st
 }

@@ -7,9 +7,7 @@ import (
 
 	"gorgonia.org/tensor"
 
-	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/layout"
 )
 
 // Policy is a precision policy, named as the CLI's --precision flag names
@@ -245,7 +243,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 // float32 node stays in the graph read by nothing, so Apply's ids keep
 // naming the float32 value (an Eval of it runs it). In backward the
 // gradient comes back in the 16-bit dtype, and the layer norm's VJP casts
-// it to float32, a cast that TrainWith folds into the GEMM producing it.
+// it to float32, a cast that Step.FoldWideningCasts folds into the GEMM producing it.
 func halfNorm(g *graph.Graph, users [][]int, i int) bool {
 	switch op := g.Node(i).Op; {
 	case len(users[i]) == 0, op == graph.OpLayerNorm && !foldNorms, op == graph.OpRMSNorm && !foldRMSNorms:
@@ -266,18 +264,6 @@ var alignLinears = true
 
 // fusePaddedLoss turns fusedLoss's rewrite on; tests turn it off to compare.
 var fusePaddedLoss = true
-
-// foldCasts turns foldWideningCasts on; tests turn it off to compare.
-var foldCasts = true
-
-// fuseGelu turns the gelu_grad fusion on (graph.FuseGeluGrad); tests turn
-// it off to compare.
-var fuseGelu = true
-
-// fuseLayerNormGrad turns the layer_norm_grad_x + add fusion on
-// (graph.FuseLayerNormGradAdd, every policy); tests turn it off to
-// compare.
-var fuseLayerNormGrad = true
 
 // foldNorms turns halfNorm's rewrite on: off by default; tests turn it on.
 // It saves GPT-2 small's 25 layer-norm casts (bf16-mixed, batch 8, seq
@@ -450,7 +436,10 @@ func castInputs(out *graph.Graph, nd *graph.Node, c class, dt graph.DType, ins [
 
 // Step is a training step's graph under a policy: the rewritten forward
 // graph with its backward pass appended, and the ids in it of the loss,
-// the parameters and their gradients (in the parameters' order).
+// the parameters and their gradients (in the parameters' order). Package
+// compile builds it, running the pipeline's passes in order; the methods
+// here are the passes that rewrite a step (ScaleLoss, FoldWideningCasts,
+// Rewrite).
 type Step struct {
 	Graph  *graph.Graph
 	Loss   int
@@ -468,115 +457,16 @@ type Step struct {
 	IDs []int
 }
 
-// TrainOptions configures TrainWith.
-type TrainOptions struct {
-	// LossScale appends dynamic loss scaling (see LossScale): a float32
-	// scalar constant node S, named "loss_scale", and the product Loss × S,
-	// from which the backward pass starts, so every gradient is S times
-	// the loss's. S is a constant, not an attribute: the graph's signature,
-	// and so its compiled program and plan, stay the same whatever S
-	// holds. The planner counts the constant (one small block, resident
-	// while its data stays the same tensor) and the product like any node.
-	LossScale bool
-	// Scale is S's data (Scaler.Data); nil in a shape-only graph.
-	Scale tensor.Tensor
-	// ChannelsLast stores conv nets' 4-D activations channels last
-	// (package layout), after the policy's rewrite and before the
-	// backward pass; graphs without a conv2d are unchanged. Step.IDs then
-	// names a channels-last value for a node inside such a region.
-	ChannelsLast bool
-}
-
-// Train applies p to g and appends the gradient of the scalar loss with
-// respect to params (node ids of g), without loss scaling: TrainWith with
-// no options.
-func Train(g *graph.Graph, p Policy, loss int, params []int) (*Step, error) {
-	return TrainWith(g, p, loss, params, TrainOptions{})
-}
-
-// TrainWith applies p to g and appends the gradient of the scalar loss
-// with respect to params (node ids of g), with loss scaling when o says
-// so, as a Session's Step and the CLI's estimate both build a step: one
-// function, so both plan the same graph. Under a mixed policy, attention
-// over q, k and v sliced from one projection is fused first
-// (graph.FuseAttentionQKV), so models written the unpacked way train as
-// the zoo's GPT does.
-func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions) (*Step, error) {
-	if loss < 0 || loss >= g.Len() {
-		return nil, graph.Errorf(graph.ErrArity, "precision: loss id %d does not name a node", loss)
-	}
-	var err error
-	fg, fids := g, []int(nil)
-	if p.Mixed() {
-		// Attention over q, k, v sliced from one projection reads them in
-		// place (graph.FuseAttentionQKV): under a 16-bit policy that is
-		// cuDNN's fused attention through strides, with no copies.
-		if fg, fids, err = graph.FuseAttentionQKV(g); err != nil {
-			return nil, err
-		}
-	}
-	ng, ids, err := Apply(fg, p)
-	if err != nil {
-		return nil, err
-	}
-	if fids != nil {
-		for i, id := range fids {
-			if id >= 0 {
-				fids[i] = ids[id]
-			}
-		}
-		ids = fids
-	}
-	if o.ChannelsLast {
-		lg, lids, err := layout.ChannelsLast(ng)
-		if err != nil {
-			return nil, err
-		}
-		for i, id := range ids {
-			if id >= 0 {
-				ids[i] = lids[id]
-			}
-		}
-		ng = lg
-	}
-	if ids[loss] < 0 {
-		return nil, graph.Errorf(graph.ErrArity, "precision: loss node %d was fused into attention_qkv", loss)
-	}
-	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss], IDs: ids}
-	for i, id := range params {
-		if id < 0 || id >= g.Len() || ids[id] < 0 {
-			return nil, graph.Errorf(graph.ErrArity, "precision: parameter id %d does not name a node of the step", id)
-		}
-		s.Params[i] = ids[id]
-	}
-	if o.LossScale {
-		if err := s.scale(o.Scale); err != nil {
-			return nil, err
-		}
-	}
-	if s.Grads, err = autodiff.Backward(ng, s.Scaled, s.Params); err != nil {
-		return nil, err
-	}
-	if p.Mixed() && foldCasts {
-		if err := s.foldWideningCasts(); err != nil {
-			return nil, err
-		}
-	}
-	if p.Mixed() && fuseGelu {
-		if err := s.fuse(graph.FuseGeluGrad); err != nil {
-			return nil, err
-		}
-	}
-	if fuseLayerNormGrad {
-		if err := s.fuse(graph.FuseLayerNormGradAdd); err != nil {
-			return nil, err
-		}
-	}
-	return s, nil
-}
-
-// scale appends the loss scale constant with data t and the scaled loss.
-func (s *Step) scale(t tensor.Tensor) error {
+// ScaleLoss appends dynamic loss scaling to s (see LossScale), before
+// the backward pass: a float32 scalar constant node S, named
+// "loss_scale", with data t (Scaler.Data; nil in a shape-only graph), and
+// the product Loss × S, which becomes s.Scaled, the node the backward
+// pass differentiates, so every gradient is S times the loss's. S is a
+// constant, not an attribute: the graph's signature, and so its compiled
+// program and plan, stay the same whatever S holds. The planner counts
+// the constant (one small block, resident while its data stays the same
+// tensor) and the product like any node.
+func (s *Step) ScaleLoss(t tensor.Tensor) error {
 	l := s.Graph.Node(s.Loss)
 	if t != nil {
 		if _, ok := t.Data().(float32); !ok || !t.Shape().IsScalar() {

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
@@ -55,7 +56,7 @@ func train(t *testing.T, m model, p precision.Policy) *precision.Step {
 	t.Helper()
 	wrt, err := lazy.ParamIDs(m.loss, m.params...)
 	require.NoError(t, err)
-	s, err := precision.Train(m.loss.Graph().IR(), p, m.loss.ID(), wrt)
+	s, err := trainStep(m.loss.Graph().IR(), m.loss.ID(), wrt, compile.Options{Policy: p})
 	require.NoError(t, err)
 	return s
 }

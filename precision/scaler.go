@@ -140,7 +140,7 @@ func NewScaler(o LossScale) (*Scaler, error) {
 func (s *Scaler) Scale() float32 { return s.scale }
 
 // Data is the current scale as a float32 scalar tensor, the data of the
-// scale constant TrainWith appends. It is the same tensor until the scale
+// scale constant Step.ScaleLoss appends. It is the same tensor until the scale
 // changes, so an executor that keeps constants resident uploads it once
 // per scale rather than once per step.
 func (s *Scaler) Data() *tensor.Dense {

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/nn"
@@ -92,24 +93,24 @@ func TestScalerData(t *testing.T) {
 	assert.Equal(t, float32(4), d.Data(), "the old tensor is not changed")
 }
 
-// TrainWith appends the scale as a float32 scalar constant and the scaled
-// loss, from which the backward pass starts; the graph's signature does
-// not depend on the scale's value, so a new scale compiles nothing anew.
-func TestTrainWithLossScale(t *testing.T) {
+// The loss-scale pass appends the scale as a float32 scalar constant and
+// the scaled loss, from which the backward pass starts; the graph's
+// signature does not depend on the scale's value, so a new scale compiles
+// nothing anew.
+func TestLossScalePass(t *testing.T) {
 	for name, build := range map[string]func(*testing.T, nn.Options) model{"mlp": mlp, "gpt": gpt, "convnet": convnet} {
 		m := build(t, nn.Options{ShapeOnly: true})
 		wrt, err := lazy.ParamIDs(m.loss, m.params...)
 		require.NoError(t, err)
 		g := m.loss.Graph().IR()
-		plain, err := precision.Train(g, precision.FP16Mixed, m.loss.ID(), wrt)
+		plain, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed})
 		require.NoError(t, err)
 		assert.Equal(t, -1, plain.Scale, name)
 		assert.Equal(t, plain.Loss, plain.Scaled, name)
 
 		sigs := map[uint64]bool{}
 		for _, v := range []float32{1 << 16, 3, 0.5} {
-			st, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt,
-				precision.TrainOptions{LossScale: true, Scale: tensor.New(tensor.FromScalar(v))})
+			st, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Scale: tensor.New(tensor.FromScalar(v))})
 			require.NoError(t, err, name)
 			sc := st.Graph.Node(st.Scale)
 			assert.Equal(t, graph.OpConst, sc.Op, name)
@@ -136,19 +137,19 @@ func TestTrainWithLossScale(t *testing.T) {
 
 // A shape-only step takes no data for the scale; data that is not a
 // float32 scalar is refused.
-func TestTrainWithLossScaleData(t *testing.T) {
+func TestLossScalePassData(t *testing.T) {
 	m := mlp(t, nn.Options{ShapeOnly: true})
 	wrt, err := lazy.ParamIDs(m.loss, m.params...)
 	require.NoError(t, err)
 	g := m.loss.Graph().IR()
-	st, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true})
+	st, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true})
 	require.NoError(t, err)
 	assert.Nil(t, st.Graph.Node(st.Scale).Value)
 	for _, bad := range []tensor.Tensor{
 		tensor.New(tensor.FromScalar(float64(2))),
 		tensor.New(tensor.WithShape(1), tensor.WithBacking([]float32{2})),
 	} {
-		_, err := precision.TrainWith(g, precision.FP16Mixed, m.loss.ID(), wrt, precision.TrainOptions{LossScale: true, Scale: bad})
+		_, err := trainStep(g, m.loss.ID(), wrt, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Scale: bad})
 		require.ErrorIs(t, err, graph.ErrDType)
 	}
 }

@@ -3,6 +3,7 @@
 transformers' from_pretrained and equal the checkpoints they came from.
 
     BATCHFIT_HF_EXPORT=/tmp/hf-saves go test ./hf -run TestExportForFromPretrained -count=1
+    BATCHFIT_HF_EXPORT=/tmp/hf-saves go test ./examples/finetune -run TestExportFinetuned -count=1
     python3 scripts/check-hf-saves.py /tmp/hf-saves
 
 For each saved directory: no missing, unexpected or mismatched keys; the
@@ -10,12 +11,21 @@ config's sizes, tie and rope frequencies equal the source's; every weight
 equal to the source's (exactly for float32 saves, to bfloat16 rounding for
 bfloat16 saves of float32 weights); logits on random tokens within 1e-6 of
 their scale (float32) or 2e-2 (bfloat16 rounding of the weights).
-Exits non-zero on any failure.
+
+For each checkpoint examples/finetune trained and saved (finetuned-llama,
+finetuned-gpt2), against what batchfit computed with it
+(finetuned-NAME.reference.safetensors): logits within 1e-5 of their scale
+(both float32, batchfit's on the CPU), the saved tokenizer.json's ids for
+a text equal batchfit's, and transformers' greedy generate equal to
+batchfit's. Exits non-zero on any failure.
 """
 import pathlib
 import sys
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 out = pathlib.Path(sys.argv[1])
@@ -71,5 +81,37 @@ for saved, (source, rounded) in cases.items():
     print(f"{saved}: logits error {err:.3g}; {'OK' if not problems else 'FAIL: ' + '; '.join(problems)}")
     if problems:
         failures.append(saved)
-print(f"{len(cases) - len(failures)} passed, {len(failures)} failed")
+finetuned = ["finetuned-llama", "finetuned-gpt2"]
+for saved in finetuned:
+    ref_path = out / (saved + ".reference.safetensors")
+    if not ref_path.exists():
+        print(f"{saved}: FAIL: no {ref_path}; write it with "
+              f"BATCHFIT_HF_EXPORT={out} go test ./examples/finetune -run TestExportFinetuned -count=1")
+        failures.append(saved)
+        continue
+    ref = load_file(str(ref_path))
+    with safe_open(str(ref_path), "pt") as f:
+        text = f.metadata()["text"]
+    model, info = load(out / saved)
+    problems = [f"{k}: {info[k]}" for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)]
+    with torch.no_grad():
+        got = model(ref["input_ids"]).logits
+    want = ref["logits_f32"]
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    if err > 1e-5:
+        problems.append(f"logits differ from batchfit's by {err:.3g} of their scale (tolerance 1e-5)")
+    ids = Tokenizer.from_file(str(out / saved / "tokenizer.json")).encode(text).ids
+    if ids != ref["text_ids"].tolist():
+        problems.append(f"tokenizer ids {ids} differ from batchfit's {ref['text_ids'].tolist()}")
+    prompt, want_gen = ref["generate_prompt"], ref["generate_ids"]
+    with torch.no_grad():
+        gen = model.generate(prompt, max_new_tokens=want_gen.shape[1] - prompt.shape[1], do_sample=False,
+                             pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    if not torch.equal(gen, want_gen):
+        problems.append(f"generate gives {gen.tolist()}, batchfit {want_gen.tolist()}")
+    print(f"{saved}: logits error {err:.3g}; {'OK' if not problems else 'FAIL: ' + '; '.join(problems)}")
+    if problems:
+        failures.append(saved)
+total = len(cases) + len(finetuned)
+print(f"{total - len(failures)} passed, {len(failures)} failed")
 sys.exit(1 if failures else 0)

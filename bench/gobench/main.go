@@ -28,6 +28,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
@@ -369,18 +370,18 @@ func (c config) policy() precision.Policy { return precision.Policy(c.precision)
 func (c config) nhwc() bool { return c.channelsLast && c.policy() == precision.BF16Mixed }
 
 // train is how compileStep builds the step's graph besides the policy.
-func (c config) train() precision.TrainOptions {
-	return precision.TrainOptions{ChannelsLast: c.nhwc()}
+func (c config) train() compile.Options {
+	return compile.Options{ChannelsLast: c.nhwc()}
 }
 
 // compileStep compiles a training step as batchfit.Session.Step does, with
 // workspace rule ws (the executor's, cuda.Executor.Workspace, to run it
 // there): the precision policy's graph pass and o's
-// (precision.TrainWith: the layout pass with -channels-last), then the
+// (compile.Train: the layout pass with -channels-last), then the
 // loss and the gradients of params kept on the device. inputs are source
 // nodes of loss's graph; their ids in the compiled graph come back in the
 // same order, for feeding.
-func compileStep(ws planner.WorkspaceFunc, pol precision.Policy, o precision.TrainOptions, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
+func compileStep(ws planner.WorkspaceFunc, pol precision.Policy, o compile.Options, loss *lazy.Tensor, params []*lazy.Tensor, slots int, inputs ...*lazy.Tensor) (*planner.Program, []int, error) {
 	if err := loss.Err(); err != nil {
 		return nil, nil, err
 	}
@@ -388,7 +389,8 @@ func compileStep(ws planner.WorkspaceFunc, pol precision.Policy, o precision.Tra
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := precision.TrainWith(loss.Graph().IR(), pol, loss.ID(), wrt, o)
+	o.Policy = pol
+	st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, o)
 	if err != nil {
 		return nil, nil, err
 	}

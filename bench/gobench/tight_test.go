@@ -2,6 +2,7 @@ package main
 
 import (
 	"flag"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/precision"
 	"testing"
 
@@ -40,7 +41,7 @@ func TestTightDefaultsSplitWithin8GiB(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			mod := m.module(nn.Options{ShapeOnly: true})
 			loss, _ := m.build(mod, m.tight, nil)
-			p, _, err := compileStep(cuda.Workspace, precision.FP32, precision.TrainOptions{}, loss, nn.ParamTensors(mod), 2)
+			p, _, err := compileStep(cuda.Workspace, precision.FP32, compile.Options{}, loss, nn.ParamTensors(mod), 2)
 			require.NoError(t, err)
 			tp, err := planTight(p, budget)
 			require.NoError(t, err)
@@ -88,7 +89,7 @@ func TestTightWholeBatch(t *testing.T) {
 	require.NoError(t, err)
 	mod := ms[0].module(nn.Options{ShapeOnly: true})
 	loss, _ := ms[0].build(mod, 64, nil)
-	p, _, err := compileStep(cuda.Workspace, precision.FP32, precision.TrainOptions{}, loss, nn.ParamTensors(mod), 2)
+	p, _, err := compileStep(cuda.Workspace, precision.FP32, compile.Options{}, loss, nn.ParamTensors(mod), 2)
 	require.NoError(t, err)
 	tp, err := planTight(p, 8<<30)
 	require.NoError(t, err)

@@ -1,6 +1,7 @@
 // Command batchfit plans the memory of a training step without a GPU.
 //
 //	batchfit estimate --model gpt2-small --batch 32 --seq 1024 --budget 24GiB --optimizer adamw
+//	batchfit estimate --hf-config Llama-3.2-1B/config.json --batch 4 --seq 2048 --gpu h100-80gb --precision bf16-mixed
 //	batchfit snapshot --model gpt-tiny --batch 8 --budget 1GiB -o gpt-tiny.pickle
 //	batchfit snapshot --model gpt2-small-written --batch 8 --budget 8GiB -o gpt2.html
 //	batchfit report --model mlp --batch 2048 --budget 26MiB --profile --run
@@ -10,7 +11,9 @@
 //	batchfit models
 //	batchfit launch -n 2 -- ./train --steps 100
 //
-// estimate builds a model of the zoo shape-only (nn.Options{ShapeOnly:
+// estimate builds a model of the zoo (or the one a Hugging Face
+// config.json describes, --hf-config: Llama, Mistral, Qwen2 or GPT-2, as
+// hf.ReadConfig reads it) shape-only (nn.Options{ShapeOnly:
 // true} over lazy.Placeholder inputs, so nothing is allocated), appends the
 // loss and the backward pass, compiles the step with the optimizer's state
 // and the CPU executor's declared workspaces, and asks the planner for the

@@ -13,6 +13,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/exec/cuda"
 	"github.com/batchfit/batchfit/graph"
@@ -72,6 +73,9 @@ type report struct {
 	// model without training-mode batch norm.
 	BatchStats string `json:"batch_stats,omitempty"`
 	BatchNorm  string `json:"batch_norm,omitempty"`
+	// Passes is what each graph pass of the pipeline did to the step, in
+	// order (--passes; package compile).
+	Passes []compile.Report `json:"passes,omitempty"`
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -158,6 +162,7 @@ type step struct {
 	plan       *planner.Plan
 	planErr    error
 	recomputed batchfit.Recomputed
+	passes     []compile.Report // what the pipeline's passes did (StepPlan.Passes)
 	// buildSeconds times building the model's graph, planSeconds the
 	// Session's Plan (compiling the step and planning it).
 	buildSeconds, planSeconds float64
@@ -170,7 +175,8 @@ type step struct {
 // executor's otherwise.
 func session(c *estimateConfig) *batchfit.Session {
 	o := batchfit.Options{Precision: string(c.policy), Budget: c.budget, Headroom: c.headroom, MaxChunk: c.microBatch,
-		NoChannelsLast: c.nchw, Recompute: c.recompute, Offload: c.offload, Profile: c.profile, DryRun: &batchfit.DryRun{Workspace: cpu.Workspace}}
+		NoChannelsLast: c.nchw, Recompute: c.recompute, Offload: c.offload, Profile: c.profile, DryRun: &batchfit.DryRun{Workspace: cpu.Workspace},
+		DisablePasses: c.disable}
 	if c.device != nil {
 		// The card's budget is what its plans may use: the cuBLAS
 		// workspace is held besides it.
@@ -212,7 +218,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 	if sp == nil {
 		return nil, err
 	}
-	st.graph, st.program, st.rstep, st.recomputed = sp.Program.Graph, sp.Program, sp.Search, sp.Recompute
+	st.graph, st.program, st.rstep, st.recomputed, st.passes = sp.Program.Graph, sp.Program, sp.Search, sp.Recompute, sp.Passes
 	if c.train {
 		st.graph = sp.Search.Graph // the plain step's, before any recompute copies
 	}
@@ -244,6 +250,9 @@ func estimate(c *estimateConfig) (*report, error) {
 		BuildSeconds: st.buildSeconds}
 	if c.train {
 		r.Mode = "train"
+	}
+	if c.passes {
+		r.Passes = st.passes
 	}
 	var inputs []string // the model's input, then the labels (built in that order)
 	for _, nd := range st.graph.Nodes() {
@@ -486,6 +495,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 		}
 	}
 	tw.Flush()
+	writePasses(w, r)
 	writeRecompute(w, r)
 	if len(r.Timeline) > 0 {
 		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
@@ -73,17 +74,18 @@ func usagef(kind error, format string, args ...any) error {
 }
 
 const mainUsage = `Usage:
-  batchfit estimate --model NAME --batch N --budget SIZE|--gpu CARD|--gpu-memory SIZE [flags]
-  batchfit snapshot --model NAME --batch N --budget SIZE [flags] -o FILE
-  batchfit report --model NAME --batch N --budget SIZE [flags]
+  batchfit estimate --model NAME|--hf-config FILE --batch N --budget SIZE|--gpu CARD|--gpu-memory SIZE [flags]
+  batchfit snapshot --model NAME|--hf-config FILE --batch N --budget SIZE [flags] -o FILE
+  batchfit report --model NAME|--hf-config FILE --batch N --budget SIZE [flags]
   batchfit report FILE
   batchfit compare [flags] BEFORE AFTER
   batchfit models
   batchfit launch -n N -- PROGRAM [ARGS...]
 
 Subcommands:
-  estimate   plan one training (or inference) step of a zoo model within a
-             memory budget, without a GPU: chunk size, predicted peak, timeline
+  estimate   plan one training (or inference) step of a zoo model (or of a
+             Hugging Face config.json, --hf-config) within a memory budget,
+             without a GPU: chunk size, predicted peak, timeline
   snapshot   write the allocator snapshot of a planned step at its predicted
              peak (or after it): a pickle for pytorch.org/memory_viz, a pprof
              profile or folded stacks
@@ -103,8 +105,18 @@ Run "batchfit SUBCOMMAND -h" for its flags.
 // usageFailed reports a usage mistake of subcommand sub (or of the command
 // line itself when sub is ""): the mistake in one line, then one line
 // saying where the flags are, not the whole list, which would scroll the
-// mistake away. It returns exitUsage.
+// mistake away. It returns exitUsage; a model file that cannot be read
+// (a *modelFileError) or a model that does not build (a *buildError) is
+// reported in one line and returns exitPlan.
 func usageFailed(stderr io.Writer, sub string, err error) int {
+	var (
+		mf *modelFileError
+		be *buildError
+	)
+	if errors.As(err, &mf) || errors.As(err, &be) { // a file that cannot be read, a model that does not build: exit 1
+		fmt.Fprintf(stderr, "batchfit %s: %v\n", sub, err)
+		return exitPlan
+	}
 	if sub == "" {
 		fmt.Fprintf(stderr, "batchfit: %v\nRun 'batchfit help' for the subcommands (docs/cli.md describes them all).\n", err)
 		return exitUsage
@@ -190,19 +202,23 @@ type estimateConfig struct {
 	recompute        recompute.Mode
 	profile          recompute.Profile
 	plot             string
+	passes           bool     // --passes: print the pipeline's reports
+	disable          []string // --disable-passes: batchfit.Options.DisablePasses
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
-	model, budget, headroom, optimizer, dtype, mode, precision, batchnorm, offload string
-	batch, seq, context, microBatch                                                int
-	nchw                                                                           bool
+	model, hfConfig, budget, headroom, optimizer, dtype, mode, precision, batchnorm, offload string
+	batch, seq, context, microBatch                                                          int
+	nchw                                                                                     bool
 }
 
 // addStepFlags defines the step flags on fs.
 func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
-	fs.StringVar(&v.model, "model", "", "zoo `model`: "+strings.Join(zooNames(), ", ")+" (required)")
+	fs.StringVar(&v.model, "model", "", "zoo `model`: "+strings.Join(zooNames(), ", ")+" (required, unless --hf-config)")
+	fs.StringVar(&v.hfConfig, "hf-config", "", "a Hugging Face config.json `FILE` (or a checkpoint directory holding one) to plan instead of a zoo --model: "+
+		hfArchitectures()+"; --seq defaults to its max_position_embeddings (n_positions for GPT-2), at most "+thousands(maxHFSeqDefault))
 	fs.IntVar(&v.batch, "batch", 0, "samples per step, `N` (required)")
 	fs.IntVar(&v.microBatch, "micro-batch", 0, "largest chunk, `N` samples, the plan may use, as batchfit.Options.MaxChunk: a fixed micro-batch, gradient accumulation over chunks of at most N even where the budget holds more (0: as large as the budget allows)")
 	fs.IntVar(&v.seq, "seq", 0, "tokens per sequence, `T`, for GPT models (default: the model's context)")
@@ -228,6 +244,9 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.BoolVar(&v.table, "table", false, "print the per-op memory timeline of the first chunk")
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
+	fs.BoolVar(&v.passes, "passes", false, "print what each graph pass of the pipeline did: ran or why not, nodes and bytes before and after")
+	fs.StringVar(&v.disable, "disable-passes", "", "comma-separated graph `passes` the step leaves out, as batchfit.Options.DisablePasses: "+
+		strings.Join(compile.Names(), ", "))
 	addRecomputeFlags(fs, &v.recompute)
 	return fs, v
 }
@@ -238,6 +257,8 @@ type estimateFlagValues struct {
 	recompute   recomputeFlagValues
 	top         int
 	table, json bool
+	passes      bool
+	disable     string
 }
 
 // parseFlags parses args with fs; every error is a *usageError (or
@@ -337,9 +358,17 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.table, c.top, c.json, c.device = v.table, v.top, v.json, d
+	c.table, c.top, c.json, c.device, c.passes = v.table, v.top, v.json, d, v.passes
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
+	}
+	if v.disable != "" {
+		for _, n := range strings.Split(v.disable, ",") {
+			c.disable = append(c.disable, strings.TrimSpace(n))
+		}
+		if err := compile.Check(c.disable); err != nil {
+			return nil, usagef(errUnknown, "--disable-passes: %v", err)
+		}
 	}
 	if err := v.recompute.apply(c); err != nil {
 		return nil, err
@@ -350,12 +379,24 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 // config checks the step flags; set holds the flags given.
 func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	c := &estimateConfig{batch: v.batch}
-	if v.model == "" {
-		return nil, usagef(errMissing, "missing --model (one of %s)", strings.Join(zooNames(), ", "))
-	}
-	m, ok := findModel(v.model)
-	if !ok {
-		return nil, usagef(errUnknown, "unknown model %q (want one of %s)", v.model, strings.Join(zooNames(), ", "))
+	var m zooModel
+	switch {
+	case set["model"] && set["hf-config"]:
+		return nil, usagef(errFlag, "--model and --hf-config exclude each other")
+	case set["hf-config"] && v.hfConfig == "":
+		return nil, usagef(errMissing, "--hf-config: empty path (want a config.json or a checkpoint directory)")
+	case set["hf-config"]:
+		var err error
+		if m, err = hfModel(v.hfConfig); err != nil {
+			return nil, err
+		}
+	case v.model == "":
+		return nil, usagef(errMissing, "missing --model (one of %s) or --hf-config FILE", strings.Join(zooNames(), ", "))
+	default:
+		var ok bool
+		if m, ok = findModel(v.model); !ok {
+			return nil, usagef(errUnknown, "unknown model %q (want one of %s)", v.model, strings.Join(zooNames(), ", "))
+		}
 	}
 	if set["context"] {
 		switch {
@@ -380,12 +421,19 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	case m.context == 0 && set["seq"]:
 		return nil, usagef(errNotApplicable, "--seq applies to sequence models only, not %s", m.name)
 	case m.context == 0:
+	case !set["seq"] && m.seqDefault > 0:
+		c.seq = m.seqDefault
 	case !set["seq"]:
 		c.seq = m.context
 	case v.seq < 1 || v.seq > m.context:
 		return nil, usagef(errRange, "--seq must lie in 1…%d (the context of %s), got %d", m.context, m.name, v.seq)
 	default:
 		c.seq = v.seq
+	}
+	if m.checkSeq != nil {
+		if err := m.checkSeq(c.seq); err != nil {
+			return nil, err
+		}
 	}
 	if !set["budget"] {
 		return nil, usagef(errMissing, "missing --budget (for example 24GiB)")
@@ -460,7 +508,7 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 
 func estimateUsage(w io.Writer) {
 	fs, _ := estimateFlags()
-	fmt.Fprintf(w, "Usage:\n  batchfit estimate --model NAME --batch N --budget SIZE|--gpu CARD|--gpu-memory SIZE [flags]\n\nFlags (one dash or two):\n")
+	fmt.Fprintf(w, "Usage:\n  batchfit estimate --model NAME|--hf-config FILE --batch N --budget SIZE|--gpu CARD|--gpu-memory SIZE [flags]\n\nFlags (one dash or two):\n")
 	fs.SetOutput(w)
 	fs.PrintDefaults()
 }

@@ -62,7 +62,7 @@ func reportFlags() (*flag.FlagSet, *reportFlagValues) {
 	return fs, v
 }
 
-const reportSynopsis = `  batchfit report --model NAME --batch N --budget SIZE [flags]
+const reportSynopsis = `  batchfit report --model NAME|--hf-config FILE --batch N --budget SIZE [flags]
   batchfit report [--csv|--json] FILE
   batchfit report FILE -o PAGE.html
 
@@ -91,7 +91,7 @@ func parseReport(args []string) (*reportConfig, error) {
 		return nil, usagef(errFlag, "unexpected argument %q (one snapshot file at most)", pos[1])
 	}
 	if len(pos) == 1 {
-		for _, f := range []string{"model", "batch", "seq", "budget", "headroom", "optimizer", "dtype", "precision", "mode", "at", "profile", "run", "seed"} {
+		for _, f := range []string{"model", "hf-config", "batch", "seq", "budget", "headroom", "optimizer", "dtype", "precision", "mode", "at", "profile", "run", "seed"} {
 			if set[f] {
 				return nil, usagef(errNotApplicable, "--%s applies to a zoo model, not to a snapshot file", f)
 			}
@@ -124,7 +124,9 @@ func runnable(c *estimateConfig) error {
 	if c.dtype != graph.Float32 {
 		return usagef(errNotApplicable, "--run executes what a Session runs: parameters in float32, not --dtype %s (use --precision)", c.dtype)
 	}
-	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.model.context, false, nil)
+	// The parameters do not depend on the sequence length: c.seq, checked
+	// already, bounds what building allocates (a Llama's rotary table).
+	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.seq, false, nil)
 	if n := nn.NumParams(b.module); n > maxRunParams {
 		return usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
 			c.model.name, thousands(int64(n)), thousands(maxRunParams))
@@ -141,7 +143,7 @@ func runnable(c *estimateConfig) error {
 		out = b.loss
 	}
 	if err := out.Err(); err != nil {
-		return err
+		return &buildError{model: c.model.name, err: err}
 	}
 	var data int64
 	for _, nd := range out.Graph().IR().Nodes() {

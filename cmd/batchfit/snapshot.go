@@ -55,7 +55,7 @@ func snapshotFlags() (*flag.FlagSet, *snapshotFlagValues) {
 	return fs, v
 }
 
-const snapshotSynopsis = "  batchfit snapshot --model NAME --batch N --budget SIZE [flags] -o FILE"
+const snapshotSynopsis = "  batchfit snapshot --model NAME|--hf-config FILE --batch N --budget SIZE [flags] -o FILE"
 
 func parseSnapshot(args []string) (*snapshotConfig, error) {
 	fs, v := snapshotFlags()

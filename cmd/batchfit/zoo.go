@@ -29,7 +29,13 @@ type zooModel struct {
 	// context is the longest sequence of a sequence model, its --seq
 	// default; 0 for models without a sequence axis.
 	context int
-	input   string // per sample, for the model list
+	// seqDefault is the --seq default when it is less than context (a
+	// Hugging Face config's long max_position_embeddings); 0: context.
+	seqDefault int
+	input      string // per sample, for the model list
+	// checkSeq, when set, says why the model cannot be built at seq
+	// tokens (a usage error), or nil.
+	checkSeq func(seq int) error
 	// withContext is the same model with n positions (--context); nil
 	// for models without a sequence axis.
 	withContext func(n int) zooModel
@@ -69,53 +75,57 @@ func source(g *lazy.Graph, data *rand.Rand, shape []int, dt graph.DType, k int) 
 	return g.Wrap(t, 0)
 }
 
+// gptEntry is a GPT of cfg as a zoo entry, its context the --seq default
+// and bound; --context (withContext) gives its position table n rows.
+func gptEntry(name, about string, cfg models.GPTConfig) zooModel {
+	withContext := func(n int) zooModel {
+		c := cfg
+		c.Context = n
+		return gptEntry(name, fmt.Sprintf("%s; %d positions (--context)", about, n), c)
+	}
+	return zooModel{name: name, about: about, context: cfg.Context, withContext: withContext,
+		input: fmt.Sprintf("tokens [≤%d] int64", cfg.Context),
+		build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
+			m := models.NewGPT(opt, cfg)
+			tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
+			var targets *lazy.Tensor
+			if train {
+				targets = source(tokens.Graph(), data, []int{b, t}, graph.Int64, cfg.Vocab)
+			}
+			out := built{module: m, output: m.Forward(tokens)}
+			if train {
+				out.loss = models.Loss(out.output, targets)
+			}
+			return out
+		}}
+}
+
+// llamaEntry is a Llama of cfg as a zoo entry. A Llama's positions are
+// rotary angles, with no table to outgrow: context is only the --seq
+// default and bound.
+func llamaEntry(name, about string, cfg models.LlamaConfig, context int) zooModel {
+	withContext := func(n int) zooModel {
+		return llamaEntry(name, fmt.Sprintf("%s; --seq default %d (--context)", about, n), cfg, n)
+	}
+	return zooModel{name: name, about: about, context: context, withContext: withContext,
+		input: fmt.Sprintf("tokens [%d] int64", context),
+		build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
+			m := models.NewLlama(opt, cfg)
+			tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
+			out := built{module: m, output: m.Forward(tokens)}
+			if train {
+				// Hugging Face's labels=: the tokens' own ids, shifted by
+				// the loss (a dry run's placeholder labels count as
+				// shifted already).
+				labels := source(tokens.Graph(), data, []int{b, t}, graph.Int64, cfg.Vocab)
+				out.loss = models.CausalLMLoss(out.output, labels)
+			}
+			return out
+		}}
+}
+
 func zoo() []zooModel {
-	var gpt func(name, about string, cfg models.GPTConfig) zooModel
-	gpt = func(name, about string, cfg models.GPTConfig) zooModel {
-		withContext := func(n int) zooModel {
-			c := cfg
-			c.Context = n
-			return gpt(name, fmt.Sprintf("%s; %d positions (--context)", about, n), c)
-		}
-		return zooModel{name: name, about: about, context: cfg.Context, withContext: withContext,
-			input: fmt.Sprintf("tokens [≤%d] int64", cfg.Context),
-			build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
-				m := models.NewGPT(opt, cfg)
-				tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
-				var targets *lazy.Tensor
-				if train {
-					targets = source(tokens.Graph(), data, []int{b, t}, graph.Int64, cfg.Vocab)
-				}
-				out := built{module: m, output: m.Forward(tokens)}
-				if train {
-					out.loss = models.Loss(out.output, targets)
-				}
-				return out
-			}}
-	}
-	// A Llama's positions are rotary angles, with no table to outgrow:
-	// context is only the --seq default.
-	var llama func(name, about string, cfg models.LlamaConfig, context int) zooModel
-	llama = func(name, about string, cfg models.LlamaConfig, context int) zooModel {
-		withContext := func(n int) zooModel {
-			return llama(name, fmt.Sprintf("%s; --seq default %d (--context)", about, n), cfg, n)
-		}
-		return zooModel{name: name, about: about, context: context, withContext: withContext,
-			input: fmt.Sprintf("tokens [%d] int64", context),
-			build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
-				m := models.NewLlama(opt, cfg)
-				tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
-				out := built{module: m, output: m.Forward(tokens)}
-				if train {
-					// Hugging Face's labels=: the tokens' own ids, shifted by
-					// the loss (a dry run's placeholder labels count as
-					// shifted already).
-					labels := source(tokens.Graph(), data, []int{b, t}, graph.Int64, cfg.Vocab)
-					out.loss = models.CausalLMLoss(out.output, labels)
-				}
-				return out
-			}}
-	}
+	gpt, llama := gptEntry, llamaEntry
 	classifier := func(name, about, input string, sample []int, classes int, newModule func(nn.Options) nn.Module) zooModel {
 		return zooModel{name: name, about: about,
 			input: fmt.Sprintf("%s %v", input, sample),

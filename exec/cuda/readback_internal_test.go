@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
+	"github.com/batchfit/batchfit/compile"
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
@@ -40,7 +41,7 @@ func readbackStep(t *testing.T, extra func(h, loss *lazy.Tensor) []*lazy.Tensor)
 	require.NoError(t, loss.Err())
 	wrt, err := lazy.ParamIDs(loss, w1, w2)
 	require.NoError(t, err)
-	st, err := precision.TrainWith(loss.Graph().IR(), precision.FP32, loss.ID(), wrt, precision.TrainOptions{})
+	st, err := compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: precision.FP32})
 	require.NoError(t, err)
 	outs := []int{st.Loss}
 	for _, m := range more {

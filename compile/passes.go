@@ -1,0 +1,105 @@
+package compile
+
+import (
+	"github.com/batchfit/batchfit/autodiff"
+	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/layout"
+	"github.com/batchfit/batchfit/precision"
+)
+
+// table is the pipeline: every graph pass, in the order it runs. A step
+// runs each entry whose Modes hold the step's mode and whose When holds
+// for its Options, unless Options.Disable names it. Adding a pass is one
+// line here: a forward-graph rewrite g → (g′, ids) goes before
+// "loss-scale" through forward(fn); a rewrite of the training graph that
+// keeps given outputs, g, outputs → (g′, ids), goes after "autodiff"
+// through backward(fn) (with Modes TrainStep | EvalStep it rewrites an
+// evaluation's forward graph too, keeping its outputs).
+var table = []Pass{
+	{Name: "fuse-attention-qkv", Stage: Forward, Modes: TrainStep, When: mixedPolicy, run: forward(graph.FuseAttentionQKV),
+		Doc: "attention over q, k, v sliced from one projection reads them in place (graph.FuseAttentionQKV)"},
+	{Name: "autocast", Stage: Forward, Modes: TrainStep | EvalStep, When: mixedPolicy, run: autocast,
+		Doc: "the policy's dtypes, autocast's semantics: 16-bit GEMMs, float32 norms and losses (precision.Apply)"},
+	{Name: "channels-last", Stage: Forward, Modes: TrainStep, When: channelsLast, run: forward(layout.ChannelsLast),
+		Doc: "conv nets' 4-D activations stored NHWC from their bfloat16 convolutions on (layout.ChannelsLast)"},
+	{Name: "loss-scale", Stage: Backward, Modes: TrainStep, When: lossScaled, run: lossScale,
+		Doc: "the loss times the scale constant, where the backward pass starts (precision.Step.ScaleLoss)"},
+	{Name: "autodiff", Stage: Backward, Modes: TrainStep, When: always, Required: true, run: differentiate,
+		Doc: "the backward pass: the gradients of the parameters (autodiff.Backward)"},
+	{Name: "fold-casts", Stage: Backward, Modes: TrainStep, When: mixedPolicy, run: foldCasts,
+		Doc: "a 16-bit matmul read only by a widening cast writes float32 itself (precision.Step.FoldWideningCasts)"},
+	{Name: "fuse-gelu-grad", Stage: Backward, Modes: TrainStep, When: mixedPolicy, run: backward(graph.FuseGeluGrad),
+		Doc: "the product reaching a GELU and its derivative are one matmul_gelu_grad (graph.FuseGeluGrad)"},
+	{Name: "fuse-layer-norm-grad-add", Stage: Backward, Modes: TrainStep, When: rewritten, run: backward(graph.FuseLayerNormGradAdd),
+		Doc: "a layer norm's input gradient and the residual stream's add are one layer_norm_grad_x_add (graph.FuseLayerNormGradAdd)"},
+	{Name: Recompute, Stage: Program, Modes: TrainStep, When: recomputing,
+		Doc: "forward values recomputed in backward, the set chosen within the budget (recompute.Apply; run by the Session)"},
+}
+
+// The preconditions the table's entries name.
+var (
+	always      = Condition{Text: "always", holds: func(*Options) bool { return true }}
+	mixedPolicy = Condition{Text: "a mixed policy (bf16-mixed, fp16-mixed)",
+		holds: func(o *Options) bool { return o.policy().Mixed() }}
+	channelsLast = Condition{Text: "Options.ChannelsLast", holds: func(o *Options) bool { return o.ChannelsLast }}
+	lossScaled   = Condition{Text: "Options.LossScale (fp16-mixed's dynamic loss scaling)",
+		holds: func(o *Options) bool { return o.LossScale }}
+	rewritten = Condition{Text: "a rewritten step: a mixed policy, Options.ChannelsLast, or not Options.Plain",
+		holds: func(o *Options) bool { return !o.Plain || o.policy().Mixed() || o.ChannelsLast }}
+	recomputing = Condition{Text: "a recompute set chosen when the step is planned (the Session's Options.Recompute)",
+		holds: func(*Options) bool { return true }}
+)
+
+// forward makes a forward-graph rewrite an entry's run: fn returns the
+// new graph and, for each node of the old one, its id there (−1 for one
+// it removed).
+func forward(fn func(*graph.Graph) (*graph.Graph, []int, error)) func(*state) error {
+	return func(s *state) error {
+		ng, ids, err := fn(s.g)
+		if err != nil {
+			return err
+		}
+		s.rebind(ng, ids)
+		return nil
+	}
+}
+
+// backward makes a rewrite of the training graph an entry's run: fn keeps
+// the step's outputs (precision.Step.Rewrite). In an evaluation (an entry
+// whose Modes hold EvalStep) it rewrites the forward graph, keeping the
+// evaluation's outputs.
+func backward(fn func(*graph.Graph, []int) (*graph.Graph, []int, error)) func(*state) error {
+	return func(s *state) error {
+		if s.st != nil {
+			return s.st.Rewrite(fn)
+		}
+		ng, ids, err := fn(s.g, s.outs())
+		if err != nil {
+			return err
+		}
+		s.rebind(ng, ids)
+		return nil
+	}
+}
+
+func autocast(s *state) error {
+	ng, ids, err := precision.Apply(s.g, s.o.policy())
+	if err != nil {
+		return err
+	}
+	s.rebind(ng, ids)
+	return nil
+}
+
+func lossScale(s *state) error { return s.st.ScaleLoss(s.o.Scale) }
+
+func differentiate(s *state) error {
+	grads, err := autodiff.Backward(s.st.Graph, s.st.Scaled, s.st.Params)
+	if err != nil {
+		return err
+	}
+	s.st.Grads = grads
+	return nil
+}
+
+func foldCasts(s *state) error { return s.st.FoldWideningCasts() }
