@@ -1308,11 +1308,8 @@ func (s *Session) evalProgram(outputs []*lazy.Tensor, measure bool) (*planner.Pr
 	for i, t := range outputs {
 		ids[i] = t.ID()
 	}
-	ir := g.IR()
-	if s.offloading() {
-		ir = halfParams(ir) // the device's bfloat16 copies
-	}
-	ev, err := compile.Eval(ir, ids, compile.Options{Policy: s.policy, Disable: s.opts.DisablePasses, NoMeasure: !measure})
+	ev, err := compile.Eval(g.IR(), ids, compile.Options{Policy: s.policy, Disable: s.opts.DisablePasses, NoMeasure: !measure,
+		OffloadParams: s.offloading()})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -1760,10 +1757,8 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 			held = append(held, id)
 		}
 	}
-	if s.offloading() { // the device holds bfloat16 copies of the parameters
-		fwd = halfParams(fwd)
-	}
-	o := compile.Options{Policy: s.policy, ChannelsLast: s.channelsLast(), Plain: true, Disable: s.opts.DisablePasses}
+	o := compile.Options{Policy: s.policy, ChannelsLast: s.channelsLast(), Plain: true, Disable: s.opts.DisablePasses,
+		OffloadParams: s.offloading()}
 	if scale != nil {
 		o.LossScale, o.Scale = true, scale
 	}

@@ -66,21 +66,6 @@ func offloadOptimizer(opt optim.Optimizer) error {
 	return nil
 }
 
-// halfParams is g with every float32 parameter node made bfloat16: in an
-// offloaded session the device holds every parameter in bfloat16 (the
-// trained ones' float32 masters are on the host), in training steps and
-// evaluations alike, so that both find the same resident copies. g itself
-// is unchanged.
-func halfParams(g *graph.Graph) *graph.Graph {
-	c := g.Clone()
-	for i := range c.Len() {
-		if nd := c.Node(i); nd.Op == graph.OpParam && nd.Type.DType == graph.Float32 {
-			nd.Type.DType = graph.BFloat16
-		}
-	}
-	return c
-}
-
 // HostPinned is the host memory the session's executor holds for an
 // offloaded optimizer (Options.Offload): every trained parameter's float32
 // master, its optimizer state and its bfloat16 staging buffer, page-locked

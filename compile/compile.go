@@ -146,6 +146,10 @@ type Options struct {
 	// Disable names passes not to run (Passes' names). A name that is no
 	// pass, or names a required one, is a *PassNameError (Check).
 	Disable []string
+	// OffloadParams holds every float32 parameter in bfloat16 (the
+	// "offload-params" pass): an offloaded optimizer's device copies
+	// (batchfit.Options.Offload), whose float32 masters are on the host.
+	OffloadParams bool
 	// NoMeasure leaves the reports' byte counts zero (Report.Measured
 	// false): Session.Eval sets it, as it runs the passes on every call.
 	NoMeasure bool

@@ -19,7 +19,7 @@ import (
 
 // order is the pipeline's order, written out: a change to the table is a
 // change to this test.
-var order = []string{"fuse-attention-qkv", "autocast", "channels-last", "loss-scale", "autodiff",
+var order = []string{"offload-params", "fuse-attention-qkv", "autocast", "channels-last", "loss-scale", "autodiff",
 	"fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}
 
 func TestOrder(t *testing.T) {
@@ -69,15 +69,18 @@ func TestPreconditions(t *testing.T) {
 			[]string{"fuse-attention-qkv", "autocast", "channels-last", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
 		{"train fp16-mixed loss-scaled", train, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Plain: true},
 			[]string{"fuse-attention-qkv", "autocast", "loss-scale", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
+		{"train bf16-mixed offloaded", train, compile.Options{Policy: precision.BF16Mixed, Plain: true, OffloadParams: true},
+			[]string{"offload-params", "fuse-attention-qkv", "autocast", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
+		{"eval bf16-mixed offloaded", eval, compile.Options{Policy: precision.BF16Mixed, OffloadParams: true}, []string{"offload-params", "autocast"}},
 		{"train bf16-mixed, two disabled", train, compile.Options{Policy: precision.BF16Mixed, Disable: []string{"fold-casts", "recompute"}},
 			[]string{"fuse-attention-qkv", "autocast", "autodiff", "fuse-gelu-grad", "fuse-layer-norm-grad-add"}},
 	} {
 		assert.Equal(t, c.want, ran(c.mode, c.o), c.name)
 	}
-	p := compile.Passes()[1] // autocast
+	p := compile.Passes()[2] // autocast
 	_, why := p.Applies(train, compile.Options{})
 	assert.Equal(t, "needs a mixed policy (bf16-mixed, fp16-mixed); the policy is fp32", why)
-	_, why = compile.Passes()[4].Applies(eval, bf16)
+	_, why = compile.Passes()[5].Applies(eval, bf16)
 	assert.Equal(t, "train steps only", why)
 	_, why = p.Applies(train, compile.Options{Policy: precision.BF16Mixed, Disable: []string{"autocast"}})
 	assert.Equal(t, "disabled", why)
@@ -293,4 +296,32 @@ func TestDocsListThePipeline(t *testing.T) {
 		require.GreaterOrEqual(t, i, 0, "doc.go lists %s after the passes before it", name)
 		at += i
 	}
+}
+
+// offload-params holds every float32 parameter in bfloat16 (an offloaded
+// optimizer's device copies), in training steps and evaluations: the
+// trained parameters and their gradients are bfloat16.
+func TestOffloadParams(t *testing.T) {
+	g, loss, wrt := gpt(t)
+	st, err := compile.Train(g, loss, wrt, compile.Options{Policy: precision.BF16Mixed, Plain: true, OffloadParams: true})
+	require.NoError(t, err)
+	for i, id := range st.Params {
+		assert.Equal(t, graph.BFloat16, st.Graph.Node(id).Type.DType, "parameter %d", i)
+		assert.Equal(t, graph.BFloat16, st.Graph.Node(st.Grads[i]).Type.DType, "gradient %d", i)
+	}
+	r := st.Passes[0]
+	require.Equal(t, "offload-params", r.Name)
+	require.True(t, r.Ran)
+	assert.Equal(t, graph.Float32, g.Node(wrt[0]).Type.DType, "the caller's graph is not changed")
+
+	ev, err := compile.Eval(g, []int{loss}, compile.Options{Policy: precision.BF16Mixed, OffloadParams: true})
+	require.NoError(t, err)
+	params := 0
+	for _, nd := range ev.Graph.Nodes() {
+		if nd.Op == graph.OpParam {
+			params++
+			assert.Equal(t, graph.BFloat16, nd.Type.DType, nd.Name)
+		}
+	}
+	assert.Equal(t, len(wrt), params)
 }

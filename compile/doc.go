@@ -9,6 +9,9 @@
 // The pipeline, in order (Passes; docs/ARCHITECTURE.md shows the same
 // table, and a test holds the two alike):
 //
+//   - offload-params (forward; training and evaluation,
+//     Options.OffloadParams): float32 parameters held in bfloat16, an
+//     offloaded optimizer's device copies.
 //   - fuse-attention-qkv (forward; training, mixed policy): attention
 //     over q, k and v sliced from one projection reads them in place
 //     (graph.FuseAttentionQKV).

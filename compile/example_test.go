@@ -39,6 +39,7 @@ func ExampleTrain() {
 	_, err = compile.Train(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Disable: []string{"fuse-all"}})
 	fmt.Println(err)
 	// Output:
+	// offload-params             skipped: needs Options.OffloadParams (an offloaded optimizer)
 	// fuse-attention-qkv          8 →  8 nodes,  1156 →  1156 bytes
 	// autocast                    8 → 11 nodes,  1156 →  2244 bytes
 	// channels-last              skipped: needs Options.ChannelsLast
@@ -47,5 +48,5 @@ func ExampleTrain() {
 	// fold-casts                 19 → 17 nodes,  7432 →  5896 bytes
 	// fuse-gelu-grad             17 → 16 nodes,  5896 →  5640 bytes
 	// fuse-layer-norm-grad-add   16 → 16 nodes,  5640 →  5640 bytes
-	// compile: unknown pass "fuse-all" (passes: fuse-attention-qkv, autocast, channels-last, loss-scale, autodiff, fold-casts, fuse-gelu-grad, fuse-layer-norm-grad-add, recompute)
+	// compile: unknown pass "fuse-all" (passes: offload-params, fuse-attention-qkv, autocast, channels-last, loss-scale, autodiff, fold-casts, fuse-gelu-grad, fuse-layer-norm-grad-add, recompute)
 }

@@ -16,6 +16,8 @@ import (
 // through backward(fn) (with Modes TrainStep | EvalStep it rewrites an
 // evaluation's forward graph too, keeping its outputs).
 var table = []Pass{
+	{Name: "offload-params", Stage: Forward, Modes: TrainStep | EvalStep, When: offloaded, run: forward(halfParams),
+		Doc: "float32 parameters held in bfloat16 on the device, their float32 masters on the host (batchfit.OffloadOptimizer)"},
 	{Name: "fuse-attention-qkv", Stage: Forward, Modes: TrainStep, When: mixedPolicy, run: forward(graph.FuseAttentionQKV),
 		Doc: "attention over q, k, v sliced from one projection reads them in place (graph.FuseAttentionQKV)"},
 	{Name: "autocast", Stage: Forward, Modes: TrainStep | EvalStep, When: mixedPolicy, run: autocast,
@@ -46,9 +48,27 @@ var (
 		holds: func(o *Options) bool { return o.LossScale }}
 	rewritten = Condition{Text: "a rewritten step: a mixed policy, Options.ChannelsLast, or not Options.Plain",
 		holds: func(o *Options) bool { return !o.Plain || o.policy().Mixed() || o.ChannelsLast }}
+	offloaded = Condition{Text: "Options.OffloadParams (an offloaded optimizer)",
+		holds: func(o *Options) bool { return o.OffloadParams }}
 	recomputing = Condition{Text: "a recompute set chosen when the step is planned (the Session's Options.Recompute)",
 		holds: func(*Options) bool { return true }}
 )
+
+// halfParams makes every float32 parameter node of g bfloat16: the device
+// copies of an offloaded optimizer's parameters, whose float32 masters
+// are on the host. Trained or frozen, steps and evaluations alike, so
+// that both find the same resident copies. Node ids stay.
+func halfParams(g *graph.Graph) (*graph.Graph, []int, error) {
+	c := g.Clone()
+	ids := make([]int, c.Len())
+	for i := range ids {
+		ids[i] = i
+		if nd := c.Node(i); nd.Op == graph.OpParam && nd.Type.DType == graph.Float32 {
+			nd.Type.DType = graph.BFloat16
+		}
+	}
+	return c, ids, nil
+}
 
 // forward makes a forward-graph rewrite an entry's run: fn returns the
 // new graph and, for each node of the old one, its id there (−1 for one
