@@ -193,53 +193,9 @@ func (c LoRA) Apply(opt Options, m Module) ([]NamedLoRA, error) {
 	if err := Check(m); err != nil {
 		return nil, err
 	}
-	// Find every target first, so that nothing changes on an error.
-	type site struct {
-		list []Child
-		i    int
-		path string
-		lin  *Linear
-	}
-	var sites []site
-	used := make([]bool, len(c.Targets))
-	var bad error
-	walk("", m, func(prefix string, mod Module) {
-		if bad != nil {
-			return
-		}
-		if _, ok := mod.(*LoRALinear); ok {
-			return
-		}
-		lc, ok := mod.(interface{ List() []Child })
-		if !ok {
-			return
-		}
-		list := lc.List()
-		for i, ch := range list {
-			path := prefix + ch.Name
-			if !c.matches(path) {
-				continue
-			}
-			for k, t := range c.Targets {
-				if path == t || strings.HasSuffix(path, "."+t) {
-					used[k] = true
-				}
-			}
-			lin, ok := ch.Module.(*Linear)
-			if !ok {
-				bad = graph.Errorf(graph.ErrAttr, "nn.LoRA: target module %s is a %T, not a linear layer (nn.Linear)", path, ch.Module)
-				return
-			}
-			sites = append(sites, site{list, i, path, lin})
-		}
-	})
-	if bad != nil {
-		return nil, bad
-	}
-	for k, t := range c.Targets {
-		if !used[k] {
-			return nil, graph.Errorf(graph.ErrAttr, "nn.LoRA: target module %q matches no module of the model", t)
-		}
+	sites, err := c.sites(m)
+	if err != nil {
+		return nil, err
 	}
 	if opt.ShapeOnly {
 		opt.Rand = nil
@@ -296,6 +252,82 @@ func (c LoRA) freezeBase(m Module) {
 			p.SetFrozen(true)
 		}
 	}
+}
+
+// loraSite is a linear layer Apply adapts: its container's list, its
+// index there, and its path.
+type loraSite struct {
+	list []Child
+	i    int
+	path string
+	lin  *Linear
+}
+
+// sites finds every linear layer c targets in m, changing nothing.
+func (c LoRA) sites(m Module) ([]loraSite, error) {
+	var sites []loraSite
+	used := make([]bool, len(c.Targets))
+	var bad error
+	walk("", m, func(prefix string, mod Module) {
+		if bad != nil {
+			return
+		}
+		if _, ok := mod.(*LoRALinear); ok {
+			return
+		}
+		lc, ok := mod.(interface{ List() []Child })
+		if !ok {
+			return
+		}
+		list := lc.List()
+		for i, ch := range list {
+			path := prefix + ch.Name
+			if !c.matches(path) {
+				continue
+			}
+			for k, t := range c.Targets {
+				if path == t || strings.HasSuffix(path, "."+t) {
+					used[k] = true
+				}
+			}
+			lin, ok := ch.Module.(*Linear)
+			if !ok {
+				bad = graph.Errorf(graph.ErrAttr, "nn.LoRA: target module %s is a %T, not a linear layer (nn.Linear)", path, ch.Module)
+				return
+			}
+			sites = append(sites, loraSite{list, i, path, lin})
+		}
+	})
+	if bad != nil {
+		return nil, bad
+	}
+	for k, t := range c.Targets {
+		if !used[k] {
+			return nil, graph.Errorf(graph.ErrAttr, "nn.LoRA: target module %q matches no module of the model", t)
+		}
+	}
+	return sites, nil
+}
+
+// Targeted lists the paths of the linear layers Apply would adapt in m,
+// in module order, with the weight's shape [out, in] of each, changing
+// nothing; its errors are Apply's.
+func (c LoRA) Targeted(m Module) (paths []string, shapes [][]int, err error) {
+	if err := c.Check(); err != nil {
+		return nil, nil, err
+	}
+	if m == nil {
+		return nil, nil, graph.Errorf(graph.ErrNilTensor, "nn.LoRA: nil module")
+	}
+	sites, err := c.sites(m)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, s := range sites {
+		paths = append(paths, s.path)
+		shapes = append(shapes, s.lin.Weight.Shape())
+	}
+	return paths, shapes, nil
 }
 
 // LoRAAdapters lists m's adapted layers in module order, with their
