@@ -317,13 +317,17 @@ func TestWritePeftCheck(t *testing.T) {
 // An adapter PEFT made (scripts/make-reference-data.py's make_peft: r 4,
 // alpha 8 on q_proj and v_proj of hf/testdata/llama-gqa-untied, random A
 // and B) loads onto that checkpoint, and the adapted model's logits are
-// peft's in float64.
+// peft's in float64. $BATCHFIT_PEFT_REFERENCE names another such
+// directory (scripts/check-peft-adapters.py --make OUT writes OUT/peft-lora).
 //
 // Tolerance: 1e-5 of the logits' magnitude (float32 against float64).
 func TestLoadPeftReference(t *testing.T) {
 	dir := filepath.Join("testdata", "peft-lora-llama")
+	if d := os.Getenv("BATCHFIT_PEFT_REFERENCE"); d != "" {
+		dir = d
+	}
 	if _, err := os.Stat(filepath.Join(dir, hf.AdapterConfigFile)); err != nil {
-		t.Skip("no testdata/peft-lora-llama: make it with scripts/make-reference-data.py where peft is installed")
+		t.Skip("no testdata/peft-lora-llama: make it with scripts/make-reference-data.py where peft is installed (or set BATCHFIT_PEFT_REFERENCE)")
 	}
 	src := filepath.Join("testdata", "llama-gqa-untied")
 	cfg, err := hf.ReadConfig(src)
