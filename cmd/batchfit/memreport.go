@@ -124,7 +124,7 @@ func runnable(c *estimateConfig) error {
 	if c.dtype != graph.Float32 {
 		return usagef(errNotApplicable, "--run executes what a Session runs: parameters in float32, not --dtype %s (use --precision)", c.dtype)
 	}
-	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.model.context, false, nil)
+	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.model.context, false, nil, nil)
 	if n := nn.NumParams(b.module); n > maxRunParams {
 		return usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
 			c.model.name, thousands(int64(n)), thousands(maxRunParams))
@@ -135,7 +135,7 @@ func runnable(c *estimateConfig) error {
 	}
 	// The step's inputs at the full batch, shape only: their bytes are the
 	// random data --run would draw.
-	b = c.model.build(nn.Options{ShapeOnly: true}, c.batch, c.seq, c.train, nil)
+	b = c.model.build(nn.Options{ShapeOnly: true}, c.batch, c.seq, c.train, nil, nil)
 	out := b.output
 	if c.train {
 		out = b.loss
@@ -189,7 +189,7 @@ type executed struct {
 // data drawn from seed.
 func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	data := rand.New(rand.NewPCG(seed, seed^0x5eed))
-	b := c.model.build(nn.Seed(seed), c.batch, c.seq, c.train, data)
+	b := c.model.build(nn.Seed(seed), c.batch, c.seq, c.train, data, nil)
 	if err := nn.Check(b.module); err != nil {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
