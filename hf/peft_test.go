@@ -164,7 +164,7 @@ func TestAdapterHostileFiles(t *testing.T) {
 	}{
 		{"prefix tuning", with("peft_type", "PREFIX_TUNING"), tensors(2), hf.ErrUnsupported},
 		{"rank 0", with("r", 0), tensors(2), hf.ErrConfig},
-		{"rank huge", with("r", 1 << 30), tensors(2), hf.ErrConfig},
+		{"rank huge", with("r", 1<<30), tensors(2), hf.ErrConfig},
 		{"rank text", with("r", "two"), tensors(2), hf.ErrConfig},
 		{"alpha negative", with("lora_alpha", -1), tensors(2), hf.ErrConfig},
 		{"dropout 1", with("lora_dropout", 1.0), tensors(2), hf.ErrConfig},
