@@ -32,6 +32,7 @@ var imports = map[string]string{
 	"dist":       "github.com/batchfit/batchfit/dist",
 	"exec":       "github.com/batchfit/batchfit/exec",
 	"graph":      "github.com/batchfit/batchfit/graph",
+	"hf":         "github.com/batchfit/batchfit/hf",
 	"lazy":       "github.com/batchfit/batchfit/lazy",
 	"memviz":     "github.com/batchfit/batchfit/memviz",
 	"models":     "github.com/batchfit/batchfit/models",
