@@ -1,6 +1,7 @@
 package nn
 
 import (
+	"hash/fnv"
 	"math"
 	"slices"
 	"strings"
@@ -26,7 +27,9 @@ type LoRA struct {
 	// Rank (a scale of 1).
 	Alpha float64
 	// Dropout is lora_dropout, in [0, 1): each adapter's own Dropout
-	// module on its input, in training mode only (SetTraining).
+	// module on its input, in training mode only (SetTraining), seeded
+	// from the layer's path so that adapters reading one input draw
+	// different masks.
 	Dropout float64
 	// Targets are target_modules: a linear layer is adapted when its
 	// dotted module path equals a target or ends with "." and the target
@@ -207,7 +210,11 @@ func (c LoRA) Apply(opt Options, m Module) ([]NamedLoRA, error) {
 		if len(w) != 2 {
 			return nil, graph.Errorf(graph.ErrShape, "nn.LoRA: %s.weight is %v, not [out, in]", s.path, w)
 		}
-		l := &LoRALinear{Base: s.lin, Rank: c.Rank, Alpha: c.AlphaOrDefault(), Dropout: NewDropout(c.Dropout),
+		drop := NewDropout(c.Dropout)
+		h := fnv.New64a()
+		h.Write([]byte(s.path))
+		drop.Seed = h.Sum64() // each adapter's own masks, as PEFT's lora_dropout modules draw theirs
+		l := &LoRALinear{Base: s.lin, Rank: c.Rank, Alpha: c.AlphaOrDefault(), Dropout: drop,
 			A: opt.Uniform(s.path+".lora_A.weight", []int{c.Rank, w[1]}, 1/math.Sqrt(float64(w[1]))),
 			B: opt.Full(s.path+".lora_B.weight", []int{w[0], c.Rank}, 0)}
 		if err := l.Err(); err != nil {
