@@ -193,8 +193,11 @@ func ReadAdapterConfig(dir string) (AdapterConfig, error) {
 // lora_alpha finite and positive, lora_dropout in [0, 1), target_modules a
 // non-empty list of module names (a regular expression string is
 // refused), bias "none", and none of fan_in_fan_out, use_rslora,
-// use_dora, rank_pattern, alpha_pattern, layers_to_transform or
-// modules_to_save set. Bad values wrap ErrConfig; settings batchfit does
+// use_dora, lora_bias, use_qalora, rank_pattern, alpha_pattern,
+// layers_to_transform, layers_pattern, modules_to_save, exclude_modules,
+// target_parameters, layer_replication or trainable_token_indices set
+// (the other keys newer PEFT releases write do not change what a plain
+// LoRA computes, and are ignored). Bad values wrap ErrConfig; settings batchfit does
 // not reproduce wrap ErrUnsupported.
 func ParseAdapterConfig(b []byte) (AdapterConfig, error) {
 	if len(b) > maxAdapterConfigBytes {
@@ -228,12 +231,13 @@ func ParseAdapterConfig(b []byte) (AdapterConfig, error) {
 	if tt := r.str("task_type", "CAUSAL_LM"); r.err == nil && tt != "CAUSAL_LM" {
 		return AdapterConfig{}, fmt.Errorf("%w: task_type %q; batchfit's models are causal language models (CAUSAL_LM)", ErrUnsupported, tt)
 	}
-	for _, k := range []string{"fan_in_fan_out", "use_rslora", "use_dora"} {
+	for _, k := range []string{"fan_in_fan_out", "use_rslora", "use_dora", "lora_bias", "use_qalora"} {
 		if r.boolean(k, false) && r.err == nil {
 			return AdapterConfig{}, fmt.Errorf("%w: %s is true; batchfit computes plain LoRA", ErrUnsupported, k)
 		}
 	}
-	for _, k := range []string{"rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern", "modules_to_save"} {
+	for _, k := range []string{"rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern", "modules_to_save",
+		"exclude_modules", "target_parameters", "layer_replication", "trainable_token_indices"} {
 		if v, ok := raw[k]; ok && !emptyJSON(v) {
 			return AdapterConfig{}, fmt.Errorf("%w: %s is set (%s); batchfit reads one rank and alpha for every target", ErrUnsupported, k, clip(v))
 		}

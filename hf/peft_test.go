@@ -171,6 +171,9 @@ func TestAdapterHostileFiles(t *testing.T) {
 		{"bias", with("bias", "all"), tensors(2), hf.ErrUnsupported},
 		{"dora", with("use_dora", true), tensors(2), hf.ErrUnsupported},
 		{"rslora", with("use_rslora", true), tensors(2), hf.ErrUnsupported},
+		{"lora bias", with("lora_bias", true), tensors(2), hf.ErrUnsupported},
+		{"exclude modules", with("exclude_modules", []string{"layers.0.self_attn.q_proj"}), tensors(2), hf.ErrUnsupported},
+		{"not json", map[string]any{"peft_type": []int{1}}, tensors(2), hf.ErrConfig},
 		{"fan in fan out", with("fan_in_fan_out", true), tensors(2), hf.ErrUnsupported},
 		{"rank pattern", with("rank_pattern", map[string]int{"q_proj": 8}), tensors(2), hf.ErrUnsupported},
 		{"regex targets", with("target_modules", ".*q_proj"), tensors(2), hf.ErrUnsupported},
@@ -353,4 +356,31 @@ func TestLoadPeftReference(t *testing.T) {
 	for i := range want {
 		require.InDelta(t, want[i], float64(got[i]), 1e-5*scale, "logit %d", i)
 	}
+}
+
+// A config as a recent PEFT release writes it, with the keys newer
+// releases add, parses to its LoRA; an older one without them too.
+func TestParseAdapterConfigFromPEFT(t *testing.T) {
+	recent := `{
+  "alpha_pattern": {}, "auto_mapping": null, "base_model_name_or_path": null, "bias": "none",
+  "corda_config": null, "eva_config": null, "exclude_modules": null, "fan_in_fan_out": false,
+  "inference_mode": true, "init_lora_weights": true, "layer_replication": null, "layers_pattern": null,
+  "layers_to_transform": null, "loftq_config": {}, "lora_alpha": 8, "lora_bias": false, "lora_dropout": 0.05,
+  "megatron_config": null, "megatron_core": "megatron.core", "modules_to_save": null, "peft_type": "LORA",
+  "qalora_group_size": 16, "r": 4, "rank_pattern": {}, "revision": null, "target_modules": ["v_proj", "q_proj"],
+  "target_parameters": null, "task_type": "CAUSAL_LM", "trainable_token_indices": null, "use_dora": false,
+  "use_qalora": false, "use_rslora": false}`
+	old := `{"base_model_name_or_path": "meta-llama/Llama-2-7b-hf", "bias": "none", "enable_lora": null,
+  "fan_in_fan_out": false, "inference_mode": true, "lora_alpha": 16.0, "lora_dropout": 0.1, "merge_weights": false,
+  "modules_to_save": null, "peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}`
+	c, err := hf.ParseAdapterConfig([]byte(recent))
+	require.NoError(t, err)
+	assert.Equal(t, nn.LoRA{Rank: 4, Alpha: 8, Dropout: 0.05, Targets: []string{"q_proj", "v_proj"}}, c.LoRA)
+	assert.Empty(t, c.BaseModel)
+	c, err = hf.ParseAdapterConfig([]byte(old))
+	require.NoError(t, err)
+	assert.Equal(t, nn.LoRA{Rank: 8, Alpha: 16, Dropout: 0.1, Targets: []string{"q_proj", "v_proj"}}, c.LoRA)
+	assert.Equal(t, "meta-llama/Llama-2-7b-hf", c.BaseModel)
+	_, err = hf.ParseAdapterConfig([]byte(`[1, 2]`))
+	require.ErrorIs(t, err, hf.ErrConfig)
 }
