@@ -66,8 +66,9 @@ type AdapterConfig struct {
 // float32 under "base_model.model." and the parameter's name
 // ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), and
 // adapter_config.json (peft_type LORA, task_type CAUSAL_LM, r, lora_alpha,
-// lora_dropout, target_modules: the adapted layers' last names, sorted;
-// bias "none", fan_in_fan_out false). base names the base model
+// lora_dropout, target_modules: the adapted layers' last names, sorted,
+// or their full paths when those names would reach layers that are not
+// adapted; bias "none", fan_in_fan_out false). base names the base model
 // (base_model_name_or_path; "" writes null). Every adapter must share one
 // rank, alpha and dropout (PEFT's rank_pattern is not written). The values
 // are the host's: after training in a Session, call its SyncParams first.
@@ -109,6 +110,13 @@ func SaveAdapter(dir string, m nn.Module, base string) error {
 		names = append(names, t)
 	}
 	slices.Sort(names)
+	// The layers' last names, when they adapt exactly these layers (PEFT
+	// matches a target as a path suffix, as nn.LoRA does); otherwise the
+	// layers' paths, so that a load adapts no other layer.
+	if !slices.Equal(nn.LoRAReach(m, names), pathsOf(ls)) {
+		names = pathsOf(ls)
+		slices.Sort(names)
+	}
 	conf, err := adapterJSON(AdapterConfig{LoRA: nn.LoRA{Rank: first.Rank, Alpha: first.Alpha, Dropout: drop, Targets: names}, BaseModel: base})
 	if err != nil {
 		return err
@@ -120,6 +128,15 @@ func SaveAdapter(dir string, m nn.Module, base string) error {
 		return err
 	}
 	return writeFileAtomic(filepath.Join(dir, AdapterConfigFile), conf)
+}
+
+// pathsOf lists the adapted layers' paths.
+func pathsOf(ls []nn.NamedLoRA) []string {
+	ps := make([]string, len(ls))
+	for i, l := range ls {
+		ps[i] = l.Path
+	}
+	return ps
 }
 
 // adapterJSON is c as PEFT's LoraConfig.to_dict writes it (keys sorted,

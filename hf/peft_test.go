@@ -384,3 +384,19 @@ func TestParseAdapterConfigFromPEFT(t *testing.T) {
 	_, err = hf.ParseAdapterConfig([]byte(`[1, 2]`))
 	require.ErrorIs(t, err, hf.ErrConfig)
 }
+
+// Adapters on some of the layers a name reaches are saved under their
+// paths, so that a load adapts those layers only.
+func TestSaveAdapterNamesPathsWhenNeeded(t *testing.T) {
+	m := adaptedLlama(t, 2, []string{"layers.0.mlp.up_proj", "q_proj"})
+	dir := t.TempDir()
+	require.NoError(t, hf.SaveAdapter(dir, m, ""))
+	c, err := hf.ReadAdapterConfig(dir)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}, c.LoRA.Targets)
+	assert.Empty(t, c.BaseModel)
+	fresh := models.NewLlama(nn.Seed(2), peftConfig())
+	_, err = hf.LoadAdapter(dir, fresh, graph.Float32)
+	require.NoError(t, err)
+	assert.Len(t, nn.LoRAAdapters(fresh), 3)
+}

@@ -349,6 +349,32 @@ func LoRAAdapters(m Module) []NamedLoRA {
 	return out
 }
 
+// LoRAReach lists, in module order, the paths of m's linear layers,
+// adapted (LoRALinear) or not (Linear), whose paths targets match as
+// LoRA.Targets match them: what a config of these targets adapts.
+func LoRAReach(m Module, targets []string) []string {
+	c := LoRA{Targets: targets}
+	var out []string
+	walk("", m, func(prefix string, mod Module) {
+		if _, ok := mod.(*LoRALinear); ok {
+			return
+		}
+		lc, ok := mod.(interface{ List() []Child })
+		if !ok {
+			return
+		}
+		for _, ch := range lc.List() {
+			switch ch.Module.(type) {
+			case *Linear, *LoRALinear:
+				if p := prefix + ch.Name; c.matches(p) {
+					out = append(out, p)
+				}
+			}
+		}
+	})
+	return out
+}
+
 // LoRAParams lists the adapters' parameters of m (each layer's A, then
 // B, in module order): what a LoRA fine-tune trains.
 func LoRAParams(m Module) []*Param {
@@ -364,7 +390,9 @@ func LoRAParams(m Module) []*Param {
 // same name holding W + (Alpha/Rank)·B·A (summed in float64, rounded
 // once), the others as they are. Give it to hf.Save to write the merged
 // model as a plain checkpoint. The values are the host's: after training
-// in a Session, call its SyncParams first. A shape-only model, or a base
+// in a Session, call its SyncParams first. W is its float32 host value; a
+// base frozen in 16 bits computed with it rounded, the same values when
+// the base was loaded from a 16-bit checkpoint. A shape-only model, or a base
 // weight or adapter without float32 data, is an error (graph.ErrNoData).
 func MergeLoRA(m Module) ([]*Param, error) {
 	merged := map[*Param]*Param{}
