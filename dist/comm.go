@@ -32,6 +32,15 @@ type Communicator interface {
 	AllReduceSum(ctx context.Context, buf []float32) error
 	// Broadcast replaces buf on every rank by root's buf.
 	Broadcast(ctx context.Context, buf []float32, root int) error
+	// ReduceScatterSum sums send over the ranks and gives each rank its
+	// block of the sum: send holds Size() blocks of len(recv) values, and
+	// recv on rank r becomes the element-wise sum of every rank's block r
+	// (ncclReduceScatter). ZeRO's gradients are summed this way.
+	ReduceScatterSum(ctx context.Context, send, recv []float32) error
+	// AllGather concatenates every rank's send in rank order into recv,
+	// which holds Size() blocks of len(send) values (ncclAllGather).
+	// ZeRO's parameter shards are gathered this way.
+	AllGather(ctx context.Context, send, recv []float32) error
 	// Abort fails every pending and later collective of the group, on
 	// every rank (ErrAborted), without waiting for peers.
 	Abort() error

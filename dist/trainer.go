@@ -43,6 +43,13 @@ type Options struct {
 	// SumLoss says the loss sums over samples (graph.ReduceSum) instead of
 	// averaging (ReduceMean, the default). See Trainer.Step.
 	SumLoss bool
+	// ZeRO shards the training state over the ranks: ZeRO1 the
+	// optimizer's state, ZeRO2 the gradients too, ZeRO3 the parameters
+	// too (ZeROOff, 0: replicated). The sums, the update and the gathers
+	// run on host copies (see Trainer.Step); stage 3 needs a CPU session.
+	// An optimizer that clips gradients by their global norm is refused
+	// (ErrZeRO).
+	ZeRO int
 }
 
 // Trainer is one rank of data-parallel training: a Session that plans and
@@ -56,6 +63,7 @@ type Trainer struct {
 	sess *batchfit.Session
 	opts Options
 	wait time.Duration // the last step's time blocked on communication
+	z    zero
 }
 
 // LastWait is how long the last Step waited on communication after its
@@ -85,7 +93,10 @@ func New(comm Communicator, o Options) (*Trainer, error) {
 	if err := s.Err(); err != nil {
 		return nil, err
 	}
-	return &Trainer{comm: comm, sess: s, opts: o}, nil
+	if err := checkZeRO(o, s.OnCUDA()); err != nil {
+		return nil, errors.Join(err, s.Close())
+	}
+	return &Trainer{comm: comm, sess: s, opts: o, z: zero{stage: o.ZeRO}}, nil
 }
 
 // Session is the rank's session (its plans, usage, allocator).
@@ -197,7 +208,9 @@ func (t *Trainer) step(ctx context.Context, globalN int, loss *lazy.Tensor, para
 		scale = float32(hi-lo) / float32(globalN)
 	}
 	var l float32
-	if dc, ok := t.comm.(deviceComm); ok && t.sess.OnCUDA() {
+	if t.z.stage != ZeROOff {
+		l, t.wait, err = t.zeroStep(ctx, loss, params, opt, scale)
+	} else if dc, ok := t.comm.(deviceComm); ok && t.sess.OnCUDA() {
 		// The gradients stay on the device: NCCL sums them in place
 		// between backward and the optimizer, which the session runs there
 		// (or on the host after a download, for optimizers without device

@@ -155,3 +155,8 @@ func (c *Common) record(key any, n int) *paramState {
 
 // lookup is key's state, nil before its first step. With c.mu held.
 func (c *Common) lookup(key any) *paramState { return c.state[key] }
+
+// Clipping is the optimizer's gradient clipping (Clip), for callers that
+// must know whether a step clips by the global norm (a sharded step, whose
+// rank sees only part of the gradients).
+func (c *Common) Clipping() Clip { return c.Clip }
