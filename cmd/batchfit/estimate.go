@@ -70,6 +70,9 @@ type report struct {
 	// model without training-mode batch norm.
 	BatchStats string `json:"batch_stats,omitempty"`
 	BatchNorm  string `json:"batch_norm,omitempty"`
+	// ZeRO is one data-parallel rank's holdings (--ranks, --zero), whose
+	// plan Plan is; nil without those flags.
+	ZeRO *zeroReport `json:"zero,omitempty"`
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -261,6 +264,9 @@ func estimate(c *estimateConfig) (*report, error) {
 
 	if err := estimateRecompute(c, st, r); err != nil {
 		return r, err
+	}
+	if c.zero != nil {
+		return estimateZeRO(c, st, r)
 	}
 	pl, err := st.plan, st.planErr
 	var dnf *planner.DoesNotFitError
@@ -473,6 +479,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 	}
 	tw.Flush()
 	writeRecompute(w, r)
+	writeZeRO(w, r)
 	if len(r.Timeline) > 0 {
 		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

@@ -188,6 +188,7 @@ type estimateConfig struct {
 	recompute        recompute.Mode
 	profile          recompute.Profile
 	plot             string
+	zero             *zeroConfig // --ranks, --zero: plan one data-parallel rank
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
@@ -226,6 +227,7 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
 	addRecomputeFlags(fs, &v.recompute)
+	addZeROFlags(fs, &v.zero)
 	return fs, v
 }
 
@@ -233,6 +235,7 @@ type estimateFlagValues struct {
 	stepFlagValues
 	device      deviceFlagValues
 	recompute   recomputeFlagValues
+	zero        zeroFlagValues
 	top         int
 	table, json bool
 }
@@ -339,6 +342,9 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
 	}
 	if err := v.recompute.apply(c); err != nil {
+		return nil, err
+	}
+	if err := v.zero.apply(c, set); err != nil {
 		return nil, err
 	}
 	return c, nil
