@@ -178,7 +178,9 @@ func (m *ShardedManifest) encode() ([]byte, error) {
 // flat space the shards cover, the parameters back to back in it, one
 // file per rank holding params and every slot of ShardLen values.
 func (m *ShardedManifest) check() error {
-	bad := func(format string, a ...any) error { return fmt.Errorf("%w: %s", ErrCorrupt, fmt.Sprintf(format, a...)) }
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s", ErrCorrupt, fmt.Sprintf(format, a...))
+	}
 	switch {
 	case m.Step < 0 || m.Steps < 0:
 		return bad("step %d, optimizer steps %d", m.Step, m.Steps)
