@@ -11,7 +11,8 @@ import (
 const DefaultTimeout = 5 * time.Minute
 
 // Communicator is a group of ranks that reduce and broadcast float32
-// buffers. NCCL (NewNCCL) and the in-process fake (NewLocal) implement it.
+// buffers. NCCL (NewNCCL), the in-process fake (NewLocal) and TCP
+// (NewTCP) implement it.
 //
 // Buffers are host slices: parameters at the start (BroadcastParams), the
 // loss, and the gradients of a step whose optimizer runs on the host. A
