@@ -56,6 +56,11 @@ type ShardBytes struct {
 // (Plan.Persistent of the sharded program).
 func (b ShardBytes) Persistent() int64 { return b.Params + b.Grads + b.State + b.Bucket + b.Constants }
 
+// ShardScope is the tag scope of a sharded program's flat buffers (the
+// state and gradient shards, the parameter shard, the bucket), which
+// belong to no module.
+const ShardScope = "zero"
+
 // Shard returns the program one rank of sharded data parallel (ZeRO)
 // runs in place of p, a training program (Trained and Kept paired), and
 // what the rank holds. The schedule is p's; what changes is what is held:
@@ -115,7 +120,7 @@ func Shard(p *Program, o ShardOptions) (*Program, ShardBytes, error) {
 		q.Buffers = append(q.Buffers, b)
 		return len(q.Buffers) - 1
 	}
-	zeroTag := func(op string) alloc.Tag { return alloc.Tag{Node: p.Trained[0], Op: op, Scope: "zero"} }
+	zeroTag := func(op string) alloc.Tag { return alloc.Tag{Node: p.Trained[0], Op: op, Scope: ShardScope} }
 	slots := 0
 	var persistent []int
 	for _, bi := range p.Persistent {

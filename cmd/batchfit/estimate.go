@@ -380,7 +380,7 @@ func largest(p *planner.Program, pl *planner.Plan, n int) []bufferRow {
 			continue
 		}
 		row := bufferRow{Bytes: b.Bytes(pl.Chunk), Kind: b.Kind.String(), Node: b.Node, Op: b.Tag.Op, Module: b.Tag.Scope}
-		if b.Kind != planner.BufWorkspace {
+		if b.Kind != planner.BufWorkspace && b.Tag.Scope != planner.ShardScope { // a flat shard or bucket has no node's shape
 			row.Shape = p.Graph.Node(b.Node).Type.AtBatch(pl.Chunk)
 		}
 		rows = append(rows, row)

@@ -113,6 +113,21 @@ func estimateZeRO(c *estimateConfig, st *step, r *report) (*report, error) {
 	for _, run := range pl.Split.Runs() {
 		pr.Chunks = append(pr.Chunks, chunkRun(run))
 	}
+	if !pr.WholeBatch { // what the rank's whole batch would need in one chunk, as estimate reports it
+		for _, bi := range rp.Program.Accumulators {
+			pr.Accumulators += rp.Program.Buffers[bi].Bytes(0)
+		}
+		sim := alloc.New(alloc.NewSimBackend(planner.Unlimited), alloc.Options{})
+		u, err := planner.Replay(rp.Program, planner.ChunksOf(c.batch, c.batch), sim, nil, false)
+		switch {
+		case errors.Is(err, alloc.ErrOutOfMemory):
+			pr.WholePeakReserved = -1
+		case err != nil:
+			return r, err
+		default:
+			pr.WholePeakReserved = u.PeakReserved + z.overhead
+		}
+	}
 	r.Plan, r.DoesNotFit = pr, nil
 	r.Timeline, r.Largest = nil, nil
 	if c.table {

@@ -63,3 +63,23 @@ func TestEstimateZeROFlags(t *testing.T) {
 	require.Equal(t, exitOK, code, errs)
 	require.Contains(t, out, "gathered parameters")
 }
+
+// A rank's batch in chunks: stage 1 keeps the chunk accumulators of the
+// whole gradients, stages 2 and 3 none (the gradient shard accumulates),
+// and the whole batch's peak in one chunk is replayed for the report.
+func TestEstimateZeROChunked(t *testing.T) {
+	for _, stage := range []string{"1", "2", "3"} {
+		code, out, errs := runCLI("estimate", "--model", "gpt-tiny", "--batch", "8", "--budget", "1GiB", "--micro-batch", "2",
+			"--ranks", "4", "--zero", stage, "--json")
+		require.Equal(t, exitOK, code, errs)
+		var r report
+		require.NoError(t, json.Unmarshal([]byte(out), &r))
+		require.Equal(t, 4, r.Plan.NumChunks, "stage %s", stage)
+		if stage == "1" {
+			require.Positive(t, r.Plan.Accumulators)
+		} else {
+			require.Zero(t, r.Plan.Accumulators, "stage %s", stage)
+		}
+		require.GreaterOrEqual(t, r.Plan.WholePeakReserved, r.Plan.PeakReserved, "stage %s", stage)
+	}
+}
