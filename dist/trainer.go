@@ -109,7 +109,9 @@ func (t *Trainer) Comm() Communicator { return t.comm }
 func (t *Trainer) Shard(n int) (lo, hi int, err error) { return Shard(n, t.comm.Rank(), t.comm.Size()) }
 
 // Close closes the session (syncing parameters to the host), not the
-// communicator, which the caller owns.
+// communicator, which the caller owns. Under ZeRO stage 3 the host
+// tensors are whole only after GatherParams (a collective, which Close
+// does not run).
 func (t *Trainer) Close() error { return t.sess.Close() }
 
 // BroadcastParams gives every rank rank 0's parameter values (their host

@@ -328,3 +328,45 @@ func (c abortingComm) AllReduceSum(ctx context.Context, buf []float32) error {
 	_ = c.Abort()
 	return errDied
 }
+
+// gatherDies dies at its first all-gather: after the update of stages 1
+// and 2.
+type gatherDies struct{ dist.Communicator }
+
+func (c gatherDies) AllGather(ctx context.Context, send, recv []float32) error {
+	_ = c.Abort()
+	return errDied
+}
+
+// A peer that dies in the all-gather of stages 1 and 2, after every rank
+// updated its shard: the others' errors wrap ErrStepApplied (do not
+// retry) and ErrAborted.
+func TestZeROGatherFailsAfterUpdate(t *testing.T) {
+	for _, stage := range []int{dist.ZeRO1, dist.ZeRO2} {
+		const world, n = 2, 4
+		comms := dist.NewLocal(world, 5*time.Second)
+		comms[1] = gatherDies{comms[1]}
+		x, y := batch(rand.New(rand.NewPCG(6, 6)), n)
+		errs := make([]error, world)
+		var wg sync.WaitGroup
+		for r := range world {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				tr, err := dist.New(comms[r], dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCPU}, ZeRO: stage})
+				if err != nil {
+					errs[r] = err
+					return
+				}
+				defer tr.Close()
+				m := newModel(1)
+				lo, hi, _ := tr.Shard(n)
+				_, errs[r] = tr.Step(context.Background(), n, m.loss(x, y, lo, hi), m.params, optim.NewAdamW(0.01))
+			}()
+		}
+		wg.Wait()
+		require.ErrorIs(t, errs[0], dist.ErrStepApplied, "stage %d", stage)
+		require.ErrorIs(t, errs[0], dist.ErrAborted, "stage %d", stage)
+		require.ErrorIs(t, errs[1], dist.ErrStepApplied, "stage %d", stage)
+	}
+}
