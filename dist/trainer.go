@@ -167,6 +167,15 @@ func hostData(params []*lazy.Tensor) ([][]float32, error) {
 // step, on the host copies of the gradients, bucket by bucket in reverse
 // parameter order.
 //
+// Under ZeRO (Options.ZeRO) the host path runs whatever the communicator
+// and session: the gradients are all-reduced (stage 1) or reduce-scattered
+// (stages 2, 3) on host copies, in pieces of Options.BucketBytes over all
+// ranks' blocks, the caller's optimizer updates this rank's pieces of the
+// flat Layout (keyed by ShardKey), and the updated shards are
+// all-gathered (stages 1, 2) or kept as the parameters of record and
+// gathered ahead of the next step's forward (stage 3). A failure in that
+// all-gather, after the update, wraps ErrStepApplied.
+//
 // A step that fails on this rank for a reason of its own (its graph, its
 // memory) aborts the communicator, so the other ranks' steps return
 // ErrAborted at once instead of waiting for their deadline. loss must
