@@ -47,8 +47,11 @@ type Options struct {
 	// optimizer's state, ZeRO2 the gradients too, ZeRO3 the parameters
 	// too (ZeROOff, 0: replicated). The sums, the update and the gathers
 	// run on host copies (see Trainer.Step); stage 3 needs a CPU session.
-	// An optimizer that clips gradients by their global norm is refused
-	// (ErrZeRO).
+	// An optimizer that clips by the global norm (optim.Common.Clip) gets
+	// every rank's part of the norm (optim.Common.SetNormOf); one that
+	// clips but cannot take the norm so is refused (ErrZeRO). A wrapper
+	// around an optimizer hides both from the trainer: clip with the
+	// optimizer itself.
 	ZeRO int
 }
 

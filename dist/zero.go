@@ -3,6 +3,7 @@ package dist
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/batchfit/batchfit/lazy"
@@ -113,8 +114,58 @@ type ShardKey struct {
 	Lo  int
 }
 
-// clipper is an optimizer that may clip gradients (optim.Common).
-type clipper interface{ Clipping() optim.Clip }
+// clipper is an optimizer that may clip gradients and takes its norm
+// from elsewhere (optim.Common).
+type clipper interface {
+	Clipping() optim.Clip
+	SetNormOf(func(grads [][]float32, inf bool) (float64, error))
+}
+
+// globalNorm is the total norm of every rank's gradients from this
+// rank's shard of them: each rank's part (the sum of squares in float64
+// in flat order, or the largest magnitude) is all-gathered bit for bit
+// (a float64 as two float32 words, copied, never added) and combined in
+// rank order. One process sums the whole in one pass, so the norms agree
+// to float64 rounding (TestZeROClipsByGlobalNorm: within 1e-12).
+func (r *zeroReducer) globalNorm(grads [][]float32, inf bool) (float64, error) {
+	var part float64
+	for _, g := range grads {
+		for _, x := range g {
+			v := float64(x)
+			if inf {
+				if a := math.Abs(v); a > part || math.IsNaN(a) {
+					part = a
+				}
+			} else {
+				part += v * v
+			}
+		}
+	}
+	n := r.t.comm.Size()
+	bits := math.Float64bits(part)
+	send := []float32{math.Float32frombits(uint32(bits >> 32)), math.Float32frombits(uint32(bits))}
+	recv := make([]float32, 2*n)
+	if err := r.t.comm.AllGather(r.ctx, send, recv); err != nil {
+		return 0, err
+	}
+	var total float64
+	for k := range n {
+		v := math.Float64frombits(uint64(math.Float32bits(recv[2*k]))<<32 | uint64(math.Float32bits(recv[2*k+1])))
+		switch {
+		case !inf:
+			total += v
+		case v > total || math.IsNaN(v):
+			total = v
+		}
+		if inf && math.IsNaN(total) {
+			break
+		}
+	}
+	if inf {
+		return total, nil
+	}
+	return math.Sqrt(total), nil
+}
 
 // zero is a Trainer's ZeRO state: the layout (fixed at the first step),
 // this rank's gradient shard (stages 2 and 3) and parameter shard
@@ -320,6 +371,11 @@ func (r *zeroReducer) Step(ps []optim.Param) error {
 		}
 		sp[i] = q
 	}
+	if c, ok := r.Optimizer.(clipper); ok && c.Clipping().On() {
+		// The clip coefficient needs every rank's gradients' norm.
+		c.SetNormOf(r.globalNorm)
+		defer c.SetNormOf(nil)
+	}
 	if err := r.Optimizer.Step(sp); err != nil {
 		return err
 	}
@@ -339,8 +395,10 @@ func (r *zeroReducer) Step(ps []optim.Param) error {
 // zeroStep is Step under ZeRO: the host path (the session's gradients on
 // the host, the sums through the communicator's host collectives).
 func (t *Trainer) zeroStep(ctx context.Context, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, scale float32) (float32, time.Duration, error) {
-	if c, ok := opt.(clipper); ok && c.Clipping().On() {
-		return 0, 0, fmt.Errorf("%w: the optimizer clips gradients by their global norm, which a rank's shard does not have", ErrZeRO)
+	if c, ok := opt.(interface{ Clipping() optim.Clip }); ok && c.Clipping().On() {
+		if _, ok := opt.(clipper); !ok {
+			return 0, 0, fmt.Errorf("%w: the optimizer clips gradients by their global norm and cannot take it from the ranks (optim.Common.SetNormOf)", ErrZeRO)
+		}
 	}
 	var gathered time.Duration
 	if t.z.stage == ZeRO3 && t.z.stale {
