@@ -3,6 +3,8 @@ package dist
 import (
 	"fmt"
 
+	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/planner"
 )
 
@@ -79,4 +81,19 @@ func PlanZeRO(p *planner.Program, o ZeROPlanOptions) (*RankPlan, error) {
 	}
 	rp.Plan = pl
 	return rp, nil
+}
+
+// PlanRank plans this rank's step of loss (its shard of the batch, as for
+// Step) under the trainer's ZeRO stage and world size: the session's
+// compiled step (Session.Plan) sharded by PlanZeRO, within budget (the
+// rank's whole device budget) less the communicator's Overhead, with the
+// session's micro-batch cap. It runs nothing. Under ZeROOff it is the
+// replicated rank's plan.
+func (t *Trainer) PlanRank(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer, budget int64) (*RankPlan, error) {
+	sp, err := t.sess.Plan(loss, params, opt)
+	if sp == nil {
+		return nil, err
+	} // a step that does not fit replicated may fit sharded
+	return PlanZeRO(sp.Program, ZeROPlanOptions{Stage: t.z.stage, Ranks: t.comm.Size(), BucketBytes: t.opts.BucketBytes,
+		Overhead: t.comm.Overhead(), Planner: planner.Options{Budget: budget, NoHeadroom: true, NoChunkList: true, MaxChunk: t.opts.Session.MaxChunk}})
 }

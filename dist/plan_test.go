@@ -3,6 +3,7 @@ package dist_test
 import (
 	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -72,4 +73,31 @@ func TestPlanZeRO(t *testing.T) {
 	require.ErrorIs(t, err, dist.ErrZeRO)
 	_, err = dist.PlanZeRO(sp.Program, dist.ZeROPlanOptions{Stage: 1, Ranks: ranks, Overhead: 2 << 30, Planner: po})
 	require.ErrorIs(t, err, planner.ErrBudget)
+}
+
+// Trainer.PlanRank is PlanZeRO of the rank's own compiled step, at its
+// stage and world size, with the communicator's overhead (0 for the
+// in-process one) out of the budget.
+func TestTrainerPlanRank(t *testing.T) {
+	const n, hidden = 4, 4096
+	m := newWide(1, hidden)
+	comms := dist.NewLocal(2, time.Second)
+	tr, err := dist.New(comms[0], dist.Options{Session: batchfit.Options{Device: batchfit.DeviceCPU}, ZeRO: dist.ZeRO3})
+	require.NoError(t, err)
+	defer tr.Close()
+	x, y := batch(rand.New(rand.NewPCG(1, 1)), n)
+	lo, hi, _ := tr.Shard(n)
+	loss := m.loss(x, y, lo, hi)
+	rp, err := tr.PlanRank(loss, m.params, optim.NewAdamW(0.01), 1<<30)
+	require.NoError(t, err)
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
+	defer sess.Close()
+	sp, err := sess.Plan(loss, m.params, optim.NewAdamW(0.01))
+	require.NoError(t, err)
+	want, err := dist.PlanZeRO(sp.Program, dist.ZeROPlanOptions{Stage: dist.ZeRO3, Ranks: 2,
+		Planner: planner.Options{Budget: 1 << 30, NoHeadroom: true, NoChunkList: true}})
+	require.NoError(t, err)
+	require.Equal(t, want.Bytes, rp.Bytes)
+	require.Equal(t, want.Plan.PeakReserved, rp.Plan.PeakReserved)
+	require.Less(t, rp.Plan.Persistent-rp.Bytes.Bucket, sp.Plan.Persistent, "sharded, the rank holds less beside the (25 MiB) bucket")
 }
