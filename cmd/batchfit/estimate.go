@@ -77,6 +77,9 @@ type report struct {
 	// Passes is what each graph pass of the pipeline did to the step, in
 	// order (--passes; package compile).
 	Passes []compile.Report `json:"passes,omitempty"`
+	// ZeRO is one data-parallel rank's holdings (--ranks, --zero), whose
+	// plan Plan is; nil without those flags.
+	ZeRO *zeroReport `json:"zero,omitempty"`
 }
 
 // loraReport is a LoRA fine-tune's split of the parameters: the frozen
@@ -308,6 +311,9 @@ func estimate(c *estimateConfig) (*report, error) {
 	if err := estimateRecompute(c, st, r); err != nil {
 		return r, err
 	}
+	if c.zero != nil {
+		return estimateZeRO(c, st, r)
+	}
 	pl, err := st.plan, st.planErr
 	var dnf *planner.DoesNotFitError
 	if errors.As(err, &dnf) {
@@ -420,7 +426,7 @@ func largest(p *planner.Program, pl *planner.Plan, n int) []bufferRow {
 			continue
 		}
 		row := bufferRow{Bytes: b.Bytes(pl.Chunk), Kind: b.Kind.String(), Node: b.Node, Op: b.Tag.Op, Module: b.Tag.Scope}
-		if b.Kind != planner.BufWorkspace {
+		if b.Kind != planner.BufWorkspace && b.Tag.Scope != planner.ShardScope { // a flat shard or bucket has no node's shape
 			row.Shape = p.Graph.Node(b.Node).Type.AtBatch(pl.Chunk)
 		}
 		rows = append(rows, row)
@@ -527,6 +533,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 	tw.Flush()
 	writePasses(w, r)
 	writeRecompute(w, r)
+	writeZeRO(w, r)
 	if len(r.Timeline) > 0 {
 		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

@@ -205,6 +205,7 @@ type estimateConfig struct {
 	// lora is --lora's adapters (nil without): applied to the zoo model
 	// before its step is built (adapt).
 	lora *nn.LoRA
+	zero *zeroConfig // --ranks, --zero: plan one data-parallel rank
 }
 
 // adapt is c's --lora applied to a model, nil without --lora.
@@ -264,6 +265,7 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.IntVar(&v.lora.rank, "lora", 0, "LoRA fine-tune: adapters of rank `R` on --lora-targets, the base frozen in bfloat16 (nn.LoRA): the plan holds the base's 16-bit weights without gradients or optimizer state, the adapters' float32 weights, gradients and state (0: train every parameter)")
 	fs.StringVar(&v.lora.targets, "lora-targets", "q_proj,k_proj,v_proj,o_proj", "comma-separated `modules` --lora adapts (PEFT's target_modules: "+strings.Join(nn.DefaultLoRATargets, ",")+" for a Llama)")
 	fs.Float64Var(&v.lora.alpha, "lora-alpha", 0, "--lora's `alpha`: the adapters' update is scaled by alpha/rank (0: the rank; the plan does not depend on it)")
+	addZeROFlags(fs, &v.zero)
 	return fs, v
 }
 
@@ -272,6 +274,7 @@ type estimateFlagValues struct {
 	device      deviceFlagValues
 	recompute   recomputeFlagValues
 	lora        loraFlagValues
+	zero        zeroFlagValues
 	top         int
 	table, json bool
 	passes      bool
@@ -425,6 +428,9 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 		return nil, err
 	}
 	if err := v.lora.apply(c, set); err != nil {
+		return nil, err
+	}
+	if err := v.zero.apply(c, set); err != nil {
 		return nil, err
 	}
 	return c, nil
