@@ -11,7 +11,8 @@ import (
 const DefaultTimeout = 5 * time.Minute
 
 // Communicator is a group of ranks that reduce and broadcast float32
-// buffers. NCCL (NewNCCL) and the in-process fake (NewLocal) implement it.
+// buffers. NCCL (NewNCCL), the in-process fake (NewLocal) and TCP
+// (NewTCP) implement it.
 //
 // Buffers are host slices: parameters at the start (BroadcastParams), the
 // loss, and the gradients of a step whose optimizer runs on the host. A
@@ -32,6 +33,15 @@ type Communicator interface {
 	AllReduceSum(ctx context.Context, buf []float32) error
 	// Broadcast replaces buf on every rank by root's buf.
 	Broadcast(ctx context.Context, buf []float32, root int) error
+	// ReduceScatterSum sums send over the ranks and gives each rank its
+	// block of the sum: send holds Size() blocks of len(recv) values, and
+	// recv on rank r becomes the element-wise sum of every rank's block r
+	// (ncclReduceScatter). ZeRO's gradients are summed this way.
+	ReduceScatterSum(ctx context.Context, send, recv []float32) error
+	// AllGather concatenates every rank's send in rank order into recv,
+	// which holds Size() blocks of len(send) values (ncclAllGather).
+	// ZeRO's parameter shards are gathered this way.
+	AllGather(ctx context.Context, send, recv []float32) error
 	// Abort fails every pending and later collective of the group, on
 	// every rank (ErrAborted), without waiting for peers.
 	Abort() error

@@ -5,11 +5,13 @@
 //
 // The pieces:
 //
-//   - Communicator: AllReduceSum, Broadcast and Abort over float32
-//     buffers, with a deadline on every call. NewNCCL runs it over NCCL
-//     (exec/cuda's purego bindings of libnccl.so.2); NewLocal is the
-//     in-process fake (ranks as goroutines) that CPU tests and CPU
-//     data-parallel training use.
+//   - Communicator: AllReduceSum, Broadcast, ReduceScatterSum, AllGather
+//     and Abort over float32 buffers, with a deadline on every call.
+//     NewNCCL runs it over NCCL (exec/cuda's purego bindings of
+//     libnccl.so.2); NewLocal is the in-process fake (ranks as
+//     goroutines) that CPU tests and CPU data-parallel training use;
+//     NewTCP is a host communicator across processes over TCP, through
+//     torchrun's variables, with NewLocal's results bit for bit.
 //   - Rendezvous by torchrun's conventions: EnvFromOS reads RANK,
 //     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; ExchangeID has
 //     rank 0 serve the 128-byte NCCL unique id over TCP, the others dial
@@ -23,6 +25,14 @@
 //     optimizer step. BroadcastParams starts every rank from rank 0's
 //     parameters. TestGradientsEqualWholeBatch holds losses, gradients and
 //     parameters to a single process's whole-batch run.
+//   - ZeRO (Options.ZeRO): stage 1 shards the optimizer's state over the
+//     ranks, stage 2 the gradients too (reduce-scattered), stage 3 the
+//     parameters too (gathered ahead of each step's forward), over a flat
+//     Layout of the parameters; on host copies, any communicator.
+//     PlanZeRO plans one rank of the sharded layout (planner.Shard), the
+//     communicator's overhead out of its budget; SaveSharded and
+//     LoadSharded write a checkpoint shard per rank and read it back on
+//     any world size.
 //
 // Memory: NCCL's own device buffers (and the communicator's staging
 // buffer) are outside the session's allocator. NewNCCL measures them with

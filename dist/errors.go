@@ -36,6 +36,11 @@ var (
 	// would apply it twice. A step error without it updated nothing on
 	// this rank.
 	ErrStepApplied = errors.New("dist: the step's update was applied")
+	// ErrZeRO: a ZeRO configuration the trainer cannot run (a stage other
+	// than 0–3, stage 3 on a CUDA session, an optimizer that clips by the
+	// global norm but cannot take it from the ranks), or parameters other
+	// than the ones its layout was made of.
+	ErrZeRO = errors.New("dist: ZeRO")
 )
 
 // RankError is a failure that names the rank it was seen on and the

@@ -39,7 +39,7 @@ type hub struct {
 
 type round struct {
 	op     string
-	n      int // buffer length
+	n      int // buffer length (the send buffer's, for reduce-scatter and all-gather)
 	root   int
 	bufs   [][]float32
 	count  int
@@ -90,9 +90,43 @@ func (c *local) Broadcast(ctx context.Context, buf []float32, root int) error {
 	return c.collective(ctx, "broadcast", buf, root)
 }
 
+// ReduceScatterSum sums each block in rank order (as AllReduceSum does),
+// so its block r is bit for bit block r of the all-reduce's result.
+func (c *local) ReduceScatterSum(ctx context.Context, send, recv []float32) error {
+	if err := blocks(c.rank, "reduce-scatter", len(send), len(recv), c.h.size); err != nil {
+		return err
+	}
+	return c.collectiveTo(ctx, "reduce-scatter", send, recv, -1)
+}
+
+// AllGather copies every rank's send into its block of recv.
+func (c *local) AllGather(ctx context.Context, send, recv []float32) error {
+	if err := blocks(c.rank, "all-gather", len(recv), len(send), c.h.size); err != nil {
+		return err
+	}
+	return c.collectiveTo(ctx, "all-gather", send, recv, -1)
+}
+
+// blocks checks that a collective's whole buffer of n values is size
+// blocks of its per-rank buffer of m: an ErrMismatch naming both
+// otherwise, before anything is sent.
+func blocks(rank int, op string, n, m, size int) error {
+	if n == m*size {
+		return nil
+	}
+	return &RankError{Rank: rank, Op: op, Err: fmt.Errorf("%w: a buffer of %d values is not %d blocks of the other's %d", ErrMismatch, n, size, m)}
+}
+
 // collective joins this rank's next round and waits for the others, for
 // an abort, for ctx or for the deadline.
 func (c *local) collective(ctx context.Context, op string, buf []float32, root int) error {
+	return c.collectiveTo(ctx, op, buf, buf, root)
+}
+
+// collectiveTo is collective with this rank's input in send and its
+// result written to out: the whole result, or this rank's block of it
+// for reduce-scatter.
+func (c *local) collectiveTo(ctx context.Context, op string, buf, out []float32, root int) error {
 	h := c.h
 	fail := func(err error) error { return &RankError{Rank: c.rank, Op: op, Err: err} }
 	if c.closed {
@@ -121,10 +155,17 @@ func (c *local) collective(ctx context.Context, op string, buf []float32, root i
 	r.bufs[c.rank] = buf
 	r.count++
 	if r.count == h.size { // the last arrival computes, in rank order
-		res := make([]float32, len(buf))
-		if op == "broadcast" {
-			copy(res, r.bufs[root])
-		} else {
+		var res []float32
+		switch op {
+		case "broadcast":
+			res = append(res, r.bufs[root]...)
+		case "all-gather":
+			res = make([]float32, 0, len(buf)*h.size)
+			for _, b := range r.bufs {
+				res = append(res, b...)
+			}
+		default: // all-reduce, reduce-scatter: the sum in rank order
+			res = make([]float32, len(buf))
 			for _, b := range r.bufs {
 				for i, v := range b {
 					res[i] += v
@@ -141,7 +182,11 @@ func (c *local) collective(ctx context.Context, op string, buf []float32, root i
 	defer timer.Stop()
 	select {
 	case <-r.done:
-		copy(buf, r.result)
+		if op == "reduce-scatter" {
+			copy(out, r.result[c.rank*len(out):])
+		} else {
+			copy(out, r.result)
+		}
 		return nil
 	case <-h.aborted:
 		return fail(fmt.Errorf("%w: %v", ErrAborted, h.cause))

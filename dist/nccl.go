@@ -116,6 +116,20 @@ func (n *ncclComm) Broadcast(ctx context.Context, buf []float32, root int) error
 	return n.wrap("broadcast", n.c.Broadcast(ctx, buf, root))
 }
 
+func (n *ncclComm) ReduceScatterSum(ctx context.Context, send, recv []float32) error {
+	if err := blocks(n.c.Rank(), "reduce-scatter", len(send), len(recv), n.c.Size()); err != nil {
+		return err
+	}
+	return n.wrap("reduce-scatter", n.c.ReduceScatterSum(ctx, send, recv))
+}
+
+func (n *ncclComm) AllGather(ctx context.Context, send, recv []float32) error {
+	if err := blocks(n.c.Rank(), "all-gather", len(recv), len(send), n.c.Size()); err != nil {
+		return err
+	}
+	return n.wrap("all-gather", n.c.AllGather(ctx, send, recv))
+}
+
 // reduction is one step's exec.Reducer: NCCL sums on the device, each
 // rank's gradients scaled by scale, with the package's errors.
 func (n *ncclComm) reduction(ctx context.Context, scale float32) exec.Reducer {

@@ -43,6 +43,16 @@ type Options struct {
 	// SumLoss says the loss sums over samples (graph.ReduceSum) instead of
 	// averaging (ReduceMean, the default). See Trainer.Step.
 	SumLoss bool
+	// ZeRO shards the training state over the ranks: ZeRO1 the
+	// optimizer's state, ZeRO2 the gradients too, ZeRO3 the parameters
+	// too (ZeROOff, 0: replicated). The sums, the update and the gathers
+	// run on host copies (see Trainer.Step); stage 3 needs a CPU session.
+	// An optimizer that clips by the global norm (optim.Common.Clip) gets
+	// every rank's part of the norm (optim.Common.SetNormOf); one that
+	// clips but cannot take the norm so is refused (ErrZeRO). A wrapper
+	// around an optimizer hides both from the trainer: clip with the
+	// optimizer itself.
+	ZeRO int
 }
 
 // Trainer is one rank of data-parallel training: a Session that plans and
@@ -56,6 +66,7 @@ type Trainer struct {
 	sess *batchfit.Session
 	opts Options
 	wait time.Duration // the last step's time blocked on communication
+	z    zero
 }
 
 // LastWait is how long the last Step waited on communication after its
@@ -85,7 +96,10 @@ func New(comm Communicator, o Options) (*Trainer, error) {
 	if err := s.Err(); err != nil {
 		return nil, err
 	}
-	return &Trainer{comm: comm, sess: s, opts: o}, nil
+	if err := checkZeRO(o, s.OnCUDA()); err != nil {
+		return nil, errors.Join(err, s.Close())
+	}
+	return &Trainer{comm: comm, sess: s, opts: o, z: zero{stage: o.ZeRO}}, nil
 }
 
 // Session is the rank's session (its plans, usage, allocator).
@@ -98,7 +112,9 @@ func (t *Trainer) Comm() Communicator { return t.comm }
 func (t *Trainer) Shard(n int) (lo, hi int, err error) { return Shard(n, t.comm.Rank(), t.comm.Size()) }
 
 // Close closes the session (syncing parameters to the host), not the
-// communicator, which the caller owns.
+// communicator, which the caller owns. Under ZeRO stage 3 the host
+// tensors are whole only after GatherParams (a collective, which Close
+// does not run).
 func (t *Trainer) Close() error { return t.sess.Close() }
 
 // BroadcastParams gives every rank rank 0's parameter values (their host
@@ -154,6 +170,15 @@ func hostData(params []*lazy.Tensor) ([][]float32, error) {
 // step, on the host copies of the gradients, bucket by bucket in reverse
 // parameter order.
 //
+// Under ZeRO (Options.ZeRO) the host path runs whatever the communicator
+// and session: the gradients are all-reduced (stage 1) or reduce-scattered
+// (stages 2, 3) on host copies, in pieces of Options.BucketBytes over all
+// ranks' blocks, the caller's optimizer updates this rank's pieces of the
+// flat Layout (keyed by ShardKey), and the updated shards are
+// all-gathered (stages 1, 2) or kept as the parameters of record and
+// gathered ahead of the next step's forward (stage 3). A failure in that
+// all-gather, after the update, wraps ErrStepApplied.
+//
 // A step that fails on this rank for a reason of its own (its graph, its
 // memory) aborts the communicator, so the other ranks' steps return
 // ErrAborted at once instead of waiting for their deadline. loss must
@@ -197,7 +222,9 @@ func (t *Trainer) step(ctx context.Context, globalN int, loss *lazy.Tensor, para
 		scale = float32(hi-lo) / float32(globalN)
 	}
 	var l float32
-	if dc, ok := t.comm.(deviceComm); ok && t.sess.OnCUDA() {
+	if t.z.stage != ZeROOff {
+		l, t.wait, err = t.zeroStep(ctx, loss, params, opt, scale)
+	} else if dc, ok := t.comm.(deviceComm); ok && t.sess.OnCUDA() {
 		// The gradients stay on the device: NCCL sums them in place
 		// between backward and the optimizer, which the session runs there
 		// (or on the host after a download, for optimizers without device

@@ -33,6 +33,14 @@
 // config keeps the keys it was read with and writes the rope settings in
 // both spellings.
 //
+// SaveAdapter and LoadAdapter write and read PEFT LoRA adapters
+// (adapter_config.json and adapter_model.safetensors, names under
+// "base_model.model."), for models adapted with nn.LoRA; LoadAdapter
+// checks every tensor's name, shape (a *ShapeError) and rank (a
+// *RankError) and refuses settings batchfit does not compute as PEFT
+// does (DoRA, rsLoRA, rank patterns, …) with ErrUnsupported, before the
+// model changes. scripts/check-peft-adapters.py checks them against peft.
+//
 // The testdata checkpoints were made by transformers from fixed seeds
 // with the repository's scripts/make-reference-data.py (testdata/README.md).
 package hf

@@ -115,7 +115,7 @@ func (m *GPT) Forward(tokens *lazy.Tensor) *lazy.Tensor {
 	pos := m.wpe.Tensor().Slice(0, 0, s[1])
 	x := m.Call("wte", tokens).Add(pos)
 	x = m.Call("ln_f", m.Call("h", x))
-	return x.Linear(m.wte.Weight.Tensor(), nil)
+	return x.Linear(m.wte.Weight.As(x), nil)
 }
 
 // Loss is the mean next-token cross-entropy of logits [B, T, V] against

@@ -51,7 +51,7 @@ type Llama struct {
 // weights one. A bad config is the model's construction error (Err), a
 // graph.ErrAttr.
 func NewLlama(opt nn.Options, cfg LlamaConfig) *Llama {
-	m := &Llama{cfg: cfg, rope: &ropeTables{cfg: cfg.Rope, dim: cfg.HeadDimOrDefault(), byLen: map[int]*lazy.Tensor{}}}
+	m := &Llama{cfg: cfg, rope: &ropeTables{cfg: cfg.Rope, dim: cfg.HeadDimOrDefault(), byLen: map[int]*lazy.Tensor{}, zeros: &zeroConsts{}}}
 	if m.err = cfg.Check(); m.err != nil {
 		return m
 	}
@@ -120,7 +120,7 @@ func (m *Llama) Forward(tokens *lazy.Tensor) *lazy.Tensor {
 	m.rope.cur = cs
 	x := m.Call("model", tokens)
 	if m.cfg.TieEmbeddings {
-		return x.Linear(m.embed.Weight.Tensor(), nil)
+		return x.Linear(m.embed.Weight.As(x), nil)
 	}
 	return m.Call("lm_head", x)
 }
@@ -234,6 +234,8 @@ type ropeTables struct {
 	mu    sync.Mutex
 	byLen map[int]*lazy.Tensor
 	cur   *lazy.Tensor
+	// zeros are the LoRA block matrices' zero constants (packedDelta).
+	zeros *zeroConsts
 }
 
 func (r *ropeTables) table(t int) (*lazy.Tensor, error) {
@@ -264,7 +266,7 @@ type decoderLayer struct{ nn.Children }
 
 func newDecoderLayer(opt nn.Options, cfg LlamaConfig, rope *ropeTables) *decoderLayer {
 	h, f, d, kv := cfg.Hidden, cfg.Intermediate, cfg.HeadDimOrDefault(), cfg.KVHeadsOrDefault()
-	attn := &llamaAttention{heads: cfg.Heads, kvHeads: kv, headDim: d, rope: rope, Children: nn.NewChildren(
+	attn := &llamaAttention{heads: cfg.Heads, kvHeads: kv, headDim: d, rope: rope, zeros: rope.zeros, Children: nn.NewChildren(
 		nn.Child{Name: "q_proj", Module: hfLinear(opt, h, cfg.Heads*d, cfg.QKVBias)},
 		nn.Child{Name: "k_proj", Module: hfLinear(opt, h, kv*d, cfg.QKVBias)},
 		nn.Child{Name: "v_proj", Module: hfLinear(opt, h, kv*d, cfg.QKVBias)},
@@ -305,6 +307,7 @@ type llamaAttention struct {
 	nn.Children
 	heads, kvHeads, headDim int
 	rope                    *ropeTables
+	zeros                   *zeroConsts
 }
 
 // Forward: q, k and v from one GEMM of the three weights side by side,
@@ -322,15 +325,31 @@ func (a *llamaAttention) Forward(x *lazy.Tensor) *lazy.Tensor {
 		return lazy.ErrorTensor("llama attention", graph.Errorf(graph.ErrAttr,
 			"attention of %d positions without their rotary table: run it inside models.Llama.Forward", s[1]), s)
 	}
-	proj := func(name string) *nn.Linear { return a.Get(name).(*nn.Linear) }
-	q, k, v := proj("q_proj"), proj("k_proj"), proj("v_proj")
-	w := lazy.Concat(0, q.Weight.Tensor(), k.Weight.Tensor(), v.Weight.Tensor())
+	var lins [3]*nn.Linear
+	var adapters [3]*nn.LoRALinear
+	for i, name := range [3]string{"q_proj", "k_proj", "v_proj"} {
+		switch l := a.Get(name).(type) {
+		case *nn.Linear:
+			lins[i] = l
+		case *nn.LoRALinear:
+			lins[i], adapters[i] = l.Base, l
+		default:
+			return lazy.ErrorTensor("llama attention", graph.Errorf(graph.ErrAttr,
+				"attention's %s is a %T: it must be an nn.Linear or an nn.LoRALinear", name, l), s)
+		}
+	}
+	q, k, v := lins[0], lins[1], lins[2]
+	w := packed(x, q.Weight, k.Weight, v.Weight)
 	var b *lazy.Tensor
 	if q.Bias != nil {
-		b = lazy.Concat(0, q.Bias.Tensor(), k.Bias.Tensor(), v.Bias.Tensor())
+		b = packed(x, q.Bias, k.Bias, v.Bias)
+	}
+	proj := x.Linear(w, b)
+	if adapters != [3]*nn.LoRALinear{} {
+		proj = proj.Add(a.packedDelta(x, lins, adapters))
 	}
 	t, n := s[1], a.heads+2*a.kvHeads
-	qkv := x.Linear(w, b).Reshape(-1, t, n, a.headDim).RotaryHeads(a.rope.cur, a.heads+a.kvHeads).Reshape(-1, t, n*a.headDim)
+	qkv := proj.Reshape(-1, t, n, a.headDim).RotaryHeads(a.rope.cur, a.heads+a.kvHeads).Reshape(-1, t, n*a.headDim)
 	o := qkv.AttentionQKV(a.heads, lazy.AttentionOptions{Causal: true, KVHeads: a.kvHeads, Scale: 1 / math.Sqrt(float64(a.headDim))})
 	return a.Call("o_proj", o)
 }
@@ -340,4 +359,122 @@ type llamaMLP struct{ nn.Children }
 
 func (m *llamaMLP) Forward(x *lazy.Tensor) *lazy.Tensor {
 	return m.Call("down_proj", m.Call("gate_proj", x).SwiGLU(m.Call("up_proj", x)))
+}
+
+// packed is the three parameters side by side along their first axis, as
+// x's linear reads them: concatenated as stored, then widened once to x's
+// dtype when they are 16-bit frozen ones (nn.FreezeAs) of one dtype (the
+// widening a mixed precision policy drops, so its product reads the
+// 16-bit concatenation itself), each widened first when their dtypes
+// differ.
+func packed(x *lazy.Tensor, ps ...*nn.Param) *lazy.Tensor {
+	ts := make([]*lazy.Tensor, len(ps))
+	same := true
+	for i, p := range ps {
+		ts[i] = p.Tensor()
+		same = same && ts[i].DType() == ts[0].DType()
+	}
+	if !same {
+		for i, p := range ps {
+			ts[i] = p.As(x)
+		}
+		return lazy.Concat(0, ts...)
+	}
+	c := lazy.Concat(0, ts...)
+	if dt := x.DType(); ps[0].Frozen() && c.DType().IsHalf() && dt.IsFloat() && dt != c.DType() {
+		c = c.Cast(dt)
+	}
+	return c
+}
+
+// packedDelta is the adapters' updates of the packed projection
+// [B, T, (H + 2·Hkv)·d], exactly as each adapted projection adds its own
+// (nn.LoRALinear.Delta) and the others add nothing: the adapters' down
+// products u = [u_q, u_k, u_v] side by side, [B, T, R] (R the sum of their
+// ranks; one product of A_q, A_k and A_v concatenated when no adapter
+// drops its input), times a block matrix whose rows for projection i hold
+// B_i in i's columns and zeros elsewhere (the zero blocks are constants
+// shared by every layer). Two thin products whatever the adapted subset,
+// and the unadapted projections' product stays the one packed GEMM.
+func (a *llamaAttention) packedDelta(x *lazy.Tensor, lins [3]*nn.Linear, ls [3]*nn.LoRALinear) *lazy.Tensor {
+	var (
+		as    []*lazy.Tensor
+		downs []*lazy.Tensor
+		ranks [3]int
+		plain = true // no dropout and one scale: one product of the A's
+		scale = 0.0
+		total = 0
+	)
+	for i, l := range ls {
+		if l == nil {
+			continue
+		}
+		ranks[i] = l.Rank
+		total += l.Rank
+		if scale == 0 {
+			scale = l.Scale()
+		}
+		plain = plain && (l.Dropout == nil || l.Dropout.P == 0 || !l.Dropout.Training) && l.Scale() == scale
+		as = append(as, l.A.As(x))
+	}
+	var u *lazy.Tensor
+	if plain {
+		u = x.Linear(lazy.Concat(0, as...), nil)
+		if scale != 1 {
+			u = u.MulScalar(scale)
+		}
+	} else {
+		for _, l := range ls {
+			if l != nil {
+				downs = append(downs, l.Down(x))
+			}
+		}
+		u = lazy.Concat(len(x.Shape())-1, downs...)
+	}
+	rows := make([]*lazy.Tensor, 0, 3)
+	off := 0
+	for i, l := range ls {
+		out := lins[i].Weight.Shape()[0]
+		if l == nil {
+			rows = append(rows, a.zeros.of(out, total))
+			continue
+		}
+		var parts []*lazy.Tensor
+		if off > 0 {
+			parts = append(parts, a.zeros.of(out, off))
+		}
+		parts = append(parts, l.B.As(x))
+		if rest := total - off - ranks[i]; rest > 0 {
+			parts = append(parts, a.zeros.of(out, rest))
+		}
+		off += ranks[i]
+		if len(parts) == 1 {
+			rows = append(rows, parts[0])
+		} else {
+			rows = append(rows, lazy.Concat(1, parts...))
+		}
+	}
+	return u.Linear(lazy.Concat(0, rows...), nil)
+}
+
+// zeroConsts keeps float32 zero constants by shape, shared by a model's
+// layers: the same tensor every step, so a Session keeps it resident.
+type zeroConsts struct {
+	mu sync.Mutex
+	by map[[2]int]*lazy.Tensor
+}
+
+func (z *zeroConsts) of(rows, cols int) *lazy.Tensor {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	k := [2]int{rows, cols}
+	if c, ok := z.by[k]; ok {
+		return c
+	}
+	if z.by == nil {
+		z.by = map[[2]int]*lazy.Tensor{}
+	}
+	c := lazy.Const(tensor.New(tensor.WithShape(rows, cols), tensor.WithBacking(make([]float32, rows*cols))))
+	z.by[k] = c
+	return c
 }

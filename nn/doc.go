@@ -45,4 +45,8 @@
 //     Forward draws a fresh counter-based mask, identical across the
 //     chunks of one step. SetTraining switches every Dropout and
 //     BatchNorm2d of a model at once, like PyTorch's train() and eval().
+//   - LoRA.Apply adapts a model's linear layers by name with low-rank
+//     adapters (LoRALinear, named as PEFT names them) and freezes the rest,
+//     linear weights and embeddings in 16 bits; MergeLoRA folds trained
+//     adapters into the weights for export.
 package nn

@@ -54,3 +54,31 @@ func ExampleNewSequentialNamed() {
 	// head.bias
 	// true
 }
+
+// LoRA adapters on the layers named q_proj, shape-only: the adapted
+// layer's parameters are named as PEFT names them, and only the adapters
+// are trained; the base is frozen in bfloat16.
+func ExampleLoRA_Apply() {
+	o := nn.Options{ShapeOnly: true}
+	model := nn.NewSequentialNamed(
+		nn.Child{Name: "q_proj", Module: nn.NewLinear(o, 64, 64, false)},
+		nn.Child{Name: "act", Module: nn.ReLU{}},
+		nn.Child{Name: "head", Module: nn.NewLinear(o, 64, 10, true)},
+	)
+	adapters, err := nn.LoRA{Rank: 8, Alpha: 16, Targets: []string{"q_proj"}}.Apply(o, model)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Println(adapters[0].Path, "scale", adapters[0].Layer.Scale())
+	for _, p := range model.Params() {
+		fmt.Println(p.Name(), p.Shape(), p.Tensor().DType(), "frozen:", p.Frozen())
+	}
+	// Output:
+	// q_proj scale 2
+	// q_proj.weight [64 64] bfloat16 frozen: true
+	// q_proj.lora_A.weight [8 64] float32 frozen: false
+	// q_proj.lora_B.weight [64 8] float32 frozen: false
+	// head.weight [10 64] bfloat16 frozen: true
+	// head.bias [10] bfloat16 frozen: true
+}

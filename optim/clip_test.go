@@ -137,3 +137,40 @@ func TestNoDecay(t *testing.T) {
 		require.Equal(t, c.no, optim.NoDecay(c.name, c.shape), c.name)
 	}
 }
+
+// SetNormOf: a host step that clips takes the norm from the function (a
+// norm of 26 for gradients whose own is 13 halves the clip factor), it
+// is LastGradNorm, an error from it fails the step with nothing updated,
+// and nil restores GradNorm.
+func TestSetNormOf(t *testing.T) {
+	o := optim.NewSGD(1, 0)
+	o.Clip = optim.Clip{MaxNorm: 1, NormType: 2}
+	data := []float32{0, 0}
+	step := func() error {
+		return o.Step([]optim.Param{{Key: 1, Name: "p", Data: data, Grad: []float32{3, 4}}, {Key: 2, Name: "q", Data: make([]float32, 1), Grad: []float32{12}}})
+	}
+	o.SetNormOf(func(grads [][]float32, inf bool) (float64, error) {
+		require.False(t, inf)
+		require.Len(t, grads, 2)
+		return 26, nil
+	})
+	require.NoError(t, step())
+	n, err := o.LastGradNorm()
+	require.NoError(t, err)
+	require.Equal(t, 26.0, n)
+	coef := optim.ClipCoef(26, 1)
+	require.Equal(t, []float32{-3 * coef, -4 * coef}, data)
+
+	boom := errors.New("peer gone")
+	o.SetNormOf(func([][]float32, bool) (float64, error) { return 0, boom })
+	before := append([]float32(nil), data...)
+	require.ErrorIs(t, step(), boom)
+	require.Equal(t, before, data)
+	require.Equal(t, 1, o.Steps())
+
+	o.SetNormOf(nil)
+	require.NoError(t, step())
+	n, err = o.LastGradNorm()
+	require.NoError(t, err)
+	require.Equal(t, 13.0, n)
+}

@@ -381,7 +381,14 @@ func (c *Common) hostStep(r rule, params []Param, update func(h Hyper, u *ParamU
 		for i, p := range params {
 			grads[i] = p.Grad
 		}
-		norm := GradNorm(grads, pl.Clip.Inf())
+		var norm float64
+		if c.normOf != nil {
+			if norm, err = c.normOf(grads, pl.Clip.Inf()); err != nil {
+				return err
+			}
+		} else {
+			norm = GradNorm(grads, pl.Clip.Inf())
+		}
 		coef = ClipCoef(norm, pl.Clip.MaxNorm)
 		c.setNorm(gradNorm{set: true, v: norm})
 	}

@@ -48,6 +48,9 @@ type Common struct {
 	order []any // keys in the order first stepped
 	steps int
 	norm  gradNorm
+	// normOf, when set, is a host step's total gradient norm in place of
+	// GradNorm (SetNormOf).
+	normOf func(grads [][]float32, inf bool) (float64, error)
 }
 
 // Steps is the number of the optimizer's completed steps: the position
@@ -155,3 +158,21 @@ func (c *Common) record(key any, n int) *paramState {
 
 // lookup is key's state, nil before its first step. With c.mu held.
 func (c *Common) lookup(key any) *paramState { return c.state[key] }
+
+// Clipping is the optimizer's gradient clipping (Clip), for callers that
+// must know whether a step clips by the global norm (a sharded step, whose
+// rank sees only part of the gradients).
+func (c *Common) Clipping() Clip { return c.Clip }
+
+// SetNormOf makes host steps that clip take the total gradient norm from
+// f, given the step's gradients and whether the norm is the largest
+// magnitude (NormType +Inf), in place of GradNorm of them: a rank of
+// sharded data parallel is given only its shard of the gradients and
+// combines every rank's part (package dist sets it around its step). An
+// error from f fails the step before anything is updated. nil restores
+// GradNorm. Device steps are not affected.
+func (c *Common) SetNormOf(f func(grads [][]float32, inf bool) (float64, error)) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.normOf = f
+}

@@ -287,7 +287,7 @@ func key(b Buffer) residentKey { return residentKey{b.Kind, b.Node, b.Slot} }
 
 func (r *residentSim) Resident(b Buffer) *alloc.Block { return r.blocks[key(b)] }
 func (r *residentSim) Fill(b Buffer, blk *alloc.Block) error {
-	if b.Kind == BufParam || b.Kind == BufState {
+	if b.Kind != BufAccumulator { // parameters, state, a sharded program's shards and bucket
 		r.blocks[key(b)] = blk
 	}
 	return nil

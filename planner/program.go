@@ -38,10 +38,12 @@ const (
 	BufParam                         // a parameter or constant, persistent
 	BufState                         // optimizer state of a parameter, persistent
 	BufAccumulator                   // sum of a kept output over chunks, persistent
+	BufShard                         // a rank's flat parameter or gradient shard (Shard), persistent
+	BufGather                        // a gathered parameter or a gradient bucket of a sharded program (Shard)
 )
 
 func (k BufferKind) String() string {
-	return [...]string{"output", "workspace", "param", "state", "accumulator"}[k]
+	return [...]string{"output", "workspace", "param", "state", "accumulator", "shard", "gather"}[k]
 }
 
 // Buffer is one allocation of the program; its size at chunk size b is

@@ -52,7 +52,9 @@ type config struct {
 	llamaLayers   int    // its layers (0: the config's)
 	llamaSeq      int
 	llamaBatch    int
-	llamaUpper    int // the largest-batch search's upper bound
+	llamaUpper    int    // the largest-batch search's upper bound
+	llamaLoRA     int    // the llama model's LoRA rank (0: a full fine-tune)
+	llamaTargets  string // the modules -llama-lora adapts
 	tightLlama    int
 	mlpBatch      int
 	session       bool // also time the steps through batchfit.Session, graph rebuilt each step
@@ -103,6 +105,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.llamaBatch, "llama-batch", 4, "the llama model's batch for the timed run")
 	fs.IntVar(&c.llamaUpper, "llama-upper", 96, "the llama model's largest-batch search starts from a shape-only program of this many samples")
 	fs.IntVar(&c.tightLlama, "tight-batch-llama", 32, "the llama model's batch for -budget")
+	fs.IntVar(&c.llamaLoRA, "llama-lora", 0, "fine-tune the llama model with LoRA adapters of this `rank` (nn.LoRA, alpha 2·rank) on -llama-lora-targets, its base frozen in bfloat16, as peft with a bf16 base trains (0: every parameter)")
+	fs.StringVar(&c.llamaTargets, "llama-lora-targets", "q_proj,k_proj,v_proj,o_proj", "comma-separated `modules` -llama-lora adapts")
 	fs.BoolVar(&c.session, "session", true, "also time the training loop through batchfit.Session.Step, the graph built again every step")
 	fs.BoolVar(&c.sessionTrace, "session-trace", false, "print each Session step's plan (address, budget, predicted peak) and the allocator's device allocations and frees to stderr")
 	fs.BoolVar(&c.sessionFirst, "session-first", false, "time each model's Session steps before its executor's (the order's effect on the comparison)")
@@ -277,12 +281,24 @@ func benchModels(c config) ([]benchModel, error) {
 		}
 	}
 	llama := benchModel{name: "llama", seq: c.llamaSeq, batch: c.llamaBatch, tight: c.tightLlama, upper: c.llamaUpper,
-		about: fmt.Sprintf("models.Llama, %s shape (%d layers, width %d, %d/%d heads of %d, SwiGLU %d, vocab %d, tied %v, rope %s), seq %d, causal LM loss",
+		about: fmt.Sprintf("models.Llama, %s shape (%d layers, width %d, %d/%d heads of %d, SwiGLU %d, vocab %d, tied %v, rope %s), seq %d, causal LM loss%s",
 			c.llamaConfig, llamaCfg.Layers, llamaCfg.Hidden, llamaCfg.Heads, llamaCfg.KVHeadsOrDefault(), llamaCfg.HeadDimOrDefault(),
-			llamaCfg.Intermediate, llamaCfg.Vocab, llamaCfg.TieEmbeddings, llamaCfg.Rope.Type, c.llamaSeq),
+			llamaCfg.Intermediate, llamaCfg.Vocab, llamaCfg.TieEmbeddings, llamaCfg.Rope.Type, c.llamaSeq, loraAbout(c)),
 		optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
-		module: func(opt nn.Options) nn.Module { return models.NewLlama(opt, llamaCfg) },
+		module: func(opt nn.Options) nn.Module {
+			m := models.NewLlama(opt, llamaCfg)
+			if c.llamaLoRA > 0 {
+				l := nn.LoRA{Rank: c.llamaLoRA, Alpha: float64(2 * c.llamaLoRA), Targets: strings.Split(c.llamaTargets, ",")}
+				if _, err := l.Apply(opt, m); err != nil {
+					return &failedModule{err}
+				}
+			}
+			return m
+		},
 		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+			if f, ok := m.(*failedModule); ok {
+				return lazy.ErrorTensor("llama lora", f.err), nil
+			}
 			// Hugging Face's labels=input_ids: the labels are the tokens,
 			// shifted here (as the loss would) so that a program compiled
 			// once is fed them; nothing is ignored, so the mean's count
@@ -322,6 +338,14 @@ func benchModels(c config) ([]benchModel, error) {
 	}
 	return out, nil
 }
+
+// failedModule is a model that could not be made (a bad -llama-lora):
+// its Forward and Err report why.
+type failedModule struct{ err error }
+
+func (f *failedModule) Forward(*lazy.Tensor) *lazy.Tensor { return lazy.ErrorTensor("gobench", f.err) }
+func (f *failedModule) Params() []*nn.Param               { return nil }
+func (f *failedModule) Err() error                        { return f.err }
 
 // llamaConfig is the llama model's config: -llama-config's shape with
 // -llama-layers' layers.
@@ -597,7 +621,7 @@ func newExecutorLoop(d *cuda.Device, c config, m benchModel) (*stepLoop, error) 
 	// build of the same step, as a training loop makes one every step.
 	start = time.Now()
 	loss, inputs := m.build(mod, m.batch, nil)
-	p, ids, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.ParamTensors(mod), 2, inputs...)
+	p, ids, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.Trainable(mod), 2, inputs...)
 	if err != nil {
 		return l, err
 	}
@@ -817,4 +841,12 @@ func searchMaxBatch(sess *batchfit.Session, m benchModel) (*batchfit.BatchFit, e
 func (c config) executorOptions() cuda.ExecutorOptions {
 	return cuda.ExecutorOptions{TF32: c.tf32, NoCuDNN: !c.cudnn, ConvHeuristics: !c.cudnnFind, ConvSearchAll: c.cudnnFindAll, NoCuDNNBatchNorm: !c.cudnnBN,
 		NoCuDNNAttention: !c.cudnnAttn, NoCUDAGraphs: !c.cudaGraphs}
+}
+
+// loraAbout describes -llama-lora for a record, "" without it.
+func loraAbout(c config) string {
+	if c.llamaLoRA == 0 {
+		return ""
+	}
+	return fmt.Sprintf(", LoRA rank %d alpha %d on %s (base frozen in bfloat16)", c.llamaLoRA, 2*c.llamaLoRA, c.llamaTargets)
 }

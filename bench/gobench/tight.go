@@ -154,7 +154,7 @@ func tightness(d *cuda.Device, c config, m benchModel) (Record, error) {
 	}
 
 	start := time.Now()
-	p, _, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.ParamTensors(mod), 2)
+	p, _, err := compileStep(e.Workspace(), c.policy(), c.train(), loss, nn.Trainable(mod), 2)
 	if err != nil {
 		return r, err
 	}

@@ -29,7 +29,7 @@ func (globalPool) Params() []*nn.Param                 { return nil }
 // global average pooling and a linear head over 3×32×32 images, built with
 // the options it is given (so --batchnorm reaches its batch norm).
 var bnZooModel = zooModel{name: "bn-test", about: "conv, batch norm, relu, pool, linear", input: "image [3 32 32] float32",
-	build: func(opt nn.Options, b, _ int, train bool, data *rand.Rand) built {
+	build: func(opt nn.Options, b, _ int, train bool, data *rand.Rand, _ adaptFunc) built {
 		m := nn.NewSequential(nn.NewConv2d(opt, 3, 32, [2]int{3, 3}, false, lazy.ConvOptions{Padding: [2]int{1, 1}}),
 			nn.NewBatchNorm2d(opt, 32, 1e-5, 0.1), nn.ReLU{}, globalPool{}, nn.NewLinear(opt, 32, 10, true))
 		x := source(nil, data, []int{b, 3, 32, 32}, graph.Float32, 0)

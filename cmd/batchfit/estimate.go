@@ -8,6 +8,7 @@ import (
 	"math"
 	"sort"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -45,8 +46,10 @@ type report struct {
 	StateBytes int64  `json:"optimizer_state_bytes"`
 	// Offload is --offload's mode ("optimizer"), empty without.
 	Offload string `json:"offload,omitempty"`
-	Nodes   int    `json:"nodes"`
-	Steps   int    `json:"program_steps"`
+	// LoRA is --lora's adapters; nil without.
+	LoRA  *loraReport `json:"lora,omitempty"`
+	Nodes int         `json:"nodes"`
+	Steps int         `json:"program_steps"`
 	// Device is the card planned for (--gpu, --gpu-memory), whose budget is
 	// Budget; nil for --budget, planned with the CPU executor's workspaces.
 	Device    *device `json:"device,omitempty"`
@@ -76,6 +79,25 @@ type report struct {
 	// Passes is what each graph pass of the pipeline did to the step, in
 	// order (--passes; package compile).
 	Passes []compile.Report `json:"passes,omitempty"`
+	// ZeRO is one data-parallel rank's holdings (--ranks, --zero), whose
+	// plan Plan is; nil without those flags.
+	ZeRO *zeroReport `json:"zero,omitempty"`
+}
+
+// loraReport is a LoRA fine-tune's split of the parameters: the frozen
+// base (16-bit linear weights and embeddings, float32 norms: no gradient,
+// no optimizer state) and the trained float32 adapters, whose gradients
+// and optimizer state the plan holds.
+type loraReport struct {
+	Rank          int      `json:"rank"`
+	Alpha         float64  `json:"alpha"`
+	Targets       []string `json:"targets"`
+	Adapters      int      `json:"adapters"` // adapted layers
+	AdapterParams int64    `json:"adapter_params"`
+	AdapterBytes  int64    `json:"adapter_bytes"`
+	FrozenParams  int64    `json:"frozen_params"`
+	FrozenBytes   int64    `json:"frozen_bytes"`
+	GradientBytes int64    `json:"gradient_bytes"` // the adapters' gradients
 }
 
 // planReport is planner.Plan with its chunks as runs of equal sizes.
@@ -199,7 +221,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 	}
 	defer sess.Close()
 	start := time.Now()
-	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, c.batch, c.seq, c.train, nil)
+	b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, c.batch, c.seq, c.train, nil, c.adapt())
 	if err := nn.Check(b.module); err != nil {
 		return nil, err
 	}
@@ -264,18 +286,39 @@ func estimate(c *estimateConfig) (*report, error) {
 	if c.train {
 		r.Labels = inputs[1]
 	}
+	var trainedBytes int64
 	for _, p := range st.module.Params() {
-		r.ParamBytes += p.Tensor().Type().Bytes()
+		b := p.Tensor().Type().Bytes()
+		r.ParamBytes += b
+		if !p.Frozen() {
+			trainedBytes += b
+		}
+	}
+	if l := c.lora; l != nil {
+		lr := &loraReport{Rank: l.Rank, Alpha: l.AlphaOrDefault(), Targets: l.Targets,
+			Adapters: len(nn.LoRAAdapters(st.module)), GradientBytes: trainedBytes}
+		for _, p := range st.module.Params() {
+			n, b := int64(graph.Numel(p.Shape())), p.Tensor().Type().Bytes()
+			if p.Frozen() {
+				lr.FrozenParams, lr.FrozenBytes = lr.FrozenParams+n, lr.FrozenBytes+b
+			} else {
+				lr.AdapterParams, lr.AdapterBytes = lr.AdapterParams+n, lr.AdapterBytes+b
+			}
+		}
+		r.LoRA = lr
 	}
 	if nc := st.program.Info.NotChunkable; nc != nil {
 		r.NotChunkable = nc.Error()
 	}
 	if c.train {
-		r.StateBytes = int64(c.slots) * r.ParamBytes
+		r.StateBytes = int64(c.slots) * trainedBytes // frozen parameters hold none
 	}
 
 	if err := estimateRecompute(c, st, r); err != nil {
 		return r, err
+	}
+	if c.zero != nil {
+		return estimateZeRO(c, st, r)
 	}
 	pl, err := st.plan, st.planErr
 	var dnf *planner.DoesNotFitError
@@ -348,7 +391,7 @@ func largestWholeBatch(c *estimateConfig) (int, error) {
 	}
 	defer sess.Close()
 	build := func(n int) (*lazy.Tensor, []*lazy.Tensor) {
-		b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, n, c.seq, true, nil)
+		b := c.model.build(nn.Options{ShapeOnly: true, DType: c.dtype, PerChunkStats: c.perChunk}, n, c.seq, true, nil, c.adapt())
 		return b.loss, nn.ParamTensors(b.module)
 	}
 	fit, err := sess.MaxBatch(build, stateOf(c), batchfit.MaxBatchOptions{Limit: c.batch})
@@ -389,7 +432,7 @@ func largest(p *planner.Program, pl *planner.Plan, n int) []bufferRow {
 			continue
 		}
 		row := bufferRow{Bytes: b.Bytes(pl.Chunk), Kind: b.Kind.String(), Node: b.Node, Op: b.Tag.Op, Module: b.Tag.Scope}
-		if b.Kind != planner.BufWorkspace {
+		if b.Kind != planner.BufWorkspace && b.Tag.Scope != planner.ShardScope { // a flat shard or bucket has no node's shape
 			row.Shape = p.Graph.Node(b.Node).Type.AtBatch(pl.Chunk)
 		}
 		rows = append(rows, row)
@@ -427,6 +470,13 @@ func writeText(w io.Writer, r *report, planned bool) {
 		line("mode", "%s, %s", r.Mode, kind)
 	}
 	line("parameters", "%s (%s)", thousands(r.Params), alloc.FormatBytes(r.ParamBytes))
+	if l := r.LoRA; l != nil {
+		line("lora", "rank %d, alpha %g on %s: %d adapted layers, %s adapter parameters (%s float32, gradients %s)",
+			l.Rank, l.Alpha, strings.Join(l.Targets, ","), l.Adapters, thousands(l.AdapterParams),
+			alloc.FormatBytes(l.AdapterBytes), alloc.FormatBytes(l.GradientBytes))
+		line("frozen base", "%s parameters (%s: 16-bit linear weights and embeddings, float32 norms; no gradients or optimizer state)",
+			thousands(l.FrozenParams), alloc.FormatBytes(l.FrozenBytes))
+	}
 	if r.Mode == "train" && r.Offload != "" {
 		line("optimizer state", "%s, in host memory (--offload %s)", alloc.FormatBytes(r.StateBytes), r.Offload)
 	} else if r.Mode == "train" {
@@ -497,6 +547,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 	tw.Flush()
 	writePasses(w, r)
 	writeRecompute(w, r)
+	writeZeRO(w, r)
 	if len(r.Timeline) > 0 {
 		fmt.Fprintf(w, "\nmemory timeline of chunk 0 (%d samples), after each op runs:\n", r.Plan.Chunk)
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

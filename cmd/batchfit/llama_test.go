@@ -74,3 +74,50 @@ func TestReportRunLlamaTiny(t *testing.T) {
 	require.NotNil(t, r.Measured.Loss)
 	assert.InDelta(t, 4.16, float64(*r.Measured.Loss), 0.3, "about log 64 at initialisation")
 }
+
+// A LoRA fine-tune of Llama 3 8B (rank 16 on q, k, v and o, seq 2048,
+// batch 1, bf16-mixed) plans within 24 GiB with recompute auto: the
+// frozen base in bfloat16 (no gradients, no optimizer state), PEFT's
+// count of adapter parameters (13,631,488) with their float32 gradients
+// and two AdamW slots. Without recompute it does not fit. The --lora
+// flags are refused where they do not apply.
+func TestEstimateLlama3_8BLoRA(t *testing.T) {
+	args := []string{"estimate", "--model", "llama3-8b", "--lora", "16", "--seq", "2048", "--batch", "1",
+		"--precision", "bf16-mixed", "--budget", "24GiB", "--json"}
+	code, stdout, stderr := runCLI(append(args, "--recompute", "auto")...)
+	require.Equal(t, exitOK, code, stderr)
+	var r report
+	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+	require.NotNil(t, r.LoRA)
+	require.NotNil(t, r.Plan)
+	assert.Equal(t, int64(13_631_488), r.LoRA.AdapterParams)
+	assert.Equal(t, 4*r.LoRA.AdapterParams, r.LoRA.AdapterBytes)
+	assert.Equal(t, int64(8_030_261_248), r.LoRA.FrozenParams)
+	assert.Equal(t, 128, r.LoRA.Adapters)
+	assert.Equal(t, 2*r.LoRA.AdapterBytes, r.StateBytes, "AdamW state of the adapters only")
+	// Persistent: the base, the adapters, their state, and the constants:
+	// the rotary table [2048, 128] (1 MiB), the packed q/k/v update's zero
+	// blocks shared by every layer ([4096, 32], [1024, 16], [1024, 32]:
+	// 704 KiB) and the loss's 1/count scalar.
+	consts := int64(2048*128*4 + (4096*32+1024*16+1024*32)*4 + 4)
+	assert.Equal(t, r.LoRA.FrozenBytes+r.LoRA.AdapterBytes+r.StateBytes+consts, r.Plan.Persistent)
+	assert.LessOrEqual(t, r.Plan.PeakReserved, int64(24<<30))
+	assert.True(t, r.Plan.WholeBatch)
+	t.Logf("peak reserved %s, persistent %s", alloc.FormatBytes(r.Plan.PeakReserved), alloc.FormatBytes(r.Plan.Persistent))
+
+	code, _, _ = runCLI(args...)
+	assert.Equal(t, exitPlan, code, "without recompute the step does not fit 24 GiB")
+
+	for _, bad := range [][]string{
+		{"estimate", "--model", "llama-tiny", "--batch", "1", "--budget", "1GiB", "--lora-targets", "q_proj"},
+		{"estimate", "--model", "llama-tiny", "--batch", "1", "--budget", "1GiB", "--lora", "4", "--mode", "infer"},
+		{"estimate", "--model", "llama-tiny", "--batch", "1", "--budget", "1GiB", "--lora", "0"},
+		{"estimate", "--model", "llama-tiny", "--batch", "1", "--budget", "1GiB", "--lora", "4", "--lora-targets", ","},
+	} {
+		code, _, _ := runCLI(bad...)
+		assert.Equal(t, exitUsage, code, "%v", bad)
+	}
+	code, _, stderr = runCLI("estimate", "--model", "llama-tiny", "--batch", "1", "--budget", "1GiB", "--lora", "4", "--lora-targets", "c_attn")
+	assert.Equal(t, exitPlan, code)
+	assert.Contains(t, stderr, `"c_attn" matches no module`)
+}

@@ -204,6 +204,23 @@ type estimateConfig struct {
 	plot             string
 	passes           bool     // --passes: print the pipeline's reports
 	disable          []string // --disable-passes: batchfit.Options.DisablePasses
+	// lora is --lora's adapters (nil without): applied to the zoo model
+	// before its step is built (adapt).
+	lora *nn.LoRA
+	zero *zeroConfig // --ranks, --zero: plan one data-parallel rank
+}
+
+// adapt is c's --lora applied to a model, nil without --lora.
+func (c *estimateConfig) adapt() adaptFunc {
+	if c == nil || c.lora == nil {
+		return nil
+	}
+	l := *c.lora
+	return func(opt nn.Options, m nn.Module) error {
+		opt.DType = graph.InvalidDType // the adapters are float32 whatever --dtype says
+		_, err := l.Apply(opt, m)
+		return err
+	}
 }
 
 // stepFlagValues are the flags that describe one step of a zoo model,
@@ -248,6 +265,10 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.StringVar(&v.disable, "disable-passes", "", "comma-separated graph `passes` the step leaves out, as batchfit.Options.DisablePasses: "+
 		strings.Join(compile.Names(), ", "))
 	addRecomputeFlags(fs, &v.recompute)
+	fs.IntVar(&v.lora.rank, "lora", 0, "LoRA fine-tune: adapters of rank `R` on --lora-targets, the base frozen in bfloat16 (nn.LoRA): the plan holds the base's 16-bit weights without gradients or optimizer state, the adapters' float32 weights, gradients and state (0: train every parameter)")
+	fs.StringVar(&v.lora.targets, "lora-targets", "q_proj,k_proj,v_proj,o_proj", "comma-separated `modules` --lora adapts (PEFT's target_modules: "+strings.Join(nn.DefaultLoRATargets, ",")+" for a Llama)")
+	fs.Float64Var(&v.lora.alpha, "lora-alpha", 0, "--lora's `alpha`: the adapters' update is scaled by alpha/rank (0: the rank; the plan does not depend on it)")
+	addZeROFlags(fs, &v.zero)
 	return fs, v
 }
 
@@ -255,10 +276,46 @@ type estimateFlagValues struct {
 	stepFlagValues
 	device      deviceFlagValues
 	recompute   recomputeFlagValues
+	lora        loraFlagValues
+	zero        zeroFlagValues
 	top         int
 	table, json bool
 	passes      bool
 	disable     string
+}
+
+// loraFlagValues are estimate's --lora flags.
+type loraFlagValues struct {
+	rank    int
+	targets string
+	alpha   float64
+}
+
+// apply checks the flags into c; set holds the flags given.
+func (v *loraFlagValues) apply(c *estimateConfig, set map[string]bool) error {
+	if !set["lora"] {
+		for _, f := range []string{"lora-targets", "lora-alpha"} {
+			if set[f] {
+				return usagef(errNotApplicable, "--%s applies with --lora RANK only", f)
+			}
+		}
+		return nil
+	}
+	if !c.train {
+		return usagef(errNotApplicable, "--lora applies to --mode train only")
+	}
+	var targets []string
+	for _, t := range strings.Split(v.targets, ",") {
+		if t = strings.TrimSpace(t); t != "" {
+			targets = append(targets, t)
+		}
+	}
+	l := nn.LoRA{Rank: v.rank, Alpha: v.alpha, Targets: targets}
+	if err := l.Check(); err != nil {
+		return usagef(errRange, "--lora %d --lora-targets %q --lora-alpha %g: %v", v.rank, v.targets, v.alpha, err)
+	}
+	c.lora = &l
+	return nil
 }
 
 // parseFlags parses args with fs; every error is a *usageError (or
@@ -371,6 +428,12 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 		}
 	}
 	if err := v.recompute.apply(c); err != nil {
+		return nil, err
+	}
+	if err := v.lora.apply(c, set); err != nil {
+		return nil, err
+	}
+	if err := v.zero.apply(c, set); err != nil {
 		return nil, err
 	}
 	return c, nil
@@ -494,6 +557,8 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 			return nil, usagef(errNotApplicable, "--offload optimizer keeps bfloat16 weights on the device: it needs --precision bf16-mixed, not %s", c.policy)
 		case c.optimizer != "adam" && c.optimizer != "adamw":
 			return nil, usagef(errNotApplicable, "--offload optimizer runs Adam and AdamW on the host, not --optimizer %s", c.optimizer)
+		case c.lora != nil:
+			return nil, usagef(errNotApplicable, "--offload optimizer and --lora exclude each other: a LoRA step's optimizer state is its adapters' only")
 		}
 	}
 	switch v.batchnorm {
@@ -563,7 +628,7 @@ func runModels(args []string, stdout, stderr io.Writer) int {
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "MODEL\tPARAMETERS\tFLOAT32\tINPUT PER SAMPLE\tDESCRIPTION")
 	for _, m := range zoo() {
-		b := m.build(nn.Options{ShapeOnly: true}, 1, m.context, false, nil)
+		b := m.build(nn.Options{ShapeOnly: true}, 1, m.context, false, nil, nil)
 		if err := nn.Check(b.module); err != nil {
 			fmt.Fprintf(stderr, "batchfit models: %s: %v\n", m.name, err)
 			return exitPlan

@@ -126,7 +126,7 @@ func runnable(c *estimateConfig) error {
 	}
 	// The parameters do not depend on the sequence length: c.seq, checked
 	// already, bounds what building allocates (a Llama's rotary table).
-	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.seq, false, nil)
+	b := c.model.build(nn.Options{ShapeOnly: true}, 1, c.seq, false, nil, nil)
 	if n := nn.NumParams(b.module); n > maxRunParams {
 		return usagef(errNotApplicable, "--run executes on the CPU: %s has %s parameters, more than %s",
 			c.model.name, thousands(int64(n)), thousands(maxRunParams))
@@ -137,7 +137,7 @@ func runnable(c *estimateConfig) error {
 	}
 	// The step's inputs at the full batch, shape only: their bytes are the
 	// random data --run would draw.
-	b = c.model.build(nn.Options{ShapeOnly: true}, c.batch, c.seq, c.train, nil)
+	b = c.model.build(nn.Options{ShapeOnly: true}, c.batch, c.seq, c.train, nil, nil)
 	out := b.output
 	if c.train {
 		out = b.loss
@@ -191,7 +191,7 @@ type executed struct {
 // data drawn from seed.
 func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	data := rand.New(rand.NewPCG(seed, seed^0x5eed))
-	b := c.model.build(nn.Seed(seed), c.batch, c.seq, c.train, data)
+	b := c.model.build(nn.Seed(seed), c.batch, c.seq, c.train, data, nil)
 	if err := nn.Check(b.module); err != nil {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}

@@ -50,7 +50,7 @@ func TestEstimatePasses(t *testing.T) {
 
 	m := slices.IndexFunc(zoo(), func(z zooModel) bool { return z.name == "gpt-tiny" })
 	require.GreaterOrEqual(t, m, 0)
-	b := zoo()[m].build(nn.Options{ShapeOnly: true}, 4, zoo()[m].context, true, nil)
+	b := zoo()[m].build(nn.Options{ShapeOnly: true}, 4, zoo()[m].context, true, nil, nil)
 	wrt, err := lazy.ParamIDs(b.loss, nn.ParamTensors(b.module)...)
 	require.NoError(t, err)
 	st, err := compile.Train(b.loss.Graph().IR(), b.loss.ID(), wrt, compile.Options{Policy: precision.BF16Mixed, ChannelsLast: true, Plain: true})

@@ -26,6 +26,8 @@ func TestEstimateIsSessionStep(t *testing.T) {
 		"--model gpt-tiny --batch 96 --budget 12MiB --precision bf16-mixed",
 		"--model gpt-tiny --batch 96 --budget 8MiB --recompute auto --profile h100",
 		"--model convnet --batch 200 --budget 24MiB --precision fp16-mixed",
+		"--model llama-tiny --batch 12 --seq 32 --budget 2MiB --precision bf16-mixed --lora 4 --lora-targets q_proj,v_proj,down_proj",
+		"--model llama-tiny --batch 6 --seq 32 --budget 8MiB --lora 2",
 	} {
 		t.Run(args, func(t *testing.T) {
 			fields := strings.Fields(args)
@@ -38,7 +40,7 @@ func TestEstimateIsSessionStep(t *testing.T) {
 			c, err := parseEstimate(fields)
 			require.NoError(t, err)
 			b := c.model.build(nn.Options{Rand: rand.New(rand.NewPCG(1, 2)), PerChunkStats: c.perChunk}, c.batch, c.seq, true,
-				rand.New(rand.NewPCG(3, 4)))
+				rand.New(rand.NewPCG(3, 4)), c.adapt())
 			require.NoError(t, nn.Check(b.module))
 			sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: c.budget, Precision: string(c.policy),
 				MaxChunk: c.microBatch, Recompute: c.recompute, Profile: c.profile})

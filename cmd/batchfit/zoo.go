@@ -43,7 +43,25 @@ type zooModel struct {
 	// labels are placeholders (shape-only); otherwise they hold values
 	// drawn from data, so the step can run: float features from N(0, 1),
 	// tokens and labels uniform over the vocabulary or the classes.
-	build func(opt nn.Options, batch, seq int, train bool, data *rand.Rand) built
+	build func(opt nn.Options, batch, seq int, train bool, data *rand.Rand, adapt adaptFunc) built
+}
+
+// adaptFunc changes a zoo model after it is made and before its graph is
+// built (estimate's --lora: nn.LoRA.Apply); nil changes nothing.
+// It is given the options the model was made with.
+type adaptFunc func(nn.Options, nn.Module) error
+
+func (f adaptFunc) apply(opt nn.Options, m nn.Module) error {
+	if f == nil {
+		return nil
+	}
+	return f(opt, m)
+}
+
+// failed is a model whose adapting failed: its output and loss carry err.
+func failed(m nn.Module, err error) built {
+	e := lazy.ErrorTensor("batchfit estimate", err)
+	return built{module: m, output: e, loss: e}
 }
 
 // source is an input of the given shape: a placeholder, or with data a
@@ -85,8 +103,11 @@ func gptEntry(name, about string, cfg models.GPTConfig) zooModel {
 	}
 	return zooModel{name: name, about: about, context: cfg.Context, withContext: withContext,
 		input: fmt.Sprintf("tokens [≤%d] int64", cfg.Context),
-		build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
+		build: func(opt nn.Options, b, t int, train bool, data *rand.Rand, adapt adaptFunc) built {
 			m := models.NewGPT(opt, cfg)
+			if err := adapt.apply(opt, m); err != nil {
+				return failed(m, err)
+			}
 			tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
 			var targets *lazy.Tensor
 			if train {
@@ -109,8 +130,11 @@ func llamaEntry(name, about string, cfg models.LlamaConfig, context int) zooMode
 	}
 	return zooModel{name: name, about: about, context: context, withContext: withContext,
 		input: fmt.Sprintf("tokens [%d] int64", context),
-		build: func(opt nn.Options, b, t int, train bool, data *rand.Rand) built {
+		build: func(opt nn.Options, b, t int, train bool, data *rand.Rand, adapt adaptFunc) built {
 			m := models.NewLlama(opt, cfg)
+			if err := adapt.apply(opt, m); err != nil {
+				return failed(m, err)
+			}
 			tokens := source(nil, data, []int{b, t}, graph.Int64, cfg.Vocab)
 			out := built{module: m, output: m.Forward(tokens)}
 			if train {
@@ -129,8 +153,11 @@ func zoo() []zooModel {
 	classifier := func(name, about, input string, sample []int, classes int, newModule func(nn.Options) nn.Module) zooModel {
 		return zooModel{name: name, about: about,
 			input: fmt.Sprintf("%s %v", input, sample),
-			build: func(opt nn.Options, b, _ int, train bool, data *rand.Rand) built {
+			build: func(opt nn.Options, b, _ int, train bool, data *rand.Rand, adapt adaptFunc) built {
 				m := newModule(opt)
+				if err := adapt.apply(opt, m); err != nil {
+					return failed(m, err)
+				}
 				// Batch norms normalise with the batch's statistics in
 				// training mode and with their running ones for inference,
 				// as after PyTorch's train() and eval().

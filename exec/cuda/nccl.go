@@ -95,6 +95,12 @@ type ncclLib struct {
 	// ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
 	//     ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream)
 	ncclBroadcast func(send, recv CUdeviceptr, count uintptr, dtype, root int32, comm ncclComm, stream uintptr) ncclResult
+	// ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+	//     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream)
+	ncclReduceScatter func(send, recv CUdeviceptr, recvcount uintptr, dtype, op int32, comm ncclComm, stream uintptr) ncclResult
+	// ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
+	//     ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream)
+	ncclAllGather func(send, recv CUdeviceptr, sendcount uintptr, dtype int32, comm ncclComm, stream uintptr) ncclResult
 	// ncclResult_t ncclGroupStart(void), ncclGroupEnd(void)
 	ncclGroupStart func() ncclResult
 	ncclGroupEnd   func() ncclResult
@@ -139,6 +145,8 @@ func (n *ncclLib) symbols() []symbol {
 		sym(&n.ncclCommGetAsyncError, "ncclCommGetAsyncError"),
 		sym(&n.ncclAllReduce, "ncclAllReduce"),
 		sym(&n.ncclBroadcast, "ncclBroadcast"),
+		sym(&n.ncclReduceScatter, "ncclReduceScatter"),
+		sym(&n.ncclAllGather, "ncclAllGather"),
 		sym(&n.ncclGroupStart, "ncclGroupStart"),
 		sym(&n.ncclGroupEnd, "ncclGroupEnd"),
 		sym(&n.ncclRedOpCreatePreMulSum, "ncclRedOpCreatePreMulSum"),
@@ -274,7 +282,8 @@ type NCCL struct {
 
 // NewNCCL joins rank of a size-rank communicator identified by id on
 // device d (ncclCommInitRank), allocates the staging buffer and runs a
-// warm-up all-reduce, and measures the device memory all of that took
+// warm-up of each collective (all-reduce, broadcast, reduce-scatter,
+// all-gather), and measures the device memory all of that took
 // (cuMemGetInfo before and after): Overhead. ncclCommInitRank waits for
 // every rank; if they do not all arrive within the timeout NewNCCL returns
 // ErrNCCLTimeout, leaving the device's thread blocked in NCCL (exit the
@@ -335,6 +344,17 @@ func (d *Device) NewNCCL(id []byte, rank, size int, o NCCLOptions) (*NCCL, error
 		err = c.run(context.Background(), "ncclBroadcast", func(s uintptr) ncclResult {
 			return n.ncclBroadcast(c.staging, c.staging, 1, ncclFloat32, 0, c.comm, s)
 		})
+	}
+	if err == nil && c.stageN >= size { // ZeRO's collectives, so their buffers are measured too
+		mine := c.staging + CUdeviceptr(4*rank)
+		err = c.run(context.Background(), "ncclReduceScatter", func(s uintptr) ncclResult {
+			return n.ncclReduceScatter(c.staging, mine, 1, ncclFloat32, ncclSum, c.comm, s)
+		})
+		if err == nil {
+			err = c.run(context.Background(), "ncclAllGather", func(s uintptr) ncclResult {
+				return n.ncclAllGather(mine, c.staging, 1, ncclFloat32, c.comm, s)
+			})
+		}
 	}
 	if err == nil {
 		err = d.do(func() error {
@@ -448,6 +468,127 @@ func (c *NCCL) Broadcast(ctx context.Context, buf []float32, root int) error {
 	})
 }
 
+// ReduceScatterSum sums send (Size() blocks of len(recv) values) over the
+// ranks and gives this rank its block of the sum in recv, through the
+// staging buffer in pieces of at most StagingBytes/Size() values per
+// block (ncclReduceScatter in place: each piece's Size() blocks are packed
+// into the staging buffer, and this rank's block of the result is read
+// back from its place there).
+func (c *NCCL) ReduceScatterSum(ctx context.Context, send, recv []float32) error {
+	if err := c.usable(); err != nil {
+		return err
+	}
+	m := len(recv)
+	if len(send) != m*c.size {
+		return &NCCLError{Func: "ncclReduceScatter", Code: 4, Name: ncclResultNames[4],
+			Msg: fmt.Sprintf("send of %d values is not %d blocks of recv's %d", len(send), c.size, m)}
+	}
+	k := max(c.stageN/c.size, 1)
+	for off := 0; off < m; off += k {
+		n := min(k, m-off)
+		for r := range c.size {
+			if err := CopyHtoD(c.d, alloc.Ptr(c.staging)+alloc.Ptr(4*r*n), send[r*m+off:r*m+off+n]); err != nil {
+				return err
+			}
+		}
+		mine := c.staging + CUdeviceptr(4*c.rank*n)
+		if err := c.run(ctx, "ncclReduceScatter", func(s uintptr) ncclResult {
+			return c.n.ncclReduceScatter(c.staging, mine, uintptr(n), ncclFloat32, ncclSum, c.comm, s)
+		}); err != nil {
+			return err
+		}
+		if err := CopyDtoH(c.d, recv[off:off+n], alloc.Ptr(mine)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// AllGather concatenates every rank's send, in rank order, into recv
+// (Size() blocks of len(send) values), through the staging buffer in
+// pieces as ReduceScatterSum (ncclAllGather in place).
+func (c *NCCL) AllGather(ctx context.Context, send, recv []float32) error {
+	if err := c.usable(); err != nil {
+		return err
+	}
+	m := len(send)
+	if len(recv) != m*c.size {
+		return &NCCLError{Func: "ncclAllGather", Code: 4, Name: ncclResultNames[4],
+			Msg: fmt.Sprintf("recv of %d values is not %d blocks of send's %d", len(recv), c.size, m)}
+	}
+	k := max(c.stageN/c.size, 1)
+	for off := 0; off < m; off += k {
+		n := min(k, m-off)
+		mine := c.staging + CUdeviceptr(4*c.rank*n)
+		if err := CopyHtoD(c.d, alloc.Ptr(mine), send[off:off+n]); err != nil {
+			return err
+		}
+		if err := c.run(ctx, "ncclAllGather", func(s uintptr) ncclResult {
+			return c.n.ncclAllGather(mine, c.staging, uintptr(n), ncclFloat32, c.comm, s)
+		}); err != nil {
+			return err
+		}
+		for r := range c.size {
+			if err := CopyDtoH(c.d, recv[r*m+off:r*m+off+n], alloc.Ptr(c.staging)+alloc.Ptr(4*r*n)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// ReduceScatterDevice sums the device buffer send (Size()·recvcount
+// float32 values) over the ranks into recv (recvcount values, this rank's
+// block of the sum) on the communicator's own stream, after everything
+// queued on stream 0 so far, and waits for it with the deadline, abort and
+// asynchronous-error checks of every collective. recv may be send's block
+// of this rank (in place). Both buffers are the caller's (allocated by the
+// session's allocator, so its plans count them).
+func (c *NCCL) ReduceScatterDevice(ctx context.Context, send, recv alloc.Ptr, recvcount int64) error {
+	return c.runAfterStream0(ctx, "ncclReduceScatter", func(s uintptr) ncclResult {
+		return c.n.ncclReduceScatter(CUdeviceptr(send), CUdeviceptr(recv), uintptr(recvcount), ncclFloat32, ncclSum, c.comm, s)
+	})
+}
+
+// AllGatherDevice gathers every rank's device buffer send (sendcount
+// float32 values) into recv (Size()·sendcount values, in rank order) on
+// the communicator's own stream, as ReduceScatterDevice. send may be
+// recv's block of this rank (in place).
+func (c *NCCL) AllGatherDevice(ctx context.Context, send, recv alloc.Ptr, sendcount int64) error {
+	return c.runAfterStream0(ctx, "ncclAllGather", func(s uintptr) ncclResult {
+		return c.n.ncclAllGather(CUdeviceptr(send), CUdeviceptr(recv), uintptr(sendcount), ncclFloat32, c.comm, s)
+	})
+}
+
+// runAfterStream0 is run with the communicator's stream first waiting
+// for what stream 0 holds now (an event), so the collective sees the
+// executor's results.
+func (c *NCCL) runAfterStream0(ctx context.Context, fn string, enqueue func(stream uintptr) ncclResult) error {
+	if err := c.usable(); err != nil {
+		return err
+	}
+	if err := c.d.do(func() error { return c.waitStream0() }); err != nil {
+		return err
+	}
+	return c.run(ctx, fn, enqueue)
+}
+
+// waitStream0 makes the communicator's stream wait for the work queued on
+// stream 0 so far; on the device thread.
+func (c *NCCL) waitStream0() error {
+	var ev CUevent
+	if err := c.d.drv.check("cuEventCreate", c.d.drv.cuEventCreate(&ev, cuEventDisableTiming)); err != nil {
+		return err
+	}
+	err := c.d.drv.check("cuEventRecord", c.d.drv.cuEventRecord(ev, 0))
+	if err == nil {
+		err = c.d.drv.check("cuStreamWaitEvent", c.n.cuStreamWaitEvent(c.stream, ev, 0))
+	}
+	// Destroying an event a stream still waits on is allowed: its
+	// resources go when the wait is over.
+	return errors.Join(err, c.d.drv.check("cuEventDestroy", c.d.drv.cuEventDestroy(ev)))
+}
+
 // Reduction sums device buffers over the ranks in place, each rank's
 // values multiplied by its own scale first (NCCL's PreMulSum; a plain sum
 // when the scale is 1), on the communicator's own stream so the sums run
@@ -510,18 +651,7 @@ func (r *Reduction) flush() error {
 		}
 		// The sums must see the gradients: the communicator's stream waits
 		// for what stream 0 holds now.
-		var ev CUevent
-		if err := c.d.drv.check("cuEventCreate", c.d.drv.cuEventCreate(&ev, cuEventDisableTiming)); err != nil {
-			return err
-		}
-		err := c.d.drv.check("cuEventRecord", c.d.drv.cuEventRecord(ev, 0))
-		if err == nil {
-			err = c.d.drv.check("cuStreamWaitEvent", c.n.cuStreamWaitEvent(c.stream, ev, 0))
-		}
-		// Destroying an event a stream still waits on is allowed: its
-		// resources go when the wait is over.
-		err = errors.Join(err, c.d.drv.check("cuEventDestroy", c.d.drv.cuEventDestroy(ev)))
-		if err != nil {
+		if err := c.waitStream0(); err != nil {
 			return err
 		}
 		r.started = true

@@ -40,8 +40,8 @@ func ncclDevice(t *testing.T) (*cuda.Device, []byte) {
 	return d, id
 }
 
-// World size 1 on one GPU through real NCCL: all-reduce and broadcast are
-// identities, buffers larger than the staging buffer go in pieces, the
+// World size 1 on one GPU through real NCCL: all-reduce, broadcast,
+// reduce-scatter and all-gather are identities, buffers larger than the staging buffer go in pieces, the
 // overhead is measured, and an aborted communicator fails with
 // ErrNCCLAborted. Runs on a single GPU (the H100).
 func TestNCCLSingleRank(t *testing.T) {
@@ -64,6 +64,15 @@ func TestNCCLSingleRank(t *testing.T) {
 	require.Equal(t, want, buf)
 	require.NoError(t, c.Broadcast(ctx, buf, 0))
 	require.Equal(t, want, buf)
+	// Over one rank reduce-scatter and all-gather copy, in pieces of the
+	// staging buffer; a send of another length is refused before NCCL.
+	rs := make([]float32, len(buf))
+	require.NoError(t, c.ReduceScatterSum(ctx, buf, rs))
+	require.Equal(t, want, rs)
+	ag := make([]float32, len(buf))
+	require.NoError(t, c.AllGather(ctx, buf, ag))
+	require.Equal(t, want, ag)
+	require.Error(t, c.AllGather(ctx, buf, ag[:10]))
 	require.NoError(t, c.Abort())
 	require.ErrorIs(t, c.AllReduceSum(ctx, buf), cuda.ErrNCCLAborted)
 	require.NoError(t, c.Close())
@@ -97,3 +106,35 @@ func TestNCCLInitTimeout(t *testing.T) {
 }
 
 const initTimeoutChild = "BATCHFIT_NCCL_INIT_TIMEOUT_CHILD"
+
+// The device collectives over one rank on one GPU: ReduceScatterDevice
+// and AllGatherDevice copy send into recv on the communicator's stream,
+// after the copy queued on stream 0 before them, bit for bit.
+func TestNCCLDeviceCollectivesSingleRank(t *testing.T) {
+	d, id := ncclDevice(t)
+	c, err := d.NewNCCL(id, 0, 1, cuda.NCCLOptions{Timeout: 30 * time.Second, StagingBytes: 1 << 10})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, c.Close()) }()
+	be := d.Backend()
+	const n = 3000
+	send, err := be.Malloc(4 * n)
+	require.NoError(t, err)
+	defer be.Free(send)
+	recv, err := be.Malloc(4 * n)
+	require.NoError(t, err)
+	defer be.Free(recv)
+	want := make([]float32, n)
+	for i := range want {
+		want[i] = float32(i)*0.25 - 100
+	}
+	ctx := context.Background()
+	require.NoError(t, cuda.CopyHtoD(d, send, want))
+	require.NoError(t, c.ReduceScatterDevice(ctx, send, recv, n))
+	got := make([]float32, n)
+	require.NoError(t, cuda.CopyDtoH(d, got, recv))
+	require.Equal(t, want, got)
+	require.NoError(t, cuda.CopyHtoD(d, recv, make([]float32, n)))
+	require.NoError(t, c.AllGatherDevice(ctx, send, recv, n))
+	require.NoError(t, cuda.CopyDtoH(d, got, recv))
+	require.Equal(t, want, got)
+}
