@@ -433,8 +433,14 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err := v.lora.apply(c, set); err != nil {
 		return nil, err
 	}
+	if c.lora != nil && c.offload == batchfit.OffloadOptimizer {
+		return nil, usagef(errNotApplicable, "--offload optimizer and --lora exclude each other: a LoRA step's optimizer state is its adapters' only")
+	}
 	if err := v.zero.apply(c, set); err != nil {
 		return nil, err
+	}
+	if c.zero != nil && c.offload == batchfit.OffloadOptimizer {
+		return nil, usagef(errNotApplicable, "--offload optimizer plans one device's step; --ranks and --zero shard it instead")
 	}
 	return c, nil
 }
@@ -557,8 +563,6 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 			return nil, usagef(errNotApplicable, "--offload optimizer keeps bfloat16 weights on the device: it needs --precision bf16-mixed, not %s", c.policy)
 		case c.optimizer != "adam" && c.optimizer != "adamw":
 			return nil, usagef(errNotApplicable, "--offload optimizer runs Adam and AdamW on the host, not --optimizer %s", c.optimizer)
-		case c.lora != nil:
-			return nil, usagef(errNotApplicable, "--offload optimizer and --lora exclude each other: a LoRA step's optimizer state is its adapters' only")
 		}
 	}
 	switch v.batchnorm {

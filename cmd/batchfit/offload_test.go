@@ -58,6 +58,7 @@ func TestEstimateOffloadUsage(t *testing.T) {
 		{"--offload", "optimizer", "--precision", "bf16-mixed", "--optimizer", "sgd"},
 		{"--offload", "optimizer", "--precision", "bf16-mixed", "--mode", "infer"},
 		{"--offload", "optimizer", "--precision", "bf16-mixed", "--lora", "4"},
+		{"--offload", "optimizer", "--precision", "bf16-mixed", "--ranks", "2", "--zero", "1"},
 	} {
 		code, _, stderr := runCLI(append(base, extra...)...)
 		assert.Equal(t, exitUsage, code, "%v: %s", extra, stderr)
