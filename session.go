@@ -125,6 +125,10 @@ type Options struct {
 	// NoChannelsLast keeps conv nets NCHW under "bf16-mixed", where
 	// ChannelsLast is otherwise the default.
 	NoChannelsLast bool
+	// NoPointwiseFusion keeps a training step's elementwise ops one node
+	// (one kernel) each, instead of the fused_pointwise nodes
+	// graph.FusePointwise makes of their chains, forward and backward.
+	NoPointwiseFusion bool
 	// DryRun, when set, makes a session that plans for the device it
 	// describes and runs nothing (Plan, PlanEval, MaxBatch; Step and Eval
 	// return ErrDryRun), in place of the executor Device picks.
@@ -1724,8 +1728,13 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 		for i := range st.IDs {
 			st.IDs[i] = i
 		}
+		if !s.opts.NoPointwiseFusion {
+			if err := st.Fuse(graph.FusePointwise); err != nil {
+				return nil, err
+			}
+		}
 	} else {
-		o := precision.TrainOptions{ChannelsLast: channelsLast}
+		o := precision.TrainOptions{ChannelsLast: channelsLast, NoPointwiseFusion: s.opts.NoPointwiseFusion}
 		if scale != nil {
 			o.LossScale, o.Scale = true, scale
 		}

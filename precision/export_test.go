@@ -41,3 +41,7 @@ func SetFuseGelu(on bool) bool { return swap(&fuseGelu, on) }
 // SetFuseLayerNormGrad turns the layer_norm_grad_x + add fusion of
 // training graphs on or off; it returns the previous setting.
 func SetFuseLayerNormGrad(on bool) bool { return swap(&fuseLayerNormGrad, on) }
+
+// SetFusePointwise turns graph.FusePointwise in training graphs on or
+// off; it returns the previous setting.
+func SetFusePointwise(on bool) bool { return swap(&fusePointwise, on) }

@@ -83,6 +83,13 @@ func (s *Step) rebind(ng *graph.Graph, ids []int) {
 	remap(s.IDs)
 }
 
+// Fuse runs pass (graph.FusePointwise, or another graph pass of that
+// signature) on s's graph, as TrainWith runs its fusions, for a caller
+// that built the step itself.
+func (s *Step) Fuse(pass func(*graph.Graph, []int) (*graph.Graph, []int, error)) error {
+	return s.fuse(pass)
+}
+
 // fuse runs a backward-pass fusion (graph.FuseGeluGrad,
 // graph.FuseLayerNormGradAdd) on s's graph, the step's loss, scaled loss
 // and gradients kept as outputs.

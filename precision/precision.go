@@ -279,6 +279,10 @@ var fuseGelu = true
 // compare.
 var fuseLayerNormGrad = true
 
+// fusePointwise turns graph.FusePointwise on (every policy, after the
+// other fusions); tests turn it off to compare.
+var fusePointwise = true
+
 // foldNorms turns halfNorm's rewrite on: off by default; tests turn it on.
 // It saves GPT-2 small's 25 layer-norm casts (bf16-mixed, batch 8, seq
 // 1024: 157 M elements) but measured no faster on the H100 (27.1–27.25 ms
@@ -485,6 +489,10 @@ type TrainOptions struct {
 	// backward pass; graphs without a conv2d are unchanged. Step.IDs then
 	// names a channels-last value for a node inside such a region.
 	ChannelsLast bool
+	// NoPointwiseFusion leaves the step's chains of elementwise ops as
+	// they are, one node each, instead of graph.FusePointwise's
+	// fused_pointwise nodes.
+	NoPointwiseFusion bool
 }
 
 // Train applies p to g and appends the gradient of the scalar loss with
@@ -569,6 +577,11 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	}
 	if fuseLayerNormGrad {
 		if err := s.fuse(graph.FuseLayerNormGradAdd); err != nil {
+			return nil, err
+		}
+	}
+	if fusePointwise && !o.NoPointwiseFusion {
+		if err := s.fuse(graph.FusePointwise); err != nil {
 			return nil, err
 		}
 	}
