@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -25,8 +26,8 @@ type pwKernel struct {
 	i32, i64 kernel
 }
 
-// pwCache holds the generated kernels of a kernel set, by name (a hash of
-// expression and layout).
+// pwCache holds the generated kernels of a kernel set, by expression
+// text and layout.
 type pwCache struct {
 	mu sync.Mutex
 	m  map[string]*pwKernel
@@ -150,14 +151,15 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 // pointwise is the generated kernel of p over layout l, compiled (or
 // loaded from the cubin cache) the first time it is asked for.
 func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKernel, error) {
+	key := p.Text() + "|" + l.String()
+	ks.pw.mu.Lock()
+	defer ks.pw.mu.Unlock()
+	if kn, ok := ks.pw.m[key]; ok {
+		return kn, nil
+	}
 	src, err := generatePointwise(p, l)
 	if err != nil {
 		return nil, err
-	}
-	ks.pw.mu.Lock()
-	defer ks.pw.mu.Unlock()
-	if kn, ok := ks.pw.m[src.Name]; ok {
-		return kn, nil
 	}
 	full, err := pointwiseModuleSource(src)
 	if err != nil {
@@ -174,11 +176,11 @@ func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKe
 	}{{"_i32", &kn.i32}, {"_i64", &kn.i64}} {
 		f, err := m.Function(src.Name + e.suffix)
 		if err != nil {
-			return nil, err
+			return nil, errors.Join(err, m.Close())
 		}
 		params, err := m.ParamCount(f)
 		if err != nil {
-			return nil, err
+			return nil, errors.Join(err, m.Close())
 		}
 		*e.k = kernel{m, f, params}
 	}
@@ -188,7 +190,7 @@ func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKe
 	if ks.pw.m == nil {
 		ks.pw.m = map[string]*pwKernel{}
 	}
-	ks.pw.m[src.Name] = kn
+	ks.pw.m[key] = kn
 	return kn, nil
 }
 
