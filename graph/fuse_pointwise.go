@@ -43,6 +43,7 @@ import (
 func FusePointwise(g *Graph, outputs []int) (*Graph, []int, error) {
 	f := newPWFuser(g, outputs)
 	f.group()
+	f.acyclic()
 	f.recompute()
 	return f.build()
 }
@@ -220,6 +221,72 @@ func (f *pwFuser) small() {
 			for _, m := range gr.members {
 				f.grp[m] = -1
 			}
+		}
+	}
+}
+
+// acyclic dissolves groups until the graph with each group as one node
+// has no cycle. group's check sees paths through plain nodes; a cycle
+// through two groups (A reads B's member, B another member reading A's)
+// is found here, by a topological sort of the contracted graph, and every
+// group left on a cycle goes back to plain nodes. Splitting a group never
+// makes a cycle.
+func (f *pwFuser) acyclic() {
+	g := f.g
+	n := g.Len()
+	for {
+		rep := func(i int) int {
+			if gi := f.grp[i]; gi >= 0 {
+				return n + gi
+			}
+			return i
+		}
+		m := n + len(f.groups)
+		indeg := make([]int, m)
+		succ := make([][]int, m)
+		seen := map[[2]int]bool{}
+		for i := range n {
+			ri := rep(i)
+			for _, x := range g.Node(i).Inputs {
+				rx := rep(x)
+				if rx == ri || seen[[2]int{rx, ri}] {
+					continue
+				}
+				seen[[2]int{rx, ri}] = true
+				succ[rx] = append(succ[rx], ri)
+				indeg[ri]++
+			}
+		}
+		var queue []int
+		present := make([]bool, m)
+		for i := range n {
+			present[rep(i)] = true
+		}
+		for r := range m {
+			if present[r] && indeg[r] == 0 {
+				queue = append(queue, r)
+			}
+		}
+		for len(queue) > 0 {
+			r := queue[len(queue)-1]
+			queue = queue[:len(queue)-1]
+			for _, s := range succ[r] {
+				if indeg[s]--; indeg[s] == 0 {
+					queue = append(queue, s)
+				}
+			}
+		}
+		dissolved := false
+		for gi, gr := range f.groups {
+			if r := n + gi; present[r] && indeg[r] > 0 {
+				gr.state, dissolved = pwSmall, true
+				for _, mb := range gr.members {
+					f.grp[mb] = -1
+				}
+			}
+		}
+		if !dissolved {
+			return
 		}
 	}
 }

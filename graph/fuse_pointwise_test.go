@@ -114,3 +114,25 @@ func TestFusePointwiseKeepsCompanions(t *testing.T) {
 	assert.Equal(t, 1, countOp(fg, graph.OpRMSNorm))
 	assert.Equal(t, 1, countOp(fg, graph.OpFusedPointwise), "exp and neg")
 }
+
+// Two groups that would read each other through plain nodes (exp(x) + a
+// product of neg(tanh(y)), and tanh(y) times a product of exp(x)) are a
+// cycle once each is one node: both are left as plain nodes.
+func TestFusePointwiseTwoGroupCycle(t *testing.T) {
+	x := lazy.Placeholder([]int{4, 8}, graph.Float32, 0)
+	y := x.Graph().Placeholder([]int{4, 8}, graph.Float32, 0)
+	w := lazy.ParamSpec([]int{8, 8}, graph.Float32, "w")
+	a1 := x.Exp()
+	b0 := y.Tanh()
+	b1 := b0.Mul(a1.MatMul(w))
+	b2 := b0.Neg()
+	a2 := a1.Add(b2.MatMul(w))
+	require.NoError(t, a2.Err())
+	require.NoError(t, b1.Err())
+	g := a2.Graph().IR()
+	fg, ids, err := graph.FusePointwise(g, []int{a2.ID(), b1.ID()})
+	require.NoError(t, err)
+	assert.Equal(t, 0, countOp(fg, graph.OpFusedPointwise))
+	assert.Equal(t, g.Len(), fg.Len())
+	assert.GreaterOrEqual(t, ids[a2.ID()], 0)
+}
