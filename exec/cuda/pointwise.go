@@ -47,21 +47,18 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 	if p == nil {
 		return graph.Errorf(graph.ErrAttr, "fused_pointwise node %d has no expression", nd.ID)
 	}
-	var s []int
+	shapes, dts := make([][]int, len(in)), make([]graph.DType, len(in))
 	for i, o := range in {
-		var err error
-		if s, err = graph.BroadcastShapes(s, o.shape); err != nil {
-			return graph.Errorf(graph.ErrShape, "fused_pointwise node %d: input %d: %v", nd.ID, i, err)
-		}
+		shapes[i], dts[i] = o.shape, o.dt
+	}
+	l, s, err := layoutOf(shapes, dts)
+	if err != nil {
+		return err
 	}
 	if len(s) > MaxDims {
 		return graph.Errorf(graph.ErrShape, "fused_pointwise node %d: rank %d over %d", nd.ID, len(s), MaxDims)
 	}
-	l := pwLayout{Kinds: make([]pwKind, len(in)), DTypes: make([]graph.DType, len(in))}
 	var args []any
-	for i, o := range in {
-		l.Kinds[i], l.DTypes[i] = pwKindOf(o.shape, s), o.dt
-	}
 	kn, err := k.ks.pointwise(k.d, p, l)
 	if err != nil {
 		return err

@@ -43,16 +43,34 @@ const (
 var pwKindNames = [...]string{"full", "row", "col", "scalar", "strided"}
 
 // pwLayout is what a generated kernel is specialised on besides its
-// expression: each input's kind and dtype.
+// expression: each input's kind, dtype, and whether it is per row
+// (graph.RowInputs).
 type pwLayout struct {
 	Kinds  []pwKind
 	DTypes []graph.DType
+	Rows   []bool
+}
+
+// layoutOf is the layout of inputs of shapes in and dtypes dts.
+func layoutOf(in [][]int, dts []graph.DType) (pwLayout, []int, error) {
+	var s []int
+	for i, sh := range in {
+		var err error
+		if s, err = graph.BroadcastShapes(s, sh); err != nil {
+			return pwLayout{}, nil, graph.Errorf(graph.ErrShape, "fused_pointwise: input %d: %v", i, err)
+		}
+	}
+	l := pwLayout{Kinds: make([]pwKind, len(in)), DTypes: dts, Rows: graph.RowInputs(in, s)}
+	for i, sh := range in {
+		l.Kinds[i] = pwKindOf(sh, s)
+	}
+	return l, s, nil
 }
 
 func (l pwLayout) String() string {
 	var b strings.Builder
 	for i, k := range l.Kinds {
-		fmt.Fprintf(&b, "%s:%s;", pwKindNames[k], l.DTypes[i])
+		fmt.Fprintf(&b, "%s:%s:%v;", pwKindNames[k], l.DTypes[i], l.Rows[i])
 	}
 	return b.String()
 }
@@ -118,11 +136,7 @@ func generatePointwise(p *graph.Pointwise, l pwLayout) (*pwSource, error) {
 		}
 		widest = max(widest, o.DType.Size())
 	}
-	rowIn := make([]bool, len(l.Kinds))
-	for i, k := range l.Kinds {
-		rowIn[i] = k == pwRow || k == pwScalar
-	}
-	row, err := p.Rows(rowIn)
+	row, err := p.Rows(l.Rows)
 	if err != nil {
 		return nil, err
 	}

@@ -41,17 +41,14 @@ func pwFuzzSources(t *testing.T, n int) []*pwSource {
 		c, err := ref.RandomPointwise(rng)
 		require.NoError(t, err)
 		nd := c.Graph.Node(c.Outs[0])
-		var s []int
-		for _, in := range nd.Inputs {
-			s, err = graph.BroadcastShapes(s, c.Graph.Node(in).Type.Shape)
-			require.NoError(t, err)
-		}
-		l := pwLayout{}
+		var shapes [][]int
+		var dts []graph.DType
 		for _, in := range nd.Inputs {
 			it := c.Graph.Node(in).Type
-			l.Kinds = append(l.Kinds, pwKindOf(it.Shape, s))
-			l.DTypes = append(l.DTypes, it.DType)
+			shapes, dts = append(shapes, it.Shape), append(dts, it.DType)
 		}
+		l, _, err := layoutOf(shapes, dts)
+		require.NoError(t, err)
 		src, err := generatePointwise(c.Expr, l)
 		require.NoError(t, err, "%v", c)
 		out = append(out, src)
