@@ -588,10 +588,19 @@ func (g *pwGen) rowBody() {
 		}
 	}
 	// loop writes a pass over the row computing nodes for each element
-	// and then body(per-element code) — vector path when aligned.
-	loop := func(nodes []int, body func(ind string)) {
+	// and then body(per-element code), or stores outputs outs (output
+	// indices) — on the vector path when aligned, outs by 16-byte packs.
+	loop := func(nodes []int, body func(ind string), outs []int) {
 		packs := g.packInputs(nodes)
-		g.line("    if (%s && cols %% N == 0) {", g.alignedExpr(packs, false))
+		aligned := g.alignedExpr(packs, false)
+		if len(outs) > 0 {
+			var ps []string
+			for _, o := range outs {
+				ps = append(ps, fmt.Sprintf("(u64)out%d", o))
+			}
+			aligned += " && ((" + strings.Join(ps, " | ") + ") & 15) == 0"
+		}
+		g.line("    if (%s && cols %% N == 0) {", aligned)
 		g.line("      for (I jq = threadIdx.x; jq < cols / N; jq += blockDim.x) {")
 		g.line("        const I j0 = jq * N;")
 		for _, in := range packs {
@@ -600,6 +609,9 @@ func (g *pwGen) rowBody() {
 			} else {
 				g.line("        const Vec<%s, N> p%d = ldv<N>(in%d, jq);", cTypes[g.l.DTypes[in]], in, in)
 			}
+		}
+		for _, o := range outs {
+			g.line("        Vec<%s, N> o%d;", cTypes[g.p.Outs[o].DType], o)
 		}
 		g.line("#pragma unroll")
 		g.line("        for (int e = 0; e < N; ++e) {")
@@ -610,14 +622,27 @@ func (g *pwGen) rowBody() {
 			}
 			return ""
 		})
-		body("          ")
+		if body != nil {
+			body("          ")
+		}
+		for _, o := range outs {
+			g.line("          o%d.v[e] = %s;", o, g.varOf(g.p.Outs[o].Node, true))
+		}
 		g.line("        }")
+		for _, o := range outs {
+			g.line("        if (out%d) stv<N>(out%d + base, jq, o%d);", o, o, o)
+		}
 		g.line("      }")
 		g.line("    } else {")
 		g.line("      for (I j = threadIdx.x; j < cols; j += blockDim.x) {")
 		g.line("        const I i = base + j;")
 		g.elems(nodes, true, "        ", "i", "r", "j", nil)
-		body("        ")
+		if body != nil {
+			body("        ")
+		}
+		for _, o := range outs {
+			g.line("        if (out%d) out%d[i] = %s;", o, o, g.varOf(g.p.Outs[o].Node, true))
+		}
 		g.line("      }")
 		g.line("    }")
 	}
@@ -632,7 +657,7 @@ func (g *pwGen) rowBody() {
 			id, acc = "neg_inf_f()", fmt.Sprintf("acc%d = go_max(acc%d, e%d);", k, k, n.A)
 		}
 		g.line("    float acc%d = %s;", k, id)
-		loop(g.cone([]int{n.A}, true), func(ind string) { g.line("%s%s", ind, acc) })
+		loop(g.cone([]int{n.A}, true), func(ind string) { g.line("%s%s", ind, acc) }, nil)
 		if n.Op == graph.PWRowMax {
 			g.line("    const float r%d = pw_block_max(acc%d, sh);", k, k)
 		} else {
@@ -652,11 +677,7 @@ func (g *pwGen) rowBody() {
 		for _, o := range elemOuts {
 			targets = append(targets, g.p.Outs[o].Node)
 		}
-		loop(g.cone(targets, true), func(ind string) {
-			for _, o := range elemOuts {
-				g.line("%sif (out%d) out%d[i] = %s;", ind, o, o, g.varOf(g.p.Outs[o].Node, true))
-			}
-		})
+		loop(g.cone(targets, true), nil, elemOuts)
 	}
 	g.line("    if (threadIdx.x == 0) {")
 	for o, out := range g.p.Outs {
