@@ -18,11 +18,18 @@ import (
 // (per element, shape S) or rows of it (per row: S with its last dimension
 // 1, after a reduction over the last axis); a reduction never runs along
 // the batch axis, so every row lies in one sample and the graph stays
-// chunkable. No group reads, through nodes outside it, a value it makes
-// (that would be a cycle). Nodes that an executor pairs as companions
-// (CompanionProducer: an add and the rms_norm it feeds, a cast of a norm's
-// gradient, …) stay as they are, so the hand-fused kernels keep their
-// pairs. A group of one node is left alone.
+// chunkable. No group reads, through nodes outside it or through another
+// group, a value it makes (that would be a cycle; such groups stay plain
+// nodes). Nodes that an executor pairs as companions (CompanionProducer:
+// an add and the rms_norm it feeds, a cast of a norm's gradient, …) stay
+// as they are, so the hand-fused kernels keep their pairs. A group of one
+// node that recomputes nothing is left alone. The nodes a group gives
+// follow one another, the first giving its expression's output 0, so an
+// executor computes them all in one pass (FusedPointwiseProducer).
+//
+// Preconditions: every node typed (as Append leaves them), outputs naming
+// nodes of g (others are ignored). The pass reads g and returns a new
+// graph; g is left as it is.
 //
 // Save or recompute: a value v of group A read by other groups (a
 // backward chain reading a forward intermediate) is recomputed inside
