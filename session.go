@@ -126,6 +126,11 @@ type Options struct {
 	// NoChannelsLast keeps conv nets NCHW under "bf16-mixed", where
 	// ChannelsLast is otherwise the default.
 	NoChannelsLast bool
+	// NoPointwiseFusion keeps a training step's elementwise ops one node
+	// (one kernel) each, instead of the fused_pointwise nodes
+	// graph.FusePointwise makes of their chains, forward and backward:
+	// the same as naming "fuse-pointwise" in DisablePasses.
+	NoPointwiseFusion bool
 	// DryRun, when set, makes a session that plans for the device it
 	// describes and runs nothing (Plan, PlanEval, MaxBatch; Step and Eval
 	// return ErrDryRun), in place of the executor Device picks.
@@ -538,6 +543,8 @@ func NewSession(opts Options) *Session {
 		s.err = err
 	} else if err := compile.Check(opts.DisablePasses); err != nil {
 		s.err = fmt.Errorf("Options.DisablePasses: %w", err)
+	} else if opts.NoPointwiseFusion && !slices.Contains(opts.DisablePasses, compile.FusePointwise) {
+		s.opts.DisablePasses = append(slices.Clip(opts.DisablePasses), compile.FusePointwise)
 	} else if err := s.newScaler(); err != nil {
 		s.err = fmt.Errorf("Options.LossScale: %w", err)
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {

@@ -251,6 +251,15 @@ LLAMA_SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, rope=dict(rope_type="default", rope_theta=500000.0)),
+    # The two shapes of the written-out Llama's comparison (gobench's
+    # llama-written): 0.8B, 16 layers of 2048 with 16 query and 4 key/value
+    # heads of 128; and 8 layers of 1024 with 16 heads of 64 (multi-head).
+    "llama-0.8b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True, rope=dict(rope_type="default", rope_theta=10000.0)),
+    "llama-8x1024": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=16, head_dim=64, max_position_embeddings=4096,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, rope=dict(rope_type="default", rope_theta=10000.0)),
     "llama-tiny": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
                        tie_word_embeddings=True,

@@ -123,6 +123,11 @@ func Names() []string {
 // which the Session runs at plan time (RunRecompute).
 const Recompute = "recompute"
 
+// FusePointwise is the name of the pointwise fusion pass
+// (graph.FusePointwise), which Options.NoPointwiseFusion of a Session
+// leaves out.
+const FusePointwise = "fuse-pointwise"
+
 // Options are what decides which passes a step runs.
 type Options struct {
 	// Policy is the precision policy ("" is fp32).

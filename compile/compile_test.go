@@ -20,7 +20,7 @@ import (
 // order is the pipeline's order, written out: a change to the table is a
 // change to this test.
 var order = []string{"offload-params", "fuse-attention-qkv", "autocast", "channels-last", "loss-scale", "autodiff",
-	"fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}
+	"fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}
 
 func TestOrder(t *testing.T) {
 	require.Equal(t, order, compile.Names())
@@ -58,22 +58,22 @@ func TestPreconditions(t *testing.T) {
 		{"eval fp32", eval, compile.Options{}, nil},
 		{"eval bf16-mixed", eval, bf16, []string{"autocast"}},
 		{"eval bf16-mixed channels last", eval, compile.Options{Policy: precision.BF16Mixed, ChannelsLast: true}, []string{"autocast"}},
-		{"train fp32 plain", train, compile.Options{Plain: true}, []string{"autodiff", "recompute"}},
-		{"train tf32 plain", train, compile.Options{Policy: precision.TF32, Plain: true}, []string{"autodiff", "recompute"}},
-		{"train fp32", train, compile.Options{}, []string{"autodiff", "fuse-layer-norm-grad-add", "recompute"}},
+		{"train fp32 plain", train, compile.Options{Plain: true}, []string{"autodiff", "fuse-pointwise", "recompute"}},
+		{"train tf32 plain", train, compile.Options{Policy: precision.TF32, Plain: true}, []string{"autodiff", "fuse-pointwise", "recompute"}},
+		{"train fp32", train, compile.Options{}, []string{"autodiff", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}},
 		{"train fp32 plain channels last", train, compile.Options{Plain: true, ChannelsLast: true},
-			[]string{"channels-last", "autodiff", "fuse-layer-norm-grad-add", "recompute"}},
+			[]string{"channels-last", "autodiff", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}},
 		{"train bf16-mixed", train, compile.Options{Policy: precision.BF16Mixed, Plain: true},
-			[]string{"fuse-attention-qkv", "autocast", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
+			[]string{"fuse-attention-qkv", "autocast", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}},
 		{"train bf16-mixed channels last", train, compile.Options{Policy: precision.BF16Mixed, ChannelsLast: true, Plain: true},
-			[]string{"fuse-attention-qkv", "autocast", "channels-last", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
+			[]string{"fuse-attention-qkv", "autocast", "channels-last", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}},
 		{"train fp16-mixed loss-scaled", train, compile.Options{Policy: precision.FP16Mixed, LossScale: true, Plain: true},
-			[]string{"fuse-attention-qkv", "autocast", "loss-scale", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
+			[]string{"fuse-attention-qkv", "autocast", "loss-scale", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}},
 		{"train bf16-mixed offloaded", train, compile.Options{Policy: precision.BF16Mixed, Plain: true, OffloadParams: true},
-			[]string{"offload-params", "fuse-attention-qkv", "autocast", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "recompute"}},
+			[]string{"offload-params", "fuse-attention-qkv", "autocast", "autodiff", "fold-casts", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "fuse-pointwise", "recompute"}},
 		{"eval bf16-mixed offloaded", eval, compile.Options{Policy: precision.BF16Mixed, OffloadParams: true}, []string{"offload-params", "autocast"}},
 		{"train bf16-mixed, two disabled", train, compile.Options{Policy: precision.BF16Mixed, Disable: []string{"fold-casts", "recompute"}},
-			[]string{"fuse-attention-qkv", "autocast", "autodiff", "fuse-gelu-grad", "fuse-layer-norm-grad-add"}},
+			[]string{"fuse-attention-qkv", "autocast", "autodiff", "fuse-gelu-grad", "fuse-layer-norm-grad-add", "fuse-pointwise"}},
 	} {
 		assert.Equal(t, c.want, ran(c.mode, c.o), c.name)
 	}

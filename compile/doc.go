@@ -29,6 +29,8 @@
 //     graph.FuseGeluGrad.
 //   - fuse-layer-norm-grad-add (backward; training, a rewritten step):
 //     graph.FuseLayerNormGradAdd.
+//   - fuse-pointwise (backward; training, always): graph.FusePointwise,
+//     chains of elementwise ops as one generated kernel each.
 //   - recompute (program; training, a recompute set chosen when the step
 //     is planned): recompute.Apply, run by the Session at its budget
 //     through RunRecompute.

@@ -48,5 +48,6 @@ func ExampleTrain() {
 	// fold-casts                 19 → 17 nodes,  7432 →  5896 bytes
 	// fuse-gelu-grad             17 → 16 nodes,  5896 →  5640 bytes
 	// fuse-layer-norm-grad-add   16 → 16 nodes,  5640 →  5640 bytes
-	// compile: unknown pass "fuse-all" (passes: offload-params, fuse-attention-qkv, autocast, channels-last, loss-scale, autodiff, fold-casts, fuse-gelu-grad, fuse-layer-norm-grad-add, recompute)
+	// fuse-pointwise             16 → 16 nodes,  5640 →  5640 bytes
+	// compile: unknown pass "fuse-all" (passes: offload-params, fuse-attention-qkv, autocast, channels-last, loss-scale, autodiff, fold-casts, fuse-gelu-grad, fuse-layer-norm-grad-add, fuse-pointwise, recompute)
 }

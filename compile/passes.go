@@ -34,6 +34,8 @@ var table = []Pass{
 		Doc: "the product reaching a GELU and its derivative are one matmul_gelu_grad (graph.FuseGeluGrad)"},
 	{Name: "fuse-layer-norm-grad-add", Stage: Backward, Modes: TrainStep, When: rewritten, run: backward(graph.FuseLayerNormGradAdd),
 		Doc: "a layer norm's input gradient and the residual stream's add are one layer_norm_grad_x_add (graph.FuseLayerNormGradAdd)"},
+	{Name: FusePointwise, Stage: Backward, Modes: TrainStep, When: always, run: backward(graph.FusePointwise),
+		Doc: "connected chains of elementwise, broadcast, cast and row-reduction ops, forward and backward, are one fused_pointwise node each, its kernel generated (graph.FusePointwise)"},
 	{Name: Recompute, Stage: Program, Modes: TrainStep, When: recomputing,
 		Doc: "forward values recomputed in backward, the set chosen within the budget (recompute.Apply; run by the Session)"},
 }

@@ -13,7 +13,9 @@ import "slices"
 // the leading axes) and the layer_norm_grad_x of that g
 // (LayerNormBiasGradProducer), a batch norm's bias gradient (a sum of g
 // over every axis but the channels) and the batch_norm_grad_x of that g
-// (BatchNormBiasGradProducer), a cross_entropy_grad's cross_entropy when
+// (BatchNormBiasGradProducer), another output of a fused_pointwise's
+// expression and the node giving its first (FusedPointwiseProducer), a
+// cross_entropy_grad's cross_entropy when
 // its seed is constant (CrossEntropyGradProducer), a tanh-form gelu's
 // linear (GeluProducer), a layer norm's or an rms_norm's feeding float32
 // add (AddLayerNormProducer, AddRMSNormProducer), a swiglu's up gradient
@@ -59,8 +61,33 @@ func CompanionProducer(g *Graph, m int) int {
 		return AddLayerNormProducer(g, m)
 	case OpCast:
 		return LayerNormGradCastProducer(g, m)
+	case OpFusedPointwise:
+		return FusedPointwiseProducer(g, m)
 	}
 	return -1
+}
+
+// FusedPointwiseProducer returns the fused_pointwise node whose kernel
+// can also give fused_pointwise node m: the node giving output 0 of m's
+// expression (the same Attrs.Pointwise) from the same inputs, made before
+// m (FusePointwise makes a group's nodes one after another), when m gives
+// another output; −1 otherwise. The generated kernel then stores every
+// output of the expression in one pass.
+func FusedPointwiseProducer(g *Graph, m int) int {
+	if m < 0 || m >= g.Len() {
+		return -1
+	}
+	n := g.Node(m)
+	p := m - n.Attrs.Axis
+	if n.Op != OpFusedPointwise || n.Attrs.Pointwise == nil || n.Attrs.Axis <= 0 || p < 0 {
+		return -1
+	}
+	pn := g.Node(p)
+	if pn.Op != OpFusedPointwise || pn.Attrs.Pointwise != n.Attrs.Pointwise || pn.Attrs.Axis != 0 ||
+		!slices.Equal(pn.Inputs, n.Inputs) {
+		return -1
+	}
+	return p
 }
 
 // isLayerNormGradX reports whether op is a layer norm's input gradient:

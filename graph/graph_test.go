@@ -271,6 +271,10 @@ func TestSameSignatureSeesWhatSignatureHashes(t *testing.T) {
 			change(v.Index(0))
 		case reflect.Interface:
 			v.Set(reflect.ValueOf(tensor.New(tensor.WithShape(1), tensor.Of(tensor.Float32))))
+		case reflect.Pointer: // Attrs.Pointwise
+			p, err := graph.NewPointwise([]graph.PWNode{{Op: graph.PWInput}, {Op: graph.PWNeg}}, []graph.PWOut{{Node: 1, DType: graph.Float32}})
+			require.NoError(t, err)
+			v.Set(reflect.ValueOf(p))
 		default:
 			t.Fatalf("no change for kind %s", v.Kind())
 		}

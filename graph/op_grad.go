@@ -43,6 +43,13 @@ const (
 	// meeting the block's), so the layer norm's backward pass adds r in
 	// registers and its own gradient is never stored.
 	OpLayerNormGradXAdd
+	// OpFusedPointwise computes one output of the expression DAG
+	// Attrs.Pointwise over its inputs (Attrs.Axis names which): elementwise
+	// ops, constants, broadcasts, casts and reductions of rows. Autodiff
+	// never emits it: FusePointwise puts it in place of a connected group
+	// of such ops after autodiff, one node for each value the group gives
+	// to the rest of the graph.
+	OpFusedPointwise
 	numOps
 )
 

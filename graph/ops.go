@@ -26,10 +26,11 @@ const (
 	CatLoss                        // cross_entropy, mse
 	CatGenerate                    // fill: no inputs, type from Attrs.Target
 	CatGrad                        // vector-Jacobian products appended by autodiff
+	CatFused                       // fused_pointwise: made by FusePointwise after autodiff
 )
 
 var categoryNames = [...]string{"source", "unary", "scalar", "binary", "contraction",
-	"reduce", "normalize", "movement", "index", "conv", "loss", "generate", "grad"}
+	"reduce", "normalize", "movement", "index", "conv", "loss", "generate", "grad", "fused"}
 
 func (c Category) String() string {
 	if int(c) < len(categoryNames) {
@@ -96,7 +97,7 @@ func SavesInput(i ...int) Saved {
 // opFamilies lists every family's rows, keyed by op. Each op appears in
 // exactly one family (TestOpTableComplete checks).
 var opFamilies = [][]OpInfo{sourceOps, unaryOps, scalarOps, castOps, binaryOps, contractionOps,
-	reduceOps, normalizeOps, movementOps, indexOps, convOps, attentionOps, lossOps, gradOps}
+	reduceOps, normalizeOps, movementOps, indexOps, convOps, attentionOps, lossOps, gradOps, fusedOps}
 
 // opTable is assembled from the families rather than written as one
 // literal: rows refer to rule and VJP functions that themselves read the
@@ -228,6 +229,10 @@ type Attrs struct {
 	// ChannelsLast: conv2d, pooling, batch_norm and their gradients store
 	// their 4-D operands channels last (graph/layout.go, package layout).
 	ChannelsLast bool
+
+	// Pointwise is fused_pointwise's expression, shared by the nodes that
+	// give its outputs and never changed once made.
+	Pointwise *Pointwise
 }
 
 // Clone is a copy of a whose slices (Axes, Shape, Perm, Target.Shape) are

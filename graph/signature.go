@@ -59,6 +59,9 @@ func (g *Graph) Signature() uint64 {
 		}
 		h.put(flags)
 		typ(a.Target)
+		if a.Pointwise != nil {
+			h.str(a.Pointwise.Text())
+		}
 	}
 	return h.sum()
 }
@@ -97,7 +100,7 @@ func sameSigNode(m, n *Node) bool {
 		a.Kernel == b.Kernel && a.Stride == b.Stride && a.Padding == b.Padding && a.Dilation == b.Dilation &&
 		a.Approx == b.Approx && a.KeepDim == b.KeepDim && a.TransA == b.TransA && a.TransB == b.TransB &&
 		a.Training == b.Training && a.Causal == b.Causal && a.PerChunk == b.PerChunk && a.ChannelsLast == b.ChannelsLast &&
-		sameSigType(&a.Target, &b.Target)
+		sameSigType(&a.Target, &b.Target) && (a.Pointwise == b.Pointwise || a.Pointwise.Text() == b.Pointwise.Text())
 }
 
 func sameSigType(s, t *Type) bool {

@@ -42,6 +42,8 @@ func TestOpTableComplete(t *testing.T) {
 			assert.True(t, in.Category.Leaf(), "%s is marked a leaf but takes inputs", op)
 		case in.NoVJP == noVJPGrad:
 			assert.Equal(t, CatGrad, in.Category, "%s is marked a gradient op", op)
+		case in.NoVJP == noVJPFused:
+			assert.Equal(t, CatFused, in.Category, "%s is marked a fused op", op)
 		default:
 			t.Errorf("%s has neither a VJP nor a documented reason (NoVJP) for lacking one", op)
 		}

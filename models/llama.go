@@ -64,7 +64,7 @@ func NewLlama(opt nn.Options, cfg LlamaConfig) *Llama {
 	model := &llamaModel{Children: nn.NewChildren(
 		nn.Child{Name: "embed_tokens", Module: m.embed},
 		nn.Child{Name: "layers", Module: nn.NewSequential(layers...)},
-		nn.Child{Name: "norm", Module: nn.NewRMSNorm(opt, cfg.Hidden, cfg.RMSNormEps)},
+		nn.Child{Name: "norm", Module: rmsNorm(opt, cfg.Hidden, cfg)},
 	)}
 	children := []nn.Child{{Name: "model", Module: model}}
 	if !cfg.TieEmbeddings {
@@ -118,6 +118,11 @@ func (m *Llama) Forward(tokens *lazy.Tensor) *lazy.Tensor {
 		return lazy.ErrorTensor("models.Llama", err, s)
 	}
 	m.rope.cur = cs
+	if m.cfg.WrittenOut {
+		if m.rope.cos, m.rope.sin, err = m.rope.written(s[1]); err != nil {
+			return lazy.ErrorTensor("models.Llama", err, s)
+		}
+	}
 	x := m.Call("model", tokens)
 	if m.cfg.TieEmbeddings {
 		return x.Linear(m.embed.Weight.As(x), nil)
@@ -236,6 +241,41 @@ type ropeTables struct {
 	cur   *lazy.Tensor
 	// zeros are the LoRA block matrices' zero constants (packedDelta).
 	zeros *zeroConsts
+	// The written-out model's tables, [T, 1, dim]: cos and sin of each
+	// frequency twice over, as Hugging Face's rotary embedding makes them.
+	wByLen   map[int][2]*lazy.Tensor
+	cos, sin *lazy.Tensor
+}
+
+// written is the cos and sin tables of t positions for the written-out
+// model, made from table's once per length.
+func (r *ropeTables) written(t int) (cos, sin *lazy.Tensor, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c, ok := r.wByLen[t]; ok {
+		return c[0], c[1], nil
+	}
+	tab, err := r.cfg.Table(r.dim, t)
+	if err != nil {
+		return nil, nil, err
+	}
+	d, h := r.dim, r.dim/2
+	src := tab.Data().([]float32)
+	cd, sd := make([]float32, t*d), make([]float32, t*d)
+	for p := range t {
+		for i := range h {
+			c, s := src[p*d+i], src[p*d+h+i]
+			cd[p*d+i], cd[p*d+h+i] = c, c
+			sd[p*d+i], sd[p*d+h+i] = s, s
+		}
+	}
+	cos = lazy.Const(tensor.New(tensor.WithShape(t, 1, d), tensor.WithBacking(cd)))
+	sin = lazy.Const(tensor.New(tensor.WithShape(t, 1, d), tensor.WithBacking(sd)))
+	if r.wByLen == nil {
+		r.wByLen = map[int][2]*lazy.Tensor{}
+	}
+	r.wByLen[t] = [2]*lazy.Tensor{cos, sin}
+	return cos, sin, nil
 }
 
 func (r *ropeTables) table(t int) (*lazy.Tensor, error) {
@@ -266,13 +306,13 @@ type decoderLayer struct{ nn.Children }
 
 func newDecoderLayer(opt nn.Options, cfg LlamaConfig, rope *ropeTables) *decoderLayer {
 	h, f, d, kv := cfg.Hidden, cfg.Intermediate, cfg.HeadDimOrDefault(), cfg.KVHeadsOrDefault()
-	attn := &llamaAttention{heads: cfg.Heads, kvHeads: kv, headDim: d, rope: rope, zeros: rope.zeros, Children: nn.NewChildren(
+	attn := &llamaAttention{heads: cfg.Heads, kvHeads: kv, headDim: d, rope: rope, zeros: rope.zeros, written: cfg.WrittenOut, Children: nn.NewChildren(
 		nn.Child{Name: "q_proj", Module: hfLinear(opt, h, cfg.Heads*d, cfg.QKVBias)},
 		nn.Child{Name: "k_proj", Module: hfLinear(opt, h, kv*d, cfg.QKVBias)},
 		nn.Child{Name: "v_proj", Module: hfLinear(opt, h, kv*d, cfg.QKVBias)},
 		nn.Child{Name: "o_proj", Module: hfLinear(opt, cfg.Heads*d, h, cfg.OutBias)},
 	)}
-	mlp := &llamaMLP{Children: nn.NewChildren(
+	mlp := &llamaMLP{written: cfg.WrittenOut, Children: nn.NewChildren(
 		nn.Child{Name: "gate_proj", Module: hfLinear(opt, h, f, cfg.MLPBias)},
 		nn.Child{Name: "up_proj", Module: hfLinear(opt, h, f, cfg.MLPBias)},
 		nn.Child{Name: "down_proj", Module: hfLinear(opt, f, h, cfg.MLPBias)},
@@ -280,9 +320,27 @@ func newDecoderLayer(opt nn.Options, cfg LlamaConfig, rope *ropeTables) *decoder
 	return &decoderLayer{nn.NewChildren(
 		nn.Child{Name: "self_attn", Module: attn},
 		nn.Child{Name: "mlp", Module: mlp},
-		nn.Child{Name: "input_layernorm", Module: nn.NewRMSNorm(opt, h, cfg.RMSNormEps)},
-		nn.Child{Name: "post_attention_layernorm", Module: nn.NewRMSNorm(opt, h, cfg.RMSNormEps)},
+		nn.Child{Name: "input_layernorm", Module: rmsNorm(opt, h, cfg)},
+		nn.Child{Name: "post_attention_layernorm", Module: rmsNorm(opt, h, cfg)},
 	)}
+}
+
+// rmsNorm is the model's RMS norm: nn.RMSNorm, or written out.
+func rmsNorm(opt nn.Options, h int, cfg LlamaConfig) nn.Module {
+	n := nn.NewRMSNorm(opt, h, cfg.RMSNormEps)
+	if cfg.WrittenOut {
+		return writtenRMSNorm{n}
+	}
+	return n
+}
+
+// writtenRMSNorm is an RMS norm as a user writes it:
+// x·(mean(x²) + ε)^−½·w.
+type writtenRMSNorm struct{ *nn.RMSNorm }
+
+func (n writtenRMSNorm) Forward(x *lazy.Tensor) *lazy.Tensor {
+	r := x.Mul(x).MeanKeepDim(-1).AddScalar(n.Eps).PowScalar(-0.5)
+	return x.Mul(r).Mul(n.Weight.Tensor())
 }
 
 func (l *decoderLayer) Forward(x *lazy.Tensor) *lazy.Tensor {
@@ -308,6 +366,15 @@ type llamaAttention struct {
 	heads, kvHeads, headDim int
 	rope                    *ropeTables
 	zeros                   *zeroConsts
+	written                 bool
+}
+
+// rotateWritten is Hugging Face's apply_rotary_pos_emb of x [B, T, H, d]
+// written out: x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁].
+func (a *llamaAttention) rotateWritten(x *lazy.Tensor) *lazy.Tensor {
+	h := a.headDim / 2
+	rot := lazy.Concat(-1, x.Slice(-1, h, a.headDim).Neg(), x.Slice(-1, 0, h))
+	return x.Mul(a.rope.cos).Add(rot.Mul(a.rope.sin))
 }
 
 // Forward: q, k and v from one GEMM of the three weights side by side,
@@ -324,6 +391,15 @@ func (a *llamaAttention) Forward(x *lazy.Tensor) *lazy.Tensor {
 	if a.rope.cur == nil || a.rope.cur.Shape()[0] != s[1] {
 		return lazy.ErrorTensor("llama attention", graph.Errorf(graph.ErrAttr,
 			"attention of %d positions without their rotary table: run it inside models.Llama.Forward", s[1]), s)
+	}
+	if a.written {
+		t := s[1]
+		heads := func(name string, n int) *lazy.Tensor { return a.Call(name, x).Reshape(-1, t, n, a.headDim) }
+		q := a.rotateWritten(heads("q_proj", a.heads)).Permute(0, 2, 1, 3)
+		k := a.rotateWritten(heads("k_proj", a.kvHeads)).Permute(0, 2, 1, 3)
+		v := heads("v_proj", a.kvHeads).Permute(0, 2, 1, 3)
+		o := q.Attention(k, v, lazy.AttentionOptions{Causal: true, KVHeads: a.kvHeads, Scale: 1 / math.Sqrt(float64(a.headDim))})
+		return a.Call("o_proj", o.Permute(0, 2, 1, 3).Reshape(-1, t, a.heads*a.headDim))
 	}
 	var lins [3]*nn.Linear
 	var adapters [3]*nn.LoRALinear
@@ -355,9 +431,15 @@ func (a *llamaAttention) Forward(x *lazy.Tensor) *lazy.Tensor {
 }
 
 // llamaMLP is LlamaMLP: down_proj(silu(gate_proj(x))·up_proj(x)).
-type llamaMLP struct{ nn.Children }
+type llamaMLP struct {
+	nn.Children
+	written bool
+}
 
 func (m *llamaMLP) Forward(x *lazy.Tensor) *lazy.Tensor {
+	if m.written {
+		return m.Call("down_proj", m.Call("gate_proj", x).Silu().Mul(m.Call("up_proj", x)))
+	}
 	return m.Call("down_proj", m.Call("gate_proj", x).SwiGLU(m.Call("up_proj", x)))
 }
 

@@ -43,6 +43,13 @@ type LlamaConfig struct {
 	// MLPBias is mlp_bias: biases on gate, up and down projections.
 	MLPBias bool
 	Rope    RopeConfig
+	// WrittenOut builds the model as a user writes it with plain lazy
+	// ops, not batchfit's fused ones: RMSNorm as x·(mean(x²) + ε)^−½·w,
+	// rotary embedding as q·cos + rotate_half(q)·sin with slices, neg,
+	// concat and mul, SwiGLU as silu(gate)·up, and q, k and v from three
+	// projections through the attention op. Its parameters and numbers
+	// are the same; graph.FusePointwise fuses its elementwise chains.
+	WrittenOut bool
 }
 
 // RopeConfig is a rotary embedding's settings: Hugging Face's rope_theta

@@ -433,3 +433,47 @@ func TestLlamaCausal(t *testing.T) {
 		}
 	}
 }
+
+// The written-out Llama (LlamaConfig.WrittenOut: RMSNorm, rotary and
+// SwiGLU as plain ops, q, k and v from three projections through the
+// attention op) is the same model: from the same seed and parameters its
+// logits, loss and every gradient equal models.Llama's in the float64
+// reference (to 1e-9 of their magnitude: sums in another order), and the
+// two have the same parameter names.
+func TestWrittenLlamaIsLlama(t *testing.T) {
+	rng := rand.New(rand.NewPCG(23, 24))
+	cfg := models.LlamaTiny()
+	w := cfg
+	w.WrittenOut = true
+	m, mw := models.NewLlama(nn.Seed(23), cfg), models.NewLlama(nn.Seed(23), w)
+	randomize(t, m, rng, 0.5)
+	rng = rand.New(rand.NewPCG(23, 24))
+	randomize(t, mw, rng, 0.5)
+	var names, wnames []string
+	for _, p := range nn.ParamTensors(m) {
+		names = append(names, p.Name())
+	}
+	for _, p := range nn.ParamTensors(mw) {
+		wnames = append(wnames, p.Name())
+	}
+	require.Equal(t, names, wnames)
+	const b, n = 2, 7
+	tok := randTokens(rng, b, n, cfg.Vocab)
+	s := buildLlamaStep(t, m, b, n, tok, tok)
+	sw := buildLlamaStep(t, mw, b, n, tok, tok)
+	want, err := ref.Eval(s.g, nil, s.outputs...)
+	require.NoError(t, err)
+	got, err := ref.Eval(sw.g, nil, sw.outputs...)
+	require.NoError(t, err)
+	require.Len(t, got, len(want))
+	for i := range want {
+		require.Equal(t, want[i].Shape, got[i].Shape)
+		scale := 0.0
+		for _, v := range want[i].Data {
+			scale = max(scale, math.Abs(v))
+		}
+		for k, v := range want[i].Data {
+			require.InDelta(t, v, got[i].Data[k], 1e-9*max(scale, 1e-3), "output %d element %d", i, k)
+		}
+	}
+}

@@ -84,13 +84,14 @@ type config struct {
 	capBatch      int           // the cap records' batch; 0: each model's timed batch
 	costProfile   string        // the recompute cost model's profile for the cap records
 	channelsLast  bool          // conv nets' bfloat16 activations channels last (-channels-last, the default)
+	noPointwise   bool          // no graph.FusePointwise in the steps (-no-pointwise-fusion)
 	hostWork      time.Duration // the executor's loop spins this long after each step (-host-work)
 	interleave    int           // the executor's and the Session's timed steps in alternate blocks of this many (-interleave)
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
 func registerFlags(fs *flag.FlagSet, c *config) {
-	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv, resnet50, llama (models.Llama, -llama-config)")
+	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv, resnet50, llama (models.Llama, -llama-config), llama-written (the same written out with plain ops: models.LlamaConfig.WrittenOut)")
 	fs.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
 	fs.IntVar(&c.steps, "steps", 20, "timed steps")
 	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
@@ -99,7 +100,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
 	fs.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
 	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
-	fs.StringVar(&c.llamaConfig, "llama-config", "llama3.2-1b", "the llama model's shape: llama3.2-1b, llama3-8b or llama-tiny (models.Llama32_1B, Llama3_8B, LlamaTiny)")
+	fs.StringVar(&c.llamaConfig, "llama-config", "llama3.2-1b", "the llama model's shape: llama3.2-1b, llama3-8b or llama-tiny (models.Llama32_1B, Llama3_8B, LlamaTiny), or llama-0.8b (16 × 2048, 16/4 heads of 128, SwiGLU 5632, vocab 32000) or llama-8x1024 (8 × 1024, 16 heads of 64, SwiGLU 2816, vocab 32000)")
 	fs.IntVar(&c.llamaLayers, "llama-layers", 0, "the llama model's decoder layers (0: the config's, 16 for Llama 3.2 1B)")
 	fs.IntVar(&c.llamaSeq, "llama-seq", 2048, "the llama model's sequence length")
 	fs.IntVar(&c.llamaBatch, "llama-batch", 4, "the llama model's batch for the timed run")
@@ -132,6 +133,7 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.Var(bytesFlag{&c.cap}, "cap", "train each model at -cap-batch through batchfit.Session within this `size` (Options.Budget: 24GiB, 512MiB, 24GB or bytes), once with the planner's choice (recompute auto) and once in chunks only, and time both (the cap records); 0: off")
 	fs.IntVar(&c.capBatch, "cap-batch", 0, "the batch of -cap's steps (0: each model's timed batch, -gpt-batch, -mlp-batch, ...)")
 	fs.StringVar(&c.costProfile, "cost-profile", "h100", "the recompute cost model's `profile` for -cap (Options.Profile): default, h100 or a JSON file as batchfit calibrate writes it")
+	fs.BoolVar(&c.noPointwise, "no-pointwise-fusion", false, "run each elementwise op's own kernel (Options.NoPointwiseFusion) instead of fusing their chains into generated kernels (graph.FusePointwise), as a Session does by default")
 	fs.BoolVar(&c.channelsLast, "channels-last", true, "store conv nets' 4-D activations channels last (NHWC; package layout) from their bfloat16 convolutions on (layout.ConvTakes), as a Session does by default under bf16-mixed; false keeps them NCHW (Options.NoChannelsLast)")
 	fs.IntVar(&c.interleave, "interleave", 0, "run each model's executor and Session loops in one go, their timed steps in alternate blocks of `n` (the session record's over_paired: the median over block pairs of its median step over the executor's); 0: one loop after the other")
 	fs.DurationVar(&c.hostWork, "host-work", 0, "the executor's loop spins this `long` on the host after each step, standing in for a training loop's own host work, to measure how much of it the device's queued work hides")
@@ -274,49 +276,57 @@ func benchModels(c config) ([]benchModel, error) {
 			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
 		}}
 	var llamaCfg models.LlamaConfig
-	if slices.Contains(strings.Split(strings.ReplaceAll(c.models, " ", ""), ","), "llama") {
+	if names := strings.Split(strings.ReplaceAll(c.models, " ", ""), ","); slices.Contains(names, "llama") || slices.Contains(names, "llama-written") {
 		var err error
 		if llamaCfg, err = llamaConfig(c); err != nil {
 			return nil, err
 		}
 	}
-	llama := benchModel{name: "llama", seq: c.llamaSeq, batch: c.llamaBatch, tight: c.tightLlama, upper: c.llamaUpper,
-		about: fmt.Sprintf("models.Llama, %s shape (%d layers, width %d, %d/%d heads of %d, SwiGLU %d, vocab %d, tied %v, rope %s), seq %d, causal LM loss%s",
-			c.llamaConfig, llamaCfg.Layers, llamaCfg.Hidden, llamaCfg.Heads, llamaCfg.KVHeadsOrDefault(), llamaCfg.HeadDimOrDefault(),
-			llamaCfg.Intermediate, llamaCfg.Vocab, llamaCfg.TieEmbeddings, llamaCfg.Rope.Type, c.llamaSeq, loraAbout(c)),
-		optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
-		module: func(opt nn.Options) nn.Module {
-			m := models.NewLlama(opt, llamaCfg)
-			if c.llamaLoRA > 0 {
-				l := nn.LoRA{Rank: c.llamaLoRA, Alpha: float64(2 * c.llamaLoRA), Targets: strings.Split(c.llamaTargets, ",")}
-				if _, err := l.Apply(opt, m); err != nil {
-					return &failedModule{err}
+	llamaOf := func(name string, written bool) benchModel {
+		cfg := llamaCfg
+		cfg.WrittenOut = written
+		how := "models.Llama"
+		if written {
+			how = "models.Llama written out (RMSNorm, rotary and SwiGLU as plain ops, attention op)"
+		}
+		return benchModel{name: name, seq: c.llamaSeq, batch: c.llamaBatch, tight: c.tightLlama, upper: c.llamaUpper,
+			about: fmt.Sprintf("%s, %s shape (%d layers, width %d, %d/%d heads of %d, SwiGLU %d, vocab %d, tied %v, rope %s), seq %d, causal LM loss%s",
+				how, c.llamaConfig, llamaCfg.Layers, llamaCfg.Hidden, llamaCfg.Heads, llamaCfg.KVHeadsOrDefault(), llamaCfg.HeadDimOrDefault(),
+				llamaCfg.Intermediate, llamaCfg.Vocab, llamaCfg.TieEmbeddings, llamaCfg.Rope.Type, c.llamaSeq, loraAbout(c)),
+			optName: "adamw(lr=3e-4, wd=0.01)", optimizer: func() *optim.Adam { o := optim.NewAdamW(3e-4); o.WeightDecay = 0.01; return o },
+			module: func(opt nn.Options) nn.Module {
+				m := models.NewLlama(opt, cfg)
+				if c.llamaLoRA > 0 {
+					l := nn.LoRA{Rank: c.llamaLoRA, Alpha: float64(2 * c.llamaLoRA), Targets: strings.Split(c.llamaTargets, ",")}
+					if _, err := l.Apply(opt, m); err != nil {
+						return &failedModule{err}
+					}
 				}
-			}
-			return m
-		},
-		build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
-			if f, ok := m.(*failedModule); ok {
-				return lazy.ErrorTensor("llama lora", f.err), nil
-			}
-			// Hugging Face's labels=input_ids: the labels are the tokens,
-			// shifted here (as the loss would) so that a program compiled
-			// once is fed them; nothing is ignored, so the mean's count
-			// is n·(seq − 1) every step.
-			tok := source(nil, data, []int{n, c.llamaSeq}, graph.Int64, llamaCfg.Vocab)
-			var labels *lazy.Tensor
-			if data == nil {
-				labels = tok.Graph().Placeholder([]int{n, c.llamaSeq}, graph.Int64, 0)
-			} else {
-				shifted, _, err := models.ShiftLabels(tok.Value())
-				if err != nil {
-					return lazy.ErrorTensor("llama labels", err), nil
+				return m
+			},
+			build: func(m nn.Module, n int, data *rand.Rand) (*lazy.Tensor, []*lazy.Tensor) {
+				if f, ok := m.(*failedModule); ok {
+					return lazy.ErrorTensor("llama lora", f.err), nil
 				}
-				labels = tok.Graph().Wrap(shifted, 0)
-			}
-			logits := m.(*models.Llama).Forward(tok)
-			return models.ShiftedCausalLMLoss(logits, labels, n*(c.llamaSeq-1)), []*lazy.Tensor{tok, labels}
-		}}
+				// Hugging Face's labels=input_ids: the labels are the tokens,
+				// shifted here (as the loss would) so that a program compiled
+				// once is fed them; nothing is ignored, so the mean's count
+				// is n·(seq − 1) every step.
+				tok := source(nil, data, []int{n, c.llamaSeq}, graph.Int64, cfg.Vocab)
+				var labels *lazy.Tensor
+				if data == nil {
+					labels = tok.Graph().Placeholder([]int{n, c.llamaSeq}, graph.Int64, 0)
+				} else {
+					shifted, _, err := models.ShiftLabels(tok.Value())
+					if err != nil {
+						return lazy.ErrorTensor("llama labels", err), nil
+					}
+					labels = tok.Graph().Wrap(shifted, 0)
+				}
+				logits := m.(*models.Llama).Forward(tok)
+				return models.ShiftedCausalLMLoss(logits, labels, n*(c.llamaSeq-1)), []*lazy.Tensor{tok, labels}
+			}}
+	}
 	var out []benchModel
 	for _, name := range strings.Split(c.models, ",") {
 		switch strings.TrimSpace(name) {
@@ -331,9 +341,11 @@ func benchModels(c config) ([]benchModel, error) {
 		case "resnet50":
 			out = append(out, resnet)
 		case "llama":
-			out = append(out, llama)
+			out = append(out, llamaOf("llama", false))
+		case "llama-written":
+			out = append(out, llamaOf("llama-written", true))
 		default:
-			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv, resnet50, llama)", name)
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv, resnet50, llama, llama-written)", name)
 		}
 	}
 	return out, nil
@@ -358,8 +370,14 @@ func llamaConfig(c config) (models.LlamaConfig, error) {
 		cfg = models.Llama3_8B()
 	case "llama-tiny":
 		cfg = models.LlamaTiny()
+	case "llama-0.8b", "llama-8x1024":
+		cfg = models.LlamaConfig{Vocab: 32000, Hidden: 2048, Intermediate: 5632, Layers: 16, Heads: 16, KVHeads: 4, HeadDim: 128,
+			MaxPositions: 4096, RMSNormEps: 1e-5, TieEmbeddings: true, Rope: models.RopeConfig{Theta: 10000}}
+		if c.llamaConfig == "llama-8x1024" {
+			cfg.Hidden, cfg.Intermediate, cfg.Layers, cfg.KVHeads, cfg.HeadDim = 1024, 2816, 8, 16, 64
+		}
 	default:
-		return cfg, graph.Errorf(graph.ErrAttr, "gobench: -llama-config %q (llama3.2-1b, llama3-8b, llama-tiny)", c.llamaConfig)
+		return cfg, graph.Errorf(graph.ErrAttr, "gobench: -llama-config %q (llama3.2-1b, llama3-8b, llama-tiny, llama-0.8b, llama-8x1024)", c.llamaConfig)
 	}
 	if c.llamaLayers < 0 || c.llamaSeq < 2 || c.llamaBatch < 1 {
 		return cfg, graph.Errorf(graph.ErrAttr, "gobench: -llama-layers %d, -llama-seq %d, -llama-batch %d (want ≥ 0, ≥ 2, ≥ 1)", c.llamaLayers, c.llamaSeq, c.llamaBatch)
@@ -395,7 +413,11 @@ func (c config) nhwc() bool { return c.channelsLast && c.policy() == precision.B
 
 // train is how compileStep builds the step's graph besides the policy.
 func (c config) train() compile.Options {
-	return compile.Options{ChannelsLast: c.nhwc()}
+	o := compile.Options{ChannelsLast: c.nhwc()}
+	if c.noPointwise {
+		o.Disable = []string{"fuse-pointwise"}
+	}
+	return o
 }
 
 // compileStep compiles a training step as batchfit.Session.Step does, with
@@ -772,7 +794,7 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper,
 		TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
-		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast})
+		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise})
 	if err := sess.Err(); err != nil {
 		return r, err
 	}

@@ -31,7 +31,7 @@ func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor,
 		tok := lazy.Wrap(inputs[0], 0)
 		tgt := tok.Graph().Wrap(inputs[1], 0)
 		loss = models.Loss(mod.(*models.GPT).Forward(tok), tgt)
-	case "llama":
+	case "llama", "llama-written":
 		// inputs[1] holds the labels shifted (models.ShiftLabels), as build
 		// makes them.
 		tok := lazy.Wrap(inputs[0], 0)
@@ -75,7 +75,7 @@ func newSessionLoop(c config, m benchModel) (*stepLoop, error) {
 		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
-		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast})
+		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise})
 	if err := sess.Err(); err != nil {
 		return l, err
 	}

@@ -34,9 +34,21 @@ func TestRebuildMatchesBuild(t *testing.T) {
 // compiles once) is the step over data (what it feeds): one signature,
 // the inputs at the same places.
 func TestLlamaPlaceholderStepMatchesData(t *testing.T) {
-	ms, err := benchModels(config{models: "llama", llamaConfig: "llama-tiny", llamaSeq: 16, llamaBatch: 3})
+	ms, err := benchModels(config{models: "llama,llama-written", llamaConfig: "llama-tiny", llamaSeq: 16, llamaBatch: 3})
 	require.NoError(t, err)
-	m := ms[0]
+	require.Len(t, ms, 2)
+	for _, m := range ms {
+		placeholderMatchesData(t, m)
+	}
+	_, err = benchModels(config{models: "llama", llamaConfig: "llama2"})
+	require.Error(t, err)
+	for _, name := range []string{"llama-0.8b", "llama-8x1024"} {
+		_, err = benchModels(config{models: "llama-written", llamaConfig: name, llamaSeq: 16, llamaBatch: 1})
+		require.NoError(t, err, name)
+	}
+}
+
+func placeholderMatchesData(t *testing.T, m benchModel) {
 	mod := m.module(nn.Seed(1))
 	withData, in := m.build(mod, m.batch, rand.New(rand.NewPCG(1, 2)))
 	require.NoError(t, withData.Err())
@@ -46,6 +58,4 @@ func TestLlamaPlaceholderStepMatchesData(t *testing.T) {
 	for i := range in {
 		require.Equal(t, in[i].ID(), pin[i].ID())
 	}
-	_, err = benchModels(config{models: "llama", llamaConfig: "llama2"})
-	require.Error(t, err)
 }

@@ -38,7 +38,14 @@ func resnetPlan(t *testing.T, cfg models.ResNetConfig, b, size int, budget int64
 		outs = append(outs, gr.ID())
 		trained = append(trained, loss.Graph().NodeOf(params[i]))
 	}
-	g := loss.Graph().IR()
+	g, ids, err := graph.FusePointwise(loss.Graph().IR(), outs) // as a step does
+	require.NoError(t, err)
+	for i := range outs {
+		outs[i] = ids[outs[i]]
+	}
+	for i := range trained {
+		trained[i] = ids[trained[i]]
+	}
 	info, err := shapeinfer.Analyze(g, outs...)
 	require.NoError(t, err)
 	p, err := planner.Compile(g, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,

@@ -35,3 +35,11 @@ func TestConformanceBFloat16(t *testing.T) {
 func TestConformanceFloat16(t *testing.T) {
 	conformance.RunAllAs(t, runCPU, graph.Float16, conformance.Float16Tol)
 }
+
+// The fused_pointwise interpreter against the float64 reference on 300
+// random expression DAGs × shapes × dtypes (conformance.RunPointwiseFuzz):
+// 1e-4 relative, 1e-5 absolute in float32 throughout, 2e-2 and 1e-3 where
+// a 16-bit dtype appears.
+func TestPointwiseFuzz(t *testing.T) {
+	conformance.RunPointwiseFuzz(t, runCPU, 300, 1, cpuTolerance, conformance.Tolerance{RTol: 2e-2, ATol: 1e-3})
+}

@@ -9,6 +9,14 @@ import (
 	"github.com/batchfit/batchfit/graph"
 )
 
+// SetPointwiseIndex64 makes fused_pointwise's generated kernels run their
+// 64-bit entry points whatever the size; it returns the previous setting.
+func SetPointwiseIndex64(on bool) bool { return forcePW64.Swap(on) }
+
+// FusedPointwiseRuns counts generated-kernel launches that wrote
+// companions' outputs too, in every executor of the process.
+func FusedPointwiseRuns() int64 { return fusedPointwiseRuns.Load() }
+
 // FusedCrossEntropies counts cross_entropy passes that wrote their
 // companion gradient too, in every executor of the process.
 func FusedCrossEntropies() int64 { return fusedCrossEntropies.Load() }

@@ -149,6 +149,8 @@ type kernelSet struct {
 	// resident memoises residentBlocks, by kernel and threads per block.
 	mu       sync.Mutex
 	resident map[residentKey]int64
+	// pw holds the generated kernels of fused_pointwise (pointwise.go).
+	pw pwCache
 }
 
 type residentKey struct {
@@ -228,6 +230,8 @@ func (ks *kernelSet) get(name string) (kernel, error) {
 
 func (ks *kernelSet) close() error {
 	var errs []error
+	ks.mu.Lock()
+	defer ks.mu.Unlock()
 	for _, m := range ks.mods {
 		errs = append(errs, m.Close())
 	}

@@ -32,7 +32,7 @@ func OpcodeHeader() []byte {
 
 // families is every family of the table.
 var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels, rmsNormKernels,
-	movementKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, swigluKernels, lossKernels}
+	movementKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, swigluKernels, lossKernels, fusedKernels}
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.

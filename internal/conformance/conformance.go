@@ -138,3 +138,37 @@ func compare(want, got ref.Value, tol Tolerance) error {
 	}
 	return nil
 }
+
+// RunPointwiseFuzz runs n random fused_pointwise graphs
+// (ref.RandomPointwise: random expression DAGs over random shapes and
+// dtypes) on run and compares every output with ref.Eval's: within tol,
+// or within half where a 16-bit dtype appears (float32 and float64 may
+// round a value to two sides of a 16-bit boundary, and later ops carry
+// that one unit in the last place on). The seed fixes the cases.
+func RunPointwiseFuzz(t *testing.T, run Runner, n int, seed uint64, tol, half Tolerance) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(seed, 34))
+	for i := range n {
+		c, err := ref.RandomPointwise(rng)
+		if err != nil {
+			t.Fatalf("case %d: %v", i, err)
+		}
+		want, err := ref.Eval(c.Graph, c.Vals, c.Outs...)
+		if err != nil {
+			t.Fatalf("case %d (%v): reference: %v", i, c, err)
+		}
+		got, err := run(c.Graph, c.Vals, c.Outs...)
+		if err != nil {
+			t.Fatalf("case %d (%v): executor: %v", i, c, err)
+		}
+		tl := tol
+		if c.Half {
+			tl = half
+		}
+		for k := range c.Outs {
+			if err := compare(want[k], got[k], tl); err != nil {
+				t.Errorf("case %d output %d (%v): %v", i, k, c, err)
+			}
+		}
+	}
+}

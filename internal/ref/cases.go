@@ -42,7 +42,11 @@ type Case struct {
 	// autodiff, as every training step does, so its backward pass holds
 	// layer_norm_grad_x_add.
 	FuseLayerNormGrad bool
-	Fn                func(p []*lazy.Tensor) *lazy.Tensor
+	// FusePointwise runs graph.FusePointwise on the graph after autodiff,
+	// so its forward and backward chains of pointwise ops are
+	// fused_pointwise nodes.
+	FusePointwise bool
+	Fn            func(p []*lazy.Tensor) *lazy.Tensor
 }
 
 // Built is a case's graph with its loss and backward pass appended.
@@ -127,6 +131,29 @@ var Cases = []Case{
 	{Name: "residual_rms_norm_fused", Shapes: [][]int{{2, 3, 8}, {8}}, FuseLayerNormGrad: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		h := p[0].Add(p[0].Tanh())
 		return h.Add(h.RMSNorm(p[1], 1e-5).Tanh())
+	}},
+	// Written-out Llama pieces, fused by FusePointwise forward and
+	// backward: RMSNorm as x·(mean(x²)+ε)^−½·w, SwiGLU as silu(a)·b, a
+	// softmax of rows with its max subtracted, and rotary embedding with
+	// slices, neg, concat and mul.
+	{Name: "rms_norm_written", Shapes: [][]int{{2, 3, 8}, {8}}, FusePointwise: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		x := p[0]
+		return x.Mul(x.Mul(x).MeanKeepDim(-1).AddScalar(1e-5).PowScalar(-0.5)).Mul(p[1])
+	}},
+	{Name: "swiglu_written", Shapes: [][]int{{2, 3, 8}, {8}}, FusePointwise: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		a, b := p[0].Mul(p[1]), p[0].Tanh()
+		return a.Silu().Mul(b)
+	}},
+	{Name: "softmax_written", Shapes: [][]int{{2, 3, 8}}, FusePointwise: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		x := p[0].MulScalar(2)
+		e := x.Sub(x.MaxKeepDim(-1)).Exp()
+		return e.Div(e.SumKeepDim(-1))
+	}},
+	{Name: "rotary_written", Shapes: [][]int{{2, 3, 4, 8}}, FusePointwise: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		x := p[0].MulScalar(1.5)
+		cos, sin := lazy.Const(ropeTable(4, 8)), lazy.Const(ropeTable(4, 8)).MulScalar(-0.5)
+		rot := lazy.Concat(-1, x.Slice(-1, 4, 8).Neg(), x.Slice(-1, 0, 4))
+		return x.Mul(cos).Add(rot.Mul(sin)).Gelu()
 	}},
 	// Rotary embedding of every head, and of the first 4 of 6 (a packed
 	// projection's q and k heads; the rest are copied), by a table of
@@ -395,6 +422,11 @@ func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 	}
 	if c.FuseLayerNormGrad {
 		if err := b.rewrite(graph.FuseLayerNormGradAdd); err != nil {
+			return nil, err
+		}
+	}
+	if c.FusePointwise {
+		if err := b.rewrite(graph.FusePointwise); err != nil {
 			return nil, err
 		}
 	}

@@ -1,0 +1,213 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/graph"
+)
+
+// Fused family: fused_pointwise runs a kernel generated from its
+// expression and its inputs' layout (pwgen.go), compiled once per process
+// and cached on disk as a cubin. The node giving the expression's first
+// output also writes the outputs of its companions, the nodes giving the
+// others (graph.FusedPointwiseProducer), in the same pass. No workspace.
+var fusedKernels = family{
+	graph.OpFusedPointwise: {run: fusedPointwise},
+}
+
+// pwKernel is a generated kernel's two entry points.
+type pwKernel struct {
+	src      *pwSource
+	i32, i64 kernel
+}
+
+// pwCache holds the generated kernels of a kernel set, by expression
+// text and layout.
+type pwCache struct {
+	mu sync.Mutex
+	m  map[string]*pwKernel
+}
+
+// forcePW64 makes every generated kernel run its 64-bit entry point
+// (tests of the 64-bit indexing on small values).
+var forcePW64 atomic.Bool
+
+// fusedPointwiseRuns counts generated-kernel launches that wrote
+// companions' outputs too (tests read it).
+var fusedPointwiseRuns atomic.Int64
+
+func fusedPointwise(k *kctx, in []operand, out operand) error {
+	nd := k.nd
+	p := nd.Attrs.Pointwise
+	if p == nil {
+		return graph.Errorf(graph.ErrAttr, "fused_pointwise node %d has no expression", nd.ID)
+	}
+	shapes, dts := make([][]int, len(in)), make([]graph.DType, len(in))
+	for i, o := range in {
+		shapes[i], dts[i] = o.shape, o.dt
+	}
+	l, s, err := layoutOf(shapes, dts)
+	if err != nil {
+		return err
+	}
+	if len(s) > MaxDims {
+		return graph.Errorf(graph.ErrShape, "fused_pointwise node %d: rank %d over %d", nd.ID, len(s), MaxDims)
+	}
+	var args []any
+	kn, err := k.ks.pointwise(k.d, p, l)
+	if err != nil {
+		return err
+	}
+	for i, o := range in {
+		args = append(args, o.p)
+		if l.Kinds[i] == pwStrided {
+			st, err := graph.BroadcastStrides(o.shape, s)
+			if err != nil {
+				return err
+			}
+			v := Strided{Rank: int64(len(s))}
+			for d := range s {
+				v.Shape[d], v.Stride[d] = int64(s[d]), int64(st[d])
+			}
+			args = append(args, v)
+		}
+	}
+	outs := make([]alloc.Ptr, len(p.Outs))
+	ax := nd.Attrs.Axis
+	if ax < 0 || ax >= len(outs) {
+		return graph.Errorf(graph.ErrAttr, "fused_pointwise node %d gives output %d of %d", nd.ID, ax, len(outs))
+	}
+	if out.dt != p.Outs[ax].DType {
+		return graph.Errorf(graph.ErrDType, "fused_pointwise node %d: output is %s, the expression stores %s", nd.ID, out.dt, p.Outs[ax].DType)
+	}
+	outs[ax] = out.p
+	// The companions: the nodes giving the other outputs (same expression
+	// and inputs), handed over by the planner.
+	var done []*bool
+	take := func(node int, v *operand, d *bool) {
+		m := k.g.Node(node)
+		if m.Op != graph.OpFusedPointwise || m.Attrs.Pointwise != p || m.Attrs.Axis == ax ||
+			m.Attrs.Axis < 0 || m.Attrs.Axis >= len(outs) || v.dt != p.Outs[m.Attrs.Axis].DType {
+			return
+		}
+		outs[m.Attrs.Axis] = v.p
+		done = append(done, d)
+	}
+	if k.co != nil {
+		take(k.coNode, k.co, &k.coDone)
+	}
+	for i := range k.more {
+		take(k.more[i].node, &k.more[i].v, &k.more[i].done)
+	}
+	for _, o := range outs {
+		args = append(args, o)
+	}
+	c := int64(1)
+	if len(s) > 0 {
+		c = int64(s[len(s)-1])
+	}
+	n := int64(graph.Numel(s))
+	if n == 0 || c == 0 {
+		return nil
+	}
+	fn := kn.i32
+	if n > 1<<31-1 || forcePW64.Load() {
+		fn = kn.i64
+	}
+	nargs := len(args) + 2
+	if fn.params >= 0 && nargs != fn.params {
+		return fmt.Errorf("%w: %s takes %d, launched with %d", ErrKernelArgs, kn.src.Name, fn.params, nargs)
+	}
+	if kn.src.Rows {
+		rows := n / c
+		threads := min(max(ceilDiv(ceilDiv(c, int64(kn.src.Vec)), 32)*32, 64), 1024)
+		args = append(args, rows, c)
+		err = fn.m.Launch(fn.f, [3]uint32{uint32(min(rows, maxGridX)), 1, 1}, [3]uint32{uint32(threads), 1, 1}, 0, args...)
+	} else {
+		args = append(args, n, c)
+		grid := min(ceilDiv(ceilDiv(n, int64(kn.src.Vec)), flatBlock), 1<<20)
+		err = fn.m.Launch(fn.f, [3]uint32{uint32(grid), 1, 1}, flatBlockDim, 0, args...)
+	}
+	if err != nil {
+		return err
+	}
+	for _, d := range done {
+		*d = true
+	}
+	if len(done) > 0 {
+		fusedPointwiseRuns.Add(1)
+	}
+	return nil
+}
+
+// pointwise is the generated kernel of p over layout l, compiled (or
+// loaded from the cubin cache) the first time it is asked for.
+func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKernel, error) {
+	key := p.Text() + "|" + l.String()
+	ks.pw.mu.Lock()
+	defer ks.pw.mu.Unlock()
+	if kn, ok := ks.pw.m[key]; ok {
+		return kn, nil
+	}
+	src, err := generatePointwise(p, l)
+	if err != nil {
+		return nil, err
+	}
+	full, err := pointwiseModuleSource(src)
+	if err != nil {
+		return nil, err
+	}
+	m, err := d.Compile(src.Name+".cu", full)
+	if err != nil {
+		return nil, err
+	}
+	kn := &pwKernel{src: src}
+	for _, e := range []struct {
+		suffix string
+		k      *kernel
+	}{{"_i32", &kn.i32}, {"_i64", &kn.i64}} {
+		f, err := m.Function(src.Name + e.suffix)
+		if err != nil {
+			return nil, errors.Join(err, m.Close())
+		}
+		params, err := m.ParamCount(f)
+		if err != nil {
+			return nil, errors.Join(err, m.Close())
+		}
+		*e.k = kernel{m, f, params}
+	}
+	ks.mu.Lock()
+	ks.mods = append(ks.mods, m)
+	ks.mu.Unlock()
+	if ks.pw.m == nil {
+		ks.pw.m = map[string]*pwKernel{}
+	}
+	ks.pw.m[key] = kn
+	return kn, nil
+}
+
+// pointwiseModuleSource is a generated kernel's source as NVRTC compiles
+// it: common.cuh's text in place of its include line.
+func pointwiseModuleSource(src *pwSource) (string, error) {
+	common, err := Source("common.cuh")
+	if err != nil {
+		return "", err
+	}
+	return replaceInclude(src.Source, common), nil
+}
+
+// replaceInclude puts text in place of src's line #include "common.cuh".
+func replaceInclude(src, text string) string {
+	lines := strings.SplitAfter(src, "\n")
+	for i, l := range lines {
+		if m := localInclude.FindStringSubmatch(l); m != nil && m[1] == "common.cuh" {
+			lines[i] = text
+		}
+	}
+	return strings.Join(lines, "")
+}
