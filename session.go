@@ -516,6 +516,9 @@ type programKey struct {
 // the session holds the error: Err returns it, and so does every Step,
 // Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
+	if opts.NoPointwiseFusion && !slices.Contains(opts.DisablePasses, compile.FusePointwise) {
+		opts.DisablePasses = append(slices.Clip(opts.DisablePasses), compile.FusePointwise)
+	}
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
 		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
 		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
@@ -532,8 +535,6 @@ func NewSession(opts Options) *Session {
 		s.err = opts.Profile.Validate()
 	} else if err := compile.Check(opts.DisablePasses); err != nil {
 		s.err = fmt.Errorf("Options.DisablePasses: %w", err)
-	} else if opts.NoPointwiseFusion && !slices.Contains(opts.DisablePasses, compile.FusePointwise) {
-		s.opts.DisablePasses = append(slices.Clip(opts.DisablePasses), compile.FusePointwise)
 	} else if err := s.newScaler(); err != nil {
 		s.err = fmt.Errorf("Options.LossScale: %w", err)
 	} else if s.err = (alloc.Options{TraceEntries: opts.TraceEntries}).Validate(); s.err == nil {

@@ -85,7 +85,7 @@ func TestSessionPlanPasses(t *testing.T) {
 
 	off := plan(batchfit.Options{DisablePasses: []string{"fuse-layer-norm-grad-add"}})
 	assert.Zero(t, opCount(off.Program.Graph, graph.OpLayerNormGradXAdd))
-	assert.Equal(t, "disabled", off.Passes[len(off.Passes)-2].Why)
+	assert.Equal(t, "disabled", off.Passes[len(off.Passes)-3].Why)
 
 	full := plan(batchfit.Options{Recompute: recompute.FullCheckpoint})
 	r := full.Passes[len(full.Passes)-1]

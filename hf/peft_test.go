@@ -332,7 +332,7 @@ func TestLoadPeftReference(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, hf.AdapterConfigFile)); err != nil {
 		t.Skip("no testdata/peft-lora-llama: make it with scripts/make-reference-data.py where peft is installed (or set BATCHFIT_PEFT_REFERENCE)")
 	}
-	src := filepath.Join("testdata", "llama-gqa-untied")
+	src := filepath.Join("testdata", "llama-gqa-untied-sharded") // the weights of llama-gqa-untied, in shards
 	cfg, err := hf.ReadConfig(src)
 	require.NoError(t, err)
 	m := models.NewLlama(nn.Seed(1), *cfg.Llama)

@@ -102,7 +102,7 @@ def make(out):
     d = pathlib.Path(out) / "peft-lora"
     d.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(20261201)
-    base = load_base(pathlib.Path(__file__).resolve().parent.parent / "hf" / "testdata" / "llama-gqa-untied")
+    base = load_base(pathlib.Path(__file__).resolve().parent.parent / "hf" / "testdata" / "llama-gqa-untied-sharded")
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, bias="none",
                      task_type="CAUSAL_LM")
     pm = get_peft_model(copy.deepcopy(base), cfg)
