@@ -10,26 +10,26 @@ const (
 	// gradient g. Ops whose output shape cannot be derived from their inputs
 	// take it from Attrs.Target (shape, dtype and batch axis of the value the
 	// gradient is for).
-	OpReluGrad          Op = endLossOps + iota // g, y: g where y > 0 (y is relu's output, as PyTorch saves)
-	OpGeluGrad                                 // g, x; Approx
-	OpMaximumGrad                              // g, a, b; Axis 0 → gradient for a, 1 → for b; ties split evenly
-	OpMaximumScalarGrad                        // g, x; Scalar; ties get half
-	OpExpand                                   // g broadcast to Attrs.Target (backward of reductions)
-	OpMaxGrad                                  // g, x, y; Axes, KeepDim: g shared evenly among tied maxima
-	OpSoftmaxGrad                              // g, y; Axis: y·(g − Σ g·y)
-	OpLogSoftmaxGrad                           // g, y; Axis: g − exp(y)·Σ g
-	OpLayerNormGradX                           // g, x[, w]; NormDims, Eps
-	OpLayerNormGradW                           // g, x; NormDims, Eps: Σ over leading axes of g·x̂
-	OpBatchNormGradX                           // g, x[, w]; Eps, PerChunk; Training only: the batch-statistics backward of x
-	OpBatchNormGradW                           // g, x[, running_mean, running_var]; Training, PerChunk, Eps: Σ over all axes but 1 of g·x̂
-	OpSliceGrad                                // g; Axis, Start, End, Step, Target: g scattered into zeros
-	OpEmbeddingGrad                            // g, indices; Target [V, D]: rows scatter-added
-	OpConv2dGradInput                          // g, w; conv attrs, Target = input type
-	OpConv2dGradWeight                         // g, x; conv attrs, Target = weight type
-	OpMaxPool2dGrad                            // g, x; pool attrs: g routed to the first maximum of each window
-	OpAvgPool2dGrad                            // g; pool attrs, Target = input type
-	OpCrossEntropyGrad                         // g, logits, labels; Scalar, End: g·Scalar·(softmax − onehot), 0 past End
-	OpMSEGrad                                  // g, pred, target; Scalar: g·Scalar·2·(pred − target)
+	OpReluGrad          Op = endLinearCrossEntropyOps + iota // g, y: g where y > 0 (y is relu's output, as PyTorch saves)
+	OpGeluGrad                                               // g, x; Approx
+	OpMaximumGrad                                            // g, a, b; Axis 0 → gradient for a, 1 → for b; ties split evenly
+	OpMaximumScalarGrad                                      // g, x; Scalar; ties get half
+	OpExpand                                                 // g broadcast to Attrs.Target (backward of reductions)
+	OpMaxGrad                                                // g, x, y; Axes, KeepDim: g shared evenly among tied maxima
+	OpSoftmaxGrad                                            // g, y; Axis: y·(g − Σ g·y)
+	OpLogSoftmaxGrad                                         // g, y; Axis: g − exp(y)·Σ g
+	OpLayerNormGradX                                         // g, x[, w]; NormDims, Eps
+	OpLayerNormGradW                                         // g, x; NormDims, Eps: Σ over leading axes of g·x̂
+	OpBatchNormGradX                                         // g, x[, w]; Eps, PerChunk; Training only: the batch-statistics backward of x
+	OpBatchNormGradW                                         // g, x[, running_mean, running_var]; Training, PerChunk, Eps: Σ over all axes but 1 of g·x̂
+	OpSliceGrad                                              // g; Axis, Start, End, Step, Target: g scattered into zeros
+	OpEmbeddingGrad                                          // g, indices; Target [V, D]: rows scatter-added
+	OpConv2dGradInput                                        // g, w; conv attrs, Target = input type
+	OpConv2dGradWeight                                       // g, x; conv attrs, Target = weight type
+	OpMaxPool2dGrad                                          // g, x; pool attrs: g routed to the first maximum of each window
+	OpAvgPool2dGrad                                          // g; pool attrs, Target = input type
+	OpCrossEntropyGrad                                       // g, logits, labels; Scalar, End: g·Scalar·(softmax − onehot), 0 past End
+	OpMSEGrad                                                // g, pred, target; Scalar: g·Scalar·2·(pred − target)
 	// OpMatMulGeluGrad is gelu_grad(matmul(a, b), x) in one node: a, b, x;
 	// TransA, TransB, Approx. Autodiff never emits it: FuseGeluGrad puts
 	// it in place of a matmul read only by a gelu_grad, so an executor can

@@ -235,6 +235,24 @@ var Cases = []Case{
 		y := lazy.Const(i64([]int{4}, 4, 0, 1, 2))
 		return p[0].CrossEntropyClasses(y, 5, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropyClasses(y, 5, graph.ReduceSum))
 	}},
+	// linear_cross_entropy: h [5, 3] and W [7, 3], in chunks of 2 tokens
+	// (the last one partial) with a row ignored; then over W's first 5
+	// rows (a padded head: the last two get zero gradient), summed, times
+	// a scale, in chunks of 3.
+	{Name: "linear_cross_entropy", Shapes: [][]int{{5, 3}, {7, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{5}, 2, graph.IgnoreLabel, 6, 0, 3))
+		y5 := lazy.Const(i64([]int{5}, 4, 0, graph.IgnoreLabel, 1, 2))
+		scale := lazy.Const(tensor.New(tensor.FromScalar(float32(0.25))))
+		a := p[0].LinearCrossEntropyWith(p[1], y, graph.ReduceMean, lazy.LinearCrossEntropyOptions{Chunk: 2})
+		b := p[0].MulScalar(2).LinearCrossEntropyWith(p[1], y5, graph.ReduceSum,
+			lazy.LinearCrossEntropyOptions{Classes: 5, Chunk: 3, Scale: scale})
+		return a.Add(b)
+	}},
+	// Every row ignored: loss 0 and zero gradients, no NaN.
+	{Name: "linear_cross_entropy_ignored", Shapes: [][]int{{3, 4}, {6, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{3}, graph.IgnoreLabel, graph.IgnoreLabel, graph.IgnoreLabel))
+		return p[0].LinearCrossEntropy(p[1], y, graph.ReduceMean).Add(p[0].Tanh().Sum())
+	}},
 	{Name: "mse", Shapes: [][]int{{3, 2}, {3, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MSE(p[1], graph.ReduceMean).Add(p[0].Tanh().MSE(p[1], graph.ReduceSum))
 	}},
