@@ -43,7 +43,7 @@ const (
 
 var linearCrossEntropyOps = []OpInfo{
 	OpLinearCrossEntropy: {Name: "linear_cross_entropy", Category: CatLoss, MinArity: 3, Arity: 3, MaxArity: 4,
-		Attrs: []string{"reduction", "end", "loss_chunk"},
+		Attrs: []string{"reduction", "end", "loss_chunk", "target"},
 		Rule:  linearCrossEntropyRule, Saves: SavesInput(0, 1, 2, 3),
 		Chunk: &Chunk{Consume: lceConsume},
 		VJP: func(b VJPBuilder, n *Node, g int) {
@@ -66,7 +66,7 @@ var linearCrossEntropyOps = []OpInfo{
 			}
 		}},
 	OpLinearCrossEntropyGradH: {Name: "linear_cross_entropy_grad_h", Category: CatGrad, MinArity: 4, Arity: 4, MaxArity: 5,
-		Attrs: []string{"reduction", "end", "loss_chunk"}, NoVJP: noVJPGrad, Chunk: plainChunk,
+		Attrs: []string{"reduction", "end", "loss_chunk", "target"}, NoVJP: noVJPGrad, Chunk: plainChunk,
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			fwd, err := lceGradCheck(op, attrs, in)
 			if err != nil {
@@ -75,7 +75,7 @@ var linearCrossEntropyOps = []OpInfo{
 			return in[1], nil
 		})},
 	OpLinearCrossEntropyGradW: {Name: "linear_cross_entropy_grad_w", Category: CatGrad, MinArity: 4, Arity: 4, MaxArity: 5,
-		Attrs: []string{"reduction", "end", "loss_chunk"}, NoVJP: noVJPGrad,
+		Attrs: []string{"reduction", "end", "loss_chunk", "target"}, NoVJP: noVJPGrad,
 		Chunk: &Chunk{Consume: func(n *Node, in []Type) (Combine, string) { return lceConsume(n, in[1:]) }},
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			fwd, err := lceGradCheck(op, attrs, in)
@@ -154,6 +154,9 @@ func linearCrossEntropy(attrs *Attrs, in []Type) (Type, error) {
 		return Type{}, Errorf(ErrAttr, "linear_cross_entropy chunk of %d tokens: want 1 to %d (0 for %d)", attrs.LossChunk, 1<<20, DefaultLossChunk)
 	}
 	lossScale(attrs, h.Shape[0])
+	// Target records h's dtype, the logits chunk's (LossChunkDType), for
+	// kernels that see the node and not its inputs.
+	attrs.Target = Type{Shape: []int{}, DType: h.DType, BatchAxis: -1, PerSample: 1}
 	return Type{Shape: []int{}, DType: Float32, BatchAxis: -1, PerSample: 1}, nil
 }
 
@@ -165,6 +168,16 @@ func LossChunkRows(a *Attrs, rows int) int {
 		t = DefaultLossChunk
 	}
 	return max(min(t, rows), 0)
+}
+
+// LossChunkDType is the dtype of a linear_cross_entropy node's h and W
+// (with attributes a), in which its logits chunks are computed: float32
+// sums of GEMM products rounded to it, as linear's logits are.
+func LossChunkDType(a *Attrs) DType {
+	if a.Target.DType.IsFloat() {
+		return a.Target.DType
+	}
+	return Float32
 }
 
 // IsLinearCrossEntropy reports whether op is linear_cross_entropy or one
