@@ -129,6 +129,19 @@ type Options struct {
 	// describes and runs nothing (Plan, PlanEval, MaxBatch; Step and Eval
 	// return ErrDryRun), in place of the executor Device picks.
 	DryRun *DryRun
+	// NoFusedLoss keeps a language model's head and loss as built. By
+	// default a training step runs a linear (or a tied embedding's
+	// transposed product) whose logits only a cross_entropy at the loss
+	// reads as one linear_cross_entropy (graph.FuseLinearCrossEntropy):
+	// the [N, V] logits and their gradient are never stored, only one
+	// chunk of LossChunk tokens' logits at a time, and with a constant
+	// seed (no loss scaling) the forward pass gives both gradients.
+	NoFusedLoss bool
+	// LossChunk is the tokens per logits chunk of a fused loss (0: the
+	// planner's choice, planner.ChooseLossChunk: the largest power of two
+	// from graph.MaxLossChunk down whose plan fits the budget with the
+	// fewest batch chunks). LastPlan().LossChunk reports the one planned.
+	LossChunk int
 }
 
 // Session runs steps of lazy graphs. Everything derivable from a graph's
@@ -175,6 +188,9 @@ type Session struct {
 	lastProg *planner.Program
 	usage    planner.Usage
 	chosen   lru.Cache[chosenKey, chosen] // recompute choices by step and budget
+	// lossChunks are the fused loss's token chunks chosen
+	// (planner.ChooseLossChunk) by step and budget; guarded by mu.
+	lossChunks lru.Cache[chosenKey, int]
 	steps    lru.Cache[stepKey, *stepTemplate]
 	stepHits int
 	lastRe   Recomputed
@@ -501,7 +517,7 @@ type programKey struct {
 // Eval, Yield and Restore.
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
-		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
+		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}, lossChunks: lru.Cache[chosenKey, int]{Max: planner.CacheSize},
 		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
 	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
@@ -1519,12 +1535,64 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if !unscale {
 		scale = 0
 	}
+	if lc, err := s.lossChunked(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale); err != nil {
+		return nil, err
+	} else if lc != ir {
+		ir, tmpl = lc, nil
+	}
 	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
 	if err != nil {
 		return nil, err
 	}
 	return &compiledStep{prog: prog, re: re, ids: ids, first: first, updates: updates, trained: trained, g: ir,
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
+}
+
+// lossChunked is step graph g with its fused loss's token chunk set
+// (graph.WithLossChunk): Options.LossChunk, or planner.ChooseLossChunk's
+// choice within the current budget, each candidate planned as the step
+// runs (recompute choice included), and cached by step and budget. g
+// itself when it has no fused loss or holds the chunk already.
+func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool) (*graph.Graph, error) {
+	_, rows, _, _, ok := graph.LossChunkOf(g)
+	if !ok {
+		return g, nil
+	}
+	if s.opts.LossChunk > 0 {
+		return graph.WithLossChunk(g, s.opts.LossChunk)
+	}
+	budget, err := s.budget()
+	if err != nil {
+		return nil, err
+	}
+	held := s.be.Held()
+	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
+		budget: budget, held: fmt.Sprint(held)}
+	s.mu.Lock()
+	c, hit := s.lossChunks.Get(key)
+	s.mu.Unlock()
+	if !hit {
+		// A step over the whole batch plans it; chunks of it hold fewer rows.
+		c, _, err = planner.ChooseLossChunk(rows, budget >= planner.Unlimited, func(c int) (*planner.Plan, error) {
+			gc, err := graph.WithLossChunk(g, c)
+			if err != nil {
+				return nil, err
+			}
+			p, _, err := s.recomputed(gc, nil, boundary, ids, trained, slots, unscale)
+			if err != nil {
+				return nil, err
+			}
+			return s.planNext(p)
+		})
+		var dnf *planner.DoesNotFitError
+		if err != nil && !errors.As(err, &dnf) {
+			return nil, err
+		}
+		s.mu.Lock()
+		s.lossChunks.Put(key, c)
+		s.mu.Unlock()
+	}
+	return graph.WithLossChunk(g, c)
 }
 
 // distinctParams is distinctParams of params, and with claim claims them
@@ -1711,21 +1779,31 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 	}
 	var st *precision.Step
 	if channelsLast := s.channelsLast(); !s.policy.Mixed() && !channelsLast {
-		g := fwd.Clone()
-		grads, err := autodiff.Backward(g, loss.ID(), held)
+		g, ids, lossID := fwd.Clone(), make([]int, fwd.Len()), loss.ID()
+		for i := range ids {
+			ids[i] = i
+		}
+		if !s.opts.NoFusedLoss {
+			var err error
+			if g, ids, err = precision.FuseLoss(g, ids, lossID); err != nil {
+				return nil, err
+			}
+			lossID = ids[lossID]
+			for i, id := range held {
+				held[i] = ids[id]
+			}
+		}
+		grads, err := autodiff.Backward(g, lossID, held)
 		if err != nil {
 			if oe := (*graph.OpError)(nil); !errors.As(err, &oe) {
 				err = &graph.OpError{Op: "step", Err: err}
 			}
 			return nil, err
 		}
-		st = &precision.Step{Graph: g, Loss: loss.ID(), Params: held, Grads: grads,
-			Scale: -1, Scaled: loss.ID(), IDs: make([]int, fwd.Len())}
-		for i := range st.IDs {
-			st.IDs[i] = i
-		}
+		st = &precision.Step{Graph: g, Loss: lossID, Params: held, Grads: grads,
+			Scale: -1, Scaled: lossID, IDs: ids}
 	} else {
-		o := precision.TrainOptions{ChannelsLast: channelsLast}
+		o := precision.TrainOptions{ChannelsLast: channelsLast, NoFusedLoss: s.opts.NoFusedLoss}
 		if scale != nil {
 			o.LossScale, o.Scale = true, scale
 		}

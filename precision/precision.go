@@ -485,6 +485,32 @@ type TrainOptions struct {
 	// backward pass; graphs without a conv2d are unchanged. Step.IDs then
 	// names a channels-last value for a node inside such a region.
 	ChannelsLast bool
+	// NoFusedLoss keeps a language model's head and loss as they are
+	// built: without it, a linear (or tied embedding's product) whose
+	// logits only a cross_entropy at the loss reads becomes one
+	// linear_cross_entropy (FuseLoss), after the policy's rewrite and
+	// before the backward pass, and the [N, V] logits and their gradient
+	// are never stored.
+	NoFusedLoss bool
+}
+
+// FuseLoss runs graph.FuseLinearCrossEntropy on g for the loss node and
+// maps ids (the caller's ids into g, −1 kept) through it: the graph the
+// backward pass is then appended to, and the ids of the caller's nodes
+// there.
+func FuseLoss(g *graph.Graph, ids []int, loss int) (*graph.Graph, []int, error) {
+	fg, fids, err := graph.FuseLinearCrossEntropy(g, []int{loss})
+	if err != nil {
+		return nil, nil, err
+	}
+	out := make([]int, len(ids))
+	for i, id := range ids {
+		out[i] = -1
+		if id >= 0 {
+			out[i] = fids[id]
+		}
+	}
+	return fg, out, nil
 }
 
 // Train applies p to g and appends the gradient of the scalar loss with
@@ -541,6 +567,11 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	}
 	if ids[loss] < 0 {
 		return nil, graph.Errorf(graph.ErrArity, "precision: loss node %d was fused into attention_qkv", loss)
+	}
+	if !o.NoFusedLoss {
+		if ng, ids, err = FuseLoss(ng, ids, ids[loss]); err != nil {
+			return nil, err
+		}
 	}
 	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss], IDs: ids}
 	for i, id := range params {

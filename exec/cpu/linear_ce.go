@@ -28,8 +28,16 @@ var linearCrossEntropyKernels = family{
 }
 
 // lceWorkspace is one logits chunk, [T, V] in h's dtype, T the node's
-// chunk at most the rows of h at chunk size b.
-func lceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
+// chunk at most the rows of h at the full batch, whatever the chunk size
+// (graph.LossChunkRows: a fixed size, as the planner's workspaces are
+// affine in the chunk size), and none for a gradient that a
+// linear_cross_entropy or its _grad_h node computes in its pass on CUDA
+// (graph.LinearCrossEntropyGradProducer): the plan is the CUDA
+// executor's, and the CPU's kernels take their scratch from the host.
+func lceWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
+	if graph.LinearCrossEntropyGradProducer(g, nd.ID) >= 0 {
+		return 0
+	}
 	k := 0
 	if nd.Op != graph.OpLinearCrossEntropy {
 		k = 1
@@ -38,7 +46,7 @@ func lceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 		return 0
 	}
 	h, w := g.Node(nd.Inputs[k]).Type, g.Node(nd.Inputs[k+1]).Type
-	rows := graph.LossChunkRows(&nd.Attrs, h.AtBatch(b)[0])
+	rows := graph.LossChunkRows(&nd.Attrs, h.Shape[0])
 	return int64(rows) * int64(w.Shape[0]) * int64(graph.LossChunkDType(&nd.Attrs).Size())
 }
 
