@@ -191,9 +191,9 @@ type Session struct {
 	// lossChunks are the fused loss's token chunks chosen
 	// (planner.ChooseLossChunk) by step and budget; guarded by mu.
 	lossChunks lru.Cache[chosenKey, int]
-	steps    lru.Cache[stepKey, *stepTemplate]
-	stepHits int
-	lastRe   Recomputed
+	steps      lru.Cache[stepKey, *stepTemplate]
+	stepHits   int
+	lastRe     Recomputed
 	// latest is the template of the latest training step: a steady loop's
 	// next forward graph is compared with its forward graph, field by
 	// field, instead of being hashed.
@@ -518,7 +518,7 @@ type programKey struct {
 func NewSession(opts Options) *Session {
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
 		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}, lossChunks: lru.Cache[chosenKey, int]{Max: planner.CacheSize},
-		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
+		steps: lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
 	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)

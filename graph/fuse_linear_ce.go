@@ -71,9 +71,9 @@ func FuseLinearCrossEntropy(g *Graph, outputs []int) (*Graph, []int, error) {
 	}
 	type match struct {
 		h, w, labels, scale int
-		reshapeH           []int // h's [N, C] shape when h has more axes
-		attrs              Attrs
-		site, scope        string
+		reshapeH            []int // h's [N, C] shape when h has more axes
+		attrs               Attrs
+		site, scope         string
 	}
 	fused := map[int]match{} // by the node whose place the fused op takes
 	for c := range n {
