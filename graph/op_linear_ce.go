@@ -6,7 +6,7 @@ const (
 	// OpLinearCrossEntropy is cross_entropy(linear(h, W)) without the
 	// logits: inputs h [N, C] (float), W [V, C] (h's dtype: the layout of
 	// a linear's weight, Hugging Face's lm_head or a tied embedding),
-	// labels int64 [N], and an optional float scalar scale; Reduction,
+	// labels int64 [N], and an optional float32 scalar scale; Reduction,
 	// End (classes, 0 = V), LossChunk (tokens per logits chunk, 0 =
 	// DefaultLossChunk). The loss is scale·Scalar·Σ over rows whose label
 	// is not IgnoreLabel of logsumexp(l) − l[label], l = h·Wᵀ over the
@@ -58,11 +58,7 @@ var linearCrossEntropyOps = []OpInfo{
 			if len(n.Inputs) > 3 && b.Wants(3) {
 				// d loss / d scale: the loss without its scale.
 				un := b.Emit(OpLinearCrossEntropy, a, n.Inputs[:3]...)
-				c := mul(b, g, un)
-				if t := b.Type(n.Inputs[3]); t.DType != b.Type(c).DType {
-					c = b.Emit(OpCast, Attrs{Target: Type{DType: t.DType}}, c)
-				}
-				b.Accumulate(n.Inputs[3], c)
+				b.Accumulate(n.Inputs[3], mul(b, g, un))
 			}
 		}},
 	OpLinearCrossEntropyGradH: {Name: "linear_cross_entropy_grad_h", Category: CatGrad, MinArity: 4, Arity: 4, MaxArity: 5,
@@ -140,8 +136,8 @@ func linearCrossEntropy(attrs *Attrs, in []Type) (Type, error) {
 		return Type{}, Errorf(ErrShape, "linear_cross_entropy's W %v has a batch axis (%d): it must be shared by every row", w.Shape, w.BatchAxis)
 	}
 	if len(in) > 3 {
-		if s := in[3]; !s.DType.IsFloat() || len(s.Shape) != 0 {
-			return Type{}, Errorf(ErrShape, "linear_cross_entropy's scale must be a float scalar, got %s%v", s.DType, s.Shape)
+		if s := in[3]; s.DType != Float32 || len(s.Shape) != 0 {
+			return Type{}, Errorf(ErrShape, "linear_cross_entropy's scale must be a float32 scalar, got %s%v", s.DType, s.Shape)
 		}
 	}
 	if attrs.End < 0 || attrs.End > w.Shape[0] {
@@ -168,6 +164,30 @@ func LossChunkRows(a *Attrs, rows int) int {
 		t = DefaultLossChunk
 	}
 	return max(min(t, rows), 0)
+}
+
+// LossChunkPitch is the row pitch, in elements, of a logits chunk over
+// a W of v rows: v rounded up to a multiple of 8, so that every row of
+// 16-bit values starts on a 16-byte boundary (the GEMMs' and the row
+// kernels' vector loads); the columns past v are zero in a gradient.
+func LossChunkPitch(v int) int { return (v + 7) &^ 7 }
+
+// LossRowsOffset is the byte offset, in LossChunkWorkspace, of the rows'
+// float64 losses: past one logits chunk [T, LossChunkPitch(v)] in the
+// node's dtype (LossChunkDType), rounded up to 256 bytes.
+func LossRowsOffset(a *Attrs, rows, v int) int64 {
+	b := int64(LossChunkRows(a, rows)) * int64(LossChunkPitch(v)) * int64(LossChunkDType(a).Size())
+	return (b + 255) &^ 255
+}
+
+// LossChunkWorkspace is the scratch of a linear_cross_entropy node, or
+// of a gradient of one that computes its chunks itself, with attributes a
+// over h of rows rows (the full batch's: a fixed size, whatever the
+// planner's chunk) and a W of v rows, as both executors declare it: one
+// logits chunk from byte 0, the rows' float64 losses from
+// LossRowsOffset, then an int64 flag for a bad label.
+func LossChunkWorkspace(a *Attrs, rows, v int) int64 {
+	return LossRowsOffset(a, rows, v) + 8*int64(rows) + 8
 }
 
 // LossChunkDType is the dtype of a linear_cross_entropy node's h and W

@@ -27,10 +27,10 @@ var linearCrossEntropyKernels = family{
 	}, ws: lceWorkspace},
 }
 
-// lceWorkspace is one logits chunk, [T, V] in h's dtype, T the node's
-// chunk at most the rows of h at the full batch, whatever the chunk size
-// (graph.LossChunkRows: a fixed size, as the planner's workspaces are
-// affine in the chunk size), and none for a gradient that a
+// lceWorkspace is graph.LossChunkWorkspace, the CUDA kernels' (one
+// logits chunk in h's dtype, T the node's chunk at most the rows of h at
+// the full batch, whatever the chunk size: a fixed size, as the planner's
+// workspaces are affine in the chunk size), and none for a gradient that a
 // linear_cross_entropy or its _grad_h node computes in its pass on CUDA
 // (graph.LinearCrossEntropyGradProducer): the plan is the CUDA
 // executor's, and the CPU's kernels take their scratch from the host.
@@ -46,8 +46,7 @@ func lceWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
 		return 0
 	}
 	h, w := g.Node(nd.Inputs[k]).Type, g.Node(nd.Inputs[k+1]).Type
-	rows := graph.LossChunkRows(&nd.Attrs, h.Shape[0])
-	return int64(rows) * int64(w.Shape[0]) * int64(graph.LossChunkDType(&nd.Attrs).Size())
+	return graph.LossChunkWorkspace(&nd.Attrs, h.Shape[0], w.Shape[0])
 }
 
 // lceKernel runs the chunks of linear_cross_entropy over h [N, C], W
