@@ -172,22 +172,24 @@ func LossChunkRows(a *Attrs, rows int) int {
 // kernels' vector loads); the columns past v are zero in a gradient.
 func LossChunkPitch(v int) int { return (v + 7) &^ 7 }
 
-// LossRowsOffset is the byte offset, in LossChunkWorkspace, of the rows'
-// float64 losses: past one logits chunk [T, LossChunkPitch(v)] in the
-// node's dtype (LossChunkDType), rounded up to 256 bytes.
-func LossRowsOffset(a *Attrs, rows, v int) int64 {
-	b := int64(LossChunkRows(a, rows)) * int64(LossChunkPitch(v)) * int64(LossChunkDType(a).Size())
-	return (b + 255) &^ 255
-}
-
 // LossChunkWorkspace is the scratch of a linear_cross_entropy node, or
 // of a gradient of one that computes its chunks itself, with attributes a
-// over h of rows rows (the full batch's: a fixed size, whatever the
-// planner's chunk) and a W of v rows, as both executors declare it: one
-// logits chunk from byte 0, the rows' float64 losses from
-// LossRowsOffset, then an int64 flag for a bad label.
+// when rows rows of h (the chunk's) run over a W of v rows, as both
+// executors declare it: one logits chunk of t = LossChunkRows(a, rows)
+// rows, [t, LossChunkPitch(v)] in the node's dtype (LossChunkDType),
+// from byte 0; the chunk's rows' float64 losses from LossRowsOffset; then
+// a float64 sum of the losses and an int64 flag for a bad label. It grows
+// with the rows up to the chunk's and stays there: the planner declares
+// it as a bounded workspace (planner.WorkspaceBound).
 func LossChunkWorkspace(a *Attrs, rows, v int) int64 {
-	return LossRowsOffset(a, rows, v) + 8*int64(rows) + 8
+	t := int64(LossChunkRows(a, rows))
+	return t*(int64(LossChunkPitch(v))*int64(LossChunkDType(a).Size())+8) + 16
+}
+
+// LossRowsOffset is the byte offset in LossChunkWorkspace of the chunk's
+// rows' losses (the loss sum follows them, then the flag).
+func LossRowsOffset(a *Attrs, rows, v int) int64 {
+	return int64(LossChunkRows(a, rows)) * int64(LossChunkPitch(v)) * int64(LossChunkDType(a).Size())
 }
 
 // LossChunkDType is the dtype of a linear_cross_entropy node's h and W

@@ -7,6 +7,7 @@ import (
 
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
 )
 
 // Fused head and loss: linear_cross_entropy and its gradients, each over
@@ -28,13 +29,12 @@ var linearCrossEntropyKernels = family{
 }
 
 // lceWorkspace is graph.LossChunkWorkspace, the CUDA kernels' (one
-// logits chunk in h's dtype, T the node's chunk at most the rows of h at
-// the full batch, whatever the chunk size: a fixed size, as the planner's
-// workspaces are affine in the chunk size), and none for a gradient that a
+// logits chunk in h's dtype of at most the node's chunk of rows, a
+// bounded workspace: planner.WorkspaceBound), and none for a gradient that a
 // linear_cross_entropy or its _grad_h node computes in its pass on CUDA
 // (graph.LinearCrossEntropyGradProducer): the plan is the CUDA
 // executor's, and the CPU's kernels take their scratch from the host.
-func lceWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
+func lceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	if graph.LinearCrossEntropyGradProducer(g, nd.ID) >= 0 {
 		return 0
 	}
@@ -46,7 +46,11 @@ func lceWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
 		return 0
 	}
 	h, w := g.Node(nd.Inputs[k]).Type, g.Node(nd.Inputs[k+1]).Type
-	return graph.LossChunkWorkspace(&nd.Attrs, h.Shape[0], w.Shape[0])
+	rows := graph.LossChunkRows(&nd.Attrs, graph.MaxBytes) // one whole chunk, at planner.WorkspaceBound
+	if b != planner.WorkspaceBound {
+		rows = h.AtBatch(b)[0]
+	}
+	return graph.LossChunkWorkspace(&nd.Attrs, rows, w.Shape[0])
 }
 
 // lceKernel runs the chunks of linear_cross_entropy over h [N, C], W

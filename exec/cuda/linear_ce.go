@@ -6,6 +6,7 @@ import (
 
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/planner"
 )
 
 // Fused head and loss (kernels/loss.cu's linear_ce_rows_*, cuBLAS):
@@ -47,9 +48,10 @@ var linearCrossEntropyKernels = family{
 // gradients too (tests read it).
 var fusedLinearCEs atomic.Int64
 
-// lceWorkspace is graph.LossChunkWorkspace at the full batch's rows (a
-// fixed size), none for a gradient whose producer computes it.
-func lceWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
+// lceWorkspace is graph.LossChunkWorkspace at the chunk's rows, bounded
+// by the node's chunk of tokens (planner.WorkspaceBound), none for a
+// gradient whose producer computes it.
+func lceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
 	if graph.LinearCrossEntropyGradProducer(g, nd.ID) >= 0 {
 		return 0
 	}
@@ -61,7 +63,11 @@ func lceWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
 		return 0
 	}
 	h, w := g.Node(nd.Inputs[k]).Type, g.Node(nd.Inputs[k+1]).Type
-	return graph.LossChunkWorkspace(&nd.Attrs, h.Shape[0], w.Shape[0])
+	rows := graph.LossChunkRows(&nd.Attrs, graph.MaxBytes) // one whole chunk, at planner.WorkspaceBound
+	if b != planner.WorkspaceBound {
+		rows = h.AtBatch(b)[0]
+	}
+	return graph.LossChunkWorkspace(&nd.Attrs, rows, w.Shape[0])
 }
 
 // sameOperand reports whether a gradient's output o has x's dtype and
@@ -125,18 +131,15 @@ func (k *kctx) linearCE(h, w, labels operand, scale *operand, gp alloc.Ptr, seed
 	}
 	n, c, v := h.shape[0], h.shape[1], w.shape[0]
 	classes := graph.CrossEntropyClasses(a, v)
-	full := k.g.Node(k.nd.Inputs[labelsIn-2]).Type.Shape[0] // h's rows at the full batch: the workspace's
-	if n > full {
-		return graph.Errorf(graph.ErrShape, "linear_cross_entropy of %d rows, more than the full batch's %d", n, full)
-	}
 	ld := graph.LossChunkPitch(v)
-	off := graph.LossRowsOffset(a, full, v)
-	base, err := k.workspace(graph.LossChunkWorkspace(a, full, v))
+	off := graph.LossRowsOffset(a, n, v)
+	t := graph.LossChunkRows(a, n)
+	base, err := k.workspace(graph.LossChunkWorkspace(a, n, v))
 	if err != nil {
 		return err
 	}
-	rowLoss := base + alloc.Ptr(off)
-	bad, err := k.badFlag(off + 8*int64(full))
+	rowLoss, acc := base+alloc.Ptr(off), base+alloc.Ptr(off+8*int64(t))
+	bad, err := k.badFlag(off + 8*int64(t) + 8)
 	if err != nil {
 		return err
 	}
@@ -149,7 +152,6 @@ func (k *kctx) linearCE(h, w, labels operand, scale *operand, gp alloc.Ptr, seed
 	if gp == 0 {
 		s0 *= seed
 	}
-	t := graph.LossChunkRows(a, full)
 	block := ceBlock(int64(classes))
 	for t0 := 0; t0 < n; t0 += t {
 		rows := min(t, n-t0)
@@ -159,6 +161,9 @@ func (k *kctx) linearCE(h, w, labels operand, scale *operand, gp alloc.Ptr, seed
 		}
 		if err := k.launch(typed(kLinearCERows, dt), rowGrid(int64(rows), block, 1), block, base, labels.p, rowLoss, gp, sp,
 			int64(t0), int64(rows), int64(classes), int64(ld), s0, boolInt(grads), bad); err != nil {
+			return err
+		}
+		if err := k.launch(kLinearCEAcc, [3]uint32{1, 1, 1}, [3]uint32{1024, 1, 1}, rowLoss, acc, int64(rows), boolInt(t0 == 0)); err != nil {
 			return err
 		}
 		if dh != nil {
@@ -177,7 +182,7 @@ func (k *kctx) linearCE(h, w, labels operand, scale *operand, gp alloc.Ptr, seed
 		}
 	}
 	if loss != nil {
-		if err := k.sumF64(graph.Float32, rowLoss, loss.p, int64(n), a.Scalar); err != nil {
+		if err := k.sumF64(graph.Float32, acc, loss.p, 1, a.Scalar); err != nil {
 			return err
 		}
 	}
