@@ -26,11 +26,11 @@ import "slices"
 //   - the logits (and the reshape of them) feed nothing but the loss: a
 //     node read only by nodes that no output needs does not count.
 //
-// Nodes are copied in order, and the matched product, reshape and
-// cross_entropy stay in the graph read by nothing (ids of them still name
-// their values, as precision.Apply leaves a padded head's slice); the
-// fused op takes the loss's place: ids[loss] is it. ids[i] is old node i's
-// id in the new graph.
+// Nodes are copied in order, and the matched product and reshape (and the
+// cross_entropy, when a mul was the loss) stay in the graph read by
+// nothing (ids of them still name their values, as precision.Apply leaves
+// a padded head's slice); the fused op takes the loss's place: ids[loss]
+// is it. ids[i] is old node i's id in the new graph.
 func FuseLinearCrossEntropy(g *Graph, outputs []int) (*Graph, []int, error) {
 	n := g.Len()
 	for i := range n {
