@@ -1802,6 +1802,9 @@ func (s *Session) differentiate(loss *lazy.Tensor, wrt []int, scale *tensor.Dens
 		}
 		st = &precision.Step{Graph: g, Loss: lossID, Params: held, Grads: grads,
 			Scale: -1, Scaled: lossID, IDs: ids}
+		if err := st.FuseEmbeddingGrads(); err != nil {
+			return nil, err
+		}
 	} else {
 		o := precision.TrainOptions{ChannelsLast: channelsLast, NoFusedLoss: s.opts.NoFusedLoss}
 		if scale != nil {

@@ -84,7 +84,7 @@ func (s *Step) rebind(ng *graph.Graph, ids []int) {
 }
 
 // fuse runs a backward-pass fusion (graph.FuseGeluGrad,
-// graph.FuseLayerNormGradAdd) on s's graph, the step's loss, scaled loss
+// graph.FuseLayerNormGradAdd, graph.FuseEmbeddingGradAdd) on s's graph, the step's loss, scaled loss
 // and gradients kept as outputs.
 func (s *Step) fuse(pass func(*graph.Graph, []int) (*graph.Graph, []int, error)) error {
 	outs := append([]int{s.Loss, s.Scaled, s.Scale}, s.Grads...)

@@ -18,12 +18,14 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// withFusion builds st's step with the padded-loss fusion on or off.
+// withFusion builds st's step with the padded-loss fusion on or off, the
+// head and loss as two ops (TrainOptions.NoFusedLoss: the fusion is of
+// them).
 func withFusion(t *testing.T, on bool, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
 	prev := precision.SetFusePaddedLoss(on)
 	defer precision.SetFusePaddedLoss(prev)
-	st, err := precision.Train(fwd, precision.BF16Mixed, loss, wrt)
+	st, err := precision.TrainWith(fwd, precision.BF16Mixed, loss, wrt, precision.TrainOptions{NoFusedLoss: true})
 	require.NoError(t, err)
 	return st
 }

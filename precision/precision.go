@@ -603,8 +603,17 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 			return nil, err
 		}
 	}
+	if err := s.FuseEmbeddingGrads(); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
+
+// FuseEmbeddingGrads runs graph.FuseEmbeddingGradAdd on s: a tied
+// embedding's gradient scatter-adds onto the head's, with no [V, D]
+// value of its own. TrainWith runs it; so does a Session's float32 step,
+// which it does not build.
+func (s *Step) FuseEmbeddingGrads() error { return s.fuse(graph.FuseEmbeddingGradAdd) }
 
 // scale appends the loss scale constant with data t and the scaled loss.
 func (s *Step) scale(t tensor.Tensor) error {

@@ -42,6 +42,10 @@ type Case struct {
 	// autodiff, as every training step does, so its backward pass holds
 	// layer_norm_grad_x_add.
 	FuseLayerNormGrad bool
+	// FuseEmbeddingGrad runs graph.FuseEmbeddingGradAdd on the graph after
+	// autodiff, as every training step does, so a tied embedding's
+	// gradient is an embedding_grad onto the other one.
+	FuseEmbeddingGrad bool
 	Fn                func(p []*lazy.Tensor) *lazy.Tensor
 }
 
@@ -195,6 +199,12 @@ var Cases = []Case{
 	}},
 	{Name: "embedding", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return lazy.Const(i64([]int{2, 3}, 4, 0, 4, 1, 1, 3)).Embedding(p[0])
+	}},
+	// A tied embedding: W [6, 3] embeds indices and is the head's weight;
+	// its gradient is embedding_grad onto the heads' (FuseEmbeddingGrad).
+	{Name: "embedding_tied", Shapes: [][]int{{4, 3}, {6, 3}}, FuseEmbeddingGrad: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		e := lazy.Const(i64([]int{4}, 5, 0, 5, 2)).Embedding(p[1])
+		return p[0].Linear(p[1], nil).Add(e.Tanh().Linear(p[1], nil))
 	}},
 	{Name: "conv2d", Shapes: [][]int{{2, 4, 6, 5}, {6, 2, 3, 2}, {6}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Stride: [2]int{2, 1}, Padding: [2]int{1, 1}, Dilation: [2]int{1, 2}, Groups: 2})
@@ -413,6 +423,11 @@ func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 	}
 	if c.FuseLayerNormGrad {
 		if err := b.rewrite(graph.FuseLayerNormGradAdd); err != nil {
+			return nil, err
+		}
+	}
+	if c.FuseEmbeddingGrad {
+		if err := b.rewrite(graph.FuseEmbeddingGradAdd); err != nil {
 			return nil, err
 		}
 	}

@@ -4,11 +4,15 @@ import (
 	"math"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/half"
 )
 
 // Fused head and loss: linear_cross_entropy and its gradients, computed
 // as written (the whole [N, V] logits in float64, no chunks), the
-// independent reference for the executors' chunked kernels.
+// independent reference for the executors' chunked kernels. Where the op's
+// dtype (graph.LossChunkDType) is 16-bit, the logits and their gradient
+// round to it, as the values of the linear and cross_entropy_grad nodes
+// the op stands for do (roundTo).
 var linearCrossEntropyKernels = family{
 	graph.OpLinearCrossEntropy: func(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error {
 		l, err := lceRows(in[0], in[1], in[2], a, nil)
@@ -55,7 +59,7 @@ func lceRows(h, w, labels Value, a *graph.Attrs, each func(r, k int, p []float64
 			for i, x := range hr {
 				s += x * w.Data[j*c+i]
 			}
-			l[j] = s
+			l[j] = roundOne(graph.LossChunkDType(a), s)
 		}
 		lse := logSumExp(l)
 		total += lse - l[k]
@@ -79,7 +83,7 @@ func lceGrad(dh, dw Value, in []Value, a *graph.Attrs) error {
 	_, err := lceRows(h, w, labels, a, func(r, k int, p []float64) {
 		p[k]--
 		for j, pj := range p {
-			d := s * pj
+			d := roundOne(graph.LossChunkDType(a), s*pj)
 			for i := range c {
 				if dh.Data != nil {
 					dh.Data[r*c+i] += d * w.Data[j*c+i]
@@ -91,4 +95,15 @@ func lceGrad(dh, dw Value, in []Value, a *graph.Attrs) error {
 		}
 	})
 	return err
+}
+
+// roundOne rounds x through float32 to dt where dt is 16-bit.
+func roundOne(dt graph.DType, x float64) float64 {
+	switch dt {
+	case graph.BFloat16:
+		return float64(half.RoundBF16(float32(x)))
+	case graph.Float16:
+		return float64(half.RoundF16(float32(x)))
+	}
+	return x
 }
