@@ -492,6 +492,10 @@ type TrainOptions struct {
 	// before the backward pass, and the [N, V] logits and their gradient
 	// are never stored.
 	NoFusedLoss bool
+	// LossChunk is the fused loss's tokens per logits chunk
+	// (graph.Attrs.LossChunk; 0: graph.DefaultLossChunk, which a Session
+	// replaces by its planner's choice).
+	LossChunk int
 }
 
 // FuseLoss runs graph.FuseLinearCrossEntropy on g for the loss node and
@@ -571,6 +575,11 @@ func TrainWith(g *graph.Graph, p Policy, loss int, params []int, o TrainOptions)
 	if !o.NoFusedLoss {
 		if ng, ids, err = FuseLoss(ng, ids, ids[loss]); err != nil {
 			return nil, err
+		}
+		if o.LossChunk > 0 {
+			if ng, err = graph.WithLossChunk(ng, o.LossChunk); err != nil {
+				return nil, err
+			}
 		}
 	}
 	s := &Step{Graph: ng, Loss: ids[loss], Params: make([]int, len(params)), Scale: -1, Scaled: ids[loss], IDs: ids}
