@@ -2,8 +2,9 @@ package graph
 
 import "slices"
 
-// FuseLinearCrossEntropy is a graph pass over a forward graph (before
-// autodiff; a graph holding gradient ops is refused, ErrAttr): it rewrites
+// FuseLinearCrossEntropy is a graph pass over a forward graph, before
+// autodiff appends the step's backward pass (gradient ops a caller's
+// lazy.Grad left in it are copied like any node): it rewrites
 // a language model's head and loss, a cross_entropy of logits made by
 //
 //	linear(h, W) (no bias), matmul(h, W) with TransB, or matmul(h, permute(W, [1, 0])),
@@ -33,12 +34,6 @@ import "slices"
 // is it. ids[i] is old node i's id in the new graph.
 func FuseLinearCrossEntropy(g *Graph, outputs []int) (*Graph, []int, error) {
 	n := g.Len()
-	for i := range n {
-		if g.Node(i).Op.Category() == CatGrad {
-			return nil, nil, &OpError{Op: "fuse linear_cross_entropy", Site: g.Node(i).Site,
-				Err: Errorf(ErrAttr, "node %d is a gradient op (%s): fuse the forward graph, before autodiff", i, g.Node(i).Op)}
-		}
-	}
 	// live[i]: some output needs node i. users[i]: node i's live readers,
 	// once per input naming it, −1 once per time outputs name it.
 	live := make([]bool, n)

@@ -156,7 +156,9 @@ func TestSubcommandErrors(t *testing.T) {
 
 // gpt2Plan builds GPT-2 small's training step at batch b, seq 1024, the
 // way the library's users would, and plans it within budget with AdamW's
-// state: the independent route to the numbers the CLI prints.
+// state: the independent route to the numbers the CLI prints with
+// --no-fused-loss (a Session's step: the tied embedding's gradient onto
+// the head's, graph.FuseEmbeddingGradAdd).
 func gpt2Plan(t *testing.T, b int, budget int64) (*planner.Program, *planner.Plan, error) {
 	t.Helper()
 	return gpt2PlanWith(t, b, budget, cpu.Workspace)
@@ -177,7 +179,14 @@ func gpt2PlanWith(t *testing.T, b int, budget int64, ws planner.WorkspaceFunc) (
 		outs = append(outs, gr.ID())
 		trained = append(trained, loss.Graph().NodeOf(params[i]))
 	}
-	g := loss.Graph().IR()
+	g, ids, err := graph.FuseEmbeddingGradAdd(loss.Graph().IR(), outs)
+	require.NoError(t, err)
+	for i := range outs {
+		outs[i] = ids[outs[i]]
+	}
+	for i := range trained {
+		trained[i] = ids[trained[i]]
+	}
 	info, err := shapeinfer.Analyze(g, outs...)
 	require.NoError(t, err)
 	p, err := planner.Compile(g, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
