@@ -1538,6 +1538,13 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if lc, err := s.lossChunked(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale); err != nil {
 		return nil, err
 	} else if lc != ir {
+		if tmpl != nil {
+			// The template's later steps run the chosen chunk as built: no
+			// copy of the graph a step.
+			if err := s.rechunkTemplate(tmpl, lc); err != nil {
+				return nil, err
+			}
+		}
 		ir, tmpl = lc, nil
 	}
 	prog, re, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
@@ -1593,6 +1600,22 @@ func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids
 		s.mu.Unlock()
 	}
 	return graph.WithLossChunk(g, c)
+}
+
+// rechunkTemplate gives template t's step graph the fused loss's token
+// chunk of lc, a step graph of t with it (graph.WithLossChunk keeps every
+// node's id, so t's ids, sources and seeds stay valid): its signature,
+// and no instance or program of the old chunk.
+func (s *Session) rechunkTemplate(t *stepTemplate, lc *graph.Graph) error {
+	c, _, _, _, _ := graph.LossChunkOf(lc)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	g, err := graph.WithLossChunk(t.st.Graph, c)
+	if err != nil || g == t.st.Graph {
+		return err
+	}
+	t.st.Graph, t.sig, t.inst, t.prog = g, g.Signature(), nil, nil
+	return nil
 }
 
 // distinctParams is distinctParams of params, and with claim claims them
