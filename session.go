@@ -1560,6 +1560,10 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if !unscale {
 		scale = 0
 	}
+	var tmplPasses []compile.Report // the template's pass reports, kept when the chunk choice drops tmpl
+	if tmpl != nil {
+		tmplPasses = tmpl.passes
+	}
 	if lc, err := s.lossChunked(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale); err != nil {
 		return nil, err
 	} else if lc != ir {
@@ -1578,7 +1582,7 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	}
 	var passes []compile.Report // a plan's (StepPlan.Passes); a step needs none
 	if !runnable {
-		passes = append(slices.Clip(tmpl.passes), rr)
+		passes = append(slices.Clip(tmplPasses), rr)
 	}
 	return &compiledStep{prog: prog, re: re, passes: passes, ids: ids, first: first, updates: updates, trained: trained, g: ir,
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
