@@ -454,7 +454,8 @@ func TestBatchNormDefaultRefusesChunks(t *testing.T) {
 	for i, p := range params {
 		before[i] = slices.Clone(f32sOf(p.Value()))
 	}
-	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: whole.PeakReserved / 2})
+	// NoFusedLoss: the step stepProgram planned, the head and loss unfused.
+	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: whole.PeakReserved / 2, NoFusedLoss: true})
 	_, err = sess.Step(context.Background(), loss, params, optim.NewSGD(0.1, 0))
 	require.ErrorIs(t, err, planner.ErrDoesNotFit)
 	require.ErrorIs(t, err, graph.ErrNotChunkable)

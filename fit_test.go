@@ -89,7 +89,8 @@ func TestPlannedPeaksAreMeasured(t *testing.T) {
 				t.Run(fmt.Sprintf("%s/N=%d/chunks=%d", name, n, k), func(t *testing.T) {
 					t.Parallel()
 					m, rng := c.model(false), rand.New(rand.NewPCG(uint64(n), uint64(k)))
-					sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget})
+					// The program's graph is the unfused step's (StepProgram).
+					sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budget, NoFusedLoss: true})
 					opt := optim.NewAdam(1e-3)
 					var calls [steps][3]int64 // device allocations, frees and retries after each step
 					for step := range steps {

@@ -166,7 +166,7 @@ func TestLlamaPlannedPeaksAreMeasured(t *testing.T) {
 			for _, k := range slices.Compact([]int{ks[0], ks[1], ks[len(ks)-1]}) {
 				m := models.NewLlama(nn.Seed(1), cfg)
 				rng := rand.New(rand.NewPCG(2, uint64(k)))
-				sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[k], Precision: string(prec)})
+				sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: budgets[k], Precision: string(prec), NoFusedLoss: true})
 				require.NoError(t, sess.Err())
 				opt := optim.NewAdamW(1e-3)
 				for step := range 2 {

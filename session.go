@@ -144,6 +144,20 @@ type Options struct {
 	// HostPinned what the executor holds. An unknown mode or another
 	// policy makes the session hold an error wrapping ErrOffload.
 	Offload Offload
+	// NoFusedLoss keeps a language model's head and loss as built (the
+	// same as naming "fuse-linear-cross-entropy" in DisablePasses). By
+	// default a training step runs a linear (or a tied embedding's
+	// transposed product) whose logits only a cross_entropy at the loss
+	// reads as one linear_cross_entropy (graph.FuseLinearCrossEntropy):
+	// the [N, V] logits and their gradient are never stored, only one
+	// chunk of LossChunk tokens' logits at a time, and with a constant
+	// seed (no loss scaling) the forward pass gives both gradients.
+	NoFusedLoss bool
+	// LossChunk is the tokens per logits chunk of a fused loss (0: the
+	// planner's choice, planner.ChooseLossChunk: the largest power of two
+	// from graph.MaxLossChunk down whose plan fits the budget with the
+	// fewest batch chunks). LastPlan().LossChunk reports the one planned.
+	LossChunk int
 	// DisablePasses names graph passes of the pipeline (package compile:
 	// compile.Names) that the session's steps skip, to compare a step
 	// with and without one; "recompute" turns Recompute off. A name that
@@ -197,9 +211,12 @@ type Session struct {
 	lastProg *planner.Program
 	usage    planner.Usage
 	chosen   lru.Cache[chosenKey, chosen] // recompute choices by step and budget
-	steps    lru.Cache[stepKey, *stepTemplate]
-	stepHits int
-	lastRe   Recomputed
+	// lossChunks are the fused loss's token chunks chosen
+	// (planner.ChooseLossChunk) by step and budget; guarded by mu.
+	lossChunks lru.Cache[chosenKey, int]
+	steps      lru.Cache[stepKey, *stepTemplate]
+	stepHits   int
+	lastRe     Recomputed
 	// latest is the template of the latest training step: a steady loop's
 	// next forward graph is compared with its forward graph, field by
 	// field, instead of being hashed.
@@ -528,9 +545,12 @@ func NewSession(opts Options) *Session {
 	if opts.NoPointwiseFusion && !slices.Contains(opts.DisablePasses, compile.FusePointwise) {
 		opts.DisablePasses = append(slices.Clip(opts.DisablePasses), compile.FusePointwise)
 	}
+	if opts.NoFusedLoss && !slices.Contains(opts.DisablePasses, compile.FuseLinearCrossEntropy) {
+		opts.DisablePasses = append(slices.Clip(opts.DisablePasses), compile.FuseLinearCrossEntropy)
+	}
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
-		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize},
-		steps:  lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
+		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}, lossChunks: lru.Cache[chosenKey, int]{Max: planner.CacheSize},
+		steps: lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
 	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
 		s.err = fmt.Errorf("Options.Precision: %w", s.err)
@@ -1568,16 +1588,95 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if !unscale {
 		scale = 0
 	}
+	var tmplPasses []compile.Report // the template's pass reports, kept when the chunk choice drops tmpl
+	if tmpl != nil {
+		tmplPasses = tmpl.passes
+	}
+	if lc, err := s.lossChunked(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale); err != nil {
+		return nil, err
+	} else if lc != ir {
+		if tmpl != nil {
+			// The template's later steps run the chosen chunk as built: no
+			// copy of the graph a step.
+			if err := s.rechunkTemplate(tmpl, lc); err != nil {
+				return nil, err
+			}
+		}
+		ir, tmpl = lc, nil
+	}
 	prog, re, rr, err := s.recomputed(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale, !runnable)
 	if err != nil {
 		return nil, err
 	}
 	var passes []compile.Report // a plan's (StepPlan.Passes); a step needs none
 	if !runnable {
-		passes = append(slices.Clip(tmpl.passes), rr)
+		passes = append(slices.Clip(tmplPasses), rr)
 	}
 	return &compiledStep{prog: prog, re: re, passes: passes, ids: ids, first: first, updates: updates, trained: trained, g: ir,
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
+}
+
+// lossChunked is step graph g with its fused loss's token chunk set
+// (graph.WithLossChunk): Options.LossChunk, or planner.ChooseLossChunk's
+// choice within the current budget, each candidate planned as the step
+// runs (recompute choice included), and cached by step and budget. g
+// itself when it has no fused loss or holds the chunk already.
+func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool) (*graph.Graph, error) {
+	_, rows, _, _, ok := graph.LossChunkOf(g)
+	if !ok {
+		return g, nil
+	}
+	if s.opts.LossChunk > 0 {
+		return graph.WithLossChunk(g, s.opts.LossChunk)
+	}
+	budget, err := s.budget()
+	if err != nil {
+		return nil, err
+	}
+	held := s.be.Held()
+	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
+		budget: budget, held: fmt.Sprint(held)}
+	s.mu.Lock()
+	c, hit := s.lossChunks.Get(key)
+	s.mu.Unlock()
+	if !hit {
+		// A step over the whole batch plans it; chunks of it hold fewer rows.
+		c, _, err = planner.ChooseLossChunk(rows, budget >= planner.Unlimited, func(c int) (*planner.Plan, error) {
+			gc, err := graph.WithLossChunk(g, c)
+			if err != nil {
+				return nil, err
+			}
+			p, _, _, err := s.recomputed(gc, nil, boundary, ids, trained, slots, unscale, false)
+			if err != nil {
+				return nil, err
+			}
+			return s.planNext(p)
+		})
+		var dnf *planner.DoesNotFitError
+		if err != nil && !errors.As(err, &dnf) {
+			return nil, err
+		}
+		s.mu.Lock()
+		s.lossChunks.Put(key, c)
+		s.mu.Unlock()
+	}
+	return graph.WithLossChunk(g, c)
+}
+
+// rechunkTemplate gives template t's step graph the fused loss's token
+// chunk of lc, a step graph of t with it (graph.WithLossChunk keeps every
+// node's id, so t's ids, sources and seeds stay valid): its signature,
+// and no instance or program of the old chunk.
+func (s *Session) rechunkTemplate(t *stepTemplate, lc *graph.Graph) error {
+	c, _, _, _, _ := graph.LossChunkOf(lc)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	g, err := graph.WithLossChunk(t.st.Graph, c)
+	if err != nil || g == t.st.Graph {
+		return err
+	}
+	t.st.Graph, t.sig, t.inst, t.prog = g, g.Signature(), nil, nil
+	return nil
 }
 
 // distinctParams is distinctParams of params, and with claim claims them

@@ -128,6 +128,11 @@ const Recompute = "recompute"
 // leaves out.
 const FusePointwise = "fuse-pointwise"
 
+// FuseLinearCrossEntropy is the name of the fused head and loss pass
+// (graph.FuseLinearCrossEntropy), which Options.NoFusedLoss of a Session
+// leaves out.
+const FuseLinearCrossEntropy = "fuse-linear-cross-entropy"
+
 // Options are what decides which passes a step runs.
 type Options struct {
 	// Policy is the precision policy ("" is fp32).
@@ -155,6 +160,10 @@ type Options struct {
 	// "offload-params" pass): an offloaded optimizer's device copies
 	// (batchfit.Options.Offload), whose float32 masters are on the host.
 	OffloadParams bool
+	// LossChunk is the fused loss's tokens per logits chunk
+	// (graph.Attrs.LossChunk; 0: graph.DefaultLossChunk, which a Session
+	// replaces by its planner's choice, planner.ChooseLossChunk).
+	LossChunk int
 	// NoMeasure leaves the reports' byte counts zero (Report.Measured
 	// false): Session.Eval sets it, as it runs the passes on every call.
 	NoMeasure bool

@@ -19,6 +19,9 @@
 //     policy's dtypes, autocast's semantics (precision.Apply).
 //   - channels-last (forward; training, Options.ChannelsLast): conv nets'
 //     activations NHWC (layout.ChannelsLast).
+//   - fuse-linear-cross-entropy (forward; training, always):
+//     graph.FuseLinearCrossEntropy, the head and loss over token chunks
+//     (Options.LossChunk tokens each).
 //   - loss-scale (backward; training, Options.LossScale): the scaled loss
 //     the backward pass starts from (precision.Step.ScaleLoss).
 //   - autodiff (backward; training, always, required): the gradients
@@ -29,6 +32,9 @@
 //     graph.FuseGeluGrad.
 //   - fuse-layer-norm-grad-add (backward; training, a rewritten step):
 //     graph.FuseLayerNormGradAdd.
+//   - fuse-embedding-grad-add (backward; training, always):
+//     graph.FuseEmbeddingGradAdd, a tied embedding's gradient added in
+//     its scatter.
 //   - fuse-pointwise (backward; training, always): graph.FusePointwise,
 //     chains of elementwise ops as one generated kernel each.
 //   - recompute (program; training, a recompute set chosen when the step

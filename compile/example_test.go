@@ -43,11 +43,13 @@ func ExampleTrain() {
 	// fuse-attention-qkv          8 →  8 nodes,  1156 →  1156 bytes
 	// autocast                    8 → 11 nodes,  1156 →  2244 bytes
 	// channels-last              skipped: needs Options.ChannelsLast
+	// fuse-linear-cross-entropy  11 → 11 nodes,  2244 →  2180 bytes
 	// loss-scale                 skipped: needs Options.LossScale (fp16-mixed's dynamic loss scaling)
-	// autodiff                   11 → 19 nodes,  2244 →  7432 bytes
-	// fold-casts                 19 → 17 nodes,  7432 →  5896 bytes
-	// fuse-gelu-grad             17 → 16 nodes,  5896 →  5640 bytes
-	// fuse-layer-norm-grad-add   16 → 16 nodes,  5640 →  5640 bytes
-	// fuse-pointwise             16 → 16 nodes,  5640 →  5640 bytes
-	// compile: unknown pass "fuse-all" (passes: offload-params, fuse-attention-qkv, autocast, channels-last, loss-scale, autodiff, fold-casts, fuse-gelu-grad, fuse-layer-norm-grad-add, fuse-pointwise, recompute)
+	// autodiff                   11 → 18 nodes,  2180 →  7304 bytes
+	// fold-casts                 18 → 17 nodes,  7304 →  6280 bytes
+	// fuse-gelu-grad             17 → 17 nodes,  6280 →  6280 bytes
+	// fuse-layer-norm-grad-add   17 → 17 nodes,  6280 →  6280 bytes
+	// fuse-embedding-grad-add    17 → 17 nodes,  6280 →  6280 bytes
+	// fuse-pointwise             17 → 17 nodes,  6280 →  6280 bytes
+	// compile: unknown pass "fuse-all" (passes: offload-params, fuse-attention-qkv, autocast, channels-last, fuse-linear-cross-entropy, loss-scale, autodiff, fold-casts, fuse-gelu-grad, fuse-layer-norm-grad-add, fuse-embedding-grad-add, fuse-pointwise, recompute)
 }

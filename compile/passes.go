@@ -24,6 +24,8 @@ var table = []Pass{
 		Doc: "the policy's dtypes, autocast's semantics: 16-bit GEMMs, float32 norms and losses (precision.Apply)"},
 	{Name: "channels-last", Stage: Forward, Modes: TrainStep, When: channelsLast, run: forward(layout.ChannelsLast),
 		Doc: "conv nets' 4-D activations stored NHWC from their bfloat16 convolutions on (layout.ChannelsLast)"},
+	{Name: FuseLinearCrossEntropy, Stage: Forward, Modes: TrainStep, When: always, run: fuseLoss,
+		Doc: "a linear (or a tied embedding's product) whose logits only the loss's cross_entropy reads is one linear_cross_entropy over token chunks: no [N, V] logits or gradient (graph.FuseLinearCrossEntropy)"},
 	{Name: "loss-scale", Stage: Backward, Modes: TrainStep, When: lossScaled, run: lossScale,
 		Doc: "the loss times the scale constant, where the backward pass starts (precision.Step.ScaleLoss)"},
 	{Name: "autodiff", Stage: Backward, Modes: TrainStep, When: always, Required: true, run: differentiate,
@@ -34,6 +36,8 @@ var table = []Pass{
 		Doc: "the product reaching a GELU and its derivative are one matmul_gelu_grad (graph.FuseGeluGrad)"},
 	{Name: "fuse-layer-norm-grad-add", Stage: Backward, Modes: TrainStep, When: rewritten, run: backward(graph.FuseLayerNormGradAdd),
 		Doc: "a layer norm's input gradient and the residual stream's add are one layer_norm_grad_x_add (graph.FuseLayerNormGradAdd)"},
+	{Name: "fuse-embedding-grad-add", Stage: Backward, Modes: TrainStep, When: always, run: backward(graph.FuseEmbeddingGradAdd),
+		Doc: "a tied embedding's gradient scatter-adds onto the head's, with no [V, D] value of its own (graph.FuseEmbeddingGradAdd)"},
 	{Name: FusePointwise, Stage: Backward, Modes: TrainStep, When: always, run: backward(graph.FusePointwise),
 		Doc: "connected chains of elementwise, broadcast, cast and row-reduction ops, forward and backward, are one fused_pointwise node each, its kernel generated (graph.FusePointwise)"},
 	{Name: Recompute, Stage: Program, Modes: TrainStep, When: recomputing,
@@ -108,6 +112,26 @@ func autocast(s *state) error {
 	ng, ids, err := precision.Apply(s.g, s.o.policy())
 	if err != nil {
 		return err
+	}
+	s.rebind(ng, ids)
+	return nil
+}
+
+// fuseLoss fuses the step's head and loss (graph.FuseLinearCrossEntropy),
+// with Options.LossChunk tokens a chunk when it is set.
+func fuseLoss(s *state) error {
+	loss := s.ids[s.loss]
+	if loss < 0 {
+		return nil // fused into another node already: no cross_entropy to rewrite
+	}
+	ng, ids, err := graph.FuseLinearCrossEntropy(s.g, []int{loss})
+	if err != nil {
+		return err
+	}
+	if s.o.LossChunk > 0 {
+		if ng, err = graph.WithLossChunk(ng, s.o.LossChunk); err != nil {
+			return err
+		}
 	}
 	s.rebind(ng, ids)
 	return nil

@@ -16,7 +16,9 @@ import "slices"
 // (BatchNormBiasGradProducer), another output of a fused_pointwise's
 // expression and the node giving its first (FusedPointwiseProducer), a
 // cross_entropy_grad's cross_entropy when
-// its seed is constant (CrossEntropyGradProducer), a tanh-form gelu's
+// its seed is constant (CrossEntropyGradProducer), a
+// linear_cross_entropy's gradients and the linear_cross_entropy (or
+// _grad_w and _grad_h) (LinearCrossEntropyGradProducer), a tanh-form gelu's
 // linear (GeluProducer), a layer norm's or an rms_norm's feeding float32
 // add (AddLayerNormProducer, AddRMSNormProducer), a swiglu's up gradient
 // and its gate gradient (SwiGLUGradProducer), or a 16-bit cast's layer
@@ -55,6 +57,8 @@ func CompanionProducer(g *Graph, m int) int {
 		return BatchNormBiasGradProducer(g, m)
 	case OpCrossEntropyGrad:
 		return CrossEntropyGradProducer(g, m)
+	case OpLinearCrossEntropyGradH, OpLinearCrossEntropyGradW:
+		return LinearCrossEntropyGradProducer(g, m)
 	case OpGelu:
 		return GeluProducer(g, m)
 	case OpLayerNorm:

@@ -10,26 +10,26 @@ const (
 	// gradient g. Ops whose output shape cannot be derived from their inputs
 	// take it from Attrs.Target (shape, dtype and batch axis of the value the
 	// gradient is for).
-	OpReluGrad          Op = endLossOps + iota // g, y: g where y > 0 (y is relu's output, as PyTorch saves)
-	OpGeluGrad                                 // g, x; Approx
-	OpMaximumGrad                              // g, a, b; Axis 0 → gradient for a, 1 → for b; ties split evenly
-	OpMaximumScalarGrad                        // g, x; Scalar; ties get half
-	OpExpand                                   // g broadcast to Attrs.Target (backward of reductions)
-	OpMaxGrad                                  // g, x, y; Axes, KeepDim: g shared evenly among tied maxima
-	OpSoftmaxGrad                              // g, y; Axis: y·(g − Σ g·y)
-	OpLogSoftmaxGrad                           // g, y; Axis: g − exp(y)·Σ g
-	OpLayerNormGradX                           // g, x[, w]; NormDims, Eps
-	OpLayerNormGradW                           // g, x; NormDims, Eps: Σ over leading axes of g·x̂
-	OpBatchNormGradX                           // g, x[, w]; Eps, PerChunk; Training only: the batch-statistics backward of x
-	OpBatchNormGradW                           // g, x[, running_mean, running_var]; Training, PerChunk, Eps: Σ over all axes but 1 of g·x̂
-	OpSliceGrad                                // g; Axis, Start, End, Step, Target: g scattered into zeros
-	OpEmbeddingGrad                            // g, indices; Target [V, D]: rows scatter-added
-	OpConv2dGradInput                          // g, w; conv attrs, Target = input type
-	OpConv2dGradWeight                         // g, x; conv attrs, Target = weight type
-	OpMaxPool2dGrad                            // g, x; pool attrs: g routed to the first maximum of each window
-	OpAvgPool2dGrad                            // g; pool attrs, Target = input type
-	OpCrossEntropyGrad                         // g, logits, labels; Scalar, End: g·Scalar·(softmax − onehot), 0 past End
-	OpMSEGrad                                  // g, pred, target; Scalar: g·Scalar·2·(pred − target)
+	OpReluGrad          Op = endLinearCrossEntropyOps + iota // g, y: g where y > 0 (y is relu's output, as PyTorch saves)
+	OpGeluGrad                                               // g, x; Approx
+	OpMaximumGrad                                            // g, a, b; Axis 0 → gradient for a, 1 → for b; ties split evenly
+	OpMaximumScalarGrad                                      // g, x; Scalar; ties get half
+	OpExpand                                                 // g broadcast to Attrs.Target (backward of reductions)
+	OpMaxGrad                                                // g, x, y; Axes, KeepDim: g shared evenly among tied maxima
+	OpSoftmaxGrad                                            // g, y; Axis: y·(g − Σ g·y)
+	OpLogSoftmaxGrad                                         // g, y; Axis: g − exp(y)·Σ g
+	OpLayerNormGradX                                         // g, x[, w]; NormDims, Eps
+	OpLayerNormGradW                                         // g, x; NormDims, Eps: Σ over leading axes of g·x̂
+	OpBatchNormGradX                                         // g, x[, w]; Eps, PerChunk; Training only: the batch-statistics backward of x
+	OpBatchNormGradW                                         // g, x[, running_mean, running_var]; Training, PerChunk, Eps: Σ over all axes but 1 of g·x̂
+	OpSliceGrad                                              // g; Axis, Start, End, Step, Target: g scattered into zeros
+	OpEmbeddingGrad                                          // g, indices[, r]; Target [V, D]: rows scatter-added (onto r, FuseEmbeddingGradAdd)
+	OpConv2dGradInput                                        // g, w; conv attrs, Target = input type
+	OpConv2dGradWeight                                       // g, x; conv attrs, Target = weight type
+	OpMaxPool2dGrad                                          // g, x; pool attrs: g routed to the first maximum of each window
+	OpAvgPool2dGrad                                          // g; pool attrs, Target = input type
+	OpCrossEntropyGrad                                       // g, logits, labels; Scalar, End: g·Scalar·(softmax − onehot), 0 past End
+	OpMSEGrad                                                // g, pred, target; Scalar: g·Scalar·2·(pred − target)
 	// OpMatMulGeluGrad is gelu_grad(matmul(a, b), x) in one node: a, b, x;
 	// TransA, TransB, Approx. Autodiff never emits it: FuseGeluGrad puts
 	// it in place of a matmul read only by a gelu_grad, so an executor can
@@ -192,15 +192,25 @@ var gradOps = []OpInfo{
 			return t, expect(op, "gradient", in[0], fwd, err)
 		})},
 	// Rows scatter-added into Target [V, D]: a parameter gradient.
-	OpEmbeddingGrad: {Name: "embedding_grad", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"target"}, NoVJP: noVJPGrad,
-		Chunk: &Chunk{Consume: combines(CombineSum)},
+	// With the optional r (FuseEmbeddingGradAdd: a tied embedding's other
+	// gradient) the rows are scatter-added onto r: r + embedding_grad(g,
+	// indices), with no [V, D] value of its own.
+	OpEmbeddingGrad: {Name: "embedding_grad", Category: CatGrad, MinArity: 2, Arity: 2, MaxArity: 3, Attrs: []string{"target"}, NoVJP: noVJPGrad,
+		Chunk: &Chunk{Consume: combines(CombineSum), Linear: Accumulates},
 		Rule: gradRule(func(op Op, attrs *Attrs, in []Type) (Type, error) {
 			t, err := target(op, attrs)
 			if err != nil {
 				return t, err
 			}
 			fwd, err := embedding(in[1], t)
-			return t, expect(op, "gradient", in[0], fwd, err)
+			if err := expect(op, "gradient", in[0], fwd, err); err != nil {
+				return t, err
+			}
+			if len(in) > 2 && (!slices.Equal(in[2].Shape, t.Shape) || in[2].DType != t.DType || in[2].Batched()) {
+				return Type{}, Errorf(ErrShape, "%s onto %s%v (batch axis %d): want the gradient's %s%v without a batch axis",
+					op, in[2].DType, in[2].Shape, in[2].BatchAxis, t.DType, t.Shape)
+			}
+			return t, nil
 		})},
 	OpConv2dGradInput: {Name: "conv2d_grad_input", Category: CatGrad, MinArity: 2, Arity: 2, Attrs: []string{"stride", "padding", "dilation", "groups", "target", "channels_last"}, NoVJP: noVJPGrad,
 		Chunk: plainChunk,

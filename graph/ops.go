@@ -97,7 +97,7 @@ func SavesInput(i ...int) Saved {
 // opFamilies lists every family's rows, keyed by op. Each op appears in
 // exactly one family (TestOpTableComplete checks).
 var opFamilies = [][]OpInfo{sourceOps, unaryOps, scalarOps, castOps, binaryOps, contractionOps,
-	reduceOps, normalizeOps, movementOps, indexOps, convOps, attentionOps, lossOps, gradOps, fusedOps}
+	reduceOps, normalizeOps, movementOps, indexOps, convOps, attentionOps, lossOps, linearCrossEntropyOps, gradOps, fusedOps}
 
 // opTable is assembled from the families rather than written as one
 // literal: rows refer to rule and VJP functions that themselves read the
@@ -215,6 +215,7 @@ type Attrs struct {
 	Padding   [2]int
 	Dilation  [2]int
 	Groups    int
+	LossChunk int // linear_cross_entropy and its gradients: tokens per logits chunk (0: DefaultLossChunk)
 	KVHeads   int // attention_qkv: key/value heads (0: as many as Groups, the query heads)
 	Reduction Reduction
 	TransA    bool // matmul: use the transpose of the last two axes of input 0

@@ -47,7 +47,7 @@ func (g *Graph) Signature() uint64 {
 		ints(a.Axes)
 		ints(a.Shape)
 		ints(a.Perm)
-		for _, v := range [...]int{a.Axis, a.Start, a.End, a.Step, a.NormDims, a.Groups, a.KVHeads, int(a.Reduction),
+		for _, v := range [...]int{a.Axis, a.Start, a.End, a.Step, a.NormDims, a.Groups, a.KVHeads, a.LossChunk, int(a.Reduction),
 			a.Kernel[0], a.Kernel[1], a.Stride[0], a.Stride[1], a.Padding[0], a.Padding[1], a.Dilation[0], a.Dilation[1]} {
 			h.put(uint64(v))
 		}
@@ -96,7 +96,7 @@ func sameSigNode(m, n *Node) bool {
 	return math.Float64bits(a.Scalar) == math.Float64bits(b.Scalar) && math.Float64bits(a.Eps) == math.Float64bits(b.Eps) &&
 		slices.Equal(a.Axes, b.Axes) && slices.Equal(a.Shape, b.Shape) && slices.Equal(a.Perm, b.Perm) &&
 		a.Axis == b.Axis && a.Start == b.Start && a.End == b.End && a.Step == b.Step && a.NormDims == b.NormDims &&
-		a.Groups == b.Groups && a.KVHeads == b.KVHeads && a.Reduction == b.Reduction &&
+		a.Groups == b.Groups && a.KVHeads == b.KVHeads && a.LossChunk == b.LossChunk && a.Reduction == b.Reduction &&
 		a.Kernel == b.Kernel && a.Stride == b.Stride && a.Padding == b.Padding && a.Dilation == b.Dilation &&
 		a.Approx == b.Approx && a.KeepDim == b.KeepDim && a.TransA == b.TransA && a.TransB == b.TransB &&
 		a.Training == b.Training && a.Causal == b.Causal && a.PerChunk == b.PerChunk && a.ChannelsLast == b.ChannelsLast &&

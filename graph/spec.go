@@ -52,6 +52,10 @@ const (
 	Multiplies
 	// Divides: linear in a cross-batch dividend over a constant divisor.
 	Divides
+	// Accumulates: the op sums over the batch axis of its per-sample
+	// operands (its Consume says how) and adds its cross-batch operands,
+	// every one a cross-batch sum: embedding_grad with an addend.
+	Accumulates
 )
 
 // Chunk is an op's chunk behaviour: the facts package shapeinfer needs to

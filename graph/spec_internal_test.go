@@ -183,6 +183,8 @@ func TestSavesMatchVJP(t *testing.T) {
 		OpAvgPool2d:      {{in: []Type{f(1, 2, 4, 4)}, attrs: Attrs{Kernel: [2]int{2, 2}}}},
 		OpCrossEntropy:   {{in: []Type{f(2, 3), i64(2)}}},
 		OpMSE:            {{in: []Type{f(2, 3), f(2, 3)}}},
+		OpLinearCrossEntropy: {{in: []Type{f(2, 3), f(5, 3), i64(2)}},
+			{in: []Type{f(2, 3), f(5, 3), i64(2), f()}, attrs: Attrs{Reduction: ReduceSum, End: 4}}},
 		OpAttention: {{in: []Type{f(2, 4, 3, 8), f(2, 2, 5, 8), f(2, 2, 5, 8)}, attrs: Attrs{Causal: true}},
 			{in: []Type{f(2, 4, 3, 8), f(2, 4, 5, 8), f(2, 4, 5, 8), f(3, 5)}, frozen: SavesInput(3)}},
 		OpAttentionQKV: {{in: []Type{f(2, 3, 24)}, attrs: Attrs{Groups: 2, Causal: true}},

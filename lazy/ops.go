@@ -376,6 +376,39 @@ func (t *Tensor) CrossEntropyClasses(labels *Tensor, classes int, r graph.Reduct
 	return apply(graph.OpCrossEntropy, graph.Attrs{Reduction: r, End: classes}, t, labels)
 }
 
+// LinearCrossEntropy is t.Linear(w, nil) then CrossEntropy against labels
+// (reduced by r) in one op, graph.OpLinearCrossEntropy: hidden states t
+// [N, C], a classifier weight w [V, C] (a linear's layout: Hugging Face's
+// lm_head, or a tied embedding), int64 labels [N] (graph.IgnoreLabel
+// rows take no part). The [N, V] logits are never stored: the op runs
+// over chunks of tokens. graph.FuseLinearCrossEntropy makes it from the
+// two ops at a training step's loss, which a Session runs by default.
+func (t *Tensor) LinearCrossEntropy(w, labels *Tensor, r graph.Reduction) *Tensor {
+	return apply(graph.OpLinearCrossEntropy, graph.Attrs{Reduction: r}, t, w, labels)
+}
+
+// LinearCrossEntropyOptions are LinearCrossEntropyWith's options.
+type LinearCrossEntropyOptions struct {
+	// Classes scores only w's first Classes rows (0: all of them), as
+	// CrossEntropyClasses does for a padded head.
+	Classes int
+	// Chunk is the tokens per logits chunk (0: graph.DefaultLossChunk;
+	// a Session sets the planner's choice).
+	Chunk int
+	// Scale, when set, is a float scalar the loss is multiplied by
+	// (models.CausalLMLoss's 1/count).
+	Scale *Tensor
+}
+
+// LinearCrossEntropyWith is LinearCrossEntropy with options o.
+func (t *Tensor) LinearCrossEntropyWith(w, labels *Tensor, r graph.Reduction, o LinearCrossEntropyOptions) *Tensor {
+	a := graph.Attrs{Reduction: r, End: o.Classes, LossChunk: o.Chunk}
+	if o.Scale != nil {
+		return apply(graph.OpLinearCrossEntropy, a, t, w, labels, o.Scale)
+	}
+	return apply(graph.OpLinearCrossEntropy, a, t, w, labels)
+}
+
 // MSE is the mean (or sum) of squared differences between t and target.
 func (t *Tensor) MSE(target *Tensor, r graph.Reduction) *Tensor {
 	return apply(graph.OpMSE, graph.Attrs{Reduction: r}, t, target)

@@ -194,6 +194,10 @@ type Plan struct {
 	// StatsNote says it in a sentence.
 	BatchStats     string
 	BatchNormNodes int
+	// LossChunk is the tokens per logits chunk of the step's fused loss
+	// (graph.OpLinearCrossEntropy's Attrs.LossChunk, ChooseLossChunk's
+	// choice in a Session), 0 when it has none.
+	LossChunk int
 }
 
 // Plan.BatchStats values.
@@ -334,6 +338,11 @@ func Make(p *Program, o Options) (*Plan, error) {
 		held = nil
 	}
 	pl := &Plan{Batch: n, Budget: o.Budget, Headroom: head, HostPinned: p.HostPinned}
+	if p.Graph != nil {
+		if t, _, _, _, ok := graph.LossChunkOf(p.Graph); ok {
+			pl.LossChunk = t
+		}
+	}
 	for _, bi := range p.Persistent {
 		pl.Persistent += p.Buffers[bi].Bytes(0)
 	}

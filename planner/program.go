@@ -47,18 +47,35 @@ func (k BufferKind) String() string {
 }
 
 // Buffer is one allocation of the program; its size at chunk size b is
-// Fixed + PerSample·b.
+// Fixed + PerSample·b, at most Max when Max is positive.
 type Buffer struct {
 	Kind      BufferKind
 	Node      int // the node it belongs to
 	Slot      int // which optimizer state tensor, for BufState
 	Fixed     int64
 	PerSample int64
-	Tag       alloc.Tag
+	// Max, when positive, bounds the size at every chunk size: a
+	// workspace that stops growing (WorkspaceBound).
+	Max int64
+	Tag alloc.Tag
 }
 
 // Bytes is the buffer's size when b samples run at once.
-func (b Buffer) Bytes(chunk int) int64 { return b.Fixed + b.PerSample*int64(chunk) }
+func (b Buffer) Bytes(chunk int) int64 {
+	n := b.Fixed + b.PerSample*int64(chunk)
+	if b.Max > 0 && n > b.Max {
+		return b.Max
+	}
+	return n
+}
+
+// WorkspaceBound is the chunk size a WorkspaceFunc is asked at, for the
+// nodes of a fused loss (graph.IsLinearCrossEntropy) only, for the most
+// bytes the node's workspace takes at any chunk size (0: no bound): one
+// logits chunk of at most Attrs.LossChunk tokens, however many samples
+// run. Its workspace at chunk size b is then min(Fixed + PerSample·b,
+// that bound) (Buffer.Max).
+const WorkspaceBound = -1
 
 // Program is the compiled schedule of one graph.
 type Program struct {
@@ -300,10 +317,14 @@ func Compile(g *graph.Graph, info *shapeinfer.Result, outputs []int, o CompileOp
 		if o.Workspace != nil && nd.Op.Category() != graph.CatSource {
 			fixed := o.Workspace(g, nd, 0)
 			per := o.Workspace(g, nd, 1) - fixed
+			var bound int64
+			if graph.IsLinearCrossEntropy(nd.Op) {
+				bound = o.Workspace(g, nd, WorkspaceBound)
+			}
 			if fixed > 0 || per > 0 {
 				t := tag(nd)
 				t.Op += ".workspace"
-				ws = add(Buffer{Kind: BufWorkspace, Node: id, Fixed: fixed, PerSample: per, Tag: t})
+				ws = add(Buffer{Kind: BufWorkspace, Node: id, Fixed: fixed, PerSample: per, Max: bound, Tag: t})
 				bufLast = append(bufLast, id)
 				p.Steps = append(p.Steps, Step{Kind: StepAlloc, Node: id, Buf: ws})
 			}

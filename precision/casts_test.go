@@ -69,8 +69,14 @@ func countCasts(st *precision.Step) castCount {
 }
 
 // gpt2SmallStep is GPT-2 small's bf16-mixed training step at batch 8, seq
-// 1024, shape-only.
+// 1024, shape-only, its head and loss as two ops.
 func gpt2SmallStep(t *testing.T) *precision.Step {
+	t.Helper()
+	return gpt2SmallStepWith(t, compile.Options{Disable: []string{compile.FuseLinearCrossEntropy}})
+}
+
+// gpt2SmallStepWith is gpt2SmallStep built with options o.
+func gpt2SmallStepWith(t *testing.T, o compile.Options) *precision.Step {
 	t.Helper()
 	model := models.NewGPT(nn.Options{ShapeOnly: true}, models.GPT2Small())
 	tokens := lazy.Placeholder([]int{8, 1024}, graph.Int64, 0)
@@ -78,7 +84,8 @@ func gpt2SmallStep(t *testing.T) *precision.Step {
 	loss := models.Loss(model.Forward(tokens), targets)
 	wrt, err := lazy.ParamIDs(loss, nn.ParamTensors(model)...)
 	require.NoError(t, err)
-	st, err := trainStep(loss.Graph().IR(), loss.ID(), wrt, compile.Options{Policy: precision.BF16Mixed})
+	o.Policy = precision.BF16Mixed
+	st, err := trainStep(loss.Graph().IR(), loss.ID(), wrt, o)
 	require.NoError(t, err)
 	return st
 }
@@ -90,8 +97,11 @@ func gpt2SmallStep(t *testing.T) *precision.Step {
 // reads and the tied head's padded weight gradient are written in float32
 // by their GEMMs. With the 16-bit layer norms (halfNorm, off by default)
 // the 25 layer norms that feed linears write bfloat16 themselves: 169
-// casts of 275 M. The groups are logged, so a regression shows which
-// casts came back.
+// casts of 275 M. With the fused head and loss (the default) the step
+// runs 196 casts of 477 M: linear_cross_entropy writes dh and the padded
+// head's dW in bfloat16, and each widens by a cast of its own where the
+// head's GEMMs wrote float32. The groups are logged, so a regression
+// shows which casts came back.
 func TestCastCountGPT2Small(t *testing.T) {
 	prevCasts, prevNorms := setFoldCasts(false), precision.SetFoldNorms(false)
 	plain := countCasts(gpt2SmallStep(t))
@@ -116,4 +126,7 @@ func TestCastCountGPT2Small(t *testing.T) {
 	precision.SetFoldNorms(prevNorms)
 	require.Equal(t, 169, norms.nodes, "casts with 16-bit layer norms")
 	require.Equal(t, int64(274692864), norms.elements)
+	fused := countCasts(gpt2SmallStepWith(t, compile.Options{}))
+	require.Equal(t, 196, fused.nodes, "casts with the fused loss")
+	require.Equal(t, int64(476868096), fused.elements)
 }

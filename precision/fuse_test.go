@@ -19,12 +19,14 @@ import (
 	"github.com/batchfit/batchfit/shapeinfer"
 )
 
-// withFusion builds st's step with the padded-loss fusion on or off.
+// withFusion builds st's step with the padded-loss fusion on or off, the
+// head and loss as two ops (fuse-linear-cross-entropy disabled: the fusion is of
+// them).
 func withFusion(t *testing.T, on bool, fwd *graph.Graph, loss int, wrt []int) *precision.Step {
 	t.Helper()
 	prev := precision.SetFusePaddedLoss(on)
 	defer precision.SetFusePaddedLoss(prev)
-	st, err := trainStep(fwd, loss, wrt, compile.Options{Policy: precision.BF16Mixed})
+	st, err := trainStep(fwd, loss, wrt, compile.Options{Policy: precision.BF16Mixed, Disable: []string{compile.FuseLinearCrossEntropy}})
 	require.NoError(t, err)
 	return st
 }

@@ -123,6 +123,12 @@ const (
 
 // kindOf is nd's rate kind.
 func kindOf(g *graph.Graph, nd *graph.Node) rateKind {
+	if graph.IsLinearCrossEntropy(nd.Op) { // its GEMMs over rows of LossChunkPitch, 16-byte aligned
+		if graph.LossChunkDType(&nd.Attrs).IsHalf() {
+			return rateHalfGEMM
+		}
+		return rateGEMM
+	}
 	switch nd.Op {
 	case graph.OpMatMul, graph.OpMatMulGeluGrad, graph.OpLinear, graph.OpConv2d, graph.OpConv2dGradInput, graph.OpConv2dGradWeight:
 		if !g.Node(nd.Inputs[0]).Type.DType.IsHalf() {
@@ -359,6 +365,27 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 	case graph.OpLinear:
 		x := in[0].Shape
 		flops = 2 * numel(out) * float64(x[len(x)-1])
+	case graph.OpLinearCrossEntropy, graph.OpLinearCrossEntropyGradH, graph.OpLinearCrossEntropyGradW:
+		// Products of 2·N·V·C flops: the logits; with the gradients (a
+		// pass that gives both, as the forward one does when paired)
+		// dh and dW too. Counted on the node that runs them: the loss
+		// with 3, a gradient with none when its producer computes it.
+		k := 0
+		if nd.Op != graph.OpLinearCrossEntropy {
+			k = 1
+		}
+		h, w := in[k], in[k+1]
+		products := 1.0
+		switch {
+		case graph.LinearCrossEntropyGradProducer(g, nd.ID) >= 0:
+			products = 0
+		case nd.Op == graph.OpLinearCrossEntropy && lceHasGrads(g, nd.ID):
+			products = 3
+		case nd.Op != graph.OpLinearCrossEntropy:
+			products = 3
+		}
+		flops = products * 2 * numel(h) * float64(w.Shape[0])
+		bytes = size(h) + size(w)
 	case graph.OpConv2d, graph.OpConv2dGradInput:
 		w := in[1]
 		flops = 2 * numel(out) * float64(graph.Numel(w.Shape)) / float64(max(w.Shape[0], 1))
@@ -439,4 +466,16 @@ func work(g *graph.Graph, nd *graph.Node, b int) (flops, bytes float64) {
 		flops = m
 	}
 	return flops, bytes
+}
+
+// lceHasGrads reports whether linear_cross_entropy node id computes its
+// gradients in its pass (graph.LinearCrossEntropyGradProducer pairs one
+// with it).
+func lceHasGrads(g *graph.Graph, id int) bool {
+	for m := id + 1; m < g.Len(); m++ {
+		if graph.IsLinearCrossEntropy(g.Node(m).Op) && graph.LinearCrossEntropyGradProducer(g, m) == id {
+			return true
+		}
+	}
+	return false
 }

@@ -197,7 +197,7 @@ func (r *Result) classify(nodes []graph.Node, nd *graph.Node) {
 	}
 	r.Class[id] = CrossBatch
 	if anyCross {
-		r.Combine[id] = r.propagate(nd, allCrossSum, allCrossMax)
+		r.Combine[id] = r.propagate(nodes, nd, allCrossSum, allCrossMax)
 	} else {
 		r.Combine[id] = r.consume(nodes, nd)
 	}
@@ -271,7 +271,7 @@ func (r *Result) consume(nodes []graph.Node, nd *graph.Node) Combine {
 
 // propagate decides how a cross-batch value computed from other cross-batch
 // values combines, from the linearity its spec declares.
-func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
+func (r *Result) propagate(nodes []graph.Node, nd *graph.Node, allSum, allMax bool) Combine {
 	constOthers := true // every operand that is not cross-batch is constant
 	crossCount := 0
 	for _, in := range nd.Inputs {
@@ -320,6 +320,10 @@ func (r *Result) propagate(nd *graph.Node, allSum, allMax bool) Combine {
 		}
 	case graph.Divides:
 		if allSum && r.Class[nd.Inputs[0]] == CrossBatch && r.Class[nd.Inputs[1]] == Constant {
+			return CombineSum
+		}
+	case graph.Accumulates:
+		if allSum && r.consume(nodes, nd) == CombineSum {
 			return CombineSum
 		}
 	}

@@ -306,7 +306,7 @@ func validCases() []ruleCase {
 		ruleCase{name: "sum", op: graph.OpMSE, attrs: graph.Attrs{Reduction: graph.ReduceSum}, in: ts(fb(0, 4, 3), fb(0, 4, 3)), want: f(), check: scalarIs(1)},
 		ruleCase{name: "scalars", op: graph.OpMSE, in: ts(f(), f()), want: f(), check: scalarIs(1)},
 	)
-	return append(append(append(cs, gradValidCases()...), attentionValidCases()...), append(llamaValidCases(), pointwiseValidCases()...)...)
+	return append(append(append(append(cs, gradValidCases()...), attentionValidCases()...), append(llamaValidCases(), pointwiseValidCases()...)...), lceValidCases()...)
 }
 
 func runRule(c ruleCase) (graph.Type, graph.Attrs, error) {
@@ -549,7 +549,7 @@ func rejectCases() []rejectCase {
 		rejectCase{name: "empty", op: graph.OpMSE, in: ts(f(0, 3), f(0, 3)), want: graph.ErrShape},
 		rejectCase{name: "batch axes differ", op: graph.OpMSE, in: ts(fb(0, 4, 4), fb(1, 4, 4)), want: graph.ErrShape},
 	)
-	return append(append(append(cs, gradRejectCases()...), attentionRejectCases()...), append(llamaRejectCases(), pointwiseRejectCases()...)...)
+	return append(append(append(append(cs, gradRejectCases()...), attentionRejectCases()...), append(llamaRejectCases(), pointwiseRejectCases()...)...), lceRejectCases()...)
 }
 
 func TestRuleRejects(t *testing.T) {

@@ -86,7 +86,8 @@ func capThroughput(c config, m benchModel, mode recompute.Mode, device string, d
 		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: device, TF32: c.tf32, Precision: c.precision,
-		Budget: c.cap, Recompute: mode, Profile: prof, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise})
+		Budget: c.cap, Recompute: mode, Profile: prof, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise,
+		NoFusedLoss: c.noFusedLoss, LossChunk: c.lossChunk})
 	if err := sess.Err(); err != nil {
 		return r, err
 	}

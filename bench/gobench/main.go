@@ -87,6 +87,8 @@ type config struct {
 	noPointwise   bool          // no graph.FusePointwise in the steps (-no-pointwise-fusion)
 	hostWork      time.Duration // the executor's loop spins this long after each step (-host-work)
 	interleave    int           // the executor's and the Session's timed steps in alternate blocks of this many (-interleave)
+	noFusedLoss   bool          // the head and loss as two ops (-no-fused-loss: Options.NoFusedLoss)
+	lossChunk     int           // the fused loss's tokens per logits chunk (-loss-chunk: Options.LossChunk; 0: the planner's)
 }
 
 // registerFlags defines gobench's flags on fs, setting c.
@@ -97,6 +99,8 @@ func registerFlags(fs *flag.FlagSet, c *config) {
 	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
 	fs.BoolVar(&c.verify, "verify", true, "run one training step at the planner's largest batch")
 	fs.IntVar(&c.gptLayers, "gpt-layers", 12, "transformer layers (GPT-2 small has 12)")
+	fs.BoolVar(&c.noFusedLoss, "no-fused-loss", false, "keep language models' head and cross-entropy as two ops, storing the logits (Options.NoFusedLoss, TrainOptions.NoFusedLoss), to compare")
+	fs.IntVar(&c.lossChunk, "loss-chunk", 0, "the fused loss's tokens per logits chunk, `N` (Options.LossChunk; 0: the Session's planner's choice, and for the executor's programs the largest candidate, planner.LossChunkCandidates)")
 	fs.IntVar(&c.gptSeq, "gpt-seq", 256, "transformer sequence length")
 	fs.IntVar(&c.gptBatch, "gpt-batch", 8, "transformer batch for the timed run")
 	fs.IntVar(&c.mlpBatch, "mlp-batch", 1024, "MLP batch for the timed run")
@@ -413,9 +417,12 @@ func (c config) nhwc() bool { return c.channelsLast && c.policy() == precision.B
 
 // train is how compileStep builds the step's graph besides the policy.
 func (c config) train() compile.Options {
-	o := compile.Options{ChannelsLast: c.nhwc()}
+	o := compile.Options{ChannelsLast: c.nhwc(), LossChunk: c.lossChunk}
 	if c.noPointwise {
-		o.Disable = []string{"fuse-pointwise"}
+		o.Disable = append(o.Disable, compile.FusePointwise)
+	}
+	if c.noFusedLoss {
+		o.Disable = append(o.Disable, compile.FuseLinearCrossEntropy)
 	}
 	return o
 }
@@ -441,6 +448,13 @@ func compileStep(ws planner.WorkspaceFunc, pol precision.Policy, o compile.Optio
 		return nil, nil, err
 	}
 	ng := st.Graph
+	if _, rows, _, _, ok := graph.LossChunkOf(ng); ok && o.LossChunk <= 0 {
+		// A fused loss's token chunk: o's (-loss-chunk), else the largest
+		// candidate, a Session's choice where memory is ample.
+		if ng, err = graph.WithLossChunk(ng, planner.LossChunkCandidates(rows)[0]); err != nil {
+			return nil, nil, err
+		}
+	}
 	outs := append([]int{st.Loss}, st.Grads...)
 	info, err := shapeinfer.Analyze(ng, outs...)
 	if err != nil {
@@ -794,7 +808,8 @@ func maxBatch(d *cuda.Device, c config, m benchModel) (Record, error) {
 	r := Record{Kind: "maxbatch", Model: m.name, About: m.about, Seq: m.seq, Optimizer: m.optName, Upper: m.upper,
 		TF32: c.tf32, Precision: c.precision, ChannelsLast: c.nhwc()}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
-		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise})
+		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise,
+		NoFusedLoss: c.noFusedLoss, LossChunk: c.lossChunk})
 	if err := sess.Err(); err != nil {
 		return r, err
 	}

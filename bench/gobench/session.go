@@ -75,7 +75,8 @@ func newSessionLoop(c config, m benchModel) (*stepLoop, error) {
 		feeds[i] = []tensor.Tensor{in[0].Value(), in[1].Value()}
 	}
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA, TF32: c.tf32, Precision: c.precision,
-		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise})
+		NoCUDAGraphs: !c.cudaGraphs, NoChannelsLast: !c.channelsLast, NoPointwiseFusion: c.noPointwise,
+		NoFusedLoss: c.noFusedLoss, LossChunk: c.lossChunk})
 	if err := sess.Err(); err != nil {
 		return l, err
 	}

@@ -38,7 +38,7 @@ func TestEstimateOnCard(t *testing.T) {
 			require.NoError(t, err)
 			require.NotEqual(t, want.PeakAllocated, onCPU.PeakAllocated, "the CUDA executor's workspaces show in the plan")
 
-			args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--gpu", c.gpu}
+			args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--gpu", c.gpu, "--no-fused-loss"} // gpt2PlanWith's unfused graph
 			code, stdout, stderr := runCLI(append(args, "--json")...)
 			require.Equal(t, exitOK, code, stderr)
 			var r report

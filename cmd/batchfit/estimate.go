@@ -121,7 +121,10 @@ type planReport struct {
 	WholePeakReserved int64 `json:"whole_peak_reserved"`
 	// Accumulators are the gradient sums across chunks, held only when the
 	// batch runs in several.
-	Accumulators    int64   `json:"accumulators"`
+	Accumulators int64 `json:"accumulators"`
+	// LossChunk is the tokens per logits chunk of the fused head and loss
+	// (planner.Plan.LossChunk), 0 when the step has none.
+	LossChunk       int     `json:"loss_chunk,omitempty"`
 	Replays         int     `json:"replays"`
 	PlanningSeconds float64 `json:"planning_seconds"`
 }
@@ -198,7 +201,7 @@ type step struct {
 func session(c *estimateConfig) *batchfit.Session {
 	o := batchfit.Options{Precision: string(c.policy), Budget: c.budget, Headroom: c.headroom, MaxChunk: c.microBatch,
 		NoChannelsLast: c.nchw, Recompute: c.recompute, Offload: c.offload, Profile: c.profile, DryRun: &batchfit.DryRun{Workspace: cpu.Workspace},
-		DisablePasses: c.disable}
+		DisablePasses: c.disable, LossChunk: c.lossChunk, NoFusedLoss: c.noFusedLoss}
 	if c.device != nil {
 		// The card's budget is what its plans may use: the cuBLAS
 		// workspace is held besides it.
@@ -349,7 +352,7 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 	pr := &planReport{WholeBatch: pl.Split.Len() == 1, Chunk: pl.Chunk, NumChunks: pl.Split.Len(),
 		PeakReserved: pl.PeakReserved, PeakAllocated: pl.PeakAllocated, Fixed: pl.Fixed, PerSample: pl.PerSample,
-		Persistent: pl.Persistent, HostPinned: pl.HostPinned, Replays: pl.Replays, PlanningSeconds: st.planSeconds}
+		Persistent: pl.Persistent, HostPinned: pl.HostPinned, Replays: pl.Replays, PlanningSeconds: st.planSeconds, LossChunk: pl.LossChunk}
 	for _, run := range pl.Split.Runs() {
 		pr.Chunks = append(pr.Chunks, chunkRun(run))
 	}
@@ -503,6 +506,9 @@ func writeText(w io.Writer, r *report, planned bool) {
 			line("chunking", "none: %s", r.NotChunkable)
 		}
 		line("chunk", "%d %s", p.Chunk, plural(p.Chunk, "sample"))
+		if p.LossChunk > 0 {
+			line("loss chunk", "%d tokens per logits chunk (fused head and cross-entropy)", p.LossChunk)
+		}
 		if r.BatchNorm != "" {
 			line("batch norm", "%s", r.BatchNorm)
 		}

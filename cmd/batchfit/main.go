@@ -185,7 +185,9 @@ func optimizerNames() []string {
 type estimateConfig struct {
 	model            zooModel
 	batch, seq       int
-	microBatch       int // --micro-batch: planner.Options.MaxChunk
+	microBatch       int  // --micro-batch: planner.Options.MaxChunk
+	lossChunk        int  // --loss-chunk: batchfit.Options.LossChunk
+	noFusedLoss      bool // --no-fused-loss: batchfit.Options.NoFusedLoss
 	budget, headroom int64
 	optimizer        string // "" in inference mode
 	slots            int    // optimizer state tensors per parameter
@@ -227,8 +229,8 @@ func (c *estimateConfig) adapt() adaptFunc {
 // shared by estimate, snapshot and report.
 type stepFlagValues struct {
 	model, hfConfig, budget, headroom, optimizer, dtype, mode, precision, batchnorm, offload string
-	batch, seq, context, microBatch                                                          int
-	nchw                                                                                     bool
+	batch, seq, context, microBatch, lossChunk                                               int
+	nchw, noFusedLoss                                                                        bool
 }
 
 // addStepFlags defines the step flags on fs.
@@ -238,6 +240,8 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 		hfArchitectures()+"; --seq defaults to its max_position_embeddings (n_positions for GPT-2), at most "+thousands(maxHFSeqDefault))
 	fs.IntVar(&v.batch, "batch", 0, "samples per step, `N` (required)")
 	fs.IntVar(&v.microBatch, "micro-batch", 0, "largest chunk, `N` samples, the plan may use, as batchfit.Options.MaxChunk: a fixed micro-batch, gradient accumulation over chunks of at most N even where the budget holds more (0: as large as the budget allows)")
+	fs.IntVar(&v.lossChunk, "loss-chunk", 0, "tokens per logits chunk of a language model's fused head and loss, `N`, as batchfit.Options.LossChunk (0: the planner's choice, the largest power of two from 8192 down that fits)")
+	fs.BoolVar(&v.noFusedLoss, "no-fused-loss", false, "keep a language model's head and cross-entropy as two ops, storing the [tokens, vocab] logits and their gradient, as batchfit.Options.NoFusedLoss")
 	fs.IntVar(&v.seq, "seq", 0, "tokens per sequence, `T`, for GPT models (default: the model's context)")
 	fs.IntVar(&v.context, "context", 0, "positions of a GPT model, `P`: its learned position embedding gets P rows, so --seq may go up to P (default: the zoo's, 1024 for GPT-2)")
 	fs.StringVar(&v.budget, "budget", "", "device memory the step may reserve, a `SIZE`: 24GiB, 24 GiB, 8GB (8·10⁹), 1.5GiB, 512MiB or bytes (required)")
@@ -486,6 +490,10 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 		return nil, usagef(errRange, "--micro-batch must be 0 or positive, got %d", v.microBatch)
 	}
 	c.microBatch = v.microBatch
+	if v.lossChunk < 0 {
+		return nil, usagef(errRange, "--loss-chunk must be 0 or positive, got %d", v.lossChunk)
+	}
+	c.lossChunk, c.noFusedLoss = v.lossChunk, v.noFusedLoss
 	switch {
 	case m.context == 0 && set["seq"]:
 		return nil, usagef(errNotApplicable, "--seq applies to sequence models only, not %s", m.name)

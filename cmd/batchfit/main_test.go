@@ -156,7 +156,9 @@ func TestSubcommandErrors(t *testing.T) {
 
 // gpt2Plan builds GPT-2 small's training step at batch b, seq 1024, the
 // way the library's users would, and plans it within budget with AdamW's
-// state: the independent route to the numbers the CLI prints.
+// state: the independent route to the numbers the CLI prints with
+// --no-fused-loss (a Session's step: the tied embedding's gradient onto
+// the head's, graph.FuseEmbeddingGradAdd).
 func gpt2Plan(t *testing.T, b int, budget int64) (*planner.Program, *planner.Plan, error) {
 	t.Helper()
 	return gpt2PlanWith(t, b, budget, cpu.Workspace)
@@ -177,7 +179,14 @@ func gpt2PlanWith(t *testing.T, b int, budget int64, ws planner.WorkspaceFunc) (
 		outs = append(outs, gr.ID())
 		trained = append(trained, loss.Graph().NodeOf(params[i]))
 	}
-	g := loss.Graph().IR()
+	g, ids, err := graph.FuseEmbeddingGradAdd(loss.Graph().IR(), outs)
+	require.NoError(t, err)
+	for i := range outs {
+		outs[i] = ids[outs[i]]
+	}
+	for i := range trained {
+		trained[i] = ids[trained[i]]
+	}
 	info, err := shapeinfer.Analyze(g, outs...)
 	require.NoError(t, err)
 	p, err := planner.Compile(g, info, outs, planner.CompileOptions{Kept: outs[1:], Trained: trained,
@@ -192,7 +201,8 @@ func TestEstimateGPT2SmallFits(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, want.Chunks, 1, "GPT-2 small at batch 8 fits 24 GiB in one chunk")
 
-	args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--budget", "24GiB", "--optimizer", "adamw"}
+	// gpt2Plan's graph is the unfused head and loss.
+	args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--budget", "24GiB", "--optimizer", "adamw", "--no-fused-loss"}
 	code, stdout, stderr := runCLI(args...)
 	require.Equal(t, exitOK, code, stderr)
 	assert.Empty(t, stderr)
@@ -223,7 +233,7 @@ func TestEstimateGPT2SmallFits(t *testing.T) {
 func TestEstimateGPT2SmallBatch32(t *testing.T) {
 	_, want, err := gpt2Plan(t, 32, 24<<30)
 	require.NoError(t, err)
-	code, stdout, stderr := runCLI("estimate", "--model", "gpt2-small", "--batch", "32", "--budget", "24GiB", "--json")
+	code, stdout, stderr := runCLI("estimate", "--model", "gpt2-small", "--batch", "32", "--budget", "24GiB", "--json", "--no-fused-loss")
 	require.Equal(t, exitOK, code, stderr)
 	var r report
 	require.NoError(t, json.Unmarshal([]byte(stdout), &r))
@@ -241,12 +251,40 @@ func TestEstimateGPT2SmallBatch32(t *testing.T) {
 	assert.Equal(t, int64(124439808*4), r.Plan.Accumulators, "one float32 gradient sum per parameter")
 }
 
+// estimate fuses a language model's head and loss by default, reports the
+// planner's token chunk (or the one --loss-chunk forces), and plans less
+// than with --no-fused-loss; a negative --loss-chunk is a usage mistake.
+func TestEstimateFusedLoss(t *testing.T) {
+	plan := func(extra ...string) *planReport {
+		t.Helper()
+		args := append([]string{"estimate", "--model", "gpt2-small", "--batch", "8", "--seq", "1024", "--budget", "24GiB",
+			"--precision", "bf16-mixed", "--json"}, extra...)
+		code, stdout, stderr := runCLI(args...)
+		require.Equal(t, exitOK, code, stderr)
+		var r report
+		require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+		require.NotNil(t, r.Plan)
+		return r.Plan
+	}
+	fused, forced, unfused := plan(), plan("--loss-chunk", "512"), plan("--no-fused-loss")
+	assert.Equal(t, 8192, fused.LossChunk, "unbounded by the budget: the largest chunk")
+	assert.Equal(t, 512, forced.LossChunk)
+	assert.Zero(t, unfused.LossChunk)
+	assert.Less(t, fused.PeakReserved, unfused.PeakReserved)
+	assert.Less(t, forced.PeakReserved, unfused.PeakReserved)
+	code, _, stderr := runCLI("estimate", "--model", "gpt2-small", "--batch", "8", "--budget", "24GiB", "--loss-chunk", "-1")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, stderr, "--loss-chunk")
+	_, stdout, _ := runCLI("estimate", "--model", "gpt2-small", "--batch", "8", "--budget", "24GiB")
+	assert.Contains(t, stdout, "loss chunk       8192 tokens per logits chunk")
+}
+
 func TestEstimateDoesNotFit(t *testing.T) {
 	_, _, err := gpt2Plan(t, 8, 2<<30)
 	var want *planner.DoesNotFitError
 	require.ErrorAs(t, err, &want)
 
-	args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--budget", "2GiB"}
+	args := []string{"estimate", "--model", "gpt2-small", "--batch", "8", "--budget", "2GiB", "--no-fused-loss"}
 	code, stdout, stderr := runCLI(args...)
 	assert.Equal(t, exitPlan, code)
 	assert.Equal(t, "batchfit estimate: "+want.Error()+"\n", stderr, "the planner's message, naming the largest buffers")

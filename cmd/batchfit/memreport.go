@@ -198,7 +198,7 @@ func execute(c *estimateConfig, seed uint64) (*executed, error) {
 	// The CPU executor accounts on a simulated device of exactly the
 	// budget, which is what this report is about, GPU or not.
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Budget: c.budget, Headroom: c.headroom, Timeline: true,
-		Precision: string(c.policy), NoChannelsLast: c.nchw})
+		Precision: string(c.policy), NoChannelsLast: c.nchw, LossChunk: c.lossChunk, NoFusedLoss: c.noFusedLoss})
 	x := &executed{}
 	var err error
 	if c.train {

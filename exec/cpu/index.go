@@ -7,8 +7,10 @@ import (
 
 // Index family: the embedding lookup and its gradient.
 var indexKernels = family{
-	graph.OpEmbedding:     {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return embeddingKernel(in[0], in[1], out) }},
-	graph.OpEmbeddingGrad: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return embeddingGrad(in[0], in[1], out) }},
+	graph.OpEmbedding: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error { return embeddingKernel(in[0], in[1], out) }},
+	graph.OpEmbeddingGrad: {run: func(_ *graph.Node, in []*buf, out *buf, _ int) error {
+		return embeddingGrad(in[0], in[1], optional(in, 2), out)
+	}},
 }
 
 // embeddingKernel copies row idx[k] of w [V, D] to output row k. The indices
@@ -31,9 +33,13 @@ func embeddingKernel(idx, w, out *buf) error {
 }
 
 // embeddingGrad scatter-adds rows of g into the weight's gradient.
-func embeddingGrad(g, idx, out *buf) error {
+func embeddingGrad(g, idx, onto, out *buf) error {
 	v, d := out.shape[0], out.shape[1]
-	clear(out.f)
+	if onto != nil {
+		copy(out.f, onto.f)
+	} else {
+		clear(out.f)
+	}
 	for i, k := range idx.i {
 		if k < 0 || int(k) >= v {
 			return exec.BadValue("embedding", "index", 1, idx.shape, i, k, v)

@@ -24,7 +24,7 @@ var kernelTable = optable.Build(families...)
 
 // families is every family of the table.
 var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels,
-	movementKernels, indexKernels, convKernels, poolKernels, attentionKernels, lossKernels, fusedKernels}
+	movementKernels, indexKernels, convKernels, poolKernels, attentionKernels, lossKernels, linearCrossEntropyKernels, fusedKernels}
 
 // eval runs one node's kernel: the entry point of the host side
 // (runner.Run).

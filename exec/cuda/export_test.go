@@ -271,3 +271,7 @@ func (n *DNN) ConvDescribeErrors(dt graph.DType, x, w, y [4]int64) (descs, query
 // HostWaits counts the times the host waited for e's device: synchronous
 // copies, synchronisations and event waits.
 func HostWaits(e *Executor) int64 { return e.d.waits.Load() }
+
+// FusedLinearCEs counts linear_cross_entropy launches that computed their
+// gradients too.
+func FusedLinearCEs() int64 { return fusedLinearCEs.Load() }

@@ -241,7 +241,8 @@ type pendingOp struct {
 // nodes end a segment and run eagerly.
 func hostReads(op graph.Op) bool {
 	switch op {
-	case graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpEmbedding, graph.OpEmbeddingGrad:
+	case graph.OpCrossEntropy, graph.OpCrossEntropyGrad, graph.OpEmbedding, graph.OpEmbeddingGrad,
+		graph.OpLinearCrossEntropy, graph.OpLinearCrossEntropyGradH, graph.OpLinearCrossEntropyGradW:
 		return true
 	}
 	return false

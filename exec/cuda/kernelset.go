@@ -62,6 +62,8 @@ const (
 	kMSEPartial        = "mse_partial_f32"
 	kMSEGrad           = "mse_grad_f32"
 	kSumF64            = "sum_f64_f32"
+	kLinearCERows      = "linear_ce_rows_f32"
+	kLinearCEAcc       = "linear_ce_acc"
 	kCopy              = "copy_f32"
 	kGather            = "gather_f32"
 	kGatherRows        = "gather_rows_f32"
@@ -118,7 +120,7 @@ var kernelFiles = map[string][]string{
 	"index.cu": allTyped(kEmbedding, kEmbeddingGrad),
 	"layernorm.cu": slices.Concat(allTyped(kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW, kLayerNormFused, kLayerNormGradWB),
 		[]string{typed(kLayerNorm, graph.Float32, graph.BFloat16), typed(kLayerNorm, graph.Float32, graph.Float16)}, addLayerNormKernels()),
-	"loss.cu":     allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64),
+	"loss.cu":     append(allTyped(kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64, kLinearCERows), kLinearCEAcc),
 	"movement.cu": append(allMoving(kCopy, kGather, kGatherRows, kTranspose, kSlice, kCopy2d), kSliceGrad, "slice_grad_b16"),
 	"optim.cu":    {kSGD, kAdam, kUnscale, kOptimScalars, kNormPartial, kNormFinish},
 	"pool.cu": allTyped(kMaxPool, kMaxPoolArgmax, kMaxPoolGrad, kAvgPool, kAvgPoolGrad,

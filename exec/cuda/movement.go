@@ -21,7 +21,7 @@ var movementKernels = family{
 		return k.embedding(in[0], in[1], out)
 	}, ws: flagWorkspace},
 	graph.OpEmbeddingGrad: {run: func(k *kctx, in []operand, out operand) error {
-		return k.embeddingGrad(in[0], in[1], out)
+		return k.embeddingGrad(in[0], in[1], optional(in, 2), out)
 	}, ws: func(_ *graph.Graph, nd *graph.Node, b int) int64 {
 		return embeddingGradWorkspace(nd.Type.DType, int64(graph.Numel(nd.Type.AtBatch(b))))
 	}},
@@ -299,11 +299,12 @@ func (k *kctx) embedding(idx, w, out operand) error {
 	return k.firstBad(bad, idx, "embedding", "index", 0, v)
 }
 
-// embeddingGrad scatter-adds rows of g into the zeroed weight gradient:
+// embeddingGrad scatter-adds rows of g into the zeroed weight gradient
+// (or onto a copy of r, graph.FuseEmbeddingGradAdd's addend):
 // with float32 atomics into the output itself, or for a 16-bit gradient
 // into float32 sums in the workspace, rounded once into the output
 // (cast_f32_*), as the CPU sums in float32 and rounds the result.
-func (k *kctx) embeddingGrad(g, idx, out operand) error {
+func (k *kctx) embeddingGrad(g, idx operand, onto *operand, out operand) error {
 	dt, err := floatsOf(g, out)
 	if err != nil {
 		return err
@@ -329,8 +330,21 @@ func (k *kctx) embeddingGrad(g, idx, out operand) error {
 		}
 		acc = w + sumsOffset
 	}
-	if err := k.d.Memzero(acc, 4*out.n()); err != nil {
-		return err
+	switch {
+	case onto != nil && (onto.dt != dt || onto.n() != out.n()):
+		return graph.Errorf(graph.ErrShape, "embedding_grad onto %s%v into %s%v", onto.dt, onto.shape, dt, out.shape)
+	case onto != nil && dt == graph.Float32: // the rows scatter-add onto r (graph.FuseEmbeddingGradAdd)
+		if err := k.copy(dt, onto.p, acc, out.n()); err != nil {
+			return err
+		}
+	case onto != nil:
+		if err := k.packs(castKernel(dt, graph.Float32), out.n(), perPack(graph.Float32, dt), onto.p, acc, out.n()); err != nil {
+			return err
+		}
+	default:
+		if err := k.d.Memzero(acc, 4*out.n()); err != nil {
+			return err
+		}
 	}
 	if g.n() > 0 {
 		bad, err := k.badFlag(0)

@@ -18,7 +18,7 @@ func TestRowsKernelsTyped(t *testing.T) {
 		"softmax.cu":   {kSoftmaxRows, kSoftmaxCols, kSoftmaxGradRows, kSoftmaxGradCols},
 		"layernorm.cu": {kLayerNorm, kLayerNormGradX, kLayerNormStats, kLayerNormGradW, kLayerNormFused, kLayerNormGradWB},
 		"batchnorm.cu": {kBatchNorm, kBatchNormRows, kBatchNormGradX},
-		"loss.cu":      {kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64},
+		"loss.cu":      {kCrossEntropy, kCrossEntFused, kCrossEntGrad, kMSEPartial, kMSEGrad, kSumF64, kLinearCERows},
 	}
 	for file, names := range files {
 		for _, n := range names {
@@ -33,6 +33,7 @@ func TestRowsKernelsTyped(t *testing.T) {
 	for _, n := range []string{kBatchNormCoef, kBatchNormGradCoef, kBatchNormMoment} { // dtypes at run time
 		require.True(t, slices.Contains(kernelFiles["batchnorm.cu"], n), n)
 	}
+	require.True(t, slices.Contains(kernelFiles["loss.cu"], kLinearCEAcc), kLinearCEAcc) // no dtype
 	require.Equal(t, "reduce_splits_bf16", typed(kReduceSplits, graph.BFloat16))
 	require.Equal(t, "sum_f64_f16", typed(kSumF64, graph.Float16))
 }

@@ -32,7 +32,7 @@ func OpcodeHeader() []byte {
 
 // families is every family of the table.
 var families = []family{elementwiseKernels, matmulKernels, reduceKernels, normKernels, rmsNormKernels,
-	movementKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, swigluKernels, lossKernels, fusedKernels}
+	movementKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, swigluKernels, lossKernels, linearCrossEntropyKernels, fusedKernels}
 
 // eval runs node nd's kernels: the entry point of the host side (runner.Run),
 // with in and out the node's operands at the chunk's size.
@@ -77,6 +77,9 @@ func (r *runner) eval(nd *graph.Node, in []operand, out operand, ws *wsView, c p
 //     one group at a time, at most 64 MiB, and conv2d_grad_weight's
 //     float32 sums for a 16-bit gradient (conv.go);
 //   - max_pool2d_grad: the int32 argmax of every window (conv.go);
+//   - linear_cross_entropy, and its gradients where no producer computes
+//     them: one logits chunk, the per-row losses in double and the
+//     bad-label flag (graph.LossChunkWorkspace; linear_ce.go);
 //   - cross_entropy: the per-row losses in double, and the bad-label flag;
 //     cross_entropy_grad: the flag; mse: one double partial per block
 //     (loss.go);

@@ -46,7 +46,11 @@ type Case struct {
 	// so its forward and backward chains of pointwise ops are
 	// fused_pointwise nodes.
 	FusePointwise bool
-	Fn            func(p []*lazy.Tensor) *lazy.Tensor
+	// FuseEmbeddingGrad runs graph.FuseEmbeddingGradAdd on the graph after
+	// autodiff, as every training step does, so a tied embedding's
+	// gradient is an embedding_grad onto the other one.
+	FuseEmbeddingGrad bool
+	Fn                func(p []*lazy.Tensor) *lazy.Tensor
 }
 
 // Built is a case's graph with its loss and backward pass appended.
@@ -223,6 +227,12 @@ var Cases = []Case{
 	{Name: "embedding", Shapes: [][]int{{5, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return lazy.Const(i64([]int{2, 3}, 4, 0, 4, 1, 1, 3)).Embedding(p[0])
 	}},
+	// A tied embedding: W [6, 3] embeds indices and is the head's weight;
+	// its gradient is embedding_grad onto the heads' (FuseEmbeddingGrad).
+	{Name: "embedding_tied", Shapes: [][]int{{4, 3}, {6, 3}}, FuseEmbeddingGrad: true, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		e := lazy.Const(i64([]int{4}, 5, 0, 5, 2)).Embedding(p[1])
+		return p[0].Linear(p[1], nil).Add(e.Tanh().Linear(p[1], nil))
+	}},
 	{Name: "conv2d", Shapes: [][]int{{2, 4, 6, 5}, {6, 2, 3, 2}, {6}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].Conv2d(p[1], p[2], lazy.ConvOptions{Stride: [2]int{2, 1}, Padding: [2]int{1, 1}, Dilation: [2]int{1, 2}, Groups: 2})
 	}},
@@ -261,6 +271,24 @@ var Cases = []Case{
 	{Name: "cross_entropy_classes", Shapes: [][]int{{4, 7}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		y := lazy.Const(i64([]int{4}, 4, 0, 1, 2))
 		return p[0].CrossEntropyClasses(y, 5, graph.ReduceMean).Add(p[0].MulScalar(2).CrossEntropyClasses(y, 5, graph.ReduceSum))
+	}},
+	// linear_cross_entropy: h [5, 3] and W [7, 3], in chunks of 2 tokens
+	// (the last one partial) with a row ignored; then over W's first 5
+	// rows (a padded head: the last two get zero gradient), summed, times
+	// a scale, in chunks of 3.
+	{Name: "linear_cross_entropy", Shapes: [][]int{{5, 3}, {7, 3}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{5}, 2, graph.IgnoreLabel, 6, 0, 3))
+		y5 := lazy.Const(i64([]int{5}, 4, 0, graph.IgnoreLabel, 1, 2))
+		scale := lazy.Const(tensor.New(tensor.FromScalar(float32(0.25))))
+		a := p[0].LinearCrossEntropyWith(p[1], y, graph.ReduceMean, lazy.LinearCrossEntropyOptions{Chunk: 2})
+		b := p[0].MulScalar(2).LinearCrossEntropyWith(p[1], y5, graph.ReduceSum,
+			lazy.LinearCrossEntropyOptions{Classes: 5, Chunk: 3, Scale: scale})
+		return a.Add(b)
+	}},
+	// Every row ignored: loss 0 and zero gradients, no NaN.
+	{Name: "linear_cross_entropy_ignored", Shapes: [][]int{{3, 4}, {6, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		y := lazy.Const(i64([]int{3}, graph.IgnoreLabel, graph.IgnoreLabel, graph.IgnoreLabel))
+		return p[0].LinearCrossEntropy(p[1], y, graph.ReduceMean).Add(p[0].Tanh().Sum())
 	}},
 	{Name: "mse", Shapes: [][]int{{3, 2}, {3, 2}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].MSE(p[1], graph.ReduceMean).Add(p[0].Tanh().MSE(p[1], graph.ReduceSum))
@@ -422,6 +450,11 @@ func (c Case) BuildAs(rng *rand.Rand, dt graph.DType) (*Built, error) {
 	}
 	if c.FuseLayerNormGrad {
 		if err := b.rewrite(graph.FuseLayerNormGradAdd); err != nil {
+			return nil, err
+		}
+	}
+	if c.FuseEmbeddingGrad {
+		if err := b.rewrite(graph.FuseEmbeddingGradAdd); err != nil {
 			return nil, err
 		}
 	}

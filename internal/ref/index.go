@@ -12,6 +12,9 @@ var indexKernels = family{
 		return embedding(out, in[0], in[1])
 	},
 	graph.OpEmbeddingGrad: func(_ *graph.Node, _ *graph.Attrs, in []Value, out Value) error {
+		if len(in) > 2 { // onto r
+			copy(out.Data, in[2].Data)
+		}
 		return embeddingGrad(out, in[0], in[1])
 	},
 }

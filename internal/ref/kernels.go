@@ -19,4 +19,4 @@ var kernelTable = optable.Build(families...)
 
 // families is every family of the table.
 var families = []family{elementwiseKernels, contractionKernels, reduceKernels, normKernels,
-	movementKernels, indexKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, lossKernels, fusedKernels}
+	movementKernels, indexKernels, convKernels, attentionKernels, attentionQKVKernels, rotaryKernels, lossKernels, linearCrossEntropyKernels, fusedKernels}

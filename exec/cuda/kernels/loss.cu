@@ -335,3 +335,96 @@ FOR_FLOATS(K)
   }
 FOR_FLOATS(K)
 #undef K
+
+// linear_ce_rows_body: linear_cross_entropy's pass over one chunk of
+// logits l [n, ld] (rows ld apart, the first c columns classes): each
+// row's loss times scale into loss[row], and with G the row's gradient
+// s·(softmax − onehot) written over its logits in place (0 past c, a row
+// of 0 for CE_IGNORE), s = s0·g·scale. Every thread reads the label's
+// logit before the block synchronises, so none is overwritten first.
+template <bool C, bool G, typename T>
+__device__ __forceinline__ void linear_ce_rows_body(T* l, const i64* __restrict__ labels,
+                                                    double* __restrict__ loss, i64 row0, i64 n,
+                                                    i64 c, i64 ld, double s, double scale,
+                                                    u64* bad) {
+  __shared__ double sd[32];
+  __shared__ float sf[32];
+  for (i64 base = (i64)blockIdx.x * blockDim.y; base < n; base += (i64)gridDim.x * blockDim.y) {
+    const i64 row = base + threadIdx.y;
+    const bool live = row < n;
+    T* p = l + row * ld;
+    float v[ROW_VPT];
+    float m;
+    double z;
+    row_lse<C>(p, v, c, live, sf, sd, &m, &z);
+    const i64 label = live ? labels[row0 + row] : CE_IGNORE;
+    const bool ok = label >= 0 && label < c;
+    const float at = ok ? (float)p[label] : 0.0f;
+    __syncthreads();  // every thread holds the label's logit before any row is overwritten
+    if (!live) continue;
+    if (label == CE_IGNORE) {
+      if (threadIdx.x == 0) loss[row] = 0;
+      if (G)
+        for (i64 k = threadIdx.x; k < ld; k += blockDim.x) p[k] = 0.0f;
+      continue;
+    }
+    if (threadIdx.x == 0) {
+      if (ok) {
+        loss[row] = ((double)m + log(z) - (double)at) * scale;
+      } else {
+        loss[row] = __longlong_as_double(0x7ff8000000000000LL);
+        report_bad(bad, row0 + row);
+      }
+    }
+    if (!G) continue;
+    if (ok) {
+      ce_write_grad<C>(p, p, v, c, ld, label, m, z, s);
+    } else {
+      for (i64 k = threadIdx.x; k < ld; k += blockDim.x) p[k] = k < c ? nan_f() : 0.0f;
+    }
+  }
+}
+
+// linear_ce_rows_{f32,bf16,f16}: one chunk of linear_cross_entropy's
+// logits l [n, ld] (rows row0 to row0 + n of h, c ≤ ld classes):
+// loss[r] = scale·(logsumexp(l[r, :c]) − l[r, labels[row0 + r]]) in
+// double (0 for CE_IGNORE; NaN and reported in bad for a label outside
+// [0, c)), and with grads ≠ 0 the rows overwritten by their gradient
+// float(s·(softmax − onehot)), 0 past c, s = s0·(g ? g[0] : 1)·scale,
+// scale = (sc ? sc[0] : 1): g the upstream gradient and sc the op's scale
+// input, float32 scalars on the device, or null. Row layout as
+// cross_entropy_rows_*; a bad label is reported at its row of h, row0 +
+// r. The executor then runs linear_ce_acc over the chunk's losses and the
+// chunk's GEMMs (dh = l·W, dW += lᵀ·h), and after the last chunk
+// sum_f64_f32(acc, out, 1, Attrs.Scalar).
+#define K(T, S)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(1024, 1) linear_ce_rows_##S(                      \
+      T* l, const i64* labels, double* loss, const float* g, const float* sc, i64 row0, i64 n,  \
+      i64 c, i64 ld, double s0, i64 grads, u64* bad) {                                           \
+    const double scale = sc ? (double)sc[0] : 1.0;                                               \
+    const double s = s0 * (g ? (double)g[0] : 1.0) * scale;                                      \
+    if (grads) {                                                                                 \
+      if (row_fits(c)) linear_ce_rows_body<true, true>(l, labels, loss, row0, n, c, ld, s, scale, bad); \
+      else linear_ce_rows_body<false, true>(l, labels, loss, row0, n, c, ld, s, scale, bad);           \
+    } else if (row_fits(c)) {                                                                    \
+      linear_ce_rows_body<true, false>(l, labels, loss, row0, n, c, ld, s, scale, bad);                \
+    } else {                                                                                     \
+      linear_ce_rows_body<false, false>(l, labels, loss, row0, n, c, ld, s, scale, bad);               \
+    }                                                                                            \
+  }
+FOR_FLOATS(K)
+#undef K
+
+// linear_ce_acc: acc[0] = (first ? 0 : acc[0]) + Σ loss[0:n], summed in
+// double by one block in a fixed order (so the chunks' total is
+// reproducible): launch exactly one block of blockDim.x threads, a
+// multiple of 32 up to 1024.
+extern "C" __global__ void __launch_bounds__(1024) linear_ce_acc(const double* __restrict__ loss,
+                                                                 double* __restrict__ acc, i64 n,
+                                                                 i64 first) {
+  __shared__ double sd[32];
+  double s = 0;
+  for (i64 k = threadIdx.x; k < n; k += blockDim.x) s += loss[k];
+  s = row_allreduce(s, SumOp(), sd);
+  if (threadIdx.x == 0) acc[0] = (first ? 0.0 : acc[0]) + s;
+}
