@@ -228,6 +228,12 @@ func llamaJSON(m map[string]any, arch Architecture, l *models.LlamaConfig, windo
 	}
 	m["vocab_size"], m["hidden_size"], m["intermediate_size"] = l.Vocab, l.Hidden, l.Intermediate
 	m["num_hidden_layers"], m["num_attention_heads"], m["num_key_value_heads"], m["head_dim"] = l.Layers, l.Heads, kv, hd
+	if arch == Qwen2 && l.Heads > 0 && hd == l.Hidden/l.Heads {
+		// transformers' Qwen2Config has no head_dim of its own (its
+		// attention derives it): written only when it differs, as
+		// transformers' own files are.
+		delete(m, "head_dim")
+	}
 	m["max_position_embeddings"], m["rms_norm_eps"] = l.MaxPositions, pyFloat(l.RMSNormEps)
 	m["tie_word_embeddings"], m["hidden_act"] = l.TieEmbeddings, "silu"
 	if arch == Llama {

@@ -34,11 +34,20 @@ func llamaTol(dt graph.DType) float64 {
 
 func requireClose(t *testing.T, dt graph.DType, what string, want, got ref.Value) {
 	t.Helper()
+	requireCloseUlps(t, dt, 1, what, want, got)
+}
+
+// requireCloseUlps is requireClose within ulps 16-bit ulps.
+func requireCloseUlps(t *testing.T, dt graph.DType, ulps float64, what string, want, got ref.Value) {
+	t.Helper()
 	big := 0.0
 	for _, v := range want.Data {
 		big = max(big, math.Abs(v))
 	}
 	tol := llamaTol(dt)
+	if dt != graph.Float32 {
+		tol *= ulps
+	}
 	for i, v := range want.Data {
 		require.InDelta(t, v, got.Data[i], tol*math.Abs(v)+1e-6*big+1e-30, "%s element %d", what, i)
 	}
@@ -121,7 +130,11 @@ func TestRMSNormGradFusedMatchesCPU(t *testing.T) {
 			got, err := gpu(g, feeds, outs...)
 			require.NoError(t, err)
 			require.Equal(t, int64(1), cuda.FusedRMSNorms()-before, "dx and dw in one pass")
-			requireClose(t, c.dt, "dx", want[0], got[0])
+			// In bfloat16, dx meets four rounded values on its way (y,
+			// tanh(y), the product, the incoming gradient), each of which
+			// the device's fp32 math may round the other way: two ulps
+			// (seen on the H200: 0.3359 against 0.3398 at d = 2048).
+			requireCloseUlps(t, c.dt, 2, "dx", want[0], got[0])
 			requireClose(t, c.dt, "dw", want[1], got[1])
 		})
 	}
