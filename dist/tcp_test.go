@@ -209,12 +209,11 @@ func tcpChild(t *testing.T, dir string, n, hidden, steps int, lr float64) {
 	m := newWide(1+uint64(env.Rank), hidden)
 	rng := rand.New(rand.NewPCG(31, 32))
 	opt := optim.NewAdamW(lr)
-	start := time.Now()
 	err = tr.BroadcastParams(ctx, m.params)
 	if fail && env.Rank == env.WorldSize-1 {
 		os.Exit(3) // gone after the broadcast, before its first step
 	}
-	start = time.Now()
+	start := time.Now()
 	for s := 0; s < steps && err == nil; s++ {
 		x, y := batch(rng, n)
 		lo, hi, _ := tr.Shard(n)

@@ -132,14 +132,13 @@ func (t *Trainer) SaveSharded(ctx context.Context, dir string, step int, params 
 		}
 		return nil
 	}
-	var tmp string
 	if rank == 0 && own == nil {
-		tmp, own = checkpoint.PrepareShards(dir, step)
+		_, own = checkpoint.PrepareShards(dir, step)
 	}
 	if err := agree(own); err != nil {
 		return "", err
 	}
-	tmp = checkpoint.ShardTemp(dir, step)
+	tmp := checkpoint.ShardTemp(dir, step)
 	if err := agree(checkpoint.WriteShard(tmp, rank, world, ps, names, slots)); err != nil {
 		return "", err
 	}

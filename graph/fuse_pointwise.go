@@ -68,7 +68,6 @@ type pwGroup struct {
 	dag     *Pointwise
 	inputs  []int // old ids of the fused nodes' inputs, in input order
 	emitted bool
-	newIDs  []int // the new ids of its fused nodes, by outs
 }
 
 // pwState is what becomes of a group.
@@ -666,8 +665,7 @@ func (f *pwFuser) build() (*Graph, []int, error) {
 		ids[i] = -1
 	}
 	var emit func(i int) error
-	var emitGroup func(gi int) error
-	emitGroup = func(gi int) error {
+	emitGroup := func(gi int) error {
 		gr := f.groups[gi]
 		if gr.emitted {
 			return nil
