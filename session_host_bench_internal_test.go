@@ -161,6 +161,27 @@ func hostModels() []func() hostModel {
 			}}
 		},
 		func() hostModel {
+			cfg := models.Llama32_1B()
+			m := models.NewLlama(nn.Seed(1), cfg)
+			rng := rand.New(rand.NewPCG(2, 3))
+			var feeds [2][2]*tensor.Dense
+			for i := range feeds {
+				tok := testutil.Classes(rng, cfg.Vocab, 4, 2048)
+				labels, _, err := models.ShiftLabels(tok)
+				if err != nil {
+					panic(err)
+				}
+				feeds[i] = [2]*tensor.Dense{tok, labels}
+			}
+			opt := optim.NewAdamW(3e-4)
+			opt.WeightDecay = 0.01
+			return hostModel{name: "llama3.2-1b", mod: m, opt: opt, build: func(i int) *lazy.Tensor {
+				tok := lazy.Wrap(feeds[i%2][0], 0)
+				labels := tok.Graph().Wrap(feeds[i%2][1], 0)
+				return models.ShiftedCausalLMLoss(m.Forward(tok), labels, 4*2047)
+			}}
+		},
+		func() hostModel {
 			m := nn.MLP(nn.Seed(1), []int{784, 4096, 4096, 10}, nn.ReLU{})
 			rng := rand.New(rand.NewPCG(2, 3))
 			var feeds [2][2]*tensor.Dense
@@ -178,7 +199,8 @@ func hostModels() []func() hostModel {
 
 // BenchmarkStepHostWork times, on the CPU, the host work of gobench's
 // session mode under bf16-mixed for GPT-2 small (seq 1024, batch 8),
-// ResNet-50 (batch 64) and the MLP (batch 1024): "build" is the caller's graph build (the model's
+// ResNet-50 (batch 64), the Llama-3.2-1B shape (seq 2048, batch 4) and
+// the MLP (batch 1024): "build" is the caller's graph build (the model's
 // forward and loss over a step's data), "step" is Session.Step on an
 // executor that computes nothing (hostOnlyExecutor) in a steady loop, so
 // its ns/op and allocs/op are Step's host work before the first launch
