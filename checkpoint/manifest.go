@@ -229,49 +229,68 @@ func (m *Manifest) encode() ([]byte, error) {
 // version first, then strictly (no unknown fields), its own checksum and
 // the consistency of what it declares.
 func readManifest(dir string) (*Manifest, error) {
+	m := &Manifest{}
+	if err := decodeManifest(dir, Format, Version, "this batchfit reads", m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// manifestFile is a manifest decodeManifest reads: Manifest or
+// ShardedManifest.
+type manifestFile interface {
+	encode() ([]byte, error) // sets its Checksum to its contents'
+	check() error
+	checksum() string
+}
+
+func (m *Manifest) checksum() string { return m.Checksum }
+
+// decodeManifest reads dir's manifest file into m:
+// read within MaxManifestBytes, its format and version format's and
+// version's first (ErrVersion otherwise, the message saying expect), then
+// decoded strictly (no unknown fields, nothing after it), its own checksum
+// (ErrChecksum) and m.check's consistency.
+func decodeManifest(dir, format string, version int, expect string, m manifestFile) error {
 	path := filepath.Join(dir, ManifestFile)
 	b, err := readBounded(path, MaxManifestBytes)
 	if err != nil {
 		if os.IsNotExist(err) {
-			return nil, fmt.Errorf("%w: %s: %w", ErrNoCheckpoint, dir, err)
+			return fmt.Errorf("%w: %s: %w", ErrNoCheckpoint, dir, err)
 		}
-		return nil, fmt.Errorf("checkpoint: %w", err)
+		return fmt.Errorf("checkpoint: %w", err)
 	}
 	var head struct {
 		Format  string `json:"format"`
 		Version int    `json:"version"`
 	}
 	if err := json.Unmarshal(b, &head); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
+		return fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
 	}
-	if head.Format != Format || head.Version != Version {
-		return nil, fmt.Errorf("%w: %s declares %q version %d; this batchfit reads %q version %d", ErrVersion, path, head.Format, head.Version, Format, Version)
+	if head.Format != format || head.Version != version {
+		return fmt.Errorf("%w: %s declares %q version %d; %s %q version %d", ErrVersion, path, head.Format, head.Version, expect, format, version)
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
-	m := &Manifest{}
 	if err := dec.Decode(m); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
+		return fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
 	}
 	if dec.More() {
-		return nil, fmt.Errorf("%w: %s: data after the manifest", ErrCorrupt, path)
+		return fmt.Errorf("%w: %s: data after the manifest", ErrCorrupt, path)
 	}
-	want := m.Checksum
+	want := m.checksum()
 	if _, err := m.encode(); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
+		return fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
 	}
-	if m.Checksum != want {
-		return nil, fmt.Errorf("%w: %s: the manifest's checksum is %s, its contents' %s", ErrChecksum, path, want, m.Checksum)
+	if got := m.checksum(); got != want {
+		return fmt.Errorf("%w: %s: the manifest's checksum is %s, its contents' %s", ErrChecksum, path, want, got)
 	}
 	if err := m.check(); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return fmt.Errorf("%s: %w", path, err)
 	}
-	return m, nil
+	return nil
 }
 
-// check validates what a manifest declares against itself: known, unique
-// file names; bounded counts, shapes and dtypes; every tensor a set,
-// the optimizer or a group names present in its file.
 func (m *Manifest) check() error {
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: %s", ErrCorrupt, fmt.Sprintf(format, a...))

@@ -1,7 +1,6 @@
 package checkpoint
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -177,6 +176,8 @@ func (m *ShardedManifest) encode() ([]byte, error) {
 // check validates what a sharded manifest declares: a bounded world, a
 // flat space the shards cover, the parameters back to back in it, one
 // file per rank holding params and every slot of ShardLen values.
+func (m *ShardedManifest) checksum() string { return m.Checksum }
+
 func (m *ShardedManifest) check() error {
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: %s", ErrCorrupt, fmt.Sprintf(format, a...))
@@ -253,42 +254,9 @@ func OpenSharded(path string) (*Sharded, error) {
 	if err != nil {
 		return nil, err
 	}
-	mpath := filepath.Join(dir, ManifestFile)
-	b, err := readBounded(mpath, MaxManifestBytes)
-	if err != nil {
-		if os.IsNotExist(err) {
-			return nil, fmt.Errorf("%w: %s: %w", ErrNoCheckpoint, dir, err)
-		}
-		return nil, fmt.Errorf("checkpoint: %w", err)
-	}
-	var head struct {
-		Format  string `json:"format"`
-		Version int    `json:"version"`
-	}
-	if err := json.Unmarshal(b, &head); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, mpath, err)
-	}
-	if head.Format != ShardedFormat || head.Version != ShardedVersion {
-		return nil, fmt.Errorf("%w: %s declares %q version %d; a sharded checkpoint is %q version %d", ErrVersion, mpath, head.Format, head.Version, ShardedFormat, ShardedVersion)
-	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
 	m := &ShardedManifest{}
-	if err := dec.Decode(m); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, mpath, err)
-	}
-	if dec.More() {
-		return nil, fmt.Errorf("%w: %s: data after the manifest", ErrCorrupt, mpath)
-	}
-	want := m.Checksum
-	if _, err := m.encode(); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, mpath, err)
-	}
-	if m.Checksum != want {
-		return nil, fmt.Errorf("%w: %s: the manifest's checksum is %s, its contents' %s", ErrChecksum, mpath, want, m.Checksum)
-	}
-	if err := m.check(); err != nil {
-		return nil, fmt.Errorf("%s: %w", mpath, err)
+	if err := decodeManifest(dir, ShardedFormat, ShardedVersion, "a sharded checkpoint is", m); err != nil {
+		return nil, err
 	}
 	s := &Sharded{Dir: dir, Manifest: m}
 	for _, f := range m.Files {
