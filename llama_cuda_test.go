@@ -24,6 +24,31 @@ func llamaCUDAConfig() models.LlamaConfig {
 		MaxPositions: 256, RMSNormEps: 1e-5, TieEmbeddings: true, Rope: models.Llama32_1B().Rope}
 }
 
+// stepAgainstCPU runs steps AdamW steps (learning rate lr) of Llama gm
+// on the CUDA session gpu and of its twin cm on the CPU session cpu, over
+// the same batches of n sequences of seq tokens drawn from rng: each
+// step's losses agree within rtol relative, and gpu's planned peaks plus
+// Overhead are the measured ones.
+func stepAgainstCPU(t *testing.T, gpu, cpu *batchfit.Session, gm, cm *models.Llama, lr float64, rng *rand.Rand, steps, n, seq int, rtol float64) {
+	t.Helper()
+	ctx := context.Background()
+	gopt, copt := optim.NewAdamW(lr), optim.NewAdamW(lr)
+	for step := range steps {
+		tok := llamaCorpus(rng, gm.Config().Vocab, n, seq)
+		want, err := cpu.Step(ctx, llamaLoss(cm, tok), nn.ParamTensors(cm), copt)
+		require.NoError(t, err)
+		got, err := gpu.Step(ctx, llamaLoss(gm, tok), nn.ParamTensors(gm), gopt)
+		require.NoError(t, err)
+		pl, used := gpu.LastPlan(), gpu.LastUsage()
+		t.Logf("step %d: loss cpu %.6f, cuda %.6f; reserved predicted %d + overhead %d, measured %d",
+			step, want, got, pl.PeakReserved, gpu.Overhead(), used.PeakReserved)
+		require.False(t, math.IsNaN(float64(got)))
+		assert.InEpsilon(t, want, got, rtol, "step %d loss", step)
+		assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
+		assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
+	}
+}
+
 // models.Llama on CUDA through the Session, in fp32 and bf16-mixed: the
 // losses of five AdamW steps agree with the CPU session's (fp32 within
 // 1e-4 relative; bf16-mixed within 1e-2, 16-bit GEMMs summing in other
@@ -32,7 +57,6 @@ func llamaCUDAConfig() models.LlamaConfig {
 // and TestRotarySwiGLUMatchCPU check that the fused passes run).
 func TestSessionCUDALlama(t *testing.T) {
 	const steps, n, seq = 4, 4, 64
-	ctx := context.Background()
 	for _, c := range []struct {
 		prec precision.Policy
 		rtol float64
@@ -43,22 +67,7 @@ func TestSessionCUDALlama(t *testing.T) {
 			defer cpu.Close()
 			cfg := llamaCUDAConfig()
 			gm, cm := models.NewLlama(nn.Seed(31), cfg), models.NewLlama(nn.Seed(31), cfg)
-			gopt, copt := optim.NewAdamW(1e-3), optim.NewAdamW(1e-3)
-			rng := rand.New(rand.NewPCG(33, 34))
-			for step := range steps {
-				tok := llamaCorpus(rng, cfg.Vocab, n, seq)
-				want, err := cpu.Step(ctx, llamaLoss(cm, tok), nn.ParamTensors(cm), copt)
-				require.NoError(t, err)
-				got, err := gpu.Step(ctx, llamaLoss(gm, tok), nn.ParamTensors(gm), gopt)
-				require.NoError(t, err)
-				pl, used := gpu.LastPlan(), gpu.LastUsage()
-				t.Logf("step %d: loss cpu %.6f, cuda %.6f; reserved predicted %d + overhead %d, measured %d",
-					step, want, got, pl.PeakReserved, gpu.Overhead(), used.PeakReserved)
-				require.False(t, math.IsNaN(float64(got)))
-				assert.InEpsilon(t, want, got, c.rtol, "step %d loss", step)
-				assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-				assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
-			}
+			stepAgainstCPU(t, gpu, cpu, gm, cm, 1e-3, rand.New(rand.NewPCG(33, 34)), steps, n, seq, c.rtol)
 		})
 	}
 }

@@ -29,7 +29,6 @@ import (
 // plan's peaks plus Overhead are the measured ones at every step.
 func TestSessionCUDALoRA(t *testing.T) {
 	const steps, n, seq = 5, 4, 64
-	ctx := context.Background()
 	for _, c := range []struct {
 		prec precision.Policy
 		rtol float64
@@ -46,22 +45,7 @@ func TestSessionCUDALoRA(t *testing.T) {
 				return m
 			}
 			gm, cm := adapted(), adapted()
-			gopt, copt := optim.NewAdamW(1e-2), optim.NewAdamW(1e-2)
-			rng := rand.New(rand.NewPCG(43, 44))
-			for step := range steps {
-				tok := llamaCorpus(rng, cfg.Vocab, n, seq)
-				want, err := cpu.Step(ctx, llamaLoss(cm, tok), nn.ParamTensors(cm), copt)
-				require.NoError(t, err)
-				got, err := gpu.Step(ctx, llamaLoss(gm, tok), nn.ParamTensors(gm), gopt)
-				require.NoError(t, err)
-				pl, used := gpu.LastPlan(), gpu.LastUsage()
-				t.Logf("step %d: loss cpu %.6f, cuda %.6f; reserved predicted %d + overhead %d, measured %d",
-					step, want, got, pl.PeakReserved, gpu.Overhead(), used.PeakReserved)
-				require.False(t, math.IsNaN(float64(got)))
-				assert.InEpsilon(t, want, got, c.rtol, "step %d loss", step)
-				assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-				assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
-			}
+			stepAgainstCPU(t, gpu, cpu, gm, cm, 1e-2, rand.New(rand.NewPCG(43, 44)), steps, n, seq, c.rtol)
 		})
 	}
 }

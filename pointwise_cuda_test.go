@@ -1,19 +1,15 @@
 package batchfit_test
 
 import (
-	"context"
-	"math"
 	"math/rand/v2"
 	"testing"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
-	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/precision"
 )
 
@@ -25,7 +21,6 @@ import (
 // checks the kernels themselves).
 func TestSessionCUDAWrittenLlama(t *testing.T) {
 	const steps, n, seq = 4, 4, 64
-	ctx := context.Background()
 	for _, c := range []struct {
 		prec precision.Policy
 		rtol float64
@@ -37,22 +32,7 @@ func TestSessionCUDAWrittenLlama(t *testing.T) {
 			cfg := llamaCUDAConfig()
 			cfg.WrittenOut = true
 			gm, cm := models.NewLlama(nn.Seed(31), cfg), models.NewLlama(nn.Seed(31), cfg)
-			gopt, copt := optim.NewAdamW(1e-3), optim.NewAdamW(1e-3)
-			rng := rand.New(rand.NewPCG(33, 34))
-			for step := range steps {
-				tok := llamaCorpus(rng, cfg.Vocab, n, seq)
-				want, err := cpu.Step(ctx, llamaLoss(cm, tok), nn.ParamTensors(cm), copt)
-				require.NoError(t, err)
-				got, err := gpu.Step(ctx, llamaLoss(gm, tok), nn.ParamTensors(gm), gopt)
-				require.NoError(t, err)
-				pl, used := gpu.LastPlan(), gpu.LastUsage()
-				t.Logf("step %d: loss cpu %.6f, cuda %.6f; reserved predicted %d + overhead %d, measured %d",
-					step, want, got, pl.PeakReserved, gpu.Overhead(), used.PeakReserved)
-				require.False(t, math.IsNaN(float64(got)))
-				assert.InEpsilon(t, want, got, c.rtol, "step %d loss", step)
-				assert.Equal(t, pl.PeakReserved+gpu.Overhead(), used.PeakReserved, "step %d: peak reserved", step)
-				assert.Equal(t, pl.PeakAllocated+gpu.Overhead(), used.PeakAllocated, "step %d: peak allocated", step)
-			}
+			stepAgainstCPU(t, gpu, cpu, gm, cm, 1e-3, rand.New(rand.NewPCG(33, 34)), steps, n, seq, c.rtol)
 			fused := 0
 			for _, nd := range gpu.LastProgram().Graph.Nodes() {
 				if nd.Op == graph.OpFusedPointwise {
