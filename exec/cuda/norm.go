@@ -433,19 +433,11 @@ func addLayerNormKernels() []string {
 // multiple of 128 values up to 1024 (a transformer's width) run one warp a
 // row (add_layer_norm_w4_*), others add_layer_norm_*'s row layout.
 func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
-	ln := k.companionWith(graph.OpLayerNorm)
-	if ln.v == nil || noAddLayerNorm() || len(ln.in) < 1 || ln.in[0].p != s.p || s.dt != graph.Float32 {
+	ln, a, b, rows, d, ok := k.addNormOperands(graph.OpLayerNorm, a, b, s)
+	if !ok {
 		return false, nil
-	}
-	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) {
-		a, b = b, a
 	}
 	at := &ln.nd.Attrs
-	rows, d := normRows(s.shape, at.NormDims)
-	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) || !b.dt.IsFloat() || !ln.v.dt.IsFloat() ||
-		ln.v.n() != s.n() || rows == 0 || d == 0 || b.n() == 0 || b.n()%d != 0 || rows%(b.n()/d) != 0 {
-		return false, nil
-	}
 	w, bias := optional(ln.in, 1), optional(ln.in, 2)
 	for _, p := range []*operand{w, bias} {
 		if p != nil && (p.dt != graph.Float32 || p.n() != d) {
@@ -468,6 +460,28 @@ func (k *kctx) addLayerNorm(a, b, s operand) (bool, error) {
 		addLayerNorms.Add(1)
 	}
 	return err == nil, err
+}
+
+// addNormOperands is what an add fuses with the norm of its result s,
+// its companion of op (layer_norm or rms_norm): the companion, the add's
+// operands as a (float32, of s's shape) and b (a float broadcast over whole
+// rows), and the norm's rows and row width. ok is false when they do not
+// have that form, or BATCHFIT_ADD_LAYER_NORM=0: the add and the norm then
+// run their own kernels.
+func (k *kctx) addNormOperands(op graph.Op, a, b, s operand) (co companion, _, _ operand, rows, d int64, ok bool) {
+	co = k.companionWith(op)
+	if co.v == nil || noAddLayerNorm() || len(co.in) < 1 || co.in[0].p != s.p || s.dt != graph.Float32 {
+		return co, a, b, 0, 0, false
+	}
+	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) {
+		a, b = b, a
+	}
+	rows, d = normRows(s.shape, co.nd.Attrs.NormDims)
+	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) || !b.dt.IsFloat() || !co.v.dt.IsFloat() ||
+		co.v.n() != s.n() || rows == 0 || d == 0 || b.n() == 0 || b.n()%d != 0 || rows%(b.n()/d) != 0 {
+		return co, a, b, 0, 0, false
+	}
+	return co, a, b, rows, d, true
 }
 
 // addLNWarps is add_layer_norm_w4_*'s rows (warps) a block.

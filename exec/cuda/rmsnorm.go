@@ -2,7 +2,6 @@ package cuda
 
 import (
 	"math"
-	"slices"
 	"sync/atomic"
 
 	"github.com/batchfit/batchfit/alloc"
@@ -181,19 +180,11 @@ func addRMSNormKernels() []string {
 // the norm to their own kernels. BATCHFIT_ADD_LAYER_NORM=0 turns it off
 // as it does add_layer_norm.
 func (k *kctx) addRMSNorm(a, b, s operand) (bool, error) {
-	rn := k.companionWith(graph.OpRMSNorm)
-	if rn.v == nil || noAddLayerNorm() || len(rn.in) < 1 || rn.in[0].p != s.p || s.dt != graph.Float32 {
+	rn, a, b, rows, d, ok := k.addNormOperands(graph.OpRMSNorm, a, b, s)
+	if !ok {
 		return false, nil
-	}
-	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) {
-		a, b = b, a
 	}
 	at := &rn.nd.Attrs
-	rows, d := normRows(s.shape, at.NormDims)
-	if a.dt != graph.Float32 || !slices.Equal(a.shape, s.shape) || !b.dt.IsFloat() || !rn.v.dt.IsFloat() ||
-		rn.v.n() != s.n() || rows == 0 || d == 0 || b.n() == 0 || b.n()%d != 0 || rows%(b.n()/d) != 0 {
-		return false, nil
-	}
 	w := optional(rn.in, 1)
 	if w != nil && (w.dt != graph.Float32 || w.n() != d) {
 		return false, nil
