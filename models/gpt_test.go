@@ -174,9 +174,9 @@ func int64s(shape []int, data []int64) *tensor.Dense {
 	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(data))
 }
 
-// gptStep builds logits, loss and gradients of every parameter of m for
-// tokens and targets [b, t].
-type gptStep struct {
+// lmStep is a language model's training step as a graph: its logits,
+// loss and the gradients of every parameter (buildStep, buildLlamaStep).
+type lmStep struct {
 	g             *graph.Graph
 	logits, loss  *lazy.Tensor
 	params, grads []*lazy.Tensor
@@ -184,7 +184,26 @@ type gptStep struct {
 	outputs       []int // logits, loss, gradients
 }
 
-func buildStep(t *testing.T, m *models.GPT, b, n int, tokens, targets []int64) gptStep {
+// assertStepMatchesReference runs s on the CPU executor and through the
+// float64 reference: logits of shape logits, the loss and every gradient
+// within assertClose's tolerance.
+func assertStepMatchesReference(t *testing.T, s lmStep, logits []int) {
+	t.Helper()
+	got, err := cpu.New().Run(context.Background(), s.g, s.outputs...)
+	require.NoError(t, err)
+	want, err := ref.Eval(s.g, nil, s.outputs...)
+	require.NoError(t, err)
+	assert.Equal(t, logits, want[0].Shape)
+	assertClose(t, want[0], got[0], "logits")
+	assertClose(t, want[1], got[1], "loss")
+	for i, p := range s.params {
+		assertClose(t, want[i+2], got[i+2], "gradient of "+p.Name())
+	}
+}
+
+// buildStep builds m's step for tokens and targets [b, t].
+
+func buildStep(t *testing.T, m *models.GPT, b, n int, tokens, targets []int64) lmStep {
 	t.Helper()
 	x := lazy.Wrap(int64s([]int{b, n}, tokens), 0)
 	y := x.Graph().Wrap(int64s([]int{b, n}, targets), 0)
@@ -192,7 +211,7 @@ func buildStep(t *testing.T, m *models.GPT, b, n int, tokens, targets []int64) g
 	loss := models.Loss(logits, y)
 	params := nn.ParamTensors(m)
 	grads := lazy.Grad(loss, params...)
-	s := gptStep{g: x.Graph().IR(), logits: logits, loss: loss, params: params, grads: grads, tokens: x,
+	s := lmStep{g: x.Graph().IR(), logits: logits, loss: loss, params: params, grads: grads, tokens: x,
 		outputs: []int{logits.ID(), loss.ID()}}
 	require.NoError(t, loss.Err())
 	for _, gr := range grads {
@@ -248,18 +267,7 @@ func TestTinyGPTMatchesReference(t *testing.T) {
 	randomize(t, m, rng, 0.5)
 	const b, n = 3, 8
 	s := buildStep(t, m, b, n, randTokens(rng, b, n, cfg.Vocab), randTokens(rng, b, n, cfg.Vocab))
-
-	got, err := cpu.New().Run(context.Background(), s.g, s.outputs...)
-	require.NoError(t, err)
-	want, err := ref.Eval(s.g, nil, s.outputs...)
-	require.NoError(t, err)
-
-	assert.Equal(t, []int{b, n, cfg.Vocab}, want[0].Shape)
-	assertClose(t, want[0], got[0], "logits")
-	assertClose(t, want[1], got[1], "loss")
-	for i, p := range s.params {
-		assertClose(t, want[i+2], got[i+2], "gradient of "+p.Name())
-	}
+	assertStepMatchesReference(t, s, []int{b, n, cfg.Vocab})
 }
 
 // TestTiedHeadGradient holds the token embedding's gradient, which sums

@@ -1,7 +1,6 @@
 package models_test
 
 import (
-	"context"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -12,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorgonia.org/tensor"
 
-	"github.com/batchfit/batchfit/exec/cpu"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/ref"
 	"github.com/batchfit/batchfit/internal/testutil"
@@ -214,17 +212,9 @@ func TestRopeTable(t *testing.T) {
 	assert.ErrorIs(t, err, graph.ErrAttr)
 }
 
-// llamaStep builds logits, the causal LM loss and every parameter's
-// gradient of m for tokens [b, t] (labels: the tokens themselves, as
-// Hugging Face's labels=input_ids, some ignored).
-type llamaStep struct {
-	g             *graph.Graph
-	logits, loss  *lazy.Tensor
-	params, grads []*lazy.Tensor
-	outputs       []int
-}
-
-func buildLlamaStep(t *testing.T, m *models.Llama, b, n int, tokens, labels []int64) llamaStep {
+// buildLlamaStep builds m's step for tokens [b, t] (labels: the tokens
+// themselves, as Hugging Face's labels=input_ids, some ignored).
+func buildLlamaStep(t *testing.T, m *models.Llama, b, n int, tokens, labels []int64) lmStep {
 	t.Helper()
 	x := lazy.Wrap(int64s([]int{b, n}, tokens), 0)
 	y := x.Graph().Wrap(int64s([]int{b, n}, labels), 0)
@@ -233,7 +223,7 @@ func buildLlamaStep(t *testing.T, m *models.Llama, b, n int, tokens, labels []in
 	require.NoError(t, loss.Err())
 	params := nn.ParamTensors(m)
 	grads := lazy.Grad(loss, params...)
-	s := llamaStep{g: x.Graph().IR(), logits: logits, loss: loss, params: params, grads: grads, outputs: []int{logits.ID(), loss.ID()}}
+	s := lmStep{g: x.Graph().IR(), logits: logits, loss: loss, params: params, grads: grads, outputs: []int{logits.ID(), loss.ID()}}
 	for _, gr := range grads {
 		require.NoError(t, gr.Err())
 		s.outputs = append(s.outputs, gr.ID())
@@ -265,16 +255,7 @@ func TestTinyLlamaMatchesReference(t *testing.T) {
 	const b, n = 3, 9
 	tok := randTokens(rng, b, n, cfg.Vocab)
 	s := buildLlamaStep(t, m, b, n, tok, ignoreSome(tok))
-	got, err := cpu.New().Run(context.Background(), s.g, s.outputs...)
-	require.NoError(t, err)
-	want, err := ref.Eval(s.g, nil, s.outputs...)
-	require.NoError(t, err)
-	assert.Equal(t, []int{b, n, cfg.Vocab}, want[0].Shape)
-	assertClose(t, want[0], got[0], "logits")
-	assertClose(t, want[1], got[1], "loss")
-	for i, p := range s.params {
-		assertClose(t, want[i+2], got[i+2], "gradient of "+p.Name())
-	}
+	assertStepMatchesReference(t, s, []int{b, n, cfg.Vocab})
 }
 
 // TestLlamaGradientsFiniteDifferences holds every gradient of a tiny
