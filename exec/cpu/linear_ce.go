@@ -7,7 +7,6 @@ import (
 
 	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/planner"
 )
 
 // Fused head and loss: linear_cross_entropy and its gradients, each over
@@ -19,38 +18,13 @@ import (
 var linearCrossEntropyKernels = family{
 	graph.OpLinearCrossEntropy: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return lceKernel(&nd.Attrs, in[0], in[1], in[2], optional(in, 3), 0, out, nil, nil)
-	}, ws: lceWorkspace},
+	}, ws: exec.LossChunkWorkspace},
 	graph.OpLinearCrossEntropyGradH: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return lceKernel(&nd.Attrs, in[1], in[2], in[3], optional(in, 4), float64(in[0].f[0]), nil, out, nil)
-	}, ws: lceWorkspace},
+	}, ws: exec.LossChunkWorkspace},
 	graph.OpLinearCrossEntropyGradW: {run: func(nd *graph.Node, in []*buf, out *buf, _ int) error {
 		return lceKernel(&nd.Attrs, in[1], in[2], in[3], optional(in, 4), float64(in[0].f[0]), nil, nil, out)
-	}, ws: lceWorkspace},
-}
-
-// lceWorkspace is graph.LossChunkWorkspace, the CUDA kernels' (one
-// logits chunk in h's dtype of at most the node's chunk of rows, a
-// bounded workspace: planner.WorkspaceBound), and none for a gradient that a
-// linear_cross_entropy or its _grad_h node computes in its pass on CUDA
-// (graph.LinearCrossEntropyGradProducer): the plan is the CUDA
-// executor's, and the CPU's kernels take their scratch from the host.
-func lceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
-	if graph.LinearCrossEntropyGradProducer(g, nd.ID) >= 0 {
-		return 0
-	}
-	k := 0
-	if nd.Op != graph.OpLinearCrossEntropy {
-		k = 1
-	}
-	if len(nd.Inputs) < k+2 {
-		return 0
-	}
-	h, w := g.Node(nd.Inputs[k]).Type, g.Node(nd.Inputs[k+1]).Type
-	rows := graph.LossChunkRows(&nd.Attrs, graph.MaxBytes) // one whole chunk, at planner.WorkspaceBound
-	if b != planner.WorkspaceBound {
-		rows = h.AtBatch(b)[0]
-	}
-	return graph.LossChunkWorkspace(&nd.Attrs, rows, w.Shape[0])
+	}, ws: exec.LossChunkWorkspace},
 }
 
 // lceKernel runs the chunks of linear_cross_entropy over h [N, C], W

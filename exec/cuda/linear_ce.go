@@ -5,8 +5,8 @@ import (
 	"sync/atomic"
 
 	"github.com/batchfit/batchfit/alloc"
+	"github.com/batchfit/batchfit/exec"
 	"github.com/batchfit/batchfit/graph"
-	"github.com/batchfit/batchfit/planner"
 )
 
 // Fused head and loss (kernels/loss.cu's linear_ce_rows_*, cuBLAS):
@@ -24,7 +24,7 @@ import (
 var linearCrossEntropyKernels = family{
 	graph.OpLinearCrossEntropy: {run: func(k *kctx, in []operand, out operand) error {
 		return k.linearCEForward(in, out)
-	}, ws: lceWorkspace},
+	}, ws: exec.LossChunkWorkspace},
 	graph.OpLinearCrossEntropyGradH: {run: func(k *kctx, in []operand, out operand) error {
 		var dw *operand
 		cw := k.companionWith(graph.OpLinearCrossEntropyGradW)
@@ -38,37 +38,15 @@ var linearCrossEntropyKernels = family{
 			*cw.done = true
 		}
 		return nil
-	}, ws: lceWorkspace},
+	}, ws: exec.LossChunkWorkspace},
 	graph.OpLinearCrossEntropyGradW: {run: func(k *kctx, in []operand, out operand) error {
 		return k.linearCE(in[1], in[2], in[3], optional(in, 4), in[0].p, 1, nil, nil, &out, 3)
-	}, ws: lceWorkspace},
+	}, ws: exec.LossChunkWorkspace},
 }
 
 // fusedLinearCEs counts linear_cross_entropy launches that computed their
 // gradients too (tests read it).
 var fusedLinearCEs atomic.Int64
-
-// lceWorkspace is graph.LossChunkWorkspace at the chunk's rows, bounded
-// by the node's chunk of tokens (planner.WorkspaceBound), none for a
-// gradient whose producer computes it.
-func lceWorkspace(g *graph.Graph, nd *graph.Node, b int) int64 {
-	if graph.LinearCrossEntropyGradProducer(g, nd.ID) >= 0 {
-		return 0
-	}
-	k := 0
-	if nd.Op != graph.OpLinearCrossEntropy {
-		k = 1
-	}
-	if len(nd.Inputs) < k+2 {
-		return 0
-	}
-	h, w := g.Node(nd.Inputs[k]).Type, g.Node(nd.Inputs[k+1]).Type
-	rows := graph.LossChunkRows(&nd.Attrs, graph.MaxBytes) // one whole chunk, at planner.WorkspaceBound
-	if b != planner.WorkspaceBound {
-		rows = h.AtBatch(b)[0]
-	}
-	return graph.LossChunkWorkspace(&nd.Attrs, rows, w.Shape[0])
-}
 
 // sameOperand reports whether a gradient's output o has x's dtype and
 // shape.
