@@ -361,16 +361,11 @@ func estimate(c *estimateConfig) (*report, error) {
 		for _, bi := range st.program.Accumulators {
 			pr.Accumulators += st.program.Buffers[bi].Bytes(0)
 		}
-		sim := alloc.New(alloc.NewSimBackend(planner.Unlimited), alloc.Options{})
-		u, err := planner.Replay(st.program, planner.ChunksOf(c.batch, c.batch), sim, nil, false)
-		switch {
-		case errors.Is(err, alloc.ErrOutOfMemory):
-			pr.WholePeakReserved = -1
-		case err != nil:
+		whole, err := wholeBatchPeak(st.program, c.batch)
+		if err != nil {
 			return r, err
-		default:
-			pr.WholePeakReserved = u.PeakReserved
 		}
+		pr.WholePeakReserved = whole
 	}
 	r.Plan = pr
 	r.BatchStats, r.BatchNorm = pl.BatchStats, pl.StatsNote()
@@ -611,4 +606,19 @@ func plural(n int, word string) string {
 		return word
 	}
 	return word + "s"
+}
+
+// wholeBatchPeak is the peak reserved bytes of program p run as one chunk
+// of batch samples on an unlimited device (what estimate reports a chunked
+// plan's whole batch would need), −1 when even that runs out of memory.
+func wholeBatchPeak(p *planner.Program, batch int) (int64, error) {
+	sim := alloc.New(alloc.NewSimBackend(planner.Unlimited), alloc.Options{})
+	u, err := planner.Replay(p, planner.ChunksOf(batch, batch), sim, nil, false)
+	switch {
+	case errors.Is(err, alloc.ErrOutOfMemory):
+		return -1, nil
+	case err != nil:
+		return 0, err
+	}
+	return u.PeakReserved, nil
 }

@@ -117,15 +117,13 @@ func estimateZeRO(c *estimateConfig, st *step, r *report) (*report, error) {
 		for _, bi := range rp.Program.Accumulators {
 			pr.Accumulators += rp.Program.Buffers[bi].Bytes(0)
 		}
-		sim := alloc.New(alloc.NewSimBackend(planner.Unlimited), alloc.Options{})
-		u, err := planner.Replay(rp.Program, planner.ChunksOf(c.batch, c.batch), sim, nil, false)
-		switch {
-		case errors.Is(err, alloc.ErrOutOfMemory):
-			pr.WholePeakReserved = -1
-		case err != nil:
+		whole, err := wholeBatchPeak(rp.Program, c.batch)
+		if err != nil {
 			return r, err
-		default:
-			pr.WholePeakReserved = u.PeakReserved + z.overhead
+		}
+		pr.WholePeakReserved = whole
+		if whole >= 0 {
+			pr.WholePeakReserved += z.overhead
 		}
 	}
 	r.Plan, r.DoesNotFit = pr, nil
