@@ -141,18 +141,21 @@ func TestHTMLReportHeadless(t *testing.T) {
 			require.Equal(t, "1", ready, "the page's script ran to the end")
 			got, ok := bodyAttr(h.dom, "data-peak-allocated")
 			require.True(t, ok)
-			// The page draws one step's replay; the plan's peak is the larger
-			// of two steps, the second starting from the first's cache (see
-			// planner.simulate), so in general it may exceed the drawn one
-			// (GPT-2 small with fused attention, the zoo's gpt2-small, at this
-			// budget needs one more segment in its second step). For these two
-			// models they are the same step's, and the page shows the plan's
-			// peak to the byte.
-			assert.Equal(t, strconv.FormatInt(s.sim.Usage.PeakAllocated, 10), got, "the peak shown is the replayed step's peak")
-			assert.Equal(t, strconv.FormatInt(s.plan.PeakAllocated, 10), got, "the peak shown is the plan's predicted peak")
+			// The page draws the first step's replay; the plan's peak is the
+			// larger of two steps', the second starting from the first's cache
+			// (see planner.simulate), where a block carved from a cached
+			// segment may keep a remainder too small to split. The headline
+			// figures are the plan's, and say so when the second step's are
+			// larger than the timeline drawn.
+			assert.Equal(t, strconv.FormatInt(s.sim.Usage.PeakAllocated, 10), got, "the peak drawn is the replayed step's peak")
 			gotRes, _ := bodyAttr(h.dom, "data-peak-reserved")
 			assert.Equal(t, strconv.FormatInt(s.sim.Usage.PeakReserved, 10), gotRes, "the reserved peak of the replay drawn")
-			assert.Equal(t, strconv.FormatInt(s.plan.PeakReserved, 10), gotRes, "the reserved peak shown is the plan's")
+			require.GreaterOrEqual(t, s.plan.PeakAllocated, s.sim.Usage.PeakAllocated)
+			require.GreaterOrEqual(t, s.plan.PeakReserved, s.sim.Usage.PeakReserved)
+			if s.plan.PeakAllocated > s.sim.Usage.PeakAllocated || s.plan.PeakReserved > s.sim.Usage.PeakReserved {
+				assert.Contains(t, h.dom, "in the second step, from the first's cache", "the page says where the plan's larger peak comes from")
+			}
+			assert.Contains(t, h.dom, thousands(s.plan.PeakReserved)+" B", "the figure states the plan's reserved bytes")
 			assert.Contains(t, h.dom, thousands(s.plan.PeakAllocated)+" B", "the figure states the exact bytes")
 			assert.Contains(t, h.dom, `id="peaklabel"`, "the timeline marks the peak")
 			assert.NotContains(t, h.dom, "<img")
