@@ -49,6 +49,12 @@ type StepPlan struct {
 	// graph's nodes and bytes before and after. A training step's last
 	// is the recompute pass's.
 	Passes []compile.Report
+	// Levers are the settings of the memory levers the session chose
+	// among for this step, in the order tried, the one planned marked
+	// Chosen: a fused loss's token chunks (Options.LossChunk 0), and with
+	// Options.Offload OffloadAuto both placements of the optimizer. Nil
+	// when there was no choice to make.
+	Levers []LeverChoice
 }
 
 // Plan builds and plans the training step Step(ctx, loss, params, opt)
@@ -83,7 +89,7 @@ func (s *Session) Plan(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optim
 		return nil, err
 	}
 	defer cs.release()
-	sp := &StepPlan{Program: cs.prog.Rebind(structure(cs.prog.Graph)), Recompute: cs.re, Overhead: s.Overhead(), Passes: cs.passes}
+	sp := &StepPlan{Program: cs.prog.Rebind(structure(cs.prog.Graph)), Recompute: cs.re, Overhead: s.Overhead(), Passes: cs.passes, Levers: cs.levers}
 	plain := sp.Program.Graph
 	if cs.prog.Graph != cs.g {
 		plain = structure(cs.g)

@@ -95,8 +95,8 @@ type Options struct {
 	// with the replayed peak within the budget; LastRecompute says which.
 	// Gradients are those of the plain step. Eval never recomputes.
 	Recompute recompute.Mode
-	// Profile is the cost model's device for Recompute (zero:
-	// recompute.DefaultProfile).
+	// Profile is the cost model's device for Recompute and the choice of
+	// LossChunk and Offload (zero: recompute.DefaultProfile).
 	Profile recompute.Profile
 	// LossScale configures dynamic loss scaling (precision.LossScale:
 	// torch.cuda.amp.GradScaler's semantics), which Step applies under
@@ -141,8 +141,11 @@ type Options struct {
 	// "bf16-mixed" only). Every float32 parameter, trained or not, is
 	// held on the device in bfloat16, for Step and Eval alike. Plans
 	// count both sides: LastPlan().HostPinned is the host bytes,
-	// HostPinned what the executor holds. An unknown mode or another
-	// policy makes the session hold an error wrapping ErrOffload.
+	// HostPinned what the executor holds. OffloadAuto plans the first
+	// training step both ways and keeps the faster that fits
+	// (Session.Offload says which, StepPlan.Levers what was weighed). An
+	// unknown mode, or OffloadOptimizer under another policy, makes the
+	// session hold an error wrapping ErrOffload.
 	Offload Offload
 	// NoFusedLoss keeps a language model's head and loss as built (the
 	// same as naming "fuse-linear-cross-entropy" in DisablePasses). By
@@ -154,9 +157,11 @@ type Options struct {
 	// seed (no loss scaling) the forward pass gives both gradients.
 	NoFusedLoss bool
 	// LossChunk is the tokens per logits chunk of a fused loss (0: the
-	// planner's choice, planner.ChooseLossChunk: the largest power of two
-	// from graph.MaxLossChunk down whose plan fits the budget with the
-	// fewest batch chunks). LastPlan().LossChunk reports the one planned.
+	// session's choice among the powers of two from graph.MaxLossChunk
+	// down, planner.LossChunkCandidates, each planned with its batch
+	// chunks and recompute choice: the shortest step the cost model
+	// predicts (Profile) whose plan fits; StepPlan.Levers lists them).
+	// LastPlan().LossChunk reports the one planned.
 	LossChunk int
 	// DisablePasses names graph passes of the pipeline (package compile:
 	// compile.Names) that the session's steps skip, to compare a step
@@ -212,11 +217,15 @@ type Session struct {
 	usage    planner.Usage
 	chosen   lru.Cache[chosenKey, chosen] // recompute choices by step and budget
 	// lossChunks are the fused loss's token chunks chosen
-	// (planner.ChooseLossChunk) by step and budget; guarded by mu.
-	lossChunks lru.Cache[chosenKey, int]
-	steps      lru.Cache[stepKey, *stepTemplate]
-	stepHits   int
-	lastRe     Recomputed
+	// (chooseLossChunk) by step and budget; guarded by mu.
+	lossChunks lru.Cache[chosenKey, lossChoice]
+	// offloadChosen is an OffloadAuto session's choice (offloadUndecided,
+	// offloadOff, offloadOn), made once under offloadMu (decideOffload).
+	offloadChosen atomic.Int32
+	offloadMu     sync.Mutex
+	steps         lru.Cache[stepKey, *stepTemplate]
+	stepHits      int
+	lastRe        Recomputed
 	// latest is the template of the latest training step: a steady loop's
 	// next forward graph is compared with its forward graph, field by
 	// field, instead of being hashed.
@@ -549,7 +558,7 @@ func NewSession(opts Options) *Session {
 		opts.DisablePasses = append(slices.Clip(opts.DisablePasses), compile.FuseLinearCrossEntropy)
 	}
 	s := &Session{opts: opts, programs: lru.Cache[programKey, programEntry]{Max: planner.CacheSize},
-		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}, lossChunks: lru.Cache[chosenKey, int]{Max: planner.CacheSize},
+		chosen: lru.Cache[chosenKey, chosen]{Max: planner.CacheSize}, lossChunks: lru.Cache[chosenKey, lossChoice]{Max: planner.CacheSize},
 		steps: lru.Cache[stepKey, *stepTemplate]{Max: planner.CacheSize}}
 	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	if s.policy, s.err = precision.Parse(opts.Precision); s.err != nil {
@@ -1481,6 +1490,8 @@ type compiledStep struct {
 	// passes is what each pass of the pipeline did (StepPlan.Passes;
 	// nil for a step that runs).
 	passes []compile.Report
+	// levers are the lever settings the step chose among (StepPlan.Levers).
+	levers []LeverChoice
 	// ids are the step's outputs: the loss, the gradients of trained (kept
 	// on the device), then from first on the graph's step updates.
 	ids     []int
@@ -1509,6 +1520,10 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	}
 	if opt == nil {
 		return nil, &graph.OpError{Op: "step", Err: graph.Errorf(graph.ErrNilTensor, "nil optimizer")}
+	}
+	weighed, err := s.decideOffload(loss, params, opt)
+	if err != nil {
+		return nil, err
 	}
 	if s.offloading() {
 		if err := offloadOptimizer(opt); err != nil {
@@ -1592,7 +1607,8 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if tmpl != nil {
 		tmplPasses = tmpl.passes
 	}
-	if lc, err := s.lossChunked(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale); err != nil {
+	lc, levers, err := s.lossChunked(ir, tmpl, st.Scaled+1, ids, trained, opt.StateSlots(), unscale)
+	if err != nil {
 		return nil, err
 	} else if lc != ir {
 		if tmpl != nil {
@@ -1612,26 +1628,30 @@ func (s *Session) compileStep(loss *lazy.Tensor, params []*lazy.Tensor, opt opti
 	if !runnable {
 		passes = append(slices.Clip(tmplPasses), rr)
 	}
-	return &compiledStep{prog: prog, re: re, passes: passes, ids: ids, first: first, updates: updates, trained: trained, g: ir,
+	if weighed != nil { // the step that chose the optimizer's place lists both
+		levers = weighed
+	}
+	return &compiledStep{prog: prog, re: re, passes: passes, levers: levers, ids: ids, first: first, updates: updates, trained: trained, g: ir,
 		boundary: st.Scaled + 1, slots: opt.StateSlots(), scale: scale, unscale: unscale, release: release}, nil
 }
 
 // lossChunked is step graph g with its fused loss's token chunk set
-// (graph.WithLossChunk): Options.LossChunk, or planner.ChooseLossChunk's
-// choice within the current budget, each candidate planned as the step
-// runs (recompute choice included), and cached by step and budget. g
-// itself when it has no fused loss or holds the chunk already.
-func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool) (*graph.Graph, error) {
+// (graph.WithLossChunk): Options.LossChunk, or chooseLossChunk's choice
+// within the current budget (every setting tried listed in the second
+// result), cached by step and budget. g itself when it has no fused loss
+// or holds the chunk already.
+func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids, trained []int, slots int, unscale bool) (*graph.Graph, []LeverChoice, error) {
 	_, rows, _, _, ok := graph.LossChunkOf(g)
 	if !ok {
-		return g, nil
+		return g, nil, nil
 	}
 	if s.opts.LossChunk > 0 {
-		return graph.WithLossChunk(g, s.opts.LossChunk)
+		lc, err := graph.WithLossChunk(g, s.opts.LossChunk)
+		return lc, nil, err
 	}
 	budget, err := s.budget()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	held := s.be.Held()
 	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
@@ -1641,26 +1661,24 @@ func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids
 	s.mu.Unlock()
 	if !hit {
 		// A step over the whole batch plans it; chunks of it hold fewer rows.
-		c, _, err = planner.ChooseLossChunk(rows, budget >= planner.Unlimited, func(c int) (*planner.Plan, error) {
-			gc, err := graph.WithLossChunk(g, c)
-			if err != nil {
-				return nil, err
-			}
-			p, _, _, err := s.recomputed(gc, nil, boundary, ids, trained, slots, unscale, false)
-			if err != nil {
-				return nil, err
-			}
-			return s.planNext(p)
-		})
-		var dnf *planner.DoesNotFitError
-		if err != nil && !errors.As(err, &dnf) {
-			return nil, err
+		chunk, alts, err := s.chooseLossChunk(g, rows, boundary, ids, trained, slots, unscale)
+		if err != nil {
+			return nil, nil, err
 		}
+		c = lossChoice{chunk: chunk, alts: alts}
 		s.mu.Lock()
 		s.lossChunks.Put(key, c)
 		s.mu.Unlock()
 	}
-	return graph.WithLossChunk(g, c)
+	lc, err := graph.WithLossChunk(g, c.chunk)
+	return lc, c.alts, err
+}
+
+// lossChoice is a fused loss's token chunk chosen for a step and budget,
+// with the settings tried.
+type lossChoice struct {
+	chunk int
+	alts  []LeverChoice
 }
 
 // rechunkTemplate gives template t's step graph the fused loss's token

@@ -3,9 +3,12 @@ package batchfit
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/optim"
+	"github.com/batchfit/batchfit/planner"
 	"github.com/batchfit/batchfit/precision"
 )
 
@@ -24,6 +27,18 @@ const (
 	// holds bfloat16 weights and gradients only, 4 bytes a parameter
 	// instead of 16. It needs Precision "bf16-mixed" and an *optim.Adam.
 	OffloadOptimizer Offload = "optimizer"
+	// OffloadAuto lets the session choose between the two: the first
+	// training step it plans (Plan, MaxBatch or Step) is planned both
+	// ways, each with its loss chunk, recompute set and batch chunks, and
+	// the session offloads when that step's predicted time is the shorter
+	// of the plans that fit (recompute's cost model, Options.Profile,
+	// whose host bandwidth and host update rate price the optimizer's
+	// trip; StepPlan.Levers lists both). The session keeps that choice
+	// for its life: the optimizer state lives where it started. It
+	// offloads nothing under a policy other than "bf16-mixed", for an
+	// optimizer other than Adam and AdamW, without a budget (everything
+	// fits), or when an Eval has made parameters resident already.
+	OffloadAuto Offload = "auto"
 )
 
 // ErrOffload is wrapped by the errors of an offload the session cannot
@@ -31,15 +46,17 @@ const (
 // other than Adam and AdamW.
 var ErrOffload = errors.New("offload")
 
-// ParseOffload maps a name ("", "none", "optimizer") to its mode.
+// ParseOffload maps a name ("", "none", "optimizer", "auto") to its mode.
 func ParseOffload(name string) (Offload, error) {
 	switch name {
 	case "", "none":
 		return OffloadNone, nil
 	case string(OffloadOptimizer):
 		return OffloadOptimizer, nil
+	case string(OffloadAuto):
+		return OffloadAuto, nil
 	}
-	return "", fmt.Errorf("%w: unknown mode %q (want none or optimizer)", ErrOffload, name)
+	return "", fmt.Errorf("%w: unknown mode %q (want none, optimizer or auto)", ErrOffload, name)
 }
 
 // checkOffload is NewSession's check of Options.Offload under policy p.
@@ -54,8 +71,100 @@ func checkOffload(o Offload, p precision.Policy) error {
 	return nil
 }
 
-// offloading reports whether the session offloads its optimizer.
-func (s *Session) offloading() bool { return s.opts.Offload == OffloadOptimizer }
+// offloading reports whether the session offloads its optimizer:
+// Options.Offload says so, or OffloadAuto chose it (decideOffload).
+func (s *Session) offloading() bool {
+	return s.opts.Offload == OffloadOptimizer || s.offloadChosen.Load() == offloadOn
+}
+
+// Offload is where the session's optimizer runs: Options.Offload, or
+// under OffloadAuto its choice once the first training step has been
+// planned (OffloadNone or OffloadOptimizer; OffloadAuto until then).
+func (s *Session) Offload() Offload {
+	switch {
+	case s.opts.Offload != OffloadAuto:
+		return s.opts.Offload
+	case s.offloadChosen.Load() == offloadOn:
+		return OffloadOptimizer
+	case s.offloadChosen.Load() == offloadOff:
+		return OffloadNone
+	}
+	return OffloadAuto
+}
+
+// The states of an OffloadAuto session's choice (Session.offloadChosen).
+const (
+	offloadUndecided int32 = iota
+	offloadOff
+	offloadOn
+)
+
+// decideOffload makes an OffloadAuto session's choice at its first
+// training step (OffloadAuto's rule) and returns the settings it weighed,
+// or nil when there was nothing to decide. Both placements are planned on
+// dry-run sessions of the same options, device workspace rule, overhead
+// and budget, so that this session's caches hold programs of the chosen
+// placement only; with nothing resident yet, a dry run's plan is the
+// plan this session makes.
+func (s *Session) decideOffload(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) ([]LeverChoice, error) {
+	if s.opts.Offload != OffloadAuto || s.offloadChosen.Load() != offloadUndecided {
+		return nil, nil
+	}
+	s.offloadMu.Lock()
+	defer s.offloadMu.Unlock()
+	if s.offloadChosen.Load() != offloadUndecided {
+		return nil, nil
+	}
+	budget, err := s.budget()
+	if err != nil {
+		return nil, err
+	}
+	if _, adam := opt.(*optim.Adam); !adam || s.policy != precision.BF16Mixed || budget >= planner.Unlimited || len(s.be.Held()) > 0 {
+		s.offloadChosen.Store(offloadOff)
+		return nil, nil
+	}
+	var alts []LeverChoice
+	best, bestSeconds := offloadOff, math.Inf(1)
+	for _, o := range []Offload{OffloadNone, OffloadOptimizer} {
+		opts := s.opts
+		opts.Offload, opts.Budget, opts.Device = o, budget+s.be.Overhead(), DeviceCPU
+		opts.DryRun = &DryRun{Workspace: s.be.Workspace(), Overhead: s.be.Overhead()}
+		probe := NewSession(opts)
+		sp, err := probe.Plan(loss, params, opt)
+		probe.Close()
+		var dnf *planner.DoesNotFitError
+		if sp == nil || err != nil && !errors.As(err, &dnf) {
+			if o == OffloadNone {
+				return nil, err
+			}
+			// A step the offloaded optimizer cannot run: the device's it is.
+			alts = append(alts, LeverChoice{Offload: o, Err: err})
+			continue
+		}
+		tried := sp.Levers
+		if len(tried) == 0 { // no fused loss: one setting
+			c := LeverChoice{Offload: o, Recompute: sp.Recompute.Strategy, Plan: sp.Plan, Err: err, Chosen: sp.Plan != nil}
+			if sp.Plan != nil {
+				c.Seconds, c.OffloadSeconds = s.predicted(sp.Program, sp.Plan)
+			}
+			tried = []LeverChoice{c}
+		}
+		for _, c := range tried {
+			if c.Chosen && c.Plan != nil && c.Seconds < bestSeconds { // a tie keeps the device's
+				best, bestSeconds = offloadOff, c.Seconds
+				if o == OffloadOptimizer {
+					best = offloadOn
+				}
+			}
+		}
+		alts = append(alts, tried...)
+	}
+	for i := range alts {
+		alts[i].Chosen = alts[i].Chosen && (alts[i].Offload == OffloadOptimizer) == (best == offloadOn)
+	}
+	s.offloadChosen.Store(best)
+	return alts, nil
+}
 
 // offloadOptimizer refuses an optimizer an offloaded step cannot run.
 func offloadOptimizer(opt optim.Optimizer) error {

@@ -162,7 +162,7 @@ type Options struct {
 	OffloadParams bool
 	// LossChunk is the fused loss's tokens per logits chunk
 	// (graph.Attrs.LossChunk; 0: graph.DefaultLossChunk, which a Session
-	// replaces by its planner's choice, planner.ChooseLossChunk).
+	// replaces by its choice, batchfit.Options.LossChunk).
 	LossChunk int
 	// NoMeasure leaves the reports' byte counts zero (Report.Measured
 	// false): Session.Eval sets it, as it runs the passes on every call.

@@ -14,7 +14,7 @@ import "slices"
 // h (reshaped to [N, C] where it has more axes), W and the labels, with the
 // cross_entropy's reduction and classes (Attrs.End: a padded head's, as
 // package precision pads it) and the default token chunk (the session
-// sets the planner's, planner.ChooseLossChunk). Preconditions, each
+// sets the one a Session chooses, batchfit.Options.LossChunk). Preconditions, each
 // checked (a graph that fails one is copied unchanged):
 //
 //   - the cross_entropy is the loss: one of outputs read by nothing else,
@@ -198,7 +198,7 @@ func headOperands(g *Graph, p int) (h, w int, ok bool) {
 
 // WithLossChunk is a copy of g whose linear_cross_entropy nodes and their
 // gradients run over chunks of t tokens (Attrs.LossChunk), for the planner's
-// choice (planner.ChooseLossChunk); g itself when it has none, or when
+// choice (batchfit.Options.LossChunk); g itself when it has none, or when
 // every one has t already.
 func WithLossChunk(g *Graph, t int) (*Graph, error) {
 	need := false

@@ -33,7 +33,7 @@ const (
 )
 
 // Token-chunk bounds of linear_cross_entropy (Attrs.LossChunk): the
-// planner picks a power of two between them (planner.ChooseLossChunk);
+// a Session picks a power of two between them (batchfit.Options.LossChunk);
 // DefaultLossChunk is the chunk of a node made with LossChunk 0.
 const (
 	MinLossChunk     = 256

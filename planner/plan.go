@@ -195,8 +195,8 @@ type Plan struct {
 	BatchStats     string
 	BatchNormNodes int
 	// LossChunk is the tokens per logits chunk of the step's fused loss
-	// (graph.OpLinearCrossEntropy's Attrs.LossChunk, ChooseLossChunk's
-	// choice in a Session), 0 when it has none.
+	// (graph.OpLinearCrossEntropy's Attrs.LossChunk: in a Session, its
+	// choice), 0 when it has none.
 	LossChunk int
 }
 

@@ -1,6 +1,7 @@
 package recompute
 
 import (
+	"math"
 	"slices"
 
 	"github.com/batchfit/batchfit/graph"
@@ -8,8 +9,10 @@ import (
 )
 
 // Profile is what the cost model knows about a device: a roofline. A node
-// costs max(flops/rate, bytes/Bandwidth) + Launch seconds, and an input
-// batch its bytes over HostBandwidth each chunk, where rate is,
+// costs max(flops/rate, bytes/Bandwidth) + Launch seconds (a fused loss
+// one Launch more per kernel of each further logits chunk), an input
+// batch its bytes over HostBandwidth each chunk, and an offloaded
+// optimizer OffloadSeconds a step, where rate is,
 // by the node's op and dtype:
 //   - matrix products and convolutions: MatMulFLOPS for float32
 //     (TF32FLOPS when TF32 is on and the profile has it); for 16-bit
@@ -51,8 +54,14 @@ type Profile struct {
 	Bandwidth          float64 `json:"bandwidth"`    // bytes/s that kernels stream
 	Launch             float64 `json:"launch"`       // seconds per kernel launch
 	// HostBandwidth is the bytes/s at which a step's input batch goes from
-	// host memory to the device, every chunk; 0 leaves the upload out.
+	// host memory to the device, every chunk, and an offloaded optimizer's
+	// gradients and weights cross (pinned memory both ways); 0 leaves the
+	// upload out and prices offload at NominalHostBandwidth.
 	HostBandwidth float64 `json:"host_bandwidth,omitempty"`
+	// HostUpdateRate is the parameters/s an offloaded optimizer's host
+	// update (optim.Adam.StepOffloadEach on every core) goes through; 0:
+	// NominalHostUpdateRate. batchfit calibrate measures it.
+	HostUpdateRate float64 `json:"host_update_rate,omitempty"`
 	// Sources says where each figure comes from ("measured: ...",
 	// "nominal: ..."); informational.
 	Sources map[string]string `json:"sources,omitempty"`
@@ -101,11 +110,34 @@ func Profiles() map[string]Profile {
 }
 
 // nodeCost is a node's work at chunk size b: flops(b) = F0 + F1·b,
-// bytes(b) = B0 + B1·b, at the rate of its kind.
+// bytes(b) = B0 + B1·b, at the rate of its kind. A fused loss
+// (linear_cross_entropy) runs rows(b) = R0 + R1·b token rows in chunks of
+// LossChunk rows, each chunk's kernels launched anew (LossChunkLaunches).
 type nodeCost struct {
 	F0, F1, B0, B1 float64
 	kind           rateKind
+	R0, R1         float64 // a fused loss's token rows
+	lossChunk      int     // its tokens per logits chunk; 0: not a fused loss
+	chunkLaunches  int     // launches per logits chunk
 }
+
+// LossChunkLaunches are the kernels exec/cuda's fused loss launches per
+// chunk of tokens: the logits GEMM, the rows' loss and softmax kernel and
+// the loss's sum, then with the gradients the hidden states' and the
+// weight's GEMMs.
+const (
+	LossChunkLaunches      = 3
+	LossChunkGradsLaunches = 5
+)
+
+// Nominal host figures price an offloaded optimizer where a profile has
+// no measured one: pinned copies over PCIe 4 x16 (about 25 GB/s), and the
+// host AdamW on 16 cores at the 45 M parameters/s a core that
+// optim's BenchmarkStepOffload measures (91 M/s on two cores).
+const (
+	NominalHostBandwidth  = 25e9
+	NominalHostUpdateRate = 7e8
+)
 
 // rateKind says which of a profile's rates prices a node (Profile).
 type rateKind uint8
@@ -234,6 +266,10 @@ type Cost struct {
 	perStep float64 // optimizer update, seconds per step
 	accum   float64 // gradient accumulation, seconds per chunk after the first
 	FLOPs   float64 // flops of one whole-batch chunk, for reports
+	// Offload is the seconds per step of an offloaded optimizer (the
+	// program compiled with planner.CompileOptions.Offload), in perStep:
+	// OffloadSeconds. 0 otherwise.
+	Offload float64
 }
 
 // NewCost prices p's nodes under prof. slots is the optimizer's state
@@ -266,9 +302,7 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 		if p.Info.LastUse[id] < 0 || nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape || companion[id] {
 			continue
 		}
-		f0, b0 := work(g, nd, 0)
-		f1, b1 := work(g, nd, 1)
-		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, kind: kindOf(g, nd)}
+		nc := priced(g, nd)
 		c.nodes = append(c.nodes, nc)
 		c.launch++
 		c.FLOPs += nc.F0 + nc.F1*float64(p.Batch)
@@ -285,8 +319,52 @@ func NewCost(p *planner.Program, prof Profile, tf32 bool) *Cost {
 	// The update reads gradients, parameters and state and writes
 	// parameters and state; accumulation reads and writes the sums.
 	c.perStep = (3*kept+2*state)/prof.Bandwidth + float64(UpdateLaunches(len(p.Trained)))*prof.Launch
+	if p.Offloaded {
+		var params int64
+		for _, id := range p.Trained {
+			params += int64(nodes[id].Type.Numel())
+		}
+		c.Offload = prof.OffloadSeconds(params)
+		c.perStep = c.Offload
+	}
 	c.accum = 3*kept/prof.Bandwidth + float64(len(p.Kept))*prof.Launch
 	return c
+}
+
+// OffloadSeconds is the host's share of an offloaded optimizer step over
+// params parameters, as exec.OffloadHost runs it: the bfloat16 gradients
+// copied down (2 bytes each), then the float32 update on every core with
+// each parameter's new bfloat16 weights copied back as soon as it is done,
+// so the update and the upload overlap and the slower of the two counts.
+func (p Profile) OffloadSeconds(params int64) float64 {
+	bw, rate := p.HostBandwidth, p.HostUpdateRate
+	if bw <= 0 {
+		bw = NominalHostBandwidth
+	}
+	if rate <= 0 {
+		rate = NominalHostUpdateRate
+	}
+	n := float64(params)
+	return 2*n/bw + max(n/rate, 2*n/bw)
+}
+
+// priced is node nd's cost.
+func priced(g *graph.Graph, nd *graph.Node) nodeCost {
+	f0, b0 := work(g, nd, 0)
+	f1, b1 := work(g, nd, 1)
+	nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, kind: kindOf(g, nd)}
+	if nd.Op == graph.OpLinearCrossEntropy && len(nd.Inputs) >= 3 {
+		h := g.Node(nd.Inputs[0]).Type
+		if c := h.Shape[len(h.Shape)-1]; c > 0 {
+			r0, r1 := float64(graph.Numel(h.AtBatch(0))/c), float64(graph.Numel(h.AtBatch(1))/c)
+			nc.R0, nc.R1, nc.lossChunk = r0, r1-r0, max(nd.Attrs.LossChunk, 1)
+			nc.chunkLaunches = LossChunkLaunches
+			if lceHasGrads(g, nd.ID) {
+				nc.chunkLaunches = LossChunkGradsLaunches
+			}
+		}
+	}
+	return nc
 }
 
 // Plus returns c with the given nodes of g added to every chunk (the
@@ -300,9 +378,7 @@ func (c *Cost) Plus(g *graph.Graph, ids []int) *Cost {
 		if nd.Op.Category() == graph.CatSource || nd.Op == graph.OpReshape {
 			continue
 		}
-		f0, b0 := work(g, nd, 0)
-		f1, b1 := work(g, nd, 1)
-		nc := nodeCost{F0: f0, F1: f1 - f0, B0: b0, B1: b1 - b0, kind: kindOf(g, nd)}
+		nc := priced(g, nd)
 		d.nodes = append(d.nodes, nc)
 		d.launch++
 		d.FLOPs += nc.F0 + nc.F1*batch
@@ -322,6 +398,10 @@ func (c *Cost) Chunk(b int) float64 {
 			continue
 		}
 		t += max((n.F0+n.F1*x)/c.prof.rate(n.kind, c.tf32), (n.B0+n.B1*x)/c.prof.Bandwidth)
+		if n.lossChunk > 0 { // the launches of every logits chunk after the first
+			chunks := math.Ceil((n.R0 + n.R1*x) / float64(n.lossChunk))
+			t += max(chunks-1, 0) * float64(n.chunkLaunches) * c.prof.Launch
+		}
 	}
 	return t + float64(c.launch)*c.prof.Launch
 }

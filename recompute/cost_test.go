@@ -60,3 +60,43 @@ func TestUpdateLaunchesArePriced(t *testing.T) {
 		assert.InDelta(t, float64(c.launches), cost.Step(planner.Split{N: 8, K: 1})-cost.Chunk(8), 1e-9, "%d parameters", c.trained)
 	}
 }
+
+// TestOffloadSecondsArePriced: an offloaded optimizer's step copies 2
+// bytes a parameter down, then updates on the host while copying 2 bytes
+// a parameter back, the slower of the two counting; a profile without
+// host figures prices it at the nominal ones.
+func TestOffloadSecondsArePriced(t *testing.T) {
+	p := recompute.Profile{HostBandwidth: 1e9, HostUpdateRate: 1e8}
+	assert.InDelta(t, 2e6/1e9+1e6/1e8, p.OffloadSeconds(1e6), 1e-12, "update bound")
+	p.HostUpdateRate = 1e10
+	assert.InDelta(t, 2e6/1e9+2e6/1e9, p.OffloadSeconds(1e6), 1e-12, "upload bound")
+	nominal := recompute.Profile{}
+	assert.InDelta(t, 2e6/recompute.NominalHostBandwidth+max(1e6/recompute.NominalHostUpdateRate, 2e6/recompute.NominalHostBandwidth),
+		nominal.OffloadSeconds(1e6), 1e-12)
+	require.Error(t, recompute.Profile{Name: "x", MatMulFLOPS: 1e12, VectorFLOPS: 1e12, Bandwidth: 1e11, HostUpdateRate: 1e-3}.Validate(),
+		"a host update rate outside the plausible bounds")
+}
+
+// TestLossChunkLaunchesArePriced: a fused loss over 1,024 token rows in
+// chunks of t launches its kernels ⌈1024/t⌉ times, the first with the
+// node's own launch: with 1 s launches and a free memory system, halving
+// the chunk from 1,024 to 512 adds one chunk's launches (3 without the
+// gradients in its pass: a loss evaluated alone).
+func TestLossChunkLaunchesArePriced(t *testing.T) {
+	chunk := func(t0 int) float64 {
+		h := lazy.Placeholder([]int{1024, 16}, graph.Float32, 0)
+		w := lazy.ParamSpec([]int{40, 16}, graph.Float32, "w")
+		labels := h.Graph().Placeholder([]int{1024}, graph.Int64, 0)
+		loss := h.LinearCrossEntropyWith(w, labels, graph.ReduceMean, lazy.LinearCrossEntropyOptions{Chunk: t0})
+		st := stepOf(t, loss, nil, 0, nil)
+		c, err := recompute.Build(st, "none", nil)
+		require.NoError(t, err)
+		p := recompute.H100Profile()
+		p.Bandwidth, p.HostBandwidth, p.Launch = math.Inf(1), 0, 1
+		p.MatMulFLOPS, p.VectorFLOPS = math.Inf(1), math.Inf(1)
+		return recompute.NewCost(c.Program, p, false).Chunk(1024)
+	}
+	whole, halves, quarters := chunk(1024), chunk(512), chunk(256)
+	assert.InDelta(t, float64(recompute.LossChunkLaunches), halves-whole, 1e-9)
+	assert.InDelta(t, 3*float64(recompute.LossChunkLaunches), quarters-whole, 1e-9)
+}

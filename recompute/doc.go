@@ -17,5 +17,8 @@
 // max(flops/rate, bytes/bandwidth) + launch, the rate by the node's op and
 // dtype (Profile), plus each chunk's input upload, summed over the
 // program's nodes and chunks; Search replays every candidate through the planner, so
-// the chosen plan's peak is exact, not estimated.
+// the chosen plan's peak is exact, not estimated. The same model prices a
+// fused loss's token chunks (launches per logits chunk) and an offloaded
+// optimizer's host trip (Profile.OffloadSeconds), with which a Session
+// chooses those levers too (batchfit.LeverChoice).
 package recompute

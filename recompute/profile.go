@@ -45,7 +45,7 @@ func (p Profile) Validate() error {
 		{"attention_flops", p.AttentionFLOPS, true, rate}, {"half_attention_flops", p.HalfAttentionFLOPS, true, rate},
 		{"vector_flops", p.VectorFLOPS, false, rate},
 		{"bandwidth", p.Bandwidth, false, bandwidth}, {"launch", p.Launch, true, launch},
-		{"host_bandwidth", p.HostBandwidth, true, bandwidth}} {
+		{"host_bandwidth", p.HostBandwidth, true, bandwidth}, {"host_update_rate", p.HostUpdateRate, true, rate}} {
 		if f.opt && f.v == 0 {
 			continue
 		}

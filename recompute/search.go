@@ -273,6 +273,9 @@ func Search(st Step, o Options) (*Result, error) {
 				return nil, err
 			}
 			c.Program, c.Remap = built.Program, built.Remap
+			// The built program's own price: the estimate above (plain's
+			// nodes plus the copies') served the pruning.
+			c.Cost = NewCost(c.Program, o.Profile, o.TF32)
 		}
 		po := o.Planner
 		po.NoChunkList = true

@@ -8,14 +8,17 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"runtime"
 	"time"
 
 	"gorgonia.org/tensor"
 
 	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/exec/cuda"
+	"github.com/batchfit/batchfit/half"
 	"github.com/batchfit/batchfit/internal/progress"
 	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/optim"
 	"github.com/batchfit/batchfit/recompute"
 )
 
@@ -33,9 +36,12 @@ type calibrateSizes struct {
 	// convBatch images of 64 channels, convSize × convSize, through 3×3
 	// convolutions (half_conv_flops).
 	convBatch, convSize int
+	// hostParams parameters through an offloaded AdamW step on the host
+	// (host_update_rate).
+	hostParams int
 }
 
-var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3, attnT: 4096, convBatch: 32, convSize: 56}
+var defaultCalibrateSizes = calibrateSizes{n: 4096, elems: 1 << 26, chain: 9, repeat: 3, attnT: 4096, convBatch: 32, convSize: 56, hostParams: 1 << 25}
 
 // ErrNoGPU is calibrate's error without a usable CUDA device.
 var ErrNoGPU = errors.New("no GPU: batchfit calibrate times kernels through the CUDA executor")
@@ -205,6 +211,12 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 	}
 	p.HostBandwidth = 4 * float64(xe.Shape().TotalSize()) / tu
 	p.Sources["host_bandwidth"] = fmt.Sprintf("measured: %d float32s uploaded as a step's input", xe.Shape().TotalSize())
+	if p.HostUpdateRate, err = hostUpdateRate(sz.hostParams, sz.repeat); err != nil {
+		return p, fmt.Errorf("timing the host optimizer update: %w", err)
+	}
+	rep.Done("host optimizer update")
+	p.Sources["host_update_rate"] = fmt.Sprintf("measured: an offloaded AdamW step (optim.Adam.StepOffloadEach) of %d parameters on %d cores, the best of %d",
+		sz.hostParams, runtime.GOMAXPROCS(0), sz.repeat)
 
 	// Fused attention, causal, over [1, 16, attnT, 64]: FlashAttention's
 	// count, 4·H·T²·d halved. float32 attention runs on cuBLAS and is
@@ -291,11 +303,12 @@ func measureProfile(ctx context.Context, sess, tsess, hsess *batchfit.Session, s
 }
 
 // calibrateItems is the number of rates measureProfile times: FP32
-// GEMMs, elementwise kernels, launches and the input upload, TF32 GEMMs
+// GEMMs, elementwise kernels, launches, the input upload and the host
+// optimizer update, TF32 GEMMs
 // with tf32, and with half masked attention, bf16 GEMMs aligned and not,
 // attention, and convolutions when sz has a batch of them.
 func calibrateItems(tf32, half bool, sz calibrateSizes) int {
-	n := 4
+	n := 5
 	if tf32 {
 		n++
 	}
@@ -306,6 +319,30 @@ func calibrateItems(tf32, half bool, sz calibrateSizes) int {
 		}
 	}
 	return n
+}
+
+// hostUpdateRate is the parameters/s of an offloaded optimizer's host
+// update, as exec.OffloadHost runs it (AdamW over float32 masters and
+// moments from bfloat16 gradients, on every core): the best of repeat
+// steps over n parameters, after one that makes the state.
+func hostUpdateRate(n, repeat int) (float64, error) {
+	r := rand.New(rand.NewPCG(7, 7))
+	master, grad := make([]float32, n), make([]half.BF16, n)
+	for i := range master {
+		master[i], grad[i] = float32(r.NormFloat64()), half.BF16From(float32(r.NormFloat64()*0.01))
+	}
+	stage := make([]half.BF16, n)
+	o, key := optim.NewAdamW(1e-3), new(int)
+	best := math.Inf(1)
+	for range repeat + 1 {
+		copy(stage, grad)
+		start := time.Now()
+		if err := o.StepOffloadEach([]optim.OffloadParam{{Key: key, Name: "calibrate.w", Master: master, Grad: stage, Weight: stage}}, 0, nil); err != nil {
+			return 0, err
+		}
+		best = min(best, time.Since(start).Seconds())
+	}
+	return float64(n) / best, nil
 }
 
 // errUntimed is a chain that ran no slower than one op of it, again and

@@ -44,8 +44,16 @@ type report struct {
 	Params     int64  `json:"params"`
 	ParamBytes int64  `json:"param_bytes"`
 	StateBytes int64  `json:"optimizer_state_bytes"`
-	// Offload is --offload's mode ("optimizer"), empty without.
-	Offload string `json:"offload,omitempty"`
+	// Offload is where the plan's optimizer runs: "optimizer" when it is
+	// offloaded (--offload optimizer, or auto's choice), empty otherwise;
+	// OffloadAsked is --offload's mode when it is auto.
+	Offload      string `json:"offload,omitempty"`
+	OffloadAsked string `json:"offload_asked,omitempty"`
+	// Levers are the lever settings the session weighed (loss chunk,
+	// optimizer placement, recompute, batch chunks), the one planned
+	// marked chosen (--levers); empty without, or when there was no
+	// choice.
+	Levers []leverRow `json:"levers,omitempty"`
 	// LoRA is --lora's adapters; nil without.
 	LoRA  *loraReport `json:"lora,omitempty"`
 	Nodes int         `json:"nodes"`
@@ -187,7 +195,9 @@ type step struct {
 	plan       *planner.Plan
 	planErr    error
 	recomputed batchfit.Recomputed
-	passes     []compile.Report // what the pipeline's passes did (StepPlan.Passes)
+	passes     []compile.Report       // what the pipeline's passes did (StepPlan.Passes)
+	levers     []batchfit.LeverChoice // the lever settings weighed (StepPlan.Levers)
+	offloaded  bool                   // the plan's optimizer is offloaded (chosen by --offload auto or asked)
 	// buildSeconds times building the model's graph, planSeconds the
 	// Session's Plan (compiling the step and planning it).
 	buildSeconds, planSeconds float64
@@ -244,6 +254,7 @@ func buildStep(c *estimateConfig) (*step, error) {
 		return nil, err
 	}
 	st.graph, st.program, st.rstep, st.recomputed, st.passes = sp.Program.Graph, sp.Program, sp.Search, sp.Recompute, sp.Passes
+	st.levers, st.offloaded = sp.Levers, sp.Program.Offloaded
 	if c.train {
 		st.graph = sp.Search.Graph // the plain step's, before any recompute copies
 	}
@@ -269,7 +280,7 @@ func estimate(c *estimateConfig) (*report, error) {
 		return nil, fmt.Errorf("building %s: %w", c.model.name, err)
 	}
 	r := &report{Model: c.model.name, About: c.model.about, Mode: "infer", DType: c.dtype.String(), Precision: string(c.policy),
-		Optimizer: c.optimizer, StateSlots: c.slots, Offload: string(c.offload), Batch: c.batch, MicroBatch: c.microBatch, Seq: c.seq,
+		Optimizer: c.optimizer, StateSlots: c.slots, Batch: c.batch, MicroBatch: c.microBatch, Seq: c.seq,
 		Params: int64(nn.NumParams(st.module)), Nodes: st.graph.Len(), Steps: len(st.program.Steps),
 		Device: c.device, Budget: c.budget, Headroom: c.headroom, Available: c.budget - c.headroom,
 		BuildSeconds: st.buildSeconds}
@@ -278,6 +289,15 @@ func estimate(c *estimateConfig) (*report, error) {
 	}
 	if c.passes {
 		r.Passes = st.passes
+	}
+	if st.offloaded {
+		r.Offload = string(batchfit.OffloadOptimizer)
+	}
+	if c.offload == batchfit.OffloadAuto {
+		r.OffloadAsked = string(c.offload)
+	}
+	if c.levers {
+		r.Levers = leverRows(st.levers)
 	}
 	var inputs []string // the model's input, then the labels (built in that order)
 	for _, nd := range st.graph.Nodes() {
@@ -476,7 +496,13 @@ func writeText(w io.Writer, r *report, planned bool) {
 			thousands(l.FrozenParams), alloc.FormatBytes(l.FrozenBytes))
 	}
 	if r.Mode == "train" && r.Offload != "" {
-		line("optimizer state", "%s, in host memory (--offload %s)", alloc.FormatBytes(r.StateBytes), r.Offload)
+		how := "--offload " + r.Offload
+		if r.OffloadAsked != "" {
+			how = "--offload " + r.OffloadAsked + " chose it"
+		}
+		line("optimizer state", "%s, in host memory (%s)", alloc.FormatBytes(r.StateBytes), how)
+	} else if r.Mode == "train" && r.OffloadAsked != "" {
+		line("optimizer state", "%s, on the device (--offload %s chose it)", alloc.FormatBytes(r.StateBytes), r.OffloadAsked)
 	} else if r.Mode == "train" {
 		line("optimizer state", "%s", alloc.FormatBytes(r.StateBytes))
 	}
@@ -547,6 +573,7 @@ func writeText(w io.Writer, r *report, planned bool) {
 	}
 	tw.Flush()
 	writePasses(w, r)
+	writeLevers(w, r)
 	writeRecompute(w, r)
 	writeZeRO(w, r)
 	if len(r.Timeline) > 0 {

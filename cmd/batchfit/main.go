@@ -205,6 +205,7 @@ type estimateConfig struct {
 	profile          recompute.Profile
 	plot             string
 	passes           bool     // --passes: print the pipeline's reports
+	levers           bool     // --levers: print the lever settings the session weighed
 	disable          []string // --disable-passes: batchfit.Options.DisablePasses
 	// lora is --lora's adapters (nil without): applied to the zoo model
 	// before its step is built (adapt).
@@ -252,7 +253,7 @@ func addStepFlags(fs *flag.FlagSet, v *stepFlagValues) {
 	fs.StringVar(&v.dtype, "dtype", "float32", "element `type` of everything, parameters, activations, gradients and optimizer state alike: float32, float16, bfloat16 (a pure 16-bit what-if no Session runs; see --precision)")
 	fs.StringVar(&v.mode, "mode", "train", "train (forward, loss, backward, optimizer state) or infer (forward only)")
 	fs.BoolVar(&v.nchw, "nchw", false, "keep conv nets' activations NCHW under --precision bf16-mixed, as batchfit.Options.NoChannelsLast (by default their bfloat16 convolutions run channels last there, as a Session's do)")
-	fs.StringVar(&v.offload, "offload", "none", "`what` lives in host memory: none, or optimizer (ZeRO-Offload, as batchfit.Options.Offload: float32 master weights and Adam's moments in pinned host memory, bfloat16 weights and gradients on the device; needs --precision bf16-mixed and --optimizer adam or adamw)")
+	fs.StringVar(&v.offload, "offload", "none", "`what` lives in host memory: none, optimizer (ZeRO-Offload, as batchfit.Options.Offload: float32 master weights and Adam's moments in pinned host memory, bfloat16 weights and gradients on the device; needs --precision bf16-mixed and --optimizer adam or adamw) or auto (both planned, the faster predicted that fits; see --levers)")
 	fs.StringVar(&v.batchnorm, "batchnorm", "whole", "`statistics` training-mode batch norm normalises with: whole (the batch's, PyTorch's default; the step runs in one chunk) or per-chunk (each chunk's own, as gradient accumulation does; nn.Options.PerChunkStats)")
 }
 
@@ -266,6 +267,7 @@ func estimateFlags() (*flag.FlagSet, *estimateFlagValues) {
 	fs.IntVar(&v.top, "top", 0, "list the `N` largest buffers")
 	fs.BoolVar(&v.json, "json", false, "print the plan as JSON")
 	fs.BoolVar(&v.passes, "passes", false, "print what each graph pass of the pipeline did: ran or why not, nodes and bytes before and after")
+	fs.BoolVar(&v.levers, "levers", false, "print every setting of the memory levers the session weighed (loss chunk, optimizer offload with --offload auto, recompute, batch chunks) with its peak and predicted step time")
 	fs.StringVar(&v.disable, "disable-passes", "", "comma-separated graph `passes` the step leaves out, as batchfit.Options.DisablePasses: "+
 		strings.Join(compile.Names(), ", "))
 	addRecomputeFlags(fs, &v.recompute)
@@ -285,6 +287,7 @@ type estimateFlagValues struct {
 	top         int
 	table, json bool
 	passes      bool
+	levers      bool
 	disable     string
 }
 
@@ -419,7 +422,7 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.table, c.top, c.json, c.device, c.passes = v.table, v.top, v.json, d, v.passes
+	c.table, c.top, c.json, c.device, c.passes, c.levers = v.table, v.top, v.json, d, v.passes, v.levers
 	if v.top < 0 {
 		return nil, usagef(errRange, "--top must not be negative, got %d", v.top)
 	}
@@ -437,14 +440,14 @@ func parseEstimate(args []string) (*estimateConfig, error) {
 	if err := v.lora.apply(c, set); err != nil {
 		return nil, err
 	}
-	if c.lora != nil && c.offload == batchfit.OffloadOptimizer {
-		return nil, usagef(errNotApplicable, "--offload optimizer and --lora exclude each other: a LoRA step's optimizer state is its adapters' only")
+	if c.lora != nil && c.offload != batchfit.OffloadNone {
+		return nil, usagef(errNotApplicable, "--offload %s and --lora exclude each other: a LoRA step's optimizer state is its adapters' only", c.offload)
 	}
 	if err := v.zero.apply(c, set); err != nil {
 		return nil, err
 	}
-	if c.zero != nil && c.offload == batchfit.OffloadOptimizer {
-		return nil, usagef(errNotApplicable, "--offload optimizer plans one device's step; --ranks and --zero shard it instead")
+	if c.zero != nil && c.offload != batchfit.OffloadNone {
+		return nil, usagef(errNotApplicable, "--offload %s plans one device's step; --ranks and --zero shard it instead", c.offload)
 	}
 	return c, nil
 }
@@ -561,16 +564,16 @@ func (v *stepFlagValues) config(set map[string]bool) (*estimateConfig, error) {
 	}
 	c.nchw = v.nchw
 	if c.offload, err = batchfit.ParseOffload(v.offload); err != nil {
-		return nil, usagef(errUnknown, "--offload: unknown %q (want none or optimizer)", v.offload)
+		return nil, usagef(errUnknown, "--offload: unknown %q (want none, optimizer or auto)", v.offload)
 	}
-	if c.offload == batchfit.OffloadOptimizer {
+	if c.offload != batchfit.OffloadNone {
 		switch {
 		case !c.train:
-			return nil, usagef(errNotApplicable, "--offload optimizer applies to --mode train only")
+			return nil, usagef(errNotApplicable, "--offload %s applies to --mode train only", c.offload)
 		case c.policy != precision.BF16Mixed:
-			return nil, usagef(errNotApplicable, "--offload optimizer keeps bfloat16 weights on the device: it needs --precision bf16-mixed, not %s", c.policy)
+			return nil, usagef(errNotApplicable, "--offload %s keeps bfloat16 weights on the device: it needs --precision bf16-mixed, not %s", c.offload, c.policy)
 		case c.optimizer != "adam" && c.optimizer != "adamw":
-			return nil, usagef(errNotApplicable, "--offload optimizer runs Adam and AdamW on the host, not --optimizer %s", c.optimizer)
+			return nil, usagef(errNotApplicable, "--offload %s runs Adam and AdamW on the host, not --optimizer %s", c.offload, c.optimizer)
 		}
 	}
 	switch v.batchnorm {

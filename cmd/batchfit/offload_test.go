@@ -59,9 +59,57 @@ func TestEstimateOffloadUsage(t *testing.T) {
 		{"--offload", "optimizer", "--precision", "bf16-mixed", "--mode", "infer"},
 		{"--offload", "optimizer", "--precision", "bf16-mixed", "--lora", "4"},
 		{"--offload", "optimizer", "--precision", "bf16-mixed", "--ranks", "2", "--zero", "1"},
+		{"--offload", "auto"},
+		{"--offload", "auto", "--precision", "bf16-mixed", "--lora", "4"},
 	} {
 		code, _, stderr := runCLI(append(base, extra...)...)
 		assert.Equal(t, exitUsage, code, "%v: %s", extra, stderr)
 		assert.Contains(t, stderr, "--offload", "%v", extra)
+	}
+}
+
+// --offload auto plans the step both ways: the Llama 3.2 3B shape's full
+// fine-tune does not fit 24 GiB with its optimizer on the device, so it
+// offloads; at 80 GB the device's plan fits and is predicted faster, so
+// it stays. --levers lists every setting weighed, one chosen, and --json
+// carries them.
+func TestEstimateOffloadAuto(t *testing.T) {
+	for _, c := range []struct {
+		budget  string
+		offload string
+	}{{"24GiB", "optimizer"}, {"80GB", ""}} {
+		args := []string{"estimate", "--model", "llama3.2-3b", "--budget", c.budget, "--batch", "1", "--seq", "2048",
+			"--precision", "bf16-mixed", "--offload", "auto", "--levers"}
+		code, stdout, stderr := runCLI(args...)
+		require.Equal(t, exitOK, code, "%s: %s%s", c.budget, stdout, stderr)
+		assert.Contains(t, stdout, "--offload auto chose it", c.budget)
+		assert.Contains(t, stdout, "levers: ", c.budget)
+
+		code, stdout, stderr = runCLI(append(args, "--json")...)
+		require.Equal(t, exitOK, code, stderr)
+		var r report
+		require.NoError(t, json.Unmarshal([]byte(stdout), &r))
+		require.NotNil(t, r.Plan)
+		assert.Equal(t, c.offload, r.Offload, c.budget)
+		assert.Equal(t, "auto", r.OffloadAsked)
+		var chosen []leverRow
+		places := map[string]bool{}
+		for _, l := range r.Levers {
+			places[l.Offload] = true
+			if l.Chosen {
+				chosen = append(chosen, l)
+			}
+		}
+		assert.Len(t, places, 2, "%s: both placements weighed", c.budget)
+		require.Len(t, chosen, 1, c.budget)
+		assert.Equal(t, c.offload, chosen[0].Offload, c.budget)
+		assert.Equal(t, r.Plan.PeakReserved, chosen[0].PeakReserved, "%s: the plan is the chosen setting's", c.budget)
+		assert.Equal(t, r.Plan.LossChunk, chosen[0].LossChunk, c.budget)
+		if c.offload == "" {
+			assert.Zero(t, r.Plan.HostPinned)
+		} else {
+			assert.Positive(t, r.Plan.HostPinned)
+			assert.Positive(t, chosen[0].OffloadSeconds)
+		}
 	}
 }

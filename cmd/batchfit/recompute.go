@@ -5,10 +5,12 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/batchfit/batchfit"
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/internal/progress"
 	"github.com/batchfit/batchfit/planner"
@@ -287,4 +289,75 @@ func writePlot(c *estimateConfig, stdout, stderr io.Writer) error {
 		c.model.name, c.batch, c.profile.Name)
 	_, err = writeFile(c.plot, stdout, func(w io.Writer) error { return writeSVG(w, title, pts) })
 	return err
+}
+
+// leverRow is one lever setting the session weighed
+// (batchfit.LeverChoice).
+type leverRow struct {
+	LossChunk      int     `json:"loss_chunk,omitempty"`
+	Offload        string  `json:"offload,omitempty"`
+	Recompute      string  `json:"recompute,omitempty"`
+	Chosen         bool    `json:"chosen"`
+	Fits           bool    `json:"fits"`
+	Skipped        bool    `json:"skipped,omitempty"` // not planned: an earlier setting runs the whole batch at once
+	NumChunks      int     `json:"num_chunks,omitempty"`
+	PeakReserved   int64   `json:"peak_reserved,omitempty"`
+	HostPinned     int64   `json:"host_pinned,omitempty"`
+	StepSeconds    float64 `json:"step_seconds,omitempty"`
+	OffloadSeconds float64 `json:"offload_seconds,omitempty"`
+	SamplesPerSec  float64 `json:"samples_per_second,omitempty"`
+	Error          string  `json:"error,omitempty"`
+}
+
+func leverRows(cs []batchfit.LeverChoice) []leverRow {
+	var rows []leverRow
+	for _, c := range cs {
+		row := leverRow{LossChunk: c.LossChunk, Offload: string(c.Offload), Recompute: c.Recompute, Chosen: c.Chosen, Skipped: c.Skipped,
+			StepSeconds: c.Seconds, OffloadSeconds: c.OffloadSeconds, SamplesPerSec: c.SamplesPerSec()}
+		if c.Plan != nil {
+			row.Fits, row.NumChunks, row.PeakReserved, row.HostPinned = true, c.Plan.Split.Len(), c.Plan.PeakReserved, c.Plan.HostPinned
+		} else if c.Err != nil {
+			row.Error = c.Err.Error()
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+// writeLevers prints the lever settings of --levers.
+func writeLevers(w io.Writer, r *report) {
+	if len(r.Levers) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\nlevers: %d settings weighed, * the one planned\n", len(r.Levers))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\tLOSS CHUNK\tOPTIMIZER\tRECOMPUTE\tCHUNKS\tPEAK RESERVED\tSTEP TIME\tSAMPLES/S")
+	for _, c := range r.Levers {
+		mark, chunk, where := "", "-", "device"
+		if c.Chosen {
+			mark = "*"
+		}
+		if c.LossChunk > 0 {
+			chunk = strconv.Itoa(c.LossChunk)
+		}
+		if c.Offload != "" {
+			where = "host"
+		}
+		if !c.Fits {
+			why := "does not fit"
+			if c.Skipped {
+				why = "not planned: only adds work"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t%s\t-\t-\n", mark, chunk, where, why)
+			continue
+		}
+		step := round(c.StepSeconds)
+		if c.OffloadSeconds > 0 {
+			step += " (host " + round(c.OffloadSeconds) + ")"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.4g\n", mark, chunk, where, c.Recompute,
+			planner.Split{N: r.Batch, K: c.NumChunks}, alloc.FormatBytes(c.PeakReserved), step, c.SamplesPerSec)
+	}
+	tw.Flush()
+	fmt.Fprintln(w, "step times are the cost model's predictions (roofline per op, the host's share of an offloaded optimizer); peaks are exact replays")
 }
