@@ -7,6 +7,7 @@ import (
 	"github.com/batchfit/batchfit/alloc"
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 )
@@ -58,4 +59,50 @@ func ExampleSession_MaxBatch() {
 	// Output:
 	// largest batch in one chunk: 6018 (peak 80.00 MiB)
 	// a batch of 65536 runs as 1 × 4370 + 14 × 4369
+}
+
+// The memory levers a session weighed for a language model's step in a
+// dry run: each token chunk of the fused head and loss, with the optimizer
+// on the device and offloaded (Options.Offload OffloadAuto), each planned
+// with its batch chunks (* the one planned). Within 40 MiB only the
+// offloaded optimizer fits.
+func ExampleStepPlan_levers() {
+	cfg := models.LlamaTiny()
+	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	model := models.NewLlama(nn.Options{ShapeOnly: true}, cfg)
+	tokens := lazy.Placeholder([]int{8, 64}, graph.Int64, 0)
+	labels := tokens.Graph().Placeholder([]int{8, 64}, graph.Int64, 0)
+	loss := models.CausalLMLoss(model.Forward(tokens), labels)
+
+	sess := batchfit.NewSession(batchfit.Options{Precision: "bf16-mixed", Offload: batchfit.OffloadAuto,
+		Budget: 40 << 20, DryRun: &batchfit.DryRun{}})
+	defer sess.Close()
+	sp, err := sess.Plan(loss, nn.ParamTensors(model), optim.NewAdamW(1e-3))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	for _, l := range sp.Levers {
+		mark, where, how := "-", "device", "does not fit"
+		if l.Chosen {
+			mark = "*"
+		}
+		if l.Offload == batchfit.OffloadOptimizer {
+			where = "host"
+		}
+		switch {
+		case l.Plan != nil:
+			how = fmt.Sprintf("%s, peak %s", l.Plan.Split, alloc.FormatBytes(l.Plan.PeakReserved))
+		case l.Skipped:
+			how = "not planned"
+		}
+		fmt.Printf("%s loss chunk %d, optimizer on the %s: %s\n", mark, l.LossChunk, where, how)
+	}
+	fmt.Println("the session offloads:", sess.Offload() == batchfit.OffloadOptimizer)
+	// Output:
+	// - loss chunk 512, optimizer on the device: does not fit
+	// - loss chunk 256, optimizer on the device: does not fit
+	// * loss chunk 512, optimizer on the host: 1 × 8, peak 36.00 MiB
+	// - loss chunk 256, optimizer on the host: not planned
+	// the session offloads: true
 }
