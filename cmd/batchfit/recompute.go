@@ -332,7 +332,8 @@ func writeLevers(w io.Writer, r *report) {
 	fmt.Fprintf(w, "\nlevers: %d settings weighed, * the one planned\n", len(r.Levers))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "\tLOSS CHUNK\tOPTIMIZER\tRECOMPUTE\tCHUNKS\tPEAK RESERVED\tSTEP TIME\tSAMPLES/S")
-	for _, c := range r.Levers {
+	for i := 0; i < len(r.Levers); i++ {
+		c := r.Levers[i]
 		mark, chunk, where := "", "-", "device"
 		if c.Chosen {
 			mark = "*"
@@ -343,12 +344,20 @@ func writeLevers(w io.Writer, r *report) {
 		if c.Offload != "" {
 			where = "host"
 		}
-		if !c.Fits {
-			why := "does not fit"
-			if c.Skipped {
-				why = "not planned: only adds work"
+		if c.Skipped { // one row for the run of settings not planned
+			j := i
+			for j+1 < len(r.Levers) && r.Levers[j+1].Skipped && r.Levers[j+1].Offload == c.Offload {
+				j++
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t%s\t-\t-\n", mark, chunk, where, why)
+			if j > i {
+				chunk += "…" + strconv.Itoa(r.Levers[j].LossChunk)
+			}
+			i = j
+			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\tnot planned: smaller chunks only add launches\t-\t-\n", mark, chunk, where)
+			continue
+		}
+		if !c.Fits {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\tdoes not fit\t-\t-\n", mark, chunk, where)
 			continue
 		}
 		step := round(c.StepSeconds)
