@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit"
+	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
 	"github.com/batchfit/batchfit/models"
@@ -200,4 +201,50 @@ func TestOffloadAutoKeepsTheFasterThatFits(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, batchfit.OffloadNone, sess.Offload())
 	})
+}
+
+// MaxBatch under OffloadAuto, before any step: both places' largest
+// batches are searched, and the session keeps the one predicted to train
+// more samples a second, then answers as a session of that place does.
+// Within a budget where the device's optimizer leaves no room for one
+// sample, that is the host; with room for many samples on the device,
+// the device (the host's trip costs more than the larger batch gains).
+func TestMaxBatchOffloadAuto(t *testing.T) {
+	cfg := models.LlamaTiny()
+	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	mod := models.NewLlama(nn.Options{ShapeOnly: true}, cfg)
+	params := nn.ParamTensors(mod)
+	build := func(n int) (*lazy.Tensor, []*lazy.Tensor) {
+		tokens := lazy.Placeholder([]int{n, 16}, graph.Int64, 0)
+		labels := tokens.Graph().Placeholder([]int{n, 16}, graph.Int64, 0)
+		return models.CausalLMLoss(mod.Forward(tokens), labels), params
+	}
+	fitWith := func(o batchfit.Offload, budget int64) (*batchfit.BatchFit, batchfit.Offload) {
+		t.Helper()
+		sess := batchfit.NewSession(batchfit.Options{Precision: "bf16-mixed", Offload: o, Budget: budget, DryRun: &batchfit.DryRun{}})
+		defer sess.Close()
+		fit, err := sess.MaxBatch(build, optim.NewAdamW(1e-3), batchfit.MaxBatchOptions{Limit: 4096})
+		require.NoError(t, err)
+		return fit, sess.Offload()
+	}
+	one, _ := fitWith(batchfit.OffloadNone, 1<<40)
+	onePlan := one.Plan.Plan
+	for _, c := range []struct {
+		name   string
+		budget int64
+		want   batchfit.Offload
+	}{
+		{"the device holds no sample", onePlan.Persistent + (onePlan.Persistent / 8), batchfit.OffloadOptimizer},
+		{"room on the device", 64 << 20, batchfit.OffloadNone},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, place := fitWith(batchfit.OffloadAuto, c.budget)
+			require.Equal(t, c.want, place)
+			same, _ := fitWith(c.want, c.budget)
+			require.Equal(t, same.Batch, got.Batch, "the answer of a session of the chosen place")
+			require.Positive(t, got.Batch)
+			require.Equal(t, same.Plan.Plan.PeakReserved, got.Plan.Plan.PeakReserved)
+			require.Greater(t, got.Plans, same.Plans, "the probes' plans are counted")
+		})
+	}
 }

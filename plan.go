@@ -196,6 +196,12 @@ type BatchFit struct {
 // returns the fit so far with the planner's error (errors.Is
 // planner.ErrDoesNotFit). Any other error of a build or a plan ends the
 // search and is returned.
+//
+// Under Options.Offload OffloadAuto, before the session has chosen, the
+// search runs with the optimizer on the device and offloaded (on dry-run
+// probes), and the session keeps the place whose largest batch the cost
+// model predicts trains the most samples a second (a tie: the device's),
+// then searches there; Plans counts the probes' plans too.
 func (s *Session) MaxBatch(build BatchBuilder, opt optim.Optimizer, o MaxBatchOptions) (*BatchFit, error) {
 	if _, err := s.executor(); err != nil {
 		return nil, err
@@ -211,6 +217,36 @@ func (s *Session) MaxBatch(build BatchBuilder, opt optim.Optimizer, o MaxBatchOp
 		return nil, &graph.OpError{Op: "max_batch", Err: graph.Errorf(graph.ErrShape, "limit %d and target %d: want positive batches (0: the defaults)", o.Limit, o.Target)}
 	}
 	fit := &BatchFit{}
+	// An OffloadAuto session that has not chosen yet keeps the optimizer's
+	// place whose largest batch trains the most samples a second.
+	if err := s.chooseOffload(opt, func(probe func(Offload) *Session) (int32, error) {
+		best, most := offloadOff, 0.0
+		for _, place := range []Offload{OffloadNone, OffloadOptimizer} {
+			f, err := probe(place).MaxBatch(build, opt, MaxBatchOptions{Limit: limit})
+			if f != nil {
+				fit.Plans += f.Plans
+			}
+			if err != nil {
+				if place == OffloadNone {
+					return 0, err
+				}
+				continue // a step the offloaded optimizer cannot run
+			}
+			if f.Batch == 0 {
+				continue
+			}
+			seconds, _ := s.predicted(f.Plan.Program, f.Plan.Plan)
+			if rate := float64(f.Batch) / seconds; rate > most { // a tie keeps the device's
+				best, most = offloadOff, rate
+				if place == OffloadOptimizer {
+					best = offloadOn
+				}
+			}
+		}
+		return best, nil
+	}); err != nil {
+		return nil, err
+	}
 	plan := func(n int) (*StepPlan, error) {
 		fit.Plans++
 		loss, params := build(n)

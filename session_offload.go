@@ -28,13 +28,14 @@ const (
 	// instead of 16. It needs Precision "bf16-mixed" and an *optim.Adam.
 	OffloadOptimizer Offload = "optimizer"
 	// OffloadAuto lets the session choose between the two: the first
-	// training step it plans (Plan, MaxBatch or Step) is planned both
-	// ways, each with its loss chunk, recompute set and batch chunks, and
-	// the session offloads when that step's predicted time is the shorter
-	// of the plans that fit (recompute's cost model, Options.Profile,
-	// whose host bandwidth and host update rate price the optimizer's
-	// trip; StepPlan.Levers lists both). The session keeps that choice
-	// for its life: the optimizer state lives where it started. It
+	// training step it plans (Plan or Step) is planned both ways, each
+	// with its loss chunk, recompute set and batch chunks, and the
+	// session offloads when that step's predicted time is the shorter of
+	// the plans that fit (recompute's cost model, Options.Profile, whose
+	// host bandwidth and host update rate price the optimizer's trip;
+	// StepPlan.Levers lists both). A MaxBatch before any plan compares
+	// the two places' largest batches by predicted samples a second. The session keeps that
+	// choice for its life: the optimizer state lives where it started. It
 	// offloads nothing under a policy other than "bf16-mixed", for an
 	// optimizer other than Adam and AdamW, without a budget (everything
 	// fits), or when an Eval has made parameters resident already.
@@ -102,40 +103,80 @@ const (
 // decideOffload makes an OffloadAuto session's choice at its first
 // training step (OffloadAuto's rule) and returns the settings it weighed,
 // or nil when there was nothing to decide. Both placements are planned on
-// dry-run sessions of the same options, device workspace rule, overhead
-// and budget, so that this session's caches hold programs of the chosen
-// placement only; with nothing resident yet, a dry run's plan is the
-// plan this session makes.
+// probe sessions (chooseOffload), so that this session's caches hold
+// programs of the chosen placement only.
 func (s *Session) decideOffload(loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) ([]LeverChoice, error) {
+	var alts []LeverChoice
+	err := s.chooseOffload(opt, func(probe func(Offload) *Session) (int32, error) {
+		var (
+			best int32
+			err  error
+		)
+		alts, best, err = weighOffload(probe, loss, params, opt, s.predicted)
+		return best, err
+	})
+	return alts, err
+}
+
+// chooseOffload runs weigh once, for an OffloadAuto session that has not
+// chosen yet and may offload (bf16-mixed, an *optim.Adam, a budget, and
+// nothing resident: an Eval before the first step keeps the device's),
+// and stores its answer, offloadOff or offloadOn. weigh gets probe(o), a
+// dry-run session of this one's options with Offload o, its device's
+// workspace rule and overhead, and its budget now: with nothing
+// resident, a probe's plan is the plan this session makes.
+func (s *Session) chooseOffload(opt optim.Optimizer, weigh func(probe func(Offload) *Session) (int32, error)) error {
 	if s.opts.Offload != OffloadAuto || s.offloadChosen.Load() != offloadUndecided {
-		return nil, nil
+		return nil
 	}
 	s.offloadMu.Lock()
 	defer s.offloadMu.Unlock()
 	if s.offloadChosen.Load() != offloadUndecided {
-		return nil, nil
+		return nil
 	}
 	budget, err := s.budget()
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if _, adam := opt.(*optim.Adam); !adam || s.policy != precision.BF16Mixed || budget >= planner.Unlimited || len(s.be.Held()) > 0 {
 		s.offloadChosen.Store(offloadOff)
-		return nil, nil
+		return nil
 	}
-	var alts []LeverChoice
-	best, bestSeconds := offloadOff, math.Inf(1)
-	for _, o := range []Offload{OffloadNone, OffloadOptimizer} {
+	var probes []*Session
+	defer func() {
+		for _, p := range probes {
+			p.Close()
+		}
+	}()
+	best, err := weigh(func(o Offload) *Session {
 		opts := s.opts
 		opts.Offload, opts.Budget, opts.Device = o, budget+s.be.Overhead(), DeviceCPU
 		opts.DryRun = &DryRun{Workspace: s.be.Workspace(), Overhead: s.be.Overhead()}
-		probe := NewSession(opts)
-		sp, err := probe.Plan(loss, params, opt)
-		probe.Close()
+		p := NewSession(opts)
+		probes = append(probes, p)
+		return p
+	})
+	if err != nil {
+		return err
+	}
+	s.offloadChosen.Store(best)
+	return nil
+}
+
+// weighOffload plans the step both ways on probe sessions and returns
+// every setting weighed and the placement of the shortest predicted step
+// that fits (predicted prices a plan); a tie, or nothing fitting, keeps
+// the device's.
+func weighOffload(probe func(Offload) *Session, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer,
+	predicted func(*planner.Program, *planner.Plan) (float64, float64)) ([]LeverChoice, int32, error) {
+	var alts []LeverChoice
+	best, bestSeconds := offloadOff, math.Inf(1)
+	for _, o := range []Offload{OffloadNone, OffloadOptimizer} {
+		sp, err := probe(o).Plan(loss, params, opt)
 		var dnf *planner.DoesNotFitError
 		if sp == nil || err != nil && !errors.As(err, &dnf) {
 			if o == OffloadNone {
-				return nil, err
+				return nil, 0, err
 			}
 			// A step the offloaded optimizer cannot run: the device's it is.
 			alts = append(alts, LeverChoice{Offload: o, Err: err})
@@ -145,7 +186,7 @@ func (s *Session) decideOffload(loss *lazy.Tensor, params []*lazy.Tensor, opt op
 		if len(tried) == 0 { // no fused loss: one setting
 			c := LeverChoice{Offload: o, Recompute: sp.Recompute.Strategy, Plan: sp.Plan, Err: err, Chosen: sp.Plan != nil}
 			if sp.Plan != nil {
-				c.Seconds, c.OffloadSeconds = s.predicted(sp.Program, sp.Plan)
+				c.Seconds, c.OffloadSeconds = predicted(sp.Program, sp.Plan)
 			}
 			tried = []LeverChoice{c}
 		}
@@ -162,8 +203,7 @@ func (s *Session) decideOffload(loss *lazy.Tensor, params []*lazy.Tensor, opt op
 	for i := range alts {
 		alts[i].Chosen = alts[i].Chosen && (alts[i].Offload == OffloadOptimizer) == (best == offloadOn)
 	}
-	s.offloadChosen.Store(best)
-	return alts, nil
+	return alts, best, nil
 }
 
 // offloadOptimizer refuses an optimizer an offloaded step cannot run.
