@@ -190,7 +190,11 @@ type Options struct {
 // optimizer state and constants, in the order first allocated. Every run
 // is planned on a device holding them all. A constant is released by the
 // first run whose graph does not read it (one made every step lives one
-// step); parameters and optimizer state stay until Close.
+// step), and that run starts from an empty allocator cache, its segments
+// given back to the device and taken again: make constants once. A small
+// one (up to exec.MaxRekeyBytes) made every step with the value it had is
+// the resident one renamed, and costs nothing. Parameters and optimizer
+// state stay until Close.
 type Session struct {
 	opts   Options
 	policy precision.Policy

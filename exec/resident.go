@@ -1,8 +1,10 @@
 package exec
 
 import (
+	"bytes"
 	"errors"
 	"slices"
+	"unsafe"
 
 	"gorgonia.org/tensor"
 
@@ -46,6 +48,9 @@ type Resident[V any] struct {
 	Val   V
 	key   ResidentKey
 	konst bool // a constant's: released by the first run that does not read it
+	// snap is a small constant's value as it was uploaded (constantValue),
+	// nil for others: a new constant of the same value takes its place.
+	snap *constValue
 }
 
 // Held is a resident buffer as a plan sees it (Executor.Held).
@@ -56,6 +61,111 @@ type Held struct {
 	// Const marks a constant's buffer, which the first run whose program
 	// does not read it releases (ReleaseUnread, Unreleased).
 	Const bool
+	snap  *constValue // Resident.snap
+}
+
+// MaxRekeyBytes bounds the constants a resident constant of the same
+// value can stand for (ReleaseUnread): a loss's 1/N, a mask, a table made
+// anew every step. Their values are kept on the host, as uploaded, and
+// compared when a run does not read the resident's own tensor.
+const MaxRekeyBytes = 1 << 20
+
+// constValue is a constant's dtype, shape and bytes.
+type constValue struct {
+	dtype tensor.Dtype
+	shape []int
+	bytes []byte
+}
+
+// constantValue copies t's value when it is a dense, contiguous tensor of
+// at most MaxRekeyBytes; nil otherwise.
+func constantValue(t tensor.Tensor) *constValue {
+	raw, ok := rawBytes(t)
+	if !ok || len(raw) == 0 || len(raw) > MaxRekeyBytes {
+		return nil
+	}
+	return &constValue{dtype: t.Dtype(), shape: slices.Clone([]int(t.Shape())), bytes: slices.Clone(raw)}
+}
+
+// same reports whether t holds exactly v's value.
+func (v *constValue) same(t tensor.Tensor) bool {
+	if v == nil || t.Dtype() != v.dtype || !slices.Equal([]int(t.Shape()), v.shape) {
+		return false
+	}
+	raw, ok := rawBytes(t)
+	return ok && bytes.Equal(raw, v.bytes)
+}
+
+// rawBytes is the memory of a dense, contiguous tensor of a fixed-size
+// dtype, without a copy.
+func rawBytes(t tensor.Tensor) ([]byte, bool) {
+	d, ok := t.(*tensor.Dense)
+	if !ok || d == nil || d.RequiresIterator() {
+		return nil, false
+	}
+	var raw []byte
+	switch d.Dtype() {
+	case tensor.Float32:
+		raw = asBytes(d.Float32s())
+	case tensor.Float64:
+		raw = asBytes(d.Float64s())
+	case tensor.Int64:
+		raw = asBytes(d.Int64s())
+	case tensor.Int32:
+		raw = asBytes(d.Int32s())
+	case tensor.Int:
+		raw = asBytes(d.Ints())
+	case tensor.Uint8:
+		raw = asBytes(d.Uint8s())
+	default:
+		return nil, false
+	}
+	return raw, len(raw) == d.Len()*int(d.Dtype().Size())
+}
+
+func asBytes[T any](x []T) []byte {
+	if len(x) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(x))), len(x)*int(unsafe.Sizeof(x[0])))
+}
+
+// rekeyed pairs each resident constant p does not read with a constant p
+// reads and nothing holds (its key, in p's order) whose value is the one
+// the resident was uploaded with, by index in held: that resident then
+// stands for it, renamed, instead of being released and the new one
+// allocated, so a loop that makes a constant of the same value every step
+// keeps its device and its allocator's cache as they are.
+func rekeyed(p *planner.Program, held []Held, read map[ResidentKey]bool) map[int]ResidentKey {
+	var out map[int]ResidentKey
+	var have map[ResidentKey]bool
+	taken := map[int]bool{} // p's persistent buffers already paired
+	for i, h := range held {
+		if !h.Const || h.snap == nil || read[h.Key] {
+			continue
+		}
+		if have == nil {
+			have = make(map[ResidentKey]bool, len(held))
+			for _, h := range held {
+				have[h.Key] = true
+			}
+		}
+		for j, bi := range p.Persistent {
+			b := p.Buffers[bi]
+			nd := p.Graph.Node(b.Node)
+			if taken[j] || b.Kind != planner.BufParam || nd.Op != graph.OpConst || nd.Value == nil || b.Bytes(0) != h.Bytes {
+				continue
+			}
+			if k := keyOf(b, nd.Value); !have[k] && h.snap.same(nd.Value) {
+				if out == nil {
+					out = map[int]ResidentKey{}
+				}
+				out[i], taken[j] = k, true
+				break
+			}
+		}
+	}
+	return out
 }
 
 // Residents is an executor's table of resident buffers, in allocation
@@ -94,6 +204,9 @@ func (rs *Residents[V]) keep(k ResidentKey, pb planner.Buffer, blk *alloc.Block,
 		rs.byKey = map[ResidentKey]*Resident[V]{}
 	}
 	rb := &Resident[V]{Blk: blk, Size: pb.Bytes(0), Tag: pb.Tag, Val: v, key: k, konst: konst}
+	if t, ok := k.data.(tensor.Tensor); ok && konst {
+		rb.snap = constantValue(t) // the value just uploaded
+	}
 	rs.byKey[k] = rb
 	rs.list = append(rs.list, rb)
 	rs.held = nil
@@ -165,7 +278,7 @@ func (rs *Residents[V]) Held() []Held {
 	if rs.held == nil && len(rs.list) > 0 {
 		rs.held = make([]Held, len(rs.list))
 		for i, rb := range rs.list {
-			rs.held[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag, Const: rb.konst}
+			rs.held[i] = Held{Key: rb.key, Bytes: rb.Size, Tag: rb.Tag, Const: rb.konst, snap: rb.snap}
 		}
 	}
 	return rs.held
@@ -173,16 +286,26 @@ func (rs *Residents[V]) Held() []Held {
 
 // ReleaseUnread frees the resident constants that p does not read (a
 // constant made anew every step is read by one step only) and reports
-// whether it freed any. The others keep their allocation order; when a
-// freed one lay between two that stay, the rest are moved together
-// (Yield with save, then Restore with load), so the allocator holds what
-// allocating the remaining residents in order on an empty device leaves,
-// which is what the planner simulates.
+// whether it freed any. A small one whose uploaded value equals a
+// constant p reads and nothing holds stands for that one instead, its key
+// renamed (rekeyed): nothing is freed for it. The others keep their
+// allocation order; when a freed one lay between two that stay, the rest
+// are moved together (Yield with save, then Restore with load), so the
+// allocator holds what allocating the remaining residents in order on an
+// empty device leaves, which is what the planner simulates.
 func (rs *Residents[V]) ReleaseUnread(a *alloc.Allocator, p *planner.Program, save, load func(*Resident[V]) error) (bool, error) {
 	if !rs.HoldsConstants() {
 		return false, nil // nothing to look up (every training step asks)
 	}
 	read := readKeys(p)
+	renamed := rekeyed(p, rs.Held(), read)
+	for i, k := range renamed {
+		rb := rs.list[i]
+		delete(rs.byKey, rb.key)
+		rb.key = k
+		rs.byKey[k] = rb
+		rs.held = nil
+	}
 	kept := rs.list[:0:0]
 	var freed []*Resident[V]
 	gap := false // a freed resident lies before one that stays
@@ -240,8 +363,12 @@ func Unreleased(p *planner.Program, held []Held) []Held {
 		return held
 	}
 	read := readKeys(p)
+	renamed := rekeyed(p, held, read)
 	out := make([]Held, 0, len(held))
-	for _, h := range held {
+	for i, h := range held {
+		if k, ok := renamed[i]; ok {
+			h.Key = k
+		}
 		if !h.Const || read[h.Key] {
 			out = append(out, h)
 		}
