@@ -13,6 +13,7 @@ import (
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
 	"github.com/batchfit/batchfit/lazy"
+	"github.com/batchfit/batchfit/models"
 	"github.com/batchfit/batchfit/nn"
 	"github.com/batchfit/batchfit/optim"
 )
@@ -94,5 +95,65 @@ func TestConstantMadeEveryStepKeepsTheCache(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, v*plain[4+step], got, "value %g", v)
 		require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved)
+	}
+}
+
+// The zoo's language models in a steady training loop under a budget take
+// no segment from the device and give none back after the first step: the
+// Llama's loss scale, made every step (models.ShiftedCausalLMLoss), is the
+// resident one renamed, and the written-out and LoRA Llamas and GPT-2 make
+// no other per-step constant.
+func TestLanguageModelLoopsKeepTheirSegments(t *testing.T) {
+	cfg := models.LlamaTiny()
+	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	llama := func(written, lora bool) func() (func(*rand.Rand) *lazy.Tensor, []*lazy.Tensor) {
+		return func() (func(*rand.Rand) *lazy.Tensor, []*lazy.Tensor) {
+			c := cfg
+			c.WrittenOut = written
+			m := models.NewLlama(nn.Seed(3), c)
+			if lora {
+				_, err := nn.LoRA{Rank: 4, Targets: nn.DefaultLoRATargets}.Apply(nn.Seed(4), m)
+				require.NoError(t, err)
+			}
+			return func(rng *rand.Rand) *lazy.Tensor { return llamaLoss(m, llamaCorpus(rng, c.Vocab, 4, 32)) }, nn.ParamTensors(m)
+		}
+	}
+	gpt := func() (func(*rand.Rand) *lazy.Tensor, []*lazy.Tensor) {
+		g := models.NewGPT(nn.Seed(2), models.GPTConfig{Vocab: 2048, Context: 32, Layers: 2, Heads: 2, Dim: 128})
+		return func(rng *rand.Rand) *lazy.Tensor {
+			x := lazy.Wrap(llamaCorpus(rng, 2048, 4, 32), 0)
+			return models.Loss(g.Forward(x), x.Graph().Wrap(llamaCorpus(rng, 2048, 4, 32), 0))
+		}, nn.ParamTensors(g)
+	}
+	for _, c := range []struct {
+		name, precision string
+		model           func() (func(*rand.Rand) *lazy.Tensor, []*lazy.Tensor)
+	}{
+		{"llama", "bf16-mixed", llama(false, false)},
+		{"llama fp16-mixed", "fp16-mixed", llama(false, false)},
+		{"llama written out", "bf16-mixed", llama(true, false)},
+		{"llama lora", "bf16-mixed", llama(false, true)},
+		{"gpt", "bf16-mixed", gpt},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			loss, params := c.model()
+			sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: c.precision, Budget: 1 << 30})
+			defer sess.Close()
+			opt := optim.NewAdamW(1e-3)
+			rng := rand.New(rand.NewPCG(5, 5))
+			var first alloc.Stats
+			for step := range 4 {
+				_, err := sess.Step(context.Background(), loss(rng), params, opt)
+				require.NoError(t, err)
+				require.Equal(t, sess.LastPlan().PeakReserved, sess.LastUsage().PeakReserved, "step %d", step)
+				st := sess.Allocator().Stats()
+				if step == 0 {
+					first = st
+					continue
+				}
+				require.Equal(t, first.NumDeviceAlloc, st.NumDeviceAlloc, "step %d: segments taken again", step)
+				require.Equal(t, first.NumDeviceFree, st.NumDeviceFree, "step %d: segments given back", step)
+			}
+		})
 	}
 }
