@@ -1246,7 +1246,7 @@ func (s *Session) recomputed(g *graph.Graph, t *stepTemplate, boundary int, ids,
 	}
 	held := s.be.Held()
 	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
-		budget: budget, held: fmt.Sprint(held)}
+		budget: budget, held: exec.HeldKey(held)}
 	like := structureOf(g, t)
 	s.mu.Lock()
 	ch, ok := s.chosen.Get(key)
@@ -1659,7 +1659,7 @@ func (s *Session) lossChunked(g *graph.Graph, t *stepTemplate, boundary int, ids
 	}
 	held := s.be.Held()
 	key := chosenKey{programKey: programKey{sig: signatureOf(g, t), outputs: lru.Ints(ids), trained: lru.Ints(trained), slots: slots, unscale: unscale},
-		budget: budget, held: fmt.Sprint(held)}
+		budget: budget, held: exec.HeldKey(held)}
 	s.mu.Lock()
 	c, hit := s.lossChunks.Get(key)
 	s.mu.Unlock()

@@ -3,7 +3,9 @@ package exec
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"slices"
+	"strings"
 	"unsafe"
 
 	"gorgonia.org/tensor"
@@ -62,6 +64,23 @@ type Held struct {
 	// does not read it releases (ReleaseUnread, Unreleased).
 	Const bool
 	snap  *constValue // Resident.snap
+}
+
+// HeldKey is held as a cache key for choices made by planning within it
+// (a Session's recompute and loss-chunk choices): each resident's kind,
+// slot, bytes and what it is, its host tensor, or for a small constant
+// its uploaded value, which a constant of that value made anew takes over
+// (ReleaseUnread), so that a loop making one every step keeps its key.
+func HeldKey(held []Held) string {
+	var b strings.Builder
+	for _, h := range held {
+		var id any = h.Key.data
+		if h.snap != nil {
+			id = h.snap
+		}
+		fmt.Fprintf(&b, "%d/%d/%d/%t/%p;", h.Key.kind, h.Key.slot, h.Bytes, h.Const, id)
+	}
+	return b.String()
 }
 
 // MaxRekeyBytes bounds the constants a resident constant of the same
