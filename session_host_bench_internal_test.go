@@ -21,10 +21,11 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
-// hostOnlyExecutor is an executor that computes nothing: its first
-// Execute replays the program through its allocator so that the
-// parameters and optimizer state stay resident, as on a device after a
-// real first step, and every Execute returns a loss of 0.5 (and zeros for
+// hostOnlyExecutor is an executor that computes nothing: an Execute that
+// finds a persistent buffer not resident (the first; one with a constant
+// made that step) replays the program through its allocator so that the
+// parameters, optimizer state and constants stay resident, as on a device
+// after a real step, and every Execute returns a loss of 0.5 (and zeros for
 // the step's other host outputs). Session.Step then does exactly the host
 // work it does on a device (the step graph, the program and plan caches,
 // the residents' matching), so a benchmark of it times what a training
@@ -48,7 +49,9 @@ func (e *hostOnlyExecutor) Run(context.Context, *graph.Graph, ...int) ([]*tensor
 }
 
 func (e *hostOnlyExecutor) Execute(_ context.Context, p *planner.Program, chunks []planner.Chunk, o exec.Options) (*exec.Result, error) {
-	if !e.replayed {
+	// A real executor's replay makes every persistent buffer it does not
+	// hold resident (a constant made every step), as this one's does.
+	if !e.replayed || !exec.HoldsExactly(p, e.res.Held()) {
 		call, err := exec.NewCall(p, o, &e.res)
 		if err != nil {
 			return nil, err
