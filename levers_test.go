@@ -111,8 +111,7 @@ func TestOffloadAutoKeepsTheFasterThatFits(t *testing.T) {
 	ctx := context.Background()
 	// Large enough that 12 bytes a parameter of optimizer state and
 	// float32 weights are many segments.
-	cfg := models.LlamaTiny()
-	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	cfg := wideLlamaTiny()
 	m := models.NewLlama(nn.Seed(3), cfg)
 	tok := llamaCorpus(rand.New(rand.NewPCG(5, 5)), cfg.Vocab, 2, 16)
 	plan := func(o batchfit.Options) *batchfit.StepPlan {
@@ -210,8 +209,7 @@ func TestOffloadAutoKeepsTheFasterThatFits(t *testing.T) {
 // sample, that is the host; with room for many samples on the device,
 // the device (the host's trip costs more than the larger batch gains).
 func TestMaxBatchOffloadAuto(t *testing.T) {
-	cfg := models.LlamaTiny()
-	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	cfg := wideLlamaTiny()
 	mod := models.NewLlama(nn.Options{ShapeOnly: true}, cfg)
 	params := nn.ParamTensors(mod)
 	build := func(n int) (*lazy.Tensor, []*lazy.Tensor) {

@@ -42,6 +42,16 @@ func llamaCorpus(rng *rand.Rand, vocab, batch, seq int) *tensor.Dense {
 }
 
 // llamaLoss is m's causal LM loss on tokens, as a training loop builds it.
+// wideLlamaTiny is llama-tiny made wide enough (vocabulary 2,048, width
+// 256, SwiGLU 512) that its weights, optimizer state and activations fill
+// many allocator segments: a step's reserved bytes then move with what it
+// holds.
+func wideLlamaTiny() models.LlamaConfig {
+	cfg := models.LlamaTiny()
+	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	return cfg
+}
+
 func llamaLoss(m *models.Llama, tok *tensor.Dense) *lazy.Tensor {
 	x := lazy.Wrap(tok, 0)
 	return models.CausalLMLoss(m.Forward(x), x.Graph().Wrap(tok.Clone().(*tensor.Dense), 0))

@@ -104,8 +104,7 @@ func TestConstantMadeEveryStepKeepsTheCache(t *testing.T) {
 // resident one renamed, and the written-out and LoRA Llamas and GPT-2 make
 // no other per-step constant.
 func TestLanguageModelLoopsKeepTheirSegments(t *testing.T) {
-	cfg := models.LlamaTiny()
-	cfg.Vocab, cfg.Hidden, cfg.Intermediate = 2048, 256, 512
+	cfg := wideLlamaTiny()
 	llama := func(written, lora bool) func() (func(*rand.Rand) *lazy.Tensor, []*lazy.Tensor) {
 		return func() (func(*rand.Rand) *lazy.Tensor, []*lazy.Tensor) {
 			c := cfg

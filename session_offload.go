@@ -112,7 +112,7 @@ func (s *Session) decideOffload(loss *lazy.Tensor, params []*lazy.Tensor, opt op
 			best int32
 			err  error
 		)
-		alts, best, err = weighOffload(probe, loss, params, opt, s.predicted)
+		alts, best, err = s.weighOffload(probe, loss, params, opt)
 		return best, err
 	})
 	return alts, err
@@ -165,10 +165,8 @@ func (s *Session) chooseOffload(opt optim.Optimizer, weigh func(probe func(Offlo
 
 // weighOffload plans the step both ways on probe sessions and returns
 // every setting weighed and the placement of the shortest predicted step
-// that fits (predicted prices a plan); a tie, or nothing fitting, keeps
-// the device's.
-func weighOffload(probe func(Offload) *Session, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer,
-	predicted func(*planner.Program, *planner.Plan) (float64, float64)) ([]LeverChoice, int32, error) {
+// that fits; a tie, or nothing fitting, keeps the device's.
+func (s *Session) weighOffload(probe func(Offload) *Session, loss *lazy.Tensor, params []*lazy.Tensor, opt optim.Optimizer) ([]LeverChoice, int32, error) {
 	var alts []LeverChoice
 	best, bestSeconds := offloadOff, math.Inf(1)
 	for _, o := range []Offload{OffloadNone, OffloadOptimizer} {
@@ -186,7 +184,7 @@ func weighOffload(probe func(Offload) *Session, loss *lazy.Tensor, params []*laz
 		if len(tried) == 0 { // no fused loss: one setting
 			c := LeverChoice{Offload: o, Recompute: sp.Recompute.Strategy, Plan: sp.Plan, Err: err, Chosen: sp.Plan != nil}
 			if sp.Plan != nil {
-				c.Seconds, c.OffloadSeconds = predicted(sp.Program, sp.Plan)
+				c.Seconds, c.OffloadSeconds = s.predicted(sp.Program, sp.Plan)
 			}
 			tried = []LeverChoice{c}
 		}
