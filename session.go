@@ -817,8 +817,10 @@ func (s *Session) SyncParams() error {
 // again by itself: UploadParams copies every one it holds to the device
 // (checkpoint.Training.Load calls it). Optimizer state restored on the
 // host (optim's SetState) needs no call: the next step uploads it. A
-// session that has not stepped yet, and a CPU session, whose host tensors
-// are the parameters, have nothing to upload.
+// session that has not stepped yet has nothing to upload. On the CPU the
+// host tensors are the float32 parameters themselves, but a 16-bit frozen
+// parameter (nn.FreezeAs) is held rounded, as on the device: it too needs
+// UploadParams to see a write.
 func (s *Session) UploadParams() error {
 	be, err := s.executor()
 	if err != nil {

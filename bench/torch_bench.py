@@ -73,10 +73,13 @@ def matmul_precision():
 set_precision(False)
 DEV = "cuda"
 OUT = os.environ.get("OUT")
-_sink = open(os.path.join(OUT, "torch_bench.json"), "w") if OUT else None
+_sink = None  # $OUT/torch_bench.json, opened by the first record (importing this file writes nothing)
 
 
 def emit(rec):
+    global _sink
+    if OUT and _sink is None:
+        _sink = open(os.path.join(OUT, "torch_bench.json"), "w")
     line = json.dumps(rec)
     print(line, flush=True)
     if _sink:

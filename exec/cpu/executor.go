@@ -80,16 +80,15 @@ func (e *Executor) Reserve() int64 { return 0 }
 // offloaded step copies its masters into them).
 func (e *Executor) SyncParams() error { return nil }
 
-// UploadParams makes the next offloaded step read its masters, and the
-// device's bfloat16 copies, from the host tensors again (a checkpoint
-// loaded between steps): without offload the host tensors are the
-// parameters and there is nothing to do.
+// UploadParams makes the next step and evaluation read the host tensors
+// as they are now (a checkpoint loaded between steps). Float32
+// parameters need nothing: their host tensors are the parameters. A
+// 16-bit one (a frozen base stored in bfloat16) is held as a rounded copy,
+// which is rounded again from its host tensor here, and an offloaded
+// step's masters are read from the host tensors again.
 func (e *Executor) UploadParams() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.offload.Pinned() == 0 {
-		return nil
-	}
 	e.offload.MarkStale()
 	for _, rb := range e.resident.List() {
 		v := rb.Val
