@@ -318,18 +318,42 @@ class WithLoss(nn.Module):
     ignore_index −100), labels being the tokens, as Hugging Face users
     train."""
 
-    def __init__(self, name, model):
+    def __init__(self, name, model, loss_chunk=0):
         super().__init__()
         self.name = name
         self.model = model
+        self.loss_chunk = loss_chunk  # llama: > 0 is chunked_causal_lm_loss's tokens per chunk
 
     def forward(self, x, y):
         if self.name == "llama":
+            if self.loss_chunk > 0:
+                h = self.model.model(input_ids=x).last_hidden_state
+                return chunked_causal_lm_loss(h, self.model.lm_head.weight, y, self.loss_chunk)
             return self.model(input_ids=x, labels=y).loss
         out = self.model(x)
         if self.name == "gpt":
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         return F.cross_entropy(out, y)
+
+
+def chunked_causal_lm_loss(h, w, y, chunk):
+    """The causal LM loss (targets y shifted by one, as labels= shifts them)
+    over token chunks, each chunk's head product and cross-entropy under
+    torch.utils.checkpoint: its logits live only while it runs, forward and
+    again in backward, the chunked cross-entropy a PyTorch user writes to
+    keep a 128K-vocabulary model's logits out of memory (batchfit's fused
+    loss does the same in its kernels)."""
+    from torch.utils.checkpoint import checkpoint
+    h = h[:, :-1].reshape(-1, h.shape[-1])
+    t = y[:, 1:].reshape(-1)
+
+    def part(hh, tt):
+        return F.cross_entropy((hh @ w.t()).float(), tt, reduction="sum")
+
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(part, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+    return total / t.numel()
 
 
 class Spec:
@@ -463,7 +487,10 @@ def make_runner(s, cfg, a, rec):
     else:
         opt = s.opt(model.parameters())
         rec["optimizer_impl"] = "default (foreach)"
-    fn = WithLoss(s.name, model)
+    chunk = a.llama_loss_chunk if s.name == "llama" else 0
+    if chunk > 0:
+        rec["loss"] = f"chunked cross-entropy, {chunk} tokens a chunk, each checkpointed"
+    fn = WithLoss(s.name, model, chunk)
     if cfg.compiled:
         kw = {} if a.compile_mode == "default" else {"mode": a.compile_mode}
         fn = torch.compile(fn, **kw)
@@ -950,6 +977,8 @@ def main():
     ap.add_argument("--llama-layers", type=int, default=0, help="its decoder layers (0: the shape's)")
     ap.add_argument("--llama-seq", type=int, default=2048, help="as gobench's -llama-seq")
     ap.add_argument("--llama-batch", type=int, default=4, help="as gobench's -llama-batch")
+    ap.add_argument("--llama-loss-chunk", type=int, default=0,
+                    help="the llama's loss as chunked_causal_lm_loss with this many tokens a chunk (0: labels=, whole logits)")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile mode: default, reduce-overhead, max-autotune, ...")
     ap.add_argument("--compile-budget", type=float, default=300,
