@@ -209,7 +209,16 @@ func zoo() []zooModel {
 			models.Llama3_8B(), 8192),
 		gpt("gpt2-small-written", "GPT-2 small with attention written out (q·kᵀ, scale, causal mask, softmax, ·v: five [B, 12, T, T] values) instead of the fused op",
 			writtenOut(models.GPT2Small())),
+		llama("llama3.2-1b-written", "Llama 3.2 1B written out with plain ops as a user writes it (RMSNorm, rotary embedding and SwiGLU from elementwise ops, slices and concat; three projections into the attention op): what the pointwise fusion compiles (--passes)",
+			writtenLlama(models.Llama32_1B()), 2048),
 	}
+}
+
+// writtenLlama is cfg built with plain ops (models.LlamaConfig.WrittenOut),
+// for comparison with the hand-fused ops of the zoo's other Llamas.
+func writtenLlama(cfg models.LlamaConfig) models.LlamaConfig {
+	cfg.WrittenOut = true
+	return cfg
 }
 
 // writtenOut is cfg with attention written out as PyTorch's eager code
