@@ -14,8 +14,9 @@ import (
 // planner picks for them, with the plan's exact peak and the cost
 // model's predicted step time (recompute's roofline, Options.Profile).
 // The session runs the setting with the shortest predicted step whose
-// plan fits; a tie goes to the one listed first (larger loss chunks, no
-// offload).
+// plan fits, or the loss chunk half its size when that one is predicted
+// within LossChunkSlack of it and holds less; a tie goes to the one
+// listed first (larger loss chunks, no offload).
 type LeverChoice struct {
 	// LossChunk is the fused loss's tokens per logits chunk; 0 for a step
 	// without a fused loss.
@@ -32,8 +33,8 @@ type LeverChoice struct {
 	OffloadSeconds float64
 	Err            error
 	// Skipped marks a setting not planned: one tried before it runs the
-	// whole batch in one chunk recomputing nothing, and this one could
-	// only add work (a smaller loss chunk adds launches).
+	// whole batch in one chunk recomputing nothing and the chunk half its
+	// size was planned too, so this smaller one could only add launches.
 	Skipped bool
 	Chosen  bool
 }
@@ -61,14 +62,26 @@ func (s *Session) predicted(p *planner.Program, pl *planner.Plan) (seconds, offl
 	return c.Step(pl.Split), c.Offload
 }
 
+// LossChunkSlack is how much slower (a fraction of the fastest setting's
+// predicted step) the fused-loss token chunk half the fastest's may be
+// predicted and still run because its plan's peak is smaller. Half the
+// chunk costs a few more launches, microseconds against a step's
+// milliseconds and below what the cost model resolves; the memory it
+// frees is exact. Only that one step down is taken: smaller chunks give
+// the head's GEMMs fewer rows, where the roofline is least sure. The Llama-3.2-1B
+// step at batch 4, seq 2048 holds 2.0 GiB less with 4,096 tokens a chunk
+// than with 8,192.
+const LossChunkSlack = 0.005
+
 // chooseLossChunk plans the step graph g at each of the fused loss's
 // token chunks (planner.LossChunkCandidates over rows tokens, largest
 // first), each with the session's recompute choice for it, and returns
-// the chunk of the shortest predicted step that fits, with every setting
-// tried. Once a setting runs the whole batch in one chunk recomputing
-// nothing, smaller loss chunks are not planned: they hold less and only
-// add launches. When none fits, the smallest chunk is returned (its
-// plan's error says why).
+// the chunk of the shortest predicted step that fits, or the one half its
+// size when that is predicted within LossChunkSlack of it and holds less,
+// with every setting tried. Once a setting runs the whole batch in one
+// chunk recomputing nothing, only the chunk half its size is planned
+// after it (lossChunksSettled). When none fits, the smallest chunk is
+// returned (its plan's error says why).
 func (s *Session) chooseLossChunk(g *graph.Graph, rows, boundary int, ids, trained []int, slots int, unscale bool) (int, []LeverChoice, error) {
 	cands := planner.LossChunkCandidates(rows)
 	var alts []LeverChoice
@@ -79,7 +92,7 @@ func (s *Session) chooseLossChunk(g *graph.Graph, rows, boundary int, ids, train
 	}
 	for i, t := range cands {
 		alt := LeverChoice{LossChunk: t, Offload: offload}
-		if best >= 0 && alts[best].Plan.Split.K == 1 && alts[best].Recompute == "none" {
+		if lossChunksSettled(alts, best) {
 			alt.Skipped = true
 			alts = append(alts, alt)
 			continue
@@ -112,6 +125,19 @@ func (s *Session) chooseLossChunk(g *graph.Graph, rows, boundary int, ids, train
 	if best < 0 {
 		return cands[len(cands)-1], alts, nil
 	}
-	alts[best].Chosen = true
-	return cands[best], alts, nil
+	chosen := best
+	if h := best + 1; h < len(alts) && alts[h].Plan != nil && alts[h].Seconds <= alts[best].Seconds*(1+LossChunkSlack) &&
+		alts[h].Plan.PeakReserved < alts[best].Plan.PeakReserved {
+		chosen = h // half the chunk, as fast by the cost model, less held
+	}
+	alts[chosen].Chosen = true
+	return cands[chosen], alts, nil
+}
+
+// lossChunksSettled reports whether the loss chunks after those in alts
+// need no plan: the fastest so far (best) runs the whole batch in one
+// chunk recomputing nothing, so a smaller chunk can only add launches,
+// and the chunk after it, half its size, has been planned already.
+func lossChunksSettled(alts []LeverChoice, best int) bool {
+	return best >= 0 && alts[best].Plan.Split.K == 1 && alts[best].Recompute == "none" && len(alts) > best+1
 }

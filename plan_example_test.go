@@ -103,6 +103,6 @@ func ExampleStepPlan_levers() {
 	// - loss chunk 512, optimizer on the device: does not fit
 	// - loss chunk 256, optimizer on the device: does not fit
 	// * loss chunk 512, optimizer on the host: 1 × 8, peak 36.00 MiB
-	// - loss chunk 256, optimizer on the host: not planned
+	// - loss chunk 256, optimizer on the host: 1 × 8, peak 36.00 MiB
 	// the session offloads: true
 }
