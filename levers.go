@@ -68,9 +68,9 @@ func (s *Session) predicted(p *planner.Program, pl *planner.Plan) (seconds, offl
 // chunk costs a few more launches, microseconds against a step's
 // milliseconds and below what the cost model resolves; the memory it
 // frees is exact. Only that one step down is taken: smaller chunks give
-// the head's GEMMs fewer rows, where the roofline is least sure. The Llama-3.2-1B
-// step at batch 4, seq 2048 holds 2.0 GiB less with 4,096 tokens a chunk
-// than with 8,192.
+// the head's GEMMs fewer rows, where the roofline is least sure. The
+// Llama-3.2-1B step at batch 4, seq 2048 holds 2.0 GiB less with 4,096
+// tokens a chunk than with 8,192.
 const LossChunkSlack = 0.005
 
 // chooseLossChunk plans the step graph g at each of the fused loss's
