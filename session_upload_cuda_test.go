@@ -1,19 +1,13 @@
 package batchfit_test
 
 import (
-	"context"
 	"math"
-	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/batchfit/batchfit"
-	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/internal/testutil"
-	"github.com/batchfit/batchfit/lazy"
-	"github.com/batchfit/batchfit/nn"
-	"github.com/batchfit/batchfit/optim"
 )
 
 // Host tensors written after a CUDA session has stepped (a checkpoint
@@ -25,41 +19,22 @@ import (
 // Tolerance: 1e-5·(1 + |want|) (float32 GEMMs of 32 and 16 terms in
 // another order; both read the frozen weight rounded to bfloat16 alike).
 func TestSessionCUDAUploadParams(t *testing.T) {
-	ctx := context.Background()
-	const in, hidden, n = 32, 16, 8
-	m := newTwoLayer(41, in, hidden)
-	require.NoError(t, nn.FreezeAs(graph.BFloat16, m.Params()[0]))
 	g := cudaSession(t, batchfit.Options{})
-	rng := rand.New(rand.NewPCG(41, 42))
-	opt := optim.NewAdamW(1e-2)
-	for step := range 2 {
-		_, err := g.Step(ctx, mlpStep(m, rng, n, in), nn.ParamTensors(m), opt)
-		require.NoError(t, err, "step %d", step)
-	}
-	x := testutil.UniformF32(rng, n, in)
-	eval := func(s *batchfit.Session) []float32 {
-		out, err := s.Eval(ctx, m.Forward(lazy.Wrap(x, 0)))
-		require.NoError(t, err)
-		return testutil.Float32s(t, out[0])
-	}
+	m, rng := trainedTwoLayer(t, g, 41, true)
+	x := testutil.UniformF32(rng, uploadBatch, uploadIn)
 	cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 	defer cpu.Close()
 	for _, yielded := range []bool{false, true} {
 		require.NoError(t, g.SyncParams())
-		for _, p := range m.Params() { // what a checkpoint's load does
-			f := p.Value().Data().([]float32)
-			for i := range f {
-				f[i] = float32(rng.NormFloat64()) / 4
-			}
-		}
+		writeParams(rng, m.Params()...)        // what a checkpoint's load does
 		require.NoError(t, cpu.UploadParams()) // the frozen weight is held rounded on the CPU too
-		want := eval(cpu)
-		require.NotEqual(t, want, eval(g), "yielded %v: the device's copies are still the parameters", yielded)
+		want := evalTwoLayer(t, cpu, m, x)
+		require.NotEqual(t, want, evalTwoLayer(t, g, m, x), "yielded %v: the device's copies are still the parameters", yielded)
 		if yielded {
 			require.NoError(t, g.Yield())
 		}
 		require.NoError(t, g.UploadParams())
-		got := eval(g)
+		got := evalTwoLayer(t, g, m, x)
 		for i := range want {
 			require.InDelta(t, want[i], got[i], 1e-5*(1+math.Abs(float64(want[i]))), "yielded %v: output %d", yielded, i)
 		}
@@ -74,45 +49,24 @@ func TestSessionCUDAUploadParams(t *testing.T) {
 //
 // Tolerance: 1e-5·(1 + |want|), as above.
 func TestSessionCUDAUploadParamsWhileYielded(t *testing.T) {
-	ctx := context.Background()
-	const in, hidden, n = 32, 16, 8
 	for _, frozen := range []bool{false, true} {
 		for _, restoreFirst := range []bool{false, true} {
 			name := map[bool]string{false: "float32", true: "frozen-bf16"}[frozen] + map[bool]string{false: "/upload-then-restore", true: "/restore-then-upload"}[restoreFirst]
 			t.Run(name, func(t *testing.T) {
-				m := newTwoLayer(43, in, hidden)
-				if frozen {
-					require.NoError(t, nn.FreezeAs(graph.BFloat16, m.Params()[0]))
-				}
 				g := cudaSession(t, batchfit.Options{})
-				rng := rand.New(rand.NewPCG(43, 44))
-				opt := optim.NewAdamW(1e-2)
-				for step := range 2 {
-					_, err := g.Step(ctx, mlpStep(m, rng, n, in), nn.ParamTensors(m), opt)
-					require.NoError(t, err, "step %d", step)
-				}
-				x := testutil.UniformF32(rng, n, in)
-				eval := func(s *batchfit.Session) []float32 {
-					out, err := s.Eval(ctx, m.Forward(lazy.Wrap(x, 0)))
-					require.NoError(t, err)
-					return testutil.Float32s(t, out[0])
-				}
+				m, rng := trainedTwoLayer(t, g, 43, frozen)
+				x := testutil.UniformF32(rng, uploadBatch, uploadIn)
 				require.NoError(t, g.SyncParams())
 				require.NoError(t, g.Yield())
-				for _, p := range m.Params() {
-					f := p.Value().Data().([]float32)
-					for i := range f {
-						f[i] = float32(rng.NormFloat64()) / 4
-					}
-				}
+				writeParams(rng, m.Params()...)
 				cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 				defer cpu.Close()
-				want := eval(cpu)
+				want := evalTwoLayer(t, cpu, m, x)
 				if restoreFirst {
 					require.NoError(t, g.Restore())
 				}
 				require.NoError(t, g.UploadParams())
-				got := eval(g)
+				got := evalTwoLayer(t, g, m, x)
 				for i := range want {
 					require.InDelta(t, want[i], got[i], 1e-5*(1+math.Abs(float64(want[i]))), "output %d", i)
 				}
@@ -132,8 +86,6 @@ func TestSessionCUDAUploadParamsWhileYielded(t *testing.T) {
 //
 // Tolerance: 1e-5·(1 + |want|), as above.
 func TestSessionCUDAUploadParamsAfterEval(t *testing.T) {
-	ctx := context.Background()
-	const in, hidden, n = 32, 16, 8
 	type round struct{ evalFirst, yielded bool }
 	for _, graphs := range []bool{true, false} {
 		for _, frozen := range []bool{false, true} {
@@ -150,46 +102,27 @@ func TestSessionCUDAUploadParamsAfterEval(t *testing.T) {
 							map[bool]string{false: "/no-eval", true: "/eval-first"}[evalFirst] +
 							map[bool]string{false: "/running", true: "/yielded"}[yielded]
 						t.Run(name, func(t *testing.T) {
-							m := newTwoLayer(47, in, hidden)
-							if frozen {
-								require.NoError(t, nn.FreezeAs(graph.BFloat16, m.Params()[0]))
-							}
 							g := cudaSession(t, batchfit.Options{NoCUDAGraphs: !graphs})
-							rng := rand.New(rand.NewPCG(47, 48))
-							opt := optim.NewAdamW(1e-2)
-							x := testutil.UniformF32(rng, n, in)
-							eval := func(s *batchfit.Session) []float32 {
-								out, err := s.Eval(ctx, m.Forward(lazy.Wrap(x, 0)))
-								require.NoError(t, err)
-								return testutil.Float32s(t, out[0])
-							}
-							for step := range 2 {
-								_, err := g.Step(ctx, mlpStep(m, rng, n, in), nn.ParamTensors(m), opt)
-								require.NoError(t, err, "step %d", step)
-							}
+							m, rng := trainedTwoLayer(t, g, 47, frozen)
+							x := testutil.UniformF32(rng, uploadBatch, uploadIn)
 							for range 3 { // Eval's graphs: noted, captured, replayed
-								eval(g)
+								evalTwoLayer(t, g, m, x)
 							}
 							cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU})
 							defer cpu.Close()
 							for r, rd := range rounds {
 								require.NoError(t, g.SyncParams())
-								for _, p := range m.Params() {
-									f := p.Value().Data().([]float32)
-									for i := range f {
-										f[i] = float32(rng.NormFloat64()) / 4
-									}
-								}
+								writeParams(rng, m.Params()...)
 								require.NoError(t, cpu.UploadParams())
-								want := eval(cpu)
+								want := evalTwoLayer(t, cpu, m, x)
 								if rd.evalFirst {
-									require.NotEqual(t, want, eval(g), "round %d: the device's copies are still the parameters", r)
+									require.NotEqual(t, want, evalTwoLayer(t, g, m, x), "round %d: the device's copies are still the parameters", r)
 								}
 								if rd.yielded {
 									require.NoError(t, g.Yield())
 								}
 								require.NoError(t, g.UploadParams())
-								got := eval(g)
+								got := evalTwoLayer(t, g, m, x)
 								for i := range want {
 									require.InDelta(t, want[i], got[i], 1e-5*(1+math.Abs(float64(want[i]))), "round %d: output %d", r, i)
 								}
