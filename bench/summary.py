@@ -91,7 +91,7 @@ def ratio(torch_ms, bf_ms):
 TORCH_CONFIGS = ("bf16", "compile", "fp32", "bf16-written")
 # gobench models timed against another model's torch rows: batchfit's GPT
 # with attention written out is the same network as torch's "gpt".
-TORCH_MODEL = {"gpt-written": "gpt", "llama-written": "llama"}
+TORCH_MODEL = {"gpt-written": "gpt", "gpt-unpacked": "gpt", "llama-written": "llama"}
 ABOUT = {
     "bf16": "eager, bf16 autocast + TF32 + SDPA (is_causal) + fused Adam/AdamW, channels_last + cudnn.benchmark (conv)",
     "compile": "torch.compile (model and loss) of bf16; compile time excluded from the steps",

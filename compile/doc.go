@@ -13,8 +13,10 @@
 //     Options.OffloadParams): float32 parameters held in bfloat16, an
 //     offloaded optimizer's device copies.
 //   - fuse-attention-qkv (forward; training, mixed policy): attention
-//     over q, k and v sliced from one projection reads them in place
-//     (graph.FuseAttentionQKV).
+//     over q, k and v sliced from one projection, or from linears of one
+//     input (packed into one linear), q and k rotated by one table
+//     (rotary ops, or rotary written out), is one attention_qkv that
+//     reads them in place (graph.FuseAttentionQKV).
 //   - autocast (forward; training and evaluation, mixed policy): the
 //     policy's dtypes, autocast's semantics (precision.Apply).
 //   - channels-last (forward; training, Options.ChannelsLast): conv nets'

@@ -19,7 +19,7 @@ var table = []Pass{
 	{Name: "offload-params", Stage: Forward, Modes: TrainStep | EvalStep, When: offloaded, run: forward(halfParams),
 		Doc: "float32 parameters held in bfloat16 on the device, their float32 masters on the host (batchfit.OffloadOptimizer)"},
 	{Name: "fuse-attention-qkv", Stage: Forward, Modes: TrainStep, When: mixedPolicy, run: forward(graph.FuseAttentionQKV),
-		Doc: "attention over q, k, v sliced from one projection reads them in place (graph.FuseAttentionQKV)"},
+		Doc: "attention over q, k, v sliced from one projection, or from linears of one input (packed into one), q and k rotated by one table (rotary ops, or x·cos + rotate_half(x)·sin written out), is one attention_qkv reading them in place (graph.FuseAttentionQKV)"},
 	{Name: "autocast", Stage: Forward, Modes: TrainStep | EvalStep, When: mixedPolicy, run: autocast,
 		Doc: "the policy's dtypes, autocast's semantics: 16-bit GEMMs, float32 norms and losses (precision.Apply)"},
 	{Name: "channels-last", Stage: Forward, Modes: TrainStep, When: channelsLast, run: forward(layout.ChannelsLast),

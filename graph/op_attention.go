@@ -58,6 +58,18 @@ const (
 	// End 0 means all N (the rule writes N in). The output has x's type,
 	// computed in float32 and rounded once.
 	//
+	// A table [T, 2d] is the full form: cos in columns 0 to d − 1 and sin
+	// in d to 2d − 1, one value per element as x·cos + rotate_half(x)·sin
+	// reads them, so
+	//
+	//	y_i = x_i·c_i − x_{i+d/2}·s_i,  y_{i+d/2} = x_{i+d/2}·c_{i+d/2} + x_i·s_{i+d/2},
+	//
+	// which is the rotation above when the two halves of each row are
+	// equal (Hugging Face's tables, cat(freqs, freqs)); graph.FuseAttentionQKV
+	// rewrites that expression, written out, to this form without reading
+	// the tables' values. Its gradient is the transpose of each pair's 2×2
+	// map.
+	//
 	// The angles come as a table rather than being computed in the
 	// kernels: the table is a constant of T·d float32 values (512 KiB for
 	// Llama 3's T = 2048, d = 64) that the planner counts like any
@@ -459,12 +471,16 @@ func qkvLSEProducer(g *Graph, m int) int {
 
 // RotaryShape is what rotary's rule reads off x [B, T, N, D] and its
 // table: batch B, positions T, heads N of D values, the first End of them
-// rotated.
-type RotaryShape struct{ B, T, N, D, End int }
+// rotated; Full for a table [T, 2D] (OpRotary's full form), false for
+// [T, D].
+type RotaryShape struct {
+	B, T, N, D, End int
+	Full            bool
+}
 
-// RotaryDims checks x [B, T, N, d] and the table cs [T, d] (float32, no
-// batch axis) for rotating the first end heads (0: all) and returns the
-// sizes, End filled in.
+// RotaryDims checks x [B, T, N, d] and the table cs [T, d] or [T, 2d]
+// (float32, no batch axis) for rotating the first end heads (0: all) and
+// returns the sizes, End filled in.
 func RotaryDims(op Op, end int, x, cs Type) (RotaryShape, error) {
 	if err := needFloat(op, x); err != nil {
 		return RotaryShape{}, err
@@ -483,13 +499,15 @@ func RotaryDims(op Op, end int, x, cs Type) (RotaryShape, error) {
 		return a, Errorf(ErrAttr, "%s: %d rotated heads of x %v (want 0 for all, or 1 to %d)", op, end, x.Shape, a.N)
 	case cs.DType != Float32:
 		return a, Errorf(ErrDType, "%s: the cos/sin table is %s, want float32", op, cs.DType)
-	case !slices.Equal(cs.Shape, []int{a.T, a.D}):
-		return a, Errorf(ErrShape, "%s: the cos/sin table is %v, want [T, d] = [%d, %d] for x %v", op, cs.Shape, a.T, a.D, x.Shape)
+	case !slices.Equal(cs.Shape, []int{a.T, a.D}) && !slices.Equal(cs.Shape, []int{a.T, 2 * a.D}):
+		return a, Errorf(ErrShape, "%s: the cos/sin table is %v, want [T, d] = [%d, %d] or [T, 2d] = [%[3]d, %[5]d] for x %[6]v",
+			op, cs.Shape, a.T, a.D, 2*a.D, x.Shape)
 	case cs.Batched():
 		return a, Errorf(ErrShape, "%s: the cos/sin table %v carries the batch (axis %d): one table serves every sample", op, cs.Shape, cs.BatchAxis)
 	case x.Batched() && x.BatchAxis > 1:
 		return a, Errorf(ErrShape, "%s: x %v carries the batch on axis %d, a head or head-dim axis", op, x.Shape, x.BatchAxis)
 	}
+	a.Full = cs.Shape[1] == 2*a.D
 	return a, nil
 }
 

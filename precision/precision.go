@@ -127,7 +127,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 		id int
 		dt graph.DType
 	}
-	cache := map[key]int{} // parameters' casts: one per parameter and dtype
+	cache := map[key]int{} // casts: one per value and dtype
 	users := consumers(g)
 	// padded maps a node of g on a fused loss's chain (fusedLoss) to its
 	// counterpart in out, which keeps the padded columns, and the class
@@ -163,7 +163,7 @@ func Apply(g *graph.Graph, p Policy) (*graph.Graph, []int, error) {
 		}
 		c, err := out.Append(graph.Node{Op: graph.OpCast, Inputs: []int{ids[id]},
 			Attrs: graph.Attrs{Target: graph.Type{DType: dt}}, Scope: scope, Site: site})
-		if err == nil && src.Op == graph.OpParam {
+		if err == nil {
 			cache[k] = c
 		}
 		return c, err

@@ -93,7 +93,7 @@ type config struct {
 
 // registerFlags defines gobench's flags on fs, setting c.
 func registerFlags(fs *flag.FlagSet, c *config) {
-	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), conv, resnet50, llama (models.Llama, -llama-config), llama-written (the same written out with plain ops: models.LlamaConfig.WrittenOut)")
+	fs.StringVar(&c.models, "models", "mlp,gpt,conv", "comma-separated `list` of mlp, gpt (fused attention), gpt-written (attention written out), gpt-unpacked (plain ops into the attention op: q, k, v sliced and permuted), conv, resnet50, llama (models.Llama, -llama-config), llama-written (the same written out with plain ops: models.LlamaConfig.WrittenOut)")
 	fs.IntVar(&c.warmup, "warmup", 3, "untimed warm-up steps")
 	fs.IntVar(&c.steps, "steps", 20, "timed steps")
 	fs.BoolVar(&c.maxBatch, "maxbatch", true, "ask the planner for the largest batch that fits the card's free memory")
@@ -237,13 +237,17 @@ func benchModels(c config) ([]benchModel, error) {
 			y := source(x.Graph(), data, []int{n}, graph.Int64, 10)
 			return m.Forward(x).CrossEntropy(y, graph.ReduceMean), []*lazy.Tensor{x, y}
 		}}
-	gptOf := func(name string, written bool) benchModel {
+	gptOf := func(name string, written, unpacked bool) benchModel {
 		cfg := models.GPT2Small()
 		cfg.Layers = c.gptLayers
 		cfg.WrittenOutAttention = written
+		cfg.UnpackedAttention = unpacked
 		attn := "fused attention"
-		if written {
+		switch {
+		case written:
 			attn = "attention written out"
+		case unpacked:
+			attn = "q, k, v sliced and permuted into the attention op, as PyTorch code writes it"
 		}
 		return benchModel{name: name, seq: c.gptSeq, batch: c.gptBatch, tight: c.tightGPT, upper: 4096,
 			about: fmt.Sprintf("GPT-2 small shape (%d layers, width 768, 12 heads, vocab 50257, tied head, %s), seq %d",
@@ -337,9 +341,11 @@ func benchModels(c config) ([]benchModel, error) {
 		case "mlp":
 			out = append(out, mlp)
 		case "gpt":
-			out = append(out, gptOf("gpt", false))
+			out = append(out, gptOf("gpt", false, false))
 		case "gpt-written":
-			out = append(out, gptOf("gpt-written", true))
+			out = append(out, gptOf("gpt-written", true, false))
+		case "gpt-unpacked":
+			out = append(out, gptOf("gpt-unpacked", false, true))
 		case "conv":
 			out = append(out, conv)
 		case "resnet50":
@@ -349,7 +355,7 @@ func benchModels(c config) ([]benchModel, error) {
 		case "llama-written":
 			out = append(out, llamaOf("llama-written", true))
 		default:
-			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, conv, resnet50, llama, llama-written)", name)
+			return nil, graph.Errorf(graph.ErrAttr, "gobench: unknown model %q (mlp, gpt, gpt-written, gpt-unpacked, conv, resnet50, llama, llama-written)", name)
 		}
 	}
 	return out, nil

@@ -27,7 +27,7 @@ func rebuild(m benchModel, mod nn.Module, inputs []tensor.Tensor) (*lazy.Tensor,
 		x := lazy.Wrap(inputs[0], 0)
 		y := x.Graph().Wrap(inputs[1], 0)
 		loss = mod.Forward(x).CrossEntropy(y, graph.ReduceMean)
-	case "gpt", "gpt-written":
+	case "gpt", "gpt-written", "gpt-unpacked":
 		tok := lazy.Wrap(inputs[0], 0)
 		tgt := tok.Graph().Wrap(inputs[1], 0)
 		loss = models.Loss(mod.(*models.GPT).Forward(tok), tgt)

@@ -43,29 +43,36 @@ var attentionKernels = family{
 
 // rotaryKernel rotates heads below End of x [B, T, N, d] by the angles of
 // cs [T, d] (cos, then sin), each pair (i, i + d/2): by θ for rotary, by
-// −θ for rotary_grad. The other heads are copied.
+// −θ for rotary_grad. The other heads are copied. A table [T, 2d] is
+// rotary's full form (graph.OpRotary): cos and sin of every element, the
+// pair's map [[c_i, −s_i], [s_{i+h}, c_{i+h}]], transposed for
+// rotary_grad.
 func rotaryKernel(nd *graph.Node, in []*buf, out *buf, _ int) error {
 	x, cs := in[0], in[1]
-	if len(x.shape) != 4 || len(cs.shape) != 2 || cs.shape[0] != x.shape[1] || cs.shape[1] != x.shape[3] || x.shape[3]%2 != 0 || len(out.f) != len(x.f) {
+	if len(x.shape) != 4 || len(cs.shape) != 2 || cs.shape[0] != x.shape[1] || (cs.shape[1] != x.shape[3] && cs.shape[1] != 2*x.shape[3]) ||
+		x.shape[3]%2 != 0 || len(out.f) != len(x.f) {
 		return graph.Errorf(graph.ErrShape, "%s: x %v, table %v, output %v", nd.Op, x.shape, cs.shape, out.shape)
 	}
-	t, n, d := x.shape[1], x.shape[2], x.shape[3]
+	t, n, d, w := x.shape[1], x.shape[2], x.shape[3], cs.shape[1]
 	end, h := nd.Attrs.End, d/2
-	sign := float32(1)
-	if nd.Op == graph.OpRotaryGrad {
-		sign = -1
-	}
+	grad := nd.Op == graph.OpRotaryGrad
 	for r := range len(x.f) / max(d, 1) {
 		row, dst := x.f[r*d:(r+1)*d], out.f[r*d:(r+1)*d]
 		if r%n >= end {
 			copy(dst, row)
 			continue
 		}
-		tab := cs.f[r/n%t*d:][:d]
+		tab := cs.f[r/n%t*w:][:w]
 		for i := range h {
-			c, s := float64(tab[i]), float64(sign*tab[h+i])
+			cLo, cHi, sLo, sHi := float64(tab[i]), float64(tab[i]), float64(tab[h+i]), float64(tab[h+i])
+			if w == 2*d {
+				cHi, sLo, sHi = float64(tab[h+i]), float64(tab[d+i]), float64(tab[d+h+i])
+			}
+			if grad { // the transpose
+				sLo, sHi = -sHi, -sLo
+			}
 			a, b := float64(row[i]), float64(row[i+h])
-			dst[i], dst[i+h] = float32(a*c-b*s), float32(b*c+a*s)
+			dst[i], dst[i+h] = float32(a*cLo-b*sLo), float32(b*cHi+a*sHi)
 		}
 	}
 	return nil

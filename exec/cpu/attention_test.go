@@ -293,3 +293,124 @@ func TestFuseAttentionQKV(t *testing.T) {
 		})
 	}
 }
+
+// TestFuseAttentionQKVLlama: graph.FuseAttentionQKV packs a Llama block's
+// q_proj, k_proj and v_proj (grouped heads, 4 query heads over 2) into
+// one linear of the three weights side by side and one attention_qkv,
+// with q and k rotated once in the packed projection, and the fused graph
+// gives the unfused one's loss and gradients (each weight's and bias's,
+// and the input's) on the CPU within 1e-5 of each value's largest
+// magnitude (float32 sums in another order; the rotation in one rounding
+// instead of three). Rotations: written out as Hugging Face writes
+// apply_rotary_pos_emb, with cos and sin tables [T, 1, d] whose halves
+// differ (the full table form carries them exactly), or rotary ops of
+// one table. Graphs that differ from the pattern come back unchanged: a
+// bias on q only, k not rotated, q and k rotated by other tables, and
+// rotate_half's halves the other way round.
+func TestFuseAttentionQKVLlama(t *testing.T) {
+	const B, T, H, KV, D, C = 2, 7, 4, 2, 8, 12
+	rng := newRNG(300)
+	table := func(shape ...int) *lazy.Tensor { return lazy.Const(dense(shape, uniform(rng, T*D, -1, 1))) }
+	cos, sin, sin2 := table(T, 1, D), table(1, T, 1, D), table(T, 1, D)
+	cs := table(T, D)
+	written := func(x, c, s *lazy.Tensor) *lazy.Tensor {
+		rot := lazy.Concat(-1, x.Slice(-1, D/2, D).Neg(), x.Slice(-1, 0, D/2))
+		return x.Mul(c).Add(s.Mul(rot))
+	}
+	none := func(x *lazy.Tensor) *lazy.Tensor { return x }
+	type variant struct {
+		name       string
+		fused      bool
+		biases     [3]bool
+		rotQ, rotK func(*lazy.Tensor) *lazy.Tensor
+	}
+	variants := []variant{
+		{"written rotary", true, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) },
+			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }},
+		{"rotary ops, biases", true, [3]bool{true, true, true}, func(x *lazy.Tensor) *lazy.Tensor { return x.Rotary(cs) },
+			func(x *lazy.Tensor) *lazy.Tensor { return x.Rotary(cs) }},
+		{"no rotation", true, [3]bool{}, none, none},
+		{"bias on q only", false, [3]bool{true, false, false}, none, none},
+		{"k not rotated", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }, none},
+		{"other tables", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) },
+			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin2) }},
+		{"halves swapped", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor {
+			return x.Mul(cos).Add(lazy.Concat(-1, x.Slice(-1, 0, D/2), x.Slice(-1, D/2, D).Neg()).Mul(sin))
+		}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }},
+	}
+	for _, v := range variants {
+		t.Run(v.name, func(t *testing.T) {
+			gr := lazy.NewGraph()
+			x := gr.Wrap(dense([]int{B, T, C}, uniform(rng, B*T*C, -1, 1)), 0)
+			r := gr.Wrap(dense([]int{B, T, H * D}, uniform(rng, B*T*H*D, -1, 1)), 0)
+			var params []*lazy.Tensor
+			proj := func(i, heads int, rot func(*lazy.Tensor) *lazy.Tensor) *lazy.Tensor {
+				w := lazy.Param(dense([]int{heads * D, C}, uniform(rng, heads*D*C, -0.5, 0.5)), fmt.Sprintf("w%d", i))
+				params = append(params, w)
+				var b *lazy.Tensor
+				if v.biases[i] {
+					b = lazy.Param(dense([]int{heads * D}, uniform(rng, heads*D, -0.5, 0.5)), fmt.Sprintf("b%d", i))
+					params = append(params, b)
+				}
+				return rot(x.Linear(w, b).Reshape(-1, T, heads, D)).Permute(0, 2, 1, 3)
+			}
+			q, k, vv := proj(0, H, v.rotQ), proj(1, KV, v.rotK), proj(2, KV, none)
+			o := q.Attention(k, vv, lazy.AttentionOptions{Causal: true, KVHeads: KV, Scale: 0.35})
+			loss := o.Permute(0, 2, 1, 3).Reshape(-1, T, H*D).Mul(r).Sum()
+			require.NoError(t, loss.Err())
+			g := loss.Graph().IR()
+			fg, ids, err := graph.FuseAttentionQKV(g)
+			require.NoError(t, err)
+			if !v.fused {
+				require.Equal(t, g.Signature(), fg.Signature(), "unmatched graph unchanged")
+				return
+			}
+			count := map[graph.Op]int{}
+			for _, nd := range fg.Nodes() {
+				count[nd.Op]++
+			}
+			require.Equal(t, 1, count[graph.OpAttentionQKV])
+			require.Equal(t, 1, count[graph.OpLinear], "one packed projection")
+			for _, op := range []graph.Op{graph.OpAttention, graph.OpSlice, graph.OpPermute, graph.OpNeg} {
+				require.Zero(t, count[op], "%s left", op)
+			}
+			require.Equal(t, 1, count[graph.OpMul], "the loss's mul only")
+			wrt := []int{loss.Graph().NodeOf(x)}
+			for _, p := range params {
+				wrt = append(wrt, loss.Graph().NodeOf(p))
+			}
+			values := func(g *graph.Graph, loss int, wrt []int) []*tensor.Dense {
+				grads, err := autodiff.Backward(g, loss, wrt)
+				require.NoError(t, err)
+				out, err := cpu.New().Run(context.Background(), g, append([]int{loss}, grads...)...)
+				require.NoError(t, err)
+				return out
+			}
+			fwrt := make([]int, len(wrt))
+			for i, id := range wrt {
+				fwrt[i] = ids[id]
+			}
+			want, got := values(g, loss.ID(), wrt), values(fg, ids[loss.ID()], fwrt)
+			for i := range want {
+				wd, gd := flat32(want[i]), flat32(got[i])
+				require.Len(t, gd, len(wd))
+				scale := 0.0
+				for _, x := range wd {
+					scale = math.Max(scale, math.Abs(float64(x)))
+				}
+				require.Positive(t, scale, "output %d", i)
+				for j := range wd {
+					require.InDelta(t, float64(wd[j]), float64(gd[j]), 1e-5*scale, "output %d [%d]", i, j)
+				}
+			}
+		})
+	}
+}
+
+// flat32 is d's float32 values, a scalar's as one.
+func flat32(d *tensor.Dense) []float32 {
+	if v, ok := d.Data().(float32); ok {
+		return []float32{v}
+	}
+	return d.Data().([]float32)
+}

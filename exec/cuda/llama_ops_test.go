@@ -142,7 +142,8 @@ func TestRMSNormGradFusedMatchesCPU(t *testing.T) {
 
 // Rotary embedding and SwiGLU on the device against the CPU, forward and
 // through their gradients: rotary of a packed projection's first heads at
-// Llama's head dim 64 (the vector path) and at d = 6 (the scalar path);
+// Llama's head dim 64 (the vector path) and at d = 6 (the scalar path),
+// each with a table [T, d] and a full one [T, 2d] whose halves differ;
 // swiglu's two gradients from one swiglu_grad pass.
 func TestRotarySwiGLUMatchCPU(t *testing.T) {
 	e := executor(t)
@@ -153,10 +154,12 @@ func TestRotarySwiGLUMatchCPU(t *testing.T) {
 			h := &halfGraph{t: t, g: graph.New(), dt: dt}
 			var outs, wrt []int
 			for _, d := range []int{64, 6} {
-				x := h.input(2, 7, 6, d)
-				cs := h.add(graph.Node{Op: graph.OpParam, Name: fmt.Sprintf("cs%d", d), Type: graph.Type{Shape: []int{7, d}, DType: graph.Float32}})
-				y := h.op(graph.OpRotary, graph.Attrs{End: 4}, x, cs)
-				outs, wrt = append(outs, y), append(wrt, x)
+				for _, w := range []int{d, 2 * d} {
+					x := h.input(2, 7, 6, d)
+					cs := h.add(graph.Node{Op: graph.OpParam, Name: fmt.Sprintf("cs%d_%d", d, w), Type: graph.Type{Shape: []int{7, w}, DType: graph.Float32}})
+					y := h.op(graph.OpRotary, graph.Attrs{End: 4}, x, cs)
+					outs, wrt = append(outs, y), append(wrt, x)
+				}
 			}
 			gate, up := h.input(2, 5, 40), h.input(2, 5, 40)
 			outs, wrt = append(outs, h.op(graph.OpSwiGLU, graph.Attrs{}, gate, up)), append(wrt, gate, up)
@@ -176,11 +179,18 @@ func TestRotarySwiGLUMatchCPU(t *testing.T) {
 			for _, nd := range h.g.Nodes() {
 				if nd.Op == graph.OpParam { // the tables: cos, sin of angles
 					v := feeds[nd.ID]
-					d := nd.Type.Shape[1]
+					w := nd.Type.Shape[1]
 					for p := range nd.Type.Shape[0] {
-						for i := range d / 2 {
+						if d := w / 2; nd.Name == fmt.Sprintf("cs%d_%d", d, w) { // full: an angle per element
+							for i := range d {
+								th := float64(p+1) * (0.3 + 0.2*float64(i))
+								v.Data[p*w+i], v.Data[p*w+d+i] = math.Cos(th), math.Sin(th)
+							}
+							continue
+						}
+						for i := range w / 2 {
 							th := float64(p+1) * (0.3 + 0.2*float64(i))
-							v.Data[p*d+i], v.Data[p*d+d/2+i] = math.Cos(th), math.Sin(th)
+							v.Data[p*w+i], v.Data[p*w+w/2+i] = math.Cos(th), math.Sin(th)
 						}
 					}
 				}

@@ -17,7 +17,7 @@ var rotaryKernels = family{
 const rotHeads = 4
 
 // rotary runs rotary (by θ) or rotary_grad (by −θ) of x [B, T, N, d] with
-// the table cs [T, d].
+// the table cs [T, d], or [T, 2d] in the full form (graph.OpRotary).
 func rotary(k *kctx, in []operand, out operand) error {
 	x, cs := in[0], in[1]
 	dt, err := floatsOf(x, out)
@@ -36,6 +36,10 @@ func rotary(k *kctx, in []operand, out operand) error {
 		return graph.Errorf(graph.ErrShape, "%s: x %v, output %v", k.nd.Op, x.shape, out.shape)
 	}
 	bt, t, n, d := int64(a.B*a.T), int64(a.T), int64(a.N), int64(a.D)
+	w := d // the table's row width
+	if a.Full {
+		w = 2 * d
+	}
 	if bt*n*d == 0 {
 		return nil
 	}
@@ -48,7 +52,7 @@ func rotary(k *kctx, in []operand, out operand) error {
 	if vec {
 		work = bt * ceilDiv(n, rotHeads) * (d / 16) // a pack of 8 pairs of rotHeads heads
 	}
-	return k.flat(typed(kRotary, dt), work, x.p, cs.p, out.p, bt, t, n, d, int64(a.End), sign, boolInt(vec))
+	return k.flat(typed(kRotary, dt), work, x.p, cs.p, out.p, bt, t, n, d, w, int64(a.End), sign, boolInt(vec))
 }
 
 // rotaryVec reports whether rotary_*'s vector path takes head dim d with

@@ -168,6 +168,15 @@ var Cases = []Case{
 	{Name: "rotary_heads", Shapes: [][]int{{2, 5, 6, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
 		return p[0].RotaryHeads(lazy.Const(ropeTable(5, 4)), 4).Tanh()
 	}},
+	// The full form, a table [T, 2d] of a cos and a sin per element whose
+	// halves differ (FuseAttentionQKV's rewrite of rotary written out),
+	// at head dim 4 and at 16 (the device's vector path).
+	{Name: "rotary_full", Shapes: [][]int{{2, 5, 6, 4}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].RotaryHeads(lazy.Const(ropeTableFull(5, 4)), 4).Tanh()
+	}},
+	{Name: "rotary_full_d16", Shapes: [][]int{{2, 3, 2, 16}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
+		return p[0].Rotary(lazy.Const(ropeTableFull(3, 16))).Tanh()
+	}},
 	// SwiGLU of two halves of a projection, times a parameter so that a
 	// parameter's gradient flows through it.
 	{Name: "swiglu", Shapes: [][]int{{2, 3, 10}, {3, 5}}, Fn: func(p []*lazy.Tensor) *lazy.Tensor {
@@ -371,6 +380,20 @@ func ropeTable(t, d int) *tensor.Dense {
 		}
 	}
 	return f32([]int{t, d}, data...)
+}
+
+// ropeTableFull is rotary's full table [t, 2d]: cos θ of each of d
+// elements, then sin θ, of angles θ_p,i = (p + 1)·(0.7 + 0.45·i) for
+// every i < d, so a row's two halves differ.
+func ropeTableFull(t, d int) *tensor.Dense {
+	data := make([]float32, t*2*d)
+	for p := range t {
+		for i := range d {
+			th := float64(p+1) * (0.7 + 0.45*float64(i))
+			data[p*2*d+i], data[p*2*d+d+i] = float32(math.Cos(th)), float32(math.Sin(th))
+		}
+	}
+	return f32([]int{t, 2 * d}, data...)
 }
 
 // uniform draws a value with entries uniform in [lo, hi).

@@ -17,10 +17,12 @@ var rotaryKernels = family{
 
 // rotary rotates heads below end of x [B, T, N, d] by the angles of cs
 // [T, d] (cos, then sin), each pair (i, i + d/2), by sign·θ; the other
-// heads are copied.
+// heads are copied. A table [T, 2d] is the full form (cos of every
+// element, then sin): pair (i, i + d/2) maps by [[c_i, −s_i], [s_{i+h},
+// c_{i+h}]] (h = d/2), and sign −1 applies that map's transpose.
 func rotary(out, x, cs Value, end int, sign float64) {
 	b, t, n, d := x.Shape[0], x.Shape[1], x.Shape[2], x.Shape[3]
-	h := d / 2
+	h, w := d/2, cs.Shape[1]
 	for r := range b * t * n {
 		row := x.Data[r*d : (r+1)*d]
 		dst := out.Data[r*d : (r+1)*d]
@@ -28,11 +30,20 @@ func rotary(out, x, cs Value, end int, sign float64) {
 			copy(dst, row)
 			continue
 		}
-		pos := r / n % t
+		tab := cs.Data[r/n%t*w:][:w]
 		for i := range h {
-			c, s := cs.Data[pos*d+i], sign*cs.Data[pos*d+h+i]
-			dst[i] = row[i]*c - row[i+h]*s
-			dst[i+h] = row[i+h]*c + row[i]*s
+			cLo, cHi, sLo, sHi := tab[i], tab[i], tab[h+i], tab[h+i]
+			if w == 2*d {
+				cHi, sLo, sHi = tab[h+i], tab[d+i], tab[d+h+i]
+			}
+			a, c := row[i], row[i+h]
+			if sign > 0 {
+				dst[i] = a*cLo - c*sLo
+				dst[i+h] = c*cHi + a*sHi
+			} else {
+				dst[i] = a*cLo + c*sHi
+				dst[i+h] = c*cHi - a*sLo
+			}
 		}
 	}
 }
