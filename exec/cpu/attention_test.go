@@ -246,49 +246,13 @@ func TestFuseAttentionQKV(t *testing.T) {
 			r := gr.Wrap(dense([]int{B, T, C}, uniform(rng, B*T*C, -1, 1)), 0)
 			m := lazy.Const(dense([]int{T, T}, uniform(rng, T*T, -1, 1)))
 			loss := v.heads(x.Linear(w, nil), m).Mul(r).Sum()
-			require.NoError(t, loss.Err())
-			g := loss.Graph().IR()
-			fg, ids, err := graph.FuseAttentionQKV(g)
-			require.NoError(t, err)
+			count := checkFuseAttentionQKV(t, loss, []*lazy.Tensor{w, x}, v.fused, 1e-6)
 			if !v.fused {
-				require.Equal(t, g.Signature(), fg.Signature(), "unmatched graph unchanged")
 				return
-			}
-			count := map[graph.Op]int{}
-			for _, nd := range fg.Nodes() {
-				count[nd.Op]++
 			}
 			require.Equal(t, 1, count[graph.OpAttentionQKV])
 			for _, op := range []graph.Op{graph.OpAttention, graph.OpSlice, graph.OpPermute} {
 				require.Zero(t, count[op], "%s left", op)
-			}
-			values := func(g *graph.Graph, loss, w, x int) []*tensor.Dense {
-				grads, err := autodiff.Backward(g, loss, []int{w, x})
-				require.NoError(t, err)
-				out, err := cpu.New().Run(context.Background(), g, append([]int{loss}, grads...)...)
-				require.NoError(t, err)
-				return out
-			}
-			wi, xi := loss.Graph().NodeOf(w), loss.Graph().NodeOf(x)
-			want := values(g, loss.ID(), wi, xi)
-			got := values(fg, ids[loss.ID()], ids[wi], ids[xi])
-			flat := func(d *tensor.Dense) []float32 {
-				if v, ok := d.Data().(float32); ok { // the loss, a scalar
-					return []float32{v}
-				}
-				return d.Data().([]float32)
-			}
-			for i, name := range []string{"loss", "dw", "dx"} {
-				wd, gd := flat(want[i]), flat(got[i])
-				require.Len(t, gd, len(wd))
-				scale := 0.0
-				for _, x := range wd {
-					scale = math.Max(scale, math.Abs(float64(x)))
-				}
-				require.Positive(t, scale, name)
-				for j := range wd {
-					require.InDelta(t, float64(wd[j]), float64(gd[j]), 1e-6*scale, "%s[%d]", name, j)
-				}
 			}
 		})
 	}
@@ -357,17 +321,9 @@ func TestFuseAttentionQKVLlama(t *testing.T) {
 			q, k, vv := proj(0, H, v.rotQ), proj(1, KV, v.rotK), proj(2, KV, none)
 			o := q.Attention(k, vv, lazy.AttentionOptions{Causal: true, KVHeads: KV, Scale: 0.35})
 			loss := o.Permute(0, 2, 1, 3).Reshape(-1, T, H*D).Mul(r).Sum()
-			require.NoError(t, loss.Err())
-			g := loss.Graph().IR()
-			fg, ids, err := graph.FuseAttentionQKV(g)
-			require.NoError(t, err)
+			count := checkFuseAttentionQKV(t, loss, append([]*lazy.Tensor{x}, params...), v.fused, 1e-5)
 			if !v.fused {
-				require.Equal(t, g.Signature(), fg.Signature(), "unmatched graph unchanged")
 				return
-			}
-			count := map[graph.Op]int{}
-			for _, nd := range fg.Nodes() {
-				count[nd.Op]++
 			}
 			require.Equal(t, 1, count[graph.OpAttentionQKV])
 			require.Equal(t, 1, count[graph.OpLinear], "one packed projection")
@@ -375,36 +331,56 @@ func TestFuseAttentionQKVLlama(t *testing.T) {
 				require.Zero(t, count[op], "%s left", op)
 			}
 			require.Equal(t, 1, count[graph.OpMul], "the loss's mul only")
-			wrt := []int{loss.Graph().NodeOf(x)}
-			for _, p := range params {
-				wrt = append(wrt, loss.Graph().NodeOf(p))
-			}
-			values := func(g *graph.Graph, loss int, wrt []int) []*tensor.Dense {
-				grads, err := autodiff.Backward(g, loss, wrt)
-				require.NoError(t, err)
-				out, err := cpu.New().Run(context.Background(), g, append([]int{loss}, grads...)...)
-				require.NoError(t, err)
-				return out
-			}
-			fwrt := make([]int, len(wrt))
-			for i, id := range wrt {
-				fwrt[i] = ids[id]
-			}
-			want, got := values(g, loss.ID(), wrt), values(fg, ids[loss.ID()], fwrt)
-			for i := range want {
-				wd, gd := flat32(want[i]), flat32(got[i])
-				require.Len(t, gd, len(wd))
-				scale := 0.0
-				for _, x := range wd {
-					scale = math.Max(scale, math.Abs(float64(x)))
-				}
-				require.Positive(t, scale, "output %d", i)
-				for j := range wd {
-					require.InDelta(t, float64(wd[j]), float64(gd[j]), 1e-5*scale, "output %d [%d]", i, j)
-				}
-			}
 		})
 	}
+}
+
+// checkFuseAttentionQKV runs graph.FuseAttentionQKV on loss's graph. When
+// fused is false it requires the graph back unchanged (the same
+// signature) and returns nil; otherwise it requires the fused graph's
+// loss and gradients with respect to wrt to equal the unfused graph's on
+// the CPU within tol of each value's largest magnitude, and returns the
+// fused graph's count of each op.
+func checkFuseAttentionQKV(t *testing.T, loss *lazy.Tensor, wrt []*lazy.Tensor, fused bool, tol float64) map[graph.Op]int {
+	t.Helper()
+	require.NoError(t, loss.Err())
+	g := loss.Graph().IR()
+	fg, ids, err := graph.FuseAttentionQKV(g)
+	require.NoError(t, err)
+	if !fused {
+		require.Equal(t, g.Signature(), fg.Signature(), "unmatched graph unchanged")
+		return nil
+	}
+	count := map[graph.Op]int{}
+	for _, nd := range fg.Nodes() {
+		count[nd.Op]++
+	}
+	values := func(g *graph.Graph, loss int, wrt []int) []*tensor.Dense {
+		grads, err := autodiff.Backward(g, loss, wrt)
+		require.NoError(t, err)
+		out, err := cpu.New().Run(context.Background(), g, append([]int{loss}, grads...)...)
+		require.NoError(t, err)
+		return out
+	}
+	var old, now []int
+	for _, p := range wrt {
+		id := loss.Graph().NodeOf(p)
+		old, now = append(old, id), append(now, ids[id])
+	}
+	want, got := values(g, loss.ID(), old), values(fg, ids[loss.ID()], now)
+	for i := range want {
+		wd, gd := flat32(want[i]), flat32(got[i])
+		require.Len(t, gd, len(wd))
+		scale := 0.0
+		for _, x := range wd {
+			scale = math.Max(scale, math.Abs(float64(x)))
+		}
+		require.Positive(t, scale, "output %d", i)
+		for j := range wd {
+			require.InDelta(t, float64(wd[j]), float64(gd[j]), tol*scale, "output %d [%d]", i, j)
+		}
+	}
+	return count
 }
 
 // flat32 is d's float32 values, a scalar's as one.

@@ -47,8 +47,8 @@ __device__ __forceinline__ void copy_pack(const T* __restrict__ x, T* __restrict
   }
 }
 
-// table_lanes reads the pair's four table values at column offset o of
-// row tab (w = d: c_hi = c_lo, s_hi = s_lo; w = 2d: all four differ) and,
+// table_lanes reads the four table values of 8 pairs from tab, the
+// pack's first column in its row (w = d: c_hi = c_lo, s_hi = s_lo; w = 2d: all four differ) and,
 // for sign −1, turns them into the transposed map's: s_lo ← −s_hi,
 // s_hi ← −s_lo.
 __device__ __forceinline__ void table_lanes(const float* __restrict__ tab, i64 d, i64 w, float sign, float* c,
