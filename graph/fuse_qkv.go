@@ -291,7 +291,8 @@ func qkvHeadOf(g *Graph, h int) (qkvHead, bool) {
 
 // qkvRotationOf reports how y [B, T, n, d] rotates the reshape it reads:
 // a rotary op of every head (its table), x·cos + rotate_half(x)·sin
-// written out (cos and sin [T, 1, d], leading 1s allowed, not batched),
+// written out (cos and sin [T, 1, d] of one dtype, leading 1s allowed,
+// not batched: the pass concatenates them),
 // or not at all. It returns the reshape's id (y itself when there is no
 // rotation), the rotation and the rotation's nodes.
 func qkvRotationOf(g *Graph, y int) (int, qkvRotation, []int) {
@@ -314,7 +315,7 @@ func qkvRotationOf(g *Graph, y int) (int, qkvRotation, []int) {
 		}
 		cos, ok := otherFactor(g, m1, x)
 		if !ok || !ropeTableShape(g.Node(cos).Type, yn.Type) || !ropeTableShape(g.Node(sin).Type, yn.Type) ||
-			g.Node(x).Type.DType != yn.Type.DType {
+			g.Node(cos).Type.DType != g.Node(sin).Type.DType || g.Node(x).Type.DType != yn.Type.DType {
 			continue
 		}
 		return x, qkvRotation{kind: rotWritten, cos: cos, sin: sin}, append([]int{y, m1, m2}, rest...)

@@ -269,8 +269,8 @@ func TestFuseAttentionQKV(t *testing.T) {
 // apply_rotary_pos_emb, with cos and sin tables [T, 1, d] whose halves
 // differ (the full table form carries them exactly), or rotary ops of
 // one table. Graphs that differ from the pattern come back unchanged: a
-// bias on q only, k not rotated, q and k rotated by other tables, and
-// rotate_half's halves the other way round.
+// bias on q only, k not rotated, q and k rotated by other tables, cos and
+// sin of two dtypes, and rotate_half's halves the other way round.
 func TestFuseAttentionQKVLlama(t *testing.T) {
 	const B, T, H, KV, D, C = 2, 7, 4, 2, 8, 12
 	rng := newRNG(300)
@@ -298,6 +298,8 @@ func TestFuseAttentionQKVLlama(t *testing.T) {
 		{"k not rotated", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }, none},
 		{"other tables", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) },
 			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin2) }},
+		{"tables of two dtypes", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin.Cast(graph.Float16)) },
+			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin.Cast(graph.Float16)) }},
 		{"halves swapped", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor {
 			return x.Mul(cos).Add(lazy.Concat(-1, x.Slice(-1, 0, D/2), x.Slice(-1, D/2, D).Neg()).Mul(sin))
 		}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }},
