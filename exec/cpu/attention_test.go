@@ -277,6 +277,7 @@ func TestFuseAttentionQKVLlama(t *testing.T) {
 	table := func(shape ...int) *lazy.Tensor { return lazy.Const(dense(shape, uniform(rng, T*D, -1, 1))) }
 	cos, sin, sin2 := table(T, 1, D), table(1, T, 1, D), table(T, 1, D)
 	cs := table(T, D)
+	sinHalf := sin.Cast(graph.Float16)
 	written := func(x, c, s *lazy.Tensor) *lazy.Tensor {
 		rot := lazy.Concat(-1, x.Slice(-1, D/2, D).Neg(), x.Slice(-1, 0, D/2))
 		return x.Mul(c).Add(s.Mul(rot))
@@ -298,8 +299,8 @@ func TestFuseAttentionQKVLlama(t *testing.T) {
 		{"k not rotated", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }, none},
 		{"other tables", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) },
 			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin2) }},
-		{"tables of two dtypes", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin.Cast(graph.Float16)) },
-			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin.Cast(graph.Float16)) }},
+		{"tables of two dtypes", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sinHalf) },
+			func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sinHalf) }},
 		{"halves swapped", false, [3]bool{}, func(x *lazy.Tensor) *lazy.Tensor {
 			return x.Mul(cos).Add(lazy.Concat(-1, x.Slice(-1, 0, D/2), x.Slice(-1, D/2, D).Neg()).Mul(sin))
 		}, func(x *lazy.Tensor) *lazy.Tensor { return written(x, cos, sin) }},
