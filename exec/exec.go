@@ -120,6 +120,12 @@ type Options struct {
 	// the step (CUDA: events recorded around its launches, with no
 	// synchronisation between nodes).
 	OpTime func(nd *graph.Node, c planner.Chunk, d time.Duration)
+	// UpdateTime, when set, reports the device time of the step's end,
+	// after its last chunk (the gradients' reduction, the loss scale's
+	// unscale and check, the optimizer's update), once the step is done:
+	// what OpTime's nodes leave out. CUDA: two events around it; CPU: its
+	// wall time.
+	UpdateTime func(d time.Duration)
 	// Timeline records the allocator's state after every program step in
 	// Result.Usage.Timeline: the measured counterpart of a plan's timeline.
 	Timeline bool

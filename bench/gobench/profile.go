@@ -68,19 +68,21 @@ func shapeString(s []int) string { return strings.ReplaceAll(fmt.Sprint(s), " ",
 // profileStep runs steps more training steps with ExecOptions.OpTime (each
 // node's device time, from CUDA events around its launches) and writes the
 // time per op and the slowest kinds of node to w. The step's wall time is
-// printed beside the sum over nodes; the difference is the work outside
-// nodes (chunk combines, accumulation, the optimizer) and any time the
-// device waited for the host.
+// printed beside the sum over nodes and the update's device time (the
+// optimizer, ExecOptions.UpdateTime); the rest is the work outside nodes
+// (chunk combines, accumulation) and any time the device waited for the
+// host.
 func profileStep(w io.Writer, e *cuda.Executor, p *planner.Program, chunks []planner.Chunk, feed func(int) tensor.Tensor,
 	opt optim.Optimizer, name string, steps int) error {
 	var nodes []nodeTime
-	var wall time.Duration
+	var wall, update time.Duration
 	for range steps {
 		o := cuda.ExecOptions{Feed: feed, Resident: true, KeptOnDevice: true, Optimizer: opt,
 			OpTime: func(nd *graph.Node, c planner.Chunk, d time.Duration) {
 				sig, flops := describe(p.Graph, nd, c.Size)
 				nodes = append(nodes, nodeTime{nd.Op.String(), sig, flops, d})
-			}}
+			},
+			UpdateTime: func(d time.Duration) { update += d }}
 		t0 := time.Now()
 		if _, err := e.Execute(context.Background(), p, chunks, o); err != nil {
 			return err
@@ -105,8 +107,8 @@ func profileStep(w io.Writer, e *cuda.Executor, p *planner.Program, chunks []pla
 	}
 	slices.SortFunc(ops, func(a, b *opTotal) int { return cmp.Compare(b.total, a.total) })
 	per := func(d time.Duration) float64 { return float64(d) / float64(steps) / 1e6 }
-	fmt.Fprintf(w, "== profile %s: %d steps, %d chunks; wall %.3f ms/step, nodes on the device %.3f ms/step, outside nodes %.3f ms/step\n",
-		name, steps, len(chunks), per(wall), per(sum), per(wall-sum))
+	fmt.Fprintf(w, "== profile %s: %d steps, %d chunks; wall %.3f ms/step, nodes on the device %.3f ms/step, the update (optimizer) %.3f ms/step, the rest %.3f ms/step\n",
+		name, steps, len(chunks), per(wall), per(sum), per(update), per(wall-sum-update))
 	fmt.Fprintf(w, "%-22s %7s %12s %8s %10s\n", "op", "calls", "ms/step", "share", "µs/call")
 	for _, t := range ops {
 		fmt.Fprintf(w, "%-22s %7d %12.3f %7.1f%% %10.1f\n", t.op, t.calls/steps, per(t.total),

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -81,7 +82,8 @@ func TestLossScaleUnscales(t *testing.T) {
 
 // A non-finite unscaled gradient skips the update: neither Optimizer nor
 // Update runs, parameters and optimizer state (its step count too) stay as
-// they were, and Result.Skipped says so. S = the smallest float32 makes
+// they were, and Result.Skipped says so. A good step's update is timed
+// once (ExecOptions.UpdateTime). S = the smallest float32 makes
 // 1/S infinite, so every non-zero gradient overflows.
 func TestLossScaleSkipsUpdate(t *testing.T) {
 	const n = 12
@@ -109,10 +111,13 @@ func TestLossScaleSkipsUpdate(t *testing.T) {
 		assert.True(t, res.Skipped)
 		assert.False(t, updated, "Update is not called")
 
-		res, err = e.Execute(ctx, p, planner.Chunks(n, k), cpu.ExecOptions{Resident: true, Optimizer: opt, LossScale: 1})
+		var updates []time.Duration
+		res, err = e.Execute(ctx, p, planner.Chunks(n, k), cpu.ExecOptions{Resident: true, Optimizer: opt, LossScale: 1,
+			UpdateTime: func(d time.Duration) { updates = append(updates, d) }})
 		require.NoError(t, err)
 		assert.False(t, res.Skipped)
 		assert.Equal(t, 1, opt.Steps())
+		assert.Len(t, updates, 1, "UpdateTime: once a step, after the last chunk")
 		assert.NotEqual(t, before[0], params[0].Value().(*tensor.Dense).Float32s(), "a good step updates")
 	}
 }

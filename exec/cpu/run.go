@@ -22,7 +22,7 @@ type Result = exec.Result
 // same planner.Replay the planner simulates, with hooks that run kernels.
 // With o.Optimizer set (and no Update) the optimizer steps the trained
 // parameters' host tensors after the last chunk; OpTime reports each
-// node's wall time.
+// node's wall time, UpdateTime the update's.
 func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []planner.Chunk, o ExecOptions) (*Result, error) {
 	if err := exec.CheckChunks(p, chunks); err != nil {
 		return nil, err
@@ -176,6 +176,9 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 // unscales them first, and runs no update if one is not finite; the finish
 // workspace (the device's inf/NaN flag) is only accounted for here.
 func (r *runner) Finish(kept []*alloc.Block, _ *alloc.Block) error {
+	if r.O.UpdateTime != nil {
+		defer func(t0 time.Time) { r.O.UpdateTime(time.Since(t0)) }(time.Now())
+	}
 	final := make([][]float32, len(kept))
 	for i, blk := range kept {
 		final[i] = r.vals[blk].f

@@ -67,7 +67,7 @@ type ExecutorOptions struct {
 	// (cuGraphLaunch) whenever a later step does (graphs.go).
 	// Steps compute what they compute without, bit for bit, from the same
 	// allocator blocks; the driver memory of the instantiated graphs is
-	// left free by Reserve. Calls with ExecOptions.OpTime or
+	// left free by Reserve. Calls with ExecOptions.OpTime, UpdateTime or
 	// ExecOptions.Reduce launch eagerly. BATCHFIT_CUDA_GRAPHS=1 (or 0) in
 	// the environment turns graphs on (or off) whatever this says, to run a
 	// test suite both ways.
@@ -384,7 +384,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 			}
 		}
 		var gerr error
-		if e.graphs.on && o.OpTime == nil && o.Reduce == nil {
+		if e.graphs.on && o.OpTime == nil && o.UpdateTime == nil && o.Reduce == nil {
 			r.g, gerr = e.graphs.forProgram(p.Signature(), e.destroySeg)
 		}
 		e.cur = r
@@ -433,10 +433,11 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 
 // tailLeftRunning is whether a successful Execute with options o returns
 // without waiting for its last kernels: a resident call that neither times
-// its nodes (OpTime reads their events after the step) nor hands its
-// gradients to a Reducer (whose communication runs on its own stream).
+// its nodes or its update (OpTime and UpdateTime read their events after
+// the step) nor hands its gradients to a Reducer (whose communication runs
+// on its own stream).
 func tailLeftRunning(o ExecOptions) bool {
-	return o.Resident && o.OpTime == nil && o.Reduce == nil
+	return o.Resident && o.OpTime == nil && o.UpdateTime == nil && o.Reduce == nil
 }
 
 // Run evaluates g over its full batch (exec.Executor).
@@ -474,7 +475,7 @@ type runner struct {
 	c       *exec.Call[*residentBuf]    // the host side shared with exec/cpu
 	persist map[persistKey]*alloc.Block // this call's persistent blocks
 	inputs  map[int]*exec.HostBuf       // whole-batch input data, converted once
-	timed   []nodeTiming                // ExecOptions.OpTime's events, in launch order
+	timed   []nodeTiming                // ExecOptions.OpTime's and UpdateTime's events, in launch order
 	// companions are the blocks the replay handed over for the next Run's
 	// companion outputs (planner.CompanionHooks), in the program's order;
 	// early holds the companions already computed by their producer, whose
@@ -701,9 +702,20 @@ func (r *runner) ChunkDone(c planner.Chunk, outs []*alloc.Block, acc []*alloc.Bl
 // they are and nothing on the host needs them. Under a loss scale the sums
 // are unscaled and checked on the device first (unscale, with its flag in
 // ws), and no update runs if one holds an inf or NaN.
-func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) error {
+func (r *runner) Finish(kept []*alloc.Block, ws *alloc.Block) (err error) {
 	if err := r.flush(); err != nil {
 		return err
+	}
+	if r.o.UpdateTime != nil {
+		ev, terr := r.startTiming(nil, planner.Chunk{})
+		if terr != nil {
+			return terr
+		}
+		defer func() {
+			if rerr := r.e.d.record(ev.end); err == nil {
+				err = rerr
+			}
+		}()
 	}
 	if r.o.Offload && len(kept) > 0 {
 		return r.offloadStep(kept)

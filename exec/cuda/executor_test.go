@@ -223,7 +223,7 @@ func TestDeviceOptimizerMatchesHost(t *testing.T) {
 // gradients on the device (their outputs are nil) and the host tensors
 // untouched until SyncParams, yet train bit for bit as steps that download
 // everything and sync every step. OpTime reports every node of every chunk
-// that runs a pass of its own.
+// that runs a pass of its own, UpdateTime the optimizer's update once.
 func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 	const steps, n, chunks = 3, 24, 2
 	ctx := context.Background()
@@ -239,14 +239,15 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 			initial = hostParams(t, params)
 		}
 		p := stepProgram(t, loss, params, lazyOpt.StateSlots())
-		timed, total := 0, time.Duration(0)
+		timed, total, updates := 0, time.Duration(0), []time.Duration{}
 		fused := cuda.FusedCrossEntropies()
 		lres, err := e.Execute(ctx, p, planner.Chunks(n, chunks), cuda.ExecOptions{Resident: true, Optimizer: lazyOpt, KeptOnDevice: true,
 			OpTime: func(nd *graph.Node, c planner.Chunk, d time.Duration) {
 				require.GreaterOrEqual(t, d, time.Duration(0), "node %d", nd.ID)
 				timed++
 				total += d
-			}})
+			},
+			UpdateTime: func(d time.Duration) { updates = append(updates, d) }})
 		require.NoError(t, err, "step %d", step)
 		runs := 0
 		for _, st := range p.Steps {
@@ -260,6 +261,8 @@ func TestKeptOnDeviceAndSyncParams(t *testing.T) {
 		require.Equal(t, chunks, inPass, "each chunk's loss gradient comes with its loss")
 		require.Equal(t, chunks*runs-inPass, timed, "OpTime sees every other node of every chunk")
 		require.Positive(t, total, "the step's kernels take device time")
+		require.Len(t, updates, 1, "one update a step")
+		require.Positive(t, updates[0], "the optimizer's kernels take device time")
 		require.NotNil(t, lres.Outputs[0], "the loss is downloaded")
 		for i := 1; i < len(lres.Outputs); i++ {
 			require.Nil(t, lres.Outputs[i], "gradient %d stays on the device", i)

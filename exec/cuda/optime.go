@@ -8,7 +8,8 @@ import (
 	"github.com/batchfit/batchfit/planner"
 )
 
-// nodeTiming is one node's run in one chunk, bracketed by two events.
+// nodeTiming is one node's run in one chunk, bracketed by two events; nd
+// is nil for the step's update (ExecOptions.UpdateTime).
 type nodeTiming struct {
 	nd         *graph.Node
 	c          planner.Chunk
@@ -39,8 +40,8 @@ func (d *Device) record(ev CUevent) error {
 	return d.drv.check("cuEventRecord", d.drv.cuEventRecord(ev, 0))
 }
 
-// reportTimes passes each timed node's device time to ExecOptions.OpTime
-// when the step completed (the device is synchronised) and destroys the
+// reportTimes passes each timed node's device time to ExecOptions.OpTime,
+// and the update's to UpdateTime, when the step completed (the device is synchronised) and destroys the
 // events. On the device thread.
 func (r *runner) reportTimes(completed bool) error {
 	drv := r.e.d.drv
@@ -51,8 +52,10 @@ func (r *runner) reportTimes(completed bool) error {
 			if err := drv.check("cuEventElapsedTime", drv.cuEventElapsedTime(&ms, t.start, t.end)); err != nil {
 				errs = append(errs, err)
 				completed = false
+			} else if d := time.Duration(float64(ms) * float64(time.Millisecond)); t.nd == nil {
+				r.o.UpdateTime(d)
 			} else {
-				r.o.OpTime(t.nd, t.c, time.Duration(float64(ms)*float64(time.Millisecond)))
+				r.o.OpTime(t.nd, t.c, d)
 			}
 		}
 		errs = append(errs, drv.check("cuEventDestroy", drv.cuEventDestroy(t.start)),
