@@ -261,7 +261,8 @@ func (r *runner) optimUpdate(adam bool, opt devOptimizer, pl *optim.DevicePlan, 
 			l := &lists[li]
 			var err error
 			if adam {
-				err = k.flat(kAdam, l.off[l.count], *l, int64(l.count), sc, int64(paramsAt(n)), boolInt(decoupled), boolInt(clip))
+				err = k.flat(kAdam, ceilDiv(l.off[l.count], 4), *l, // four elements a thread
+					int64(l.count), sc, int64(paramsAt(n)), boolInt(decoupled), boolInt(clip))
 			} else {
 				err = k.flat(kSGD, l.off[l.count], *l, int64(l.count), sc, int64(paramsAt(n)), boolInt(clip))
 			}

@@ -54,12 +54,11 @@ struct OptimList {
   int idx[OPTIM_TENSORS];
 };
 
-// optim_first is the tensor of this thread's first index of a grid-stride
+// optim_first is the tensor of index i, a thread's first of a grid-stride
 // loop over [0, off[count]): the largest t < count with off[t] ≤ i, so an
-// empty tensor (off[t] = off[t+1]) is never chosen; 0 when the thread has
-// no index.
-__device__ __forceinline__ int optim_first(const OptimList& l, i64 count) {
-  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+// empty tensor (off[t] = off[t+1]) is never chosen; 0 when i is past the
+// end.
+__device__ __forceinline__ int optim_first(const OptimList& l, i64 count, i64 i) {
   if (i >= l.off[count]) return 0;
   int lo = 0, hi = (int)count - 1;  // off[lo] ≤ i < off[hi + 1]
   while (lo < hi) {
@@ -87,7 +86,7 @@ __device__ __forceinline__ double clip_grad(float g, i64 clip, float coef) {
 extern "C" __global__ void __launch_bounds__(256)
 sgd_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_at, i64 clip) {
   const float coef = clip ? (float)sc[2] : 1.0f;
-  int t = optim_first(l, count);
+  int t = optim_first(l, count, (i64)blockIdx.x * blockDim.x + threadIdx.x);
   int at = -1;  // the tensor whose scalars are loaded
   double lr = 0, momentum = 0, damp = 0, wd = 0;
   bool nesterov = false, fresh = false;
@@ -114,6 +113,31 @@ sgd_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_
   }
 }
 
+// AdamScalars is one parameter's Adam hyperparameters and bias corrections
+// as adam_multi_f32 reads them from sc.
+struct AdamScalars {
+  double lr, beta1, beta2, eps, wd, decay, b1c, b2c, c1, c2;
+};
+__device__ __forceinline__ AdamScalars adam_scalars(const OptimList& l, int t, const double* __restrict__ sc, i64 params_at) {
+  const double* h = sc + OPTIM_HEADER + OPTIM_GROUP_WORDS * l.grp[t];
+  const double* q = sc + params_at + 2 * l.idx[t];
+  return AdamScalars{h[0], h[1], h[2], h[3], h[4], h[5], 1.0 - h[1], 1.0 - h[2], q[0], q[1]};
+}
+
+// adam_elem updates one element: parameter w, gradient g, moments m, v.
+__device__ __forceinline__ void adam_elem(const AdamScalars& a, float& p, float g, float& m, float& v, i64 decoupled, i64 clip,
+                                          float coef) {
+  double w = (double)p;
+  double gr = clip_grad(g, clip, coef);
+  if (decoupled) w = mul_rn(w, a.decay);
+  else gr = add_rn(gr, mul_rn(a.wd, w));
+  const double mi = add_rn(mul_rn(a.beta1, (double)m), mul_rn(a.b1c, gr));
+  const double vi = add_rn(mul_rn(a.beta2, (double)v), mul_rn(mul_rn(a.b2c, gr), gr));
+  m = (float)mi;
+  v = (float)vi;
+  p = (float)sub_rn(w, mul_rn(a.lr, mi / a.c1) / (add_rn(sqrt(vi / a.c2), a.eps)));
+}
+
 // adam_multi_f32: Adam (decoupled = 0: L2 decay added to the gradient,
 // torch.optim.Adam) or AdamW (decoupled ≠ 0: p ← p·decay first), for
 // the count ≤ OPTIM_TENSORS parameters of l: each element of parameter p,
@@ -123,36 +147,43 @@ sgd_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_
 //   p ← p − lr·(m/c1) / (√(v/c2) + eps)
 // with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for the parameter's step t
 // (1-based), computed by the host as optim.go does (math.Pow in float64).
-// 1-D blocks, any grid.
+// Thread q takes the four elements 4q … 4q+3 of the flat range: when they
+// lie in one parameter and its four arrays are 16-byte aligned there, as
+// one float4 access each (the update is memory-bound: 28 bytes an element),
+// otherwise one by one. 1-D blocks covering ⌈off[count]/4⌉ threads, any
+// grid.
 extern "C" __global__ void __launch_bounds__(256)
 adam_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_at, i64 decoupled, i64 clip) {
   const float coef = clip ? (float)sc[2] : 1.0f;
-  int t = optim_first(l, count);
-  int at = -1;  // the tensor whose scalars are loaded
-  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, wd = 0, decay = 0, b1c = 0, b2c = 0, c1 = 1, c2 = 1;
-  GRID_LOOP(i, l.off[count]) {
-    while (i >= l.off[t + 1]) ++t;
-    if (t != at) {
-      at = t;
-      const double* h = sc + OPTIM_HEADER + OPTIM_GROUP_WORDS * l.grp[t];
-      lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], decay = h[5];
-      b1c = 1.0 - beta1, b2c = 1.0 - beta2;
-      const double* q = sc + params_at + 2 * l.idx[t];
-      c1 = q[0], c2 = q[1];
-    }
-    const i64 j = i - l.off[t];
+  const i64 n = l.off[count];
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  int t = optim_first(l, count, 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x));
+  int at = -1;  // the tensor whose scalars a holds
+  AdamScalars a{};
+  for (i64 i0 = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x); i0 < n; i0 += 4 * stride) {
+    while (i0 >= l.off[t + 1]) ++t;
+    if (t != at) at = t, a = adam_scalars(l, t, sc, params_at);
+    const i64 j = i0 - l.off[t];
     float* p = l.p[t] + j;
+    const float* g = l.g[t] + j;
     float* m = l.s0[t] + j;
     float* v = l.s1[t] + j;
-    double w = (double)*p;
-    double gr = clip_grad(l.g[t][j], clip, coef);
-    if (decoupled) w = mul_rn(w, decay);
-    else gr = add_rn(gr, mul_rn(wd, w));
-    const double mi = add_rn(mul_rn(beta1, (double)*m), mul_rn(b1c, gr));
-    const double vi = add_rn(mul_rn(beta2, (double)*v), mul_rn(mul_rn(b2c, gr), gr));
-    *m = (float)mi;
-    *v = (float)vi;
-    *p = (float)sub_rn(w, mul_rn(lr, mi / c1) / (add_rn(sqrt(vi / c2), eps)));
+    if (i0 + 4 <= l.off[t + 1] && (((u64)p | (u64)g | (u64)m | (u64)v) & 15) == 0) {
+      float4 pv = *(float4*)p, mv = *(float4*)m, vv = *(float4*)v;
+      const float4 gv = *(const float4*)g;
+      adam_elem(a, pv.x, gv.x, mv.x, vv.x, decoupled, clip, coef);
+      adam_elem(a, pv.y, gv.y, mv.y, vv.y, decoupled, clip, coef);
+      adam_elem(a, pv.z, gv.z, mv.z, vv.z, decoupled, clip, coef);
+      adam_elem(a, pv.w, gv.w, mv.w, vv.w, decoupled, clip, coef);
+      *(float4*)p = pv, *(float4*)m = mv, *(float4*)v = vv;
+      continue;
+    }
+    for (i64 i = i0; i < i0 + 4 && i < n; ++i) {
+      while (i >= l.off[t + 1]) ++t;
+      if (t != at) at = t, a = adam_scalars(l, t, sc, params_at);
+      const i64 k = i - l.off[t];
+      adam_elem(a, l.p[t][k], l.g[t][k], l.s0[t][k], l.s1[t][k], decoupled, clip, coef);
+    }
   }
 }
 
@@ -206,7 +237,7 @@ __device__ __forceinline__ double block_reduce(double acc, i64 inf) {
 extern "C" __global__ void __launch_bounds__(256)
 grad_norm_partial_f32(OptimList l, i64 count, double* __restrict__ part, i64 inf) {
   double acc = 0;
-  int t = optim_first(l, count);
+  int t = optim_first(l, count, (i64)blockIdx.x * blockDim.x + threadIdx.x);
   GRID_LOOP(i, l.off[count]) {
     while (i >= l.off[t + 1]) ++t;
     const double v = (double)l.g[t][i - l.off[t]];
