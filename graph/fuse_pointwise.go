@@ -22,7 +22,10 @@ import (
 // group, a value it makes (that would be a cycle; such groups stay plain
 // nodes). Nodes that an executor pairs as companions (CompanionProducer:
 // an add and the rms_norm it feeds, a cast of a norm's gradient, …) stay
-// as they are, so the hand-fused kernels keep their pairs. A group of one
+// as they are, so the hand-fused kernels keep their pairs. Groups of one
+// shape that read one value made outside any group merge into one
+// (siblings: a backward's two gradients from one output gradient) when
+// that holds nothing longer and makes no cycle. A group of one
 // node that recomputes nothing is left alone. The nodes a group gives
 // follow one another, the first giving its expression's output 0, so an
 // executor computes them all in one pass (FusedPointwiseProducer).
@@ -50,6 +53,7 @@ import (
 func FusePointwise(g *Graph, outputs []int) (*Graph, []int, error) {
 	f := newPWFuser(g, outputs)
 	f.group()
+	f.siblings()
 	f.acyclic()
 	f.recompute()
 	return f.build()
@@ -215,6 +219,95 @@ func (f *pwFuser) group() {
 		gr.members = append(gr.members, i)
 		gr.last = i
 		f.grp[i] = joined
+	}
+}
+
+// siblings merges groups that read one value of their iteration shape
+// from outside any group, so that one kernel reads it once and writes what
+// both gave: the backward of silu(a)·b reads its output gradient g in
+// g·silu(a) (b's gradient) and in silu_grad(g·b, a) (a's), and a written
+// RMSNorm's backward reads x and g in its input's gradient and in its
+// weight's g·x·r (a flat group joining the row group of the norm's
+// backward: its kernel stores one more per-element value). Two groups
+// merge when they have one iteration shape, the union makes no cycle, and
+// the merged kernel, which runs when the later of the two could, holds no
+// input of the earlier one longer: each is read by the later one too, is
+// needed until then anyway, or is a value of another group made from such
+// inputs (a forward intermediate, which recompute then usually recomputes
+// from them rather than keeps).
+func (f *pwFuser) siblings() {
+	g := f.g
+	ins := func(gi int) (ext []int, last int) {
+		last = -1
+		for _, m := range f.groups[gi].members {
+			for _, x := range g.Node(m).Inputs {
+				if f.grp[x] != gi && !slices.Contains(ext, x) {
+					ext = append(ext, x)
+					last = max(last, x)
+				}
+			}
+		}
+		return ext, last
+	}
+	// reads is what group gi's kernel will read: its inputs, and for an
+	// input that is another group's value, the inputs that value is made
+	// from (recompute may read those instead).
+	reads := func(ext []int, gi int) map[int]bool {
+		r := map[int]bool{}
+		for _, x := range ext {
+			r[x] = true
+			if c := f.grp[x]; c >= 0 {
+				_, leaves := f.cone(c, x)
+				for _, l := range leaves {
+					r[l] = true
+				}
+			}
+		}
+		return r
+	}
+	// mergeable: no input of the earlier group is held longer.
+	mergeable := func(a, b int) bool {
+		ea, la := ins(a)
+		eb, lb := ins(b)
+		if la > lb {
+			a, b, ea, la, lb = b, a, eb, lb, la
+		}
+		rb := reads(eb, b)
+		held := func(x int) bool { return rb[x] || f.lastUse[x] >= lb }
+		for _, x := range ea {
+			if held(x) {
+				continue
+			}
+			c := f.grp[x]
+			if c < 0 {
+				return false
+			}
+			_, leaves := f.cone(c, x)
+			for _, l := range leaves {
+				if !held(l) {
+					return false
+				}
+			}
+		}
+		return !f.cycle(f.groups[a].members[0], []int{a, b})
+	}
+	for x := range g.Len() {
+		if f.grp[x] >= 0 {
+			continue
+		}
+		var gs []int
+		for _, r := range f.readers[x] {
+			gi := f.grp[r]
+			if gi < 0 || slices.Contains(gs, gi) || !slices.Equal(f.groups[gi].s, g.Node(x).Type.Shape) {
+				continue
+			}
+			gs = append(gs, gi)
+		}
+		for i := 1; i < len(gs); i++ {
+			if mergeable(gs[0], gs[i]) {
+				f.merge([]int{gs[0], gs[i]})
+			}
+		}
 	}
 }
 

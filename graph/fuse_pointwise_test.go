@@ -136,3 +136,57 @@ func TestFusePointwiseTwoGroupCycle(t *testing.T) {
 	assert.Equal(t, g.Len(), fg.Len())
 	assert.GreaterOrEqual(t, ids[a2.ID()], 0)
 }
+
+// kernelOf is the fused_pointwise node whose kernel gives node id of fg:
+// the group's first node (graph.FusedPointwiseProducer), or id itself.
+func kernelOf(t *testing.T, fg *graph.Graph, id int) int {
+	t.Helper()
+	require.Equal(t, graph.OpFusedPointwise, fg.Node(id).Op, "node %d", id)
+	if p := graph.FusedPointwiseProducer(fg, id); p >= 0 {
+		return p
+	}
+	return id
+}
+
+// Sibling groups: the backward of silu(a)·b reads its output gradient g
+// in b's gradient g·silu(a) and in a's, silu_grad(g·b, a). Each is a
+// group of its own (g comes from a matmul, outside any group); they merge
+// into one kernel that reads g, a and b once and gives both gradients.
+// With the merge disabled by a cycle (b's gradient feeding a's through a
+// matmul) they stay two kernels.
+func TestFusePointwiseMergesSiblings(t *testing.T) {
+	x := lazy.Placeholder([]int{4, 6, 16}, graph.Float32, 0)
+	wa := lazy.ParamSpec([]int{16, 32}, graph.Float32, "wa")
+	wb := lazy.ParamSpec([]int{16, 32}, graph.Float32, "wb")
+	wo := lazy.ParamSpec([]int{32, 16}, graph.Float32, "wo")
+	a, b := x.MatMul(wa), x.MatMul(wb)
+	loss := a.Silu().Mul(b).MatMul(wo).Tanh().Sum()
+	require.NoError(t, loss.Err())
+	g := loss.Graph().IR()
+	grads, err := autodiff.Backward(g, loss.ID(), []int{a.ID(), b.ID()})
+	require.NoError(t, err)
+	fg, ids, err := graph.FusePointwise(g, append([]int{loss.ID()}, grads...))
+	require.NoError(t, err)
+	ga, gb := ids[grads[0]], ids[grads[1]]
+	require.GreaterOrEqual(t, ga, 0)
+	require.GreaterOrEqual(t, gb, 0)
+	assert.Equal(t, kernelOf(t, fg, ga), kernelOf(t, fg, gb), "a's and b's gradients come from one kernel")
+	assert.Len(t, fg.Node(ga).Attrs.Pointwise.Outs, 2)
+}
+
+// Two groups reading one value stay apart when merging them would make a
+// cycle: u = exp(x)·2 feeds a matmul whose product v is added to tanh(x),
+// so a kernel giving both would read its own output.
+func TestFusePointwiseSiblingsNoCycle(t *testing.T) {
+	x0 := lazy.Placeholder([]int{4, 8}, graph.Float32, 0)
+	w := lazy.ParamSpec([]int{8, 8}, graph.Float32, "w")
+	w2 := lazy.ParamSpec([]int{8, 8}, graph.Float32, "w2")
+	x := x0.MatMul(w2) // outside any group, read by both
+	u := x.Exp().MulScalar(2)
+	v := x.Tanh().Neg().Add(u.MatMul(w))
+	require.NoError(t, v.Err())
+	fg, ids, err := graph.FusePointwise(v.Graph().IR(), []int{v.ID(), u.ID()})
+	require.NoError(t, err)
+	require.Equal(t, 2, countOp(fg, graph.OpFusedPointwise), "exp·2 and tanh, neg, add: two kernels")
+	assert.NotEqual(t, kernelOf(t, fg, ids[u.ID()]), kernelOf(t, fg, ids[v.ID()]))
+}
