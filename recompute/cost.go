@@ -104,9 +104,28 @@ func H100Profile() Profile {
 		}}
 }
 
+// H200Profile is the NVIDIA H200 (141 GB HBM3e): the H100's chip with
+// faster memory. The 16-bit GEMM, attention and bandwidth figures were
+// measured on the H200 in this project (bench/RESULTS.md, 2026-12-02);
+// the rest are the H100's, the compute being the same GH100's.
+func H200Profile() Profile {
+	p := H100Profile()
+	p.Name = "NVIDIA H200"
+	p.HalfFLOPS, p.HalfAttentionFLOPS, p.Bandwidth = 720e12, 315e12, 3.2e12
+	src := map[string]string{}
+	for k, v := range p.Sources {
+		src[k] = "as the H100 (the same GH100 chip): " + v
+	}
+	src["half_flops"] = "measured: Llama-3.2-1B's bf16 GEMMs (8192 rows, 2048–8192 wide) in the executor's node profile, 623–813 TFLOP/s"
+	src["half_attention_flops"] = "measured: grouped-query attention forward + backward on cuDNN, bf16, B4 H32 KV8 T2048 d64 causal, 315 TFLOP/s (bench/attention-gqa)"
+	src["bandwidth"] = "measured: the swiglu kernel, 138 MB in 43.5 µs (HBM3e nominal 4.8 TB/s)"
+	p.Sources = src
+	return p
+}
+
 // Profiles are the built-in profiles by name.
 func Profiles() map[string]Profile {
-	return map[string]Profile{"default": DefaultProfile(), "h100": H100Profile()}
+	return map[string]Profile{"default": DefaultProfile(), "h100": H100Profile(), "h200": H200Profile()}
 }
 
 // nodeCost is a node's work at chunk size b: flops(b) = F0 + F1·b,

@@ -85,7 +85,7 @@ func ReadProfile(r io.Reader) (Profile, error) {
 }
 
 // LoadProfile reads a profile file, or a built-in profile by name
-// ("default", "h100").
+// ("default", "h100", "h200").
 func LoadProfile(name string) (Profile, error) {
 	if p, ok := Profiles()[name]; ok {
 		return p, nil
@@ -94,7 +94,7 @@ func LoadProfile(name string) (Profile, error) {
 	// MaxProfileBytes (a FIFO or /dev/zero is refused at once).
 	f, _, err := safefile.Open(name, MaxProfileBytes)
 	if err != nil {
-		return Profile{}, fmt.Errorf("%w: %w (built-in profiles: default, h100)", ErrProfile, err)
+		return Profile{}, fmt.Errorf("%w: %w (built-in profiles: default, h100, h200)", ErrProfile, err)
 	}
 	defer f.Close()
 	return ReadProfile(f)

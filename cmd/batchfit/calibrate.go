@@ -79,7 +79,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	sess := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCUDA})
 	if err := sess.Err(); err != nil {
 		if errors.Is(err, cuda.ErrNoGPU) {
-			err = fmt.Errorf("%w (%v); for dry runs use estimate --profile h100 or default", ErrNoGPU, err)
+			err = fmt.Errorf("%w (%v); for dry runs use estimate --profile h100, h200 or default", ErrNoGPU, err)
 		}
 		fmt.Fprintf(stderr, "batchfit calibrate: %v\n", err)
 		return exitPlan

@@ -25,8 +25,8 @@ type recomputeFlagValues struct {
 func addRecomputeFlags(fs *flag.FlagSet, v *recomputeFlagValues) {
 	fs.StringVar(&v.mode, "recompute", "off", "activation recomputation: off (chunks only, today's plan) or auto "+
 		"(search chunks and recompute sets for the most samples/s; prints the alternatives)")
-	fs.StringVar(&v.profile, "profile", "", "cost model `profile` for --recompute and --plot: default, h100 or a JSON file "+
-		"(as batchfit calibrate writes it); default: h100 with --gpu h100, default otherwise")
+	fs.StringVar(&v.profile, "profile", "", "cost model `profile` for --recompute and --plot: default, h100, h200 or a JSON file "+
+		"(as batchfit calibrate writes it); default: h100 or h200 with that --gpu, default otherwise")
 	fs.StringVar(&v.plot, "plot", "", "write an SVG `FILE` of predicted samples/s and peak against the budget "+
 		"(chunks only and recompute auto, budgets up to --budget)")
 }
@@ -41,8 +41,12 @@ func (v *recomputeFlagValues) apply(c *estimateConfig) error {
 	name := v.profile
 	if name == "" {
 		name = "default"
-		if c.device != nil && strings.Contains(strings.ToLower(c.device.Card), "h100") {
-			name = "h100"
+		if c.device != nil {
+			for _, card := range []string{"h100", "h200"} {
+				if strings.Contains(strings.ToLower(c.device.Card), card) {
+					name = card
+				}
+			}
 		}
 	}
 	if c.profile, err = recompute.LoadProfile(name); err != nil {

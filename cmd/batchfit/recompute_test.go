@@ -141,3 +141,20 @@ func TestMeasureProfileOnCPU(t *testing.T) {
 	var buf strings.Builder
 	require.NoError(t, recompute.WriteProfile(&buf, p))
 }
+
+// --gpu names the cost model when --profile does not: the H100's and the
+// H200's built-in profiles, the nominal mid-range one for other cards.
+func TestEstimateProfileFollowsGPU(t *testing.T) {
+	for _, c := range []struct{ gpu, want string }{
+		{"h100-80gb", recompute.H100Profile().Name},
+		{"h200", recompute.H200Profile().Name},
+		{"l4", recompute.DefaultProfile().Name},
+	} {
+		code, out, errOut := runCLI("estimate", "--model", "mlp", "--batch", "8", "--gpu", c.gpu, "--recompute", "auto", "--json")
+		require.Equal(t, exitOK, code, "%s: %s", c.gpu, errOut)
+		var r report
+		require.NoError(t, json.Unmarshal([]byte(out), &r), c.gpu)
+		require.NotNil(t, r.Recompute, c.gpu)
+		assert.Equal(t, c.want, r.Recompute.Profile.Name, c.gpu)
+	}
+}
