@@ -261,7 +261,7 @@ func (r *runner) optimUpdate(adam bool, opt devOptimizer, pl *optim.DevicePlan, 
 			l := &lists[li]
 			var err error
 			if adam {
-				err = k.flat(kAdam, ceilDiv(l.off[l.count], 4), *l, // four elements a thread
+				err = k.flat(kAdam, ceilDiv(l.off[l.count], adamPack), *l,
 					int64(l.count), sc, int64(paramsAt(n)), boolInt(decoupled), boolInt(clip))
 			} else {
 				err = k.flat(kSGD, l.off[l.count], *l, int64(l.count), sc, int64(paramsAt(n)), boolInt(clip))
@@ -286,6 +286,10 @@ func (r *runner) optimUpdate(adam bool, opt devOptimizer, pl *optim.DevicePlan, 
 	}
 	return r.segment(fp, launches, launch)
 }
+
+// adamPack is how many elements one thread of adam_multi_f32 updates
+// (ADAM_PACK in kernels/optim.cu).
+const adamPack = 4
 
 // optimSegment marks an optimizer update's fingerprint: no node's
 // fingerprint (which starts with the node's id) begins with it.

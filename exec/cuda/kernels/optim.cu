@@ -147,20 +147,22 @@ __device__ __forceinline__ void adam_elem(const AdamScalars& a, float& p, float 
 //   p ← p − lr·(m/c1) / (√(v/c2) + eps)
 // with c1 = 1 − β₁ᵗ and c2 = 1 − β₂ᵗ for the parameter's step t
 // (1-based), computed by the host as optim.go does (math.Pow in float64).
-// Thread q takes the four elements 4q … 4q+3 of the flat range: when they
-// lie in one parameter and its four arrays are 16-byte aligned there, as
-// one float4 access each (the update is memory-bound: 28 bytes an element),
-// otherwise one by one. 1-D blocks covering ⌈off[count]/4⌉ threads, any
-// grid.
+// Thread q takes the ADAM_PACK elements from ADAM_PACK·q of the flat
+// range: when they lie in one parameter and its four arrays are aligned to
+// a pack there, as one vector access each (the update is memory-bound: 28
+// bytes an element), otherwise one by one. 1-D blocks covering
+// ⌈off[count]/ADAM_PACK⌉ threads (adamPack in optimizer.go), any grid.
+#define ADAM_PACK 4
 extern "C" __global__ void __launch_bounds__(256)
 adam_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params_at, i64 decoupled, i64 clip) {
+  constexpr int N = ADAM_PACK;
   const float coef = clip ? (float)sc[2] : 1.0f;
   const i64 n = l.off[count];
   const i64 stride = (i64)gridDim.x * blockDim.x;
-  int t = optim_first(l, count, 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x));
+  int t = optim_first(l, count, N * ((i64)blockIdx.x * blockDim.x + threadIdx.x));
   int at = -1;  // the tensor whose scalars a holds
   AdamScalars a{};
-  for (i64 i0 = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x); i0 < n; i0 += 4 * stride) {
+  for (i64 i0 = N * ((i64)blockIdx.x * blockDim.x + threadIdx.x); i0 < n; i0 += N * stride) {
     while (i0 >= l.off[t + 1]) ++t;
     if (t != at) at = t, a = adam_scalars(l, t, sc, params_at);
     const i64 j = i0 - l.off[t];
@@ -168,17 +170,15 @@ adam_multi_f32(OptimList l, i64 count, const double* __restrict__ sc, i64 params
     const float* g = l.g[t] + j;
     float* m = l.s0[t] + j;
     float* v = l.s1[t] + j;
-    if (i0 + 4 <= l.off[t + 1] && (((u64)p | (u64)g | (u64)m | (u64)v) & 15) == 0) {
-      float4 pv = *(float4*)p, mv = *(float4*)m, vv = *(float4*)v;
-      const float4 gv = *(const float4*)g;
-      adam_elem(a, pv.x, gv.x, mv.x, vv.x, decoupled, clip, coef);
-      adam_elem(a, pv.y, gv.y, mv.y, vv.y, decoupled, clip, coef);
-      adam_elem(a, pv.z, gv.z, mv.z, vv.z, decoupled, clip, coef);
-      adam_elem(a, pv.w, gv.w, mv.w, vv.w, decoupled, clip, coef);
-      *(float4*)p = pv, *(float4*)m = mv, *(float4*)v = vv;
+    if (i0 + N <= l.off[t + 1] && (((u64)p | (u64)g | (u64)m | (u64)v) & (sizeof(float) * N - 1)) == 0) {
+      Vec<float, N> pv = ldv<N>(p, 0), mv = ldv<N>(m, 0), vv = ldv<N>(v, 0);
+      const Vec<float, N> gv = ldv<N>(g, 0);
+#pragma unroll
+      for (int e = 0; e < N; ++e) adam_elem(a, pv.v[e], gv.v[e], mv.v[e], vv.v[e], decoupled, clip, coef);
+      stv<N>(p, 0, pv), stv<N>(m, 0, mv), stv<N>(v, 0, vv);
       continue;
     }
-    for (i64 i = i0; i < i0 + 4 && i < n; ++i) {
+    for (i64 i = i0; i < i0 + N && i < n; ++i) {
       while (i >= l.off[t + 1]) ++t;
       if (t != at) at = t, a = adam_scalars(l, t, sc, params_at);
       const i64 k = i - l.off[t];
