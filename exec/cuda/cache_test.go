@@ -43,3 +43,26 @@ func TestCompileGarbledCache(t *testing.T) {
 		require.NoError(t, m.Close())
 	}
 }
+
+// BenchmarkCompileCold compiles each kernel file with NVRTC and loads it,
+// the cubin cache off (Options.NoCache): what a first run on a machine
+// with an empty cache spends per module before its first launch. One
+// sub-benchmark per file; run with -benchtime 1x for one compile of each.
+func BenchmarkCompileCold(b *testing.B) {
+	device(b)
+	d, err := cuda.Open(cuda.Options{NoCache: true})
+	require.NoError(b, err)
+	b.Cleanup(func() { require.NoError(b, d.Close()) })
+	for _, file := range cuda.Names() {
+		src, err := cuda.Source(file)
+		require.NoError(b, err)
+		b.Run(file, func(b *testing.B) {
+			for range b.N {
+				m, err := d.Compile(file, src)
+				require.NoError(b, err)
+				require.False(b, m.Cached())
+				require.NoError(b, m.Close())
+			}
+		})
+	}
+}
