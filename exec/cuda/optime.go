@@ -41,8 +41,8 @@ func (d *Device) record(ev CUevent) error {
 }
 
 // reportTimes passes each timed node's device time to ExecOptions.OpTime,
-// and the update's to UpdateTime, when the step completed (the device is synchronised) and destroys the
-// events. On the device thread.
+// and the update's to UpdateTime, when the step completed (the device is
+// synchronised) and destroys the events. On the device thread.
 func (r *runner) reportTimes(completed bool) error {
 	drv := r.e.d.drv
 	var errs []error

@@ -211,22 +211,35 @@ static void rms_bwd(DT dt, i64 rows, i64 d, bool weight, bool vec, i64 gridCap, 
 }
 
 // rot checks rotary_* of x [b, t, n, d] rotating heads below end by
-// sign·θ.
-static void rot(DT dt, i64 b, i64 t, i64 n, i64 d, i64 end, float sign, bool vec, i64 gridCap, std::mt19937& rng) {
-  const i64 total = b * t * n * d, h = d / 2;
-  Buf x(dt, total), y(dt, total), cs(F32, t * d);
-  std::vector<double> X, C(t * d);
+// sign·θ, with the table [t, d] of cos and sin per pair, or (full) the
+// table [t, 2d] of cos then sin per element, each element its own angle:
+// the pair (i, i + h) maps by [[c_i, −s_i], [s_{i+h}, c_{i+h}]], its
+// transpose for sign −1.
+static void rot(DT dt, i64 b, i64 t, i64 n, i64 d, i64 end, float sign, bool vec, i64 gridCap, std::mt19937& rng,
+                bool full = false) {
+  const i64 total = b * t * n * d, h = d / 2, w = full ? 2 * d : d;
+  Buf x(dt, total), y(dt, total), cs(F32, t * w);
+  std::vector<double> X, C(t * w);
   fill(x, X, d, rng, -2, 2);
-  for (i64 p = 0; p < t; ++p)
+  for (i64 p = 0; p < t; ++p) {
+    if (full) {
+      for (i64 k = 0; k < d; ++k) {
+        const double th = (p + 1) * std::pow(10000.0, -2.0 * (k % h) / d) + 0.1 * k + (k >= h ? 0.3 : 0);
+        C[p * w + k] = (float)std::cos(th);
+        C[p * w + d + k] = (float)std::sin(th);
+      }
+      continue;
+    }
     for (i64 i = 0; i < h; ++i) {
       const double th = (p + 1) * std::pow(10000.0, -2.0 * i / d) + 0.1 * i;
-      C[p * d + i] = (float)std::cos(th);
-      C[p * d + h + i] = (float)std::sin(th);
+      C[p * w + i] = (float)std::cos(th);
+      C[p * w + h + i] = (float)std::sin(th);
     }
-  for (i64 i = 0; i < t * d; ++i) cs.set(i, (float)C[i]);
+  }
+  for (i64 i = 0; i < t * w; ++i) cs.set(i, (float)C[i]);
   std::vector<double> want(total);
   for (i64 r = 0; r < b * t * n; ++r) {
-    const i64 pos = r / n % t;
+    const double* tab = C.data() + r / n % t * w;
     for (i64 i = 0; i < h; ++i) {
       const double u = X[r * d + i], v = X[r * d + h + i];
       if (r % n >= end) {
@@ -234,21 +247,28 @@ static void rot(DT dt, i64 b, i64 t, i64 n, i64 d, i64 end, float sign, bool vec
         want[r * d + h + i] = v;
         continue;
       }
-      const double c = C[pos * d + i], s = sign * C[pos * d + h + i];
-      want[r * d + i] = u * c - v * s;
-      want[r * d + h + i] = v * c + u * s;
+      const double cl = tab[i], ch = full ? tab[h + i] : cl, sl = full ? tab[d + i] : tab[h + i],
+                   sh = full ? tab[d + h + i] : sl;
+      if (sign > 0) {
+        want[r * d + i] = u * cl - v * sl;
+        want[r * d + h + i] = v * ch + u * sh;
+      } else {
+        want[r * d + i] = u * cl + v * sh;
+        want[r * d + h + i] = v * ch - u * sl;
+      }
     }
   }
   const i64 work = vec ? b * t * ((n + 3) / 4) * (d / 16) : b * t * n * h;
   const unsigned grid = (unsigned)std::min<i64>(std::max<i64>((work + 255) / 256, 1), gridCap);
   emu_launch3({grid, 1, 1}, {256, 1, 1}, [&] {
-    if (dt == F32) rotary_f32((float*)x.p, (float*)cs.p, (float*)y.p, b * t, t, n, d, end, sign, vec);
-    if (dt == BF16) rotary_bf16((bf16*)x.p, (float*)cs.p, (bf16*)y.p, b * t, t, n, d, end, sign, vec);
-    if (dt == F16) rotary_f16((f16*)x.p, (float*)cs.p, (f16*)y.p, b * t, t, n, d, end, sign, vec);
+    if (dt == F32) rotary_f32((float*)x.p, (float*)cs.p, (float*)y.p, b * t, t, n, d, w, end, sign, vec);
+    if (dt == BF16) rotary_bf16((bf16*)x.p, (float*)cs.p, (bf16*)y.p, b * t, t, n, d, w, end, sign, vec);
+    if (dt == F16) rotary_f16((f16*)x.p, (float*)cs.p, (f16*)y.p, b * t, t, n, d, w, end, sign, vec);
   });
   check(std::string("rotary ") + dtName[dt] + " [" + std::to_string(b) + ", " + std::to_string(t) + ", " +
             std::to_string(n) + ", " + std::to_string(d) + "] end=" + std::to_string(end) + " sign=" +
-            std::to_string((int)sign) + (vec ? " vec" : " scalar") + " grid=" + std::to_string(grid),
+            std::to_string((int)sign) + (full ? " full" : "") + (vec ? " vec" : " scalar") + " grid=" +
+            std::to_string(grid),
         want, all(y), ulpOf(dt), 1e-6);
 }
 
@@ -343,6 +363,10 @@ int main() {
     rot(dt, 3, 4, 6, 16, 4, 1, true, 64, rng), ++cases;
     rot(dt, 2, 5, 12, 64, 10, -1, false, 64, rng), ++cases;
     rot(dt, 2, 3, 5, 6, 2, 1, false, 1, rng), ++cases;
+    rot(dt, 2, 5, 12, 64, 10, 1, true, 64, rng, true), ++cases;
+    rot(dt, 1, 7, 3, 128, 3, -1, true, 2, rng, true), ++cases;
+    rot(dt, 2, 5, 12, 64, 10, -1, false, 64, rng, true), ++cases;
+    rot(dt, 2, 3, 5, 6, 2, 1, false, 1, rng, true), ++cases;
   }
   // SwiGLU: whole packs and a tail, unaligned starts, one gradient or both.
   for (DT dt : {F32, BF16, F16}) {

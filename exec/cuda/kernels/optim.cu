@@ -1,5 +1,6 @@
 // optim.cu: the optimizer updates of optim/optim.go, one thread per element
-// and many parameters per launch, and the gradient norm of clipping.
+// (Adam: per pack of ADAM_PACK) and many parameters per launch, and the
+// gradient norm of clipping.
 //
 // The arithmetic runs in double, as optim.go does, with products and sums
 // through __dmul_rn / __dadd_rn / __dsub_rn so the compiler cannot fuse them
