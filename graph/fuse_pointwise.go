@@ -249,10 +249,10 @@ func (f *pwFuser) siblings() {
 		}
 		return ext, last
 	}
-	// reads is what group gi's kernel will read: its inputs, and for an
-	// input that is another group's value, the inputs that value is made
+	// reads is what a group's kernel with inputs ext will read: those,
+	// and for an input that is another group's value, the inputs that value is made
 	// from (recompute may read those instead).
-	reads := func(ext []int, gi int) map[int]bool {
+	reads := func(ext []int) map[int]bool {
 		r := map[int]bool{}
 		for _, x := range ext {
 			r[x] = true
@@ -270,9 +270,9 @@ func (f *pwFuser) siblings() {
 		ea, la := ins(a)
 		eb, lb := ins(b)
 		if la > lb {
-			a, b, ea, la, lb = b, a, eb, lb, la
+			a, b, ea, eb, lb = b, a, eb, ea, la
 		}
-		rb := reads(eb, b)
+		rb := reads(eb)
 		held := func(x int) bool { return rb[x] || f.lastUse[x] >= lb }
 		for _, x := range ea {
 			if held(x) {
