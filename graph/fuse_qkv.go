@@ -94,28 +94,34 @@ func FuseAttentionQKV(g *Graph) (*Graph, []int, error) {
 			p = at(OpLinear, Attrs{}, in...)
 		}
 		if m.rot.kind != rotNone {
-			tab := -1
-			if m.rot.kind == rotTable {
-				tab = ids[m.rot.cs]
-			} else {
-				key := [2]int{ids[m.rot.cos], ids[m.rot.sin]}
-				if t, ok := tables[key]; ok {
-					tab = t
-				} else {
-					td := []int{m.t, m.d}
-					tab = at(OpConcat, Attrs{Axis: 1}, at(OpReshape, Attrs{Shape: td}, key[0]), at(OpReshape, Attrs{Shape: td}, key[1]))
-					if g.Node(m.rot.cos).Type.DType != Float32 || g.Node(m.rot.sin).Type.DType != Float32 {
-						tab = at(OpCast, Attrs{Target: Type{DType: Float32}}, tab)
-					}
-					tables[key] = tab
-				}
-			}
+			tab := fullTable(g, m, ids, at, tables)
 			n4 := at(OpReshape, Attrs{Shape: []int{m.b, m.t, m.heads + 2*m.kv, m.d}}, p)
 			p = at(OpReshape, Attrs{Shape: []int{m.b, m.t, (m.heads + 2*m.kv) * m.d}}, at(OpRotary, Attrs{End: m.heads + m.kv}, n4, tab))
 		}
 		n.Op, n.Attrs, n.Inputs = OpAttentionQKV, m.attrs, []int{p}
 		return 0, true
 	})
+}
+
+// fullTable is the rotary table of m's rotation in the new graph: a
+// rotary op's table as it is, or the written form's cos and sin [T, d]
+// side by side in float32 (their dtype is one), made once for each pair
+// (tables) with at.
+func fullTable(g *Graph, m *qkvMatch, ids []int, at func(Op, Attrs, ...int) int, tables map[[2]int]int) int {
+	if m.rot.kind == rotTable {
+		return ids[m.rot.cs]
+	}
+	key := [2]int{ids[m.rot.cos], ids[m.rot.sin]}
+	if t, ok := tables[key]; ok {
+		return t
+	}
+	td := []int{m.t, m.d}
+	tab := at(OpConcat, Attrs{Axis: 1}, at(OpReshape, Attrs{Shape: td}, key[0]), at(OpReshape, Attrs{Shape: td}, key[1]))
+	if g.Node(m.rot.cos).Type.DType != Float32 {
+		tab = at(OpCast, Attrs{Target: Type{DType: Float32}}, tab)
+	}
+	tables[key] = tab
+	return tab
 }
 
 // qkvMatch is one attention FuseAttentionQKV rewrites: the packed
