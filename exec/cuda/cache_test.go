@@ -3,6 +3,7 @@ package cuda_test
 import (
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -64,5 +65,38 @@ func BenchmarkCompileCold(b *testing.B) {
 				require.NoError(b, m.Close())
 			}
 		})
+	}
+}
+
+// BenchmarkNewExecutorCold is an executor's start on an empty cubin cache
+// (a fresh cache directory each time): every kernel file compiled by NVRTC,
+// side by side on the host's cores, and loaded. BenchmarkCompileCold's
+// slowest file bounds it from below, their sum from above.
+func BenchmarkNewExecutorCold(b *testing.B) {
+	device(b)
+	for range b.N {
+		b.StopTimer()
+		d, err := cuda.Open(cuda.Options{CacheDir: b.TempDir()})
+		require.NoError(b, err)
+		b.StartTimer()
+		e, err := cuda.NewExecutor(d, cuda.ExecutorOptions{})
+		require.NoError(b, err)
+		b.StopTimer()
+		require.NoError(b, e.Close())
+		require.NoError(b, d.Close())
+		b.StartTimer()
+	}
+}
+
+// TestForEachRunsEveryIndexOnce: the kernel set's worker pool calls f for
+// each index exactly once, whatever the number of workers (none, one, more
+// than the work), and returns after the last.
+func TestForEachRunsEveryIndexOnce(t *testing.T) {
+	for _, c := range []struct{ workers, n int }{{0, 5}, {1, 7}, {4, 100}, {16, 3}, {8, 0}} {
+		hits := make([]atomic.Int32, c.n)
+		cuda.ForEach(c.workers, c.n, func(i int) { hits[i].Add(1) })
+		for i := range hits {
+			require.Equal(t, int32(1), hits[i].Load(), "workers %d, n %d: index %d", c.workers, c.n, i)
+		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -134,6 +135,9 @@ type Executor struct {
 	graphBytes atomic.Int64
 	cur        *runner   // the running Execute's runner, on the device thread
 	reads      readPlans // each program's early reads (readback.go), under mu
+	// warmed holds the programs (signature and chunk sizes) whose
+	// generated kernels warmPointwise has compiled, under mu.
+	warmed map[uint64]bool
 	// offload is an offloaded optimizer's page-locked host memory
 	// (ExecOptions.Offload): masters, state and staging (offload.go).
 	offload exec.OffloadHost
@@ -364,6 +368,7 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 	if err != nil {
 		return nil, err
 	}
+	e.warm(p, chunks)
 	r := &runner{e: e, ctx: ctx, p: p, o: o, c: call, persist: map[persistKey]*alloc.Block{}, inputs: map[int]*exec.HostBuf{}}
 	if rp := e.reads.of(p, call.KeptOf); rp.after > 0 {
 		r.reads = chunkReads{plan: rp, blocks: make([]*alloc.Block, len(rp.bufs)), off: make([]uintptr, len(rp.bufs))}
@@ -429,6 +434,41 @@ func (e *Executor) Execute(ctx context.Context, p *planner.Program, chunks []pla
 		u.HostPinned = e.offload.Pinned()
 	}
 	return &Result{Usage: u, Outputs: outs, Skipped: call.Skipped}, nil
+}
+
+// maxWarmed bounds Executor.warmed; past it the memo starts again.
+const maxWarmed = 256
+
+// maxWarmSizes bounds the chunk sizes warm compiles for: a balanced split
+// has two at most.
+const maxWarmSizes = 4
+
+// warm compiles p's generated kernels side by side before its first step
+// (kernelSet.warmPointwise), once per program and chunk sizes. Not on the
+// device goroutine, whose loads the compiles would wait for.
+func (e *Executor) warm(p *planner.Program, chunks []planner.Chunk) {
+	if e.d.onThread() {
+		return
+	}
+	var sizes []int
+	h := p.Signature()
+	for _, c := range chunks {
+		if len(sizes) == maxWarmSizes {
+			break
+		}
+		if !slices.Contains(sizes, c.Size) {
+			sizes = append(sizes, c.Size)
+			h = h*1099511628211 ^ uint64(c.Size)
+		}
+	}
+	if e.warmed[h] {
+		return
+	}
+	if e.warmed == nil || len(e.warmed) >= maxWarmed {
+		e.warmed = map[uint64]bool{}
+	}
+	e.ks.warmPointwise(e.d, p.Graph, sizes)
+	e.warmed[h] = true
 }
 
 // tailLeftRunning is whether a successful Execute with options o returns

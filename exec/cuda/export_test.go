@@ -17,6 +17,13 @@ func SetPointwiseIndex64(on bool) bool { return forcePW64.Swap(on) }
 // companions' outputs too, in every executor of the process.
 func FusedPointwiseRuns() int64 { return fusedPointwiseRuns.Load() }
 
+// PointwiseLaunchCompiles counts generated kernels compiled at their
+// launch, not before the step, in every executor of the process.
+func PointwiseLaunchCompiles() int64 { return pointwiseLaunchCompiles.Load() }
+
+// ForEach is the kernel set's worker pool.
+var ForEach = forEach
+
 // FusedCrossEntropies counts cross_entropy passes that wrote their
 // companion gradient too, in every executor of the process.
 func FusedCrossEntropies() int64 { return fusedCrossEntropies.Load() }

@@ -3,8 +3,10 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"github.com/batchfit/batchfit/graph"
 )
@@ -190,36 +192,100 @@ func (ks *kernelSet) residentBlocks(d *Device, name string, threads int) (int64,
 }
 
 // loadKernels compiles (or loads from the cubin cache) every file of
-// kernelFiles and looks up its functions.
+// kernelFiles and looks up its functions. The files compile side by side
+// (compileAll): on an empty cache the start waits for the slowest file,
+// not for the sum of them.
 func loadKernels(d *Device) (*kernelSet, error) {
 	ks := &kernelSet{fns: map[string]kernel{}}
+	var files, srcs []string
 	for _, file := range Names() {
-		names, ok := kernelFiles[file]
-		if !ok {
+		if _, ok := kernelFiles[file]; !ok {
 			continue
 		}
 		src, err := Source(file)
 		if err != nil {
-			return nil, errors.Join(err, ks.close())
+			return nil, err
 		}
-		m, err := d.Compile(file, src)
-		if err != nil {
-			return nil, errors.Join(err, ks.close())
-		}
-		ks.mods = append(ks.mods, m)
-		for _, n := range names {
+		files, srcs = append(files, file), append(srcs, src)
+	}
+	mods, err := compileAll(d, files, srcs)
+	if err != nil {
+		return nil, err
+	}
+	ks.mods = mods
+	for i, m := range mods {
+		for _, n := range kernelFiles[files[i]] {
 			f, err := m.Function(n)
 			if err != nil {
-				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
+				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, files[i], err), ks.close())
 			}
 			params, err := m.ParamCount(f)
 			if err != nil {
-				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
+				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, files[i], err), ks.close())
 			}
 			ks.fns[n] = kernel{m, f, params}
 		}
 	}
 	return ks, nil
+}
+
+// compileAll is d.Compile of each (names[i], srcs[i]), on up to one
+// goroutine per host core: NVRTC compiles programs on many threads at
+// once, and each Compile loads its module through the device goroutine.
+// The modules come back in the order given; on an error none stays
+// loaded, and the error is the first file's in that order.
+func compileAll(d *Device, names, srcs []string) ([]*Module, error) {
+	mods := make([]*Module, len(names))
+	errs := make([]error, len(names))
+	workers := runtime.NumCPU()
+	if d.onThread() {
+		// Called from the device goroutine, whose loads the others would
+		// wait for: one at a time, here.
+		workers = 1
+	}
+	forEach(workers, len(names), func(i int) {
+		mods[i], errs[i] = d.Compile(names[i], srcs[i])
+	})
+	var first error
+	for _, err := range errs {
+		if err != nil {
+			first = err
+			break
+		}
+	}
+	if first == nil {
+		return mods, nil
+	}
+	var closeErrs []error
+	for _, m := range mods {
+		if m != nil {
+			closeErrs = append(closeErrs, m.Close())
+		}
+	}
+	return nil, errors.Join(append([]error{first}, closeErrs...)...)
+}
+
+// forEach runs f(0…n−1) on at most workers goroutines and waits for them.
+func forEach(workers, n int, f func(i int)) {
+	workers = max(1, min(workers, n))
+	if workers == 1 {
+		for i := range n {
+			f(i)
+		}
+		return
+	}
+	var (
+		wg   sync.WaitGroup
+		next atomic.Int64
+	)
+	for range workers {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				f(i)
+			}
+		})
+	}
+	wg.Wait()
 }
 
 func (ks *kernelSet) get(name string) (kernel, error) {

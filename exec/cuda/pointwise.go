@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,12 +31,23 @@ type pwKernel struct {
 // text and layout.
 type pwCache struct {
 	mu sync.Mutex
-	m  map[string]*pwKernel
+	m  map[string]*pwEntry
+}
+
+// pwEntry is one generated kernel, nil until compiled; mu is held while it
+// compiles.
+type pwEntry struct {
+	mu sync.Mutex
+	kn *pwKernel
 }
 
 // forcePW64 makes every generated kernel run its 64-bit entry point
 // (tests of the 64-bit indexing on small values).
 var forcePW64 atomic.Bool
+
+// pointwiseLaunchCompiles counts generated kernels compiled at their
+// launch rather than before the step (tests read it).
+var pointwiseLaunchCompiles atomic.Int64
 
 // fusedPointwiseRuns counts generated-kernel launches that wrote
 // companions' outputs too (tests read it).
@@ -59,7 +71,7 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 		return graph.Errorf(graph.ErrShape, "fused_pointwise node %d: rank %d over %d", nd.ID, len(s), MaxDims)
 	}
 	var args []any
-	kn, err := k.ks.pointwise(k.d, p, l)
+	kn, err := k.ks.pointwise(k.d, p, l, true)
 	if err != nil {
 		return err
 	}
@@ -146,14 +158,42 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 }
 
 // pointwise is the generated kernel of p over layout l, compiled (or
-// loaded from the cubin cache) the first time it is asked for.
-func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKernel, error) {
+// loaded from the cubin cache) the first time it is asked for. Calls for
+// different kernels compile side by side; a second call for one being
+// compiled waits for it. A failed compile is not kept: the next call
+// tries again.
+// atLaunch counts a compile in pointwiseLaunchCompiles: one the launch
+// waits for, which warmPointwise was to have done before the step.
+func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout, atLaunch bool) (*pwKernel, error) {
 	key := p.Text() + "|" + l.String()
 	ks.pw.mu.Lock()
-	defer ks.pw.mu.Unlock()
-	if kn, ok := ks.pw.m[key]; ok {
-		return kn, nil
+	e, ok := ks.pw.m[key]
+	if !ok {
+		if ks.pw.m == nil {
+			ks.pw.m = map[string]*pwEntry{}
+		}
+		e = &pwEntry{}
+		ks.pw.m[key] = e
 	}
+	ks.pw.mu.Unlock()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.kn != nil {
+		return e.kn, nil
+	}
+	kn, err := ks.compilePointwise(d, p, l)
+	if err != nil {
+		return nil, err
+	}
+	if atLaunch {
+		pointwiseLaunchCompiles.Add(1)
+	}
+	e.kn = kn
+	return kn, nil
+}
+
+// compilePointwise generates, compiles and loads the kernel of p over l.
+func (ks *kernelSet) compilePointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKernel, error) {
 	src, err := generatePointwise(p, l)
 	if err != nil {
 		return nil, err
@@ -184,11 +224,49 @@ func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKe
 	ks.mu.Lock()
 	ks.mods = append(ks.mods, m)
 	ks.mu.Unlock()
-	if ks.pw.m == nil {
-		ks.pw.m = map[string]*pwKernel{}
-	}
-	ks.pw.m[key] = kn
 	return kn, nil
+}
+
+// warmPointwise compiles the generated kernels that g's fused_pointwise
+// nodes launch at chunk sizes sizes, side by side on the host's cores, so
+// that a first step on an empty cubin cache waits for its slowest kernel
+// rather than for the sum of them. It must not run inside the device
+// goroutine's work (Device.do or doHere), whose loads it waits for. Best
+// effort: a kernel that fails here fails again at its launch, where the
+// error names the node.
+func (ks *kernelSet) warmPointwise(d *Device, g *graph.Graph, sizes []int) {
+	type want struct {
+		p *graph.Pointwise
+		l pwLayout
+	}
+	var wants []want
+	seen := map[string]bool{}
+	nodes := g.Nodes()
+	for j := range nodes {
+		nd := &nodes[j]
+		if nd.Op != graph.OpFusedPointwise || nd.Attrs.Pointwise == nil {
+			continue
+		}
+		for _, b := range sizes {
+			shapes, dts := make([][]int, len(nd.Inputs)), make([]graph.DType, len(nd.Inputs))
+			for i, in := range nd.Inputs {
+				t := g.Node(in).Type
+				shapes[i], dts[i] = t.AtBatch(b), t.DType
+			}
+			l, _, err := layoutOf(shapes, dts)
+			if err != nil {
+				continue
+			}
+			key := nd.Attrs.Pointwise.Text() + "|" + l.String()
+			if !seen[key] {
+				seen[key] = true
+				wants = append(wants, want{nd.Attrs.Pointwise, l})
+			}
+		}
+	}
+	forEach(runtime.NumCPU(), len(wants), func(i int) {
+		_, _ = ks.pointwise(d, wants[i].p, wants[i].l, false)
+	})
 }
 
 // pointwiseModuleSource is a generated kernel's source as NVRTC compiles

@@ -22,15 +22,17 @@ var pwHalfTol = conformance.Tolerance{RTol: 2e-2, ATol: 1e-3}
 // × shapes × dtypes of exec/cpu's TestPointwiseFuzz (the same seed, and
 // more of them), through the 32-bit entry points and again through the
 // 64-bit ones (a case of several outputs writes them all in one pass, the
-// nodes of the others its companions): 1e-4 relative, 1e-5 absolute in float32 (expf, tanhf, erff
+// nodes of the others its companions), every kernel compiled before its
+// step (Execute's warm-up) and none at its launch: 1e-4 relative, 1e-5 absolute in float32 (expf, tanhf, erff
 // and powf are within a few ulp; block sums run in another order), 2e-2
 // and 1e-3 where a 16-bit dtype appears.
 func TestPointwiseFuzzGPU(t *testing.T) {
 	e := executor(t)
 	tol := conformance.Tolerance{RTol: 1e-4, ATol: 1e-5}
-	before := cuda.FusedPointwiseRuns()
+	before, compiles := cuda.FusedPointwiseRuns(), cuda.PointwiseLaunchCompiles()
 	conformance.RunPointwiseFuzz(t, runOn(e), 600, 1, tol, pwHalfTol)
 	require.Greater(t, cuda.FusedPointwiseRuns(), before, "cases of several outputs wrote them in one pass (companions)")
+	require.Equal(t, compiles, cuda.PointwiseLaunchCompiles(), "kernels compiled at their launch, not before the step")
 	prev := cuda.SetPointwiseIndex64(true)
 	defer cuda.SetPointwiseIndex64(prev)
 	conformance.RunPointwiseFuzz(t, runOn(e), 100, 1, tol, pwHalfTol)
