@@ -505,7 +505,10 @@ func TestSessionCUDAGPTFusedAttention(t *testing.T) {
 // one 16-bit ulp apart (2⁻⁸ relative for bfloat16, 2⁻¹¹ for float16) and
 // carry that into the loss: rtol 2e-2 for bf16-mixed, 5e-3 for fp16-mixed.
 // The padded-head GPT's loss reads its head's padded logits (precision's
-// fused loss: cross_entropy with Attrs.End, no slice).
+// fused loss: cross_entropy with Attrs.End, no slice). The fused loss's
+// logits chunk is pinned at graph.MaxLossChunk tokens (Options.LossChunk):
+// under a budget the session would otherwise choose a smaller one, which
+// fits the whole batch in half its peak without chunks.
 func TestSessionCUDAMixedPrecision(t *testing.T) {
 	const steps = 3
 	ctx := context.Background()
@@ -539,7 +542,7 @@ func TestSessionCUDAMixedPrecision(t *testing.T) {
 					if chunked { // the overhead (cuBLAS's workspace) and half the step
 						budget = overhead + wholePeak/2
 					}
-					gpu := cudaSession(t, batchfit.Options{Precision: pc.precision, Budget: budget})
+					gpu := cudaSession(t, batchfit.Options{Precision: pc.precision, Budget: budget, LossChunk: graph.MaxLossChunk})
 					cpu := batchfit.NewSession(batchfit.Options{Device: batchfit.DeviceCPU, Precision: pc.precision})
 					ts := newTwinSteps(cpu, gpu, newModel, 91)
 					for step := range steps {

@@ -2,6 +2,7 @@ package data_test
 
 import (
 	"context"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -31,12 +32,13 @@ func cudaSession(tb testing.TB, opts batchfit.Options) *batchfit.Session {
 	return sess
 }
 
-// tokenFile writes n random GPT-2-vocabulary tokens below vocab in
-// llm.c's format and maps them.
+// tokenFile writes n GPT-2-vocabulary tokens below vocab in llm.c's
+// format and maps them: a learnable stream (learnableTokens), so that a
+// model trained on it lowers its loss in a few steps.
 func tokenFile(tb testing.TB, n, vocab int) *data.TokenFile {
 	tb.Helper()
 	path := filepath.Join(tb.TempDir(), "train.bin")
-	toks := narrow(randomTokens(11, n, vocab))
+	toks := narrow(learnableTokens(11, n, vocab))
 	if err := os.WriteFile(path, llmcFile(20240520, 1, int32(len(toks)), toks), 0o644); err != nil {
 		tb.Fatal(err)
 	}
@@ -46,6 +48,23 @@ func tokenFile(tb testing.TB, n, vocab int) *data.TokenFile {
 	}
 	tb.Cleanup(func() { _ = f.Close() })
 	return f
+}
+
+// learnableTokens is n tokens below vocab where each follows from the one
+// before (t' = (5t + 7) mod vocab, a full cycle for a power-of-two vocab)
+// but one in eight, drawn at random: uniform random tokens hold nothing
+// to learn, and a loss over them only wanders about ln(vocab).
+func learnableTokens(seed uint64, n, vocab int) []uint32 {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	t := make([]uint32, n)
+	for i := range t {
+		if i == 0 || rng.IntN(8) == 0 {
+			t[i] = uint32(rng.IntN(vocab))
+		} else {
+			t[i] = uint32((5*int(t[i-1]) + 7) % vocab)
+		}
+	}
+	return t
 }
 
 // On CUDA, batches in the session's page-locked HostMemory are uploaded

@@ -647,10 +647,12 @@ func newExecutorLoop(d *cuda.Device, c config, m benchModel) (*stepLoop, error) 
 		return l, err
 	}
 	r.DeviceUsedBefore = before
+	start = time.Now()
 	e, err := cuda.NewExecutor(d, c.executorOptions())
 	if err != nil {
 		return l, err
 	}
+	r.ExecutorSeconds = time.Since(start).Seconds()
 	stopProfile := func() {}
 	l.close = func() {
 		stopProfile()

@@ -56,7 +56,10 @@ type Record struct {
 	// throughput
 	BuildModelSeconds float64 `json:"build_model_seconds,omitempty"` // parameter initialisation
 	PlanSeconds       float64 `json:"plan_seconds,omitempty"`        // graph build + Analyze + Compile + planner.Make
-	Warmup            int     `json:"warmup,omitempty"`
+	// ExecutorSeconds is cuda.NewExecutor's: the kernel files compiled
+	// by NVRTC (or loaded from the cubin cache), cuBLAS and cuDNN handles.
+	ExecutorSeconds float64 `json:"executor_seconds,omitempty"`
+	Warmup          int     `json:"warmup,omitempty"`
 	// throughput: gobench -host-work, the host's spin after each step
 	HostWorkSeconds float64 `json:"host_work_seconds,omitempty"`
 	// throughput and session, -interleave: the steps ran in alternate

@@ -45,21 +45,25 @@ func TestCompileGarbledCache(t *testing.T) {
 	}
 }
 
-// BenchmarkCompileCold compiles each kernel file with NVRTC and loads it,
-// the cubin cache off (Options.NoCache): what a first run on a machine
-// with an empty cache spends per module before its first launch. One
-// sub-benchmark per file; run with -benchtime 1x for one compile of each.
+// BenchmarkCompileCold compiles each of the executor's NVRTC programs (a
+// kernel file, or part of one) and loads it, the cubin cache off
+// (Options.NoCache): what a first run on a machine with empty caches
+// spends per program before its first launch, one at a time. One
+// sub-benchmark per program; run with -benchtime 1x for one compile of
+// each. The driver's own cache (CUDA_CACHE_PATH, ~/.nv/ComputeCache) keeps
+// NVRTC's machine code too: point it at an empty directory for a cold
+// figure.
 func BenchmarkCompileCold(b *testing.B) {
 	device(b)
 	d, err := cuda.Open(cuda.Options{NoCache: true})
 	require.NoError(b, err)
 	b.Cleanup(func() { require.NoError(b, d.Close()) })
-	for _, file := range cuda.Names() {
-		src, err := cuda.Source(file)
-		require.NoError(b, err)
-		b.Run(file, func(b *testing.B) {
+	names, srcs, err := cuda.KernelPrograms()
+	require.NoError(b, err)
+	for i, name := range names {
+		b.Run(name, func(b *testing.B) {
 			for range b.N {
-				m, err := d.Compile(file, src)
+				m, err := d.Compile(name, srcs[i])
 				require.NoError(b, err)
 				require.False(b, m.Cached())
 				require.NoError(b, m.Close())
@@ -69,9 +73,10 @@ func BenchmarkCompileCold(b *testing.B) {
 }
 
 // BenchmarkNewExecutorCold is an executor's start on an empty cubin cache
-// (a fresh cache directory each time): every kernel file compiled by NVRTC,
-// side by side on the host's cores, and loaded. BenchmarkCompileCold's
-// slowest file bounds it from below, their sum from above.
+// (a fresh cache directory each time): every kernel program compiled by
+// NVRTC, side by side on the host's cores, and loaded. BenchmarkCompileCold's
+// slowest program bounds it from below, their sum from above; the driver's
+// cache (CUDA_CACHE_PATH) must be empty too for a cold figure.
 func BenchmarkNewExecutorCold(b *testing.B) {
 	device(b)
 	for range b.N {

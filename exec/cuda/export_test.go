@@ -21,6 +21,16 @@ func FusedPointwiseRuns() int64 { return fusedPointwiseRuns.Load() }
 // launch, not before the step, in every executor of the process.
 func PointwiseLaunchCompiles() int64 { return pointwiseLaunchCompiles.Load() }
 
+// KernelPrograms lists the executor's NVRTC programs (a kernel file, or
+// part of one): name and source.
+func KernelPrograms() (names, srcs []string, err error) {
+	progs, err := kernelPrograms()
+	for _, p := range progs {
+		names, srcs = append(names, p.name), append(srcs, p.src)
+	}
+	return names, srcs, err
+}
+
 // ForEach is the kernel set's worker pool.
 var ForEach = forEach
 

@@ -136,6 +136,19 @@ var kernelFiles = map[string][]string{
 	"swiglu.cu": allTyped(kSwiGLU, kSwiGLUGrad),
 }
 
+// kernelParts is how many NVRTC programs a kernel file compiles as, side
+// by side: the file's kernels instantiated under #if PART(k) (common.cuh)
+// compile in program k only. Whole, attention.cu took 28 s of a cold
+// start on the H200 (its plain kernels' three passes 22 s of it) and
+// elementwise.cu 21 s, loss.cu 13 s and layernorm.cu 11 s.
+var kernelParts = map[string]int{"attention.cu": 6, "elementwise.cu": 4, "layernorm.cu": 4, "loss.cu": 3}
+
+// partSource is part k of a kernel file's source: BATCHFIT_PART defined
+// to k in front of it.
+func partSource(src string, k int) string {
+	return fmt.Sprintf("#define BATCHFIT_PART %d\n", k) + src
+}
+
 // kernel is a function of a loaded module.
 type kernel struct {
 	m *Module
@@ -192,12 +205,51 @@ func (ks *kernelSet) residentBlocks(d *Device, name string, threads int) (int64,
 }
 
 // loadKernels compiles (or loads from the cubin cache) every file of
-// kernelFiles and looks up its functions. The files compile side by side
-// (compileAll): on an empty cache the start waits for the slowest file,
-// not for the sum of them.
+// kernelFiles and looks up its functions. The files, and the parts of the
+// larger ones (kernelParts), compile side by side (compileAll): on an
+// empty cache the start waits for the slowest program, not for the sum of
+// them.
 func loadKernels(d *Device) (*kernelSet, error) {
 	ks := &kernelSet{fns: map[string]kernel{}}
-	var files, srcs []string
+	progs, err := kernelPrograms()
+	if err != nil {
+		return nil, err
+	}
+	names, srcs := make([]string, len(progs)), make([]string, len(progs))
+	for i, p := range progs {
+		names[i], srcs[i] = p.name, p.src
+	}
+	mods, err := compileAll(d, names, srcs)
+	if err != nil {
+		return nil, err
+	}
+	ks.mods = mods
+	for i := 0; i < len(mods); {
+		file, j := progs[i].file, i // mods[i:j] are file's programs
+		for j < len(mods) && progs[j].file == file {
+			j++
+		}
+		for _, n := range kernelFiles[file] {
+			kn, err := lookup(mods[i:j], n)
+			if err != nil {
+				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
+			}
+			ks.fns[n] = kn
+		}
+		i = j
+	}
+	return ks, nil
+}
+
+// program is one NVRTC program of the executor's kernels: a kernel file,
+// or part of one (kernelParts).
+type program struct {
+	file, name, src string
+}
+
+// kernelPrograms lists the programs of kernelFiles, by file name and part.
+func kernelPrograms() ([]program, error) {
+	var progs []program
 	for _, file := range Names() {
 		if _, ok := kernelFiles[file]; !ok {
 			continue
@@ -206,27 +258,34 @@ func loadKernels(d *Device) (*kernelSet, error) {
 		if err != nil {
 			return nil, err
 		}
-		files, srcs = append(files, file), append(srcs, src)
-	}
-	mods, err := compileAll(d, files, srcs)
-	if err != nil {
-		return nil, err
-	}
-	ks.mods = mods
-	for i, m := range mods {
-		for _, n := range kernelFiles[files[i]] {
-			f, err := m.Function(n)
-			if err != nil {
-				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, files[i], err), ks.close())
-			}
-			params, err := m.ParamCount(f)
-			if err != nil {
-				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, files[i], err), ks.close())
-			}
-			ks.fns[n] = kernel{m, f, params}
+		parts := kernelParts[file]
+		if parts == 0 {
+			progs = append(progs, program{file, file, src})
+			continue
+		}
+		for k := range parts {
+			progs = append(progs, program{file, fmt.Sprintf("%s[%d/%d]", file, k, parts), partSource(src, k)})
 		}
 	}
-	return ks, nil
+	return progs, nil
+}
+
+// lookup finds kernel name in the first of mods that has it (a file
+// compiled in parts has each kernel in one of them).
+func lookup(mods []*Module, name string) (kernel, error) {
+	var err error
+	for _, m := range mods {
+		var f CUfunction
+		if f, err = m.Function(name); err != nil {
+			continue
+		}
+		params, err := m.ParamCount(f)
+		if err != nil {
+			return kernel{}, err
+		}
+		return kernel{m, f, params}, nil
+	}
+	return kernel{}, err
 }
 
 // compileAll is d.Compile of each (names[i], srcs[i]), on up to one

@@ -147,6 +147,7 @@ __device__ __forceinline__ void attention_fwd_t(const AttnArgs<T>& a, T* o, floa
   if (a.d <= 64) attention_fwd_body<64>(a, o, lse, smem);
   else attention_fwd_body<128>(a, o, lse, smem);
 }
+#if PART(0)
 #define K(T, S)                                                                                 \
   extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_fwd_##S(                    \
       const T* q, const T* k, const T* v, const void* mask, T* o, float* lse, i64 B, i64 H,    \
@@ -158,6 +159,7 @@ __device__ __forceinline__ void attention_fwd_t(const AttnArgs<T>& a, T* o, floa
   }
 FOR_HALVES(K)
 #undef K
+#endif
 
 // dq for one tile of query rows: D = Σ g∘o, p = exp(s − lse), dq = scale·
 // Σ_j p·(g·v_j − D)·k_j.
@@ -229,6 +231,7 @@ __device__ __forceinline__ void attention_grad_q_t(const AttnArgs<T>& a, const T
   if (a.d <= 64) attention_dq_body<64>(a, g, o, lse, dq, smem);
   else attention_dq_body<128>(a, g, o, lse, dq, smem);
 }
+#if PART(4)
 #define K(T, S)                                                                                 \
   extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_grad_q_##S(                 \
       const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse,            \
@@ -240,6 +243,7 @@ __device__ __forceinline__ void attention_grad_q_t(const AttnArgs<T>& a, const T
   }
 FOR_HALVES(K)
 #undef K
+#endif
 
 // dk and dv for one tile of key rows of one (b, hk), summed over the H/Hkv
 // query heads of the group: per query row i (staged with its g row, lse
@@ -337,6 +341,7 @@ __device__ __forceinline__ void attention_grad_kv_t(const AttnArgs<T>& a, const 
   if (a.d <= 64) attention_dkv_body<64>(a, g, o, lse, dkv, smem, srow);
   else attention_dkv_body<128>(a, g, o, lse, dkv, smem, srow);
 }
+#if PART(5)
 #define K(T, S)                                                                                 \
   extern "C" __global__ void __launch_bounds__(ATT_ROWS) attention_grad_kv_##S(                \
       const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse,            \
@@ -348,6 +353,7 @@ __device__ __forceinline__ void attention_grad_kv_t(const AttnArgs<T>& a, const 
   }
 FOR_HALVES(K)
 #undef K
+#endif
 
 // ---------------------------------------------------------------------------
 // Tensor-core forward for bfloat16 and float16 at head dims 64 and 128,
@@ -662,6 +668,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const T* __restrict__ q,
 // blocks per multiprocessor (3 at d = 64, which fits; 1 at d = 128).
 #define ATT_MMA_INSTANCES(X) X(bf16, bf16, 64, 3) X(bf16, bf16, 128, 1) X(f16, f16, 64, 3) X(f16, f16, 128, 1)
 
+#if PART(1)
 #define K(T, S, D, B)                                                                           \
   extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS) attention_fwd_mma_d##D##_##S(  \
       const T* q, const T* k, const T* v, T* o, float* lse, i64 H, i64 Hkv, i64 T_, i64 S_,    \
@@ -670,6 +677,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const T* __restrict__ q,
   }
 ATT_MMA_INSTANCES(K)
 #undef K
+#endif
 
 // ---------------------------------------------------------------------------
 // Tensor-core backward for bfloat16 and float16 at head dims 64 and 128,
@@ -752,6 +760,7 @@ __device__ __forceinline__ void attention_grad_dot_t(const T* __restrict__ g,
     if (r < rows && sub == 0) dot[r] = s;
   }
 }
+#if PART(0)
 extern "C" __global__ void attention_grad_dot_bf16(const bf16* g, const bf16* o, float* dot, i64 rows,
                                                    i64 d) {
   attention_grad_dot_t<bf16>(g, o, dot, rows, d);
@@ -760,6 +769,7 @@ extern "C" __global__ void attention_grad_dot_f16(const f16* g, const f16* o, fl
                                                   i64 d) {
   attention_grad_dot_t<f16>(g, o, dot, rows, d);
 }
+#endif
 
 // att_row_lse is the lse a gradient pass uses for query row i: +Inf for
 // a row past T or with every key hidden (lse −Inf), so that its p =
@@ -1128,6 +1138,7 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
 // attention_grad_q_mma_d{64,128}_{bf16,f16}: attention_grad_q without a
 // mask on tensor cores, D computed from g and o. g, q, k, v, o and dq
 // 16-byte aligned. grid.x = B·H·⌈T/64⌉, block 128.
+#if PART(2)
 #define K(T, S, D, B)                                                                            \
   extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, B) attention_grad_q_mma_d##D##_##S( \
       const T* g, const T* q, const T* k, const T* v, const T* o, const float* lse, T* dq, i64 H,  \
@@ -1136,10 +1147,12 @@ __device__ __forceinline__ void attention_dkv_mma_body(const T* __restrict__ g,
   }
 ATT_MMA_INSTANCES(K)
 #undef K
+#endif
 
 // attention_grad_kv_mma_d{64,128}_{bf16,f16}: attention_grad_kv without a
 // mask on tensor cores, from dot = D (attention_grad_dot). g, q, k, v and
 // dkv 16-byte aligned. grid.x = B·Hkv·⌈S/64⌉, block 128.
+#if PART(3)
 #define K(T, S, D, B)                                                                             \
   extern "C" __global__ void __launch_bounds__(ATT_MMA_THREADS, B) attention_grad_kv_mma_d##D##_##S( \
       const T* g, const T* q, const T* k, const T* v, const float* lse, const float* dot, T* dkv,    \
@@ -1148,6 +1161,7 @@ ATT_MMA_INSTANCES(K)
   }
 ATT_MMA_INSTANCES(K)
 #undef K
+#endif
 
 // ---------------------------------------------------------------------------
 // float32 attention on cuBLAS. exec/cuda (attention32.go) runs float32
@@ -1172,6 +1186,7 @@ __device__ __forceinline__ float att_row_s(const float* row, const void* mask, i
   return row[j] + (mask ? att_mask_at(mask, mdt, moff + j * ms3) : 0.f);
 }
 
+#if PART(0)
 // attention_rows_fwd_f32: per row, the softmax of the scores over the
 // visible keys (j < n, and j ≤ i under causal; a −Inf score is hidden):
 // running max and sum per lane (expf, as attention_fwd), combined over the
@@ -1255,3 +1270,4 @@ extern "C" __global__ void __launch_bounds__(256) attention_rows_bwd_f32(
     }
   }
 }
+#endif

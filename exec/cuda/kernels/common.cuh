@@ -58,6 +58,17 @@ struct f16 {
   }
 };
 
+// PART(k) selects the kernels of part k of a file that NVRTC compiles in
+// parts, one program each on its own thread (exec/cuda's kernelParts: the
+// source with BATCHFIT_PART defined to k in front): a file's kernels
+// instantiated under #if PART(k) compile only in part k. Without
+// BATCHFIT_PART (a whole-file compile) every part is in.
+#ifdef BATCHFIT_PART
+#define PART(k) (BATCHFIT_PART == (k))
+#else
+#define PART(k) 1
+#endif
+
 // FOR_FLOATS(X) expands X(T, S) for every float storage type T and its
 // kernel-name suffix S (exec/cuda's typed): a kernel templated on T is
 // instantiated as name_f32, name_bf16 and name_f16 by

@@ -66,12 +66,14 @@ __device__ void unary_t(const T* x, T* y, i64 n, i64 op) {
   switch (op) { UNARY_OPS(CASE) }
 #undef CASE
 }
+#if PART(0)
 #define K(T, S)                                                                        \
   extern "C" __global__ void __launch_bounds__(256) unary_##S(const T* x, T* y, i64 n, i64 op) { \
     unary_t(x, y, n, op);                                                              \
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <int OP>
 __device__ __forceinline__ double scalar_fn(double v, double s) {
@@ -102,12 +104,14 @@ __device__ void scalar_t(const T* x, T* y, i64 n, i64 op, double s) {
   switch (op) { SCALAR_OPS(CASE) }
 #undef CASE
 }
+#if PART(0)
 #define K(T, S)                                                                                   \
   extern "C" __global__ void __launch_bounds__(256) scalar_##S(const T* x, T* y, i64 n, i64 op, double s) { \
     scalar_t(x, y, n, op, s);                                                                     \
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <int OP>
 __device__ __forceinline__ float binary_fn(float a, float b) {
@@ -138,6 +142,7 @@ __device__ void binary_t(const TA* a, const TB* b, TY* y, i64 n, i64 op) {
   switch (op) { BINARY_OPS(CASE) }
 #undef CASE
 }
+#if PART(1)
 #define K(TA, TB, TY, S)                                                                       \
   extern "C" __global__ void __launch_bounds__(256) binary_##S(const TA* a, const TB* b, TY* y, \
                                                                i64 n, i64 op) {                 \
@@ -148,6 +153,7 @@ FOR_FLOATS(K1)
 MIXED_FLOATS(K)
 #undef K1
 #undef K
+#endif
 
 template <int OP, typename I, typename TA, typename TB, typename TY>
 __device__ void bcast_loop(const TA* __restrict__ a, const TB* __restrict__ b,
@@ -175,6 +181,7 @@ __device__ void binary_bcast_t(const TA* a, const TB* b, TY* y, i64 n, i64 op, c
   switch (op) { BINARY_OPS(CASE) }
 #undef CASE
 }
+#if PART(3)
 #define K(TA, TB, TY, S)                                                                  \
   extern "C" __global__ void __launch_bounds__(256) binary_bcast_##S(                     \
       const TA* a, const TB* b, TY* y, i64 n, i64 op, Strided2 g) {                       \
@@ -185,12 +192,14 @@ FOR_FLOATS(K1)
 MIXED_FLOATS(K)
 #undef K1
 #undef K
+#endif
 
 // relu_grad_{f32,bf16,f16}: out = y > 0 ? g : 0, y being relu's output.
 template <typename T>
 __device__ void relu_grad_t(const T* __restrict__ g, const T* __restrict__ y, T* __restrict__ out, i64 n) {
   map2(g, y, out, n, [](float gv, float yv) { return yv > 0.f ? gv : 0.f; });
 }
+#if PART(2)
 #define K(T, S)                                                                       \
   extern "C" __global__ void __launch_bounds__(256) relu_grad_##S(const T* g, const T* y, T* out, \
                                                                   i64 n) {            \
@@ -198,6 +207,7 @@ __device__ void relu_grad_t(const T* __restrict__ g, const T* __restrict__ y, T*
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // gelu_grad_{f32,bf16,f16}: out = g · gelu'(x), exact (approx = 0) or tanh form.
 template <typename T>
@@ -220,6 +230,7 @@ __device__ void gelu_grad_t(const T* __restrict__ g, const T* __restrict__ x, T*
     return gv * (cdf + v * pdf);
   });
 }
+#if PART(2)
 #define K(T, S)                                                                       \
   extern "C" __global__ void __launch_bounds__(256) gelu_grad_##S(const T* g, const T* x, T* out, \
                                                                   i64 n, i64 approx) { \
@@ -227,6 +238,7 @@ __device__ void gelu_grad_t(const T* __restrict__ g, const T* __restrict__ x, T*
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // unary_grad_fn<OP>(g, v) is g · op'(v) for the unary ops whose gradient
 // op unary_grad_* computes from the forward input (those with a Grad in
@@ -251,6 +263,7 @@ __device__ void unary_grad_t(const T* __restrict__ g, const T* __restrict__ x, T
   switch (op) { UNARY_OPS(CASE) }
 #undef CASE
 }
+#if PART(2)
 #define K(T, S)                                                                        \
   extern "C" __global__ void __launch_bounds__(256) unary_grad_##S(const T* g, const T* x, T* out, \
                                                                    i64 n, i64 op) {    \
@@ -258,6 +271,7 @@ __device__ void unary_grad_t(const T* __restrict__ g, const T* __restrict__ x, T
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // maximum_share is ∂max(p, q)/∂p: 1 where p wins, ½ on a tie, else 0.
 __device__ __forceinline__ float maximum_share(float p, float q) {
@@ -270,6 +284,7 @@ __device__ void maximum_scalar_grad_t(const T* __restrict__ g, const T* __restri
                                       T* __restrict__ out, i64 n, float s) {
   map2(g, x, out, n, [s](float gv, float v) { return maximum_share(v, s) * gv; });
 }
+#if PART(2)
 #define K(T, S)                                                                          \
   extern "C" __global__ void __launch_bounds__(256) maximum_scalar_grad_##S(             \
       const T* g, const T* x, T* out, i64 n, float s) {                                  \
@@ -277,6 +292,7 @@ __device__ void maximum_scalar_grad_t(const T* __restrict__ g, const T* __restri
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <typename I, typename T>
 __device__ void maximum_grad_loop(const T* __restrict__ g, const T* __restrict__ a,
@@ -299,6 +315,7 @@ __device__ void maximum_grad_loop(const T* __restrict__ g, const T* __restrict__
 // `which` (0: a, 1: b; Attrs.Axis) at the broadcast shape: out[i] = g[i] ·
 // share, where a and b are read through geo's strides as in binary_bcast_*;
 // g and out are contiguous over geo.shape.
+#if PART(2)
 #define K(T, S)                                                                              \
   extern "C" __global__ void __launch_bounds__(256) maximum_grad_##S(                        \
       const T* g, const T* a, const T* b, T* out, i64 n, i64 which, Strided2 geo) {          \
@@ -307,6 +324,7 @@ __device__ void maximum_grad_loop(const T* __restrict__ g, const T* __restrict__
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <typename I, typename T>
 __device__ __forceinline__ void causal_mask_loop(const T* __restrict__ x, T* __restrict__ y,
@@ -352,6 +370,7 @@ __device__ __forceinline__ void causal_mask_loop(const T* __restrict__ x, T* __r
 // causal_mask_{f32,bf16,f16}: y = x, except y[..., i, j] = fill where j > i
 // + s − t, for x of shape [..., t, s] with n elements in all; launched with
 // one thread per pack (any grid is correct).
+#if PART(2)
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(256) causal_mask_##S(                           \
       const T* __restrict__ x, T* __restrict__ y, i64 n, i64 t, i64 s, float fill) {           \
@@ -360,6 +379,7 @@ __device__ __forceinline__ void causal_mask_loop(const T* __restrict__ x, T* __r
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // bias_fill_{f32,bf16,f16}: out[(o·c + k)·inner + i] = b[k] for out of shape
 // [outer, c, inner]: linear's [rows, out] (inner = 1) and conv2d's
@@ -403,6 +423,7 @@ __device__ void bias_fill_t(T* __restrict__ out, const T* __restrict__ b, i64 ou
     GRID_LOOP(k, n) out[k] = b[(k / inner) % c];
   }
 }
+#if PART(2)
 #define K(T, S)                                                                                 \
   extern "C" __global__ void __launch_bounds__(256) bias_fill_##S(T* out, const T* b, i64 outer, \
                                                                   i64 c, i64 inner) {          \
@@ -410,6 +431,7 @@ __device__ void bias_fill_t(T* __restrict__ out, const T* __restrict__ b, i64 ou
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // cast_<from>_<to>: y[i] = x[i] converted between float dtypes, rounding to
 // nearest even when the target is narrower (a copy when they agree).
@@ -417,6 +439,7 @@ template <typename TX, typename TY>
 __device__ void cast_t(const TX* __restrict__ x, TY* __restrict__ y, i64 n) {
   map1(x, y, n, [](float v) { return v; });
 }
+#if PART(2)
 #define K(TX, SX, TY, SY)                                                                          \
   extern "C" __global__ void __launch_bounds__(256) cast_##SX##_##SY(const TX* x, TY* y, i64 n) { \
     cast_t(x, y, n);                                                                               \
@@ -425,3 +448,4 @@ __device__ void cast_t(const TX* __restrict__ x, TY* __restrict__ y, i64 n) {
 FOR_FLOATS(FROM)
 #undef FROM
 #undef K
+#endif

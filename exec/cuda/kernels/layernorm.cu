@@ -62,6 +62,7 @@ __device__ __forceinline__ void layer_norm_body(const T* __restrict__ x, const T
 // layer_norm_{f32,bf16,f16}: y = (x − mean)·rstd (· w) (+ b) per row of
 // contiguous [rows, d] x and y; w and b are [d] or null. Row layout (rows
 // of up to ROW_VPT·bx elements are read once).
+#if PART(0)
 #define K(T, S)                                                                             \
   extern "C" __global__ void __launch_bounds__(1024) layer_norm_##S(                        \
       const T* x, const T* w, const T* b, T* y, i64 rows, i64 d, double eps) {              \
@@ -70,10 +71,12 @@ __device__ __forceinline__ void layer_norm_body(const T* __restrict__ x, const T
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // layer_norm_f32_{bf16,f16}: layer_norm_f32 storing a 16-bit y, each value
 // rounded once from the float layer_norm_f32 would store (a cast of it
 // rounds the same), for a layer norm only 16-bit GEMMs read.
+#if PART(0)
 #define K(TY, S)                                                                            \
   extern "C" __global__ void __launch_bounds__(1024) layer_norm_f32_##S(                    \
       const float* x, const float* w, const float* b, TY* y, i64 rows, i64 d, double eps) { \
@@ -82,6 +85,7 @@ FOR_FLOATS(K)
   }
 FOR_HALVES(K)
 #undef K
+#endif
 
 // add_layer_norm_body: s = a + b (float32; b's row row % brows, so a b of
 // fewer rows is broadcast over a's), then y = layer_norm(s) as
@@ -127,6 +131,7 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
 // float32 w and bias ([d] or null) into y: the add and its companion
 // layer norm (graph.AddLayerNormProducer) in one pass. Row layout as
 // layer_norm_*.
+#if PART(1)
 #define K2(TB, SX, TY, SY)                                                                    \
   extern "C" __global__ void __launch_bounds__(1024) add_layer_norm_##SX##_##SY(              \
       const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,    \
@@ -137,6 +142,7 @@ __device__ __forceinline__ void add_layer_norm_body(const float* __restrict__ a,
 #define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
 FOR_FLOATS(K)
 #undef K
+#endif
 #undef K2
 
 // ld4 reads 4 neighbouring values at p (16-byte aligned for float, 8 for
@@ -252,6 +258,7 @@ __device__ __forceinline__ void add_layer_norm_w4_t(const float* __restrict__ a,
 // values, d a multiple of 128, every pointer 16-byte aligned (8 for 16-bit
 // arrays): one warp a row (add_layer_norm_w4_t), blockDim.x a multiple of
 // 32 (blockDim.y = 1), any grid.
+#if PART(1)
 #define K2(TB, SX, TY, SY)                                                                    \
   extern "C" __global__ void __launch_bounds__(256) add_layer_norm_w4_##SX##_##SY(            \
       const float* a, const TB* b, i64 brows, const float* w, const float* bias, float* s,    \
@@ -261,6 +268,7 @@ __device__ __forceinline__ void add_layer_norm_w4_t(const float* __restrict__ a,
 #define K(TB, SB) K2(TB, SB, float, f32) K2(TB, SB, bf16, bf16) K2(TB, SB, f16, f16)
 FOR_FLOATS(K)
 #undef K
+#endif
 #undef K2
 
 template <bool C, typename T>
@@ -310,6 +318,7 @@ __device__ __forceinline__ void layer_norm_grad_x_body(const T* __restrict__ g,
 // layer_norm_grad_x_{f32,bf16,f16}: with x̂ = (x − mean)·rstd and ĝ = g·w (g
 // alone when w is null), out = rstd·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)) per row of
 // contiguous [rows, d] g, x, out. Row layout as layer_norm_*.
+#if PART(2)
 #define K(T, S)                                                                             \
   extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_x_##S(                 \
       const T* g, const T* x, const T* w, T* out, i64 rows, i64 d, double eps) {            \
@@ -318,6 +327,7 @@ __device__ __forceinline__ void layer_norm_grad_x_body(const T* __restrict__ g,
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <bool C, typename T>
 __device__ __forceinline__ void layer_norm_stats_body(const T* __restrict__ x,
@@ -343,6 +353,7 @@ __device__ __forceinline__ void layer_norm_stats_body(const T* __restrict__ x,
 // layer_norm_stats_{f32,bf16,f16}: stats[2r] = mean and stats[2r+1] = rstd
 // (double) of row r of contiguous [rows, d] x, for layer_norm_grad_w_*. Row
 // layout as layer_norm_*.
+#if PART(2)
 #define K(T, S)                                                                               \
   extern "C" __global__ void __launch_bounds__(1024) layer_norm_stats_##S(                    \
       const T* x, double* stats, i64 rows, i64 d, double eps) {                               \
@@ -351,6 +362,7 @@ __device__ __forceinline__ void layer_norm_stats_body(const T* __restrict__ x,
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <typename T>
 __device__ __forceinline__ void layer_norm_grad_w_t(const T* __restrict__ g,
@@ -389,6 +401,7 @@ __device__ __forceinline__ void layer_norm_grad_w_t(const T* __restrict__ g,
 // [splits, d]. blockDim = (bx, by), bx·by ≤ 1024: threadIdx.x along d
 // (coalesced), threadIdx.y strides over rows. Grid: x = ceil(d/bx) (loops,
 // so fewer is correct), y = splits.
+#if PART(2)
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_w_##S(                    \
       const T* g, const T* x, const double* stats, T* out, float* part, i64 rows, i64 d) {     \
@@ -396,6 +409,7 @@ __device__ __forceinline__ void layer_norm_grad_w_t(const T* __restrict__ g,
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // The fused backward pass: layer_norm_grad_x with its weight's and bias's
 // gradients (Σ g·x̂ and Σ g over the rows) from one read of g and x. Each
@@ -573,6 +587,7 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
 // gradient's 16-bit cast (graph.LayerNormGradCastProducer). blockDim =
 // (bx, by): bx a multiple of 32, d ≤ LN_FUSED_VPT·bx, d ≤ LN_FUSED_MAXD,
 // bx·by ≤ 256; any grid.
+#if PART(3)
 #define K(T, S)                                                                               \
   extern "C" __global__ void __launch_bounds__(256) layer_norm_grad_fused_##S(                \
       const T* g, const T* x, const T* w, T* out, float* part, i64 rows, i64 d, double eps,   \
@@ -581,6 +596,7 @@ __device__ __forceinline__ void layer_norm_grad_fused_t(const T* __restrict__ g,
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <typename T>
 __device__ __forceinline__ void layer_norm_grad_wb_t(const float* __restrict__ part,
@@ -615,6 +631,7 @@ __device__ __forceinline__ void layer_norm_grad_wb_t(const float* __restrict__ p
 // db is skipped. blockDim = (bx, by), bx·by ≤ 1024: threadIdx.x along d,
 // threadIdx.y strides over the partials. Grid: x = ceil(d/bx) (loops, so
 // fewer is correct), y = 2 (dw, db).
+#if PART(3)
 #define K(T, S)                                                                         \
   extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_wb_##S(            \
       const float* part, T* dw, T* db, i64 groups, i64 d) {                             \
@@ -622,3 +639,4 @@ __device__ __forceinline__ void layer_norm_grad_wb_t(const float* __restrict__ p
   }
 FOR_FLOATS(K)
 #undef K
+#endif

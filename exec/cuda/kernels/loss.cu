@@ -211,6 +211,7 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
 // layout: blockDim = (bx, by), bx a multiple of 32, bx·by ≤ 1024, any grid
 // (rows of up to ROW_VPT·bx classes are read once). Then sum_f64_*(loss,
 // out, n, Scalar) gives the loss.
+#if PART(0)
 #define K(T, S)                                                                          \
   extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_rows_##S(          \
       const T* logits, const i64* labels, double* loss, i64 n, i64 c, i64 ld, u64* bad) {\
@@ -220,6 +221,7 @@ __device__ __forceinline__ void cross_entropy_rows_body(const T* __restrict__ lo
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // cross_entropy_fused_{f32,bf16,f16}: cross_entropy_rows_* and, in the same
 // pass, gout[r, j] = float(s·(softmax(logits[r, :c])_j − [j = label[r]]))
@@ -227,6 +229,7 @@ FOR_FLOATS(K)
 // Attrs.Scalar·g given in double (the executor runs it when the gradient's
 // g is a constant, graph.CrossEntropyGradProducer). A row with a bad label
 // is NaN in its first c gradient columns. Row layout as cross_entropy_rows_*.
+#if PART(1)
 #define K(T, S)                                                                              \
   extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fused_##S(             \
       const T* logits, const i64* labels, double* loss, T* gout, i64 n, i64 c, i64 ld,       \
@@ -236,10 +239,12 @@ FOR_FLOATS(K)
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // sum_f64_{f32,bf16,f16}: out[0] = float(Σ src[0:n] · scale), summed in
 // double by one block (then rounded to out's type): launch exactly one
 // block of blockDim.x threads, a multiple of 32 up to 1024 (blockDim.y = 1).
+#if PART(0)
 #define K(T, S)                                                                              \
   extern "C" __global__ void __launch_bounds__(1024) sum_f64_##S(                            \
       const double* __restrict__ src, T* __restrict__ out, i64 n, double scale) {            \
@@ -251,6 +256,7 @@ FOR_FLOATS(K)
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 template <bool C, typename T>
 __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict__ g,
@@ -291,6 +297,7 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
 // Attrs.Scalar); logits and out are [n, ld]. Row layout as
 // cross_entropy_rows_*; a row with a label outside [0, c) is NaN in its
 // first c columns and reported.
+#if PART(1)
 #define K(T, S)                                                                                \
   extern "C" __global__ void __launch_bounds__(1024) cross_entropy_grad_##S(                   \
       const float* g, const T* logits, const i64* labels, T* out, i64 n, i64 c, i64 ld,        \
@@ -301,12 +308,14 @@ __device__ __forceinline__ void cross_entropy_grad_body(const float* __restrict_
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // mse_partial_{f32,bf16,f16}: partial[b] = Σ (pred − target)² in double over
 // the elements that block b visits (a grid-stride loop over n). blockDim.x
 // a multiple of 32 up to 1024, blockDim.y = 1; partial has gridDim.x
 // entries. Then sum_f64_*(partial, out, gridDim.x, Scalar). The result is
 // reproducible for a fixed grid.
+#if PART(0)
 #define K(T, S)                                                                         \
   extern "C" __global__ void __launch_bounds__(1024) mse_partial_##S(                   \
       const T* __restrict__ pred, const T* __restrict__ target,                         \
@@ -322,10 +331,12 @@ FOR_FLOATS(K)
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // mse_grad_{f32,bf16,f16}: out = float(2·scalar·g[0] · double(pred −
 // target)), the difference taken in float as on the CPU. 1-D blocks, any
 // grid.
+#if PART(0)
 #define K(T, S)                                                                          \
   extern "C" __global__ void __launch_bounds__(256) mse_grad_##S(                        \
       const T* __restrict__ g, const T* __restrict__ pred, const T* __restrict__ target, \
@@ -335,6 +346,7 @@ FOR_FLOATS(K)
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // linear_ce_rows_body: linear_cross_entropy's pass over one chunk of
 // logits l [n, ld] (rows ld apart, the first c columns classes): each
@@ -397,6 +409,7 @@ __device__ __forceinline__ void linear_ce_rows_body(T* l, const i64* __restrict_
 // r. The executor then runs linear_ce_acc over the chunk's losses and the
 // chunk's GEMMs (dh = l·W, dW += lᵀ·h), and after the last chunk
 // sum_f64_f32(acc, out, 1, Attrs.Scalar).
+#if PART(2)
 #define K(T, S)                                                                                  \
   extern "C" __global__ void __launch_bounds__(1024, 1) linear_ce_rows_##S(                      \
       T* l, const i64* labels, double* loss, const float* g, const float* sc, i64 row0, i64 n,  \
@@ -414,11 +427,13 @@ __device__ __forceinline__ void linear_ce_rows_body(T* l, const i64* __restrict_
   }
 FOR_FLOATS(K)
 #undef K
+#endif
 
 // linear_ce_acc: acc[0] = (first ? 0 : acc[0]) + Σ loss[0:n], summed in
 // double by one block in a fixed order (so the chunks' total is
 // reproducible): launch exactly one block of blockDim.x threads, a
 // multiple of 32 up to 1024.
+#if PART(0)
 extern "C" __global__ void __launch_bounds__(1024) linear_ce_acc(const double* __restrict__ loss,
                                                                  double* __restrict__ acc, i64 n,
                                                                  i64 first) {
@@ -428,3 +443,4 @@ extern "C" __global__ void __launch_bounds__(1024) linear_ce_acc(const double* _
   s = row_allreduce(s, SumOp(), sd);
   if (threadIdx.x == 0) acc[0] = (first ? 0.0 : acc[0]) + s;
 }
+#endif
