@@ -129,10 +129,43 @@ type hostModel struct {
 	build func(i int) *lazy.Tensor
 }
 
+// llama8x1024 is gobench's "llama" (written: "llama-written", RMSNorm,
+// rotary and SwiGLU as plain ops) at -llama-config llama-8x1024, seq 1024,
+// batch 8, AdamW.
+func llama8x1024(written bool) func() hostModel {
+	return func() hostModel {
+		cfg := models.LlamaConfig{Vocab: 32000, Hidden: 1024, Intermediate: 2816, Layers: 8, Heads: 16, KVHeads: 16, HeadDim: 64,
+			MaxPositions: 4096, RMSNormEps: 1e-5, TieEmbeddings: true, Rope: models.RopeConfig{Theta: 10000}, WrittenOut: written}
+		m := models.NewLlama(nn.Seed(1), cfg)
+		rng := rand.New(rand.NewPCG(2, 3))
+		var feeds [2][2]*tensor.Dense
+		for i := range feeds {
+			tok := testutil.Classes(rng, cfg.Vocab, 8, 1024)
+			labels, _, err := models.ShiftLabels(tok)
+			if err != nil {
+				panic(err)
+			}
+			feeds[i] = [2]*tensor.Dense{tok, labels}
+		}
+		opt := optim.NewAdamW(3e-4)
+		opt.WeightDecay = 0.01
+		name := "llama-8x1024"
+		if written {
+			name = "llama-8x1024-written"
+		}
+		return hostModel{name: name, mod: m, opt: opt, build: func(i int) *lazy.Tensor {
+			tok := lazy.Wrap(feeds[i%2][0], 0)
+			labels := tok.Graph().Wrap(feeds[i%2][1], 0)
+			return models.ShiftedCausalLMLoss(m.Forward(tok), labels, 8*1023)
+		}}
+	}
+}
+
 // hostModels are gobench's "gpt" (GPT-2 small, fused attention, batch 8
-// × seq 1024, AdamW), "resnet50" (batch 64 of 3×224×224, Adam) and "mlp"
-// (784→4096→4096→10, batch 1024, Adam), with parameters and two feeds of
-// data.
+// × seq 1024, AdamW), "resnet50" (batch 64 of 3×224×224, Adam), "llama"
+// and "llama-written" at llama-8x1024 (llama8x1024), "llama" at
+// Llama-3.2-1B (batch 4 × seq 2048, AdamW) and "mlp" (784→4096→4096→10,
+// batch 1024, Adam), with parameters and two feeds of data.
 func hostModels() []func() hostModel {
 	return []func() hostModel{
 		func() hostModel {
@@ -163,6 +196,8 @@ func hostModels() []func() hostModel {
 				return m.Forward(x).CrossEntropy(y, graph.ReduceMean)
 			}}
 		},
+		llama8x1024(false),
+		llama8x1024(true),
 		func() hostModel {
 			cfg := models.Llama32_1B()
 			m := models.NewLlama(nn.Seed(1), cfg)
@@ -202,8 +237,9 @@ func hostModels() []func() hostModel {
 
 // BenchmarkStepHostWork times, on the CPU, the host work of gobench's
 // session mode under bf16-mixed for GPT-2 small (seq 1024, batch 8),
-// ResNet-50 (batch 64), the Llama-3.2-1B shape (seq 2048, batch 4) and
-// the MLP (batch 1024): "build" is the caller's graph build (the model's
+// ResNet-50 (batch 64), the Llama of llama-8x1024 hand-fused and
+// written out (seq 1024, batch 8), the Llama-3.2-1B shape (seq 2048,
+// batch 4) and the MLP (batch 1024): "build" is the caller's graph build (the model's
 // forward and loss over a step's data), "step" is Session.Step on an
 // executor that computes nothing (hostOnlyExecutor) in a steady loop, so
 // its ns/op and allocs/op are Step's host work before the first launch

@@ -95,6 +95,9 @@ type Record struct {
 	FirstLoss        float64   `json:"first_loss,omitempty"`
 	LastLoss         float64   `json:"last_loss,omitempty"`
 	Chunks           int       `json:"chunks,omitempty"`
+	// LossChunk is the fused loss's tokens per logits chunk the step ran
+	// (a Session's: its planner's choice unless -loss-chunk).
+	LossChunk int `json:"loss_chunk,omitempty"`
 	// Predicted peaks are planner.Make's; measured ones the executor's
 	// allocator over the run, Overhead (cuBLAS's workspace) included.
 	PredictedPeakReserved  int64 `json:"predicted_peak_reserved,omitempty"`

@@ -140,7 +140,7 @@ func newSessionLoop(c config, m benchModel) (*stepLoop, error) {
 		r.DeviceAllocs, r.DeviceFrees = st1.NumDeviceAlloc-st0.NumDeviceAlloc, st1.NumDeviceFree-st0.NumDeviceFree
 		r.MedianBuildSeconds, r.MedianHostSeconds = median(builds), median(hosts)
 		r.MedianExecuteSeconds, r.MedianAfterSeconds = median(execs), median(afters)
-		r.Chunks = len(sess.LastPlan().Chunks)
+		r.Chunks, r.LossChunk = len(sess.LastPlan().Chunks), sess.LastPlan().LossChunk
 		r.setRates(m.batch)
 		return nil
 	}
