@@ -230,7 +230,7 @@ func loadKernels(d *Device) (*kernelSet, error) {
 			j++
 		}
 		for _, n := range kernelFiles[file] {
-			kn, err := lookup(mods[i:j], n)
+			kn, err := findKernel(mods[i:j], n)
 			if err != nil {
 				return nil, errors.Join(fmt.Errorf("cuda: kernel %s of %s: %w", n, file, err), ks.close())
 			}
@@ -270,9 +270,9 @@ func kernelPrograms() ([]program, error) {
 	return progs, nil
 }
 
-// lookup finds kernel name in the first of mods that has it (a file
+// findKernel finds kernel name in the first of mods that has it (a file
 // compiled in parts has each kernel in one of them).
-func lookup(mods []*Module, name string) (kernel, error) {
+func findKernel(mods []*Module, name string) (kernel, error) {
 	var err error
 	for _, m := range mods {
 		var f CUfunction
@@ -292,7 +292,7 @@ func lookup(mods []*Module, name string) (kernel, error) {
 // goroutine per host core: NVRTC compiles programs on many threads at
 // once, and each Compile loads its module through the device goroutine.
 // The modules come back in the order given; on an error none stays
-// loaded, and the error is the first file's in that order.
+// loaded, and the error is the first program's in that order.
 func compileAll(d *Device, names, srcs []string) ([]*Module, error) {
 	mods := make([]*Module, len(names))
 	errs := make([]error, len(names))

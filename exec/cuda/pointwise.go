@@ -161,8 +161,7 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 // loaded from the cubin cache) the first time it is asked for. Calls for
 // different kernels compile side by side; a second call for one being
 // compiled waits for it. A failed compile is not kept: the next call
-// tries again.
-// atLaunch counts a compile in pointwiseLaunchCompiles: one the launch
+// tries again. atLaunch counts a compile in pointwiseLaunchCompiles: one the launch
 // waits for, which warmPointwise was to have done before the step.
 func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout, atLaunch bool) (*pwKernel, error) {
 	key := p.Text() + "|" + l.String()
