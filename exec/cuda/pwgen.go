@@ -221,10 +221,11 @@ __device__ __forceinline__ i64 pw_off(const Strided& s, i64 i) {
   }
   return off;
 }
+// pw_sigmoid is elementwise.cu's sigmoid_f: 1/(1 + e^−v) for v ≥ 0,
+// e^v/(1 + e^v) below, one exp and the numerator selected, no branch.
 __device__ __forceinline__ float pw_sigmoid(float v) {
-  if (v >= 0.f) return 1.f / (1.f + expf(-v));
-  const float e = expf(v);
-  return e / (1.f + e);
+  const float t = expf(-fabsf(v));
+  return (v >= 0.f ? 1.f : t) / (1.f + t);
 }
 __device__ __forceinline__ float pw_gelu(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
 __device__ __forceinline__ float pw_gelu_tanh(float v) {

@@ -22,11 +22,12 @@
 #define INV_SQRT_2PI_F 0.39894228040143268f
 #define GELU_C_F 0.044715f
 
-// sigmoid never takes exp of a large positive number.
+// sigmoid never takes exp of a large positive number: 1/(1 + e^−v) for
+// v ≥ 0, e^v/(1 + e^v) below, with one exp and no branch (the numerator
+// selected), bit for bit the two-sided form.
 __device__ __forceinline__ float sigmoid_f(float v) {
-  if (v >= 0.f) return 1.f / (1.f + expf(-v));
-  const float e = expf(v);
-  return e / (1.f + e);
+  const float t = expf(-fabsf(v));
+  return (v >= 0.f ? 1.f : t) / (1.f + t);
 }
 
 template <int OP>
