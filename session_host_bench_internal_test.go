@@ -133,14 +133,24 @@ type hostModel struct {
 // rotary and SwiGLU as plain ops) at -llama-config llama-8x1024, seq 1024,
 // batch 8, AdamW.
 func llama8x1024(written bool) func() hostModel {
+	cfg := models.LlamaConfig{Vocab: 32000, Hidden: 1024, Intermediate: 2816, Layers: 8, Heads: 16, KVHeads: 16, HeadDim: 64,
+		MaxPositions: 4096, RMSNormEps: 1e-5, TieEmbeddings: true, Rope: models.RopeConfig{Theta: 10000}, WrittenOut: written}
+	name := "llama-8x1024"
+	if written {
+		name = "llama-8x1024-written"
+	}
+	return llamaHost(name, cfg, 8, 1024)
+}
+
+// llamaHost is a Llama of cfg over batch × seq tokens, trained with AdamW
+// on the shifted causal LM loss.
+func llamaHost(name string, cfg models.LlamaConfig, batch, seq int) func() hostModel {
 	return func() hostModel {
-		cfg := models.LlamaConfig{Vocab: 32000, Hidden: 1024, Intermediate: 2816, Layers: 8, Heads: 16, KVHeads: 16, HeadDim: 64,
-			MaxPositions: 4096, RMSNormEps: 1e-5, TieEmbeddings: true, Rope: models.RopeConfig{Theta: 10000}, WrittenOut: written}
 		m := models.NewLlama(nn.Seed(1), cfg)
 		rng := rand.New(rand.NewPCG(2, 3))
 		var feeds [2][2]*tensor.Dense
 		for i := range feeds {
-			tok := testutil.Classes(rng, cfg.Vocab, 8, 1024)
+			tok := testutil.Classes(rng, cfg.Vocab, batch, seq)
 			labels, _, err := models.ShiftLabels(tok)
 			if err != nil {
 				panic(err)
@@ -149,14 +159,10 @@ func llama8x1024(written bool) func() hostModel {
 		}
 		opt := optim.NewAdamW(3e-4)
 		opt.WeightDecay = 0.01
-		name := "llama-8x1024"
-		if written {
-			name = "llama-8x1024-written"
-		}
 		return hostModel{name: name, mod: m, opt: opt, build: func(i int) *lazy.Tensor {
 			tok := lazy.Wrap(feeds[i%2][0], 0)
 			labels := tok.Graph().Wrap(feeds[i%2][1], 0)
-			return models.ShiftedCausalLMLoss(m.Forward(tok), labels, 8*1023)
+			return models.ShiftedCausalLMLoss(m.Forward(tok), labels, batch*(seq-1))
 		}}
 	}
 }
@@ -198,27 +204,7 @@ func hostModels() []func() hostModel {
 		},
 		llama8x1024(false),
 		llama8x1024(true),
-		func() hostModel {
-			cfg := models.Llama32_1B()
-			m := models.NewLlama(nn.Seed(1), cfg)
-			rng := rand.New(rand.NewPCG(2, 3))
-			var feeds [2][2]*tensor.Dense
-			for i := range feeds {
-				tok := testutil.Classes(rng, cfg.Vocab, 4, 2048)
-				labels, _, err := models.ShiftLabels(tok)
-				if err != nil {
-					panic(err)
-				}
-				feeds[i] = [2]*tensor.Dense{tok, labels}
-			}
-			opt := optim.NewAdamW(3e-4)
-			opt.WeightDecay = 0.01
-			return hostModel{name: "llama3.2-1b", mod: m, opt: opt, build: func(i int) *lazy.Tensor {
-				tok := lazy.Wrap(feeds[i%2][0], 0)
-				labels := tok.Graph().Wrap(feeds[i%2][1], 0)
-				return models.ShiftedCausalLMLoss(m.Forward(tok), labels, 4*2047)
-			}}
-		},
+		llamaHost("llama3.2-1b", models.Llama32_1B(), 4, 2048),
 		func() hostModel {
 			m := nn.MLP(nn.Seed(1), []int{784, 4096, 4096, 10}, nn.ReLU{})
 			rng := rand.New(rand.NewPCG(2, 3))

@@ -164,7 +164,7 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 // tries again. atLaunch counts a compile in pointwiseLaunchCompiles: one the launch
 // waits for, which warmPointwise was to have done before the step.
 func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout, atLaunch bool) (*pwKernel, error) {
-	key := p.Text() + "|" + l.String()
+	key := pwKey(p, l)
 	ks.pw.mu.Lock()
 	e, ok := ks.pw.m[key]
 	if !ok {
@@ -190,6 +190,9 @@ func (ks *kernelSet) pointwise(d *Device, p *graph.Pointwise, l pwLayout, atLaun
 	e.kn = kn
 	return kn, nil
 }
+
+// pwKey names the generated kernel of p over layout l in pwCache.
+func pwKey(p *graph.Pointwise, l pwLayout) string { return p.Text() + "|" + l.String() }
 
 // compilePointwise generates, compiles and loads the kernel of p over l.
 func (ks *kernelSet) compilePointwise(d *Device, p *graph.Pointwise, l pwLayout) (*pwKernel, error) {
@@ -256,7 +259,7 @@ func (ks *kernelSet) warmPointwise(d *Device, g *graph.Graph, sizes []int) {
 			if err != nil {
 				continue
 			}
-			key := nd.Attrs.Pointwise.Text() + "|" + l.String()
+			key := pwKey(nd.Attrs.Pointwise, l)
 			if !seen[key] {
 				seen[key] = true
 				wants = append(wants, want{nd.Attrs.Pointwise, l})
