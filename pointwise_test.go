@@ -32,6 +32,27 @@ func writtenLlama(seed uint64) (*models.Llama, models.LlamaConfig) {
 	return models.NewLlama(nn.Seed(seed), cfg), cfg
 }
 
+// wideWrittenLlama is writtenLlama 128 wide: rows long enough that
+// FusePointwise sums each RMSNorm's weight gradient over the rows in the
+// kernel that computes its terms (a column sum).
+func wideWrittenLlama(seed uint64) (*models.Llama, models.LlamaConfig) {
+	cfg := models.LlamaTiny()
+	cfg.WrittenOut = true
+	cfg.Hidden, cfg.Intermediate = 128, 256
+	return models.NewLlama(nn.Seed(seed), cfg), cfg
+}
+
+// colSums counts the fused nodes of g that give a column sum.
+func colSums(g *graph.Graph) int {
+	n := 0
+	for _, nd := range g.Nodes() {
+		if p := nd.Attrs.Pointwise; nd.Op == graph.OpFusedPointwise && p.Outs[nd.Attrs.Axis].ColSum {
+			n++
+		}
+	}
+	return n
+}
+
 // The written-out Llama's step with graph.FusePointwise gives the loss
 // and every gradient of the step without it, on the CPU executor, within
 // 1e-4 relative and 1e-6 absolute under fp32 (float32 sums in another
@@ -40,15 +61,25 @@ func writtenLlama(seed uint64) (*models.Llama, models.LlamaConfig) {
 // 2e-2·‖unfused‖: the unfused step rounds each intermediate to bfloat16,
 // the fused one does not, so single elements near 0 differ by more). The fused step has fewer nodes,
 // fused_pointwise among them, and no elementwise op of the norms, rotary
-// or MLP is left outside them but rotary's neg.
+// or MLP is left outside them but rotary's neg. 128 wide, each norm's
+// weight gradient is a column sum of the kernel of its backward (five: two
+// norms a layer and the final one), and no sum is left.
 func TestFusePointwiseWrittenLlamaGradients(t *testing.T) {
 	for _, c := range []struct {
 		p          precision.Policy
 		rtol, atol float64
-		norm       bool
-	}{{precision.FP32, 1e-4, 1e-6, false}, {precision.BF16Mixed, 2e-2, 0, true}} {
-		t.Run(string(c.p), func(t *testing.T) {
+		norm, wide bool
+	}{{precision.FP32, 1e-4, 1e-6, false, false}, {precision.BF16Mixed, 2e-2, 0, true, false},
+		{precision.FP32, 1e-4, 1e-6, false, true}, {precision.BF16Mixed, 2e-2, 0, true, true}} {
+		name := string(c.p)
+		if c.wide {
+			name += "/wide"
+		}
+		t.Run(name, func(t *testing.T) {
 			m, cfg := writtenLlama(3)
+			if c.wide {
+				m, cfg = wideWrittenLlama(3)
+			}
 			rng := rand.New(rand.NewPCG(1, 2))
 			loss := llamaLoss(m, llamaCorpus(rng, cfg.Vocab, 2, 8))
 			require.NoError(t, loss.Err())
@@ -74,9 +105,17 @@ func TestFusePointwiseWrittenLlamaGradients(t *testing.T) {
 					n++
 				}
 			}
-			t.Logf("%s: %d nodes unfused, %d fused (%d fused_pointwise)", c.p, pg.Len(), fg.Len(), n)
+			t.Logf("%s: %d nodes unfused, %d fused (%d fused_pointwise, %d column sums)", name, pg.Len(), fg.Len(), n, colSums(fg))
 			require.Positive(t, n)
 			require.Less(t, fg.Len(), pg.Len())
+			if c.wide {
+				assert.Equal(t, 2*cfg.Layers+1, colSums(fg), "a column sum for each norm's weight")
+				for _, nd := range fg.Nodes() {
+					assert.NotEqual(t, graph.OpSum, nd.Op, "node %d: a sum left", nd.ID)
+				}
+			} else {
+				assert.Zero(t, colSums(fg), "rows of 32: too short for column sums")
+			}
 			for i := range plain {
 				want, got := floatsOf(plain[i]), floatsOf(fused[i])
 				require.Len(t, got, len(want))
@@ -161,11 +200,22 @@ func floatsOf(d *tensor.Dense) []float32 {
 // recomputation as planned: with MaxChunk 4 (four chunks of the batch of
 // 16) and with each recompute mode the CPU steps are predicted = measured
 // to the byte, and the losses of two steps agree with the whole unchunked
-// step's within 1e-4 relative (sums in another order).
+// step's within 1e-4 relative (sums in another order): at llama-tiny, and
+// 128 wide, where the chunks' column sums (the norms' weight gradients)
+// add across chunks.
 func TestFusePointwiseWrittenLlamaChunksAndRecompute(t *testing.T) {
+	for _, wide := range []bool{false, true} {
+		t.Run(map[bool]string{false: "tiny", true: "wide"}[wide], func(t *testing.T) { writtenLlamaChunksAndRecompute(t, wide) })
+	}
+}
+
+func writtenLlamaChunksAndRecompute(t *testing.T, wide bool) {
 	ctx := context.Background()
 	run := func(o batchfit.Options) []float32 {
 		m, cfg := writtenLlama(9)
+		if wide {
+			m, cfg = wideWrittenLlama(9)
+		}
 		o.Device = batchfit.DeviceCPU
 		sess := batchfit.NewSession(o)
 		require.NoError(t, sess.Err())
@@ -182,6 +232,12 @@ func TestFusePointwiseWrittenLlamaChunksAndRecompute(t *testing.T) {
 			losses = append(losses, l)
 			assert.Equal(t, sp.Plan.PeakReserved, sess.LastUsage().PeakReserved, "%+v step %d", o, step)
 			assert.Equal(t, sp.Plan.PeakAllocated, sess.LastUsage().PeakAllocated, "%+v step %d", o, step)
+			if o.MaxChunk > 0 {
+				assert.Equal(t, 4, sp.Plan.Split.Len(), "%+v", o)
+			}
+			if wide {
+				assert.Positive(t, colSums(sess.LastProgram().Graph), "%+v", o)
+			}
 		}
 		return losses
 	}

@@ -9,8 +9,10 @@ import (
 // forward graph, or a training graph after autodiff and the pattern
 // fusions): it finds connected groups of pointwise ops (unary, scalar and
 // binary elementwise ops with broadcasting, casts, expand, the elementwise
-// gradients silu_grad, gelu_grad and relu_grad, and sum, mean or max over
-// the last axis with KeepDim) and puts fused_pointwise nodes in place of
+// gradients silu_grad, gelu_grad and relu_grad, sum, mean or max over the
+// last axis with KeepDim, and a column sum: sum with KeepDim over every
+// axis but the last, rows of at least minColSumCols) and puts
+// fused_pointwise nodes in place of
 // each group: one node for each value the group gives to the rest of the
 // graph (or to outputs), each computing it from the group's inputs.
 //
@@ -25,8 +27,11 @@ import (
 // as they are, so the hand-fused kernels keep their pairs. Groups of one
 // shape that read one value made outside any group merge into one
 // (siblings: a backward's two gradients from one output gradient) when
-// that holds nothing longer and makes no cycle. A group of one
-// node that recomputes nothing is left alone. The nodes a group gives
+// that holds nothing longer and makes no cycle. A column sum joins the
+// group of the value it sums (a written RMSNorm's weight gradient, summed
+// in the kernel that computes its terms rather than stored and read back),
+// and no member reads it: it is complete only when the kernel ends. A
+// group of one node that recomputes nothing is left alone. The nodes a group gives
 // follow one another, the first giving its expression's output 0, so an
 // executor computes them all in one pass (FusedPointwiseProducer).
 //
@@ -62,6 +67,11 @@ func FusePointwise(g *Graph, outputs []int) (*Graph, []int, error) {
 // maxRecompute bounds the ops of a cone that a group recomputes.
 const maxRecompute = 24
 
+// minColSumCols is the shortest row a column sum fuses over: a kernel
+// with a column sum runs a fixed grid of blocks over the rows, each
+// thread accumulating its own columns, which short rows leave mostly idle.
+const minColSumCols = 128
+
 type pwGroup struct {
 	members []int // node ids, ascending
 	s       []int // iteration shape
@@ -91,7 +101,8 @@ type pwFuser struct {
 	readers  [][]int // reader node ids of each node
 	lastUse  []int   // largest reader id (MaxInt for outputs)
 	excluded []bool
-	grp      []int // group of each node, −1 for none
+	colSum   []bool // a column sum (pointwiseOp's third kind of member)
+	grp      []int  // group of each node, −1 for none
 	groups   []*pwGroup
 	mark     []int // stamp array for searches
 	stamp    int
@@ -100,7 +111,7 @@ type pwFuser struct {
 func newPWFuser(g *Graph, outputs []int) *pwFuser {
 	n := g.Len()
 	f := &pwFuser{g: g, outputs: outputs, isOut: make([]bool, n), readers: make([][]int, n), lastUse: make([]int, n),
-		excluded: make([]bool, n), grp: make([]int, n), mark: make([]int, n)}
+		excluded: make([]bool, n), colSum: make([]bool, n), grp: make([]int, n), mark: make([]int, n)}
 	for i := range n {
 		f.grp[i] = -1
 		f.lastUse[i] = -1
@@ -122,9 +133,16 @@ func newPWFuser(g *Graph, outputs []int) *pwFuser {
 }
 
 // pointwiseOp reports whether node n may join a group, and its iteration
-// shape and whether it is per row there: a reduction's is its input's.
+// shape and whether it is per row there: a reduction's is its input's. A
+// column sum (sets f.colSum) is per element: it sums a per-element value.
 func (f *pwFuser) pointwiseOp(i int) (s []int, row, ok bool) {
 	n := f.g.Node(i)
+	if n.Op == OpSum && !f.excluded[i] && n.Type.DType.IsFloat() && len(n.Inputs) == 1 {
+		if x := f.g.Node(n.Inputs[0]).Type; x.DType.IsFloat() && isColSum(n.Attrs, x) {
+			f.colSum[i] = true // a cross-batch value: not Batched
+			return x.Shape, false, true
+		}
+	}
 	if f.excluded[i] || !n.Type.DType.IsFloat() || !n.Type.Batched() {
 		return nil, false, false
 	}
@@ -155,6 +173,22 @@ func (f *pwFuser) pointwiseOp(i int) (s []int, row, ok bool) {
 		return x.Shape, true, true
 	}
 	return nil, false, false
+}
+
+// isColSum reports whether a sum with attrs over x is a column sum a
+// group can give: KeepDim, over every axis but the last, which is not the
+// batch axis and holds at least minColSumCols.
+func isColSum(a Attrs, x Type) bool {
+	r := len(x.Shape)
+	if !a.KeepDim || r < 2 || x.BatchAxis < 0 || x.BatchAxis == r-1 || x.Shape[r-1] < minColSumCols || len(a.Axes) != r-1 {
+		return false
+	}
+	for d, ax := range a.Axes {
+		if ax != d {
+			return false
+		}
+	}
+	return true
 }
 
 // levelIn is whether node i, of iteration shape si and per row or not
@@ -194,6 +228,9 @@ func (f *pwFuser) group() {
 			}
 			if (n.Op == OpSum || n.Op == OpMean || n.Op == OpMax) && (rowOf[in] || r != row) {
 				continue // a reduction of a per-row value
+			}
+			if f.colSum[i] && r {
+				continue // the column sum of a per-row value
 			}
 			cands = append(cands, gi)
 		}
@@ -407,9 +444,31 @@ func (f *pwFuser) merge(cands []int) int {
 }
 
 // cycle reports whether node i joining the union of groups cands would
-// make a group that reads, through nodes outside it, a value of its own.
+// make a group that reads, through nodes outside it, a value of its own,
+// or one whose member reads a column sum of it (complete only once the
+// group's kernel ends).
 func (f *pwFuser) cycle(i int, cands []int) bool {
 	in := func(id int) bool { return id == i || slices.Contains(cands, f.grp[id]) }
+	readsColSum := func(m int) bool {
+		for _, x := range f.g.Node(m).Inputs {
+			if f.colSum[x] && in(x) {
+				return true
+			}
+		}
+		return false
+	}
+	if readsColSum(i) {
+		return true
+	}
+	if len(cands) > 1 {
+		for _, c := range cands {
+			for _, m := range f.groups[c].members {
+				if readsColSum(m) {
+					return true
+				}
+			}
+		}
+	}
 	lo := i
 	var ext []int
 	addExt := func(m int) {
@@ -628,6 +687,11 @@ func (f *pwFuser) express(gr *pwGroup) bool {
 	add := func(n PWNode) int { nodes = append(nodes, n); return len(nodes) - 1 }
 	for _, m := range all {
 		n := g.Node(m)
+		for _, x := range n.Inputs {
+			if f.colSum[x] && inSet[x] {
+				return false // reads a column sum of its own group
+			}
+		}
 		a := arg(n.Inputs[0])
 		b := -1
 		if len(n.Inputs) > 1 {
@@ -681,6 +745,10 @@ func (f *pwFuser) express(gr *pwGroup) bool {
 		case OpGeluGrad:
 			v = add(PWNode{Op: map[bool]PWOp{false: PWGeluGrad, true: PWGeluTanhGrad}[n.Attrs.Approx], A: a, B: b})
 		case OpSum, OpMean:
+			if f.colSum[m] {
+				v = a // given as a ColSum output; nothing reads it
+				break
+			}
 			v = add(PWNode{Op: PWRowSum, A: a, Scalar: map[bool]float64{false: 1, true: s}[n.Op == OpMean]})
 		case OpMax:
 			v = add(PWNode{Op: PWRowMax, A: a})
@@ -689,7 +757,7 @@ func (f *pwFuser) express(gr *pwGroup) bool {
 	}
 	outs := make([]PWOut, len(gr.outs))
 	for i, o := range gr.outs {
-		outs[i] = PWOut{Node: val[o], DType: g.Node(o).Type.DType}
+		outs[i] = PWOut{Node: val[o], DType: g.Node(o).Type.DType, ColSum: f.colSum[o]}
 	}
 	nodes, outs = prunePW(nodes, outs)
 	var used []int // the inputs still read, renumbered in order
@@ -866,7 +934,7 @@ func prunePW(nodes []PWNode, outs []PWOut) ([]PWNode, []PWOut) {
 	}
 	out := make([]PWOut, len(outs))
 	for i, o := range outs {
-		out[i] = PWOut{Node: at[o.Node], DType: o.DType}
+		out[i] = PWOut{Node: at[o.Node], DType: o.DType, ColSum: o.ColSum}
 	}
 	return kept, out
 }

@@ -1,6 +1,7 @@
 package graph_test
 
 import (
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/batchfit/batchfit/autodiff"
 	"github.com/batchfit/batchfit/graph"
+	"github.com/batchfit/batchfit/internal/ref"
 	"github.com/batchfit/batchfit/lazy"
 )
 
@@ -189,4 +191,85 @@ func TestFusePointwiseSiblingsNoCycle(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, countOp(fg, graph.OpFusedPointwise), "exp·2 and tanh, neg, add: two kernels")
 	assert.NotEqual(t, kernelOf(t, fg, ids[u.ID()]), kernelOf(t, fg, ids[v.ID()]))
+}
+
+// A column sum joins the group of the value it sums: a written RMSNorm's
+// weight gradient, Σ over the rows of g·x·r, is a ColSum output of the
+// kernel that computes the input gradient g·r, and no [rows, C] value of
+// it is stored. A value computed from the sum (tanh(Σ + x)) does not join
+// that group, which could give Σ only once its kernel ends. Values equal
+// the unfused graph's in float64 (the reference evaluator) within 1e-12.
+// A sum without KeepDim, over rows of fewer than 128 columns, or with the
+// batch axis last stays a plain sum.
+func TestFusePointwiseColumnSum(t *testing.T) {
+	build := func(shape []int, batchAxis int, keep bool) (*graph.Graph, []int) {
+		lg := lazy.NewGraph()
+		x := lg.Placeholder(shape, graph.Float32, batchAxis)
+		g := lg.Placeholder(shape, graph.Float32, batchAxis)
+		r := x.Mul(x).MeanKeepDim(-1).AddScalar(1e-5).PowScalar(-0.5)
+		dx := g.Mul(r)
+		gxr := g.Mul(x).Mul(r)
+		var dw *lazy.Tensor
+		if keep {
+			dw = gxr.SumKeepDim(0, 1)
+		} else {
+			dw = gxr.Sum(0, 1)
+		}
+		z := dw.Add(x).Tanh()
+		require.NoError(t, z.Err())
+		return z.Graph().IR(), []int{x.ID(), g.ID(), dx.ID(), dw.ID(), z.ID()}
+	}
+	g, ids := build([]int{4, 8, 128}, 0, true)
+	outs := ids[2:]
+	fg, nid, err := graph.FusePointwise(g, outs)
+	require.NoError(t, err)
+	assert.Zero(t, countOp(fg, graph.OpSum), "the column sum is fused")
+	dw := fg.Node(nid[ids[3]])
+	require.Equal(t, graph.OpFusedPointwise, dw.Op)
+	assert.True(t, dw.Attrs.Pointwise.Outs[dw.Attrs.Axis].ColSum)
+	assert.Equal(t, g.Node(ids[3]).Type, dw.Type)
+	assert.Equal(t, kernelOf(t, fg, nid[ids[2]]), kernelOf(t, fg, nid[ids[3]]), "dx and Σ g·x·r from one kernel")
+	assert.NotEqual(t, kernelOf(t, fg, nid[ids[3]]), kernelOf(t, fg, nid[ids[4]]), "tanh(Σ + x) is not in Σ's kernel")
+	full := 0 // fused nodes of a [rows, C] value: dx and tanh(Σ + x) only
+	for _, nd := range fg.Nodes() {
+		if nd.Op == graph.OpFusedPointwise && len(nd.Type.Shape) == 3 && nd.Type.Shape[0] == 4 {
+			full++
+		}
+	}
+	assert.Equal(t, 2, full, "g·x·r is not stored")
+	rng := rand.New(rand.NewPCG(5, 6))
+	vals := map[int]ref.Value{}
+	fvals := map[int]ref.Value{}
+	for _, id := range ids[:2] {
+		v := ref.Zeros(4, 8, 128)
+		for i := range v.Data {
+			v.Data[i] = rng.Float64()*2 - 1
+		}
+		vals[id], fvals[nid[id]] = v, v
+	}
+	want, err := ref.Eval(g, vals, outs...)
+	require.NoError(t, err)
+	fouts := make([]int, len(outs))
+	for i, o := range outs {
+		fouts[i] = nid[o]
+	}
+	got, err := ref.Eval(fg, fvals, fouts...)
+	require.NoError(t, err)
+	for k := range want {
+		require.Equal(t, want[k].Shape, got[k].Shape)
+		for i := range want[k].Data {
+			require.InDelta(t, want[k].Data[i], got[k].Data[i], 1e-12, "output %d element %d", k, i)
+		}
+	}
+	for _, c := range []struct {
+		name      string
+		shape     []int
+		batchAxis int
+		keep      bool
+	}{{"no KeepDim", []int{4, 8, 128}, 0, false}, {"short rows", []int{4, 8, 64}, 0, true}, {"batch axis last", []int{4, 8, 128}, 2, true}} {
+		g, ids := build(c.shape, c.batchAxis, c.keep)
+		fg, _, err := graph.FusePointwise(g, ids[2:])
+		require.NoError(t, err, c.name)
+		assert.Equal(t, 1, countOp(fg, graph.OpSum), c.name)
+	}
 }

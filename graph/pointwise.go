@@ -46,7 +46,8 @@ const (
 	PWGeluTanhGrad // A·gelu′(B), tanh approximation
 	PWReluGrad     // A where B > 0, else 0
 	// Reductions over the last axis of the iteration shape: one value per
-	// row, Scalar·Σ A (sum; Scalar 1/count gives the mean) or max A.
+	// row, Scalar·Σ A (sum; Scalar 1/count gives the mean) or max A. (A
+	// sum over the rows, one value per column, is an output's ColSum.)
 	PWRowSum
 	PWRowMax
 	endPWOps
@@ -97,8 +98,9 @@ type PWNode struct {
 // row_max) makes a per-row value of a per-element one, an input whose
 // last dimension is 1 (or that has rank 0) is per row, and an op is per
 // row when all its arguments are. Outs are the nodes the fused op can give;
-// its node gives Outs[Attrs.Axis], with shape S for a per-element value and
-// S with its last dimension 1 for a per-row one. A Pointwise is shared by
+// its node gives Outs[Attrs.Axis], with shape S for a per-element value, S
+// with its last dimension 1 for a per-row one, and S with every dimension
+// but the last 1 for a column sum (PWOut.ColSum). A Pointwise is shared by
 // the nodes that give its outputs, and must not change once made.
 type Pointwise struct {
 	Nodes []PWNode
@@ -107,9 +109,14 @@ type Pointwise struct {
 }
 
 // PWOut is one output of a Pointwise: its node and the dtype it is stored in.
+// A ColSum output is the sum of its per-element node over the rows (every
+// axis of S but the last, the batch axis among them), accumulated in
+// float32: a weight's or a bias's gradient summed in the kernel that
+// computes its terms. Nothing in the expression reads it.
 type PWOut struct {
-	Node  int
-	DType DType
+	Node   int
+	DType  DType
+	ColSum bool
 }
 
 // NewPointwise checks nodes and outs and returns their Pointwise.
@@ -158,7 +165,11 @@ func (p *Pointwise) canonical() string {
 		b.WriteByte(';')
 	}
 	for _, o := range p.Outs {
-		fmt.Fprintf(&b, "out v%d %s;", o.Node, o.DType)
+		fmt.Fprintf(&b, "out v%d %s", o.Node, o.DType)
+		if o.ColSum {
+			b.WriteString(" colsum")
+		}
+		b.WriteByte(';')
 	}
 	return b.String()
 }
@@ -182,6 +193,20 @@ func (p *Pointwise) HasReduce() bool {
 		}
 	}
 	return false
+}
+
+// HasColSum reports whether an output sums its node over the rows.
+func (p *Pointwise) HasColSum() bool { return p.ColSums() > 0 }
+
+// ColSums is how many outputs sum their node over the rows.
+func (p *Pointwise) ColSums() int {
+	n := 0
+	for _, o := range p.Outs {
+		if o.ColSum {
+			n++
+		}
+	}
+	return n
 }
 
 // check verifies the nodes are well formed and topological, and the
@@ -263,10 +288,20 @@ const noVJPFused = "a fused op: FusePointwise makes it after autodiff, which nev
 
 // fusedOps: the one fused op. Its chunk behaviour is a binary op's: an
 // operand without a batch axis must not span it; the rule refuses a
-// reduction along the batch axis, so each row lies in one sample.
+// reduction along the batch axis, so each row lies in one sample. A column
+// sum consumes the batch axis: its chunks' partial sums add.
 var fusedOps = []OpInfo{
 	OpFusedPointwise: {Name: "fused_pointwise", Category: CatFused, MinArity: 1, Arity: Variadic, Attrs: []string{"pointwise", "axis"},
-		Rule: fusedPointwiseRule, Chunk: &Chunk{PerSample: noSpan}, NoVJP: noVJPFused},
+		Rule: fusedPointwiseRule, Chunk: &Chunk{PerSample: noSpan, Consume: fusedConsume}, NoVJP: noVJPFused},
+}
+
+// fusedConsume: a column sum's chunk partials add; no other output of a
+// fused node drops the batch axis of its inputs.
+func fusedConsume(n *Node, _ []Type) (Combine, string) {
+	if p := n.Attrs.Pointwise; p != nil && n.Attrs.Axis >= 0 && n.Attrs.Axis < len(p.Outs) && p.Outs[n.Attrs.Axis].ColSum {
+		return CombineSum, ""
+	}
+	return CombineNone, "mixes samples (batch axis consumed by fused_pointwise)"
 }
 
 // fusedPointwiseRule types a fused_pointwise node: S is the broadcast of
@@ -321,6 +356,22 @@ func fusedPointwiseRule(op Op, attrs *Attrs, in []Type, _ int) (Type, error) {
 	}
 	o := p.Outs[attrs.Axis]
 	shape := slices.Clone(s)
+	if o.ColSum {
+		// The sum over the rows: S with every dimension but the last 1.
+		if row[o.Node] {
+			return Type{}, Errorf(ErrAttr, "%s: output %d sums v%d over the rows, a value that is per row", op, attrs.Axis, o.Node)
+		}
+		if len(s) < 2 {
+			return Type{}, Errorf(ErrShape, "%s: output %d sums the rows of %v, a value of rank %d", op, attrs.Axis, s, len(s))
+		}
+		if ax == len(s)-1 {
+			return Type{}, Errorf(ErrShape, "%s: output %d sums the rows of %v, whose batch axis is the last", op, attrs.Axis, s)
+		}
+		for d := range len(shape) - 1 {
+			shape[d] = 1
+		}
+		return Type{Shape: shape, DType: o.DType, BatchAxis: -1, PerSample: 1}, nil
+	}
 	if row[o.Node] && len(shape) > 0 {
 		shape[len(shape)-1] = 1
 	}

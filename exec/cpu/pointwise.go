@@ -11,7 +11,8 @@ import (
 // (graph.Pointwise) that computes in float32 as the generated CUDA
 // kernels do, one row (the iteration shape's last axis) at a time: each
 // node's per-element values for the row, or its one per-row value.
-// Reductions accumulate in float64. No workspace (the row buffers are the
+// Reductions accumulate in float64, a column sum (PWOut.ColSum) over
+// every row. No workspace (the row buffers are the
 // kernel's own, as an unfolded convolution's are not: they are a few rows).
 var fusedKernels = family{
 	graph.OpFusedPointwise: {run: fusedPointwise},
@@ -41,6 +42,7 @@ func fusedPointwise(nd *graph.Node, in []*buf, out *buf, _ int) error {
 	}
 	numel := graph.Numel(s)
 	if c == 0 || numel == 0 {
+		clear(out.f) // a column sum over no rows
 		return nil
 	}
 	rows := numel / c
@@ -53,11 +55,18 @@ func fusedPointwise(nd *graph.Node, in []*buf, out *buf, _ int) error {
 	}
 	o := p.Outs[nd.Attrs.Axis]
 	want := numel
-	if row[o.Node] {
+	switch {
+	case o.ColSum:
+		want = c
+	case row[o.Node]:
 		want = rows
 	}
 	if len(out.f) != want {
 		return graph.Errorf(graph.ErrShape, "fused_pointwise: output of %d elements for %d rows of %v", len(out.f), rows, s)
+	}
+	var colSum []float64
+	if o.ColSum {
+		colSum = make([]float64, c)
 	}
 	vec := make([][]float32, len(p.Nodes))
 	sc := make([]float32, len(p.Nodes))
@@ -116,11 +125,19 @@ func fusedPointwise(nd *graph.Node, in []*buf, out *buf, _ int) error {
 				}
 			}
 		}
-		if row[o.Node] {
+		switch {
+		case o.ColSum:
+			for j, v := range vec[o.Node] {
+				colSum[j] += float64(v)
+			}
+		case row[o.Node]:
 			out.f[r] = sc[o.Node]
-		} else {
+		default:
 			copy(out.f[r*c:(r+1)*c], vec[o.Node])
 		}
+	}
+	for j, v := range colSum {
+		out.f[j] = float32(v)
 	}
 	return nil
 }

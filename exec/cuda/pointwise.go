@@ -16,9 +16,44 @@ import (
 // expression and its inputs' layout (pwgen.go), compiled once per process
 // and cached on disk as a cubin. The node giving the expression's first
 // output also writes the outputs of its companions, the nodes giving the
-// others (graph.FusedPointwiseProducer), in the same pass. No workspace.
+// others (graph.FusedPointwiseProducer), in the same pass. An expression
+// with column sums takes a workspace for their partials (colSumBytes),
+// which reduce_splits then sums into the outputs.
 var fusedKernels = family{
-	graph.OpFusedPointwise: {run: fusedPointwise},
+	graph.OpFusedPointwise: {run: fusedPointwise, ws: fusedPointwiseWorkspace},
+}
+
+// pwColSumGrid is the most blocks a kernel with column sums runs, and so
+// the most rows of partials each sum takes.
+const pwColSumGrid = 1024
+
+// pwColSumShared is the most bytes of accumulators a block of a column-sum
+// kernel keeps in shared memory (the static limit, no opt-in); more
+// accumulate in the partials themselves.
+const pwColSumShared = 48 << 10
+
+// colSumBytes is the partials of ncs column sums over rows of cols values:
+// float32 [ncs, pwColSumGrid, cols], whatever the chunk size.
+func colSumBytes(ncs, cols int64) int64 { return ncs * pwColSumGrid * cols * 4 }
+
+// fusedPointwiseWorkspace: the column sums' partials, for the node that
+// launches the kernel (not a companion whose outputs its producer writes).
+func fusedPointwiseWorkspace(g *graph.Graph, nd *graph.Node, _ int) int64 {
+	p := nd.Attrs.Pointwise
+	if p == nil || !p.HasColSum() || graph.FusedPointwiseProducer(g, nd.ID) >= 0 {
+		return 0
+	}
+	var s []int
+	for _, in := range nd.Inputs {
+		var err error
+		if s, err = graph.BroadcastShapes(s, g.Node(in).Type.Shape); err != nil {
+			return 0 // the launch reports it
+		}
+	}
+	if len(s) == 0 {
+		return 0
+	}
+	return colSumBytes(int64(p.ColSums()), int64(s[len(s)-1]))
 }
 
 // pwKernel is a generated kernel's two entry points.
@@ -125,7 +160,28 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 	}
 	n := int64(graph.Numel(s))
 	if n == 0 || c == 0 {
+		for o, po := range p.Outs {
+			if po.ColSum && outs[o] != 0 { // a sum over no rows
+				if err := k.memzero(outs[o], c*int64(po.DType.Size())); err != nil {
+					return err
+				}
+			}
+		}
 		return nil
+	}
+	rows := n / c
+	ncs := int64(kn.src.ColSums)
+	var cs alloc.Ptr // the column sums' partials
+	grid, shared, csShared := min(rows, maxGridX), int64(0), int32(0)
+	if ncs > 0 {
+		if cs, err = k.workspace(colSumBytes(ncs, c)); err != nil {
+			return err
+		}
+		grid = min(rows, pwColSumGrid)
+		if b := ncs * c * 4; b <= pwColSumShared {
+			shared, csShared = b, 1
+		}
+		args = append(args, cs, csShared)
 	}
 	fn := kn.i32
 	if n > 1<<31-1 || forcePW64.Load() {
@@ -136,10 +192,9 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 		return fmt.Errorf("%w: %s takes %d, launched with %d", ErrKernelArgs, kn.src.Name, fn.params, nargs)
 	}
 	if kn.src.Rows {
-		rows := n / c
 		threads := min(max(ceilDiv(ceilDiv(c, int64(kn.src.Vec)), 32)*32, 64), 1024)
 		args = append(args, rows, c)
-		err = fn.m.Launch(fn.f, [3]uint32{uint32(min(rows, maxGridX)), 1, 1}, [3]uint32{uint32(threads), 1, 1}, 0, args...)
+		err = fn.m.Launch(fn.f, [3]uint32{uint32(grid), 1, 1}, [3]uint32{uint32(threads), 1, 1}, uint32(shared), args...)
 	} else {
 		args = append(args, n, c)
 		grid := min(ceilDiv(ceilDiv(n, int64(kn.src.Vec)), flatBlock), 1<<20)
@@ -147,6 +202,19 @@ func fusedPointwise(k *kctx, in []operand, out operand) error {
 	}
 	if err != nil {
 		return err
+	}
+	q := int64(0)
+	for o, po := range p.Outs {
+		if !po.ColSum {
+			continue
+		}
+		if outs[o] != 0 {
+			part := cs + alloc.Ptr(q*grid*c*4)
+			if err := k.combineSplits(po.DType, part, outs[o], grid, c, rSum, 1); err != nil {
+				return err
+			}
+		}
+		q++
 	}
 	for _, d := range done {
 		*d = true

@@ -24,7 +24,14 @@ import (
 // each row a block: every reduction is a loop over the row (vectorised
 // alike) and a block reduction by warp shuffles and shared memory, the
 // per-row values it feeds are computed once, and a last loop stores the
-// per-element outputs. Each kernel comes twice, name_i32 and name_i64:
+// per-element outputs. A column sum (graph.PWOut.ColSum) makes a row
+// kernel too, on a fixed grid (pwColSumGrid blocks at most, whatever the
+// rows): each thread adds its columns' terms of every row its block takes
+// into the block's accumulators (shared memory when they fit in 48 KiB,
+// else its rows of the partials), the block stores them as its row of the
+// float32 partials [blocks, cols] in the node's workspace, and
+// reduce_splits sums those into the output, in a fixed order: the same
+// bits every run. Each kernel comes twice, name_i32 and name_i64:
 // 32-bit index arithmetic while every index fits, 64-bit beyond 2³¹ − 1
 // elements.
 
@@ -108,10 +115,11 @@ func suffixMatches(sh, s []int) bool {
 // pwSource is a generated kernel: its base name (the two entry points add
 // _i32 and _i64) and CUDA C source.
 type pwSource struct {
-	Name   string
-	Source string
-	Rows   bool // a row kernel: a block per row
-	Vec    int  // elements per 16-byte pack
+	Name    string
+	Source  string
+	Rows    bool // a row kernel: a block per row
+	Vec     int  // elements per 16-byte pack
+	ColSums int  // outputs summed over the rows (their partials follow the outputs)
 }
 
 var cTypes = map[graph.DType]string{graph.Float32: "float", graph.BFloat16: "bf16", graph.Float16: "f16"}
@@ -141,7 +149,7 @@ func generatePointwise(p *graph.Pointwise, l pwLayout) (*pwSource, error) {
 		return nil, err
 	}
 	h := sha256.Sum256([]byte(p.Text() + "|" + l.String()))
-	gen := &pwGen{p: p, l: l, row: row, reduce: p.HasReduce(), vec: 16 / widest,
+	gen := &pwGen{p: p, l: l, row: row, reduce: p.HasReduce() || p.HasColSum(), vec: 16 / widest,
 		name: "pw_" + hex.EncodeToString(h[:10])}
 	return gen.source(), nil
 }
@@ -173,6 +181,12 @@ func (g *pwGen) params() (decl, call string) {
 	for i, o := range g.p.Outs {
 		d = append(d, fmt.Sprintf("%s* __restrict__ out%d", cTypes[o.DType], i))
 		c = append(c, fmt.Sprintf("out%d", i))
+	}
+	if g.p.HasColSum() {
+		// The column sums' float32 partials [ColSums, blocks, cols], and
+		// whether the block accumulates in shared memory (else in them).
+		d = append(d, "float* __restrict__ cs", "const int cs_sh")
+		c = append(c, "cs", "cs_sh")
 	}
 	return strings.Join(d, ", "), strings.Join(c, ", ")
 }
@@ -206,7 +220,7 @@ func (g *pwGen) source() *pwSource {
 		g.line("  %s_body<%s>(%s, (%s)%s, (%s)cols);", g.name, v.typ, call, v.typ, a, v.typ)
 		g.line("}")
 	}
-	return &pwSource{Name: g.name, Source: g.b.String(), Rows: g.reduce, Vec: g.vec}
+	return &pwSource{Name: g.name, Source: g.b.String(), Rows: g.reduce, Vec: g.vec, ColSums: g.p.ColSums()}
 }
 
 // pwHelpers are the device functions every generated kernel shares.
@@ -254,6 +268,22 @@ __device__ __forceinline__ float pw_block_sum(float v, float* sh) {
   v = (int)(threadIdx.x & 31) < (int)((blockDim.x + 31) >> 5) ? sh[threadIdx.x & 31] : 0.f;
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
   return v;
+}
+// pw_acc adds a pack of N (a multiple of 4) column sums' terms to the
+// accumulators at p (16-byte aligned, shared or global): one 16-byte
+// access for every four, which a warp's lanes make to consecutive
+// addresses, free of bank conflicts.
+template <int N>
+__device__ __forceinline__ void pw_acc(float* p, const float (&a)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; e += 4) {
+    float4 v = *reinterpret_cast<float4*>(p + e);
+    v.x += a[e];
+    v.y += a[e + 1];
+    v.z += a[e + 2];
+    v.w += a[e + 3];
+    *reinterpret_cast<float4*>(p + e) = v;
+  }
 }
 __device__ __forceinline__ float pw_block_max(float v, float* sh) {
   for (int o = 16; o > 0; o >>= 1) v = go_max(v, __shfl_xor_sync(FULL_MASK, v, o));
@@ -551,6 +581,26 @@ func (g *pwGen) rowBody() {
 	N := g.vec
 	g.line("  __shared__ float sh[32];")
 	g.line("  constexpr int N = %d;", N)
+	// colSums are the output indices of the column sums; csa<q> is the
+	// block's accumulators of the q-th.
+	var colSums []int
+	for o, out := range g.p.Outs {
+		if out.ColSum {
+			colSums = append(colSums, o)
+		}
+	}
+	if len(colSums) > 0 {
+		g.line("  extern __shared__ __align__(16) float pw_cs_sh[];")
+		for q := range colSums {
+			g.line("  float* const csa%d = cs_sh ? pw_cs_sh + (i64)%d * cols : cs + ((i64)%d * gridDim.x + blockIdx.x) * (i64)cols;", q, q, q)
+		}
+		g.line("  for (I j = threadIdx.x; j < cols; j += blockDim.x) {")
+		for q := range colSums {
+			g.line("    csa%d[j] = 0.f;", q)
+		}
+		g.line("  }")
+		g.line("  __syncthreads();")
+	}
 	g.line("  for (I r = blockIdx.x; r < rows; r += gridDim.x) {")
 	g.line("    const I base = r * cols;")
 	done := make([]bool, len(g.p.Nodes))
@@ -590,8 +640,10 @@ func (g *pwGen) rowBody() {
 	}
 	// loop writes a pass over the row computing nodes for each element
 	// and then body(per-element code), or stores outputs outs (output
-	// indices) — on the vector path when aligned, outs by 16-byte packs.
-	loop := func(nodes []int, body func(ind string), outs []int) {
+	// indices) and adds the column sums sums (output indices, the q-th
+	// into csa<q>) — on the vector path when aligned, outs by 16-byte
+	// packs, sums a pack at a time (pw_acc).
+	loop := func(nodes []int, body func(ind string), outs, sums []int) {
 		packs := g.packInputs(nodes)
 		aligned := g.alignedExpr(packs, false)
 		if len(outs) > 0 {
@@ -614,6 +666,9 @@ func (g *pwGen) rowBody() {
 		for _, o := range outs {
 			g.line("        Vec<%s, N> o%d;", cTypes[g.p.Outs[o].DType], o)
 		}
+		for q := range sums {
+			g.line("        float a%d[N];", q)
+		}
 		g.line("#pragma unroll")
 		g.line("        for (int e = 0; e < N; ++e) {")
 		g.line("          const I j = j0 + e, i = base + j;")
@@ -629,9 +684,15 @@ func (g *pwGen) rowBody() {
 		for _, o := range outs {
 			g.line("          o%d.v[e] = %s;", o, g.varOf(g.p.Outs[o].Node, true))
 		}
+		for q, o := range sums {
+			g.line("          a%d[e] = e%d;", q, g.p.Outs[o].Node)
+		}
 		g.line("        }")
 		for _, o := range outs {
 			g.line("        if (out%d) stv<N>(out%d + base, jq, o%d);", o, o, o)
+		}
+		for q := range sums {
+			g.line("        pw_acc<N>(csa%d + j0, a%d);", q, q)
 		}
 		g.line("      }")
 		g.line("    } else {")
@@ -643,6 +704,9 @@ func (g *pwGen) rowBody() {
 		}
 		for _, o := range outs {
 			g.line("        if (out%d) out%d[i] = %s;", o, o, g.varOf(g.p.Outs[o].Node, true))
+		}
+		for q, o := range sums {
+			g.line("        csa%d[j] += e%d;", q, g.p.Outs[o].Node)
 		}
 		g.line("      }")
 		g.line("    }")
@@ -658,7 +722,7 @@ func (g *pwGen) rowBody() {
 			id, acc = "neg_inf_f()", fmt.Sprintf("acc%d = go_max(acc%d, e%d);", k, k, n.A)
 		}
 		g.line("    float acc%d = %s;", k, id)
-		loop(g.cone([]int{n.A}, true), func(ind string) { g.line("%s%s", ind, acc) }, nil)
+		loop(g.cone([]int{n.A}, true), func(ind string) { g.line("%s%s", ind, acc) }, nil, nil)
 		if n.Op == graph.PWRowMax {
 			g.line("    const float r%d = pw_block_max(acc%d, sh);", k, k)
 		} else {
@@ -669,16 +733,19 @@ func (g *pwGen) rowBody() {
 	}
 	var elemOuts []int
 	for o, out := range g.p.Outs {
-		if !g.row[out.Node] {
+		if !g.row[out.Node] && !out.ColSum {
 			elemOuts = append(elemOuts, o)
 		}
 	}
-	if len(elemOuts) > 0 {
+	if len(elemOuts)+len(colSums) > 0 {
 		var targets []int
-		for _, o := range elemOuts {
+		for _, o := range slices.Concat(elemOuts, colSums) {
 			targets = append(targets, g.p.Outs[o].Node)
 		}
-		loop(g.cone(targets, true), nil, elemOuts)
+		// Each thread takes the same columns of every row (the path is
+		// the same for every row: it tests pointers and cols only), so
+		// its accumulators are its own.
+		loop(g.cone(targets, true), nil, elemOuts, colSums)
 	}
 	g.line("    if (threadIdx.x == 0) {")
 	for o, out := range g.p.Outs {
@@ -688,4 +755,14 @@ func (g *pwGen) rowBody() {
 	}
 	g.line("    }")
 	g.line("  }")
+	if len(colSums) > 0 {
+		g.line("  if (cs_sh) {")
+		g.line("    __syncthreads();")
+		g.line("    for (I j = threadIdx.x; j < cols; j += blockDim.x) {")
+		for q := range colSums {
+			g.line("      cs[((i64)%d * gridDim.x + blockIdx.x) * (i64)cols + j] = csa%d[j];", q, q)
+		}
+		g.line("    }")
+		g.line("  }")
+	}
 }

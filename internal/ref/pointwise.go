@@ -10,7 +10,8 @@ import (
 // Fused family: fused_pointwise evaluated node by node over whole values
 // in float64: a per-element node is a value of the iteration shape S, a
 // per-row node one of S with its last dimension 1, and a reduction sums
-// (or takes the max of) each row. A cast rounds through float32 to its
+// (or takes the max of) each row; a column sum output (PWOut.ColSum) sums
+// its node over the rows. A cast rounds through float32 to its
 // dtype, as Eval rounds a stored 16-bit value.
 var fusedKernels = family{
 	graph.OpFusedPointwise: fusedPointwise,
@@ -93,7 +94,18 @@ func fusedPointwise(_ *graph.Node, a *graph.Attrs, in []Value, out Value) error 
 		}
 		vals[k] = v
 	}
-	copy(out.Data, vals[p.Outs[a.Axis].Node].Data)
+	o := p.Outs[a.Axis]
+	v := vals[o.Node]
+	if !o.ColSum {
+		copy(out.Data, v.Data)
+		return nil
+	}
+	clear(out.Data)
+	if c := s[len(s)-1]; c > 0 {
+		for i, x := range v.Data {
+			out.Data[i%c] += x
+		}
+	}
 	return nil
 }
 

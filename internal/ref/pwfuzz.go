@@ -3,6 +3,7 @@ package ref
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 
 	"github.com/batchfit/batchfit/graph"
 	"github.com/batchfit/batchfit/shapeinfer"
@@ -21,6 +22,10 @@ type PointwiseCase struct {
 	// results differ from the reference where float32 and float64 round to
 	// two sides of a 16-bit boundary.
 	Half bool
+	// ColScale[k], for a column sum output k, is Σ |term| over the rows of
+	// each column (float64): the scale of that sum's rounding errors, which
+	// cancellation does not shrink as it shrinks the sum.
+	ColScale [][]float64
 }
 
 func (c *PointwiseCase) String() string {
@@ -34,7 +39,8 @@ func (c *PointwiseCase) String() string {
 // (size 1, or dropped from the front), 3 to 16 ops of every kind (logs,
 // roots, quotients and powers of positive values only), up to two row
 // reductions (needing a rank of at least 2, the batch axis first), and 1
-// to 3 outputs stored as float32, bfloat16 or float16.
+// to 3 outputs stored as float32, bfloat16 or float16, a per-element one
+// summed over the rows at times (PWOut.ColSum, at rank 2 or more).
 func RandomPointwise(rng *rand.Rand) (*PointwiseCase, error) {
 	rank := 1 + rng.IntN(4)
 	reduce := rank >= 2 && rng.IntN(3) > 0
@@ -161,7 +167,7 @@ func RandomPointwise(rng *rand.Rand) (*PointwiseCase, error) {
 		seen[n] = true
 		dt := dtypes[rng.IntN(3)]
 		half = half || dt.IsHalf()
-		outs = append(outs, graph.PWOut{Node: n, DType: dt})
+		outs = append(outs, graph.PWOut{Node: n, DType: dt, ColSum: rank >= 2 && !row[n] && rng.IntN(3) == 0})
 	}
 	if len(outs) == 0 {
 		return RandomPointwise(rng)
@@ -171,6 +177,9 @@ func RandomPointwise(rng *rand.Rand) (*PointwiseCase, error) {
 		return nil, err
 	}
 	c := &PointwiseCase{Graph: g, Vals: vals, Expr: p, Shape: s, Half: half}
+	if c.ColScale, err = colScales(g, vals, inputs, nodes, outs); err != nil {
+		return nil, fmt.Errorf("%v: %w", c, err)
+	}
 	for k := range outs {
 		id, err := g.Append(graph.Node{Op: graph.OpFusedPointwise, Inputs: inputs, Attrs: graph.Attrs{Pointwise: p, Axis: k}})
 		if err != nil {
@@ -179,4 +188,32 @@ func RandomPointwise(rng *rand.Rand) (*PointwiseCase, error) {
 		c.Outs = append(c.Outs, id)
 	}
 	return c, nil
+}
+
+// colScales is, for each column sum of outs, Σ |term| over the rows of
+// each column, evaluated in float64 on a copy of g: the expression with
+// |node| summed in place of each such output's node.
+func colScales(g *graph.Graph, vals map[int]Value, inputs []int, nodes []graph.PWNode, outs []graph.PWOut) ([][]float64, error) {
+	scales := make([][]float64, len(outs))
+	g = g.Clone()
+	for k, o := range outs {
+		if !o.ColSum {
+			continue
+		}
+		abs := append(slices.Clone(nodes), graph.PWNode{Op: graph.PWAbs, A: o.Node})
+		p, err := graph.NewPointwise(abs, []graph.PWOut{{Node: len(abs) - 1, DType: graph.Float32, ColSum: true}})
+		if err != nil {
+			return nil, err
+		}
+		id, err := g.Append(graph.Node{Op: graph.OpFusedPointwise, Inputs: inputs, Attrs: graph.Attrs{Pointwise: p}})
+		if err != nil {
+			return nil, err
+		}
+		v, err := Eval(g, vals, id)
+		if err != nil {
+			return nil, err
+		}
+		scales[k] = v[0].Data
+	}
+	return scales, nil
 }
