@@ -39,7 +39,7 @@ var table = []Pass{
 	{Name: "fuse-embedding-grad-add", Stage: Backward, Modes: TrainStep, When: always, run: backward(graph.FuseEmbeddingGradAdd),
 		Doc: "a tied embedding's gradient scatter-adds onto the head's, with no [V, D] value of its own (graph.FuseEmbeddingGradAdd)"},
 	{Name: FusePointwise, Stage: Backward, Modes: TrainStep, When: always, run: backward(graph.FusePointwise),
-		Doc: "connected chains of elementwise, broadcast, cast and row-reduction ops, forward and backward, are one fused_pointwise node each, its kernel generated (graph.FusePointwise)"},
+		Doc: "connected chains of elementwise, broadcast, cast and row-reduction ops, forward and backward, are one fused_pointwise node each, its kernel generated (graph.FusePointwise); a sum over the rows of a chain's value (a weight's gradient) is one of its outputs"},
 	{Name: Recompute, Stage: Program, Modes: TrainStep, When: recomputing,
 		Doc: "forward values recomputed in backward, the set chosen within the budget (recompute.Apply; run by the Session)"},
 }

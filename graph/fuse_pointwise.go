@@ -12,9 +12,9 @@ import (
 // gradients silu_grad, gelu_grad and relu_grad, sum, mean or max over the
 // last axis with KeepDim, and a column sum: sum with KeepDim over every
 // axis but the last, rows of at least minColSumCols) and puts
-// fused_pointwise nodes in place of
-// each group: one node for each value the group gives to the rest of the
-// graph (or to outputs), each computing it from the group's inputs.
+// fused_pointwise nodes in place of each group: one node for each value
+// the group gives to the rest of the graph (or to outputs), each
+// computing it from the group's inputs.
 //
 // A group's members are batched float values of one iteration shape S
 // (per element, shape S) or rows of it (per row: S with its last dimension
@@ -31,9 +31,10 @@ import (
 // group of the value it sums (a written RMSNorm's weight gradient, summed
 // in the kernel that computes its terms rather than stored and read back),
 // and no member reads it: it is complete only when the kernel ends. A
-// group of one node that recomputes nothing is left alone. The nodes a group gives
-// follow one another, the first giving its expression's output 0, so an
-// executor computes them all in one pass (FusedPointwiseProducer).
+// group of one node that recomputes nothing is left alone. The nodes a
+// group gives follow one another, the first giving its expression's
+// output 0, so an executor computes them all in one pass
+// (FusedPointwiseProducer).
 //
 // Preconditions: every node typed (as Append leaves them), outputs naming
 // nodes of g (others are ignored). The pass reads g and returns a new
