@@ -149,19 +149,19 @@ func generatePointwise(p *graph.Pointwise, l pwLayout) (*pwSource, error) {
 		return nil, err
 	}
 	h := sha256.Sum256([]byte(p.Text() + "|" + l.String()))
-	gen := &pwGen{p: p, l: l, row: row, reduce: p.HasReduce() || p.HasColSum(), vec: 16 / widest,
+	gen := &pwGen{p: p, l: l, row: row, rows: p.HasReduce() || p.HasColSum(), vec: 16 / widest,
 		name: "pw_" + hex.EncodeToString(h[:10])}
 	return gen.source(), nil
 }
 
 type pwGen struct {
-	p      *graph.Pointwise
-	l      pwLayout
-	row    []bool
-	reduce bool
-	vec    int
-	name   string
-	b      strings.Builder
+	p    *graph.Pointwise
+	l    pwLayout
+	row  []bool
+	rows bool // a row kernel: row reductions or column sums
+	vec  int
+	name string
+	b    strings.Builder
 }
 
 func (g *pwGen) line(format string, a ...any) { fmt.Fprintf(&g.b, format+"\n", a...) }
@@ -203,12 +203,12 @@ func (g *pwGen) source() *pwSource {
 	g.line("")
 	decl, call := g.params()
 	sizes := "n, cols"
-	if g.reduce {
+	if g.rows {
 		sizes = "rows, cols"
 	}
 	g.line("template <typename I>")
 	g.line("__device__ __forceinline__ void %s_body(%s, const I %s) {", g.name, decl, strings.ReplaceAll(sizes, ", ", ", const I "))
-	if g.reduce {
+	if g.rows {
 		g.rowBody()
 	} else {
 		g.flatBody()
@@ -220,7 +220,7 @@ func (g *pwGen) source() *pwSource {
 		g.line("  %s_body<%s>(%s, (%s)%s, (%s)cols);", g.name, v.typ, call, v.typ, a, v.typ)
 		g.line("}")
 	}
-	return &pwSource{Name: g.name, Source: g.b.String(), Rows: g.reduce, Vec: g.vec, ColSums: g.p.ColSums()}
+	return &pwSource{Name: g.name, Source: g.b.String(), Rows: g.rows, Vec: g.vec, ColSums: g.p.ColSums()}
 }
 
 // pwHelpers are the device functions every generated kernel shares.
